@@ -1,0 +1,50 @@
+# Two commands a newcomer needs: `make run` and `make test` (see README.md).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Modules whose pure helpers carry CrossHair contracts (pre/post conditions).
+CROSSHAIR_MODULES := spec/arith.py
+CROSSHAIR_TIMEOUT ?= 5
+
+.PHONY: run test lint typecheck pytest crosshair bench deep clean venv
+
+venv: $(STAMP)
+
+# torch==2.13.0 is installed explicitly first: this machine's pip finds the CPU wheel on
+# local disk, and the project's torch range is satisfied by it, so pip never resolves a
+# multi-GB CUDA build. GPU users: see README ("Installing on a GPU machine").
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/refserve demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy ref spec conformance kernels
+
+pytest: $(STAMP)
+	$(PY) -m pytest -p no:cacheprovider
+
+crosshair: $(STAMP)
+	timeout 300 $(VENV)/bin/crosshair check --per_condition_timeout=$(CROSSHAIR_TIMEOUT) $(CROSSHAIR_MODULES)
+
+test: lint typecheck pytest crosshair
+
+bench: $(STAMP)
+	$(PY) -m pytest tests/bench --benchmark-only --benchmark-columns=min,median,mean,rounds -p no:cacheprovider
+
+# Long Hypothesis runs for local use.
+deep: $(STAMP)
+	HYPOTHESIS_PROFILE=deep $(PY) -m pytest -p no:cacheprovider tests
+
+clean:
+	rm -rf $(VENV) .hypothesis .mypy_cache .ruff_cache .benchmarks

@@ -1,0 +1,1 @@
+"""refserve's engine: request state machine, paged KV pool, scheduler, executors, CLI."""

@@ -1,0 +1,250 @@
+"""The ``refserve`` command line: ``simulate``, ``demo``, ``check-kernel``.
+
+Subcommands that need ``conformance`` import it lazily so the core never depends on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+from ref.config import Admission, PolicyName, SchedulerConfig
+from ref.cost_model import CostModel
+from ref.errors import RefserveError
+from ref.metrics import RequestMetrics, RunMetrics
+from ref.scheduler import Scheduler
+from ref.sim import SimResult, simulate
+from ref.trace import BUILTIN, load_trace
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except RefserveError as e:
+        print(f"refserve: error: {e}", file=sys.stderr)
+        return 2
+    return code
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="refserve", description=__doc__)
+    sub = p.add_subparsers(required=True, metavar="COMMAND")
+
+    sim = sub.add_parser("simulate", help="replay a JSONL trace on the cost-model simulator")
+    sim.add_argument(
+        "trace", help=f"path to a JSONL trace, or a built-in one: {', '.join(BUILTIN)}"
+    )
+    _add_config_args(sim)
+    sim.add_argument("--json", type=Path, help="write timelines, iterations and summary here")
+    sim.add_argument("--quiet", action="store_true", help="summary only, no per-round table")
+    sim.set_defaults(func=_simulate)
+
+    demo = sub.add_parser("demo", help="the main job: the seed scenarios on the simulator")
+    demo.set_defaults(func=_demo)
+
+    ck = sub.add_parser("check-kernel", help="run the kernel grid against the dense oracle")
+    ck.add_argument(
+        "rest", nargs=argparse.REMAINDER, help="MODULE:FUNCTION [--layout vllm] [--json OUT]"
+    )
+    ck.set_defaults(func=_check_kernel)
+    return p
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=1 << 20)
+    p.add_argument(
+        "--cost", default="2+0.5P+D", help="step cost in ms, e.g. '2+0.5P+D' (K: KV read)"
+    )
+    p.add_argument(
+        "--policy", choices=[x.value for x in PolicyName], default=PolicyName.DECODE_FIRST.value
+    )
+    p.add_argument(
+        "--admission", choices=[x.value for x in Admission], default=Admission.FIRST_CHUNK.value
+    )
+    p.add_argument("--watermark-blocks", type=int, default=0)
+    p.add_argument(
+        "--align-chunks", action="store_true", help="end partial chunks on block boundaries"
+    )
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument(
+        "--check", action="store_true", help="check every spec invariant after every step"
+    )
+
+
+def _config(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        align_chunks_to_blocks=args.align_chunks,
+        admission=Admission(args.admission),
+        watermark_blocks=args.watermark_blocks,
+        policy=PolicyName(args.policy),
+    )
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    config = _config(args)
+    cost = CostModel.parse(args.cost)
+    trace = load_trace(args.trace)
+    result = simulate(
+        Scheduler(config), [t.to_request() for t in trace], cost, check_invariants=args.check
+    )
+    if not args.quiet:
+        print(render_rounds(result))
+        print()
+    print(render_summary(result))
+    if args.json:
+        args.json.write_text(
+            json.dumps(result_json(result, config, cost), indent=2) + "\n", encoding="utf-8"
+        )
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    print("refserve demo: seed 002's worked example on the cost-model simulator")
+    print("(cost 2 + 0.5P + D ms, token budget 4, decode first, then FCFS prefill)\n")
+    config = SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=8, block_size=4, num_blocks=64)
+    result = simulate(
+        Scheduler(config),
+        [t.to_request() for t in load_trace("seed002")],
+        CostModel.parse("2+0.5P+D"),
+        check_invariants=True,
+    )
+    print(render_rounds(result))
+    print()
+    print(render_summary(result))
+    print("\nseed 000: decode-only batch of A(2 steps), B(5), C(2, ready after round 2), 2 slots")
+    for policy in (PolicyName.STATIC, PolicyName.DECODE_FIRST):
+        cfg = SchedulerConfig(
+            max_num_batched_tokens=64, max_num_seqs=2, block_size=16, num_blocks=16, policy=policy
+        )
+        r = simulate(
+            Scheduler(cfg),
+            [t.to_request() for t in load_trace("seed000_decode")],
+            CostModel(1, 0, 0),
+            check_invariants=True,
+        )
+        print(f"  {policy.value:>12}: {len(r.steps)} rounds")
+    print("\nevery step above was checked against all spec invariants")
+    return 0
+
+
+def _check_kernel(args: argparse.Namespace) -> int:
+    from conformance.kernel_grid import check_kernel_main  # lazy: the core never imports it
+
+    return check_kernel_main(list(args.rest))
+
+
+# --------------------------------------------------------------------- rendering
+def render_rounds(result: SimResult) -> str:
+    head = (
+        f"{'round':>5} {'start_ms':>9} {'end_ms':>9}  {'P':>5} {'D':>4} {'kv_blocks':>9}  scheduled"
+    )
+    lines = [head, "-" * len(head)]
+    for s in result.steps:
+        who = " ".join(f"{rid}:{n}" for rid, n in s.tokens) or "-"
+        extra = ""
+        if s.events.preempted:
+            extra += f"  preempted {','.join(s.events.preempted)}"
+        if s.events.finished:
+            extra += f"  finished {','.join(s.events.finished)}"
+        lines.append(
+            f"{s.step_index + 1:>5} {s.start_ms:>9.2f} {s.end_ms:>9.2f}  {s.num_prefill_tokens:>5} "
+            f"{s.num_decodes:>4} {s.kv_blocks_used:>9}  {who}{extra}"
+        )
+    return "\n".join(lines)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _pcts(d: dict[str, float | None]) -> str:
+    return " ".join(f"{k} {_fmt(d[k])}" for k in ("p50", "p95", "p99"))
+
+
+def render_summary(result: SimResult) -> str:
+    reqs = [RequestMetrics.of(r) for r in result.requests]
+    run = RunMetrics.of(reqs, result.makespan_ms)
+    head = (
+        f"{'request':>8} {'arrival':>8} {'queue':>7} {'TTFT':>7} {'E2E':>8} {'out':>4} "
+        f"{'cached':>6} {'preempt':>7}  reason  ITL"
+    )
+    lines = [head, "-" * len(head)]
+    for m in reqs:
+        itl = "[" + ", ".join(f"{x:g}" for x in m.itl_ms) + "]"
+        lines.append(
+            f"{m.request_id:>8} {m.arrival_ms:>8.2f} {_fmt(m.queue_ms):>7} "
+            f"{_fmt(m.ttft_ms):>7} {_fmt(m.e2e_ms):>8} {m.num_output_tokens:>4} "
+            f"{m.num_cached_tokens:>6} {m.num_preemptions:>7}  {m.finish_reason or '-':6}  {itl}"
+        )
+    lines += [
+        "",
+        f"makespan {run.duration_ms:.2f} ms over {len(result.steps)} rounds; "
+        f"{run.num_finished}/{run.num_requests} requests finished",
+        f"throughput: input {run.input_tokens_per_s:.2f} tok/s, "
+        f"output {run.output_tokens_per_s:.2f} tok/s, {run.requests_per_s:.2f} req/s",
+        f"TTFT ms: {_pcts(run.ttft_ms)}; ITL ms: {_pcts(run.itl_ms)}",
+        f"preemptions {run.num_preemptions}, prefix-cached prompt tokens {run.num_cached_tokens}, "
+        f"mean requests in system {run.mean_in_system:.3f}",
+    ]
+    return "\n".join(lines)
+
+
+def result_json(result: SimResult, config: SchedulerConfig, cost: CostModel) -> dict[str, object]:
+    reqs = [RequestMetrics.of(r) for r in result.requests]
+    run = RunMetrics.of(reqs, result.makespan_ms)
+    return {
+        "config": {
+            k: str(v) if not isinstance(v, int | float | bool) else v
+            for k, v in asdict(config).items()
+        },
+        "cost_model": str(cost),
+        "requests": [
+            {
+                **asdict(m),
+                "queue_ms": m.queue_ms,
+                "ttft_ms": m.ttft_ms,
+                "itl_ms": list(m.itl_ms),
+                "tpot_ms": m.tpot_ms,
+                "e2e_ms": m.e2e_ms,
+            }
+            for m in reqs
+        ],
+        "iterations": [
+            {
+                "round": s.step_index + 1,
+                "start_ms": s.start_ms,
+                "end_ms": s.end_ms,
+                "scheduled": [{"id": rid, "tokens": n} for rid, n in s.tokens],
+                "num_prefill_tokens": s.num_prefill_tokens,
+                "num_decodes": s.num_decodes,
+                "kv_blocks_used": s.kv_blocks_used,
+                "preempted": list(s.events.preempted),
+                "finished": list(s.events.finished),
+            }
+            for s in result.steps
+        ],
+        "summary": asdict(run),
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""Scheduler configuration: the three separate limits and the admission rule.
+
+Token budget (``max_num_batched_tokens``) is compute per step, ``max_num_seqs`` bounds
+participants and ``num_blocks`` bounds memory (seed 000's table of three limits, none of
+which stands in for another).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from ref.errors import InvalidArgument
+
+
+class Admission(StrEnum):
+    """How much KV a waiting request must be able to get before it is admitted.
+
+    ``first_chunk`` checks only the chunk scheduled now (vLLM v1); ``prompt`` the whole
+    remaining prompt; ``sequence`` the prompt plus ``max_tokens`` outputs, which never
+    needs preemption (seed 002: the admit-fill-preempt thrash).
+    """
+
+    FIRST_CHUNK = "first_chunk"
+    PROMPT = "prompt"
+    SEQUENCE = "sequence"
+
+
+class PolicyName(StrEnum):
+    DECODE_FIRST = "decode-first"
+    STATIC = "static"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_model_len: int = 1 << 20
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    # Chunks that do not finish a prompt end on a block boundary (seed 003: 1008 of 1021).
+    align_chunks_to_blocks: bool = False
+    admission: Admission = Admission.FIRST_CHUNK
+    # Blocks kept free at admission for running requests' decode growth.
+    watermark_blocks: int = 0
+    # Share of the token budget held for a prefill that has waited longer than
+    # ``prefill_reserve_after_steps`` steps (seed 002's starvation fix); 0 disables it.
+    prefill_reserve_tokens: int = 0
+    prefill_reserve_after_steps: int = 8
+    policy: PolicyName = PolicyName.DECODE_FIRST
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "block_size",
+            "num_blocks",
+            "max_model_len",
+        ):
+            _positive(name, getattr(self, name))
+        for name in ("watermark_blocks", "prefill_reserve_tokens", "prefill_reserve_after_steps"):
+            _non_negative(name, getattr(self, name))
+        if self.prefill_reserve_tokens >= self.max_num_batched_tokens:
+            raise InvalidArgument(
+                f"prefill_reserve_tokens ({self.prefill_reserve_tokens}) must be below "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens})"
+            )
+        if self.watermark_blocks >= self.num_blocks:
+            raise InvalidArgument(
+                f"watermark_blocks ({self.watermark_blocks}) must be below "
+                f"num_blocks ({self.num_blocks})"
+            )
+        Admission(self.admission)
+        PolicyName(self.policy)
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
+
+
+def _non_negative(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(f"{name} must be a non-negative int, got {value!r}")

@@ -1,0 +1,5 @@
+"""The paged KV cache: block pool, free queue, prefix cache, fork and copy-on-write."""
+
+from ref.kv.pool import Allocation, BlockCopy, BlockPool, PrefixHit
+
+__all__ = ["Allocation", "BlockCopy", "BlockPool", "PrefixHit"]

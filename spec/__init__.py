@@ -1,0 +1,36 @@
+"""refserve's executable specification.
+
+Pure, typed predicates over plain snapshot data (frozen dataclasses of ints and tuples).
+Nothing here imports the engine: ``ref/`` and ``conformance/`` depend on ``spec``, never
+the other way round. Each invariant id of DESIGN.md (TOKEN, BLOCK, KVLEN, POS, CAP,
+PREFIX, PROGRESS, ATOMIC) has a module with a ``check_*`` function returning a list of
+:class:`~spec.violation.Violation`; an empty list means the invariant holds.
+"""
+
+from spec.checks import check_pool, check_step
+from spec.snapshot import (
+    CacheEntry,
+    EngineSnapshot,
+    PoolSnapshot,
+    RequestSnapshot,
+    RequestStatus,
+    ScheduledRequest,
+    StepSnapshot,
+    TableSnapshot,
+)
+from spec.violation import Invariant, Violation
+
+__all__ = [
+    "CacheEntry",
+    "EngineSnapshot",
+    "Invariant",
+    "PoolSnapshot",
+    "RequestSnapshot",
+    "RequestStatus",
+    "ScheduledRequest",
+    "StepSnapshot",
+    "TableSnapshot",
+    "Violation",
+    "check_pool",
+    "check_step",
+]

@@ -1,0 +1,98 @@
+"""Pure arithmetic of the paged KV cache, with CrossHair contracts.
+
+These helpers are the single definition of the formulas in DESIGN.md ("Vocabulary"):
+blocks needed for n tokens, the slot of a position, the cacheable prefix of a prompt and
+how a prompt is split into chunks. ``make crosshair`` proves the ``post:`` conditions
+for all inputs satisfying the ``pre:`` conditions (or finds a counterexample).
+"""
+
+from __future__ import annotations
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative ``a`` and positive ``b``.
+
+    pre: a >= 0
+    pre: b > 0
+    post: __return__ * b >= a
+    post: (__return__ - 1) * b < a or __return__ == 0
+    """
+    return -(-a // b)
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Blocks a block table must hold to store ``num_tokens`` tokens (seed 000: 17 -> 2).
+
+    pre: num_tokens >= 0
+    pre: block_size > 0
+    post: __return__ * block_size >= num_tokens
+    post: __return__ == 0 or (__return__ - 1) * block_size < num_tokens
+    """
+    return cdiv(num_tokens, block_size)
+
+
+def new_blocks_needed(num_stored: int, num_new_tokens: int, num_held: int, block_size: int) -> int:
+    """Extra blocks to append so a table holding ``num_held`` blocks stores more tokens.
+
+    pre: num_stored >= 0
+    pre: num_new_tokens >= 0
+    pre: block_size > 0
+    pre: num_held * block_size >= num_stored
+    post: __return__ >= 0
+    post: (num_held + __return__) * block_size >= num_stored + num_new_tokens
+    """
+    return max(0, blocks_needed(num_stored + num_new_tokens, block_size) - num_held)
+
+
+def slot_of(block_id: int, position: int, block_size: int) -> int:
+    """Physical slot of ``position`` given the block holding it (POS invariant).
+
+    The block table entry is ``block_table[position // block_size]``; callers pass it in
+    so this stays a pure formula: ``block_id * block_size + position % block_size``.
+
+    pre: block_id >= 0
+    pre: position >= 0
+    pre: block_size > 0
+    post: __return__ // block_size == block_id
+    post: __return__ % block_size == position % block_size
+    """
+    return block_id * block_size + position % block_size
+
+
+def max_cacheable_tokens(num_prompt_tokens: int, block_size: int) -> int:
+    """Most prompt tokens a prefix-cache hit may cover (PREFIX invariant).
+
+    Only full blocks are cached, and the last prompt token is always recomputed so the
+    step that finishes the prompt has a logit to sample from.
+
+    pre: num_prompt_tokens >= 1
+    pre: block_size > 0
+    post: __return__ % block_size == 0
+    post: 0 <= __return__ <= num_prompt_tokens - 1
+    post: num_prompt_tokens - 1 - __return__ < block_size
+    """
+    return ((num_prompt_tokens - 1) // block_size) * block_size
+
+
+def chunk_size(
+    num_remaining: int, budget_left: int, block_size: int, align_to_block: bool, num_computed: int
+) -> int:
+    """Tokens a prefill chunk may take this step.
+
+    Without alignment the chunk is whatever the budget leaves (seed 001: B gets 7, then 5).
+    With ``align_to_block`` a chunk that does not finish the prompt ends on a block
+    boundary (seed 003: budget 1021 left, chunk 1008 = 63 blocks), so no partial block is
+    carried between steps.
+
+    pre: num_remaining >= 0
+    pre: budget_left >= 0
+    pre: block_size > 0
+    pre: num_computed >= 0
+    post: 0 <= __return__ <= min(num_remaining, budget_left)
+    post: __return__ in (0, num_remaining) or not align_to_block or (num_computed + __return__) % block_size == 0
+    """
+    n = min(num_remaining, budget_left)
+    if align_to_block and n < num_remaining:
+        end = ((num_computed + n) // block_size) * block_size
+        n = max(0, end - num_computed)
+    return n

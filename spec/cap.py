@@ -1,0 +1,60 @@
+"""CAP: blocks in use never exceed the pool, and every promised slot is delivered.
+
+Why it matters: seed 000 lists free KV blocks as a limit separate from the token budget
+and max_num_seqs ("可用 KV 块 ... 不是本轮计算量"); seed 002's admission example (1000
+blocks, 900 used, a 1600-token prompt needs 100) shows admission must not promise memory
+that the pool cannot deliver without preempting someone. A plan that names a slot in a
+block its request does not hold writes K/V into somebody else's memory.
+"""
+
+from __future__ import annotations
+
+from spec.snapshot import PoolSnapshot, StepSnapshot
+from spec.violation import Invariant, Violation, violation
+
+C = Invariant.CAP
+
+
+def check_cap(pool: PoolSnapshot) -> list[Violation]:
+    """Blocks in use <= num_blocks; no table longer than the pool."""
+    out: list[Violation] = []
+    used = sum(1 for rc in pool.ref_cnt if rc > 0)
+    if used > pool.num_blocks:
+        out.append(
+            violation(C, "pool", "blocks in use exceed num_blocks", f"<= {pool.num_blocks}", used)
+        )
+    for t in pool.tables:
+        if len(t.block_table) > pool.num_blocks:
+            out.append(
+                violation(
+                    C,
+                    f"request {t.request_id}",
+                    "block table longer than the pool",
+                    f"<= {pool.num_blocks}",
+                    len(t.block_table),
+                )
+            )
+    return out
+
+
+def check_cap_step(step: StepSnapshot) -> list[Violation]:
+    """Every slot the plan writes lies in a block the request holds after the step."""
+    out: list[Violation] = []
+    bs = step.after.pool.block_size
+    for s in step.scheduled:
+        table = step.after.pool.table(s.request_id)
+        if table is None:
+            continue  # finished or preempted in this very step; its blocks are gone
+        held = set(table.block_table)
+        for pos, slot in zip(s.positions, s.slot_mapping, strict=False):
+            if slot // bs not in held:
+                out.append(
+                    violation(
+                        C,
+                        f"request {s.request_id}",
+                        f"position {pos} writes slot {slot} in a block the request does not hold",
+                        f"one of {sorted(held)}",
+                        slot // bs,
+                    )
+                )
+    return out

@@ -1,0 +1,59 @@
+"""The prefix-cache hash chain (PREFIX invariant).
+
+A full block's key is ``sha256(parent_key || token ids)``; the chain starts from a root
+key derived from the namespace (model, adapter, cache salt), so two requests share a block
+only when every token before it and the namespace are identical. The engine uses these
+functions to build its keys and the checkers use them to verify the keys, so a stale or
+forged entry is caught by recomputation, not by trusting stored state. A real hash is
+used on purpose: Python's ``hash()`` is salted per process and collides easily.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """What must match, besides token ids, for KV to be reusable across requests."""
+
+    model: str = "default"
+    adapter: str = ""
+    cache_salt: str = ""
+
+    def root_key(self) -> bytes:
+        """The hash-chain root for this namespace."""
+        fields = (self.model, self.adapter, self.cache_salt)
+        payload = b"refserve-prefix-v1\x00" + b"\x00".join(f.encode() for f in fields)
+        return hashlib.sha256(payload).digest()
+
+
+DEFAULT_NAMESPACE = Namespace()
+
+
+def block_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
+    """Key of a full block given its parent's key and its own token ids."""
+    # Token ids are packed as signed 64-bit little-endian so the key does not depend on
+    # how a tokenizer's ids happen to print.
+    packed = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    return hashlib.sha256(parent_key + packed).digest()
+
+
+def chain_keys(
+    root: bytes, token_ids: Sequence[int], block_size: int, num_blocks: int
+) -> list[bytes]:
+    """Keys of the first ``num_blocks`` full blocks of ``token_ids``."""
+    if num_blocks * block_size > len(token_ids):
+        raise ValueError(
+            f"chain_keys: {num_blocks} blocks of {block_size} need "
+            f"{num_blocks * block_size} tokens, got {len(token_ids)}"
+        )
+    keys: list[bytes] = []
+    parent = root
+    for i in range(num_blocks):
+        parent = block_key(parent, token_ids[i * block_size : (i + 1) * block_size])
+        keys.append(parent)
+    return keys

@@ -1,0 +1,115 @@
+"""POS: positions are contiguous, slots follow the block table, tables cover the KV length.
+
+Why it matters: seed 001 §4.3 — B's 8th token is still at position 8 in round 2, not a
+new position 1 ("不能因为它被安排到新一轮，就重新当作第 1 个位置"), and its slots come
+from the block table 7, 2, 12. A wrong position breaks rotary embeddings silently; a
+wrong slot writes K/V where attention will not read it (or where someone else will).
+"""
+
+from __future__ import annotations
+
+from spec.arith import blocks_needed, slot_of
+from spec.snapshot import PoolSnapshot, StepSnapshot
+from spec.violation import Invariant, Violation, violation
+
+P = Invariant.POS
+
+
+def check_pos_pool(pool: PoolSnapshot) -> list[Violation]:
+    """Each table holds exactly ceil(num_stored / block_size) blocks."""
+    out: list[Violation] = []
+    for t in pool.tables:
+        need = blocks_needed(t.num_stored, pool.block_size)
+        if len(t.block_table) != need:
+            out.append(
+                violation(
+                    P,
+                    f"request {t.request_id}",
+                    "block table does not cover the KV length exactly",
+                    need,
+                    len(t.block_table),
+                )
+            )
+        if len(t.token_ids) != t.num_stored:
+            out.append(
+                violation(
+                    P,
+                    f"request {t.request_id}",
+                    "stored token ids differ from num_stored",
+                    t.num_stored,
+                    len(t.token_ids),
+                )
+            )
+    return out
+
+
+def check_pos(step: StepSnapshot) -> list[Violation]:
+    out: list[Violation] = []
+    bs = step.after.pool.block_size
+    for s in step.scheduled:
+        who = f"request {s.request_id}"
+        before = step.before.request(s.request_id)
+        if before is not None:
+            start = before.num_computed_tokens + s.num_new_cached_tokens
+            expected = tuple(range(start, start + s.num_new_tokens))
+            if s.positions != expected:
+                out.append(
+                    violation(
+                        P,
+                        who,
+                        "positions are not contiguous with the KV already computed",
+                        _span(expected),
+                        _span(s.positions),
+                    )
+                )
+        if len(s.slot_mapping) != len(s.positions):
+            out.append(
+                violation(
+                    P,
+                    who,
+                    "slot mapping length differs from positions",
+                    len(s.positions),
+                    len(s.slot_mapping),
+                )
+            )
+            continue
+        for pos, slot in zip(s.positions, s.slot_mapping, strict=True):
+            idx = pos // bs
+            if idx >= len(s.block_table):
+                out.append(
+                    violation(
+                        P,
+                        who,
+                        f"position {pos} lies beyond the block table",
+                        f"< {len(s.block_table) * bs}",
+                        pos,
+                    )
+                )
+                break
+            want = slot_of(s.block_table[idx], pos, bs)
+            if slot != want:
+                out.append(
+                    violation(
+                        P, who, f"slot of position {pos} breaks the block-table formula", want, slot
+                    )
+                )
+                break
+    for r in step.after.requests:
+        table = step.after.pool.table(r.request_id)
+        if table is not None and table.num_stored != r.num_computed_tokens:
+            out.append(
+                violation(
+                    P,
+                    f"request {r.request_id}",
+                    "pool KV length differs from num_computed_tokens",
+                    r.num_computed_tokens,
+                    table.num_stored,
+                )
+            )
+    return out
+
+
+def _span(positions: tuple[int, ...]) -> str:
+    if not positions:
+        return "[]"
+    return f"[{positions[0]}..{positions[-1]}] ({len(positions)})"

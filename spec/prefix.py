@@ -1,0 +1,145 @@
+"""PREFIX: cached blocks are reused only under an identical chain prefix, and never written.
+
+Why it matters: seed 003 reuses 6K tokens of a 10K prompt (375 blocks "only gain
+references") and seed 000 warns that sharing needs isolation once a branch writes
+("需要复制或其他隔离机制，避免互相覆盖"). A reused block whose earlier tokens differ
+gives attention the wrong context with no error anywhere. Known bugs elsewhere: a hash
+entry left pointing at a block after it was reused for other tokens; a fully cached
+prompt that schedules zero tokens (the last prompt token must be recomputed for a logit).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from spec.arith import max_cacheable_tokens
+from spec.hashing import block_key, chain_keys
+from spec.snapshot import PoolSnapshot, StepSnapshot, TableSnapshot
+from spec.violation import Invariant, Violation, violation
+
+X = Invariant.PREFIX
+
+
+def check_prefix(pool: PoolSnapshot) -> list[Violation]:
+    out: list[Violation] = []
+    bs = pool.block_size
+    holders: dict[int, list[tuple[TableSnapshot, int]]] = defaultdict(list)
+    for t in pool.tables:
+        for i, b in enumerate(t.block_table):
+            holders[b].append((t, i))
+    seen_keys: set[bytes] = set()
+    seen_blocks: set[int] = set()
+    for e in pool.cache_entries:
+        who = f"block {e.block_id}"
+        if e.key in seen_keys:
+            out.append(violation(X, who, "two cache entries share one key"))
+        seen_keys.add(e.key)
+        if e.block_id in seen_blocks:
+            out.append(violation(X, who, "block indexed under two keys"))
+        seen_blocks.add(e.block_id)
+        if len(e.token_ids) != bs:
+            out.append(violation(X, who, "only full blocks may be cached", bs, len(e.token_ids)))
+        if block_key(e.parent_key, e.token_ids) != e.key:
+            out.append(violation(X, who, "cache key is not the hash of parent key and token ids"))
+        for t, i in holders.get(e.block_id, []):
+            owner = f"block {e.block_id} (request {t.request_id}, logical {i})"
+            if t.num_stored < (i + 1) * bs:
+                out.append(
+                    violation(
+                        X,
+                        owner,
+                        "cached block is not full in a table holding it",
+                        (i + 1) * bs,
+                        t.num_stored,
+                    )
+                )
+                continue
+            live = t.token_ids[i * bs : (i + 1) * bs]
+            if live != e.token_ids:
+                out.append(
+                    violation(
+                        X,
+                        owner,
+                        "cache entry points at a block now holding other tokens",
+                        e.token_ids,
+                        live,
+                    )
+                )
+                continue
+            if chain_keys(t.root_key, t.token_ids, bs, i + 1)[-1] != e.key:
+                out.append(
+                    violation(X, owner, "block reused under a different chain prefix or namespace")
+                )
+    for b, hs in holders.items():
+        if len(hs) < 2:
+            continue
+        t0, i0 = hs[0]
+        for t, i in hs[1:]:
+            who = f"block {b} (requests {t0.request_id}, {t.request_id})"
+            if i != i0:
+                out.append(violation(X, who, "shared block at different logical indices", i0, i))
+                continue
+            if t.root_key != t0.root_key:
+                out.append(violation(X, who, "block shared across namespaces"))
+                continue
+            end = min(t.num_stored, t0.num_stored, (i + 1) * bs)
+            if t.token_ids[:end] != t0.token_ids[:end]:
+                out.append(
+                    violation(
+                        X,
+                        who,
+                        "block shared by requests whose prefixes differ",
+                        t0.token_ids[:end],
+                        t.token_ids[:end],
+                    )
+                )
+    return out
+
+
+def check_prefix_step(step: StepSnapshot) -> list[Violation]:
+    """Writes go to private blocks; cache hits are whole blocks and spare the last token."""
+    out: list[Violation] = []
+    bs = step.after.pool.block_size
+    cached_before = {e.block_id for e in step.before.pool.cache_entries}
+    for s in step.scheduled:
+        who = f"request {s.request_id}"
+        for slot in s.slot_mapping:
+            b = slot // bs
+            if 0 <= b < len(step.after.pool.ref_cnt) and step.after.pool.ref_cnt[b] > 1:
+                out.append(
+                    violation(
+                        X,
+                        who,
+                        f"writes into block {b} shared by several requests",
+                        "ref_cnt 1 (copy-on-write)",
+                        step.after.pool.ref_cnt[b],
+                    )
+                )
+                break
+            if b in cached_before:
+                out.append(violation(X, who, f"writes into block {b} that was already cached"))
+                break
+        if s.num_new_cached_tokens % bs != 0:
+            out.append(
+                violation(
+                    X,
+                    who,
+                    "cache hit is not a whole number of blocks",
+                    f"multiple of {bs}",
+                    s.num_new_cached_tokens,
+                )
+            )
+    for r in step.after.requests:
+        if r.num_cached_tokens > 0 and r.num_cached_tokens > max_cacheable_tokens(
+            max(r.num_tokens, 1), bs
+        ):
+            out.append(
+                violation(
+                    X,
+                    f"request {r.request_id}",
+                    "cache hit covers the last known token (no logit)",
+                    f"<= {max_cacheable_tokens(max(r.num_tokens, 1), bs)}",
+                    r.num_cached_tokens,
+                )
+            )
+    return out

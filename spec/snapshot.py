@@ -1,0 +1,146 @@
+"""Plain snapshot data the checkers read: frozen dataclasses of ints, bytes and tuples.
+
+An engine (refserve's own, or a third party through a conformance adapter) turns its
+state into these records; no field refers back into engine objects, so a snapshot can be
+stored in a trace, compared for equality (ATOMIC) and corrupted on purpose in tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One prefix-cache index entry: ``key`` maps to physical block ``block_id``.
+
+    ``parent_key`` and ``token_ids`` are what the key was computed from, so a checker can
+    recompute it (spec.hashing.block_key) and compare with the block's live contents.
+    """
+
+    key: bytes
+    block_id: int
+    parent_key: bytes
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TableSnapshot:
+    """One request's view of the pool.
+
+    ``num_stored`` is the KV length the table holds; ``token_ids`` are the token ids whose
+    KV sits in positions ``[0, num_stored)`` (len == num_stored); ``root_key`` is the
+    namespace root of its hash chain (spec.hashing.Namespace.root_key).
+    """
+
+    request_id: str
+    block_table: tuple[int, ...]
+    num_stored: int
+    token_ids: tuple[int, ...]
+    root_key: bytes = b""
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """The paged KV pool: ``ref_cnt[b]`` per block, the free queue in hand-out order."""
+
+    num_blocks: int
+    block_size: int
+    ref_cnt: tuple[int, ...]
+    free_queue: tuple[int, ...]
+    tables: tuple[TableSnapshot, ...]
+    cache_entries: tuple[CacheEntry, ...] = ()
+
+    def table(self, request_id: str) -> TableSnapshot | None:
+        for t in self.tables:
+            if t.request_id == request_id:
+                return t
+        return None
+
+
+class RequestStatus(StrEnum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    PREEMPTED = "preempted"
+    SWAPPED = "swapped"
+    WAITING_TOOL = "waiting_tool"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+    @property
+    def is_done(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    @property
+    def is_runnable(self) -> bool:
+        """Has work the scheduler could give it a token for."""
+        return self in (
+            RequestStatus.WAITING,
+            RequestStatus.PREFILLING,
+            RequestStatus.DECODING,
+            RequestStatus.PREEMPTED,
+        )
+
+
+@dataclass(frozen=True)
+class RequestSnapshot:
+    """A request's counters. Sampled count and KV length are separate fields on purpose."""
+
+    request_id: str
+    status: RequestStatus
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_computed_tokens: int
+    max_tokens: int
+    num_cached_tokens: int = 0
+    max_model_len: int = 1 << 30
+    arrival_step: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Requests plus pool; ``requests`` keeps finished/aborted requests of the step."""
+
+    requests: tuple[RequestSnapshot, ...]
+    pool: PoolSnapshot
+
+    def request(self, request_id: str) -> RequestSnapshot | None:
+        for r in self.requests:
+            if r.request_id == request_id:
+                return r
+        return None
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """What one step gives one request: ``n`` tokens at ``positions`` written to slots."""
+
+    request_id: str
+    num_new_tokens: int
+    positions: tuple[int, ...]
+    slot_mapping: tuple[int, ...]
+    block_table: tuple[int, ...]
+    samples: bool
+    num_new_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache when this step admitted the request."""
+
+
+@dataclass(frozen=True)
+class StepSnapshot:
+    """One scheduler step: the state before, the plan, and the state after commit."""
+
+    step_index: int
+    token_budget: int
+    max_num_seqs: int
+    before: EngineSnapshot
+    scheduled: tuple[ScheduledRequest, ...]
+    after: EngineSnapshot
+    preempted: tuple[str, ...] = ()
+    finished: tuple[str, ...] = ()
+    aborted: tuple[str, ...] = field(default=())

@@ -1,0 +1,100 @@
+"""TOKEN: the step respects the token budget and max_num_seqs, and counters move exactly.
+
+Why it matters: seed 001 walks budget 8 / 3 sequences round by round (A:1 B:7, then
+A:1 B:5 C:2): the budget is compute per step and must hold exactly, and B must resume
+from where it stopped ("后续各块也必须接着前面的计算状态继续处理"). A counter that
+advances by more than was computed skips positions whose K/V were never written; one
+that advances past ``num_tokens`` is the preemption-storm bug seen in public trackers.
+"""
+
+from __future__ import annotations
+
+from spec.snapshot import RequestStatus, ScheduledRequest, StepSnapshot
+from spec.violation import Invariant, Violation, violation
+
+T = Invariant.TOKEN
+
+
+def check_token(step: StepSnapshot) -> list[Violation]:
+    out: list[Violation] = []
+    total = sum(s.num_new_tokens for s in step.scheduled)
+    if total > step.token_budget:
+        out.append(
+            violation(
+                T,
+                "step",
+                "scheduled tokens exceed the token budget",
+                f"<= {step.token_budget}",
+                total,
+            )
+        )
+    if len(step.scheduled) > step.max_num_seqs:
+        out.append(
+            violation(
+                T,
+                "step",
+                "scheduled requests exceed max_num_seqs",
+                f"<= {step.max_num_seqs}",
+                len(step.scheduled),
+            )
+        )
+    scheduled: dict[str, ScheduledRequest] = {}
+    for s in step.scheduled:
+        if s.request_id in scheduled:
+            out.append(violation(T, f"request {s.request_id}", "scheduled twice in one step", 1, 2))
+        scheduled[s.request_id] = s
+        if s.num_new_tokens < 1:
+            out.append(
+                violation(
+                    T,
+                    f"request {s.request_id}",
+                    "scheduled with no tokens",
+                    ">= 1",
+                    s.num_new_tokens,
+                )
+            )
+        if s.request_id in step.preempted:
+            out.append(
+                violation(T, f"request {s.request_id}", "both scheduled and preempted in one step")
+            )
+    for after in step.after.requests:
+        rid = after.request_id
+        if after.num_computed_tokens > after.num_tokens:
+            out.append(
+                violation(
+                    T,
+                    f"request {rid}",
+                    "num_computed_tokens exceeds num_tokens",
+                    f"<= {after.num_tokens}",
+                    after.num_computed_tokens,
+                )
+            )
+        before = step.before.request(rid)
+        if before is None or after.status.is_done:
+            continue
+        if rid in step.preempted and after.status is RequestStatus.PREEMPTED:
+            if after.num_computed_tokens != 0:
+                out.append(
+                    violation(
+                        T,
+                        f"request {rid}",
+                        "recompute preemption must reset num_computed_tokens",
+                        0,
+                        after.num_computed_tokens,
+                    )
+                )
+            continue
+        sched = scheduled.get(rid)
+        advance = 0 if sched is None else sched.num_new_cached_tokens + sched.num_new_tokens
+        expected = before.num_computed_tokens + advance
+        if after.num_computed_tokens != expected:
+            out.append(
+                violation(
+                    T,
+                    f"request {rid}",
+                    "num_computed_tokens did not advance by the scheduled count",
+                    expected,
+                    after.num_computed_tokens,
+                )
+            )
+    return out

@@ -1,0 +1,48 @@
+"""The one record every checker returns: which invariant, about what, expected vs seen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Invariant(StrEnum):
+    """Invariant ids of DESIGN.md; the conformance report keys results by these."""
+
+    TOKEN = "TOKEN"
+    BLOCK = "BLOCK"
+    KVLEN = "KVLEN"
+    POS = "POS"
+    CAP = "CAP"
+    PREFIX = "PREFIX"
+    PROGRESS = "PROGRESS"
+    ATOMIC = "ATOMIC"
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken invariant.
+
+    ``subject`` names the request or block involved (``"request r3"``, ``"block 7"``,
+    ``"step"``); ``expected`` and ``seen`` are short renderings of the two values that
+    disagree, so a report can be read without the code open.
+    """
+
+    invariant: Invariant
+    subject: str
+    message: str
+    expected: str = ""
+    seen: str = ""
+
+    def __str__(self) -> str:
+        detail = (
+            f" (expected {self.expected}, seen {self.seen})" if self.expected or self.seen else ""
+        )
+        return f"[{self.invariant}] {self.subject}: {self.message}{detail}"
+
+
+def violation(
+    invariant: Invariant, subject: str, message: str, expected: object = "", seen: object = ""
+) -> Violation:
+    """Build a :class:`Violation`, rendering expected/seen values with ``repr`` of ints."""
+    return Violation(invariant, subject, message, str(expected), str(seen))

@@ -1,0 +1,33 @@
+"""Hypothesis profiles: ``ci`` (deterministic, no explain phase), ``dev``, ``deep``.
+
+CI sets CI=true, for which Hypothesis itself loads a built-in ``ci`` profile; we register
+our own on top so the example counts and phases are ours. ``HYPOTHESIS_PROFILE=deep``
+runs long local searches (``make deep``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, Phase, settings
+
+_CI_PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    phases=_CI_PHASES,  # the explain phase took 135 s of a 155 s failing run
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", deadline=None, phases=_CI_PHASES)
+settings.register_profile(
+    "deep",
+    deadline=None,
+    max_examples=2000,
+    stateful_step_count=200,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
