@@ -31,6 +31,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy ref spec conformance kernels
 
+# The deterministic Hypothesis profile unless the caller picks another (deep, dev).
+HYPOTHESIS_PROFILE ?= ci
+export HYPOTHESIS_PROFILE
+
 pytest: $(STAMP)
 	$(PY) -m pytest -p no:cacheprovider
 

@@ -72,6 +72,13 @@ class SchedulerConfig:
                 f"watermark_blocks ({self.watermark_blocks}) must be below "
                 f"num_blocks ({self.num_blocks})"
             )
+        if self.align_chunks_to_blocks and self.max_num_batched_tokens < self.block_size:
+            # An aligned partial chunk is a whole number of blocks: with a budget below one
+            # block every partial chunk rounds down to 0 tokens and the prompt never runs.
+            raise InvalidArgument(
+                f"align_chunks_to_blocks needs max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) >= block_size ({self.block_size})"
+            )
         Admission(self.admission)
         PolicyName(self.policy)
 

@@ -82,7 +82,7 @@ class EngineCore:
             step_index=plan.step_index,
             start_ms=now_ms,
             end_ms=end_ms,
-            tokens=tuple((c.request_id, c.num_new_tokens) for c in plan.chunks),
+            tokens=tuple(zip(plan.request_ids, plan.num_new_tokens, strict=True)),
             num_prefill_tokens=plan.num_prefill_tokens,
             num_decodes=plan.num_decode_requests,
             kv_blocks_used=kv_blocks_used,

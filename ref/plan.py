@@ -1,8 +1,16 @@
-"""What one step will compute: the scheduler's output and the executor's input."""
+"""What one step will compute: the scheduler's output and the executor's input.
+
+A plan stores its scheduled requests as parallel tuples (one entry per request, in plan
+order) so that a step with a thousand decodes costs a few list appends, not a thousand
+record objects; :attr:`StepPlan.chunks` gives the same data as named records for readers
+and checkers, built on first use.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
 
 from ref.kv import BlockCopy
 from ref.request import FinishReason
@@ -35,25 +43,98 @@ class CapacityFinish:
 @dataclass(frozen=True)
 class StepPlan:
     step_index: int
-    chunks: tuple[ScheduledChunk, ...]
-    preempted: tuple[str, ...]
-    admitted: tuple[str, ...]
+    request_ids: tuple[str, ...]
+    starts: tuple[int, ...]
+    num_new_tokens: tuple[int, ...]
+    samples: tuple[bool, ...]
+    is_prefill: tuple[bool, ...]
+    num_new_cached_tokens: tuple[int, ...]
+    preempted: tuple[str, ...] = ()
+    admitted: tuple[str, ...] = ()
     # Lone requests that can never grow in this pool: they finish with reason capacity.
-    finished: tuple[CapacityFinish, ...]
-    copies: tuple[BlockCopy, ...]
+    finished: tuple[CapacityFinish, ...] = ()
+    copies: tuple[BlockCopy, ...] = ()
+
+    @cached_property
+    def chunks(self) -> tuple[ScheduledChunk, ...]:
+        return tuple(
+            ScheduledChunk(*fields)
+            for fields in zip(
+                self.request_ids,
+                self.starts,
+                self.num_new_tokens,
+                self.samples,
+                self.is_prefill,
+                self.num_new_cached_tokens,
+                strict=True,
+            )
+        )
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks)
+        return sum(self.num_new_tokens)
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks if c.is_prefill)
+        return sum(n for n, p in zip(self.num_new_tokens, self.is_prefill, strict=True) if p)
 
     @property
     def num_decode_requests(self) -> int:
-        return sum(1 for c in self.chunks if not c.is_prefill)
+        return len(self.is_prefill) - sum(self.is_prefill)
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks and not self.finished and not self.preempted
+        return not self.request_ids and not self.finished and not self.preempted
+
+
+@dataclass
+class PlanBuilder:
+    """Collects a step's entries; decodes are added in bulk."""
+
+    step_index: int
+    request_ids: list[str] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+    is_prefill: list[bool] = field(default_factory=list)
+    num_new_cached_tokens: list[int] = field(default_factory=list)
+
+    def add(
+        self, request_id: str, start: int, n: int, samples: bool, is_prefill: bool, cached: int = 0
+    ) -> None:
+        self.request_ids.append(request_id)
+        self.starts.append(start)
+        self.num_new_tokens.append(n)
+        self.samples.append(samples)
+        self.is_prefill.append(is_prefill)
+        self.num_new_cached_tokens.append(cached)
+
+    def add_decodes(self, request_ids: Sequence[str], starts: Sequence[int]) -> None:
+        k = len(request_ids)
+        self.request_ids.extend(request_ids)
+        self.starts.extend(starts)
+        self.num_new_tokens.extend([1] * k)
+        self.samples.extend([True] * k)
+        self.is_prefill.extend([False] * k)
+        self.num_new_cached_tokens.extend([0] * k)
+
+    def build(
+        self,
+        preempted: Sequence[str],
+        admitted: Sequence[str],
+        finished: Sequence[CapacityFinish],
+        copies: Sequence[BlockCopy],
+    ) -> StepPlan:
+        return StepPlan(
+            self.step_index,
+            tuple(self.request_ids),
+            tuple(self.starts),
+            tuple(self.num_new_tokens),
+            tuple(self.samples),
+            tuple(self.is_prefill),
+            tuple(self.num_new_cached_tokens),
+            tuple(preempted),
+            tuple(admitted),
+            tuple(finished),
+            tuple(copies),
+        )

@@ -22,7 +22,7 @@ from ref.errors import (
     UnknownRequest,
 )
 from ref.kv import BlockCopy, BlockPool, PrefixHit
-from ref.plan import CapacityFinish, ScheduledChunk, StepPlan
+from ref.plan import CapacityFinish, PlanBuilder, StepPlan
 from ref.policy import Policy, make_policy
 from ref.request import FinishReason, Request
 from spec.arith import blocks_needed, chunk_size
@@ -49,9 +49,14 @@ class StepEvents:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, policy: Policy | None = None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, policy: Policy | None = None, *, fast_decode: bool = True
+    ) -> None:
         self.config = config
         self.policy = policy if policy is not None else make_policy(config.policy)
+        # The bulk decode path; False forces the per-request reference loop (the
+        # differential test runs both and requires identical plans).
+        self.fast_decode = fast_decode
         self.pool = BlockPool(
             config.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -61,8 +66,9 @@ class Scheduler:
         self.step_index = 0
         self._seq = 0
         self._pending: StepPlan | None = None
-        self._pending_hits: dict[str, PrefixHit] = {}
-        self._waiting_since: dict[str, int] = {}
+        # Requests with prefill work left -> the last step in which they got any tokens
+        # (or were queued). Drives the prefill reserve that bounds starvation.
+        self._prefill_since: dict[str, int] = {}
         self.retired: list[Request] = []  # finished or aborted since the last commit
 
     # ------------------------------------------------------------------ requests
@@ -100,7 +106,7 @@ class Scheduler:
         self._seq += 1
         self.requests[rid] = request
         self.waiting.append(request)
-        self._waiting_since[rid] = self.step_index
+        self._prefill_since[rid] = self.step_index
 
     def abort(self, request_id: str, now_ms: float = 0.0) -> None:
         """Abort in any live state; every block the request held returns to the pool."""
@@ -130,7 +136,6 @@ class Scheduler:
             plan = self._plan()
         except BaseException:
             self.pool.rollback()
-            self._pending_hits.clear()
             raise
         self._pending = plan
         self._plan_start_ms = now_ms
@@ -141,60 +146,76 @@ class Scheduler:
         assert self._pending is not None, "rollback without a pending plan"
         self.pool.rollback()
         self._pending = None
-        self._pending_hits.clear()
 
     def commit(self, plan: StepPlan, sampled: Mapping[str, int], now_ms: float = 0.0) -> StepEvents:
         """Apply a step's results: counters, sampled tokens, stops, preemptions, admissions."""
         assert plan is self._pending, "commit of a plan that is not pending"
         self.validate_output(plan, sampled)
         by_id = self.requests
+        gone: set[str] = set()
         for rid in plan.preempted:
             r = by_id[rid]
-            self.running.remove(r)
             r.transition(S.PREEMPTED)
             r.num_computed_tokens = 0
             r.num_preemptions += 1
+            gone.add(rid)
             self._requeue(r)
-        for rid in plan.admitted:
-            r = by_id[rid]
-            self.waiting.remove(r)
-            self.running.append(r)
-            self._waiting_since.pop(rid, None)
-            if r.admitted_ms is None:
-                r.admitted_ms = self._plan_start_ms
+        if plan.admitted:
+            admitted = set(plan.admitted)
+            self.waiting = [r for r in self.waiting if r.request_id not in admitted]
+            for rid in plan.admitted:
+                r = by_id[rid]
+                self.running.append(r)
+                if r.admitted_ms is None:
+                    r.admitted_ms = self._plan_start_ms
         new_tokens: dict[str, int] = {}
         finished: list[str] = []
-        for c in plan.chunks:
-            r = by_id[c.request_id]
-            if c.num_new_cached_tokens:
-                r.num_cached_tokens = c.num_new_cached_tokens
-            r.num_computed_tokens = c.start + c.num_new_tokens
-            if not c.samples:
+        max_len = self.config.max_model_len
+        for rid, start, n, samples, cached in zip(
+            plan.request_ids,
+            plan.starts,
+            plan.num_new_tokens,
+            plan.samples,
+            plan.num_new_cached_tokens,
+            strict=True,
+        ):
+            r = by_id[rid]
+            if cached:
+                r.num_cached_tokens = cached
+            r.num_computed_tokens = start + n
+            if not samples:
                 r.transition(S.PREFILLING)
+                self._prefill_since[rid] = self.step_index
                 continue
-            token = sampled[c.request_id]
-            r.token_ids.append(token)
+            token = sampled[rid]
+            tokens = r.token_ids
+            tokens.append(token)
             r.token_times_ms.append(now_ms)
-            new_tokens[c.request_id] = token
-            reason = self._stop_reason(r, token)
-            if reason is None:
-                r.transition(S.DECODING)
+            new_tokens[rid] = token
+            stop = r.stop
+            if token in stop.stop_token_ids or (token == stop.eos_token_id and not stop.ignore_eos):
+                reason: FinishReason | None = FinishReason.STOP
+            elif len(tokens) - r.num_prompt_tokens >= stop.max_tokens or len(tokens) >= max_len:
+                reason = FinishReason.LENGTH
             else:
-                self.pool.free(r.request_id)
-                self.running.remove(r)
+                reason = None
+            if reason is not None:
+                self.pool.free(rid)
+                gone.add(rid)
                 self._retire(r, S.FINISHED, reason, now_ms)
-                finished.append(r.request_id)
+                finished.append(rid)
+            elif r.status is not S.DECODING:
+                r.transition(S.DECODING)
+                self._prefill_since.pop(rid, None)
         for cf in plan.finished:
             r = by_id[cf.request_id]
-            if r in self.running:
-                self.running.remove(r)
-            else:
-                self.waiting.remove(r)
+            gone.add(cf.request_id)
             self._retire(r, S.FINISHED, cf.reason, now_ms)
-            finished.append(r.request_id)
+            finished.append(cf.request_id)
+        if gone:
+            self.running = [r for r in self.running if r.request_id not in gone]
         self.pool.commit()
         self._pending = None
-        self._pending_hits.clear()
         self.step_index += 1
         return StepEvents(new_tokens, tuple(finished), plan.preempted)
 
@@ -203,25 +224,44 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         reserve = cfg.prefill_reserve_tokens if self._prefill_starving() else 0
+        plan = PlanBuilder(self.step_index)
         running = list(self.running)
-        chunks: list[ScheduledChunk] = []
         scheduled: set[str] = set()
         preempted: list[str] = []
         finished: list[CapacityFinish] = []
         copies: list[BlockCopy] = []
-        was_running = len(self.running)
+        was_running = len(running)
 
-        # Decodes first, then running prefills, each in admission order.
-        for decode_phase in (True, False):
+        # Decodes first, in admission order; then running prefills; then admission.
+        decoders = [r for r in running if r.status is S.DECODING][: max(0, budget - reserve)]
+        fast = (
+            self.pool.append_decode_tokens(
+                [r.request_id for r in decoders], [r.token_ids for r in decoders]
+            )
+            if self.fast_decode and decoders
+            else None
+        )
+        if fast is not None:
+            # Nobody needed preempting: exactly what the per-request loop below would do.
+            copies.extend(fast)
+            plan.add_decodes(
+                [r.request_id for r in decoders], [r.num_computed_tokens for r in decoders]
+            )
+            scheduled.update(r.request_id for r in decoders)
+            budget -= len(decoders)
+            phases: tuple[bool, ...] = (False,)
+        else:
+            phases = (True, False)
+        for decode_phase in phases:
             for r in list(running):
-                if r.request_id in scheduled or r not in running:
+                if r.request_id in scheduled or r.request_id in preempted:
                     continue
                 is_decode = r.status is S.DECODING
                 if is_decode != decode_phase:
                     continue
                 avail = budget - reserve if is_decode else budget
                 remaining = r.num_tokens - r.num_computed_tokens
-                n = 1 if is_decode else self._chunk(r, remaining, avail, r.num_computed_tokens)
+                n = 1 if is_decode else self._chunk(remaining, avail, r.num_computed_tokens)
                 if n < 1 or avail < n:
                     continue
                 if not self._make_room(r, n, running, scheduled, preempted):
@@ -233,54 +273,37 @@ class Scheduler:
                     continue
                 alloc = self.pool.allocate(r.request_id, r.token_ids, n, namespace=r.namespace)
                 copies.extend(alloc.copies)
-                chunks.append(
-                    ScheduledChunk(
-                        r.request_id,
-                        alloc.start_position,
-                        n,
-                        alloc.start_position + n == r.num_tokens,
-                        not is_decode,
-                    )
-                )
+                start = alloc.start_position
+                plan.add(r.request_id, start, n, start + n == r.num_tokens, not is_decode)
                 scheduled.add(r.request_id)
                 budget -= n
 
-        admitted = self._admit(running, chunks, scheduled, budget, was_running, copies)
-        return StepPlan(
-            self.step_index,
-            tuple(chunks),
-            tuple(preempted),
-            tuple(admitted),
-            tuple(finished),
-            tuple(copies),
-        )
+        admitted = self._admit(running, plan, budget, was_running, copies)
+        return plan.build(preempted, admitted, finished, copies)
 
     def _admit(
         self,
         running: list[Request],
-        chunks: list[ScheduledChunk],
-        scheduled: set[str],
+        plan: PlanBuilder,
         budget: int,
         was_running: int,
         copies: list[BlockCopy],
     ) -> list[str]:
         cfg = self.config
         admitted: list[str] = []
-        if not self.policy.admission_open(was_running):
+        if not self.waiting or not self.policy.admission_open(was_running):
             return admitted
         for r in self.policy.waiting_order(self.waiting):
             if len(running) >= cfg.max_num_seqs or budget < 1:
                 break
             hit = self.pool.lookup(r.token_ids, r.namespace) if cfg.enable_prefix_caching else None
             cached = hit.num_tokens if hit else 0
-            n = self._chunk(r, r.num_tokens - cached, budget, cached)
+            n = self._chunk(r.num_tokens - cached, budget, cached)
             if n < 1:
                 break
-            if running or chunks:
-                ok = (
-                    self._admission_blocks(r, n, hit)
-                    <= self.pool.num_free_blocks - cfg.watermark_blocks
-                )
+            if running or plan.request_ids:
+                free = self.pool.num_free_blocks - cfg.watermark_blocks
+                ok = self._admission_blocks(r, n, hit) <= free
             else:
                 # Nothing else runs: the watermark and the whole-request rules protect
                 # running requests' growth, and waiving them here guarantees progress.
@@ -289,23 +312,14 @@ class Scheduler:
                 break  # FCFS: later arrivals do not overtake the head of the queue
             alloc = self.pool.allocate(r.request_id, r.token_ids, n, hit=hit, namespace=r.namespace)
             copies.extend(alloc.copies)
-            chunks.append(
-                ScheduledChunk(
-                    r.request_id,
-                    alloc.start_position,
-                    n,
-                    alloc.start_position + n == r.num_tokens,
-                    True,
-                    cached,
-                )
-            )
-            scheduled.add(r.request_id)
+            start = alloc.start_position
+            plan.add(r.request_id, start, n, start + n == r.num_tokens, True, cached)
             running.append(r)
             admitted.append(r.request_id)
             budget -= n
         return admitted
 
-    def _chunk(self, r: Request, remaining: int, avail: int, num_computed: int) -> int:
+    def _chunk(self, remaining: int, avail: int, num_computed: int) -> int:
         if not self.config.enable_chunked_prefill:
             return remaining if remaining <= avail else 0
         return chunk_size(
@@ -355,30 +369,21 @@ class Scheduler:
             return False
         return any(
             self.step_index - s >= cfg.prefill_reserve_after_steps
-            for s in self._waiting_since.values()
+            for s in self._prefill_since.values()
         )
 
     # ------------------------------------------------------------------ helpers
-    def _stop_reason(self, r: Request, token: int) -> FinishReason | None:
-        stop = r.stop
-        if not stop.ignore_eos and stop.eos_token_id is not None and token == stop.eos_token_id:
-            return FinishReason.STOP
-        if token in stop.stop_token_ids:
-            return FinishReason.STOP
-        if r.num_output_tokens >= stop.max_tokens or r.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
     def validate_output(self, plan: StepPlan, sampled: Mapping[str, int]) -> None:
         """Raise :class:`BadExecutorOutput` unless every sampling request got a token."""
-        for c in plan.chunks:
-            if not c.samples:
+        get = sampled.get
+        for rid, samples in zip(plan.request_ids, plan.samples, strict=True):
+            if not samples:
                 continue
-            token = sampled.get(c.request_id)
-            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            token = get(rid)
+            if type(token) is not int or token < 0:  # bool is excluded on purpose
                 raise BadExecutorOutput(
                     f"step {plan.step_index}: executor gave {token!r} as the sampled token of "
-                    f"request {c.request_id!r}; expected a non-negative int"
+                    f"request {rid!r}; expected a non-negative int"
                 )
 
     def _requeue(self, r: Request) -> None:
@@ -387,7 +392,7 @@ class Scheduler:
         while i < len(self.waiting) and self.waiting[i].seq < r.seq:
             i += 1
         self.waiting.insert(i, r)
-        self._waiting_since[r.request_id] = self.step_index
+        self._prefill_since[r.request_id] = self.step_index
 
     def _retire(
         self, r: Request, status: RequestStatus, reason: FinishReason, now_ms: float
@@ -396,7 +401,7 @@ class Scheduler:
         r.finish_reason = reason
         r.finished_ms = now_ms
         del self.requests[r.request_id]
-        self._waiting_since.pop(r.request_id, None)
+        self._prefill_since.pop(r.request_id, None)
         self.retired.append(r)
 
     def _require_boundary(self, what: str) -> None:

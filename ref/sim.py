@@ -33,14 +33,19 @@ class SimExecutor:
         self._requests = requests
 
     def execute(self, plan: StepPlan, inputs: ModelInputs | None) -> StepOutput:
-        sampled: dict[str, int] = {}
+        reqs = self._requests
+        sampled = {
+            rid: fake_token(reqs[rid].seq, len(reqs[rid].token_ids))
+            for rid, samples in zip(plan.request_ids, plan.samples, strict=True)
+            if samples
+        }
         kv_read = 0
-        for c in plan.chunks:
-            r = self._requests[c.request_id]
-            if not c.is_prefill:
-                kv_read += c.start + c.num_new_tokens
-            if c.samples:
-                sampled[c.request_id] = fake_token(r.seq, r.num_tokens)
+        if self.cost.e:
+            kv_read = sum(
+                s + n
+                for s, n, p in zip(plan.starts, plan.num_new_tokens, plan.is_prefill, strict=True)
+                if not p
+            )
         ms = self.cost.step_ms(plan.num_prefill_tokens, plan.num_decode_requests, kv_read)
         return StepOutput(sampled, ms)
 

@@ -9,10 +9,12 @@ wrong slot writes K/V where attention will not read it (or where someone else wi
 from __future__ import annotations
 
 from spec.arith import blocks_needed, slot_of
-from spec.snapshot import PoolSnapshot, StepSnapshot
+from spec.snapshot import PoolSnapshot, RequestStatus, StepSnapshot
 from spec.violation import Invariant, Violation, violation
 
 P = Invariant.POS
+# Statuses whose KV lives in the pool (a swapped request's KV is elsewhere).
+_RUNNING = (RequestStatus.PREFILLING, RequestStatus.DECODING)
 
 
 def check_pos_pool(pool: PoolSnapshot) -> list[Violation]:
@@ -96,6 +98,16 @@ def check_pos(step: StepSnapshot) -> list[Violation]:
                 break
     for r in step.after.requests:
         table = step.after.pool.table(r.request_id)
+        if table is None and r.status in _RUNNING and r.num_computed_tokens > 0:
+            out.append(
+                violation(
+                    P,
+                    f"request {r.request_id}",
+                    "running request has KV but no block table in the pool",
+                    f"{blocks_needed(r.num_computed_tokens, bs)} blocks",
+                    "no table",
+                )
+            )
         if table is not None and table.num_stored != r.num_computed_tokens:
             out.append(
                 violation(

@@ -100,7 +100,12 @@ def check_prefix_step(step: StepSnapshot) -> list[Violation]:
     """Writes go to private blocks; cache hits are whole blocks and spare the last token."""
     out: list[Violation] = []
     bs = step.after.pool.block_size
-    cached_before = {e.block_id for e in step.before.pool.cache_entries}
+    # A block cached before the step may be written if the step evicted it first (a free
+    # cached block popped for new tokens); only an entry that survives the step is live.
+    live_after = {(e.key, e.block_id) for e in step.after.pool.cache_entries}
+    cached_before = {
+        e.block_id for e in step.before.pool.cache_entries if (e.key, e.block_id) in live_after
+    }
     for s in step.scheduled:
         who = f"request {s.request_id}"
         for slot in s.slot_mapping:

@@ -116,6 +116,14 @@ class BlockPool:
         """The live table (read-only by convention) for hot paths that cannot copy."""
         return self._table(request_id, "block_table_view").block_table
 
+    def block_table_views(self, request_ids: Sequence[str]) -> list[Sequence[int]]:
+        """Live tables of several requests at once (read-only by convention)."""
+        tables = self._tables
+        try:
+            return [tables[rid].block_table for rid in request_ids]
+        except KeyError as e:
+            raise UnknownRequest(str(e.args[0]), "block_table_views") from None
+
     def num_stored(self, request_id: str) -> int:
         return self._table(request_id, "num_stored").num_stored
 
@@ -259,6 +267,53 @@ class BlockPool:
             tuple(new_blocks),
             tuple(copies),
         )
+
+    def append_decode_tokens(
+        self, request_ids: Sequence[str], token_ids: Sequence[Sequence[int]]
+    ) -> list[BlockCopy] | None:
+        """The steady decode step: one more token for each request, in order.
+
+        Equivalent to ``allocate(rid, tokens, 1)`` for each request in turn, but a request
+        whose last block has room and is private is served by a list append with no
+        per-request undo record. All-or-nothing: if the free blocks cannot cover every
+        request that needs a fresh block or a copy-on-write, returns None and changes
+        nothing (the caller then decides whom to preempt). Returns the copies to apply.
+        """
+        bs = self.block_size
+        ref = self._ref
+        try:
+            tables = [self._tables[rid] for rid in request_ids]
+        except KeyError as e:
+            raise UnknownRequest(str(e.args[0]), "append_decode_tokens") from None
+        needy = 0
+        for t, src in zip(tables, token_ids, strict=True):
+            n = len(t.token_ids)
+            if len(src) <= n:
+                raise InvalidArgument(
+                    f"append_decode_tokens: a request has {len(src)} known tokens and "
+                    f"{n} stored; there is no new token to append"
+                )
+            if n % bs == 0 or ref[t.block_table[-1]] > 1:
+                needy += 1
+        if needy > len(self._free):
+            return None
+        copies: list[BlockCopy] = []
+        appended: list[_Table] = []
+        with self.transaction():
+            # Recorded first so it is undone last: the fast appends touch only their
+            # own token lists, which nothing else in this call changes.
+            self._journal.record(lambda: [t.token_ids.pop() for t in appended])
+            caching = self.enable_prefix_caching
+            for rid, t, src in zip(request_ids, tables, token_ids, strict=True):
+                n = len(t.token_ids)
+                if n % bs == 0 or ref[t.block_table[-1]] > 1:
+                    copies.extend(self.allocate(rid, src, 1).copies)
+                    continue
+                t.token_ids.append(src[n])
+                appended.append(t)
+                if caching and (n + 1) % bs == 0:
+                    self._cache_full_blocks(t)
+        return copies
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Share every block of ``parent_id`` with a new ``child_id`` (n > 1 sampling).

@@ -1,0 +1,733 @@
+"""The engine API: requests in, streamed text and tokens out, the real model underneath.
+
+::
+
+    from ref.engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine("tiny")                    # or a local HF checkpoint directory
+    rid = engine.add_request("Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished:
+        for out in engine.step():                 # one scheduler step, one forward
+            print(out.request_id, repr(out.new_text), out.finished)
+
+    results = engine.generate(["a", "b"], SamplingParams(max_tokens=4))
+
+A step is :class:`ref.engine_core.EngineCore`'s (schedule, build inputs, execute, commit)
+with :class:`ref.model_executor.ModelExecutor` as the executor; this module adds
+tokenization, detokenization, stop strings, ``n > 1`` forks and the outputs.
+
+``n > 1``: the request runs its prompt once. Its last prefill step draws all ``n`` first
+tokens from the same logits; sample 0 continues as the request itself and samples
+1..n-1 are forked off it (:meth:`BlockPool.fork`: every block shared, the partial last
+block copied on the first write), so the prompt's K/V is never recomputed. The scheduler
+does not know about forks: the fork happens at a step boundary, the way
+:meth:`Scheduler.add_request` would add a request, and the child enters as a running
+request in decode (see :func:`_insert_forked`).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from ref.config import SchedulerConfig
+from ref.engine_core import EngineCore, StepRecord
+from ref.errors import DuplicateRequest, InvalidArgument, RefserveError, UnknownRequest
+from ref.metrics import RequestMetrics, RunMetrics
+from ref.model.attention import make_backend
+from ref.model.config import ModelConfig, tiny_config
+from ref.model.llama import KVCache, LlamaModel
+from ref.model.weights import LlamaWeights, load_checkpoint, random_weights
+from ref.model_executor import ModelExecutor
+from ref.policy import Policy
+from ref.request import FinishReason, Request, StopParams
+from ref.sampler import InvalidSamplingParams, SampleSpec, SamplingParams, derive_seed
+from ref.scheduler import Scheduler
+from ref.tokenizer import ByteTokenizer, HFTokenizer, TextStream, Tokenizer
+from spec.snapshot import RequestStatus
+
+__all__ = [
+    "GenerationResult",
+    "InvalidPrompt",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "demo_main",
+]
+
+Prompt = str | Sequence[int]
+
+
+class InvalidPrompt(InvalidArgument):
+    """The prompt is empty, too long, or has token ids outside the vocabulary."""
+
+
+class EngineStalled(RefserveError):
+    """Steps keep scheduling nothing while requests are unfinished (a scheduler bug)."""
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one sequence (``index`` is the sample, 0..n-1).
+
+    ``new_*`` fields are this step's delta; ``text`` / ``token_ids`` are cumulative.
+    ``text`` may lag ``token_ids`` by a few characters while they could still be the
+    start of a stop string, or while a UTF-8 character is incomplete.
+    """
+
+    request_id: str
+    index: int
+    new_text: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[float, ...] | None
+    text: str
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    metrics: RequestMetrics
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """A finished request of :meth:`LLMEngine.generate`: one final output per sample."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    outputs: tuple[RequestOutput, ...]
+
+
+@dataclass
+class _Seq:
+    """One sampled sequence (the request itself, or a fork of it)."""
+
+    seq_id: str
+    request_id: str
+    index: int
+    request: Request | None  # None for a fork that finished on its first token
+    stream: TextStream
+    logprobs: list[float] | None
+    token_ids: list[int] = field(default_factory=list)
+    delivered_tokens: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    pending_stop: str | int | None = None  # a stop the scheduler does not know about
+    metrics_from: Request | None = None  # for a fork without its own request
+
+
+@dataclass
+class _Group:
+    request_id: str
+    params: SamplingParams
+    stop: StopParams
+    prompt_token_ids: tuple[int, ...]
+    seed: int
+    seqs: list[_Seq]
+    child_ids: tuple[str, ...]
+
+
+class LLMEngine:
+    """A serving engine over the real model; single-threaded, stepped by the caller."""
+
+    def __init__(
+        self,
+        model: str | Path | tuple[ModelConfig, LlamaWeights] = "tiny",
+        *,
+        tokenizer: Tokenizer | str | Path | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        policy: Policy | None = None,
+        attention_backend: str = "torch",
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        seed: int = 0,
+        model_seed: int = 0,
+        check_invariants: bool = False,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        cfg, weights, model_dir = _resolve_model(model, dtype=dtype, device=device, seed=model_seed)
+        self.model_config = cfg
+        self.tokenizer = _resolve_tokenizer(tokenizer, model_dir, cfg)
+        sched_cfg = scheduler_config if scheduler_config is not None else SchedulerConfig()
+        if sched_cfg.max_model_len > cfg.max_position_embeddings:
+            sched_cfg = replace(sched_cfg, max_model_len=cfg.max_position_embeddings)
+        self.scheduler = Scheduler(sched_cfg, policy)
+        self.cache = KVCache(
+            cfg, sched_cfg.num_blocks, sched_cfg.block_size, dtype=dtype, device=device
+        )
+        self.model = LlamaModel(cfg, weights, make_backend(attention_backend))
+        self.executor = ModelExecutor(self.model, self.cache, self.scheduler.requests)
+        self.core = EngineCore(self.scheduler, self.executor, check_invariants=check_invariants)
+        self._rng = random.Random(seed)
+        self._t0 = time.perf_counter()
+        self._clock = clock
+        self._groups: dict[str, _Group] = {}
+        self._seqs: dict[str, _Seq] = {}
+        self._inbox: list[RequestOutput] = []
+        self._next_id = 0
+        self.steps: list[StepRecord] = []
+        self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0
+        self.num_forks = 0
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._groups) or bool(self._inbox)
+
+    def now_ms(self) -> float:
+        if self._clock is not None:
+            return self._clock()
+        return (time.perf_counter() - self._t0) * 1e3
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | Mapping[str, object] | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Queue a request; return its id. Bad input raises a typed error, changes nothing."""
+        sp = _sampling_params(params)
+        ids = self._prompt_ids(prompt)
+        if len(ids) >= self.max_model_len:
+            raise InvalidPrompt(
+                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                "leaving no room for an output token"
+            )
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidArgument(f"priority must be an int, got {priority!r}")
+        rid = self._new_id(request_id)
+        child_ids = tuple(f"{rid}#{i}" for i in range(1, sp.n))
+        for cid in child_ids:
+            if cid in self._seqs or cid in self.scheduler.requests:
+                raise DuplicateRequest(cid, "add_request (n > 1 sample id)")
+        stop = self._stop_params(sp)
+        # n > 1: the request must survive its first token whatever it is, so the other
+        # samples can fork off it; its real stop conditions come back right after.
+        first_stop = stop if sp.n == 1 or sp.max_tokens == 1 else StopParams(sp.max_tokens)
+        seed = sp.seed if sp.seed is not None else self._rng.randrange(1 << 62)
+        req = Request(rid, list(ids), first_stop, arrival_ms=self.now_ms(), priority=priority)
+        self.scheduler.add_request(req)  # may raise (e.g. ExceedsCapacity): nothing registered
+        spec = _spec(sp, seed)
+        self.executor.register(
+            rid, spec, tuple(replace(spec, seed=derive_seed(seed, i)) for i in range(1, sp.n))
+        )
+        seq = self._new_seq(rid, rid, 0, req, sp, ids)
+        self._groups[rid] = _Group(rid, sp, stop, tuple(ids), seed, [seq], child_ids)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Abort every live sample of a request; its final outputs come with the next step."""
+        group = self._groups.get(request_id)
+        if group is None:
+            raise UnknownRequest(request_id, "abort")
+        now = self.now_ms()
+        for seq in group.seqs:
+            if seq.finished:
+                continue
+            if seq.seq_id in self.scheduler.requests:
+                self.scheduler.abort(seq.seq_id, now)
+            self._finish(seq, FinishReason.ABORT.value, None)
+        self._inbox.extend(self._collect([s.seq_id for s in group.seqs]))
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the outputs it produced (plus any held ones)."""
+        outputs, self._inbox = self._inbox, []
+        if self.scheduler.has_unfinished:
+            outputs.extend(self._step())
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        record = self.core.step(self.now_ms())
+        self.steps.append(record)
+        events = record.events
+        self.num_preemptions += len(events.preempted)
+        self.num_prefix_hit_tokens += sum(record.plan.num_new_cached_tokens)
+        touched: list[str] = []
+        for sid, token in events.new_tokens.items():
+            seq = self._seqs[sid]
+            self._append(seq, token, self.executor.last_logprobs.get(sid))
+            touched.append(sid)
+        for parent_id, samples in self.executor.last_fork_samples.items():
+            touched.extend(self._fork(parent_id, samples, parent_id in events.finished))
+        for sid in events.finished:
+            seq = self._seqs[sid]
+            if seq.finished:
+                continue
+            assert seq.request is not None and seq.request.finish_reason is not None
+            if seq.pending_stop is not None:  # a stop string on the same token wins
+                self._finish(seq, FinishReason.STOP.value, seq.pending_stop)
+                continue
+            reason = seq.request.finish_reason
+            stop_reason: str | int | None = None
+            if reason is FinishReason.STOP and seq.token_ids:
+                stop_reason = seq.token_ids[-1]
+            self._finish(seq, reason.value, stop_reason)
+            if sid not in touched:
+                touched.append(sid)
+        now = record.end_ms
+        for sid in touched:
+            seq = self._seqs[sid]
+            if seq.pending_stop is not None and not seq.finished:
+                if sid in self.scheduler.requests:
+                    self.scheduler.abort(sid, now)
+                self._finish(seq, FinishReason.STOP.value, seq.pending_stop)
+        return self._collect(touched)
+
+    def iter_outputs(self, *, max_idle_steps: int = 10_000) -> Iterator[RequestOutput]:
+        """Step until every request is finished, yielding each output as it appears."""
+        idle = 0
+        while self.has_unfinished:
+            outs = self.step()
+            idle = 0 if outs else idle + 1
+            if idle > max_idle_steps:
+                raise EngineStalled(f"{max_idle_steps} steps in a row produced no output")
+            yield from outs
+
+    def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | Mapping[str, object] | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Add a request now and iterate over its outputs while stepping the engine.
+
+        Other requests' outputs produced meanwhile are kept for the next :meth:`step`.
+        """
+        rid = self.add_request(prompt, params, request_id=request_id)
+        return self._stream(rid)
+
+    def _stream(self, rid: str) -> Iterator[RequestOutput]:
+        idle = 0
+        while rid in self._groups:
+            mine: list[RequestOutput] = []
+            held: list[RequestOutput] = []
+            for o in self._inbox:
+                (mine if o.request_id == rid else held).append(o)
+            self._inbox = held
+            if not mine and self.scheduler.has_unfinished:
+                for o in self._step():
+                    (mine if o.request_id == rid else self._inbox).append(o)
+            idle = 0 if mine else idle + 1
+            if idle > 10_000:
+                raise EngineStalled(f"request {rid!r} made no progress in 10000 steps")
+            yield from mine
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        """Run a batch to completion; results in the order of ``prompts``.
+
+        If any prompt or params is rejected, the requests of this call that were already
+        added are aborted and the error is raised; other requests are not touched.
+        """
+        batch = _as_prompt_list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            plist: list[SamplingParams | None] = [params] * len(batch)
+        else:
+            plist = list(params)
+            if len(plist) != len(batch):
+                raise InvalidArgument(
+                    f"generate: {len(batch)} prompts but {len(plist)} sampling params"
+                )
+        ids: list[str] = []
+        try:
+            for p, sp in zip(batch, plist, strict=True):
+                ids.append(self.add_request(p, sp))
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            self._inbox = [o for o in self._inbox if o.request_id not in ids]
+            raise
+        wanted = set(ids)
+        final: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in ids}
+        prompts_of = {rid: self._groups[rid].prompt_token_ids for rid in ids}
+        held: list[RequestOutput] = []
+        idle = 0
+        while any(rid in self._groups for rid in ids):
+            outs = self.step()
+            idle = 0 if outs else idle + 1
+            if idle > 10_000:
+                raise EngineStalled("generate: 10000 steps in a row produced no output")
+            for o in outs:
+                if o.request_id in wanted:
+                    if o.finished:
+                        final[o.request_id][o.index] = o
+                else:
+                    held.append(o)
+        self._inbox = held + self._inbox
+        return [
+            GenerationResult(rid, prompts_of[rid], tuple(final[rid][i] for i in sorted(final[rid])))
+            for rid in ids
+        ]
+
+    # ------------------------------------------------------------------ summaries
+    def run_metrics(self, requests: Sequence[RequestMetrics], duration_ms: float) -> RunMetrics:
+        return RunMetrics.of(requests, duration_ms)
+
+    # ------------------------------------------------------------------ internals
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidPrompt("prompt is an empty string")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
+            ids = list(prompt)
+        else:
+            raise InvalidPrompt(
+                f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise InvalidPrompt("prompt has no tokens")
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidPrompt(
+                    f"prompt token {i} is {t!r}; token ids must be ints in [0, {vocab})"
+                )
+        return ids
+
+    def _new_id(self, request_id: str | None) -> str:
+        if request_id is None:
+            while True:
+                rid = f"req-{self._next_id}"
+                self._next_id += 1
+                if rid not in self._groups and rid not in self._seqs:
+                    return rid
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgument(f"request_id must be a non-empty str, got {request_id!r}")
+        if (
+            request_id in self._groups
+            or request_id in self._seqs
+            or request_id in self.scheduler.requests
+        ):
+            raise DuplicateRequest(request_id, "add_request")
+        return request_id
+
+    def _stop_params(self, sp: SamplingParams) -> StopParams:
+        eos_ids = self.model_config.eos_token_ids
+        tok_eos = self.tokenizer.eos_token_id
+        if not eos_ids and tok_eos is not None:
+            eos_ids = (tok_eos,)
+        extra = () if sp.ignore_eos else eos_ids[1:]
+        return StopParams(
+            max_tokens=sp.max_tokens,
+            stop_token_ids=tuple(dict.fromkeys((*sp.stop_token_ids, *extra))),
+            eos_token_id=eos_ids[0] if eos_ids else None,
+            ignore_eos=sp.ignore_eos,
+        )
+
+    def _new_seq(
+        self,
+        seq_id: str,
+        request_id: str,
+        index: int,
+        req: Request | None,
+        sp: SamplingParams,
+        prompt_ids: Sequence[int],
+    ) -> _Seq:
+        stream = TextStream(
+            self.tokenizer.detokenizer(prompt_ids),
+            sp.stop,
+            include_stop_str_in_output=sp.include_stop_str_in_output,
+        )
+        seq = _Seq(seq_id, request_id, index, req, stream, [] if sp.logprobs else None)
+        self._seqs[seq_id] = seq
+        return seq
+
+    def _append(self, seq: _Seq, token: int, logprob: float | None) -> None:
+        seq.token_ids.append(token)
+        if seq.logprobs is not None:
+            seq.logprobs.append(float("nan") if logprob is None else logprob)
+        if seq.stream.add(token) and seq.pending_stop is None:
+            seq.pending_stop = seq.stream.stopped_by
+
+    def _fork(
+        self, parent_id: str, samples: list[tuple[int, float | None]], parent_finished: bool
+    ) -> list[str]:
+        """Samples 1..n-1 of ``parent_id`` after its first token (see the module doc)."""
+        parent = self._seqs[parent_id]
+        group = self._groups[parent.request_id]
+        self.executor.forked(parent_id)
+        preq = parent.request
+        assert preq is not None
+        stop = group.stop
+        out: list[str] = []
+        for i, (cid, (token, logprob)) in enumerate(
+            zip(group.child_ids, samples, strict=True), start=1
+        ):
+            is_stop = _is_stop_token(stop, token)
+            live = not parent_finished and not is_stop
+            child_req = None
+            if live:
+                child_req = _insert_forked(self.scheduler, preq, cid, token, stop)
+                self.executor.register(
+                    cid, replace(_spec(group.params, group.seed), seed=derive_seed(group.seed, i))
+                )
+                self.num_forks += 1
+            seq = self._new_seq(
+                cid, group.request_id, i, child_req, group.params, group.prompt_token_ids
+            )
+            seq.metrics_from = None if live else preq
+            group.seqs.append(seq)
+            self._append(seq, token, logprob)
+            if not live:
+                reason = FinishReason.STOP if is_stop else FinishReason.LENGTH
+                self._finish(seq, reason.value, token if is_stop else None)
+            out.append(cid)
+        if not parent_finished:
+            preq.stop = stop  # the real stop conditions, from the second token on
+            token = parent.token_ids[-1]
+            if _is_stop_token(stop, token) and parent.pending_stop is None:
+                parent.pending_stop = token
+        return out
+
+    def _finish(self, seq: _Seq, reason: str, stop_reason: str | int | None) -> None:
+        seq.finished = True
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        seq.stream.finish()
+
+    def _collect(self, seq_ids: Sequence[str]) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        for sid in dict.fromkeys(seq_ids):
+            seq = self._seqs.get(sid)
+            if seq is None:
+                continue
+            new_ids = tuple(seq.token_ids[seq.delivered_tokens :])
+            new_lp = None if seq.logprobs is None else tuple(seq.logprobs[seq.delivered_tokens :])
+            seq.delivered_tokens = len(seq.token_ids)
+            outs.append(
+                RequestOutput(
+                    request_id=seq.request_id,
+                    index=seq.index,
+                    new_text=seq.stream.take(final=seq.finished),
+                    new_token_ids=new_ids,
+                    new_logprobs=new_lp,
+                    text=seq.stream.text if seq.finished else seq.stream.emitted_text,
+                    token_ids=tuple(seq.token_ids),
+                    finished=seq.finished,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    metrics=self._metrics(seq),
+                )
+            )
+            if seq.finished:
+                self._retire(seq)
+        return outs
+
+    def _metrics(self, seq: _Seq) -> RequestMetrics:
+        req = seq.request if seq.request is not None else seq.metrics_from
+        assert req is not None
+        times = tuple(req.token_times_ms[: len(seq.token_ids)])
+        return RequestMetrics(
+            request_id=seq.seq_id,
+            arrival_ms=req.arrival_ms,
+            admitted_ms=req.admitted_ms,
+            token_times_ms=times,
+            finished_ms=req.finished_ms if seq.finished else None,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=len(seq.token_ids),
+            num_cached_tokens=req.num_cached_tokens,
+            num_preemptions=req.num_preemptions,
+        )
+
+    def _retire(self, seq: _Seq) -> None:
+        del self._seqs[seq.seq_id]
+        self.executor.unregister(seq.seq_id)
+        group = self._groups.get(seq.request_id)
+        # Forks happen in the step that samples the first token, before outputs are
+        # collected, so a group whose current samples are all finished is done.
+        if group is not None and all(s.finished for s in group.seqs):
+            del self._groups[seq.request_id]
+
+
+def _insert_forked(
+    sched: Scheduler, parent: Request, child_id: str, first_token: int, stop: StopParams
+) -> Request:
+    """Add a fork of ``parent`` (which has just sampled its first token) as a running request.
+
+    The child shares every KV block of the parent (:meth:`BlockPool.fork`), has the same
+    prompt and KV length, and its own first token: exactly the state the parent is in,
+    so it enters as a request in decode. This is the hook the scheduler lacks; it uses
+    only its public fields (``requests``, ``running``, ``pool``) at a step boundary.
+    """
+    sched.pool.fork(parent.request_id, child_id)
+    child = Request(
+        child_id,
+        list(parent.prompt_token_ids),
+        stop,
+        arrival_ms=parent.arrival_ms,
+        priority=parent.priority,
+        tenant=parent.tenant,
+        namespace=parent.namespace,
+    )
+    child.token_ids.append(first_token)
+    child.num_computed_tokens = parent.num_computed_tokens
+    child.num_cached_tokens = parent.num_cached_tokens
+    child.seq = parent.seq
+    child.admitted_ms = parent.admitted_ms
+    child.token_times_ms = list(parent.token_times_ms)
+    child.transition(RequestStatus.DECODING)
+    sched.requests[child_id] = child
+    sched.running.append(child)
+    return child
+
+
+def _is_stop_token(stop: StopParams, token: int) -> bool:
+    if not stop.ignore_eos and stop.eos_token_id is not None and token == stop.eos_token_id:
+        return True
+    return token in stop.stop_token_ids
+
+
+def _spec(sp: SamplingParams, seed: int) -> SampleSpec:
+    return SampleSpec(
+        temperature=float(sp.temperature),
+        top_k=sp.top_k,
+        top_p=float(sp.top_p),
+        seed=seed,
+        logprobs=sp.logprobs,
+    )
+
+
+def _sampling_params(params: SamplingParams | Mapping[str, object] | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    if isinstance(params, Mapping):
+        return SamplingParams.from_dict(params)
+    raise InvalidSamplingParams(
+        f"params must be SamplingParams or a mapping, got {type(params).__name__}"
+    )
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _resolve_model(
+    model: str | Path | tuple[ModelConfig, LlamaWeights],
+    *,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+) -> tuple[ModelConfig, LlamaWeights, Path | None]:
+    if isinstance(model, tuple):
+        return model[0], model[1], None
+    if str(model) == "tiny":
+        cfg = tiny_config()
+        return cfg, random_weights(cfg, seed, dtype=dtype, device=device), None
+    cfg, weights = load_checkpoint(model, dtype=dtype, device=device)
+    return cfg, weights, Path(model)
+
+
+def _resolve_tokenizer(
+    tokenizer: Tokenizer | str | Path | None, model_dir: Path | None, cfg: ModelConfig
+) -> Tokenizer:
+    if tokenizer is None:
+        if model_dir is not None and (model_dir / "tokenizer.json").is_file():
+            return HFTokenizer(
+                model_dir, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id
+            )
+        return ByteTokenizer()
+    if isinstance(tokenizer, str | Path):
+        if str(tokenizer) == "byte":
+            return ByteTokenizer()
+        return HFTokenizer(tokenizer, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
+    return tokenizer
+
+
+# ---------------------------------------------------------------------- the demo
+def demo_main() -> int:
+    """A short generation on the embedded tiny model with the byte tokenizer.
+
+    Prints the prompts, streams the outputs as they are produced, then per-request TTFT
+    and ITL and the run's tokens/s. Random weights: the text is noise, the serving is not.
+    """
+    cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, block_size=8, num_blocks=24)
+    engine = LLMEngine("tiny", scheduler_config=cfg)
+    system = "You are a terse assistant. "
+    workload: list[tuple[int, str, SamplingParams]] = [
+        (0, system + "Name a prime.", SamplingParams(max_tokens=12)),
+        (0, "Hi", SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=1)),
+        (2, system + "Say hello.", SamplingParams(max_tokens=12)),
+        (4, "A longer prompt that needs several prefill chunks " * 2, SamplingParams(max_tokens=8)),
+        (
+            6,
+            system + "Count to three.",
+            SamplingParams(max_tokens=10, n=2, temperature=1.0, seed=7),
+        ),
+    ]
+    print(
+        f"refserve demo: tiny Llama ({cfg.block_size}-token blocks, {cfg.num_blocks} blocks, "
+        f"budget {cfg.max_num_batched_tokens} tokens/step), byte tokenizer, random weights"
+    )
+    prompts: dict[str, str] = {}
+    texts: dict[tuple[str, int], str] = {}
+    final: dict[tuple[str, int], RequestOutput] = {}
+    pending = list(workload)
+    step = 0
+    start = time.perf_counter()
+    while pending or engine.has_unfinished:
+        while pending and pending[0][0] <= step:
+            _, prompt, sp = pending.pop(0)
+            rid = engine.add_request(prompt, sp)
+            prompts[rid] = prompt
+            print(f"[step {step:3d}] + {rid}: {prompt!r} (n={sp.n}, max_tokens={sp.max_tokens})")
+        for out in engine.step():
+            key = (out.request_id, out.index)
+            texts[key] = texts.get(key, "") + out.new_text
+            if out.finished:
+                final[key] = out
+                print(
+                    f"[step {step:3d}] = {out.request_id}[{out.index}] {out.finish_reason}: "
+                    f"{texts[key]!r}"
+                )
+        step += 1
+    wall_ms = (time.perf_counter() - start) * 1e3
+    print()
+    print(f"{'request':<10} {'idx':>3} {'prompt':>6} {'out':>4} {'ttft ms':>8} {'mean itl ms':>11}")
+    metrics: list[RequestMetrics] = []
+    for (rid, idx), out in sorted(final.items()):
+        m = out.metrics
+        metrics.append(m)
+        ttft = "-" if m.ttft_ms is None else f"{m.ttft_ms:.2f}"
+        itl = "-" if m.tpot_ms is None else f"{m.tpot_ms:.2f}"
+        print(
+            f"{rid:<10} {idx:>3} {m.num_prompt_tokens:>6} {len(out.token_ids):>4} {ttft:>8} {itl:>11}"
+        )
+    run = RunMetrics.of(metrics, wall_ms)
+    print()
+    print(
+        f"{len(engine.steps)} steps in {wall_ms:.0f} ms; {run.output_tokens} output tokens "
+        f"({run.output_tokens_per_s:.0f} tok/s), {run.input_tokens} prompt tokens; "
+        f"prefix-cache hits {engine.num_prefix_hit_tokens} tokens; "
+        f"preemptions {engine.num_preemptions}; forks {engine.num_forks}"
+    )
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(demo_main())
