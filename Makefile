@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Modules whose pure helpers carry CrossHair contracts (pre/post conditions).
-CROSSHAIR_MODULES := spec/arith.py
+CROSSHAIR_MODULES := spec/arith.py spec/hashing.py
 CROSSHAIR_TIMEOUT ?= 5
 
 .PHONY: run test lint typecheck pytest crosshair bench deep clean venv

@@ -35,7 +35,11 @@ DEFAULT_NAMESPACE = Namespace()
 
 
 def block_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
-    """Key of a full block given its parent's key and its own token ids."""
+    """Key of a full block given its parent's key and its own token ids.
+
+    pre: all(-(2**63) <= t < 2**63 for t in token_ids)
+    post: len(__return__) == 32
+    """
     # Token ids are packed as signed 64-bit little-endian so the key does not depend on
     # how a tokenizer's ids happen to print.
     packed = struct.pack(f"<{len(token_ids)}q", *token_ids)
@@ -45,7 +49,15 @@ def block_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
 def chain_keys(
     root: bytes, token_ids: Sequence[int], block_size: int, num_blocks: int
 ) -> list[bytes]:
-    """Keys of the first ``num_blocks`` full blocks of ``token_ids``."""
+    """Keys of the first ``num_blocks`` full blocks of ``token_ids``.
+
+    pre: block_size > 0
+    pre: 0 <= num_blocks <= 4
+    pre: num_blocks * block_size <= len(token_ids)
+    pre: all(0 <= t < 2**31 for t in token_ids)
+    post: len(__return__) == num_blocks
+    post: all(len(k) == 32 for k in __return__)
+    """
     if num_blocks * block_size > len(token_ids):
         raise ValueError(
             f"chain_keys: {num_blocks} blocks of {block_size} need "
