@@ -43,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_config_args(sim)
     sim.add_argument("--json", type=Path, help="write timelines, iterations and summary here")
     sim.add_argument("--quiet", action="store_true", help="summary only, no per-round table")
+    sim.add_argument("--timeline", type=Path, help="write a timeline picture (self-contained HTML)")
     sim.set_defaults(func=_simulate)
 
     demo = sub.add_parser("demo", help="the main job: the seed scenarios on the simulator")
@@ -109,6 +110,13 @@ def _simulate(args: argparse.Namespace) -> int:
         print(render_rounds(result))
         print()
     print(render_summary(result))
+    if args.timeline:
+        from ref.timeline import write_timeline_html
+
+        write_timeline_html(
+            args.timeline, result.steps, config.num_blocks, f"refserve simulate {args.trace}"
+        )
+        print(f"\ntimeline picture: {args.timeline}")
     if args.json:
         args.json.write_text(
             json.dumps(result_json(result, config, cost), indent=2) + "\n", encoding="utf-8"
