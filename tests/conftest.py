@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import os
 
+import torch
 from hypothesis import HealthCheck, Phase, settings
+
+# Triton has no CPU backend: without CUDA its kernels run in the interpreter on CPU
+# tensors. ``@triton.jit`` reads this when a kernel module is imported, so it is set here,
+# before any test module (kernels' or the engine's triton backend) imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _CI_PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)
 
