@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CROSSHAIR_MODULES := spec/arith.py spec/hashing.py
 CROSSHAIR_TIMEOUT ?= 5
 
-.PHONY: run test lint typecheck pytest crosshair bench deep clean venv
+.PHONY: run test lint typecheck pytest crosshair bench deep clean venv gpu-check
 
 venv: $(STAMP)
 
@@ -52,3 +52,9 @@ deep: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .hypothesis .mypy_cache .ruff_cache .benchmarks
+
+# On a CUDA machine: the kernel tests compiled, plus the full grid report.
+gpu-check: $(STAMP)
+	mkdir -p out
+	$(PY) -m pytest -p no:cacheprovider tests/kernels -q
+	$(VENV)/bin/refserve check-kernel kernels:paged_attention --json out/gpu_grid.json
