@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CROSSHAIR_MODULES := spec/arith.py spec/hashing.py
 CROSSHAIR_TIMEOUT ?= 5
 
-.PHONY: run test lint typecheck pytest crosshair bench deep clean venv gpu-check
+.PHONY: run test lint typecheck pytest crosshair conformance conformance-nanovllm bench deep clean venv gpu-check
 
 venv: $(STAMP)
 
@@ -41,7 +41,18 @@ pytest: $(STAMP)
 crosshair: $(STAMP)
 	timeout 300 $(VENV)/bin/crosshair check --per_condition_timeout=$(CROSSHAIR_TIMEOUT) $(CROSSHAIR_MODULES)
 
-test: lint typecheck pytest crosshair
+# refserve's own adapter must pass the whole conformance suite.
+conformance: $(STAMP)
+	$(VENV)/bin/refserve conformance --adapter conformance.adapters.ref:make
+
+test: lint typecheck pytest crosshair conformance
+
+# The third-party run (exits 1 by design: it finds bugs); findings in README.
+conformance-nanovllm: $(STAMP)
+	$(PY) -m pip install -q --no-deps nano-vllm-fork==20260210 'xxhash>=3'
+	mkdir -p out
+	$(VENV)/bin/refserve conformance --adapter conformance.adapters.nanovllm:make \
+		--report out/nanovllm.json --markdown out/nanovllm.md
 
 bench: $(STAMP)
 	$(PY) -m pytest tests/bench --benchmark-only --benchmark-columns=min,median,mean,rounds -p no:cacheprovider

@@ -22,6 +22,13 @@ from ref.trace import BUILTIN, load_trace
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # These own their whole argument list: argparse cannot hand options that come first
+    # to a REMAINDER positional.
+    if argv[:1] == ["conformance"]:
+        return _conformance_main(argv[1:])
+    if argv[:1] == ["check-kernel"]:
+        return _check_kernel_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -54,6 +61,16 @@ def _parser() -> argparse.ArgumentParser:
         "rest", nargs=argparse.REMAINDER, help="MODULE:FUNCTION [--layout vllm] [--json OUT]"
     )
     ck.set_defaults(func=_check_kernel)
+    conf = sub.add_parser(
+        "conformance", help="check an engine's scheduler and KV manager against the spec"
+    )
+    conf.add_argument(
+        "rest",
+        nargs=argparse.REMAINDER,
+        help="--adapter MODULE:FACTORY [--scenarios ...] [--report R.json] [--markdown R.md] "
+        "[--examples N] [--replay W.json] [--list]",
+    )
+    conf.set_defaults(func=_conformance)
     return p
 
 
@@ -155,9 +172,23 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _check_kernel(args: argparse.Namespace) -> int:
+    return _check_kernel_main(list(args.rest))
+
+
+def _check_kernel_main(argv: list[str]) -> int:
     from conformance.kernel_grid import check_kernel_main  # lazy: the core never imports it
 
-    return check_kernel_main(list(args.rest))
+    return check_kernel_main(argv)
+
+
+def _conformance(args: argparse.Namespace) -> int:
+    return _conformance_main(list(args.rest))
+
+
+def _conformance_main(argv: list[str]) -> int:
+    from conformance.cli import conformance_main  # lazy: the core never imports it
+
+    return conformance_main(argv)
 
 
 # --------------------------------------------------------------------- rendering

@@ -312,6 +312,9 @@ class BlockPool:
                 t.token_ids.append(src[n])
                 appended.append(t)
                 if caching and (n + 1) % bs == 0:
+                    # Indexing appends to t.keys: journal it, or a rollback leaves a key
+                    # for a token that is gone and later blocks chain from it.
+                    self._record_table_undo(t)
                     self._cache_full_blocks(t)
         return copies
 

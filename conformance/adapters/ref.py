@@ -1,0 +1,149 @@
+"""The adapter for refserve itself (``conformance.adapters.ref:make``); it must pass everything.
+
+It drives :class:`ref.scheduler.Scheduler` directly: ``schedule`` plans a step and builds
+the executor's real inputs with :func:`ref.inputs.build_inputs` (the same tensors the
+model would get, as :class:`ref.engine_core.EngineCore` does when it checks itself), so
+POS checks the slot mapping the executor really receives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from conformance.adapter import (
+    ALL_FEATURES,
+    CommitReport,
+    EngineConfig,
+    Feature,
+    NotSupported,
+    Rejected,
+    RequestSpec,
+    StepReport,
+)
+from ref.config import SchedulerConfig
+from ref.errors import RefserveError
+from ref.inputs import build_inputs
+from ref.plan import StepPlan
+from ref.request import Request, StopParams
+from ref.scheduler import Scheduler
+from spec.arith import blocks_needed
+from spec.snapshot import EngineSnapshot, ScheduledRequest
+
+
+class RefAdapter:
+    """refserve's scheduler + block pool, every feature on."""
+
+    name = "refserve"
+
+    def __init__(self, **overrides: object) -> None:
+        """``overrides`` are extra :class:`SchedulerConfig` fields (policy, admission...)."""
+        self._overrides = overrides
+        self._sched: Scheduler | None = None
+        self._plan: StepPlan | None = None
+
+    @property
+    def features(self) -> frozenset[Feature]:
+        return ALL_FEATURES
+
+    @property
+    def sched(self) -> Scheduler:
+        if self._sched is None:
+            raise NotSupported("configure() was not called")
+        return self._sched
+
+    def configure(self, config: EngineConfig) -> None:
+        try:
+            cfg = SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                block_size=config.block_size,
+                num_blocks=config.num_blocks,
+                max_model_len=config.max_model_len,
+                enable_prefix_caching=config.enable_prefix_caching,
+                **self._overrides,  # type: ignore[arg-type]  # caller-chosen extra fields
+            )
+        except RefserveError as e:
+            raise NotSupported(str(e)) from e
+        self._sched = Scheduler(cfg)
+        self._plan = None
+
+    def add_request(self, request: RequestSpec) -> None:
+        try:
+            stop = StopParams(
+                max_tokens=request.max_tokens,
+                stop_token_ids=request.stop_token_ids,
+                eos_token_id=request.eos_token_id,
+            )
+            r = Request(
+                request.request_id,
+                list(request.prompt_token_ids),
+                stop,
+                priority=request.priority,
+            )
+            self.sched.add_request(r)
+        except RefserveError as e:
+            raise Rejected(str(e)) from e
+
+    def abort(self, request_id: str) -> None:
+        self.sched.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.sched.has_unfinished
+
+    def schedule(self) -> StepReport:
+        sched = self.sched
+        plan = sched.schedule()
+        self._plan = plan
+        bs = sched.config.block_size
+        inputs = build_inputs(plan, sched.requests, sched.pool)
+        qsl = inputs.query_start_loc.tolist()
+        positions = inputs.positions.tolist()
+        slots = inputs.slot_mapping.tolist()
+        tables = inputs.block_tables.tolist()
+        seq_lens = inputs.seq_lens.tolist()
+        scheduled = tuple(
+            ScheduledRequest(
+                request_id=c.request_id,
+                num_new_tokens=c.num_new_tokens,
+                positions=tuple(positions[qsl[i] : qsl[i + 1]]),
+                slot_mapping=tuple(slots[qsl[i] : qsl[i + 1]]),
+                block_table=tuple(tables[i][: blocks_needed(seq_lens[i], bs)]),
+                samples=c.samples,
+                num_new_cached_tokens=c.num_new_cached_tokens,
+            )
+            for i, c in enumerate(plan.chunks)
+        )
+        return StepReport(
+            scheduled=scheduled,
+            preempted=plan.preempted,
+            finished=tuple((f.request_id, str(f.reason)) for f in plan.finished),
+            block_copies=tuple((c.src, c.dst) for c in plan.copies),
+        )
+
+    def commit(self, sampled: Mapping[str, int]) -> CommitReport:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("commit without schedule")
+        self._plan = None
+        sched = self.sched
+        sched.commit(plan, sampled)
+        return CommitReport(
+            tuple(
+                (r.request_id, str(r.finish_reason))
+                for r in sched.retired
+                if r.finish_reason is not None and str(r.finish_reason) != "abort"
+            )
+        )
+
+    def rollback(self) -> None:
+        self.sched.rollback()
+        self._plan = None
+
+    def snapshot(self) -> EngineSnapshot:
+        sched = self.sched
+        return sched.snapshot(extra=sched.retired)
+
+
+def make() -> RefAdapter:
+    """Factory for ``--adapter conformance.adapters.ref:make``."""
+    return RefAdapter()

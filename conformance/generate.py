@@ -1,0 +1,218 @@
+"""Hypothesis-generated workloads: random arrivals, shared prefixes, aborts, tiny pools.
+
+:func:`workloads` draws a :class:`~conformance.workload.Workload` fitted to an engine's
+features (no aborts for an engine without abort, whole sequences within the budget for
+one without chunked prefill), so a generated failure is always a real one. :func:`search`
+runs a property over many workloads and lets Hypothesis shrink each distinct failure
+(one per invariant) to a minimal workload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
+from hypothesis import strategies as st
+
+from conformance.adapter import AdapterFactory, EngineConfig, Feature
+from conformance.runner import RunResult, run_workload
+from conformance.workload import EOS, RequestPlan, Workload
+from spec.violation import Invariant
+
+KINDS = ("mixed", "tiny-pool", "shared-prefix")
+
+
+@dataclass(frozen=True)
+class GeneratedScenario:
+    name: str
+    kind: str
+    description: str
+
+
+GENERATED = (
+    GeneratedScenario(
+        "generated-mixed",
+        "mixed",
+        "Random arrivals, budgets from 1, 1-6 requests, aborts and forced stops at random "
+        "points, prefix caching on and off.",
+    ),
+    GeneratedScenario(
+        "generated-tiny-pool",
+        "tiny-pool",
+        "Pools of 1-5 blocks: admission, growth, preemption and recompute under pressure.",
+    ),
+    GeneratedScenario(
+        "generated-shared-prefix",
+        "shared-prefix",
+        "Prompts drawn from two shared prefixes over a 3-token alphabet: cache hits, "
+        "fully cached and block-aligned prompts, same-step sharing, eviction.",
+    ),
+)
+
+
+def workloads(features: frozenset[Feature], kind: str = "mixed") -> st.SearchStrategy[Workload]:
+    """Workloads an engine with ``features`` can run (see module docstring)."""
+
+    @st.composite
+    def build(draw: st.DrawFn) -> Workload:
+        bs = draw(st.integers(1, 4))
+        lo_blocks = -(-2 // bs)  # every request needs room for >= 1 prompt + 1 output
+        hi_blocks = 5 if kind == "tiny-pool" else 12
+        blocks = draw(st.integers(lo_blocks, max(lo_blocks, hi_blocks)))
+        capacity = blocks * bs
+        alphabet = st.integers(2, 4) if kind == "shared-prefix" else st.integers(2, 9)
+        prefixes = [
+            tuple(draw(st.lists(alphabet, min_size=0, max_size=2 * bs + 2))) for _ in range(2)
+        ]
+        n = draw(st.integers(1, 6))
+        reqs: list[RequestPlan] = []
+        for i in range(n):
+            max_tokens = draw(st.integers(1, min(6, capacity - 1)))
+            plen = draw(st.integers(1, min(14, capacity - max_tokens)))
+            group = draw(st.integers(0, 2 if kind != "shared-prefix" else 1))
+            head = prefixes[group] if group < 2 else ()
+            tail = tuple(draw(st.lists(alphabet, min_size=plen, max_size=plen)))
+            toks = (head + tail)[:plen]
+            stop_at = draw(st.none() | st.integers(1, max_tokens))
+            abort_at = draw(st.none() | st.integers(0, 12)) if Feature.ABORT in features else None
+            prio = draw(st.integers(0, 2)) if Feature.PRIORITIES in features else 0
+            reqs.append(
+                RequestPlan(
+                    f"r{i}", toks, max_tokens, draw(st.integers(0, 8)), prio, stop_at, abort_at
+                )
+            )
+        need = max(len(r.prompt) + r.max_tokens for r in reqs)
+        if Feature.CHUNKED_PREFILL in features:
+            budget = draw(st.integers(1, 16))
+        else:
+            budget = draw(st.integers(need, need + 8))
+        caching = draw(st.booleans()) if Feature.PREFIX_CACHING_OPTIONAL in features else True
+        rollback_at: tuple[int, ...] = ()
+        if Feature.ROLLBACK in features:
+            rollback_at = tuple(sorted(draw(st.lists(st.integers(0, 20), max_size=2, unique=True))))
+        cfg = EngineConfig(
+            block_size=bs,
+            num_blocks=blocks,
+            max_num_batched_tokens=budget,
+            max_num_seqs=draw(st.integers(1, 4)),
+            enable_prefix_caching=caching,
+            eos_token_id=EOS,
+        )
+        return Workload(cfg, tuple(reqs), rollback_at=rollback_at)
+
+    return build()
+
+
+class ConformanceFailure(Exception):
+    """Raised inside the Hypothesis property; carries the failing run."""
+
+    def __init__(self, result: RunResult) -> None:
+        first = result.first()
+        super().__init__(str(first) if first else "failure")
+        self.result = result
+
+
+# One exception type per invariant, so Hypothesis shrinks each invariant's failure apart.
+class TokenFailure(ConformanceFailure): ...
+
+
+class BlockFailure(ConformanceFailure): ...
+
+
+class KvlenFailure(ConformanceFailure): ...
+
+
+class PosFailure(ConformanceFailure): ...
+
+
+class CapFailure(ConformanceFailure): ...
+
+
+class PrefixFailure(ConformanceFailure): ...
+
+
+class ProgressFailure(ConformanceFailure): ...
+
+
+class AtomicFailure(ConformanceFailure): ...
+
+
+_FAILURES: dict[Invariant, type[ConformanceFailure]] = {
+    Invariant.TOKEN: TokenFailure,
+    Invariant.BLOCK: BlockFailure,
+    Invariant.KVLEN: KvlenFailure,
+    Invariant.POS: PosFailure,
+    Invariant.CAP: CapFailure,
+    Invariant.PREFIX: PrefixFailure,
+    Invariant.PROGRESS: ProgressFailure,
+    Invariant.ATOMIC: AtomicFailure,
+}
+
+
+@dataclass
+class SearchOutcome:
+    examples: int = 0
+    failures: list[RunResult] = field(default_factory=list)
+    """One shrunk failing run per distinct invariant found."""
+    checked: set[Invariant] = field(default_factory=set)
+    coverage: dict[str, int] = field(default_factory=dict)
+    """How many examples reached each rare path (preemption, cache hit, abort...)."""
+
+
+def search(
+    factory: AdapterFactory,
+    kind: str,
+    *,
+    max_examples: int = 100,
+    on_example: Callable[[RunResult], None] | None = None,
+) -> SearchOutcome:
+    """Run generated workloads of ``kind`` until ``max_examples`` or failures shrink."""
+    out = SearchOutcome()
+    features = factory().features
+
+    def count(key: str, hit: bool) -> None:
+        if hit:
+            out.coverage[key] = out.coverage.get(key, 0) + 1
+
+    @settings(
+        max_examples=max_examples,
+        database=None,
+        deadline=None,
+        derandomize=True,
+        phases=(Phase.explicit, Phase.generate, Phase.shrink),
+        report_multiple_bugs=True,
+        suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet,
+    )
+    @given(workloads(features, kind))
+    def prop(w: Workload) -> None:
+        r = run_workload(factory(), w)
+        # A configuration the engine refuses (NotSupported) is not an example.
+        assume(not r.not_supported)
+        out.examples += 1
+        out.checked |= r.checked
+        o = r.observed
+        count("preemption", o.preemptions > 0)
+        count("prefix_hit", o.cached_tokens > 0)
+        count("abort", any(e.get("aborted") for e in r.trace))
+        count("rejected", o.rejected > 0)
+        count("forced_stop", o.finish_reasons.get("stop", 0) > 0)
+        count("chunked_prompt", o.chunked_prompts > 0)
+        count("capacity_finish", o.finish_reasons.get("capacity", 0) > 0)
+        if on_example is not None:
+            on_example(r)
+        first = r.first()
+        if first is not None:
+            raise _FAILURES[first.invariant](r)
+
+    try:
+        prop()
+    except ConformanceFailure as e:
+        out.failures.append(e.result)
+    except BaseExceptionGroup as group:
+        for inner in group.exceptions:
+            if not isinstance(inner, ConformanceFailure):
+                raise
+            out.failures.append(inner.result)
+    return out

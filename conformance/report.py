@@ -1,0 +1,250 @@
+"""The conformance report: a stable JSON format (REPORT_FORMAT.md) and a markdown rendering.
+
+One :class:`Result` per (scenario, invariant) the scenario checks, with ``status`` one
+of ``pass``, ``fail``, ``not_supported``; a failure carries the step, the message, the
+shrunk workload and the replayable trace of that workload. Policy observations (prefill-
+first, mixed batches, chunking, golden schedules) are kept apart from results: they never
+fail a run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from conformance import REPORT_FORMAT_VERSION
+
+FORMAT = "refserve-conformance"
+STATUSES = ("pass", "fail", "not_supported")
+
+
+@dataclass(frozen=True)
+class Failure:
+    step: int
+    phase: str
+    subject: str
+    message: str
+    expected: str
+    seen: str
+    workload: dict[str, Any]
+    trace: list[dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "phase": self.phase,
+            "subject": self.subject,
+            "message": self.message,
+            "expected": self.expected,
+            "seen": self.seen,
+            "workload": self.workload,
+            "trace": self.trace,
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Failure:
+        return Failure(
+            int(d["step"]),
+            str(d["phase"]),
+            str(d["subject"]),
+            str(d["message"]),
+            str(d.get("expected", "")),
+            str(d.get("seen", "")),
+            dict(d["workload"]),
+            list(d.get("trace", [])),
+        )
+
+
+@dataclass(frozen=True)
+class Result:
+    scenario: str
+    invariant: str
+    status: str
+    note: str = ""
+    failure: Failure | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "scenario": self.scenario,
+            "invariant": self.invariant,
+            "status": self.status,
+        }
+        if self.note:
+            d["note"] = self.note
+        if self.failure is not None:
+            d["failure"] = self.failure.to_json()
+        return d
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Result:
+        if d["status"] not in STATUSES:
+            raise ValueError(f"unknown status {d['status']!r}")
+        f = d.get("failure")
+        return Result(
+            str(d["scenario"]),
+            str(d["invariant"]),
+            str(d["status"]),
+            str(d.get("note", "")),
+            Failure.from_json(f) if f is not None else None,
+        )
+
+
+@dataclass(frozen=True)
+class ScenarioInfo:
+    name: str
+    description: str
+    kind: str
+    """``fixed`` (library) or ``generated`` (Hypothesis)."""
+    targets: tuple[str, ...] = ()
+    not_supported: str = ""
+    observed: dict[str, Any] = field(default_factory=dict)
+    golden: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "name": self.name,
+            "description": self.description,
+            "kind": self.kind,
+            "targets": list(self.targets),
+            "observed": self.observed,
+        }
+        if self.not_supported:
+            d["not_supported"] = self.not_supported
+        if self.golden is not None:
+            d["golden"] = self.golden
+        return d
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> ScenarioInfo:
+        return ScenarioInfo(
+            str(d["name"]),
+            str(d["description"]),
+            str(d["kind"]),
+            tuple(d.get("targets", ())),
+            str(d.get("not_supported", "")),
+            dict(d.get("observed", {})),
+            d.get("golden"),
+        )
+
+
+@dataclass(frozen=True)
+class Report:
+    adapter: str
+    engine: str
+    features: tuple[str, ...]
+    results: tuple[Result, ...]
+    scenarios: tuple[ScenarioInfo, ...]
+    policy: dict[str, Any] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def failed(self) -> bool:
+        return any(r.status == "fail" for r in self.results)
+
+    def summary(self) -> dict[str, int]:
+        out = dict.fromkeys(STATUSES, 0)
+        for r in self.results:
+            out[r.status] += 1
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": REPORT_FORMAT_VERSION,
+            "adapter": self.adapter,
+            "engine": self.engine,
+            "features": list(self.features),
+            "summary": self.summary(),
+            "results": [r.to_json() for r in self.results],
+            "scenarios": [s.to_json() for s in self.scenarios],
+            "policy": self.policy,
+            "notes": list(self.notes),
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Report:
+        if d.get("format") != FORMAT:
+            raise ValueError(f"not a conformance report (format {d.get('format')!r})")
+        if int(d.get("version", 0)) != REPORT_FORMAT_VERSION:
+            raise ValueError(f"unsupported report version {d.get('version')!r}")
+        return Report(
+            str(d["adapter"]),
+            str(d["engine"]),
+            tuple(d["features"]),
+            tuple(Result.from_json(r) for r in d["results"]),
+            tuple(ScenarioInfo.from_json(s) for s in d["scenarios"]),
+            dict(d.get("policy", {})),
+            tuple(d.get("notes", ())),
+        )
+
+    def dump(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=1, sort_keys=False) + "\n")
+
+    @staticmethod
+    def load(path: Path) -> Report:
+        return Report.from_json(json.loads(path.read_text()))
+
+
+_ICON = {"pass": "pass", "fail": "**FAIL**", "not_supported": "not supported"}
+
+
+def to_markdown(report: Report) -> str:
+    """A report a human reads: the matrix, then each failure with its shrunk workload."""
+    s = report.summary()
+    lines = [
+        f"# Conformance report: {report.engine}",
+        "",
+        f"Adapter `{report.adapter}`; features: {', '.join(report.features) or 'none'}.",
+        "",
+        f"**{s['fail']} failed, {s['pass']} passed, {s['not_supported']} not supported.**",
+        "",
+    ]
+    invariants = sorted({r.invariant for r in report.results})
+    by = {(r.scenario, r.invariant): r for r in report.results}
+    lines.append("| scenario | " + " | ".join(invariants) + " |")
+    lines.append("|---|" + "---|" * len(invariants))
+    for sc in report.scenarios:
+        cells = [_ICON[by[(sc.name, i)].status] if (sc.name, i) in by else "-" for i in invariants]
+        lines.append(f"| {sc.name} | " + " | ".join(cells) + " |")
+    lines.append("")
+    failures = [r for r in report.results if r.failure is not None]
+    if failures:
+        lines += ["## Failures", ""]
+        for r in failures:
+            f = r.failure
+            assert f is not None
+            lines += [
+                f"### {r.scenario}: {r.invariant}",
+                "",
+                f"Step {f.step} ({f.phase}), {f.subject}: {f.message}"
+                + (f" (expected {f.expected}, seen {f.seen})" if f.expected or f.seen else ""),
+                "",
+                "Shrunk workload:",
+                "",
+                "```json",
+                json.dumps(f.workload, sort_keys=False),
+                "```",
+                "",
+            ]
+    unsupported = [sc for sc in report.scenarios if sc.not_supported]
+    if unsupported:
+        lines += ["## Not supported", ""]
+        lines += [f"- {sc.name}: {sc.not_supported}" for sc in unsupported]
+        lines.append("")
+    lines += ["## Observed policy (not violations)", ""]
+    for k, v in report.policy.items():
+        lines.append(f"- {k}: {v}")
+    golden = [sc for sc in report.scenarios if sc.golden is not None]
+    if golden:
+        lines += ["", "| golden scenario | matches the seeds' schedule |", "|---|---|"]
+        for sc in golden:
+            assert sc.golden is not None
+            lines.append(f"| {sc.name} | {'yes' if sc.golden.get('matches') else 'no'} |")
+    if report.notes:
+        lines += ["", "## Notes", ""]
+        lines += [f"- {n}" for n in report.notes]
+    lines += ["", "## Scenarios", ""]
+    lines += [f"- **{sc.name}** ({sc.kind}): {sc.description}" for sc in report.scenarios]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,353 @@
+"""The scenario library: the seeds' golden scenarios and every "known bug elsewhere".
+
+Each :class:`~conformance.workload.Scenario` is a small fixed workload; ``targets`` names
+the invariants it is meant to provoke, but every invariant is checked on every step of
+every scenario. Scenarios whose workload needs a feature an engine lacks (chunked
+prefill, abort, priorities, rollback, prefix caching off) are reported ``not_supported``.
+The Hypothesis-generated workloads live in :mod:`conformance.generate`.
+"""
+
+from __future__ import annotations
+
+from conformance.adapter import EngineConfig
+from conformance.workload import EOS, RequestPlan, Scenario, Workload, prompt
+
+
+def _cfg(bs: int, blocks: int, budget: int, seqs: int, *, caching: bool = True) -> EngineConfig:
+    return EngineConfig(
+        block_size=bs,
+        num_blocks=blocks,
+        max_num_batched_tokens=budget,
+        max_num_seqs=seqs,
+        enable_prefix_caching=caching,
+        eos_token_id=EOS,
+    )
+
+
+def R(
+    rid: str,
+    toks: tuple[int, ...],
+    max_tokens: int,
+    at: int = 0,
+    *,
+    prio: int = 0,
+    stop_at: int | None = None,
+    abort_at: int | None = None,
+) -> RequestPlan:
+    return RequestPlan(rid, toks, max_tokens, at, prio, stop_at, abort_at)
+
+
+def _seeds() -> list[Scenario]:
+    prefix24 = prompt(90, 24)
+    return [
+        Scenario(
+            "seed001-round-by-round",
+            "Seed 001: budget 8, 3 seqs, block 4; A decoding ends after round 2, B prompt 12, "
+            "C prompt 3 arrives before round 2. Expected r1 A:1 B:7; r2 A:1 B:5 C:2; "
+            "r3 B:1 C:1; r4 B:1 C:1.",
+            Workload(
+                _cfg(4, 32, 8, 3),
+                (R("A", prompt(1, 1), 3), R("B", prompt(2, 12), 3, 1), R("C", prompt(3, 3), 2, 2)),
+            ),
+            ("TOKEN", "POS", "KVLEN"),
+            golden=(
+                (("A", 1), ("B", 7)),
+                (("A", 1), ("B", 5), ("C", 2)),
+                (("B", 1), ("C", 1)),
+                (("B", 1), ("C", 1)),
+            ),
+            golden_from_step=1,
+        ),
+        Scenario(
+            "seed002-budget-14",
+            "Seed 002: 2 decodes + a 12-token prompt, budget 14: the prompt fits in one step.",
+            Workload(
+                _cfg(4, 64, 14, 8),
+                (R("D1", prompt(4, 1), 6), R("D2", prompt(5, 1), 6), R("X", prompt(6, 12), 2, 1)),
+            ),
+            ("TOKEN",),
+            golden=((("D1", 1), ("D2", 1), ("X", 12)),),
+            golden_from_step=1,
+        ),
+        Scenario(
+            "seed002-budget-6",
+            "Seed 002: 2 decodes + a 12-token prompt, budget 6: the prompt takes 3 chunks of 4.",
+            Workload(
+                _cfg(4, 64, 6, 8),
+                (R("D1", prompt(4, 1), 6), R("D2", prompt(5, 1), 6), R("X", prompt(6, 12), 2, 1)),
+            ),
+            ("TOKEN", "POS"),
+            golden=(
+                (("D1", 1), ("D2", 1), ("X", 4)),
+                (("D1", 1), ("D2", 1), ("X", 4)),
+                (("D1", 1), ("D2", 1), ("X", 4)),
+            ),
+            golden_from_step=1,
+        ),
+        Scenario(
+            "seed002-p7-d5",
+            "Seed 002: budget 12, 5 decodes, A needs 10 prefill, B waits: A gets 7, B 0.",
+            Workload(
+                _cfg(4, 64, 12, 16),
+                (
+                    *(R(f"D{i}", prompt(10 + i, 1), 4) for i in range(5)),
+                    R("A", prompt(20, 10), 2, 1),
+                    R("B", prompt(21, 4), 2, 1),
+                ),
+            ),
+            ("TOKEN",),
+            golden=(((*((f"D{i}", 1) for i in range(5)), ("A", 7))),),
+            golden_from_step=1,
+        ),
+        Scenario(
+            "seed002-decode-starves-prefill",
+            "Seed 002: budget 8, always 8 decodes: decode-first defers the waiting prompt; it "
+            "must still run within the starvation bound.",
+            Workload(
+                _cfg(4, 256, 8, 16),
+                (
+                    *(R(f"D{i}", prompt(30 + i, 1), 24) for i in range(8)),
+                    R("X", prompt(40, 6), 2, 1),
+                ),
+            ),
+            ("PROGRESS",),
+        ),
+        Scenario(
+            "seed002-admission-headroom",
+            "Seed 002 (scaled): a pool 90% used by a growing request, a new prompt needs 10% "
+            "of it; admission must not promise KV it cannot deliver without preemption.",
+            Workload(
+                _cfg(4, 10, 64, 4),
+                (R("A", prompt(50, 33), 6), R("B", prompt(51, 5), 4, 1)),
+            ),
+            ("CAP", "PROGRESS"),
+        ),
+        Scenario(
+            "seed003-prefix-reuse",
+            "Seed 003 (scaled): 3 decodes plus a 40-token prompt whose first 24 tokens are "
+            "cached by an earlier request; the shared blocks only gain references.",
+            Workload(
+                _cfg(4, 40, 64, 8),
+                (
+                    R("W", (*prefix24, 7), 1),
+                    *(R(f"D{i}", prompt(60 + i, 1), 8) for i in range(3)),
+                    R("Q", (*prefix24, *prompt(61, 16)), 2, 2),
+                ),
+            ),
+            ("PREFIX", "BLOCK"),
+        ),
+    ]
+
+
+def _known_bugs() -> list[Scenario]:
+    p8 = prompt(100, 8)
+    p9 = prompt(101, 9)
+    shared = prompt(102, 12)
+    return [
+        Scenario(
+            "bug-double-free-shared-blocks",
+            "Freeing a list that holds the same block twice: two requests share prompt blocks "
+            "and finish in the same step, one after a preemption.",
+            Workload(
+                _cfg(2, 9, 16, 4),
+                (R("A", shared[:6], 4), R("B", shared[:6], 4), R("C", prompt(103, 5), 4)),
+            ),
+            ("BLOCK",),
+        ),
+        Scenario(
+            "bug-stale-hash-entry",
+            "A prefix-cache entry left pointing at a block after it was reused for other "
+            "tokens: A's blocks are freed, B reuses them, C repeats A's prompt.",
+            Workload(
+                _cfg(4, 3, 16, 2),
+                (R("A", p9, 1), R("B", prompt(104, 9), 2, 1), R("C", p9, 2, 3)),
+            ),
+            ("PREFIX",),
+        ),
+        Scenario(
+            "bug-fully-cached-prompt-concurrent",
+            "A fully cached, block-aligned prompt must still schedule >= 1 token (the last "
+            "one, for a logit): B repeats A's 8-token prompt while A still runs.",
+            Workload(_cfg(4, 12, 32, 4), (R("A", p8, 6), R("B", p8, 3, 1))),
+            ("PREFIX", "TOKEN", "PROGRESS"),
+        ),
+        Scenario(
+            "bug-block-aligned-prompt-recompute",
+            "A block-aligned prompt whose blocks are all cached by a finished request must "
+            "still recompute its last block (the hit stops one block short).",
+            Workload(_cfg(4, 12, 32, 4), (R("A", p8, 1), R("B", p8, 3, 2))),
+            ("PREFIX", "KVLEN"),
+        ),
+        Scenario(
+            "bug-same-step-new-shared-prefix",
+            "Two requests sharing a new (never cached) prefix are admitted in the same step.",
+            Workload(
+                _cfg(4, 16, 32, 4),
+                (R("A", (*shared, 5), 3), R("B", (*shared, 6), 3), R("C", (*shared, 5), 2, 1)),
+            ),
+            ("PREFIX", "BLOCK"),
+        ),
+        Scenario(
+            "bug-abort-waiting",
+            "Abort a request still waiting for blocks, then the leak check.",
+            Workload(
+                _cfg(4, 4, 32, 4),
+                (R("A", prompt(110, 12), 4), R("B", prompt(111, 8), 4, abort_at=1)),
+            ),
+            ("PROGRESS", "BLOCK"),
+        ),
+        Scenario(
+            "bug-abort-mid-prefill",
+            "Abort a request between two chunks of its prompt, then the leak check.",
+            Workload(_cfg(4, 16, 4, 4), (R("A", prompt(112, 14), 4, abort_at=2),)),
+            ("PROGRESS", "BLOCK"),
+        ),
+        Scenario(
+            "bug-abort-decoding",
+            "Abort a decoding request that shares cached blocks, then the leak check.",
+            Workload(
+                _cfg(4, 16, 32, 4),
+                (R("A", p9, 8, abort_at=3), R("B", p9, 4, 1)),
+            ),
+            ("PROGRESS", "BLOCK", "PREFIX"),
+        ),
+        Scenario(
+            "bug-abort-preempted",
+            "Abort a request right after it was preempted, then the leak check.",
+            Workload(
+                _cfg(2, 6, 16, 4),
+                (R("A", prompt(113, 3), 8), R("B", prompt(114, 3), 8, abort_at=4)),
+            ),
+            ("PROGRESS", "BLOCK", "TOKEN"),
+        ),
+        Scenario(
+            "bug-preemption-storm",
+            "num_computed_tokens must never exceed num_tokens under a preemption storm: "
+            "a tiny pool, many growing requests.",
+            Workload(
+                _cfg(2, 6, 16, 6),
+                tuple(R(f"S{i}", prompt(120 + i, 3), 6, i % 3) for i in range(6)),
+            ),
+            ("TOKEN", "KVLEN", "PROGRESS"),
+        ),
+        Scenario(
+            "bug-preempted-loses-place-priority",
+            "A preempted request must not lose its place under priorities: a low-priority "
+            "runner is preempted for a high-priority arrival and must still finish in bound.",
+            Workload(
+                _cfg(2, 6, 16, 4),
+                (
+                    R("LOW", prompt(130, 3), 6, prio=1),
+                    R("HI", prompt(131, 3), 6, 1, prio=0),
+                    R("LATE", prompt(132, 3), 4, 2, prio=1),
+                ),
+            ),
+            ("PROGRESS",),
+        ),
+        Scenario(
+            "bug-head-of-line-kv-heavy",
+            "Head-of-line blocking behind one KV-heavy request: small requests wait behind "
+            "a request that takes most of the pool; all must finish within the bound.",
+            Workload(
+                _cfg(4, 8, 32, 4),
+                (
+                    R("HEAVY", prompt(140, 25), 4),
+                    *(R(f"s{i}", prompt(141 + i, 3), 2, 1) for i in range(3)),
+                ),
+            ),
+            ("PROGRESS", "CAP"),
+        ),
+        Scenario(
+            "bug-first-chunk-admission-thrash",
+            "Admission that checks only the first chunk then thrashes (admit, fill, preempt, "
+            "repeat): long prompts in small chunks in a pool that holds only one of them.",
+            Workload(
+                _cfg(4, 6, 4, 4),
+                tuple(R(f"L{i}", prompt(150 + i, 16), 3) for i in range(3)),
+            ),
+            ("PROGRESS", "CAP"),
+        ),
+        Scenario(
+            "bug-lone-request-cannot-grow",
+            "A single running request that cannot grow and has no victim must neither crash "
+            "nor spin: prompt 6 in a 2-block pool of 4, max_tokens 8.",
+            Workload(_cfg(4, 2, 16, 2), (R("A", prompt(160, 6), 8),)),
+            ("PROGRESS",),
+        ),
+        Scenario(
+            "bug-free-list-order",
+            "Free-list reuse order must not change silently: blocks freed by finished "
+            "requests are handed out in the order the snapshot's free queue states.",
+            Workload(
+                _cfg(2, 10, 16, 4),
+                (
+                    R("A", prompt(170, 3), 1),
+                    R("B", prompt(171, 5), 2),
+                    R("C", prompt(172, 3), 4),
+                    R("D", prompt(173, 7), 2, 3),
+                    R("E", prompt(174, 2), 2, 4),
+                ),
+            ),
+            ("BLOCK",),
+        ),
+        Scenario(
+            "atomic-rejected-empty-prompt",
+            "A request with an empty prompt is rejected (or served) without changing state.",
+            Workload(_cfg(4, 8, 16, 4), (R("A", prompt(180, 3), 2), R("BAD", (), 2))),
+            ("ATOMIC",),
+        ),
+        Scenario(
+            "atomic-oversized-prompt",
+            "A prompt larger than the whole pool: rejected at submission, or finished, but "
+            "never a crash or a spin.",
+            Workload(_cfg(4, 3, 32, 4), (R("A", prompt(181, 3), 2), R("HUGE", prompt(182, 20), 2))),
+            ("ATOMIC", "PROGRESS"),
+        ),
+        Scenario(
+            "atomic-executor-fault",
+            "The model fails mid-run (schedule then rollback) at several steps, including "
+            "one with preemption and prefix hits; state must be exactly as before.",
+            Workload(
+                _cfg(2, 7, 16, 4),
+                (
+                    R("A", p9, 4),
+                    R("B", p9, 4, 1),
+                    R("C", prompt(183, 5), 4, 1),
+                ),
+                rollback_at=(0, 1, 2, 4),
+            ),
+            ("ATOMIC",),
+        ),
+        Scenario(
+            "stop-token-forced",
+            "The suite samples eos early for some requests: they finish with reason stop, "
+            "free their blocks and the others continue.",
+            Workload(
+                _cfg(4, 12, 16, 4),
+                (
+                    R("A", prompt(190, 5), 8, stop_at=1),
+                    R("B", prompt(191, 5), 8, stop_at=3),
+                    R("C", prompt(192, 5), 3),
+                ),
+            ),
+            ("KVLEN", "PROGRESS"),
+        ),
+        Scenario(
+            "no-prefix-caching",
+            "The same shared-prefix workload with prefix caching switched off: no sharing.",
+            Workload(
+                _cfg(4, 12, 16, 4, caching=False),
+                (R("A", p9, 3), R("B", p9, 3, 1)),
+            ),
+            ("PREFIX", "BLOCK"),
+        ),
+    ]
+
+
+def library() -> list[Scenario]:
+    """Every fixed scenario, seeds first."""
+    return [*_seeds(), *_known_bugs()]
+
+
+def by_name() -> dict[str, Scenario]:
+    return {s.name: s for s in library()}

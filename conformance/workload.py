@@ -1,0 +1,147 @@
+"""A workload: the engine limits, the requests, when they arrive, abort and stop.
+
+Workloads are plain data and round-trip through JSON, so a failure's shrunk workload can
+be replayed with ``refserve conformance --adapter ... --replay workload.json``. The suite
+plays a deterministic greedy model: the token sampled after a sequence depends only on
+that sequence (:func:`next_token`), so identical prompts produce identical outputs, as
+with greedy decoding, and a replay samples exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from conformance.adapter import EngineConfig, Feature, RequestSpec
+
+EOS = 1
+"""The eos token id of every workload; :func:`next_token` never returns it by chance."""
+VOCAB = 64
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """One request of a workload.
+
+    ``stop_at``: the suite samples eos as output number ``stop_at`` (1-based), forcing a
+    stop; ``abort_at``: the suite aborts it at that step boundary if it is still live.
+    """
+
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    arrival: int = 0
+    priority: int = 0
+    stop_at: int | None = None
+    abort_at: int | None = None
+
+    def spec(self, eos: int | None) -> RequestSpec:
+        return RequestSpec(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt,
+            max_tokens=self.max_tokens,
+            eos_token_id=eos,
+            arrival_step=self.arrival,
+            priority=self.priority,
+        )
+
+
+@dataclass(frozen=True)
+class Workload:
+    config: EngineConfig
+    requests: tuple[RequestPlan, ...]
+    max_steps: int = 0
+    """Steps after which a run that has not quiesced fails PROGRESS (0: derived)."""
+    rollback_at: tuple[int, ...] = ()
+    """Steps at which the suite simulates an executor fault (feature ``rollback``)."""
+    note: str = ""
+
+    @property
+    def step_limit(self) -> int:
+        if self.max_steps:
+            return self.max_steps
+        work = sum(len(r.prompt) + r.max_tokens for r in self.requests)
+        last = max((r.arrival for r in self.requests), default=0)
+        return last + 4 * work * (1 + len(self.requests)) + 64
+
+    @property
+    def starvation_bound(self) -> int:
+        """Consecutive steps a runnable request may go unscheduled.
+
+        Every other request's whole work (prompt + outputs, recomputed once after a
+        preemption) plus the latest arrival: a work-conserving scheduler finishes everyone
+        else within it, so exceeding it means the request is being passed over.
+        """
+        work = sum(2 * (len(r.prompt) + r.max_tokens) for r in self.requests)
+        last = max((r.arrival for r in self.requests), default=0)
+        return work + last + 8
+
+    def needs(self) -> frozenset[Feature]:
+        """Features an engine must have to run this workload."""
+        out: set[Feature] = set()
+        cfg = self.config
+        if any(len(r.prompt) + r.max_tokens > cfg.max_num_batched_tokens for r in self.requests):
+            # Without chunking a whole sequence (prompt + outputs, recomputed after a
+            # preemption) must fit in one step's budget.
+            out.add(Feature.CHUNKED_PREFILL)
+        if not cfg.enable_prefix_caching:
+            out.add(Feature.PREFIX_CACHING_OPTIONAL)
+        if any(r.abort_at is not None for r in self.requests):
+            out.add(Feature.ABORT)
+        if len({r.priority for r in self.requests}) > 1:
+            out.add(Feature.PRIORITIES)
+        if self.rollback_at:
+            out.add(Feature.ROLLBACK)
+        return frozenset(out)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["requests"] = [{**asdict(r), "prompt": list(r.prompt)} for r in self.requests]
+        d["rollback_at"] = list(self.rollback_at)
+        return d
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Workload:
+        return Workload(
+            config=EngineConfig(**d["config"]),
+            requests=tuple(
+                RequestPlan(**{**r, "prompt": tuple(r["prompt"])}) for r in d["requests"]
+            ),
+            max_steps=int(d.get("max_steps", 0)),
+            rollback_at=tuple(d.get("rollback_at", ())),
+            note=str(d.get("note", "")),
+        )
+
+
+def next_token(tokens: tuple[int, ...] | list[int]) -> int:
+    """The fake model's greedy choice after ``tokens``: in ``[2, VOCAB)``, never eos."""
+    h = hashlib.blake2b(repr(tuple(tokens[-8:])).encode() + len(tokens).to_bytes(4, "little"))
+    return 2 + int.from_bytes(h.digest()[:4], "little") % (VOCAB - 2)
+
+
+def prompt(seed: int, length: int, prefix: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """A deterministic prompt of ``length`` tokens starting with ``prefix``."""
+    body = [2 + (seed * 131 + i * 17 + (seed * i) % 7) % (VOCAB - 2) for i in range(length)]
+    return (prefix + tuple(body))[:length] if prefix else tuple(body)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A named workload with what it targets; ``golden`` is the expected schedule.
+
+    ``golden[i]`` is step ``i``'s ((request id, tokens), ...) in plan order for a
+    decode-first chunked-prefill engine (the seeds' policy); a different schedule is a
+    policy observation, never a violation.
+    """
+
+    name: str
+    description: str
+    workload: Workload
+    targets: tuple[str, ...] = ()
+    golden: tuple[tuple[tuple[str, int], ...], ...] | None = None
+    golden_from_step: int = 0
+    requires: frozenset[Feature] = field(default_factory=frozenset)
+
+    def needs(self) -> frozenset[Feature]:
+        return self.requires | self.workload.needs()

@@ -1,0 +1,254 @@
+"""The conformance suite itself: ref passes, broken adapters are caught, reports round-trip."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conformance_broken_adapters import BROKEN
+
+from conformance.adapter import EngineAdapter, Feature, load_factory
+from conformance.adapters.ref import make as make_ref
+from conformance.cli import conformance_main
+from conformance.report import Report, to_markdown
+from conformance.runner import run_workload
+from conformance.scenarios import by_name, library
+from conformance.suite import run_suite, scenario_names
+from conformance.workload import Workload
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+@pytest.fixture(scope="module")
+def ref_report() -> Report:
+    return run_suite(make_ref, "conformance.adapters.ref:make", max_examples=60)
+
+
+def test_ref_adapter_is_an_engine_adapter() -> None:
+    assert isinstance(make_ref(), EngineAdapter)
+    assert make_ref().features == frozenset(Feature)
+
+
+def test_ref_passes_everything(ref_report: Report) -> None:
+    fails = [
+        f"{r.scenario}/{r.invariant}: {r.failure.message if r.failure else ''}"
+        for r in ref_report.results
+        if r.status == "fail"
+    ]
+    assert fails == []
+    assert not ref_report.failed
+    assert ref_report.summary()["not_supported"] == 0
+    assert {s.name for s in ref_report.scenarios} == set(scenario_names())
+
+
+def test_ref_matches_every_golden_schedule(ref_report: Report) -> None:
+    golden = [s for s in ref_report.scenarios if s.golden is not None]
+    assert len(golden) == 4
+    assert all(s.golden and s.golden["matches"] for s in golden), [s.golden for s in golden]
+
+
+def test_generated_searches_reach_the_rare_paths(ref_report: Report) -> None:
+    cov: dict[str, int] = {}
+    for s in ref_report.scenarios:
+        for k, v in s.observed.get("coverage", {}).items():
+            cov[k] = cov.get(k, 0) + v
+    for path in ("preemption", "prefix_hit", "abort", "forced_stop", "chunked_prompt"):
+        assert cov.get(path, 0) >= 5, cov
+
+
+# Scenarios that exercise each corruption quickly; the generated one adds random cover.
+QUICK = [
+    "seed001-round-by-round",
+    "bug-abort-decoding",
+    "bug-preemption-storm",
+    "atomic-executor-fault",
+    "bug-same-step-new-shared-prefix",
+    "generated-mixed",
+]
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_broken_adapter_is_caught_with_the_right_invariant(name: str) -> None:
+    cls, invariant = BROKEN[name]
+    report = run_suite(cls, name, QUICK, max_examples=15)
+    failed = {r.invariant for r in report.results if r.status == "fail"}
+    assert invariant in failed, failed
+    fail = next(r for r in report.results if r.invariant == invariant and r.failure)
+    assert fail.failure is not None
+    # The shrunk workload replays to the same invariant.
+    rerun = run_workload(cls(), Workload.from_json(fail.failure.workload))
+    assert invariant in {str(f.invariant) for f in rerun.findings}
+
+
+def test_shrinking_gives_a_small_workload() -> None:
+    cls, _ = BROKEN["DoubleFree"]
+    report = run_suite(cls, "DoubleFree", ["bug-preemption-storm"], max_examples=1)
+    fail = next(r for r in report.results if r.failure is not None)
+    assert fail.failure is not None
+    assert len(fail.failure.workload["requests"]) <= 2
+
+
+def test_report_round_trips(ref_report: Report, tmp_path: Path) -> None:
+    cls, _ = BROKEN["SkippedPosition"]
+    broken = run_suite(cls, "x:y", ["seed001-round-by-round"], max_examples=1)
+    for report in (ref_report, broken):
+        path = tmp_path / "r.json"
+        report.dump(path)
+        again = Report.load(path)
+        assert again == report
+        assert again.to_json() == json.loads(path.read_text())
+    data = broken.to_json()
+    assert data["format"] == "refserve-conformance" and data["version"] == 1
+    statuses = {r["status"] for r in data["results"]}
+    assert statuses <= {"pass", "fail", "not_supported"} and "fail" in statuses
+    failure = next(r["failure"] for r in data["results"] if r["status"] == "fail")
+    assert {"step", "message", "workload", "trace"} <= failure.keys()
+    md = to_markdown(broken)
+    assert "seed001-round-by-round" in md and "**FAIL**" in md and "```json" in md
+
+
+def test_report_rejects_other_formats() -> None:
+    with pytest.raises(ValueError):
+        Report.from_json({"format": "other", "version": 1})
+
+
+def test_cli_exit_codes_and_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rep, md = tmp_path / "r.json", tmp_path / "r.md"
+    ok = conformance_main(
+        [
+            "--adapter",
+            "conformance.adapters.ref:make",
+            "--scenarios",
+            "seed001-round-by-round",
+            "bug-lone-request-cannot-grow",
+            "--report",
+            str(rep),
+            "--markdown",
+            str(md),
+        ]
+    )
+    assert ok == 0
+    assert Report.load(rep).summary()["fail"] == 0
+    assert "seed001-round-by-round" in md.read_text()
+    bad = conformance_main(
+        [
+            "--adapter",
+            "conformance_broken_adapters:double_free",
+            "--scenarios",
+            "bug-abort-decoding",
+            "--report",
+            str(rep),
+        ]
+    )
+    assert bad == 1
+    failure = next(r.failure for r in Report.load(rep).results if r.failure)
+    assert failure is not None
+    wl = tmp_path / "w.json"
+    wl.write_text(json.dumps(failure.to_json()))
+    replay = conformance_main(
+        ["--adapter", "conformance_broken_adapters:double_free", "--replay", str(wl)]
+    )
+    assert replay == 1
+    assert conformance_main(["--scenarios", "x"]) == 2
+    assert conformance_main(["--adapter", "nope"]) == 2
+    assert conformance_main(["--adapter", "conformance.adapters.ref:make", "--scenarios", "x"]) == 2
+    assert conformance_main(["--list"]) == 0
+    assert "generated-mixed" in capsys.readouterr().out
+
+
+def test_scenario_library_covers_the_design_lists() -> None:
+    names = {s.name for s in library()}
+    for needed in (
+        "seed001-round-by-round",
+        "seed003-prefix-reuse",
+        "bug-double-free-shared-blocks",
+        "bug-stale-hash-entry",
+        "bug-fully-cached-prompt-concurrent",
+        "bug-block-aligned-prompt-recompute",
+        "bug-same-step-new-shared-prefix",
+        "bug-abort-waiting",
+        "bug-abort-mid-prefill",
+        "bug-abort-decoding",
+        "bug-abort-preempted",
+        "bug-preemption-storm",
+        "bug-preempted-loses-place-priority",
+        "bug-head-of-line-kv-heavy",
+        "bug-first-chunk-admission-thrash",
+        "bug-lone-request-cannot-grow",
+        "bug-free-list-order",
+    ):
+        assert needed in names
+    for s in library():
+        assert Workload.from_json(json.loads(json.dumps(s.workload.to_json()))) == s.workload
+    assert by_name()["seed001-round-by-round"].golden is not None
+
+
+def test_load_factory_errors() -> None:
+    with pytest.raises(ValueError):
+        load_factory("no-colon")
+    with pytest.raises(ValueError):
+        load_factory("conformance.adapters.ref:missing")
+
+
+def test_pytest_plugin_runs_scenarios_as_items() -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "conformance.pytest_plugin",
+        "--refserve-adapter",
+        "conformance_broken_adapters:double_free",
+        "--refserve-examples",
+        "3",
+        "-k",
+        "bug-abort-decoding or seed001",
+        str(HERE / "conformance_broken_adapters.py"),
+    ]
+    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{ROOT}"}
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.stdout.count("FAILED ::refserve_conformance[") == 2, out.stdout
+    assert "BLOCK" in out.stdout
+
+
+# ---------------------------------------------------------------- nano-vllm-fork
+def _nano() -> object:
+    return pytest.importorskip(
+        "conformance.adapters.nanovllm",
+        reason="nano-vllm-fork not installed (pip install --no-deps nano-vllm-fork xxhash)",
+    )
+
+
+def test_nanovllm_adapter_runs_and_finds_its_known_defects() -> None:
+    mod = _nano()
+    factory = mod.make  # type: ignore[attr-defined]
+    assert isinstance(factory(), EngineAdapter)
+    report = run_suite(
+        factory,
+        "conformance.adapters.nanovllm:make",
+        [
+            "bug-fully-cached-prompt-concurrent",
+            "bug-lone-request-cannot-grow",
+            "bug-preemption-storm",
+            "bug-abort-waiting",
+            "stop-token-forced",
+        ],
+        max_examples=1,
+    )
+    status = {(r.scenario, r.invariant): r.status for r in report.results}
+    assert status[("bug-fully-cached-prompt-concurrent", "TOKEN")] == "fail"
+    assert status[("bug-lone-request-cannot-grow", "PROGRESS")] == "fail"
+    assert status[("bug-preemption-storm", "PROGRESS")] == "fail"
+    assert status[("bug-abort-waiting", "TOKEN")] == "not_supported"
+    assert status[("stop-token-forced", "KVLEN")] == "pass"
+    prefix = next(r for r in report.results if r.invariant == "PREFIX")
+    assert "partial" in prefix.note
