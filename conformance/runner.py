@@ -112,8 +112,6 @@ class RunResult:
     trace: list[dict[str, Any]] = field(default_factory=list)
     observed: Observed = field(default_factory=Observed)
     checked: set[Invariant] = field(default_factory=set)
-    spec_false_positives: int = 0
-    """Violations dropped by :func:`spec_false_positive` (a known spec bug)."""
     not_supported: str = ""
     """Non-empty when the engine cannot run the workload at all (the reason)."""
 
@@ -289,9 +287,7 @@ class _Run:
             finished=finished,
         )
         vs = check_step(snap)
-        real = [v for v in vs if not spec_false_positive(v, snap)]
-        self.res.spec_false_positives += len(vs) - len(real)
-        self.record(real, step, "step")
+        self.record(vs, step, "step")
         self.steps.append(snap)
         self.check_free_order(snap, step)
         self.write_kv(plan, step)
@@ -524,27 +520,6 @@ class _Run:
                 f"reports no unfinished work but holds live requests {live}",
             )
         self.record(check_starvation(self.steps, self.w.starvation_bound), step, "quiescence")
-
-
-def spec_false_positive(v: Violation, step: StepSnapshot) -> bool:
-    """The one known false positive of spec/ (reported to its owners; remove when fixed).
-
-    ``spec.prefix.check_prefix_step`` flags any write into a block that had a cache entry
-    before the step, even when that block was free (ref_cnt 0) and the engine evicted and
-    handed it out again in this very step, which is how eviction works (it may even be
-    re-indexed under the same key when the new owner writes the same tokens). Dropped only
-    for blocks that were free before the step; a write into a cached block someone held
-    is still reported, and a stale entry is caught independently by ``check_prefix`` on
-    the after-state (entry tokens vs live tokens) and by the KV read-back.
-    """
-    if v.invariant is not Invariant.PREFIX or not v.message.endswith("that was already cached"):
-        return False
-    try:
-        block = int(v.message.split("writes into block ")[1].split()[0])
-    except (IndexError, ValueError):
-        return False
-    ref = step.before.pool.ref_cnt
-    return 0 <= block < len(ref) and ref[block] == 0
 
 
 def _live(snap: EngineSnapshot) -> EngineSnapshot:

@@ -53,8 +53,18 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--timeline", type=Path, help="write a timeline picture (self-contained HTML)")
     sim.set_defaults(func=_simulate)
 
-    demo = sub.add_parser("demo", help="the main job: the seed scenarios on the simulator")
+    demo = sub.add_parser(
+        "demo", help="the main job: the tiny model on a mixed workload, every step checked"
+    )
+    demo.add_argument("--timeline", type=Path, default=Path("out/demo-timeline.html"))
+    demo.add_argument(
+        "--simulator", action="store_true", help="the seed scenarios on the simulator instead"
+    )
     demo.set_defaults(func=_demo)
+
+    from ref.generate_cli import add_generate_parser
+
+    add_generate_parser(sub)
 
     ck = sub.add_parser("check-kernel", help="run the kernel grid against the dense oracle")
     ck.add_argument(
@@ -143,6 +153,15 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if not args.simulator:
+        from ref.engine import demo_main
+
+        args.timeline.parent.mkdir(parents=True, exist_ok=True)
+        return demo_main(args.timeline)
+    return _simulator_demo()
+
+
+def _simulator_demo() -> int:
     print("refserve demo: seed 002's worked example on the cost-model simulator")
     print("(cost 2 + 0.5P + D ms, token budget 4, decode first, then FCFS prefill)\n")
     config = SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=8, block_size=4, num_blocks=64)

@@ -79,8 +79,28 @@ class SchedulerConfig:
                 f"align_chunks_to_blocks needs max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) >= block_size ({self.block_size})"
             )
-        Admission(self.admission)
-        PolicyName(self.policy)
+        # Store the enum members: the scheduler compares with ``is``, so a plain string
+        # such as "static" would otherwise silently select the default behaviour.
+        for name, kind in (("admission", Admission), ("policy", PolicyName)):
+            value = getattr(self, name)
+            try:
+                member = kind(value)
+            except ValueError:
+                allowed = ", ".join(m.value for m in kind)
+                raise InvalidArgument(f"{name} must be one of {allowed}, got {value!r}") from None
+            object.__setattr__(self, name, member)
+
+    @property
+    def max_len(self) -> int:
+        """Longest sequence (prompt + outputs) a request may reach.
+
+        Without chunked prefill a prompt, and a preempted request's recompute of prompt
+        plus outputs, must fit in one step's token budget or it never runs again, so the
+        budget caps the length (vLLM does the same).
+        """
+        if self.enable_chunked_prefill:
+            return self.max_model_len
+        return min(self.max_model_len, self.max_num_batched_tokens)
 
 
 def _positive(name: str, value: object) -> None:

@@ -19,10 +19,9 @@ tokenization, detokenization, stop strings, ``n > 1`` forks and the outputs.
 ``n > 1``: the request runs its prompt once. Its last prefill step draws all ``n`` first
 tokens from the same logits; sample 0 continues as the request itself and samples
 1..n-1 are forked off it (:meth:`BlockPool.fork`: every block shared, the partial last
-block copied on the first write), so the prompt's K/V is never recomputed. The scheduler
-does not know about forks: the fork happens at a step boundary, the way
-:meth:`Scheduler.add_request` would add a request, and the child enters as a running
-request in decode (see :func:`_insert_forked`).
+block copied on the first write), so the prompt's K/V is never recomputed. The fork
+happens at a step boundary through :meth:`Scheduler.fork`: the child enters as a running
+request in decode or, when ``max_num_seqs`` is reached, waits like a preempted request.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -50,7 +50,6 @@ from ref.request import FinishReason, Request, StopParams
 from ref.sampler import InvalidSamplingParams, SampleSpec, SamplingParams, derive_seed
 from ref.scheduler import Scheduler
 from ref.tokenizer import ByteTokenizer, HFTokenizer, TextStream, Tokenizer
-from spec.snapshot import RequestStatus
 
 __all__ = [
     "GenerationResult",
@@ -88,6 +87,7 @@ class RequestOutput:
     new_logprobs: tuple[float, ...] | None
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None
     finished: bool
     finish_reason: str | None
     stop_reason: str | int | None
@@ -251,12 +251,12 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
+        touched: list[str] = []
         record = self.core.step(self.now_ms())
         self.steps.append(record)
         events = record.events
         self.num_preemptions += len(events.preempted)
         self.num_prefix_hit_tokens += sum(record.plan.num_new_cached_tokens)
-        touched: list[str] = []
         for sid, token in events.new_tokens.items():
             seq = self._seqs[sid]
             self._append(seq, token, self.executor.last_logprobs.get(sid))
@@ -283,7 +283,7 @@ class LLMEngine:
             seq = self._seqs[sid]
             if seq.pending_stop is not None and not seq.finished:
                 if sid in self.scheduler.requests:
-                    self.scheduler.abort(sid, now)
+                    self.scheduler.finish(sid, FinishReason.STOP, now)
                 self._finish(seq, FinishReason.STOP.value, seq.pending_stop)
         return self._collect(touched)
 
@@ -388,7 +388,7 @@ class LLMEngine:
                 raise InvalidPrompt("prompt is an empty string")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
-            ids = list(prompt)
+            ids = list(cast("Sequence[int]", prompt))  # each element is checked below
         else:
             raise InvalidPrompt(
                 f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}"
@@ -476,7 +476,7 @@ class LLMEngine:
             live = not parent_finished and not is_stop
             child_req = None
             if live:
-                child_req = _insert_forked(self.scheduler, preq, cid, token, stop)
+                child_req = self.scheduler.fork(preq.request_id, cid, token, stop)
                 self.executor.register(
                     cid, replace(_spec(group.params, group.seed), seed=derive_seed(group.seed, i))
                 )
@@ -487,7 +487,9 @@ class LLMEngine:
             seq.metrics_from = None if live else preq
             group.seqs.append(seq)
             self._append(seq, token, logprob)
-            if not live:
+            if child_req is not None and child_req.finish_reason is not None:
+                self._finish(seq, child_req.finish_reason.value, None)  # could never fit
+            elif not live:
                 reason = FinishReason.STOP if is_stop else FinishReason.LENGTH
                 self._finish(seq, reason.value, token if is_stop else None)
             out.append(cid)
@@ -522,6 +524,7 @@ class LLMEngine:
                     new_logprobs=new_lp,
                     text=seq.stream.text if seq.finished else seq.stream.emitted_text,
                     token_ids=tuple(seq.token_ids),
+                    logprobs=None if seq.logprobs is None else tuple(seq.logprobs),
                     finished=seq.finished,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
@@ -557,38 +560,6 @@ class LLMEngine:
         # collected, so a group whose current samples are all finished is done.
         if group is not None and all(s.finished for s in group.seqs):
             del self._groups[seq.request_id]
-
-
-def _insert_forked(
-    sched: Scheduler, parent: Request, child_id: str, first_token: int, stop: StopParams
-) -> Request:
-    """Add a fork of ``parent`` (which has just sampled its first token) as a running request.
-
-    The child shares every KV block of the parent (:meth:`BlockPool.fork`), has the same
-    prompt and KV length, and its own first token: exactly the state the parent is in,
-    so it enters as a request in decode. This is the hook the scheduler lacks; it uses
-    only its public fields (``requests``, ``running``, ``pool``) at a step boundary.
-    """
-    sched.pool.fork(parent.request_id, child_id)
-    child = Request(
-        child_id,
-        list(parent.prompt_token_ids),
-        stop,
-        arrival_ms=parent.arrival_ms,
-        priority=parent.priority,
-        tenant=parent.tenant,
-        namespace=parent.namespace,
-    )
-    child.token_ids.append(first_token)
-    child.num_computed_tokens = parent.num_computed_tokens
-    child.num_cached_tokens = parent.num_cached_tokens
-    child.seq = parent.seq
-    child.admitted_ms = parent.admitted_ms
-    child.token_times_ms = list(parent.token_times_ms)
-    child.transition(RequestStatus.DECODING)
-    sched.requests[child_id] = child
-    sched.running.append(child)
-    return child
 
 
 def _is_stop_token(stop: StopParams, token: int) -> bool:
@@ -660,31 +631,34 @@ def _resolve_tokenizer(
 
 
 # ---------------------------------------------------------------------- the demo
-def demo_main() -> int:
-    """A short generation on the embedded tiny model with the byte tokenizer.
+def demo_main(timeline_path: str | Path | None = None) -> int:
+    """A short mixed workload on the embedded tiny model with the byte tokenizer.
 
-    Prints the prompts, streams the outputs as they are produced, then per-request TTFT
-    and ITL and the run's tokens/s. Random weights: the text is noise, the serving is not.
+    Short and long prompts, staggered arrivals, a shared system prompt (prefix-cache
+    hits), a sampled request, an ``n=2`` request (a fork) and a pool small enough to
+    preempt. Streams the finished outputs, then prints the per-step table, per-request
+    TTFT/ITL and a summary, and writes the timeline picture (HTML) to ``timeline_path``
+    (default ``refserve-demo-timeline.html`` in the current directory). Every spec
+    invariant is checked after every step. Random weights: the text is noise, the
+    serving is not.
     """
+    from ref.metrics import percentile
+    from ref.timeline import write_timeline_html
+
     cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, block_size=8, num_blocks=24)
-    engine = LLMEngine("tiny", scheduler_config=cfg)
+    engine = LLMEngine("tiny", scheduler_config=cfg, check_invariants=True)
     system = "You are a terse assistant. "
     workload: list[tuple[int, str, SamplingParams]] = [
         (0, system + "Name a prime.", SamplingParams(max_tokens=12)),
         (0, "Hi", SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=1)),
         (2, system + "Say hello.", SamplingParams(max_tokens=12)),
         (4, "A longer prompt that needs several prefill chunks " * 2, SamplingParams(max_tokens=8)),
-        (
-            6,
-            system + "Count to three.",
-            SamplingParams(max_tokens=10, n=2, temperature=1.0, seed=7),
-        ),
+        (6, system + "Count to three.", SamplingParams(max_tokens=10, n=2, temperature=1, seed=7)),
     ]
     print(
         f"refserve demo: tiny Llama ({cfg.block_size}-token blocks, {cfg.num_blocks} blocks, "
         f"budget {cfg.max_num_batched_tokens} tokens/step), byte tokenizer, random weights"
     )
-    prompts: dict[str, str] = {}
     texts: dict[tuple[str, int], str] = {}
     final: dict[tuple[str, int], RequestOutput] = {}
     pending = list(workload)
@@ -694,7 +668,6 @@ def demo_main() -> int:
         while pending and pending[0][0] <= step:
             _, prompt, sp = pending.pop(0)
             rid = engine.add_request(prompt, sp)
-            prompts[rid] = prompt
             print(f"[step {step:3d}] + {rid}: {prompt!r} (n={sp.n}, max_tokens={sp.max_tokens})")
         for out in engine.step():
             key = (out.request_id, out.index)
@@ -707,25 +680,49 @@ def demo_main() -> int:
                 )
         step += 1
     wall_ms = (time.perf_counter() - start) * 1e3
-    print()
-    print(f"{'request':<10} {'idx':>3} {'prompt':>6} {'out':>4} {'ttft ms':>8} {'mean itl ms':>11}")
+
+    print(f"\n{'step':>4} {'ms':>6} {'prefill':>7} {'dec':>3} {'KV':>5}  tokens per request")
+    for rec in engine.steps:
+        per = " ".join(f"{r}:{n}" for r, n in rec.tokens)
+        pre = f"  preempted {','.join(rec.plan.preempted)}" if rec.plan.preempted else ""
+        kv = f"{rec.kv_blocks_used}/{cfg.num_blocks}"
+        print(
+            f"{rec.step_index:>4} {rec.end_ms - rec.start_ms:>6.1f} {rec.num_prefill_tokens:>7} "
+            f"{rec.num_decodes:>3} {kv:>5}  {per}{pre}"
+        )
+
+    print(
+        f"\n{'request':<10} {'idx':>3} {'prompt':>6} {'out':>4} {'ttft ms':>8} {'mean itl ms':>11}"
+    )
     metrics: list[RequestMetrics] = []
     for (rid, idx), out in sorted(final.items()):
         m = out.metrics
         metrics.append(m)
         ttft = "-" if m.ttft_ms is None else f"{m.ttft_ms:.2f}"
         itl = "-" if m.tpot_ms is None else f"{m.tpot_ms:.2f}"
-        print(
-            f"{rid:<10} {idx:>3} {m.num_prompt_tokens:>6} {len(out.token_ids):>4} {ttft:>8} {itl:>11}"
-        )
+        row = f"{rid:<10} {idx:>3} {m.num_prompt_tokens:>6} {len(out.token_ids):>4}"
+        print(f"{row} {ttft:>8} {itl:>11}")
     run = RunMetrics.of(metrics, wall_ms)
-    print()
+    itls = [x for m in metrics for x in m.itl_ms]
+    ttfts = [t for m in metrics if (t := m.ttft_ms) is not None]
+
+    def pct(xs: list[float], q: float) -> str:
+        v = percentile(xs, q)
+        return "-" if v is None else f"{v:.1f}"
+
+    peak_kv = max((r.kv_blocks_used for r in engine.steps), default=0)
     print(
-        f"{len(engine.steps)} steps in {wall_ms:.0f} ms; {run.output_tokens} output tokens "
-        f"({run.output_tokens_per_s:.0f} tok/s), {run.input_tokens} prompt tokens; "
-        f"prefix-cache hits {engine.num_prefix_hit_tokens} tokens; "
-        f"preemptions {engine.num_preemptions}; forks {engine.num_forks}"
+        f"\n{len(engine.steps)} steps in {wall_ms:.0f} ms; {run.output_tokens} output tokens "
+        f"({run.output_tokens_per_s:.0f} tok/s), {run.input_tokens} prompt tokens\n"
+        f"TTFT p50/p95 {pct(ttfts, 50)}/{pct(ttfts, 95)} ms; "
+        f"ITL p50/p95 {pct(itls, 50)}/{pct(itls, 95)} ms\n"
+        f"KV blocks peak {peak_kv}/{cfg.num_blocks}; prefix-cache hits "
+        f"{engine.num_prefix_hit_tokens} tokens; preemptions {engine.num_preemptions}; "
+        f"forks {engine.num_forks}"
     )
+    path = Path(timeline_path) if timeline_path is not None else Path("refserve-demo-timeline.html")
+    write_timeline_html(path, engine.steps, cfg.num_blocks, "refserve demo: tiny model")
+    print(f"timeline: {path.resolve()}")
     return 0
 
 

@@ -64,11 +64,16 @@ class EngineCore:
             output = self.executor.execute(plan, inputs)
             sched.validate_output(plan, output.sampled)
         except BaseException:
+            written = self._written_blocks(plan)  # read while the reservation stands
             sched.rollback()
             if before is not None:
                 violations = check_atomic(before, sched.snapshot())
                 if violations:
                     raise InvariantViolation(plan.step_index, violations) from None
+            # K/V memory is not transactional: the executor may have written some of these
+            # blocks before it failed, including free cached blocks the step had evicted
+            # and the rollback re-indexed. Their cache entries must not be trusted.
+            sched.pool.forget_cached(written)
             raise
         duration = output.duration_ms
         if duration is None:
@@ -89,6 +94,14 @@ class EngineCore:
             events=events,
             plan=plan,
         )
+
+    def _written_blocks(self, plan: StepPlan) -> set[int]:
+        bs = self.scheduler.config.block_size
+        tables = self.scheduler.pool.block_table_views(plan.request_ids)
+        written: set[int] = set()
+        for table, start, n in zip(tables, plan.starts, plan.num_new_tokens, strict=True):
+            written.update(table[start // bs : blocks_needed(start + n, bs)])
+        return written
 
     def _inputs(self, plan: StepPlan) -> ModelInputs | None:
         if not (self.executor.needs_inputs or self.check_invariants):

@@ -24,7 +24,7 @@ from ref.errors import (
 from ref.kv import BlockCopy, BlockPool, PrefixHit
 from ref.plan import CapacityFinish, PlanBuilder, StepPlan
 from ref.policy import Policy, make_policy
-from ref.request import FinishReason, Request
+from ref.request import FinishReason, Request, StopParams
 from spec.arith import blocks_needed, chunk_size
 from spec.snapshot import EngineSnapshot, RequestStatus
 
@@ -66,6 +66,7 @@ class Scheduler:
         self.step_index = 0
         self._seq = 0
         self._pending: StepPlan | None = None
+        self._plan_start_ms = 0.0
         # Requests with prefill work left -> the last step in which they got any tokens
         # (or were queued). Drives the prefill reserve that bounds starvation.
         self._prefill_since: dict[str, int] = {}
@@ -93,11 +94,16 @@ class Scheduler:
         for t in request.prompt_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise InvalidArgument(f"add_request: request {rid!r} has a bad token id {t!r}")
-        max_len = self.config.max_model_len
+        max_len = self.config.max_len
         if request.num_prompt_tokens >= max_len:
+            what = (
+                f"max_model_len is {max_len}"
+                if max_len == self.config.max_model_len
+                else f"without chunked prefill the token budget {max_len} caps the length"
+            )
             raise InvalidArgument(
                 f"add_request: request {rid!r} prompt has {request.num_prompt_tokens} tokens; "
-                f"max_model_len is {max_len}, leaving no room for an output token"
+                f"{what}, leaving no room for an output token"
             )
         need = blocks_needed(request.num_prompt_tokens, self.config.block_size)
         if need > self.config.num_blocks:
@@ -110,17 +116,64 @@ class Scheduler:
 
     def abort(self, request_id: str, now_ms: float = 0.0) -> None:
         """Abort in any live state; every block the request held returns to the pool."""
-        self._require_boundary("abort")
-        r = self.requests.get(request_id)
-        if r is None:
-            raise UnknownRequest(request_id, "abort")
-        if self.pool.has_request(request_id):
-            self.pool.free(request_id)
-        if r in self.running:
-            self.running.remove(r)
+        self._end(request_id, S.ABORTED, FinishReason.ABORT, now_ms, "abort")
+
+    def finish(self, request_id: str, reason: FinishReason, now_ms: float = 0.0) -> None:
+        """Finish a live request from outside the scheduler at a step boundary (e.g. the
+        detokenizer matched a stop string): like abort, but recorded as finished."""
+        self._end(request_id, S.FINISHED, reason, now_ms, "finish")
+
+    def fork(self, parent_id: str, child_id: str, first_token: int, stop: StopParams) -> Request:
+        """n > 1 sampling: a sibling of a parent that has just sampled its first token.
+
+        The child has the parent's prompt and its own first token (drawn from the same
+        logits). While ``max_num_seqs`` leaves room it shares every KV block of the parent
+        (copy-on-write on the first write to the shared partial block) and enters in
+        decode, exactly the parent's state. Otherwise it waits in the state of a
+        recompute-preempted request and is admitted later like one, the prompt's full
+        blocks coming from the prefix cache.
+        """
+        self._require_boundary("fork")
+        parent = self.requests.get(parent_id)
+        if parent is None:
+            raise UnknownRequest(parent_id, "fork")
+        if child_id in self.requests:
+            raise DuplicateRequest(child_id, "fork")
+        if parent.status is not S.DECODING or parent.num_output_tokens != 1:
+            raise InvalidArgument(
+                f"fork: parent {parent_id!r} must be decoding with exactly one sampled token "
+                f"(status {parent.status}, {parent.num_output_tokens} sampled)"
+            )
+        if type(first_token) is not int or first_token < 0:
+            raise InvalidArgument(f"fork: bad first token {first_token!r} for {child_id!r}")
+        child = Request(
+            child_id,
+            list(parent.prompt_token_ids),
+            stop,
+            arrival_ms=parent.arrival_ms,
+            priority=parent.priority,
+            tenant=parent.tenant,
+            namespace=parent.namespace,
+        )
+        child.token_ids.append(first_token)
+        child.seq = parent.seq  # siblings keep the parent's place in arrival order
+        child.admitted_ms = parent.admitted_ms
+        child.token_times_ms = list(parent.token_times_ms)
+        child.transition(S.DECODING)
+        self.requests[child_id] = child
+        if len(self.running) < self.config.max_num_seqs:
+            self.pool.fork(parent_id, child_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.running.append(child)
+        elif blocks_needed(child.num_tokens, self.config.block_size) > self.config.num_blocks:
+            # Waiting means recomputing all its tokens later, and they can never fit.
+            child.transition(S.PREEMPTED)
+            self._retire(child, S.FINISHED, FinishReason.CAPACITY, self._plan_start_ms)
         else:
-            self.waiting.remove(r)
-        self._retire(r, S.ABORTED, FinishReason.ABORT, now_ms)
+            child.transition(S.PREEMPTED)
+            self._requeue(child)
+        return child
 
     @property
     def has_unfinished(self) -> bool:
@@ -153,13 +206,19 @@ class Scheduler:
         self.validate_output(plan, sampled)
         by_id = self.requests
         gone: set[str] = set()
+        finished: list[str] = []
         for rid in plan.preempted:
             r = by_id[rid]
             r.transition(S.PREEMPTED)
             r.num_computed_tokens = 0
             r.num_preemptions += 1
             gone.add(rid)
-            self._requeue(r)
+            if blocks_needed(r.num_tokens, self.config.block_size) > self.config.num_blocks:
+                # Its known tokens outgrew the pool: recomputing them can never fit.
+                self._retire(r, S.FINISHED, FinishReason.CAPACITY, now_ms)
+                finished.append(rid)
+            else:
+                self._requeue(r)
         if plan.admitted:
             admitted = set(plan.admitted)
             self.waiting = [r for r in self.waiting if r.request_id not in admitted]
@@ -169,8 +228,7 @@ class Scheduler:
                 if r.admitted_ms is None:
                     r.admitted_ms = self._plan_start_ms
         new_tokens: dict[str, int] = {}
-        finished: list[str] = []
-        max_len = self.config.max_model_len
+        max_len = self.config.max_len
         for rid, start, n, samples, cached in zip(
             plan.request_ids,
             plan.starts,
@@ -339,7 +397,7 @@ class Scheduler:
         if cfg.admission is Admission.PROMPT:
             total = r.num_tokens
         else:
-            total = min(r.num_prompt_tokens + r.stop.max_tokens, cfg.max_model_len)
+            total = min(r.num_prompt_tokens + r.stop.max_tokens, cfg.max_len)
         held = len(hit.block_ids) if hit else 0
         fresh_first = max(0, blocks_needed(held * cfg.block_size + n, cfg.block_size) - held)
         revived = first - fresh_first  # cached blocks that leave the free queue on a hit
@@ -394,6 +452,21 @@ class Scheduler:
         self.waiting.insert(i, r)
         self._prefill_since[r.request_id] = self.step_index
 
+    def _end(
+        self, request_id: str, status: RequestStatus, reason: FinishReason, now_ms: float, what: str
+    ) -> None:
+        self._require_boundary(what)
+        r = self.requests.get(request_id)
+        if r is None:
+            raise UnknownRequest(request_id, what)
+        if self.pool.has_request(request_id):
+            self.pool.free(request_id)
+        if r in self.running:
+            self.running.remove(r)
+        else:
+            self.waiting.remove(r)
+        self._retire(r, status, reason, now_ms)
+
     def _retire(
         self, r: Request, status: RequestStatus, reason: FinishReason, now_ms: float
     ) -> None:
@@ -414,5 +487,5 @@ class Scheduler:
     def snapshot(self, extra: Iterable[Request] = ()) -> EngineSnapshot:
         live = sorted([*self.requests.values(), *extra], key=lambda r: r.request_id)
         return EngineSnapshot(
-            tuple(r.snapshot(self.config.max_model_len) for r in live), self.pool.snapshot()
+            tuple(r.snapshot(self.config.max_len) for r in live), self.pool.snapshot()
         )

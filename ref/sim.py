@@ -2,19 +2,31 @@
 
 The scheduler and engine core are the same ones that drive the real model; only this
 executor differs. Requests that arrive during a step join at the next step boundary.
+
+Three ways to replay a workload, all on the same engine core and executor:
+
+- :func:`simulate`: open loop, each request arrives at its ``arrival_ms``.
+- :func:`simulate_closed_loop`: a fixed number of requests in flight; the next one is
+  released the moment one finishes (its ``arrival_ms`` becomes the release time).
+- :func:`simulate_sessions`: multi-turn sessions whose turn k+1 is built from turn k's
+  prompt and outputs plus the turn's new tokens and arrives ``tool_wait_ms`` after turn k
+  finishes (agent sessions, seed 003); optionally with at most ``concurrency`` sessions
+  active at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+import heapq
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from ref.cost_model import CostModel
 from ref.engine_core import EngineCore, StepRecord
+from ref.errors import InvalidArgument
 from ref.executor import StepOutput
 from ref.inputs import ModelInputs
 from ref.plan import StepPlan
-from ref.request import Request
+from ref.request import FinishReason, Request, StopParams
 from ref.scheduler import Scheduler
 
 VOCAB = 32000
@@ -88,3 +100,196 @@ def simulate(
         clock = record.end_ms
     start = min((r.arrival_ms for r in everyone), default=0.0)
     return SimResult(tuple(everyone), tuple(steps), clock - start)
+
+
+# ----------------------------------------------------------------- closed loop, sessions
+@dataclass(frozen=True)
+class SessionTurn:
+    """One turn of a session.
+
+    ``new_token_ids`` are appended to the previous turn's prompt and outputs (for the
+    first turn they are the whole prompt); ``tool_wait_ms`` is the pause between the
+    previous turn's last token and this turn's arrival (ignored for the first turn).
+    """
+
+    new_token_ids: tuple[int, ...]
+    output_len: int
+    tool_wait_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Session:
+    """A multi-turn conversation; its turns run one after another, never overlapping."""
+
+    session_id: str
+    start_ms: float
+    turns: tuple[SessionTurn, ...]
+    priority: int = 0
+    tenant: str = "default"
+    # Request ids are ``<session_id>/t<k>``; False: a one-turn session's request is
+    # named ``session_id`` itself (a plain request replayed alongside sessions).
+    turn_ids: bool = True
+
+    def turn_id(self, k: int) -> str:
+        return f"{self.session_id}/t{k}" if self.turn_ids else self.session_id
+
+
+@dataclass
+class _Job:
+    """A unit the closed loop counts: a single request or a whole session."""
+
+    session: Session | None
+    request: Request | None  # a ready-made single request (no session)
+    next_turn: int = 0
+    previous: Request | None = None
+
+
+@dataclass(order=True)
+class _Release:
+    at_ms: float
+    order: int
+    job: _Job = field(compare=False)
+
+
+def simulate_closed_loop(
+    scheduler: Scheduler,
+    requests: Iterable[Request],
+    cost: CostModel,
+    *,
+    concurrency: int,
+    check_invariants: bool = False,
+    max_steps: int = 1_000_000,
+) -> SimResult:
+    """Keep ``concurrency`` requests in flight; release the next (in list order) as one ends.
+
+    The first ``concurrency`` requests are released at time 0; each later one at the step
+    boundary where a request finishes. A request's ``arrival_ms`` is overwritten with its
+    release time, so TTFT is measured from the moment the client sent it.
+    """
+    jobs = [_Job(None, r) for r in requests]
+    return _replay(scheduler, jobs, cost, concurrency, check_invariants, max_steps)
+
+
+def simulate_sessions(
+    scheduler: Scheduler,
+    sessions: Iterable[Session],
+    cost: CostModel,
+    *,
+    concurrency: int | None = None,
+    check_invariants: bool = False,
+    max_steps: int = 1_000_000,
+) -> SimResult:
+    """Replay multi-turn sessions; turn k+1 arrives ``tool_wait_ms`` after turn k finishes.
+
+    Turn k+1's prompt is turn k's prompt, then its sampled outputs, then the turn's new
+    tokens, so with prefix caching on the resumed prefix is found in the cache. Without
+    ``concurrency`` each session starts at its ``start_ms`` (open loop over sessions);
+    with it, at most that many sessions are active and the next (in ``start_ms`` order)
+    starts when one ends. A turn that does not finish normally (capacity) ends its session.
+    """
+    ordered = sorted(sessions, key=lambda s: s.start_ms)
+    for s in ordered:
+        if not s.turns:
+            raise InvalidArgument(f"session {s.session_id!r} has no turns")
+    jobs = [_Job(s, None) for s in ordered]
+    return _replay(scheduler, jobs, cost, concurrency, check_invariants, max_steps)
+
+
+def _replay(
+    scheduler: Scheduler,
+    jobs: Sequence[_Job],
+    cost: CostModel,
+    concurrency: int | None,
+    check_invariants: bool,
+    max_steps: int,
+) -> SimResult:
+    if concurrency is not None and concurrency < 1:
+        raise InvalidArgument(f"concurrency must be >= 1, got {concurrency}")
+    core = EngineCore(
+        scheduler, SimExecutor(cost, scheduler.requests), check_invariants=check_invariants
+    )
+    releases: list[_Release] = []
+    order = 0
+
+    def release(job: _Job, at_ms: float) -> None:
+        nonlocal order
+        heapq.heappush(releases, _Release(at_ms, order, job))
+        order += 1
+
+    queued = iter(jobs)
+    if concurrency is None:
+        for job in queued:
+            release(job, _start_ms(job))
+    else:
+        for _, job in zip(range(concurrency), queued, strict=False):
+            release(job, 0.0)
+    in_flight: dict[str, _Job] = {}  # request id -> the job it belongs to
+    everyone: list[Request] = []
+    clock = 0.0 if concurrency is not None else min((r.at_ms for r in releases), default=0.0)
+    steps: list[StepRecord] = []
+    while releases or scheduler.has_unfinished:
+        while releases and releases[0].at_ms <= clock:
+            rel = heapq.heappop(releases)
+            r = _next_request(rel.job, rel.at_ms)
+            scheduler.add_request(r)
+            in_flight[r.request_id] = rel.job
+            everyone.append(r)
+        if not scheduler.has_unfinished:
+            clock = releases[0].at_ms  # idle until the next release
+            continue
+        if len(steps) >= max_steps:
+            raise RuntimeError(f"simulation did not finish within {max_steps} steps")
+        record = core.step(clock)
+        steps.append(record)
+        clock = record.end_ms
+        for rid in record.events.finished:
+            job = in_flight.pop(rid)
+            done = job.previous
+            assert done is not None and done.request_id == rid
+            s = job.session
+            more = (
+                s is not None
+                and job.next_turn < len(s.turns)
+                and done.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+            )
+            if more:
+                assert s is not None
+                release(job, clock + s.turns[job.next_turn].tool_wait_ms)
+            elif concurrency is not None:
+                nxt = next(queued, None)
+                if nxt is not None:
+                    release(nxt, clock)
+    everyone.sort(key=lambda r: (r.arrival_ms, r.seq))
+    start = min((r.arrival_ms for r in everyone), default=0.0)
+    return SimResult(tuple(everyone), tuple(steps), clock - start)
+
+
+def _start_ms(job: _Job) -> float:
+    if job.session is not None:
+        return job.session.start_ms
+    assert job.request is not None
+    return job.request.arrival_ms
+
+
+def _next_request(job: _Job, at_ms: float) -> Request:
+    """The job's next request, arriving at ``at_ms``."""
+    if job.session is None:
+        assert job.request is not None
+        r = job.request
+        r.arrival_ms = at_ms
+        job.previous = r
+        return r
+    s, k = job.session, job.next_turn
+    turn = s.turns[k]
+    head = job.previous.token_ids if job.previous is not None else []
+    r = Request(
+        s.turn_id(k),
+        [*head, *turn.new_token_ids],
+        StopParams(max_tokens=turn.output_len, ignore_eos=True),
+        arrival_ms=at_ms,
+        priority=s.priority,
+        tenant=s.tenant,
+    )
+    job.next_turn = k + 1
+    job.previous = r
+    return r

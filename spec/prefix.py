@@ -100,12 +100,17 @@ def check_prefix_step(step: StepSnapshot) -> list[Violation]:
     """Writes go to private blocks; cache hits are whole blocks and spare the last token."""
     out: list[Violation] = []
     bs = step.after.pool.block_size
-    # A block cached before the step may be written if the step evicted it first (a free
-    # cached block popped for new tokens); only an entry that survives the step is live.
-    live_after = {(e.key, e.block_id) for e in step.after.pool.cache_entries}
-    cached_before = {
-        e.block_id for e in step.before.pool.cache_entries if (e.key, e.block_id) in live_after
-    }
+    # A cached block may be written only once nobody reads it any more: the step evicted
+    # it (it was free, or its holders let go of it in this very step) and handed it out.
+    # It may then even be re-indexed under its old key if the new owner writes the same
+    # tokens. A write into a cached block that the writer itself held (rewriting computed
+    # KV) or that a holder still reads after the step is the violation.
+    after_ids = {t.request_id for t in step.after.pool.tables}
+    holders: dict[int, list[str]] = defaultdict(list)
+    for t in step.before.pool.tables:
+        for b in t.block_table:
+            holders[b].append(t.request_id)
+    cached_before = {e.block_id for e in step.before.pool.cache_entries}
     for s in step.scheduled:
         who = f"request {s.request_id}"
         for slot in s.slot_mapping:
@@ -121,8 +126,17 @@ def check_prefix_step(step: StepSnapshot) -> list[Violation]:
                     )
                 )
                 break
-            if b in cached_before:
-                out.append(violation(X, who, f"writes into block {b} that was already cached"))
+            readers = [h for h in holders.get(b, ()) if h == s.request_id or h in after_ids]
+            if b in cached_before and readers:
+                out.append(
+                    violation(
+                        X,
+                        who,
+                        f"writes into block {b} that was already cached",
+                        "an evicted block",
+                        f"still held by {', '.join(sorted(readers))}",
+                    )
+                )
                 break
         if s.num_new_cached_tokens % bs != 0:
             out.append(

@@ -10,7 +10,7 @@ bad argument raises a typed error with nothing changed; inside
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -96,6 +96,9 @@ class BlockPool:
         # Prefix cache: key -> block, and per block what its key was computed from.
         self._index: dict[bytes, int] = {}
         self._entry: list[CacheEntry | None] = [None] * num_blocks
+        # Blocks indexed inside the open transaction: their K/V is computed by the step
+        # that reserved them, so a lookup in that same step must not serve them.
+        self._fresh: set[int] = set()
 
     # ------------------------------------------------------------------ queries
     @property
@@ -134,6 +137,9 @@ class BlockPool:
 
         Each hit is confirmed by identity (stored parent key and token ids), not by the
         key alone, so a stale index entry can only cause a miss, never a wrong reuse.
+        Blocks indexed by the open transaction are not served: the step that reserved
+        them has not computed their K/V yet (two requests sharing a new prefix in one
+        step each compute it; the second reuses it from the next step on).
         """
         if len(token_ids) < 1:
             raise InvalidArgument("lookup: token_ids is empty; a request needs at least one token")
@@ -148,7 +154,7 @@ class BlockPool:
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             key = block_key(parent, tokens)
             b = self._index.get(key)
-            if b is None:
+            if b is None or b in self._fresh:
                 break
             entry = self._entry[b]
             if entry is None or entry.parent_key != parent or entry.token_ids != tokens:
@@ -185,16 +191,24 @@ class BlockPool:
         self._journal.begin()
 
     def commit(self) -> None:
+        """Close the transaction: blocks it indexed become visible to :meth:`lookup`."""
         self._journal.commit()
+        self._fresh.clear()
 
     def rollback(self) -> None:
         self._journal.rollback()
+        self._fresh.clear()
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
         """Group mutations: if the body raises, the pool returns to its state at entry."""
-        with self._journal.transaction():
-            yield
+        outermost = not self._journal.active
+        try:
+            with self._journal.transaction():
+                yield
+        finally:
+            if outermost:
+                self._fresh.clear()
 
     def allocate(
         self,
@@ -349,6 +363,20 @@ class BlockPool:
             del self._tables[request_id]
             self._journal.record(lambda: self._tables.__setitem__(request_id, table))
 
+    def forget_cached(self, block_ids: Iterable[int]) -> int:
+        """Drop the cache entries of these blocks (their K/V can no longer be trusted).
+
+        Used after an executor fault: the failed step may have overwritten blocks that the
+        rollback put back in the index. Returns how many entries were dropped.
+        """
+        dropped = 0
+        with self.transaction():
+            for b in block_ids:
+                if 0 <= b < self.num_blocks and self._entry[b] is not None:
+                    self._uncache(b)
+                    dropped += 1
+        return dropped
+
     def evict(self, num_blocks: int) -> int:
         """Drop the cache entries of up to ``num_blocks`` least recently freed cached blocks."""
         _require_int(num_blocks, "num_blocks", minimum=0)
@@ -483,6 +511,8 @@ class BlockPool:
     def _cache(self, b: int, entry: CacheEntry) -> None:
         self._index[entry.key] = b
         self._entry[b] = entry
+        if self._journal.active:
+            self._fresh.add(b)
 
         def undo() -> None:
             del self._index[entry.key]

@@ -1,0 +1,800 @@
+"""``refserve compare``: scheduler policies over seed 003's traces and a request-rate sweep.
+
+Seed 003's minimal experiment: the same traces (short chat, long prompt, agent multi-turn,
+plus a chat stream with a few long prompts mixed in), a fixed request-rate sweep, and
+several scheduling policies; report P50/P95/P99 TTFT, P99 TBT, tokens/s, goodput,
+rejections and preemptions, and find where goodput bends as the rate rises.
+
+Everything runs on the cost-model simulator (same scheduler and engine core as the real
+engine). Choices, all overridable from the command line:
+
+- **Cost model**: seed 002's ``2 + 0.5P + D`` ms. With the default ``--scale 16`` one
+  simulated token stands for 16 real ones, so 0.5 ms per simulated prefill token is about
+  31 us per real token: roughly an 8B model on one H100/H200-class GPU. Decode and the
+  fixed per-step term are teaching numbers, not a fit; every time in the report is the
+  simulator's virtual ms on this model.
+- **Scale**: token lengths are divided by ``--scale`` (see :mod:`ref.workloads`); times
+  (arrivals, tool waits) are not.
+- **Engine**: token budget 512, block 16, 4096 KV blocks (65,536 simulated tokens, about
+  1M real tokens at scale 16), at most 256 running requests.
+- **SLOs** (per request, both must hold for goodput): TTFT <= ``ttft_base_ms +
+  ttft_per_token_ms * prompt_tokens`` (default 500 ms + 1 ms per prompt token: twice the
+  cost model's prefill time plus half a second, so a long prompt is not failed for being
+  long), and TBT: every gap between two consecutive tokens <= ``tbt_ms`` (default 300 ms:
+  a step with a full 512-token prefill chunk takes ~258 ms).
+- **Goodput**: ``goodput = SLO attainment x offered rate`` (requests/s that meet both SLOs;
+  never above the offered rate); also output tokens/s of requests that meet them. For
+  agent sessions the offered request rate is measured (turns / span of their arrivals):
+  a turn arrives only after its predecessor finished plus the tool wait. The
+  **knee** of a policy is the first swept rate whose attainment (goodput / offered) falls
+  below ``--knee`` (0.9).
+
+Policies are a list of :class:`NamedPolicy`; add one by appending to :data:`POLICIES`. A
+policy that needs a :class:`~ref.config.SchedulerConfig` field this checkout lacks is
+skipped and named in the report: ``slo-aware`` is the hook for issue 7's SLO-aware chunk
+sizing (it sets ``SchedulerConfig.tbt_slo_ms`` to the TBT SLO once that field exists).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO, TypeVar
+
+from ref.config import PolicyName, SchedulerConfig
+from ref.cost_model import CostModel
+from ref.errors import InvalidArgument, RefserveError
+from ref.metrics import RequestMetrics, RunMetrics, percentile
+from ref.report_plot import Point, line_chart_svg
+from ref.scheduler import Scheduler
+from ref.workloads import (
+    Workload,
+    agent_sessions,
+    from_records,
+    long_prompt,
+    long_prompt_records,
+    merge_records,
+    short_chat,
+    short_chat_records,
+)
+
+DEFAULT_COST = "2+0.5P+D"
+DEFAULT_SCALE = 16.0
+STOP_BELOW = 0.5
+BASE_CONFIG = SchedulerConfig(
+    max_num_batched_tokens=512, max_num_seqs=256, block_size=16, num_blocks=4096
+)
+
+
+# ------------------------------------------------------------------------ SLOs
+@dataclass(frozen=True)
+class Slo:
+    """Per-request service level: both must hold for a request to count as goodput."""
+
+    ttft_base_ms: float = 500.0
+    ttft_per_token_ms: float = 1.0
+    tbt_ms: float = 300.0
+
+    def ttft_limit_ms(self, num_prompt_tokens: int) -> float:
+        return self.ttft_base_ms + self.ttft_per_token_ms * num_prompt_tokens
+
+    def met(self, m: RequestMetrics) -> bool:
+        """Finished normally, first token in time, and no gap between tokens too long."""
+        if m.finish_reason not in ("stop", "length") or m.ttft_ms is None:
+            return False
+        if m.ttft_ms > self.ttft_limit_ms(m.num_prompt_tokens):
+            return False
+        return all(gap <= self.tbt_ms for gap in m.itl_ms)
+
+
+# ------------------------------------------------------------------------ policies
+@dataclass(frozen=True)
+class NamedPolicy:
+    """A scheduler configuration under a name.
+
+    ``configure(base, max_len, slo)`` returns the config for a workload whose longest
+    sequence is ``max_len`` tokens. ``requires`` names SchedulerConfig fields the policy
+    needs; without them it is skipped (and the report says so).
+    """
+
+    name: str
+    description: str
+    configure: Callable[[SchedulerConfig, int, Slo], SchedulerConfig]
+    requires: tuple[str, ...] = ()
+
+    def available(self) -> bool:
+        have = {f.name for f in dataclasses.fields(SchedulerConfig)}
+        return all(r in have for r in self.requires)
+
+
+def _fcfs(base: SchedulerConfig, max_len: int, slo: Slo) -> SchedulerConfig:
+    # Without chunking a prompt must fit in one step: the budget grows to the longest
+    # sequence, as vLLM sets max_num_batched_tokens = max_model_len without chunking.
+    return dataclasses.replace(
+        base,
+        enable_chunked_prefill=False,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=max(base.max_num_batched_tokens, max_len + 1),
+    )
+
+
+def _static(base: SchedulerConfig, max_len: int, slo: Slo) -> SchedulerConfig:
+    return dataclasses.replace(_fcfs(base, max_len, slo), policy=PolicyName.STATIC)
+
+
+def _chunked(base: SchedulerConfig, max_len: int, slo: Slo) -> SchedulerConfig:
+    return dataclasses.replace(base, enable_chunked_prefill=True, enable_prefix_caching=False)
+
+
+def _prefix_aware(base: SchedulerConfig, max_len: int, slo: Slo) -> SchedulerConfig:
+    return dataclasses.replace(base, enable_chunked_prefill=True, enable_prefix_caching=True)
+
+
+def _reserve(base: SchedulerConfig, max_len: int, slo: Slo) -> SchedulerConfig:
+    return dataclasses.replace(
+        _prefix_aware(base, max_len, slo),
+        prefill_reserve_tokens=max(1, base.max_num_batched_tokens // 8),
+    )
+
+
+def _slo_aware(base: SchedulerConfig, max_len: int, slo: Slo) -> SchedulerConfig:
+    # The hook for SLO-aware chunk sizing: a config field holding the TBT target.
+    # Built by name so this module type-checks before and after the field exists.
+    hook: dict[str, Any] = {"tbt_slo_ms": slo.tbt_ms}
+    return dataclasses.replace(_prefix_aware(base, max_len, slo), **hook)
+
+
+POLICIES: tuple[NamedPolicy, ...] = (
+    NamedPolicy(
+        "static",
+        "static batching: a new batch only when the whole previous one finished; whole "
+        "prompts, no prefix cache",
+        _static,
+    ),
+    NamedPolicy(
+        "fcfs",
+        "continuous batching, FCFS admission, whole prompts in one step (chunked prefill "
+        "off), no prefix cache: a long prompt stalls every decode for its whole prefill",
+        _fcfs,
+    ),
+    NamedPolicy(
+        "chunked",
+        "decode-first with chunked prefill (budget 512), no prefix cache",
+        _chunked,
+    ),
+    NamedPolicy(
+        "prefix-aware",
+        "decode-first, chunked prefill and the prefix cache on",
+        _prefix_aware,
+    ),
+    NamedPolicy(
+        "reserve",
+        "prefix-aware plus seed 002's starvation fix: 1/8 of the budget reserved for a "
+        "prefill that waited 8 steps",
+        _reserve,
+    ),
+    NamedPolicy(
+        "slo-aware",
+        "prefix-aware plus SLO-aware chunk sizing to the TBT SLO (needs "
+        "SchedulerConfig.tbt_slo_ms)",
+        _slo_aware,
+        requires=("tbt_slo_ms",),
+    ),
+)
+
+
+# ------------------------------------------------------------------------ traces
+@dataclass(frozen=True)
+class TraceSpec:
+    """A workload family swept over rates: ``build(rate, n, scale, seed)``."""
+
+    name: str
+    description: str
+    rate_unit: str
+    num: int
+    quick_num: int
+    rates: tuple[float, ...]
+    quick_rates: tuple[float, ...]
+    build: Callable[[float, int, float, int], Workload]
+    # At least ``rate * min_window_s`` units, so arrivals last long enough for the load
+    # to be sustained (an agent session lives ~10 s: 48 sessions at 16/s would all start
+    # within 3 s and the system would never see 16 sessions/s in steady state).
+    min_window_s: float = 0.0
+
+    def num_units(self, rate: float, num: int | None, quick: bool) -> int:
+        if num is not None:
+            return num
+        if quick:
+            return self.quick_num
+        return max(self.num, math.ceil(rate * self.min_window_s))
+
+
+def _chat(rate: float, n: int, scale: float, seed: int) -> Workload:
+    return Workload("chat", tuple(short_chat(n, rate, seed=seed, scale=scale)))
+
+
+def _long(rate: float, n: int, scale: float, seed: int) -> Workload:
+    return Workload("long", tuple(long_prompt(n, rate, seed=seed, scale=scale)))
+
+
+def _mixed(rate: float, n: int, scale: float, seed: int) -> Workload:
+    n_long = max(1, round(n * 0.05))
+    chat = short_chat_records(n - n_long, rate * 0.95, seed=seed, scale=scale)
+    long = long_prompt_records(n_long, rate * 0.05, seed=seed + 1, scale=scale)
+    return Workload("mixed", tuple(from_records(merge_records(chat, long))))
+
+
+def _agent(rate: float, n: int, scale: float, seed: int) -> Workload:
+    return Workload("agent", sessions=tuple(agent_sessions(n, rate, seed=seed, scale=scale)))
+
+
+TRACES: tuple[TraceSpec, ...] = (
+    TraceSpec(
+        "chat",
+        "short chat: prompt ~1K (+-50 %), output ~128 (+-50 %), Poisson arrivals",
+        "req/s",
+        200,
+        24,
+        (4, 8, 12, 16, 20, 24, 28, 32),
+        (4, 24),
+        _chat,
+    ),
+    TraceSpec(
+        "long",
+        "long prompt: prompt ~64K (+-25 %), output ~128 (+-25 %), Poisson arrivals",
+        "req/s",
+        40,
+        6,
+        (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6),
+        (0.1, 0.6),
+        _long,
+    ),
+    TraceSpec(
+        "mixed",
+        "chat with 5 % long prompts mixed in (head-of-line blocking), Poisson arrivals",
+        "req/s",
+        200,
+        24,
+        (0.5, 1, 2, 3, 4, 6, 8),
+        (1, 6),
+        _mixed,
+    ),
+    TraceSpec(
+        "agent",
+        "agent sessions: ~80K shared prefix, 3-6 turns of +1K tokens and ~128 outputs, "
+        "tool waits log-uniform 0.1-10 s; Poisson session starts",
+        "sessions/s",
+        48,
+        4,
+        (0.05, 0.1, 0.2, 0.5, 1, 2, 4, 8, 12, 16),
+        (0.1, 2),
+        _agent,
+        min_window_s=20.0,
+    ),
+)
+
+
+# ------------------------------------------------------------------------ one run
+@dataclass(frozen=True)
+class PointResult:
+    trace: str
+    policy: str
+    rate: float
+    offered_rps: float
+    num_requests: int
+    num_finished: int
+    ttft_p50_ms: float | None
+    ttft_p95_ms: float | None
+    ttft_p99_ms: float | None
+    tbt_p99_ms: float | None
+    output_tokens_per_s: float
+    slo_attainment: float
+    goodput_rps: float
+    goodput_tokens_per_s: float
+    rejected: int
+    preemptions: int
+    cached_tokens: int
+    prefix_hit_rate: float
+    makespan_ms: float
+    num_steps: int
+    wall_s: float
+
+
+def run_point(
+    spec: TraceSpec,
+    workload: Workload,
+    policy: NamedPolicy,
+    rate: float,
+    base: SchedulerConfig,
+    cost: CostModel,
+    slo: Slo,
+) -> PointResult:
+    """Run one workload under one policy and summarize it."""
+    started = time.perf_counter()
+    config = policy.configure(base, workload.max_len, slo)
+    result = workload.run(Scheduler(config), cost)
+    reqs = [RequestMetrics.of(r) for r in result.requests]
+    run = RunMetrics.of(reqs, result.makespan_ms)
+    met = [m for m in reqs if slo.met(m)]
+    n = workload.num_requests
+    offered = rate
+    if workload.sessions:
+        # A turn arrives only after the previous one finished and its tool wait, so the
+        # offered request rate is measured: turns over the span of their arrivals.
+        arrivals = [r.arrival_ms for r in result.requests]
+        span_s = (max(arrivals) - min(arrivals)) / 1e3 if arrivals else 0.0
+        offered = n / span_s if span_s > 0 else rate
+    attainment = len(met) / n if n else 0.0
+    secs = result.makespan_ms / 1e3 if result.makespan_ms > 0 else math.inf
+    prompt_tokens = sum(m.num_prompt_tokens for m in reqs)
+    return PointResult(
+        trace=spec.name,
+        policy=policy.name,
+        rate=rate,
+        offered_rps=offered,
+        num_requests=n,
+        num_finished=sum(1 for m in reqs if m.finish_reason in ("stop", "length")),
+        ttft_p50_ms=run.ttft_ms["p50"],
+        ttft_p95_ms=run.ttft_ms["p95"],
+        ttft_p99_ms=run.ttft_ms["p99"],
+        tbt_p99_ms=percentile([x for m in reqs for x in m.itl_ms], 99),
+        output_tokens_per_s=run.output_tokens_per_s,
+        slo_attainment=attainment,
+        goodput_rps=attainment * offered,
+        goodput_tokens_per_s=sum(m.num_output_tokens for m in met) / secs,
+        # Requests the engine turned away or could not finish (no admission control yet:
+        # only a CAPACITY finish or one never released would count).
+        rejected=n - sum(1 for m in reqs if m.finish_reason in ("stop", "length")),
+        preemptions=run.num_preemptions,
+        cached_tokens=run.num_cached_tokens,
+        prefix_hit_rate=run.num_cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+        makespan_ms=result.makespan_ms,
+        num_steps=len(result.steps),
+        wall_s=time.perf_counter() - started,
+    )
+
+
+def knee_rate(points: Sequence[PointResult], threshold: float) -> float | None:
+    """The first swept rate whose goodput / offered falls below ``threshold``."""
+    for p in sorted(points, key=lambda p: p.rate):
+        if p.slo_attainment < threshold:
+            return p.rate
+    return None
+
+
+# ------------------------------------------------------------------------ progress
+class Progress:
+    """A dependency-free text progress bar on a stream (stderr)."""
+
+    def __init__(self, total: int, stream: TextIO, *, enabled: bool = True) -> None:
+        self.total, self.done, self.stream, self.enabled = total, 0, stream, enabled
+        self.started = time.perf_counter()
+        self.tty = stream.isatty()
+        self._last_line = -1
+
+    def advance(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        width = 30
+        filled = width * self.done // max(self.total, 1)
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed / self.done * (self.total - self.done) if self.done else 0.0
+        line = (
+            f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+            f"{elapsed:5.1f}s eta {eta:5.1f}s  {label}"
+        )
+        if self.tty:
+            self.stream.write("\r" + line[:110].ljust(110))
+            if self.done == self.total:
+                self.stream.write("\n")
+        else:
+            # Not a terminal (a log, CI): a line per tenth, not a wall of carriage returns.
+            tenth = 10 * self.done // max(self.total, 1)
+            if tenth != self._last_line:
+                self._last_line = tenth
+                self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+# ------------------------------------------------------------------------ the sweep
+@dataclass(frozen=True)
+class CompareOptions:
+    out: Path
+    traces: tuple[TraceSpec, ...]
+    policies: tuple[NamedPolicy, ...]
+    rates: tuple[float, ...] | None  # None: each trace's own sweep
+    quick: bool
+    scale: float
+    seed: int
+    cost: CostModel
+    slo: Slo
+    base: SchedulerConfig
+    knee: float
+    num: int | None
+    # Stop sweeping a policy on a trace after this many rates in a row with SLO attainment
+    # below ``STOP_BELOW``: it is far past its knee and overloaded runs are the slow ones.
+    stop_after: int | None = 2
+
+
+def run_compare(
+    opts: CompareOptions, stream: TextIO, *, progress: bool = True
+) -> dict[str, object]:
+    """Run the sweep, write ``report.md``, ``report.json`` and the SVG plots; return the JSON."""
+    active = [p for p in opts.policies if p.available()]
+    skipped = [p for p in opts.policies if not p.available()]
+    plan: list[tuple[TraceSpec, tuple[float, ...]]] = []
+    for spec in opts.traces:
+        rates = opts.rates or (spec.quick_rates if opts.quick else spec.rates)
+        plan.append((spec, tuple(sorted(rates))))
+    bar = Progress(sum(len(r) for _, r in plan) * len(active), stream, enabled=progress)
+    started = time.perf_counter()
+    points: list[PointResult] = []
+    stopped: dict[str, dict[str, float]] = {}  # trace -> policy -> first rate not run
+    for spec, rates in plan:
+        bad_in_a_row = dict.fromkeys((p.name for p in active), 0)
+        for rate in rates:
+            n = spec.num_units(rate, opts.num, opts.quick)
+            workload = spec.build(rate, n, opts.scale, opts.seed)
+            for policy in active:
+                label = f"{spec.name} {policy.name} @ {rate:g} {spec.rate_unit}"
+                if opts.stop_after is not None and bad_in_a_row[policy.name] >= opts.stop_after:
+                    stopped.setdefault(spec.name, {}).setdefault(policy.name, rate)
+                    bar.advance(label + " (skipped: past its knee)")
+                    continue
+                point = run_point(spec, workload, policy, rate, opts.base, opts.cost, opts.slo)
+                points.append(point)
+                bad = point.slo_attainment < STOP_BELOW
+                bad_in_a_row[policy.name] = bad_in_a_row[policy.name] + 1 if bad else 0
+                bar.advance(label)
+    wall = time.perf_counter() - started
+    opts.out.mkdir(parents=True, exist_ok=True)
+    plots = _write_plots(opts, plan, active, points)
+    knees = {
+        spec.name: {
+            p.name: knee_rate(
+                [x for x in points if x.trace == spec.name and x.policy == p.name], opts.knee
+            )
+            for p in active
+        }
+        for spec, _ in plan
+    }
+    report: dict[str, object] = {
+        "settings": {
+            "cost_model": str(opts.cost),
+            "scale": opts.scale,
+            "seed": opts.seed,
+            "quick": opts.quick,
+            "knee_threshold": opts.knee,
+            "slo": dataclasses.asdict(opts.slo),
+            "base_config": {
+                k: v if isinstance(v, int | float | bool) else str(v)
+                for k, v in dataclasses.asdict(opts.base).items()
+            },
+            "wall_s": round(wall, 3),
+        },
+        "traces": [
+            {
+                "name": s.name,
+                "description": s.description,
+                "rate_unit": s.rate_unit,
+                "rates": list(r),
+            }
+            for s, r in plan
+        ],
+        "policies": [{"name": p.name, "description": p.description} for p in active],
+        "skipped_policies": [
+            {"name": p.name, "needs": list(p.requires), "description": p.description}
+            for p in skipped
+        ],
+        "knees": knees,
+        "stopped_early": stopped,
+        "plots": plots,
+        "points": [dataclasses.asdict(p) for p in points],
+    }
+    (opts.out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (opts.out / "report.md").write_text(
+        render_markdown(opts, plan, active, skipped, points, knees, plots, wall, stopped),
+        encoding="utf-8",
+    )
+    return report
+
+
+def _write_plots(
+    opts: CompareOptions,
+    plan: Sequence[tuple[TraceSpec, tuple[float, ...]]],
+    policies: Sequence[NamedPolicy],
+    points: Sequence[PointResult],
+) -> dict[str, dict[str, str]]:
+    plots: dict[str, dict[str, str]] = {}
+    for spec, _ in plan:
+        mine = [p for p in points if p.trace == spec.name]
+
+        def series(
+            get: Callable[[PointResult], float | None], mine: list[PointResult] = mine
+        ) -> dict[str, list[Point]]:
+            return {
+                pol.name: [(p.rate, get(p)) for p in mine if p.policy == pol.name]
+                for pol in policies
+            }
+
+        offered: list[Point] = sorted({(p.rate, p.offered_rps) for p in mine})
+        swept = [p.rate for p in mine]
+        log_x = bool(swept) and max(swept) / min(swept) >= 50
+        goodput = line_chart_svg(
+            f"{spec.name}: goodput (both SLOs met) vs offered rate",
+            f"rate ({spec.rate_unit})",
+            "goodput (req/s)",
+            series(lambda p: p.goodput_rps),
+            log_x=log_x,
+            reference=offered,
+            reference_label="offered (req/s)",
+        )
+        ttft = line_chart_svg(
+            f"{spec.name}: P99 TTFT vs offered rate",
+            f"rate ({spec.rate_unit})",
+            "P99 TTFT (ms)",
+            series(lambda p: p.ttft_p99_ms),
+            log_y=True,
+            log_x=log_x,
+        )
+        names = {"goodput": f"goodput_{spec.name}.svg", "ttft_p99": f"ttft_p99_{spec.name}.svg"}
+        (opts.out / names["goodput"]).write_text(goodput, encoding="utf-8")
+        (opts.out / names["ttft_p99"]).write_text(ttft, encoding="utf-8")
+        plots[spec.name] = names
+    return plots
+
+
+# ------------------------------------------------------------------------ markdown
+def _knee_text(knee: float | None, rates: Sequence[float]) -> str:
+    """``> max`` when no swept rate fell below, ``<= min`` when already the first did."""
+    if knee is None:
+        return f"> {max(rates):g}"
+    return f"<= {knee:g}" if knee == min(rates) else f"{knee:g}"
+
+
+def _f(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def render_markdown(
+    opts: CompareOptions,
+    plan: Sequence[tuple[TraceSpec, tuple[float, ...]]],
+    policies: Sequence[NamedPolicy],
+    skipped: Sequence[NamedPolicy],
+    points: Sequence[PointResult],
+    knees: dict[str, dict[str, float | None]],
+    plots: dict[str, dict[str, str]],
+    wall_s: float,
+    stopped: dict[str, dict[str, float]] | None = None,
+) -> str:
+    slo = opts.slo
+    base = opts.base
+    lines = [
+        "# refserve compare: scheduling policies over seed 003's traces",
+        "",
+        f"Simulator, cost model `{opts.cost}` ms per step (P prefill tokens, D decodes), "
+        f"token lengths divided by {opts.scale:g} (scale), seed {opts.seed}"
+        f"{', quick run' if opts.quick else ''}; {len(points)} runs in {wall_s:.1f} s.",
+        f"Engine: token budget {base.max_num_batched_tokens}, block {base.block_size}, "
+        f"{base.num_blocks} KV blocks, max {base.max_num_seqs} running requests. "
+        "Times are the simulator's virtual ms.",
+        "",
+        f"SLOs per request: TTFT <= {slo.ttft_base_ms:g} ms + {slo.ttft_per_token_ms:g} ms "
+        f"x prompt tokens; every gap between tokens (TBT) <= {slo.tbt_ms:g} ms. "
+        "**Goodput** = requests/s meeting both (= SLO attainment x offered rate; for agent "
+        "sessions the offered request rate is measured: turns over the span of their "
+        "arrivals, since a turn waits for its predecessor and the tool). "
+        f"**Knee**: the first swept rate where goodput / offered < {opts.knee:g}.",
+        "",
+        "## Policies",
+        "",
+    ]
+    lines += [f"- **{p.name}**: {p.description}" for p in policies]
+    for p in skipped:
+        lines.append(
+            f"- ~~{p.name}~~ skipped: this checkout's SchedulerConfig has no "
+            f"{', '.join(p.requires)} ({p.description})"
+        )
+    lines += ["", f"## Knee rates (first rate where goodput / offered < {opts.knee:g})", ""]
+    head = "| trace | unit | " + " | ".join(p.name for p in policies) + " |"
+    lines += [head, "|" + "---|" * (len(policies) + 2)]
+    for spec, rates in plan:
+        cells = []
+        for p in policies:
+            k = knees[spec.name][p.name]
+            cells.append(_knee_text(k, rates))
+        lines.append(f"| {spec.name} | {spec.rate_unit} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Summary",
+        "",
+        "Per trace and policy: the knee, the highest swept rate still at or above the "
+        "threshold, the peak goodput over the sweep, and P99 TTFT / P99 TBT at the last "
+        "good rate.",
+        "",
+        "| trace | policy | knee | last good rate | peak goodput req/s (at rate) | "
+        "P99 TTFT ms | P99 TBT ms | preemptions |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for spec, rates in plan:
+        for pol in policies:
+            row = sorted(
+                (x for x in points if x.trace == spec.name and x.policy == pol.name),
+                key=lambda x: x.rate,
+            )
+            k = knees[spec.name][pol.name]
+            good = [x for x in row if k is None or x.rate < k]
+            last = good[-1] if good else None
+            peak = max(row, key=lambda x: x.goodput_rps)
+            lines.append(
+                f"| {spec.name} | {pol.name} | "
+                f"{_knee_text(k, rates)} | "
+                f"{'-' if last is None else f'{last.rate:g}'} | "
+                f"{peak.goodput_rps:.2f} ({peak.rate:g}) | "
+                f"{_f(None if last is None else last.ttft_p99_ms)} | "
+                f"{_f(None if last is None else last.tbt_p99_ms)} | "
+                f"{sum(x.preemptions for x in row)} |"
+            )
+    for spec, _ in plan:
+        mine = [p for p in points if p.trace == spec.name]
+        lines += [
+            "",
+            f"## {spec.name}",
+            "",
+            spec.description + ".",
+            "",
+            f"![goodput vs rate, {spec.name}]({plots[spec.name]['goodput']}) "
+            f"![P99 TTFT vs rate, {spec.name}]({plots[spec.name]['ttft_p99']})",
+            "",
+            f"| policy | rate ({spec.rate_unit}) | offered req/s | TTFT p50 | p95 | p99 ms | "
+            "TBT p99 ms | out tok/s | SLO met | goodput req/s | rejected | preempted | "
+            "prefix hit |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for pol in policies:
+            for r in sorted((x for x in mine if x.policy == pol.name), key=lambda x: x.rate):
+                lines.append(
+                    f"| {pol.name} | {r.rate:g} | {r.offered_rps:.2f} | {_f(r.ttft_p50_ms)} | "
+                    f"{_f(r.ttft_p95_ms)} | {_f(r.ttft_p99_ms)} | {_f(r.tbt_p99_ms)} | "
+                    f"{r.output_tokens_per_s:,.0f} | {100 * r.slo_attainment:.0f} % | "
+                    f"{r.goodput_rps:.2f} | {r.rejected} | {r.preemptions} | "
+                    f"{100 * r.prefix_hit_rate:.0f} % |"
+                )
+    lines += [
+        "",
+        "Rows stop where a policy had SLO attainment below "
+        f"{STOP_BELOW:.0%} at {opts.stop_after} rates in a row (far past its knee; "
+        "`--full-sweep` runs them all)"
+        + (
+            ": "
+            + "; ".join(
+                f"{t} {p} from {r:g}" for t, per in (stopped or {}).items() for p, r in per.items()
+            )
+            if stopped
+            else ""
+        )
+        + ".",
+        "",
+        "Rejected: requests that did not finish normally (this scheduler has no admission "
+        "control yet, so only a capacity finish counts). Prefix hit: prompt tokens found "
+        "in the prefix cache / all prompt tokens.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------ CLI
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4; got {text!r}") from None
+    if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be finite numbers > 0; got {text!r}")
+    return rates
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="refserve compare",
+        description="Compare scheduling policies over seed 003's traces and a rate sweep "
+        "on the simulator; writes DIR/report.md, DIR/report.json and SVG plots.",
+    )
+    p.add_argument("--out", type=Path, default=Path("compare-report"), help="output folder")
+    p.add_argument(
+        "--rates", type=_float_list, help="rates to sweep for every trace (default: per trace)"
+    )
+    p.add_argument("--quick", action="store_true", help="few requests and rates (seconds)")
+    p.add_argument("--traces", type=_names, help=f"subset of {','.join(t.name for t in TRACES)}")
+    p.add_argument(
+        "--policies", type=_names, help=f"subset of {','.join(x.name for x in POLICIES)}"
+    )
+    p.add_argument("--requests", type=int, help="requests (sessions for agent) per run")
+    p.add_argument("--scale", type=float, default=DEFAULT_SCALE, help="divide token lengths")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cost", default=DEFAULT_COST, help="step cost in ms, e.g. '2+0.5P+D'")
+    p.add_argument("--ttft-slo-ms", type=float, default=Slo.ttft_base_ms)
+    p.add_argument("--ttft-slo-per-token-ms", type=float, default=Slo.ttft_per_token_ms)
+    p.add_argument("--tbt-slo-ms", type=float, default=Slo.tbt_ms)
+    p.add_argument("--knee", type=float, default=0.9, help="goodput/offered threshold")
+    p.add_argument("--max-num-batched-tokens", type=int, default=BASE_CONFIG.max_num_batched_tokens)
+    p.add_argument("--num-blocks", type=int, default=BASE_CONFIG.num_blocks)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument(
+        "--full-sweep", action="store_true", help="run every rate even far past a policy's knee"
+    )
+    return p
+
+
+_T = TypeVar("_T")
+
+
+def _pick(
+    what: str, names: tuple[str, ...] | None, items: tuple[_T, ...], name_of: Callable[[_T], str]
+) -> tuple[_T, ...]:
+    if names is None:
+        return items
+    by_name = {name_of(i): i for i in items}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise InvalidArgument(
+            f"unknown {what} {', '.join(unknown)}; choose from {', '.join(by_name)}"
+        )
+    return tuple(by_name[n] for n in names)
+
+
+def compare_main(argv: list[str]) -> int:
+    """``refserve compare [--out DIR] [--rates R1,R2,...] [--quick] ...``; returns an exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        opts = CompareOptions(
+            out=args.out,
+            traces=_pick("trace", args.traces, TRACES, lambda t: t.name),
+            policies=_pick("policy", args.policies, POLICIES, lambda p: p.name),
+            rates=args.rates,
+            quick=args.quick,
+            scale=args.scale,
+            seed=args.seed,
+            cost=CostModel.parse(args.cost),
+            slo=Slo(args.ttft_slo_ms, args.ttft_slo_per_token_ms, args.tbt_slo_ms),
+            base=dataclasses.replace(
+                BASE_CONFIG,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                num_blocks=args.num_blocks,
+            ),
+            knee=args.knee,
+            num=args.requests,
+            stop_after=None if args.full_sweep else 2,
+        )
+        if args.requests is not None and args.requests < 1:
+            raise InvalidArgument(f"--requests must be >= 1, got {args.requests}")
+        if not opts.scale > 0:
+            raise InvalidArgument(f"--scale must be > 0, got {opts.scale}")
+        report = run_compare(opts, sys.stderr, progress=not args.no_progress)
+    except RefserveError as e:
+        print(f"refserve compare: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {opts.out / 'report.md'} and {opts.out / 'report.json'}")
+    knees, traces = report["knees"], report["traces"]
+    assert isinstance(knees, dict) and isinstance(traces, list)
+    for t in traces:
+        per_policy = knees[t["name"]]
+        text = ", ".join(f"{n} {_knee_text(k, t['rates'])}" for n, k in per_policy.items())
+        print(f"  knee ({t['name']}, {t['rate_unit']}): {text}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(compare_main(sys.argv[1:]))
