@@ -29,6 +29,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _conformance_main(argv[1:])
     if argv[:1] == ["check-kernel"]:
         return _check_kernel_main(argv[1:])
+    if argv[:1] == ["compare"]:
+        from ref.compare import compare_main
+
+        return compare_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -71,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
         "rest", nargs=argparse.REMAINDER, help="MODULE:FUNCTION [--layout vllm] [--json OUT]"
     )
     ck.set_defaults(func=_check_kernel)
+    cmp = sub.add_parser(
+        "compare", help="compare scheduling policies over built-in traces and a rate sweep"
+    )
+    cmp.add_argument("rest", nargs=argparse.REMAINDER, help="[--out DIR] [--rates ...] [--quick]")
     conf = sub.add_parser(
         "conformance", help="check an engine's scheduler and KV manager against the spec"
     )

@@ -33,20 +33,22 @@ never calls. The event is kept so a future fork/beam path shows up in the statis
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from ref.config import Admission, PolicyName, SchedulerConfig
-from ref.engine_core import EngineCore, InvariantViolation
+from ref.engine_core import EngineCore
 from ref.errors import DuplicateRequest, ExceedsCapacity, InvalidArgument, UnknownRequest
 from ref.executor import StepOutput
 from ref.inputs import ModelInputs
 from ref.plan import StepPlan
 from ref.request import FinishReason, Request, StopParams
 from ref.scheduler import Scheduler
-from spec import EngineSnapshot, ScheduledRequest, StepSnapshot, Violation, check_pool
+from spec import EngineSnapshot, ScheduledRequest, StepSnapshot, check_pool
 from spec.arith import blocks_needed, max_cacheable_tokens, slot_of
 from spec.progress import check_quiescent, check_starvation
 from spec.snapshot import RequestStatus
@@ -341,7 +343,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         with pytest.raises(Boom):
             self.core.step(self.clock)
         assert not self.executor.fail_next, "the executor was never reached"
-        assert self._state() == before
+        # EngineCore checked ATOMIC right after the rollback; then it dropped the cache
+        # entries of blocks the failed step may have written (K/V is not transactional).
+        after = self._state()
+        snap_before, snap_after = before[0], after[0]
+        assert isinstance(snap_before, EngineSnapshot) and isinstance(snap_after, EngineSnapshot)
+        kept = set(snap_after.pool.cache_entries)
+        assert kept <= set(snap_before.pool.cache_entries)
+        if kept != set(snap_before.pool.cache_entries):
+            event("failed step: cache entries of written blocks dropped")
+        unchanged_pool = replace(snap_after.pool, cache_entries=snap_before.pool.cache_entries)
+        assert replace(snap_after, pool=unchanged_pool) == snap_before
+        assert after[1:] == before[1:]
         assert self.memory == mem
         assert sched._pending is None
         event("failed step rolled back")
