@@ -10,6 +10,7 @@ Run: ``make bench`` (or ``pytest tests/bench/test_step_bench.py --benchmark-only
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 from pytest_benchmark.fixture import BenchmarkFixture
@@ -50,7 +51,15 @@ def test_decode_step(benchmark: BenchmarkFixture, n: int, fast_decode: bool) -> 
     s = running_decodes(n, fast_decode=fast_decode)
     gc.collect()
     benchmark.extra_info["running_requests"] = n
-    benchmark.pedantic(one_step, args=(s,), rounds=30, iterations=1, warmup_rounds=3)
+    # REFSERVE_BENCH_NOGC=1 measures without the cyclic GC, to see its share.
+    no_gc = os.environ.get("REFSERVE_BENCH_NOGC") == "1"
+    if no_gc:
+        gc.disable()
+    try:
+        benchmark.pedantic(one_step, args=(s,), rounds=30, iterations=1, warmup_rounds=3)
+    finally:
+        if no_gc:
+            gc.enable()
     per_request_us = benchmark.stats.stats.median / n * 1e6
     benchmark.extra_info["us_per_request"] = round(per_request_us, 3)
     path = "bulk" if fast_decode else "reference"
