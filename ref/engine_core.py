@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 from ref.errors import RefserveError
 from ref.executor import Executor
-from ref.inputs import ModelInputs, build_inputs
+from ref.inputs import ModelInputs, build_inputs, scheduled_requests
 from ref.plan import StepPlan
 from ref.scheduler import Scheduler, StepEvents
-from spec import EngineSnapshot, ScheduledRequest, StepSnapshot, Violation, check_step
+from spec import EngineSnapshot, StepSnapshot, Violation, check_step
 from spec.arith import blocks_needed
 from spec.atomic import check_atomic
 
@@ -112,23 +112,7 @@ class EngineCore:
         sched = self.scheduler
         cfg = sched.config
         after = sched.snapshot(extra=sched.retired)
-        qsl = inputs.query_start_loc.tolist()
-        positions = inputs.positions.tolist()
-        slots = inputs.slot_mapping.tolist()
-        tables = inputs.block_tables.tolist()
-        seq_lens = inputs.seq_lens.tolist()
-        scheduled = tuple(
-            ScheduledRequest(
-                request_id=c.request_id,
-                num_new_tokens=c.num_new_tokens,
-                positions=tuple(positions[qsl[i] : qsl[i + 1]]),
-                slot_mapping=tuple(slots[qsl[i] : qsl[i + 1]]),
-                block_table=tuple(tables[i][: blocks_needed(seq_lens[i], cfg.block_size)]),
-                samples=c.samples,
-                num_new_cached_tokens=c.num_new_cached_tokens,
-            )
-            for i, c in enumerate(plan.chunks)
-        )
+        scheduled = scheduled_requests(plan, inputs, cfg.block_size)
         step = StepSnapshot(
             step_index=plan.step_index,
             token_budget=cfg.max_num_batched_tokens,

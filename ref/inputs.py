@@ -18,6 +18,8 @@ import torch
 from ref.kv import BlockPool
 from ref.plan import StepPlan
 from ref.request import Request
+from spec.arith import blocks_needed
+from spec.snapshot import ScheduledRequest
 
 
 @dataclass(frozen=True)
@@ -85,3 +87,30 @@ def _padded(tables: Sequence[Sequence[int]]) -> torch.Tensor:
         flat.extend(t)
         flat.extend(zeros[: width - len(t)])
     return torch.frombuffer(flat, dtype=torch.int64).view(len(tables), width)
+
+
+def scheduled_requests(
+    plan: StepPlan, inputs: ModelInputs, block_size: int
+) -> tuple[ScheduledRequest, ...]:
+    """The plan as spec sees it, read back from the executor's real inputs.
+
+    Positions, slots and block tables come from the tensors the executor gets, not from
+    the plan, so the POS/CAP/PREFIX checks verify what is actually executed.
+    """
+    qsl = inputs.query_start_loc.tolist()
+    positions = inputs.positions.tolist()
+    slots = inputs.slot_mapping.tolist()
+    tables = inputs.block_tables.tolist()
+    seq_lens = inputs.seq_lens.tolist()
+    return tuple(
+        ScheduledRequest(
+            request_id=c.request_id,
+            num_new_tokens=c.num_new_tokens,
+            positions=tuple(positions[qsl[i] : qsl[i + 1]]),
+            slot_mapping=tuple(slots[qsl[i] : qsl[i + 1]]),
+            block_table=tuple(tables[i][: blocks_needed(seq_lens[i], block_size)]),
+            samples=c.samples,
+            num_new_cached_tokens=c.num_new_cached_tokens,
+        )
+        for i, c in enumerate(plan.chunks)
+    )

@@ -44,11 +44,11 @@ from ref.config import Admission, PolicyName, SchedulerConfig
 from ref.engine_core import EngineCore
 from ref.errors import DuplicateRequest, ExceedsCapacity, InvalidArgument, UnknownRequest
 from ref.executor import StepOutput
-from ref.inputs import ModelInputs
+from ref.inputs import ModelInputs, scheduled_requests
 from ref.plan import StepPlan
 from ref.request import FinishReason, Request, StopParams
 from ref.scheduler import Scheduler
-from spec import EngineSnapshot, ScheduledRequest, StepSnapshot, check_pool
+from spec import EngineSnapshot, StepSnapshot, check_pool
 from spec.arith import blocks_needed, max_cacheable_tokens, slot_of
 from spec.progress import check_quiescent, check_starvation
 from spec.snapshot import RequestStatus
@@ -524,23 +524,7 @@ def _step_snapshot(
     retired: list[Request],
 ) -> StepSnapshot:
     """The step as spec sees it, rebuilt from the same executor inputs EngineCore uses."""
-    qsl = inputs.query_start_loc.tolist()
-    positions = inputs.positions.tolist()
-    slots = inputs.slot_mapping.tolist()
-    tables = inputs.block_tables.tolist()
-    seq_lens = inputs.seq_lens.tolist()
-    scheduled = tuple(
-        ScheduledRequest(
-            request_id=c.request_id,
-            num_new_tokens=c.num_new_tokens,
-            positions=tuple(positions[qsl[i] : qsl[i + 1]]),
-            slot_mapping=tuple(slots[qsl[i] : qsl[i + 1]]),
-            block_table=tuple(tables[i][: blocks_needed(seq_lens[i], cfg.block_size)]),
-            samples=c.samples,
-            num_new_cached_tokens=c.num_new_cached_tokens,
-        )
-        for i, c in enumerate(plan.chunks)
-    )
+    scheduled = scheduled_requests(plan, inputs, cfg.block_size)
     return StepSnapshot(
         step_index=plan.step_index,
         token_budget=cfg.max_num_batched_tokens,

@@ -22,12 +22,11 @@ from conformance.adapter import (
 )
 from ref.config import SchedulerConfig
 from ref.errors import RefserveError
-from ref.inputs import build_inputs
+from ref.inputs import build_inputs, scheduled_requests
 from ref.plan import StepPlan
 from ref.request import Request, StopParams
 from ref.scheduler import Scheduler
-from spec.arith import blocks_needed
-from spec.snapshot import EngineSnapshot, ScheduledRequest
+from spec.snapshot import EngineSnapshot
 
 
 class RefAdapter:
@@ -96,23 +95,7 @@ class RefAdapter:
         self._plan = plan
         bs = sched.config.block_size
         inputs = build_inputs(plan, sched.requests, sched.pool)
-        qsl = inputs.query_start_loc.tolist()
-        positions = inputs.positions.tolist()
-        slots = inputs.slot_mapping.tolist()
-        tables = inputs.block_tables.tolist()
-        seq_lens = inputs.seq_lens.tolist()
-        scheduled = tuple(
-            ScheduledRequest(
-                request_id=c.request_id,
-                num_new_tokens=c.num_new_tokens,
-                positions=tuple(positions[qsl[i] : qsl[i + 1]]),
-                slot_mapping=tuple(slots[qsl[i] : qsl[i + 1]]),
-                block_table=tuple(tables[i][: blocks_needed(seq_lens[i], bs)]),
-                samples=c.samples,
-                num_new_cached_tokens=c.num_new_cached_tokens,
-            )
-            for i, c in enumerate(plan.chunks)
-        )
+        scheduled = scheduled_requests(plan, inputs, bs)
         return StepReport(
             scheduled=scheduled,
             preempted=plan.preempted,
