@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from ref.cost_model import CostModel
 from ref.errors import InvalidArgument
 
 
@@ -50,6 +51,19 @@ class SchedulerConfig:
     prefill_reserve_tokens: int = 0
     prefill_reserve_after_steps: int = 8
     policy: PolicyName = PolicyName.DECODE_FIRST
+    # Aging: a waiting request's effective priority improves by one level every
+    # ``aging_steps`` steps it waits (0: off). See ref/policy.py for the ordering bound.
+    aging_steps: int = 0
+    # SLO-aware chunk sizing (seed 003 §13): with both set, the step's prefill tokens are
+    # capped so ``iteration_model`` predicts the step ends before the tightest running
+    # decode's next-token deadline (its last token time + ``tbt_slo_ms``).
+    tbt_slo_ms: float | None = None
+    iteration_model: CostModel | None = None
+    # Admission control: at most ``max_waiting`` queued requests (add_request raises
+    # QueueFull beyond it), and a request still waiting for its first admission
+    # ``queue_timeout_ms`` after arrival finishes with reason ``timeout``.
+    max_waiting: int | None = None
+    queue_timeout_ms: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -71,6 +85,23 @@ class SchedulerConfig:
             raise InvalidArgument(
                 f"watermark_blocks ({self.watermark_blocks}) must be below "
                 f"num_blocks ({self.num_blocks})"
+            )
+        _non_negative("aging_steps", self.aging_steps)
+        if self.max_waiting is not None:
+            _positive("max_waiting", self.max_waiting)
+        for name in ("tbt_slo_ms", "queue_timeout_ms"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+            ):
+                raise InvalidArgument(f"{name} must be a positive number of ms, got {value!r}")
+        if (self.tbt_slo_ms is None) != (self.iteration_model is None):
+            raise InvalidArgument(
+                "tbt_slo_ms and iteration_model go together: SLO-aware chunking needs both"
+            )
+        if self.iteration_model is not None and not self.iteration_model.b > 0:
+            raise InvalidArgument(
+                f"iteration_model must charge prefill tokens (b > 0), got {self.iteration_model}"
             )
         if self.align_chunks_to_blocks and self.max_num_batched_tokens < self.block_size:
             # An aligned partial chunk is a whole number of blocks: with a budget below one

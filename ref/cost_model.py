@@ -7,7 +7,10 @@ KV tokens the decodes read (optional). Seed 002 uses ``2 + 0.5P + D``.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from ref.errors import InvalidArgument
 
@@ -51,3 +54,33 @@ class CostModel:
     def __str__(self) -> str:
         text = f"{self.a:g}+{self.b:g}P+{self.c:g}D"
         return text + (f"+{self.e:g}K" if self.e else "")
+
+
+def fit_cost_model(
+    durations_ms: Sequence[float],
+    prefill_tokens: Sequence[int],
+    decodes: Sequence[int],
+    kv_read: Sequence[int] | None = None,
+) -> CostModel:
+    """Least-squares fit of ``t = a + b*P + c*D (+ e*K)`` to recorded steps.
+
+    Feed it the iterations of a real engine run (``StepRecord.end_ms - start_ms``,
+    ``num_prefill_tokens``, ``num_decodes``) to get the iteration-latency model that
+    SLO-aware chunk sizing uses. Coefficients are clipped at 0 (a negative cost per token
+    is noise, not physics). Raises if the steps cannot determine the model.
+    """
+    n = len(durations_ms)
+    cols: list[Sequence[float]] = [[1.0] * n, prefill_tokens, decodes]
+    if kv_read is not None:
+        cols.append(kv_read)
+    if any(len(c) != n for c in cols):
+        raise InvalidArgument("fit_cost_model: every sequence needs one entry per step")
+    x = torch.tensor(list(zip(*cols, strict=True)), dtype=torch.float64)
+    if n < len(cols) or int(torch.linalg.matrix_rank(x)) < len(cols):
+        raise InvalidArgument(
+            f"fit_cost_model: {n} steps do not determine {len(cols)} coefficients "
+            "(vary the prefill tokens and decode counts across steps)"
+        )
+    y = torch.tensor(list(durations_ms), dtype=torch.float64).unsqueeze(1)
+    coef = torch.linalg.lstsq(x, y).solution.squeeze(1).clamp(min=0.0).tolist()
+    return CostModel(coef[0], coef[1], coef[2], coef[3] if kv_read is not None else 0.0)

@@ -47,3 +47,7 @@ class ExceedsCapacity(RefserveError):
         self.request_id = request_id
         self.needed = needed
         self.num_blocks = num_blocks
+
+
+class QueueFull(RefserveError):
+    """Admission control: the waiting queue is at ``max_waiting``; try again later."""

@@ -35,7 +35,10 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True)
-class CapacityFinish:
+class PlannedFinish:
+    """A request the plan finishes without computing: it can never fit (``capacity``) or
+    it waited past the queue timeout (``timeout``)."""
+
     request_id: str
     reason: FinishReason
 
@@ -51,8 +54,7 @@ class StepPlan:
     num_new_cached_tokens: tuple[int, ...]
     preempted: tuple[str, ...] = ()
     admitted: tuple[str, ...] = ()
-    # Lone requests that can never grow in this pool: they finish with reason capacity.
-    finished: tuple[CapacityFinish, ...] = ()
+    finished: tuple[PlannedFinish, ...] = ()
     copies: tuple[BlockCopy, ...] = ()
 
     @cached_property
@@ -122,7 +124,7 @@ class PlanBuilder:
         self,
         preempted: Sequence[str],
         admitted: Sequence[str],
-        finished: Sequence[CapacityFinish],
+        finished: Sequence[PlannedFinish],
         copies: Sequence[BlockCopy],
     ) -> StepPlan:
         return StepPlan(

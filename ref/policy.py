@@ -14,7 +14,7 @@ from ref.request import Request
 
 
 class Policy(Protocol):
-    def waiting_order(self, waiting: Sequence[Request]) -> list[Request]:
+    def waiting_order(self, waiting: Sequence[Request], step_index: int) -> list[Request]:
         """Waiting requests in the order admission should consider them."""
         ...
 
@@ -35,8 +35,24 @@ class DecodeFirst:
     A preempted request keeps its arrival order, so it is not overtaken by later arrivals.
     """
 
-    def waiting_order(self, waiting: Sequence[Request]) -> list[Request]:
-        return sorted(waiting, key=lambda r: (r.priority, r.seq))
+    def __init__(self, aging_steps: int = 0) -> None:
+        self.aging_steps = aging_steps
+
+    def effective_priority(self, r: Request, step_index: int) -> int:
+        """Priority improved by one level per ``aging_steps`` steps of waiting.
+
+        Ordering bound: with priorities in ``[lo, hi]``, a request is ordered ahead of
+        every request queued more than ``(hi - lo + 1) * aging_steps`` steps after it
+        (both age at the same rate, so the gap in waiting time is what the priority gap
+        has to overcome). Only the finitely many requests queued within that window can
+        overtake it, so under any arrival pattern it cannot wait forever.
+        """
+        if not self.aging_steps:
+            return r.priority
+        return r.priority - (step_index - r.queued_step) // self.aging_steps
+
+    def waiting_order(self, waiting: Sequence[Request], step_index: int) -> list[Request]:
+        return sorted(waiting, key=lambda r: (self.effective_priority(r, step_index), r.seq))
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request | None:
         if not candidates:
@@ -57,5 +73,5 @@ class Static(DecodeFirst):
         return num_running == 0
 
 
-def make_policy(name: PolicyName) -> Policy:
-    return Static() if name is PolicyName.STATIC else DecodeFirst()
+def make_policy(name: PolicyName, aging_steps: int = 0) -> Policy:
+    return Static(aging_steps) if name is PolicyName.STATIC else DecodeFirst(aging_steps)

@@ -38,6 +38,7 @@ class FinishReason(StrEnum):
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
     CAPACITY = "capacity"  # a lone request that can never grow in this pool
+    TIMEOUT = "timeout"  # waited past the queue timeout without being admitted
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ class Request:
     num_preemptions: int = 0
     # Order of arrival at the scheduler; ties in arrival_ms keep submission order.
     seq: int = 0
+    # The step at which it last entered the waiting queue (aging counts from here).
+    queued_step: int = 0
     # Metrics (ms on the engine clock).
     admitted_ms: float | None = None
     token_times_ms: list[float] = field(default_factory=list)

@@ -10,7 +10,8 @@ request field has changed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ref.config import Admission, SchedulerConfig
@@ -18,11 +19,12 @@ from ref.errors import (
     DuplicateRequest,
     ExceedsCapacity,
     InvalidArgument,
+    QueueFull,
     RefserveError,
     UnknownRequest,
 )
 from ref.kv import BlockCopy, BlockPool, PrefixHit
-from ref.plan import CapacityFinish, PlanBuilder, StepPlan
+from ref.plan import PlanBuilder, PlannedFinish, StepPlan
 from ref.policy import Policy, make_policy
 from ref.request import FinishReason, Request, StopParams
 from spec.arith import blocks_needed, chunk_size
@@ -53,7 +55,7 @@ class Scheduler:
         self, config: SchedulerConfig, policy: Policy | None = None, *, fast_decode: bool = True
     ) -> None:
         self.config = config
-        self.policy = policy if policy is not None else make_policy(config.policy)
+        self.policy = policy or make_policy(config.policy, config.aging_steps)
         # The bulk decode path; False forces the per-request reference loop (the
         # differential test runs both and requires identical plans).
         self.fast_decode = fast_decode
@@ -71,6 +73,9 @@ class Scheduler:
         # (or were queued). Drives the prefill reserve that bounds starvation.
         self._prefill_since: dict[str, int] = {}
         self.retired: list[Request] = []  # finished or aborted since the last commit
+        # Admission control counters (rejected at add_request; timed out while waiting).
+        self.num_rejected = 0
+        self.num_timeouts = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -107,8 +112,14 @@ class Scheduler:
             )
         need = blocks_needed(request.num_prompt_tokens, self.config.block_size)
         if need > self.config.num_blocks:
+            self.num_rejected += 1
             raise ExceedsCapacity(rid, need, self.config.num_blocks)
+        limit = self.config.max_waiting
+        if limit is not None and len(self.waiting) >= limit:
+            self.num_rejected += 1
+            raise QueueFull(f"add_request: request {rid!r} rejected: {limit} requests already wait")
         request.seq = self._seq
+        request.queued_step = self.step_index
         self._seq += 1
         self.requests[rid] = request
         self.waiting.append(request)
@@ -184,14 +195,14 @@ class Scheduler:
         """Plan one step and reserve its KV blocks (undone by :meth:`rollback`)."""
         self._require_boundary("schedule")
         self.retired = []
+        self._plan_start_ms = now_ms
         self.pool.begin()
         try:
-            plan = self._plan()
+            plan = self._plan(now_ms)
         except BaseException:
             self.pool.rollback()
             raise
         self._pending = plan
-        self._plan_start_ms = now_ms
         return plan
 
     def rollback(self) -> None:
@@ -270,6 +281,11 @@ class Scheduler:
             gone.add(cf.request_id)
             self._retire(r, S.FINISHED, cf.reason, now_ms)
             finished.append(cf.request_id)
+            if cf.reason is FinishReason.TIMEOUT:
+                self.num_timeouts += 1
+        if plan.finished:  # timed-out requests leave the waiting queue
+            planned = {cf.request_id for cf in plan.finished}
+            self.waiting = [r for r in self.waiting if r.request_id not in planned]
         if gone:
             self.running = [r for r in self.running if r.request_id not in gone]
         self.pool.commit()
@@ -278,7 +294,7 @@ class Scheduler:
         return StepEvents(new_tokens, tuple(finished), plan.preempted)
 
     # ------------------------------------------------------------------ planning
-    def _plan(self) -> StepPlan:
+    def _plan(self, now_ms: float) -> StepPlan:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         reserve = cfg.prefill_reserve_tokens if self._prefill_starving() else 0
@@ -286,9 +302,11 @@ class Scheduler:
         running = list(self.running)
         scheduled: set[str] = set()
         preempted: list[str] = []
-        finished: list[CapacityFinish] = []
+        finished = self._timed_out(now_ms)
         copies: list[BlockCopy] = []
         was_running = len(running)
+        decoded: list[Request] = []
+        prefill_left = budget
 
         # Decodes first, in admission order; then running prefills; then admission.
         decoders = [r for r in running if r.status is S.DECODING][: max(0, budget - reserve)]
@@ -306,18 +324,21 @@ class Scheduler:
                 [r.request_id for r in decoders], [r.num_computed_tokens for r in decoders]
             )
             scheduled.update(r.request_id for r in decoders)
+            decoded = decoders
             budget -= len(decoders)
             phases: tuple[bool, ...] = (False,)
         else:
             phases = (True, False)
         for decode_phase in phases:
+            if not decode_phase:
+                prefill_left = self._prefill_cap(decoded, now_ms, reserve)
             for r in list(running):
                 if r.request_id in scheduled or r.request_id in preempted:
                     continue
                 is_decode = r.status is S.DECODING
                 if is_decode != decode_phase:
                     continue
-                avail = budget - reserve if is_decode else budget
+                avail = budget - reserve if is_decode else min(budget, prefill_left)
                 remaining = r.num_tokens - r.num_computed_tokens
                 n = 1 if is_decode else self._chunk(remaining, avail, r.num_computed_tokens)
                 if n < 1 or avail < n:
@@ -327,7 +348,7 @@ class Scheduler:
                         # Alone, and still cannot grow: it never will in this pool.
                         self.pool.free(r.request_id)
                         running.remove(r)
-                        finished.append(CapacityFinish(r.request_id, FinishReason.CAPACITY))
+                        finished.append(PlannedFinish(r.request_id, FinishReason.CAPACITY))
                     continue
                 alloc = self.pool.allocate(r.request_id, r.token_ids, n, namespace=r.namespace)
                 copies.extend(alloc.copies)
@@ -335,9 +356,44 @@ class Scheduler:
                 plan.add(r.request_id, start, n, start + n == r.num_tokens, not is_decode)
                 scheduled.add(r.request_id)
                 budget -= n
+                if is_decode:
+                    decoded.append(r)
+                else:
+                    prefill_left -= n
 
-        admitted = self._admit(running, plan, budget, was_running, copies)
+        timed_out = {f.request_id for f in finished}
+        admit_budget = min(budget, prefill_left)
+        admitted = self._admit(running, plan, admit_budget, was_running, copies, timed_out)
         return plan.build(preempted, admitted, finished, copies)
+
+    def _prefill_cap(self, decoded: Sequence[Request], now_ms: float, reserve: int) -> int:
+        """Prefill tokens this step may take so the tightest decode meets its TBT SLO.
+
+        Seed 003 §13: with the decodes placed, the step's predicted time
+        ``a + b*P + c*D (+ e*K)`` must end before the earliest next-token deadline
+        (last token time + ``tbt_slo_ms``), so ``P <= (slack - a - c*D - e*K) / b``. A
+        prefill starving past the reserve threshold still gets its reserved share.
+        """
+        cfg = self.config
+        model = cfg.iteration_model
+        if cfg.tbt_slo_ms is None or model is None or not decoded:
+            return cfg.max_num_batched_tokens
+        last = min(r.token_times_ms[-1] if r.token_times_ms else now_ms for r in decoded)
+        slack = last + cfg.tbt_slo_ms - now_ms
+        kv_read = sum(r.num_computed_tokens + 1 for r in decoded) if model.e else 0
+        spare = slack - model.step_ms(0, len(decoded), kv_read)
+        return max(reserve, math.floor(spare / model.b) if spare > 0 else 0)
+
+    def _timed_out(self, now_ms: float) -> list[PlannedFinish]:
+        """Requests still waiting for their first admission past the queue timeout."""
+        timeout = self.config.queue_timeout_ms
+        if timeout is None:
+            return []
+        return [
+            PlannedFinish(r.request_id, FinishReason.TIMEOUT)
+            for r in self.waiting
+            if r.admitted_ms is None and now_ms - r.arrival_ms > timeout
+        ]
 
     def _admit(
         self,
@@ -346,12 +402,15 @@ class Scheduler:
         budget: int,
         was_running: int,
         copies: list[BlockCopy],
+        skip: set[str],
     ) -> list[str]:
         cfg = self.config
         admitted: list[str] = []
         if not self.waiting or not self.policy.admission_open(was_running):
             return admitted
-        for r in self.policy.waiting_order(self.waiting):
+        for r in self.policy.waiting_order(self.waiting, self.step_index):
+            if r.request_id in skip:
+                continue
             if len(running) >= cfg.max_num_seqs or budget < 1:
                 break
             hit = self.pool.lookup(r.token_ids, r.namespace) if cfg.enable_prefix_caching else None
@@ -450,6 +509,7 @@ class Scheduler:
         while i < len(self.waiting) and self.waiting[i].seq < r.seq:
             i += 1
         self.waiting.insert(i, r)
+        r.queued_step = self.step_index
         self._prefill_since[r.request_id] = self.step_index
 
     def _end(

@@ -278,7 +278,10 @@ def test_preempted_request_keeps_its_place_under_equal_priority_but_not_over_bet
         run.step()
     run.add("same", [5], max_tokens=1, priority=1)
     run.add("urgent", [6], max_tokens=1, priority=0)
-    order = [r.request_id for r in run.sched.policy.waiting_order(run.sched.waiting)]
+    order = [
+        r.request_id
+        for r in run.sched.policy.waiting_order(run.sched.waiting, run.sched.step_index)
+    ]
     assert order == ["urgent", "new", "same"]
     run.drain()
 

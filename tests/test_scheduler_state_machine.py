@@ -183,6 +183,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             prefill_reserve_tokens=reserve,
             prefill_reserve_after_steps=d(st.integers(0, 4), label="reserve_after"),
             policy=policy,
+            aging_steps=d(st.sampled_from([0, 0, 1, 3]), label="aging_steps"),
+            queue_timeout_ms=d(st.sampled_from([None, None, None, 3.0, 12.0]), label="timeout"),
         )
         if align and budget < bs:
             with pytest.raises(InvalidArgument, match="align_chunks_to_blocks"):
@@ -426,12 +428,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.computed[rid] = end
             if c.samples:
                 self.outputs[rid].append(sampled[rid])
-        capacity = {cf.request_id for cf in plan.finished}
+        planned = {cf.request_id: cf.reason for cf in plan.finished}
+        for rid in plan.preempted:  # its known tokens outgrew the pool: never fits again
+            if blocks_needed(len(self.tokens(rid)), bs) > cfg.num_blocks:
+                planned[rid] = FinishReason.CAPACITY
         retired = {r.request_id: r for r in sched.retired}
         for rid in sorted(self.live):
-            if rid in capacity:
-                event("capacity finish")
-                want: FinishReason | None = FinishReason.CAPACITY
+            if rid in planned:
+                want: FinishReason | None = planned[rid]
+                event(f"{want} finish")
+                if want is FinishReason.TIMEOUT:  # only requests never admitted time out
+                    assert not self.outputs[rid] and self.computed[rid] == 0
             elif rid in sampled:
                 want = self._expected_finish(rid)
             else:
