@@ -31,8 +31,8 @@ engine). Choices, all overridable from the command line:
 
 Policies are a list of :class:`NamedPolicy`; add one by appending to :data:`POLICIES`. A
 policy that needs a :class:`~ref.config.SchedulerConfig` field this checkout lacks is
-skipped and named in the report: ``slo-aware`` is the hook for issue 7's SLO-aware chunk
-sizing (it sets ``SchedulerConfig.tbt_slo_ms`` to the TBT SLO once that field exists).
+skipped and named in the report. ``slo-aware`` uses SLO-aware chunk sizing with the
+simulator's cost model as the iteration model.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import TextIO, TypeVar
 
 from ref.config import PolicyName, SchedulerConfig
 from ref.cost_model import CostModel
@@ -99,14 +99,15 @@ class Slo:
 class NamedPolicy:
     """A scheduler configuration under a name.
 
-    ``configure(base, max_len, slo)`` returns the config for a workload whose longest
-    sequence is ``max_len`` tokens. ``requires`` names SchedulerConfig fields the policy
-    needs; without them it is skipped (and the report says so).
+    ``configure(base, max_len, slo, cost)`` returns the config for a workload whose
+    longest sequence is ``max_len`` tokens on a simulator with step cost ``cost``.
+    ``requires`` names SchedulerConfig fields the policy needs; without them it is
+    skipped (and the report says so).
     """
 
     name: str
     description: str
-    configure: Callable[[SchedulerConfig, int, Slo], SchedulerConfig]
+    configure: Callable[[SchedulerConfig, int, Slo, CostModel], SchedulerConfig]
     requires: tuple[str, ...] = ()
 
     def available(self) -> bool:
@@ -114,7 +115,7 @@ class NamedPolicy:
         return all(r in have for r in self.requires)
 
 
-def _fcfs(base: SchedulerConfig, max_len: int, slo: Slo) -> SchedulerConfig:
+def _fcfs(base: SchedulerConfig, max_len: int, slo: Slo, cost: CostModel) -> SchedulerConfig:
     # Without chunking a prompt must fit in one step: the budget grows to the longest
     # sequence, as vLLM sets max_num_batched_tokens = max_model_len without chunking.
     return dataclasses.replace(
@@ -125,30 +126,33 @@ def _fcfs(base: SchedulerConfig, max_len: int, slo: Slo) -> SchedulerConfig:
     )
 
 
-def _static(base: SchedulerConfig, max_len: int, slo: Slo) -> SchedulerConfig:
-    return dataclasses.replace(_fcfs(base, max_len, slo), policy=PolicyName.STATIC)
+def _static(base: SchedulerConfig, max_len: int, slo: Slo, cost: CostModel) -> SchedulerConfig:
+    return dataclasses.replace(_fcfs(base, max_len, slo, cost), policy=PolicyName.STATIC)
 
 
-def _chunked(base: SchedulerConfig, max_len: int, slo: Slo) -> SchedulerConfig:
+def _chunked(base: SchedulerConfig, max_len: int, slo: Slo, cost: CostModel) -> SchedulerConfig:
     return dataclasses.replace(base, enable_chunked_prefill=True, enable_prefix_caching=False)
 
 
-def _prefix_aware(base: SchedulerConfig, max_len: int, slo: Slo) -> SchedulerConfig:
+def _prefix_aware(
+    base: SchedulerConfig, max_len: int, slo: Slo, cost: CostModel
+) -> SchedulerConfig:
     return dataclasses.replace(base, enable_chunked_prefill=True, enable_prefix_caching=True)
 
 
-def _reserve(base: SchedulerConfig, max_len: int, slo: Slo) -> SchedulerConfig:
+def _reserve(base: SchedulerConfig, max_len: int, slo: Slo, cost: CostModel) -> SchedulerConfig:
     return dataclasses.replace(
-        _prefix_aware(base, max_len, slo),
+        _prefix_aware(base, max_len, slo, cost),
         prefill_reserve_tokens=max(1, base.max_num_batched_tokens // 8),
     )
 
 
-def _slo_aware(base: SchedulerConfig, max_len: int, slo: Slo) -> SchedulerConfig:
-    # The hook for SLO-aware chunk sizing: a config field holding the TBT target.
-    # Built by name so this module type-checks before and after the field exists.
-    hook: dict[str, Any] = {"tbt_slo_ms": slo.tbt_ms}
-    return dataclasses.replace(_prefix_aware(base, max_len, slo), **hook)
+def _slo_aware(base: SchedulerConfig, max_len: int, slo: Slo, cost: CostModel) -> SchedulerConfig:
+    # The simulator's own cost model is the iteration model (in the real engine it would
+    # be fitted from recorded steps: ref.cost_model.fit_cost_model).
+    return dataclasses.replace(
+        _prefix_aware(base, max_len, slo, cost), tbt_slo_ms=slo.tbt_ms, iteration_model=cost
+    )
 
 
 POLICIES: tuple[NamedPolicy, ...] = (
@@ -182,10 +186,10 @@ POLICIES: tuple[NamedPolicy, ...] = (
     ),
     NamedPolicy(
         "slo-aware",
-        "prefix-aware plus SLO-aware chunk sizing to the TBT SLO (needs "
-        "SchedulerConfig.tbt_slo_ms)",
+        "prefix-aware plus SLO-aware chunk sizing: prefill chunks shrink so the predicted "
+        "step keeps the tightest decode within the TBT SLO",
         _slo_aware,
-        requires=("tbt_slo_ms",),
+        requires=("tbt_slo_ms", "iteration_model"),
     ),
 )
 
@@ -318,7 +322,7 @@ def run_point(
 ) -> PointResult:
     """Run one workload under one policy and summarize it."""
     started = time.perf_counter()
-    config = policy.configure(base, workload.max_len, slo)
+    config = policy.configure(base, workload.max_len, slo, cost)
     result = workload.run(Scheduler(config), cost)
     reqs = [RequestMetrics.of(r) for r in result.requests]
     run = RunMetrics.of(reqs, result.makespan_ms)
