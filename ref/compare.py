@@ -353,8 +353,8 @@ def run_point(
         slo_attainment=attainment,
         goodput_rps=attainment * offered,
         goodput_tokens_per_s=sum(m.num_output_tokens for m in met) / secs,
-        # Requests the engine turned away or could not finish (no admission control yet:
-        # only a CAPACITY finish or one never released would count).
+        # Requests that did not finish normally: capacity or timeout finishes (none of
+        # these policies sets a queue bound or timeout), or one never released.
         rejected=n - sum(1 for m in reqs if m.finish_reason in ("stop", "length")),
         preemptions=run.num_preemptions,
         cached_tokens=run.num_cached_tokens,
@@ -687,9 +687,9 @@ def render_markdown(
         )
         + ".",
         "",
-        "Rejected: requests that did not finish normally (this scheduler has no admission "
-        "control yet, so only a capacity finish counts). Prefix hit: prompt tokens found "
-        "in the prefix cache / all prompt tokens.",
+        "Rejected: requests that did not finish normally (capacity or timeout finishes; "
+        "none of these policies sets a queue bound or timeout). Prefix hit: prompt tokens "
+        "found in the prefix cache / all prompt tokens.",
         "",
     ]
     return "\n".join(lines)
