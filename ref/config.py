@@ -30,6 +30,7 @@ class Admission(StrEnum):
 class PolicyName(StrEnum):
     DECODE_FIRST = "decode-first"
     STATIC = "static"
+    TENANT_FAIR = "tenant-fair"
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,13 @@ class SchedulerConfig:
     # ``queue_timeout_ms`` after arrival finishes with reason ``timeout``.
     max_waiting: int | None = None
     queue_timeout_ms: float | None = None
+    # Tenant fairness (policy "tenant-fair"): deficit round robin over prefill tokens.
+    # Each step a backlogged tenant earns weight x quantum tokens of credit (weight 1 if
+    # not listed); the tenant with the most credit is admitted first. Optionally at most
+    # ``tenant_max_running`` running requests per tenant.
+    tenant_weights: tuple[tuple[str, float], ...] = ()
+    tenant_quantum_tokens: int = 64
+    tenant_max_running: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -87,6 +95,14 @@ class SchedulerConfig:
                 f"num_blocks ({self.num_blocks})"
             )
         _non_negative("aging_steps", self.aging_steps)
+        _positive("tenant_quantum_tokens", self.tenant_quantum_tokens)
+        if self.tenant_max_running is not None:
+            _positive("tenant_max_running", self.tenant_max_running)
+        for tenant, weight in self.tenant_weights:
+            if not isinstance(tenant, str) or isinstance(weight, bool) or not weight > 0:
+                raise InvalidArgument(
+                    f"tenant_weights needs (tenant, weight > 0) pairs, got ({tenant!r}, {weight!r})"
+                )
         if self.max_waiting is not None:
             _positive("max_waiting", self.max_waiting)
         for name in ("tbt_slo_ms", "queue_timeout_ms"):

@@ -29,6 +29,7 @@ class RequestMetrics:
     num_output_tokens: int
     num_cached_tokens: int
     num_preemptions: int
+    tenant: str = "default"
 
     @property
     def queue_ms(self) -> float | None:
@@ -65,6 +66,7 @@ class RequestMetrics:
             r.num_output_tokens,
             r.num_cached_tokens,
             r.num_preemptions,
+            r.tenant,
         )
 
 
@@ -137,3 +139,34 @@ class RunMetrics:
             num_preemptions=sum(r.num_preemptions for r in requests),
             num_cached_tokens=sum(r.num_cached_tokens for r in requests),
         )
+
+
+@dataclass(frozen=True)
+class TenantMetrics:
+    """Fairness report for one tenant (seed 003: per-tenant TTFT/TBT and service)."""
+
+    tenant: str
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    itl_p99_ms: float | None
+
+
+def per_tenant(requests: Sequence[RequestMetrics]) -> dict[str, TenantMetrics]:
+    out: dict[str, TenantMetrics] = {}
+    for tenant in sorted({r.tenant for r in requests}):
+        mine = [r for r in requests if r.tenant == tenant]
+        ttfts = [t for r in mine if (t := r.ttft_ms) is not None]
+        itls = [x for r in mine for x in r.itl_ms]
+        out[tenant] = TenantMetrics(
+            tenant,
+            len(mine),
+            sum(r.num_prompt_tokens for r in mine),
+            sum(r.num_output_tokens for r in mine),
+            percentile(ttfts, 50),
+            percentile(ttfts, 99),
+            percentile(itls, 99),
+        )
+    return out

@@ -6,10 +6,10 @@ chunking) to itself, so the QoS policies can replace this one without touching i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Protocol
 
-from ref.config import PolicyName
+from ref.config import PolicyName, SchedulerConfig
 from ref.request import Request
 
 
@@ -24,6 +24,15 @@ class Policy(Protocol):
 
     def admission_open(self, num_running: int) -> bool:
         """Whether waiting requests may join at this step boundary."""
+        ...
+
+    def may_admit(self, request: Request, running: Sequence[Request]) -> bool:
+        """Whether this waiting request may join now (e.g. its tenant is under its cap)."""
+        ...
+
+    def on_commit(self, prefill_tokens: Mapping[str, int], backlogged: Set[str]) -> None:
+        """Told after each committed step: prefill tokens granted per tenant, and the
+        tenants that still have prefill work queued or running."""
         ...
 
 
@@ -62,6 +71,12 @@ class DecodeFirst:
     def admission_open(self, num_running: int) -> bool:
         return True
 
+    def may_admit(self, request: Request, running: Sequence[Request]) -> bool:
+        return True
+
+    def on_commit(self, prefill_tokens: Mapping[str, int], backlogged: Set[str]) -> None:
+        return None
+
 
 class Static(DecodeFirst):
     """Static batching: a batch is formed when the previous one has wholly finished.
@@ -73,5 +88,69 @@ class Static(DecodeFirst):
         return num_running == 0
 
 
-def make_policy(name: PolicyName, aging_steps: int = 0) -> Policy:
-    return Static(aging_steps) if name is PolicyName.STATIC else DecodeFirst(aging_steps)
+class TenantFair(DecodeFirst):
+    """Deficit round robin over prefill tokens between tenants (seed 003's fairness).
+
+    After every step each backlogged tenant earns ``weight * quantum`` tokens of credit
+    and pays for the prefill tokens it was granted; a tenant with nothing queued drops to
+    zero credit (it cannot bank credit while idle), and credit is clipped at four quanta
+    either way so a long burst cannot lock others out. Admission takes tenants in order of
+    credit (arrival order within a tenant, aging applied), and skips a tenant already at
+    ``max_running`` running requests. Over a long backlog each tenant's share of prefill
+    tokens approaches its share of the weights.
+    """
+
+    def __init__(
+        self,
+        weights: Mapping[str, float],
+        quantum: int,
+        max_running: int | None = None,
+        aging_steps: int = 0,
+    ) -> None:
+        super().__init__(aging_steps)
+        self.weights = dict(weights)
+        self.quantum = quantum
+        self.max_running = max_running
+        self.credit: dict[str, float] = {}
+        self.served: dict[str, int] = {}  # prefill tokens granted per tenant, for reports
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def waiting_order(self, waiting: Sequence[Request], step_index: int) -> list[Request]:
+        def key(r: Request) -> tuple[float, int, int]:
+            credit = self.credit.get(r.tenant, 0.0)
+            return (-credit, self.effective_priority(r, step_index), r.seq)
+
+        return sorted(waiting, key=key)
+
+    def may_admit(self, request: Request, running: Sequence[Request]) -> bool:
+        if self.max_running is None:
+            return True
+        return sum(1 for r in running if r.tenant == request.tenant) < self.max_running
+
+    def on_commit(self, prefill_tokens: Mapping[str, int], backlogged: Set[str]) -> None:
+        for tenant, n in prefill_tokens.items():
+            self.served[tenant] = self.served.get(tenant, 0) + n
+        for tenant in set(self.credit) | set(backlogged) | set(prefill_tokens):
+            if tenant not in backlogged:
+                self.credit.pop(tenant, None)
+                continue
+            limit = 4 * self.quantum * self.weight(tenant)
+            earned = self.credit.get(tenant, 0.0) + self.weight(tenant) * self.quantum
+            credit = earned - prefill_tokens.get(tenant, 0)
+            self.credit[tenant] = max(-limit, min(limit, credit))
+
+
+def make_policy(config: SchedulerConfig) -> Policy:
+    aging = config.aging_steps
+    if config.policy is PolicyName.STATIC:
+        return Static(aging)
+    if config.policy is PolicyName.TENANT_FAIR:
+        return TenantFair(
+            dict(config.tenant_weights),
+            config.tenant_quantum_tokens,
+            config.tenant_max_running,
+            aging,
+        )
+    return DecodeFirst(aging)

@@ -55,7 +55,7 @@ class Scheduler:
         self, config: SchedulerConfig, policy: Policy | None = None, *, fast_decode: bool = True
     ) -> None:
         self.config = config
-        self.policy = policy or make_policy(config.policy, config.aging_steps)
+        self.policy = policy or make_policy(config)
         # The bulk decode path; False forces the per-request reference loop (the
         # differential test runs both and requires identical plans).
         self.fast_decode = fast_decode
@@ -291,7 +291,25 @@ class Scheduler:
         self.pool.commit()
         self._pending = None
         self.step_index += 1
+        self._tell_policy(plan)
         return StepEvents(new_tokens, tuple(finished), plan.preempted)
+
+    def _tell_policy(self, plan: StepPlan) -> None:
+        granted: dict[str, int] = {}
+        for rid, n, is_prefill in zip(
+            plan.request_ids, plan.num_new_tokens, plan.is_prefill, strict=True
+        ):
+            if is_prefill:
+                tenant = self._tenant_of(rid)
+                granted[tenant] = granted.get(tenant, 0) + n
+        backlogged = {self.requests[rid].tenant for rid in self._prefill_since}
+        self.policy.on_commit(granted, backlogged)
+
+    def _tenant_of(self, request_id: str) -> str:
+        r = self.requests.get(request_id)
+        if r is not None:
+            return r.tenant
+        return next(x.tenant for x in self.retired if x.request_id == request_id)
 
     # ------------------------------------------------------------------ planning
     def _plan(self, now_ms: float) -> StepPlan:
@@ -409,7 +427,7 @@ class Scheduler:
         if not self.waiting or not self.policy.admission_open(was_running):
             return admitted
         for r in self.policy.waiting_order(self.waiting, self.step_index):
-            if r.request_id in skip:
+            if r.request_id in skip or not self.policy.may_admit(r, running):
                 continue
             if len(running) >= cfg.max_num_seqs or budget < 1:
                 break

@@ -47,6 +47,57 @@ def test_block_table_view_is_the_live_table() -> None:
         pool.block_table_view("x")
 
 
+def test_free_queue_contains_returns_a_bool_after_an_undone_append() -> None:
+    journal = Journal()
+    fq = FreeQueue(3, journal)
+    fq.remove(2)
+    journal.begin()
+    fq.append(2)
+    journal.rollback()  # _unlink_tail
+    assert fq.__contains__(2) is False
+    assert fq.__contains__(1) is True
+    assert list(fq) == [0, 1] and len(fq) == 2
+
+
+def test_pool_unknown_request_messages_name_the_operation() -> None:
+    pool = BlockPool(4, 2)
+    pool.allocate("a", [1, 2, 3], 3)
+    cases = {
+        "num_stored": lambda: pool.num_stored("x"),
+        "block_table_views": lambda: pool.block_table_views(["a", "x"]),
+        "fork": lambda: pool.fork("x", "c"),
+    }
+    for what, call in cases.items():
+        with pytest.raises(UnknownRequest) as info:
+            call()
+        assert str(info.value) == f"{what}: unknown request id 'x'"
+    with pytest.raises(DuplicateRequest) as dup:
+        pool.fork("a", "a")
+    assert str(dup.value) == "fork: request id 'a' is already in use"
+    views = pool.block_table_views(["a", "a"])
+    assert [list(v) for v in views] == [[0, 1], [0, 1]]
+
+
+def test_evict_rejects_a_negative_count_by_name() -> None:
+    pool = BlockPool(4, 2)
+    with pytest.raises(InvalidArgument) as info:
+        pool.evict(-1)
+    assert str(info.value) == "num_blocks must be >= 0, got -1"
+    assert pool.evict(0) == 0
+
+
+def test_forget_cached_counts_only_cached_in_range_blocks() -> None:
+    pool = BlockPool(4, 2)
+    pool.allocate("a", [1, 2, 3, 4, 5], 5)  # blocks 0, 1 full and cached; 2 partial
+    assert len(pool.snapshot().cache_entries) == 2
+    assert pool.forget_cached([]) == 0
+    assert pool.forget_cached([2, 4, -1, 99]) == 0  # uncached or out of range
+    assert pool.forget_cached([0]) == 1
+    assert pool.forget_cached([0, 1, 4]) == 1  # 0 is already gone; 4 == num_blocks
+    assert pool.snapshot().cache_entries == ()
+    assert check_pool(pool.snapshot()) == []
+
+
 # ------------------------------------------------------------------ scheduler
 CFG = SchedulerConfig(
     max_num_batched_tokens=16, max_num_seqs=2, block_size=2, num_blocks=8, max_model_len=16

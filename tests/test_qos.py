@@ -7,11 +7,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ref.config import SchedulerConfig
+from ref.config import PolicyName, SchedulerConfig
 from ref.cost_model import CostModel, fit_cost_model
 from ref.engine_core import EngineCore
 from ref.errors import InvalidArgument, QueueFull
-from ref.policy import DecodeFirst
+from ref.metrics import RequestMetrics, per_tenant
+from ref.policy import DecodeFirst, TenantFair
 from ref.request import FinishReason, Request, StopParams
 from ref.scheduler import Scheduler
 from ref.sim import SimExecutor, simulate
@@ -34,6 +35,7 @@ def req(
 class Stepper:
     def __init__(self, cfg: SchedulerConfig) -> None:
         self.sched = Scheduler(cfg)
+        self.added: list[Request] = []
         self.core = EngineCore(
             self.sched, SimExecutor(COST, self.sched.requests), check_invariants=True
         )
@@ -190,3 +192,63 @@ def test_aging_admits_it_within_the_bound() -> None:
     # step 8 + 1 at the latest.
     first = _low_priority_first_admission(aging=2)
     assert first is not None and first <= 9
+
+
+# ------------------------------------------------------------ tenants
+def _tenant_run(weights: tuple[tuple[str, float], ...], cap: int | None = None) -> Stepper:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        block_size=4,
+        num_blocks=512,
+        policy=PolicyName.TENANT_FAIR,
+        tenant_weights=weights,
+        tenant_quantum_tokens=8,
+        tenant_max_running=cap,
+    )
+    st_ = Stepper(cfg)
+    for i in range(40):  # both tenants keep a deep backlog of equal prompts
+        for tenant in ("A", "B"):
+            r = req(f"{tenant}{i}", 12, 1, base=1000 * i + (0 if tenant == "A" else 500))
+            r.tenant = tenant
+            st_.sched.add_request(r)
+            st_.added.append(r)
+    return st_
+
+
+def test_tenant_drr_shares_prefill_tokens_by_weight() -> None:
+    st_ = _tenant_run((("A", 1.0), ("B", 3.0)))
+    for _ in range(40):
+        st_.step()
+    policy = st_.sched.policy
+    assert isinstance(policy, TenantFair)
+    a, b = policy.served["A"], policy.served["B"]
+    assert 2.5 <= b / a <= 3.5, (a, b)  # weights 1:3 over a long backlog
+
+
+def test_tenant_drr_with_equal_weights_is_even() -> None:
+    st_ = _tenant_run((("A", 1.0), ("B", 1.0)))
+    for _ in range(40):
+        st_.step()
+    policy = st_.sched.policy
+    assert isinstance(policy, TenantFair)
+    assert 0.8 <= policy.served["B"] / policy.served["A"] <= 1.25
+
+
+def test_tenant_cap_bounds_running_requests_per_tenant() -> None:
+    st_ = _tenant_run((), cap=2)
+    for _ in range(30):
+        st_.step()
+        for tenant in ("A", "B"):
+            assert sum(1 for r in st_.sched.running if r.tenant == tenant) <= 2
+
+
+def test_per_tenant_report() -> None:
+    st_ = _tenant_run((("A", 1.0), ("B", 3.0)))
+    while st_.sched.has_unfinished:
+        st_.step()
+    report = per_tenant([RequestMetrics.of(r) for r in st_.added])
+    assert set(report) == {"A", "B"}
+    assert report["A"].num_requests == report["B"].num_requests == 40
+    assert report["B"].ttft_p50_ms is not None and report["A"].ttft_p50_ms is not None
+    assert report["B"].ttft_p50_ms < report["A"].ttft_p50_ms  # the heavier tenant waits less

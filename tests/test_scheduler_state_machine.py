@@ -168,7 +168,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_num_seqs = d(st.integers(1, 6), label="max_num_seqs")
             admission = d(st.sampled_from(list(Admission)), label="admission")
             watermark = min(d(st.sampled_from([0, 0, 1, 2]), label="watermark"), num_blocks - 1)
-            policy = d(st.sampled_from([PolicyName.DECODE_FIRST] * 3 + [PolicyName.STATIC]))
+            policy = d(
+                st.sampled_from(
+                    [PolicyName.DECODE_FIRST] * 3 + [PolicyName.STATIC, PolicyName.TENANT_FAIR]
+                )
+            )
         reserve = d(st.integers(0, budget - 1), label="prefill_reserve") if budget > 1 else 0
         kw = dict(
             max_num_batched_tokens=budget,
@@ -185,6 +189,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             policy=policy,
             aging_steps=d(st.sampled_from([0, 0, 1, 3]), label="aging_steps"),
             queue_timeout_ms=d(st.sampled_from([None, None, None, 3.0, 12.0]), label="timeout"),
+            tenant_weights=(("a", 1.0), ("b", 2.0)),
+            tenant_quantum_tokens=d(st.integers(1, 8), label="tenant quantum"),
+            tenant_max_running=d(st.sampled_from([None, 1, 2]), label="tenant cap"),
         )
         if align and budget < bs:
             with pytest.raises(InvalidArgument, match="align_chunks_to_blocks"):
@@ -241,6 +248,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_id += 1
         rid = f"r{self.next_id}"
         req = Request(rid, list(prompt), stop, priority=d(st.integers(0, 2), label="priority"))
+        req.tenant = d(st.sampled_from(["a", "b"]), label="tenant")
         self.sched.add_request(req)
         self.prompts[rid], self.outputs[rid], self.script[rid] = list(prompt), [], script
         self.stop[rid], self.computed[rid] = stop, 0
