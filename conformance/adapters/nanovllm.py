@@ -76,7 +76,11 @@ def _import_engine() -> tuple[Any, Any, Any, Any]:
     if "nanovllm" not in sys.modules:
         found = importlib.util.find_spec("nanovllm")
         if found is None or found.submodule_search_locations is None:
-            raise ImportError("nano-vllm-fork is not installed (pip install nano-vllm-fork)")
+            # ModuleNotFoundError, so pytest.importorskip and `except ImportError` both work.
+            raise ModuleNotFoundError(
+                "nano-vllm-fork is not installed (pip install --no-deps nano-vllm-fork xxhash)",
+                name="nanovllm",
+            )
         pkg = types.ModuleType("nanovllm")
         pkg.__path__ = list(found.submodule_search_locations)
         sys.modules["nanovllm"] = pkg

@@ -225,6 +225,7 @@ def _nano() -> object:
     return pytest.importorskip(
         "conformance.adapters.nanovllm",
         reason="nano-vllm-fork not installed (pip install --no-deps nano-vllm-fork xxhash)",
+        exc_type=ImportError,
     )
 
 
