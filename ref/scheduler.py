@@ -65,6 +65,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # live: not finished, not aborted
         self.waiting: list[Request] = []  # arrival order (seq); preempted ones keep theirs
         self.running: list[Request] = []  # admission order
+        self.paused: dict[str, Request] = {}  # WAITING_TOOL: agent turns waiting for a tool
         self.step_index = 0
         self._seq = 0
         self._pending: StepPlan | None = None
@@ -185,6 +186,64 @@ class Scheduler:
             child.transition(S.PREEMPTED)
             self._requeue(child)
         return child
+
+    def pause(self, request_id: str, *, retain_kv: bool = True) -> None:
+        """An agent turn stops for a tool call (WAITING_TOOL) at a step boundary.
+
+        Retention policy: ``retain_kv`` keeps the request's blocks on the device (short
+        tool waits: resuming then computes only the new tokens); otherwise its blocks are
+        released now (long waits) and the resumed turn recomputes, its full blocks coming
+        back from the prefix cache unless they were evicted meanwhile.
+        """
+        self._require_boundary("pause")
+        r = self.requests.get(request_id)
+        if r is None:
+            raise UnknownRequest(request_id, "pause")
+        if r.status is not S.DECODING:
+            raise InvalidArgument(
+                f"pause: request {request_id!r} must be decoding (it is {r.status})"
+            )
+        if not retain_kv:
+            self.pool.free(request_id)
+            r.num_computed_tokens = 0
+        self.running.remove(r)
+        r.transition(S.WAITING_TOOL)
+        self.paused[request_id] = r
+
+    def resume(self, request_id: str, tool_token_ids: Sequence[int], stop: StopParams) -> None:
+        """The tool answered: the conversation so far plus ``tool_token_ids`` becomes the
+        prompt of the request's next turn (an incremental prefill), sampled under ``stop``.
+
+        With its KV retained and a running slot free, the turn continues in place;
+        otherwise it queues in its arrival place and recomputes through the prefix cache.
+        """
+        self._require_boundary("resume")
+        r = self.paused.get(request_id)
+        if r is None:
+            raise UnknownRequest(request_id, "resume (not waiting for a tool)")
+        tool = list(tool_token_ids)
+        if not tool or any(type(t) is not int or t < 0 for t in tool):
+            raise InvalidArgument(f"resume: request {request_id!r} needs tool token ids >= 0")
+        if r.num_tokens + len(tool) >= self.config.max_len:
+            raise InvalidArgument(
+                f"resume: request {request_id!r} would hold {r.num_tokens + len(tool)} tokens; "
+                f"the limit is {self.config.max_len - 1} before an output token"
+            )
+        del self.paused[request_id]
+        r.prompt_token_ids = [*r.token_ids, *tool]
+        r.token_ids = list(r.prompt_token_ids)
+        r.num_prompt_tokens = len(r.token_ids)
+        r.stop = stop
+        if self.pool.has_request(request_id) and len(self.running) < self.config.max_num_seqs:
+            r.transition(S.PREFILLING)
+            self.running.append(r)
+            self._prefill_since[request_id] = self.step_index
+            return
+        if self.pool.has_request(request_id):  # no running slot: give the blocks back
+            self.pool.free(request_id)
+            r.num_computed_tokens = 0
+        r.transition(S.WAITING)
+        self._requeue(r)
 
     @property
     def has_unfinished(self) -> bool:
@@ -541,6 +600,8 @@ class Scheduler:
             self.pool.free(request_id)
         if r in self.running:
             self.running.remove(r)
+        elif request_id in self.paused:
+            del self.paused[request_id]
         else:
             self.waiting.remove(r)
         self._retire(r, status, reason, now_ms)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 
+import ref.kv.pool as pool_module
 from ref.config import SchedulerConfig
 from ref.cost_model import CostModel
 from ref.engine_core import EngineCore
 from ref.errors import DuplicateRequest, InvalidArgument, UnknownRequest
-from ref.kv import BlockPool
+from ref.kv import BlockPool, PrefixHit
 from ref.kv.free_queue import FreeQueue
 from ref.kv.journal import Journal
 from ref.request import FinishReason, Request, StopParams
@@ -33,6 +34,27 @@ def test_free_queue_peek_is_hand_out_order_and_bounded() -> None:
     assert fq.peek(2) == [0, 2]
     assert list(fq) == [0, 2, 3, 4, 1]  # peek removed nothing
     assert len(fq) == 5
+
+
+def test_journal_and_free_queue_misuse_fails_loudly() -> None:
+    journal = Journal()
+    with pytest.raises(AssertionError, match=r"^rollback without an open transaction"):
+        journal.rollback()
+    with pytest.raises(AssertionError, match=r"^commit without an open transaction"):
+        journal.commit()
+    journal.begin()
+    with pytest.raises(AssertionError, match=r"^a transaction is already open"):
+        journal.begin()
+    fq = FreeQueue(1, journal)
+    with pytest.raises(AssertionError, match=r"^block 0 is already in the free queue"):
+        fq.append(0)
+    assert fq.popleft() == 0
+    with pytest.raises(AssertionError, match=r"^popleft on an empty free queue"):
+        fq.popleft()
+    with pytest.raises(AssertionError, match=r"^block 0 is not in the free queue"):
+        fq.remove(0)
+    journal.rollback()
+    assert list(fq) == [0] and not journal.active
 
 
 # ------------------------------------------------------------------ block pool
@@ -64,6 +86,9 @@ def test_pool_unknown_request_messages_name_the_operation() -> None:
     pool.allocate("a", [1, 2, 3], 3)
     cases = {
         "num_stored": lambda: pool.num_stored("x"),
+        "block_table": lambda: pool.block_table("x"),
+        "free": lambda: pool.free("x"),
+        "append_decode_tokens": lambda: pool.append_decode_tokens(["a", "x"], [[1], [2]]),
         "block_table_views": lambda: pool.block_table_views(["a", "x"]),
         "fork": lambda: pool.fork("x", "c"),
     }
@@ -74,6 +99,12 @@ def test_pool_unknown_request_messages_name_the_operation() -> None:
     with pytest.raises(DuplicateRequest) as dup:
         pool.fork("a", "a")
     assert str(dup.value) == "fork: request id 'a' is already in use"
+    with pytest.raises(InvalidArgument) as bad:
+        pool.append_decode_tokens(["a"], [[1, 2, 3]])
+    assert str(bad.value) == (
+        "append_decode_tokens: a request has 3 known tokens and 3 stored; "
+        "there is no new token to append"
+    )
     views = pool.block_table_views(["a", "a"])
     assert [list(v) for v in views] == [[0, 1], [0, 1]]
 
@@ -96,6 +127,95 @@ def test_forget_cached_counts_only_cached_in_range_blocks() -> None:
     assert pool.forget_cached([0, 1, 4]) == 1  # 0 is already gone; 4 == num_blocks
     assert pool.snapshot().cache_entries == ()
     assert check_pool(pool.snapshot()) == []
+
+
+def test_can_allocate_counts_the_revived_blocks_of_a_hit() -> None:
+    pool = BlockPool(4, 2)
+    pool.allocate("a", [1, 2, 3, 4, 5], 5)  # blocks 0, 1 cached, 2 partial
+    pool.free("a")  # all free again, 0 and 1 still cached
+    pool.allocate("c", [7], 1)  # takes block 3: three free blocks left
+    prompt = [1, 2, 3, 4, 9, 9, 9]
+    hit = pool.lookup(prompt)
+    assert hit.block_ids == (0, 1)
+    # Two fresh blocks plus the two free cached blocks the hit revives: 4 > 3.
+    assert pool.blocks_to_allocate("b", 3, hit) == 4
+    assert pool.can_allocate("b", 3, hit) is False
+    assert pool.can_allocate("b", 3) is True  # without the hit only 2 blocks
+
+
+def test_free_inside_a_rolled_back_transaction_restores_the_table() -> None:
+    pool = BlockPool(4, 2)
+    pool.allocate("a", [1, 2, 3], 3)
+    before = pool.snapshot()
+    pool.begin()
+    pool.free("a")
+    assert not pool.has_request("a")
+    pool.rollback()
+    assert pool.has_request("a")
+    assert pool.snapshot() == before
+
+
+def _three_cached_blocks() -> tuple[BlockPool, PrefixHit]:
+    """Block size 1, 3 blocks all held by "a" and cached ([5], [5, 6], [5, 6, 7])."""
+    pool = BlockPool(3, 1)
+    pool.allocate("a", [5, 6, 7], 3)
+    hit = pool.lookup([5, 6, 7, 8])
+    assert hit.block_ids == (0, 1, 2)
+    return pool, hit
+
+
+def test_a_hit_must_leave_the_last_token_to_recompute() -> None:
+    pool, hit = _three_cached_blocks()
+    one = PrefixHit(hit.root_key, hit.block_ids[:1], hit.keys[:1], 1)
+    with pytest.raises(InvalidArgument, match="covers 1 tokens of 1; the last token must be"):
+        pool.allocate("b", [5], 1, hit=one)
+
+
+def test_a_hit_with_more_blocks_than_keys_is_refused() -> None:
+    pool, hit = _three_cached_blocks()
+    bad = PrefixHit(hit.root_key, hit.block_ids[:2], hit.keys[:1], 1)
+    before = pool.snapshot()
+    with pytest.raises(ValueError, match="zip"):
+        pool.allocate("b", [5, 6, 7, 8], 1, hit=bad)
+    assert pool.snapshot() == before
+
+
+def test_a_hit_must_chain_from_the_root() -> None:
+    # Block 1 holds token 6 computed after token 5: a hit that starts at it (from the
+    # root) has the right key and tokens for that block but the wrong parent.
+    pool, hit = _three_cached_blocks()
+    bad = PrefixHit(hit.root_key, hit.block_ids[1:2], hit.keys[1:2], 1)
+    with pytest.raises(InvalidArgument, match="does not match its token ids at block 0"):
+        pool.allocate("b", [6, 9], 1, hit=bad)
+    assert not pool.has_request("b")
+
+
+def test_lookup_of_nothing_is_refused_by_name() -> None:
+    with pytest.raises(InvalidArgument) as info:
+        BlockPool(2, 1).lookup([])
+    assert str(info.value) == "lookup: token_ids is empty; a request needs at least one token"
+
+
+def test_a_key_collision_in_lookup_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A block key that ignores the parent makes "token 6 after 5" and "token 6 first"
+    # collide; lookup's identity check (stored parent key) must refuse the reuse.
+    monkeypatch.setattr(pool_module, "block_key", lambda parent, tokens: bytes(tokens))
+    pool = BlockPool(4, 1)
+    pool.allocate("a", [5, 6], 2)
+    assert pool.lookup([5, 6, 7]).block_ids == (0, 1)
+    assert pool.lookup([6, 7]).block_ids == ()
+
+
+def test_decode_append_with_mismatched_token_lists_is_refused_first() -> None:
+    # A full pool, and "a" needs a fresh block: the length mismatch must be reported
+    # (ValueError) before the "not enough blocks" answer (None).
+    pool = BlockPool(1, 2)
+    pool.allocate("a", [1, 2], 2)
+    before = pool.snapshot()
+    with pytest.raises(ValueError, match="zip"):
+        pool.append_decode_tokens(["a"], [[1, 2, 3], [4, 5, 6]])
+    assert pool.append_decode_tokens(["a"], [[1, 2, 3]]) is None
+    assert pool.snapshot() == before
 
 
 # ------------------------------------------------------------------ scheduler

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from ref.config import PolicyName, SchedulerConfig
 from ref.cost_model import CostModel, fit_cost_model
 from ref.engine_core import EngineCore
-from ref.errors import InvalidArgument, QueueFull
+from ref.errors import InvalidArgument, QueueFull, UnknownRequest
 from ref.metrics import RequestMetrics, per_tenant
 from ref.policy import DecodeFirst, TenantFair
 from ref.request import FinishReason, Request, StopParams
@@ -252,3 +252,60 @@ def test_per_tenant_report() -> None:
     assert report["A"].num_requests == report["B"].num_requests == 40
     assert report["B"].ttft_p50_ms is not None and report["A"].ttft_p50_ms is not None
     assert report["B"].ttft_p50_ms < report["A"].ttft_p50_ms  # the heavier tenant waits less
+
+
+# ------------------------------------------------------------ agent sessions
+def _session(retain: bool) -> tuple[Stepper, dict[str, int], int]:
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, block_size=4, num_blocks=64)
+    st_ = Stepper(cfg)
+    st_.sched.add_request(req("agent", 18, 3))
+    st_.sched.add_request(req("other", 5, 12, base=500))
+    while st_.sched.requests["agent"].num_output_tokens < 2:
+        st_.step()
+    agent = st_.sched.requests["agent"]
+    kv_before = agent.num_computed_tokens
+    st_.sched.pause("agent", retain_kv=retain)
+    assert agent.status.value == "waiting_tool"
+    for _ in range(3):  # the tool runs while the other request keeps decoding
+        assert "agent" not in st_.step()
+    st_.sched.resume("agent", [900, 901, 902, 903, 904], StopParams(2, ignore_eos=True))
+    return st_, st_.step(), kv_before
+
+
+def test_tool_pause_with_retained_kv_resumes_as_an_incremental_prefill() -> None:
+    st_, tokens, kv_before = _session(retain=True)
+    # Only the last sampled token (it had no KV yet) and the 5 tool tokens are computed.
+    assert tokens["agent"] == 1 + 5
+    assert st_.sched.requests["agent"].num_computed_tokens == kv_before + 6
+    while st_.sched.has_unfinished:
+        st_.step()
+    assert st_.sched.pool.num_used_blocks == 0
+
+
+def test_tool_pause_that_drops_kv_recomputes_through_the_prefix_cache() -> None:
+    st_, tokens, kv_before = _session(retain=False)
+    agent = st_.sched.requests["agent"]
+    assert agent.num_cached_tokens > 0 and agent.num_cached_tokens % 4 == 0
+    assert tokens["agent"] == agent.num_prompt_tokens - agent.num_cached_tokens
+    assert agent.num_cached_tokens <= kv_before
+    while st_.sched.has_unfinished:
+        st_.step()
+
+
+def test_pause_and_resume_reject_bad_input_and_abort_frees_a_paused_request() -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=2, block_size=4, num_blocks=32)
+    st_ = Stepper(cfg)
+    st_.sched.add_request(req("a", 10, 5))
+    with pytest.raises(InvalidArgument, match="must be decoding"):
+        st_.sched.pause("a")
+    while st_.sched.requests["a"].num_output_tokens == 0:
+        st_.step()
+    with pytest.raises(UnknownRequest):
+        st_.sched.resume("a", [1], StopParams(1))
+    st_.sched.pause("a")
+    before = st_.sched.snapshot()
+    with pytest.raises(InvalidArgument, match="tool token ids"):
+        st_.sched.resume("a", [], StopParams(1))
+    assert st_.sched.snapshot() == before
+    st_.sched.abort("a")
+    assert st_.sched.pool.num_used_blocks == 0 and not st_.sched.paused
