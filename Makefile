@@ -69,3 +69,11 @@ gpu-check: $(STAMP)
 	mkdir -p out
 	$(PY) -m pytest -p no:cacheprovider tests/kernels -q
 	$(VENV)/bin/refserve check-kernel kernels:paged_attention --json out/gpu_grid.json
+
+# Mutation testing of the block pool and scheduler (mutmut 3, config in pyproject.toml;
+# mutants live in mutants/, the real sources are never touched). Results: docs/MUTATION.md.
+.PHONY: mutation
+mutation: $(STAMP)
+	$(PY) -m pip install -q 'mutmut==3.8.1'
+	HYPOTHESIS_PROFILE=ci $(VENV)/bin/mutmut run --max-children 2
+	$(VENV)/bin/mutmut results

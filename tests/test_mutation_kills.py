@@ -123,8 +123,8 @@ def test_forget_cached_counts_only_cached_in_range_blocks() -> None:
     assert len(pool.snapshot().cache_entries) == 2
     assert pool.forget_cached([]) == 0
     assert pool.forget_cached([2, 4, -1, 99]) == 0  # uncached or out of range
-    assert pool.forget_cached([0]) == 1
-    assert pool.forget_cached([0, 1, 4]) == 1  # 0 is already gone; 4 == num_blocks
+    assert pool.forget_cached([0, 1, 4]) == 2  # 4 == num_blocks is out of range
+    assert pool.forget_cached([0]) == 0  # already gone
     assert pool.snapshot().cache_entries == ()
     assert check_pool(pool.snapshot()) == []
 
