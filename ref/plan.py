@@ -84,10 +84,6 @@ class StepPlan:
     def num_decode_requests(self) -> int:
         return len(self.is_prefill) - sum(self.is_prefill)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.request_ids and not self.finished and not self.preempted
-
 
 @dataclass
 class PlanBuilder:

@@ -355,12 +355,14 @@ class Scheduler:
 
     def _tell_policy(self, plan: StepPlan) -> None:
         granted: dict[str, int] = {}
-        for rid, n, is_prefill in zip(
-            plan.request_ids, plan.num_new_tokens, plan.is_prefill, strict=True
-        ):
-            if is_prefill:
-                tenant = self._tenant_of(rid)
-                granted[tenant] = granted.get(tenant, 0) + n
+        # The steady decode step has no prefill entries: skip the per-entry walk.
+        if any(plan.is_prefill):
+            for rid, n, is_prefill in zip(
+                plan.request_ids, plan.num_new_tokens, plan.is_prefill, strict=True
+            ):
+                if is_prefill:
+                    tenant = self._tenant_of(rid)
+                    granted[tenant] = granted.get(tenant, 0) + n
         backlogged = {self.requests[rid].tenant for rid in self._prefill_since}
         self.policy.on_commit(granted, backlogged)
 
