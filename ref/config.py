@@ -7,11 +7,12 @@ which stands in for another).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from ref.cost_model import CostModel
 from ref.errors import InvalidArgument
+from ref.swap import PreemptionMode, RetentionPolicy, SwapCostModel
 
 
 class Admission(StrEnum):
@@ -72,6 +73,14 @@ class SchedulerConfig:
     tenant_weights: tuple[tuple[str, float], ...] = ()
     tenant_quantum_tokens: int = 64
     tenant_max_running: int | None = None
+    # Preemption by swap (ref/swap.py): a host pool of ``num_host_blocks`` blocks;
+    # ``swap`` swaps every victim the host pool can hold, ``auto`` only those for which
+    # ``swap_cost`` predicts the round trip is cheaper than recomputing.
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    num_host_blocks: int = 0
+    swap_cost: SwapCostModel | None = None
+    # Where a paused agent turn's KV waits when ``pause`` is not told (by expected wait).
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
 
     def __post_init__(self) -> None:
         for name in (
@@ -82,7 +91,12 @@ class SchedulerConfig:
             "max_model_len",
         ):
             _positive(name, getattr(self, name))
-        for name in ("watermark_blocks", "prefill_reserve_tokens", "prefill_reserve_after_steps"):
+        for name in (
+            "watermark_blocks",
+            "prefill_reserve_tokens",
+            "prefill_reserve_after_steps",
+            "num_host_blocks",
+        ):
             _non_negative(name, getattr(self, name))
         if self.prefill_reserve_tokens >= self.max_num_batched_tokens:
             raise InvalidArgument(
@@ -128,7 +142,11 @@ class SchedulerConfig:
             )
         # Store the enum members: the scheduler compares with ``is``, so a plain string
         # such as "static" would otherwise silently select the default behaviour.
-        for name, kind in (("admission", Admission), ("policy", PolicyName)):
+        for name, kind in (
+            ("admission", Admission),
+            ("policy", PolicyName),
+            ("preemption_mode", PreemptionMode),
+        ):
             value = getattr(self, name)
             try:
                 member = kind(value)
@@ -136,6 +154,12 @@ class SchedulerConfig:
                 allowed = ", ".join(m.value for m in kind)
                 raise InvalidArgument(f"{name} must be one of {allowed}, got {value!r}") from None
             object.__setattr__(self, name, member)
+        if self.preemption_mode is not PreemptionMode.RECOMPUTE and not self.num_host_blocks:
+            raise InvalidArgument(
+                f"preemption_mode {self.preemption_mode.value!r} needs num_host_blocks > 0"
+            )
+        if self.preemption_mode is PreemptionMode.AUTO and self.swap_cost is None:
+            raise InvalidArgument("preemption_mode 'auto' needs swap_cost (ref.swap.SwapCostModel)")
 
     @property
     def max_len(self) -> int:

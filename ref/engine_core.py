@@ -101,6 +101,7 @@ class EngineCore:
         written: set[int] = set()
         for table, start, n in zip(tables, plan.starts, plan.num_new_tokens, strict=True):
             written.update(table[start // bs : blocks_needed(start + n, bs)])
+        written.update(c.dst for c in plan.swap_in)  # restored before the forward
         return written
 
     def _inputs(self, plan: StepPlan) -> ModelInputs | None:

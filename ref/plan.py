@@ -56,6 +56,16 @@ class StepPlan:
     admitted: tuple[str, ...] = ()
     finished: tuple[PlannedFinish, ...] = ()
     copies: tuple[BlockCopy, ...] = ()
+    # Swap (ref/kv/host_pool.py). The executor applies, in this order: every
+    # ``swap_out`` copy (device block ``src`` -> host block ``dst``), every ``swap_in``
+    # copy (host ``src`` -> device ``dst``), the copy-on-write ``copies``, then the
+    # forward. ``swapped_out``: requests whose KV this step moves to the host (preempted
+    # victims, and paused turns retained on the host); ``swapped_in``: requests whose KV
+    # comes back before their tokens are computed.
+    swap_out: tuple[BlockCopy, ...] = ()
+    swap_in: tuple[BlockCopy, ...] = ()
+    swapped_out: tuple[str, ...] = ()
+    swapped_in: tuple[str, ...] = ()
 
     @cached_property
     def chunks(self) -> tuple[ScheduledChunk, ...]:
@@ -122,6 +132,10 @@ class PlanBuilder:
         admitted: Sequence[str],
         finished: Sequence[PlannedFinish],
         copies: Sequence[BlockCopy],
+        swap_out: Sequence[BlockCopy] = (),
+        swap_in: Sequence[BlockCopy] = (),
+        swapped_out: Sequence[str] = (),
+        swapped_in: Sequence[str] = (),
     ) -> StepPlan:
         return StepPlan(
             self.step_index,
@@ -135,4 +149,8 @@ class PlanBuilder:
             tuple(admitted),
             tuple(finished),
             tuple(copies),
+            tuple(swap_out),
+            tuple(swap_in),
+            tuple(swapped_out),
+            tuple(swapped_in),
         )

@@ -1,7 +1,9 @@
 """The request state machine and its fields (DESIGN.md vocabulary).
 
 WAITING -> PREFILLING -> DECODING -> FINISHED, with PREEMPTED (blocks released, every
-token id kept, back to the waiting queue) and ABORTED reachable from any live state.
+token id kept, back to the waiting queue), SWAPPED (preempted with its KV copied to the
+host pool, back to the waiting queue with ``num_computed_tokens`` kept), WAITING_TOOL
+(an agent turn paused for a tool) and ABORTED reachable from any live state.
 ``num_computed_tokens`` (KV length) and the sampled count (``len(output_token_ids)``) are
 separate fields and neither is derived from the other (KVLEN invariant).
 """
@@ -19,11 +21,15 @@ S = RequestStatus
 
 LEGAL_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     S.WAITING: frozenset({S.PREFILLING, S.DECODING, S.FINISHED, S.ABORTED}),
-    S.PREFILLING: frozenset({S.PREFILLING, S.DECODING, S.PREEMPTED, S.FINISHED, S.ABORTED}),
-    S.DECODING: frozenset({S.DECODING, S.PREEMPTED, S.WAITING_TOOL, S.FINISHED, S.ABORTED}),
+    S.PREFILLING: frozenset(
+        {S.PREFILLING, S.DECODING, S.PREEMPTED, S.SWAPPED, S.FINISHED, S.ABORTED}
+    ),
+    S.DECODING: frozenset(
+        {S.DECODING, S.PREEMPTED, S.SWAPPED, S.WAITING_TOOL, S.FINISHED, S.ABORTED}
+    ),
     S.PREEMPTED: frozenset({S.PREFILLING, S.DECODING, S.FINISHED, S.ABORTED}),
     S.SWAPPED: frozenset({S.DECODING, S.PREFILLING, S.ABORTED, S.FINISHED}),
-    S.WAITING_TOOL: frozenset({S.PREFILLING, S.WAITING, S.FINISHED, S.ABORTED}),
+    S.WAITING_TOOL: frozenset({S.PREFILLING, S.WAITING, S.SWAPPED, S.FINISHED, S.ABORTED}),
     S.FINISHED: frozenset(),
     S.ABORTED: frozenset(),
 }

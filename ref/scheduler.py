@@ -6,13 +6,18 @@ running request cannot get a block, the policy's victim is preempted by recomput
 plan reserves blocks inside a pool transaction; ``commit`` applies the request changes
 and closes it, ``rollback`` undoes the reservation (ATOMIC invariant): until commit, no
 request field has changed.
+
+Preemption by swap (``preemption_mode``) copies the victim's KV to the host pool instead
+of dropping it (ref/swap.py has the rule); a swapped request waits in its arrival place
+and is admitted later by a swap-in that restores its blocks before its next tokens run.
+The host pool joins the step's transaction.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ref.config import Admission, SchedulerConfig
 from ref.errors import (
@@ -24,9 +29,11 @@ from ref.errors import (
     UnknownRequest,
 )
 from ref.kv import BlockCopy, BlockPool, PrefixHit
+from ref.kv.host_pool import HostPool
 from ref.plan import PlanBuilder, PlannedFinish, StepPlan
 from ref.policy import Policy, make_policy
 from ref.request import FinishReason, Request, StopParams
+from ref.swap import KVRetention, PreemptionMode
 from spec.arith import blocks_needed, chunk_size
 from spec.snapshot import EngineSnapshot, RequestStatus
 
@@ -39,6 +46,16 @@ class StepInProgress(RefserveError):
 
 class BadExecutorOutput(RefserveError):
     """The executor's output does not match the plan (a sampled token is missing, ...)."""
+
+
+@dataclass
+class _StepSwaps:
+    """The swap traffic a plan collects (see StepPlan for the order the executor uses)."""
+
+    out: list[BlockCopy] = field(default_factory=list)
+    in_: list[BlockCopy] = field(default_factory=list)
+    swapped_out: list[str] = field(default_factory=list)
+    swapped_in: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -62,10 +79,13 @@ class Scheduler:
         self.pool = BlockPool(
             config.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
+        self.host = HostPool(config.num_host_blocks, config.block_size)
         self.requests: dict[str, Request] = {}  # live: not finished, not aborted
         self.waiting: list[Request] = []  # arrival order (seq); preempted ones keep theirs
         self.running: list[Request] = []  # admission order
         self.paused: dict[str, Request] = {}  # WAITING_TOOL: agent turns waiting for a tool
+        # Paused turns whose KV the next step moves to the host pool (pause order).
+        self._to_host: list[str] = []
         self.step_index = 0
         self._seq = 0
         self._pending: StepPlan | None = None
@@ -77,6 +97,9 @@ class Scheduler:
         # Admission control counters (rejected at add_request; timed out while waiting).
         self.num_rejected = 0
         self.num_timeouts = 0
+        # Swap traffic, in blocks (bytes = blocks x the KV bytes of one block).
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -187,13 +210,22 @@ class Scheduler:
             self._requeue(child)
         return child
 
-    def pause(self, request_id: str, *, retain_kv: bool = True) -> None:
+    def pause(
+        self,
+        request_id: str,
+        retention: KVRetention | str | None = None,
+        *,
+        expected_wait_ms: float = 0.0,
+    ) -> KVRetention:
         """An agent turn stops for a tool call (WAITING_TOOL) at a step boundary.
 
-        Retention policy: ``retain_kv`` keeps the request's blocks on the device (short
-        tool waits: resuming then computes only the new tokens); otherwise its blocks are
-        released now (long waits) and the resumed turn recomputes, its full blocks coming
-        back from the prefix cache unless they were evicted meanwhile.
+        Retention (ref/swap.py): ``device`` keeps the request's blocks (short waits:
+        resuming computes only the new tokens); ``host`` moves its KV to the host pool in
+        the next step (the device blocks serve others meanwhile; kept on the device if
+        the host pool is full by then); ``drop`` releases its blocks now (long waits: the
+        resumed turn recomputes, its full blocks coming back from the prefix cache unless
+        evicted meanwhile). ``None`` lets ``config.retention`` choose from
+        ``expected_wait_ms``. Returns the retention applied.
         """
         self._require_boundary("pause")
         r = self.requests.get(request_id)
@@ -203,19 +235,43 @@ class Scheduler:
             raise InvalidArgument(
                 f"pause: request {request_id!r} must be decoding (it is {r.status})"
             )
-        if not retain_kv:
+        if retention is None:
+            if isinstance(expected_wait_ms, bool) or not isinstance(expected_wait_ms, int | float):
+                raise InvalidArgument(
+                    f"pause: expected_wait_ms must be a number, got {expected_wait_ms!r}"
+                )
+            kind = self.config.retention.choose(
+                expected_wait_ms, host_available=self.host.can_hold(r.num_computed_tokens)
+            )
+        else:
+            try:
+                kind = KVRetention(retention)
+            except ValueError:
+                allowed = ", ".join(m.value for m in KVRetention)
+                raise InvalidArgument(
+                    f"pause: retention must be one of {allowed}, got {retention!r}"
+                ) from None
+        if kind is KVRetention.HOST and not self.host.num_blocks:
+            raise InvalidArgument(
+                f"pause: request {request_id!r} cannot wait on the host: num_host_blocks is 0"
+            )
+        if kind is KVRetention.DROP:
             self.pool.free(request_id)
             r.num_computed_tokens = 0
+        elif kind is KVRetention.HOST:
+            self._to_host.append(request_id)
         self.running.remove(r)
         r.transition(S.WAITING_TOOL)
         self.paused[request_id] = r
+        return kind
 
     def resume(self, request_id: str, tool_token_ids: Sequence[int], stop: StopParams) -> None:
         """The tool answered: the conversation so far plus ``tool_token_ids`` becomes the
         prompt of the request's next turn (an incremental prefill), sampled under ``stop``.
 
-        With its KV retained and a running slot free, the turn continues in place;
-        otherwise it queues in its arrival place and recomputes through the prefix cache.
+        With its KV on the device and a running slot free, the turn continues in place;
+        with its KV on the host it queues as SWAPPED (admission swaps it in); otherwise
+        it queues in its arrival place and recomputes through the prefix cache.
         """
         self._require_boundary("resume")
         r = self.paused.get(request_id)
@@ -230,6 +286,8 @@ class Scheduler:
                 f"the limit is {self.config.max_len - 1} before an output token"
             )
         del self.paused[request_id]
+        if request_id in self._to_host:  # the tool answered before the KV moved
+            self._to_host.remove(request_id)
         r.prompt_token_ids = [*r.token_ids, *tool]
         r.token_ids = list(r.prompt_token_ids)
         r.num_prompt_tokens = len(r.token_ids)
@@ -242,7 +300,7 @@ class Scheduler:
         if self.pool.has_request(request_id):  # no running slot: give the blocks back
             self.pool.free(request_id)
             r.num_computed_tokens = 0
-        r.transition(S.WAITING)
+        r.transition(S.SWAPPED if self.host.has_request(request_id) else S.WAITING)
         self._requeue(r)
 
     @property
@@ -256,10 +314,12 @@ class Scheduler:
         self.retired = []
         self._plan_start_ms = now_ms
         self.pool.begin()
+        self.host.begin()
         try:
             plan = self._plan(now_ms)
         except BaseException:
             self.pool.rollback()
+            self.host.rollback()
             raise
         self._pending = plan
         return plan
@@ -268,6 +328,7 @@ class Scheduler:
         """Undo the pending plan's reservations: the state is exactly as before schedule."""
         assert self._pending is not None, "rollback without a pending plan"
         self.pool.rollback()
+        self.host.rollback()
         self._pending = None
 
     def commit(self, plan: StepPlan, sampled: Mapping[str, int], now_ms: float = 0.0) -> StepEvents:
@@ -277,12 +338,17 @@ class Scheduler:
         by_id = self.requests
         gone: set[str] = set()
         finished: list[str] = []
+        swapped = set(plan.swapped_out)
         for rid in plan.preempted:
             r = by_id[rid]
-            r.transition(S.PREEMPTED)
-            r.num_computed_tokens = 0
             r.num_preemptions += 1
             gone.add(rid)
+            if rid in swapped:  # its KV waits on the host; num_computed_tokens stays
+                r.transition(S.SWAPPED)
+                self._requeue(r)
+                continue
+            r.transition(S.PREEMPTED)
+            r.num_computed_tokens = 0
             if blocks_needed(r.num_tokens, self.config.block_size) > self.config.num_blocks:
                 # Its known tokens outgrew the pool: recomputing them can never fit.
                 self._retire(r, S.FINISHED, FinishReason.CAPACITY, now_ms)
@@ -347,7 +413,12 @@ class Scheduler:
             self.waiting = [r for r in self.waiting if r.request_id not in planned]
         if gone:
             self.running = [r for r in self.running if r.request_id not in gone]
+        if plan.swapped_out:  # paused turns whose KV moved to the host in this step
+            self._to_host = [rid for rid in self._to_host if rid not in swapped]
+        self.num_swapped_out_blocks += len(plan.swap_out)
+        self.num_swapped_in_blocks += len(plan.swap_in)
         self.pool.commit()
+        self.host.commit()
         self._pending = None
         self.step_index += 1
         self._tell_policy(plan)
@@ -383,6 +454,8 @@ class Scheduler:
         preempted: list[str] = []
         finished = self._timed_out(now_ms)
         copies: list[BlockCopy] = []
+        swaps = _StepSwaps()
+        self._move_paused_to_host(swaps)
         was_running = len(running)
         decoded: list[Request] = []
         prefill_left = budget
@@ -422,7 +495,7 @@ class Scheduler:
                 n = 1 if is_decode else self._chunk(remaining, avail, r.num_computed_tokens)
                 if n < 1 or avail < n:
                     continue
-                if not self._make_room(r, n, running, scheduled, preempted):
+                if not self._make_room(r, n, running, scheduled, preempted, swaps):
                     if not scheduled and len(running) == 1:
                         # Alone, and still cannot grow: it never will in this pool.
                         self.pool.free(r.request_id)
@@ -442,8 +515,17 @@ class Scheduler:
 
         timed_out = {f.request_id for f in finished}
         admit_budget = min(budget, prefill_left)
-        admitted = self._admit(running, plan, admit_budget, was_running, copies, timed_out)
-        return plan.build(preempted, admitted, finished, copies)
+        admitted = self._admit(running, plan, admit_budget, was_running, copies, timed_out, swaps)
+        return plan.build(
+            preempted,
+            admitted,
+            finished,
+            copies,
+            swaps.out,
+            swaps.in_,
+            swaps.swapped_out,
+            swaps.swapped_in,
+        )
 
     def _prefill_cap(self, decoded: Sequence[Request], now_ms: float, reserve: int) -> int:
         """Prefill tokens this step may take so the tightest decode meets its TBT SLO.
@@ -482,6 +564,7 @@ class Scheduler:
         was_running: int,
         copies: list[BlockCopy],
         skip: set[str],
+        swaps: _StepSwaps,
     ) -> list[str]:
         cfg = self.config
         admitted: list[str] = []
@@ -492,6 +575,14 @@ class Scheduler:
                 continue
             if len(running) >= cfg.max_num_seqs or budget < 1:
                 break
+            if r.status is S.SWAPPED:
+                n = self._swap_in(r, running, plan, budget, swaps)
+                if not n:
+                    break  # FCFS, as below
+                running.append(r)
+                admitted.append(r.request_id)
+                budget -= n
+                continue
             hit = self.pool.lookup(r.token_ids, r.namespace) if cfg.enable_prefix_caching else None
             cached = hit.num_tokens if hit else 0
             n = self._chunk(r.num_tokens - cached, budget, cached)
@@ -514,6 +605,74 @@ class Scheduler:
             admitted.append(r.request_id)
             budget -= n
         return admitted
+
+    def _swap_in(
+        self,
+        r: Request,
+        running: list[Request],
+        plan: PlanBuilder,
+        budget: int,
+        swaps: _StepSwaps,
+    ) -> int:
+        """Admit a swapped request: restore its KV from the host and schedule its next
+        tokens in the same step (the swap-in copies run before the forward). Returns
+        the tokens scheduled, 0 if it does not fit now (nothing reserved then)."""
+        rid = r.request_id
+        stored = r.num_computed_tokens
+        remaining = r.num_tokens - stored
+        n = self._chunk(remaining, budget, stored)
+        if n < 1:
+            return 0
+        if running or plan.request_ids:
+            free = self.pool.num_free_blocks - self.config.watermark_blocks
+            ok = self._admission_blocks(r, stored + n, None) <= free
+        else:
+            ok = self.pool.can_allocate(rid, stored + n)
+        if not ok:
+            return 0
+        self.pool.allocate(rid, r.token_ids, stored, namespace=r.namespace)
+        host = self.host.release(rid)
+        device = self.pool.block_table_view(rid)
+        swaps.in_.extend(BlockCopy(h, d) for h, d in zip(host.block_ids, device, strict=True))
+        swaps.swapped_in.append(rid)
+        alloc = self.pool.allocate(rid, r.token_ids, n, namespace=r.namespace)
+        assert not alloc.copies, "a swapped-in request shares no block"
+        # A swapped decode has one token left (the last sampled one); anything longer
+        # is a resumed agent turn's incremental prefill.
+        plan.add(rid, stored, n, stored + n == r.num_tokens, remaining > 1)
+        return n
+
+    def _move_paused_to_host(self, swaps: _StepSwaps) -> None:
+        """Paused turns retained on the host leave the device at the start of a step,
+        so this step can already use their blocks (the swap-out copies run first)."""
+        for rid in self._to_host:
+            r = self.paused[rid]
+            if self.host.can_hold(r.num_computed_tokens):
+                self._swap_out(r, swaps)
+            # else: the host pool is full; the KV stays on the device and the move is
+            # retried next step.
+
+    def _should_swap(self, victim: Request) -> bool:
+        """Recompute or swap a preemption victim (ref/swap.py documents the rule)."""
+        cfg = self.config
+        stored = victim.num_computed_tokens
+        if cfg.preemption_mode is PreemptionMode.RECOMPUTE or not stored:
+            return False
+        if blocks_needed(victim.num_tokens, cfg.block_size) > cfg.num_blocks:
+            return False  # it can never run again here: commit finishes it (capacity)
+        if not self.host.can_hold(stored):
+            return False
+        if cfg.preemption_mode is PreemptionMode.AUTO:
+            assert cfg.swap_cost is not None
+            return cfg.swap_cost.prefers_swap(stored)
+        return True
+
+    def _swap_out(self, r: Request, swaps: _StepSwaps) -> None:
+        rid = r.request_id
+        device = self.pool.block_table_view(rid)
+        swaps.out.extend(self.host.swap_out(rid, device, r.num_computed_tokens, r.token_ids))
+        swaps.swapped_out.append(rid)
+        self.pool.free(rid)
 
     def _chunk(self, remaining: int, avail: int, num_computed: int) -> int:
         if not self.config.enable_chunked_prefill:
@@ -542,19 +701,29 @@ class Scheduler:
         return max(first, blocks_needed(total, cfg.block_size) - held + revived)
 
     def _make_room(
-        self, r: Request, n: int, running: list[Request], scheduled: set[str], preempted: list[str]
+        self,
+        r: Request,
+        n: int,
+        running: list[Request],
+        scheduled: set[str],
+        preempted: list[str],
+        swaps: _StepSwaps,
     ) -> bool:
         """Preempt victims until ``r`` can get blocks for ``n`` tokens; False if impossible.
 
-        Victims are running requests not yet scheduled in this step, chosen by the policy.
-        Those preempted before failing stay preempted: their blocks are already free.
+        Victims are running requests not yet scheduled in this step, chosen by the policy,
+        each swapped out or dropped for recompute (:meth:`_should_swap`). Those preempted
+        before failing stay preempted: their blocks are already free.
         """
         while not self.pool.can_allocate(r.request_id, n):
             candidates = [v for v in running if v is not r and v.request_id not in scheduled]
             victim = self.policy.pick_victim(candidates)
             if victim is None:
                 return False
-            self.pool.free(victim.request_id)
+            if self._should_swap(victim):
+                self._swap_out(victim, swaps)
+            else:
+                self.pool.free(victim.request_id)
             running.remove(victim)
             preempted.append(victim.request_id)
         return True
@@ -600,6 +769,10 @@ class Scheduler:
             raise UnknownRequest(request_id, what)
         if self.pool.has_request(request_id):
             self.pool.free(request_id)
+        if self.host.has_request(request_id):
+            self.host.release(request_id)
+        if request_id in self._to_host:
+            self._to_host.remove(request_id)
         if r in self.running:
             self.running.remove(r)
         elif request_id in self.paused:
@@ -628,5 +801,7 @@ class Scheduler:
     def snapshot(self, extra: Iterable[Request] = ()) -> EngineSnapshot:
         live = sorted([*self.requests.values(), *extra], key=lambda r: r.request_id)
         return EngineSnapshot(
-            tuple(r.snapshot(self.config.max_len) for r in live), self.pool.snapshot()
+            tuple(r.snapshot(self.config.max_len) for r in live),
+            self.pool.snapshot(),
+            self.host.snapshot() if self.host.num_blocks else None,
         )

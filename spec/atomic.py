@@ -45,6 +45,16 @@ def check_atomic_pool(before: PoolSnapshot, after: PoolSnapshot) -> list[Violati
 
 def check_atomic(before: EngineSnapshot, after: EngineSnapshot) -> list[Violation]:
     out = check_atomic_pool(before.pool, after.pool)
+    if before.host != after.host:
+        out.append(
+            violation(
+                A,
+                "host pool",
+                "swap pool changed by a failed operation",
+                _short(before.host),
+                _short(after.host),
+            )
+        )
     rb = {r.request_id: r for r in before.requests}
     ra = {r.request_id: r for r in after.requests}
     for rid in sorted(rb.keys() | ra.keys()):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from spec.block import check_block
 from spec.cap import check_cap, check_cap_step
+from spec.host import check_host
 from spec.kvlen import check_kvlen
 from spec.pos import check_pos, check_pos_pool
 from spec.prefix import check_prefix, check_prefix_step
@@ -19,7 +20,8 @@ def check_pool(pool: PoolSnapshot) -> list[Violation]:
 
 
 def check_step(step: StepSnapshot) -> list[Violation]:
-    """Every step-level invariant plus :func:`check_pool` on the state after the step."""
+    """Every step-level invariant plus :func:`check_pool` and :func:`spec.host.check_host`
+    on the state after the step."""
     return [
         *check_token(step),
         *check_kvlen(step),
@@ -28,4 +30,5 @@ def check_step(step: StepSnapshot) -> list[Violation]:
         *check_prefix_step(step),
         *check_progress(step),
         *check_pool(step.after.pool),
+        *check_host(step.after),
     ]

@@ -81,6 +81,7 @@ class RequestStatus(StrEnum):
             RequestStatus.PREFILLING,
             RequestStatus.DECODING,
             RequestStatus.PREEMPTED,
+            RequestStatus.SWAPPED,
         )
 
 
@@ -105,10 +106,17 @@ class RequestSnapshot:
 
 @dataclass(frozen=True)
 class EngineSnapshot:
-    """Requests plus pool; ``requests`` keeps finished/aborted requests of the step."""
+    """Requests plus pool; ``requests`` keeps finished/aborted requests of the step.
+
+    ``host`` is the host-side swap pool when the engine has one (None otherwise): the
+    same record as the device pool, each host block held by at most one table (swapped
+    KV is never shared) and no cache entries. Its tables hold the KV of requests that
+    are SWAPPED, or WAITING_TOOL with their KV moved to the host.
+    """
 
     requests: tuple[RequestSnapshot, ...]
     pool: PoolSnapshot
+    host: PoolSnapshot | None = None
 
     def request(self, request_id: str) -> RequestSnapshot | None:
         for r in self.requests:

@@ -15,6 +15,7 @@ from ref.metrics import RequestMetrics, per_tenant
 from ref.policy import DecodeFirst, TenantFair
 from ref.request import FinishReason, Request, StopParams
 from ref.scheduler import Scheduler
+from ref.swap import KVRetention
 from ref.sim import SimExecutor, simulate
 
 COST = CostModel.parse("2+0.5P+D")
@@ -255,7 +256,7 @@ def test_per_tenant_report() -> None:
 
 
 # ------------------------------------------------------------ agent sessions
-def _session(retain: bool) -> tuple[Stepper, dict[str, int], int]:
+def _session(retention: KVRetention) -> tuple[Stepper, dict[str, int], int]:
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, block_size=4, num_blocks=64)
     st_ = Stepper(cfg)
     st_.sched.add_request(req("agent", 18, 3))
@@ -264,7 +265,7 @@ def _session(retain: bool) -> tuple[Stepper, dict[str, int], int]:
         st_.step()
     agent = st_.sched.requests["agent"]
     kv_before = agent.num_computed_tokens
-    st_.sched.pause("agent", retain_kv=retain)
+    assert st_.sched.pause("agent", retention) is retention
     assert agent.status.value == "waiting_tool"
     for _ in range(3):  # the tool runs while the other request keeps decoding
         assert "agent" not in st_.step()
@@ -273,7 +274,7 @@ def _session(retain: bool) -> tuple[Stepper, dict[str, int], int]:
 
 
 def test_tool_pause_with_retained_kv_resumes_as_an_incremental_prefill() -> None:
-    st_, tokens, kv_before = _session(retain=True)
+    st_, tokens, kv_before = _session(KVRetention.DEVICE)
     # Only the last sampled token (it had no KV yet) and the 5 tool tokens are computed.
     assert tokens["agent"] == 1 + 5
     assert st_.sched.requests["agent"].num_computed_tokens == kv_before + 6
@@ -283,7 +284,7 @@ def test_tool_pause_with_retained_kv_resumes_as_an_incremental_prefill() -> None
 
 
 def test_tool_pause_that_drops_kv_recomputes_through_the_prefix_cache() -> None:
-    st_, tokens, kv_before = _session(retain=False)
+    st_, tokens, kv_before = _session(KVRetention.DROP)
     agent = st_.sched.requests["agent"]
     assert agent.num_cached_tokens > 0 and agent.num_cached_tokens % 4 == 0
     assert tokens["agent"] == agent.num_prompt_tokens - agent.num_cached_tokens

@@ -1,0 +1,98 @@
+"""BLOCK and POS for the host-side swap pool: swapped KV lives in exactly one place.
+
+Why it matters: seed 002 ("换出/换入") preempts by copying a victim's KV to host memory
+and back. A host block handed to two swapped requests, or freed while its request is
+still swapped, is silent corruption after swap-in, just as on the device; a request
+holding KV in both pools (a swap-out that forgot to free the device blocks, a swap-in
+that forgot the host ones) leaks one of them; a SWAPPED request without a host table
+resumes with positions whose K/V exist nowhere.
+
+The host pool is checked with the device pool's own BLOCK and POS predicates (its
+subjects are prefixed with ``host``), plus the cross-pool rules here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from spec.block import check_block
+from spec.pos import check_pos_pool
+from spec.snapshot import EngineSnapshot, RequestStatus
+from spec.violation import Invariant, Violation, violation
+
+B = Invariant.BLOCK
+P = Invariant.POS
+# States in which a request may keep its KV on the host.
+_HOST_STATES = (RequestStatus.SWAPPED, RequestStatus.WAITING_TOOL)
+
+
+def check_host(engine: EngineSnapshot) -> list[Violation]:
+    """The host pool's own BLOCK/POS rules and where each request's KV lives."""
+    host = engine.host
+    out: list[Violation] = []
+    if host is None:
+        for r in engine.requests:
+            if r.status is RequestStatus.SWAPPED:
+                out.append(_nowhere(r.request_id, r.num_computed_tokens))
+        return out
+    out.extend(
+        replace(v, subject=f"host {v.subject}") for v in (*check_block(host), *check_pos_pool(host))
+    )
+    for b, rc in enumerate(host.ref_cnt):
+        if rc > 1:
+            out.append(violation(B, f"host block {b}", "swapped KV is shared", "<= 1", rc))
+    if host.cache_entries:
+        out.append(
+            violation(
+                B,
+                "host pool",
+                "host blocks are in a prefix-cache index",
+                0,
+                len(host.cache_entries),
+            )
+        )
+    requests = {r.request_id: r for r in engine.requests}
+    host_ids: set[str] = set()
+    for t in host.tables:
+        rid = t.request_id
+        host_ids.add(rid)
+        who = f"request {rid}"
+        owner = requests.get(rid)
+        if owner is None or owner.status not in _HOST_STATES:
+            state = "unknown" if owner is None else owner.status.value
+            out.append(
+                violation(
+                    B,
+                    who,
+                    "holds host blocks but is not swapped or waiting for a tool",
+                    "swapped | waiting_tool",
+                    state,
+                )
+            )
+            continue
+        if engine.pool.table(rid) is not None:
+            out.append(violation(B, who, "holds KV in both the device and the host pool", 1, 2))
+        if t.num_stored != owner.num_computed_tokens:
+            out.append(
+                violation(
+                    P,
+                    who,
+                    "host KV length differs from num_computed_tokens",
+                    owner.num_computed_tokens,
+                    t.num_stored,
+                )
+            )
+    for r in engine.requests:
+        if r.status is RequestStatus.SWAPPED and r.request_id not in host_ids:
+            out.append(_nowhere(r.request_id, r.num_computed_tokens))
+    return out
+
+
+def _nowhere(request_id: str, num_computed: int) -> Violation:
+    return violation(
+        P,
+        f"request {request_id}",
+        "swapped request has no host table",
+        f"{num_computed} tokens",
+        "no table",
+    )
