@@ -18,6 +18,7 @@ from ref.errors import RefserveError
 from ref.metrics import RequestMetrics, RunMetrics
 from ref.scheduler import Scheduler
 from ref.sim import SimResult, simulate
+from ref.swap import PreemptionMode, SwapCostModel
 from ref.trace import BUILTIN, load_trace
 
 
@@ -114,6 +115,19 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument(
+        "--preemption-mode",
+        choices=[x.value for x in PreemptionMode],
+        default=PreemptionMode.RECOMPUTE.value,
+        help="swap/auto need --num-host-blocks; auto also --kv-bytes-per-token",
+    )
+    p.add_argument("--num-host-blocks", type=int, default=0, help="host swap pool size")
+    p.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        help="K+V bytes of one token over all layers (prices swap; e.g. 524288 for a 7B fp16)",
+    )
+    p.add_argument("--swap-link-gbps", type=float, default=25.0, help="host link GB/s")
+    p.add_argument(
         "--check", action="store_true", help="check every spec invariant after every step"
     )
 
@@ -131,6 +145,17 @@ def _config(args: argparse.Namespace) -> SchedulerConfig:
         admission=Admission(args.admission),
         watermark_blocks=args.watermark_blocks,
         policy=PolicyName(args.policy),
+        preemption_mode=PreemptionMode(args.preemption_mode),
+        num_host_blocks=args.num_host_blocks,
+        swap_cost=(
+            SwapCostModel(
+                args.kv_bytes_per_token,
+                args.swap_link_gbps,
+                iteration=CostModel.parse(args.cost),
+            )
+            if args.kv_bytes_per_token is not None
+            else None
+        ),
     )
 
 
@@ -271,6 +296,8 @@ def render_summary(result: SimResult) -> str:
         f"preemptions {run.num_preemptions}, prefix-cached prompt tokens {run.num_cached_tokens}, "
         f"mean requests in system {run.mean_in_system:.3f}",
     ]
+    if result.swap is not None:
+        lines.append(str(result.swap))
     return "\n".join(lines)
 
 
@@ -304,11 +331,20 @@ def result_json(result: SimResult, config: SchedulerConfig, cost: CostModel) -> 
                 "num_decodes": s.num_decodes,
                 "kv_blocks_used": s.kv_blocks_used,
                 "preempted": list(s.events.preempted),
+                "swapped_out": list(s.plan.swapped_out),
+                "swapped_in": list(s.plan.swapped_in),
                 "finished": list(s.events.finished),
             }
             for s in result.steps
         ],
         "summary": asdict(run),
+        "swap": None
+        if result.swap is None
+        else {
+            **asdict(result.swap),
+            "bytes_out": result.swap.bytes_out,
+            "bytes_in": result.swap.bytes_in,
+        },
     }
 
 

@@ -28,6 +28,7 @@ from ref.inputs import ModelInputs
 from ref.plan import StepPlan
 from ref.request import FinishReason, Request, StopParams
 from ref.scheduler import Scheduler
+from ref.swap import SwapCostModel, SwapTraffic
 
 VOCAB = 32000
 
@@ -38,11 +39,27 @@ def fake_token(request_seq: int, position: int) -> int:
 
 
 class SimExecutor:
+    """Fake tokens and a step time from the cost model.
+
+    With a ``swap`` cost model, the step's swap traffic adds its copy time: one
+    ``copy_ms`` per direction that moves blocks, serialized with the compute (a
+    conservative model; an engine that overlaps copies with compute hides part of it).
+    """
+
     needs_inputs = False
 
-    def __init__(self, cost: CostModel, requests: Mapping[str, Request]) -> None:
+    def __init__(
+        self,
+        cost: CostModel,
+        requests: Mapping[str, Request],
+        *,
+        swap: SwapCostModel | None = None,
+        block_size: int = 16,
+    ) -> None:
         self.cost = cost
         self._requests = requests
+        self.swap = swap
+        self.block_size = block_size
 
     def execute(self, plan: StepPlan, inputs: ModelInputs | None) -> StepOutput:
         reqs = self._requests
@@ -59,7 +76,27 @@ class SimExecutor:
                 if not p
             )
         ms = self.cost.step_ms(plan.num_prefill_tokens, plan.num_decode_requests, kv_read)
+        if self.swap is not None:
+            for moved in (plan.swap_out, plan.swap_in):
+                if moved:
+                    ms += self.swap.copy_ms(len(moved) * self.block_size)
         return StepOutput(sampled, ms)
+
+
+def _result(
+    scheduler: Scheduler, everyone: Sequence[Request], steps: Sequence[StepRecord], span: float
+) -> SimResult:
+    cfg = scheduler.config
+    swap = None
+    if cfg.num_host_blocks:
+        per_block = cfg.swap_cost.kv_bytes_per_token * cfg.block_size if cfg.swap_cost else 0
+        swap = SwapTraffic.of((s.plan for s in steps), per_block)
+    return SimResult(tuple(everyone), tuple(steps), span, swap)
+
+
+def _sim_executor(scheduler: Scheduler, cost: CostModel) -> SimExecutor:
+    cfg = scheduler.config
+    return SimExecutor(cost, scheduler.requests, swap=cfg.swap_cost, block_size=cfg.block_size)
 
 
 @dataclass(frozen=True)
@@ -67,6 +104,7 @@ class SimResult:
     requests: tuple[Request, ...]  # every request, in arrival order, with its timeline
     steps: tuple[StepRecord, ...]
     makespan_ms: float
+    swap: SwapTraffic | None = None  # host-link traffic, when the scheduler has a host pool
 
 
 def simulate(
@@ -80,9 +118,7 @@ def simulate(
     """Run every request to completion on a virtual clock; return timelines and steps."""
     pending = sorted(arrivals, key=lambda r: r.arrival_ms)
     everyone = list(pending)
-    core = EngineCore(
-        scheduler, SimExecutor(cost, scheduler.requests), check_invariants=check_invariants
-    )
+    core = EngineCore(scheduler, _sim_executor(scheduler, cost), check_invariants=check_invariants)
     clock = 0.0
     steps: list[StepRecord] = []
     i = 0
@@ -99,7 +135,7 @@ def simulate(
         steps.append(record)
         clock = record.end_ms
     start = min((r.arrival_ms for r in everyone), default=0.0)
-    return SimResult(tuple(everyone), tuple(steps), clock - start)
+    return _result(scheduler, everyone, steps, clock - start)
 
 
 # ----------------------------------------------------------------- closed loop, sessions
@@ -205,9 +241,7 @@ def _replay(
 ) -> SimResult:
     if concurrency is not None and concurrency < 1:
         raise InvalidArgument(f"concurrency must be >= 1, got {concurrency}")
-    core = EngineCore(
-        scheduler, SimExecutor(cost, scheduler.requests), check_invariants=check_invariants
-    )
+    core = EngineCore(scheduler, _sim_executor(scheduler, cost), check_invariants=check_invariants)
     releases: list[_Release] = []
     order = 0
 
@@ -261,7 +295,7 @@ def _replay(
                     release(nxt, clock)
     everyone.sort(key=lambda r: (r.arrival_ms, r.seq))
     start = min((r.arrival_ms for r in everyone), default=0.0)
-    return SimResult(tuple(everyone), tuple(steps), clock - start)
+    return _result(scheduler, everyone, steps, clock - start)
 
 
 def _start_ms(job: _Job) -> float:

@@ -4,19 +4,22 @@ Two decisions share one cost model:
 
 **Preemption** (seed 002, "重算 vs 换出"). A victim's KV is either dropped and
 recomputed when it resumes, or copied to the host pool and back. With ``L`` tokens of
-KV, ``s`` bytes of K and V per token (all layers) and a host link of ``W`` bytes/ms:
+KV, ``s`` bytes of K and V per token (all layers), a host link of ``W`` bytes/ms and a
+fixed ``latency_ms`` per copy direction:
 
-- swap costs two copies, ``t_swap(L) = 2 * L * s / W`` (+ a fixed ``latency_ms`` per
-  direction), and occupies ``ceil(L / block_size)`` host blocks meanwhile;
-- recompute re-runs the prefill, ``t_recompute(L) = b * L + e * L * (L + 1) / 2`` with
-  ``b`` the iteration model's ms per prefill token and ``e`` its ms per KV token read
-  (a prefill chunk's attention reads every earlier position, hence the triangle).
+- swap costs two copies, ``t_swap(L) = 2 * (latency_ms + L * s / W)``, and holds
+  ``ceil(L / block_size)`` host blocks meanwhile;
+- recompute re-runs the prefill, ``t_recompute(L) = b * L``, with ``b`` the ms per
+  prefill token of the same iteration model the scheduler and simulator use (seed 002's
+  ``a + b*P + c*D``); it is compute taken from the token budget of later steps.
 
-``AUTO`` swaps exactly when ``t_swap(L) < t_recompute(L)`` and the host pool has room:
-the linear terms make the choice a property of the link and the model for short
-contexts, and the quadratic attention term makes long contexts always favour the swap.
-Recompute also spends the token budget that other requests would use ("free compute");
-that cost is already in ``b``, fitted from loaded steps by ``fit_cost_model``.
+``AUTO`` swaps exactly when ``t_swap(L) < t_recompute(L)`` and the host pool has room,
+i.e. when the link beats compute per token (``2 * s / W < b``) and the context is past
+the break-even length ``2 * latency_ms / (b - 2 * s / W)`` where the fixed copy latency
+is paid off. Two things the linear model leaves out, on opposite sides: prefill
+attention grows with ``L`` (recompute of long contexts is dearer than ``b * L``), and a
+recompute may find the victim's full blocks still in the prefix cache (cheaper). A
+fitted model that prices either can replace :meth:`SwapCostModel.recompute_ms`.
 
 **Tool waits** (seed 003, agent sessions). A paused turn keeps its KV on the device for
 short waits (resuming then computes only the tool's tokens), moves it to the host for
@@ -26,11 +29,16 @@ longer ones (the device blocks serve others meanwhile), and drops it past a thre
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from ref.cost_model import CostModel
 from ref.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from ref.plan import StepPlan
 
 
 class PreemptionMode(StrEnum):
@@ -54,7 +62,7 @@ class SwapCostModel:
     ``kv_bytes_per_token``: K and V of one token over all layers
     (``2 * num_layers * num_kv_heads * head_dim * dtype_bytes``); ``link_gb_per_s``: host
     <-> device copy bandwidth (GB/s = bytes/ns); ``latency_ms``: fixed cost per copy
-    direction; ``iteration``: the step-time model whose ``b`` and ``e`` price recompute.
+    direction; ``iteration``: the step-time model whose ``b`` prices recompute.
     """
 
     kv_bytes_per_token: int
@@ -84,8 +92,7 @@ class SwapCostModel:
         return 2 * self.copy_ms(num_tokens)
 
     def recompute_ms(self, num_tokens: int) -> float:
-        m = self.iteration
-        return m.b * num_tokens + m.e * num_tokens * (num_tokens + 1) / 2
+        return self.iteration.b * num_tokens
 
     def prefers_swap(self, num_tokens: int) -> bool:
         return num_tokens > 0 and self.swap_ms(num_tokens) < self.recompute_ms(num_tokens)
@@ -95,7 +102,7 @@ class SwapCostModel:
         lo, hi = 1, limit
         if not self.prefers_swap(hi):
             return None
-        # swap - recompute is concave in L and >= 0 at L = 0, so once swap wins it keeps
+        # swap - recompute is linear in L and >= 0 at L = 0, so once swap wins it keeps
         # winning: binary search for the first L where it does.
         while lo < hi:
             mid = (lo + hi) // 2
@@ -129,3 +136,42 @@ class RetentionPolicy:
         if expected_wait_ms < self.host_max_wait_ms and host_available:
             return KVRetention.HOST
         return KVRetention.DROP
+
+
+@dataclass(frozen=True)
+class SwapTraffic:
+    """What a run moved over the host link (the "swapped bytes" of a report)."""
+
+    num_swapped_out: int  # requests whose KV went to the host (victims and paused turns)
+    num_swapped_in: int
+    blocks_out: int
+    blocks_in: int
+    bytes_per_block: int
+
+    @classmethod
+    def of(cls, plans: Iterable[StepPlan], bytes_per_block: int) -> SwapTraffic:
+        out = inn = blocks_out = blocks_in = 0
+        for p in plans:
+            out += len(p.swapped_out)
+            inn += len(p.swapped_in)
+            blocks_out += len(p.swap_out)
+            blocks_in += len(p.swap_in)
+        return cls(out, inn, blocks_out, blocks_in, bytes_per_block)
+
+    @property
+    def bytes_out(self) -> int:
+        return self.blocks_out * self.bytes_per_block
+
+    @property
+    def bytes_in(self) -> int:
+        return self.blocks_in * self.bytes_per_block
+
+    def __str__(self) -> str:
+        def size(n: int) -> str:
+            return f"{n / 2**20:.1f} MiB" if self.bytes_per_block else "? bytes"
+
+        return (
+            f"swapped out {self.num_swapped_out} requests ({self.blocks_out} blocks, "
+            f"{size(self.bytes_out)}), swapped in {self.num_swapped_in} "
+            f"({self.blocks_in} blocks, {size(self.bytes_in)})"
+        )

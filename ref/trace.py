@@ -32,7 +32,7 @@ FIELDS = frozenset(
         "prefix_len",
     }
 )
-BUILTIN = ("seed000_decode", "seed001", "seed002", "shared_prefix")
+BUILTIN = ("seed000_decode", "seed001", "seed002", "shared_prefix", "memory_pressure")
 
 
 class TraceError(InvalidArgument):

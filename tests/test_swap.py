@@ -1,0 +1,482 @@
+"""Preemption by swap, host-retained tool waits, the recompute-vs-swap rule and the
+host pool (issue "QoS and memory pressure", item 5/6). Every engine run here goes
+through EngineCore(check_invariants=True), which checks spec.host on every step."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from ref.config import SchedulerConfig
+from ref.cost_model import CostModel
+from ref.engine_core import EngineCore
+from ref.errors import DuplicateRequest, InvalidArgument, OutOfBlocks, UnknownRequest
+from ref.kv.host_pool import HostPool
+from ref.kv.pool import BlockCopy
+from ref.plan import StepPlan
+from ref.request import Request, StopParams
+from ref.scheduler import Scheduler
+from ref.sim import SimExecutor, simulate
+from ref.swap import KVRetention, PreemptionMode, RetentionPolicy, SwapCostModel
+from spec import EngineSnapshot, PoolSnapshot, RequestSnapshot, RequestStatus, TableSnapshot
+from spec.atomic import check_atomic
+from spec.host import check_host
+from spec.progress import check_quiescent
+from spec.violation import Invariant
+
+S = RequestStatus
+COST = CostModel.parse("2+0.5P+D")
+
+
+def req(rid: str, n: int, max_tokens: int, *, base: int = 0) -> Request:
+    return Request(rid, [base + i + 1 for i in range(n)], StopParams(max_tokens, ignore_eos=True))
+
+
+class Stepper:
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.sched = Scheduler(cfg)
+        self.core = EngineCore(
+            self.sched,
+            SimExecutor(COST, self.sched.requests, swap=cfg.swap_cost, block_size=cfg.block_size),
+            check_invariants=True,
+        )
+        self.clock = 0.0
+        self.plans: list[object] = []
+
+    def step(self) -> dict[str, int]:
+        rec = self.core.step(self.clock)
+        self.clock = rec.end_ms
+        self.plans.append(rec.plan)
+        return dict(rec.tokens)
+
+    def drain(self, limit: int = 500) -> None:
+        for _ in range(limit):
+            if not self.sched.has_unfinished:
+                return
+            self.step()
+        raise AssertionError("did not drain")
+
+
+# Two requests whose decodes outgrow a 6-block pool (block size 4): the later one is
+# preempted while both decode.
+def _pressure(mode: PreemptionMode, host_blocks: int = 8, **kw: object) -> Stepper:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        block_size=4,
+        num_blocks=6,
+        enable_prefix_caching=False,
+        preemption_mode=mode,
+        num_host_blocks=host_blocks,
+        **kw,  # type: ignore[arg-type]
+    )
+    st_ = Stepper(cfg)
+    st_.sched.add_request(req("a", 7, 10))
+    st_.sched.add_request(req("b", 7, 10, base=100))
+    return st_
+
+
+def _run_to_first_preemption(st_: Stepper) -> object:
+    for _ in range(50):
+        st_.step()
+        plan = st_.plans[-1]
+        if plan.preempted:  # type: ignore[attr-defined]
+            return plan
+    raise AssertionError("no preemption happened")
+
+
+# ------------------------------------------------------------------ scheduler
+def test_swap_preemption_keeps_the_victims_kv_and_resumes_without_recompute() -> None:
+    st_ = _pressure(PreemptionMode.SWAP)
+    plan = _run_to_first_preemption(st_)
+    victim = plan.preempted[0]  # type: ignore[attr-defined]
+    assert victim == "b"  # the latest arrival
+    assert plan.swapped_out == ("b",)  # type: ignore[attr-defined]
+    b = st_.sched.requests["b"]
+    assert b.status is S.SWAPPED and b.num_preemptions == 1
+    kv = b.num_computed_tokens
+    assert kv == b.num_tokens - 1  # it was decoding: KV for all but the last token
+    host = st_.sched.host.table("b")
+    # Every device block of the victim was copied out, in table order.
+    assert len(plan.swap_out) == len(host.block_ids) == -(-kv // 4)  # type: ignore[attr-defined]
+    assert [c.dst for c in plan.swap_out] == list(host.block_ids)  # type: ignore[attr-defined]
+    assert not st_.sched.pool.has_request("b")
+    # Later it is swapped in and decodes one token: nothing recomputed.
+    for _ in range(50):
+        tokens = st_.step()
+        p = st_.plans[-1]
+        if "b" in p.swapped_in:  # type: ignore[attr-defined]
+            assert tokens["b"] == 1
+            assert len(p.swap_in) == len(host.block_ids)  # type: ignore[attr-defined]
+            assert [c.src for c in p.swap_in] == list(host.block_ids)  # type: ignore[attr-defined]
+            assert list(st_.sched.pool.block_table("b"))[: len(host.block_ids)] == [
+                c.dst
+                for c in p.swap_in  # type: ignore[attr-defined]
+            ]
+            break
+    else:
+        raise AssertionError("b was never swapped in")
+    assert not st_.sched.host.has_request("b")
+    st_.drain()
+    assert st_.sched.num_swapped_out_blocks == st_.sched.num_swapped_in_blocks > 0
+    assert check_quiescent(st_.sched.host.snapshot()) == []
+
+
+def test_swap_computes_fewer_tokens_than_recompute_for_the_same_workload() -> None:
+    totals = {}
+    for mode in (PreemptionMode.RECOMPUTE, PreemptionMode.SWAP):
+        st_ = _pressure(mode)
+        st_.drain()
+        totals[mode] = sum(sum(p.num_new_tokens) for p in st_.plans)  # type: ignore[attr-defined]
+        assert sum(len(p.preempted) for p in st_.plans) >= 1  # type: ignore[attr-defined]
+    # Both produce the same outputs (7 + 10 tokens each); recompute redoes the victim's KV.
+    assert totals[PreemptionMode.SWAP] == 2 * (7 + 10 - 1)
+    assert totals[PreemptionMode.RECOMPUTE] > totals[PreemptionMode.SWAP]
+
+
+def test_full_host_pool_falls_back_to_recompute() -> None:
+    st_ = _pressure(PreemptionMode.SWAP, host_blocks=1)
+    plan = _run_to_first_preemption(st_)
+    assert plan.swapped_out == ()  # type: ignore[attr-defined]
+    assert st_.sched.requests["b"].status is S.PREEMPTED
+    assert st_.sched.requests["b"].num_computed_tokens == 0
+    st_.drain()
+
+
+def test_auto_mode_follows_the_cost_rule() -> None:
+    # Recompute at 0.5 ms/token vs a slow link: 1 MB/token over 1 GB/s = 1 ms each way.
+    slow = SwapCostModel(kv_bytes_per_token=1_000_000, link_gb_per_s=1.0, iteration=COST)
+    fast = replace(slow, link_gb_per_s=100.0)
+    assert not slow.prefers_swap(8) and fast.prefers_swap(8)
+    for model, swapped in ((slow, False), (fast, True)):
+        st_ = _pressure(PreemptionMode.AUTO, swap_cost=model)
+        plan = _run_to_first_preemption(st_)
+        assert bool(plan.swapped_out) is swapped  # type: ignore[attr-defined]
+        st_.drain()
+
+
+def test_swap_time_is_charged_by_the_simulator() -> None:
+    model = SwapCostModel(kv_bytes_per_token=1_000_000, link_gb_per_s=10.0, iteration=COST)
+    ex = SimExecutor(COST, {}, swap=model, block_size=4)
+    moves = (BlockCopy(0, 1), BlockCopy(2, 3), BlockCopy(4, 5))
+    empty = StepPlan(0, (), (), (), (), (), ())
+    assert ex.execute(empty, None).duration_ms == pytest.approx(COST.a)
+    out_only = replace(empty, swap_out=moves)
+    both = replace(empty, swap_out=moves, swap_in=moves[:1])
+    # 3 blocks x 4 tokens x 1 MB over 10 GB/s = 1.2 ms; one block back in = 0.4 ms.
+    assert ex.execute(out_only, None).duration_ms == pytest.approx(COST.a + 1.2)
+    assert ex.execute(both, None).duration_ms == pytest.approx(COST.a + 1.2 + 0.4)
+    assert SimExecutor(COST, {}).execute(both, None).duration_ms == pytest.approx(COST.a)
+
+
+def test_abort_of_a_swapped_request_frees_its_host_blocks() -> None:
+    st_ = _pressure(PreemptionMode.SWAP)
+    _run_to_first_preemption(st_)
+    assert st_.sched.host.num_used_blocks > 0
+    st_.sched.abort("b")
+    assert st_.sched.host.num_used_blocks == 0 and not st_.sched.host.has_request("b")
+    assert check_host(st_.sched.snapshot()) == []
+    st_.drain()
+
+
+def test_swap_config_is_validated() -> None:
+    with pytest.raises(InvalidArgument, match="num_host_blocks > 0"):
+        SchedulerConfig(preemption_mode="swap")
+    with pytest.raises(InvalidArgument, match="needs swap_cost"):
+        SchedulerConfig(preemption_mode="auto", num_host_blocks=4)
+    with pytest.raises(InvalidArgument, match="preemption_mode must be one of"):
+        SchedulerConfig(preemption_mode="teleport", num_host_blocks=4)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="num_host_blocks"):
+        SchedulerConfig(num_host_blocks=-1)
+    assert SchedulerConfig(preemption_mode="swap", num_host_blocks=1).preemption_mode is (
+        PreemptionMode.SWAP
+    )
+    with pytest.raises(InvalidArgument, match="kv_bytes_per_token"):
+        SwapCostModel(kv_bytes_per_token=0)
+    with pytest.raises(InvalidArgument, match="link_gb_per_s"):
+        SwapCostModel(kv_bytes_per_token=1, link_gb_per_s=0.0)
+    with pytest.raises(InvalidArgument, match="device_max_wait_ms"):
+        RetentionPolicy(device_max_wait_ms=10.0, host_max_wait_ms=1.0)
+
+
+# ------------------------------------------------------------------ the cost rule
+def test_swap_rule_breakeven_is_where_swap_starts_to_win() -> None:
+    # 1 MB per token over 10 GB/s: 0.1 ms per token each way, plus 5 ms per direction;
+    # recompute at 0.5 ms per prefill token. Swap wins once 10 + 0.2 L < 0.5 L: L >= 34.
+    model = SwapCostModel(
+        kv_bytes_per_token=1_000_000, link_gb_per_s=10.0, latency_ms=5.0, iteration=COST
+    )
+    assert model.swap_ms(10) == pytest.approx(2 * (5.0 + 1.0))
+    assert model.recompute_ms(10) == pytest.approx(5.0)
+    assert model.breakeven_tokens() == 34
+    assert not model.prefers_swap(33) and model.prefers_swap(34)
+    assert all(model.prefers_swap(n) for n in (34, 35, 1000, 1 << 20))
+    assert not model.prefers_swap(0)
+    # A link slower than compute never pays off, whatever the context.
+    slow = replace(model, link_gb_per_s=4.0)  # 0.25 ms/token each way: 0.5 = b
+    assert slow.breakeven_tokens() is None and not slow.prefers_swap(1 << 20)
+
+
+def test_retention_policy_by_expected_wait() -> None:
+    p = RetentionPolicy(device_max_wait_ms=100.0, host_max_wait_ms=5_000.0)
+    assert p.choose(0.0, host_available=True) is KVRetention.DEVICE
+    assert p.choose(99.9, host_available=True) is KVRetention.DEVICE
+    assert p.choose(100.0, host_available=True) is KVRetention.HOST
+    assert p.choose(100.0, host_available=False) is KVRetention.DROP
+    assert p.choose(5_000.0, host_available=True) is KVRetention.DROP
+    with pytest.raises(InvalidArgument):
+        p.choose(-1.0, host_available=True)
+
+
+# ------------------------------------------------------------------ tool waits
+def _agent(host_blocks: int = 16) -> Stepper:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        block_size=4,
+        num_blocks=64,
+        num_host_blocks=host_blocks,
+        retention=RetentionPolicy(device_max_wait_ms=100.0, host_max_wait_ms=10_000.0),
+    )
+    st_ = Stepper(cfg)
+    st_.sched.add_request(req("agent", 18, 3))
+    st_.sched.add_request(req("other", 5, 12, base=500))
+    while st_.sched.requests["agent"].num_output_tokens < 2:
+        st_.step()
+    return st_
+
+
+def test_tool_wait_on_the_host_moves_kv_out_then_swaps_it_back_in() -> None:
+    st_ = _agent()
+    agent = st_.sched.requests["agent"]
+    kv = agent.num_computed_tokens
+    used = st_.sched.pool.num_used_blocks
+    assert st_.sched.pause("agent", expected_wait_ms=500.0) is KVRetention.HOST
+    assert st_.sched.pool.has_request("agent")  # moves with the next step
+    st_.step()
+    plan = st_.plans[-1]
+    assert plan.swapped_out == ("agent",) and plan.preempted == ()  # type: ignore[attr-defined]
+    assert not st_.sched.pool.has_request("agent")
+    assert st_.sched.pool.num_used_blocks < used
+    assert st_.sched.host.table("agent").num_stored == kv == agent.num_computed_tokens
+    assert agent.status is S.WAITING_TOOL
+    st_.sched.resume("agent", [900, 901, 902], StopParams(2, ignore_eos=True))
+    assert agent.status is S.SWAPPED
+    tokens = st_.step()
+    plan = st_.plans[-1]
+    assert plan.swapped_in == ("agent",)  # type: ignore[attr-defined]
+    assert tokens["agent"] == 1 + 3  # last sampled token (no KV yet) + tool tokens
+    assert agent.num_computed_tokens == kv + 4
+    st_.drain()
+    assert check_quiescent(st_.sched.host.snapshot()) == []
+
+
+def test_tool_answer_before_the_move_keeps_kv_on_the_device() -> None:
+    st_ = _agent()
+    st_.sched.pause("agent", KVRetention.HOST)
+    st_.sched.resume("agent", [900], StopParams(1, ignore_eos=True))
+    tokens = st_.step()
+    assert st_.plans[-1].swapped_out == ()  # type: ignore[attr-defined]
+    assert tokens["agent"] == 2
+    st_.drain()
+
+
+def test_long_tool_wait_drops_kv_and_short_keeps_it() -> None:
+    st_ = _agent()
+    assert st_.sched.pause("agent", expected_wait_ms=50_000.0) is KVRetention.DROP
+    assert not st_.sched.pool.has_request("agent")
+    assert st_.sched.requests["agent"].num_computed_tokens == 0
+    st_ = _agent()
+    assert st_.sched.pause("agent", expected_wait_ms=10.0) is KVRetention.DEVICE
+    assert st_.sched.pool.has_request("agent")
+
+
+def test_pause_rejects_bad_retention_with_nothing_changed() -> None:
+    st_ = _agent(host_blocks=0)
+    before = st_.sched.snapshot()
+    with pytest.raises(InvalidArgument, match="num_host_blocks is 0"):
+        st_.sched.pause("agent", KVRetention.HOST)
+    with pytest.raises(InvalidArgument, match="retention must be one of"):
+        st_.sched.pause("agent", "fridge")
+    with pytest.raises(InvalidArgument, match="expected_wait_ms"):
+        st_.sched.pause("agent", expected_wait_ms="soon")  # type: ignore[arg-type]
+    assert st_.sched.snapshot() == before
+    assert st_.sched.requests["agent"].status is S.DECODING
+    # With no host pool the policy never picks the host.
+    assert st_.sched.pause("agent", expected_wait_ms=500.0) is KVRetention.DROP
+
+
+def test_host_move_waits_while_the_host_pool_is_full() -> None:
+    st_ = _agent(host_blocks=2)  # the agent's 20 tokens need 5 host blocks
+    st_.sched.pause("agent", KVRetention.HOST)
+    st_.step()
+    assert st_.plans[-1].swapped_out == ()  # type: ignore[attr-defined]
+    assert st_.sched.pool.has_request("agent")
+    st_.sched.abort("agent")
+    assert not st_.sched.pool.has_request("agent")
+    st_.drain()
+
+
+def test_aborting_a_paused_host_request_frees_the_host_pool() -> None:
+    st_ = _agent()
+    st_.sched.pause("agent", KVRetention.HOST)
+    st_.step()
+    assert st_.sched.host.num_used_blocks > 0
+    st_.sched.abort("agent")
+    assert st_.sched.host.num_used_blocks == 0
+    st_.drain()
+
+
+# ------------------------------------------------------------------ host pool
+def test_host_pool_swap_out_release_and_quarantine() -> None:
+    host = HostPool(4, 2)
+    copies = host.swap_out("a", [7, 3], 3, [1, 2, 3, 9])
+    assert copies == (BlockCopy(7, 0), BlockCopy(3, 1))
+    t = host.table("a")
+    assert t.block_ids == (0, 1) and t.num_stored == 3 and t.token_ids == (1, 2, 3)
+    assert host.num_free_blocks == 2 and not host.can_hold(5) and host.can_hold(4)
+    host.begin()
+    host.release("a")
+    # Released inside the step: not reusable by this step's swap-outs.
+    assert host.num_free_blocks == 2
+    with pytest.raises(OutOfBlocks):
+        host.swap_out("b", [1, 2, 3], 5, [0] * 5)
+    host.commit()
+    assert host.num_free_blocks == 4
+    assert host.snapshot().free_queue == (2, 3, 0, 1)
+
+
+def test_host_pool_rollback_is_exact() -> None:
+    host = HostPool(5, 2)
+    host.swap_out("a", [1], 1, [4])
+    before = host.snapshot()
+    host.begin()
+    host.release("a")
+    host.swap_out("b", [2, 3], 4, [0, 1, 2, 3])
+    host.swap_out("c", [4, 5], 3, [0, 1, 2])
+    host.rollback()
+    assert host.snapshot() == before
+    assert check_atomic(_engine(before), _engine(host.snapshot())) == []
+
+
+def test_host_pool_rejects_bad_calls() -> None:
+    host = HostPool(2, 2)
+    host.swap_out("a", [1], 2, [1, 2])
+    with pytest.raises(DuplicateRequest):
+        host.swap_out("a", [1], 2, [1, 2])
+    with pytest.raises(InvalidArgument, match="device blocks"):
+        host.swap_out("b", [1, 2], 2, [1, 2])
+    with pytest.raises(UnknownRequest):
+        host.release("zz")
+    with pytest.raises(UnknownRequest):
+        host.table("zz")
+    with pytest.raises(InvalidArgument):
+        HostPool(-1, 2)
+
+
+# ------------------------------------------------------------------ spec.host fails
+def _engine(host: PoolSnapshot | None, *requests: RequestSnapshot) -> EngineSnapshot:
+    device = PoolSnapshot(4, 2, (0, 0, 0, 0), (0, 1, 2, 3), ())
+    return EngineSnapshot(tuple(requests), device, host)
+
+
+def _swapped(rid: str = "a", kv: int = 3, status: RequestStatus = S.SWAPPED) -> RequestSnapshot:
+    return RequestSnapshot(rid, status, 3, 1, kv, 4)
+
+
+def _host(*tables: TableSnapshot, n: int = 4) -> PoolSnapshot:
+    ref = [0] * n
+    for t in tables:
+        for b in t.block_table:
+            ref[b] += 1
+    free = tuple(b for b in range(n) if ref[b] == 0)
+    return PoolSnapshot(n, 2, tuple(ref), free, tables)
+
+
+GOOD = TableSnapshot("a", (2, 0), 3, (1, 2, 3))
+
+
+def test_check_host_accepts_a_consistent_state() -> None:
+    assert check_host(_engine(_host(GOOD), _swapped())) == []
+    paused = _swapped(status=S.WAITING_TOOL)
+    assert check_host(_engine(_host(GOOD), paused)) == []
+
+
+@pytest.mark.parametrize(
+    ("engine", "invariant", "message"),
+    [
+        (_engine(None, _swapped()), Invariant.POS, "no host table"),
+        (_engine(_host(), _swapped()), Invariant.POS, "no host table"),
+        (_engine(_host(GOOD), _swapped(kv=2)), Invariant.POS, "host KV length"),
+        (
+            _engine(_host(GOOD), _swapped(status=S.DECODING)),
+            Invariant.BLOCK,
+            "not swapped or waiting",
+        ),
+        (_engine(_host(GOOD)), Invariant.BLOCK, "not swapped or waiting"),
+        (
+            _engine(_host(GOOD, TableSnapshot("b", (2,), 1, (5,))), _swapped(), _swapped("b", 1)),
+            Invariant.BLOCK,
+            "swapped KV is shared",
+        ),
+        (
+            _engine(replace(_host(GOOD), free_queue=(1,)), _swapped()),
+            Invariant.BLOCK,
+            "host block",
+        ),
+        (
+            _engine(replace(_host(GOOD), free_queue=(1, 3, 0)), _swapped()),
+            Invariant.BLOCK,
+            "host block 0",
+        ),
+        (
+            _engine(_host(TableSnapshot("a", (2,), 3, (1, 2, 3))), _swapped()),
+            Invariant.POS,
+            "host request a",
+        ),
+    ],
+)
+def test_check_host_fails_on_corrupted_states(
+    engine: EngineSnapshot, invariant: Invariant, message: str
+) -> None:
+    found = check_host(engine)
+    assert any(v.invariant is invariant and message in str(v) for v in found), found
+
+
+def test_check_host_fails_when_kv_lives_in_both_pools() -> None:
+    device = PoolSnapshot(4, 2, (1, 1, 0, 0), (2, 3), (TableSnapshot("a", (0, 1), 3, (1, 2, 3)),))
+    engine = EngineSnapshot((_swapped(),), device, _host(GOOD))
+    assert any("both the device and the host" in str(v) for v in check_host(engine))
+
+
+def test_check_host_fails_on_cache_entries_in_the_host_pool() -> None:
+    from spec import CacheEntry
+
+    host = replace(_host(GOOD), cache_entries=(CacheEntry(b"k", 0, b"", (1, 2)),))
+    assert any("prefix-cache" in str(v) for v in check_host(_engine(host, _swapped())))
+
+
+def test_atomic_sees_a_changed_host_pool() -> None:
+    a = _engine(_host(GOOD), _swapped())
+    b = _engine(_host(), _swapped())
+    assert any(v.invariant is Invariant.ATOMIC for v in check_atomic(a, b))
+
+
+def test_simulate_with_swap_reproduces_the_recompute_outputs() -> None:
+    """Same fake tokens either way: swap changes when work happens, not what is sampled."""
+    outs = {}
+    for mode in (PreemptionMode.RECOMPUTE, PreemptionMode.SWAP):
+        cfg = SchedulerConfig(
+            max_num_batched_tokens=16,
+            max_num_seqs=6,
+            block_size=4,
+            num_blocks=12,
+            preemption_mode=mode,
+            num_host_blocks=24,
+        )
+        reqs = [req(f"r{i}", 6 + i, 9, base=100 * i) for i in range(6)]
+        res = simulate(Scheduler(cfg), reqs, COST, check_invariants=True)
+        assert sum(r.num_preemptions for r in res.requests) > 0
+        outs[mode] = {r.request_id: r.output_token_ids for r in res.requests}
+    assert outs[PreemptionMode.RECOMPUTE] == outs[PreemptionMode.SWAP]
