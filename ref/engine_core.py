@@ -121,7 +121,7 @@ class EngineCore:
             before=before,
             scheduled=scheduled,
             after=after,
-            preempted=plan.preempted,
+            preempted=plan.preempted + plan.dropped,
             finished=tuple(r.request_id for r in sched.retired),
         )
         violations = check_step(step)

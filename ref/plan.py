@@ -61,11 +61,14 @@ class StepPlan:
     # copy (host ``src`` -> device ``dst``), the copy-on-write ``copies``, then the
     # forward. ``swapped_out``: requests whose KV this step moves to the host (preempted
     # victims, and paused turns retained on the host); ``swapped_in``: requests whose KV
-    # comes back before their tokens are computed.
+    # comes back before their tokens are computed. ``dropped``: paused turns whose
+    # device KV this step released because running or waiting work needed the blocks
+    # and the host pool could not take it (they recompute when resumed).
     swap_out: tuple[BlockCopy, ...] = ()
     swap_in: tuple[BlockCopy, ...] = ()
     swapped_out: tuple[str, ...] = ()
     swapped_in: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
 
     @cached_property
     def chunks(self) -> tuple[ScheduledChunk, ...]:
@@ -136,6 +139,7 @@ class PlanBuilder:
         swap_in: Sequence[BlockCopy] = (),
         swapped_out: Sequence[str] = (),
         swapped_in: Sequence[str] = (),
+        dropped: Sequence[str] = (),
     ) -> StepPlan:
         return StepPlan(
             self.step_index,
@@ -153,4 +157,5 @@ class PlanBuilder:
             tuple(swap_in),
             tuple(swapped_out),
             tuple(swapped_in),
+            tuple(dropped),
         )

@@ -56,6 +56,7 @@ class _StepSwaps:
     in_: list[BlockCopy] = field(default_factory=list)
     swapped_out: list[str] = field(default_factory=list)
     swapped_in: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # paused turns whose KV was released
 
 
 @dataclass(frozen=True)
@@ -285,6 +286,9 @@ class Scheduler:
                 f"resume: request {request_id!r} would hold {r.num_tokens + len(tool)} tokens; "
                 f"the limit is {self.config.max_len - 1} before an output token"
             )
+        need = blocks_needed(r.num_tokens + len(tool), self.config.block_size)
+        if need > self.config.num_blocks:
+            raise ExceedsCapacity(request_id, need, self.config.num_blocks)
         del self.paused[request_id]
         if request_id in self._to_host:  # the tool answered before the KV moved
             self._to_host.remove(request_id)
@@ -415,6 +419,10 @@ class Scheduler:
             self.running = [r for r in self.running if r.request_id not in gone]
         if plan.swapped_out:  # paused turns whose KV moved to the host in this step
             self._to_host = [rid for rid in self._to_host if rid not in swapped]
+        for rid in plan.dropped:
+            by_id[rid].num_computed_tokens = 0
+            if rid in self._to_host:
+                self._to_host.remove(rid)
         self.num_swapped_out_blocks += len(plan.swap_out)
         self.num_swapped_in_blocks += len(plan.swap_in)
         self.pool.commit()
@@ -525,6 +533,7 @@ class Scheduler:
             swaps.in_,
             swaps.swapped_out,
             swaps.swapped_in,
+            swaps.dropped,
         )
 
     def _prefill_cap(self, decoded: Sequence[Request], now_ms: float, reserve: int) -> int:
@@ -592,9 +601,7 @@ class Scheduler:
                 free = self.pool.num_free_blocks - cfg.watermark_blocks
                 ok = self._admission_blocks(r, n, hit) <= free
             else:
-                # Nothing else runs: the watermark and the whole-request rules protect
-                # running requests' growth, and waiving them here guarantees progress.
-                ok = self.pool.can_allocate(r.request_id, n, hit)
+                ok = self._fits_alone(r.request_id, n, hit, swaps)
             if not ok:
                 break  # FCFS: later arrivals do not overtake the head of the queue
             alloc = self.pool.allocate(r.request_id, r.token_ids, n, hit=hit, namespace=r.namespace)
@@ -627,7 +634,7 @@ class Scheduler:
             free = self.pool.num_free_blocks - self.config.watermark_blocks
             ok = self._admission_blocks(r, stored + n, None) <= free
         else:
-            ok = self.pool.can_allocate(rid, stored + n)
+            ok = self._fits_alone(rid, stored + n, None, swaps)
         if not ok:
             return 0
         self.pool.allocate(rid, r.token_ids, stored, namespace=r.namespace)
@@ -651,6 +658,35 @@ class Scheduler:
                 self._swap_out(r, swaps)
             # else: the host pool is full; the KV stays on the device and the move is
             # retried next step.
+
+    def _fits_alone(
+        self, request_id: str, n: int, hit: PrefixHit | None, swaps: _StepSwaps
+    ) -> bool:
+        """Admission when nothing else runs: the watermark and the whole-request rules
+        protect running requests' growth, and waiving them here guarantees progress, as
+        does reclaiming paused turns' KV when the request still does not fit."""
+        while not self.pool.can_allocate(request_id, n, hit):
+            if not self._reclaim_paused(swaps):
+                return False
+        return True
+
+    def _reclaim_paused(self, swaps: _StepSwaps) -> bool:
+        """Free the device blocks of one paused turn (the longest paused): to the host
+        if it has room, else dropped. False if no paused turn holds device blocks.
+
+        A tool wait never blocks progress: paused KV is reclaimed before a running
+        request is preempted, and before admission stalls with nothing running.
+        """
+        for rid, r in self.paused.items():
+            if not self.pool.has_request(rid):
+                continue  # its KV is on the host already, or was dropped
+            if r.num_computed_tokens and self.host.can_hold(r.num_computed_tokens):
+                self._swap_out(r, swaps)
+            else:
+                self.pool.free(rid)
+                swaps.dropped.append(rid)
+            return True
+        return False
 
     def _should_swap(self, victim: Request) -> bool:
         """Recompute or swap a preemption victim (ref/swap.py documents the rule)."""
@@ -716,6 +752,8 @@ class Scheduler:
         before failing stay preempted: their blocks are already free.
         """
         while not self.pool.can_allocate(r.request_id, n):
+            if self._reclaim_paused(swaps):
+                continue  # idle KV goes before running work is preempted
             candidates = [v for v in running if v is not r and v.request_id not in scheduled]
             victim = self.policy.pick_victim(candidates)
             if victim is None:

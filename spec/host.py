@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from spec.block import check_block
 from spec.pos import check_pos_pool
-from spec.snapshot import EngineSnapshot, RequestStatus
+from spec.snapshot import EngineSnapshot, RequestSnapshot, RequestStatus
 from spec.violation import Invariant, Violation, violation
 
 B = Invariant.BLOCK
@@ -32,8 +32,8 @@ def check_host(engine: EngineSnapshot) -> list[Violation]:
     out: list[Violation] = []
     if host is None:
         for r in engine.requests:
-            if r.status is RequestStatus.SWAPPED:
-                out.append(_nowhere(r.request_id, r.num_computed_tokens))
+            if _needs_host(r, engine, set()):
+                out.append(_nowhere(r.request_id, r.status, r.num_computed_tokens))
         return out
     out.extend(
         replace(v, subject=f"host {v.subject}") for v in (*check_block(host), *check_pos_pool(host))
@@ -83,16 +83,29 @@ def check_host(engine: EngineSnapshot) -> list[Violation]:
                 )
             )
     for r in engine.requests:
-        if r.status is RequestStatus.SWAPPED and r.request_id not in host_ids:
-            out.append(_nowhere(r.request_id, r.num_computed_tokens))
+        if _needs_host(r, engine, host_ids):
+            out.append(_nowhere(r.request_id, r.status, r.num_computed_tokens))
     return out
 
 
-def _nowhere(request_id: str, num_computed: int) -> Violation:
+def _needs_host(r: RequestSnapshot, engine: EngineSnapshot, host_ids: set[str]) -> bool:
+    """A swapped request, or a paused one with KV, whose KV is in neither pool."""
+    if r.request_id in host_ids:
+        return False
+    if r.status is RequestStatus.SWAPPED:
+        return True
+    return (
+        r.status is RequestStatus.WAITING_TOOL
+        and r.num_computed_tokens > 0
+        and engine.pool.table(r.request_id) is None
+    )
+
+
+def _nowhere(request_id: str, status: RequestStatus, num_computed: int) -> Violation:
     return violation(
         P,
         f"request {request_id}",
-        "swapped request has no host table",
+        f"{status.value} request's KV is in neither pool",
         f"{num_computed} tokens",
         "no table",
     )

@@ -149,6 +149,8 @@ class StepSnapshot:
     before: EngineSnapshot
     scheduled: tuple[ScheduledRequest, ...]
     after: EngineSnapshot
+    # Requests whose KV the step released or moved: running victims (recompute or swap)
+    # and paused agent turns whose device KV was reclaimed for others.
     preempted: tuple[str, ...] = ()
     finished: tuple[str, ...] = ()
     aborted: tuple[str, ...] = field(default=())

@@ -15,6 +15,11 @@ from spec.violation import Invariant, Violation, violation
 T = Invariant.TOKEN
 
 
+# A preempted request whose KV was dropped: a running victim (recompute), or a paused
+# agent turn whose device KV was reclaimed for others. A swapped victim keeps its count.
+_DROPPED = (RequestStatus.PREEMPTED, RequestStatus.WAITING_TOOL)
+
+
 def check_token(step: StepSnapshot) -> list[Violation]:
     out: list[Violation] = []
     total = sum(s.num_new_tokens for s in step.scheduled)
@@ -72,7 +77,7 @@ def check_token(step: StepSnapshot) -> list[Violation]:
         before = step.before.request(rid)
         if before is None or after.status.is_done:
             continue
-        if rid in step.preempted and after.status is RequestStatus.PREEMPTED:
+        if rid in step.preempted and after.status in _DROPPED:
             if after.num_computed_tokens != 0:
                 out.append(
                     violation(

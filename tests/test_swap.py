@@ -11,7 +11,13 @@ import pytest
 from ref.config import SchedulerConfig
 from ref.cost_model import CostModel
 from ref.engine_core import EngineCore
-from ref.errors import DuplicateRequest, InvalidArgument, OutOfBlocks, UnknownRequest
+from ref.errors import (
+    DuplicateRequest,
+    ExceedsCapacity,
+    InvalidArgument,
+    OutOfBlocks,
+    UnknownRequest,
+)
 from ref.kv.host_pool import HostPool
 from ref.kv.pool import BlockCopy
 from ref.plan import StepPlan
@@ -406,9 +412,11 @@ def test_check_host_accepts_a_consistent_state() -> None:
 @pytest.mark.parametrize(
     ("engine", "invariant", "message"),
     [
-        (_engine(None, _swapped()), Invariant.POS, "no host table"),
-        (_engine(_host(), _swapped()), Invariant.POS, "no host table"),
+        (_engine(None, _swapped()), Invariant.POS, "in neither pool"),
+        (_engine(_host(), _swapped()), Invariant.POS, "in neither pool"),
         (_engine(_host(GOOD), _swapped(kv=2)), Invariant.POS, "host KV length"),
+        (_engine(_host(), _swapped(status=S.WAITING_TOOL)), Invariant.POS, "in neither pool"),
+        (_engine(None, _swapped(status=S.WAITING_TOOL)), Invariant.POS, "in neither pool"),
         (
             _engine(_host(GOOD), _swapped(status=S.DECODING)),
             Invariant.BLOCK,
@@ -480,3 +488,93 @@ def test_simulate_with_swap_reproduces_the_recompute_outputs() -> None:
         assert sum(r.num_preemptions for r in res.requests) > 0
         outs[mode] = {r.request_id: r.output_token_ids for r in res.requests}
     assert outs[PreemptionMode.RECOMPUTE] == outs[PreemptionMode.SWAP]
+
+
+# ------------------------------------------------------------------ paused KV never blocks
+def _paused_holder(host_blocks: int) -> Stepper:
+    """A 6-block pool (block 4): "p" pauses holding 3 blocks, "g" decodes and grows."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        block_size=4,
+        num_blocks=6,
+        enable_prefix_caching=False,
+        num_host_blocks=host_blocks,
+    )
+    st_ = Stepper(cfg)
+    st_.sched.add_request(req("p", 10, 5))
+    st_.sched.add_request(req("g", 7, 12, base=100))
+    while st_.sched.requests["p"].num_output_tokens < 1:
+        st_.step()
+    st_.sched.pause("p", KVRetention.DEVICE)
+    return st_
+
+
+@pytest.mark.parametrize("host_blocks", [0, 8])
+def test_paused_kv_is_reclaimed_before_a_running_request_is_preempted(host_blocks: int) -> None:
+    st_ = _paused_holder(host_blocks)
+    p = st_.sched.requests["p"]
+    kv = p.num_computed_tokens
+    for _ in range(20):
+        st_.step()
+        plan = st_.plans[-1]
+        if plan.swapped_out or plan.dropped:  # type: ignore[attr-defined]
+            break
+    else:
+        raise AssertionError("the paused KV was never reclaimed")
+    assert plan.preempted == ()  # type: ignore[attr-defined]
+    assert not st_.sched.pool.has_request("p") and p.status is S.WAITING_TOOL
+    if host_blocks:
+        assert plan.swapped_out == ("p",) and p.num_computed_tokens == kv  # type: ignore[attr-defined]
+    else:
+        assert plan.dropped == ("p",) and p.num_computed_tokens == 0  # type: ignore[attr-defined]
+    st_.sched.resume("p", [7, 8], StopParams(2, ignore_eos=True))
+    st_.drain()
+    assert st_.sched.pool.num_used_blocks == 0 and st_.sched.host.num_used_blocks == 0
+
+
+def test_paused_kv_is_reclaimed_when_admission_would_stall() -> None:
+    st_ = _paused_holder(0)
+    st_.sched.abort("g")
+    # 5 free blocks; a 22-token prompt needs 6 with nothing running: the paused KV goes.
+    st_.sched.add_request(req("w", 22, 2, base=300))
+    tokens = st_.step()
+    assert tokens.get("w", 0) > 0
+    assert st_.plans[-1].dropped == ("p",)  # type: ignore[attr-defined]
+    st_.sched.abort("p")
+    st_.drain()
+
+
+def test_resume_rejects_a_turn_that_can_never_fit_with_nothing_changed() -> None:
+    st_ = _paused_holder(0)
+    before = st_.sched.snapshot()
+    with pytest.raises(ExceedsCapacity):
+        st_.sched.resume("p", [1] * 20, StopParams(2))
+    assert st_.sched.snapshot() == before and "p" in st_.sched.paused
+    st_.sched.resume("p", [1], StopParams(2, ignore_eos=True))
+    st_.drain()
+
+
+def test_token_check_on_a_reclaimed_paused_turn() -> None:
+    from spec import StepSnapshot
+    from spec.token import check_token
+
+    device = PoolSnapshot(4, 2, (0, 0, 0, 0), (0, 1, 2, 3), ())
+    paused = RequestSnapshot("p", S.WAITING_TOOL, 3, 1, 3, 4)
+
+    def step(after_kv: int, preempted: tuple[str, ...]) -> StepSnapshot:
+        after = replace(paused, num_computed_tokens=after_kv)
+        return StepSnapshot(
+            0,
+            8,
+            4,
+            EngineSnapshot((paused,), device),
+            (),
+            EngineSnapshot((after,), device),
+            preempted=preempted,
+        )
+
+    assert check_token(step(0, ("p",))) == []  # dropped, and said so
+    assert check_token(step(3, ())) == []  # untouched
+    assert any("did not advance" in str(v) for v in check_token(step(0, ())))
+    assert any("must reset" in str(v) for v in check_token(step(1, ("p",))))
