@@ -578,3 +578,33 @@ def test_token_check_on_a_reclaimed_paused_turn() -> None:
     assert check_token(step(3, ())) == []  # untouched
     assert any("did not advance" in str(v) for v in check_token(step(0, ())))
     assert any("must reset" in str(v) for v in check_token(step(1, ("p",))))
+
+
+@pytest.mark.parametrize(("link_gb_per_s", "winner"), [(25.0, "swap"), (8.0, "recompute")])
+def test_auto_matches_the_cheaper_mode_on_the_memory_pressure_trace(
+    link_gb_per_s: float, winner: str
+) -> None:
+    """README's figure: a 7B-like model (512 KiB of KV per token), 0.07 ms per prefill
+    token; a 25 GB/s link makes the round trip (0.042 ms/token) cheaper than recompute,
+    8 GB/s (0.131 ms/token) dearer. ``auto`` must pick the faster mode in both."""
+    from ref.trace import load_trace
+
+    cost = CostModel.parse("7+0.07P+0.05D")
+    swap = SwapCostModel(524_288, link_gb_per_s, iteration=cost)
+    makespan = {}
+    for mode in PreemptionMode:
+        cfg = SchedulerConfig(
+            max_num_batched_tokens=2048,
+            block_size=16,
+            num_blocks=700,
+            preemption_mode=mode,
+            num_host_blocks=4096 if mode is not PreemptionMode.RECOMPUTE else 0,
+            swap_cost=swap,
+        )
+        reqs = [t.to_request() for t in load_trace("memory_pressure")]
+        res = simulate(Scheduler(cfg), reqs, cost)
+        assert sum(r.num_preemptions for r in res.requests) > 0
+        makespan[mode] = res.makespan_ms
+    loser = "recompute" if winner == "swap" else "swap"
+    assert makespan[PreemptionMode(winner)] < makespan[PreemptionMode(loser)]
+    assert makespan[PreemptionMode.AUTO] == pytest.approx(makespan[PreemptionMode(winner)])
