@@ -22,6 +22,19 @@ tokens from the same logits; sample 0 continues as the request itself and sample
 block copied on the first write), so the prompt's K/V is never recomputed. The fork
 happens at a step boundary through :meth:`Scheduler.fork`: the child enters as a running
 request in decode or, when ``max_num_seqs`` is reached, waits like a preempted request.
+
+Preemption by swap (``SchedulerConfig.preemption_mode``) needs a host copy of the KV: the
+engine builds a :class:`~ref.model.llama.HostKVCache` of ``num_host_blocks`` blocks and
+the executor applies each step's swap copies before the forward; ``swap_out_bytes`` /
+``swap_in_bytes`` count the bytes moved.
+
+Agent turns (seed 003, tool waits): :meth:`LLMEngine.pause` stops a decoding request
+for a tool call, its KV kept on the device, moved to the host or dropped
+(``KVRetention``); :meth:`LLMEngine.resume` appends the tool's output to the
+conversation and generates the next turn, which continues from the retained KV (or
+recomputes). Outputs are per turn: a resumed turn's ``token_ids`` / ``text`` are that
+turn's alone, ``turn`` counts the turns (0 for the first), and ``finished`` is true only
+when the request is done for good (a pause ends a turn, not the request).
 """
 
 from __future__ import annotations
@@ -42,13 +55,14 @@ from ref.errors import DuplicateRequest, InvalidArgument, RefserveError, Unknown
 from ref.metrics import RequestMetrics, RunMetrics
 from ref.model.attention import make_backend
 from ref.model.config import ModelConfig, tiny_config
-from ref.model.llama import KVCache, LlamaModel
+from ref.model.llama import HostKVCache, KVCache, LlamaModel
 from ref.model.weights import LlamaWeights, load_checkpoint, random_weights
 from ref.model_executor import ModelExecutor
 from ref.policy import Policy
 from ref.request import FinishReason, Request, StopParams
-from ref.sampler import InvalidSamplingParams, SampleSpec, SamplingParams, derive_seed
+from ref.sampler import InvalidSamplingParams, SampleSpec, SamplingParams, derive_seed, mix64
 from ref.scheduler import Scheduler
+from ref.swap import KVRetention
 from ref.tokenizer import ByteTokenizer, HFTokenizer, TextStream, Tokenizer
 
 __all__ = [
@@ -75,9 +89,11 @@ class EngineStalled(RefserveError):
 class RequestOutput:
     """What one step produced for one sequence (``index`` is the sample, 0..n-1).
 
-    ``new_*`` fields are this step's delta; ``text`` / ``token_ids`` are cumulative.
+    ``new_*`` fields are this step's delta; ``text`` / ``token_ids`` are cumulative over
+    the current turn (``turn``: 0, then one more after each :meth:`LLMEngine.resume`).
     ``text`` may lag ``token_ids`` by a few characters while they could still be the
-    start of a stop string, or while a UTF-8 character is incomplete.
+    start of a stop string, or while a UTF-8 character is incomplete; the output that
+    :meth:`LLMEngine.pause` queues carries that held-back text (no new tokens).
     """
 
     request_id: str
@@ -92,6 +108,7 @@ class RequestOutput:
     finish_reason: str | None
     stop_reason: str | int | None
     metrics: RequestMetrics
+    turn: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,6 +137,12 @@ class _Seq:
     stop_reason: str | int | None = None
     pending_stop: str | int | None = None  # a stop the scheduler does not know about
     metrics_from: Request | None = None  # for a fork without its own request
+    # Agent turns: the turn this sequence is, whether it is paused for a tool, where its
+    # token times start in the request's (which span every turn) and when it arrived.
+    turn: int = 0
+    paused: bool = False
+    times_from: int = 0
+    turn_arrival_ms: float | None = None
 
 
 @dataclass
@@ -131,6 +154,7 @@ class _Group:
     seed: int
     seqs: list[_Seq]
     child_ids: tuple[str, ...]
+    turn: int = 0
 
 
 class LLMEngine:
@@ -161,8 +185,20 @@ class LLMEngine:
         self.cache = KVCache(
             cfg, sched_cfg.num_blocks, sched_cfg.block_size, dtype=dtype, device=device
         )
+        swap_cost = sched_cfg.swap_cost
+        per_token = self.cache.bytes_per_block // sched_cfg.block_size
+        if swap_cost is not None and swap_cost.kv_bytes_per_token != per_token:
+            # The recompute-vs-swap rule would price copies of a different model.
+            raise InvalidArgument(
+                f"swap_cost.kv_bytes_per_token is {swap_cost.kv_bytes_per_token}, but this "
+                f"model's K and V take {per_token} bytes per token"
+            )
+        # The host side of swap, shaped like the device blocks (empty when swap is off).
+        self.host_cache = HostKVCache(self.cache, sched_cfg.num_host_blocks)
         self.model = LlamaModel(cfg, weights, make_backend(attention_backend))
-        self.executor = ModelExecutor(self.model, self.cache, self.scheduler.requests)
+        self.executor = ModelExecutor(
+            self.model, self.cache, self.scheduler.requests, self.host_cache
+        )
         self.core = EngineCore(self.scheduler, self.executor, check_invariants=check_invariants)
         self._rng = random.Random(seed)
         self._t0 = time.perf_counter()
@@ -183,7 +219,30 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
+        """Some request is not finished (a paused one counts) or outputs are held."""
         return bool(self._groups) or bool(self._inbox)
+
+    @property
+    def has_runnable(self) -> bool:
+        """:meth:`step` can make progress: outputs are held, or a live request is not
+        paused for a tool (a paused one waits for :meth:`resume`, not for steps)."""
+        sched = self.scheduler
+        return bool(self._inbox) or len(sched.requests) > len(sched.paused)
+
+    @property
+    def paused_request_ids(self) -> tuple[str, ...]:
+        """Requests waiting for a tool, in pause order."""
+        return tuple(self.scheduler.paused)
+
+    @property
+    def swap_out_bytes(self) -> int:
+        """KV bytes copied device -> host so far (K and V, every layer)."""
+        return self.executor.swap_out_bytes
+
+    @property
+    def swap_in_bytes(self) -> int:
+        """KV bytes copied host -> device so far."""
+        return self.executor.swap_in_bytes
 
     def now_ms(self) -> float:
         if self._clock is not None:
@@ -242,6 +301,105 @@ class LLMEngine:
             self._finish(seq, FinishReason.ABORT.value, None)
         self._inbox.extend(self._collect([s.seq_id for s in group.seqs]))
 
+    # ------------------------------------------------------------------ agent turns
+    def pause(
+        self,
+        request_id: str,
+        retention: KVRetention | str | None = None,
+        *,
+        expected_wait_ms: float = 0.0,
+    ) -> KVRetention:
+        """Pause a decoding request for a tool call (seed 003's agent turn); return where
+        its KV waits (``KVRetention``: ``device``, ``host`` or ``drop``; ``None`` lets
+        ``SchedulerConfig.retention`` choose from ``expected_wait_ms``).
+
+        The current turn ends here: its text stream is flushed (text held back for a
+        possible stop string is released: the turn ended without one) and one output with
+        no new tokens carries that text, delivered by the next :meth:`step`. A paused
+        request then produces nothing until :meth:`resume`; it is not finished
+        (``has_unfinished`` stays true) but needs no steps (``has_runnable`` ignores it,
+        and :meth:`iter_outputs` returns when only paused requests are left).
+        :meth:`abort` ends it like any live request. With ``host`` the KV moves in the
+        next :meth:`step` (the executor copies it even if that step schedules nothing).
+
+        Only ``n == 1`` requests pause, and only while decoding (a request just preempted
+        waits to be re-admitted first). Bad input raises a typed error (unknown id:
+        :class:`UnknownRequest`; ``n > 1``, not decoding, already paused, ``host`` with no
+        host pool, a bad retention: :class:`InvalidArgument`) and changes nothing.
+        """
+        group = self._groups.get(request_id)
+        if group is None:
+            raise UnknownRequest(request_id, "pause")
+        if group.params.n != 1:
+            raise InvalidArgument(
+                f"pause: request {request_id!r} has n={group.params.n}; only n == 1 requests "
+                "pause for a tool"
+            )
+        seq = group.seqs[0]
+        if seq.finished or request_id not in self.scheduler.requests:
+            raise InvalidArgument(f"pause: request {request_id!r} has finished")
+        kind = self.scheduler.pause(request_id, retention, expected_wait_ms=expected_wait_ms)
+        seq.paused = True
+        seq.stream.finish()
+        self._inbox.extend(self._collect([request_id]))
+        return kind
+
+    def resume(
+        self,
+        request_id: str,
+        tool_output: str | Sequence[int],
+        params: SamplingParams | Mapping[str, object] | None = None,
+    ) -> None:
+        """The tool answered: append its output to the conversation and generate the next
+        turn (the prompt of the turn is every token so far plus the tool's).
+
+        ``tool_output`` is text (encoded with the engine tokenizer, no special tokens) or
+        token ids. ``params`` are the new turn's sampling params (``None``: the previous
+        turn's; ``n`` must be 1); ``max_tokens`` counts this turn's outputs. The turn's
+        seed is ``params.seed`` mixed with the turn number when a seed is given (turns
+        reproducible, yet not the same random stream), else a fresh engine draw.
+
+        Outputs of the new turn start fresh (``token_ids`` / ``text`` are this turn's,
+        ``turn`` is one more than before; metrics count from the resume: arrival is the
+        resume time, token times are this turn's, ``admitted_ms`` is None). Bad input
+        raises a typed error (unknown id: :class:`UnknownRequest`; not paused:
+        :class:`InvalidArgument`; empty or out-of-vocabulary tool output or a turn that
+        would reach ``max_model_len``: :class:`InvalidPrompt`; bad params:
+        :class:`InvalidSamplingParams`) and changes nothing.
+        """
+        group = self._groups.get(request_id)
+        if group is None:
+            raise UnknownRequest(request_id, "resume")
+        req = self.scheduler.paused.get(request_id)
+        if req is None:
+            raise InvalidArgument(f"resume: request {request_id!r} is not paused for a tool")
+        sp = group.params if params is None else _sampling_params(params)
+        if sp.n != 1:
+            raise InvalidSamplingParams(f"resume: a turn samples one sequence (n=1), got n={sp.n}")
+        tool = self._prompt_ids(tool_output, what="tool output", add_special_tokens=False)
+        total = req.num_tokens + len(tool)
+        if total >= self.max_model_len:
+            raise InvalidPrompt(
+                f"resume: request {request_id!r} would hold {total} tokens; max_model_len is "
+                f"{self.max_model_len}, leaving no room for an output token"
+            )
+        stop = self._stop_params(sp)
+        turn = group.turn + 1
+        seed = mix64(sp.seed, turn) if sp.seed is not None else self._rng.randrange(1 << 62)
+        arrival = self.now_ms()
+        times_from = len(req.token_times_ms)
+        self.scheduler.resume(request_id, tool, stop)  # may raise: nothing changed yet
+        self.executor.register(request_id, _spec(sp, seed))
+        prompt = tuple(req.prompt_token_ids)  # the conversation plus the tool's tokens
+        seq = self._new_seq(request_id, request_id, 0, req, sp, prompt)
+        seq.turn = turn
+        seq.times_from = times_from
+        seq.turn_arrival_ms = arrival
+        group.params, group.stop, group.seed = sp, stop, seed
+        group.prompt_token_ids = prompt
+        group.seqs = [seq]
+        group.turn = turn
+
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the outputs it produced (plus any held ones)."""
@@ -288,9 +446,13 @@ class LLMEngine:
         return self._collect(touched)
 
     def iter_outputs(self, *, max_idle_steps: int = 10_000) -> Iterator[RequestOutput]:
-        """Step until every request is finished, yielding each output as it appears."""
+        """Step until every request is finished or paused for a tool, yielding each output
+        as it appears. Returns (rather than stepping an idle engine) when only paused
+        requests are left: they wait for :meth:`resume`, not for steps."""
         idle = 0
         while self.has_unfinished:
+            if not self.has_runnable and self.scheduler.paused:
+                return
             outs = self.step()
             idle = 0 if outs else idle + 1
             if idle > max_idle_steps:
@@ -307,6 +469,7 @@ class LLMEngine:
         """Add a request now and iterate over its outputs while stepping the engine.
 
         Other requests' outputs produced meanwhile are kept for the next :meth:`step`.
+        The iteration ends when the request finishes or is paused (:meth:`pause`).
         """
         rid = self.add_request(prompt, params, request_id=request_id)
         return self._stream(rid)
@@ -319,6 +482,8 @@ class LLMEngine:
             for o in self._inbox:
                 (mine if o.request_id == rid else held).append(o)
             self._inbox = held
+            if not mine and rid in self.scheduler.paused:
+                return  # paused for a tool: the stream ends with the turn
             if not mine and self.scheduler.has_unfinished:
                 for o in self._step():
                     (mine if o.request_id == rid else self._inbox).append(o)
@@ -382,24 +547,26 @@ class LLMEngine:
         return RunMetrics.of(requests, duration_ms)
 
     # ------------------------------------------------------------------ internals
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+    def _prompt_ids(
+        self, prompt: Prompt, *, what: str = "prompt", add_special_tokens: bool = True
+    ) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidPrompt("prompt is an empty string")
-            ids = self.tokenizer.encode(prompt)
+                raise InvalidPrompt(f"{what} is an empty string")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
             ids = list(cast("Sequence[int]", prompt))  # each element is checked below
         else:
             raise InvalidPrompt(
-                f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}"
+                f"{what} must be a str or a sequence of token ids, got {type(prompt).__name__}"
             )
         if not ids:
-            raise InvalidPrompt("prompt has no tokens")
+            raise InvalidPrompt(f"{what} has no tokens")
         vocab = self.model_config.vocab_size
         for i, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise InvalidPrompt(
-                    f"prompt token {i} is {t!r}; token ids must be ints in [0, {vocab})"
+                    f"{what} token {i} is {t!r}; token ids must be ints in [0, {vocab})"
                 )
         return ids
 
@@ -515,20 +682,22 @@ class LLMEngine:
             new_ids = tuple(seq.token_ids[seq.delivered_tokens :])
             new_lp = None if seq.logprobs is None else tuple(seq.logprobs[seq.delivered_tokens :])
             seq.delivered_tokens = len(seq.token_ids)
+            ended = seq.finished or seq.paused  # the turn's text is complete
             outs.append(
                 RequestOutput(
                     request_id=seq.request_id,
                     index=seq.index,
-                    new_text=seq.stream.take(final=seq.finished),
+                    new_text=seq.stream.take(final=ended),
                     new_token_ids=new_ids,
                     new_logprobs=new_lp,
-                    text=seq.stream.text if seq.finished else seq.stream.emitted_text,
+                    text=seq.stream.text if ended else seq.stream.emitted_text,
                     token_ids=tuple(seq.token_ids),
                     logprobs=None if seq.logprobs is None else tuple(seq.logprobs),
                     finished=seq.finished,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                     metrics=self._metrics(seq),
+                    turn=seq.turn,
                 )
             )
             if seq.finished:
@@ -538,11 +707,13 @@ class LLMEngine:
     def _metrics(self, seq: _Seq) -> RequestMetrics:
         req = seq.request if seq.request is not None else seq.metrics_from
         assert req is not None
-        times = tuple(req.token_times_ms[: len(seq.token_ids)])
+        # A resumed turn's figures are the turn's: its token times, from its resume.
+        first = seq.times_from
+        times = tuple(req.token_times_ms[first : first + len(seq.token_ids)])
         return RequestMetrics(
             request_id=seq.seq_id,
-            arrival_ms=req.arrival_ms,
-            admitted_ms=req.admitted_ms,
+            arrival_ms=req.arrival_ms if seq.turn_arrival_ms is None else seq.turn_arrival_ms,
+            admitted_ms=req.admitted_ms if seq.turn == 0 else None,
             token_times_ms=times,
             finished_ms=req.finished_ms if seq.finished else None,
             finish_reason=seq.finish_reason,

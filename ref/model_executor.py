@@ -1,9 +1,15 @@
 """The model executor: runs the real model on a step's flattened inputs and samples.
 
 It plugs into :class:`ref.engine_core.EngineCore` exactly where the simulator's executor
-does; the scheduler does not know which one it drives. One ``execute`` is: apply the
-plan's copy-on-write block copies, one forward over every scheduled token (prefill
-chunks and decodes mixed), logits only at the rows that sample, then the sampler.
+does; the scheduler does not know which one it drives. One ``execute`` is: the plan's
+swap-out copies (device -> host), its swap-in copies (host -> device), its copy-on-write
+block copies, one forward over every scheduled token (prefill chunks and decodes mixed),
+logits only at the rows that sample, then the sampler.
+
+The swap order is the host pool's contract (ref/kv/host_pool.py): a device block freed
+by a swap-out may be a swap-in's (or this step's forward's) destination in the same
+step, so every swap-out reads before anything writes. Swaps are applied even in a step
+that schedules no tokens (a paused turn moving to the host while nothing runs).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from ref.errors import RefserveError
 from ref.executor import StepOutput
 from ref.inputs import ModelInputs
 from ref.model.attention import AttentionMetadata
-from ref.model.llama import KVCache, LlamaModel
+from ref.model.llama import HostKVCache, KVCache, LlamaModel
 from ref.plan import StepPlan
 from ref.request import Request
 from ref.sampler import SampleSpec, sample
@@ -32,9 +38,20 @@ class ExecutorError(RefserveError):
 class ModelExecutor:
     needs_inputs = True
 
-    def __init__(self, model: LlamaModel, cache: KVCache, requests: Mapping[str, Request]) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        requests: Mapping[str, Request],
+        host_cache: HostKVCache | None = None,
+    ) -> None:
         self.model = model
         self.cache = cache
+        self.host_cache = host_cache
+        # Bytes the swap copies moved (K and V, every layer), counted when copied: a
+        # step that fails after its copies still moved them (its plan is rolled back).
+        self.swap_out_bytes = 0
+        self.swap_in_bytes = 0
         self._requests = requests
         self._specs: dict[str, SampleSpec] = {}
         # n > 1: specs of samples 1..n-1, drawn from the parent's first logits.
@@ -62,6 +79,8 @@ class ModelExecutor:
     def execute(self, plan: StepPlan, inputs: ModelInputs | None) -> StepOutput:
         self.last_logprobs = {}
         self.last_fork_samples = {}
+        if plan.swap_out or plan.swap_in:
+            self._apply_swaps(plan)
         if not plan.request_ids:
             return StepOutput({})
         if inputs is None:
@@ -114,3 +133,14 @@ class ModelExecutor:
                 self.last_fork_samples[rid] = drawn[j : j + n_children]
                 j += n_children
         return StepOutput(sampled)
+
+    def _apply_swaps(self, plan: StepPlan) -> None:
+        """Every swap-out, then every swap-in (the order StepPlan documents)."""
+        host = self.host_cache
+        if host is None or not host.num_blocks:
+            raise ExecutorError(
+                f"step {plan.step_index} swaps KV blocks but the executor has no host cache "
+                "(num_host_blocks is 0)"
+            )
+        self.swap_out_bytes += host.swap_out(self.cache, plan.swap_out)
+        self.swap_in_bytes += host.swap_in(self.cache, plan.swap_in)

@@ -15,8 +15,8 @@ from ref.metrics import RequestMetrics, per_tenant
 from ref.policy import DecodeFirst, TenantFair
 from ref.request import FinishReason, Request, StopParams
 from ref.scheduler import Scheduler
-from ref.swap import KVRetention
 from ref.sim import SimExecutor, simulate
+from ref.swap import KVRetention
 
 COST = CostModel.parse("2+0.5P+D")
 

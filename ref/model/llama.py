@@ -9,13 +9,20 @@ The tokens of every scheduled request (prefill chunks and decodes) are concatena
 each layer writes this step's K/V into the caches at ``slot_mapping`` and then attends
 through the block tables, so a token sees the K/V of earlier steps, of prefix-cache
 hits, and of earlier tokens of its own chunk alike.
+
+:class:`HostKVCache` is the host side of preemption by swap: the same per-block shape
+on the CPU, filled and read back by whole-block copies that the executor applies before
+the forward (swap-outs, then swap-ins, then copy-on-write; see ``StepPlan``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
+from ref.errors import InvalidArgument
 from ref.kv import BlockCopy
 from ref.model.attention import AttentionBackend, AttentionMetadata, default_scale
 from ref.model.config import ModelConfig
@@ -43,6 +50,86 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.key, *self.value))
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block over every layer: what one swap copy moves."""
+        return self.nbytes // self.num_blocks if self.num_blocks else 0
+
+
+class HostKVCache:
+    """The host side of swap (ref/kv/host_pool.py): ``num_blocks`` blocks of K and V per
+    layer on the CPU, each block shaped like a device block so a swap is whole-block
+    indexed copies.
+
+    Pinned (page-locked) only when the device cache is on CUDA: pinned memory is what
+    lets the host <-> device copies run at link speed there, and on a CPU-only build it
+    is meaningless (and ``pin_memory`` raises without a CUDA runtime).
+    """
+
+    def __init__(self, device_cache: KVCache, num_blocks: int) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise InvalidArgument(f"num_host_blocks must be an int >= 0, got {num_blocks!r}")
+        ref = device_cache.key[0] if device_cache.key else None
+        per_block: tuple[int, ...] = tuple(ref.shape[1:]) if ref is not None else ()
+        dtype = ref.dtype if ref is not None else torch.float32
+        pin = ref is not None and ref.device.type == "cuda"
+        shape = (num_blocks, *per_block)
+        layers = len(device_cache.key)
+        self.key = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(layers)]
+        self.value = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(layers)]
+        self.num_blocks = num_blocks
+        self.block_size = device_cache.block_size
+        self.pinned = pin
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.key, *self.value))
+
+    def swap_out(self, cache: KVCache, copies: Sequence[BlockCopy]) -> int:
+        """Device block ``c.src`` -> host block ``c.dst`` for every copy, every layer.
+
+        Returns the bytes moved (K and V, all layers)."""
+        return _copy_between(cache.key, cache.value, self.key, self.value, copies)
+
+    def swap_in(self, cache: KVCache, copies: Sequence[BlockCopy]) -> int:
+        """Host block ``c.src`` -> device block ``c.dst`` for every copy, every layer."""
+        return _copy_between(self.key, self.value, cache.key, cache.value, copies)
+
+
+def _copy_between(
+    src_key: Sequence[torch.Tensor],
+    src_value: Sequence[torch.Tensor],
+    dst_key: Sequence[torch.Tensor],
+    dst_value: Sequence[torch.Tensor],
+    copies: Sequence[BlockCopy],
+) -> int:
+    """Whole-block copies between two caches (possibly on different devices).
+
+    Every index is checked before the first write, so a bad copy list raises
+    :class:`InvalidArgument` with both caches untouched. Within one list the sources
+    are read before any destination is written (gather, then scatter), so the result
+    does not depend on the order of the copies.
+    """
+    if not copies or not src_key:
+        return 0
+    n_src, n_dst = src_key[0].shape[0], dst_key[0].shape[0]
+    if len({c.dst for c in copies}) != len(copies):
+        raise InvalidArgument("block copies write the same destination block twice")
+    for c in copies:
+        if not (0 <= c.src < n_src and 0 <= c.dst < n_dst):
+            raise InvalidArgument(
+                f"block copy {c.src} -> {c.dst} is outside the caches ({n_src} -> {n_dst} blocks)"
+            )
+    src_idx = torch.tensor([c.src for c in copies], dtype=torch.int64, device=src_key[0].device)
+    dst_idx = torch.tensor([c.dst for c in copies], dtype=torch.int64, device=dst_key[0].device)
+    moved = 0
+    for src, dst in ((src_key, dst_key), (src_value, dst_value)):
+        for s, d in zip(src, dst, strict=True):
+            rows = s.index_select(0, src_idx).to(d.device)
+            d.index_copy_(0, dst_idx, rows)
+            moved += rows.numel() * rows.element_size()
+    return moved
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
