@@ -270,7 +270,9 @@ class Scheduler:
         """The tool answered: the conversation so far plus ``tool_token_ids`` becomes the
         prompt of the request's next turn (an incremental prefill), sampled under ``stop``.
 
-        With its KV on the device and a running slot free, the turn continues in place;
+        With its KV on the device and a running slot free (that the policy would admit it
+        to: a static batch in flight, or its tenant at its cap, says no), the turn
+        continues in place;
         with its KV on the host it queues as SWAPPED (admission swaps it in); otherwise
         it queues in its arrival place and recomputes through the prefix cache.
         """
@@ -296,12 +298,17 @@ class Scheduler:
         r.token_ids = list(r.prompt_token_ids)
         r.num_prompt_tokens = len(r.token_ids)
         r.stop = stop
-        if self.pool.has_request(request_id) and len(self.running) < self.config.max_num_seqs:
+        in_place = (
+            len(self.running) < self.config.max_num_seqs
+            and self.policy.admission_open(len(self.running))
+            and self.policy.may_admit(r, self.running)
+        )
+        if self.pool.has_request(request_id) and in_place:
             r.transition(S.PREFILLING)
             self.running.append(r)
             self._prefill_since[request_id] = self.step_index
             return
-        if self.pool.has_request(request_id):  # no running slot: give the blocks back
+        if self.pool.has_request(request_id):  # it may not run now: give the blocks back
             self.pool.free(request_id)
             r.num_computed_tokens = 0
         r.transition(S.SWAPPED if self.host.has_request(request_id) else S.WAITING)

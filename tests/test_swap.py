@@ -608,3 +608,31 @@ def test_auto_matches_the_cheaper_mode_on_the_memory_pressure_trace(
     loser = "recompute" if winner == "swap" else "swap"
     assert makespan[PreemptionMode(winner)] < makespan[PreemptionMode(loser)]
     assert makespan[PreemptionMode.AUTO] == pytest.approx(makespan[PreemptionMode(winner)])
+
+
+def test_resume_in_place_respects_the_policy() -> None:
+    """A static batch in flight admits nobody, so a resumed turn waits (and recomputes)."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=64, max_num_seqs=4, block_size=4, num_blocks=64, policy="static"
+    )
+    st_ = Stepper(cfg)
+    st_.sched.add_request(req("agent", 6, 8))
+    st_.sched.add_request(req("other", 5, 12, base=500))
+    st_.step()
+    st_.step()
+    st_.sched.pause("agent", KVRetention.DEVICE)
+    st_.sched.resume("agent", [900], StopParams(2, ignore_eos=True))
+    agent = st_.sched.requests["agent"]
+    assert agent.status is S.WAITING and agent not in st_.sched.running
+    assert not st_.sched.pool.has_request("agent") and agent.num_computed_tokens == 0
+    st_.drain()
+    # Under decode-first the same resume continues in place.
+    st_ = Stepper(replace(cfg, policy="decode-first"))
+    st_.sched.add_request(req("agent", 6, 8))
+    st_.sched.add_request(req("other", 5, 12, base=500))
+    st_.step()
+    st_.step()
+    st_.sched.pause("agent", KVRetention.DEVICE)
+    st_.sched.resume("agent", [900], StopParams(2, ignore_eos=True))
+    assert st_.sched.requests["agent"].status is S.PREFILLING
+    st_.drain()
