@@ -487,5 +487,5 @@ def test_swap_cost_must_describe_this_model() -> None:
     cfg = SchedulerConfig(
         num_blocks=16, block_size=4, preemption_mode="auto", num_host_blocks=8, swap_cost=wrong
     )
-    with pytest.raises(InvalidArgument, match="this model.s K and V take 512 bytes per token"):
+    with pytest.raises(InvalidArgument, match=r"this model.s K and V take 512 bytes per token"):
         LLMEngine("tiny", scheduler_config=cfg)
