@@ -16,12 +16,13 @@ from ref.config import PolicyName, SchedulerConfig
 from ref.cost_model import CostModel
 from ref.errors import (
     InvalidArgument,
+    RefserveError,
     UnknownRequest,
 )
 from ref.plan import StepPlan
 from ref.policy import DecodeFirst, TenantFair
 from ref.request import FinishReason, Request, StopParams
-from ref.scheduler import Scheduler, StepEvents, StepInProgress
+from ref.scheduler import BadExecutorOutput, Scheduler, StepEvents, StepInProgress
 from spec import check_pool
 from spec.snapshot import RequestStatus as S
 
@@ -382,3 +383,192 @@ def test_queue_timeout_spares_a_request_that_was_admitted_before() -> None:
     assert plan.finished == () and plan.admitted == ("a",)
     assert sched.num_timeouts == 0
     assert a.admitted_ms == 0.0  # the first admission time is kept
+
+
+# ------------------------------------------------------------------ add_request
+def _refusal(sched: Scheduler, r: Request) -> str:
+    with pytest.raises(RefserveError) as info:
+        sched.add_request(r)
+    return f"{type(info.value).__name__}: {info.value}"
+
+
+def test_add_request_refusals_are_exact_and_count_only_capacity_and_queue() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16,
+        max_num_seqs=2,
+        block_size=4,
+        num_blocks=4,
+        max_model_len=20,
+        max_waiting=2,
+    )
+    sched = Scheduler(cfg)
+    used = Request("x", [1, 2])
+    used.token_ids.append(3)  # a sampled token: not fresh
+    assert _refusal(sched, used) == (
+        "InvalidArgument: add_request: request 'x' is not fresh (status waiting)"
+    )
+    assert _refusal(sched, Request("", [1])) == (
+        "InvalidArgument: add_request: request id must be a non-empty str, got ''"
+    )
+    assert _refusal(sched, Request("x", [])) == (
+        "InvalidArgument: add_request: request 'x' has an empty prompt"
+    )
+    assert _refusal(sched, Request("x", [0, -2])) == (
+        "InvalidArgument: add_request: request 'x' has a bad token id -2"
+    )
+    assert _refusal(sched, Request("x", [1] * 20)) == (
+        "InvalidArgument: add_request: request 'x' prompt has 20 tokens; max_model_len is 20, "
+        "leaving no room for an output token"
+    )
+    assert sched.num_rejected == 0  # malformed input is not an admission-control rejection
+    assert _refusal(sched, Request("x", [1] * 17)) == (
+        "ExceedsCapacity: request 'x' needs 5 KV blocks but the pool has only 4"
+    )
+    assert sched.num_rejected == 1
+    sched.add_request(Request("a", [1] * 16))  # 4 blocks of 4: exactly the pool
+    sched.add_request(Request("b", [0]))
+    assert _refusal(sched, Request("c", [1])) == (
+        "QueueFull: add_request: request 'c' rejected: 2 requests already wait"
+    )
+    assert sched.num_rejected == 2
+    assert _refusal(sched, Request("a", [1])) == (
+        "DuplicateRequest: add_request: request id 'a' is already in use"
+    )
+    assert [r.request_id for r in sched.waiting] == ["a", "b"]
+    assert [r.seq for r in sched.waiting] == [0, 1]
+
+
+def test_without_chunked_prefill_the_budget_caps_the_prompt_by_name() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=8, block_size=4, num_blocks=8, enable_chunked_prefill=False
+    )
+    sched = Scheduler(cfg)
+    assert _refusal(sched, Request("x", [1] * 8)) == (
+        "InvalidArgument: add_request: request 'x' prompt has 8 tokens; without chunked "
+        "prefill the token budget 8 caps the length, leaving no room for an output token"
+    )
+    sched.add_request(Request("y", [1] * 7))
+    assert sched.waiting[0].request_id == "y"
+
+
+def test_add_request_stamps_arrival_order_and_queue_step() -> None:
+    sched = _decoding(CFG, _req("a", 3))
+    assert sched.step_index == 1
+    b, c = _req("b", 3, base=10), _req("c", 3, base=20)
+    sched.add_request(b)
+    sched.add_request(c)
+    assert (b.seq, c.seq) == (1, 2) and b.queued_step == c.queued_step == 1
+    assert sched.requests["b"] is b and sched.waiting == [b, c]
+
+
+# ------------------------------------------------------------------ commit
+def test_commit_stamps_times_from_the_right_clock() -> None:
+    sched = Scheduler(CFG)
+    sched.add_request(_req("a", 5, 2))
+    plan = sched.schedule(5.0)
+    assert plan.admitted == ("a",) and plan.step_index == 0
+    events = sched.commit(plan, {"a": 11}, 9.0)
+    a = sched.requests["a"]
+    assert a.admitted_ms == 5.0  # the step's start
+    assert a.token_times_ms == [9.0]  # the step's end
+    assert events == StepEvents({"a": 11}, (), ())
+    assert sched.step_index == 1 and sched.running == [a]
+    _, events = _step(sched, 20.0, token=12)
+    assert events.finished == ("a",) and events.new_tokens == {"a": 12}
+    assert a.admitted_ms == 5.0 and a.token_times_ms == [9.0, 20.0] and a.finished_ms == 20.0
+    assert a.output_token_ids == [11, 12] and a.finish_reason is FinishReason.LENGTH
+    assert sched.running == [] and "a" not in sched.requests and sched.retired == [a]
+
+
+@pytest.mark.parametrize(
+    ("stop", "finishes"),
+    [
+        (StopParams(9, stop_token_ids=(3, 7)), True),
+        (StopParams(9, eos_token_id=7), True),
+        (StopParams(9, eos_token_id=7, ignore_eos=True), False),
+        (StopParams(9, stop_token_ids=(8,), eos_token_id=6), False),
+    ],
+)
+def test_commit_stops_on_a_stop_token_or_eos(stop: StopParams, finishes: bool) -> None:
+    sched = Scheduler(CFG)
+    sched.add_request(Request("a", [1, 2, 3], stop))
+    _, events = _step(sched, token=7)
+    a = sched.retired[-1] if finishes else sched.requests["a"]
+    assert events.finished == (("a",) if finishes else ())
+    assert a.finish_reason is (FinishReason.STOP if finishes else None)
+    assert a.status is (S.FINISHED if finishes else S.DECODING)
+    assert sched.pool.has_request("a") is not finishes
+
+
+def test_commit_stops_at_max_model_len_and_max_tokens_exactly() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_blocks=16, max_model_len=8
+    )
+    sched = Scheduler(cfg)
+    sched.add_request(_req("long", 5, 50))  # max_model_len stops it at 8 tokens
+    sched.add_request(_req("short", 2, 3, base=10))  # max_tokens stops it at 3 outputs
+    reqs = dict(sched.requests)
+    done: dict[str, int] = {}
+    for _ in range(5):
+        _, events = _step(sched)
+        for rid in events.finished:
+            done[rid] = sched.step_index
+    assert done == {"long": 3, "short": 3}
+    assert [(r.num_tokens, r.finish_reason) for r in reqs.values()] == [
+        (8, FinishReason.LENGTH),
+        (5, FinishReason.LENGTH),
+    ]
+
+
+def test_a_prefill_chunk_that_does_not_sample_keeps_prefilling() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=4, max_num_seqs=4, block_size=4, num_blocks=16, max_model_len=32
+    )
+    sched = Scheduler(cfg)
+    sched.add_request(_req("a", 10, 2))
+    plan, events = _step(sched)
+    a = sched.requests["a"]
+    assert _entry(plan, "a") == (0, 4, False, True, 0)
+    assert a.status is S.PREFILLING and a.num_computed_tokens == 4 and a.num_tokens == 10
+    assert events.new_tokens == {} and a.token_times_ms == []
+    plan, _ = _step(sched)
+    assert _entry(plan, "a") == (4, 4, False, True, 0) and a.status is S.PREFILLING
+    plan, events = _step(sched)
+    assert _entry(plan, "a") == (8, 2, True, True, 0) and a.status is S.DECODING
+    assert a.num_computed_tokens == 10 and events.new_tokens == {"a": 7}
+
+
+def test_commit_records_the_cached_prefix_of_an_admission() -> None:
+    sched = Scheduler(CFG)
+    sched.add_request(_req("a", 9, 1))
+    _step(sched)  # a finishes; its two full blocks stay cached
+    sched.add_request(_req("b", 10, 2))  # same first 9 tokens
+    plan, _ = _step(sched)
+    b = sched.requests["b"]
+    assert _entry(plan, "b") == (8, 2, True, True, 8)
+    assert b.num_cached_tokens == 8 and b.num_computed_tokens == 10
+    _step(sched)
+    assert b.num_cached_tokens == 8  # a decode does not reset it
+
+
+def test_commit_refuses_a_plan_that_is_not_pending() -> None:
+    sched = Scheduler(CFG)
+    sched.add_request(_req("a", 3))
+    plan = sched.schedule(0.0)
+    sched.rollback()
+    with pytest.raises(AssertionError) as stale:
+        sched.commit(plan, {"a": 1})
+    assert str(stale.value).splitlines()[0] == "commit of a plan that is not pending"
+    with pytest.raises(AssertionError) as twice:
+        sched.rollback()
+    assert str(twice.value).splitlines()[0] == "rollback without a pending plan"
+    plan = sched.schedule(0.0)
+    for bad in ({}, {"a": -1}, {"a": True}):
+        with pytest.raises(BadExecutorOutput) as info:
+            sched.commit(plan, bad)
+        assert str(info.value) == (
+            f"step 0: executor gave {bad.get('a')!r} as the sampled token of request 'a'; "
+            "expected a non-negative int"
+        )
+    sched.commit(plan, {"a": 0})
+    assert sched.requests["a"].output_token_ids == [0]
