@@ -8,8 +8,12 @@ mutant.
 
 from __future__ import annotations
 
+import itertools
+
+from ref.kv import BlockCopy, BlockPool
 from ref.kv.free_queue import FreeQueue
 from ref.kv.journal import Journal
+from spec import check_pool
 
 
 # ------------------------------------------------------------------ free queue
@@ -23,3 +27,67 @@ def test_a_fresh_free_queue_holds_every_block_in_id_order() -> None:
     assert len(fq) == 0 and list(fq) == [] and not any(b in fq for b in range(4))
     journal.rollback()
     assert list(fq) == [0, 1, 2, 3] and len(fq) == 4
+
+
+def test_an_empty_free_queue_is_empty() -> None:
+    journal = Journal()
+    fq = FreeQueue(0, journal)
+    assert len(fq) == 0 and list(fq) == [] and fq.peek(3) == []
+
+
+def test_free_queue_iteration_walks_each_block_once() -> None:
+    journal = Journal()
+    fq = FreeQueue(3, journal)
+    journal.begin()
+    fq.remove(1)
+    journal.rollback()  # _relink puts 1 back between 0 and 2
+    assert list(itertools.islice(iter(fq), 5)) == [0, 1, 2]
+    fq.remove(2)
+    fq.append(2)
+    fq.append(fq.popleft())
+    assert list(itertools.islice(iter(fq), 5)) == [1, 2, 0]
+
+
+# ------------------------------------------------------------------ decode appends
+def test_decode_appends_that_fit_need_no_free_block() -> None:
+    pool = BlockPool(2, 4)
+    pool.allocate("a", [1, 2, 3], 3)
+    pool.allocate("b", [5, 6, 7], 3)
+    assert pool.num_free_blocks == 0
+    # Both last blocks have a free slot and are private: nothing to take from the queue.
+    assert pool.append_decode_tokens(["a", "b"], [[1, 2, 3, 4], [5, 6, 7, 8]]) == []
+    assert pool.num_stored("a") == pool.num_stored("b") == 4
+    assert check_pool(pool.snapshot()) == []
+
+
+def test_decode_append_into_a_shared_block_needs_a_free_block_for_its_copy() -> None:
+    pool = BlockPool(1, 4)
+    pool.allocate("a", [1, 2, 3], 3)
+    pool.fork("a", "c")
+    before = pool.snapshot()
+    assert pool.append_decode_tokens(["a"], [[1, 2, 3, 4]]) is None  # copy-on-write, 0 free
+    assert pool.snapshot() == before
+
+
+def test_decode_append_copies_a_shared_block_with_exactly_one_free_block() -> None:
+    pool = BlockPool(2, 4)
+    pool.allocate("a", [1, 2, 3], 3)
+    pool.fork("a", "c")
+    assert pool.append_decode_tokens(["a"], [[1, 2, 3, 4]]) == [BlockCopy(0, 1)]
+    assert pool.block_table("a") == (1,) and pool.block_table("c") == (0,)
+    assert check_pool(pool.snapshot()) == []
+
+
+# ------------------------------------------------------------------ rollback
+def test_rollback_restores_a_block_swapped_by_copy_on_write() -> None:
+    pool = BlockPool(4, 4)
+    pool.allocate("a", [1, 2, 3], 3)
+    pool.fork("a", "c")
+    before = pool.snapshot()
+    pool.begin()
+    alloc = pool.allocate("a", [1, 2, 3, 4], 1)
+    assert alloc.copies == (BlockCopy(0, 1),) and pool.block_table("a") == (1,)
+    pool.rollback()
+    assert pool.block_table("a") == (0,)
+    assert pool.snapshot() == before
+    assert check_pool(pool.snapshot()) == []

@@ -572,3 +572,39 @@ def test_commit_refuses_a_plan_that_is_not_pending() -> None:
         )
     sched.commit(plan, {"a": 0})
     assert sched.requests["a"].output_token_ids == [0]
+
+
+# ------------------------------------------------------------------ prefill reserve
+def test_the_prefill_reserve_starts_after_the_configured_wait() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=4,
+        max_num_seqs=8,
+        block_size=4,
+        num_blocks=32,
+        max_model_len=64,
+        prefill_reserve_tokens=2,
+        prefill_reserve_after_steps=2,
+    )
+    sched = Scheduler(cfg)
+    for i in range(4):
+        sched.add_request(_req(f"d{i}", 1, 50, base=10 * i))
+    _step(sched)  # four one-token prompts fill the budget and start decoding
+    sched.add_request(_req("p", 9, 2, base=100))  # queued at step 1
+    grants: list[tuple[str, ...]] = []
+    for _ in range(7):
+        plan, _ = _step(sched)
+        grants.append(
+            tuple(f"{r}:{n}" for r, n in zip(plan.request_ids, plan.num_new_tokens, strict=True))
+        )
+    decodes4 = ("d0:1", "d1:1", "d2:1", "d3:1")
+    # p starves for two steps, then the reserve gives it 2 tokens; each grant restarts
+    # the count.
+    assert grants == [
+        decodes4,
+        decodes4,
+        ("d0:1", "d1:1", "p:2"),
+        decodes4,
+        ("d0:1", "d1:1", "p:2"),
+        decodes4,
+        ("d0:1", "d1:1", "p:2"),
+    ]
