@@ -24,6 +24,7 @@ from ref.policy import DecodeFirst, TenantFair
 from ref.request import FinishReason, Request, StopParams
 from ref.scheduler import BadExecutorOutput, Scheduler, StepEvents, StepInProgress
 from spec import check_pool
+from spec.hashing import Namespace
 from spec.snapshot import RequestStatus as S
 
 
@@ -608,3 +609,60 @@ def test_the_prefill_reserve_starts_after_the_configured_wait() -> None:
         decodes4,
         ("d0:1", "d1:1", "p:2"),
     ]
+
+
+# ------------------------------------------------------------------ abort / finish / fork
+def test_abort_and_finish_stamp_the_given_time_defaulting_to_zero() -> None:
+    sched = _decoding(CFG, _req("a", 3), _req("b", 3, base=10), _req("c", 3, base=20))
+    a, b, c = (sched.requests[x] for x in "abc")
+    sched.abort("a")
+    sched.finish("b", FinishReason.STOP)
+    sched.abort("c", 3.5)
+    assert (a.finished_ms, b.finished_ms, c.finished_ms) == (0.0, 0.0, 3.5)
+    assert (a.status, b.status, c.status) == (S.ABORTED, S.FINISHED, S.ABORTED)
+    assert (a.finish_reason, b.finish_reason) == (FinishReason.ABORT, FinishReason.STOP)
+    assert sched.retired == [a, b, c] and sched.requests == {}
+    assert sched.pool.num_free_blocks == CFG.num_blocks
+
+
+def test_a_fork_keeps_the_parents_tenant_and_namespace() -> None:
+    ns = Namespace(model="m", adapter="lora-1")
+    parent = Request("p", [1, 2, 3], StopParams(4), tenant="T", namespace=ns)
+    sched = _decoding(CFG, parent)
+    child = sched.fork("p", "c", 9, StopParams(2))
+    assert child.tenant == "T" and child.namespace == ns
+    assert sched.pool.block_table("c") == sched.pool.block_table("p")
+
+
+def test_a_fork_that_can_never_fit_finishes_at_the_last_step_start() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16, max_num_seqs=1, block_size=1, num_blocks=5, max_model_len=16
+    )
+    sched = Scheduler(cfg)
+    sched.add_request(_req("p", 5, 4))
+    _step(sched, 10.0)  # the child would hold 5 + 1 tokens: 6 blocks of 1, the pool has 5
+    child = sched.fork("p", "c", 9, StopParams(2))
+    assert child.finish_reason is FinishReason.CAPACITY and child.finished_ms == 10.0
+
+
+def test_a_resumed_turn_counts_for_the_prefill_reserve() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=4,
+        max_num_seqs=8,
+        block_size=4,
+        num_blocks=32,
+        max_model_len=64,
+        prefill_reserve_tokens=2,
+        prefill_reserve_after_steps=1,
+    )
+    sched = Scheduler(cfg)
+    for i in range(4):
+        sched.add_request(_req(f"d{i}", 1, 50, base=10 * i))
+    _step(sched)
+    sched.pause("d0")
+    sched.resume("d0", [5, 6, 7], StopParams(1))  # 1 + 3 tokens to prefill, in place
+    plan, _ = _step(sched)  # not starving yet: the three decodes come first
+    assert plan.request_ids == ("d1", "d2", "d3", "d0")
+    assert plan.num_new_tokens == (1, 1, 1, 1)
+    plan, _ = _step(sched)  # waited a step since its last grant: the reserve applies
+    assert plan.request_ids == ("d1", "d2", "d0") and plan.num_new_tokens == (1, 1, 2)
