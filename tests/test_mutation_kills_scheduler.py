@@ -9,10 +9,11 @@ step is taken. All are small and deterministic: mutmut runs them once per mutant
 from __future__ import annotations
 
 from collections.abc import Mapping, Set
+from typing import Any
 
 import pytest
 
-from ref.config import PolicyName, SchedulerConfig
+from ref.config import Admission, PolicyName, SchedulerConfig
 from ref.cost_model import CostModel
 from ref.errors import (
     InvalidArgument,
@@ -666,3 +667,97 @@ def test_a_resumed_turn_counts_for_the_prefill_reserve() -> None:
     assert plan.num_new_tokens == (1, 1, 1, 1)
     plan, _ = _step(sched)  # waited a step since its last grant: the reserve applies
     assert plan.request_ids == ("d1", "d2", "d0") and plan.num_new_tokens == (1, 1, 2)
+
+
+# ------------------------------------------------------------------ admission headroom
+def _admits_beside_a_decode(
+    admission: Admission,
+    num_blocks: int,
+    *,
+    budget: int = 16,
+    caching: bool = True,
+    cached_prefix: bool = False,
+    prompt: int = 10,
+) -> bool:
+    """Whether ``x`` (``prompt`` tokens, max_tokens 6) is admitted next to a running
+    one-block decode; with ``cached_prefix`` its first 8 tokens are cached and free."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=budget,
+        max_num_seqs=4,
+        block_size=4,
+        num_blocks=num_blocks,
+        max_model_len=64,
+        admission=admission,
+        enable_prefix_caching=caching,
+    )
+    sched = Scheduler(cfg)
+    sched.add_request(Request("r0", [500], StopParams(3, ignore_eos=True)))
+    if cached_prefix:
+        sched.add_request(_req("c", 8, 1))  # finishes at once; its 2 full blocks stay cached
+    plan, _ = _step(sched)
+    assert sched.requests["r0"].status is S.DECODING and sched.pool.num_used_blocks == 1
+    sched.add_request(_req("x", prompt, 6))
+    plan, _ = _step(sched)
+    assert plan.request_ids[0] == "r0"
+    if cached_prefix and plan.admitted:
+        assert _entry(plan, "x")[4] == 8
+    return plan.admitted == ("x",)
+
+
+@pytest.mark.parametrize(
+    ("admission", "kw", "blocks"),
+    [
+        # The whole sequence, 10 + 6 tokens: 4 blocks, counting the 2 cached free blocks
+        # the hit takes back out of the free queue.
+        (Admission.SEQUENCE, {"cached_prefix": True}, 4),
+        (Admission.SEQUENCE, {"caching": False}, 4),
+        # The whole prompt (12 tokens, 3 blocks) although only a 4-token chunk fits.
+        (Admission.PROMPT, {"budget": 5, "prompt": 12}, 3),
+        (Admission.FIRST_CHUNK, {"budget": 5, "prompt": 4}, 1),
+        (Admission.FIRST_CHUNK, {"cached_prefix": True}, 3),
+    ],
+)
+def test_admission_needs_exactly_its_headroom_in_free_blocks(
+    admission: Admission, kw: dict[str, Any], blocks: int
+) -> None:
+    # The decode holds one block; the rest of the pool is free.
+    assert _admits_beside_a_decode(admission, blocks + 1, **kw)
+    assert not _admits_beside_a_decode(admission, blocks, **kw)
+
+
+# ------------------------------------------------------------------ requeue order
+def test_a_requeued_turn_waits_in_arrival_order() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16,
+        max_num_seqs=1,
+        block_size=4,
+        num_blocks=32,
+        max_model_len=64,
+        prefill_reserve_tokens=1,
+    )
+    sched = _decoding(cfg, _req("a", 3))
+    for i, rid in enumerate("bcd"):
+        sched.add_request(_req(rid, 3, base=10 * (i + 1)))
+    sched.pause("a", retain_kv=False)
+    _step(sched)  # b takes the free running slot
+    assert [r.request_id for r in sched.running] == ["b"]
+    sched.resume("a", [1], StopParams(2))
+    assert [r.request_id for r in sched.waiting] == ["a", "c", "d"]
+    sched.pause("b", retain_kv=False)
+    sched.resume("b", [1], StopParams(2))
+    assert [r.request_id for r in sched.waiting] == ["a", "b", "c", "d"]
+    assert [r.seq for r in sched.waiting] == [0, 1, 2, 3]
+    plan, _ = _step(sched)
+    assert plan.admitted == ("a",)
+
+
+def test_a_requeued_parent_goes_ahead_of_its_waiting_fork() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16, max_num_seqs=1, block_size=4, num_blocks=32, max_model_len=64
+    )
+    sched = _decoding(cfg, _req("p", 3))
+    child = sched.fork("p", "c", 9, StopParams(2))
+    assert sched.waiting == [child] and child.seq == sched.requests["p"].seq
+    sched.pause("p", retain_kv=False)
+    sched.resume("p", [1], StopParams(2))
+    assert [r.request_id for r in sched.waiting] == ["p", "c"]
