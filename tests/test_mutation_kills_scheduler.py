@@ -678,6 +678,7 @@ def _admits_beside_a_decode(
     caching: bool = True,
     cached_prefix: bool = False,
     prompt: int = 10,
+    watermark: int = 0,
 ) -> bool:
     """Whether ``x`` (``prompt`` tokens, max_tokens 6) is admitted next to a running
     one-block decode; with ``cached_prefix`` its first 8 tokens are cached and free."""
@@ -689,6 +690,7 @@ def _admits_beside_a_decode(
         max_model_len=64,
         admission=admission,
         enable_prefix_caching=caching,
+        watermark_blocks=watermark,
     )
     sched = Scheduler(cfg)
     sched.add_request(Request("r0", [500], StopParams(3, ignore_eos=True)))
@@ -715,6 +717,8 @@ def _admits_beside_a_decode(
         (Admission.PROMPT, {"budget": 5, "prompt": 12}, 3),
         (Admission.FIRST_CHUNK, {"budget": 5, "prompt": 4}, 1),
         (Admission.FIRST_CHUNK, {"cached_prefix": True}, 3),
+        # The watermark keeps 2 blocks back for the running decode's growth.
+        (Admission.FIRST_CHUNK, {"budget": 5, "prompt": 4, "watermark": 2}, 3),
     ],
 )
 def test_admission_needs_exactly_its_headroom_in_free_blocks(
@@ -761,3 +765,69 @@ def test_a_requeued_parent_goes_ahead_of_its_waiting_fork() -> None:
     sched.pause("p", retain_kv=False)
     sched.resume("p", [1], StopParams(2))
     assert [r.request_id for r in sched.waiting] == ["p", "c"]
+
+
+# ------------------------------------------------------------------ admission
+def test_admission_shares_the_budget_in_order_down_to_the_last_token() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=8, max_num_seqs=8, block_size=4, num_blocks=32, max_model_len=64
+    )
+    sched = Scheduler(cfg)
+    for i, rid in enumerate("abcd"):
+        sched.add_request(_req(rid, 3, 4, base=10 * i))
+    plan, _ = _step(sched)
+    assert plan.admitted == ("a", "b", "c") and plan.num_new_tokens == (3, 3, 2)
+    plan, _ = _step(sched)  # 2 decodes + c's last token: 5 left for d
+    assert plan.request_ids == ("a", "b", "c", "d") and plan.num_new_tokens == (1, 1, 1, 3)
+    sched2 = _decoding(cfg, *(_req(f"r{i}", 1, 9, base=10 * i) for i in range(7)))
+    sched2.add_request(_req("x", 1, 2, base=99))
+    plan, _ = _step(sched2)  # seven decodes leave exactly one token
+    assert plan.admitted == ("x",) and _entry(plan, "x") == (0, 1, True, True, 0)
+
+
+def _lone_admission(num_blocks: int) -> StepPlan:
+    """``x`` hits 2 cached free blocks while a paused request holds 2 and nothing runs."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_blocks=num_blocks
+    )
+    sched = Scheduler(cfg)
+    sched.add_request(_req("a", 5, 4, base=100))
+    sched.add_request(_req("c", 8, 1))
+    _step(sched)
+    sched.pause("a")  # keeps its 2 blocks; c's 2 blocks are free and cached
+    sched.add_request(_req("x", 10, 2))
+    plan, _ = _step(sched)
+    return plan
+
+
+def test_a_lone_admission_counts_the_cached_blocks_its_hit_revives() -> None:
+    # x needs its 2 cached blocks back plus 1 fresh block for tokens 8 and 9.
+    assert _lone_admission(4).admitted == ()
+    plan = _lone_admission(5)
+    assert plan.admitted == ("x",) and _entry(plan, "x") == (8, 2, True, True, 8)
+
+
+def test_without_prefix_caching_nothing_is_cached_or_reused() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        block_size=4,
+        num_blocks=16,
+        enable_prefix_caching=False,
+    )
+    sched = Scheduler(cfg)
+    sched.add_request(_req("a", 9, 1))
+    _step(sched)
+    assert sched.pool.snapshot().cache_entries == ()
+    sched.add_request(_req("b", 9, 1))
+    plan, _ = _step(sched)
+    assert _entry(plan, "b") == (0, 9, True, True, 0)
+
+
+def test_abort_before_the_first_step_retires_the_request() -> None:
+    sched = Scheduler(CFG)
+    a = _req("a", 3)
+    sched.add_request(a)
+    sched.abort("a", 1.5)
+    assert sched.retired == [a] and sched.waiting == [] and sched.requests == {}
+    assert a.status is S.ABORTED and a.finished_ms == 1.5
