@@ -572,8 +572,9 @@ def test_commit_refuses_a_plan_that_is_not_pending() -> None:
             f"step 0: executor gave {bad.get('a')!r} as the sampled token of request 'a'; "
             "expected a non-negative int"
         )
-    sched.commit(plan, {"a": 0})
+    sched.commit(plan, {"a": 0})  # now_ms defaults to 0
     assert sched.requests["a"].output_token_ids == [0]
+    assert sched.requests["a"].token_times_ms == [0.0]
 
 
 # ------------------------------------------------------------------ prefill reserve
@@ -831,3 +832,85 @@ def test_abort_before_the_first_step_retires_the_request() -> None:
     sched.abort("a", 1.5)
     assert sched.retired == [a] and sched.waiting == [] and sched.requests == {}
     assert a.status is S.ABORTED and a.finished_ms == 1.5
+
+
+def test_running_prefills_and_admissions_share_one_slo_prefill_cap() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        block_size=4,
+        num_blocks=64,
+        max_model_len=128,
+        tbt_slo_ms=20.0,
+        iteration_model=CostModel(2.0, 0.5, 1.0),
+    )
+    sched = Scheduler(cfg)
+    sched.add_request(_req("d", 3, 50))
+    _step(sched, 0.0)
+    sched.add_request(_req("q", 40, 2, base=100))
+    plan, _ = _step(sched, 4.0)  # cap (20 - 4 - 2 - 1) / 0.5 = 26
+    assert plan.request_ids == ("d", "q") and plan.num_new_tokens == (1, 26)
+    sched.add_request(_req("x", 20, 2, base=200))
+    plan, _ = _step(sched, 8.5)  # d's token at 4: cap (24 - 8.5 - 3) / 0.5 = 25
+    assert plan.request_ids == ("d", "q", "x") and plan.num_new_tokens == (1, 14, 11)
+
+
+# ------------------------------------------------------------------ preemption in commit
+def _preempted_while_resumed(tool: list[int]) -> tuple[Scheduler, Request, StepEvents]:
+    """Blocks of 2, a 3-block pool. ``a`` (4 tokens cached in 2 blocks) pauses keeping its
+    KV; ``b`` reuses both blocks and fills the pool. ``a`` resumes in place with ``tool``;
+    ``b``'s next decode needs a fourth block, so it preempts ``a`` (which frees nothing,
+    every block of ``a`` being shared) and then, alone, finishes with ``capacity``."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16, max_num_seqs=4, block_size=2, num_blocks=3, max_model_len=64
+    )
+    sched = _decoding(cfg, _req("a", 4, 9))
+    a = sched.requests["a"]
+    sched.pause("a")
+    sched.add_request(_req("b", 6, 9))
+    plan, _ = _step(sched)
+    assert _entry(plan, "b")[4] == 4 and sched.requests["b"].status is S.DECODING
+    assert sched.pool.num_free_blocks == 0
+    sched.resume("a", tool, StopParams(3))
+    plan = sched.schedule(30.0)
+    assert plan.preempted == ("a",) and plan.request_ids == ()
+    assert [(f.request_id, f.reason) for f in plan.finished] == [("b", FinishReason.CAPACITY)]
+    events = sched.commit(plan, _sampled(plan), 31.0)
+    assert check_pool(sched.pool.snapshot()) == []
+    return sched, a, events
+
+
+def test_a_preempted_request_that_still_fits_the_pool_waits() -> None:
+    sched, a, events = _preempted_while_resumed([8])  # 6 tokens: 3 blocks, the pool
+    assert events.preempted == ("a",) and events.finished == ("b",)
+    assert a.status is S.PREEMPTED and a.num_preemptions == 1 and a.num_computed_tokens == 0
+    assert sched.waiting == [a] and sched.requests == {"a": a}
+
+
+def test_a_preempted_request_that_outgrew_the_pool_finishes_with_capacity() -> None:
+    sched, a, events = _preempted_while_resumed([8, 9])  # 7 tokens: 4 blocks of 3
+    assert events.preempted == ("a",) and events.finished == ("a", "b")
+    assert a.status is S.FINISHED and a.finish_reason is FinishReason.CAPACITY
+    assert a.finished_ms == 31.0 and a.num_preemptions == 1
+    assert sched.waiting == [] and sched.requests == {}
+    assert [r.request_id for r in sched.retired] == ["a", "b"]
+
+
+def test_the_preemption_count_matches_the_preemption_events() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=5, max_num_seqs=6, block_size=2, num_blocks=8, max_model_len=64
+    )
+    sched = Scheduler(cfg)
+    reqs = [_req(f"r{i}", 3 + i % 4, 6 + i % 5, base=(i % 3) * 50) for i in range(10)]
+    for r in reqs:
+        sched.add_request(r)
+    seen = dict.fromkeys((r.request_id for r in reqs), 0)
+    for _ in range(400):
+        if not sched.has_unfinished:
+            break
+        _, events = _step(sched)
+        for rid in events.preempted:
+            seen[rid] += 1
+    assert not sched.has_unfinished
+    assert {r.request_id: r.num_preemptions for r in reqs} == seen
+    assert max(seen.values()) >= 2  # some request was preempted more than once
