@@ -914,3 +914,56 @@ def test_the_preemption_count_matches_the_preemption_events() -> None:
     assert not sched.has_unfinished
     assert {r.request_id: r.num_preemptions for r in reqs} == seen
     assert max(seen.values()) >= 2  # some request was preempted more than once
+
+
+# ------------------------------------------------------------------ schedule / validate
+def test_every_sampling_entry_needs_a_token_even_after_a_chunk() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=8,
+        max_num_seqs=4,
+        block_size=4,
+        num_blocks=32,
+        max_model_len=64,
+        align_chunks_to_blocks=True,
+    )
+    sched = Scheduler(cfg)
+    sched.add_request(_req("a", 4, 2))
+    sched.add_request(_req("b", 2, 2, base=50))
+    _step(sched)
+    sched.add_request(_req("c", 12, 2, base=100))
+    sched.add_request(_req("d", 1, 2, base=200))
+    plan = sched.schedule(0.0)
+    # Two decodes, c's block-aligned first chunk (no sample), then d's one token.
+    assert plan.request_ids == ("a", "b", "c", "d")
+    assert plan.num_new_tokens == (1, 1, 4, 1) and plan.samples == (True, True, False, True)
+    with pytest.raises(BadExecutorOutput, match=r"request 'd'; expected a non-negative int$"):
+        sched.commit(plan, {"a": 1, "b": 1})
+    sched.commit(plan, {"a": 1, "b": 1, "d": 2})
+    assert sched.requests["d"].output_token_ids == [2]
+
+
+class FailingPolicy(DecodeFirst):
+    """Decode-first whose admission order raises once ``fail`` is set."""
+
+    fail = False
+
+    def waiting_order(self, waiting: list[Request], step_index: int) -> list[Request]:  # type: ignore[override]
+        if self.fail:
+            raise RuntimeError("policy failed")
+        return super().waiting_order(waiting, step_index)
+
+
+def test_a_failing_plan_leaves_no_reservation_behind() -> None:
+    policy = FailingPolicy()
+    sched = Scheduler(CFG, policy)
+    sched.add_request(_req("a", 6, 4))
+    _step(sched)
+    sched.add_request(_req("b", 6, 4, base=50))
+    before = sched.snapshot()
+    policy.fail = True
+    with pytest.raises(RuntimeError, match="policy failed"):
+        sched.schedule(1.0)  # a's decode was reserved before admission failed
+    assert sched.snapshot() == before
+    policy.fail = False
+    plan, _ = _step(sched, 2.0)  # no step is left pending or half-reserved
+    assert plan.request_ids == ("a", "b")
