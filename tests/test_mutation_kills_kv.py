@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
+from ref.errors import ExceedsCapacity, OutOfBlocks
 from ref.kv import BlockCopy, BlockPool
+from ref.kv.pool import Allocation
 from ref.kv.free_queue import FreeQueue
 from ref.kv.journal import Journal
 from spec import check_pool
@@ -91,3 +95,48 @@ def test_rollback_restores_a_block_swapped_by_copy_on_write() -> None:
     assert pool.block_table("a") == (0,)
     assert pool.snapshot() == before
     assert check_pool(pool.snapshot()) == []
+
+
+# ------------------------------------------------------------------ allocate
+def test_allocate_reports_what_it_did() -> None:
+    pool = BlockPool(6, 2)
+    first = pool.allocate("a", [1, 2, 3, 4, 5], 3)
+    assert first == Allocation("a", 0, 3, 0, (0, 1), ())
+    more = pool.allocate("a", [1, 2, 3, 4, 5], 2)
+    assert more == Allocation("a", 3, 2, 0, (2,), ())
+    pool.free("a")  # blocks 0 and 1 stay cached; the free queue is 3, 4, 5, 2, 1, 0
+    hit = pool.lookup([1, 2, 3, 4, 9, 9])
+    assert hit.block_ids == (0, 1)
+    shared = pool.allocate("b", [1, 2, 3, 4, 9, 9], 1, hit=hit)
+    assert shared == Allocation("b", 4, 1, 4, (3,), ())
+    pool.fork("b", "c")
+    cow = pool.allocate("b", [1, 2, 3, 4, 9, 9], 1)
+    assert cow.copies == (BlockCopy(3, 4),) and cow.new_block_ids == ()
+    assert (cow.start_position, cow.num_new_tokens, cow.num_cached_tokens) == (5, 1, 0)
+    assert check_pool(pool.snapshot()) == []
+
+
+def test_allocate_takes_exactly_the_free_blocks_and_the_whole_pool() -> None:
+    pool = BlockPool(2, 4)
+    assert pool.allocate("a", list(range(8)), 8).new_block_ids == (0, 1)  # all of it
+    assert pool.num_free_blocks == 0
+    pool.free("a")
+    pool.allocate("b", [1, 2, 3], 3)
+    pool.allocate("c", [4, 5, 6], 3)
+    # A full pool: appending into a last block with room needs no free block.
+    assert pool.allocate("b", [1, 2, 3, 4], 1).new_block_ids == ()
+    assert check_pool(pool.snapshot()) == []
+
+
+def test_allocate_refusals_name_the_request_and_the_counts() -> None:
+    pool = BlockPool(2, 4)
+    with pytest.raises(ExceedsCapacity) as never:
+        pool.allocate("big", list(range(9)), 9)
+    assert str(never.value) == "request 'big' needs 3 KV blocks but the pool has only 2"
+    assert (never.value.request_id, never.value.needed, never.value.num_blocks) == ("big", 3, 2)
+    pool.allocate("a", [1, 2, 3, 4], 4)
+    with pytest.raises(OutOfBlocks) as later:
+        pool.allocate("b", list(range(8)), 8)
+    assert str(later.value) == "request 'b' needs 2 free KV blocks, 1 are free"
+    assert (later.value.request_id, later.value.needed, later.value.free) == ("b", 2, 1)
+    assert not pool.has_request("b") and check_pool(pool.snapshot()) == []
