@@ -14,9 +14,9 @@ import pytest
 
 from ref.errors import ExceedsCapacity, OutOfBlocks
 from ref.kv import BlockCopy, BlockPool
-from ref.kv.pool import Allocation
 from ref.kv.free_queue import FreeQueue
 from ref.kv.journal import Journal
+from ref.kv.pool import Allocation
 from spec import check_pool
 
 
