@@ -121,13 +121,21 @@ def test_pause_refusals_name_the_operation() -> None:
     with pytest.raises(InvalidArgument) as waiting:
         sched.pause("a")
     assert str(waiting.value) == "pause: request 'a' must be decoding (it is waiting)"
-    sched.schedule(0.0)
+    sched.schedule()  # now_ms defaults to 0
+    with pytest.raises(StepInProgress) as again:
+        sched.schedule(1.0)
+    assert str(again.value) == (
+        "schedule: a step is in progress (schedule without commit/rollback)"
+    )
     with pytest.raises(StepInProgress) as mid:
         sched.pause("a")
     assert str(mid.value) == "pause: a step is in progress (schedule without commit/rollback)"
     with pytest.raises(StepInProgress, match=r"^resume: a step is in progress"):
         sched.resume("a", [1], StopParams(1))
     sched.rollback()
+    plan = sched.schedule()
+    sched.commit(plan, _sampled(plan), 5.0)
+    assert sched.requests["a"].admitted_ms == 0.0  # the step started at the default 0
 
 
 def test_resume_in_place_continues_as_an_incremental_prefill() -> None:
