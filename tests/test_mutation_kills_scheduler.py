@@ -586,7 +586,8 @@ def test_commit_refuses_a_plan_that_is_not_pending() -> None:
 
 
 # ------------------------------------------------------------------ prefill reserve
-def test_the_prefill_reserve_starts_after_the_configured_wait() -> None:
+@pytest.mark.parametrize("fast_decode", [True, False])
+def test_the_prefill_reserve_starts_after_the_configured_wait(fast_decode: bool) -> None:
     cfg = SchedulerConfig(
         max_num_batched_tokens=4,
         max_num_seqs=8,
@@ -596,7 +597,7 @@ def test_the_prefill_reserve_starts_after_the_configured_wait() -> None:
         prefill_reserve_tokens=2,
         prefill_reserve_after_steps=2,
     )
-    sched = Scheduler(cfg)
+    sched = Scheduler(cfg, fast_decode=fast_decode)  # bulk path or per-request loop
     for i in range(4):
         sched.add_request(_req(f"d{i}", 1, 50, base=10 * i))
     _step(sched)  # four one-token prompts fill the budget and start decoding
