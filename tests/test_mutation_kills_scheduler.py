@@ -16,6 +16,7 @@ import pytest
 from ref.config import Admission, PolicyName, SchedulerConfig
 from ref.cost_model import CostModel
 from ref.errors import (
+    ExceedsCapacity,
     InvalidArgument,
     RefserveError,
     UnknownRequest,
@@ -24,6 +25,7 @@ from ref.plan import StepPlan
 from ref.policy import DecodeFirst, TenantFair
 from ref.request import FinishReason, Request, StopParams
 from ref.scheduler import BadExecutorOutput, Scheduler, StepEvents, StepInProgress
+from ref.swap import KVRetention
 from spec import check_pool
 from spec.hashing import Namespace
 from spec.snapshot import RequestStatus as S
@@ -94,7 +96,7 @@ def test_pause_keeping_kv_holds_the_blocks_and_leaves_the_batch() -> None:
     sched = _decoding(CFG, _req("a", 6))
     a = sched.requests["a"]
     table, kv = sched.pool.block_table("a"), a.num_computed_tokens
-    sched.pause("a")  # retain_kv defaults to True
+    sched.pause("a")  # retention defaults to the device for a short wait
     assert a.status is S.WAITING_TOOL
     assert sched.paused == {"a": a} and sched.running == [] and sched.waiting == []
     assert sched.pool.block_table("a") == table and a.num_computed_tokens == kv
@@ -105,7 +107,7 @@ def test_pause_keeping_kv_holds_the_blocks_and_leaves_the_batch() -> None:
 def test_pause_releasing_kv_frees_every_block() -> None:
     sched = _decoding(CFG, _req("a", 6))
     a = sched.requests["a"]
-    sched.pause("a", retain_kv=False)
+    sched.pause("a", KVRetention.DROP)
     assert not sched.pool.has_request("a")
     assert a.num_computed_tokens == 0
     assert sched.pool.num_free_blocks == CFG.num_blocks
@@ -186,7 +188,7 @@ def test_resume_without_a_running_slot_gives_the_blocks_back_and_waits_in_order(
 def test_resume_after_releasing_kv_waits_and_recomputes_from_the_cache() -> None:
     sched = _decoding(CFG, _req("a", 9))  # two full blocks get cached
     a = sched.requests["a"]
-    sched.pause("a", retain_kv=False)
+    sched.pause("a", KVRetention.DROP)
     sched.resume("a", [60, 61], StopParams(1))
     assert a.status is S.WAITING and sched.waiting == [a] and sched.running == []
     plan, _ = _step(sched)
@@ -386,7 +388,7 @@ def test_queue_timeout_spares_a_request_that_was_admitted_before() -> None:
     )
     sched = _decoding(cfg, _req("a", 5, 8))
     a = sched.requests["a"]
-    sched.pause("a", retain_kv=False)
+    sched.pause("a", KVRetention.DROP)
     sched.resume("a", [9], StopParams(2))  # waits again, with admitted_ms set
     assert a.status is S.WAITING and a.admitted_ms == 0.0
     plan, _ = _step(sched, 50.0)
@@ -752,12 +754,12 @@ def test_a_requeued_turn_waits_in_arrival_order() -> None:
     sched = _decoding(cfg, _req("a", 3))
     for i, rid in enumerate("bcd"):
         sched.add_request(_req(rid, 3, base=10 * (i + 1)))
-    sched.pause("a", retain_kv=False)
+    sched.pause("a", KVRetention.DROP)
     _step(sched)  # b takes the free running slot
     assert [r.request_id for r in sched.running] == ["b"]
     sched.resume("a", [1], StopParams(2))
     assert [r.request_id for r in sched.waiting] == ["a", "c", "d"]
-    sched.pause("b", retain_kv=False)
+    sched.pause("b", KVRetention.DROP)
     sched.resume("b", [1], StopParams(2))
     assert [r.request_id for r in sched.waiting] == ["a", "b", "c", "d"]
     assert [r.seq for r in sched.waiting] == [0, 1, 2, 3]
@@ -772,7 +774,7 @@ def test_a_requeued_parent_goes_ahead_of_its_waiting_fork() -> None:
     sched = _decoding(cfg, _req("p", 3))
     child = sched.fork("p", "c", 9, StopParams(2))
     assert sched.waiting == [child] and child.seq == sched.requests["p"].seq
-    sched.pause("p", retain_kv=False)
+    sched.pause("p", KVRetention.DROP)
     sched.resume("p", [1], StopParams(2))
     assert [r.request_id for r in sched.waiting] == ["p", "c"]
 
@@ -811,10 +813,13 @@ def _lone_admission(num_blocks: int) -> StepPlan:
 
 
 def test_a_lone_admission_counts_the_cached_blocks_its_hit_revives() -> None:
-    # x needs its 2 cached blocks back plus 1 fresh block for tokens 8 and 9.
-    assert _lone_admission(4).admitted == ()
+    # x needs its 2 cached blocks back plus 1 fresh block for tokens 8 and 9: with 4
+    # blocks only reclaiming the paused request's KV makes room, with 5 it fits as is.
+    plan = _lone_admission(4)
+    assert plan.dropped == ("a",) and plan.admitted == ("x",)
     plan = _lone_admission(5)
-    assert plan.admitted == ("x",) and _entry(plan, "x") == (8, 2, True, True, 8)
+    assert plan.dropped == () and plan.admitted == ("x",)
+    assert _entry(plan, "x") == (8, 2, True, True, 8)
 
 
 def test_without_prefix_caching_nothing_is_cached_or_reused() -> None:
@@ -896,13 +901,37 @@ def test_a_preempted_request_that_still_fits_the_pool_waits() -> None:
     assert sched.waiting == [a] and sched.requests == {"a": a}
 
 
+def test_a_resumed_turn_that_outgrows_the_pool_is_rejected() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16, max_num_seqs=4, block_size=2, num_blocks=3, max_model_len=64
+    )
+    sched = _decoding(cfg, _req("a", 4, 9))
+    sched.pause("a")
+    with pytest.raises(ExceedsCapacity):
+        sched.resume("a", [8, 9], StopParams(3))  # 7 tokens: 4 blocks of 2
+    assert "a" in sched.paused
+
+
 def test_a_preempted_request_that_outgrew_the_pool_finishes_with_capacity() -> None:
-    sched, a, events = _preempted_while_resumed([8, 9])  # 7 tokens: 4 blocks of 3
-    assert events.preempted == ("a",) and events.finished == ("a", "b")
-    assert a.status is S.FINISHED and a.finish_reason is FinishReason.CAPACITY
-    assert a.finished_ms == 31.0 and a.num_preemptions == 1
+    """A fork of a parent whose prompt fills the pool shares every block; the parent's
+    next decode needs a fourth block, so it preempts the child, whose 7 tokens can never
+    fit again (capacity), and then, alone, finishes with capacity itself."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16, max_num_seqs=4, block_size=2, num_blocks=3, max_model_len=64
+    )
+    sched = _decoding(cfg, _req("p", 6, 9))
+    child = sched.fork("p", "c", 5, StopParams(9))
+    assert sched.pool.block_table("c") == sched.pool.block_table("p")
+    plan = sched.schedule(30.0)
+    assert plan.preempted == ("c",) and plan.request_ids == ()
+    assert [(f.request_id, f.reason) for f in plan.finished] == [("p", FinishReason.CAPACITY)]
+    events = sched.commit(plan, _sampled(plan), 31.0)
+    assert events.preempted == ("c",) and events.finished == ("c", "p")
+    assert child.status is S.FINISHED and child.finish_reason is FinishReason.CAPACITY
+    assert child.finished_ms == 31.0 and child.num_preemptions == 1
     assert sched.waiting == [] and sched.requests == {}
-    assert [r.request_id for r in sched.retired] == ["a", "b"]
+    assert [r.request_id for r in sched.retired] == ["c", "p"]
+    assert check_pool(sched.pool.snapshot()) == [] and sched.pool.num_used_blocks == 0
 
 
 def test_the_preemption_count_matches_the_preemption_events() -> None:
