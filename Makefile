@@ -44,6 +44,7 @@ crosshair: $(STAMP)
 # refserve's own adapter must pass the whole conformance suite.
 conformance: $(STAMP)
 	$(VENV)/bin/refserve conformance --adapter conformance.adapters.ref:make
+	$(VENV)/bin/refserve conformance --adapter conformance.adapters.ref:make_swap
 
 test: lint typecheck pytest crosshair conformance
 

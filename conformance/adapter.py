@@ -127,6 +127,12 @@ class StepReport:
     """(request id, reason) retired while planning, without being scheduled."""
     block_copies: tuple[tuple[int, int], ...] = ()
     """(src, dst) blocks the executor copies before writing (copy-on-write)."""
+    swap_out: tuple[tuple[int, int], ...] = ()
+    """(device block, host block) pairs copied to the host first (preemption by swap);
+    the snapshot's ``host`` pool then holds the swapped request's table."""
+    swap_in: tuple[tuple[int, int], ...] = ()
+    """(host block, device block) pairs copied back after every swap-out and before
+    ``block_copies`` and the step's writes."""
 
 
 @dataclass(frozen=True)

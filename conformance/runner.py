@@ -133,6 +133,7 @@ class _Run:
         self.plans: dict[str, RequestPlan] = {r.request_id: r for r in workload.requests}
         self.live: set[str] = set()
         self.kv: dict[int, int] = {}
+        self.host_kv: dict[int, int] = {}  # the host swap pool's fake memory
         self.steps: list[StepSnapshot] = []
         self.prefill_steps: dict[str, int] = defaultdict(int)
 
@@ -295,6 +296,7 @@ class _Run:
             self.tokens[rid].append(tok)
         self.check_stops(plan, done, sampled, after, step)
         self.read_back(after, step)
+        self.read_back_host(after, step)
         self.observe(before, plan, done, sampled, step)
         return True
 
@@ -343,10 +345,19 @@ class _Run:
 
     def write_kv(self, plan: StepReport, step: int) -> None:
         bs = self.cfg.block_size
-        for src, dst in plan.block_copies:
-            for off in range(bs):
-                if (v := self.kv.get(src * bs + off)) is not None:
-                    self.kv[dst * bs + off] = v
+        # The executor's order: swap-outs, swap-ins, copy-on-write, then the new K/V.
+        for pairs, src_kv, dst_kv in (
+            (plan.swap_out, self.kv, self.host_kv),
+            (plan.swap_in, self.host_kv, self.kv),
+            (plan.block_copies, self.kv, self.kv),
+        ):
+            for src, dst in pairs:
+                for off in range(bs):
+                    v = src_kv.get(src * bs + off)
+                    if v is None:
+                        dst_kv.pop(dst * bs + off, None)
+                    else:
+                        dst_kv[dst * bs + off] = v
         for s in plan.scheduled:
             toks = self.tokens.get(s.request_id, [])
             for pos, slot in zip(s.positions, s.slot_mapping, strict=False):
@@ -406,6 +417,33 @@ class _Run:
                     )
                 )
                 break
+
+    def read_back_host(self, after: EngineSnapshot, step: int) -> None:
+        """Every host table reads back its request's tokens from the host memory."""
+        if after.host is None:
+            return
+        bs = after.host.block_size
+        for t in after.host.tables:
+            toks = self.tokens.get(t.request_id)
+            if toks is None:
+                continue
+            for p in range(min(t.num_stored, len(toks), len(t.block_table) * bs)):
+                got = self.host_kv.get(slot_of(t.block_table[p // bs], p, bs))
+                if got != toks[p]:
+                    self.res.findings.append(
+                        Finding(
+                            violation(
+                                Invariant.BLOCK,
+                                f"request {t.request_id}",
+                                f"host KV read back at position {p}: swapped-out K/V lost",
+                                toks[p],
+                                got,
+                            ),
+                            step,
+                            "step",
+                        )
+                    )
+                    break
 
     def check_stops(
         self,

@@ -51,6 +51,9 @@ class RefAdapter:
         return self._sched
 
     def configure(self, config: EngineConfig) -> None:
+        overrides = dict(self._overrides)
+        if overrides.get("num_host_blocks") == "pool":  # as many host blocks as device ones
+            overrides["num_host_blocks"] = config.num_blocks
         try:
             cfg = SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -59,7 +62,7 @@ class RefAdapter:
                 num_blocks=config.num_blocks,
                 max_model_len=config.max_model_len,
                 enable_prefix_caching=config.enable_prefix_caching,
-                **self._overrides,  # type: ignore[arg-type]  # caller-chosen extra fields
+                **overrides,  # type: ignore[arg-type]  # caller-chosen extra fields
             )
         except RefserveError as e:
             raise NotSupported(str(e)) from e
@@ -101,6 +104,8 @@ class RefAdapter:
             preempted=plan.preempted,
             finished=tuple((f.request_id, str(f.reason)) for f in plan.finished),
             block_copies=tuple((c.src, c.dst) for c in plan.copies),
+            swap_out=tuple((c.src, c.dst) for c in plan.swap_out),
+            swap_in=tuple((c.src, c.dst) for c in plan.swap_in),
         )
 
     def commit(self, sampled: Mapping[str, int]) -> CommitReport:
@@ -130,3 +135,10 @@ class RefAdapter:
 def make() -> RefAdapter:
     """Factory for ``--adapter conformance.adapters.ref:make``."""
     return RefAdapter()
+
+
+def make_swap() -> RefAdapter:
+    """refserve preempting by swap (``--adapter conformance.adapters.ref:make_swap``): a
+    host pool as large as the device pool, so every preemption victim is swapped out
+    and back, and the runner's fake memory follows the copies."""
+    return RefAdapter(preemption_mode="swap", num_host_blocks="pool")

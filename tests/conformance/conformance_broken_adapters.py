@@ -135,6 +135,19 @@ class FrozenCounter(RefAdapter):
         return dataclasses.replace(s, requests=reqs)
 
 
+class SwapOutLost(RefAdapter):
+    """Preempts by swap, but the swap-out copies land one host block off."""
+
+    def __init__(self) -> None:
+        super().__init__(preemption_mode="swap", num_host_blocks="pool")
+
+    def schedule(self) -> StepReport:
+        rep = super().schedule()
+        n = self.sched.config.num_host_blocks
+        lost = tuple((dev, (host + 1) % n) for dev, host in rep.swap_out)
+        return dataclasses.replace(rep, swap_out=lost)
+
+
 def _unused(x: PoolSnapshot | RequestSnapshot | CacheEntry) -> None:  # pragma: no cover
     """Keeps the spec types imported for readers of the corruptions above."""
 
@@ -149,6 +162,7 @@ BROKEN = {
     "StaleCacheEntry": (StaleCacheEntry, "PREFIX"),
     "LossyRollback": (LossyRollback, "ATOMIC"),
     "FrozenCounter": (FrozenCounter, "TOKEN"),
+    "SwapOutLost": (SwapOutLost, "BLOCK"),
 }
 
 

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 from conformance_broken_adapters import BROKEN
 
-from conformance.adapter import EngineAdapter, Feature, load_factory
+from conformance.adapter import EngineAdapter, Feature, StepReport, load_factory
+from conformance.adapters.ref import RefAdapter
 from conformance.adapters.ref import make as make_ref
+from conformance.adapters.ref import make_swap as make_ref_swap
 from conformance.cli import conformance_main
 from conformance.report import Report, to_markdown
 from conformance.runner import run_workload
@@ -83,6 +85,26 @@ def test_broken_adapter_is_caught_with_the_right_invariant(name: str) -> None:
     # The shrunk workload replays to the same invariant.
     rerun = run_workload(cls(), Workload.from_json(fail.failure.workload))
     assert invariant in {str(f.invariant) for f in rerun.findings}
+
+
+def test_ref_preempting_by_swap_passes_everything() -> None:
+    """The whole library with every victim swapped; the runner's fake memory follows the
+    copies, so a lost or misplaced swap fails (see SwapOutLost)."""
+    swapped: list[int] = []
+
+    class Counting(RefAdapter):
+        def __init__(self) -> None:
+            super().__init__(preemption_mode="swap", num_host_blocks="pool")
+
+        def schedule(self) -> StepReport:
+            rep = super().schedule()
+            swapped.append(len(rep.swap_out))
+            return rep
+
+    report = run_suite(Counting, "conformance.adapters.ref:make_swap", max_examples=30)
+    assert not report.failed, [r.failure for r in report.results if r.failure]
+    assert sum(swapped) >= 5, sum(swapped)  # blocks swapped out across the suite (22 here)
+    assert isinstance(make_ref_swap(), EngineAdapter)
 
 
 def test_shrinking_gives_a_small_workload() -> None:
