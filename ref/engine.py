@@ -364,7 +364,8 @@ class LLMEngine:
         resume time, token times are this turn's, ``admitted_ms`` is None). Bad input
         raises a typed error (unknown id: :class:`UnknownRequest`; not paused:
         :class:`InvalidArgument`; empty or out-of-vocabulary tool output or a turn that
-        would reach ``max_model_len``: :class:`InvalidPrompt`; bad params:
+        would reach ``max_model_len``: :class:`InvalidPrompt`; a turn whose KV could never
+        fit the device pool: :class:`ExceedsCapacity`; bad params:
         :class:`InvalidSamplingParams`) and changes nothing.
         """
         group = self._groups.get(request_id)
