@@ -288,7 +288,9 @@ def test_tenant_fair_credit_follows_the_granted_prefill_tokens() -> None:
 
 
 # ------------------------------------------------------------------ SLO-aware prefill cap
-def _slo_chunk(model: CostModel, now: float, *, reserve: int = 0, prompt: int = 60) -> int:
+def _slo_chunk(
+    model: CostModel, now: float, *, reserve: int = 0, prompt: int = 60, fast: bool = True
+) -> int:
     """Prefill tokens admitted next to one decode whose last token came at t = 0."""
     cfg = SchedulerConfig(
         max_num_batched_tokens=64,
@@ -301,7 +303,7 @@ def _slo_chunk(model: CostModel, now: float, *, reserve: int = 0, prompt: int = 
         prefill_reserve_tokens=reserve,
         prefill_reserve_after_steps=0,
     )
-    sched = Scheduler(cfg)
+    sched = Scheduler(cfg, fast_decode=fast)
     sched.add_request(_req("d", 3, 50))
     _step(sched, 0.0)  # d: 3 tokens computed, first token at t = 0
     sched.add_request(_req("p", prompt, 2, base=100))
@@ -310,11 +312,12 @@ def _slo_chunk(model: CostModel, now: float, *, reserve: int = 0, prompt: int = 
     return _entry(plan, "p")[1] if "p" in plan.request_ids else 0
 
 
-def test_prefill_cap_is_the_slack_left_by_the_decodes() -> None:
+@pytest.mark.parametrize("fast", [True, False])
+def test_prefill_cap_is_the_slack_left_by_the_decodes(fast: bool) -> None:
     # P <= (last + slo - now - a - c*D - e*K) / b with D = 1 decode reading K = 3 + 1.
-    assert _slo_chunk(CostModel(2.0, 0.5, 1.0), 4.0) == 26  # (20 - 4 - 2 - 1) / 0.5
-    assert _slo_chunk(CostModel(2.0, 0.5, 1.0, 0.5), 4.0) == 22  # minus 0.5 * 4 ms of reads
-    assert _slo_chunk(CostModel(2.0, 0.5, 1.0, 0.5), 4.25) == 21  # 21.5 rounds down
+    assert _slo_chunk(CostModel(2.0, 0.5, 1.0), 4.0, fast=fast) == 26  # (20 - 4 - 2 - 1) / 0.5
+    assert _slo_chunk(CostModel(2.0, 0.5, 1.0, 0.5), 4.0, fast=fast) == 22  # 0.5 * 4 ms reads
+    assert _slo_chunk(CostModel(2.0, 0.5, 1.0, 0.5), 4.25, fast=fast) == 21  # 21.5 rounds down
     assert _slo_chunk(CostModel(2.0, 0.5, 1.0), 0.0, prompt=20) == 20  # the whole prompt fits
 
 
@@ -976,3 +979,23 @@ def test_a_failing_plan_leaves_no_reservation_behind() -> None:
     policy.fail = False
     plan, _ = _step(sched, 2.0)  # no step is left pending or half-reserved
     assert plan.request_ids == ("a", "b")
+
+
+def test_a_prefill_that_does_not_fit_lets_a_later_one_run() -> None:
+    # Without chunked prefill a resumed turn must fit whole: a (4 tokens to go) does not
+    # fit the 3 tokens five decodes leave, but b (2 to go) behind it does.
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=8,
+        max_num_seqs=8,
+        block_size=4,
+        num_blocks=32,
+        enable_chunked_prefill=False,
+    )
+    sched = _decoding(cfg, *(_req(rid, 1, 6, base=10 * i) for i, rid in enumerate("abcdefg")))
+    sched.pause("a")
+    sched.pause("b")
+    sched.resume("a", [1, 2, 3], StopParams(1))
+    sched.resume("b", [1], StopParams(1))
+    plan, _ = _step(sched)
+    assert plan.request_ids == ("c", "d", "e", "f", "g", "b")
+    assert _entry(plan, "b") == (1, 2, True, True, 0)
