@@ -323,6 +323,8 @@ def test_prefill_cap_is_the_slack_left_by_the_decodes(fast: bool) -> None:
 
 def test_prefill_cap_is_zero_without_slack_unless_reserved() -> None:
     assert _slo_chunk(CostModel(2.0, 0.5, 1.0), 17.0) == 0  # spare exactly 0
+    assert _slo_chunk(CostModel(2.0, 0.5, 1.0), 16.0) == 2  # spare 1 ms
+    assert _slo_chunk(CostModel(2.0, 0.5, 1.0), 16.5) == 1  # spare 0.5 ms
     assert _slo_chunk(CostModel(2.0, 0.5, 1.0), 30.0) == 0  # the deadline has passed
     assert _slo_chunk(CostModel(2.0, 0.5, 1.0), 30.0, reserve=5) == 5
     assert _slo_chunk(CostModel(2.0, 0.5, 1.0), 4.0, reserve=5) == 26
@@ -381,6 +383,9 @@ def test_queue_timeout_is_strictly_after_the_limit_and_skips_admission() -> None
     assert w.request_id == "w" and w.status is S.FINISHED
     assert w.finish_reason is FinishReason.TIMEOUT and w.finished_ms == 12.0
     assert sched.num_timeouts == 1 and sched.waiting == [] and "w" not in sched.requests
+    sched.add_request(_req("u", 5, 2, base=90, arrival_ms=2.0))
+    plan, events = _step(sched, 20.0)
+    assert events.finished == ("u",) and sched.num_timeouts == 2
 
 
 def test_queue_timeout_spares_a_request_that_was_admitted_before() -> None:
