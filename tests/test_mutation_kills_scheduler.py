@@ -453,6 +453,13 @@ def test_add_request_refusals_are_exact_and_count_only_capacity_and_queue() -> N
     assert _refusal(sched, Request("a", [1])) == (
         "DuplicateRequest: add_request: request id 'a' is already in use"
     )
+    assert _refusal(sched, Request("y", [1] * 19)).startswith("ExceedsCapacity: request 'y'")
+    assert sched.num_rejected == 3
+    sched.schedule(0.0)
+    assert _refusal(sched, Request("z", [1])) == (
+        "StepInProgress: add_request: a step is in progress (schedule without commit/rollback)"
+    )
+    sched.rollback()
     assert [r.request_id for r in sched.waiting] == ["a", "b"]
     assert [r.seq for r in sched.waiting] == [0, 1]
 
@@ -1005,3 +1012,21 @@ def test_a_prefill_that_does_not_fit_lets_a_later_one_run() -> None:
     plan, _ = _step(sched)
     assert plan.request_ids == ("c", "d", "e", "f", "g", "b")
     assert _entry(plan, "b") == (1, 2, True, True, 0)
+
+
+@pytest.mark.parametrize(("prompt", "admitted"), [(2, True), (3, False)])
+def test_without_chunked_prefill_a_prompt_is_admitted_only_whole(
+    prompt: int, admitted: bool
+) -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=8,
+        max_num_seqs=8,
+        block_size=4,
+        num_blocks=32,
+        enable_chunked_prefill=False,
+    )
+    sched = _decoding(cfg, *(_req(f"d{i}", 1, 6, base=10 * i) for i in range(6)))
+    sched.add_request(_req("x", prompt, 2, base=100))
+    plan, _ = _step(sched)  # six decodes leave 2 tokens
+    assert plan.admitted == (("x",) if admitted else ())
+    assert plan.num_scheduled_tokens == 6 + (prompt if admitted else 0)
