@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from ref.errors import ExceedsCapacity, OutOfBlocks
+from ref.errors import ExceedsCapacity, InvalidArgument, OutOfBlocks
 from ref.kv import BlockCopy, BlockPool
 from ref.kv.free_queue import FreeQueue
 from ref.kv.journal import Journal
@@ -168,3 +168,18 @@ def test_a_block_filled_by_a_decode_append_is_cached_at_once(caching: bool) -> N
     assert pool.num_stored("a") == 4 and pool.block_table("a") == (0,)
     assert pool.snapshot().cache_entries == entries
     assert check_pool(pool.snapshot()) == []
+
+
+def test_allocate_argument_refusals_are_exact() -> None:
+    pool = BlockPool(4, 2)
+    with pytest.raises(InvalidArgument) as zero:
+        pool.allocate("a", [1, 2], 0)
+    assert str(zero.value) == "num_new_tokens must be >= 1, got 0"
+    pool.allocate("a", [1, 2, 3], 3)
+    hit = pool.lookup([1, 2, 3])
+    with pytest.raises(InvalidArgument) as again:
+        pool.allocate("a", [1, 2, 3, 4], 1, hit=hit)
+    assert str(again.value) == (
+        "allocate: request 'a' already holds blocks; a prefix hit applies only to a new request"
+    )
+    assert pool.num_stored("a") == 3
