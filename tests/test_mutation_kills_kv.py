@@ -183,3 +183,19 @@ def test_allocate_argument_refusals_are_exact() -> None:
         "allocate: request 'a' already holds blocks; a prefix hit applies only to a new request"
     )
     assert pool.num_stored("a") == 3
+
+
+def test_no_new_tokens_need_no_blocks() -> None:
+    pool = BlockPool(4, 2)
+    pool.allocate("a", [1, 2, 3], 3)
+    pool.fork("a", "c")  # a's last block is partial and shared
+    assert pool.blocks_to_allocate("a", 0) == 0
+    assert pool.blocks_to_allocate("new", 0) == 0
+    assert pool.blocks_to_allocate("a", 1) == 1  # the copy-on-write
+
+
+def test_a_removed_block_is_not_in_the_free_queue() -> None:
+    fq = FreeQueue(3, Journal())
+    fq.remove(1)
+    assert fq.__contains__(1) is False and fq.__contains__(0) is True
+    assert list(fq) == [0, 2] and len(fq) == 2
