@@ -1030,3 +1030,19 @@ def test_without_chunked_prefill_a_prompt_is_admitted_only_whole(
     plan, _ = _step(sched)  # six decodes leave 2 tokens
     assert plan.admitted == (("x",) if admitted else ())
     assert plan.num_scheduled_tokens == 6 + (prompt if admitted else 0)
+
+
+def test_a_requeued_turn_goes_behind_every_earlier_arrival() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16, max_num_seqs=1, block_size=4, num_blocks=32, max_model_len=64
+    )
+    sched = _decoding(cfg, _req("x", 3))
+    sched.add_request(_req("y", 3, base=10))
+    sched.add_request(_req("z", 3, base=20))
+    sched.add_request(_req("w", 3, base=30, priority=-1))  # more important: admitted first
+    sched.abort("x")
+    _step(sched)
+    assert [r.request_id for r in sched.running] == ["w"]
+    sched.pause("w", retain_kv=False)
+    sched.resume("w", [1], StopParams(2))
+    assert [r.request_id for r in sched.waiting] == ["y", "z", "w"]
