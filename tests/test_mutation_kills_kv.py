@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from ref.errors import ExceedsCapacity, OutOfBlocks
+from ref.errors import ExceedsCapacity, InvalidArgument, OutOfBlocks
 from ref.kv import BlockCopy, BlockPool
 from ref.kv.free_queue import FreeQueue
 from ref.kv.journal import Journal
@@ -140,3 +140,62 @@ def test_allocate_refusals_name_the_request_and_the_counts() -> None:
     assert str(later.value) == "request 'b' needs 2 free KV blocks, 1 are free"
     assert (later.value.request_id, later.value.needed, later.value.free) == ("b", 2, 1)
     assert not pool.has_request("b") and check_pool(pool.snapshot()) == []
+
+
+def test_decode_appends_count_every_request_that_needs_a_block() -> None:
+    pool = BlockPool(3, 2)
+    pool.allocate("a", [1, 2], 2)
+    pool.allocate("b", [3, 4], 2)
+    before = pool.snapshot()
+    # Both last blocks are full: two fresh blocks needed, one is free.
+    assert pool.append_decode_tokens(["a", "b"], [[1, 2, 5], [3, 4, 6]]) is None
+    assert pool.snapshot() == before
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_block_filled_by_a_decode_append_is_cached_at_once(caching: bool) -> None:
+    pool = BlockPool(4, 4, enable_prefix_caching=caching)
+    pool.allocate("a", [1, 2, 3], 3)
+    assert pool.append_decode_tokens(["a"], [[1, 2, 3, 4]]) == []
+    entries = pool.snapshot().cache_entries
+    assert [(e.block_id, e.token_ids) for e in entries] == ([(0, (1, 2, 3, 4))] if caching else [])
+    assert pool.lookup([1, 2, 3, 4, 9]).block_ids == ((0,) if caching else ())
+    pool.begin()
+    pool.append_decode_tokens(["a"], [[1, 2, 3, 4, 5]])  # a fresh block 1 (allocate)
+    pool.append_decode_tokens(["a"], [[1, 2, 3, 4, 5, 6]])  # the fast list append
+    assert pool.num_stored("a") == 6 and pool.block_table("a") == (0, 1)
+    pool.rollback()
+    assert pool.num_stored("a") == 4 and pool.block_table("a") == (0,)
+    assert pool.snapshot().cache_entries == entries
+    assert check_pool(pool.snapshot()) == []
+
+
+def test_allocate_argument_refusals_are_exact() -> None:
+    pool = BlockPool(4, 2)
+    with pytest.raises(InvalidArgument) as zero:
+        pool.allocate("a", [1, 2], 0)
+    assert str(zero.value) == "num_new_tokens must be >= 1, got 0"
+    pool.allocate("a", [1, 2, 3], 3)
+    hit = pool.lookup([1, 2, 3])
+    with pytest.raises(InvalidArgument) as again:
+        pool.allocate("a", [1, 2, 3, 4], 1, hit=hit)
+    assert str(again.value) == (
+        "allocate: request 'a' already holds blocks; a prefix hit applies only to a new request"
+    )
+    assert pool.num_stored("a") == 3
+
+
+def test_no_new_tokens_need_no_blocks() -> None:
+    pool = BlockPool(4, 2)
+    pool.allocate("a", [1, 2, 3], 3)
+    pool.fork("a", "c")  # a's last block is partial and shared
+    assert pool.blocks_to_allocate("a", 0) == 0
+    assert pool.blocks_to_allocate("new", 0) == 0
+    assert pool.blocks_to_allocate("a", 1) == 1  # the copy-on-write
+
+
+def test_a_removed_block_is_not_in_the_free_queue() -> None:
+    fq = FreeQueue(3, Journal())
+    fq.remove(1)
+    assert fq.__contains__(1) is False and fq.__contains__(0) is True
+    assert list(fq) == [0, 2] and len(fq) == 2

@@ -290,7 +290,9 @@ def test_tenant_fair_credit_follows_the_granted_prefill_tokens() -> None:
 
 
 # ------------------------------------------------------------------ SLO-aware prefill cap
-def _slo_chunk(model: CostModel, now: float, *, reserve: int = 0, prompt: int = 60) -> int:
+def _slo_chunk(
+    model: CostModel, now: float, *, reserve: int = 0, prompt: int = 60, fast: bool = True
+) -> int:
     """Prefill tokens admitted next to one decode whose last token came at t = 0."""
     cfg = SchedulerConfig(
         max_num_batched_tokens=64,
@@ -303,7 +305,7 @@ def _slo_chunk(model: CostModel, now: float, *, reserve: int = 0, prompt: int = 
         prefill_reserve_tokens=reserve,
         prefill_reserve_after_steps=0,
     )
-    sched = Scheduler(cfg)
+    sched = Scheduler(cfg, fast_decode=fast)
     sched.add_request(_req("d", 3, 50))
     _step(sched, 0.0)  # d: 3 tokens computed, first token at t = 0
     sched.add_request(_req("p", prompt, 2, base=100))
@@ -312,16 +314,19 @@ def _slo_chunk(model: CostModel, now: float, *, reserve: int = 0, prompt: int = 
     return _entry(plan, "p")[1] if "p" in plan.request_ids else 0
 
 
-def test_prefill_cap_is_the_slack_left_by_the_decodes() -> None:
+@pytest.mark.parametrize("fast", [True, False])
+def test_prefill_cap_is_the_slack_left_by_the_decodes(fast: bool) -> None:
     # P <= (last + slo - now - a - c*D - e*K) / b with D = 1 decode reading K = 3 + 1.
-    assert _slo_chunk(CostModel(2.0, 0.5, 1.0), 4.0) == 26  # (20 - 4 - 2 - 1) / 0.5
-    assert _slo_chunk(CostModel(2.0, 0.5, 1.0, 0.5), 4.0) == 22  # minus 0.5 * 4 ms of reads
-    assert _slo_chunk(CostModel(2.0, 0.5, 1.0, 0.5), 4.25) == 21  # 21.5 rounds down
+    assert _slo_chunk(CostModel(2.0, 0.5, 1.0), 4.0, fast=fast) == 26  # (20 - 4 - 2 - 1) / 0.5
+    assert _slo_chunk(CostModel(2.0, 0.5, 1.0, 0.5), 4.0, fast=fast) == 22  # 0.5 * 4 ms reads
+    assert _slo_chunk(CostModel(2.0, 0.5, 1.0, 0.5), 4.25, fast=fast) == 21  # 21.5 rounds down
     assert _slo_chunk(CostModel(2.0, 0.5, 1.0), 0.0, prompt=20) == 20  # the whole prompt fits
 
 
 def test_prefill_cap_is_zero_without_slack_unless_reserved() -> None:
     assert _slo_chunk(CostModel(2.0, 0.5, 1.0), 17.0) == 0  # spare exactly 0
+    assert _slo_chunk(CostModel(2.0, 0.5, 1.0), 16.0) == 2  # spare 1 ms
+    assert _slo_chunk(CostModel(2.0, 0.5, 1.0), 16.5) == 1  # spare 0.5 ms
     assert _slo_chunk(CostModel(2.0, 0.5, 1.0), 30.0) == 0  # the deadline has passed
     assert _slo_chunk(CostModel(2.0, 0.5, 1.0), 30.0, reserve=5) == 5
     assert _slo_chunk(CostModel(2.0, 0.5, 1.0), 4.0, reserve=5) == 26
@@ -380,6 +385,10 @@ def test_queue_timeout_is_strictly_after_the_limit_and_skips_admission() -> None
     assert w.request_id == "w" and w.status is S.FINISHED
     assert w.finish_reason is FinishReason.TIMEOUT and w.finished_ms == 12.0
     assert sched.num_timeouts == 1 and sched.waiting == [] and "w" not in sched.requests
+    sched.add_request(_req("u", 5, 2, base=90, arrival_ms=2.0))
+    plan, events = _step(sched, 20.0)
+    assert events.finished == ("v", "u")  # v's second token, then u's timeout
+    assert sched.num_timeouts == 2
 
 
 def test_queue_timeout_spares_a_request_that_was_admitted_before() -> None:
@@ -446,6 +455,13 @@ def test_add_request_refusals_are_exact_and_count_only_capacity_and_queue() -> N
     assert _refusal(sched, Request("a", [1])) == (
         "DuplicateRequest: add_request: request id 'a' is already in use"
     )
+    assert _refusal(sched, Request("y", [1] * 19)).startswith("ExceedsCapacity: request 'y'")
+    assert sched.num_rejected == 3
+    sched.schedule(0.0)
+    assert _refusal(sched, Request("z", [1])) == (
+        "StepInProgress: add_request: a step is in progress (schedule without commit/rollback)"
+    )
+    sched.rollback()
     assert [r.request_id for r in sched.waiting] == ["a", "b"]
     assert [r.seq for r in sched.waiting] == [0, 1]
 
@@ -1005,3 +1021,57 @@ def test_a_failing_plan_leaves_no_reservation_behind() -> None:
     policy.fail = False
     plan, _ = _step(sched, 2.0)  # no step is left pending or half-reserved
     assert plan.request_ids == ("a", "b")
+
+
+def test_a_prefill_that_does_not_fit_lets_a_later_one_run() -> None:
+    # Without chunked prefill a resumed turn must fit whole: a (4 tokens to go) does not
+    # fit the 3 tokens five decodes leave, but b (2 to go) behind it does.
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=8,
+        max_num_seqs=8,
+        block_size=4,
+        num_blocks=32,
+        enable_chunked_prefill=False,
+    )
+    sched = _decoding(cfg, *(_req(rid, 1, 6, base=10 * i) for i, rid in enumerate("abcdefg")))
+    sched.pause("a")
+    sched.pause("b")
+    sched.resume("a", [1, 2, 3], StopParams(1))
+    sched.resume("b", [1], StopParams(1))
+    plan, _ = _step(sched)
+    assert plan.request_ids == ("c", "d", "e", "f", "g", "b")
+    assert _entry(plan, "b") == (1, 2, True, True, 0)
+
+
+@pytest.mark.parametrize(("prompt", "admitted"), [(2, True), (3, False)])
+def test_without_chunked_prefill_a_prompt_is_admitted_only_whole(
+    prompt: int, admitted: bool
+) -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=8,
+        max_num_seqs=8,
+        block_size=4,
+        num_blocks=32,
+        enable_chunked_prefill=False,
+    )
+    sched = _decoding(cfg, *(_req(f"d{i}", 1, 6, base=10 * i) for i in range(6)))
+    sched.add_request(_req("x", prompt, 2, base=100))
+    plan, _ = _step(sched)  # six decodes leave 2 tokens
+    assert plan.admitted == (("x",) if admitted else ())
+    assert plan.num_scheduled_tokens == 6 + (prompt if admitted else 0)
+
+
+def test_a_requeued_turn_goes_behind_every_earlier_arrival() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16, max_num_seqs=1, block_size=4, num_blocks=32, max_model_len=64
+    )
+    sched = _decoding(cfg, _req("x", 3))
+    sched.add_request(_req("y", 3, base=10))
+    sched.add_request(_req("z", 3, base=20))
+    sched.add_request(_req("w", 3, base=30, priority=-1))  # more important: admitted first
+    sched.abort("x")
+    _step(sched)
+    assert [r.request_id for r in sched.running] == ["w"]
+    sched.pause("w", retain_kv=False)
+    sched.resume("w", [1], StopParams(2))
+    assert [r.request_id for r in sched.waiting] == ["y", "z", "w"]
