@@ -1072,6 +1072,6 @@ def test_a_requeued_turn_goes_behind_every_earlier_arrival() -> None:
     sched.abort("x")
     _step(sched)
     assert [r.request_id for r in sched.running] == ["w"]
-    sched.pause("w", retain_kv=False)
+    sched.pause("w", KVRetention.DROP)
     sched.resume("w", [1], StopParams(2))
     assert [r.request_id for r in sched.waiting] == ["y", "z", "w"]
