@@ -21,12 +21,13 @@ from ref.errors import (
 from ref.kv.host_pool import HostPool
 from ref.kv.pool import BlockCopy
 from ref.plan import StepPlan
-from ref.request import Request, StopParams
+from ref.request import FinishReason, Request, StopParams
 from ref.scheduler import Scheduler
 from ref.sim import SimExecutor, simulate
 from ref.swap import KVRetention, PreemptionMode, RetentionPolicy, SwapCostModel
 from spec import EngineSnapshot, PoolSnapshot, RequestSnapshot, RequestStatus, TableSnapshot
 from spec.atomic import check_atomic
+from spec.hashing import Namespace
 from spec.host import check_host
 from spec.progress import check_quiescent
 from spec.violation import Invariant
@@ -636,3 +637,421 @@ def test_resume_in_place_respects_the_policy() -> None:
     st_.sched.resume("agent", [900], StopParams(2, ignore_eos=True))
     assert st_.sched.requests["agent"].status is S.PREFILLING
     st_.drain()
+
+
+# ====================================================================== mutation kills
+# Checks that kill mutants of the swap and tool-wait code (docs/MUTATION.md), each
+# pinning one documented behaviour, every step checked by EngineCore(check_invariants).
+def kreq(rid: str, n: int, max_tokens: int = 8, *, base: int = 0, tenant: str = "t") -> Request:
+    r = Request(rid, [base + i + 1 for i in range(n)], StopParams(max_tokens, ignore_eos=True))
+    r.tenant = tenant
+    return r
+
+
+class Checked:
+    """A scheduler stepped through EngineCore with every invariant checked."""
+
+    def __init__(self, **kw: object) -> None:
+        self.sched = Scheduler(SchedulerConfig(**kw))  # type: ignore[arg-type]
+        self.core = EngineCore(
+            self.sched, SimExecutor(CostModel(), self.sched.requests), check_invariants=True
+        )
+        self.clock = 0.0
+        self.plans: list[StepPlan] = []
+
+    def add(self, *rs: Request) -> None:
+        for r in rs:
+            self.sched.add_request(r)
+
+    def step(self) -> StepPlan:
+        rec = self.core.step(self.clock)
+        self.clock = rec.end_ms
+        self.plans.append(rec.plan)
+        return rec.plan
+
+    def until(self, cond: object, limit: int = 50) -> None:
+        for _ in range(limit):
+            if cond():  # type: ignore[operator]
+                return
+            self.step()
+        raise AssertionError("condition never reached")
+
+    def drain(self, limit: int = 300) -> None:
+        self.until(lambda: not self.sched.has_unfinished, limit)
+
+    def decoding(self, *rids: str) -> None:
+        self.until(lambda: all(self.sched.requests[r].status is S.DECODING for r in rids))
+
+
+# ------------------------------------------------------------------ host pool messages
+def test_host_pool_error_messages_name_the_request_and_the_call() -> None:
+    host = HostPool(2, 2)
+    with pytest.raises(UnknownRequest) as e1:
+        host.table("zz")
+    assert str(e1.value) == "host table: unknown request id 'zz'"
+    with pytest.raises(UnknownRequest) as e2:
+        host.release("zz")
+    assert str(e2.value) == "release (no host table): unknown request id 'zz'"
+    host.swap_out("a", [5], 2, [1, 2])
+    with pytest.raises(DuplicateRequest) as e3:
+        host.swap_out("a", [5], 2, [1, 2])
+    assert str(e3.value) == "swap_out: request id 'a' is already in use"
+    with pytest.raises(OutOfBlocks) as e4:
+        host.swap_out("b", [6, 7], 3, [1, 2, 3])
+    assert str(e4.value) == "request 'b' needs 2 free KV blocks, 1 are free"
+
+
+# ------------------------------------------------------------------ pause / resume
+def test_pause_without_a_wait_keeps_kv_on_the_device_below_the_first_threshold() -> None:
+    run = Checked(num_blocks=32, block_size=4, retention=RetentionPolicy(1.0, 10.0))
+    run.add(kreq("a", 5))
+    run.decoding("a")
+    assert run.sched.pause("a") is KVRetention.DEVICE  # 0 ms < 1 ms
+
+
+def test_pause_names_the_allowed_retentions() -> None:
+    run = Checked(num_blocks=32, block_size=4)
+    run.add(kreq("a", 5))
+    run.decoding("a")
+    with pytest.raises(InvalidArgument) as e:
+        run.sched.pause("a", "fridge")
+    assert str(e.value) == "pause: retention must be one of device, host, drop, got 'fridge'"
+
+
+def test_resume_names_the_blocks_a_turn_that_never_fits_needs() -> None:
+    run = Checked(num_blocks=3, block_size=2)
+    run.add(kreq("a", 3))
+    run.decoding("a")
+    run.sched.pause("a", KVRetention.DEVICE)
+    with pytest.raises(ExceedsCapacity) as e:
+        run.sched.resume("a", [9, 9, 9], StopParams(2))  # 4 + 3 tokens: 4 blocks
+    assert str(e.value) == "request 'a' needs 4 KV blocks but the pool has only 3"
+
+
+def test_static_resumes_in_place_when_no_batch_runs() -> None:
+    run = Checked(num_blocks=32, block_size=4, policy="static")
+    run.add(kreq("a", 5))
+    run.decoding("a")
+    run.sched.pause("a", KVRetention.DEVICE)
+    run.sched.resume("a", [9], StopParams(2, ignore_eos=True))
+    assert run.sched.requests["a"].status is S.PREFILLING
+    assert run.sched.requests["a"] in run.sched.running
+    run.drain()
+
+
+def test_resume_in_place_respects_the_tenant_cap() -> None:
+    run = Checked(num_blocks=32, block_size=4, policy="tenant-fair", tenant_max_running=1)
+    run.add(kreq("a", 5, tenant="A"), kreq("b", 5, base=50, tenant="B"))
+    run.decoding("a", "b")
+    run.sched.pause("a", KVRetention.DEVICE)
+    run.add(kreq("c", 3, base=90, tenant="A"))
+    run.until(lambda: run.sched.requests["c"].status is S.DECODING)
+    run.sched.resume("a", [9], StopParams(2, ignore_eos=True))
+    a = run.sched.requests["a"]
+    assert a.status is S.WAITING and a not in run.sched.running  # A already runs c
+    run.sched.pause("b", KVRetention.DEVICE)
+    run.sched.resume("b", [9], StopParams(2, ignore_eos=True))
+    assert run.sched.requests["b"].status is S.PREFILLING  # B is under its cap
+    run.drain()
+
+
+# ------------------------------------------------------------------ swapped victims
+def test_two_swapped_victims_in_one_step_are_both_requeued() -> None:
+    """A fork shares its parent's only block: freeing one of them frees nothing, so the
+    growing request preempts (and swaps) both."""
+    run = Checked(
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        block_size=2,
+        num_blocks=2,
+        enable_prefix_caching=False,
+        preemption_mode="swap",
+        num_host_blocks=8,
+    )
+    run.add(kreq("r", 2), kreq("v", 2, base=50))
+    run.decoding("r", "v")
+    run.sched.fork("v", "c", 7, StopParams(8, ignore_eos=True))
+    plan = run.step()
+    assert set(plan.preempted) == {"v", "c"} and set(plan.swapped_out) == {"v", "c"}
+    for rid in ("v", "c"):
+        r = run.sched.requests[rid]
+        assert r.status is S.SWAPPED and r in run.sched.waiting and r not in run.sched.running
+    run.drain()
+
+
+def test_a_victim_that_fills_the_pool_exactly_is_swapped() -> None:
+    """A fork of a parent whose 3 tokens need exactly the 2-block pool: the parent's
+    decode needs a third block and preempts the fork, whose KV then fits again."""
+    run = Checked(
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        block_size=2,
+        num_blocks=2,
+        enable_prefix_caching=False,
+        preemption_mode="swap",
+        num_host_blocks=8,
+    )
+    run.add(kreq("p", 3))
+    run.decoding("p")
+    run.sched.fork("p", "c", 7, StopParams(8, ignore_eos=True))
+    plan = run.step()
+    assert plan.preempted == ("c",) and plan.swapped_out == ("c",)
+
+
+def test_a_victim_that_outgrew_the_pool_finishes_instead_of_swapping() -> None:
+    run = Checked(
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        block_size=2,
+        num_blocks=3,
+        preemption_mode="swap",
+        num_host_blocks=8,
+    )
+    run.add(kreq("p", 6, 9))
+    run.decoding("p")
+    child = run.sched.fork("p", "c", 5, StopParams(9))
+    plan = run.step()
+    assert plan.preempted == ("c",) and plan.swapped_out == ()
+    assert child.finish_reason is FinishReason.CAPACITY
+    assert run.sched.host.num_used_blocks == 0
+
+
+# ------------------------------------------------------------------ swap-in
+def _swapped_run(**kw: object) -> Checked:
+    """``b`` is swapped out while both decode in a 6-block pool of 4-token blocks."""
+    cfg: dict[str, object] = dict(
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        block_size=4,
+        num_blocks=6,
+        enable_prefix_caching=False,
+        preemption_mode="swap",
+        num_host_blocks=8,
+    )
+    cfg.update(kw)
+    run = Checked(**cfg)
+    run.add(kreq("a", 7, 10), kreq("b", 7, 10, base=100))
+    run.until(lambda: bool(run.plans and run.plans[-1].swapped_out))
+    return run
+
+
+def test_a_swapped_in_decode_is_a_decode_and_samples() -> None:
+    run = _swapped_run()
+    run.until(lambda: bool(run.plans[-1].swapped_in))
+    plan = run.plans[-1]
+    i = plan.request_ids.index("b")
+    assert (plan.num_new_tokens[i], plan.samples[i], plan.is_prefill[i]) == (1, True, False)
+    run.drain()
+
+
+def test_a_resumed_turn_from_the_host_is_a_prefill_that_samples_at_its_end() -> None:
+    run = Checked(num_blocks=32, block_size=4, num_host_blocks=16)
+    run.add(kreq("a", 5), kreq("o", 3, 20, base=50))
+    run.decoding("a")
+    run.sched.pause("a", KVRetention.HOST)
+    run.step()
+    run.sched.resume("a", [9], StopParams(2, ignore_eos=True))  # last token + 1 tool token
+    plan = run.step()
+    i = plan.request_ids.index("a")
+    assert plan.swapped_in == ("a",)
+    assert (plan.num_new_tokens[i], plan.samples[i], plan.is_prefill[i]) == (2, True, True)
+    run.drain()
+
+
+def test_swap_in_waits_for_the_watermark_and_fits_exactly() -> None:
+    """While ``a`` runs, ``b`` (8 tokens: 2 blocks + 1 for its next token) comes back
+    only when the free blocks minus the watermark cover its 3 blocks, and not before."""
+    run = _swapped_run(watermark_blocks=1)
+    b = run.sched.requests["b"]
+    for _ in range(60):
+        free = run.sched.pool.num_free_blocks
+        need = -(-(b.num_computed_tokens + 1) // 4)
+        plan = run.step()
+        back = "b" in plan.swapped_in
+        if run.sched.requests.get("a") is not None and "a" in plan.request_ids:
+            assert back == (need <= free - 1), (need, free)
+        if back:
+            break
+    run.drain()
+
+
+def test_swap_in_with_aligned_chunks_ends_its_chunk_on_a_block_boundary() -> None:
+    run = Checked(
+        max_num_batched_tokens=8,
+        max_num_seqs=4,
+        block_size=4,
+        num_blocks=32,
+        num_host_blocks=16,
+        align_chunks_to_blocks=True,
+    )
+    run.add(kreq("a", 9))
+    run.decoding("a")  # 10 tokens, 9 with KV
+    run.sched.pause("a", KVRetention.HOST)
+    run.step()
+    run.sched.resume("a", list(range(20, 32)), StopParams(2, ignore_eos=True))
+    plan = run.step()
+    i = plan.request_ids.index("a")
+    # From position 9 with 8 tokens of budget the aligned chunk ends at 16.
+    assert (plan.starts[i], plan.num_new_tokens[i]) == (9, 7)
+    run.drain()
+
+
+def test_swap_in_without_chunked_prefill_waits_for_the_whole_turn() -> None:
+    run = Checked(
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        block_size=4,
+        num_blocks=32,
+        num_host_blocks=16,
+        enable_chunked_prefill=False,
+    )
+    others = [kreq(f"o{i}", 3, 40, base=50 + 10 * i) for i in range(6)]
+    run.add(kreq("a", 2), *others)
+    run.decoding("a", *(o.request_id for o in others))
+    run.sched.pause("a", KVRetention.HOST)
+    run.step()
+    # The turn grows to 15 tokens (the limit): all but the KV'd ones are computed in one
+    # go, more than the 6 decodes leave of the 16-token budget; it cannot be chunked.
+    a = run.sched.requests["a"]
+    tool = [9] * (15 - a.num_tokens)
+    assert 16 - a.num_computed_tokens > 16 - len(others)
+    run.sched.resume("a", tool, StopParams(1, ignore_eos=True))
+    plan = run.step()
+    assert "a" not in plan.request_ids and plan.swapped_in == ()
+    assert run.sched.requests["a"].status is S.SWAPPED
+    for o in others:
+        run.sched.abort(o.request_id)
+    run.drain()
+
+
+def test_a_lone_swap_in_reclaims_paused_kv_to_fit() -> None:
+    """Nothing runs; ``b`` waits swapped; paused ``p`` holds the blocks ``b`` needs."""
+    run = Checked(
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        block_size=4,
+        num_blocks=8,
+        enable_prefix_caching=False,
+        preemption_mode="swap",
+        num_host_blocks=8,
+    )
+    b = kreq("b", 7, 30, base=100)
+    b.priority = 1  # the victim
+    run.add(kreq("a", 2, 30), b, kreq("p", 18, 30, base=300))
+    run.until(lambda: run.sched.requests["b"].status is S.SWAPPED)
+    run.until(lambda: run.sched.pool.num_free_blocks == 0)  # a and p grow into b's blocks
+    run.sched.pause("p", KVRetention.DEVICE)
+    run.sched.abort("a")
+    need = -(-(b.num_computed_tokens + 1) // 4)
+    assert run.sched.pool.num_free_blocks < need
+    plan = run.step()
+    assert plan.swapped_in == ("b",) and not run.sched.pool.has_request("p")
+    assert "p" in plan.dropped or "p" in plan.swapped_out
+    run.sched.abort("p")
+    run.drain()
+
+
+def test_a_swapped_in_table_keeps_its_namespace() -> None:
+    ns = Namespace(model="other")
+    run = _swapped_run()
+    run.sched.abort("a")
+    run.drain()
+    run = Checked(
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        block_size=4,
+        num_blocks=6,
+        preemption_mode="swap",
+        num_host_blocks=8,
+    )
+    a, b = kreq("a", 7, 10), kreq("b", 7, 10, base=100)
+    b.namespace = ns
+    run.add(a, b)
+    run.until(lambda: "b" in run.plans[-1].swapped_in if run.plans else False, 80)
+    table = run.sched.pool.snapshot().table("b")
+    assert table is not None and table.root_key == ns.root_key()
+    run.drain()
+
+
+# ------------------------------------------------------------------ paused KV reclaim
+def test_reclaim_skips_a_paused_turn_already_on_the_host() -> None:
+    run = Checked(
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        block_size=2,
+        num_blocks=6,
+        enable_prefix_caching=False,
+        num_host_blocks=2,
+    )
+    run.add(kreq("h", 3, 9), kreq("d", 3, 9, base=40), kreq("g", 2, 12, base=80))
+    run.decoding("h", "d", "g")
+    run.sched.pause("h", KVRetention.HOST)
+    run.step()
+    assert run.sched.host.has_request("h")
+    run.sched.pause("d", KVRetention.DEVICE)  # the host is full: reclaim drops it
+    run.until(lambda: bool(run.plans[-1].dropped))
+    plan = run.plans[-1]
+    assert plan.dropped == ("d",) and plan.preempted == ()
+    run.sched.abort("h")
+    run.sched.abort("d")
+    run.drain()
+
+
+def test_room_for_a_prefill_chunk_may_take_two_paused_turns() -> None:
+    run = Checked(
+        max_num_batched_tokens=4,
+        max_num_seqs=4,
+        block_size=2,
+        num_blocks=4,
+        enable_prefix_caching=False,
+    )
+    run.add(kreq("p1", 1, 9), kreq("p2", 1, 9, base=40))
+    run.decoding("p1", "p2")
+    run.sched.pause("p1", KVRetention.DEVICE)
+    run.sched.pause("p2", KVRetention.DEVICE)
+    run.add(kreq("r", 8, 2, base=80))
+    run.step()  # r's first chunk: 4 tokens, the 2 free blocks
+    plan = run.step()  # its second chunk needs 2 blocks: both paused turns give theirs
+    assert set(plan.dropped) == {"p1", "p2"} and "r" in plan.request_ids
+    run.sched.abort("p1")
+    run.sched.abort("p2")
+    run.drain()
+
+
+def test_a_pending_host_move_that_is_dropped_leaves_the_queue() -> None:
+    run = Checked(
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        block_size=2,
+        num_blocks=5,
+        enable_prefix_caching=False,
+        num_host_blocks=1,
+    )
+    run.add(kreq("p", 3, 9), kreq("g", 2, 20, base=40))
+    run.decoding("p", "g")
+    run.sched.pause("p", KVRetention.HOST)  # 3 tokens: 2 host blocks, only 1 exists
+    run.until(lambda: bool(run.plans[-1].dropped))
+    assert run.plans[-1].dropped == ("p",)
+    run.step()  # a later step must not try to move it again
+    run.sched.resume("p", [9], StopParams(2, ignore_eos=True))
+    run.drain()
+
+
+def test_a_pending_host_move_happens_once_the_host_has_room() -> None:
+    run = Checked(
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        block_size=2,
+        num_blocks=16,
+        num_host_blocks=2,
+    )
+    run.add(kreq("x", 3, 9), kreq("y", 3, 9, base=40), kreq("o", 2, 30, base=80))
+    run.decoding("x", "y", "o")
+    run.sched.pause("x", KVRetention.HOST)
+    run.sched.pause("y", KVRetention.HOST)
+    assert run.step().swapped_out == ("x",)  # the host holds one of them
+    assert run.step().swapped_out == ()
+    run.sched.abort("x")
+    assert run.step().swapped_out == ("y",)
+    run.sched.abort("y")
+    run.drain()
