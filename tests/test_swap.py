@@ -1055,3 +1055,10 @@ def test_a_pending_host_move_happens_once_the_host_has_room() -> None:
     assert run.step().swapped_out == ("y",)
     run.sched.abort("y")
     run.drain()
+
+
+def test_a_scheduler_without_a_host_pool_snapshots_none() -> None:
+    """EngineSnapshot.host is the host pool when there is one, None otherwise."""
+    assert Scheduler(SchedulerConfig()).snapshot().host is None
+    host = Scheduler(SchedulerConfig(num_host_blocks=3)).snapshot().host
+    assert host is not None and host.num_blocks == 3 and host.free_queue == (0, 1, 2)
