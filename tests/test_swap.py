@@ -1062,3 +1062,23 @@ def test_a_scheduler_without_a_host_pool_snapshots_none() -> None:
     assert Scheduler(SchedulerConfig()).snapshot().host is None
     host = Scheduler(SchedulerConfig(num_host_blocks=3)).snapshot().host
     assert host is not None and host.num_blocks == 3 and host.free_queue == (0, 1, 2)
+
+
+def test_host_pool_refuses_a_bad_size_by_name() -> None:
+    for bad in (-1, "4", 2.0, True):
+        with pytest.raises(InvalidArgument) as e:
+            HostPool(bad, 2)  # type: ignore[arg-type]
+        assert str(e.value) == f"num_host_blocks must be an int >= 0, got {bad!r}"
+
+
+@pytest.mark.parametrize("policy", ["decode-first", "tenant-fair"])
+def test_a_swap_in_leaves_the_rest_of_the_budget_to_later_admissions(policy: str) -> None:
+    """``b`` comes back with its one decode token; ``w``, queued behind it, gets exactly
+    the 7 tokens the 8-token budget has left (under tenant-fair, past its cap check)."""
+    run = _swapped_run(max_num_batched_tokens=8, policy=policy, tenant_max_running=4)
+    run.sched.abort("a")
+    run.sched.add_request(kreq("w", 12, 2, base=500))
+    plan = run.step()
+    assert plan.swapped_in == ("b",) and plan.admitted == ("b", "w")
+    assert dict(zip(plan.request_ids, plan.num_new_tokens, strict=True)) == {"b": 1, "w": 7}
+    run.drain()
