@@ -1082,3 +1082,34 @@ def test_a_swap_in_leaves_the_rest_of_the_budget_to_later_admissions(policy: str
     assert plan.swapped_in == ("b",) and plan.admitted == ("b", "w")
     assert dict(zip(plan.request_ids, plan.num_new_tokens, strict=True)) == {"b": 1, "w": 7}
     run.drain()
+
+
+@pytest.mark.parametrize(("watermark", "back"), [(1, True), (2, False)])
+def test_a_swap_in_beside_running_work_needs_its_blocks_above_the_watermark(
+    watermark: int, back: bool
+) -> None:
+    """``a`` keeps running; once ``c`` is gone 5 blocks are free after ``a``'s decode, and
+    ``b`` (KV for 12 tokens plus its next one: 4 blocks) needs 4 <= 5 - watermark."""
+    run = Checked(
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        block_size=4,
+        num_blocks=8,
+        enable_prefix_caching=False,
+        preemption_mode="swap",
+        num_host_blocks=16,
+        watermark_blocks=watermark,
+    )
+    b = kreq("b", 7, 30, base=100)
+    b.priority = 1  # the victim
+    run.add(kreq("a", 3, 30), b, kreq("c", 1, 30, base=300))
+    run.until(lambda: run.sched.requests["b"].status is S.SWAPPED)
+    run.sched.abort("c")
+    a = run.sched.requests["a"]
+    grows = a.num_computed_tokens % 4 == 0  # a's decode opens a new block
+    assert run.sched.pool.num_free_blocks - grows == 5
+    assert -(-(b.num_computed_tokens + 1) // 4) == 4
+    plan = run.step()
+    assert "a" in plan.request_ids
+    assert ("b" in plan.swapped_in) is back
+    run.drain()
