@@ -10,6 +10,6 @@ plugin (:mod:`conformance.pytest_plugin`). The JSON report format is documented 
 This module imports nothing heavy (no kernels, no triton, no torch, no hypothesis).
 """
 
-REPORT_FORMAT_VERSION = 1
+REPORT_FORMAT_VERSION = 2
 
 __all__ = ["REPORT_FORMAT_VERSION"]

@@ -50,6 +50,16 @@ Semantics every adapter must follow
 Request state mapping: a request not yet scheduled is ``waiting``; one whose prompt is
 partly computed is ``prefilling``; one with KV for all but its last sampled token is
 ``decoding``; one that lost its KV to preemption and waits to recompute is ``preempted``.
+
+Rules and conventions
+---------------------
+The suite checks *rules* (what no correct engine ever does: docs/CONFORMANCE.md lists
+them) and leaves *conventions* to the engine. An adapter declares the conventions its
+engine follows in an optional ``properties`` attribute (:class:`EngineProperties`; an
+adapter without one gets the documented defaults): blocks reserved ahead of the KV
+length, no eos handling, the admission order and the step order. A correct engine that
+declares any documented choice passes with zero findings; a declared policy (admission
+order) is then checked exactly. The guide for adapter authors is docs/ADAPTERS.md.
 """
 
 from __future__ import annotations
@@ -86,6 +96,107 @@ class Feature(StrEnum):
 
 
 ALL_FEATURES = frozenset(Feature)
+
+
+class AdmissionOrder(StrEnum):
+    """The order in which an engine admits waiting requests (a policy, checked if declared)."""
+
+    FCFS = "fcfs"
+    """No request is admitted while an earlier-arrived waiting request that fits right
+    now is passed over (ORDER)."""
+    PRIORITY = "priority"
+    """As FCFS, ordered by ``RequestSpec.priority`` (smaller first), then arrival."""
+    UNSPECIFIED = "unspecified"
+    """Not checked (reported as such)."""
+
+
+class StepOrder(StrEnum):
+    """Whether running decodes or new prefill chunks get the budget first (observed only)."""
+
+    DECODE_FIRST = "decode_first"
+    PREFILL_FIRST = "prefill_first"
+    UNSPECIFIED = "unspecified"
+
+
+@dataclass(frozen=True)
+class EngineProperties:
+    """Design choices a correct engine may make, declared by its adapter (docs/CONFORMANCE.md).
+
+    Every field has the default that refserve itself follows; an adapter without a
+    ``properties`` attribute is held to these defaults.
+    """
+
+    lookahead_slots: int = 0
+    """Slots an engine may hold ahead of the KV length: a table may hold up to
+    ``ceil((num_stored + lookahead_slots) / block_size)`` blocks (at least
+    ``ceil(num_stored / block_size)``). Typical values: 1 for an engine that reserves the
+    slot of the token it samples in the same step, k for speculative lookahead. The blocks
+    ahead are still owned by the request alone, counted in the pool (BLOCK), written only
+    at their own positions (POS) and freed with the request (PROGRESS at quiescence)."""
+    eos: bool = True
+    """Whether the engine stops a request that samples its eos token. With ``False`` the
+    suite never samples eos (forced stops become ordinary tokens) and never expects a
+    stop."""
+    admission_order: AdmissionOrder = AdmissionOrder.UNSPECIFIED
+    """The admission order the suite checks exactly (ORDER); ``unspecified`` is not checked."""
+    step_order: StepOrder = StepOrder.UNSPECIFIED
+    """Decode-first or prefill-first batching: compared with what the suite observes and
+    used to read the golden schedules (which are decode-first); never a violation."""
+    same_step_prefix_hits: bool = False
+    """Whether a request may take as a cache hit a block that another request fills in
+    the same step (blocks are indexed when scheduled). Safe when the executor writes
+    each layer's K/V for the whole batch before that layer's attention reads it, as
+    paged engines with a per-layer cache write do; refserve indexes a block only at
+    commit. With ``True`` PREFIX allows the first writer's write into such a block when
+    every other holder took it in this very step."""
+    free_queue_order: bool = True
+    """Whether ``PoolSnapshot.free_queue`` is the order in which the engine hands out
+    free blocks (checked: new blocks come from its head). ``False`` for an engine whose
+    free list has no defined order (a set); the queue is then a plain list of the free
+    blocks and its order is not checked."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lookahead_slots, int) or self.lookahead_slots < 0:
+            raise ValueError(f"lookahead_slots must be an int >= 0, got {self.lookahead_slots!r}")
+        if not isinstance(self.eos, bool):
+            raise ValueError(f"eos must be a bool, got {self.eos!r}")
+        if not isinstance(self.same_step_prefix_hits, bool):
+            raise ValueError(
+                f"same_step_prefix_hits must be a bool, got {self.same_step_prefix_hits!r}"
+            )
+        if not isinstance(self.free_queue_order, bool):
+            raise ValueError(f"free_queue_order must be a bool, got {self.free_queue_order!r}")
+        object.__setattr__(self, "admission_order", AdmissionOrder(self.admission_order))
+        object.__setattr__(self, "step_order", StepOrder(self.step_order))
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "lookahead_slots": self.lookahead_slots,
+            "eos": self.eos,
+            "admission_order": str(self.admission_order),
+            "step_order": str(self.step_order),
+            "same_step_prefix_hits": self.same_step_prefix_hits,
+            "free_queue_order": self.free_queue_order,
+        }
+
+
+DEFAULT_PROPERTIES = EngineProperties()
+
+
+def properties_of(adapter: object) -> EngineProperties:
+    """The adapter's declared :class:`EngineProperties` (the defaults when it has none).
+
+    Raises ``TypeError`` when ``properties`` is there but is not an EngineProperties.
+    """
+    props = getattr(adapter, "properties", None)
+    if props is None:
+        return DEFAULT_PROPERTIES
+    if not isinstance(props, EngineProperties):
+        raise TypeError(
+            f"adapter.properties must be conformance.adapter.EngineProperties, "
+            f"got {type(props).__name__}"
+        )
+    return props
 
 
 @dataclass(frozen=True)

@@ -2,101 +2,394 @@
 
 Usage::
 
-    refserve conformance --adapter MODULE:FACTORY [--scenarios NAME ...]
-        [--report report.json] [--markdown report.md] [--examples N]
+    refserve conformance --adapter MODULE:FACTORY [--kv-adapter MODULE:FACTORY]
+        [--scenarios NAME ...] [--examples N] [--call-timeout S] [--baseline REPORT.json]
+        [--report report.json] [--markdown report.md] [--no-progress]
+    refserve conformance --kv-adapter MODULE:FACTORY [...]      # the block manager alone
     refserve conformance --adapter MODULE:FACTORY --replay workload.json
+    refserve conformance --adapter MODULE:FACTORY --self-check
     refserve conformance --list
 
-Exit status: 0 when nothing failed (``not_supported`` is not a failure), 1 when any
-(scenario, invariant) failed, 2 on a usage error.
+Exit status: 0 when nothing failed (``not_supported`` is not a failure), 1 when the
+engine has findings, 2 on a usage error or a fault of the harness itself, 130 when
+interrupted. An engine that hangs, raises or returns malformed records never takes the
+run down: each is a finding (docs/CONFORMANCE.md). With ``--report`` the JSON report is
+rewritten after every scenario (``"complete": false`` until the end), so a killed run
+leaves a valid partial report. Every path is checked before the run starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from conformance.guard import DEFAULT_CALL_TIMEOUT
+
+PROG = "refserve conformance"
+MAX_EXAMPLES = 100_000
+EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class UsageError(Exception):
+    """A bad option or input file: reported as one line, exit 2."""
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="refserve conformance",
+        prog=PROG,
         description="Check an engine's scheduler and KV manager against refserve's spec.",
+        exit_on_error=False,
     )
     p.add_argument("--adapter", help="MODULE:FACTORY, e.g. conformance.adapters.ref:make")
+    p.add_argument(
+        "--kv-adapter",
+        metavar="MODULE:FACTORY",
+        help="also (or only) check a block manager alone through the KV adapter protocol",
+    )
     p.add_argument("--scenarios", nargs="+", metavar="NAME", help="run only these scenarios")
-    p.add_argument("--report", type=Path, help="write the JSON report here")
+    p.add_argument("--report", type=Path, help="write the JSON report here (streamed)")
     p.add_argument("--markdown", type=Path, help="write the markdown report here")
     p.add_argument(
-        "--examples", type=int, default=100, help="Hypothesis examples per generated scenario"
+        "--examples", type=int, default=100, help="generated examples per search (default 100)"
+    )
+    p.add_argument(
+        "--call-timeout",
+        type=float,
+        default=DEFAULT_CALL_TIMEOUT,
+        metavar="SECONDS",
+        help=f"limit of one adapter call; a call past it is a finding (default "
+        f"{DEFAULT_CALL_TIMEOUT:g})",
+    )
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="REPORT.json",
+        help="suppress the findings of an earlier report, so the search goes past them",
     )
     p.add_argument("--replay", type=Path, help="run one workload JSON and print its trace")
+    p.add_argument(
+        "--self-check",
+        action="store_true",
+        help="run one trivial workload and explain what in the adapter's records is off",
+    )
     p.add_argument("--list", action="store_true", help="list the scenario names and exit")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--debug", action="store_true", help="show tracebacks of harness errors")
     return p
 
 
 def conformance_main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    debug = "--debug" in argv
+    try:
+        return _main(argv)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # a fault of the harness itself, never of the engine under test
+        if debug:
+            traceback.print_exc()
+        print(
+            f"{PROG}: error: internal error: {type(e).__name__}: {e} (--debug shows the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    try:
+        args = _parser().parse_args(argv)
+    except argparse.ArgumentError as e:
+        raise UsageError(str(e)) from None
+    except SystemExit as e:  # --help, or an error argparse reports itself
+        code = e.code if isinstance(e.code, int) else EXIT_USAGE
+        raise _Exit(code) from None
+    if not 1 <= args.examples <= MAX_EXAMPLES:
+        raise UsageError(f"--examples must be between 1 and {MAX_EXAMPLES}, got {args.examples}")
+    t = args.call_timeout
+    if not math.isfinite(t) or not 0 < t <= 3600:
+        raise UsageError(f"--call-timeout must be a number of seconds in (0, 3600], got {t}")
+    return args
+
+
+class _Exit(Exception):
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+
+def _main(argv: list[str]) -> int:
+    try:
+        args = _parse(argv)
+    except _Exit as e:
+        return e.code
     from conformance.suite import scenario_names
 
     if args.list:
         print("\n".join(scenario_names()))
-        return 0
-    if not args.adapter:
-        print("refserve conformance: error: --adapter MODULE:FACTORY is required", file=sys.stderr)
-        return 2
+        return EXIT_OK
+    if not args.adapter and not args.kv_adapter:
+        raise UsageError("--adapter MODULE:FACTORY (or --kv-adapter) is required")
+    if args.self_check:
+        if not args.adapter:
+            raise UsageError("--self-check needs --adapter MODULE:FACTORY")
+        from conformance.selfcheck import self_check_main
+
+        return self_check_main(args.adapter, args.call_timeout)
+    if args.replay is not None:
+        return _replay(args)
+    for out in (args.report, args.markdown):
+        if out is not None:
+            _check_writable(out)
+    baseline = _load_baseline(args.baseline) if args.baseline is not None else frozenset()
+    factory = _load(args.adapter) if args.adapter else None
+    kv_factory = _load_kv(args.kv_adapter) if args.kv_adapter else None
+    if args.scenarios and factory is None:
+        raise UsageError("--scenarios selects engine scenarios: it needs --adapter")
+    return _run(args, factory, kv_factory, baseline)
+
+
+def _run(
+    args: argparse.Namespace,
+    factory: Any,
+    kv_factory: Any,
+    baseline: frozenset[str],
+) -> int:
+    from conformance.report import Report, Result, ScenarioInfo, to_markdown
+    from conformance.suite import run_suite, scenario_names
+
+    names = args.scenarios
+    if names:
+        unknown = set(names) - set(scenario_names())
+        if unknown:
+            raise UsageError(f"unknown scenarios: {', '.join(sorted(unknown))}")
+    total = (len(names) if names else len(scenario_names())) if factory is not None else 0
+    if kv_factory is not None:
+        from conformance.kv.machine import kv_scenario_names
+
+        total += len(kv_scenario_names())
+    state: dict[str, Any] = {"results": [], "infos": [], "current": "setup"}
+    header: dict[str, Any] = {"engine": "unknown", "features": (), "properties": {}}
+    bar = _progress(total, disabled=args.no_progress)
+
+    def partial(complete: bool = False, extra: tuple[Any, ...] = ()) -> Report:
+        return Report(
+            args.adapter or "",
+            header["engine"],
+            tuple(header["features"]),
+            tuple(state["results"]) + tuple(extra),
+            tuple(state["infos"]),
+            header.get("policy", {}),
+            tuple(header.get("notes", ())),
+            properties=dict(header["properties"]),
+            complete=complete,
+            kv_adapter=args.kv_adapter or "",
+        )
+
+    def on_start(name: str) -> None:
+        state["current"] = name
+        bar.set_description(name)
+
+    def on_result(rs: list[Result], info: ScenarioInfo) -> None:
+        state["results"].extend(rs)
+        state["infos"].append(info)
+        bar.update(1)
+        if args.report is not None:
+            partial().dump(args.report)
+
+    def on_stuck(what: str) -> int:
+        from conformance.report import Failure, signature_of
+
+        msg = (
+            f"{what} did not return within {args.call_timeout:g} s and could not be "
+            "interrupted (blocked in native code); the run was stopped"
+        )
+        f = Failure(
+            -1, "step", "engine", msg, "", "", {}, [], signature_of("PROGRESS", "engine", msg)
+        )
+        stuck = Result(state["current"], "PROGRESS", "fail", "", f)
+        if args.report is not None:
+            partial(extra=(stuck,)).dump(args.report)
+        print(f"\n{PROG}: FAIL {state['current']} PROGRESS: {msg}", file=sys.stderr)
+        return EXIT_FINDINGS
+
+    from conformance.guard import Watchdog
+
+    with Watchdog(grace=max(5.0, args.call_timeout), on_stuck=on_stuck):
+        if factory is not None:
+            report = run_suite(
+                factory,
+                args.adapter,
+                names,
+                max_examples=args.examples,
+                call_timeout=args.call_timeout,
+                baseline=baseline,
+                on_result=on_result,
+                on_start=on_start,
+            )
+            header.update(
+                engine=report.engine,
+                features=report.features,
+                properties=report.properties,
+                policy=report.policy,
+                notes=report.notes,
+            )
+        if kv_factory is not None:
+            from conformance.kv.machine import run_kv_suite
+
+            on_start("kv-*")
+            for rs, info in run_kv_suite(
+                kv_factory,
+                args.kv_adapter,
+                max_examples=args.examples,
+                call_timeout=args.call_timeout,
+                known=baseline,
+            ):
+                on_result(rs, info)
+    bar.close()
+    final = partial(complete=True)
+    if args.report is not None:
+        final.dump(args.report)
+    if args.markdown is not None:
+        _write_atomic(args.markdown, to_markdown(final))
+    _print_summary(final)
+    return EXIT_FINDINGS if final.failed else EXIT_OK
+
+
+def _print_summary(report: Any) -> None:
+    s = report.summary()
+    who = report.engine if report.adapter else f"KV adapter {report.kv_adapter}"
+    print(f"{who}: {s['fail']} failed, {s['pass']} passed, {s['not_supported']} not supported")
+    for r in report.results:
+        for f in r.failures:
+            print(f"  FAIL {r.scenario} {r.invariant}: step {f.step}: {f.subject}: {f.message}")
+    for n in report.notes:
+        print(f"  note: {n}")
+
+
+class _NoBar:
+    def set_description(self, desc: str) -> None: ...
+
+    def update(self, n: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _progress(total: int, *, disabled: bool) -> Any:
+    """A tqdm bar on stderr naming the scenario; off when stderr is not a terminal."""
+    if disabled or total == 0 or not sys.stderr.isatty():
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="scenario", file=sys.stderr, leave=False)
+
+
+def _check_writable(path: Path) -> None:
+    """Refuse an output path before the run, not after it (parents are created)."""
+    if path.exists() and path.is_dir():
+        raise UsageError(f"{path}: is a directory, not a file")
+    parent = path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot create its directory: {e.strerror or e}") from None
+    probe = parent / f".{path.name}.probe"
+    try:
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"{path}: not writable: {e.strerror or e}") from None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except IsADirectoryError:
+        raise UsageError(f"{what} {path}: is a directory") from None
+    except OSError as e:
+        raise UsageError(f"{what} {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{what} {path}: not UTF-8 text ({e.reason})") from None
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError, ValueError) as e:
+        raise UsageError(f"{what} {path}: not valid JSON ({e})") from None
+
+
+def _load_baseline(path: Path) -> frozenset[str]:
+    from conformance.report import Report
+
+    data = _read_json(path, "--baseline")
+    try:
+        return Report.from_json(data).signatures()
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise UsageError(f"--baseline {path}: not a conformance report ({e})") from None
+
+
+def _load_with(loader: Callable[[str], Any], spec: str, flag: str) -> Any:
+    try:
+        return loader(spec)
+    except Exception as e:  # importing someone else's module can raise anything
+        raise UsageError(f"{flag} {spec}: {type(e).__name__}: {e}") from None
+
+
+def _load(spec: str) -> Any:
     from conformance.adapter import load_factory
 
-    try:
-        factory = load_factory(args.adapter)
-    except (ImportError, ValueError) as e:
-        print(f"refserve conformance: error: {e}", file=sys.stderr)
-        return 2
-    if args.replay is not None:
-        return _replay(factory, args.replay)
-    from conformance.report import to_markdown
-    from conformance.suite import run_suite
-
-    try:
-        report = run_suite(factory, args.adapter, args.scenarios, max_examples=args.examples)
-    except ValueError as e:
-        print(f"refserve conformance: error: {e}", file=sys.stderr)
-        return 2
-    if args.report is not None:
-        report.dump(args.report)
-    if args.markdown is not None:
-        args.markdown.write_text(to_markdown(report))
-    s = report.summary()
-    print(
-        f"{report.engine}: {s['fail']} failed, {s['pass']} passed, "
-        f"{s['not_supported']} not supported"
-    )
-    for r in report.results:
-        if r.failure is not None:
-            f = r.failure
-            print(f"  FAIL {r.scenario} {r.invariant}: step {f.step}: {f.subject}: {f.message}")
-    return 1 if report.failed else 0
+    return _load_with(load_factory, spec, "--adapter")
 
 
-def _replay(factory: object, path: Path) -> int:
-    from conformance.adapter import AdapterFactory
-    from conformance.runner import run_workload
+def _load_kv(spec: str) -> Any:
+    from conformance.kv.machine import load_kv_factory
+
+    return _load_with(load_kv_factory, spec, "--kv-adapter")
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from conformance.runner import run_fresh
     from conformance.workload import Workload
 
-    assert callable(factory)
-    fac: AdapterFactory = factory
-    data = json.loads(path.read_text())
-    if "workload" in data and "config" not in data:
+    data = _read_json(args.replay, "--replay")
+    if isinstance(data, dict) and "workload" in data and "config" not in data:
         data = data["workload"]  # a report's failure object
-    result = run_workload(fac(), Workload.from_json(data))
+    if isinstance(data, dict) and "ops" in data:
+        if not args.kv_adapter:
+            raise UsageError("--replay of a KV workload (with 'ops') needs --kv-adapter")
+        from conformance.kv.machine import replay_kv
+
+        kv_findings = replay_kv(_load_kv(args.kv_adapter), data)
+        for kf in kv_findings:
+            print(f"FAIL {kf}")
+        return EXIT_FINDINGS if kv_findings else EXIT_OK
+    if not args.adapter:
+        raise UsageError("--replay of an engine workload needs --adapter")
+    try:
+        workload = Workload.from_json(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise UsageError(
+            f"--replay {args.replay}: not a workload ({type(e).__name__}: {e})"
+        ) from None
+    result = run_fresh(_load(args.adapter), workload, call_timeout=args.call_timeout)
     print(json.dumps({"trace": result.trace}, indent=1))
     if result.not_supported:
         print(f"not supported: {result.not_supported}")
-        return 0
+        return EXIT_OK
     for f in result.findings:
         print(f"FAIL {f}")
-    return 1 if result.findings else 0
+    return EXIT_FINDINGS if result.findings else EXIT_OK
 
 
 if __name__ == "__main__":  # pragma: no cover

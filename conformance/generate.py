@@ -3,8 +3,8 @@
 :func:`workloads` draws a :class:`~conformance.workload.Workload` fitted to an engine's
 features (no aborts for an engine without abort, whole sequences within the budget for
 one without chunked prefill), so a generated failure is always a real one. :func:`search`
-runs a property over many workloads and lets Hypothesis shrink each distinct failure
-(one per invariant) to a minimal workload.
+spends the whole example budget, collects every distinct finding signature and shrinks
+each one apart (:mod:`conformance.shrink`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
 from hypothesis import strategies as st
 
 from conformance.adapter import AdapterFactory, EngineConfig, Feature
-from conformance.runner import RunResult, run_workload
+from conformance.guard import DEFAULT_CALL_TIMEOUT
+from conformance.runner import RunResult, adapter_traits, build, run_fresh
+from conformance.shrink import distinct, shrink
 from conformance.workload import EOS, RequestPlan, Workload
 from spec.violation import Invariant
 
@@ -104,57 +106,14 @@ def workloads(features: frozenset[Feature], kind: str = "mixed") -> st.SearchStr
     return build()
 
 
-class ConformanceFailure(Exception):
-    """Raised inside the Hypothesis property; carries the failing run."""
-
-    def __init__(self, result: RunResult) -> None:
-        first = result.first()
-        super().__init__(str(first) if first else "failure")
-        self.result = result
-
-
-# One exception type per invariant, so Hypothesis shrinks each invariant's failure apart.
-class TokenFailure(ConformanceFailure): ...
-
-
-class BlockFailure(ConformanceFailure): ...
-
-
-class KvlenFailure(ConformanceFailure): ...
-
-
-class PosFailure(ConformanceFailure): ...
-
-
-class CapFailure(ConformanceFailure): ...
-
-
-class PrefixFailure(ConformanceFailure): ...
-
-
-class ProgressFailure(ConformanceFailure): ...
-
-
-class AtomicFailure(ConformanceFailure): ...
-
-
-_FAILURES: dict[Invariant, type[ConformanceFailure]] = {
-    Invariant.TOKEN: TokenFailure,
-    Invariant.BLOCK: BlockFailure,
-    Invariant.KVLEN: KvlenFailure,
-    Invariant.POS: PosFailure,
-    Invariant.CAP: CapFailure,
-    Invariant.PREFIX: PrefixFailure,
-    Invariant.PROGRESS: ProgressFailure,
-    Invariant.ATOMIC: AtomicFailure,
-}
-
-
 @dataclass
 class SearchOutcome:
     examples: int = 0
-    failures: list[RunResult] = field(default_factory=list)
-    """One shrunk failing run per distinct invariant found."""
+    """Examples run (a workload the engine refuses as not supported is not counted)."""
+    failures: dict[str, RunResult] = field(default_factory=dict)
+    """One shrunk failing run per distinct finding signature, in order of discovery."""
+    suppressed: int = 0
+    """Examples whose every finding was a known (baseline) signature."""
     checked: set[Invariant] = field(default_factory=set)
     coverage: dict[str, int] = field(default_factory=dict)
     """How many examples reached each rare path (preemption, cache hit, abort...)."""
@@ -165,29 +124,42 @@ def search(
     kind: str,
     *,
     max_examples: int = 100,
+    call_timeout: float = DEFAULT_CALL_TIMEOUT,
+    known: frozenset[str] = frozenset(),
+    features: frozenset[Feature] | None = None,
     on_example: Callable[[RunResult], None] | None = None,
 ) -> SearchOutcome:
-    """Run generated workloads of ``kind`` until ``max_examples`` or failures shrink."""
+    """Run exactly ``max_examples`` generated workloads of ``kind``; never stop early.
+
+    A finding does not end the search (the next example may hold a different bug): each
+    distinct signature (:func:`conformance.shrink.signature`) keeps the first run that
+    showed it, and is shrunk afterwards with the exact signature kept. Signatures in
+    ``known`` (a baseline report's) are suppressed, so the search goes on past them.
+    """
     out = SearchOutcome()
-    features = factory().features
+    first: dict[str, RunResult] = {}
+    if features is None:
+        features, _ = adapter_traits(build(factory, call_timeout), call_timeout)
 
     def count(key: str, hit: bool) -> None:
         if hit:
             out.coverage[key] = out.coverage.get(key, 0) + 1
+
+    def run(w: Workload) -> RunResult:
+        return run_fresh(factory, w, call_timeout=call_timeout)
 
     @settings(
         max_examples=max_examples,
         database=None,
         deadline=None,
         derandomize=True,
-        phases=(Phase.explicit, Phase.generate, Phase.shrink),
-        report_multiple_bugs=True,
+        phases=(Phase.explicit, Phase.generate),
         suppress_health_check=list(HealthCheck),
         verbosity=Verbosity.quiet,
     )
     @given(workloads(features, kind))
     def prop(w: Workload) -> None:
-        r = run_workload(factory(), w)
+        r = run(w)
         # A configuration the engine refuses (NotSupported) is not an example.
         assume(not r.not_supported)
         out.examples += 1
@@ -200,19 +172,16 @@ def search(
         count("forced_stop", o.finish_reasons.get("stop", 0) > 0)
         count("chunked_prompt", o.chunked_prompts > 0)
         count("capacity_finish", o.finish_reasons.get("capacity", 0) > 0)
+        count("rollback", any(e.get("rolled_back") for e in r.trace))
         if on_example is not None:
             on_example(r)
-        first = r.first()
-        if first is not None:
-            raise _FAILURES[first.invariant](r)
+        fresh = distinct(r.findings, known)
+        if r.findings and not fresh:
+            out.suppressed += 1
+        for sig in fresh:
+            first.setdefault(sig, r)
 
-    try:
-        prop()
-    except ConformanceFailure as e:
-        out.failures.append(e.result)
-    except BaseExceptionGroup as group:
-        for inner in group.exceptions:
-            if not isinstance(inner, ConformanceFailure):
-                raise
-            out.failures.append(inner.result)
+    prop()
+    for sig, r in first.items():
+        out.failures[sig] = shrink(run, r, sig)
     return out

@@ -46,10 +46,9 @@ def run_scenario(adapter: str, scenario: str, examples: int) -> None:
     if fails:
         lines: list[str] = []
         for r in fails:
-            f = r.failure
-            assert f is not None
-            lines.append(f"{r.invariant}: step {f.step}: {f.subject}: {f.message}")
-            lines.append("  shrunk workload: " + json.dumps(f.workload))
+            for f in r.failures:
+                lines.append(f"{r.invariant}: step {f.step}: {f.subject}: {f.message}")
+                lines.append("  shrunk workload: " + json.dumps(f.workload))
         pytest.fail("\n".join(lines), pytrace=False)
     if info.not_supported:
         pytest.skip(f"not supported: {info.not_supported}")

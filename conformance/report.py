@@ -10,6 +10,7 @@ fail a run.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,18 @@ from conformance import REPORT_FORMAT_VERSION
 
 FORMAT = "refserve-conformance"
 STATUSES = ("pass", "fail", "not_supported")
+
+
+def signature_of(invariant: object, subject: str, message: str) -> str:
+    """What makes two findings the same bug: the invariant, the kind of subject
+    (``request``, ``block``, ``step``...) and the message with its numbers blanked (a
+    crash keeps its ``file:line``), e.g. ``BLOCK request: preempted but still holds...``."""
+    kind = subject.split(" ", 1)[0] if subject else ""
+    blanked = _NUMBER.sub("#", message)
+    return f"{invariant} {kind}: {blanked}"
+
+
+_NUMBER = re.compile(r"(?<![:\d])\d+")
 
 
 @dataclass(frozen=True)
@@ -30,9 +43,11 @@ class Failure:
     seen: str
     workload: dict[str, Any]
     trace: list[dict[str, Any]]
+    signature: str = ""
+    """What makes two findings the same bug (conformance.suite.signature), as text."""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        d = {
             "step": self.step,
             "phase": self.phase,
             "subject": self.subject,
@@ -42,6 +57,9 @@ class Failure:
             "workload": self.workload,
             "trace": self.trace,
         }
+        if self.signature:
+            d["signature"] = self.signature
+        return d
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Failure:
@@ -54,6 +72,7 @@ class Failure:
             str(d.get("seen", "")),
             dict(d["workload"]),
             list(d.get("trace", [])),
+            str(d.get("signature", "")),
         )
 
 
@@ -64,6 +83,13 @@ class Result:
     status: str
     note: str = ""
     failure: Failure | None = None
+    """The first distinct failure (its own shrunk workload)."""
+    more_failures: tuple[Failure, ...] = ()
+    """Further failures of the same invariant with other signatures, each shrunk apart."""
+
+    @property
+    def failures(self) -> tuple[Failure, ...]:
+        return ((self.failure,) if self.failure is not None else ()) + self.more_failures
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -75,6 +101,8 @@ class Result:
             d["note"] = self.note
         if self.failure is not None:
             d["failure"] = self.failure.to_json()
+        if self.more_failures:
+            d["more_failures"] = [f.to_json() for f in self.more_failures]
         return d
 
     @staticmethod
@@ -88,6 +116,7 @@ class Result:
             str(d["status"]),
             str(d.get("note", "")),
             Failure.from_json(f) if f is not None else None,
+            tuple(Failure.from_json(x) for x in d.get("more_failures", ())),
         )
 
 
@@ -138,6 +167,12 @@ class Report:
     scenarios: tuple[ScenarioInfo, ...]
     policy: dict[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    properties: dict[str, Any] = field(default_factory=dict)
+    """The adapter's declared EngineProperties (conventions the run honoured)."""
+    complete: bool = True
+    """False in a report streamed while the run was still going (or was killed)."""
+    kv_adapter: str = ""
+    """``MODULE:FACTORY`` of the KV-manager adapter when one was run (scenarios ``kv-*``)."""
 
     @property
     def failed(self) -> bool:
@@ -161,13 +196,16 @@ class Report:
             "scenarios": [s.to_json() for s in self.scenarios],
             "policy": self.policy,
             "notes": list(self.notes),
+            "properties": self.properties,
+            "complete": self.complete,
+            "kv_adapter": self.kv_adapter,
         }
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Report:
         if d.get("format") != FORMAT:
             raise ValueError(f"not a conformance report (format {d.get('format')!r})")
-        if int(d.get("version", 0)) != REPORT_FORMAT_VERSION:
+        if int(d.get("version", 0)) not in (1, REPORT_FORMAT_VERSION):
             raise ValueError(f"unsupported report version {d.get('version')!r}")
         return Report(
             str(d["adapter"]),
@@ -177,10 +215,25 @@ class Report:
             tuple(ScenarioInfo.from_json(s) for s in d["scenarios"]),
             dict(d.get("policy", {})),
             tuple(d.get("notes", ())),
+            dict(d.get("properties", {})),
+            bool(d.get("complete", True)),
+            str(d.get("kv_adapter", "")),
         )
 
+    def signatures(self) -> frozenset[str]:
+        """Every failure's signature (what ``--baseline`` suppresses)."""
+        out: set[str] = set()
+        for r in self.results:
+            for f in r.failures:
+                out.add(f.signature or signature_of(r.invariant, f.subject, f.message))
+        return frozenset(out)
+
     def dump(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_json(), indent=1, sort_keys=False) + "\n")
+        """Write atomically (a temporary file renamed over ``path``): a reader, or a run
+        killed mid-write, never sees half a report."""
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1, sort_keys=False) + "\n")
+        tmp.replace(path)
 
     @staticmethod
     def load(path: Path) -> Report:
@@ -201,6 +254,11 @@ def to_markdown(report: Report) -> str:
         f"**{s['fail']} failed, {s['pass']} passed, {s['not_supported']} not supported.**",
         "",
     ]
+    if not report.complete:
+        lines += ["**Partial report: the run had not finished when this was written.**", ""]
+    if report.properties:
+        props = ", ".join(f"{k} = {v}" for k, v in report.properties.items())
+        lines += [f"Declared properties: {props}.", ""]
     invariants = sorted({r.invariant for r in report.results})
     by = {(r.scenario, r.invariant): r for r in report.results}
     lines.append("| scenario | " + " | ".join(invariants) + " |")
@@ -209,12 +267,10 @@ def to_markdown(report: Report) -> str:
         cells = [_ICON[by[(sc.name, i)].status] if (sc.name, i) in by else "-" for i in invariants]
         lines.append(f"| {sc.name} | " + " | ".join(cells) + " |")
     lines.append("")
-    failures = [r for r in report.results if r.failure is not None]
+    failures = [(r, f) for r in report.results for f in r.failures]
     if failures:
         lines += ["## Failures", ""]
-        for r in failures:
-            f = r.failure
-            assert f is not None
+        for r, f in failures:
             lines += [
                 f"### {r.scenario}: {r.invariant}",
                 "",

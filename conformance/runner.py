@@ -5,35 +5,59 @@ report and runs :func:`spec.check_step`; after each abort it runs :func:`spec.ch
 on a rejected request or a rolled-back step it runs :func:`spec.atomic.check_atomic`; at
 quiescence :func:`spec.progress.check_quiescent` (the leak check) and
 :func:`spec.progress.check_starvation`. On top of the spec it keeps a fake KV memory
-(DESIGN.md "a model check that catches sharing bugs"): each scheduled slot receives the
+(a model check that catches sharing bugs, docs/CONFORMANCE.md): each scheduled slot receives the
 token id at its position, and after each step every request must read back exactly its
 own tokens through its block table. An exception out of the engine is a PROGRESS failure
 (it must not crash); so is a run that does not quiesce within the workload's step limit.
+
+Every adapter call goes through :func:`conformance.guard.call` (a time limit, any
+exception contained) and every value it returns is validated (:mod:`conformance.validate`)
+before a checker reads it: a hang, a raise or a malformed record ends the run with a
+PROGRESS finding naming the call, never a crash of the suite. ``NotSupported`` from any
+call means the engine cannot run the workload (``not_supported``). The adapter's declared
+:class:`~conformance.adapter.EngineProperties` set what is a convention: lookahead slots
+(POS), eos handling (KVLEN), the free-queue order (BLOCK), the admission order (ORDER).
 """
 
 from __future__ import annotations
 
-import traceback
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from conformance import validate
 from conformance.adapter import (
     AdapterFactory,
+    AdmissionOrder,
     CommitReport,
     EngineAdapter,
+    EngineProperties,
+    Feature,
     NotSupported,
     Rejected,
     StepReport,
+    properties_of,
 )
+from conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, call, describe
 from conformance.workload import EOS, RequestPlan, Workload, next_token
 from spec.arith import slot_of
 from spec.atomic import check_atomic
 from spec.checks import check_pool, check_step
+from spec.order import check_admission_order
 from spec.progress import check_quiescent, check_starvation
 from spec.snapshot import EngineSnapshot, RequestStatus, StepSnapshot
 from spec.violation import Invariant, Violation, violation
+
+T = TypeVar("T")
+
+
+class _Stop(Exception):
+    """Ends a run early: the finding (or the not-supported reason) is already recorded."""
+
+
+STALL_STEPS = 3
+"""Consecutive steps that change nothing, with no arrival or abort ahead, that end a run."""
 
 STEP_INVARIANTS = (
     Invariant.TOKEN,
@@ -124,11 +148,21 @@ class RunResult:
 
 
 class _Run:
-    def __init__(self, adapter: EngineAdapter, workload: Workload) -> None:
+    def __init__(
+        self,
+        adapter: EngineAdapter,
+        workload: Workload,
+        props: EngineProperties,
+        call_timeout: float,
+    ) -> None:
         self.a = adapter
         self.w = workload
         self.cfg = workload.config
+        self.props = props
+        self.timeout = call_timeout
         self.res = RunResult(workload)
+        self.rank: dict[str, tuple[int, ...]] = {}  # place in the declared admission order
+        self.unchanged = 0  # consecutive steps that scheduled, retired and changed nothing
         self.tokens: dict[str, list[int]] = {}
         self.plans: dict[str, RequestPlan] = {r.request_id: r for r in workload.requests}
         self.live: set[str] = set()
@@ -138,26 +172,100 @@ class _Run:
         self.prefill_steps: dict[str, int] = defaultdict(int)
 
     # ------------------------------------------------------------------ helpers
-    def fail(self, inv: Invariant, step: int, phase: str, subject: str, msg: str) -> None:
-        self.res.findings.append(Finding(violation(inv, subject, msg), step, phase))
+    def fail(
+        self,
+        inv: Invariant,
+        step: int,
+        phase: str,
+        subject: str,
+        msg: str,
+        expected: object = "",
+        seen: object = "",
+    ) -> None:
+        self.res.findings.append(Finding(violation(inv, subject, msg, expected, seen), step, phase))
+
+    def events_ahead(self, pending: list[RequestPlan]) -> bool:
+        """Whether an arrival or an abort is still to come (either can unstick a stall)."""
+        return bool(pending) or any(self.plans[rid].abort_at is not None for rid in self.live)
 
     def record(self, vs: list[Violation], step: int, phase: str) -> None:
         self.res.findings.extend(Finding(v, step, phase) for v in vs)
 
-    def crash(self, step: int, phase: str, what: str, e: BaseException) -> None:
-        tb = traceback.format_exception_only(type(e), e)[-1].strip()
-        where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
-        loc = f" at {where.filename.rsplit('/', 1)[-1]}:{where.lineno}" if where else ""
-        self.fail(Invariant.PROGRESS, step, phase, "engine", f"{what} raised {tb}{loc}")
+    def call(
+        self,
+        step: int,
+        phase: str,
+        what: str,
+        fn: Callable[[], T],
+        passthrough: tuple[type[BaseException], ...] = (),
+    ) -> T:
+        """One guarded adapter call: a fault becomes a PROGRESS finding naming the call
+        and ends the run; ``NotSupported`` ends it as not supported."""
+        try:
+            return call(what, fn, self.timeout, (NotSupported, *passthrough))
+        except NotSupported as e:
+            self.res.not_supported = f"{what}: {e}"
+            raise _Stop from None
+        except AdapterCallError as e:
+            self.fail(Invariant.PROGRESS, step, phase, "engine", str(e))
+            raise _Stop from None
+
+    def malformed(self, step: int, phase: str, what: str, problems: list[str]) -> None:
+        """A record the adapter returned does not have the protocol's shape."""
+        if not problems:
+            return
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        self.fail(
+            Invariant.PROGRESS,
+            step,
+            phase,
+            "adapter",
+            f"{what} returned a malformed record: {problems[0]}{more}",
+        )
+        raise _Stop
+
+    def snapshot(self, step: int, phase: str) -> EngineSnapshot:
+        snap = self.call(step, phase, "snapshot()", self.a.snapshot)
+        self.malformed(step, phase, "snapshot()", validate.check_engine_snapshot(snap))
+        return snap
+
+    def checked(self, step: int, phase: str, fn: Callable[[], list[Violation]]) -> None:
+        """Run a checker; a checker failing on the adapter's data is a finding too (data
+        that passed validation but breaks an assumption no engine should break)."""
+        try:
+            vs = fn()
+        except Exception as e:
+            self.fail(
+                Invariant.PROGRESS,
+                step,
+                phase,
+                "adapter",
+                f"the checkers could not read the adapter's records: {describe(e)}",
+            )
+            raise _Stop from None
+        self.record(vs, step, phase)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> RunResult:
         try:
-            self.a.configure(self.cfg)
-        except NotSupported as e:
-            self.res.not_supported = f"configure: {e}"
-            return self.res
+            self.drive()
+        except _Stop:
+            pass
+        except Exception as e:  # the suite's own bookkeeping tripped on the adapter's data
+            self.fail(
+                Invariant.PROGRESS,
+                self.res.observed.steps,
+                "step",
+                "adapter",
+                f"the suite could not follow the adapter's records: {describe(e)}",
+            )
+        return self.res
+
+    def drive(self) -> None:
+        self.call(-1, "configure", "configure()", lambda: self.a.configure(self.cfg))
         self.res.checked.update(STEP_INVARIANTS)
+        if self.props.admission_order is not AdmissionOrder.UNSPECIFIED:
+            self.res.checked.add(Invariant.ORDER)
         pending = sorted(self.w.requests, key=lambda r: r.arrival)
         limit = self.w.step_limit
         boundary = 0
@@ -165,13 +273,12 @@ class _Run:
         i = 0
         while True:
             while i < len(pending) and pending[i].arrival <= boundary:
-                if not self.add(pending[i], step):
-                    return self.res
+                self.add(pending[i], step)
                 i += 1
             for rid in sorted(self.live):
                 p = self.plans[rid]
-                if p.abort_at is not None and p.abort_at <= boundary and not self.abort(rid, step):
-                    return self.res
+                if p.abort_at is not None and p.abort_at <= boundary:
+                    self.abort(rid, step)
             boundary += 1
             if not self.live:
                 if i >= len(pending):
@@ -183,44 +290,63 @@ class _Run:
                     step,
                     "step",
                     "run",
-                    f"did not quiesce within {limit} steps ({sorted(self.live)} still live)",
+                    f"did not quiesce within {limit} steps",
+                    "quiescence",
+                    f"{sorted(self.live)} still live",
                 )
-                return self.res
-            if step in self.w.rollback_at and not self.rollback(step):
-                return self.res
-            if not self.step(step):
-                return self.res
+                return
+            if step in self.w.rollback_at:
+                self.rollback(step)
+            self.step(step)
             step += 1
+            if self.unchanged >= STALL_STEPS and not self.events_ahead(pending[i:]):
+                # Nothing the suite will still do can unstick it: running on to the step
+                # limit would only repeat the same finding, thousands of steps long.
+                if not any(f.invariant is Invariant.PROGRESS for f in self.res.findings):
+                    self.fail(
+                        Invariant.PROGRESS,
+                        step,
+                        "step",
+                        "run",
+                        f"stalled: {STALL_STEPS} steps in a row changed nothing",
+                        "progress",
+                        f"{sorted(self.live)} still live",
+                    )
+                return
         self.quiesce(step)
-        return self.res
 
-    def add(self, r: RequestPlan, step: int) -> bool:
-        before = self.a.snapshot()
+    def add(self, r: RequestPlan, step: int) -> None:
+        before = self.snapshot(step, "add")
+        spec = r.spec(self.cfg.eos_token_id)
         try:
-            self.a.add_request(r.spec(self.cfg.eos_token_id))
+            self.call(
+                step,
+                "add",
+                f"add_request({r.request_id!r})",
+                lambda: self.a.add_request(spec),
+                (Rejected,),
+            )
         except Rejected as e:
             self.res.observed.rejected += 1
             self.res.checked.add(Invariant.ATOMIC)
-            self.record(check_atomic(before, self.a.snapshot()), step, "add")
+            after = self.snapshot(step, "add")
+            self.checked(step, "add", lambda: check_atomic(before, after))
             self.res.trace.append({"boundary": step, "rejected": r.request_id, "reason": str(e)})
-            return True
-        except Exception as e:
-            self.crash(step, "add", f"add_request({r.request_id!r})", e)
-            return False
+            return
+        n = len(self.rank)
+        if self.props.admission_order is AdmissionOrder.PRIORITY:
+            self.rank[r.request_id] = (r.priority, n)
+        else:
+            self.rank[r.request_id] = (n,)
         self.tokens[r.request_id] = list(r.prompt)
         self.live.add(r.request_id)
         self.res.trace.append({"boundary": step, "added": r.request_id})
-        return True
 
-    def abort(self, rid: str, step: int) -> bool:
-        try:
-            self.a.abort(rid)
-        except Exception as e:
-            self.crash(step, "abort", f"abort({rid!r})", e)
-            return False
+    def abort(self, rid: str, step: int) -> None:
+        self.call(step, "abort", f"abort({rid!r})", lambda: self.a.abort(rid))
         self.live.discard(rid)
-        snap = self.a.snapshot()
-        self.record(check_pool(snap.pool), step, "abort")
+        snap = self.snapshot(step, "abort")
+        self.checked(step, "abort", lambda: check_pool(snap.pool, self.props.lookahead_slots))
         if snap.pool.table(rid) is not None:
             self.fail(
                 Invariant.PROGRESS,
@@ -233,30 +359,23 @@ class _Run:
         if r is not None and r.status is not RequestStatus.ABORTED:
             self.fail(Invariant.PROGRESS, step, "abort", f"request {rid}", f"is {r.status}")
         self.res.trace.append({"boundary": step, "aborted": rid})
-        return True
 
-    def rollback(self, step: int) -> bool:
-        before = self.a.snapshot()
-        try:
-            self.a.schedule()
-            self.a.rollback()
-        except Exception as e:
-            self.crash(step, "rollback", "schedule/rollback", e)
-            return False
+    def rollback(self, step: int) -> None:
+        before = self.snapshot(step, "rollback")
+        plan = self.call(step, "rollback", "schedule()", self.a.schedule)
+        self.malformed(step, "rollback", "schedule()", validate.check_step_report(plan))
+        self.call(step, "rollback", "rollback()", self.a.rollback)
         self.res.checked.add(Invariant.ATOMIC)
         # Requests retired by the previous step are reported only until the next schedule
         # begins (adapter contract), so only live requests are compared.
-        self.record(check_atomic(_live(before), _live(self.a.snapshot())), step, "rollback")
+        after = self.snapshot(step, "rollback")
+        self.checked(step, "rollback", lambda: check_atomic(_live(before), _live(after)))
         self.res.trace.append({"boundary": step, "rolled_back": True})
-        return True
 
-    def step(self, step: int) -> bool:
-        before = self.a.snapshot()
-        try:
-            plan = self.a.schedule()
-        except Exception as e:
-            self.crash(step, "step", "schedule()", e)
-            return False
+    def step(self, step: int) -> None:
+        before = self.snapshot(step, "step")
+        plan = self.call(step, "step", "schedule()", self.a.schedule)
+        self.malformed(step, "step", "schedule()", validate.check_step_report(plan))
         sampled: dict[str, int] = {}
         for s in plan.scheduled:
             if not s.samples:
@@ -268,12 +387,11 @@ class _Run:
                 )
                 continue
             sampled[s.request_id] = self.choose(s.request_id, toks)
-        try:
-            done = self.a.commit(sampled)
-        except Exception as e:
-            self.crash(step, "step", "commit()", e)
-            return False
-        after = self.a.snapshot()
+        done = self.call(step, "step", "commit()", lambda: self.a.commit(sampled))
+        self.malformed(step, "step", "commit()", validate.check_commit_report(done))
+        after = self.snapshot(step, "step")
+        idle = not plan.scheduled and not plan.preempted and not plan.finished
+        self.unchanged = self.unchanged + 1 if idle and not done.finished and after == before else 0
         finished = tuple(
             dict.fromkeys([*(f for f, _ in plan.finished), *(f for f, _ in done.finished)])
         )
@@ -287,10 +405,21 @@ class _Run:
             preempted=plan.preempted,
             finished=finished,
         )
-        vs = check_step(snap)
-        self.record(vs, step, "step")
+        self.checked(
+            step,
+            "step",
+            lambda: check_step(snap, self.props.lookahead_slots, self.props.same_step_prefix_hits),
+        )
+        if self.props.admission_order is not AdmissionOrder.UNSPECIFIED:
+            order = str(self.props.admission_order)
+            self.checked(
+                step,
+                "step",
+                lambda: check_admission_order(snap, self.rank, self.props.lookahead_slots, order),
+            )
         self.steps.append(snap)
-        self.check_free_order(snap, step)
+        if self.props.free_queue_order:
+            self.check_free_order(snap, step)
         self.write_kv(plan, step)
         for rid, tok in sampled.items():
             self.tokens[rid].append(tok)
@@ -298,7 +427,6 @@ class _Run:
         self.read_back(after, step)
         self.read_back_host(after, step)
         self.observe(before, plan, done, sampled, step)
-        return True
 
     def check_free_order(self, snap: StepSnapshot, step: int) -> None:
         """Free blocks are handed out in the order the snapshot's free queue states.
@@ -339,7 +467,8 @@ class _Run:
     def choose(self, rid: str, toks: list[int]) -> int:
         p = self.plans[rid]
         n_out = len(toks) - len(p.prompt) + 1
-        if p.stop_at is not None and n_out == p.stop_at and self.cfg.eos_token_id is not None:
+        forced = p.stop_at is not None and n_out == p.stop_at
+        if forced and self.props.eos and self.cfg.eos_token_id is not None:
             return self.cfg.eos_token_id
         return next_token(toks)
 
@@ -459,7 +588,8 @@ class _Run:
             if p is None:
                 continue
             n_out = len(self.tokens[rid]) - len(p.prompt)
-            is_stop = tok == self.cfg.eos_token_id
+            # An engine without eos handling is never asked to stop on one (choose()).
+            is_stop = self.props.eos and tok == self.cfg.eos_token_id
             must = is_stop or n_out >= p.max_tokens
             if must and rid not in reasons:
                 why = "sampled its eos token" if is_stop else f"reached max_tokens {p.max_tokens}"
@@ -536,10 +666,20 @@ class _Run:
         )
 
     def quiesce(self, step: int) -> None:
-        snap = self.a.snapshot()
-        self.record(check_quiescent(snap.pool), step, "quiescence")
-        self.record(check_pool(snap.pool), step, "quiescence")
-        if self.a.has_unfinished():
+        snap = self.snapshot(step, "quiescence")
+        self.checked(step, "quiescence", lambda: check_quiescent(snap.pool))
+        self.checked(step, "quiescence", lambda: check_pool(snap.pool, self.props.lookahead_slots))
+        unfinished: object = self.call(
+            step, "quiescence", "has_unfinished()", self.a.has_unfinished
+        )
+        if not isinstance(unfinished, bool):
+            self.malformed(
+                step,
+                "quiescence",
+                "has_unfinished()",
+                [f"has_unfinished(): expected a bool, got {type(unfinished).__name__}"],
+            )
+        if unfinished:
             self.fail(
                 Invariant.PROGRESS,
                 step,
@@ -549,7 +689,15 @@ class _Run:
                 "work (a retired request left in a queue)",
             )
         live = [r.request_id for r in snap.requests if not r.status.is_done]
-        if live:
+        if live and unfinished:
+            self.fail(
+                Invariant.PROGRESS,
+                step,
+                "quiescence",
+                "engine",
+                f"holds live requests {live} after every request finished or was aborted",
+            )
+        elif live:
             self.fail(
                 Invariant.PROGRESS,
                 step,
@@ -557,7 +705,9 @@ class _Run:
                 "engine",
                 f"reports no unfinished work but holds live requests {live}",
             )
-        self.record(check_starvation(self.steps, self.w.starvation_bound), step, "quiescence")
+        self.checked(
+            step, "quiescence", lambda: check_starvation(self.steps, self.w.starvation_bound)
+        )
 
 
 def _live(snap: EngineSnapshot) -> EngineSnapshot:
@@ -573,18 +723,76 @@ def _span(positions: tuple[int, ...]) -> list[int]:
     return list(positions)
 
 
-def run_workload(adapter: EngineAdapter, workload: Workload) -> RunResult:
-    """Run ``workload`` on a freshly configured ``adapter``; never raises for engine bugs."""
-    missing = workload.needs() - adapter.features
+def adapter_traits(
+    adapter: EngineAdapter, call_timeout: float = DEFAULT_CALL_TIMEOUT
+) -> tuple[frozenset[Feature], EngineProperties]:
+    """The adapter's features and declared properties, read through the guard.
+
+    Raises :class:`AdapterCallError` when either cannot be read or has the wrong type:
+    without them no workload can be run, so the caller reports the scenario (or the run).
+    """
+
+    def read() -> tuple[frozenset[Feature], EngineProperties]:
+        feats = adapter.features
+        if not isinstance(feats, (frozenset, set)) or not all(
+            isinstance(f, (Feature, str)) for f in feats
+        ):
+            raise TypeError(f"features must be a frozenset of Feature, got {feats!r}")
+        return frozenset(Feature(f) for f in feats), properties_of(adapter)
+
+    return call("features/properties", read, call_timeout)
+
+
+def run_workload(
+    adapter: EngineAdapter,
+    workload: Workload,
+    *,
+    call_timeout: float = DEFAULT_CALL_TIMEOUT,
+) -> RunResult:
+    """Run ``workload`` on a freshly configured ``adapter``; never raises for engine bugs
+    (a hang, a raise or a malformed record is a finding of the run)."""
+    res = RunResult(workload)
+    try:
+        features, props = adapter_traits(adapter, call_timeout)
+    except AdapterCallError as e:
+        res.findings.append(Finding(violation(Invariant.PROGRESS, "adapter", str(e)), -1, "setup"))
+        return res
+    missing = workload.needs() - features
     if missing:
-        res = RunResult(workload)
         res.not_supported = "engine lacks " + ", ".join(sorted(missing))
         return res
-    return _Run(adapter, workload).run()
+    return _Run(adapter, workload, props, call_timeout).run()
+
+
+def build(factory: AdapterFactory, call_timeout: float = DEFAULT_CALL_TIMEOUT) -> EngineAdapter:
+    """A fresh adapter from ``factory``, through the guard (raises AdapterCallError)."""
+    return call("the adapter factory", factory, call_timeout)
+
+
+def run_fresh(
+    factory: AdapterFactory, workload: Workload, *, call_timeout: float = DEFAULT_CALL_TIMEOUT
+) -> RunResult:
+    """Run ``workload`` on a new adapter; a factory that raises or hangs is a finding."""
+    try:
+        adapter = build(factory, call_timeout)
+    except AdapterCallError as e:
+        res = RunResult(workload)
+        res.findings.append(Finding(violation(Invariant.PROGRESS, "adapter", str(e)), -1, "setup"))
+        return res
+    return run_workload(adapter, workload, call_timeout=call_timeout)
 
 
 def run_with(factory: AdapterFactory, workload: Workload) -> RunResult:
-    return run_workload(factory(), workload)
+    return run_fresh(factory, workload)
 
 
-__all__ = ["EOS", "Finding", "Observed", "RunResult", "run_with", "run_workload"]
+__all__ = [
+    "EOS",
+    "Finding",
+    "Observed",
+    "RunResult",
+    "build",
+    "run_fresh",
+    "run_with",
+    "run_workload",
+]

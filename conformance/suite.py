@@ -1,102 +1,79 @@
 """Run the scenario library and the generated searches on one adapter; build the report.
 
-A fixed scenario's failure is shrunk greedily (drop requests, shorten prompts and outputs,
-move arrivals earlier, shrink the limits) while the same invariant still fails; a
-generated one is shrunk by Hypothesis. Either way the report carries the minimal workload
-and the trace of running it.
+Every finding is reduced to its signature (:mod:`conformance.shrink`); each distinct
+signature of a scenario is shrunk apart, keeping that exact signature, and reported with
+its own minimal workload and trace. A generated scenario spends its whole example budget
+whatever it finds. Signatures listed in a baseline report are suppressed (counted, not
+failed), so a search can be pointed past known bugs. Results are handed to ``on_result``
+as each scenario completes, which is how the CLI streams a partial report.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from conformance.adapter import AdapterFactory, Feature
+from conformance.adapter import AdapterFactory, EngineProperties, Feature, StepOrder
 from conformance.generate import GENERATED, search
-from conformance.report import Failure, Report, Result, ScenarioInfo
-from conformance.runner import Finding, RunResult, run_workload
+from conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError
+from conformance.report import Failure, Report, Result, ScenarioInfo, signature_of
+from conformance.runner import RunResult, adapter_traits, build, run_fresh
 from conformance.scenarios import library
-from conformance.workload import Scenario, Workload
+from conformance.shrink import distinct, shrink, signature
+from conformance.workload import Scenario
 from spec.violation import Invariant
 
 ALL_INVARIANTS = tuple(Invariant)
-MAX_SHRINK_RUNS = 400
+
+OnResult = Callable[[list[Result], ScenarioInfo], None]
+"""Called once per scenario, in order, with its results (for streaming reports)."""
 
 
 def scenario_names() -> list[str]:
     return [s.name for s in library()] + [g.name for g in GENERATED]
 
 
-def _candidates(w: Workload) -> Iterator[Workload]:
-    reqs = w.requests
-    for i in range(len(reqs)):
-        if len(reqs) > 1:
-            yield dataclasses.replace(w, requests=reqs[:i] + reqs[i + 1 :])
-    for i, r in enumerate(reqs):
-
-        def put(**kw: Any) -> Workload:
-            new = dataclasses.replace(r, **kw)  # noqa: B023 - used at once
-            return dataclasses.replace(w, requests=(*reqs[:i], new, *reqs[i + 1 :]))  # noqa: B023
-
-        if r.abort_at is not None:
-            yield put(abort_at=None)
-        if r.stop_at is not None:
-            yield put(stop_at=None)
-        if r.max_tokens > 1:
-            yield put(max_tokens=r.max_tokens - 1, stop_at=None)
-        if len(r.prompt) > 1:
-            yield put(prompt=r.prompt[:-1])
-            yield put(prompt=r.prompt[1:])
-        if r.arrival > 0:
-            yield put(arrival=0)
-            yield put(arrival=r.arrival - 1)
-        if r.priority:
-            yield put(priority=0)
-    for j in range(len(w.rollback_at)):
-        yield dataclasses.replace(w, rollback_at=w.rollback_at[:j] + w.rollback_at[j + 1 :])
-    c = w.config
-    for name in ("num_blocks", "max_num_seqs", "max_num_batched_tokens", "block_size"):
-        if getattr(c, name) > 1:
-            yield dataclasses.replace(
-                w, config=dataclasses.replace(c, **{name: getattr(c, name) - 1})
-            )
-
-
-def signature(f: Finding) -> tuple[Invariant, str]:
-    """What makes two findings the same bug: invariant and message, numbers blanked
-    (a crash keeps its ``file:line``), so shrinking cannot swap one bug for another."""
-    return f.invariant, re.sub(r"(?<![:\d])\d+", "#", f.violation.message)
-
-
-def shrink(factory: AdapterFactory, w: Workload, inv: Invariant) -> RunResult:
-    """Greedy delta-debugging: the smallest workload found that still fails ``inv`` with
-    the same :func:`signature` as the first such finding."""
-    best = run_workload(factory(), w)
-    target = next((signature(f) for f in best.findings if f.invariant is inv), None)
-    runs = 0
-    improved = True
-    while improved and runs < MAX_SHRINK_RUNS:
-        improved = False
-        for cand in _candidates(best.workload):
-            runs += 1
-            r = run_workload(factory(), cand)
-            if not r.not_supported and any(signature(f) == target for f in r.findings):
-                best = r
-                improved = True
-                break
-            if runs >= MAX_SHRINK_RUNS:
-                break
-    return best
-
-
-def _failure(run: RunResult, inv: Invariant, sig: tuple[Invariant, str] | None = None) -> Failure:
-    f = next(x for x in run.findings if x.invariant is inv and (sig is None or signature(x) == sig))
+def _failure(run: RunResult, sig: str) -> Failure:
+    f = next(x for x in run.findings if signature(x) == sig)
     v = f.violation
     return Failure(
-        f.step, f.phase, v.subject, v.message, v.expected, v.seen, run.workload.to_json(), run.trace
+        f.step,
+        f.phase,
+        v.subject,
+        v.message,
+        v.expected,
+        v.seen,
+        run.workload.to_json(),
+        run.trace,
+        sig,
     )
+
+
+def _results(
+    name: str,
+    checked: set[Invariant],
+    failures: dict[str, RunResult],
+    features: frozenset[Feature],
+    suppressed: int,
+) -> list[Result]:
+    """One Result per checked invariant; each distinct signature its own Failure."""
+    by_inv: dict[Invariant, list[Failure]] = {}
+    for sig, run in failures.items():
+        inv = Invariant(sig.split(" ", 1)[0])
+        by_inv.setdefault(inv, []).append(_failure(run, sig))
+    results: list[Result] = []
+    for inv in ALL_INVARIANTS:
+        if inv not in checked and inv not in by_inv:
+            continue
+        note = _notes_for(inv, features)
+        fs = by_inv.get(inv, [])
+        if fs:
+            results.append(Result(name, str(inv), "fail", note, fs[0], tuple(fs[1:])))
+        else:
+            if suppressed and not note:
+                note = "known findings suppressed by the baseline"
+            results.append(Result(name, str(inv), "pass", note))
+    return results
 
 
 def _notes_for(inv: Invariant, features: frozenset[Feature]) -> str:
@@ -108,72 +85,80 @@ def _notes_for(inv: Invariant, features: frozenset[Feature]) -> str:
     return ""
 
 
-def run_fixed(factory: AdapterFactory, sc: Scenario) -> tuple[list[Result], ScenarioInfo]:
-    adapter = factory()
-    features = adapter.features
-    run = run_workload(adapter, sc.workload)
+def run_fixed(
+    factory: AdapterFactory,
+    sc: Scenario,
+    features: frozenset[Feature],
+    *,
+    call_timeout: float = DEFAULT_CALL_TIMEOUT,
+    known: frozenset[str] = frozenset(),
+) -> tuple[list[Result], ScenarioInfo]:
+    def run(w: Any) -> RunResult:
+        return run_fresh(factory, w, call_timeout=call_timeout)
+
+    first = run(sc.workload)
     golden: dict[str, Any] | None = None
-    if sc.golden is not None and not run.not_supported:
-        observed = run.observed.rounds[sc.golden_from_step : sc.golden_from_step + len(sc.golden)]
+    if sc.golden is not None and not first.not_supported:
+        observed = first.observed.rounds[sc.golden_from_step : sc.golden_from_step + len(sc.golden)]
         golden = {
             "from_step": sc.golden_from_step,
             "expected": [[list(x) for x in rnd] for rnd in sc.golden],
             "observed": [[list(x) for x in rnd] for rnd in observed],
-            "matches": tuple(observed) == sc.golden,
+            # Within a step the order of the plan is the engine's business.
+            "matches": [sorted(r) for r in observed] == [sorted(r) for r in sc.golden],
         }
+    fresh = distinct(first.findings, known)
+    suppressed = len({signature(f) for f in first.findings}) - len(fresh)
+    observed_json = first.observed.to_json() if not first.not_supported else {}
+    if suppressed:
+        observed_json["suppressed"] = suppressed
     info = ScenarioInfo(
         sc.name,
         sc.description,
         "fixed",
         sc.targets,
-        run.not_supported,
-        run.observed.to_json() if not run.not_supported else {},
+        first.not_supported,
+        observed_json,
         golden,
     )
-    if run.not_supported:
+    if first.not_supported:
         return [
-            Result(sc.name, str(i), "not_supported", run.not_supported) for i in ALL_INVARIANTS
+            Result(sc.name, str(i), "not_supported", first.not_supported) for i in ALL_INVARIANTS
         ], info
-    results: list[Result] = []
-    failed = {f.invariant for f in run.findings}
-    for inv in ALL_INVARIANTS:
-        if inv not in run.checked:
-            continue
-        note = _notes_for(inv, features)
-        if inv in failed:
-            sig = next(signature(f) for f in run.findings if f.invariant is inv)
-            shrunk = shrink(factory, sc.workload, inv)
-            results.append(Result(sc.name, str(inv), "fail", note, _failure(shrunk, inv, sig)))
-        else:
-            results.append(Result(sc.name, str(inv), "pass", note))
-    return results, info
+    shrunk = {sig: shrink(run, first, sig) for sig in fresh}
+    return _results(sc.name, first.checked, shrunk, features, suppressed), info
 
 
 def run_generated(
-    factory: AdapterFactory, name: str, max_examples: int
+    factory: AdapterFactory,
+    name: str,
+    max_examples: int,
+    features: frozenset[Feature],
+    *,
+    call_timeout: float = DEFAULT_CALL_TIMEOUT,
+    known: frozenset[str] = frozenset(),
 ) -> tuple[list[Result], ScenarioInfo]:
     g = next(x for x in GENERATED if x.name == name)
-    features = factory().features
-    out = search(factory, g.kind, max_examples=max_examples)
-    by_inv: dict[Invariant, RunResult] = {}
-    for r in out.failures:
-        first = r.first()
-        if first is not None and first.invariant not in by_inv:
-            by_inv[first.invariant] = r
-    results: list[Result] = []
-    for inv in ALL_INVARIANTS:
-        if inv not in out.checked and inv not in by_inv:
-            continue
-        note = _notes_for(inv, features)
-        if inv in by_inv:
-            results.append(Result(name, str(inv), "fail", note, _failure(by_inv[inv], inv)))
-        else:
-            results.append(Result(name, str(inv), "pass", note))
-    observed: dict[str, Any] = {"examples": out.examples, "coverage": out.coverage}
+    out = search(
+        factory,
+        g.kind,
+        max_examples=max_examples,
+        call_timeout=call_timeout,
+        known=known,
+        features=features,
+    )
+    results = _results(name, out.checked, out.failures, features, out.suppressed)
+    observed: dict[str, Any] = {
+        "examples": out.examples,
+        "distinct_findings": len(out.failures),
+        "coverage": out.coverage,
+    }
+    if out.suppressed:
+        observed["suppressed"] = out.suppressed
     return results, ScenarioInfo(name, g.description, "generated", (), "", observed)
 
 
-def _policy(infos: Sequence[ScenarioInfo]) -> dict[str, Any]:
+def _policy(infos: Sequence[ScenarioInfo], props: EngineProperties) -> dict[str, Any]:
     fixed = [i for i in infos if i.kind == "fixed" and i.observed]
 
     def total(key: str) -> int:
@@ -181,7 +166,7 @@ def _policy(infos: Sequence[ScenarioInfo]) -> dict[str, Any]:
 
     paused = [i.name for i in fixed if i.observed.get("decodes_paused_for_prefill")]
     golden = [i for i in infos if i.golden is not None]
-    return {
+    out: dict[str, Any] = {
         "mixed_prefill_decode_steps": total("mixed_steps"),
         "prefill_first_steps": total("decodes_paused_for_prefill"),
         "prefill_first_scenarios": paused,
@@ -191,6 +176,32 @@ def _policy(infos: Sequence[ScenarioInfo]) -> dict[str, Any]:
         "golden_matches": sum(1 for i in golden if i.golden and i.golden.get("matches")),
         "golden_mismatches": [i.name for i in golden if i.golden and not i.golden.get("matches")],
     }
+    declared = props.step_order
+    if declared is not StepOrder.UNSPECIFIED:
+        seen = "prefill_first" if paused else "decode_first"
+        out["step_order"] = {"declared": str(declared), "observed": seen}
+    return out
+
+
+def _notes(features: frozenset[Feature], props: EngineProperties) -> list[str]:
+    notes: list[str] = []
+    missing = sorted(str(f) for f in frozenset(Feature) - features)
+    if missing:
+        notes.append(f"features the engine lacks (their scenarios are not_supported): {missing}")
+    if props.admission_order.value == "unspecified":
+        notes.append("admission order: unspecified by the adapter, not checked (ORDER)")
+    if props.lookahead_slots:
+        notes.append(
+            f"lookahead_slots {props.lookahead_slots}: tables may hold the blocks of "
+            f"{props.lookahead_slots} slots ahead of their KV (POS)"
+        )
+    if not props.eos:
+        notes.append("eos: the engine has no eos handling; the suite never forced a stop")
+    if not props.free_queue_order:
+        notes.append("free_queue_order: the free queue is unordered; hand-out order not checked")
+    if props.step_order is StepOrder.PREFILL_FIRST:
+        notes.append("golden schedules are decode-first: a prefill-first engine differs by design")
+    return notes
 
 
 def run_suite(
@@ -199,9 +210,16 @@ def run_suite(
     names: Sequence[str] | None = None,
     *,
     max_examples: int = 100,
+    call_timeout: float = DEFAULT_CALL_TIMEOUT,
+    baseline: frozenset[str] = frozenset(),
+    on_result: OnResult | None = None,
+    on_start: Callable[[str], None] | None = None,
 ) -> Report:
-    """Every selected scenario (default: all) on a fresh adapter each run."""
-    probe = factory()
+    """Every selected scenario (default: all) on a fresh adapter each run.
+
+    Raises ``ValueError`` for unknown scenario names. An adapter whose factory, features
+    or properties cannot be read gets one finding (scenario ``adapter``) instead.
+    """
     wanted = set(names) if names else None
     if wanted is not None:
         unknown = wanted - set(scenario_names())
@@ -209,26 +227,62 @@ def run_suite(
             raise ValueError(f"unknown scenarios: {', '.join(sorted(unknown))}")
     results: list[Result] = []
     infos: list[ScenarioInfo] = []
+
+    def done(rs: list[Result], info: ScenarioInfo) -> None:
+        results.extend(rs)
+        infos.append(info)
+        if on_result is not None:
+            on_result(rs, info)
+
+    try:
+        probe = build(factory, call_timeout)
+        features, props = adapter_traits(probe, call_timeout)
+        name = _engine_name(probe, call_timeout)
+    except AdapterCallError as e:
+        done(*_setup_failure(e))
+        return Report(adapter_spec, "unknown", (), tuple(results), tuple(infos), {}, ())
     for sc in library():
         if wanted is None or sc.name in wanted:
-            rs, info = run_fixed(factory, sc)
-            results += rs
-            infos.append(info)
+            if on_start is not None:
+                on_start(sc.name)
+            done(*run_fixed(factory, sc, features, call_timeout=call_timeout, known=baseline))
     for g in GENERATED:
         if wanted is None or g.name in wanted:
-            rs, info = run_generated(factory, g.name, max_examples)
-            results += rs
-            infos.append(info)
-    notes: list[str] = []
-    missing = sorted(str(f) for f in frozenset(Feature) - probe.features)
-    if missing:
-        notes.append(f"features the engine lacks (their scenarios are not_supported): {missing}")
+            if on_start is not None:
+                on_start(g.name)
+            done(
+                *run_generated(
+                    factory,
+                    g.name,
+                    max_examples,
+                    features,
+                    call_timeout=call_timeout,
+                    known=baseline,
+                )
+            )
     return Report(
         adapter_spec,
-        probe.name,
-        tuple(sorted(str(f) for f in probe.features)),
+        name,
+        tuple(sorted(str(f) for f in features)),
         tuple(results),
         tuple(infos),
-        _policy(infos),
-        tuple(notes),
+        _policy(infos, props),
+        tuple(_notes(features, props)),
+        properties=props.to_json(),
     )
+
+
+def _engine_name(adapter: object, call_timeout: float) -> str:
+    from conformance.guard import call
+
+    name = call("name", lambda: getattr(adapter, "name", "unnamed"), call_timeout)
+    return name if isinstance(name, str) else repr(name)
+
+
+def _setup_failure(e: AdapterCallError) -> tuple[list[Result], ScenarioInfo]:
+    """The adapter could not even be built or described: one PROGRESS finding."""
+    msg = str(e)
+    sig = signature_of(Invariant.PROGRESS, "adapter", msg)
+    f = Failure(-1, "setup", "adapter", msg, "", "", {}, [], sig)
+    info = ScenarioInfo("adapter", "Building the adapter and reading its traits.", "setup")
+    return [Result("adapter", str(Invariant.PROGRESS), "fail", "", f)], info

@@ -2,9 +2,10 @@
 
 Pure, typed predicates over plain snapshot data (frozen dataclasses of ints and tuples).
 Nothing here imports the engine: ``ref/`` and ``conformance/`` depend on ``spec``, never
-the other way round. Each invariant id of DESIGN.md (TOKEN, BLOCK, KVLEN, POS, CAP,
-PREFIX, PROGRESS, ATOMIC) has a module with a ``check_*`` function returning a list of
-:class:`~spec.violation.Violation`; an empty list means the invariant holds.
+the other way round. Each invariant id of docs/CONFORMANCE.md (TOKEN, BLOCK, KVLEN,
+POS, CAP, PREFIX, PROGRESS, ATOMIC, ORDER) has a module with a ``check_*`` function
+returning a list of :class:`~spec.violation.Violation`; an empty list means the
+invariant holds.
 """
 
 from spec.checks import check_pool, check_step

@@ -26,8 +26,9 @@ P = Invariant.POS
 _HOST_STATES = (RequestStatus.SWAPPED, RequestStatus.WAITING_TOOL)
 
 
-def check_host(engine: EngineSnapshot) -> list[Violation]:
-    """The host pool's own BLOCK/POS rules and where each request's KV lives."""
+def check_host(engine: EngineSnapshot, lookahead: int = 0) -> list[Violation]:
+    """The host pool's own BLOCK/POS rules and where each request's KV lives
+    (``lookahead``: blocks reserved ahead travel with a swapped table)."""
     host = engine.host
     out: list[Violation] = []
     if host is None:
@@ -36,7 +37,8 @@ def check_host(engine: EngineSnapshot) -> list[Violation]:
                 out.append(_nowhere(r.request_id, r.status, r.num_computed_tokens))
         return out
     out.extend(
-        replace(v, subject=f"host {v.subject}") for v in (*check_block(host), *check_pos_pool(host))
+        replace(v, subject=f"host {v.subject}")
+        for v in (*check_block(host), *check_pos_pool(host, lookahead))
     )
     for b, rc in enumerate(host.ref_cnt):
         if rc > 1:

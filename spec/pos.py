@@ -17,18 +17,29 @@ P = Invariant.POS
 _RUNNING = (RequestStatus.PREFILLING, RequestStatus.DECODING)
 
 
-def check_pos_pool(pool: PoolSnapshot) -> list[Violation]:
-    """Each table holds exactly ceil(num_stored / block_size) blocks."""
+def check_pos_pool(pool: PoolSnapshot, lookahead: int = 0) -> list[Violation]:
+    """Each table holds ceil(num_stored / block_size) blocks, plus at most the blocks of
+    ``lookahead`` slots reserved ahead of the KV length.
+
+    The rule is that a table covers its KV and holds nothing a request could not write
+    next; how far ahead an engine reserves is its choice (``lookahead`` is the declared
+    number of slots, 0 for refserve: docs/CONFORMANCE.md "Rules and conventions"). A
+    block beyond that is memory no position will reach before the request grows again.
+    """
+    assert lookahead >= 0, lookahead
     out: list[Violation] = []
     for t in pool.tables:
         need = blocks_needed(t.num_stored, pool.block_size)
-        if len(t.block_table) != need:
+        most = blocks_needed(t.num_stored + lookahead, pool.block_size)
+        if not need <= len(t.block_table) <= most:
             out.append(
                 violation(
                     P,
                     f"request {t.request_id}",
-                    "block table does not cover the KV length exactly",
-                    need,
+                    "block table does not cover the KV length exactly"
+                    if lookahead == 0
+                    else f"block table does not cover the KV length plus {lookahead} slots",
+                    need if need == most else f"{need}..{most}",
                     len(t.block_table),
                 )
             )

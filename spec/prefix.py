@@ -96,8 +96,16 @@ def check_prefix(pool: PoolSnapshot) -> list[Violation]:
     return out
 
 
-def check_prefix_step(step: StepSnapshot) -> list[Violation]:
-    """Writes go to private blocks; cache hits are whole blocks and spare the last token."""
+def check_prefix_step(step: StepSnapshot, same_step_hits: bool = False) -> list[Violation]:
+    """Writes go to private blocks; cache hits are whole blocks and spare the last token.
+
+    ``same_step_hits`` (a declared convention, docs/CONFORMANCE.md): the engine lets a
+    request take as a cache hit a block that another request fills in the same step,
+    because its executor writes each layer's K/V for the whole batch before that layer's
+    attention reads any of it. The write into such a block is then allowed when every
+    other holder took the block in this very step; a holder from an earlier step is
+    still reading K/V that this write changes, which stays a violation.
+    """
     out: list[Violation] = []
     bs = step.after.pool.block_size
     # A cached block may be written only once nobody reads it any more: the step evicted
@@ -111,11 +119,19 @@ def check_prefix_step(step: StepSnapshot) -> list[Violation]:
         for b in t.block_table:
             holders[b].append(t.request_id)
     cached_before = {e.block_id for e in step.before.pool.cache_entries}
+    holders_after: dict[int, set[str]] = defaultdict(set)
+    for t in step.after.pool.tables:
+        for b in t.block_table:
+            holders_after[b].add(t.request_id)
     for s in step.scheduled:
         who = f"request {s.request_id}"
         for slot in s.slot_mapping:
             b = slot // bs
-            if 0 <= b < len(step.after.pool.ref_cnt) and step.after.pool.ref_cnt[b] > 1:
+            shared = 0 <= b < len(step.after.pool.ref_cnt) and step.after.pool.ref_cnt[b] > 1
+            if shared and same_step_hits:
+                others = holders_after[b] - {s.request_id}
+                shared = bool(others & set(holders.get(b, ())))
+            if shared:
                 out.append(
                     violation(
                         X,
@@ -138,6 +154,21 @@ def check_prefix_step(step: StepSnapshot) -> list[Violation]:
                     )
                 )
                 break
+        before = step.before.request(s.request_id)
+        if before is not None and s.num_new_cached_tokens > max_cacheable_tokens(
+            max(before.num_tokens, 1), bs
+        ):
+            # Judged against the tokens known when the hit was taken: after the step the
+            # request has sampled one more, which would hide a full-prompt hit.
+            out.append(
+                violation(
+                    X,
+                    who,
+                    "cache hit covers the last known token (no logit)",
+                    f"<= {max_cacheable_tokens(max(before.num_tokens, 1), bs)}",
+                    s.num_new_cached_tokens,
+                )
+            )
         if s.num_new_cached_tokens % bs != 0:
             out.append(
                 violation(

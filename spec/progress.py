@@ -11,28 +11,96 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from spec.snapshot import PoolSnapshot, StepSnapshot
+from spec.arith import blocks_needed
+from spec.snapshot import PoolSnapshot, RequestSnapshot, RequestStatus, StepSnapshot
 from spec.violation import Invariant, Violation, violation
 
 G = Invariant.PROGRESS
+B = Invariant.BLOCK
 
 
-def check_progress(step: StepSnapshot) -> list[Violation]:
-    """A step with runnable work schedules a token or retires/preempts someone."""
+def check_progress(step: StepSnapshot, lookahead: int = 0) -> list[Violation]:
+    """A step with runnable work schedules a token or retires someone.
+
+    Retiring counts (a lone request finished with reason ``capacity`` is progress); a
+    preemption alone does not: a step that preempts makes room for someone it then
+    schedules, and a step that only preempts is the first half of a livelock. The
+    message names the oldest stuck request and what the step had to offer it, so two
+    stalls with different causes never look alike.
+    """
     runnable = [r for r in step.before.requests if r.status.is_runnable]
     if not runnable or step.scheduled:
         return []
     if step.finished or step.aborted:
-        return []  # e.g. a lone request finished with reason capacity: that is progress
+        return []
+    stuck = min(runnable, key=lambda r: (r.arrival_step, r.request_id))
     return [
         violation(
             G,
             "step",
-            "runnable work but nothing scheduled, finished or aborted",
+            f"runnable work but nothing scheduled, finished or aborted: {stuck.status} "
+            f"request {stuck.request_id} got nothing ({_why_not(stuck, step, lookahead)})",
             ">= 1 token",
             f"0 tokens for {len(runnable)} runnable requests",
         )
     ]
+
+
+def _why_not(r: RequestSnapshot, step: StepSnapshot, lookahead: int) -> str:
+    """What the step offered ``r``: the blocks it needs for one more token (and the
+    declared lookahead slots) vs the free ones, the whole budget, and the sequence
+    slots. Which of them an engine consulted is its business; when all look sufficient
+    the cause is the engine's policy."""
+    pool = step.before.pool
+    bs = pool.block_size
+    table = pool.table(r.request_id)
+    held = len(table.block_table) if table is not None else 0
+    need = max(0, blocks_needed(r.num_computed_tokens + 1 + lookahead, bs) - held)
+    free = len(pool.free_queue)
+    running = sum(
+        1
+        for x in step.before.requests
+        if x.status in (RequestStatus.PREFILLING, RequestStatus.DECODING)
+    )
+    parts = [
+        f"blocks: needs {need} for its next token, {free} free",
+        f"budget: {step.token_budget} tokens unused",
+        f"seqs: {running} of {step.max_num_seqs} running",
+    ]
+    if (
+        need <= free
+        and step.token_budget >= 1
+        and (
+            running < step.max_num_seqs
+            or r.status in (RequestStatus.PREFILLING, RequestStatus.DECODING)
+        )
+    ):
+        parts.append("policy: every limit had room")
+    return "; ".join(parts)
+
+
+def check_preempted_released(step: StepSnapshot) -> list[Violation]:
+    """BLOCK: a request the step preempted holds no device block after it.
+
+    Preemption exists to release memory (recompute drops the KV, swap moves it to the
+    host); a victim that keeps its table leaks the blocks the preemption was for, and
+    when it is admitted again the engine either allocates a second table or writes over
+    KV it claims to have dropped.
+    """
+    out: list[Violation] = []
+    for rid in step.preempted:
+        t = step.after.pool.table(rid)
+        if t is not None and t.block_table:
+            out.append(
+                violation(
+                    B,
+                    f"request {rid}",
+                    "preempted but still holds device blocks",
+                    0,
+                    len(t.block_table),
+                )
+            )
+    return out
 
 
 def check_quiescent(pool: PoolSnapshot) -> list[Violation]:

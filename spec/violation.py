@@ -7,7 +7,11 @@ from enum import StrEnum
 
 
 class Invariant(StrEnum):
-    """Invariant ids of DESIGN.md; the conformance report keys results by these."""
+    """Invariant ids (docs/CONFORMANCE.md); the conformance report keys results by these.
+
+    ORDER is the one policy check: it applies only to an engine that declares its
+    admission order (spec/order.py).
+    """
 
     TOKEN = "TOKEN"
     BLOCK = "BLOCK"
@@ -17,6 +21,7 @@ class Invariant(StrEnum):
     PREFIX = "PREFIX"
     PROGRESS = "PROGRESS"
     ATOMIC = "ATOMIC"
+    ORDER = "ORDER"
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from spec.arith import slot_of
 from spec.atomic import check_atomic, check_atomic_pool
 from spec.cap import check_cap_step
 from spec.hashing import Namespace, block_key
+from spec.order import check_admission_order
 from spec.prefix import check_prefix_step
 from spec.progress import check_quiescent, check_starvation
 
@@ -737,7 +738,54 @@ def test_runnable_work_with_nothing_scheduled(step: StepSnapshot) -> None:
     )
     expect(v, ">= 1 token", "0 tokens for 4 runnable requests")
     assert vs == [v]
+    # The message names the oldest stuck request and what the step offered it.
+    assert "decoding request A got nothing (blocks: needs 0 for its next token" in v.message
+    assert "budget: 8 tokens unused; seqs: 3 of 3 running; policy" in v.message
     assert check_step(replace(stalled, finished=("A",))) == []
+    # A preemption alone is not progress (the docstring's rule).
+    assert find(
+        check_step(replace(stalled, preempted=("D",))), Invariant.PROGRESS, "step", "runnable"
+    )
+
+
+def test_progress_message_tells_a_full_pool_from_a_policy_stall() -> None:
+    full = PoolSnapshot(1, BS, (1,), (), (TableSnapshot("R", (0,), 4, (1, 2, 3, 4)),))
+    reqs = (req("W", RequestStatus.WAITING, 3, 0, 0), req("R", RequestStatus.DECODING, 4, 1, 4))
+    stalled = StepSnapshot(0, 8, 4, EngineSnapshot(reqs, full), (), EngineSnapshot(reqs, full))
+    v = find(check_step(stalled), Invariant.PROGRESS, "step", "decoding request R got nothing")
+    assert "needs 1 for its next token, 0 free" in v.message and "policy" not in v.message
+
+
+def test_preempted_request_keeping_its_blocks(step: StepSnapshot) -> None:
+    pool = step.after.pool
+    kept = TableSnapshot("D", (9,), 0, ())
+    ref = list(pool.ref_cnt)
+    ref[9] = 1
+    bad = replace(
+        pool,
+        tables=(*pool.tables, kept),
+        ref_cnt=tuple(ref),
+        free_queue=tuple(b for b in pool.free_queue if b != 9),
+    )
+    vs = check_step(replace(step, after=replace(step.after, pool=bad)))
+    v = find(vs, Invariant.BLOCK, "request D", "preempted but still holds device blocks")
+    expect(v, 0, 1)
+
+
+def test_lookahead_slots_widen_the_table_rule(base: PoolCase) -> None:
+    """A table may hold the blocks of ``lookahead`` slots ahead of its KV, no more."""
+    ahead = with_table(base.snap, "b", block_table=(2, 3, 4, 6))  # 9 tokens, 4 blocks
+    ahead = set_ref(replace(ahead, free_queue=(7, 5)), 6, 1)
+    assert check_pool(ahead, lookahead=4) == []
+    assert check_pool(ahead, lookahead=3) != []
+    v = find(check_pool(ahead), Invariant.POS, "request b", "does not cover the KV length exactly")
+    expect(v, 3, 4)
+    v = find(check_pool(ahead, lookahead=1), Invariant.POS, "request b", "KV length plus 1 slots")
+    expect(v, 3, 4)
+    short = with_table(base.snap, "b", block_table=(2, 3))
+    short = replace(set_ref(short, 4, 0), free_queue=(*short.free_queue, 4))
+    v = find(check_pool(short, lookahead=4), Invariant.POS, "request b", "plus 4 slots")
+    expect(v, "3..4", 2)
 
 
 def waiting_step(i: int, scheduled_ids: tuple[str, ...]) -> StepSnapshot:
@@ -799,3 +847,112 @@ def test_atomic_request_changed(step: StepSnapshot) -> None:
         "request changed by a failed operation",
     )
     assert v.seen == "None"
+
+
+# --------------------------------------------------------------------- ORDER
+def overtaking_step(x_prompt: int, budget: int = 8) -> StepSnapshot:
+    """X (waiting, first in order) is passed over; Y (later) is admitted with 3 tokens."""
+    pool = BlockPool(8, BS)
+    before = EngineSnapshot(
+        (
+            req("X", RequestStatus.WAITING, x_prompt, 0, 0),
+            req("Y", RequestStatus.WAITING, 3, 0, 0),
+        ),
+        pool.snapshot(),
+    )
+    pool.allocate("Y", PC, 3)
+    after = EngineSnapshot(
+        (
+            req("X", RequestStatus.WAITING, x_prompt, 0, 0),
+            req("Y", RequestStatus.DECODING, 3, 1, 3),
+        ),
+        pool.snapshot(),
+    )
+    return StepSnapshot(0, budget, 4, before, (scheduled(pool, "Y", 0, 3, True),), after)
+
+
+def test_admission_order_passed_over_while_fitting() -> None:
+    keys = {"X": (0,), "Y": (1,)}
+    s = overtaking_step(x_prompt=3)
+    assert check_step(s) == []  # no rule is broken: order is a declared policy
+    vs = check_admission_order(s, keys, order="fcfs")
+    v = find(vs, Invariant.ORDER, "request X", "passed over for Y, later in fcfs order")
+    assert "needs 1 blocks and 3 tokens; Y took 1 blocks and 3 tokens, 5 tokens unused" in (
+        v.message
+    )
+    expect(v, "admitted before Y", "still waiting")
+    # Y first in the declared order: nothing passed over.
+    assert check_admission_order(s, {"X": (1,), "Y": (0,)}) == []
+    # Priority order: (priority, rank).
+    assert check_admission_order(s, {"X": (1, 0), "Y": (0, 1)}, order="priority") == []
+    assert check_admission_order(s, {"X": (0, 0), "Y": (0, 1)}, order="priority") != []
+
+
+def test_admission_order_allows_skipping_what_does_not_fit() -> None:
+    keys = {"X": (0,), "Y": (1,)}
+    # X needs 2 blocks where Y took 1: an engine may let Y in first.
+    assert check_admission_order(overtaking_step(x_prompt=5, budget=16), keys) == []
+    # X's whole prompt exceeds Y's tokens plus the unused budget (3 + 0).
+    assert check_admission_order(overtaking_step(x_prompt=4, budget=3), keys) == []
+    # One lookahead slot makes X's 4-token prompt need a second block.
+    assert check_admission_order(overtaking_step(x_prompt=4), keys) != []
+    assert check_admission_order(overtaking_step(x_prompt=4), keys, lookahead=1) == []
+
+
+# ------------------------------------------------- same-step prefix hits (a convention)
+def same_step_hit(b_held_before: bool) -> StepSnapshot:
+    """A's 6-token prompt fills block 0 in this step; B (same first 4 tokens) takes it as
+    a cache hit in the same step. With ``b_held_before`` B already held block 0."""
+    a_toks, b_toks = (1, 2, 3, 4, 5, 6), (1, 2, 3, 4, 9)
+    pool = BlockPool(6, BS)
+    if b_held_before:
+        pool.allocate("B", b_toks, 4)
+        held = EngineSnapshot(
+            (req("A", RequestStatus.WAITING, 6, 0, 0), req("B", RequestStatus.PREFILLING, 5, 0, 4)),
+            pool.snapshot(),
+        )
+        pool.fork("B", "A")  # an engine that hands A a block B already reads
+        pool.allocate("A", a_toks, 2)
+        pool.allocate("B", b_toks, 1)
+        a_plan = scheduled(pool, "A", 0, 6, True)
+        b_plan = scheduled(pool, "B", 4, 1, True)
+        before = held
+    else:
+        before = EngineSnapshot(
+            (req("A", RequestStatus.WAITING, 6, 0, 0), req("B", RequestStatus.WAITING, 5, 0, 0)),
+            pool.snapshot(),
+        )
+        pool.allocate("A", a_toks, 6)
+        hit = pool.lookup(b_toks)
+        assert hit.num_tokens == 4
+        pool.allocate("B", b_toks, 1, hit=hit)
+        a_plan = scheduled(pool, "A", 0, 6, True)
+        b_plan = scheduled(pool, "B", 4, 1, True, cached=4)
+    after = EngineSnapshot(
+        (
+            req("A", RequestStatus.DECODING, 6, 1, 6),
+            req("B", RequestStatus.DECODING, 5, 1, 5, num_cached_tokens=0 if b_held_before else 4),
+        ),
+        pool.snapshot(),
+    )
+    return StepSnapshot(0, 16, 4, before, (a_plan, b_plan), after)
+
+
+def test_same_step_prefix_hit_is_a_declared_convention() -> None:
+    s = same_step_hit(b_held_before=False)
+    v = find(check_step(s), Invariant.PREFIX, "request A", "writes into block 0 shared by several")
+    expect(v, "ref_cnt 1 (copy-on-write)", 2)
+    assert check_step(s, same_step_hits=True) == []
+    # A holder from an earlier step reads the K/V the write changes: still a violation.
+    held = same_step_hit(b_held_before=True)
+    assert find(
+        check_step(held, same_step_hits=True), Invariant.PREFIX, "request A", "shared by several"
+    )
+
+
+def test_full_prompt_cache_hit_is_judged_before_the_sample(step: StepSnapshot) -> None:
+    """After the step the request knows one more token, which would hide a hit covering
+    its whole prompt: the scheduled hit is judged against the tokens known before."""
+    vs = check_prefix_step(with_sched(step, "C", num_new_cached_tokens=3))
+    v = find(vs, Invariant.PREFIX, "request C", "cache hit covers the last known token")
+    expect(v, "<= 0", 3)

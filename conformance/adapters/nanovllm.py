@@ -1,10 +1,13 @@
 """Adapter for nano-vllm-fork (``conformance.adapters.nanovllm:make``); third-party, optional.
 
-Install: ``pip install --no-deps nano-vllm-fork xxhash`` (the ``nanovllm`` extra). The
-adapter drives ``nanovllm.engine.scheduler.Scheduler`` and its ``BlockManager`` in-process
-and never loads a model: the scheduler is built from a hand-made config object holding
-only the five fields its constructor reads (``nanovllm.config.Config`` would load a
-Hugging Face model directory). Nothing of nano-vllm is copied or patched.
+Install and run: ``make conformance-nanovllm`` (its own virtualenv ``.venv-nanovllm``,
+never refserve's: nano-vllm-fork installed with ``--no-deps`` next to numpy and
+transformers, the ``nanovllm`` extra). The adapter drives
+``nanovllm.engine.scheduler.Scheduler`` and its ``BlockManager`` in-process and never
+loads a model: the scheduler is built from a hand-made config object holding only the
+five fields its constructor reads (``nanovllm.config.Config`` would load a Hugging Face
+model directory). Nothing of nano-vllm is copied or patched. Its conventions are
+declared in :data:`NANOVLLM_PROPERTIES`.
 
 How its state maps onto the protocol (the adapter translates, it never fixes):
 
@@ -15,14 +18,19 @@ How its state maps onto the protocol (the adapter translates, it never fixes):
   ``[num_cached_tokens, len(seq))`` and writes block ``block_table[i]`` for
   ``i in [num_cached_blocks, num_blocks)`` slot by slot (the last block up to
   ``last_block_num_tokens``); a decode computes position ``len(seq) - 1`` into slot
-  ``block_table[-1] * block_size + last_block_num_tokens - 1``. Every scheduled sequence
-  samples one token (``postprocess`` appends one per sequence).
+  ``block_table[-1] * block_size + last_block_num_tokens - 1`` (no slot when the table
+  is empty: the model runner would raise there). Every scheduled sequence samples one
+  token (``postprocess`` appends one per sequence).
 * nano-vllm keeps no KV-length counter. Its model runner writes KV for every position
   but the last sampled token, so at a step boundary a ``RUNNING`` sequence holding blocks
   has ``len(seq) - 1`` tokens of KV, and a ``WAITING`` one none.
 * A ``WAITING`` sequence that has run before was preempted (``Scheduler.preempt``); the
   scheduler does not report preemptions, so the adapter reports the sequences that held
-  blocks before ``schedule()`` and are ``WAITING`` without blocks after it.
+  blocks before ``schedule()`` and are ``WAITING`` after it (whatever they hold then:
+  BLOCK checks that a victim let its blocks go).
+* A sequence that finished but that nano-vllm brings back (a stale ``running`` entry
+  preempted into ``waiting`` again) is reported live, with the blocks it holds, as the
+  engine holds it.
 * The prefix-cache index is keyed by xxhash integers, not by the spec hash chain, so
   ``cache_entries`` is empty and the ``cache_index`` feature is off (PREFIX is checked
   through sharing, writes and the KV read-back instead).
@@ -46,12 +54,15 @@ from types import SimpleNamespace
 from typing import Any
 
 from conformance.adapter import (
+    AdmissionOrder,
     CommitReport,
     EngineConfig,
+    EngineProperties,
     Feature,
     NotSupported,
     Rejected,
     RequestSpec,
+    StepOrder,
     StepReport,
 )
 from spec.hashing import DEFAULT_NAMESPACE
@@ -78,7 +89,8 @@ def _import_engine() -> tuple[Any, Any, Any, Any]:
         if found is None or found.submodule_search_locations is None:
             # ModuleNotFoundError, so pytest.importorskip and `except ImportError` both work.
             raise ModuleNotFoundError(
-                "nano-vllm-fork is not installed (pip install --no-deps nano-vllm-fork xxhash)",
+                "nano-vllm-fork is not installed (it lives in .venv-nanovllm: "
+                "make conformance-nanovllm)",
                 name="nanovllm",
             )
         pkg = types.ModuleType("nanovllm")
@@ -97,6 +109,38 @@ S = RequestStatus
 ROOT = DEFAULT_NAMESPACE.root_key()
 
 
+# nano-vllm's conventions, read from its scheduler.py, block_manager.py and sequence.py
+# (the CFG-pair branches are never taken: the adapter submits no paired sequence):
+# * lookahead_slots 0: a prefill allocates ceil(len(seq) / block_size) blocks, exactly the
+#   prompt it writes, and ``may_append`` adds a block only when the token about to be
+#   computed (position len(seq) - 1) starts one, so at a step boundary a table holds
+#   ceil(kv / block_size) blocks and no slot ahead.
+# * eos: ``postprocess`` finishes a sequence whose token equals ``config.eos`` unless
+#   ``ignore_eos`` (False in the SamplingParams the adapter builds).
+# * FCFS: ``waiting`` is a deque appended at submission; admission looks only at its head
+#   and stops (``break``) at the first sequence that does not fit in the budget
+#   (len(seq), cache hits not deducted) or in the free blocks: head-of-line blocking,
+#   nothing is ever passed over. Preempted sequences go back to the front (appendleft),
+#   which ORDER leaves to the engine.
+# * prefill-first: a step that admits any waiting sequence runs prefills only; decodes
+#   run only in steps where nothing was admitted.
+# * same_step_prefix_hits: ``allocate`` indexes a full block's hash as soon as it
+#   allocates it, so a sequence admitted later in the same ``schedule()`` call hits it;
+#   safe because ``Attention.forward`` runs ``store_kvcache`` for the whole batch before
+#   that layer's attention reads the cache (layers/attention.py).
+# * free_queue_order: ``free_block_ids`` is a deque, new blocks come from its head
+#   (``free_block_ids[0]``) and freed ones are appended at its tail; a freed block loses
+#   its hash entry, so no cache hit takes one from the middle.
+NANOVLLM_PROPERTIES = EngineProperties(
+    lookahead_slots=0,
+    eos=True,
+    admission_order=AdmissionOrder.FCFS,
+    step_order=StepOrder.PREFILL_FIRST,
+    same_step_prefix_hits=True,
+    free_queue_order=True,
+)
+
+
 def _version() -> str:
     try:
         return metadata.version("nano-vllm-fork")
@@ -107,14 +151,18 @@ def _version() -> str:
 class NanoVllmAdapter:
     """nano-vllm-fork's Scheduler + BlockManager behind the conformance protocol."""
 
+    properties = NANOVLLM_PROPERTIES
+
     def __init__(self, *, native_sequence: bool = False) -> None:
         self._native = native_sequence
         self._sched: Any = None
         self._seq_cls: Any = Sequence
         self._cfg: EngineConfig | None = None
         self._seqs: dict[str, Any] = {}  # request id -> Sequence, live ones
+        self._all: dict[str, Any] = {}  # request id -> Sequence, every one submitted
         self._ids: dict[int, str] = {}  # seq_id -> request id
         self._max_tokens: dict[str, int] = {}
+        self._arrival: dict[str, int] = {}
         self._ran: set[str] = set()  # has been scheduled at least once
         self._retired: list[tuple[Any, RequestStatus]] = []
         self._pending: list[Any] = []
@@ -151,8 +199,10 @@ class NanoVllmAdapter:
         )
         self._cfg = config
         self._seqs.clear()
+        self._all.clear()
         self._ids.clear()
         self._max_tokens.clear()
+        self._arrival.clear()
         self._ran.clear()
         self._retired.clear()
         self._pending = []
@@ -176,8 +226,10 @@ class NanoVllmAdapter:
         except (AssertionError, IndexError, ValueError) as e:
             raise Rejected(f"{type(e).__name__}: {e}") from e
         self._seqs[request.request_id] = seq
+        self._all[request.request_id] = seq
         self._ids[seq.seq_id] = request.request_id
         self._max_tokens[request.request_id] = request.max_tokens
+        self._arrival[request.request_id] = request.arrival_step
         self._sched.add(seq)
 
     def abort(self, request_id: str) -> None:
@@ -192,7 +244,7 @@ class NanoVllmAdapter:
     # ------------------------------------------------------------------ the step
     def schedule(self) -> StepReport:
         self._retired = []
-        held = {rid for rid, s in self._seqs.items() if s.block_table}
+        held = {rid for rid, s in self._all.items() if s.block_table}
         seqs, is_prefill = self._sched.schedule()
         self._pending = list(seqs)
         bs = self.cfg.block_size
@@ -213,8 +265,10 @@ class NanoVllmAdapter:
             else:
                 cached = 0
                 positions = (len(seq) - 1,)
-                last = table[-1] if table else -1
-                slots = [last * bs + seq.last_block_num_tokens - 1]
+                # A sequence preempted after it was scheduled has an empty table: the
+                # model runner's block_table[-1] has no slot to give (it would raise
+                # IndexError), so none is reported (POS: slot mapping length).
+                slots = [table[-1] * bs + seq.last_block_num_tokens - 1] if table else []
             scheduled.append(
                 ScheduledRequest(
                     request_id=rid,
@@ -227,12 +281,7 @@ class NanoVllmAdapter:
                 )
             )
         preempted = tuple(
-            sorted(
-                rid
-                for rid in held
-                if not self._seqs[rid].block_table
-                and self._seqs[rid].status == SequenceStatus.WAITING
-            )
+            sorted(rid for rid in held if self._all[rid].status == SequenceStatus.WAITING)
         )
         return StepReport(scheduled=tuple(scheduled), preempted=preempted)
 
@@ -243,11 +292,11 @@ class NanoVllmAdapter:
         finished: list[tuple[str, str]] = []
         for seq in seqs:
             rid = self._ids[seq.seq_id]
-            if seq.status == SequenceStatus.FINISHED and rid in self._seqs:
+            if seq.status == SequenceStatus.FINISHED and rid not in dict(finished):
                 eos = self.cfg.eos_token_id
                 reason = "stop" if eos is not None and seq.last_token == eos else "length"
                 finished.append((rid, reason))
-                del self._seqs[rid]
+                self._seqs.pop(rid, None)
                 self._retired.append((seq, S.FINISHED))
         return CommitReport(tuple(finished))
 
@@ -275,11 +324,28 @@ class NanoVllmAdapter:
             max_tokens=self._max_tokens[rid],
             num_cached_tokens=int(seq.num_cached_tokens),
             max_model_len=self.cfg.max_model_len,
+            arrival_step=self._arrival.get(rid, 0),
         )
+
+    def _revived(self) -> dict[str, Any]:
+        """Sequences nano-vllm brought back after they finished: a stale queue entry that
+        its decode loop preempted is WAITING again and may run again (and hold blocks).
+        They are reported as the engine holds them, never hidden."""
+        retired = {s.seq_id for s, _ in self._retired}
+        queued = {s.seq_id for s in (*self._sched.waiting, *self._sched.running)}
+        return {
+            rid: seq
+            for rid, seq in self._all.items()
+            if rid not in self._seqs
+            and seq.seq_id not in retired
+            and seq.status != SequenceStatus.FINISHED
+            and (seq.seq_id in queued or seq.block_table)
+        }
 
     def snapshot(self) -> EngineSnapshot:
         bm = self._sched.block_manager
-        requests = [self._request(rid, seq) for rid, seq in self._seqs.items()]
+        live = {**self._seqs, **self._revived()}
+        requests = [self._request(rid, seq) for rid, seq in live.items()]
         requests += [self._request(self._ids[s.seq_id], s, st) for s, st in self._retired]
         tables = [
             TableSnapshot(
@@ -289,7 +355,7 @@ class NanoVllmAdapter:
                 tuple(int(t) for t in seq.token_ids[: self._kv_len(seq)]),
                 ROOT,
             )
-            for rid, seq in sorted(self._seqs.items())
+            for rid, seq in sorted(self._all.items())
             if seq.block_table
         ]
         pool = PoolSnapshot(

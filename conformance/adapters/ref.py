@@ -12,12 +12,15 @@ from collections.abc import Mapping
 
 from conformance.adapter import (
     ALL_FEATURES,
+    AdmissionOrder,
     CommitReport,
     EngineConfig,
+    EngineProperties,
     Feature,
     NotSupported,
     Rejected,
     RequestSpec,
+    StepOrder,
     StepReport,
 )
 from ref.config import SchedulerConfig
@@ -28,11 +31,23 @@ from ref.request import Request, StopParams
 from ref.scheduler import Scheduler
 from spec.snapshot import EngineSnapshot
 
+# refserve's conventions: KV length and table length agree exactly, eos stops a request,
+# the free queue is an LRU queue handed out from its head, decode-first batching, and
+# strict priority-then-arrival admission with head-of-line blocking (no aging configured).
+REF_PROPERTIES = EngineProperties(
+    lookahead_slots=0,
+    eos=True,
+    admission_order=AdmissionOrder.PRIORITY,
+    step_order=StepOrder.DECODE_FIRST,
+    free_queue_order=True,
+)
+
 
 class RefAdapter:
     """refserve's scheduler + block pool, every feature on."""
 
     name = "refserve"
+    properties = REF_PROPERTIES
 
     def __init__(self, **overrides: object) -> None:
         """``overrides`` are extra :class:`SchedulerConfig` fields (policy, admission...)."""

@@ -125,7 +125,7 @@ def test_report_round_trips(ref_report: Report, tmp_path: Path) -> None:
         assert again == report
         assert again.to_json() == json.loads(path.read_text())
     data = broken.to_json()
-    assert data["format"] == "refserve-conformance" and data["version"] == 1
+    assert data["format"] == "refserve-conformance" and data["version"] == 2
     statuses = {r["status"] for r in data["results"]}
     assert statuses <= {"pass", "fail", "not_supported"} and "fail" in statuses
     failure = next(r["failure"] for r in data["results"] if r["status"] == "fail")
@@ -246,32 +246,113 @@ def test_pytest_plugin_runs_scenarios_as_items() -> None:
 def _nano() -> object:
     return pytest.importorskip(
         "conformance.adapters.nanovllm",
-        reason="nano-vllm-fork not installed (pip install --no-deps nano-vllm-fork xxhash)",
+        reason="nano-vllm-fork is not installed here: it lives in its own virtualenv "
+        "(make conformance-nanovllm, then .venv-nanovllm/bin/python -m pytest "
+        "tests/conformance/test_conformance.py -k nanovllm)",
         exc_type=ImportError,
     )
 
 
 def test_nanovllm_adapter_runs_and_finds_its_known_defects() -> None:
+    """The triage of conformance/FINDINGS_nanovllm.md: conventions declared (and kept),
+    rule violations found."""
+    from conformance.adapter import AdmissionOrder, EngineConfig, EngineProperties, StepOrder
+    from conformance.workload import RequestPlan
+
     mod = _nano()
     factory = mod.make  # type: ignore[attr-defined]
     assert isinstance(factory(), EngineAdapter)
+    assert factory().properties == EngineProperties(
+        lookahead_slots=0,
+        eos=True,
+        admission_order=AdmissionOrder.FCFS,
+        step_order=StepOrder.PREFILL_FIRST,
+        same_step_prefix_hits=True,
+        free_queue_order=True,
+    )
     report = run_suite(
         factory,
         "conformance.adapters.nanovllm:make",
         [
             "bug-fully-cached-prompt-concurrent",
+            "bug-same-step-new-shared-prefix",
             "bug-lone-request-cannot-grow",
             "bug-preemption-storm",
+            "bug-head-of-line-kv-heavy",
+            "bug-free-list-order",
             "bug-abort-waiting",
             "stop-token-forced",
         ],
         max_examples=1,
     )
     status = {(r.scenario, r.invariant): r.status for r in report.results}
+    messages = {(r.scenario, r.invariant): [f.message for f in r.failures] for r in report.results}
+    # Rules broken (findings 1, 2 and 4).
     assert status[("bug-fully-cached-prompt-concurrent", "TOKEN")] == "fail"
+    assert messages[("bug-fully-cached-prompt-concurrent", "PREFIX")] == [
+        "cache hit covers the last known token (no logit)"
+    ]
+    # Finding 3 withdrawn: a same-step hit is the declared convention.
+    assert status[("bug-same-step-new-shared-prefix", "PREFIX")] == "pass"
     assert status[("bug-lone-request-cannot-grow", "PROGRESS")] == "fail"
+    assert any(
+        "AssertionError at scheduler.py:170" in m
+        for m in messages[("bug-lone-request-cannot-grow", "PROGRESS")]
+    )
     assert status[("bug-preemption-storm", "PROGRESS")] == "fail"
+    assert any(
+        "IndexError" in m and "block_manager.py:105" in m
+        for m in messages[("bug-preemption-storm", "PROGRESS")]
+    )
+    # Conventions declared and kept: FCFS with head-of-line blocking, the free-list
+    # hand-out order, eos stops, exact tables (no lookahead), prefill-first batching.
+    for sc in (
+        "bug-fully-cached-prompt-concurrent",
+        "bug-same-step-new-shared-prefix",
+        "bug-preemption-storm",
+        "bug-head-of-line-kv-heavy",
+        "bug-free-list-order",
+        "stop-token-forced",
+    ):
+        assert status[(sc, "ORDER")] == "pass", sc
+        assert status[(sc, "POS")] == "pass", sc
+        assert status[(sc, "CAP")] == "pass", sc
+    for sc in ("bug-head-of-line-kv-heavy", "bug-free-list-order", "stop-token-forced"):
+        assert {status[(sc, inv)] for inv in ("TOKEN", "BLOCK", "KVLEN", "PROGRESS")} == {"pass"}
     assert status[("bug-abort-waiting", "TOKEN")] == "not_supported"
-    assert status[("stop-token-forced", "KVLEN")] == "pass"
+    assert report.policy["step_order"] == {"declared": "prefill_first", "observed": "prefill_first"}
     prefix = next(r for r in report.results if r.invariant == "PREFIX")
     assert "partial" in prefix.note
+
+    def workload(bs: int, nb: int, budget: int, seqs: int, *reqs: RequestPlan) -> Workload:
+        return Workload(EngineConfig(bs, nb, budget, seqs, eos_token_id=1), reqs)
+
+    def seen(w: Workload) -> set[tuple[str, str]]:
+        return {
+            (str(f.invariant), f.violation.message) for f in run_workload(factory(), w).findings
+        }
+
+    # Finding 1: a preempted sequence stays in `running`; readmitted, it is scheduled and
+    # preempted in one step with an empty table (no slot for its position), and is left
+    # in `waiting` after every request finished.
+    dup = seen(workload(2, 2, 4, 2, RequestPlan("r0", (2, 2), 2), RequestPlan("r1", (2,), 3)))
+    assert ("TOKEN", "both scheduled and preempted in one step") in dup
+    assert ("POS", "slot mapping length differs from positions") in dup
+    assert any(inv == "PROGRESS" and "unfinished work" in m for inv, m in dup)
+    # ... and a finished sequence whose stale `running` entry is preempted runs again,
+    # past max_tokens (reported live with its blocks, as the engine holds it).
+    revived = seen(
+        workload(
+            2,
+            4,
+            6,
+            1,
+            RequestPlan("r0", (5,), 3),
+            RequestPlan("r2", (2,), 2),
+            RequestPlan("r3", (2, 2, 5, 7), 2),
+            RequestPlan("r4", (5, 9, 7), 3),
+        )
+    )
+    assert ("KVLEN", "outputs exceed max_tokens") in revived
+    assert ("KVLEN", "reached max_tokens 2 but kept running") in revived
+    assert not any(inv == "BLOCK" for inv, _ in revived)

@@ -1,0 +1,102 @@
+"""refserve's block pool as a KV adapter (``conformance.adapters.ref_kv:make_kv``).
+
+It drives :class:`ref.kv.pool.BlockPool` directly with every KV feature on, and must pass
+the KV level (conformance.kv.machine) with zero findings. The pool takes a prefix hit
+from :meth:`BlockPool.lookup` as an argument; the protocol leaves the hit to the
+manager, so this adapter looks it up itself and trims it (module docstring of
+conformance.kv.protocol): at most the full blocks before the ``num_new_tokens`` the
+suite asked for, and a shorter one (down to none) when the pool cannot afford to revive
+the cached blocks the longer one would take out of the free queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from conformance.adapter import NotSupported
+from conformance.kv.protocol import (
+    ALL_KV_FEATURES,
+    Allocation,
+    KVConfig,
+    KVFeature,
+    NoSpace,
+)
+from ref.errors import ExceedsCapacity, OutOfBlocks, RefserveError
+from ref.kv.pool import BlockPool, PrefixHit
+from spec.snapshot import PoolSnapshot
+
+
+class RefKVAdapter:
+    """refserve's :class:`BlockPool`, every KV feature on."""
+
+    name = "refserve-kv"
+
+    def __init__(self) -> None:
+        self._pool: BlockPool | None = None
+
+    @property
+    def features(self) -> frozenset[KVFeature]:
+        return ALL_KV_FEATURES
+
+    @property
+    def pool(self) -> BlockPool:
+        if self._pool is None:
+            raise NotSupported("configure() was not called")
+        return self._pool
+
+    def make_pool(self, config: KVConfig) -> BlockPool:
+        """The pool for ``config`` (a hook for tests that break the pool on purpose)."""
+        return BlockPool(
+            config.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+
+    def configure(self, config: KVConfig) -> None:
+        try:
+            self._pool = self.make_pool(config)
+        except RefserveError as e:
+            raise NotSupported(str(e)) from e
+
+    def allocate(
+        self, request_id: str, token_ids: Sequence[int], num_new_tokens: int
+    ) -> Allocation:
+        pool = self.pool
+        if pool.has_request(request_id):
+            try:
+                a = pool.allocate(request_id, token_ids, num_new_tokens)
+            except (OutOfBlocks, ExceedsCapacity) as e:
+                raise NoSpace(str(e)) from e
+        else:
+            hit = pool.lookup(token_ids)
+            bs = pool.block_size
+            # The hit may not push the KV length past the known tokens.
+            most = max(0, (len(token_ids) - num_new_tokens) // bs)
+            for k in range(min(len(hit.block_ids), most), -1, -1):
+                trimmed = PrefixHit(hit.root_key, hit.block_ids[:k], hit.keys[:k], bs)
+                try:
+                    a = pool.allocate(request_id, token_ids, num_new_tokens, hit=trimmed)
+                    break
+                except (OutOfBlocks, ExceedsCapacity) as e:
+                    # All-or-nothing: the pool is unchanged, so a shorter hit may fit.
+                    if k == 0:
+                        raise NoSpace(str(e)) from e
+        return Allocation(
+            pool.block_table(request_id),
+            a.num_cached_tokens,
+            tuple((c.src, c.dst) for c in a.copies),
+        )
+
+    def fork(self, parent: str, child: str) -> None:
+        self.pool.fork(parent, child)
+
+    def free(self, request_id: str) -> None:
+        self.pool.free(request_id)
+
+    def snapshot(self) -> PoolSnapshot:
+        return self.pool.snapshot()
+
+
+def make_kv() -> RefKVAdapter:
+    """The ``MODULE:FACTORY`` entry point."""
+    return RefKVAdapter()

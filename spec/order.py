@@ -1,0 +1,81 @@
+"""ORDER: a declared admission order is kept (a policy, checked only when declared).
+
+Why it matters: admission order is a design choice, so refserve never assumes one; but
+an engine that promises first-come-first-served (or strict priority) and then lets a
+later arrival overtake an earlier one that would have fitted has a bug its users will
+see as unexplained tail latency. The rule is stated so that no correct engine of either
+admission style fails it: a request is *passed over* only if it had been waiting since
+before the step, was never run, is ahead in the declared order, and visibly fits in
+what the overtaking request took:
+
+* its whole prompt (plus the declared lookahead slots) needs no more blocks than the
+  overtaking request newly took in this step (so a watermark that admitted the one
+  admits the other),
+* its whole prompt fits in the tokens the overtaking request got plus the budget the
+  step left unused (so an engine that never chunks could have taken it),
+* and the overtaking request's sequence slot would have held it.
+
+Preempted and swapped requests are left out: where a victim re-enters the queue is a
+separate convention (front of the queue, or its arrival place).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from spec.arith import blocks_needed
+from spec.snapshot import RequestStatus, StepSnapshot
+from spec.violation import Invariant, Violation, violation
+
+ORD = Invariant.ORDER
+
+
+def check_admission_order(
+    step: StepSnapshot,
+    keys: Mapping[str, tuple[int, ...]],
+    lookahead: int = 0,
+    order: str = "fcfs",
+) -> list[Violation]:
+    """No never-run waiting request that fits is passed over for one later in ``keys``.
+
+    ``keys[rid]`` is a request's place in the declared order (smaller first): its
+    submission rank for FCFS, (priority, rank) for priority order. Requests without a
+    key are not judged.
+    """
+    out: list[Violation] = []
+    bs = step.before.pool.block_size
+    free_before = set(step.before.pool.free_queue)
+    scheduled = {s.request_id: s for s in step.scheduled}
+    unused = step.token_budget - sum(s.num_new_tokens for s in step.scheduled)
+    waiting = [
+        r
+        for r in step.before.requests
+        if r.status is RequestStatus.WAITING and r.num_computed_tokens == 0 and r.request_id in keys
+    ]
+    admitted = [r for r in waiting if r.request_id in scheduled]
+    passed = [r for r in waiting if r.request_id not in scheduled]
+    for y in admitted:
+        s = scheduled[y.request_id]
+        table = step.after.pool.table(y.request_id)
+        taken_blocks = set(s.block_table) | (set(table.block_table) if table else set())
+        taken = len(taken_blocks & free_before)
+        for x in passed:
+            if keys[x.request_id] >= keys[y.request_id]:
+                continue
+            need = blocks_needed(x.num_tokens + lookahead, bs)
+            if need > taken or x.num_tokens > s.num_new_tokens + unused:
+                continue
+            out.append(
+                violation(
+                    ORD,
+                    f"request {x.request_id}",
+                    f"passed over for {y.request_id}, later in {order} order, although it "
+                    f"fitted (needs {need} blocks and {x.num_tokens} tokens; "
+                    f"{y.request_id} took {taken} blocks and {s.num_new_tokens} tokens, "
+                    f"{unused} tokens unused)",
+                    f"admitted before {y.request_id}",
+                    "still waiting",
+                )
+            )
+            break
+    return out

@@ -1,0 +1,298 @@
+"""Conformance adapters for the indie engine (tests/conformance/indie_engine.py).
+
+``indie_adapter:make`` drives the whole engine (:class:`IndieAdapter`,
+``conformance.adapter.EngineAdapter``); ``indie_adapter:make_kv`` drives its block manager
+alone (:class:`IndieKVAdapter`, ``conformance.kv.protocol.KVAdapter``). Each planted bug
+of :data:`indie_engine.BUGS` has both factories, ``make_<bug>`` and ``make_kv_<bug>``
+(e.g. ``indie_adapter:make_cow_skipped`` / ``indie_adapter:make_kv_cow_skipped``),
+resolved by the module ``__getattr__`` below; both build the engine or manager with that
+bug. With ``tests/conformance`` on ``sys.path`` they load like any adapter.
+
+How the engine maps onto the protocol (the adapters translate; they never fix):
+
+* The engine's step is one generator (plan, ``yield`` the batch, receive the sampled
+  tokens, commit). ``schedule`` runs it up to the ``yield``; ``commit`` sends the tokens
+  and returns what the generator returns. Planning mutates the engine at once and
+  nothing can undo it, so ``rollback`` is not supported.
+* States: never run -> ``waiting``; ``PREFILL`` -> ``prefilling``; ``DECODE`` ->
+  ``decoding``; ``PREEMPTED`` -> ``preempted``; retired requests (the engine's outbox,
+  emptied when a step begins) -> ``finished`` or, for reason ``abort``, ``aborted``.
+* Positions, slots and block tables are the engine's :class:`indie_engine.Chunk`, as its
+  model runner would receive them; the table may hold the block of the slot reserved
+  ahead (declared: ``lookahead_slots=1``).
+* The pool's free queue is the LIFO stack read from the top (hand-out order). The
+  prefix index is keyed by Python ``hash`` chains, not by the spec hash chain, so no
+  cache entries are exposed (feature ``cache_index`` off).
+* Not supported (undeclared): prefix caching in the scheduler, priorities, rollback,
+  stop token ids, eos (declared ``eos=False``: it stops only at ``max_tokens``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from indie_engine import (
+    BUGS,
+    BlockManager,
+    EngineError,
+    IndieEngine,
+    OutOfBlocks,
+    Request,
+    State,
+    StepGen,
+)
+
+from conformance.adapter import (
+    AdmissionOrder,
+    CommitReport,
+    EngineConfig,
+    EngineProperties,
+    Feature,
+    NotSupported,
+    Rejected,
+    RequestSpec,
+    StepOrder,
+    StepReport,
+)
+from conformance.kv.protocol import Allocation, KVConfig, KVFeature, NoSpace
+from spec.snapshot import (
+    EngineSnapshot,
+    PoolSnapshot,
+    RequestSnapshot,
+    RequestStatus,
+    ScheduledRequest,
+    TableSnapshot,
+)
+
+PROPERTIES = EngineProperties(
+    lookahead_slots=1,
+    eos=False,
+    admission_order=AdmissionOrder.FCFS,
+    step_order=StepOrder.PREFILL_FIRST,
+)
+
+_STATUS = {
+    State.QUEUED: RequestStatus.WAITING,
+    State.PREFILL: RequestStatus.PREFILLING,
+    State.DECODE: RequestStatus.DECODING,
+    State.PREEMPTED: RequestStatus.PREEMPTED,
+}
+
+
+def pool_snapshot(bm: BlockManager) -> PoolSnapshot:
+    return PoolSnapshot(
+        num_blocks=bm.num_blocks,
+        block_size=bm.block_size,
+        ref_cnt=tuple(bm.ref),
+        free_queue=tuple(reversed(bm.free_stack)),
+        tables=tuple(
+            TableSnapshot(rid, tuple(t.blocks), len(t.tokens), tuple(t.tokens))
+            for rid, t in sorted(bm.tables.items())
+        ),
+    )
+
+
+class IndieAdapter:
+    """The indie engine behind ``conformance.adapter.EngineAdapter``."""
+
+    properties = PROPERTIES
+
+    def __init__(self, bug: str | None = None) -> None:
+        self.bug = bug
+        self._eng: IndieEngine | None = None
+        self._gen: StepGen | None = None
+        self._arrival: dict[str, int] = {}
+
+    @property
+    def name(self) -> str:
+        return "indie 0.1" + (f" (bug {self.bug})" if self.bug else "")
+
+    @property
+    def features(self) -> frozenset[Feature]:
+        return frozenset(
+            {
+                Feature.CHUNKED_PREFILL,
+                Feature.PREEMPTION,
+                Feature.ABORT,
+                # It never caches, so switching caching off is always honoured.
+                Feature.PREFIX_CACHING_OPTIONAL,
+            }
+        )
+
+    @property
+    def eng(self) -> IndieEngine:
+        if self._eng is None:
+            raise NotSupported("configure() was not called")
+        return self._eng
+
+    def configure(self, config: EngineConfig) -> None:
+        try:
+            self._eng = IndieEngine(
+                num_blocks=config.num_blocks,
+                block_size=config.block_size,
+                max_batched_tokens=config.max_num_batched_tokens,
+                max_seqs=config.max_num_seqs,
+                max_model_len=config.max_model_len,
+                bug=self.bug,
+            )
+        except EngineError as e:
+            raise NotSupported(str(e)) from e
+        self._gen = None
+        self._arrival = {}
+
+    def add_request(self, request: RequestSpec) -> None:
+        if request.stop_token_ids:
+            raise NotSupported("stop token ids")
+        try:
+            self.eng.add_request(request.request_id, request.prompt_token_ids, request.max_tokens)
+        except EngineError as e:
+            raise Rejected(str(e)) from e
+        self._arrival[request.request_id] = request.arrival_step
+
+    def abort(self, request_id: str) -> None:
+        self.eng.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.eng.has_unfinished()
+
+    def schedule(self) -> StepReport:
+        gen = self.eng.step()
+        batch = next(gen)
+        self._gen = gen
+        return StepReport(
+            scheduled=tuple(
+                ScheduledRequest(
+                    c.rid,
+                    len(c.positions),
+                    c.positions,
+                    c.slots,
+                    c.block_table,
+                    c.samples,
+                )
+                for c in batch.chunks
+            ),
+            preempted=batch.preempted,
+            finished=batch.retired,
+            block_copies=batch.copies,
+        )
+
+    def commit(self, sampled: Mapping[str, int]) -> CommitReport:
+        gen, self._gen = self._gen, None
+        if gen is None:
+            raise RuntimeError("commit without schedule")
+        try:
+            gen.send(dict(sampled))
+        except StopIteration as done:
+            return CommitReport(done.value.finished)
+        raise RuntimeError("the engine's step did not finish after the model's tokens")
+
+    def rollback(self) -> None:
+        raise NotSupported("indie commits its plan as it makes it; a step cannot be undone")
+
+    def snapshot(self) -> EngineSnapshot:
+        eng = self.eng
+        live = [*eng.requests.values(), *eng.outbox]
+        return EngineSnapshot(
+            tuple(self._request(r) for r in sorted(live, key=lambda r: r.rid)),
+            pool_snapshot(eng.bm),
+        )
+
+    def _request(self, r: Request) -> RequestSnapshot:
+        if r.state is State.DONE:
+            status = RequestStatus.ABORTED if r.reason == "abort" else RequestStatus.FINISHED
+        else:
+            status = _STATUS[r.state]
+        return RequestSnapshot(
+            request_id=r.rid,
+            status=status,
+            num_prompt_tokens=r.num_prompt,
+            num_output_tokens=r.num_outputs,
+            num_computed_tokens=r.computed,
+            max_tokens=r.max_tokens,
+            max_model_len=self.eng.max_model_len,
+            arrival_step=self._arrival.get(r.rid, 0),
+        )
+
+
+class IndieKVAdapter:
+    """The indie block manager behind ``conformance.kv.protocol.KVAdapter``.
+
+    A request's first allocation goes through the prefix cache
+    (:meth:`BlockManager.allocate_cached`); later ones append. It reserves no slot ahead:
+    the engine asks for that, and the KV protocol has no lookahead.
+    """
+
+    def __init__(self, bug: str | None = None) -> None:
+        self.bug = bug
+        self._bm: BlockManager | None = None
+
+    @property
+    def name(self) -> str:
+        return "indie-blocks 0.1" + (f" (bug {self.bug})" if self.bug else "")
+
+    @property
+    def features(self) -> frozenset[KVFeature]:
+        return frozenset(
+            {KVFeature.FORK, KVFeature.PREFIX_CACHING, KVFeature.PREFIX_CACHING_OPTIONAL}
+        )
+
+    @property
+    def bm(self) -> BlockManager:
+        if self._bm is None:
+            raise NotSupported("configure() was not called")
+        return self._bm
+
+    def configure(self, config: KVConfig) -> None:
+        try:
+            self._bm = BlockManager(
+                config.num_blocks,
+                config.block_size,
+                prefix_caching=config.enable_prefix_caching,
+                bug=self.bug,
+            )
+        except EngineError as e:
+            raise NotSupported(str(e)) from e
+
+    def allocate(
+        self, request_id: str, token_ids: Sequence[int], num_new_tokens: int
+    ) -> Allocation:
+        bm = self.bm
+        try:
+            if request_id in bm.tables:
+                res = bm.append(request_id, token_ids, num_new_tokens)
+            else:
+                res = bm.allocate_cached(request_id, token_ids, num_new_tokens)
+        except OutOfBlocks as e:
+            raise NoSpace(str(e)) from e
+        return Allocation(res.table, res.cached_tokens, res.copies)
+
+    def fork(self, parent: str, child: str) -> None:
+        self.bm.fork(parent, child)
+
+    def free(self, request_id: str) -> None:
+        self.bm.free(request_id)
+
+    def snapshot(self) -> PoolSnapshot:
+        return pool_snapshot(self.bm)
+
+
+def make() -> IndieAdapter:
+    """``--adapter indie_adapter:make``: the correct engine."""
+    return IndieAdapter()
+
+
+def make_kv() -> IndieKVAdapter:
+    """``--kv-adapter indie_adapter:make_kv``: the correct block manager."""
+    return IndieKVAdapter()
+
+
+def __getattr__(name: str) -> Callable[[], Any]:
+    """``make_<bug>`` and ``make_kv_<bug>`` for every bug in ``indie_engine.BUGS``."""
+    if name.startswith("make_kv_") and name[len("make_kv_") :] in BUGS:
+        bug = name[len("make_kv_") :]
+        return lambda: IndieKVAdapter(bug)
+    if name.startswith("make_") and name[len("make_") :] in BUGS:
+        bug = name[len("make_") :]
+        return lambda: IndieAdapter(bug)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,288 @@
+"""The harness cannot be taken down by the engine it checks.
+
+An adapter that hangs, raises in any call, or returns a malformed record gets a finding
+naming the call and a complete report; the CLI never hangs, never prints a traceback,
+and keeps its exit codes apart: 0 passed, 1 findings, 2 usage or harness error, 130
+interrupted. Results are streamed, so a killed run leaves a valid partial report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+from conformance.adapter import CommitReport, NotSupported, RequestSpec, StepReport
+from conformance.adapters.ref import RefAdapter
+from conformance.cli import conformance_main
+from conformance.report import Report
+from spec.snapshot import EngineSnapshot
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+MOD = "test_harness"
+ONE = ["--scenarios", "seed001-round-by-round"]
+
+
+class HangsInSchedule(RefAdapter):
+    def schedule(self) -> StepReport:
+        if self.sched.step_index >= 2:
+            while True:  # a scheduler that spins forever
+                pass
+        return super().schedule()
+
+
+class HangsInNativeCode(RefAdapter):
+    """Blocked in C with the GIL released: the alarm cannot interrupt it, the watchdog can."""
+
+    def schedule(self) -> StepReport:
+        import hashlib
+
+        hashlib.pbkdf2_hmac("sha256", b"x", b"y", 2**31 - 1)  # ~30 min of C
+        return super().schedule()
+
+
+class Raises(RefAdapter):
+    """Raises in the named call (after a few calls, so the run is under way)."""
+
+    where = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def _maybe(self, name: str) -> None:
+        if name == self.where:
+            self.calls += 1
+            if self.calls >= 3:
+                raise KeyError(f"boom in {name}")
+
+    def configure(self, config: object) -> None:
+        if self.where == "configure":
+            raise RuntimeError("cannot configure")
+        super().configure(config)  # type: ignore[arg-type]
+
+    def add_request(self, request: RequestSpec) -> None:
+        self._maybe("add_request")
+        super().add_request(request)
+
+    def schedule(self) -> StepReport:
+        self._maybe("schedule")
+        return super().schedule()
+
+    def commit(self, sampled: Mapping[str, int]) -> CommitReport:
+        self._maybe("commit")
+        return super().commit(sampled)
+
+    def snapshot(self) -> EngineSnapshot:
+        self._maybe("snapshot")
+        return super().snapshot()
+
+    def has_unfinished(self) -> bool:
+        if self.where == "has_unfinished":
+            raise SystemExit(3)  # even this must not end the run
+        return super().has_unfinished()
+
+
+def _raising(where: str) -> type[Raises]:
+    return type(f"Raises_{where}", (Raises,), {"where": where})
+
+
+class MalformedSnapshot(RefAdapter):
+    def snapshot(self) -> EngineSnapshot:
+        s = super().snapshot()
+        return EngineSnapshot(list(s.requests), s.pool)  # type: ignore[arg-type]
+
+
+class NotASnapshot(RefAdapter):
+    def snapshot(self) -> EngineSnapshot:
+        return {"requests": []}  # type: ignore[return-value]
+
+
+class RefusesRequests(RefAdapter):
+    def add_request(self, request: RequestSpec) -> None:
+        raise NotSupported("this engine takes no requests through the adapter")
+
+
+class BadProperties(RefAdapter):
+    properties: object = ("not", "EngineProperties")
+
+
+def _factory_raises() -> RefAdapter:
+    raise ImportError("the engine's CUDA extension is missing")
+
+
+hangs_in_schedule = HangsInSchedule
+hangs_in_native_code = HangsInNativeCode
+malformed_snapshot = MalformedSnapshot
+not_a_snapshot = NotASnapshot
+refuses_requests = RefusesRequests
+bad_properties = BadProperties
+factory_raises = _factory_raises
+raises_configure = _raising("configure")
+raises_add_request = _raising("add_request")
+raises_schedule = _raising("schedule")
+raises_commit = _raising("commit")
+raises_snapshot = _raising("snapshot")
+raises_has_unfinished = _raising("has_unfinished")
+
+
+def _run(tmp_path: Path, adapter: str, *extra: str) -> tuple[int, Report]:
+    rep = tmp_path / "r.json"
+    code = conformance_main(
+        ["--adapter", f"{MOD}:{adapter}", *ONE, "--report", str(rep), "--no-progress", *extra]
+    )
+    return code, Report.load(rep)
+
+
+def _messages(report: Report) -> list[str]:
+    return [f"{r.invariant} {f.subject}: {f.message}" for r in report.results for f in r.failures]
+
+
+@pytest.mark.parametrize(
+    ("adapter", "fragment"),
+    [
+        ("raises_configure", "configure() raised RuntimeError: cannot configure at"),
+        ("raises_add_request", "add_request('C') raised KeyError: 'boom in add_request'"),
+        ("raises_schedule", "schedule() raised KeyError: 'boom in schedule' at test_harness.py"),
+        ("raises_commit", "commit() raised KeyError"),
+        ("raises_snapshot", "snapshot() raised KeyError"),
+        ("raises_has_unfinished", "has_unfinished() raised SystemExit: 3"),
+        ("malformed_snapshot", "snapshot() returned a malformed record: snapshot.requests"),
+        ("not_a_snapshot", "snapshot() returned a malformed record"),
+        ("factory_raises", "the adapter factory raised ImportError"),
+        ("bad_properties", "adapter.properties must be conformance.adapter.EngineProperties"),
+    ],
+)
+def test_a_faulty_adapter_is_a_finding_with_a_complete_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], adapter: str, fragment: str
+) -> None:
+    code, report = _run(tmp_path, adapter)
+    assert code == 1
+    assert report.complete
+    msgs = _messages(report)
+    assert any(fragment in m and m.startswith("PROGRESS") for m in msgs), msgs
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+
+
+def test_a_hanging_adapter_call_is_a_progress_finding_naming_the_call(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    code, report = _run(tmp_path, "hangs_in_schedule", "--call-timeout", "0.3")
+    assert time.monotonic() - t0 < 30  # one timeout per run, shrinking included
+    assert code == 1 and report.complete
+    msgs = _messages(report)
+    assert any("schedule() did not return within 0.3 s" in m for m in msgs), msgs
+
+
+def test_not_supported_anywhere_means_not_supported(tmp_path: Path) -> None:
+    code, report = _run(tmp_path, "refuses_requests")
+    assert code == 0
+    assert {r.status for r in report.results} == {"not_supported"}
+    info = report.scenarios[0]
+    assert "add_request('A'): this engine takes no requests" in info.not_supported
+
+
+def test_usage_errors_exit_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ref = ["--adapter", "conformance.adapters.ref:make"]
+    cases = [
+        [],
+        ["--adapter", "nope"],
+        ["--adapter", "no_such_module_xyz:make"],
+        ["--adapter", "builtins:nothing_here"],
+        [*ref, "--scenarios", "no-such-scenario"],
+        [*ref, "--examples", "-5"],
+        [*ref, "--examples", "zero"],
+        [*ref, "--call-timeout", "nan"],
+        [*ref, "--call-timeout", "0"],
+        [*ref, "--report", str(tmp_path)],  # a directory
+        [*ref, "--report", str(tmp_path / "file" / "under" / "r.json")],
+        [*ref, "--baseline", str(tmp_path / "missing.json")],
+        [*ref, "--replay", str(tmp_path / "missing.json")],
+        ["--self-check"],
+        ["--bogus-flag"],
+    ]
+    (tmp_path / "file").write_text("a file, not a directory")
+    for argv in cases:
+        assert conformance_main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, argv
+        assert "error" in err, (argv, err)
+
+
+def test_malformed_replay_and_baseline_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ref = ["--adapter", "conformance.adapters.ref:make"]
+    bad = tmp_path / "bad.json"
+    for text in ("{not json", '{"config": 5}', "[1, 2]", '"x"'):
+        bad.write_text(text)
+        assert conformance_main([*ref, "--replay", str(bad)]) == 2, text
+        assert conformance_main([*ref, "--baseline", str(bad)]) == 2, text
+    bad.write_bytes(b"\xff\xfe latin-1 \xe9")
+    assert conformance_main([*ref, "--replay", str(bad)]) == 2
+    assert "not UTF-8" in capsys.readouterr().err
+
+
+def test_output_directories_are_created(tmp_path: Path) -> None:
+    rep = tmp_path / "new" / "dir" / "r.json"
+    md = tmp_path / "md" / "r.md"
+    argv = ["--adapter", "conformance.adapters.ref:make", *ONE]
+    assert conformance_main([*argv, "--report", str(rep), "--markdown", str(md)]) == 0
+    assert Report.load(rep).complete and md.read_text().startswith("# Conformance report")
+
+
+def test_baseline_suppresses_known_findings_and_the_search_goes_on(tmp_path: Path) -> None:
+    base = tmp_path / "base.json"
+    argv = ["--adapter", f"{MOD}:raises_schedule", *ONE, "--no-progress"]
+    assert conformance_main([*argv, "--report", str(base)]) == 1
+    again = tmp_path / "again.json"
+    assert conformance_main([*argv, "--baseline", str(base), "--report", str(again)]) == 0
+    report = Report.load(again)
+    assert not report.failed
+    assert report.scenarios[0].observed.get("suppressed") == 1
+    assert any("suppressed by the baseline" in r.note for r in report.results)
+
+
+def _subprocess(argv: list[str]) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{ROOT}"}
+    cmd = [sys.executable, "-m", "conformance.cli", *argv]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def test_a_call_stuck_in_native_code_ends_the_run_with_a_partial_report(tmp_path: Path) -> None:
+    rep = tmp_path / "r.json"
+    argv = ["--adapter", f"{MOD}:hangs_in_native_code", *ONE, "--call-timeout", "0.5"]
+    proc = _subprocess([*argv, "--report", str(rep)])
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err
+    assert "schedule() did not return within 0.5 s and could not be interrupted" in err
+    report = Report.load(rep)
+    assert not report.complete and report.failed
+
+
+def test_ctrl_c_exits_130_with_one_line_and_a_valid_partial_report(tmp_path: Path) -> None:
+    rep = tmp_path / "r.json"
+    proc = _subprocess(["--adapter", "conformance.adapters.ref:make", "--report", str(rep)])
+    deadline = time.monotonic() + 60
+    while not rep.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the first scenario's results are streamed
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1] == "refserve conformance: interrupted"
+    assert "Traceback" not in err
+    partial = json.loads(rep.read_text())
+    assert partial["complete"] is False and partial["results"]
