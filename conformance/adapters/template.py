@@ -79,6 +79,11 @@ class TemplateAdapter:
         admission_order=AdmissionOrder.UNSPECIFIED,
         # DECODE_FIRST or PREFILL_FIRST batching: observed and reported, never a finding.
         step_order=StepOrder.UNSPECIFIED,
+        # True: a request may take as a cache hit a block another request fills in the
+        # same step (blocks indexed when scheduled; safe when the executor writes each
+        # layer's K/V for the whole batch before attention reads it). False: a block is
+        # cached only once its K/V exists (refserve).
+        same_step_prefix_hits=False,
         # True: PoolSnapshot.free_queue is the order in which the engine hands out free
         # blocks (new blocks must come from its head). False: the engine's free list has
         # no order (a set); the queue is then just the free blocks.
