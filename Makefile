@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CROSSHAIR_MODULES := spec/arith.py spec/hashing.py
 CROSSHAIR_TIMEOUT ?= 5
 
-.PHONY: run test lint typecheck pytest crosshair conformance conformance-nanovllm bench deep clean venv gpu-check
+.PHONY: run test lint typecheck pytest crosshair conformance conformance-nanovllm bench deep clean venv gpu-check gpu-bench
 
 venv: $(STAMP)
 
@@ -83,11 +83,20 @@ deep: $(STAMP)
 clean:
 	rm -rf $(VENV) .hypothesis .mypy_cache .ruff_cache .benchmarks
 
-# On a CUDA machine: the kernel tests compiled, plus the full grid report.
+# On a CUDA machine: the kernel tests compiled, plus the full grid report (every case in
+# its own worker run, fp32/fp16/bf16; docs/KERNELS.md). With gpu-bench: < 10 min on one GPU.
 gpu-check: $(STAMP)
 	mkdir -p out
 	$(PY) -m pytest -p no:cacheprovider tests/kernels -q
-	$(VENV)/bin/refserve check-kernel kernels:paged_attention --json out/gpu_grid.json
+	$(VENV)/bin/refserve check-kernel kernels:paged_attention --timeout 120 \
+		--json out/gpu_grid.json --jsonl out/gpu_grid.jsonl
+
+# On a CUDA machine: decode and mixed batches at 1k-128k context, fp16/bf16, block 16:
+# achieved HBM bandwidth vs a measured device copy, ratios to SDPA and FlashInfer
+# (if installed), one JSON (docs/KERNELS.md, "GPU benchmark"). Exits 2 without CUDA.
+gpu-bench: $(STAMP)
+	mkdir -p out
+	$(PY) -m kernels.bench --json out/gpu_bench.json
 
 # Mutation testing of the block pool and scheduler (mutmut 3, config in pyproject.toml;
 # mutants live in mutants/, the real sources are never touched). Results: docs/MUTATION.md.

@@ -472,3 +472,9 @@ def paged_attention(
             BLOCK_SEG=next_power_of_2(cfg.num_segments),
         )
     return out
+
+
+# What ``refserve check-kernel`` may ask of this kernel (docs/KERNELS.md, "Capabilities"):
+# everything in the grid except the HND cache layout; split-KV is found from the
+# ``num_kv_splits`` keyword. A plain dict, so the grid's dataclass is not imported here.
+paged_attention.__dict__["refserve_capabilities"] = {"layouts": ["nhd"]}

@@ -1,51 +1,207 @@
-"""The ``refserve`` command line: ``simulate``, ``demo``, ``check-kernel``.
+"""The ``refserve`` command line: ``simulate``, ``demo``, ``generate``, ``compare``,
+``check-kernel``, ``conformance``.
 
-Subcommands that need ``conformance`` import it lazily so the core never depends on it.
+One error surface for every subcommand (:func:`run_cli`): a typed error (bad input, a bad
+option, an output path that cannot be written) prints one line ``refserve: error: ...``
+and exits 2; Ctrl-C prints ``refserve: interrupted`` and exits 130; anything else is an
+internal error, also one line and exit 2; ``--debug`` (anywhere on the line) adds the
+traceback. Exit 1 is reserved for a check that ran and failed (``check-kernel``,
+``conformance``). Every input is validated and every output path checked before the work
+starts; outputs are written to a temporary name and renamed, so an interrupted run leaves
+no half-written file. ``conformance`` owns its whole command line (``conformance.cli``).
+
+Limits of the options: block pools at most ``MAX_BLOCKS`` blocks (a
+pool is a Python list: 2**22 blocks take about a second to build), token counts at most
+``MAX_TOKENS``, ``--max-steps`` at most ``MAX_STEPS``, every float finite.
+
+Heavy modules (torch, the engine) are imported inside the commands, after the error
+surface is in place, so Ctrl-C during start-up is handled like Ctrl-C during the run.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import math
+import os
+import re
 import sys
-from collections.abc import Sequence
-from dataclasses import asdict
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
-from ref.config import Admission, PolicyName, SchedulerConfig
-from ref.cost_model import CostModel
-from ref.errors import RefserveError
-from ref.metrics import RequestMetrics, RunMetrics
-from ref.scheduler import Scheduler
-from ref.sim import SimResult, simulate
-from ref.swap import PreemptionMode, SwapCostModel
-from ref.trace import BUILTIN, load_trace
+from ref.errors import InvalidArgument, RefserveError, UsageError
+
+if TYPE_CHECKING:
+    from ref.config import SchedulerConfig
+    from ref.cost_model import CostModel
+    from ref.sim import SimResult
+
+PROG = "refserve"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+MAX_BLOCKS = 1 << 22
+MAX_TOKENS = (1 << 31) - 1
+MAX_BLOCK_SIZE = 1 << 16
+MAX_SEQS = 1 << 20
+MAX_STEPS = 100_000_000
+MAX_KV_BYTES_PER_TOKEN = 1 << 40
+MAX_MESSAGE_CHARS = 1000
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    # ``conformance`` owns its whole argument list, --debug included.
+    if args[:1] == ["conformance"]:
+        return _conformance_main(args[1:])
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"]
+    if args[:1] == ["conformance"]:  # refserve --debug conformance ...
+        return _conformance_main([*args[1:], "--debug"])
+    return run_cli(lambda: _dispatch(args), debug=debug)
+
+
+def _dispatch(args: list[str]) -> int:
     # These own their whole argument list: argparse cannot hand options that come first
     # to a REMAINDER positional.
-    if argv[:1] == ["conformance"]:
-        return _conformance_main(argv[1:])
-    if argv[:1] == ["check-kernel"]:
-        return _check_kernel_main(argv[1:])
-    if argv[:1] == ["compare"]:
-        from ref.compare import compare_main
+    if args[:1] == ["check-kernel"]:
+        return _check_kernel_main(args[1:])
+    if args[:1] == ["compare"]:
+        from ref.compare import compare_cli
 
-        return compare_main(argv[1:])
-    parser = _parser()
-    args = parser.parse_args(argv)
-    try:
-        code: int = args.func(args)
-    except RefserveError as e:
-        print(f"refserve: error: {e}", file=sys.stderr)
-        return 2
+        return compare_cli(args[1:])
+    ns = _parser().parse_args(args)
+    code: int = ns.func(ns)
     return code
 
 
+# --------------------------------------------------------------------- error surface
+def run_cli(command: Callable[[], int], *, debug: bool = False) -> int:
+    """Run a command under the one error surface; return its exit status."""
+    try:
+        return command()
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        _say("interrupted")
+        return EXIT_INTERRUPTED
+    except SystemExit as e:  # --help: argparse prints and exits 0
+        return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_USAGE)
+    except RefserveError as e:
+        if debug:
+            traceback.print_exc()
+        _say(f"error: {e}")
+        return EXIT_USAGE
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly; point stdout at /dev/null so the
+        # interpreter's final flush does not fail again.
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
+    except OSError as e:  # a file the OS refused (read or write) that no check foresaw
+        if debug:
+            traceback.print_exc()
+        where = f"{e.filename}: " if e.filename is not None else ""
+        _say(f"error: {where}{e.strerror or e}")
+        return EXIT_USAGE
+    except MemoryError:
+        if debug:
+            traceback.print_exc()
+        _say("error: out of memory (the input asks for more than this machine has)")
+        return EXIT_USAGE
+    except Exception as e:  # a bug in refserve: still one line unless --debug
+        if debug:
+            traceback.print_exc()
+        _say(f"error: internal error: {type(e).__name__}: {e} (--debug shows the traceback)")
+        return EXIT_USAGE
+
+
+def _say(message: str) -> None:
+    """One line on stderr, whatever the message holds (newlines, thousands of digits)."""
+    text = " ".join(message.splitlines()) or message
+    if len(text) > MAX_MESSAGE_CHARS:
+        text = text[: MAX_MESSAGE_CHARS - 3] + "..."
+    print(f"{PROG}: {text}", file=sys.stderr, flush=True)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are :class:`UsageError` (one line, exit 2 via
+    :func:`run_cli`) instead of a usage block and ``sys.exit(2)``."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{_clip(message, 300)} (see '{self.prog} --help')")
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def int_at_most(hi: int, lo: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an int, at most ``hi`` (and at least ``lo`` when given). Lower
+    bounds are otherwise left to the config objects, whose messages name the field."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:  # also past Python's 4300-digit limit
+            raise argparse.ArgumentTypeError(f"expected an int, got {_clip(text)!r}") from None
+        if value > hi or (lo is not None and value < lo):
+            bounds = f"at most {hi}" if lo is None else f"an int in [{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {_clip(text)}")
+        return value
+
+    return parse
+
+
+def finite_float(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite float in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {_clip(text)!r}") from None
+        above = value > lo if lo_open else value >= lo
+        if not (above and value <= hi):  # NaN fails every comparison
+            left = "(" if lo_open else "["
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number in {left}{lo:g}, {hi:g}], got {_clip(text)}"
+            )
+        return value
+
+    return parse
+
+
+def check_device(text: str, option: str = "--device") -> str:
+    """``cpu``, ``cuda`` or ``cuda:N`` on a machine that has it; anything else is refused
+    by name before a model is built (torch would fail deep inside, or, for ``meta``,
+    load tensors without data)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        raise InvalidArgument(f"{option} {text!r}: not a device (use cpu or cuda[:N])") from None
+    if device.type == "cpu":
+        return text
+    if device.type != "cuda":
+        raise InvalidArgument(f"{option} {text!r}: only cpu and cuda[:N] are supported")
+    if not torch.cuda.is_available():
+        raise InvalidArgument(f"{option} {text!r}: CUDA is not available on this machine")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise InvalidArgument(f"{option} {text!r}: this machine has {count} CUDA device(s)")
+    return text
+
+
+# --------------------------------------------------------------------- the parser
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="refserve", description=__doc__)
+    from ref.trace import BUILTIN
+
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--debug", action="store_true", help="show the traceback of an error (any position)"
+    )
     sub = p.add_subparsers(required=True, metavar="COMMAND")
 
     sim = sub.add_parser("simulate", help="replay a JSONL trace on the cost-model simulator")
@@ -56,6 +212,15 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", type=Path, help="write timelines, iterations and summary here")
     sim.add_argument("--quiet", action="store_true", help="summary only, no per-round table")
     sim.add_argument("--timeline", type=Path, help="write a timeline picture (self-contained HTML)")
+    from ref.sim import DEFAULT_MAX_STEPS
+
+    sim.add_argument(
+        "--max-steps",
+        type=int_at_most(MAX_STEPS, lo=1),
+        default=DEFAULT_MAX_STEPS,
+        help=f"stop after this many steps, write the partial result, exit 2 "
+        f"(default {DEFAULT_MAX_STEPS:,}, at most {MAX_STEPS:,})",
+    )
     sim.set_defaults(func=_simulate)
 
     demo = sub.add_parser(
@@ -71,34 +236,37 @@ def _parser() -> argparse.ArgumentParser:
 
     add_generate_parser(sub)
 
+    # Listed for --help; main() hands their arguments over before this parser runs.
     ck = sub.add_parser("check-kernel", help="run the kernel grid against the dense oracle")
     ck.add_argument(
         "rest", nargs=argparse.REMAINDER, help="MODULE:FUNCTION [--layout vllm] [--json OUT]"
     )
-    ck.set_defaults(func=_check_kernel)
-    cmp = sub.add_parser(
+    sub.add_parser(
         "compare", help="compare scheduling policies over built-in traces and a rate sweep"
-    )
-    cmp.add_argument("rest", nargs=argparse.REMAINDER, help="[--out DIR] [--rates ...] [--quick]")
-    conf = sub.add_parser(
+    ).add_argument("rest", nargs=argparse.REMAINDER, help="[--out DIR] [--rates ...] [--quick]")
+    sub.add_parser(
         "conformance", help="check an engine's scheduler and KV manager against the spec"
-    )
-    conf.add_argument(
+    ).add_argument(
         "rest",
         nargs=argparse.REMAINDER,
         help="--adapter MODULE:FACTORY [--scenarios ...] [--report R.json] [--markdown R.md] "
         "[--examples N] [--replay W.json] [--list]",
     )
-    conf.set_defaults(func=_conformance)
     return p
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=4096)
-    p.add_argument("--max-model-len", type=int, default=1 << 20)
+    from ref.config import Admission, PolicyName
+    from ref.swap import PreemptionMode
+
+    tokens, blocks = int_at_most(MAX_TOKENS), int_at_most(MAX_BLOCKS)
+    p.add_argument("--max-num-batched-tokens", type=tokens, default=2048)
+    p.add_argument("--max-num-seqs", type=int_at_most(MAX_SEQS), default=256)
+    p.add_argument("--block-size", type=int_at_most(MAX_BLOCK_SIZE), default=16)
+    p.add_argument(
+        "--num-blocks", type=blocks, default=4096, help=f"KV blocks (at most {MAX_BLOCKS:,})"
+    )
+    p.add_argument("--max-model-len", type=tokens, default=1 << 20)
     p.add_argument(
         "--cost", default="2+0.5P+D", help="step cost in ms, e.g. '2+0.5P+D' (K: KV read)"
     )
@@ -108,7 +276,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--admission", choices=[x.value for x in Admission], default=Admission.FIRST_CHUNK.value
     )
-    p.add_argument("--watermark-blocks", type=int, default=0)
+    p.add_argument("--watermark-blocks", type=blocks, default=0)
     p.add_argument(
         "--align-chunks", action="store_true", help="end partial chunks on block boundaries"
     )
@@ -120,19 +288,28 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         default=PreemptionMode.RECOMPUTE.value,
         help="swap/auto need --num-host-blocks; auto also --kv-bytes-per-token",
     )
-    p.add_argument("--num-host-blocks", type=int, default=0, help="host swap pool size")
+    p.add_argument("--num-host-blocks", type=blocks, default=0, help="host swap pool size")
     p.add_argument(
         "--kv-bytes-per-token",
-        type=int,
+        type=int_at_most(MAX_KV_BYTES_PER_TOKEN),
         help="K+V bytes of one token over all layers (prices swap; e.g. 524288 for a 7B fp16)",
     )
-    p.add_argument("--swap-link-gbps", type=float, default=25.0, help="host link GB/s")
+    p.add_argument(
+        "--swap-link-gbps",
+        type=finite_float(0, 1e6, lo_open=True),
+        default=25.0,
+        help="host link GB/s",
+    )
     p.add_argument(
         "--check", action="store_true", help="check every spec invariant after every step"
     )
 
 
 def _config(args: argparse.Namespace) -> SchedulerConfig:
+    from ref.config import Admission, PolicyName, SchedulerConfig
+    from ref.cost_model import CostModel
+    from ref.swap import PreemptionMode, SwapCostModel
+
     return SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
@@ -159,42 +336,97 @@ def _config(args: argparse.Namespace) -> SchedulerConfig:
     )
 
 
+# --------------------------------------------------------------------- commands
 def _simulate(args: argparse.Namespace) -> int:
+    import json
+
+    from ref.cost_model import CostModel
+    from ref.scheduler import Scheduler
+    from ref.sim import StepLimitReached, simulate
+    from ref.trace import atomic_write_text, check_output_file, load_trace, shown
+
+    # Everything is checked before the first step: options, the trace, the output paths.
     config = _config(args)
     cost = CostModel.parse(args.cost)
-    trace = load_trace(args.trace)
-    result = simulate(
-        Scheduler(config), [t.to_request() for t in trace], cost, check_invariants=args.check
-    )
+    trace = load_trace(args.trace, max_model_len=config.max_model_len)
+    json_path = check_output_file(args.json, "--json") if args.json else None
+    timeline_path = check_output_file(args.timeline, "--timeline") if args.timeline else None
+    trace_path = Path(args.trace) if os.path.exists(args.trace) else None  # else built-in
+    _distinct_files({"trace": trace_path, "--json": json_path, "--timeline": timeline_path})
+    stopped: StepLimitReached | None = None
+    try:
+        result = simulate(
+            Scheduler(config),
+            [t.to_request() for t in trace],
+            cost,
+            check_invariants=args.check,
+            max_steps=args.max_steps,
+        )
+    except StepLimitReached as e:
+        # Write what ran (marked incomplete), then end with the typed error.
+        result, stopped = e.partial, e
     if not args.quiet:
         print(render_rounds(result))
         print()
     print(render_summary(result))
-    if args.timeline:
+    if timeline_path is not None:
         from ref.timeline import write_timeline_html
 
         write_timeline_html(
-            args.timeline, result.steps, config.num_blocks, f"refserve simulate {args.trace}"
+            timeline_path,
+            result.steps,
+            config.num_blocks,
+            f"refserve simulate {shown(args.trace)}",
         )
-        print(f"\ntimeline picture: {args.timeline}")
-    if args.json:
-        args.json.write_text(
-            json.dumps(result_json(result, config, cost), indent=2) + "\n", encoding="utf-8"
-        )
-        print(f"\nwrote {args.json}")
-    return 0
+        print(f"\ntimeline picture: {shown(args.timeline)}")
+    if json_path is not None:
+        doc = result_json(result, config, cost)
+        doc["complete"] = stopped is None
+        # allow_nan=False: the file is standard JSON or it is not written at all.
+        atomic_write_text(json_path, json.dumps(doc, indent=2, allow_nan=False) + "\n", "--json")
+        print(f"\nwrote {shown(args.json)}")
+    if stopped is not None:
+        if json_path is not None or timeline_path is not None:
+            print("\n(partial result: the run was stopped by --max-steps)")
+        raise stopped
+    return EXIT_OK
+
+
+def _distinct_files(paths: dict[str, Path | None]) -> None:
+    """Refuse an output that names the input or another output: the atomic rename would
+    replace the trace being read, or one output would silently overwrite the other."""
+    seen: dict[tuple[int, int] | str, str] = {}
+    for what, path in paths.items():
+        if path is None:
+            continue
+        try:
+            st = path.stat()
+            key: tuple[int, int] | str = (st.st_dev, st.st_ino)
+        except (OSError, ValueError):  # not there yet: compare by absolute name
+            key = os.path.abspath(path)
+        if key in seen:
+            raise InvalidArgument(f"{what} and {seen[key]} name the same file")
+        seen[key] = what
 
 
 def _demo(args: argparse.Namespace) -> int:
-    if not args.simulator:
-        from ref.engine import demo_main
+    if args.simulator:
+        return _simulator_demo()
+    from ref.trace import check_output_file
 
-        args.timeline.parent.mkdir(parents=True, exist_ok=True)
-        return demo_main(args.timeline)
-    return _simulator_demo()
+    path = check_output_file(args.timeline, "--timeline")
+    from ref.engine import demo_main
+
+    return demo_main(path)
 
 
 def _simulator_demo() -> int:
+    from ref.config import PolicyName, SchedulerConfig
+    from ref.cost_model import CostModel
+    from ref.scheduler import Scheduler
+    from ref.sim import simulate
+    from ref.trace import load_trace
+
     print("refserve demo: seed 002's worked example on the cost-model simulator")
     print("(cost 2 + 0.5P + D ms, token budget 4, decode first, then FCFS prefill)\n")
     config = SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=8, block_size=4, num_blocks=64)
@@ -220,21 +452,95 @@ def _simulator_demo() -> int:
         )
         print(f"  {policy.value:>12}: {len(r.steps)} rounds")
     print("\nevery step above was checked against all spec invariants")
-    return 0
+    return EXIT_OK
 
 
-def _check_kernel(args: argparse.Namespace) -> int:
-    return _check_kernel_main(list(args.rest))
+def _check_kernel_parser() -> argparse.ArgumentParser | None:
+    """``conformance.kernel_grid``'s own options (copied from its parser, so the two never
+    drift apart) behind this CLI's one-line usage errors; ``None`` if it has no parser to
+    copy, and then its arguments go to it unchecked."""
+    from conformance import kernel_grid
+
+    theirs = getattr(kernel_grid, "_parser", None)
+    if theirs is None:
+        return None
+    return ArgumentParser(
+        prog=f"{PROG} check-kernel", parents=[theirs()], conflict_handler="resolve"
+    )
 
 
 def _check_kernel_main(argv: list[str]) -> int:
+    """Check what can be checked before the grid runs (the target's form, the device,
+    the numbers, the output paths), then hand the arguments to the grid unchanged but for
+    ``--json``, which gets a temporary name renamed into place only when complete."""
     from conformance.kernel_grid import check_kernel_main  # lazy: the core never imports it
 
-    return check_kernel_main(argv)
+    parser = _check_kernel_parser()
+    if parser is None or {"-h", "--help"} & set(argv):
+        return check_kernel_main(argv)
+    ns = parser.parse_args(argv)
+    if getattr(ns, "worker", False) or getattr(ns, "list", False):
+        return check_kernel_main(argv)
+    if ns.target is None:
+        raise UsageError("check-kernel: give the kernel to check as MODULE:FUNCTION")
+    _check_kernel_target(ns.target)
+    if getattr(ns, "device", None) is not None:
+        check_device(ns.device)
+    for name, least in (("timeout", "> 0"), ("atol", ">= 0"), ("rtol", ">= 0")):
+        value = getattr(ns, name, None)
+        # NaN passes the grid's own ``<= 0`` check, and a NaN timeout never fires.
+        if value is None:
+            continue
+        if not (math.isfinite(value) and (value > 0 if least == "> 0" else value >= 0)):
+            raise InvalidArgument(
+                f"check-kernel: --{name} must be a finite number {least}, got {value}"
+            )
+    from ref.trace import check_output_file, temp_name
+
+    jsonl = getattr(ns, "jsonl", None)
+    if jsonl and jsonl != "-":
+        # Streamed one record per result, so a partial file is its design; checked only.
+        check_output_file(Path(jsonl), "--jsonl")
+    if ns.json_path is None:
+        return check_kernel_main(argv)
+    # The grid writes its report with a plain open(): hand it a temporary name beside the
+    # real one and rename only a finished report, so Ctrl-C leaves nothing half-written.
+    # Abbreviations of --json cannot occur (each is also one of --jsonl).
+    final = check_output_file(Path(ns.json_path), "--json")
+    tmp = temp_name(final)
+    forward = list(argv)
+    for i, arg in enumerate(argv):
+        if arg == "--json" and i + 1 < len(forward):
+            forward[i + 1] = str(tmp)
+        elif arg.startswith("--json="):
+            forward[i] = f"--json={tmp}"
+    try:
+        code = check_kernel_main(forward)
+        if tmp.exists():
+            os.replace(tmp, final)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return code
 
 
-def _conformance(args: argparse.Namespace) -> int:
-    return _conformance_main(list(args.rest))
+_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def _check_kernel_target(target: str) -> None:
+    """``MODULE:FUNCTION`` whose top-level package exists. Nothing is imported here: the
+    grid loads the kernel in a worker subprocess, so a kernel that crashes on import
+    cannot take this process down."""
+    import importlib.util
+
+    module_name, colon, function = target.partition(":")
+    if not (module_name and colon and function):
+        raise InvalidArgument(f"check-kernel: target {_clip(target)!r} is not MODULE:FUNCTION")
+    if not _MODULE_NAME.match(module_name) or not function.isidentifier():
+        raise InvalidArgument(f"check-kernel: {_clip(target)!r} is not MODULE:FUNCTION")
+    top = module_name.split(".")[0]
+    if importlib.util.find_spec(top) is None:
+        raise InvalidArgument(f"check-kernel: no module named {top!r} (in {_clip(target)!r})")
 
 
 def _conformance_main(argv: list[str]) -> int:
@@ -272,6 +578,8 @@ def _pcts(d: dict[str, float | None]) -> str:
 
 
 def render_summary(result: SimResult) -> str:
+    from ref.metrics import RequestMetrics, RunMetrics
+
     reqs = [RequestMetrics.of(r) for r in result.requests]
     run = RunMetrics.of(reqs, result.makespan_ms)
     head = (
@@ -302,6 +610,10 @@ def render_summary(result: SimResult) -> str:
 
 
 def result_json(result: SimResult, config: SchedulerConfig, cost: CostModel) -> dict[str, object]:
+    from dataclasses import asdict
+
+    from ref.metrics import RequestMetrics, RunMetrics
+
     reqs = [RequestMetrics.of(r) for r in result.requests]
     run = RunMetrics.of(reqs, result.makespan_ms)
     return {

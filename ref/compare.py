@@ -48,12 +48,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO, TypeVar
 
+from ref.cli import MAX_BLOCKS, MAX_TOKENS, ArgumentParser, finite_float, int_at_most, run_cli
 from ref.config import PolicyName, SchedulerConfig
 from ref.cost_model import CostModel
-from ref.errors import InvalidArgument, RefserveError
+from ref.errors import InvalidArgument
 from ref.metrics import RequestMetrics, RunMetrics, percentile
 from ref.report_plot import Point, line_chart_svg
 from ref.scheduler import Scheduler
+from ref.trace import atomic_write_text, check_output_dir, shown
 from ref.workloads import (
     Workload,
     agent_sessions,
@@ -71,6 +73,13 @@ STOP_BELOW = 0.5
 BASE_CONFIG = SchedulerConfig(
     max_num_batched_tokens=512, max_num_seqs=256, block_size=16, num_blocks=4096
 )
+# Limits of the options, checked before anything is built. Scale 1
+# is seed 003's real lengths; below it a session would outgrow what the simulator replays
+# in reasonable time. A run's requests (sessions) are built in memory up front.
+MIN_SCALE, MAX_SCALE = 1.0, 65536.0
+MAX_RATE = 10_000.0
+MAX_REQUESTS = 100_000
+MAX_SLO_MS = 1e9
 
 
 # ------------------------------------------------------------------------ SLOs
@@ -459,7 +468,7 @@ def run_compare(
                 bad_in_a_row[policy.name] = bad_in_a_row[policy.name] + 1 if bad else 0
                 bar.advance(label)
     wall = time.perf_counter() - started
-    opts.out.mkdir(parents=True, exist_ok=True)
+    check_output_dir(opts.out, "--out")  # checked before the sweep too; it may have gone
     plots = _write_plots(opts, plan, active, points)
     knees = {
         spec.name: {
@@ -503,10 +512,15 @@ def run_compare(
         "plots": plots,
         "points": [dataclasses.asdict(p) for p in points],
     }
-    (opts.out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    (opts.out / "report.md").write_text(
+    # Each file goes to a temporary name first: Ctrl-C never leaves half of one. Strict
+    # JSON (allow_nan=False): a non-finite number is a bug to report, not a file to write.
+    atomic_write_text(
+        opts.out / "report.json", json.dumps(report, indent=2, allow_nan=False) + "\n", "--out"
+    )
+    atomic_write_text(
+        opts.out / "report.md",
         render_markdown(opts, plan, active, skipped, points, knees, plots, wall, stopped),
-        encoding="utf-8",
+        "--out",
     )
     return report
 
@@ -550,8 +564,8 @@ def _write_plots(
             log_x=log_x,
         )
         names = {"goodput": f"goodput_{spec.name}.svg", "ttft_p99": f"ttft_p99_{spec.name}.svg"}
-        (opts.out / names["goodput"]).write_text(goodput, encoding="utf-8")
-        (opts.out / names["ttft_p99"]).write_text(ttft, encoding="utf-8")
+        atomic_write_text(opts.out / names["goodput"], goodput, "--out")
+        atomic_write_text(opts.out / names["ttft_p99"], ttft, "--out")
         plots[spec.name] = names
     return plots
 
@@ -700,41 +714,73 @@ def _float_list(text: str) -> tuple[float, ...]:
     try:
         rates = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4; got {text!r}") from None
-    if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
-        raise argparse.ArgumentTypeError(f"rates must be finite numbers > 0; got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected numbers like 1,2,4; got {text[:60]!r}"
+        ) from None
+    if not rates or any(not (0 < r <= MAX_RATE) for r in rates):
+        raise argparse.ArgumentTypeError(
+            f"rates must be finite numbers > 0 and <= {MAX_RATE:g}; got {text[:60]!r}"
+        )
     return rates
 
 
 def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
+    names = tuple(x.strip() for x in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected names like a,b; got {text[:60]!r}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"a name is given twice in {text[:60]!r}")
+    return names
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="refserve compare",
         description="Compare scheduling policies over seed 003's traces and a rate sweep "
         "on the simulator; writes DIR/report.md, DIR/report.json and SVG plots.",
     )
+    ms = finite_float(0, MAX_SLO_MS)
     p.add_argument("--out", type=Path, default=Path("compare-report"), help="output folder")
     p.add_argument(
-        "--rates", type=_float_list, help="rates to sweep for every trace (default: per trace)"
+        "--rates",
+        type=_float_list,
+        help=f"rates to sweep for every trace (default: per trace; each <= {MAX_RATE:g})",
     )
     p.add_argument("--quick", action="store_true", help="few requests and rates (seconds)")
     p.add_argument("--traces", type=_names, help=f"subset of {','.join(t.name for t in TRACES)}")
     p.add_argument(
         "--policies", type=_names, help=f"subset of {','.join(x.name for x in POLICIES)}"
     )
-    p.add_argument("--requests", type=int, help="requests (sessions for agent) per run")
-    p.add_argument("--scale", type=float, default=DEFAULT_SCALE, help="divide token lengths")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--requests",
+        type=int_at_most(MAX_REQUESTS),
+        help=f"requests (sessions for agent) per run (at most {MAX_REQUESTS:,})",
+    )
+    p.add_argument(
+        "--scale",
+        type=finite_float(MIN_SCALE, MAX_SCALE),
+        default=DEFAULT_SCALE,
+        help=f"divide token lengths ({MIN_SCALE:g} to {MAX_SCALE:g}; 1 = seed 003's lengths)",
+    )
+    p.add_argument("--seed", type=int_at_most((1 << 63) - 1, lo=-(1 << 63)), default=0)
     p.add_argument("--cost", default=DEFAULT_COST, help="step cost in ms, e.g. '2+0.5P+D'")
-    p.add_argument("--ttft-slo-ms", type=float, default=Slo.ttft_base_ms)
-    p.add_argument("--ttft-slo-per-token-ms", type=float, default=Slo.ttft_per_token_ms)
-    p.add_argument("--tbt-slo-ms", type=float, default=Slo.tbt_ms)
-    p.add_argument("--knee", type=float, default=0.9, help="goodput/offered threshold")
-    p.add_argument("--max-num-batched-tokens", type=int, default=BASE_CONFIG.max_num_batched_tokens)
-    p.add_argument("--num-blocks", type=int, default=BASE_CONFIG.num_blocks)
+    p.add_argument("--ttft-slo-ms", type=ms, default=Slo.ttft_base_ms)
+    p.add_argument("--ttft-slo-per-token-ms", type=ms, default=Slo.ttft_per_token_ms)
+    p.add_argument(
+        "--tbt-slo-ms", type=finite_float(0, MAX_SLO_MS, lo_open=True), default=Slo.tbt_ms
+    )
+    p.add_argument(
+        "--knee",
+        type=finite_float(0, 1, lo_open=True),
+        default=0.9,
+        help="goodput/offered threshold, in (0, 1]",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int_at_most(MAX_TOKENS),
+        default=BASE_CONFIG.max_num_batched_tokens,
+    )
+    p.add_argument("--num-blocks", type=int_at_most(MAX_BLOCKS), default=BASE_CONFIG.num_blocks)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument(
         "--full-sweep", action="store_true", help="run every rate even far past a policy's knee"
@@ -759,38 +805,51 @@ def _pick(
     return tuple(by_name[n] for n in names)
 
 
-def compare_main(argv: list[str]) -> int:
-    """``refserve compare [--out DIR] [--rates R1,R2,...] [--quick] ...``; returns an exit code."""
+def compare_options(argv: list[str]) -> tuple[CompareOptions, bool]:
+    """Parse and check the command line: the options and whether to show progress.
+    Nothing is built or written yet (the output folder is created if missing, and
+    refused if it cannot hold the report)."""
     args = _parser().parse_args(argv)
-    try:
-        opts = CompareOptions(
-            out=args.out,
-            traces=_pick("trace", args.traces, TRACES, lambda t: t.name),
-            policies=_pick("policy", args.policies, POLICIES, lambda p: p.name),
-            rates=args.rates,
-            quick=args.quick,
-            scale=args.scale,
-            seed=args.seed,
-            cost=CostModel.parse(args.cost),
-            slo=Slo(args.ttft_slo_ms, args.ttft_slo_per_token_ms, args.tbt_slo_ms),
-            base=dataclasses.replace(
-                BASE_CONFIG,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                num_blocks=args.num_blocks,
-            ),
-            knee=args.knee,
-            num=args.requests,
-            stop_after=None if args.full_sweep else 2,
-        )
-        if args.requests is not None and args.requests < 1:
-            raise InvalidArgument(f"--requests must be >= 1, got {args.requests}")
-        if not opts.scale > 0:
-            raise InvalidArgument(f"--scale must be > 0, got {opts.scale}")
-        report = run_compare(opts, sys.stderr, progress=not args.no_progress)
-    except RefserveError as e:
-        print(f"refserve compare: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {opts.out / 'report.md'} and {opts.out / 'report.json'}")
+    if args.requests is not None and args.requests < 1:
+        raise InvalidArgument(f"--requests must be >= 1, got {args.requests}")
+    opts = CompareOptions(
+        out=args.out,
+        traces=_pick("trace", args.traces, TRACES, lambda t: t.name),
+        policies=_pick("policy", args.policies, POLICIES, lambda p: p.name),
+        rates=args.rates,
+        quick=args.quick,
+        scale=args.scale,
+        seed=args.seed,
+        cost=CostModel.parse(args.cost),
+        slo=Slo(args.ttft_slo_ms, args.ttft_slo_per_token_ms, args.tbt_slo_ms),
+        base=dataclasses.replace(
+            BASE_CONFIG,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_blocks=args.num_blocks,
+        ),
+        knee=args.knee,
+        num=args.requests,
+        stop_after=None if args.full_sweep else 2,
+    )
+    # A rate's request count grows with the rate (agent: rate x 20 s); bound it before
+    # any workload is built.
+    for spec in opts.traces:
+        for rate in opts.rates or (spec.quick_rates if opts.quick else spec.rates):
+            n = spec.num_units(rate, opts.num, opts.quick)
+            if n > MAX_REQUESTS:
+                raise InvalidArgument(
+                    f"--rates {rate:g} asks for {n:,} {spec.name} requests in one run; at "
+                    f"most {MAX_REQUESTS:,}"
+                )
+    check_output_dir(opts.out, "--out")
+    return opts, not args.no_progress
+
+
+def compare_cli(argv: list[str]) -> int:
+    """``refserve compare ...``: typed errors propagate to :func:`ref.cli.run_cli`."""
+    opts, progress = compare_options(argv)
+    report = run_compare(opts, sys.stderr, progress=progress)
+    print(f"wrote {shown(opts.out / 'report.md')} and {shown(opts.out / 'report.json')}")
     knees, traces = report["knees"], report["traces"]
     assert isinstance(knees, dict) and isinstance(traces, list)
     for t in traces:
@@ -798,6 +857,12 @@ def compare_main(argv: list[str]) -> int:
         text = ", ".join(f"{n} {_knee_text(k, t['rates'])}" for n, k in per_policy.items())
         print(f"  knee ({t['name']}, {t['rate_unit']}): {text}")
     return 0
+
+
+def compare_main(argv: list[str]) -> int:
+    """``refserve compare [--out DIR] [--rates R1,R2,...] [--quick] ...``; returns an exit code."""
+    debug = "--debug" in argv
+    return run_cli(lambda: compare_cli([a for a in argv if a != "--debug"]), debug=debug)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The iteration cost model of seed 002: a step takes ``a + b*P + c*D (+ e*K)`` ms.
 
 P is the number of prefill tokens in the step, D the number of decode requests and K the
-KV tokens the decodes read (optional). Seed 002 uses ``2 + 0.5P + D``.
+KV tokens the decodes read (optional). Seed 002 uses ``2 + 0.5P + D``. Every coefficient
+is a finite number in [0, 1e6] ms (``MAX_COEFFICIENT_MS``): a 400-digit one would become
+``inf`` and every time after it ``inf`` or ``NaN``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import torch
 from ref.errors import InvalidArgument
 
 _TERM = re.compile(r"^(?P<coef>\d+(?:\.\d+)?)?\*?(?P<var>[PDK])?$")
+#: The largest coefficient (ms per step, per prefill token, per decode, per KV token read).
+#: A million ms per unit is far past any real engine and keeps a run's clock finite.
+MAX_COEFFICIENT_MS = 1e6
 
 
 @dataclass(frozen=True)
@@ -26,9 +31,14 @@ class CostModel:
 
     def __post_init__(self) -> None:
         for name in ("a", "b", "c", "e"):
-            if getattr(self, name) < 0:
+            value = getattr(self, name)
+            if value < 0:
+                raise InvalidArgument(f"cost model coefficient {name} must be >= 0, got {value}")
+            # ``not value <= max`` also refuses NaN, which every comparison fails.
+            if not value <= MAX_COEFFICIENT_MS:
                 raise InvalidArgument(
-                    f"cost model coefficient {name} must be >= 0, got {getattr(self, name)}"
+                    f"cost model coefficient {name} must be a finite number <= "
+                    f"{MAX_COEFFICIENT_MS:g} ms, got {value}"
                 )
 
     def step_ms(self, num_prefill_tokens: int, num_decodes: int, num_kv_read: int = 0) -> float:
@@ -45,15 +55,27 @@ class CostModel:
             m = _TERM.match(term)
             if not term or m is None or (m.group("coef") is None and m.group("var") is None):
                 raise InvalidArgument(
-                    f"cost model {text!r}: cannot read term {term!r}; expected like 0.5P"
+                    f"cost model {_clip(text)!r}: cannot read term {_clip(term)!r}; "
+                    "expected like 0.5P"
                 )
             var = m.group("var") or ""
-            coef[var] += float(m.group("coef")) if m.group("coef") is not None else 1.0
+            value = float(m.group("coef")) if m.group("coef") is not None else 1.0
+            if not value <= MAX_COEFFICIENT_MS:  # 400 digits parse to inf
+                raise InvalidArgument(
+                    f"cost model: term {_clip(term)!r} is above {MAX_COEFFICIENT_MS:g} ms, the "
+                    "limit of a coefficient"
+                )
+            coef[var] += value
         return cls(coef[""], coef["P"], coef["D"], coef["K"])
 
     def __str__(self) -> str:
         text = f"{self.a:g}+{self.b:g}P+{self.c:g}D"
         return text + (f"+{self.e:g}K" if self.e else "")
+
+
+def _clip(text: str, limit: int = 40) -> str:
+    """Hostile input can be thousands of characters; a message shows its ends."""
+    return text if len(text) <= limit else f"{text[:16]}...{text[-16:]} ({len(text)} chars)"
 
 
 def fit_cost_model(

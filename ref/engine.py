@@ -22,6 +22,10 @@ tokens from the same logits; sample 0 continues as the request itself and sample
 block copied on the first write), so the prompt's K/V is never recomputed. The fork
 happens at a step boundary through :meth:`Scheduler.fork`: the child enters as a running
 request in decode or, when ``max_num_seqs`` is reached, waits like a preempted request.
+Sample ``i`` has the id ``<request id>#<i>`` inside the engine (scheduler, executor,
+metrics); that is why a caller's request id may not contain ``#`` (:data:`FORK_SEPARATOR`).
+A request that ends before its first token (abort, queue timeout, capacity) gives a final
+output for every one of its ``n`` samples, each with that finish reason and no tokens.
 
 Preemption by swap (``SchedulerConfig.preemption_mode``) needs a host copy of the KV: the
 engine builds a :class:`~ref.model.llama.HostKVCache` of ``num_host_blocks`` blocks and
@@ -35,10 +39,20 @@ conversation and generates the next turn, which continues from the retained KV (
 recomputes). Outputs are per turn: a resumed turn's ``token_ids`` / ``text`` are that
 turn's alone, ``turn`` counts the turns (0 for the first), and ``finished`` is true only
 when the request is done for good (a pause ends a turn, not the request).
+
+Faults (issue 12, "Faults and hostile input"). A row of logits the sampler cannot sample
+(a non-finite value) ends that request alone with the finish reason ``error``: the step
+commits for every request (the failed sample's placeholder token included, so the step
+stays one transaction), then the request is finished at the step boundary through
+:meth:`Scheduler.finish`, the path a stop string takes; the placeholder token is never
+shown. Outputs held for the next :meth:`LLMEngine.step` (an abort's final output, the text
+a pause flushes) stay held if that step raises, and are delivered, once, by the next step
+that returns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 import time
@@ -60,7 +74,14 @@ from ref.model.weights import LlamaWeights, load_checkpoint, random_weights
 from ref.model_executor import ModelExecutor
 from ref.policy import Policy
 from ref.request import FinishReason, Request, StopParams
-from ref.sampler import InvalidSamplingParams, SampleSpec, SamplingParams, derive_seed, mix64
+from ref.sampler import (
+    InvalidSamplingParams,
+    SampleSpec,
+    SamplingParams,
+    derive_seed,
+    mix64,
+    sample_failed,
+)
 from ref.scheduler import Scheduler
 from ref.swap import KVRetention
 from ref.tokenizer import ByteTokenizer, HFTokenizer, TextStream, Tokenizer
@@ -75,6 +96,11 @@ __all__ = [
 ]
 
 Prompt = str | Sequence[int]
+
+#: Joins a request id and a sample index into the internal id of samples 1..n-1
+#: (``"x#2"``); caller-chosen request ids may not contain it, so no caller id can ever
+#: name a sample that another request is about to fork.
+FORK_SEPARATOR = "#"
 
 
 class InvalidPrompt(InvalidArgument):
@@ -257,7 +283,15 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> str:
-        """Queue a request; return its id. Bad input raises a typed error, changes nothing."""
+        """Queue a request; return its id. Bad input raises a typed error, changes nothing.
+
+        ``request_id`` (default: ``req-<k>``) must be a non-empty str without ``#``
+        (:data:`FORK_SEPARATOR`: the ids ``<id>#<i>`` of samples 1..n-1 are the engine's),
+        else :class:`InvalidArgument`; an id in use raises :class:`DuplicateRequest`.
+        Sampling options that cannot be sampled raise :class:`InvalidSamplingParams`
+        naming the option (``field``), even for a :class:`SamplingParams` altered after
+        it was built: it is checked again here.
+        """
         sp = _sampling_params(params)
         ids = self._prompt_ids(prompt)
         if len(ids) >= self.max_model_len:
@@ -268,7 +302,7 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidArgument(f"priority must be an int, got {priority!r}")
         rid = self._new_id(request_id)
-        child_ids = tuple(f"{rid}#{i}" for i in range(1, sp.n))
+        child_ids = tuple(f"{rid}{FORK_SEPARATOR}{i}" for i in range(1, sp.n))
         for cid in child_ids:
             if cid in self._seqs or cid in self.scheduler.requests:
                 raise DuplicateRequest(cid, "add_request (n > 1 sample id)")
@@ -288,7 +322,11 @@ class LLMEngine:
         return rid
 
     def abort(self, request_id: str) -> None:
-        """Abort every live sample of a request; its final outputs come with the next step."""
+        """Abort every live sample of a request; its final outputs come with the next step.
+
+        Every sample gets one: an ``n > 1`` request aborted before its first token (its
+        samples 1..n-1 not forked yet) gives ``n`` final outputs with reason ``abort``.
+        """
         group = self._groups.get(request_id)
         if group is None:
             raise UnknownRequest(request_id, "abort")
@@ -299,6 +337,7 @@ class LLMEngine:
             if seq.seq_id in self.scheduler.requests:
                 self.scheduler.abort(seq.seq_id, now)
             self._finish(seq, FinishReason.ABORT.value, None)
+        self._close_unforked(group, FinishReason.ABORT.value)
         self._inbox.extend(self._collect([s.seq_id for s in group.seqs]))
 
     # ------------------------------------------------------------------ agent turns
@@ -376,7 +415,9 @@ class LLMEngine:
             raise InvalidArgument(f"resume: request {request_id!r} is not paused for a tool")
         sp = group.params if params is None else _sampling_params(params)
         if sp.n != 1:
-            raise InvalidSamplingParams(f"resume: a turn samples one sequence (n=1), got n={sp.n}")
+            raise InvalidSamplingParams(
+                f"resume: a turn samples one sequence (n=1), got n={sp.n}", field="n"
+            )
         tool = self._prompt_ids(tool_output, what="tool output", add_special_tokens=False)
         total = req.num_tokens + len(tool)
         if total >= self.max_model_len:
@@ -403,10 +444,16 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the outputs it produced (plus any held ones)."""
+        """Run one engine step; return the held outputs, then the ones it produced.
+
+        If the step raises, the held outputs (an abort's final output, the text a pause
+        flushed) stay held and come with the next step that returns: each is delivered
+        exactly once (module doc, "Faults"). The failed step itself was rolled back.
+        """
+        # Step first, take the held outputs after: an exception leaves them queued.
+        fresh = self._step() if self.scheduler.has_unfinished else []
         outputs, self._inbox = self._inbox, []
-        if self.scheduler.has_unfinished:
-            outputs.extend(self._step())
+        outputs.extend(fresh)
         return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -416,17 +463,28 @@ class LLMEngine:
         events = record.events
         self.num_preemptions += len(events.preempted)
         self.num_prefix_hit_tokens += sum(record.plan.num_new_cached_tokens)
+        logprobs = self.executor.last_logprobs
+        failed: list[str] = []  # the sampler could not sample their row (module doc)
         for sid, token in events.new_tokens.items():
             seq = self._seqs[sid]
-            self._append(seq, token, self.executor.last_logprobs.get(sid))
+            logprob = logprobs.get(sid)
+            if sample_failed(logprob):
+                failed.append(sid)  # its token is a placeholder, not the model's: not shown
+            else:
+                self._append(seq, token, logprob)
             touched.append(sid)
         for parent_id, samples in self.executor.last_fork_samples.items():
-            touched.extend(self._fork(parent_id, samples, parent_id in events.finished))
+            touched.extend(
+                self._fork(parent_id, samples, parent_id in events.finished, parent_id in failed)
+            )
         for sid in events.finished:
             seq = self._seqs[sid]
-            if seq.finished:
+            if seq.finished or sid in failed:  # a failed sample ends with error below
                 continue
             assert seq.request is not None and seq.request.finish_reason is not None
+            if seq.index == 0 and not seq.token_ids:  # ended before its first token
+                group = self._groups[seq.request_id]
+                touched.extend(self._close_unforked(group, seq.request.finish_reason.value))
             if seq.pending_stop is not None:  # a stop string on the same token wins
                 self._finish(seq, FinishReason.STOP.value, seq.pending_stop)
                 continue
@@ -438,6 +496,14 @@ class LLMEngine:
             if sid not in touched:
                 touched.append(sid)
         now = record.end_ms
+        for sid in failed:
+            # At the step boundary, like a stop string: the step committed for everyone
+            # (the placeholder token included) and only this request ends. Its
+            # placeholder may already have ended it in commit (max_tokens, a stop id):
+            # then only the reason is corrected; the token is still not shown.
+            if sid in self.scheduler.requests:
+                self.scheduler.finish(sid, FinishReason.ERROR, now)
+            self._finish(self._seqs[sid], FinishReason.ERROR.value, None)
         for sid in touched:
             seq = self._seqs[sid]
             if seq.pending_stop is not None and not seq.finished:
@@ -501,7 +567,10 @@ class LLMEngine:
         """Run a batch to completion; results in the order of ``prompts``.
 
         If any prompt or params is rejected, the requests of this call that were already
-        added are aborted and the error is raised; other requests are not touched.
+        added are aborted and the error is raised; other requests are not touched. If a
+        step raises, the requests of this call are aborted too (their outputs dropped),
+        the outputs of other requests it had taken are put back for :meth:`step`, and the
+        error is raised: nothing of another caller's is lost (module doc, "Faults").
         """
         batch = _as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
@@ -526,18 +595,27 @@ class LLMEngine:
         prompts_of = {rid: self._groups[rid].prompt_token_ids for rid in ids}
         held: list[RequestOutput] = []
         idle = 0
-        while any(rid in self._groups for rid in ids):
-            outs = self.step()
-            idle = 0 if outs else idle + 1
-            if idle > 10_000:
-                raise EngineStalled("generate: 10000 steps in a row produced no output")
-            for o in outs:
-                if o.request_id in wanted:
-                    if o.finished:
-                        final[o.request_id][o.index] = o
-                else:
-                    held.append(o)
-        self._inbox = held + self._inbox
+        try:
+            while any(rid in self._groups for rid in ids):
+                outs = self.step()
+                idle = 0 if outs else idle + 1
+                if idle > 10_000:
+                    raise EngineStalled("generate: 10000 steps in a row produced no output")
+                for o in outs:
+                    if o.request_id in wanted:
+                        if o.finished:
+                            final[o.request_id][o.index] = o
+                    else:
+                        held.append(o)
+        except BaseException:
+            for rid in ids:
+                if rid in self._groups:
+                    with contextlib.suppress(RefserveError):  # the first error is the one
+                        self.abort(rid)
+            self._inbox = [o for o in self._inbox if o.request_id not in wanted]
+            raise
+        finally:
+            self._inbox = held + self._inbox
         return [
             GenerationResult(rid, prompts_of[rid], tuple(final[rid][i] for i in sorted(final[rid])))
             for rid in ids
@@ -580,6 +658,13 @@ class LLMEngine:
                     return rid
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgument(f"request_id must be a non-empty str, got {request_id!r}")
+        if FORK_SEPARATOR in request_id:
+            # Sample ids "<id>#<i>" are the engine's (module doc): "x#1" taken by a caller
+            # would collide with sample 1 of "x" when it forks, after its step committed.
+            raise InvalidArgument(
+                f"request_id must not contain {FORK_SEPARATOR!r} (reserved for the ids of "
+                f"samples 1..n-1, '<id>{FORK_SEPARATOR}<i>'), got {request_id!r}"
+            )
         if (
             request_id in self._groups
             or request_id in self._seqs
@@ -627,9 +712,18 @@ class LLMEngine:
             seq.pending_stop = seq.stream.stopped_by
 
     def _fork(
-        self, parent_id: str, samples: list[tuple[int, float | None]], parent_finished: bool
+        self,
+        parent_id: str,
+        samples: list[tuple[int, float | None]],
+        parent_finished: bool,
+        parent_failed: bool = False,
     ) -> list[str]:
-        """Samples 1..n-1 of ``parent_id`` after its first token (see the module doc)."""
+        """Samples 1..n-1 of ``parent_id`` after its first token (see the module doc).
+
+        A sample the sampler could not draw ends with ``error`` and no token. When the
+        parent's own sample failed, so do all of them: they come from the same row of
+        logits, and the parent (about to end with ``error``) has nothing to fork from.
+        """
         parent = self._seqs[parent_id]
         group = self._groups[parent.request_id]
         self.executor.forked(parent_id)
@@ -640,6 +734,9 @@ class LLMEngine:
         for i, (cid, (token, logprob)) in enumerate(
             zip(group.child_ids, samples, strict=True), start=1
         ):
+            if parent_failed or sample_failed(logprob):
+                out.append(self._tokenless_sample(group, i, preq, FinishReason.ERROR.value))
+                continue
             is_stop = _is_stop_token(stop, token)
             live = not parent_finished and not is_stop
             child_req = None
@@ -661,12 +758,38 @@ class LLMEngine:
                 reason = FinishReason.STOP if is_stop else FinishReason.LENGTH
                 self._finish(seq, reason.value, token if is_stop else None)
             out.append(cid)
-        if not parent_finished:
+        if not parent_finished and not parent_failed:
             preq.stop = stop  # the real stop conditions, from the second token on
             token = parent.token_ids[-1]
             if _is_stop_token(stop, token) and parent.pending_stop is None:
                 parent.pending_stop = token
         return out
+
+    def _close_unforked(self, group: _Group, reason: str) -> list[str]:
+        """Final outputs for samples 1..n-1 of a request that ended before its first token
+        (so before they were forked): each ends like sample 0, with no tokens."""
+        if len(group.seqs) > 1 or not group.child_ids:
+            return []  # forked already (forks come with the first token), or n == 1
+        parent = group.seqs[0]
+        preq = parent.request
+        assert preq is not None
+        self.executor.forked(parent.seq_id)  # their specs will never be drawn
+        return [
+            self._tokenless_sample(group, i, preq, reason)
+            for i in range(1, len(group.child_ids) + 1)
+        ]
+
+    def _tokenless_sample(self, group: _Group, index: int, parent: Request, reason: str) -> str:
+        """Sample ``index`` (>= 1), never forked, finished with ``reason`` and no tokens;
+        its metrics are the parent request's. Returns its id for :meth:`_collect`."""
+        cid = group.child_ids[index - 1]
+        seq = self._new_seq(
+            cid, group.request_id, index, None, group.params, group.prompt_token_ids
+        )
+        seq.metrics_from = parent
+        group.seqs.append(seq)
+        self._finish(seq, reason, None)
+        return cid
 
     def _finish(self, seq: _Seq, reason: str, stop_reason: str | int | None) -> None:
         seq.finished = True
@@ -754,7 +877,9 @@ def _sampling_params(params: SamplingParams | Mapping[str, object] | None) -> Sa
     if params is None:
         return SamplingParams()
     if isinstance(params, SamplingParams):
-        return params
+        # Built again, so validated again: a frozen dataclass can still be altered with
+        # object.__setattr__, and a value that cannot be sampled must not reach a step.
+        return replace(params)
     if isinstance(params, Mapping):
         return SamplingParams.from_dict(params)
     raise InvalidSamplingParams(

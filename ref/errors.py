@@ -51,3 +51,20 @@ class ExceedsCapacity(RefserveError):
 
 class QueueFull(RefserveError):
     """Admission control: the waiting queue is at ``max_waiting``; try again later."""
+
+
+class UsageError(InvalidArgument):
+    """A command line the CLI cannot parse (an unknown option, a value of the wrong kind)."""
+
+
+class OutputPathError(InvalidArgument):
+    """An output path cannot be written: a directory, a path under a file, or unwritable.
+
+    The CLI checks every output path before a run starts, so a long run never fails at its
+    end for want of a place to put the result.
+    """
+
+
+class InputFileError(InvalidArgument):
+    """An input file cannot be read as what it should be: missing, a directory, too large,
+    not UTF-8, or JSON that is malformed or nested too deeply. The message names the file."""

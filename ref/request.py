@@ -45,6 +45,9 @@ class FinishReason(StrEnum):
     ABORT = "abort"
     CAPACITY = "capacity"  # a lone request that can never grow in this pool
     TIMEOUT = "timeout"  # waited past the queue timeout without being admitted
+    # Its logits could not be sampled (a non-finite row): this request alone ends, the
+    # step commits for everyone else (ref/sampler.py, README "The engine").
+    ERROR = "error"
 
 
 @dataclass(frozen=True)

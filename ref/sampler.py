@@ -8,10 +8,20 @@ recompute preemption. Sample ``i`` of an ``n > 1`` request uses :func:`derive_se
 
 Logprobs are of the model's distribution (raw logits, before temperature, top-k or
 top-p), as vLLM reports by default.
+
+Per-request isolation (README "The engine", issue 12): parameters that cannot be sampled
+are rejected when :class:`SamplingParams` is built (so at ``add_request``), and a row of
+logits that cannot be sampled (a non-finite value, or a distribution that is not one
+after temperature and the filters) is not an exception: :func:`sample` reports that one
+sample as failed (:data:`FAILED_TOKEN` with a NaN logprob, see :func:`sample_failed`) and
+the engine finishes only that request with the finish reason ``error``, after the step
+committed for everyone. Raising here would roll the whole step back, and the same row
+would fail the next step again: one request would stall every other one.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -22,16 +32,34 @@ from ref.errors import InvalidArgument
 
 _MASK64 = (1 << 64) - 1
 
+#: The smallest temperature accepted other than exactly 0 (greedy). Below it the scaled
+#: logits ``logits / temperature`` head for the fp32 range (1e-45 turns every logit into
+#: +-inf and the softmax into NaN), and the distribution is already greedy in all but
+#: name for any realistic logit gap: ask for ``temperature=0``. vLLM's sampling epsilon.
+MIN_TEMPERATURE = 1e-5
+
+#: The token :func:`sample` reports for a row it could not sample. It is a valid id (the
+#: scheduler commits it like any token, so the step stays one transaction) but it is not
+#: the model's: the engine never shows it and finishes the request with ``error``.
+FAILED_TOKEN = 0
+
 
 class InvalidSamplingParams(InvalidArgument):
-    """A sampling option is unknown or out of range; the message names it."""
+    """A sampling option is unknown or out of range; the message and ``field`` name it."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """What to sample and when to stop. ``temperature=0`` is greedy (the default).
 
-    ``top_k`` 0 (or -1) and ``top_p`` 1 disable the filters. ``stop`` strings end the
+    ``top_k`` 0 (or -1) and ``top_p`` 1 disable the filters. ``temperature`` is 0 or a
+    finite number >= :data:`MIN_TEMPERATURE`; ``top_p`` is in (0, 1]; NaN and infinities
+    are rejected everywhere. Each bad option raises :class:`InvalidSamplingParams` with
+    ``field`` set to its name. ``stop`` strings end the
     output (cut before the stop string unless ``include_stop_str_in_output``);
     ``stop_token_ids`` and the model's eos end it with the token included in the ids.
     """
@@ -53,28 +81,42 @@ class SamplingParams:
         _int_at_least("max_tokens", self.max_tokens, 1)
         _int_at_least("top_k", self.top_k, -1)
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, int | float) or not t >= 0 or t == float("inf"):
-            raise InvalidSamplingParams(f"temperature must be a finite number >= 0, got {t!r}")
+        if (
+            isinstance(t, bool)
+            or not isinstance(t, int | float)
+            or not (t == 0 or MIN_TEMPERATURE <= t < math.inf)  # also false for NaN
+        ):
+            raise InvalidSamplingParams(
+                f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+                f"got {t!r}",
+                field="temperature",
+            )
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1:
-            raise InvalidSamplingParams(f"top_p must be in (0, 1], got {p!r}")
+            raise InvalidSamplingParams(f"top_p must be in (0, 1], got {p!r}", field="top_p")
         if self.seed is not None:
             _int_at_least("seed", self.seed, 0)
         stop: Any = self.stop
         if isinstance(stop, str):
             stop = (stop,)
         if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
-            raise InvalidSamplingParams(f"stop must be non-empty strings, got {self.stop!r}")
+            raise InvalidSamplingParams(
+                f"stop must be non-empty strings, got {self.stop!r}", field="stop"
+            )
         object.__setattr__(self, "stop", tuple(stop))
         ids: Any = self.stop_token_ids
         if not isinstance(ids, list | tuple):
-            raise InvalidSamplingParams(f"stop_token_ids must be a list of ints, got {ids!r}")
+            raise InvalidSamplingParams(
+                f"stop_token_ids must be a list of ints, got {ids!r}", field="stop_token_ids"
+            )
         for i in ids:
             _int_at_least("stop_token_ids[]", i, 0)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         for name in ("ignore_eos", "logprobs", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
-                raise InvalidSamplingParams(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise InvalidSamplingParams(
+                    f"{name} must be a bool, got {getattr(self, name)!r}", field=name
+                )
 
     @property
     def greedy(self) -> bool:
@@ -88,14 +130,17 @@ class SamplingParams:
         if unknown:
             raise InvalidSamplingParams(
                 f"unknown sampling option(s) {', '.join(map(repr, unknown))}; "
-                f"known: {', '.join(sorted(known))}"
+                f"known: {', '.join(sorted(known))}",
+                field=unknown[0],
             )
         return cls(**options)  # type: ignore[arg-type]
 
 
 def _int_at_least(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidSamplingParams(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise InvalidSamplingParams(
+            f"{name} must be an int >= {minimum}, got {value!r}", field=name.removesuffix("[]")
+        )
 
 
 @dataclass(frozen=True)
@@ -138,15 +183,45 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return out
 
 
+#: What :func:`sample` returns for a row it cannot sample (see :func:`sample_failed`).
+_FAILED: tuple[int, float | None] = (FAILED_TOKEN, math.nan)
+
+
+def sample_failed(logprob: float | None) -> bool:
+    """Whether :func:`sample` could not sample the row this logprob came with.
+
+    A failed row is marked by a NaN logprob, which a sampled row never has (the
+    log-softmax of finite logits is finite), so the mark passes unchanged through an
+    executor that only forwards ``(token, logprob)`` pairs.
+    """
+    return logprob is not None and math.isnan(logprob)
+
+
 def sample_row(
     logits: torch.Tensor, spec: SampleSpec, output_index: int
 ) -> tuple[int, float | None]:
-    """Token (and its logprob if asked) for one sequence's fp32 logits row ``[V]``."""
+    """Token (and its logprob if asked) for one sequence's fp32 logits row ``[V]``.
+
+    A row with a non-finite logit, or whose distribution after temperature and the
+    filters is not finite, gives ``(FAILED_TOKEN, nan)`` instead of raising (module doc).
+    """
+    if not bool(torch.isfinite(logits).all()):
+        return _FAILED
+    return _sample_finite_row(logits, spec, output_index)
+
+
+def _sample_finite_row(
+    logits: torch.Tensor, spec: SampleSpec, output_index: int
+) -> tuple[int, float | None]:
     if spec.temperature == 0:
         token = int(torch.argmax(logits))
     else:
         scaled = filter_logits(logits / spec.temperature, spec.top_k, spec.top_p)
         probs = torch.softmax(scaled, dim=-1)
+        # Checked before drawing, not caught after: on CPU torch.multinomial raises on
+        # inf/NaN, but on a GPU it may trip a device-side assert that ends the process.
+        if not bool((torch.isfinite(probs).all() & (probs.sum() > 0)).item()):
+            return _FAILED
         g = torch.Generator(device=logits.device).manual_seed(mix64(spec.seed, output_index))
         token = int(torch.multinomial(probs, 1, generator=g))
     logprob = float(torch.log_softmax(logits, dim=-1)[token]) if spec.logprobs else None
@@ -156,14 +231,23 @@ def sample_row(
 def sample(
     logits: torch.Tensor, specs: Sequence[SampleSpec], output_indices: Sequence[int]
 ) -> list[tuple[int, float | None]]:
-    """One token per row of ``logits`` ``[N, V]`` (fp32). Greedy rows share one argmax."""
+    """One token per row of ``logits`` ``[N, V]`` (fp32). Greedy rows share one argmax.
+
+    Rows are independent: a row that cannot be sampled gives ``(FAILED_TOKEN, nan)``
+    (:func:`sample_failed`) and every other row is drawn exactly as without it.
+    """
     if logits.shape[0] != len(specs) or len(specs) != len(output_indices):
         raise InvalidArgument("sample: logits rows, specs and output indices differ in number")
-    greedy = torch.argmax(logits, dim=-1).tolist() if logits.shape[0] else []
+    if not logits.shape[0]:
+        return []
+    greedy = torch.argmax(logits, dim=-1).tolist()
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
     out: list[tuple[int, float | None]] = []
     for i, spec in enumerate(specs):
-        if spec.temperature == 0 and not spec.logprobs:
+        if not finite[i]:
+            out.append(_FAILED)
+        elif spec.temperature == 0 and not spec.logprobs:
             out.append((int(greedy[i]), None))
         else:
-            out.append(sample_row(logits[i], spec, output_indices[i]))
+            out.append(_sample_finite_row(logits[i], spec, output_indices[i]))
     return out

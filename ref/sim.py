@@ -17,12 +17,13 @@ Three ways to replay a workload, all on the same engine core and executor:
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ref.cost_model import CostModel
 from ref.engine_core import EngineCore, StepRecord
-from ref.errors import InvalidArgument
+from ref.errors import InvalidArgument, RefserveError
 from ref.executor import StepOutput
 from ref.inputs import ModelInputs
 from ref.plan import StepPlan
@@ -31,6 +32,10 @@ from ref.scheduler import Scheduler
 from ref.swap import SwapCostModel, SwapTraffic
 
 VOCAB = 32000
+#: The default step cap of every replay (``refserve simulate --max-steps``): a workload
+#: that cannot finish (a request that never fits, a policy that starves one) ends with
+#: :class:`StepLimitReached` instead of running forever.
+DEFAULT_MAX_STEPS = 1_000_000
 
 
 def fake_token(request_seq: int, position: int) -> int:
@@ -107,16 +112,53 @@ class SimResult:
     swap: SwapTraffic | None = None  # host-link traffic, when the scheduler has a host pool
 
 
+class StepLimitReached(RefserveError):
+    """A replay ran ``max_steps`` steps with requests still unfinished.
+
+    ``partial`` is the result so far (every request, finished or not, and every step run),
+    so a caller can still write what happened.
+    """
+
+    def __init__(self, max_steps: int, partial: SimResult) -> None:
+        left = sum(1 for r in partial.requests if not r.is_done)
+        super().__init__(
+            f"the simulation did not finish within max_steps={max_steps} steps; "
+            f"{left} of {len(partial.requests)} requests unfinished"
+        )
+        self.max_steps = max_steps
+        self.partial = partial
+
+
+def _check_max_steps(max_steps: int) -> None:
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+        raise InvalidArgument(f"max_steps must be an int >= 1, got {max_steps!r}")
+
+
+def _check_time(at_ms: float, what: str) -> None:
+    # A NaN or infinite time would stall the idle jump (``clock = next arrival``) forever:
+    # every comparison with NaN is false, so nothing is ever admitted.
+    if not math.isfinite(at_ms):
+        raise InvalidArgument(f"{what} must be a finite time in ms, got {at_ms}")
+
+
 def simulate(
     scheduler: Scheduler,
     arrivals: Iterable[Request],
     cost: CostModel,
     *,
     check_invariants: bool = False,
-    max_steps: int = 1_000_000,
+    max_steps: int = DEFAULT_MAX_STEPS,
 ) -> SimResult:
-    """Run every request to completion on a virtual clock; return timelines and steps."""
-    pending = sorted(arrivals, key=lambda r: r.arrival_ms)
+    """Run every request to completion on a virtual clock; return timelines and steps.
+
+    Raises :class:`StepLimitReached` (holding the partial result) after ``max_steps``
+    steps, and :class:`InvalidArgument` for an arrival time that is not finite.
+    """
+    _check_max_steps(max_steps)
+    pending = list(arrivals)
+    for r in pending:
+        _check_time(r.arrival_ms, f"request {r.request_id!r} arrival_ms")
+    pending.sort(key=lambda r: r.arrival_ms)
     everyone = list(pending)
     core = EngineCore(scheduler, _sim_executor(scheduler, cost), check_invariants=check_invariants)
     clock = 0.0
@@ -127,10 +169,13 @@ def simulate(
             scheduler.add_request(pending[i])
             i += 1
         if not scheduler.has_unfinished:
-            clock = pending[i].arrival_ms  # idle until the next arrival
+            # Idle until the next arrival: finite (checked above) and later than the clock
+            # (else the loop above admitted it), so each idle turn admits a request.
+            clock = pending[i].arrival_ms
             continue
         if len(steps) >= max_steps:
-            raise RuntimeError(f"simulation did not finish within {max_steps} steps")
+            start = min((r.arrival_ms for r in everyone), default=0.0)
+            raise StepLimitReached(max_steps, _result(scheduler, everyone, steps, clock - start))
         record = core.step(clock)
         steps.append(record)
         clock = record.end_ms
@@ -194,7 +239,7 @@ def simulate_closed_loop(
     *,
     concurrency: int,
     check_invariants: bool = False,
-    max_steps: int = 1_000_000,
+    max_steps: int = DEFAULT_MAX_STEPS,
 ) -> SimResult:
     """Keep ``concurrency`` requests in flight; release the next (in list order) as one ends.
 
@@ -213,7 +258,7 @@ def simulate_sessions(
     *,
     concurrency: int | None = None,
     check_invariants: bool = False,
-    max_steps: int = 1_000_000,
+    max_steps: int = DEFAULT_MAX_STEPS,
 ) -> SimResult:
     """Replay multi-turn sessions; turn k+1 arrives ``tool_wait_ms`` after turn k finishes.
 
@@ -241,12 +286,16 @@ def _replay(
 ) -> SimResult:
     if concurrency is not None and concurrency < 1:
         raise InvalidArgument(f"concurrency must be >= 1, got {concurrency}")
+    _check_max_steps(max_steps)
     core = EngineCore(scheduler, _sim_executor(scheduler, cost), check_invariants=check_invariants)
     releases: list[_Release] = []
     order = 0
 
     def release(job: _Job, at_ms: float) -> None:
         nonlocal order
+        # Session starts and tool waits come from the caller: a NaN one would stall the
+        # idle jump below forever.
+        _check_time(at_ms, f"release time of {_job_name(job)}")
         heapq.heappush(releases, _Release(at_ms, order, job))
         order += 1
 
@@ -269,10 +318,12 @@ def _replay(
             in_flight[r.request_id] = rel.job
             everyone.append(r)
         if not scheduler.has_unfinished:
-            clock = releases[0].at_ms  # idle until the next release
+            clock = releases[0].at_ms  # idle until the next release (finite: checked)
             continue
         if len(steps) >= max_steps:
-            raise RuntimeError(f"simulation did not finish within {max_steps} steps")
+            everyone.sort(key=lambda r: (r.arrival_ms, r.seq))
+            start = min((r.arrival_ms for r in everyone), default=0.0)
+            raise StepLimitReached(max_steps, _result(scheduler, everyone, steps, clock - start))
         record = core.step(clock)
         steps.append(record)
         clock = record.end_ms
@@ -296,6 +347,13 @@ def _replay(
     everyone.sort(key=lambda r: (r.arrival_ms, r.seq))
     start = min((r.arrival_ms for r in everyone), default=0.0)
     return _result(scheduler, everyone, steps, clock - start)
+
+
+def _job_name(job: _Job) -> str:
+    if job.session is not None:
+        return f"session {job.session.session_id!r}"
+    assert job.request is not None
+    return f"request {job.request.request_id!r}"
 
 
 def _start_ms(job: _Job) -> float:

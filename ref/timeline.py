@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ref.engine_core import StepRecord
+from ref.trace import atomic_write_text
 
 _PALETTE = (
     "#4e79a7",
@@ -84,7 +85,10 @@ def _line(x1: float, y1: float, x2: float, y2: float) -> str:
 def write_timeline_html(
     path: Path, steps: Sequence[StepRecord], num_blocks: int, title: str
 ) -> Path:
-    """Write the timeline as a self-contained HTML page; returns the path."""
+    """Write the timeline as a self-contained HTML page; returns the path.
+
+    Written to a temporary name and renamed: an interrupted run leaves no half page.
+    """
     svg = render_timeline_svg(steps, num_blocks, title)
     page = (
         "<!doctype html><meta charset='utf-8'><title>"
@@ -94,5 +98,4 @@ def write_timeline_html(
         + "<p>Bars: tokens each request got per step (solid: prefill, light: decode). "
         "Red line: KV blocks in use (right axis). Hover a bar for details.</p></body>"
     )
-    path.write_text(page, encoding="utf-8")
-    return path
+    return atomic_write_text(path, page, "timeline")

@@ -46,7 +46,7 @@ from ref.sim import (
     simulate_closed_loop,
     simulate_sessions,
 )
-from ref.trace import TraceRequest, parse_trace
+from ref.trace import TraceRequest, atomic_write_text, parse_trace
 
 TraceRecord = Mapping[str, object]
 
@@ -63,8 +63,9 @@ AGENT_TOOL_WAIT_S = (0.1, 10.0)
 
 def scaled(num_tokens: int, scale: float) -> int:
     """``num_tokens / scale``, rounded, at least 1."""
-    if not scale > 0:
-        raise InvalidArgument(f"scale must be > 0, got {scale!r}")
+    # An infinite scale would silently make every length 1; NaN fails ``> 0`` already.
+    if not scale > 0 or math.isinf(scale):
+        raise InvalidArgument(f"scale must be a finite number > 0, got {scale!r}")
     return max(1, round(num_tokens / scale))
 
 
@@ -274,7 +275,8 @@ def agent_sessions(
     if not 1 <= lo_turns <= hi_turns:
         raise InvalidArgument(f"turns must be (lo, hi) with 1 <= lo <= hi, got {turns!r}")
     lo_wait, hi_wait = tool_wait_s
-    if not 0 < lo_wait <= hi_wait:
+    # Finite: an infinite wait releases the next turn at t=inf and the makespan with it.
+    if not 0 < lo_wait <= hi_wait or math.isinf(hi_wait):
         raise InvalidArgument(f"tool_wait_s must be (lo, hi) with 0 < lo <= hi, got {tool_wait_s}")
     if num_prefixes < 1:
         raise InvalidArgument(f"num_prefixes must be >= 1, got {num_prefixes}")
@@ -315,7 +317,16 @@ def trace_max_len(trace: Sequence[TraceRequest]) -> int:
 
 # ------------------------------------------------------------------ JSONL, requests
 def records_to_jsonl(records: Sequence[TraceRecord]) -> str:
-    return "".join(json.dumps(dict(r)) + "\n" for r in records)
+    """Standard JSON lines: a NaN or infinite value is refused, not written as ``NaN``."""
+    lines = []
+    for i, r in enumerate(records):
+        try:
+            lines.append(json.dumps(dict(r), allow_nan=False) + "\n")
+        except ValueError:
+            raise InvalidArgument(
+                f"trace record {i} ({r.get('id')!r}): a number is NaN or infinite"
+            ) from None
+    return "".join(lines)
 
 
 def from_records(records: Sequence[TraceRecord], name: str = "<generated>") -> list[TraceRequest]:
@@ -346,8 +357,7 @@ def write_trace(path: Path, trace: Sequence[TraceRecord] | Sequence[TraceRequest
         else:
             lines.append(item)
     from_records(lines, str(path))  # validate before writing anything
-    path.write_text(records_to_jsonl(lines), encoding="utf-8")
-    return path
+    return atomic_write_text(path, records_to_jsonl(lines), "trace")
 
 
 def to_requests(trace: Sequence[TraceRequest]) -> list[Request]:

@@ -25,10 +25,20 @@ class Namespace:
     cache_salt: str = ""
 
     def root_key(self) -> bytes:
-        """The hash-chain root for this namespace."""
-        fields = (self.model, self.adapter, self.cache_salt)
-        payload = b"refserve-prefix-v1\x00" + b"\x00".join(f.encode() for f in fields)
-        return hashlib.sha256(payload).digest()
+        """The hash-chain root for this namespace (PREFIX invariant).
+
+        Each field is encoded as its UTF-8 length (8 bytes, little-endian) then its bytes,
+        so the encoding is injective: no choice of field values, NUL bytes included, gives
+        another namespace's payload. (v1 joined the fields with NUL, and model ``"a\\0b"``
+        shared its root with model ``"a"`` + adapter ``"b\\0"``: one tenant's KV could be
+        served to another's prompt.)
+        """
+        payload = bytearray(b"refserve-prefix-v2\x00")
+        for f in (self.model, self.adapter, self.cache_salt):
+            data = f.encode("utf-8", "surrogatepass")  # total: a lone surrogate too
+            payload += struct.pack("<Q", len(data))
+            payload += data
+        return hashlib.sha256(bytes(payload)).digest()
 
 
 DEFAULT_NAMESPACE = Namespace()

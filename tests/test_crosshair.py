@@ -162,10 +162,11 @@ def test_chunk_size_bounds(remaining: int, budget: int, bs: int, align: bool, do
 def test_root_key_is_stable() -> None:
     """The key scheme is part of stored traces; changing it must be deliberate."""
     root = DEFAULT_NAMESPACE.root_key()
-    expected = hashlib.sha256(b"refserve-prefix-v1\x00default\x00\x00").digest()
-    assert root == expected
-    assert root.hex().startswith("2f9ac862947d00f4")
-    assert block_key(root, [1, 2, 3, 4]).hex().startswith("9dfaae9c213bd4d7")
+    # v2: each field as its UTF-8 length (8 bytes, little-endian) then its bytes.
+    payload = b"refserve-prefix-v2\x00" + (7).to_bytes(8, "little") + b"default" + bytes(16)
+    assert root == hashlib.sha256(payload).digest()
+    assert root.hex().startswith("880a36808479af7a")
+    assert block_key(root, [1, 2, 3, 4]).hex().startswith("f52f91c69824f602")
 
 
 def test_namespaces_have_distinct_roots() -> None:

@@ -7,6 +7,7 @@ rejected with :class:`UnsupportedModel` instead of being ignored.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -14,6 +15,9 @@ from ref.errors import InvalidArgument, RefserveError
 
 #: ``model_type`` values whose checkpoints this loader reads.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+#: The largest size field (vocab, hidden, heads, layers, positions) a config may give.
+MAX_DIM = (1 << 31) - 1
+MAX_FLOAT = 1e300
 
 
 class UnsupportedModel(RefserveError):
@@ -54,6 +58,8 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"model config: {name} must be a positive int, got {value!r}")
+            if value > MAX_DIM:
+                raise InvalidArgument(f"model config: {name} is {value}; at most {MAX_DIM}")
         if self.num_heads % self.num_kv_heads:
             raise InvalidArgument(
                 f"model config: num_heads ({self.num_heads}) must be a multiple of "
@@ -63,8 +69,25 @@ class ModelConfig:
             raise InvalidArgument(
                 f"model config: head_dim must be even for RoPE, got {self.head_dim}"
             )
-        if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
-            raise InvalidArgument("model config: rope_theta and rms_norm_eps must be positive")
+        # ``not x > 0`` refuses NaN too; inf is refused by name.
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise InvalidArgument(
+                    f"model config: {name} must be a finite number > 0, got {value!r}"
+                )
+        # A bos id outside the vocabulary would be prepended to every prompt and index past
+        # the embedding table; an eos id outside it could never be sampled.
+        for name, ids in (
+            ("bos_token_id", () if self.bos_token_id is None else (self.bos_token_id,)),
+            ("eos_token_id", self.eos_token_ids),
+        ):
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                    raise InvalidArgument(
+                        f"model config: {name} {t!r} is outside the vocabulary "
+                        f"[0, {self.vocab_size})"
+                    )
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -73,37 +96,68 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, object]) -> ModelConfig:
-        """Read a Hugging Face ``config.json`` (transformers 4.x or 5.x spelling)."""
-        model_type = str(cfg.get("model_type", "llama"))
+        """Read a Hugging Face ``config.json`` (transformers 4.x or 5.x spelling).
+
+        Strict: a field of the wrong JSON type is an error naming it, never a silent
+        default (the string ``"false"`` is not a boolean, a string ``rope_theta`` is not
+        10000); ``null`` means "not set" for optional fields.
+        """
+        model_type = _str(cfg, "model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModel(
                 f"model_type {model_type!r} is not supported (supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        act = cfg.get("hidden_act", "silu")
+        act = _str(cfg, "hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModel(f"hidden_act {act!r} is not supported (only silu)")
-        if cfg.get("mlp_bias"):
+        if _bool(cfg, "mlp_bias", False):
             raise UnsupportedModel("mlp_bias=true is not supported")
-        if cfg.get("use_sliding_window"):
+        if _bool(cfg, "use_sliding_window", False):
             raise UnsupportedModel("use_sliding_window=true is not supported")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
-        theta: object = cfg.get("rope_theta", 10000.0)
-        if isinstance(rope, Mapping):
+        theta = _float(cfg, "rope_theta", 10000.0)
+        for key in ("rope_parameters", "rope_scaling"):
+            rope = cfg.get(key)
+            if rope is None:
+                continue
+            if not isinstance(rope, Mapping):
+                raise UnsupportedModel(
+                    f"config.json: {key} must be an object or null, got {_show(rope)}"
+                )
+            if not rope:
+                continue
             rope_type = rope.get("rope_type", rope.get("type", "default"))
             if rope_type != "default":
-                raise UnsupportedModel(f"rope type {rope_type!r} is not supported (only default)")
-            theta = rope.get("rope_theta", theta)
+                raise UnsupportedModel(
+                    f"{key}: rope type {_show(rope_type)} is not supported (only default)"
+                )
+            theta = _float(rope, "rope_theta", theta, where=f"config.json: {key}.")
         hidden = _int(cfg, "hidden_size")
         heads = _int(cfg, "num_attention_heads")
-        head_dim = cfg.get("head_dim")
+        if heads < 1:
+            raise UnsupportedModel(
+                f"config.json: num_attention_heads must be a positive int, got {heads}"
+            )
+        if cfg.get("head_dim") is not None:
+            head_dim = _int(cfg, "head_dim")
+        elif hidden % heads == 0:
+            head_dim = hidden // heads
+        else:
+            raise UnsupportedModel(
+                f"config.json: no head_dim, and hidden_size {hidden} is not a multiple of "
+                f"num_attention_heads {heads}"
+            )
         eos = cfg.get("eos_token_id")
         eos_ids: list[int] = []
-        if isinstance(eos, int):
-            eos_ids = [eos]
-        elif isinstance(eos, list):
-            eos_ids = [int(x) for x in eos]
-        bos = cfg.get("bos_token_id")
+        if isinstance(eos, list):
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in eos):
+                raise UnsupportedModel(
+                    f"config.json: eos_token_id must be an int or a list of ints, got {_show(eos)}"
+                )
+            eos_ids = list(eos)
+        elif eos is not None:
+            eos_ids = [_int(cfg, "eos_token_id")]
+        bos = _int(cfg, "bos_token_id") if cfg.get("bos_token_id") is not None else None
         return cls(
             vocab_size=_int(cfg, "vocab_size"),
             hidden_size=hidden,
@@ -111,13 +165,13 @@ class ModelConfig:
             num_layers=_int(cfg, "num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=_int(cfg, "num_key_value_heads", heads),
-            head_dim=int(head_dim) if isinstance(head_dim, int) else hidden // heads,
-            rope_theta=float(theta) if isinstance(theta, int | float) else 10000.0,
+            head_dim=head_dim,
+            rope_theta=theta,
             rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
+            attention_bias=_bool(cfg, "attention_bias", model_type == "qwen2"),
             max_position_embeddings=_int(cfg, "max_position_embeddings", 2048),
-            bos_token_id=bos if isinstance(bos, int) else None,
+            bos_token_id=bos,
             eos_token_id=eos_ids[0] if eos_ids else None,
             extra_eos_token_ids=tuple(eos_ids[1:]),
             model_type=model_type,
@@ -151,15 +205,50 @@ def tiny_config() -> ModelConfig:
     )
 
 
+def _show(value: object) -> str:
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 160 else "a huge int"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _int(cfg: Mapping[str, object], key: str, default: int | None = None) -> int:
-    value = cfg.get(key, default)
+    value = cfg.get(key)
+    if value is None and default is not None:  # absent or null: not set
+        return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise UnsupportedModel(f"config.json: {key} must be an int, got {value!r}")
+        raise UnsupportedModel(f"config.json: {key} must be an int, got {_show(value)}")
     return value
 
 
-def _float(cfg: Mapping[str, object], key: str, default: float) -> float:
-    value = cfg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise UnsupportedModel(f"config.json: {key} must be a number, got {value!r}")
+def _float(
+    cfg: Mapping[str, object], key: str, default: float, *, where: str = "config.json: "
+) -> float:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    # An int too large for a float would overflow float(); NaN and Infinity (which Python's
+    # JSON reader accepts) fail the finiteness check.
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not -MAX_FLOAT <= value <= MAX_FLOAT
+    ):
+        raise UnsupportedModel(f"{where}{key} must be a finite number, got {_show(value)}")
     return float(value)
+
+
+def _bool(cfg: Mapping[str, object], key: str, default: bool) -> bool:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):  # "false" is truthy: reading it as a bool flips it
+        raise UnsupportedModel(f"config.json: {key} must be true or false, got {_show(value)}")
+    return value
+
+
+def _str(cfg: Mapping[str, object], key: str, default: str) -> str:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise UnsupportedModel(f"config.json: {key} must be a string, got {_show(value)}")
+    return value

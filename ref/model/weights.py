@@ -3,20 +3,26 @@
 :func:`load_checkpoint` reads a Hugging Face Llama/Qwen2-style directory
 (``config.json`` + ``*.safetensors``, sharded or not) from local disk only. Every tensor
 the model needs is checked by name and shape; a missing, misshapen or unexpected one
-raises a :class:`WeightError` subclass that names it.
+raises a :class:`WeightError` subclass that names it, and so does a tensor holding NaN or
+an infinity (after conversion to the run's dtype), which would otherwise load and
+generate garbage. ``config.json`` is read strictly: UTF-8, at most 16 MiB, no duplicate
+keys, every field of the type it should have (:meth:`ModelConfig.from_hf`).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ref.errors import RefserveError
-from ref.model.config import ModelConfig
+from ref.errors import InvalidArgument, RefserveError
+from ref.model.config import ModelConfig, UnsupportedModel
+from ref.trace import loads_json, read_text_file, shown
+
+#: The largest ``config.json`` read (real ones are a few KiB).
+MAX_CONFIG_BYTES = 16 << 20
 
 
 class WeightError(RefserveError):
@@ -39,6 +45,19 @@ class WeightMismatch(WeightError):
         self.name = name
         self.expected = expected
         self.got = got
+
+
+class WeightNotFinite(WeightError):
+    def __init__(self, name: str, dtype: torch.dtype, where: str) -> None:
+        super().__init__(
+            f"{where}: tensor {name!r} holds NaN or infinite values (as {str(dtype)[6:]}); "
+            "refusing to run a model on it"
+        )
+        self.name = name
+
+
+class ConfigFileError(WeightError, InvalidArgument):
+    """``config.json`` cannot be read: not UTF-8, not JSON, too large, nested too deeply."""
 
 
 class WeightUnexpected(WeightError):
@@ -131,7 +150,13 @@ def weights_from_state_dict(
             )
 
     def get(name: str) -> torch.Tensor:
-        return tensors[name].to(device=device, dtype=dtype).contiguous()
+        # Convert on the host and check there: a NaN would otherwise load silently and
+        # every logit after it be NaN, and a float32 value past float16's range becomes
+        # inf only after conversion. One pass over the weights, before they move.
+        t = tensors[name].to(dtype=dtype)
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise WeightNotFinite(name, dtype, where)
+        return t.to(device=device).contiguous()
 
     def opt(name: str) -> torch.Tensor | None:
         return get(name) if cfg.attention_bias else None
@@ -211,13 +236,16 @@ def load_checkpoint(
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise WeightError(f"{d}: no config.json (a local Hugging Face checkpoint directory)")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise WeightError(f"{cfg_path}: cannot read: {e}") from e
+    text = read_text_file(cfg_path, "model config", MAX_CONFIG_BYTES, ConfigFileError)
+    raw = loads_json(text, shown(cfg_path), ConfigFileError)
     if not isinstance(raw, dict):
-        raise WeightError(f"{cfg_path}: expected a JSON object")
-    cfg = ModelConfig.from_hf(raw)
+        raise WeightError(f"{shown(cfg_path)}: expected a JSON object")
+    try:
+        cfg = ModelConfig.from_hf(raw)
+    except (UnsupportedModel, InvalidArgument) as e:
+        # Same type (callers catch UnsupportedModel), the message naming the whole path.
+        text = str(e).removeprefix("config.json: ").removeprefix("model config: ")
+        raise type(e)(f"{shown(cfg_path)}: {text}") from None
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise WeightError(f"{d}: no *.safetensors files")

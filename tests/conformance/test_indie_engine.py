@@ -35,7 +35,6 @@ EXPECTED: dict[str, tuple[str, str]] = {
 }
 
 
-
 def _cli(tmp_path: Path, engine: str, kv: str, *extra: str) -> tuple[int, dict[str, Any]]:
     report = tmp_path / "report.json"
     rc = conformance_main(

@@ -10,11 +10,19 @@ one classic paged-attention bug switched on (DESIGN.md "Kernels", issue 5 item 5
 - :func:`causal_from_start`: aligns the causal mask to the *start* of the sequence, as
   if every call were a whole prompt (wrong for decodes and chunks);
 - :func:`writes_past_output`: right values, but also writes one row past ``out``.
+
+And three that exercise the harness rather than the math (docs/KERNELS.md, "Running the
+grid"): :func:`segfaults_on_prompts` and :func:`hangs_on_prompts` crash the process or
+never return when a batch holds a whole prompt (only ever run them through
+``refserve check-kernel``, which isolates each case in a worker), and
+:func:`decode_only` declares ``refserve_capabilities`` and handles decodes only.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
+import time
 
 import torch
 
@@ -181,3 +189,75 @@ def writes_past_output(
     past = out.as_strided((t + 1, hq, d), out.stride(), out.storage_offset())
     past[t] = 0.0
     return out
+
+
+def _has_prompt(seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> bool:
+    q_lens = query_start_loc.diff().tolist()
+    return any(q > 1 and q == kv for q, kv in zip(q_lens, seq_lens.tolist(), strict=True))
+
+
+def segfaults_on_prompts(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Bug: dereferences NULL (SIGSEGV) when the batch holds a whole prompt; else right."""
+    if _has_prompt(seq_lens, query_start_loc):
+        ctypes.string_at(0)  # reads address 0: the process dies with SIGSEGV
+    return _dense(
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+        scale, sliding_window, softcap,
+    )  # fmt: skip
+
+
+def hangs_on_prompts(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Bug: never returns when the batch holds a whole prompt (a deadlocked kernel)."""
+    while _has_prompt(seq_lens, query_start_loc):
+        time.sleep(3600)
+    return _dense(
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+        scale, sliding_window, softcap,
+    )  # fmt: skip
+
+
+def decode_only(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """A correct decode-only kernel without sliding window, and saying so."""
+    if query.shape[0] != seq_lens.shape[0] or sliding_window is not None:
+        raise NotImplementedError("decode-only, no sliding window")
+    return _dense(
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+        scale, sliding_window, softcap,
+    )  # fmt: skip
+
+
+# What the grid reads (docs/KERNELS.md, "Capabilities"): a plain dict, no refserve import.
+decode_only.__dict__["refserve_capabilities"] = {"decode_only": True, "sliding_window": False}

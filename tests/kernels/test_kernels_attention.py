@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from kernel_testing import DEVICE, DTYPES, HAS_CUDA, assert_attention_close, needs_cuda
 
 import kernels
-from conformance.kernel_grid import GRID, GridCase, build_inputs, run_case
+from conformance.kernel_grid import GRID, NOT_SUPPORTED, GridCase, build_inputs, run_case
 from kernels import oracle
 from kernels.attention import _paged_attention_kernel, choose_tiles, paged_attention
 from kernels.validation import AttentionDims, KernelInputError
@@ -28,6 +28,8 @@ from kernels.validation import AttentionDims, KernelInputError
 def _run(case: GridCase, dtype: torch.dtype, seed: int = 0, **kwargs: Any) -> None:
     fn = functools.partial(paged_attention, **kwargs) if kwargs else paged_attention
     result = run_case(fn, case, dtype, DEVICE, seed=seed)
+    if result.status == NOT_SUPPORTED:
+        pytest.skip(f"{case.name}: not supported by our kernel ({result.error})")
     detail = result.error or f"max abs err {result.max_abs_err:.3e} > {result.tolerance:.3e}"
     assert result.passed, f"{result.case} {result.dtype}: {detail}"
 
@@ -39,8 +41,10 @@ def test_interpreter_mode_is_on() -> None:
 
 
 def _grid_params() -> list[Any]:
+    """The hand-named cases and the quick generated ones (the full generated grid runs in
+    ``make gpu-check`` / ``refserve check-kernel``: minutes in the interpreter)."""
     params = []
-    for case in GRID:
+    for case in (c for c in GRID if c.boundary == "named" or c.quick):
         for dtype in DTYPES:
             marks = [needs_cuda] if case.gpu_only else []
             name = f"{case.name}-{str(dtype).removeprefix('torch.')}"
