@@ -1,7 +1,7 @@
 """The kernel grid: paged-attention cases, generated from tiling boundaries, run against
 a float64 oracle one case at a time in an isolated worker (docs/KERNELS.md).
 
-DESIGN.md ("Kernels") lists the edge cases a paged-attention kernel gets wrong. The grid
+A paged-attention kernel goes wrong at known edges (docs/KERNELS.md). The grid
 holds the hand-named cases of that list plus cases *generated* from boundary rules
 (:data:`BOUNDARY_RULES`, docs/KERNELS.md "Boundary rules"): every tiling edge kernels in
 the field use (key tiles of 16/32/64/128 positions, query tiles crossing key tiles,
@@ -27,7 +27,7 @@ A kernel declares what it supports with a ``refserve_capabilities`` attribute
 process; :func:`check_kernel_main` (``refserve check-kernel``) runs each case in a
 persistent worker subprocess that is restarted after a crash or a timeout, so a kernel
 that segfaults or hangs fails that case and the run goes on. This module needs torch and
-``kernels.oracle`` only (no triton), as DESIGN.md's dependency rule asks.
+``kernels.oracle`` only (no triton), so a kernel author's checker never needs our kernels.
 
 Beyond that kernel: ``beyond_design`` cases check features other engines' kernels have
 (fp8 KV, sinks, ALiBi, per-request windows, non-causal, a different V head size, the
@@ -105,7 +105,7 @@ class GridHarnessError(RuntimeError):
 
 
 class PagedAttentionFn(Protocol):
-    """The DESIGN.md signature every kernel under test has."""
+    """The signature every kernel under test has (that of ``kernels.paged_attention``)."""
 
     def __call__(
         self,
@@ -123,7 +123,7 @@ class PagedAttentionFn(Protocol):
 
 
 #: Cache layouts the grid can hand a kernel. ``nhd``: ``[blocks, block_size, Hkv, D]``
-#: (vLLM, DESIGN.md); ``hnd``: ``[blocks, Hkv, block_size, D]`` (FlashInfer's HND).
+#: (vLLM's, and ours); ``hnd``: ``[blocks, Hkv, block_size, D]`` (FlashInfer's HND).
 LAYOUTS = ("nhd", "hnd")
 
 
@@ -160,7 +160,7 @@ class GridCase:
     num_kv_splits: int | None = None
     layout: str = "nhd"
     kv_view: str = "contiguous"
-    # Beyond DESIGN.md's kernel (oracle-only for ours; docs/KERNELS.md "Beyond DESIGN.md").
+    # Beyond our kernel (oracle-only for ours; docs/KERNELS.md "Beyond our kernel").
     causal: bool = True
     alibi: bool = False
     sinks: bool = False
@@ -248,7 +248,7 @@ class GridCase:
 
 @dataclass(frozen=True)
 class AttentionInputs:
-    """Arguments of one ``paged_attention`` call, in DESIGN.md order.
+    """Arguments of one ``paged_attention`` call, in ``kernels.paged_attention``'s order.
 
     ``key_cache``/``value_cache`` are always ``[blocks, block_size, Hkv, D]`` views (what
     the oracle reads); :meth:`call` hands a kernel the ``layout`` it asked for, a view of
@@ -265,13 +265,13 @@ class AttentionInputs:
     sliding_window: int | None
     softcap: float | None
     layout: str = "nhd"
-    #: Keywords beyond DESIGN.md's signature (causal, alibi_slopes, sinks, k_scale,
+    #: Keywords beyond our kernel's signature (causal, alibi_slopes, sinks, k_scale,
     #: v_scale, return_lse; per-request windows go in ``sliding_window`` as int32 [S]).
     extra: Mapping[str, Any] = field(default_factory=dict)
     window_per_seq: torch.Tensor | None = None
 
     def call(self, fn: Callable[..., Any], **extra: Any) -> Any:
-        """Call ``fn`` with these inputs as DESIGN.md orders them, plus ``extra`` keywords."""
+        """Call ``fn`` with these inputs in the signature's order, plus ``extra`` keywords."""
         k, v = self.key_cache, self.value_cache
         if self.layout == "hnd":
             k, v = k.transpose(1, 2), v.transpose(1, 2)
@@ -388,7 +388,7 @@ def _extra_keywords(
     k_scale: float,
     v_scale: float,
 ) -> dict[str, Any]:
-    """Keywords a case beyond DESIGN.md passes (names as in docs/KERNELS.md)."""
+    """Keywords a case beyond our kernel passes (names as in docs/KERNELS.md)."""
     extra: dict[str, Any] = {}
     hq = case.num_q_heads
     if not case.causal:
@@ -416,7 +416,7 @@ TILE_SIZES = (16, 32, 64, 128)
 #: ``boundary`` is one of these names.
 BOUNDARY_RULES: Mapping[str, str] = MappingProxyType(
     {
-        "named": "DESIGN.md's hand-picked edge cases (block edges, head sizes, GQA, options)",
+        "named": "hand-picked edge cases (block edges, head sizes, GQA, options)",
         "kv_len_1": "a sequence of exactly one key (prompt of one token, first decode)",
         "single_key_tile": "every sequence fits in one key tile of 16",
         "kv_tile_edge": "KV lengths T-1, T, T+1 for each key-tile size T",
@@ -654,7 +654,7 @@ CASES: Mapping[str, GridCase] = MappingProxyType(
 # ---------------------------------------------------------------------- capabilities
 _DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
-#: Attention features beyond DESIGN.md a kernel may declare (docs/KERNELS.md).
+#: Attention features beyond our kernel's that a kernel may declare (docs/KERNELS.md).
 FEATURES = ("non_causal", "alibi", "sinks", "fp8_kv", "v_head_size", "per_request_window", "lse")
 
 
@@ -1406,7 +1406,9 @@ def _parser() -> argparse.ArgumentParser:
         "kernel grid, one case at a time in a worker subprocess (docs/KERNELS.md). "
         "Exit 0: all passed; 1: a case failed or timed out; 2: usage or harness error.",
     )
-    parser.add_argument("target", nargs="?", help="MODULE:FUNCTION with the DESIGN.md signature")
+    parser.add_argument(
+        "target", nargs="?", help="MODULE:FUNCTION with the signature of kernels.paged_attention"
+    )
     parser.add_argument("--layout", choices=["vllm"], default="vllm", help="cache layout")
     parser.add_argument(
         "--op",
@@ -1530,7 +1532,7 @@ def check_kernel_main(argv: list[str]) -> int:
         return _usage("--timeout must be > 0")
     if device.type == "cpu" and "TRITON_INTERPRET" not in os.environ:
         # Triton kernels run on CPU tensors only in interpreter mode, which must be on
-        # before the kernel's module is imported (DESIGN.md, Kernels).
+        # before the kernel's module is imported (docs/KERNELS.md).
         os.environ["TRITON_INTERPRET"] = "1"
         print("note: CPU run; TRITON_INTERPRET=1 set for Triton kernels", file=sys.stderr)
     try:

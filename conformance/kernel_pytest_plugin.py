@@ -79,7 +79,7 @@ def pytest_collection_modifyitems(
 
     if not torch.cuda.is_available():
         # Triton runs on CPU tensors only in its interpreter, which must be on before the
-        # kernel's module is imported (DESIGN.md, Kernels).
+        # kernel's module is imported (docs/KERNELS.md).
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from conformance.kernel_grid import select_cases
 

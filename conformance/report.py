@@ -294,7 +294,7 @@ def to_markdown(report: Report) -> str:
         lines.append(f"- {k}: {v}")
     golden = [sc for sc in report.scenarios if sc.golden is not None]
     if golden:
-        lines += ["", "| golden scenario | matches the seeds' schedule |", "|---|---|"]
+        lines += ["", "| golden scenario | matches the golden schedule |", "|---|---|"]
         for sc in golden:
             assert sc.golden is not None
             lines.append(f"| {sc.name} | {'yes' if sc.golden.get('matches') else 'no'} |")

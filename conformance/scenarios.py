@@ -1,4 +1,7 @@
-"""The scenario library: the seeds' golden scenarios and every "known bug elsewhere".
+"""The scenario library: the worked examples and every "known bug elsewhere".
+
+Both are described in docs/ARCHITECTURE.md ("Worked examples", "Known bugs elsewhere");
+scenario names keep the examples' historical ``seedNNN`` prefix (``seed001`` is example 1).
 
 Each :class:`~conformance.workload.Scenario` is a small fixed workload; ``targets`` names
 the invariants it is meant to provoke, but every invariant is checked on every step of
@@ -42,7 +45,7 @@ def _seeds() -> list[Scenario]:
     return [
         Scenario(
             "seed001-round-by-round",
-            "Seed 001: budget 8, 3 seqs, block 4; A decoding ends after round 2, B prompt 12, "
+            "Example 1: budget 8, 3 seqs, block 4; A decoding ends after round 2, B prompt 12, "
             "C prompt 3 arrives before round 2. Expected r1 A:1 B:7; r2 A:1 B:5 C:2; "
             "r3 B:1 C:1; r4 B:1 C:1.",
             Workload(
@@ -60,7 +63,7 @@ def _seeds() -> list[Scenario]:
         ),
         Scenario(
             "seed002-budget-14",
-            "Seed 002: 2 decodes + a 12-token prompt, budget 14: the prompt fits in one step.",
+            "Example 2b: 2 decodes + a 12-token prompt, budget 14: the prompt fits in one step.",
             Workload(
                 _cfg(4, 64, 14, 8),
                 (R("D1", prompt(4, 1), 6), R("D2", prompt(5, 1), 6), R("X", prompt(6, 12), 2, 1)),
@@ -71,7 +74,7 @@ def _seeds() -> list[Scenario]:
         ),
         Scenario(
             "seed002-budget-6",
-            "Seed 002: 2 decodes + a 12-token prompt, budget 6: the prompt takes 3 chunks of 4.",
+            "Example 2b: 2 decodes + a 12-token prompt, budget 6: the prompt takes 3 chunks of 4.",
             Workload(
                 _cfg(4, 64, 6, 8),
                 (R("D1", prompt(4, 1), 6), R("D2", prompt(5, 1), 6), R("X", prompt(6, 12), 2, 1)),
@@ -86,7 +89,7 @@ def _seeds() -> list[Scenario]:
         ),
         Scenario(
             "seed002-p7-d5",
-            "Seed 002: budget 12, 5 decodes, A needs 10 prefill, B waits: A gets 7, B 0.",
+            "Example 2c: budget 12, 5 decodes, A needs 10 prefill, B waits: A gets 7, B 0.",
             Workload(
                 _cfg(4, 64, 12, 16),
                 (
@@ -101,7 +104,7 @@ def _seeds() -> list[Scenario]:
         ),
         Scenario(
             "seed002-decode-starves-prefill",
-            "Seed 002: budget 8, always 8 decodes: decode-first defers the waiting prompt; it "
+            "Example 2d: budget 8, always 8 decodes: decode-first defers the waiting prompt; it "
             "must still run within the starvation bound.",
             Workload(
                 _cfg(4, 256, 8, 16),
@@ -114,7 +117,7 @@ def _seeds() -> list[Scenario]:
         ),
         Scenario(
             "seed002-admission-headroom",
-            "Seed 002 (scaled): a pool 90% used by a growing request, a new prompt needs 10% "
+            "Example 2e (scaled): a pool 90% used by a growing request, a new prompt needs 10% "
             "of it; admission must not promise KV it cannot deliver without preemption.",
             Workload(
                 _cfg(4, 10, 64, 4),
@@ -124,7 +127,7 @@ def _seeds() -> list[Scenario]:
         ),
         Scenario(
             "seed003-prefix-reuse",
-            "Seed 003 (scaled): 3 decodes plus a 40-token prompt whose first 24 tokens are "
+            "Example 3 (scaled): 3 decodes plus a 40-token prompt whose first 24 tokens are "
             "cached by an earlier request; the shared blocks only gain references.",
             Workload(
                 _cfg(4, 40, 64, 8),

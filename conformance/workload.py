@@ -131,7 +131,7 @@ class Scenario:
     """A named workload with what it targets; ``golden`` is the expected schedule.
 
     ``golden[i]`` is step ``i``'s ((request id, tokens), ...) in plan order for a
-    decode-first chunked-prefill engine (the seeds' policy); a different schedule is a
+    decode-first chunked-prefill engine (refserve's policy); a different schedule is a
     policy observation, never a violation.
     """
 

@@ -1,6 +1,6 @@
 """Triton kernels for paged KV caches and the dense PyTorch oracle they are checked against.
 
-DESIGN.md ("Kernels") fixes the public API:
+docs/ARCHITECTURE.md ("Kernels") fixes the public API:
 
 - :func:`paged_attention` (``kernels.attention``): unified causal paged attention;
 - :func:`write_kv` (``kernels.kv_write``): write this step's K/V into cache slots;

@@ -2,9 +2,9 @@
 
 Triton has no CPU backend. With ``TRITON_INTERPRET=1`` in the environment *when a kernel
 module is imported* (``@triton.jit`` reads it at decoration time), kernels become
-``InterpretedFunction`` objects that run on CPU tensors through numpy; DESIGN.md
-("Kernels") records that this is how the CPU tests run. Without it, a CPU tensor reaching
-a compiled kernel fails deep inside Triton, so the entry points check first and raise a
+``InterpretedFunction`` objects that run on CPU tensors through numpy; docs/ARCHITECTURE.md
+("Kernels") records that this is how the CPU tests run. Without it, a CPU tensor reaching a
+compiled kernel fails deep inside Triton, so the entry points check first and raise a
 :class:`~kernels.validation.KernelInputError` that says what to do.
 """
 

@@ -1,7 +1,7 @@
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 # (Reason: triton ships no types; its @triton.jit kernels are untyped by construction.
 #  Everything outside the kernels below is fully typed.)
-"""Unified Triton paged attention (DESIGN.md "Kernels"; checked against ``kernels.oracle``).
+"""Unified Triton paged attention (docs/ARCHITECTURE.md, "Kernels"; checked against the oracle).
 
 One kernel serves a batch that mixes decode tokens, whole prompts and mid-prompt chunks,
 in the vLLM-style layout described in ``kernels.validation``. Read it with
@@ -327,7 +327,8 @@ def choose_tiles(
     """Pick tile sizes for a launch (``num_kv_splits`` forces the number of KV segments).
 
     ``tl.dot`` needs every extent >= 16 on a GPU. In the interpreter each program costs
-    about 10 ms whatever its size (DESIGN.md), so the CPU path uses few, wide tiles and
+    about 10 ms whatever its size (docs/ARCHITECTURE.md, "Kernels"), so the CPU path uses
+    few, wide tiles and
     never splits unless asked to.
     """
     block_d = max(16, next_power_of_2(dims.head_size))
@@ -369,7 +370,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal paged attention in Triton; same contract as ``kernels.oracle.paged_attention``.
 
-    Extra keyword arguments (not part of the DESIGN.md signature, all optional):
+    Extra keyword arguments (not part of the documented signature, all optional):
     ``out`` a ``[T, Hq, D]`` tensor (any strides) to write into instead of allocating;
     ``num_kv_splits`` forces the number of split-KV segments (``1`` disables the split
     path; default: a heuristic that splits long decode-only batches on a GPU);
@@ -410,7 +411,7 @@ def paged_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(dims.head_size)
     # fp32 caches always use fp32 dots; bf16 too in the interpreter, whose bf16 dot is
-    # wrong (DESIGN.md). On a GPU, fp16/bf16 go to the tensor cores.
+    # wrong (docs/ARCHITECTURE.md, "Kernels"). On a GPU, fp16/bf16 go to the tensor cores.
     dot_fp32 = query.dtype == torch.float32 or (interpreted and query.dtype == torch.bfloat16)
 
     split = cfg.num_segments > 1

@@ -1,6 +1,6 @@
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 # (Reason: triton ships no types; its @triton.jit kernels are untyped by construction.)
-"""Copy whole KV blocks: copy-on-write within a pool, swap between pools (DESIGN.md).
+"""Copy whole KV blocks: copy-on-write within a pool, swap between pools (docs/ARCHITECTURE.md).
 
 ``copy_blocks(src_key_cache, src_value_cache, dst_key_cache, dst_value_cache,
 block_mapping)``: for each row ``(src, dst)`` of the int64 ``[N, 2]`` ``block_mapping``,

@@ -1,10 +1,10 @@
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 # (Reason: triton ships no types; its @triton.jit kernels are untyped by construction.)
-"""Write this step's keys and values into the paged cache (DESIGN.md "Kernels").
+"""Write this step's keys and values into the paged cache (docs/ARCHITECTURE.md, "Kernels").
 
 ``write_kv(key, value, key_cache, value_cache, slot_mapping)``: token ``t``'s ``[Hkv, D]``
 key and value go to slot ``slot_mapping[t]``, i.e. block ``slot // block_size``, offset
-``slot % block_size`` (DESIGN.md "Vocabulary"); slot ``-1`` skips the token (padding).
+``slot % block_size`` (docs/ARCHITECTURE.md, "Vocabulary"); slot ``-1`` skips the token (padding).
 Checked against ``kernels.oracle.write_kv``.
 
 One program per (token, group of heads): a row copy with masks for head sizes that are

@@ -1,4 +1,4 @@
-"""Dense PyTorch oracle for the kernels of this package (DESIGN.md, "Kernels").
+"""Dense PyTorch oracle for the kernels of this package (docs/ARCHITECTURE.md, "Kernels").
 
 Everything here is written to be checked by reading, not to be fast: one sequence at a
 time, K/V gathered through the block table into dense tensors, scores materialised in
@@ -45,10 +45,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal paged attention over a packed batch, computed densely in fp32.
 
-    Layout (DESIGN.md "Kernels", checked by ``kernels.validation``): ``query`` ``[T, Hq, D]``;
-    caches ``[num_blocks, block_size, Hkv, D]``; ``block_table`` int32 ``[S, max_blocks]``;
-    ``seq_lens`` int32 ``[S]``, the KV length of each sequence including this step's
-    tokens (their K/V are already written); ``query_start_loc`` int32 ``[S + 1]``.
+    Layout (docs/ARCHITECTURE.md "Kernels", checked by ``kernels.validation``): ``query``
+    ``[T, Hq, D]``; caches ``[num_blocks, block_size, Hkv, D]``; ``block_table`` int32
+    ``[S, max_blocks]``; ``seq_lens`` int32 ``[S]``, the KV length of each sequence
+    including this step's tokens (their K/V are already written); ``query_start_loc``
+    int32 ``[S + 1]``.
 
     Sequence ``s`` has ``q_len`` queries and ``kv_len = seq_lens[s]`` keys. Its queries are
     its *last* ``q_len`` tokens, so query ``i`` sits at position ``kv_len - q_len + i`` and
@@ -219,9 +220,9 @@ def paged_attention_extended_f64(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The attention surface beyond DESIGN.md's kernel, in float64 on the CPU.
+    """The attention surface beyond our kernel, in float64 on the CPU.
 
-    Reference for the grid's oracle-only cases (docs/KERNELS.md, "Beyond DESIGN.md"): the
+    Reference for the grid's oracle-only cases (docs/KERNELS.md, "Beyond our kernel"): the
     same gather and mask as :func:`paged_attention`, plus
 
     - ``sliding_window`` per sequence (a sequence of ints, ``0``: no window);
@@ -300,7 +301,7 @@ def write_kv(
 ) -> None:
     """Write token ``t``'s ``key[t]``/``value[t]`` ``[Hkv, D]`` into slot ``slot_mapping[t]``.
 
-    Slot ``p`` is block ``p // block_size``, offset ``p % block_size`` (DESIGN.md
+    Slot ``p`` is block ``p // block_size``, offset ``p % block_size`` (docs/ARCHITECTURE.md,
     "Vocabulary"); slot ``-1`` skips the token (e.g. padding). Writes in place.
     """
     validate_write_kv_inputs(
@@ -324,7 +325,7 @@ def copy_blocks(
     """For each row ``(src, dst)`` of ``block_mapping`` copy block ``src`` to block ``dst``.
 
     The source and destination pools may be the same tensors (copy-on-write: a shared
-    block is duplicated before it is written, DESIGN.md invariant PREFIX) or two pools,
+    block is duplicated before it is written, invariant PREFIX) or two pools,
     possibly on different devices (swap between tiers). Writes in place.
     """
     validate_copy_blocks_inputs(

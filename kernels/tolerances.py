@@ -1,7 +1,7 @@
 """Per-dtype tolerances for comparing a kernel's output with the dense oracle.
 
 Written down once here and used by every test and by the conformance grid
-(``conformance/kernel_grid.py``), as DESIGN.md ("Kernels") asks.
+(``conformance/kernel_grid.py``), as docs/ARCHITECTURE.md ("Kernels") asks.
 
 A result passes when ``max |out - ref| <= atol + rtol * max |ref|``. Both sides see the
 same rounded inputs (the oracle upcasts them to fp32), so the difference comes from
@@ -10,10 +10,11 @@ rounding of the softmax probabilities to the value dtype before the second matmu
 fused-attention kernels do to use tensor cores), and the final rounding of the output
 to its dtype. The grid draws values from N(0, 1), so outputs have magnitude of order 1.
 
-Devices differ (DESIGN.md): the interpreter's fp32 dot is exact fp32 while a GPU may
-use TF32. Our kernel asks for IEEE fp32 dots on fp32 inputs, but a kernel under test may
-not, so fp32 on CUDA gets a TF32-sized tolerance. The interpreter's bf16 dot is broken,
-so bf16 on CPU is only meaningful for kernels that upcast before ``tl.dot`` (ours does).
+Devices differ (docs/ARCHITECTURE.md, "Kernels"): the interpreter's fp32 dot is exact fp32
+while a GPU may use TF32. Our kernel asks for IEEE fp32 dots on fp32 inputs, but a kernel
+under test may not, so fp32 on CUDA gets a TF32-sized tolerance. The interpreter's bf16 dot
+is broken, so bf16 on CPU is only meaningful for kernels that upcast before ``tl.dot`` (ours
+does).
 """
 
 from __future__ import annotations

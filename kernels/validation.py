@@ -1,6 +1,6 @@
 """Input checks shared by the dense oracle and the Triton entry points.
 
-DESIGN.md ("Kernels") fixes one vLLM-style layout for every kernel in this package:
+docs/ARCHITECTURE.md ("Kernels") fixes one vLLM-style layout for every kernel in this package:
 
 - ``query`` ``[T, Hq, D]``: this step's query tokens of all sequences, packed;
 - ``key_cache`` / ``value_cache`` ``[num_blocks, block_size, Hkv, D]``;
@@ -284,7 +284,7 @@ def validate_write_kv_inputs(
     """Check ``write_kv`` arguments: ``key``/``value`` ``[T, Hkv, D]`` go to ``slot_mapping``.
 
     ``slot_mapping`` is int32 or int64 ``[T]``; slot ``p`` is block ``p // block_size``,
-    offset ``p % block_size`` (DESIGN.md "Vocabulary"); ``-1`` means skip the token. With
+    offset ``p % block_size`` (docs/ARCHITECTURE.md "Vocabulary"); ``-1`` means skip the token. With
     ``check_values``, every other slot must lie in ``[0, num_blocks * block_size)`` and no
     slot may be written twice (the result would depend on the order of writes).
     """

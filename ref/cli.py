@@ -217,9 +217,10 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--max-steps",
         type=int_at_most(MAX_STEPS, lo=1),
-        default=DEFAULT_MAX_STEPS,
-        help=f"stop after this many steps, write the partial result, exit 2 "
-        f"(default {DEFAULT_MAX_STEPS:,}, at most {MAX_STEPS:,})",
+        default=None,
+        help=f"stop after this many steps, write the partial result, exit 2 (default: "
+        f"the trace's prompt and output tokens, at least {DEFAULT_MAX_STEPS:,}; at most "
+        f"{MAX_STEPS:,})",
     )
     sim.set_defaults(func=_simulate)
 
@@ -239,7 +240,9 @@ def _parser() -> argparse.ArgumentParser:
     # Listed for --help; main() hands their arguments over before this parser runs.
     ck = sub.add_parser("check-kernel", help="run the kernel grid against the dense oracle")
     ck.add_argument(
-        "rest", nargs=argparse.REMAINDER, help="MODULE:FUNCTION [--layout vllm] [--json OUT]"
+        "rest",
+        nargs=argparse.REMAINDER,
+        help="MODULE:FUNCTION [--quick] [-k PATTERN] [--json OUT] [--list] (check-kernel --help)",
     )
     sub.add_parser(
         "compare", help="compare scheduling policies over built-in traces and a rate sweep"
@@ -354,6 +357,9 @@ def _simulate(args: argparse.Namespace) -> int:
     trace_path = Path(args.trace) if os.path.exists(args.trace) else None  # else built-in
     _distinct_files({"trace": trace_path, "--json": json_path, "--timeline": timeline_path})
     stopped: StepLimitReached | None = None
+    # The per-round table, the timeline and the JSON iterations read every step; without
+    # them only the count is kept, so a large trace's memory does not grow with its steps.
+    keep_steps = not args.quiet or timeline_path is not None or json_path is not None
     try:
         result = simulate(
             Scheduler(config),
@@ -361,6 +367,7 @@ def _simulate(args: argparse.Namespace) -> int:
             cost,
             check_invariants=args.check,
             max_steps=args.max_steps,
+            keep_steps=keep_steps,
         )
     except StepLimitReached as e:
         # Write what ran (marked incomplete), then end with the typed error.
@@ -427,7 +434,7 @@ def _simulator_demo() -> int:
     from ref.sim import simulate
     from ref.trace import load_trace
 
-    print("refserve demo: seed 002's worked example on the cost-model simulator")
+    print("refserve demo: example 2 (docs/ARCHITECTURE.md) on the cost-model simulator")
     print("(cost 2 + 0.5P + D ms, token budget 4, decode first, then FCFS prefill)\n")
     config = SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=8, block_size=4, num_blocks=64)
     result = simulate(
@@ -439,7 +446,7 @@ def _simulator_demo() -> int:
     print(render_rounds(result))
     print()
     print(render_summary(result))
-    print("\nseed 000: decode-only batch of A(2 steps), B(5), C(2, ready after round 2), 2 slots")
+    print("\nexample 0: decode-only batch of A(2 steps), B(5), C(2, ready after round 2), 2 slots")
     for policy in (PolicyName.STATIC, PolicyName.DECODE_FIRST):
         cfg = SchedulerConfig(
             max_num_batched_tokens=64, max_num_seqs=2, block_size=16, num_blocks=16, policy=policy
@@ -596,7 +603,7 @@ def render_summary(result: SimResult) -> str:
         )
     lines += [
         "",
-        f"makespan {run.duration_ms:.2f} ms over {len(result.steps)} rounds; "
+        f"makespan {run.duration_ms:.2f} ms over {result.num_steps} rounds; "
         f"{run.num_finished}/{run.num_requests} requests finished",
         f"throughput: input {run.input_tokens_per_s:.2f} tok/s, "
         f"output {run.output_tokens_per_s:.2f} tok/s, {run.requests_per_s:.2f} req/s",

@@ -1,14 +1,14 @@
-"""``refserve compare``: scheduler policies over seed 003's traces and a request-rate sweep.
+"""``refserve compare``: scheduler policies over example 3's traces and a request-rate sweep.
 
-Seed 003's minimal experiment: the same traces (short chat, long prompt, agent multi-turn,
-plus a chat stream with a few long prompts mixed in), a fixed request-rate sweep, and
-several scheduling policies; report P50/P95/P99 TTFT, P99 TBT, tokens/s, goodput,
+The experiment of docs/ARCHITECTURE.md, example 3: the same traces (short chat, long prompt,
+agent multi-turn, plus a chat stream with a few long prompts mixed in), a fixed request-rate
+sweep, and several scheduling policies; report P50/P95/P99 TTFT, P99 TBT, tokens/s, goodput,
 rejections and preemptions, and find where goodput bends as the rate rises.
 
 Everything runs on the cost-model simulator (same scheduler and engine core as the real
 engine). Choices, all overridable from the command line:
 
-- **Cost model**: seed 002's ``2 + 0.5P + D`` ms. With the default ``--scale 16`` one
+- **Cost model**: example 2's ``2 + 0.5P + D`` ms. With the default ``--scale 16`` one
   simulated token stands for 16 real ones, so 0.5 ms per simulated prefill token is about
   31 us per real token: roughly an 8B model on one H100/H200-class GPU. Decode and the
   fixed per-step term are teaching numbers, not a fit; every time in the report is the
@@ -74,7 +74,7 @@ BASE_CONFIG = SchedulerConfig(
     max_num_batched_tokens=512, max_num_seqs=256, block_size=16, num_blocks=4096
 )
 # Limits of the options, checked before anything is built. Scale 1
-# is seed 003's real lengths; below it a session would outgrow what the simulator replays
+# is example 3's real lengths; below it a session would outgrow what the simulator replays
 # in reasonable time. A run's requests (sessions) are built in memory up front.
 MIN_SCALE, MAX_SCALE = 1.0, 65536.0
 MAX_RATE = 10_000.0
@@ -189,7 +189,7 @@ POLICIES: tuple[NamedPolicy, ...] = (
     ),
     NamedPolicy(
         "reserve",
-        "prefix-aware plus seed 002's starvation fix: 1/8 of the budget reserved for a "
+        "prefix-aware plus example 2d's starvation fix: 1/8 of the budget reserved for a "
         "prefill that waited 8 steps",
         _reserve,
     ),
@@ -332,7 +332,7 @@ def run_point(
     """Run one workload under one policy and summarize it."""
     started = time.perf_counter()
     config = policy.configure(base, workload.max_len, slo, cost)
-    result = workload.run(Scheduler(config), cost)
+    result = workload.run(Scheduler(config), cost, keep_steps=False)  # only counted
     reqs = [RequestMetrics.of(r) for r in result.requests]
     run = RunMetrics.of(reqs, result.makespan_ms)
     met = [m for m in reqs if slo.met(m)]
@@ -369,7 +369,7 @@ def run_point(
         cached_tokens=run.num_cached_tokens,
         prefix_hit_rate=run.num_cached_tokens / prompt_tokens if prompt_tokens else 0.0,
         makespan_ms=result.makespan_ms,
-        num_steps=len(result.steps),
+        num_steps=result.num_steps,
         wall_s=time.perf_counter() - started,
     )
 
@@ -596,7 +596,7 @@ def render_markdown(
     slo = opts.slo
     base = opts.base
     lines = [
-        "# refserve compare: scheduling policies over seed 003's traces",
+        "# refserve compare: scheduling policies over example 3's traces",
         "",
         f"Simulator, cost model `{opts.cost}` ms per step (P prefill tokens, D decodes), "
         f"token lengths divided by {opts.scale:g} (scale), seed {opts.seed}"
@@ -736,7 +736,7 @@ def _names(text: str) -> tuple[str, ...]:
 def _parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="refserve compare",
-        description="Compare scheduling policies over seed 003's traces and a rate sweep "
+        description="Compare scheduling policies over example 3's traces and a rate sweep "
         "on the simulator; writes DIR/report.md, DIR/report.json and SVG plots.",
     )
     ms = finite_float(0, MAX_SLO_MS)
@@ -760,7 +760,7 @@ def _parser() -> argparse.ArgumentParser:
         "--scale",
         type=finite_float(MIN_SCALE, MAX_SCALE),
         default=DEFAULT_SCALE,
-        help=f"divide token lengths ({MIN_SCALE:g} to {MAX_SCALE:g}; 1 = seed 003's lengths)",
+        help=f"divide token lengths ({MIN_SCALE:g} to {MAX_SCALE:g}; 1 = example 3's lengths)",
     )
     p.add_argument("--seed", type=int_at_most((1 << 63) - 1, lo=-(1 << 63)), default=0)
     p.add_argument("--cost", default=DEFAULT_COST, help="step cost in ms, e.g. '2+0.5P+D'")

@@ -1,8 +1,8 @@
 """Scheduler configuration: the three separate limits and the admission rule.
 
 Token budget (``max_num_batched_tokens``) is compute per step, ``max_num_seqs`` bounds
-participants and ``num_blocks`` bounds memory (seed 000's table of three limits, none of
-which stands in for another).
+participants and ``num_blocks`` bounds memory (docs/ARCHITECTURE.md, "Vocabulary": three
+limits, none of which stands in for another).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class Admission(StrEnum):
 
     ``first_chunk`` checks only the chunk scheduled now (vLLM v1); ``prompt`` the whole
     remaining prompt; ``sequence`` the prompt plus ``max_tokens`` outputs, which never
-    needs preemption (seed 002: the admit-fill-preempt thrash).
+    needs preemption (example 2e of docs/ARCHITECTURE.md; the admit-fill-preempt thrash).
     """
 
     FIRST_CHUNK = "first_chunk"
@@ -43,22 +43,22 @@ class SchedulerConfig:
     max_model_len: int = 1 << 20
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    # Chunks that do not finish a prompt end on a block boundary (seed 003: 1008 of 1021).
+    # Chunks that do not finish a prompt end on a block boundary (example 3: 1008 of 1021).
     align_chunks_to_blocks: bool = False
     admission: Admission = Admission.FIRST_CHUNK
     # Blocks kept free at admission for running requests' decode growth.
     watermark_blocks: int = 0
     # Share of the token budget held for a prefill that has waited longer than
-    # ``prefill_reserve_after_steps`` steps (seed 002's starvation fix); 0 disables it.
+    # ``prefill_reserve_after_steps`` steps (example 2d's starvation fix); 0 disables it.
     prefill_reserve_tokens: int = 0
     prefill_reserve_after_steps: int = 8
     policy: PolicyName = PolicyName.DECODE_FIRST
     # Aging: a waiting request's effective priority improves by one level every
     # ``aging_steps`` steps it waits (0: off). See ref/policy.py for the ordering bound.
     aging_steps: int = 0
-    # SLO-aware chunk sizing (seed 003 §13): with both set, the step's prefill tokens are
-    # capped so ``iteration_model`` predicts the step ends before the tightest running
-    # decode's next-token deadline (its last token time + ``tbt_slo_ms``).
+    # SLO-aware chunk sizing (example 3 of docs/ARCHITECTURE.md): with both set, the step's
+    # prefill tokens are capped so ``iteration_model`` predicts the step ends before the
+    # tightest running decode's next-token deadline (its last token time + ``tbt_slo_ms``).
     tbt_slo_ms: float | None = None
     iteration_model: CostModel | None = None
     # Admission control: at most ``max_waiting`` queued requests (add_request raises

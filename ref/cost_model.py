@@ -1,7 +1,8 @@
-"""The iteration cost model of seed 002: a step takes ``a + b*P + c*D (+ e*K)`` ms.
+"""The iteration cost model of example 2: a step takes ``a + b*P + c*D (+ e*K)`` ms.
 
 P is the number of prefill tokens in the step, D the number of decode requests and K the
-KV tokens the decodes read (optional). Seed 002 uses ``2 + 0.5P + D``. Every coefficient
+KV tokens the decodes read (optional). Example 2 (docs/ARCHITECTURE.md) uses
+``2 + 0.5P + D``. Every coefficient
 is a finite number in [0, 1e6] ms (``MAX_COEFFICIENT_MS``): a 400-digit one would become
 ``inf`` and every time after it ``inf`` or ``NaN``.
 """

@@ -32,7 +32,7 @@ engine builds a :class:`~ref.model.llama.HostKVCache` of ``num_host_blocks`` blo
 the executor applies each step's swap copies before the forward; ``swap_out_bytes`` /
 ``swap_in_bytes`` count the bytes moved.
 
-Agent turns (seed 003, tool waits): :meth:`LLMEngine.pause` stops a decoding request
+Agent turns (tool waits): :meth:`LLMEngine.pause` stops a decoding request
 for a tool call, its KV kept on the device, moved to the host or dropped
 (``KVRetention``); :meth:`LLMEngine.resume` appends the tool's output to the
 conversation and generates the next turn, which continues from the retained KV (or
@@ -348,7 +348,7 @@ class LLMEngine:
         *,
         expected_wait_ms: float = 0.0,
     ) -> KVRetention:
-        """Pause a decoding request for a tool call (seed 003's agent turn); return where
+        """Pause a decoding request for a tool call (an agent turn); return where
         its KV waits (``KVRetention``: ``device``, ``host`` or ``drop``; ``None`` lets
         ``SchedulerConfig.retention`` choose from ``expected_wait_ms``).
 
@@ -448,7 +448,9 @@ class LLMEngine:
 
         If the step raises, the held outputs (an abort's final output, the text a pause
         flushed) stay held and come with the next step that returns: each is delivered
-        exactly once (module doc, "Faults"). The failed step itself was rolled back.
+        exactly once (module doc, "Faults"). The failed step itself was rolled back, its
+        K/V writes included (ref/model_executor.py), so stepping again computes the same
+        tokens a fault-free run would; a ``KVStateLost`` means the engine must be rebuilt.
         """
         # Step first, take the held outputs after: an exception leaves them queued.
         fresh = self._step() if self.scheduler.has_unfinished else []

@@ -4,6 +4,14 @@ Shared by the simulator and the real model engine; only the executor differs. Wi
 ``check_invariants`` on, every step is turned into a spec.StepSnapshot (slot mapping taken
 from the executor's real inputs) and every invariant is checked, TigerBeetle-style; a
 failed execute is rolled back and checked for ATOMIC against the state before the step.
+
+A step is one transaction over the scheduler's books and the executor's K/V memory
+(ref/executor.py, README "atomic steps"): ``executor.begin`` saves what the step may
+write, and a failure anywhere before the scheduler commits runs ``executor.rollback``
+and then ``scheduler.rollback``, so every block handed back to its owner reads back its
+own K/V and the prefix cache keeps every entry. Only an executor that declares it cannot
+restore (``transactional_kv`` false, or one without ``begin``) costs the cache entries of
+the blocks the failed step could have written.
 """
 
 from __future__ import annotations
@@ -12,13 +20,30 @@ import time
 from dataclasses import dataclass
 
 from ref.errors import RefserveError
-from ref.executor import Executor
+from ref.executor import Executor, KVTransaction, StepExecutor
 from ref.inputs import ModelInputs, build_inputs, scheduled_requests
 from ref.plan import StepPlan
 from ref.scheduler import Scheduler, StepEvents
 from spec import EngineSnapshot, StepSnapshot, Violation, check_step
 from spec.arith import blocks_needed
 from spec.atomic import check_atomic
+
+
+class KVStateLost(RefserveError):
+    """A failed step's K/V could not be restored (``executor.rollback`` raised).
+
+    The scheduler's books were rolled back, but the memory they describe may hold what
+    the failed step wrote, so every later token could be computed from another request's
+    K/V (ATOMIC, README "atomic steps"). Nothing can repair that in place: the engine
+    refuses further steps and must be rebuilt.
+    """
+
+    def __init__(self, step_index: int, cause: BaseException) -> None:
+        super().__init__(
+            f"step {step_index} failed and its K/V could not be restored ({cause!r}): the "
+            "engine's K/V memory can no longer be trusted; rebuild the engine"
+        )
+        self.step_index = step_index
 
 
 class InvariantViolation(RefserveError):
@@ -47,39 +72,47 @@ class StepRecord:
 
 class EngineCore:
     def __init__(
-        self, scheduler: Scheduler, executor: Executor, *, check_invariants: bool = False
+        self,
+        scheduler: Scheduler,
+        executor: Executor | StepExecutor,
+        *,
+        check_invariants: bool = False,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.check_invariants = check_invariants
+        self._kv_of: object = None  # the executor self._kv was made for
+        self._kv: KVTransaction = _Untracked()
+        self._lost: KVStateLost | None = None
 
     def step(self, now_ms: float) -> StepRecord:
+        if self._lost is not None:
+            raise self._lost
         sched = self.scheduler
+        kv = self._transaction()
         before = sched.snapshot() if self.check_invariants else None
         plan = sched.schedule(now_ms)
         kv_blocks_used = sched.pool.num_used_blocks  # what the step's requests hold
         started = time.perf_counter()
         try:
             inputs = self._inputs(plan)
+            kv.begin(plan, inputs)
             output = self.executor.execute(plan, inputs)
             sched.validate_output(plan, output.sampled)
+            duration = output.duration_ms
+            if duration is None:
+                duration = (time.perf_counter() - started) * 1e3
+            end_ms = now_ms + duration
+            events = sched.commit(plan, output.sampled, end_ms)
         except BaseException:
-            written = self._written_blocks(plan)  # read while the reservation stands
-            sched.rollback()
-            if before is not None:
-                violations = check_atomic(before, sched.snapshot())
-                if violations:
-                    raise InvariantViolation(plan.step_index, violations) from None
-            # K/V memory is not transactional: the executor may have written some of these
-            # blocks before it failed, including free cached blocks the step had evicted
-            # and the rollback re-indexed. Their cache entries must not be trusted.
-            sched.pool.forget_cached(written)
+            if sched.step_index != plan.step_index:
+                # The scheduler committed before the error (its last lines): the books
+                # describe the step's K/V, so keep it.
+                kv.commit()
+                raise
+            self._roll_back(plan, before)
             raise
-        duration = output.duration_ms
-        if duration is None:
-            duration = (time.perf_counter() - started) * 1e3
-        end_ms = now_ms + duration
-        events = sched.commit(plan, output.sampled, end_ms)
+        kv.commit()
         if before is not None:
             assert inputs is not None
             self._check(plan, inputs, before)
@@ -94,6 +127,39 @@ class EngineCore:
             events=events,
             plan=plan,
         )
+
+    def _transaction(self) -> KVTransaction:
+        """The executor's side of the step transaction; an executor without begin/
+        rollback/commit gets no-ops and the non-transactional fallback (module doc).
+        Looked up again when ``executor`` was replaced (tests swap it between steps)."""
+        ex = self.executor
+        if ex is not self._kv_of:
+            self._kv_of = ex
+            self._kv = ex if isinstance(ex, KVTransaction) else _Untracked()
+        return self._kv
+
+    def _roll_back(self, plan: StepPlan, before: EngineSnapshot | None) -> None:
+        """Undo the failed step: K/V memory first, then the books (ATOMIC)."""
+        sched = self.scheduler
+        kv = self._kv
+        # Without restorable memory, the blocks the step could have written must be read
+        # while its reservation stands; after the rollback they are someone's again.
+        written = None if kv.transactional_kv else self._written_blocks(plan)
+        try:
+            kv.rollback()
+        except BaseException as e:
+            sched.rollback()
+            self._lost = KVStateLost(plan.step_index, e)
+            raise self._lost from e
+        sched.rollback()
+        if before is not None:
+            violations = check_atomic(before, sched.snapshot())
+            if violations:
+                raise InvariantViolation(plan.step_index, violations) from None
+        if written is not None:
+            # The failed step may have overwritten some of these blocks, including free
+            # cached blocks it had evicted and the rollback re-indexed.
+            sched.pool.forget_cached(written)
 
     def _written_blocks(self, plan: StepPlan) -> set[int]:
         bs = self.scheduler.config.block_size
@@ -127,3 +193,19 @@ class EngineCore:
         violations = check_step(step)
         if violations:
             raise InvariantViolation(plan.step_index, violations)
+
+
+class _Untracked:
+    """The transaction side of an executor without one: its memory, if any, is not
+    restored, so a failed step costs the cache entries of the blocks it could write."""
+
+    transactional_kv = False
+
+    def begin(self, plan: StepPlan, inputs: ModelInputs | None) -> None:
+        pass
+
+    def rollback(self) -> None:
+        pass
+
+    def commit(self) -> None:
+        pass

@@ -1,4 +1,4 @@
-"""Per-request latencies and run-level throughput (seed 002, "四个延迟指标").
+"""Per-request latencies and run-level throughput (docs/ARCHITECTURE.md, example 2f).
 
 Per request: queueing delay (admitted - arrival), TTFT (first token - arrival), ITL (gaps
 between consecutive tokens), TPOT (mean ITL), E2E (last token - arrival). Per run: input
@@ -81,7 +81,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def littles_law_l(arrival_rate_per_s: float, mean_time_in_system_s: float) -> float:
-    """L = lambda * W (seed 002: 16 req/s * 0.75 s = 12 requests in the system)."""
+    """L = lambda * W (example 2g: 16 req/s * 0.75 s = 12 requests in the system)."""
     return arrival_rate_per_s * mean_time_in_system_s
 
 
@@ -143,7 +143,7 @@ class RunMetrics:
 
 @dataclass(frozen=True)
 class TenantMetrics:
-    """Fairness report for one tenant (seed 003: per-tenant TTFT/TBT and service)."""
+    """Fairness report for one tenant (per-tenant TTFT/TBT and service)."""
 
     tenant: str
     num_requests: int

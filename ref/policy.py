@@ -6,16 +6,28 @@ chunking) to itself, so the QoS policies can replace this one without touching i
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Protocol
 
 from ref.config import PolicyName, SchedulerConfig
 from ref.request import Request
+from ref.waiting import WaitingQueue, WaitingReader
 
 
 class Policy(Protocol):
-    def waiting_order(self, waiting: Sequence[Request], step_index: int) -> list[Request]:
-        """Waiting requests in the order admission should consider them."""
+    def waiting_queue(self, *, track_arrivals: bool) -> WaitingQueue:
+        """An empty queue that keeps requests in the order :meth:`waiting_order` reads
+        them (the scheduler's waiting queue; ``track_arrivals`` for queue timeouts)."""
+        ...
+
+    def waiting_order(self, waiting: Iterable[Request], step_index: int) -> Iterable[Request]:
+        """Waiting requests in the order admission should consider them.
+
+        Given the scheduler's :class:`WaitingQueue` the order is read lazily from it
+        (admission stops at the first request that does not fit, so a step never sorts
+        the whole queue); given any other collection it is sorted, the reference the
+        queue must agree with.
+        """
         ...
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request | None:
@@ -60,7 +72,12 @@ class DecodeFirst:
             return r.priority
         return r.priority - (step_index - r.queued_step) // self.aging_steps
 
-    def waiting_order(self, waiting: Sequence[Request], step_index: int) -> list[Request]:
+    def waiting_queue(self, *, track_arrivals: bool) -> WaitingQueue:
+        return WaitingQueue(self.aging_steps, track_arrivals=track_arrivals)
+
+    def waiting_order(self, waiting: Iterable[Request], step_index: int) -> Iterable[Request]:
+        if isinstance(waiting, WaitingQueue):
+            return waiting.ordered(step_index)
         return sorted(waiting, key=lambda r: (self.effective_priority(r, step_index), r.seq))
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request | None:
@@ -81,7 +98,7 @@ class DecodeFirst:
 class Static(DecodeFirst):
     """Static batching: a batch is formed when the previous one has wholly finished.
 
-    Only for comparison (seed 000: 7 rounds static vs 5 continuous).
+    Only for comparison (docs/ARCHITECTURE.md, example 0: 7 rounds static vs 5 continuous).
     """
 
     def admission_open(self, num_running: int) -> bool:
@@ -89,7 +106,7 @@ class Static(DecodeFirst):
 
 
 class TenantFair(DecodeFirst):
-    """Deficit round robin over prefill tokens between tenants (seed 003's fairness).
+    """Deficit round robin over prefill tokens between tenants (per-tenant fairness).
 
     After every step each backlogged tenant earns ``weight * quantum`` tokens of credit
     and pays for the prefill tokens it was granted; a tenant with nothing queued drops to
@@ -113,21 +130,38 @@ class TenantFair(DecodeFirst):
         self.max_running = max_running
         self.credit: dict[str, float] = {}
         self.served: dict[str, int] = {}  # prefill tokens granted per tenant, for reports
+        self._reader: WaitingReader | None = None  # the admission pass in progress
 
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, 1.0)
 
-    def waiting_order(self, waiting: Sequence[Request], step_index: int) -> list[Request]:
-        def key(r: Request) -> tuple[float, int, int]:
-            credit = self.credit.get(r.tenant, 0.0)
-            return (-credit, self.effective_priority(r, step_index), r.seq)
+    def waiting_queue(self, *, track_arrivals: bool) -> WaitingQueue:
+        return WaitingQueue(self.aging_steps, by_tenant=True, track_arrivals=track_arrivals)
 
-        return sorted(waiting, key=key)
+    def waiting_order(self, waiting: Iterable[Request], step_index: int) -> Iterable[Request]:
+        if isinstance(waiting, WaitingQueue):
+            self._reader = waiting.ordered(step_index, self._tenant_rank)
+            return self._reader
+        self._reader = None
+        return sorted(waiting, key=lambda r: self._key(r, step_index))
+
+    def _tenant_rank(self, tenant: str) -> float:
+        return -self.credit.get(tenant, 0.0)
+
+    def _key(self, r: Request, step_index: int) -> tuple[float, int, int]:
+        return (self._tenant_rank(r.tenant), self.effective_priority(r, step_index), r.seq)
 
     def may_admit(self, request: Request, running: Sequence[Request]) -> bool:
         if self.max_running is None:
             return True
-        return sum(1 for r in running if r.tenant == request.tenant) < self.max_running
+        if sum(1 for r in running if r.tenant == request.tenant) < self.max_running:
+            return True
+        # Admission only adds to ``running``, so the tenant stays at its cap for the rest
+        # of the pass: its other waiting requests are not read (else a capped tenant's
+        # backlog would be walked, and refused, request by request every step).
+        if self._reader is not None:
+            self._reader.skip_tenant(request.tenant)
+        return False
 
     def on_commit(self, prefill_tokens: Mapping[str, int], backlogged: Set[str]) -> None:
         for tenant, n in prefill_tokens.items():

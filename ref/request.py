@@ -1,4 +1,4 @@
-"""The request state machine and its fields (DESIGN.md vocabulary).
+"""The request state machine and its fields (docs/ARCHITECTURE.md, "Vocabulary").
 
 WAITING -> PREFILLING -> DECODING -> FINISHED, with PREEMPTED (blocks released, every
 token id kept, back to the waiting queue), SWAPPED (preempted with its KV copied to the

@@ -16,6 +16,7 @@ The host pool joins the step's transaction.
 from __future__ import annotations
 
 import math
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -82,7 +83,9 @@ class Scheduler:
         )
         self.host = HostPool(config.num_host_blocks, config.block_size)
         self.requests: dict[str, Request] = {}  # live: not finished, not aborted
-        self.waiting: list[Request] = []  # arrival order (seq); preempted ones keep theirs
+        # Admission order (the policy's), kept incrementally: a step reads only the head
+        # it admits from (ref/waiting.py). Preempted requests keep their arrival place.
+        self._queue = self.policy.waiting_queue(track_arrivals=config.queue_timeout_ms is not None)
         self.running: list[Request] = []  # admission order
         self.paused: dict[str, Request] = {}  # WAITING_TOOL: agent turns waiting for a tool
         # Paused turns whose KV the next step moves to the host pool (pause order).
@@ -92,8 +95,11 @@ class Scheduler:
         self._pending: StepPlan | None = None
         self._plan_start_ms = 0.0
         # Requests with prefill work left -> the last step in which they got any tokens
-        # (or were queued). Drives the prefill reserve that bounds starvation.
-        self._prefill_since: dict[str, int] = {}
+        # (or were queued). Drives the prefill reserve that bounds starvation. Kept in
+        # order of that step (each update moves the entry to the end), so the longest
+        # waiting one is the first; _backlog counts them per tenant for the policy.
+        self._prefill_since: OrderedDict[str, int] = OrderedDict()
+        self._backlog: Counter[str] = Counter()
         self.retired: list[Request] = []  # finished or aborted since the last commit
         # Admission control counters (rejected at add_request; timed out while waiting).
         self.num_rejected = 0
@@ -140,15 +146,15 @@ class Scheduler:
             self.num_rejected += 1
             raise ExceedsCapacity(rid, need, self.config.num_blocks)
         limit = self.config.max_waiting
-        if limit is not None and len(self.waiting) >= limit:
+        if limit is not None and len(self._queue) >= limit:
             self.num_rejected += 1
             raise QueueFull(f"add_request: request {rid!r} rejected: {limit} requests already wait")
         request.seq = self._seq
         request.queued_step = self.step_index
         self._seq += 1
         self.requests[rid] = request
-        self.waiting.append(request)
-        self._prefill_since[rid] = self.step_index
+        self._queue.add(request)
+        self._mark_prefill(request)
 
     def abort(self, request_id: str, now_ms: float = 0.0) -> None:
         """Abort in any live state; every block the request held returns to the pool."""
@@ -306,13 +312,19 @@ class Scheduler:
         if self.pool.has_request(request_id) and in_place:
             r.transition(S.PREFILLING)
             self.running.append(r)
-            self._prefill_since[request_id] = self.step_index
+            self._mark_prefill(r)
             return
         if self.pool.has_request(request_id):  # it may not run now: give the blocks back
             self.pool.free(request_id)
             r.num_computed_tokens = 0
         r.transition(S.SWAPPED if self.host.has_request(request_id) else S.WAITING)
         self._requeue(r)
+
+    @property
+    def waiting(self) -> list[Request]:
+        """The waiting requests in arrival order (seq), preempted ones in their arrival
+        place. A copy, O(n log n): for inspection, never used by a step."""
+        return list(self._queue)
 
     @property
     def has_unfinished(self) -> bool:
@@ -367,10 +379,9 @@ class Scheduler:
             else:
                 self._requeue(r)
         if plan.admitted:
-            admitted = set(plan.admitted)
-            self.waiting = [r for r in self.waiting if r.request_id not in admitted]
             for rid in plan.admitted:
                 r = by_id[rid]
+                self._queue.remove(r)
                 self.running.append(r)
                 if r.admitted_ms is None:
                     r.admitted_ms = self._plan_start_ms
@@ -390,7 +401,7 @@ class Scheduler:
             r.num_computed_tokens = start + n
             if not samples:
                 r.transition(S.PREFILLING)
-                self._prefill_since[rid] = self.step_index
+                self._mark_prefill(r)
                 continue
             token = sampled[rid]
             tokens = r.token_ids
@@ -411,17 +422,16 @@ class Scheduler:
                 finished.append(rid)
             elif r.status is not S.DECODING:
                 r.transition(S.DECODING)
-                self._prefill_since.pop(rid, None)
+                self._clear_prefill(r)
         for cf in plan.finished:
             r = by_id[cf.request_id]
             gone.add(cf.request_id)
+            if r in self._queue:  # timed out while waiting
+                self._queue.remove(r)
             self._retire(r, S.FINISHED, cf.reason, now_ms)
             finished.append(cf.request_id)
             if cf.reason is FinishReason.TIMEOUT:
                 self.num_timeouts += 1
-        if plan.finished:  # timed-out requests leave the waiting queue
-            planned = {cf.request_id for cf in plan.finished}
-            self.waiting = [r for r in self.waiting if r.request_id not in planned]
         if gone:
             self.running = [r for r in self.running if r.request_id not in gone]
         if plan.swapped_out:  # paused turns whose KV moved to the host in this step
@@ -449,8 +459,8 @@ class Scheduler:
                 if is_prefill:
                     tenant = self._tenant_of(rid)
                     granted[tenant] = granted.get(tenant, 0) + n
-        backlogged = {self.requests[rid].tenant for rid in self._prefill_since}
-        self.policy.on_commit(granted, backlogged)
+        # A live view, valid for the call: O(1) however many requests are backlogged.
+        self.policy.on_commit(granted, self._backlog.keys())
 
     def _tenant_of(self, request_id: str) -> str:
         r = self.requests.get(request_id)
@@ -546,7 +556,7 @@ class Scheduler:
     def _prefill_cap(self, decoded: Sequence[Request], now_ms: float, reserve: int) -> int:
         """Prefill tokens this step may take so the tightest decode meets its TBT SLO.
 
-        Seed 003 §13: with the decodes placed, the step's predicted time
+        Example 3 of docs/ARCHITECTURE.md: with the decodes placed, the step's predicted time
         ``a + b*P + c*D (+ e*K)`` must end before the earliest next-token deadline
         (last token time + ``tbt_slo_ms``), so ``P <= (slack - a - c*D - e*K) / b``. A
         prefill starving past the reserve threshold still gets its reserved share.
@@ -568,8 +578,7 @@ class Scheduler:
             return []
         return [
             PlannedFinish(r.request_id, FinishReason.TIMEOUT)
-            for r in self.waiting
-            if r.admitted_ms is None and now_ms - r.arrival_ms > timeout
+            for r in self._queue.overdue(now_ms, timeout)
         ]
 
     def _admit(
@@ -584,9 +593,9 @@ class Scheduler:
     ) -> list[str]:
         cfg = self.config
         admitted: list[str] = []
-        if not self.waiting or not self.policy.admission_open(was_running):
+        if not self._queue or not self.policy.admission_open(was_running):
             return admitted
-        for r in self.policy.waiting_order(self.waiting, self.step_index):
+        for r in self.policy.waiting_order(self._queue, self.step_index):
             if r.request_id in skip or not self.policy.may_admit(r, running):
                 continue
             if len(running) >= cfg.max_num_seqs or budget < 1:
@@ -777,10 +786,10 @@ class Scheduler:
         cfg = self.config
         if not cfg.prefill_reserve_tokens:
             return False
-        return any(
-            self.step_index - s >= cfg.prefill_reserve_after_steps
-            for s in self._prefill_since.values()
-        )
+        if not self._prefill_since:
+            return False
+        longest = next(iter(self._prefill_since.values()))  # the smallest: kept in order
+        return self.step_index - longest >= cfg.prefill_reserve_after_steps
 
     # ------------------------------------------------------------------ helpers
     def validate_output(self, plan: StepPlan, sampled: Mapping[str, int]) -> None:
@@ -797,13 +806,26 @@ class Scheduler:
                 )
 
     def _requeue(self, r: Request) -> None:
-        # Keep arrival order so a preempted request is not overtaken by later arrivals.
-        i = 0
-        while i < len(self.waiting) and self.waiting[i].seq < r.seq:
-            i += 1
-        self.waiting.insert(i, r)
+        # The queue keeps arrival order (seq), so a preempted request is not overtaken
+        # by later arrivals; aging counts from now.
         r.queued_step = self.step_index
-        self._prefill_since[r.request_id] = self.step_index
+        self._queue.add(r)
+        self._mark_prefill(r)
+
+    def _mark_prefill(self, r: Request) -> None:
+        """``r`` has prefill work left and got tokens (or was queued) in this step."""
+        rid = r.request_id
+        if rid not in self._prefill_since:
+            self._backlog[r.tenant] += 1
+        self._prefill_since[rid] = self.step_index
+        self._prefill_since.move_to_end(rid)  # steps only grow: the order stays sorted
+
+    def _clear_prefill(self, r: Request) -> None:
+        if self._prefill_since.pop(r.request_id, None) is not None:
+            self._backlog[r.tenant] -= 1
+            assert self._backlog[r.tenant] >= 0, "a tenant counted as it was marked"
+            if not self._backlog[r.tenant]:
+                del self._backlog[r.tenant]
 
     def _end(
         self, request_id: str, status: RequestStatus, reason: FinishReason, now_ms: float, what: str
@@ -823,7 +845,7 @@ class Scheduler:
         elif request_id in self.paused:
             del self.paused[request_id]
         else:
-            self.waiting.remove(r)
+            self._queue.remove(r)
         self._retire(r, status, reason, now_ms)
 
     def _retire(
@@ -833,7 +855,7 @@ class Scheduler:
         r.finish_reason = reason
         r.finished_ms = now_ms
         del self.requests[r.request_id]
-        self._prefill_since.pop(r.request_id, None)
+        self._clear_prefill(r)
         self.retired.append(r)
 
     def _require_boundary(self, what: str) -> None:

@@ -10,7 +10,7 @@ Three ways to replay a workload, all on the same engine core and executor:
   released the moment one finishes (its ``arrival_ms`` becomes the release time).
 - :func:`simulate_sessions`: multi-turn sessions whose turn k+1 is built from turn k's
   prompt and outputs plus the turn's new tokens and arrives ``tool_wait_ms`` after turn k
-  finishes (agent sessions, seed 003); optionally with at most ``concurrency`` sessions
+  finishes (agent sessions); optionally with at most ``concurrency`` sessions
   active at once.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from ref.cost_model import CostModel
 from ref.engine_core import EngineCore, StepRecord
 from ref.errors import InvalidArgument, RefserveError
-from ref.executor import StepOutput
+from ref.executor import NoKVMemory, StepOutput
 from ref.inputs import ModelInputs
 from ref.plan import StepPlan
 from ref.request import FinishReason, Request, StopParams
@@ -38,12 +38,25 @@ VOCAB = 32000
 DEFAULT_MAX_STEPS = 1_000_000
 
 
+def default_max_steps(requests: Iterable[Request]) -> int:
+    """The step cap of :func:`simulate` when none is given: the larger of
+    :data:`DEFAULT_MAX_STEPS` and the trace's tokens (prompts plus output limits).
+
+    A fixed cap would stop a large trace that is still progressing (a million requests
+    arriving one by one take more than a million steps); a step that makes progress
+    computes at least one of those tokens, so a run without preemptions that needs more
+    steps than that is not progressing. The floor keeps small traces' cap as it was.
+    """
+    tokens = sum(r.num_tokens + r.stop.max_tokens for r in requests)
+    return max(DEFAULT_MAX_STEPS, tokens)
+
+
 def fake_token(request_seq: int, position: int) -> int:
     """A deterministic token id; the same request and position always give the same one."""
     return (request_seq * 1_000_003 + position * 7_919 + 17) % VOCAB
 
 
-class SimExecutor:
+class SimExecutor(NoKVMemory):
     """Fake tokens and a step time from the cost model.
 
     With a ``swap`` cost model, the step's swap traffic adds its copy time: one
@@ -88,15 +101,43 @@ class SimExecutor:
         return StepOutput(sampled, ms)
 
 
+class _Steps:
+    """The steps of a replay: every record with ``keep``, else only the counts a result
+    needs, so a long replay's memory does not grow with its steps (a record holds the
+    step's plan: about 100 bytes per scheduled request)."""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep
+        self.records: list[StepRecord] = []
+        self.count = 0
+        # SwapTraffic.of over every plan, summed as the steps go
+        self.swapped_out = self.swapped_in = self.blocks_out = self.blocks_in = 0
+
+    def add(self, record: StepRecord) -> None:
+        self.count += 1
+        if self.keep:
+            self.records.append(record)
+        p = record.plan
+        self.swapped_out += len(p.swapped_out)
+        self.swapped_in += len(p.swapped_in)
+        self.blocks_out += len(p.swap_out)
+        self.blocks_in += len(p.swap_in)
+
+    def swap(self, bytes_per_block: int) -> SwapTraffic:
+        return SwapTraffic(
+            self.swapped_out, self.swapped_in, self.blocks_out, self.blocks_in, bytes_per_block
+        )
+
+
 def _result(
-    scheduler: Scheduler, everyone: Sequence[Request], steps: Sequence[StepRecord], span: float
+    scheduler: Scheduler, everyone: Sequence[Request], steps: _Steps, span: float
 ) -> SimResult:
     cfg = scheduler.config
     swap = None
     if cfg.num_host_blocks:
         per_block = cfg.swap_cost.kv_bytes_per_token * cfg.block_size if cfg.swap_cost else 0
-        swap = SwapTraffic.of((s.plan for s in steps), per_block)
-    return SimResult(tuple(everyone), tuple(steps), span, swap)
+        swap = steps.swap(per_block)
+    return SimResult(tuple(everyone), tuple(steps.records), span, swap, steps.count)
 
 
 def _sim_executor(scheduler: Scheduler, cost: CostModel) -> SimExecutor:
@@ -107,9 +148,13 @@ def _sim_executor(scheduler: Scheduler, cost: CostModel) -> SimExecutor:
 @dataclass(frozen=True)
 class SimResult:
     requests: tuple[Request, ...]  # every request, in arrival order, with its timeline
-    steps: tuple[StepRecord, ...]
+    steps: tuple[StepRecord, ...]  # every step; empty when the replay ran keep_steps=False
     makespan_ms: float
     swap: SwapTraffic | None = None  # host-link traffic, when the scheduler has a host pool
+    num_steps: int = 0  # steps run (kept or not)
+
+    def __post_init__(self) -> None:
+        assert not self.steps or len(self.steps) == self.num_steps, "steps kept are all steps"
 
 
 class StepLimitReached(RefserveError):
@@ -147,22 +192,28 @@ def simulate(
     cost: CostModel,
     *,
     check_invariants: bool = False,
-    max_steps: int = DEFAULT_MAX_STEPS,
+    max_steps: int | None = None,
+    keep_steps: bool = True,
 ) -> SimResult:
     """Run every request to completion on a virtual clock; return timelines and steps.
 
     Raises :class:`StepLimitReached` (holding the partial result) after ``max_steps``
-    steps, and :class:`InvalidArgument` for an arrival time that is not finite.
+    steps (default: :func:`default_max_steps` of the arrivals), and
+    :class:`InvalidArgument` for an arrival time that is not finite. With
+    ``keep_steps=False`` the result has no step records, only their count and swap
+    totals: memory then grows with the requests, not with the steps.
     """
-    _check_max_steps(max_steps)
     pending = list(arrivals)
+    if max_steps is None:
+        max_steps = default_max_steps(pending)
+    _check_max_steps(max_steps)
     for r in pending:
         _check_time(r.arrival_ms, f"request {r.request_id!r} arrival_ms")
     pending.sort(key=lambda r: r.arrival_ms)
     everyone = list(pending)
     core = EngineCore(scheduler, _sim_executor(scheduler, cost), check_invariants=check_invariants)
     clock = 0.0
-    steps: list[StepRecord] = []
+    steps = _Steps(keep_steps)
     i = 0
     while i < len(pending) or scheduler.has_unfinished:
         while i < len(pending) and pending[i].arrival_ms <= clock:
@@ -173,11 +224,11 @@ def simulate(
             # (else the loop above admitted it), so each idle turn admits a request.
             clock = pending[i].arrival_ms
             continue
-        if len(steps) >= max_steps:
+        if steps.count >= max_steps:
             start = min((r.arrival_ms for r in everyone), default=0.0)
             raise StepLimitReached(max_steps, _result(scheduler, everyone, steps, clock - start))
         record = core.step(clock)
-        steps.append(record)
+        steps.add(record)
         clock = record.end_ms
     start = min((r.arrival_ms for r in everyone), default=0.0)
     return _result(scheduler, everyone, steps, clock - start)
@@ -240,6 +291,7 @@ def simulate_closed_loop(
     concurrency: int,
     check_invariants: bool = False,
     max_steps: int = DEFAULT_MAX_STEPS,
+    keep_steps: bool = True,
 ) -> SimResult:
     """Keep ``concurrency`` requests in flight; release the next (in list order) as one ends.
 
@@ -248,7 +300,7 @@ def simulate_closed_loop(
     release time, so TTFT is measured from the moment the client sent it.
     """
     jobs = [_Job(None, r) for r in requests]
-    return _replay(scheduler, jobs, cost, concurrency, check_invariants, max_steps)
+    return _replay(scheduler, jobs, cost, concurrency, check_invariants, max_steps, keep_steps)
 
 
 def simulate_sessions(
@@ -259,6 +311,7 @@ def simulate_sessions(
     concurrency: int | None = None,
     check_invariants: bool = False,
     max_steps: int = DEFAULT_MAX_STEPS,
+    keep_steps: bool = True,
 ) -> SimResult:
     """Replay multi-turn sessions; turn k+1 arrives ``tool_wait_ms`` after turn k finishes.
 
@@ -273,7 +326,7 @@ def simulate_sessions(
         if not s.turns:
             raise InvalidArgument(f"session {s.session_id!r} has no turns")
     jobs = [_Job(s, None) for s in ordered]
-    return _replay(scheduler, jobs, cost, concurrency, check_invariants, max_steps)
+    return _replay(scheduler, jobs, cost, concurrency, check_invariants, max_steps, keep_steps)
 
 
 def _replay(
@@ -283,6 +336,7 @@ def _replay(
     concurrency: int | None,
     check_invariants: bool,
     max_steps: int,
+    keep_steps: bool,
 ) -> SimResult:
     if concurrency is not None and concurrency < 1:
         raise InvalidArgument(f"concurrency must be >= 1, got {concurrency}")
@@ -309,7 +363,7 @@ def _replay(
     in_flight: dict[str, _Job] = {}  # request id -> the job it belongs to
     everyone: list[Request] = []
     clock = 0.0 if concurrency is not None else min((r.at_ms for r in releases), default=0.0)
-    steps: list[StepRecord] = []
+    steps = _Steps(keep_steps)
     while releases or scheduler.has_unfinished:
         while releases and releases[0].at_ms <= clock:
             rel = heapq.heappop(releases)
@@ -320,12 +374,12 @@ def _replay(
         if not scheduler.has_unfinished:
             clock = releases[0].at_ms  # idle until the next release (finite: checked)
             continue
-        if len(steps) >= max_steps:
+        if steps.count >= max_steps:
             everyone.sort(key=lambda r: (r.arrival_ms, r.seq))
             start = min((r.arrival_ms for r in everyone), default=0.0)
             raise StepLimitReached(max_steps, _result(scheduler, everyone, steps, clock - start))
         record = core.step(clock)
-        steps.append(record)
+        steps.add(record)
         clock = record.end_ms
         for rid in record.events.finished:
             job = in_flight.pop(rid)

@@ -2,7 +2,7 @@
 
 Two decisions share one cost model:
 
-**Preemption** (seed 002, "重算 vs 换出"). A victim's KV is either dropped and
+**Preemption** (recompute or swap out). A victim's KV is either dropped and
 recomputed when it resumes, or copied to the host pool and back. With ``L`` tokens of
 KV, ``s`` bytes of K and V per token (all layers), a host link of ``W`` bytes/ms and a
 fixed ``latency_ms`` per copy direction:
@@ -10,7 +10,7 @@ fixed ``latency_ms`` per copy direction:
 - swap costs two copies, ``t_swap(L) = 2 * (latency_ms + L * s / W)``, and holds
   ``ceil(L / block_size)`` host blocks meanwhile;
 - recompute re-runs the prefill, ``t_recompute(L) = b * L``, with ``b`` the ms per
-  prefill token of the same iteration model the scheduler and simulator use (seed 002's
+  prefill token of the same iteration model the scheduler and simulator use (example 2's
   ``a + b*P + c*D``); it is compute taken from the token budget of later steps.
 
 ``AUTO`` swaps exactly when ``t_swap(L) < t_recompute(L)`` and the host pool has room,
@@ -21,9 +21,9 @@ attention grows with ``L`` (recompute of long contexts is dearer than ``b * L``)
 recompute may find the victim's full blocks still in the prefix cache (cheaper). A
 fitted model that prices either can replace :meth:`SwapCostModel.recompute_ms`.
 
-**Tool waits** (seed 003, agent sessions). A paused turn keeps its KV on the device for
-short waits (resuming then computes only the tool's tokens), moves it to the host for
-longer ones (the device blocks serve others meanwhile), and drops it past a threshold
+**Tool waits** (agent sessions, example 3's third trace). A paused turn keeps its KV on the
+device for short waits (resuming then computes only the tool's tokens), moves it to the host
+for longer ones (the device blocks serve others meanwhile), and drops it past a threshold
 (host memory is finite too; the prefix cache may still hold its full blocks).
 """
 

@@ -1,6 +1,6 @@
-"""Workload generators: the three traces of seed 003 and their arrival processes.
+"""Workload generators: the three traces of example 3 and their arrival processes.
 
-Seed 003's minimal experiment ("最小复现实验") uses three traces of one model:
+The experiment of docs/ARCHITECTURE.md, example 3, uses three traces of one model:
 
 - short chat: prompt ~1K tokens, output ~128 (:func:`short_chat`);
 - long prompt: prompt ~64K tokens, output ~128 (:func:`long_prompt`);
@@ -50,7 +50,7 @@ from ref.trace import TraceRequest, atomic_write_text, parse_trace
 
 TraceRecord = Mapping[str, object]
 
-# Seed 003's three traces, in real (unscaled) tokens and seconds.
+# Example 3's three traces, in real (unscaled) tokens and seconds.
 CHAT_PROMPT_LEN = 1024
 CHAT_OUTPUT_LEN = 128
 LONG_PROMPT_LEN = 65536
@@ -152,7 +152,7 @@ def short_chat_records(
     spread: float = 0.5,
     system_prompt_len: int = 0,
 ) -> list[dict[str, object]]:
-    """Seed 003's short chat as trace records: prompt ~1K, output ~128 (each +-``spread``).
+    """Example 3's short chat as trace records: prompt ~1K, output ~128 (each +-``spread``).
 
     ``system_prompt_len`` (real tokens) puts a prefix shared by every request in front.
     """
@@ -179,7 +179,7 @@ def long_prompt_records(
     burstiness: float = 1.0,
     spread: float = 0.25,
 ) -> list[dict[str, object]]:
-    """Seed 003's long-prompt trace as records: prompt ~64K, output ~128."""
+    """Example 3's long-prompt trace as records: prompt ~64K, output ~128."""
     return _records(
         "long",
         n,
@@ -262,7 +262,7 @@ def agent_sessions(
     tool_wait_s: tuple[float, float] = AGENT_TOOL_WAIT_S,
     num_prefixes: int = 1,
 ) -> list[Session]:
-    """Seed 003's agent trace: ``n`` sessions starting at ``rate_per_s`` (Poisson/bursty).
+    """Example 3's agent trace: ``n`` sessions starting at ``rate_per_s`` (Poisson/bursty).
 
     Each session opens with one of ``num_prefixes`` shared ~80K-token prefixes (the agent's
     system prompt, tools and context: shared by the sessions of one agent) plus ~1K
@@ -398,6 +398,7 @@ class Workload:
         *,
         concurrency: int | None = None,
         check_invariants: bool = False,
+        keep_steps: bool = True,
     ) -> SimResult:
         """Replay on the simulator: by arrival time, or closed loop with ``concurrency``.
 
@@ -407,11 +408,18 @@ class Workload:
         """
         singles = to_requests(self.requests)
         if not self.sessions and concurrency is None:
-            return simulate(scheduler, singles, cost, check_invariants=check_invariants)
+            return simulate(
+                scheduler, singles, cost, check_invariants=check_invariants, keep_steps=keep_steps
+            )
         if not self.sessions:
             assert concurrency is not None
             return simulate_closed_loop(
-                scheduler, singles, cost, concurrency=concurrency, check_invariants=check_invariants
+                scheduler,
+                singles,
+                cost,
+                concurrency=concurrency,
+                check_invariants=check_invariants,
+                keep_steps=keep_steps,
             )
         # A single request is a one-turn session; its prompt is its own new tokens.
         as_sessions = [
@@ -431,4 +439,5 @@ class Workload:
             cost,
             concurrency=concurrency,
             check_invariants=check_invariants,
+            keep_steps=keep_steps,
         )

@@ -1,9 +1,9 @@
 """Pure arithmetic of the paged KV cache, with CrossHair contracts.
 
-These helpers are the single definition of the formulas in DESIGN.md ("Vocabulary"):
-blocks needed for n tokens, the slot of a position, the cacheable prefix of a prompt and
-how a prompt is split into chunks. ``make crosshair`` proves the ``post:`` conditions
-for all inputs satisfying the ``pre:`` conditions (or finds a counterexample).
+These helpers are the single definition of the formulas in docs/ARCHITECTURE.md
+("Vocabulary"): blocks needed for n tokens, the slot of a position, the cacheable prefix of
+a prompt and how a prompt is split into chunks. ``make crosshair`` proves the ``post:``
+conditions for all inputs satisfying the ``pre:`` conditions (or finds a counterexample).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
-    """Blocks a block table must hold to store ``num_tokens`` tokens (seed 000: 17 -> 2).
+    """Blocks a block table must hold to store ``num_tokens`` tokens (example 0b: 17 -> 2).
 
     pre: num_tokens >= 0
     pre: block_size > 0
@@ -79,9 +79,9 @@ def chunk_size(
 ) -> int:
     """Tokens a prefill chunk may take this step.
 
-    Without alignment the chunk is whatever the budget leaves (seed 001: B gets 7, then 5).
+    Without alignment the chunk is whatever the budget leaves (example 1: B gets 7, then 5).
     With ``align_to_block`` a chunk that does not finish the prompt ends on a block
-    boundary (seed 003: budget 1021 left, chunk 1008 = 63 blocks), so no partial block is
+    boundary (example 3: budget 1021 left, chunk 1008 = 63 blocks), so no partial block is
     carried between steps.
 
     pre: num_remaining >= 0

@@ -2,10 +2,11 @@
 
 Why it matters: a block whose ref count is one too low goes back to the free queue while
 a request still reads it, and the next request's K/V silently overwrites it; one too high
-is a leak that shrinks the pool until admission stalls. Seed 000 ("共享前缀改变的是物理
-占用") makes the point that reference counts, retention and eviction together decide
-which blocks are reclaimable. Known bug elsewhere: freeing a list holding the same block
-twice, which puts it in the free queue twice and hands it to two requests.
+is a leak that shrinks the pool until admission stalls. With sharing, a block is
+reclaimable only when reference counts, retention and eviction all agree, so the counts
+must be exact. Known bug elsewhere (docs/ARCHITECTURE.md, "Known bugs elsewhere"): freeing
+a list holding the same block twice, which puts it in the free queue twice and hands it
+to two requests.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """CAP: blocks in use never exceed the pool, and every promised slot is delivered.
 
-Why it matters: seed 000 lists free KV blocks as a limit separate from the token budget
-and max_num_seqs ("可用 KV 块 ... 不是本轮计算量"); seed 002's admission example (1000
-blocks, 900 used, a 1600-token prompt needs 100) shows admission must not promise memory
+Why it matters: free KV blocks are a limit of their own, separate from the token budget
+and max_num_seqs (free blocks say nothing about this step's compute, and the budget nothing
+about memory); example 2e of docs/ARCHITECTURE.md (1000 blocks, 900 used, a
+1600-token prompt needs 100) shows admission must not promise memory
 that the pool cannot deliver without preempting someone. A plan that names a slot in a
 block its request does not hold writes K/V into somebody else's memory.
 """

@@ -1,6 +1,7 @@
 """BLOCK and POS for the host-side swap pool: swapped KV lives in exactly one place.
 
-Why it matters: seed 002 ("换出/换入") preempts by copying a victim's KV to host memory
+Why it matters: preemption by swap (docs/ARCHITECTURE.md, "Where refserve differs from
+vLLM") copies a victim's KV to host memory
 and back. A host block handed to two swapped requests, or freed while its request is
 still swapped, is silent corruption after swap-in, just as on the device; a request
 holding KV in both pools (a swap-out that forgot to free the device blocks, a swap-in

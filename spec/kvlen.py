@@ -1,8 +1,9 @@
 """KVLEN: KV length and sampled count are separate, and sampling happens only at the end.
 
 Why it matters: in decode the last sampled token has no K/V yet, so
-``num_computed_tokens == num_tokens - 1`` before the step (DESIGN.md vocabulary). Seed
-001 shows B's prompt finishing in round 2 and only then producing its first output
+``num_computed_tokens == num_tokens - 1`` before the step (docs/ARCHITECTURE.md,
+"Vocabulary"). Example 1 there shows B's prompt finishing in round 2 and only then
+producing its first output
 token: a chunk that stops short of the known tokens has no logit worth sampling. Engines
 that derive one count from the other drift by one after a preemption or a cache hit.
 """

@@ -1,8 +1,8 @@
 """POS: positions are contiguous, slots follow the block table, tables cover the KV length.
 
-Why it matters: seed 001 §4.3 — B's 8th token is still at position 8 in round 2, not a
-new position 1 ("不能因为它被安排到新一轮，就重新当作第 1 个位置"), and its slots come
-from the block table 7, 2, 12. A wrong position breaks rotary embeddings silently; a
+Why it matters: in example 1 of docs/ARCHITECTURE.md, B's 8th token is still its 8th
+position in round 2 (a new round does not restart the positions at the first one), and
+its slots come from the block table 7, 2, 12. A wrong position breaks rotary embeddings silently; a
 wrong slot writes K/V where attention will not read it (or where someone else will).
 """
 

@@ -1,11 +1,12 @@
 """PREFIX: cached blocks are reused only under an identical chain prefix, and never written.
 
-Why it matters: seed 003 reuses 6K tokens of a 10K prompt (375 blocks "only gain
-references") and seed 000 warns that sharing needs isolation once a branch writes
-("需要复制或其他隔离机制，避免互相覆盖"). A reused block whose earlier tokens differ
-gives attention the wrong context with no error anywhere. Known bugs elsewhere: a hash
-entry left pointing at a block after it was reused for other tokens; a fully cached
-prompt that schedules zero tokens (the last prompt token must be recomputed for a logit).
+Why it matters: example 3 of docs/ARCHITECTURE.md reuses 6K tokens of a 10K prompt (its 375
+blocks only gain references), and a shared block needs copy-on-write (or another form of
+isolation) once one of its holders writes, or they overwrite each other. A reused block
+whose earlier tokens differ gives attention the wrong context with no error anywhere. Known
+bugs elsewhere (same document): a hash entry left pointing at a block after it was reused
+for other tokens; a fully cached prompt that schedules zero tokens (the last prompt token
+must be recomputed for a logit).
 """
 
 from __future__ import annotations

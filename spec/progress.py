@@ -1,6 +1,7 @@
 """PROGRESS: runnable work always moves, nobody starves past the bound, nothing leaks.
 
-Why it matters: seed 002's starvation example (budget 8, always 8 decodes waiting) shows
+Why it matters: the starvation example (docs/ARCHITECTURE.md, example 2d: budget 8,
+always 8 decodes waiting) shows
 decode-first scheduling can starve prefill forever unless aging or a reserved share
 admits it. Known bugs elsewhere: a fully cached prompt that schedules zero tokens and
 spins; a single running request that cannot grow and has no victim; a preempted request

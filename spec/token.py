@@ -1,8 +1,9 @@
 """TOKEN: the step respects the token budget and max_num_seqs, and counters move exactly.
 
-Why it matters: seed 001 walks budget 8 / 3 sequences round by round (A:1 B:7, then
-A:1 B:5 C:2): the budget is compute per step and must hold exactly, and B must resume
-from where it stopped ("后续各块也必须接着前面的计算状态继续处理"). A counter that
+Why it matters: example 1 of docs/ARCHITECTURE.md walks budget 8 / 3 sequences round
+by round (A:1 B:7, then A:1 B:5 C:2): the budget is compute per step and must hold
+exactly, and each later chunk of B must continue from the state the earlier ones left. A
+counter that
 advances by more than was computed skips positions whose K/V were never written; one
 that advances past ``num_tokens`` is the preemption-storm bug seen in public trackers.
 """

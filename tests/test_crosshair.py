@@ -100,15 +100,15 @@ def test_crosshair_finds_planted_off_by_one(
 
 # ------------------------------------------------------------------ unit: arith
 def test_arith_examples_from_the_seeds() -> None:
-    assert blocks_needed(17, 16) == 2 and blocks_needed(31, 16) == 2  # seed 000
-    assert [blocks_needed(n, 4) for n in (7, 12, 13, 14)] == [2, 3, 4, 4]  # seed 001
-    assert slot_of(12, 8, 4) == 48  # seed 001: B's table 7, 2, 12; position 8
+    assert blocks_needed(17, 16) == 2 and blocks_needed(31, 16) == 2  # example 0b
+    assert [blocks_needed(n, 4) for n in (7, 12, 13, 14)] == [2, 3, 4, 4]  # example 1
+    assert slot_of(12, 8, 4) == 48  # example 1: B's table 7, 2, 12; position 8
     assert slot_of(7, 3, 4) == 31
-    assert blocks_needed(1600, 16) == 100  # seed 002 admission
+    assert blocks_needed(1600, 16) == 100  # example 2e admission
     assert max_cacheable_tokens(10_000, 16) == 9_984
-    assert chunk_size(12, 7, 4, False, 0) == 7  # seed 001: B gets 7, then 5
+    assert chunk_size(12, 7, 4, False, 0) == 7  # example 1: B gets 7, then 5
     assert chunk_size(5, 5, 4, False, 7) == 5
-    assert chunk_size(4000, 1021, 16, True, 6000) == 1008  # seed 003: 63 blocks
+    assert chunk_size(4000, 1021, 16, True, 6000) == 1008  # example 3: 63 blocks
 
 
 def test_arith_edges() -> None:

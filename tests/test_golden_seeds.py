@@ -1,4 +1,7 @@
-"""The seeds' worked examples, reproduced exactly (DESIGN.md "Golden scenarios").
+"""The worked examples, reproduced exactly (docs/ARCHITECTURE.md, "Worked examples").
+
+Test names keep the examples' historical ``seedNNN`` prefix: ``seed000`` is example 0,
+``seed001`` example 1, ``seed002`` examples 2 to 2g, ``seed003`` example 3.
 
 Every run goes through EngineCore with ``check_invariants=True``, so each golden step is
 also checked against the whole specification.
@@ -54,7 +57,7 @@ class Stepper:
         return rec
 
 
-# ---------------------------------------------------------------- seed 000
+# ------------------------------------------------------------- example 0
 def test_seed000_static_batching_takes_7_rounds_continuous_5() -> None:
     rounds = {}
     for policy in (PolicyName.STATIC, PolicyName.DECODE_FIRST):
@@ -82,7 +85,7 @@ def test_seed000_static_batching_takes_7_rounds_continuous_5() -> None:
     ]
 
 
-# ---------------------------------------------------------------- seed 001
+# ------------------------------------------------------------- example 1
 def test_seed001_round_by_round() -> None:
     """Budget 8, 3 seqs, block 4: r1 A:1 B:7; r2 A:1 B:5 C:2; r3 B:1 C:1; r4 B:1 C:1."""
     st = Stepper(
@@ -90,7 +93,7 @@ def test_seed001_round_by_round() -> None:
         CostModel(1, 0, 0),
     )
     st.add(req("A", 1, 3))
-    st.step()  # A's one-token prompt: it is decoding when the seed's round 1 starts
+    st.step()  # A's one-token prompt: it is decoding when the example's round 1 starts
     st.add(req("B", 12, 4, base=100))
     rounds, b_blocks = [], []
     for i in range(4):
@@ -114,7 +117,7 @@ def test_seed001_round_by_round() -> None:
 
 
 def test_seed001_b_block_table_grows_in_place() -> None:
-    """Seed 001 §4.2: earlier blocks stay where they are; growth only appends."""
+    """Example 1: earlier blocks stay where they are; growth only appends."""
     st = Stepper(
         SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=3, block_size=4, num_blocks=32),
         CostModel(1, 0, 0),
@@ -128,7 +131,7 @@ def test_seed001_b_block_table_grows_in_place() -> None:
     assert tables[1][:2] == tables[0] and tables[2][:3] == tables[1]
 
 
-# ---------------------------------------------------------------- seed 002
+# ------------------------------------------------------- examples 2 to 2g
 def test_seed002_worked_example() -> None:
     cfg = SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=8, block_size=4, num_blocks=64)
     trace = [t.to_request() for t in load_trace("seed002")]
@@ -274,7 +277,7 @@ def test_seed002_littles_law() -> None:
     assert math.isclose(run.mean_in_system, area / duration, rel_tol=1e-9)
 
 
-# ---------------------------------------------------------------- seed 003
+# ------------------------------------------------------------- example 3
 def test_seed003_prefix_hit_and_block_aligned_chunk() -> None:
     """Budget 1024, 3 decodes, a 10K prompt with a 6K prefix hit, 70 free blocks.
 

@@ -1,4 +1,4 @@
-"""BlockPool: golden scenarios from the seeds, prefix-cache behaviour, bad input.
+"""BlockPool: worked examples (docs/ARCHITECTURE.md), prefix-cache behaviour, bad input.
 
 Every bad-input test asserts the typed exception from ``ref.errors``, a message naming
 the bad value, and that ``pool.snapshot()`` is unchanged (ATOMIC).

@@ -50,7 +50,7 @@ class Stepper:
 
 # ------------------------------------------------------------ SLO-aware chunk sizing
 def _seed003(b: float) -> tuple[int, float]:
-    """Seed 003 §13 with a 4 ms TBT slack: the chunk X gets, and the predicted step ms."""
+    """Example 3 with a 4 ms TBT slack: the chunk X gets, and the predicted step ms."""
     model = CostModel(1.0, b, 0.1)
     prefix = [7 + (i % 1000) for i in range(6000)]
     cfg = SchedulerConfig(

@@ -1,4 +1,4 @@
-"""Targeted scheduler scenarios from DESIGN.md "Known bugs elsewhere" and seed 002.
+"""Targeted scheduler scenarios: docs/ARCHITECTURE.md, "Known bugs elsewhere" and example 2.
 
 Every step runs through ``EngineCore(check_invariants=True)`` (directly or via
 ``ref.sim.simulate``), so each scenario is also checked against every spec invariant;
@@ -375,7 +375,7 @@ def test_prefill_reserve_admits_the_starving_prefill() -> None:
 
 
 def _seed002_admission(**cfg_kw: object) -> tuple[Run, str]:
-    """Seed 002: 1000 blocks of 16, 900 in use, a 1600-token prompt needs 100 blocks."""
+    """Example 2e: 1000 blocks of 16, 900 in use, a 1600-token prompt needs 100 blocks."""
     cfg = SchedulerConfig(
         max_num_batched_tokens=16_384,
         max_num_seqs=16,
@@ -564,9 +564,14 @@ def test_reusing_an_evicted_cached_block_is_not_a_prefix_violation() -> None:
 
 
 class _WritesThenFails(SimExecutor):
-    """An executor that writes K/V (fake memory) and then fails, as a GPU step can."""
+    """An executor that writes K/V (fake memory) and then fails, as a GPU step can.
+
+    It cannot restore what it wrote, and says so: EngineCore's fallback for such an
+    executor (drop the cache entries of every block the failed step could write) is
+    what this test checks (ref/executor.py, ``transactional_kv``)."""
 
     needs_inputs = True
+    transactional_kv = False
 
     def __init__(self, *a: object) -> None:
         super().__init__(*a)  # type: ignore[arg-type]

@@ -27,9 +27,14 @@ scheduler's counters:
   pool is rejected) and ``resume`` (new prompt = conversation + tool tokens, new stop and
   script; past the length limit or the device pool it is rejected) with nothing changed
   on a rejection;
-* a failing step (the executor raises on purpose) leaves ``Scheduler.snapshot()`` (host
-  pool included), the waiting/running/paused order, both fake memories and the step
-  index exactly as before, and the next step works;
+* a failing step leaves ``Scheduler.snapshot()`` (host pool and prefix-cache entries
+  included), the waiting/running/paused order, both fake memories and the step index
+  exactly as before, and the next step works. The executor journals its fake memories
+  (``begin`` / ``rollback`` / ``commit``, ref/executor.py) and fails at a drawn point:
+  before any write, after the swaps, after the forward's writes, after ``execute``
+  returned, or with a token ``validate_output`` rejects; so the K/V read-backs above
+  also hold after every rollback (``test_kv_readback_catches_unrestored_memory`` shows
+  them failing when the memory is not restored);
 * teardown resumes (or aborts) every paused turn, drains the engine within a step bound
   derived from the workload, then ``check_quiescent`` on both pools and
   ``check_starvation`` (over the StepSnapshots the test rebuilds from the same executor
@@ -48,7 +53,8 @@ never calls. The event is kept so a future fork/beam path shows up in the statis
 
 from __future__ import annotations
 
-from dataclasses import replace
+import contextlib
+from collections.abc import Callable, Mapping
 
 import pytest
 from hypothesis import event, settings
@@ -63,9 +69,9 @@ from ref.executor import StepOutput
 from ref.inputs import ModelInputs, scheduled_requests
 from ref.plan import StepPlan
 from ref.request import FinishReason, Request, StopParams
-from ref.scheduler import Scheduler
+from ref.scheduler import BadExecutorOutput, Scheduler
 from ref.swap import KVRetention, PreemptionMode, SwapCostModel
-from spec import EngineSnapshot, StepSnapshot, check_pool
+from spec import EngineSnapshot, PoolSnapshot, StepSnapshot, check_pool
 from spec.arith import blocks_needed, max_cacheable_tokens, slot_of
 from spec.progress import check_quiescent, check_starvation
 from spec.snapshot import RequestStatus
@@ -85,21 +91,65 @@ class Boom(Exception):
     """The executor fails on purpose."""
 
 
+#: Where a failing step fails (ScriptedExecutor.fail_at): before any write, after the
+#: swap copies, after the forward's writes, after execute returned its output, or with
+#: an output validate_output rejects.
+FAIL_POINTS = ("before_execute", "after_swaps", "after_forward", "after_execute", "bad_output")
+
+
 class ScriptedExecutor:
-    """Samples from per-request scripts and keeps a fake KV memory of what it wrote."""
+    """Samples from per-request scripts and keeps a fake KV memory of what it wrote.
+
+    Its memories join the step's transaction like ModelExecutor's K/V: ``begin`` saves
+    the old value of every slot the step may write (device and host), ``rollback`` puts
+    them back."""
 
     needs_inputs = True
+    transactional_kv = True
 
     def __init__(self, machine: SchedulerMachine) -> None:
         self.m = machine
-        self.fail_next = False
+        self.fail_at: str | None = None
+        self.restores = True  # False: a rollback that forgets to restore (the bug)
         self.last: tuple[StepPlan, ModelInputs, dict[str, int]] | None = None
+        self.began: StepPlan | None = None
+        self._saved: dict[int, int | None] = {}
+        self._saved_host: dict[int, int | None] = {}
+
+    def begin(self, plan: StepPlan, inputs: ModelInputs | None) -> None:
+        assert inputs is not None
+        m, bs = self.m, self.m.bs
+        dev = [cp.dst * bs + off for cp in (*plan.swap_in, *plan.copies) for off in range(bs)]
+        dev += inputs.slot_mapping.tolist()
+        host = [cp.dst * bs + off for cp in plan.swap_out for off in range(bs)]
+        self.began = plan
+        self._saved = {slot: m.memory.get(slot) for slot in dev}
+        self._saved_host = {slot: m.host_memory.get(slot) for slot in host}
+
+    def rollback(self) -> None:
+        if self.restores:
+            for mem, saved in (
+                (self.m.memory, self._saved),
+                (self.m.host_memory, self._saved_host),
+            ):
+                for slot, tok in saved.items():
+                    if tok is None:
+                        mem.pop(slot, None)
+                    else:
+                        mem[slot] = tok
+        self.commit()
+
+    def commit(self) -> None:
+        self._saved, self._saved_host = {}, {}
+
+    def _fail(self, point: str) -> None:
+        if self.fail_at == point:
+            self.fail_at = None
+            raise Boom(f"executor fails on purpose ({point})")
 
     def execute(self, plan: StepPlan, inputs: ModelInputs | None) -> StepOutput:
         assert inputs is not None
-        if self.fail_next:
-            self.fail_next = False
-            raise Boom("executor fails on purpose")
+        self._fail("before_execute")
         m = self.m
         bs = m.bs
         assert list(inputs.request_ids) == [c.request_id for c in plan.chunks]
@@ -114,6 +164,7 @@ class ScriptedExecutor:
         for cp in plan.copies:
             event("copy-on-write")
             _copy_block(m.memory, cp.src, m.memory, cp.dst, bs)
+        self._fail("after_swaps")
         ids = inputs.input_ids.tolist()
         slots = inputs.slot_mapping.tolist()
         qsl = inputs.query_start_loc.tolist()
@@ -123,6 +174,7 @@ class ScriptedExecutor:
             assert ids[lo:hi] == own[c.start : c.start + c.num_new_tokens], c
         for slot, tok in zip(slots, ids, strict=True):
             m.memory[slot] = tok
+        self._fail("after_forward")
         tables = inputs.block_tables.tolist()
         for i, c in enumerate(plan.chunks):
             end = c.start + c.num_new_tokens
@@ -135,7 +187,14 @@ class ScriptedExecutor:
             for c in plan.chunks
             if c.samples
         }
+        if self.fail_at == "bad_output" and sampled:
+            self.fail_at = None
+            event("failed step: output rejected")
+            return StepOutput({**sampled, next(iter(sampled)): -1}, 1.0)
+        # A step that samples nothing has no output to spoil: fail after it instead.
+        self.fail_at = "after_execute" if self.fail_at == "bad_output" else self.fail_at
         self.last = (plan, inputs, sampled)
+        self._fail("after_execute")
         return StepOutput(sampled, 1.0)
 
 
@@ -585,34 +644,33 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.in_rule = False
 
     @precondition(lambda self: self.ready)
-    @rule()
-    def failing_step(self) -> None:
+    @rule(point=st.sampled_from(FAIL_POINTS))
+    def failing_step(self, point: str) -> None:
         self.in_rule = True
         sched = self.sched
         before = self._state()
         mem, host_mem = dict(self.memory), dict(self.host_memory)
         pending = list(self.pending_host)
-        self.executor.fail_next = True
-        # EngineCore rolls back and checks ATOMIC itself (InvariantViolation otherwise).
-        with pytest.raises(Boom):
+        self.executor.fail_at = point
+        # EngineCore rolls back (memory, then books) and checks ATOMIC itself
+        # (InvariantViolation otherwise).
+        with pytest.raises((Boom, BadExecutorOutput)):
             self.core.step(self.clock)
-        assert not self.executor.fail_next, "the executor was never reached"
-        # EngineCore checked ATOMIC right after the rollback; then it dropped the cache
-        # entries of blocks the failed step may have written (K/V is not transactional).
-        after = self._state()
-        snap_before, snap_after = before[0], after[0]
-        assert isinstance(snap_before, EngineSnapshot) and isinstance(snap_after, EngineSnapshot)
-        kept = set(snap_after.pool.cache_entries)
-        assert kept <= set(snap_before.pool.cache_entries)
-        if kept != set(snap_before.pool.cache_entries):
-            event("failed step: cache entries of written blocks dropped")
-        unchanged_pool = replace(snap_after.pool, cache_entries=snap_before.pool.cache_entries)
-        assert replace(snap_after, pool=unchanged_pool) == snap_before
-        assert after[1:] == before[1:]
+        assert self.executor.fail_at is None, "the executor never reached its fault point"
+        # Memory is restored exactly, so nothing is dropped: the prefix cache keeps every
+        # entry, and every entry still reads back its tokens (checked below).
+        assert self._state() == before
         assert self.memory == mem and self.host_memory == host_mem
         assert self.pending_host == pending
         assert sched._pending is None
-        event("failed step rolled back")
+        self._check_books(sched.snapshot())
+        event(f"failed step rolled back ({point})")
+        failed = self.executor.began
+        assert failed is not None
+        if point != "before_execute" and failed.preempted:
+            event("failed step had preempted (its blocks went to others), then rolled back")
+        if point != "before_execute" and (failed.swap_out or failed.swap_in):
+            event("failed step had swapped, then rolled back")
         self._step()  # the next normal step works
         self.in_rule = False
 
@@ -812,7 +870,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 event("device block swapped out and reused in the same step")
 
     def _check_books(self, after: EngineSnapshot) -> None:
-        sched, bs = self.sched, self.bs
+        sched = self.sched
         assert set(sched.requests) == self.live
         assert set(sched.paused) == set(self.paused)
         running = {r.request_id for r in sched.running}
@@ -847,24 +905,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         seqs = [r.seq for r in sched.waiting]
         assert seqs == sorted(seqs)
         assert len(sched.waiting) + len(sched.running) + len(sched.paused) == len(self.live)
-        # Fake KV memory: every live table and cache entry reads back what it claims.
-        snap = after.pool
-        for t in snap.tables:
-            own = self.tokens(t.request_id)[: t.num_stored]
-            got = [self.memory.get(slot_of(t.block_table[p // bs], p, bs)) for p in range(len(own))]
-            assert got == own, f"{t.request_id} reads {got}, owns {own}"
-        for e in snap.cache_entries:
-            got = [self.memory.get(e.block_id * bs + off) for off in range(bs)]
-            assert got == list(e.token_ids), f"cache entry of block {e.block_id} is stale"
-        # Fake host memory: every host table reads back its own tokens.
-        for t in sched.host.snapshot().tables:
-            own = self.tokens(t.request_id)[: t.num_stored]
-            assert list(t.token_ids) == own
-            got = [
-                self.host_memory.get(slot_of(t.block_table[p // bs], p, bs))
-                for p in range(len(own))
-            ]
-            assert got == own, f"{t.request_id} reads {got} from the host, owns {own}"
+        errors = kv_readback_errors(
+            after.pool, sched.host.snapshot(), self.memory, self.host_memory, self.tokens
+        )
+        assert not errors, "\n".join(errors)
 
     def teardown(self) -> None:
         if not self.ready or self.in_rule:
@@ -901,6 +945,36 @@ class SchedulerMachine(RuleBasedStateMachine):
         longest = _longest_wait(self.steps)
         if longest > self.work:
             event("waited longer than one pass over the workload")
+
+
+def kv_readback_errors(
+    pool: PoolSnapshot,
+    host: PoolSnapshot,
+    memory: dict[int, int],
+    host_memory: dict[int, int],
+    tokens: Callable[[str], list[int]],
+) -> list[str]:
+    """The K/V content rule on the fake memories: every live device table, every
+    prefix-cache entry and every host table reads back exactly the tokens it claims."""
+    bs = pool.block_size
+    errors: list[str] = []
+    for t in pool.tables:
+        own = tokens(t.request_id)[: t.num_stored]
+        got = [memory.get(slot_of(t.block_table[p // bs], p, bs)) for p in range(len(own))]
+        if got != own:
+            errors.append(f"{t.request_id} reads {got}, owns {own}")
+    for e in pool.cache_entries:
+        got = [memory.get(e.block_id * bs + off) for off in range(bs)]
+        if got != list(e.token_ids):
+            errors.append(f"cache entry of block {e.block_id} is stale: {got} != {e.token_ids}")
+    for t in host.tables:
+        own = tokens(t.request_id)[: t.num_stored]
+        if list(t.token_ids) != own:
+            errors.append(f"host table of {t.request_id} claims {t.token_ids}, owns {own}")
+        got = [host_memory.get(slot_of(t.block_table[p // bs], p, bs)) for p in range(len(own))]
+        if got != own:
+            errors.append(f"{t.request_id} reads {got} from the host, owns {own}")
+    return errors
 
 
 def _longest_wait(steps: list[StepSnapshot]) -> int:
@@ -950,3 +1024,91 @@ SchedulerMachine.TestCase.settings = settings(
     stateful_step_count=max(50, settings.default.stateful_step_count),
 )
 TestSchedulerStateMachine = SchedulerMachine.TestCase
+
+
+# ---------------------------------------------------------------- the read-back can fail
+class _PreemptThenFail:
+    """Writes ``input_ids`` at ``slot_mapping`` into a fake memory, samples, and
+    fails after the writes of the first step that preempts. ``restores``: its rollback
+    puts the overwritten slots back; ``transactional_kv``: what it claims."""
+
+    needs_inputs = True
+
+    def __init__(
+        self, requests: Mapping[str, Request], restores: bool, transactional_kv: bool
+    ) -> None:
+        self.requests = requests
+        self.restores = restores
+        self.transactional_kv = transactional_kv
+        self.memory: dict[int, int] = {}
+        self.saved: dict[int, int | None] = {}
+        self.failed: StepPlan | None = None
+
+    def begin(self, plan: StepPlan, inputs: ModelInputs | None) -> None:
+        assert inputs is not None
+        self.saved = {s: self.memory.get(s) for s in inputs.slot_mapping.tolist()}
+
+    def rollback(self) -> None:
+        if self.restores:
+            for slot, tok in self.saved.items():
+                if tok is None:
+                    self.memory.pop(slot, None)
+                else:
+                    self.memory[slot] = tok
+
+    def commit(self) -> None:
+        self.saved = {}
+
+    def execute(self, plan: StepPlan, inputs: ModelInputs | None) -> StepOutput:
+        assert inputs is not None
+        for slot, tok in zip(inputs.slot_mapping.tolist(), inputs.input_ids.tolist(), strict=True):
+            self.memory[slot] = tok
+        if plan.preempted and self.failed is None:
+            self.failed = plan
+            raise Boom("fault after the forward's writes")
+        # A token unique to the request and position, so a slot written for another
+        # request never reads back right by accident.
+        reqs = self.requests
+        sampled = {
+            rid: 1000 * int(rid[1:]) + len(reqs[rid].token_ids)
+            for rid, smp in zip(plan.request_ids, plan.samples, strict=True)
+            if smp
+        }
+        return StepOutput(sampled, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("restores", "transactional_kv"),
+    [(True, True), (False, True), (False, False)],
+    ids=["journaled", "not-restored", "non-transactional"],
+)
+def test_kv_readback_catches_unrestored_memory(restores: bool, transactional_kv: bool) -> None:
+    """The preempt-and-reuse case (issue 12, item 1): the failing step preempts r1, gives
+    one of its blocks to r0, r0's token is written there, then the step fails. The
+    scheduler's rollback gives the block back to r1; unless the executor restores the
+    slot, r1's table reads r0's token, and the state machine's read-back check says so.
+    Dropping cache entries (the non-transactional fallback) does not repair a live table."""
+    cfg = SchedulerConfig(max_num_batched_tokens=16, block_size=4, num_blocks=6, max_model_len=64)
+    sched = Scheduler(cfg)
+    ex = _PreemptThenFail(sched.requests, restores, transactional_kv)
+    core = EngineCore(sched, ex, check_invariants=True)
+    for i in range(2):
+        prompt = [10 * (i + 1) + k for k in range(8)]
+        sched.add_request(Request(f"r{i}", prompt, StopParams(max_tokens=12)))
+
+    def tokens(rid: str) -> list[int]:
+        return sched.requests[rid].token_ids
+
+    while ex.failed is None:
+        with contextlib.suppress(Boom):
+            core.step(0.0)
+        errors = kv_readback_errors(
+            sched.pool.snapshot(), sched.host.snapshot(), ex.memory, {}, tokens
+        )
+        if ex.failed is None:
+            assert errors == []
+    assert ex.failed.preempted
+    assert (errors == []) is restores, errors
+    if not restores:
+        victim = ex.failed.preempted[0]
+        assert any(e.startswith(victim) for e in errors)

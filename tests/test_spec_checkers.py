@@ -344,7 +344,7 @@ def scheduled(
 
 @pytest.fixture
 def step() -> StepSnapshot:
-    """Seed 001 round 2 shape: budget 8, 3 seqs, block 4; A:1 B:5 C:2, D preempted."""
+    """Example 1 round 2 shape: budget 8, 3 seqs, block 4; A:1 B:5 C:2, D preempted."""
     pool = BlockPool(12, BS)
     pool.allocate("A", A_KNOWN, 5)
     pool.allocate("B", PB, 7)

@@ -1,4 +1,4 @@
-"""Workload generators (seed 003's traces) and the closed-loop / session replay modes."""
+"""Workload generators (example 3's traces) and the closed-loop / session replay modes."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """The host-side swap pool: where a preempted (or tool-waiting) request's KV waits.
 
-Seed 002's second preemption mode: instead of dropping a victim's KV and recomputing it
-later, copy its blocks to host memory and back when it resumes. The host pool is much
-simpler than the device pool: a host block belongs to exactly one swapped request (no
-sharing, no prefix cache), so it is a free list plus one table per swapped request.
+The second preemption mode (docs/ARCHITECTURE.md, "Where refserve differs from vLLM"):
+instead of dropping a victim's KV and recomputing it later, copy its blocks to host memory
+and back when it resumes. The host pool is much simpler than the device pool: a host block
+belongs to exactly one swapped request (no sharing, no prefix cache), so it is a free list
+plus one table per swapped request.
 
 Two rules make the copies of one step safe whatever order the executor's blocks are
 reused in (the executor applies every swap-out, then every swap-in, then the forward):

@@ -1,6 +1,6 @@
 """Attention backends: write this step's K/V into the paged caches, then attend.
 
-A backend sees one step's flattened tokens in the layout of ``kernels`` (DESIGN.md):
+A backend sees one step's flattened tokens in the layout of ``kernels`` (docs/ARCHITECTURE.md):
 query ``[T, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]``, ``block_tables`` int32
 ``[S, max_blocks]``, ``seq_lens`` int32 ``[S]`` (KV length including this step's tokens),
 ``query_start_loc`` int32 ``[S + 1]``; causal, each sequence's queries aligned to the end

@@ -2,8 +2,9 @@
 
 Measures ``schedule()``, building the executor inputs (token ids, positions, slot
 mapping, block tables as int tensors) and ``commit()`` together, per running request.
-Anchors (same machine class, DESIGN.md): vLLM 0.33.0 ~20 us/request/step before input
-preparation; nano-vllm-fork 12 us at N=256 and 20 us at N=1024. Target: <= 2 us at 1024.
+Anchors (same machine class; docs/ARCHITECTURE.md, "Reference figures from other
+engines"): vLLM 0.33.0 ~20 us/request/step before input preparation; nano-vllm-fork 12 us
+at N=256 and 20 us at N=1024. Target: <= 2 us at 1024.
 Run: ``make bench`` (or ``pytest tests/bench/test_step_bench.py --benchmark-only``).
 """
 

@@ -1,4 +1,4 @@
-"""Greedy outputs are token-for-token those of transformers' ``generate`` (DESIGN.md anchor).
+"""Greedy outputs are token-for-token those of transformers' ``generate`` (the oracle).
 
 Each scenario runs refserve's engine on the checkpoint that the ``hf`` fixture saved, with
 ``EngineCore(check_invariants=True)`` (every spec invariant checked after every step),

@@ -1,7 +1,8 @@
 """Deliberately wrong paged-attention kernels, for showing that the kernel grid catches bugs.
 
-Each has the DESIGN.md signature and is a dense computation like ``kernels.oracle`` with
-one classic paged-attention bug switched on (DESIGN.md "Kernels", issue 5 item 5):
+Each has the documented signature and is a dense computation like ``kernels.oracle``
+with one classic paged-attention bug switched on (docs/ARCHITECTURE.md, "Kernels"; issue 5
+item 5):
 
 - :func:`ignores_last_partial_block`: reads ``seq_len // block_size`` blocks (floor
   instead of ceil), dropping the keys of a sequence's last, partial block;

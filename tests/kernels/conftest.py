@@ -1,4 +1,4 @@
-"""Setup for the kernel tests (DESIGN.md "Kernels", "Verification practice").
+"""Setup for the kernel tests (docs/ARCHITECTURE.md, "Kernels", "Verification practice").
 
 Triton has no CPU backend: without a CUDA device the kernels run in Triton's interpreter
 on CPU tensors. ``@triton.jit`` reads ``TRITON_INTERPRET`` when a kernel module is

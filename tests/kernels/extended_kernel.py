@@ -1,5 +1,5 @@
-"""Dense kernels with the attention surface beyond DESIGN.md (docs/KERNELS.md, "Beyond
-DESIGN.md"), to check the grid's oracle-only cases end to end.
+"""Dense kernels with the attention surface beyond our kernel (docs/KERNELS.md, "Beyond
+our kernel"), to check the grid's oracle-only cases end to end.
 
 :func:`reference_extended` declares every feature and computes each case correctly (it
 wraps ``kernels.oracle.paged_attention_extended_f64`` and rounds to the query's dtype);

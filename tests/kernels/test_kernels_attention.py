@@ -1,4 +1,4 @@
-"""Triton paged attention against the dense oracle (DESIGN.md "Kernels", issue 5).
+"""Triton paged attention against the dense oracle (docs/ARCHITECTURE.md, "Kernels"; issue 5).
 
 Runs on CUDA when there is one, otherwise in Triton's interpreter on CPU tensors
 (``conftest.py``). Every comparison uses ``kernels.tolerances`` through the grid's

@@ -1,6 +1,6 @@
 """``copy_blocks`` (Triton and torch paths) against ``kernels.oracle.copy_blocks``.
 
-Covers copy-on-write within one pool (DESIGN.md invariant PREFIX: a shared block is
+Covers copy-on-write within one pool (invariant PREFIX: a shared block is
 copied before it is written) and swapping between two pools; a GPU<->CPU swap needs
 two devices and runs only where CUDA exists.
 """

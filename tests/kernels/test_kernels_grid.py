@@ -1,4 +1,4 @@
-"""The kernel grid and ``check_kernel_main`` (DESIGN.md "Kernels", issue 5 item 5).
+"""The kernel grid and ``check_kernel_main`` (docs/ARCHITECTURE.md, "Kernels"; issue 5 item 5).
 
 The grid must fail kernels with classic bugs (``broken_kernel.py``) exactly where the
 bug shows, and pass the Triton kernel; its inputs must carry the traps it promises.
@@ -407,7 +407,7 @@ def test_pytest_entry_point_runs_the_grid(tmp_path: Path) -> None:
     assert "5 passed, 1 skipped" in proc.stdout, proc.stdout[-2000:]
 
 
-# ------------------------------------------------------------- beyond DESIGN.md (oracle)
+# ------------------------------------------------------------ beyond our kernel (oracle)
 BEYOND = [c for c in GRID if c.boundary == "beyond_design"]
 
 

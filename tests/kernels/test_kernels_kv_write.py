@@ -1,4 +1,4 @@
-"""``write_kv`` (Triton) against ``kernels.oracle.write_kv`` (DESIGN.md "Kernels").
+"""``write_kv`` (Triton) against ``kernels.oracle.write_kv`` (docs/ARCHITECTURE.md, "Kernels").
 
 Caches start all-NaN, so a comparison with ``equal_nan`` checks both that the right
 slots got the right values *and* that no other slot was touched.

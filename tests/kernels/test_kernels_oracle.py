@@ -1,4 +1,4 @@
-"""The dense oracle itself (DESIGN.md "Kernels"): checked against torch SDPA and by hand.
+"""The dense oracle itself (docs/ARCHITECTURE.md "Kernels"): checked against torch SDPA and by hand.
 
 Everything else in the kernel tests trusts ``kernels.oracle``, so it is checked here
 against independent computations: ``scaled_dot_product_attention`` on contiguous

@@ -1,4 +1,4 @@
-"""Package shape (DESIGN.md "Layout"): the oracle and grid import without triton."""
+"""Package shape (docs/ARCHITECTURE.md, "Layers"): the oracle and grid import without triton."""
 
 from __future__ import annotations
 
