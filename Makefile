@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CROSSHAIR_MODULES := spec/arith.py spec/hashing.py
 CROSSHAIR_TIMEOUT ?= 5
 
-.PHONY: run test lint typecheck pytest crosshair conformance conformance-nanovllm bench deep clean venv gpu-check gpu-bench
+.PHONY: run train-tiny test lint typecheck pytest crosshair conformance conformance-nanovllm bench deep clean venv gpu-check gpu-bench
 
 venv: $(STAMP)
 
@@ -23,6 +23,11 @@ $(STAMP): pyproject.toml
 
 run: $(STAMP)
 	$(VENV)/bin/refserve demo
+
+# The embedded trained model: regenerates ref/model/tiny/{config.json,model.safetensors}
+# from the generated corpus (one CPU thread, seeded; about 5 minutes).
+train-tiny: $(STAMP)
+	$(PY) -m ref.model.train_tiny
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -20,8 +20,10 @@ engine). Choices, all overridable from the command line:
 - **SLOs** (per request, both must hold for goodput): TTFT <= ``ttft_base_ms +
   ttft_per_token_ms * prompt_tokens`` (default 500 ms + 1 ms per prompt token: twice the
   cost model's prefill time plus half a second, so a long prompt is not failed for being
-  long), and TBT: every gap between two consecutive tokens <= ``tbt_ms`` (default 300 ms:
-  a step with a full 512-token prefill chunk takes ~258 ms).
+  long), and TBT: every gap between two consecutive tokens <= ``tbt_ms`` (default 100 ms,
+  an interactive reading pace of 10 tokens/s). A step with a full 512-token prefill chunk
+  takes ~258 ms, so the TBT SLO binds and ``slo-aware`` (which sizes chunks to it) is
+  exercised; at 300 ms no step came near it and ``slo-aware`` never cut a chunk.
 - **Goodput**: ``goodput = SLO attainment x offered rate`` (requests/s that meet both SLOs;
   never above the offered rate); also output tokens/s of requests that meet them. For
   agent sessions the offered request rate is measured (turns / span of their arrivals):
@@ -51,11 +53,14 @@ from typing import TextIO, TypeVar
 from ref.cli import MAX_BLOCKS, MAX_TOKENS, ArgumentParser, finite_float, int_at_most, run_cli
 from ref.config import PolicyName, SchedulerConfig
 from ref.cost_model import CostModel
+from ref.engine_core import StepRecord
 from ref.errors import InvalidArgument
-from ref.metrics import RequestMetrics, RunMetrics, percentile
-from ref.report_plot import Point, line_chart_svg
+from ref.metrics import RequestMetrics, RunMetrics, jain_index, percentile
+from ref.report_plot import BarGroup, Point, grouped_bar_chart_png, line_chart_png
 from ref.scheduler import Scheduler
-from ref.trace import atomic_write_text, check_output_dir, shown
+from ref.sim import simulate
+from ref.swap import PreemptionMode, SwapCostModel
+from ref.trace import atomic_write_text, check_output_dir, load_trace, shown
 from ref.workloads import (
     Workload,
     agent_sessions,
@@ -89,17 +94,21 @@ class Slo:
 
     ttft_base_ms: float = 500.0
     ttft_per_token_ms: float = 1.0
-    tbt_ms: float = 300.0
+    tbt_ms: float = 100.0
 
     def ttft_limit_ms(self, num_prompt_tokens: int) -> float:
         return self.ttft_base_ms + self.ttft_per_token_ms * num_prompt_tokens
 
     def met(self, m: RequestMetrics) -> bool:
         """Finished normally, first token in time, and no gap between tokens too long."""
-        if m.finish_reason not in ("stop", "length") or m.ttft_ms is None:
+        if m.finish_reason not in ("stop", "length"):
             return False
-        if m.ttft_ms > self.ttft_limit_ms(m.num_prompt_tokens):
-            return False
+        return self.ttft_met(m) and self.tbt_met(m)
+
+    def ttft_met(self, m: RequestMetrics) -> bool:
+        return m.ttft_ms is not None and m.ttft_ms <= self.ttft_limit_ms(m.num_prompt_tokens)
+
+    def tbt_met(self, m: RequestMetrics) -> bool:
         return all(gap <= self.tbt_ms for gap in m.itl_ms)
 
 
@@ -239,13 +248,24 @@ def _long(rate: float, n: int, scale: float, seed: int) -> Workload:
 
 def _mixed(rate: float, n: int, scale: float, seed: int) -> Workload:
     n_long = max(1, round(n * 0.05))
-    chat = short_chat_records(n - n_long, rate * 0.95, seed=seed, scale=scale)
-    long = long_prompt_records(n_long, rate * 0.05, seed=seed + 1, scale=scale)
+    # Two tenants, so fairness asks whether the long prompts cost the chat users.
+    chat = [
+        {**r, "tenant": "chat"}
+        for r in short_chat_records(n - n_long, rate * 0.95, seed=seed, scale=scale)
+    ]
+    long = [
+        {**r, "tenant": "long"}
+        for r in long_prompt_records(n_long, rate * 0.05, seed=seed + 1, scale=scale)
+    ]
     return Workload("mixed", tuple(from_records(merge_records(chat, long))))
 
 
 def _agent(rate: float, n: int, scale: float, seed: int) -> Workload:
-    return Workload("agent", sessions=tuple(agent_sessions(n, rate, seed=seed, scale=scale)))
+    # Each session is its own tenant: fairness across sessions of one shared prefix.
+    sessions = agent_sessions(n, rate, seed=seed, scale=scale)
+    return Workload(
+        "agent", sessions=tuple(dataclasses.replace(s, tenant=s.session_id) for s in sessions)
+    )
 
 
 TRACES: tuple[TraceSpec, ...] = (
@@ -294,6 +314,74 @@ TRACES: tuple[TraceSpec, ...] = (
 )
 
 
+# ------------------------------------------------------------------------ limits
+# A step counts as KV-bound when it preempted or ran with at least this share of the
+# pool in use: admission stalls on free blocks before the pool is literally full.
+KV_FULL = 0.95
+# The binding limit must hold in at least this share of steps to be named as a knee's
+# cause; below it no limit saturated and the SLO failed on step time alone.
+BOUND_FLOOR = 0.2
+NO_LIMIT = "none: step time"
+
+
+@dataclass(frozen=True)
+class LimitFractions:
+    """Share of a run's steps spent at each engine limit (0 to 1 each).
+
+    ``token_budget``: the step computed the whole token budget; ``max_seqs``: it ran
+    ``max_num_seqs`` requests; ``kv_blocks``: it preempted or had ``KV_FULL`` of the pool
+    in use; ``swap``: it moved KV over the host link.
+    """
+
+    token_budget: float = 0.0
+    max_seqs: float = 0.0
+    kv_blocks: float = 0.0
+    swap: float = 0.0
+
+    def cause(self, floor: float = BOUND_FLOOR) -> str:
+        """The limit that bound most often, or :data:`NO_LIMIT` when none reached ``floor``.
+
+        Ties go to the scarcer resource first (KV, swap, sequences, then the budget):
+        a step at the budget that also preempted was stopped by memory.
+        """
+        named = (
+            ("KV blocks", self.kv_blocks),
+            ("swap bandwidth", self.swap),
+            ("max sequences", self.max_seqs),
+            ("token budget", self.token_budget),
+        )
+        name, share = max(named, key=lambda x: x[1])
+        return name if share >= floor else NO_LIMIT
+
+
+def limit_fractions(steps: Sequence[StepRecord], config: SchedulerConfig) -> LimitFractions:
+    """Measure :class:`LimitFractions` from a run's step records."""
+    if not steps:
+        return LimitFractions()
+    n = len(steps)
+    kv_full = KV_FULL * config.num_blocks
+    return LimitFractions(
+        token_budget=sum(
+            1 for s in steps if sum(t for _, t in s.tokens) >= config.max_num_batched_tokens
+        )
+        / n,
+        max_seqs=sum(1 for s in steps if len(s.tokens) >= config.max_num_seqs) / n,
+        kv_blocks=sum(1 for s in steps if s.plan.preempted or s.kv_blocks_used >= kv_full) / n,
+        swap=sum(1 for s in steps if s.plan.swap_out or s.plan.swap_in) / n,
+    )
+
+
+def tenant_fairness(reqs: Sequence[RequestMetrics], slo: Slo) -> float | None:
+    """Jain's index over per-tenant SLO attainment (each tenant's goodput normalized by
+    its own offered requests); None with fewer than two tenants."""
+    tenants: dict[str, list[bool]] = {}
+    for m in reqs:
+        tenants.setdefault(m.tenant, []).append(slo.met(m))
+    if len(tenants) < 2:
+        return None
+    return jain_index([sum(v) / len(v) for v in tenants.values()])
+
+
 # ------------------------------------------------------------------------ one run
 @dataclass(frozen=True)
 class PointResult:
@@ -318,6 +406,26 @@ class PointResult:
     makespan_ms: float
     num_steps: int
     wall_s: float
+    num_tenants: int = 1
+    fairness: float | None = None  # Jain's index over tenants' SLO attainment
+    rejection_rate: float = 0.0  # did not finish normally / requests
+    capacity_rate: float = 0.0  # finished "capacity" (could never fit: an OOM) / requests
+    limits: LimitFractions = LimitFractions()
+    # Shares of requests that missed each SLO (a request may miss both): when no engine
+    # limit bound, these say whether queueing (TTFT) or long steps (TBT) broke the SLO.
+    ttft_miss_rate: float = 0.0
+    tbt_miss_rate: float = 0.0
+
+    def cause(self) -> str:
+        """The limit that bound in this run; failing that, the SLO missed most."""
+        cause = self.limits.cause()
+        if cause != NO_LIMIT or self.ttft_miss_rate == self.tbt_miss_rate == 0:
+            return cause
+        return (
+            f"{NO_LIMIT} (TBT)"
+            if self.tbt_miss_rate >= self.ttft_miss_rate
+            else (f"{NO_LIMIT} (TTFT)")
+        )
 
 
 def run_point(
@@ -332,7 +440,8 @@ def run_point(
     """Run one workload under one policy and summarize it."""
     started = time.perf_counter()
     config = policy.configure(base, workload.max_len, slo, cost)
-    result = workload.run(Scheduler(config), cost, keep_steps=False)  # only counted
+    # Steps are kept: which limit bound is read from them (then they are dropped).
+    result = workload.run(Scheduler(config), cost, keep_steps=True)
     reqs = [RequestMetrics.of(r) for r in result.requests]
     run = RunMetrics.of(reqs, result.makespan_ms)
     met = [m for m in reqs if slo.met(m)]
@@ -347,6 +456,7 @@ def run_point(
     attainment = len(met) / n if n else 0.0
     secs = result.makespan_ms / 1e3 if result.makespan_ms > 0 else math.inf
     prompt_tokens = sum(m.num_prompt_tokens for m in reqs)
+    finished = sum(1 for m in reqs if m.finish_reason in ("stop", "length"))
     return PointResult(
         trace=spec.name,
         policy=policy.name,
@@ -371,50 +481,132 @@ def run_point(
         makespan_ms=result.makespan_ms,
         num_steps=result.num_steps,
         wall_s=time.perf_counter() - started,
+        num_tenants=len({m.tenant for m in reqs}),
+        fairness=tenant_fairness(reqs, slo),
+        rejection_rate=(n - finished) / n if n else 0.0,
+        capacity_rate=sum(1 for m in reqs if m.finish_reason == "capacity") / n if n else 0.0,
+        limits=limit_fractions(result.steps, config),
+        ttft_miss_rate=sum(1 for m in reqs if not slo.ttft_met(m)) / n if n else 0.0,
+        tbt_miss_rate=sum(1 for m in reqs if not slo.tbt_met(m)) / n if n else 0.0,
     )
+
+
+def knee_point(points: Sequence[PointResult], threshold: float) -> PointResult | None:
+    """The run at the first swept rate whose goodput / offered falls below ``threshold``."""
+    for p in sorted(points, key=lambda p: p.rate):
+        if p.slo_attainment < threshold:
+            return p
+    return None
 
 
 def knee_rate(points: Sequence[PointResult], threshold: float) -> float | None:
     """The first swept rate whose goodput / offered falls below ``threshold``."""
-    for p in sorted(points, key=lambda p: p.rate):
-        if p.slo_attainment < threshold:
-            return p.rate
-    return None
+    p = knee_point(points, threshold)
+    return None if p is None else p.rate
+
+
+def knee_cause(points: Sequence[PointResult], threshold: float) -> str | None:
+    """The limit that bound at the knee (None: no knee in the sweep)."""
+    p = knee_point(points, threshold)
+    return None if p is None else p.cause()
+
+
+# ------------------------------------------------------------------------ recompute vs swap
+# README's memory-pressure experiment: a 7B-like model (512 KiB of KV per token), a pool
+# small enough that 12 long requests preempt each other. At 25 GB/s the round trip
+# (0.042 ms/token) is cheaper than recomputing (0.07 ms/token); at 8 GB/s (0.131) dearer.
+SWAP_TRACE = "memory_pressure"
+SWAP_COST = "7+0.07P+0.05D"
+SWAP_KV_BYTES_PER_TOKEN = 512 * 1024
+SWAP_HOST_BLOCKS = 4096
+SWAP_LINKS_GB_PER_S = (25.0, 8.0)
+SWAP_CONFIG = SchedulerConfig(max_num_batched_tokens=2048, block_size=16, num_blocks=700)
+
+
+@dataclass(frozen=True)
+class SwapResult:
+    """One preemption mode on the memory-pressure trace (times in virtual ms)."""
+
+    mode: str
+    link_gb_per_s: float | None  # None: recompute, no host link used
+    makespan_ms: float
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+    e2e_p99_ms: float | None
+    preemptions: int
+    swapped_out: int  # requests whose KV went to the host
+
+    @property
+    def label(self) -> str:
+        return (
+            self.mode if self.link_gb_per_s is None else f"{self.mode} {self.link_gb_per_s:g} GB/s"
+        )
+
+
+def run_swap_comparison() -> list[SwapResult]:
+    """The same trace under recompute, swap and auto preemption at two link speeds."""
+    cost = CostModel.parse(SWAP_COST)
+    trace = load_trace(SWAP_TRACE)
+    runs: list[tuple[PreemptionMode, float | None]] = [(PreemptionMode.RECOMPUTE, None)]
+    runs += [
+        (m, g) for g in SWAP_LINKS_GB_PER_S for m in (PreemptionMode.SWAP, PreemptionMode.AUTO)
+    ]
+    out: list[SwapResult] = []
+    for mode, link in runs:
+        cfg = SWAP_CONFIG
+        if link is not None:
+            cfg = dataclasses.replace(
+                cfg,
+                preemption_mode=mode,
+                num_host_blocks=SWAP_HOST_BLOCKS,
+                swap_cost=SwapCostModel(SWAP_KV_BYTES_PER_TOKEN, link, iteration=cost),
+            )
+        result = simulate(Scheduler(cfg), [t.to_request() for t in trace], cost, keep_steps=False)
+        reqs = [RequestMetrics.of(r) for r in result.requests]
+        run = RunMetrics.of(reqs, result.makespan_ms)
+        e2es = [e for m in reqs if (e := m.e2e_ms) is not None]
+        out.append(
+            SwapResult(
+                mode=mode.value,
+                link_gb_per_s=link,
+                makespan_ms=result.makespan_ms,
+                ttft_p50_ms=run.ttft_ms["p50"],
+                ttft_p99_ms=run.ttft_ms["p99"],
+                itl_p50_ms=run.itl_ms["p50"],
+                itl_p99_ms=run.itl_ms["p99"],
+                e2e_p99_ms=percentile(e2es, 99),
+                preemptions=run.num_preemptions,
+                swapped_out=0 if result.swap is None else result.swap.num_swapped_out,
+            )
+        )
+    return out
 
 
 # ------------------------------------------------------------------------ progress
 class Progress:
-    """A dependency-free text progress bar on a stream (stderr)."""
+    """A tqdm bar on a stream (stderr), labelled with the run in progress."""
 
     def __init__(self, total: int, stream: TextIO, *, enabled: bool = True) -> None:
-        self.total, self.done, self.stream, self.enabled = total, 0, stream, enabled
-        self.started = time.perf_counter()
-        self.tty = stream.isatty()
-        self._last_line = -1
+        from tqdm import tqdm
+
+        # Not a terminal (a log, CI): an update every 30 s, not a wall of carriage returns.
+        self.bar = tqdm(
+            total=total,
+            file=stream,
+            unit="run",
+            disable=not enabled,
+            mininterval=0.2 if stream.isatty() else 30.0,
+            dynamic_ncols=True,
+        )
 
     def advance(self, label: str) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        width = 30
-        filled = width * self.done // max(self.total, 1)
-        elapsed = time.perf_counter() - self.started
-        eta = elapsed / self.done * (self.total - self.done) if self.done else 0.0
-        line = (
-            f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-            f"{elapsed:5.1f}s eta {eta:5.1f}s  {label}"
-        )
-        if self.tty:
-            self.stream.write("\r" + line[:110].ljust(110))
-            if self.done == self.total:
-                self.stream.write("\n")
-        else:
-            # Not a terminal (a log, CI): a line per tenth, not a wall of carriage returns.
-            tenth = 10 * self.done // max(self.total, 1)
-            if tenth != self._last_line:
-                self._last_line = tenth
-                self.stream.write(line + "\n")
-        self.stream.flush()
+        self.bar.set_postfix_str(label, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 # ------------------------------------------------------------------------ the sweep
@@ -440,7 +632,7 @@ class CompareOptions:
 def run_compare(
     opts: CompareOptions, stream: TextIO, *, progress: bool = True
 ) -> dict[str, object]:
-    """Run the sweep, write ``report.md``, ``report.json`` and the SVG plots; return the JSON."""
+    """Run the sweep, write ``report.md``, ``report.json`` and the PNG plots; return the JSON."""
     active = [p for p in opts.policies if p.available()]
     skipped = [p for p in opts.policies if not p.available()]
     plan: list[tuple[TraceSpec, tuple[float, ...]]] = []
@@ -467,12 +659,23 @@ def run_compare(
                 bad = point.slo_attainment < STOP_BELOW
                 bad_in_a_row[policy.name] = bad_in_a_row[policy.name] + 1 if bad else 0
                 bar.advance(label)
+    bar.close()
+    swap = run_swap_comparison()
     wall = time.perf_counter() - started
     check_output_dir(opts.out, "--out")  # checked before the sweep too; it may have gone
-    plots = _write_plots(opts, plan, active, points)
+    plots = _write_plots(opts, plan, active, points, swap)
     knees = {
         spec.name: {
             p.name: knee_rate(
+                [x for x in points if x.trace == spec.name and x.policy == p.name], opts.knee
+            )
+            for p in active
+        }
+        for spec, _ in plan
+    }
+    causes = {
+        spec.name: {
+            p.name: knee_cause(
                 [x for x in points if x.trace == spec.name and x.policy == p.name], opts.knee
             )
             for p in active
@@ -508,9 +711,17 @@ def run_compare(
             for p in skipped
         ],
         "knees": knees,
+        "knee_causes": causes,
         "stopped_early": stopped,
         "plots": plots,
         "points": [dataclasses.asdict(p) for p in points],
+        "swap_vs_recompute": {
+            "trace": SWAP_TRACE,
+            "cost_model": SWAP_COST,
+            "kv_bytes_per_token": SWAP_KV_BYTES_PER_TOKEN,
+            "num_blocks": SWAP_CONFIG.num_blocks,
+            "runs": [dataclasses.asdict(r) for r in swap],
+        },
     }
     # Each file goes to a temporary name first: Ctrl-C never leaves half of one. Strict
     # JSON (allow_nan=False): a non-finite number is a bug to report, not a file to write.
@@ -519,7 +730,9 @@ def run_compare(
     )
     atomic_write_text(
         opts.out / "report.md",
-        render_markdown(opts, plan, active, skipped, points, knees, plots, wall, stopped),
+        render_markdown(
+            opts, plan, active, skipped, points, knees, plots, wall, stopped, causes, swap
+        ),
         "--out",
     )
     return report
@@ -530,6 +743,7 @@ def _write_plots(
     plan: Sequence[tuple[TraceSpec, tuple[float, ...]]],
     policies: Sequence[NamedPolicy],
     points: Sequence[PointResult],
+    swap: Sequence[SwapResult],
 ) -> dict[str, dict[str, str]]:
     plots: dict[str, dict[str, str]] = {}
     for spec, _ in plan:
@@ -546,7 +760,9 @@ def _write_plots(
         offered: list[Point] = sorted({(p.rate, p.offered_rps) for p in mine})
         swept = [p.rate for p in mine]
         log_x = bool(swept) and max(swept) / min(swept) >= 50
-        goodput = line_chart_svg(
+        names = {"goodput": f"goodput_{spec.name}.png", "ttft_p99": f"ttft_p99_{spec.name}.png"}
+        line_chart_png(
+            opts.out / names["goodput"],
             f"{spec.name}: goodput (both SLOs met) vs offered rate",
             f"rate ({spec.rate_unit})",
             "goodput (req/s)",
@@ -555,7 +771,8 @@ def _write_plots(
             reference=offered,
             reference_label="offered (req/s)",
         )
-        ttft = line_chart_svg(
+        line_chart_png(
+            opts.out / names["ttft_p99"],
             f"{spec.name}: P99 TTFT vs offered rate",
             f"rate ({spec.rate_unit})",
             "P99 TTFT (ms)",
@@ -563,10 +780,29 @@ def _write_plots(
             log_y=True,
             log_x=log_x,
         )
-        names = {"goodput": f"goodput_{spec.name}.svg", "ttft_p99": f"ttft_p99_{spec.name}.svg"}
-        atomic_write_text(opts.out / names["goodput"], goodput, "--out")
-        atomic_write_text(opts.out / names["ttft_p99"], ttft, "--out")
         plots[spec.name] = names
+    if swap:
+        name = "swap_vs_recompute.png"
+        grouped_bar_chart_png(
+            opts.out / name,
+            f"recompute vs swap on {SWAP_TRACE} (cost {SWAP_COST} ms)",
+            "preemption mode (host link)",
+            "latency (virtual ms, log scale)",
+            [
+                BarGroup(
+                    r.label,
+                    {
+                        "TTFT p99": r.ttft_p99_ms,
+                        "ITL p50": r.itl_p50_ms,
+                        "ITL p99": r.itl_p99_ms,
+                        "E2E p99": r.e2e_p99_ms,
+                    },
+                )
+                for r in swap
+            ],
+            log_y=True,
+        )
+        plots["swap"] = {"latency": name}
     return plots
 
 
@@ -592,6 +828,8 @@ def render_markdown(
     plots: dict[str, dict[str, str]],
     wall_s: float,
     stopped: dict[str, dict[str, float]] | None = None,
+    causes: dict[str, dict[str, str | None]] | None = None,
+    swap: Sequence[SwapResult] = (),
 ) -> str:
     slo = opts.slo
     base = opts.base
@@ -634,13 +872,21 @@ def render_markdown(
         "",
         "## Summary",
         "",
-        "Per trace and policy: the knee, the highest swept rate still at or above the "
-        "threshold, the peak goodput over the sweep, and P99 TTFT / P99 TBT at the last "
-        "good rate.",
+        "Per trace and policy: the knee and **what limits it** (the engine limit that "
+        "bound in the most steps of the run at the knee rate: token budget, max sequences, "
+        f"KV blocks (a preemption or >= {KV_FULL:.0%} of the pool in use) or swap "
+        f"bandwidth; `{NO_LIMIT}` when none bound in {BOUND_FLOOR:.0%} of steps, i.e. the "
+        "SLO failed on how long steps take, not on a full resource, with the SLO missed "
+        "by more requests in brackets: TBT, a prefill chunk made the step too long for "
+        "the decodes in it; TTFT, prompts queued behind others' prefill), the highest swept "
+        "rate still at or above the threshold, the peak goodput over the sweep, P99 TTFT / "
+        "P99 TBT at the last good rate, tenant fairness at the knee (or the highest rate "
+        "run when there is none), and the share of requests "
+        "over the whole sweep that did not finish normally (rejected or capacity / OOM).",
         "",
-        "| trace | policy | knee | last good rate | peak goodput req/s (at rate) | "
-        "P99 TTFT ms | P99 TBT ms | preemptions |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| trace | policy | knee | knee cause | last good rate | peak goodput req/s (at rate) | "
+        "P99 TTFT ms | P99 TBT ms | fairness at knee | rejected / OOM | preemptions |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for spec, rates in plan:
         for pol in policies:
@@ -652,13 +898,21 @@ def render_markdown(
             good = [x for x in row if k is None or x.rate < k]
             last = good[-1] if good else None
             peak = max(row, key=lambda x: x.goodput_rps)
+            cause = (causes or {}).get(spec.name, {}).get(pol.name)
+            asked = sum(x.num_requests for x in row)
+            failed = sum(x.rejected for x in row)
+            oom = sum(round(x.capacity_rate * x.num_requests) for x in row)
+            # Fairness where it is tested: at the knee (or the top of the sweep).
+            strained = next((x for x in row if x.rate == k), row[-1])
             lines.append(
                 f"| {spec.name} | {pol.name} | "
-                f"{_knee_text(k, rates)} | "
+                f"{_knee_text(k, rates)} | {cause or '-'} | "
                 f"{'-' if last is None else f'{last.rate:g}'} | "
                 f"{peak.goodput_rps:.2f} ({peak.rate:g}) | "
                 f"{_f(None if last is None else last.ttft_p99_ms)} | "
                 f"{_f(None if last is None else last.tbt_p99_ms)} | "
+                f"{_f(strained.fairness, 2)} | "
+                f"{_pct(failed / max(asked, 1))} / {_pct(oom / max(asked, 1))} | "
                 f"{sum(x.preemptions for x in row)} |"
             )
     for spec, _ in plan:
@@ -673,9 +927,9 @@ def render_markdown(
             f"![P99 TTFT vs rate, {spec.name}]({plots[spec.name]['ttft_p99']})",
             "",
             f"| policy | rate ({spec.rate_unit}) | offered req/s | TTFT p50 | p95 | p99 ms | "
-            "TBT p99 ms | out tok/s | SLO met | goodput req/s | rejected | preempted | "
-            "prefix hit |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "TBT p99 ms | out tok/s | SLO met | goodput req/s | fairness | rejected | OOM | "
+            "preempted | prefix hit | steps at budget / max seqs / KV full |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for pol in policies:
             for r in sorted((x for x in mine if x.policy == pol.name), key=lambda x: x.rate):
@@ -683,8 +937,10 @@ def render_markdown(
                     f"| {pol.name} | {r.rate:g} | {r.offered_rps:.2f} | {_f(r.ttft_p50_ms)} | "
                     f"{_f(r.ttft_p95_ms)} | {_f(r.ttft_p99_ms)} | {_f(r.tbt_p99_ms)} | "
                     f"{r.output_tokens_per_s:,.0f} | {100 * r.slo_attainment:.0f} % | "
-                    f"{r.goodput_rps:.2f} | {r.rejected} | {r.preemptions} | "
-                    f"{100 * r.prefix_hit_rate:.0f} % |"
+                    f"{r.goodput_rps:.2f} | {_f(r.fairness, 2)} | {r.rejected} | "
+                    f"{_pct(r.capacity_rate)} | {r.preemptions} | "
+                    f"{100 * r.prefix_hit_rate:.0f} % | {_pct(r.limits.token_budget)} / "
+                    f"{_pct(r.limits.max_seqs)} / {_pct(r.limits.kv_blocks)} |"
                 )
     lines += [
         "",
@@ -702,11 +958,49 @@ def render_markdown(
         + ".",
         "",
         "Rejected: requests that did not finish normally (capacity or timeout finishes; "
-        "none of these policies sets a queue bound or timeout). Prefix hit: prompt tokens "
-        "found in the prefix cache / all prompt tokens.",
+        "none of these policies sets a queue bound or timeout); OOM: the share that "
+        "finished `capacity` (could never fit in the pool). Prefix hit: prompt tokens "
+        "found in the prefix cache / all prompt tokens. Fairness: Jain's index over the "
+        "tenants' SLO attainment (1 = every tenant equally served, 1/n = one tenant gets "
+        "all); mixed has two tenants (chat, long), agent one per session, chat and long "
+        "a single one (-).",
         "",
     ]
+    lines += _swap_markdown(swap, plots)
     return "\n".join(lines)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f} %"
+
+
+def _swap_markdown(swap: Sequence[SwapResult], plots: dict[str, dict[str, str]]) -> list[str]:
+    if not swap:
+        return []
+    base = swap[0]
+    lines = [
+        "## Recompute vs swap",
+        "",
+        f"Trace `{SWAP_TRACE}` (12 requests of 600-1600 prompt and 200-500 output tokens), "
+        f"a {SWAP_CONFIG.num_blocks}-block pool, cost `{SWAP_COST}` ms per step, "
+        f"{SWAP_KV_BYTES_PER_TOKEN // 1024} KiB of KV per token (a 7B-like model), "
+        f"{SWAP_HOST_BLOCKS} host blocks; `auto` swaps only when the round trip is "
+        "cheaper than recomputing. Real token lengths (no scale).",
+        "",
+        f"![recompute vs swap]({plots['swap']['latency']})",
+        "",
+        "| mode | makespan ms (vs recompute) | TTFT p50 | p99 ms | ITL p50 | p99 ms | "
+        "E2E p99 ms | preemptions | swapped out |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in swap:
+        lines.append(
+            f"| {r.label} | {r.makespan_ms:,.0f} ({r.makespan_ms / base.makespan_ms:.3f}x) | "
+            f"{_f(r.ttft_p50_ms)} | {_f(r.ttft_p99_ms)} | {_f(r.itl_p50_ms)} | "
+            f"{_f(r.itl_p99_ms)} | {_f(r.e2e_p99_ms)} | {r.preemptions} | {r.swapped_out} |"
+        )
+    lines.append("")
+    return lines
 
 
 # ------------------------------------------------------------------------ CLI
@@ -737,7 +1031,7 @@ def _parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="refserve compare",
         description="Compare scheduling policies over example 3's traces and a rate sweep "
-        "on the simulator; writes DIR/report.md, DIR/report.json and SVG plots.",
+        "on the simulator; writes DIR/report.md, DIR/report.json and PNG plots.",
     )
     ms = finite_float(0, MAX_SLO_MS)
     p.add_argument("--out", type=Path, default=Path("compare-report"), help="output folder")
@@ -850,6 +1144,10 @@ def compare_cli(argv: list[str]) -> int:
     opts, progress = compare_options(argv)
     report = run_compare(opts, sys.stderr, progress=progress)
     print(f"wrote {shown(opts.out / 'report.md')} and {shown(opts.out / 'report.json')}")
+    plots = report["plots"]
+    assert isinstance(plots, dict)
+    charts = [name for per in plots.values() for name in per.values()]
+    print(f"  {len(charts)} PNG charts in {shown(opts.out)}: {', '.join(charts)}")
     knees, traces = report["knees"], report["traces"]
     assert isinstance(knees, dict) and isinstance(traces, list)
     for t in traces:

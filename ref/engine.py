@@ -897,6 +897,11 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return list(prompts)  # type: ignore[arg-type]
 
 
+#: The name of the embedded trained checkpoint (``ref/model/tiny/``); ``"tiny"`` is the
+#: seeded random-weight model the tests use.
+TINY_TRAINED = "tiny-trained"
+
+
 def _resolve_model(
     model: str | Path | tuple[ModelConfig, LlamaWeights],
     *,
@@ -909,6 +914,12 @@ def _resolve_model(
     if str(model) == "tiny":
         cfg = tiny_config()
         return cfg, random_weights(cfg, seed, dtype=dtype, device=device), None
+    if str(model) == TINY_TRAINED:
+        # The shipped checkpoint, read like any other (the byte tokenizer: no tokenizer.json).
+        from ref.model.tiny import TRAINED_DIR
+
+        cfg, weights = load_checkpoint(TRAINED_DIR, dtype=dtype, device=device)
+        return cfg, weights, TRAINED_DIR
     cfg, weights = load_checkpoint(model, dtype=dtype, device=device)
     return cfg, weights, Path(model)
 
@@ -931,21 +942,22 @@ def _resolve_tokenizer(
 
 # ---------------------------------------------------------------------- the demo
 def demo_main(timeline_path: str | Path | None = None) -> int:
-    """A short mixed workload on the embedded tiny model with the byte tokenizer.
+    """A short mixed workload on the embedded trained tiny model with the byte tokenizer.
 
     Short and long prompts, staggered arrivals, a shared system prompt (prefix-cache
     hits), a sampled request, an ``n=2`` request (a fork) and a pool small enough to
     preempt. Streams the finished outputs, then prints the per-step table, per-request
     TTFT/ITL and a summary, and writes the timeline picture (HTML) to ``timeline_path``
-    (default ``refserve-demo-timeline.html`` in the current directory). Every spec
-    invariant is checked after every step. Random weights: the text is noise, the
-    serving is not.
+    (default ``refserve-demo-timeline.html`` in the current directory) and a PNG beside
+    it (same name, ``.png``). Every spec invariant is checked after every step. The
+    model (``"tiny-trained"``) learned simple English sentences from a generated corpus,
+    so the text is short readable sentences.
     """
     from ref.metrics import percentile
-    from ref.timeline import write_timeline_html
+    from ref.timeline import write_timeline_html, write_timeline_png
 
     cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, block_size=8, num_blocks=24)
-    engine = LLMEngine("tiny", scheduler_config=cfg, check_invariants=True)
+    engine = LLMEngine(TINY_TRAINED, scheduler_config=cfg, check_invariants=True)
     system = "You are a terse assistant. "
     workload: list[tuple[int, str, SamplingParams]] = [
         (0, system + "Name a prime.", SamplingParams(max_tokens=12)),
@@ -955,8 +967,8 @@ def demo_main(timeline_path: str | Path | None = None) -> int:
         (6, system + "Count to three.", SamplingParams(max_tokens=10, n=2, temperature=1, seed=7)),
     ]
     print(
-        f"refserve demo: tiny Llama ({cfg.block_size}-token blocks, {cfg.num_blocks} blocks, "
-        f"budget {cfg.max_num_batched_tokens} tokens/step), byte tokenizer, random weights"
+        f"refserve demo: tiny trained Llama ({cfg.block_size}-token blocks, {cfg.num_blocks} "
+        f"blocks, budget {cfg.max_num_batched_tokens} tokens/step), byte tokenizer"
     )
     texts: dict[tuple[str, int], str] = {}
     final: dict[tuple[str, int], RequestOutput] = {}
@@ -1022,6 +1034,10 @@ def demo_main(timeline_path: str | Path | None = None) -> int:
     path = Path(timeline_path) if timeline_path is not None else Path("refserve-demo-timeline.html")
     write_timeline_html(path, engine.steps, cfg.num_blocks, "refserve demo: tiny model")
     print(f"timeline: {path.resolve()}")
+    # Beside the HTML under the same stem; never onto the HTML itself (``--timeline x.png``).
+    png = path.with_suffix(".png") if path.suffix != ".png" else path.with_suffix(".png.png")
+    write_timeline_png(png, engine.steps, cfg.num_blocks, "refserve demo: tiny model")
+    print(f"timeline (PNG): {png.resolve()}")
     return 0
 
 

@@ -26,7 +26,8 @@ MAX_N = 1024
 def add_generate_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the ``generate`` subcommand to an ``add_subparsers()`` object."""
     p: argparse.ArgumentParser = sub.add_parser(
-        "generate", help="generate from a prompt with the real model (tiny or a local checkpoint)"
+        "generate",
+        help="generate from a prompt with the real model (embedded or a local checkpoint)",
     )
     _add_args(p)
     p.set_defaults(func=run_generate)
@@ -34,7 +35,12 @@ def add_generate_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="'tiny' (embedded) or a local HF checkpoint dir")
+    p.add_argument(
+        "--model",
+        default="tiny-trained",
+        help="'tiny-trained' (embedded, trained; the default), 'tiny' (embedded, random "
+        "weights) or a local HF checkpoint dir",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")

@@ -170,3 +170,19 @@ def per_tenant(requests: Sequence[RequestMetrics]) -> dict[str, TenantMetrics]:
             percentile(itls, 99),
         )
     return out
+
+
+def jain_index(values: Sequence[float]) -> float | None:
+    """Jain's fairness index ``(sum x)^2 / (n * sum x^2)`` of non-negative shares.
+
+    1.0 when every share is equal, ``1/n`` when one party gets everything; None for no
+    values. All-zero shares are equal shares (nobody was served), so 1.0.
+    """
+    if not values:
+        return None
+    if any(v < 0 for v in values):
+        raise ValueError(f"shares must be >= 0, got {min(values)}")
+    square_sum = sum(v * v for v in values)
+    if square_sum == 0:
+        return 1.0
+    return sum(values) ** 2 / (len(values) * square_sum)

@@ -1,8 +1,11 @@
 """A timeline picture of a run: who got how many tokens in each step, and KV in use.
 
-Writes one self-contained HTML file with an inline SVG (no plotting dependency, opens in
-any browser): one column per step, stacked by request (prefill tokens solid, decode tokens
-hatched by a lighter shade), and a line for KV blocks in use on a second axis.
+Two forms: :func:`write_timeline_html` (inline SVG, no dependency) and
+:func:`write_timeline_png` (matplotlib, imported only when called).
+
+The HTML page opens in any browser: one column per step, stacked by request (prefill
+tokens solid, decode tokens a lighter shade), and a line for KV blocks in use on a second
+axis.
 """
 
 from __future__ import annotations
@@ -99,3 +102,71 @@ def write_timeline_html(
         "Red line: KV blocks in use (right axis). Hover a bar for details.</p></body>"
     )
     return atomic_write_text(path, page, "timeline")
+
+
+def write_timeline_png(
+    path: Path, steps: Sequence[StepRecord], num_blocks: int, title: str
+) -> Path:
+    """The same picture as a PNG: stacked bars of tokens per request per step (prefill
+    solid, decode light), KV blocks in use as a line on the right axis."""
+    from ref.report_plot import new_figure, write_png
+
+    fig = new_figure(8.0, 4.0)
+    ax = fig.add_subplot()
+    ids: list[str] = []
+    for s in steps:
+        ids += [rid for rid, _ in s.tokens if rid not in ids]
+    color = {rid: _PALETTE[i % len(_PALETTE)] for i, rid in enumerate(ids)}
+    x = [s.step_index for s in steps]
+    bottom = [0.0] * len(steps)
+    for rid in ids:
+        # One bar series per request and kind, so the legend names each request once.
+        for prefill in (True, False):
+            heights = []
+            for s in steps:
+                got = dict(s.tokens).get(rid, 0)
+                kinds = dict(zip(s.plan.request_ids, s.plan.is_prefill, strict=True))
+                heights.append(float(got) if got and kinds.get(rid) is prefill else 0.0)
+            if not any(heights):
+                continue
+            ax.bar(
+                x,
+                heights,
+                0.85,
+                bottom=bottom,
+                color=color[rid],
+                alpha=1.0 if prefill else 0.45,
+                label=rid if prefill or not _has_prefill(steps, rid) else None,
+            )
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    ax.set_ylim(0, max(bottom, default=1.0) * 1.05 or 1.0)
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens scheduled (solid: prefill, light: decode)")
+    ax.set_title(title)
+    kv = ax.twinx()
+    kv.plot(x, [s.kv_blocks_used for s in steps], color="#c00", linewidth=1.5, label="KV blocks")
+    kv.axhline(num_blocks, color="#c00", linestyle=":", linewidth=1)
+    kv.set_ylim(0, num_blocks * 1.05)
+    kv.set_ylabel(f"KV blocks in use (of {num_blocks})", color="#c00")
+    handles, labels = ax.get_legend_handles_labels()
+    kv_h, kv_l = kv.get_legend_handles_labels()
+    ax.legend(
+        handles + kv_h,
+        labels + kv_l,
+        loc="upper left",
+        bbox_to_anchor=(1.1, 1.0),
+        fontsize=7,
+        frameon=False,
+    )
+    return write_png(path, fig, "timeline")
+
+
+def _has_prefill(steps: Sequence[StepRecord], rid: str) -> bool:
+    return any(
+        r == rid and p
+        for s in steps
+        for r, p in zip(s.plan.request_ids, s.plan.is_prefill, strict=True)
+    )

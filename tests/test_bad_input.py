@@ -277,13 +277,19 @@ INTERRUPTS: list[tuple[str, list[str], str, int, list[str]]] = [
         3,
         [],
     ),
-    ("demo", ["demo", "--timeline", "{ws}/o/demo.html"], "ref.engine_core.EngineCore.step", 3, []),
+    (
+        "demo",
+        ["demo", "--timeline", "{ws}/o/demo.html"],
+        "ref.engine_core.EngineCore.step",
+        3,
+        ["o/demo.html", "o/demo.png"],
+    ),
     (
         "compare",
         ["compare", "--quick", "--traces", "chat", "--no-progress", "--out", "{ws}/cmp"],
         "ref.engine_core.EngineCore.step",
         3,
-        ["cmp/report.json", "cmp/report.md", "cmp/goodput_chat.svg"],
+        ["cmp/report.json", "cmp/report.md", "cmp/goodput_chat.png"],
     ),
     (
         "compare-during-write",
@@ -293,7 +299,7 @@ INTERRUPTS: list[tuple[str, list[str], str, int, list[str]]] = [
         ],
         "ref.trace.os.replace",
         1,
-        ["cmp/report.json", "cmp/report.md", "cmp/goodput_chat.svg"],
+        ["cmp/report.json", "cmp/report.md", "cmp/goodput_chat.png"],
     ),
 ]
 

@@ -4,7 +4,9 @@
   built-in tiny one);
 - :mod:`ref.model.weights`: seeded random weights and the local checkpoint loader;
 - :mod:`ref.model.attention`: the attention backends (``torch`` and ``triton``);
-- :mod:`ref.model.llama`: the forward pass over one step's flattened tokens.
+- :mod:`ref.model.llama`: the forward pass over one step's flattened tokens;
+- :mod:`ref.model.tiny`: the embedded trained checkpoint ``"tiny-trained"`` and its corpus,
+  written by :mod:`ref.model.train_tiny` (``make train-tiny``).
 """
 
 from ref.model.config import ModelConfig, UnsupportedModel, tiny_config
