@@ -242,6 +242,7 @@ class ModelExecutor:
                     rows.append(row)
         self._fault("in_sampler")
         drawn = sample(logits[rows], specs, indices)
+        self._check_vocab(rids, drawn)
         sampled: dict[str, int] = {}
         j = 0
         for rid in rids:
@@ -255,6 +256,17 @@ class ModelExecutor:
                 self.last_fork_samples[rid] = drawn[j : j + n_children]
                 j += n_children
         return StepOutput(sampled)
+
+    def _check_vocab(self, rids: Sequence[str], drawn: Sequence[tuple[int, float | None]]) -> None:
+        """A token outside the vocabulary would be committed and detokenized as something
+        else (a silent wrong answer): fail the step instead, so it rolls back (ATOMIC)."""
+        vocab = self.model.config.vocab_size
+        for token, _ in drawn:
+            if not 0 <= token < vocab:
+                raise ExecutorError(
+                    f"the sampler drew token {token} for a step of {list(rids)!r}; "
+                    f"token ids must be in [0, {vocab})"
+                )
 
     def _apply_swaps(self, plan: StepPlan) -> None:
         """Every swap-out, then every swap-in (the order StepPlan documents)."""

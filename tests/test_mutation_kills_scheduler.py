@@ -640,6 +640,27 @@ def test_the_prefill_reserve_starts_after_the_configured_wait(fast_decode: bool)
     ]
 
 
+@pytest.mark.parametrize("fast_decode", [True, False])
+def test_no_reserve_is_held_back_when_no_prompt_waits(fast_decode: bool) -> None:
+    """With nothing left to prefill, the reserve must not shrink the decodes' budget."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=4,
+        max_num_seqs=8,
+        block_size=4,
+        num_blocks=32,
+        max_model_len=64,
+        prefill_reserve_tokens=2,
+        prefill_reserve_after_steps=0,
+    )
+    sched = Scheduler(cfg, fast_decode=fast_decode)
+    for i in range(4):
+        sched.add_request(_req(f"d{i}", 1, 50, base=10 * i))
+    _step(sched)  # four one-token prompts: no prefill work is left after this step
+    for _ in range(3):
+        plan, _ = _step(sched)
+        assert plan.request_ids == ("d0", "d1", "d2", "d3")
+
+
 # ------------------------------------------------------------------ abort / finish / fork
 def test_abort_and_finish_stamp_the_given_time_defaulting_to_zero() -> None:
     sched = _decoding(CFG, _req("a", 3), _req("b", 3, base=10), _req("c", 3, base=20))

@@ -22,6 +22,7 @@ from ref.engine import LLMEngine, RequestOutput
 from ref.errors import InvalidArgument
 from ref.executor import StepOutput
 from ref.inputs import ModelInputs
+from ref.model_executor import ExecutorError
 from ref.plan import StepPlan
 from ref.request import FinishReason
 from ref.sampler import (
@@ -374,3 +375,29 @@ def test_timeout_before_the_first_token_ends_every_sample() -> None:
         (i, "timeout") for i in range(3)
     ]
     assert final[("hog", 0)].finish_reason == "length"
+
+
+def test_a_token_outside_the_vocabulary_fails_the_step_not_the_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sampler that draws an id >= vocab_size must not be committed: the step fails with
+    a typed error naming the token, rolls back, and the next step gives the right tokens."""
+    (ref,) = _engine().generate(["hello"], SamplingParams(max_tokens=6))
+    engine = _engine()
+    engine.add_request("hello", SamplingParams(max_tokens=6), request_id="h")
+    real = sample
+    calls = [0]
+
+    def out_of_vocab(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        drawn = real(*args, **kwargs)  # type: ignore[arg-type]
+        if calls[0] == 2:
+            return [(10**6, lp) for _, lp in drawn]
+        return drawn
+
+    monkeypatch.setattr("ref.model_executor.sample", out_of_vocab)
+    engine.step()
+    with pytest.raises(ExecutorError, match="1000000"):
+        engine.step()
+    final = [o for o in engine.iter_outputs() if o.finished]
+    assert [o.token_ids for o in final] == [ref.outputs[0].token_ids]
