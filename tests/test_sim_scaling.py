@@ -37,21 +37,28 @@ def _step_us(
     for _ in range(warmup):
         clock = core.step(clock).end_ms
     gc.collect()
-    started = time.process_time()
-    for _ in range(steps):
-        clock = core.step(clock).end_ms
-    return (time.process_time() - started) / steps * 1e6
+    # A full garbage collection walks every live object, so with GC on a big backlog costs
+    # more per step for a reason that has nothing to do with the scheduler.
+    gc.disable()
+    try:
+        started = time.process_time()
+        for _ in range(steps):
+            clock = core.step(clock).end_ms
+        return (time.process_time() - started) / steps * 1e6
+    finally:
+        gc.enable()
 
 
 def test_a_step_costs_the_same_whatever_the_backlog() -> None:
     # Interleaved rounds, the best of each: a load spike on the shared machine slows one
-    # round, rarely all of them.
+    # round, rarely all of them. Rounds of one size still differed by up to 1.5x on a
+    # loaded CI machine, so the bound is 2.5x: a walk over the queue costs about 10x here.
     small, large = [], []
-    for _ in range(2):
+    for _ in range(3):
         small.append(_step_us(2000))
         large.append(_step_us(64_000))
     ratio = min(large) / min(small)
-    assert ratio < 1.5, f"a step behind 64k vs 2k waiting: {ratio:.2f}x ({small}, {large})"
+    assert ratio < 2.5, f"a step behind 64k vs 2k waiting: {ratio:.2f}x ({small}, {large})"
 
 
 def test_a_tenant_at_its_cap_is_not_walked_every_step() -> None:
@@ -60,11 +67,11 @@ def test_a_tenant_at_its_cap_is_not_walked_every_step() -> None:
     # behind 32k waiting cost 19x one behind 2k).
     config = replace(CONFIG, policy=PolicyName.TENANT_FAIR, tenant_max_running=32)
     small, large = [], []
-    for _ in range(2):
+    for _ in range(3):  # bound as above (before the fix: 19x)
         small.append(_step_us(2000, config))
         large.append(_step_us(32_000, config))
     ratio = min(large) / min(small)
-    assert ratio < 1.5, f"capped tenants, 32k vs 2k waiting: {ratio:.2f}x ({small}, {large})"
+    assert ratio < 2.5, f"capped tenants, 32k vs 2k waiting: {ratio:.2f}x ({small}, {large})"
 
 
 def test_a_result_without_steps_has_the_same_timelines_and_counts() -> None:
