@@ -877,17 +877,10 @@ def run_case(
     """
     dev = torch.device(device)
     caps = capabilities_of(fn) if capabilities is None else capabilities
+    base, decided = _undecided_or_verdict(case, dtype, dev, caps, tolerance)
+    if decided is not None:
+        return decided
     tol = tolerance or attention_tolerance(dtype, dev)
-    base = CaseResult(
-        case=case.name, shape=case.shape, dtype=_dtype_name(dtype), device=str(dev),
-        max_abs_err=math.nan, tolerance=math.nan, status=FAIL, boundary=case.boundary,
-        params=case.params(), atol=tol.atol, rtol=tol.rtol, note=_bf16_note(dtype, dev),
-    )  # fmt: skip
-    reason = unsupported_reason(case, base.dtype, caps)
-    if reason is not None:
-        return replace(base, status=NOT_SUPPORTED, error=reason)
-    if case.gpu_only and dev.type != "cuda":
-        return replace(base, status=SKIPPED, error="needs CUDA (too big for the interpreter)")
     if case.op != "paged_attention":
         return _run_memory_case(fn, case, dtype, dev, seed, base, with_traceback)
 
@@ -1624,18 +1617,35 @@ def _run_one(
         return run_grid(fn, device=device, dtypes=[dtype], cases=[case], seed=args.seed,
                         tolerance=tolerance)[0]  # fmt: skip
     assert worker is not None
-    tol = tolerance or attention_tolerance(dtype, device)
+    base, decided = _undecided_or_verdict(case, dtype, device, caps, tolerance)
+    if decided is not None:
+        return decided
+    return worker.run(case, base.dtype, args.timeout, base)
+
+
+def _undecided_or_verdict(
+    case: GridCase,
+    dtype: torch.dtype,
+    dev: torch.device,
+    caps: KernelCapabilities,
+    tolerance: Tolerance | None,
+) -> tuple[CaseResult, CaseResult | None]:
+    """The result skeleton of one (case, dtype) (a FAIL until the kernel's output says
+    otherwise), and its verdict when it is decided without calling the kernel: outside
+    the declared capabilities (NOT_SUPPORTED) or needing CUDA (SKIPPED). One place for
+    both the in-process run and the isolated worker's front end."""
+    tol = tolerance or attention_tolerance(dtype, dev)
     base = CaseResult(
-        case=case.name, shape=case.shape, dtype=_dtype_name(dtype), device=str(device),
+        case=case.name, shape=case.shape, dtype=_dtype_name(dtype), device=str(dev),
         max_abs_err=math.nan, tolerance=math.nan, status=FAIL, boundary=case.boundary,
-        params=case.params(), atol=tol.atol, rtol=tol.rtol, note=_bf16_note(dtype, device),
+        params=case.params(), atol=tol.atol, rtol=tol.rtol, note=_bf16_note(dtype, dev),
     )  # fmt: skip
     reason = unsupported_reason(case, base.dtype, caps)
     if reason is not None:
-        return replace(base, status=NOT_SUPPORTED, error=reason)
-    if case.gpu_only and device.type != "cuda":
-        return replace(base, status=SKIPPED, error="needs CUDA (too big for the interpreter)")
-    return worker.run(case, base.dtype, args.timeout, base)
+        return base, replace(base, status=NOT_SUPPORTED, error=reason)
+    if case.gpu_only and dev.type != "cuda":
+        return base, replace(base, status=SKIPPED, error="needs CUDA (too big for the interpreter)")
+    return base, None
 
 
 def _worker_argv(args: argparse.Namespace, device: torch.device) -> list[str]:
