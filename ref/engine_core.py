@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from ref.errors import RefserveError
-from ref.executor import Executor, KVTransaction, StepExecutor
+from ref.executor import Executor, KVTransaction, NoKVMemory, StepExecutor
 from ref.inputs import ModelInputs, build_inputs, scheduled_requests
 from ref.plan import StepPlan
 from ref.scheduler import Scheduler, StepEvents
@@ -195,17 +195,9 @@ class EngineCore:
             raise InvariantViolation(plan.step_index, violations)
 
 
-class _Untracked:
-    """The transaction side of an executor without one: its memory, if any, is not
-    restored, so a failed step costs the cache entries of the blocks it could write."""
+class _Untracked(NoKVMemory):
+    """The transaction side of an executor without one: the same no-ops, but its memory,
+    if any, is not restored, so a failed step costs the cache entries of the blocks it
+    could write."""
 
     transactional_kv = False
-
-    def begin(self, plan: StepPlan, inputs: ModelInputs | None) -> None:
-        pass
-
-    def rollback(self) -> None:
-        pass
-
-    def commit(self) -> None:
-        pass
