@@ -1,8 +1,8 @@
 """The adapter for refserve itself (``conformance.adapters.ref:make``); it must pass everything.
 
-It drives :class:`ref.scheduler.Scheduler` directly: ``schedule`` plans a step and builds
-the executor's real inputs with :func:`ref.inputs.build_inputs` (the same tensors the
-model would get, as :class:`ref.engine_core.EngineCore` does when it checks itself), so
+It drives :class:`ref.core.scheduler.Scheduler` directly: ``schedule`` plans a step and builds
+the executor's real inputs with :func:`ref.core.inputs.build_inputs` (the same tensors the
+model would get, as :class:`ref.core.engine_core.EngineCore` does when it checks itself), so
 POS checks the slot mapping the executor really receives.
 """
 
@@ -23,12 +23,12 @@ from conformance.adapter import (
     StepOrder,
     StepReport,
 )
-from ref.config import SchedulerConfig
+from ref.core.config import SchedulerConfig
+from ref.core.inputs import build_inputs, scheduled_requests
+from ref.core.plan import StepPlan
+from ref.core.request import Request, StopParams
+from ref.core.scheduler import Scheduler
 from ref.errors import RefserveError
-from ref.inputs import build_inputs, scheduled_requests
-from ref.plan import StepPlan
-from ref.request import Request, StopParams
-from ref.scheduler import Scheduler
 from spec.snapshot import EngineSnapshot
 
 # refserve's conventions: KV length and table length agree exactly, eos stops a request,

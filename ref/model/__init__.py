@@ -1,4 +1,5 @@
-"""The real model: a Llama-architecture decoder over the paged KV cache.
+"""The model side: a Llama-architecture decoder over the paged KV cache, its sampler and
+tokenizer, and the executor that runs it for the core's step.
 
 - :mod:`ref.model.config`: :class:`ModelConfig` (from a Hugging Face ``config.json``, or the
   built-in tiny one);
@@ -6,29 +7,10 @@
 - :mod:`ref.model.attention`: the attention backends (``torch`` and ``triton``);
 - :mod:`ref.model.llama`: the forward pass over one step's flattened tokens;
 - :mod:`ref.model.tiny`: the embedded trained checkpoint ``"tiny-trained"`` and its corpus,
-  written by :mod:`ref.model.train_tiny` (``make train-tiny``).
+  written by :mod:`ref.model.train_tiny` (``make train-tiny``);
+- :mod:`ref.model.sampler`, :mod:`ref.model.tokenizer`;
+- :mod:`ref.model.executor`: :class:`ModelExecutor`, the core's executor protocol over the
+  model.
+
+Nothing is imported here, so the tokenizer does not pay for torch.
 """
-
-from ref.model.config import ModelConfig, UnsupportedModel, tiny_config
-from ref.model.weights import (
-    LlamaWeights,
-    WeightError,
-    WeightMismatch,
-    WeightMissing,
-    WeightUnexpected,
-    load_checkpoint,
-    random_weights,
-)
-
-__all__ = [
-    "LlamaWeights",
-    "ModelConfig",
-    "UnsupportedModel",
-    "WeightError",
-    "WeightMismatch",
-    "WeightMissing",
-    "WeightUnexpected",
-    "load_checkpoint",
-    "random_weights",
-    "tiny_config",
-]

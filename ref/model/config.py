@@ -184,7 +184,7 @@ def tiny_config() -> ModelConfig:
     GQA (4 query heads on 2 KV heads), an untied head; small enough that a CPU runs a
     step in about a millisecond.
     """
-    from ref.tokenizer import ByteTokenizer
+    from ref.model.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     return ModelConfig(

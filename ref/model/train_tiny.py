@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ref.model.tiny import TRAINED_DIR
 from ref.model.tiny.corpus import documents
-from ref.tokenizer import ByteTokenizer
+from ref.model.tokenizer import ByteTokenizer
 
 
 def hf_config(

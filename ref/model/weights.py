@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from ref.errors import InvalidArgument, RefserveError
+from ref.files import loads_json, read_text_file, shown
 from ref.model.config import ModelConfig, UnsupportedModel
-from ref.trace import loads_json, read_text_file, shown
 
 #: The largest ``config.json`` read (real ones are a few KiB).
 MAX_CONFIG_BYTES = 16 << 20

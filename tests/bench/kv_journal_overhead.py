@@ -1,4 +1,4 @@
-"""What journaling K/V costs a step (README "atomic steps"; ref/model_executor.py).
+"""What journaling K/V costs a step (README "atomic steps"; ref/model/executor.py).
 
 Times 200 engine steps of the tiny model (CPU) with ``ModelExecutor.begin`` saving what
 each step may write, and with ``begin`` replaced by a no-op, in interleaved rounds (the
@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from ref.config import SchedulerConfig
-from ref.engine import LLMEngine
-from ref.inputs import ModelInputs
-from ref.plan import StepPlan
-from ref.sampler import SamplingParams
+from ref.core.config import SchedulerConfig
+from ref.core.inputs import ModelInputs
+from ref.core.plan import StepPlan
+from ref.engine.llm_engine import LLMEngine
+from ref.model.sampler import SamplingParams
 
 STEPS = 200
 

@@ -1,6 +1,6 @@
 """Simulator cost per request from 1k to 1M requests (``make bench``; skipped by ``make test``).
 
-Two trace shapes (ref/simbench.py): ``steady`` (arrivals spread so the engine is about
+Two trace shapes (ref/sim/simbench.py): ``steady`` (arrivals spread so the engine is about
 60 % busy) and ``burst`` (every request at time 0). Each point runs in a fresh process
 for its own peak RSS; rounds are interleaved and the medians compared, all in this one
 run, so the checks below cannot pass on figures from another machine or day:
@@ -10,14 +10,14 @@ run, so the checks below cannot pass on figures from another machine or day:
 
 About 15 minutes on a shared 2-core machine, most of it the two 1M runs. The table it
 prints is the one in README ("The simulator"). ``make test`` runs the cheap guard
-instead (tests/test_sim_scaling.py).
+instead (tests/sim/test_sim_scaling.py).
 """
 
 from __future__ import annotations
 
 from pytest_benchmark.fixture import BenchmarkFixture
 
-from ref.simbench import Row, render, run
+from ref.sim.simbench import Row, render, run
 
 SIZES = (1000, 10_000, 100_000, 1_000_000)
 

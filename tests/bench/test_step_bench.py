@@ -16,10 +16,10 @@ import os
 import pytest
 from pytest_benchmark.fixture import BenchmarkFixture
 
-from ref.config import SchedulerConfig
-from ref.inputs import build_inputs
-from ref.request import Request, StopParams
-from ref.scheduler import Scheduler
+from ref.core.config import SchedulerConfig
+from ref.core.inputs import build_inputs
+from ref.core.request import Request, StopParams
+from ref.core.scheduler import Scheduler
 
 PROMPT_LEN = 100  # ~7 blocks of KV per request when the measurement starts
 

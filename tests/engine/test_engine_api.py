@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from ref.config import SchedulerConfig
-from ref.engine import InvalidPrompt, LLMEngine, RequestOutput, demo_main
+from ref.cli.demo import demo_main
+from ref.cli.generate import generate_main
+from ref.core.config import SchedulerConfig
+from ref.engine.llm_engine import InvalidPrompt, LLMEngine, RequestOutput
 from ref.errors import DuplicateRequest, ExceedsCapacity, InvalidArgument, UnknownRequest
-from ref.generate_cli import generate_main
 from ref.model.attention import BackendUnavailable, TritonAttention, make_backend
-from ref.sampler import InvalidSamplingParams, SamplingParams
-from ref.tokenizer import ByteTokenizer
+from ref.model.sampler import InvalidSamplingParams, SamplingParams
+from ref.model.tokenizer import ByteTokenizer
 
 
 def _engine(**kw: object) -> LLMEngine:
@@ -176,8 +177,8 @@ def test_triton_backend_unavailable_is_a_clear_error(monkeypatch: pytest.MonkeyP
 def test_triton_backend_matches_torch_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     code = (
-        "from ref.engine import LLMEngine, SamplingParams\n"
-        "from ref.config import SchedulerConfig\n"
+        "from ref.engine.llm_engine import LLMEngine, SamplingParams\n"
+        "from ref.core.config import SchedulerConfig\n"
         "cfg = SchedulerConfig(max_num_batched_tokens=8, block_size=4, num_blocks=32)\n"
         "sp = SamplingParams(max_tokens=4, n=2)\n"
         "out = {}\n"

@@ -23,9 +23,9 @@ import pytest
 import torch
 from hf_oracle import HFOracle, random_prompt
 
-from ref.config import SchedulerConfig
-from ref.engine import LLMEngine, RequestOutput
-from ref.sampler import SamplingParams
+from ref.core.config import SchedulerConfig
+from ref.engine.llm_engine import LLMEngine, RequestOutput
+from ref.model.sampler import SamplingParams
 
 ATOL = 2e-5
 RTOL = 1e-5

@@ -1,5 +1,5 @@
 """Failed steps change no token (issue 12, item 1): K/V memory is part of the step's
-transaction (ref/executor.py, ref/model_executor.py; README "atomic steps").
+transaction (ref/core/executor.py, ref/model/executor.py; README "atomic steps").
 
 The executor fails on purpose at a drawn point of a drawn step (``ModelExecutor``'s
 ``fault_hook`` points, plus a sampled token the scheduler must reject): 15 % of steps,
@@ -33,17 +33,17 @@ import pytest
 import torch
 from hf_oracle import HFOracle, random_prompt
 
-from ref.config import SchedulerConfig
-from ref.cost_model import CostModel
-from ref.engine import LLMEngine
-from ref.engine_core import KVStateLost
-from ref.executor import StepOutput
-from ref.inputs import ModelInputs
-from ref.model_executor import FAULT_POINTS, ModelExecutor
-from ref.plan import StepPlan
-from ref.sampler import SamplingParams
-from ref.scheduler import BadExecutorOutput
-from ref.swap import SwapCostModel
+from ref.core.config import SchedulerConfig
+from ref.core.cost import StepCost
+from ref.core.engine_core import KVStateLost
+from ref.core.executor import StepOutput
+from ref.core.inputs import ModelInputs
+from ref.core.plan import StepPlan
+from ref.core.scheduler import BadExecutorOutput
+from ref.core.swap import SwapCost
+from ref.engine.llm_engine import LLMEngine
+from ref.model.executor import FAULT_POINTS, ModelExecutor
+from ref.model.sampler import SamplingParams
 
 BAD_OUTPUT = "bad_output"  # a sampled token validate_output rejects (after the forward)
 
@@ -184,7 +184,7 @@ def drive(
 def _cfg(mode: str, num_blocks: int, num_host_blocks: int) -> SchedulerConfig:
     # "auto": 3 ms per copy direction against 0.5 ms per recomputed token, so longer
     # victims swap and shorter ones recompute (test_swap_and_tool_equivalence.py).
-    cost = SwapCostModel(kv_bytes_per_token=768, latency_ms=3.0, iteration=CostModel(b=0.5))
+    cost = SwapCost(kv_bytes_per_token=768, latency_ms=3.0, iteration=StepCost(b=0.5))
     return SchedulerConfig(
         max_num_batched_tokens=16,
         block_size=4,

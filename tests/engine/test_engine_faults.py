@@ -2,7 +2,7 @@
 
 - Sampling options that cannot be sampled are rejected at ``add_request`` with a typed
   error naming the field; a row of logits that cannot be sampled ends that request alone
-  with the finish reason ``error`` (ref/sampler.py module doc) while the step commits for
+  with the finish reason ``error`` (ref/model/sampler.py module doc) while the step commits for
   everyone, so the healthy requests' tokens equal a run without the poisoned one.
 - Outputs held for the next step survive an executor fault and are delivered once.
 - Sample ids ``<id>#<i>`` are the engine's; every sample of an ``n > 1`` request gets a
@@ -17,15 +17,15 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from ref.config import SchedulerConfig
-from ref.engine import LLMEngine, RequestOutput
+from ref.core.config import SchedulerConfig
+from ref.core.executor import StepOutput
+from ref.core.inputs import ModelInputs
+from ref.core.plan import StepPlan
+from ref.core.request import FinishReason
+from ref.engine.llm_engine import LLMEngine, RequestOutput
 from ref.errors import InvalidArgument
-from ref.executor import StepOutput
-from ref.inputs import ModelInputs
-from ref.model_executor import ExecutorError
-from ref.plan import StepPlan
-from ref.request import FinishReason
-from ref.sampler import (
+from ref.model.executor import ExecutorError
+from ref.model.sampler import (
     FAILED_TOKEN,
     MIN_TEMPERATURE,
     InvalidSamplingParams,
@@ -395,7 +395,7 @@ def test_a_token_outside_the_vocabulary_fails_the_step_not_the_answer(
             return [(10**6, lp) for _, lp in drawn]
         return drawn
 
-    monkeypatch.setattr("ref.model_executor.sample", out_of_vocab)
+    monkeypatch.setattr("ref.model.executor.sample", out_of_vocab)
     engine.step()
     with pytest.raises(ExecutorError, match="1000000"):
         engine.step()

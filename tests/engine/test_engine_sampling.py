@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ref.config import SchedulerConfig
-from ref.engine import LLMEngine
-from ref.sampler import (
+from ref.core.config import SchedulerConfig
+from ref.engine.llm_engine import LLMEngine
+from ref.model.sampler import (
     InvalidSamplingParams,
     SampleSpec,
     SamplingParams,

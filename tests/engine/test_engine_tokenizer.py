@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from ref.tokenizer import ByteTokenizer, HFTokenizer, OffsetDetokenizer, TextStream, TokenizerError
+from ref.model.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    OffsetDetokenizer,
+    TextStream,
+    TokenizerError,
+)
 
 TEXT = "héllo wörld — 你好 😀!"
 

@@ -9,21 +9,19 @@ import pytest
 import torch
 from hf_oracle import BOS, HFOracle, build_hf_checkpoint, hf_llama_config, random_prompt
 
-from ref.config import SchedulerConfig
-from ref.engine import LLMEngine
-from ref.model import (
-    ModelConfig,
-    UnsupportedModel,
+from ref.core.config import SchedulerConfig
+from ref.engine.llm_engine import LLMEngine
+from ref.model.config import ModelConfig, UnsupportedModel, tiny_config
+from ref.model.sampler import SamplingParams
+from ref.model.weights import (
     WeightError,
     WeightMismatch,
     WeightMissing,
     WeightUnexpected,
     load_checkpoint,
+    random_state_dict,
     random_weights,
-    tiny_config,
 )
-from ref.model.weights import random_state_dict
-from ref.sampler import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

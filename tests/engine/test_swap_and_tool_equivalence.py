@@ -26,14 +26,14 @@ import pytest
 import torch
 from hf_oracle import VOCAB, HFOracle, random_prompt
 
-from ref.config import SchedulerConfig
-from ref.cost_model import CostModel
-from ref.engine import InvalidPrompt, LLMEngine, RequestOutput
+from ref.core.config import SchedulerConfig
+from ref.core.cost import StepCost
+from ref.core.swap import KVRetention, SwapCost
+from ref.engine.llm_engine import InvalidPrompt, LLMEngine, RequestOutput
 from ref.errors import InvalidArgument, UnknownRequest
 from ref.kv import BlockCopy
 from ref.model.llama import HostKVCache, KVCache
-from ref.sampler import InvalidSamplingParams, SamplingParams
-from ref.swap import KVRetention, SwapCostModel
+from ref.model.sampler import InvalidSamplingParams, SamplingParams
 from spec.snapshot import RequestStatus
 
 # The logits tolerance of test_engine_equivalence.py (its docstring has the figures).
@@ -161,7 +161,7 @@ def test_swap_preemption_matches_transformers(
     # 16 blocks of 4 tokens for five requests of up to 40 tokens: several preemptions.
     # "auto" with 3 ms per copy direction and 0.5 ms per recomputed token: swap wins
     # from 12 stored tokens on, so the run mixes both kinds of preemption.
-    cost = SwapCostModel(kv_bytes_per_token=768, latency_ms=3.0, iteration=CostModel(b=0.5))
+    cost = SwapCost(kv_bytes_per_token=768, latency_ms=3.0, iteration=StepCost(b=0.5))
     cfg = SchedulerConfig(
         max_num_batched_tokens=16,
         block_size=4,
@@ -483,7 +483,7 @@ def test_bad_pause_and_resume_are_typed_errors_and_change_nothing() -> None:
 
 def test_swap_cost_must_describe_this_model() -> None:
     """The engine refuses a swap cost model priced for another model's KV size."""
-    wrong = SwapCostModel(kv_bytes_per_token=524_288)
+    wrong = SwapCost(kv_bytes_per_token=524_288)
     cfg = SchedulerConfig(
         num_blocks=16, block_size=4, preemption_mode="auto", num_host_blocks=8, swap_cost=wrong
     )

@@ -15,13 +15,13 @@ import re
 import pytest
 import torch
 
-from ref.engine import LLMEngine
+from ref.engine.llm_engine import LLMEngine
+from ref.model.sampler import SamplingParams
 from ref.model.tiny import TRAINED_DIR
 from ref.model.tiny.corpus import documents
+from ref.model.tokenizer import ByteTokenizer
 from ref.model.train_tiny import hf_config, train
 from ref.model.weights import load_checkpoint
-from ref.sampler import SamplingParams
-from ref.tokenizer import ByteTokenizer
 
 PROMPTS = ["The cat", "You are a terse assistant. Name a prime.", "One day, the"]
 MAX_TOKENS = 40
@@ -91,7 +91,7 @@ def test_training_is_deterministic() -> None:
 def test_generate_cli_defaults_to_the_trained_model(
     greedy: list[tuple[int, ...]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from ref.generate_cli import generate_main
+    from ref.cli.generate import generate_main
 
     assert generate_main(["--prompt", PROMPTS[0], "--max-tokens", "24", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

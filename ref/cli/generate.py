@@ -1,0 +1,190 @@
+"""``refserve generate``: one prompt through the real engine, tokens and text printed.
+
+Wired into ``ref/cli/main.py`` (``add_generate_parser``); ``python -m ref.cli.generate ...``
+runs it standalone under the same error surface (:func:`ref.cli.main.run_cli`). Everything is
+checked before a model is built: the device exists, the attention backend can run there,
+the prompt and stop strings are text that can be encoded (a lone surrogate, which is what
+Python makes of argv bytes that are not UTF-8, cannot), ``--prompt-ids`` are ints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ref.cli.main import int_at_most
+from ref.errors import InvalidArgument
+
+#: Forks of one prompt: each is a sequence object and a scheduler slot.
+MAX_N = 1024
+
+
+def add_generate_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the ``generate`` subcommand to an ``add_subparsers()`` object."""
+    p: argparse.ArgumentParser = sub.add_parser(
+        "generate",
+        help="generate from a prompt with the real model (embedded or a local checkpoint)",
+    )
+    _add_args(p)
+    p.set_defaults(func=run_generate)
+    return p
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default="tiny-trained",
+        help="'tiny-trained' (embedded, trained; the default), 'tiny' (embedded, random "
+        "weights) or a local HF checkpoint dir",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--n",
+        type=int_at_most(MAX_N),
+        default=1,
+        help=f"parallel samples (forks of one prompt; at most {MAX_N})",
+    )
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--attention-backend", choices=["torch", "triton"], default="torch")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="print ids, finish reason and metrics")
+
+
+def _text(value: str, option: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgument(
+            f"{option}: not valid UTF-8 text (character {e.start} is a lone surrogate "
+            f"{value[e.start]!r}; bytes that are not UTF-8 on the command line become one)"
+        ) from None
+    return value
+
+
+def _prompt_ids(text: str) -> list[int]:
+    items = text.split(",")
+    if len(items) == 1 and not items[0].strip():
+        return []  # the engine names an empty prompt itself
+    ids: list[int] = []
+    for i, item in enumerate(items):
+        try:
+            ids.append(int(item))
+        except ValueError:
+            shown = item if len(item) <= 30 else item[:27] + "..."
+            raise InvalidArgument(
+                f"--prompt-ids: item {i} is {shown!r}; expected comma-separated ints like 1,2,3"
+            ) from None
+    return ids
+
+
+def _check_backend(backend: str, device: str) -> None:
+    if backend != "triton" or device.startswith("cuda"):
+        return
+    # Triton has no CPU backend: its kernels run on CPU tensors only in interpreter mode,
+    # which must be on before the kernels are imported (kernels/_runtime.py).
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise InvalidArgument(
+            f"--attention-backend triton needs a CUDA device (--device {device}); on a CPU "
+            "start with TRITON_INTERPRET=1 (the slow interpreter) or use --attention-backend "
+            "torch"
+        )
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from ref.cli.main import check_device
+
+    check_device(args.device)
+    _check_backend(args.attention_backend, args.device)
+    prompt: str | list[int]
+    if args.prompt_ids is not None:
+        prompt = _prompt_ids(args.prompt_ids)
+    else:
+        prompt = _text(args.prompt, "--prompt")
+    stop = tuple(_text(s, "--stop") for s in args.stop)
+
+    from kernels.validation import KernelInputError
+    from ref.engine.llm_engine import LLMEngine
+    from ref.model.sampler import SamplingParams
+
+    params = SamplingParams(
+        n=args.n,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=stop,
+    )
+    engine = LLMEngine(args.model, attention_backend=args.attention_backend, device=args.device)
+    if args.max_tokens > engine.max_model_len:
+        raise InvalidArgument(
+            f"--max-tokens {args.max_tokens} is more than the model's max_model_len "
+            f"({engine.max_model_len})"
+        )
+    try:
+        (result,) = engine.generate([prompt], params)
+    except KernelInputError as e:  # a kernel refusing its inputs: still one typed line
+        raise InvalidArgument(f"--attention-backend {args.attention_backend}: {e}") from None
+    if args.json:
+        doc = {
+            "model": args.model,
+            "prompt_token_ids": list(result.prompt_token_ids),
+            "outputs": [
+                {
+                    "index": o.index,
+                    "token_ids": list(o.token_ids),
+                    "text": o.text,
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason,
+                    "metrics": {
+                        "ttft_ms": o.metrics.ttft_ms,
+                        "itl_ms": list(o.metrics.itl_ms),
+                        "e2e_ms": o.metrics.e2e_ms,
+                        "num_prompt_tokens": o.metrics.num_prompt_tokens,
+                        "num_output_tokens": o.metrics.num_output_tokens,
+                        "num_cached_tokens": o.metrics.num_cached_tokens,
+                        "num_preemptions": o.metrics.num_preemptions,
+                    },
+                }
+                for o in result.outputs
+            ],
+        }
+        print(json.dumps(doc, indent=2))
+        return 0
+    for o in result.outputs:
+        tag = f"[{o.index}] " if len(result.outputs) > 1 else ""
+        print(f"{tag}tokens: {' '.join(map(str, o.token_ids))}")
+        print(f"{tag}text:   {o.text!r}")
+        print(f"{tag}finish: {o.finish_reason}")
+    return 0
+
+
+def generate_main(argv: Sequence[str] | None = None) -> int:
+    """``refserve generate`` alone; same options, same error surface."""
+    from ref.cli.main import ArgumentParser, run_cli
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"]
+
+    def command() -> int:
+        p = ArgumentParser(prog="refserve generate", description=__doc__)
+        _add_args(p)
+        return run_generate(p.parse_args(args))
+
+    return run_cli(command, debug=debug)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(generate_main())

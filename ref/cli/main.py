@@ -1,0 +1,672 @@
+"""The ``refserve`` command line: ``simulate``, ``demo``, ``generate``, ``compare``,
+``check-kernel``, ``conformance``.
+
+One error surface for every subcommand (:func:`run_cli`): a typed error (bad input, a bad
+option, an output path that cannot be written) prints one line ``refserve: error: ...``
+and exits 2; Ctrl-C prints ``refserve: interrupted`` and exits 130; anything else is an
+internal error, also one line and exit 2; ``--debug`` (anywhere on the line) adds the
+traceback. Exit 1 is reserved for a check that ran and failed (``check-kernel``,
+``conformance``). Every input is validated and every output path checked before the work
+starts; outputs are written to a temporary name and renamed, so an interrupted run leaves
+no half-written file. ``conformance`` owns its whole command line (``conformance.cli``).
+
+Limits of the options: block pools at most ``MAX_BLOCKS`` blocks (a
+pool is a Python list: 2**22 blocks take about a second to build), token counts at most
+``MAX_TOKENS``, ``--max-steps`` at most ``MAX_STEPS``, every float finite.
+
+Heavy modules (torch, the engine) are imported inside the commands, after the error
+surface is in place, so Ctrl-C during start-up is handled like Ctrl-C during the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import re
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+from ref.errors import InvalidArgument, RefserveError, UsageError
+
+if TYPE_CHECKING:
+    from ref.core.config import SchedulerConfig
+    from ref.core.cost import StepCost
+    from ref.sim.simulator import SimResult
+
+PROG = "refserve"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+MAX_BLOCKS = 1 << 22
+MAX_TOKENS = (1 << 31) - 1
+MAX_BLOCK_SIZE = 1 << 16
+MAX_SEQS = 1 << 20
+MAX_STEPS = 100_000_000
+MAX_KV_BYTES_PER_TOKEN = 1 << 40
+MAX_MESSAGE_CHARS = 1000
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    # ``conformance`` owns its whole argument list, --debug included.
+    if args[:1] == ["conformance"]:
+        return _conformance_main(args[1:])
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"]
+    if args[:1] == ["conformance"]:  # refserve --debug conformance ...
+        return _conformance_main([*args[1:], "--debug"])
+    return run_cli(lambda: _dispatch(args), debug=debug)
+
+
+def _dispatch(args: list[str]) -> int:
+    # These own their whole argument list: argparse cannot hand options that come first
+    # to a REMAINDER positional.
+    if args[:1] == ["check-kernel"]:
+        return _check_kernel_main(args[1:])
+    if args[:1] == ["compare"]:
+        from ref.report.compare import compare_cli
+
+        return compare_cli(args[1:])
+    ns = _parser().parse_args(args)
+    code: int = ns.func(ns)
+    return code
+
+
+# --------------------------------------------------------------------- error surface
+def run_cli(command: Callable[[], int], *, debug: bool = False) -> int:
+    """Run a command under the one error surface; return its exit status."""
+    try:
+        return command()
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        _say("interrupted")
+        return EXIT_INTERRUPTED
+    except SystemExit as e:  # --help: argparse prints and exits 0
+        return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_USAGE)
+    except RefserveError as e:
+        if debug:
+            traceback.print_exc()
+        _say(f"error: {e}")
+        return EXIT_USAGE
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly; point stdout at /dev/null so the
+        # interpreter's final flush does not fail again.
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
+    except OSError as e:  # a file the OS refused (read or write) that no check foresaw
+        if debug:
+            traceback.print_exc()
+        where = f"{e.filename}: " if e.filename is not None else ""
+        _say(f"error: {where}{e.strerror or e}")
+        return EXIT_USAGE
+    except MemoryError:
+        if debug:
+            traceback.print_exc()
+        _say("error: out of memory (the input asks for more than this machine has)")
+        return EXIT_USAGE
+    except Exception as e:  # a bug in refserve: still one line unless --debug
+        if debug:
+            traceback.print_exc()
+        _say(f"error: internal error: {type(e).__name__}: {e} (--debug shows the traceback)")
+        return EXIT_USAGE
+
+
+def _say(message: str) -> None:
+    """One line on stderr, whatever the message holds (newlines, thousands of digits)."""
+    text = " ".join(message.splitlines()) or message
+    if len(text) > MAX_MESSAGE_CHARS:
+        text = text[: MAX_MESSAGE_CHARS - 3] + "..."
+    print(f"{PROG}: {text}", file=sys.stderr, flush=True)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are :class:`UsageError` (one line, exit 2 via
+    :func:`run_cli`) instead of a usage block and ``sys.exit(2)``."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{_clip(message, 300)} (see '{self.prog} --help')")
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def int_at_most(hi: int, lo: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an int, at most ``hi`` (and at least ``lo`` when given). Lower
+    bounds are otherwise left to the config objects, whose messages name the field."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:  # also past Python's 4300-digit limit
+            raise argparse.ArgumentTypeError(f"expected an int, got {_clip(text)!r}") from None
+        if value > hi or (lo is not None and value < lo):
+            bounds = f"at most {hi}" if lo is None else f"an int in [{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {_clip(text)}")
+        return value
+
+    return parse
+
+
+def finite_float(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite float in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {_clip(text)!r}") from None
+        above = value > lo if lo_open else value >= lo
+        if not (above and value <= hi):  # NaN fails every comparison
+            left = "(" if lo_open else "["
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number in {left}{lo:g}, {hi:g}], got {_clip(text)}"
+            )
+        return value
+
+    return parse
+
+
+def check_device(text: str, option: str = "--device") -> str:
+    """``cpu``, ``cuda`` or ``cuda:N`` on a machine that has it; anything else is refused
+    by name before a model is built (torch would fail deep inside, or, for ``meta``,
+    load tensors without data)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        raise InvalidArgument(f"{option} {text!r}: not a device (use cpu or cuda[:N])") from None
+    if device.type == "cpu":
+        return text
+    if device.type != "cuda":
+        raise InvalidArgument(f"{option} {text!r}: only cpu and cuda[:N] are supported")
+    if not torch.cuda.is_available():
+        raise InvalidArgument(f"{option} {text!r}: CUDA is not available on this machine")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise InvalidArgument(f"{option} {text!r}: this machine has {count} CUDA device(s)")
+    return text
+
+
+# --------------------------------------------------------------------- the parser
+def _parser() -> argparse.ArgumentParser:
+    from ref.sim.trace import BUILTIN
+
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--debug", action="store_true", help="show the traceback of an error (any position)"
+    )
+    sub = p.add_subparsers(required=True, metavar="COMMAND")
+
+    sim = sub.add_parser("simulate", help="replay a JSONL trace on the cost-model simulator")
+    sim.add_argument(
+        "trace", help=f"path to a JSONL trace, or a built-in one: {', '.join(BUILTIN)}"
+    )
+    _add_config_args(sim)
+    sim.add_argument("--json", type=Path, help="write timelines, iterations and summary here")
+    sim.add_argument("--quiet", action="store_true", help="summary only, no per-round table")
+    sim.add_argument("--timeline", type=Path, help="write a timeline picture (self-contained HTML)")
+    from ref.sim.simulator import DEFAULT_MAX_STEPS
+
+    sim.add_argument(
+        "--max-steps",
+        type=int_at_most(MAX_STEPS, lo=1),
+        default=None,
+        help=f"stop after this many steps, write the partial result, exit 2 (default: "
+        f"the trace's prompt and output tokens, at least {DEFAULT_MAX_STEPS:,}; at most "
+        f"{MAX_STEPS:,})",
+    )
+    sim.set_defaults(func=_simulate)
+
+    demo = sub.add_parser(
+        "demo", help="the main job: the tiny model on a mixed workload, every step checked"
+    )
+    demo.add_argument("--timeline", type=Path, default=Path("out/demo-timeline.html"))
+    demo.add_argument(
+        "--simulator", action="store_true", help="the seed scenarios on the simulator instead"
+    )
+    demo.set_defaults(func=_demo)
+
+    from ref.cli.generate import add_generate_parser
+
+    add_generate_parser(sub)
+
+    # Listed for --help; main() hands their arguments over before this parser runs.
+    ck = sub.add_parser("check-kernel", help="run the kernel grid against the dense oracle")
+    ck.add_argument(
+        "rest",
+        nargs=argparse.REMAINDER,
+        help="MODULE:FUNCTION [--quick] [-k PATTERN] [--json OUT] [--list] (check-kernel --help)",
+    )
+    sub.add_parser(
+        "compare", help="compare scheduling policies over built-in traces and a rate sweep"
+    ).add_argument("rest", nargs=argparse.REMAINDER, help="[--out DIR] [--rates ...] [--quick]")
+    sub.add_parser(
+        "conformance", help="check an engine's scheduler and KV manager against the spec"
+    ).add_argument(
+        "rest",
+        nargs=argparse.REMAINDER,
+        help="--adapter MODULE:FACTORY [--scenarios ...] [--report R.json] [--markdown R.md] "
+        "[--examples N] [--replay W.json] [--list]",
+    )
+    return p
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    from ref.core.config import Admission, PolicyName
+    from ref.core.swap import PreemptionMode
+
+    tokens, blocks = int_at_most(MAX_TOKENS), int_at_most(MAX_BLOCKS)
+    p.add_argument("--max-num-batched-tokens", type=tokens, default=2048)
+    p.add_argument("--max-num-seqs", type=int_at_most(MAX_SEQS), default=256)
+    p.add_argument("--block-size", type=int_at_most(MAX_BLOCK_SIZE), default=16)
+    p.add_argument(
+        "--num-blocks", type=blocks, default=4096, help=f"KV blocks (at most {MAX_BLOCKS:,})"
+    )
+    p.add_argument("--max-model-len", type=tokens, default=1 << 20)
+    p.add_argument(
+        "--cost", default="2+0.5P+D", help="step cost in ms, e.g. '2+0.5P+D' (K: KV read)"
+    )
+    p.add_argument(
+        "--policy", choices=[x.value for x in PolicyName], default=PolicyName.DECODE_FIRST.value
+    )
+    p.add_argument(
+        "--admission", choices=[x.value for x in Admission], default=Admission.FIRST_CHUNK.value
+    )
+    p.add_argument("--watermark-blocks", type=blocks, default=0)
+    p.add_argument(
+        "--align-chunks", action="store_true", help="end partial chunks on block boundaries"
+    )
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument(
+        "--preemption-mode",
+        choices=[x.value for x in PreemptionMode],
+        default=PreemptionMode.RECOMPUTE.value,
+        help="swap/auto need --num-host-blocks; auto also --kv-bytes-per-token",
+    )
+    p.add_argument("--num-host-blocks", type=blocks, default=0, help="host swap pool size")
+    p.add_argument(
+        "--kv-bytes-per-token",
+        type=int_at_most(MAX_KV_BYTES_PER_TOKEN),
+        help="K+V bytes of one token over all layers (prices swap; e.g. 524288 for a 7B fp16)",
+    )
+    p.add_argument(
+        "--swap-link-gbps",
+        type=finite_float(0, 1e6, lo_open=True),
+        default=25.0,
+        help="host link GB/s",
+    )
+    p.add_argument(
+        "--check", action="store_true", help="check every spec invariant after every step"
+    )
+
+
+def _config(args: argparse.Namespace) -> SchedulerConfig:
+    from ref.core.config import Admission, PolicyName, SchedulerConfig
+    from ref.core.cost import StepCost
+    from ref.core.swap import PreemptionMode, SwapCost
+
+    return SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        align_chunks_to_blocks=args.align_chunks,
+        admission=Admission(args.admission),
+        watermark_blocks=args.watermark_blocks,
+        policy=PolicyName(args.policy),
+        preemption_mode=PreemptionMode(args.preemption_mode),
+        num_host_blocks=args.num_host_blocks,
+        swap_cost=(
+            SwapCost(
+                args.kv_bytes_per_token,
+                args.swap_link_gbps,
+                iteration=StepCost.parse(args.cost),
+            )
+            if args.kv_bytes_per_token is not None
+            else None
+        ),
+    )
+
+
+# --------------------------------------------------------------------- commands
+def _simulate(args: argparse.Namespace) -> int:
+    import json
+
+    from ref.core.cost import StepCost
+    from ref.core.scheduler import Scheduler
+    from ref.files import atomic_write_text, check_output_file, shown
+    from ref.sim.simulator import StepLimitReached, simulate
+    from ref.sim.trace import load_trace
+
+    # Everything is checked before the first step: options, the trace, the output paths.
+    config = _config(args)
+    cost = StepCost.parse(args.cost)
+    trace = load_trace(args.trace, max_model_len=config.max_model_len)
+    json_path = check_output_file(args.json, "--json") if args.json else None
+    timeline_path = check_output_file(args.timeline, "--timeline") if args.timeline else None
+    trace_path = Path(args.trace) if os.path.exists(args.trace) else None  # else built-in
+    _distinct_files({"trace": trace_path, "--json": json_path, "--timeline": timeline_path})
+    stopped: StepLimitReached | None = None
+    # The per-round table, the timeline and the JSON iterations read every step; without
+    # them only the count is kept, so a large trace's memory does not grow with its steps.
+    keep_steps = not args.quiet or timeline_path is not None or json_path is not None
+    try:
+        result = simulate(
+            Scheduler(config),
+            [t.to_request() for t in trace],
+            cost,
+            check_invariants=args.check,
+            max_steps=args.max_steps,
+            keep_steps=keep_steps,
+        )
+    except StepLimitReached as e:
+        # Write what ran (marked incomplete), then end with the typed error.
+        result, stopped = e.partial, e
+    if not args.quiet:
+        print(render_rounds(result))
+        print()
+    print(render_summary(result))
+    if timeline_path is not None:
+        from ref.report.timeline import write_timeline_html
+
+        write_timeline_html(
+            timeline_path,
+            result.steps,
+            config.num_blocks,
+            f"refserve simulate {shown(args.trace)}",
+        )
+        print(f"\ntimeline picture: {shown(args.timeline)}")
+    if json_path is not None:
+        doc = result_json(result, config, cost)
+        doc["complete"] = stopped is None
+        # allow_nan=False: the file is standard JSON or it is not written at all.
+        atomic_write_text(json_path, json.dumps(doc, indent=2, allow_nan=False) + "\n", "--json")
+        print(f"\nwrote {shown(args.json)}")
+    if stopped is not None:
+        if json_path is not None or timeline_path is not None:
+            print("\n(partial result: the run was stopped by --max-steps)")
+        raise stopped
+    return EXIT_OK
+
+
+def _distinct_files(paths: dict[str, Path | None]) -> None:
+    """Refuse an output that names the input or another output: the atomic rename would
+    replace the trace being read, or one output would silently overwrite the other."""
+    seen: dict[tuple[int, int] | str, str] = {}
+    for what, path in paths.items():
+        if path is None:
+            continue
+        try:
+            st = path.stat()
+            key: tuple[int, int] | str = (st.st_dev, st.st_ino)
+        except (OSError, ValueError):  # not there yet: compare by absolute name
+            key = os.path.abspath(path)
+        if key in seen:
+            raise InvalidArgument(f"{what} and {seen[key]} name the same file")
+        seen[key] = what
+
+
+def _demo(args: argparse.Namespace) -> int:
+    if args.simulator:
+        return _simulator_demo()
+    from ref.files import check_output_file
+
+    path = check_output_file(args.timeline, "--timeline")
+    from ref.cli.demo import demo_main
+
+    return demo_main(path)
+
+
+def _simulator_demo() -> int:
+    from ref.core.config import PolicyName, SchedulerConfig
+    from ref.core.cost import StepCost
+    from ref.core.scheduler import Scheduler
+    from ref.sim.simulator import simulate
+    from ref.sim.trace import load_trace
+
+    print("refserve demo: example 2 (docs/ARCHITECTURE.md) on the cost-model simulator")
+    print("(cost 2 + 0.5P + D ms, token budget 4, decode first, then FCFS prefill)\n")
+    config = SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=8, block_size=4, num_blocks=64)
+    result = simulate(
+        Scheduler(config),
+        [t.to_request() for t in load_trace("seed002")],
+        StepCost.parse("2+0.5P+D"),
+        check_invariants=True,
+    )
+    print(render_rounds(result))
+    print()
+    print(render_summary(result))
+    print("\nexample 0: decode-only batch of A(2 steps), B(5), C(2, ready after round 2), 2 slots")
+    for policy in (PolicyName.STATIC, PolicyName.DECODE_FIRST):
+        cfg = SchedulerConfig(
+            max_num_batched_tokens=64, max_num_seqs=2, block_size=16, num_blocks=16, policy=policy
+        )
+        r = simulate(
+            Scheduler(cfg),
+            [t.to_request() for t in load_trace("seed000_decode")],
+            StepCost(1, 0, 0),
+            check_invariants=True,
+        )
+        print(f"  {policy.value:>12}: {len(r.steps)} rounds")
+    print("\nevery step above was checked against all spec invariants")
+    return EXIT_OK
+
+
+def _check_kernel_parser() -> argparse.ArgumentParser | None:
+    """``conformance.kernel_grid``'s own options (copied from its parser, so the two never
+    drift apart) behind this CLI's one-line usage errors; ``None`` if it has no parser to
+    copy, and then its arguments go to it unchecked."""
+    from conformance import kernel_grid
+
+    theirs = getattr(kernel_grid, "_parser", None)
+    if theirs is None:
+        return None
+    return ArgumentParser(
+        prog=f"{PROG} check-kernel", parents=[theirs()], conflict_handler="resolve"
+    )
+
+
+def _check_kernel_main(argv: list[str]) -> int:
+    """Check what can be checked before the grid runs (the target's form, the device,
+    the numbers, the output paths), then hand the arguments to the grid unchanged but for
+    ``--json``, which gets a temporary name renamed into place only when complete."""
+    from conformance.kernel_grid import check_kernel_main  # lazy: the core never imports it
+
+    parser = _check_kernel_parser()
+    if parser is None or {"-h", "--help"} & set(argv):
+        return check_kernel_main(argv)
+    ns = parser.parse_args(argv)
+    if getattr(ns, "worker", False) or getattr(ns, "list", False):
+        return check_kernel_main(argv)
+    if ns.target is None:
+        raise UsageError("check-kernel: give the kernel to check as MODULE:FUNCTION")
+    _check_kernel_target(ns.target)
+    if getattr(ns, "device", None) is not None:
+        check_device(ns.device)
+    for name, least in (("timeout", "> 0"), ("atol", ">= 0"), ("rtol", ">= 0")):
+        value = getattr(ns, name, None)
+        # NaN passes the grid's own ``<= 0`` check, and a NaN timeout never fires.
+        if value is None:
+            continue
+        if not (math.isfinite(value) and (value > 0 if least == "> 0" else value >= 0)):
+            raise InvalidArgument(
+                f"check-kernel: --{name} must be a finite number {least}, got {value}"
+            )
+    from ref.files import check_output_file, temp_name
+
+    jsonl = getattr(ns, "jsonl", None)
+    if jsonl and jsonl != "-":
+        # Streamed one record per result, so a partial file is its design; checked only.
+        check_output_file(Path(jsonl), "--jsonl")
+    if ns.json_path is None:
+        return check_kernel_main(argv)
+    # The grid writes its report with a plain open(): hand it a temporary name beside the
+    # real one and rename only a finished report, so Ctrl-C leaves nothing half-written.
+    # Abbreviations of --json cannot occur (each is also one of --jsonl).
+    final = check_output_file(Path(ns.json_path), "--json")
+    tmp = temp_name(final)
+    forward = list(argv)
+    for i, arg in enumerate(argv):
+        if arg == "--json" and i + 1 < len(forward):
+            forward[i + 1] = str(tmp)
+        elif arg.startswith("--json="):
+            forward[i] = f"--json={tmp}"
+    try:
+        code = check_kernel_main(forward)
+        if tmp.exists():
+            os.replace(tmp, final)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return code
+
+
+_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def _check_kernel_target(target: str) -> None:
+    """``MODULE:FUNCTION`` whose top-level package exists. Nothing is imported here: the
+    grid loads the kernel in a worker subprocess, so a kernel that crashes on import
+    cannot take this process down."""
+    import importlib.util
+
+    module_name, colon, function = target.partition(":")
+    if not (module_name and colon and function):
+        raise InvalidArgument(f"check-kernel: target {_clip(target)!r} is not MODULE:FUNCTION")
+    if not _MODULE_NAME.match(module_name) or not function.isidentifier():
+        raise InvalidArgument(f"check-kernel: {_clip(target)!r} is not MODULE:FUNCTION")
+    top = module_name.split(".")[0]
+    if importlib.util.find_spec(top) is None:
+        raise InvalidArgument(f"check-kernel: no module named {top!r} (in {_clip(target)!r})")
+
+
+def _conformance_main(argv: list[str]) -> int:
+    from conformance.cli import conformance_main  # lazy: the core never imports it
+
+    return conformance_main(argv)
+
+
+# --------------------------------------------------------------------- rendering
+def render_rounds(result: SimResult) -> str:
+    head = (
+        f"{'round':>5} {'start_ms':>9} {'end_ms':>9}  {'P':>5} {'D':>4} {'kv_blocks':>9}  scheduled"
+    )
+    lines = [head, "-" * len(head)]
+    for s in result.steps:
+        who = " ".join(f"{rid}:{n}" for rid, n in s.tokens) or "-"
+        extra = ""
+        if s.events.preempted:
+            extra += f"  preempted {','.join(s.events.preempted)}"
+        if s.events.finished:
+            extra += f"  finished {','.join(s.events.finished)}"
+        lines.append(
+            f"{s.step_index + 1:>5} {s.start_ms:>9.2f} {s.end_ms:>9.2f}  {s.num_prefill_tokens:>5} "
+            f"{s.num_decodes:>4} {s.kv_blocks_used:>9}  {who}{extra}"
+        )
+    return "\n".join(lines)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _pcts(d: dict[str, float | None]) -> str:
+    return " ".join(f"{k} {_fmt(d[k])}" for k in ("p50", "p95", "p99"))
+
+
+def render_summary(result: SimResult) -> str:
+    from ref.sim.metrics import RequestMetrics, RunMetrics
+
+    reqs = [RequestMetrics.of(r) for r in result.requests]
+    run = RunMetrics.of(reqs, result.makespan_ms)
+    head = (
+        f"{'request':>8} {'arrival':>8} {'queue':>7} {'TTFT':>7} {'E2E':>8} {'out':>4} "
+        f"{'cached':>6} {'preempt':>7}  reason  ITL"
+    )
+    lines = [head, "-" * len(head)]
+    for m in reqs:
+        itl = "[" + ", ".join(f"{x:g}" for x in m.itl_ms) + "]"
+        lines.append(
+            f"{m.request_id:>8} {m.arrival_ms:>8.2f} {_fmt(m.queue_ms):>7} "
+            f"{_fmt(m.ttft_ms):>7} {_fmt(m.e2e_ms):>8} {m.num_output_tokens:>4} "
+            f"{m.num_cached_tokens:>6} {m.num_preemptions:>7}  {m.finish_reason or '-':6}  {itl}"
+        )
+    lines += [
+        "",
+        f"makespan {run.duration_ms:.2f} ms over {result.num_steps} rounds; "
+        f"{run.num_finished}/{run.num_requests} requests finished",
+        f"throughput: input {run.input_tokens_per_s:.2f} tok/s, "
+        f"output {run.output_tokens_per_s:.2f} tok/s, {run.requests_per_s:.2f} req/s",
+        f"TTFT ms: {_pcts(run.ttft_ms)}; ITL ms: {_pcts(run.itl_ms)}",
+        f"preemptions {run.num_preemptions}, prefix-cached prompt tokens {run.num_cached_tokens}, "
+        f"mean requests in system {run.mean_in_system:.3f}",
+    ]
+    if result.swap is not None:
+        lines.append(str(result.swap))
+    return "\n".join(lines)
+
+
+def result_json(result: SimResult, config: SchedulerConfig, cost: StepCost) -> dict[str, object]:
+    from dataclasses import asdict
+
+    from ref.sim.metrics import RequestMetrics, RunMetrics
+
+    reqs = [RequestMetrics.of(r) for r in result.requests]
+    run = RunMetrics.of(reqs, result.makespan_ms)
+    return {
+        "config": {
+            k: str(v) if not isinstance(v, int | float | bool) else v
+            for k, v in asdict(config).items()
+        },
+        "cost_model": str(cost),
+        "requests": [
+            {
+                **asdict(m),
+                "queue_ms": m.queue_ms,
+                "ttft_ms": m.ttft_ms,
+                "itl_ms": list(m.itl_ms),
+                "tpot_ms": m.tpot_ms,
+                "e2e_ms": m.e2e_ms,
+            }
+            for m in reqs
+        ],
+        "iterations": [
+            {
+                "round": s.step_index + 1,
+                "start_ms": s.start_ms,
+                "end_ms": s.end_ms,
+                "scheduled": [{"id": rid, "tokens": n} for rid, n in s.tokens],
+                "num_prefill_tokens": s.num_prefill_tokens,
+                "num_decodes": s.num_decodes,
+                "kv_blocks_used": s.kv_blocks_used,
+                "preempted": list(s.events.preempted),
+                "swapped_out": list(s.plan.swapped_out),
+                "swapped_in": list(s.plan.swapped_in),
+                "finished": list(s.events.finished),
+            }
+            for s in result.steps
+        ],
+        "summary": asdict(run),
+        "swap": None
+        if result.swap is None
+        else {
+            **asdict(result.swap),
+            "bytes_out": result.swap.bytes_out,
+            "bytes_in": result.swap.bytes_in,
+        },
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

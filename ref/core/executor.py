@@ -1,0 +1,88 @@
+"""The executor interface: the only part that differs between simulation and a model.
+
+A step is one transaction over two kinds of state (README, "atomic steps"): the
+scheduler's books, which the pool's undo journal restores, and the executor's K/V memory,
+which the executor journals itself. :class:`ref.core.engine_core.EngineCore` calls
+``begin(plan, inputs)`` before ``execute`` and then exactly one of ``commit()`` (the step
+committed) or ``rollback()`` (it failed anywhere between ``begin`` and the scheduler's
+commit). After ``rollback`` every slot and block the step could have written holds what
+it held before ``begin``, so the blocks that the scheduler's rollback hands back to their
+owners (a victim's block, a free cached block the step had evicted) read back their own
+K/V again: ATOMIC extends from the snapshot to the memory it describes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from ref.core.inputs import ModelInputs
+from ref.core.plan import StepPlan
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Sampled token per sampling request; ``duration_ms`` from a cost model, or None
+    when the engine should measure wall time."""
+
+    sampled: Mapping[str, int]
+    duration_ms: float | None = None
+
+
+class StepExecutor(Protocol):
+    """What any executor does: run a plan. One that implements no more than this is
+    treated as non-transactional (see :class:`Executor`)."""
+
+    #: Whether :meth:`execute` reads the flattened :class:`ModelInputs`.
+    needs_inputs: bool
+
+    def execute(self, plan: StepPlan, inputs: ModelInputs | None) -> StepOutput: ...
+
+
+@runtime_checkable
+class KVTransaction(Protocol):
+    """The executor's side of the step transaction (module doc)."""
+
+    #: True when :meth:`rollback` restores every K/V slot and block the step could have
+    #: written. False keeps the fallback for memory that cannot be restored: EngineCore
+    #: drops the prefix-cache entries of every block the failed step could have written,
+    #: since their K/V can no longer be trusted (and the retry recomputes them).
+    transactional_kv: bool
+
+    def begin(self, plan: StepPlan, inputs: ModelInputs | None) -> None:
+        """Save what this step may overwrite, before anything is written.
+
+        Called once per step, after the inputs are built and before ``execute``."""
+        ...
+
+    def rollback(self) -> None:
+        """Put back everything saved by :meth:`begin` and forget it.
+
+        Raising here is fatal to the engine (``ref.core.engine_core.KVStateLost``): the
+        scheduler's books would describe K/V that is no longer there."""
+        ...
+
+    def commit(self) -> None:
+        """The step committed: drop what :meth:`begin` saved."""
+        ...
+
+
+class Executor(StepExecutor, KVTransaction, Protocol):
+    """An executor whose memory joins the step's transaction (module doc)."""
+
+
+class NoKVMemory:
+    """Mixin for an executor that keeps no K/V (the simulator, scripted tests): there is
+    nothing to save or restore, so its steps are trivially transactional."""
+
+    transactional_kv = True
+
+    def begin(self, plan: StepPlan, inputs: ModelInputs | None) -> None:
+        pass
+
+    def rollback(self) -> None:
+        pass
+
+    def commit(self) -> None:
+        pass

@@ -1,0 +1,116 @@
+"""Flattened executor inputs built from a plan: token ids, positions, slots, block tables.
+
+Layout follows kernels' unified (vLLM-style) API: the tokens of all scheduled requests
+are concatenated; ``query_start_loc[i]`` is where request i's tokens begin, ``seq_lens``
+its KV length including this step's tokens. Positions and slots are computed with tensor
+ops from per-request starts and counts, not element by element. The invariant harness
+reads the slot mapping from these tensors, so POS checks what the executor really gets.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ref.core.plan import StepPlan
+from ref.core.request import Request
+from ref.kv import BlockPool
+from spec.arith import blocks_needed
+from spec.snapshot import ScheduledRequest
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    request_ids: tuple[str, ...]
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    slot_mapping: torch.Tensor  # int64 [T]
+    query_start_loc: torch.Tensor  # int32 [S + 1]
+    seq_lens: torch.Tensor  # int32 [S]
+    block_tables: torch.Tensor  # int32 [S, max_blocks], padded with 0 (never read)
+    sample_rows: torch.Tensor  # int64 [num sampling requests]: token index of each logit
+    sample_request_ids: tuple[str, ...]
+
+
+def build_inputs(plan: StepPlan, requests: Mapping[str, Request], pool: BlockPool) -> ModelInputs:
+    ids = plan.request_ids
+    num_seqs = len(ids)
+    starts = torch.tensor(plan.starts, dtype=torch.int64)
+    counts = torch.tensor(plan.num_new_tokens, dtype=torch.int64)
+    qsl = torch.zeros(num_seqs + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=qsl[1:])
+    total = int(qsl[-1])
+    all_decode = total == num_seqs  # the common steady state: one token each
+    if all_decode:
+        row = torch.arange(num_seqs)
+        positions = starts
+        tokens = [requests[rid].token_ids[st] for rid, st in zip(ids, plan.starts, strict=True)]
+    else:
+        row = torch.repeat_interleave(torch.arange(num_seqs), counts)
+        positions = torch.arange(total, dtype=torch.int64) - qsl[row] + starts[row]
+        tokens = []
+        for rid, st, n in zip(ids, plan.starts, plan.num_new_tokens, strict=True):
+            tokens.extend(requests[rid].token_ids[st : st + n])
+    block_tables = _padded(pool.block_table_views(ids))
+    bs = pool.block_size
+    slots = block_tables[row, positions // bs] * bs + positions % bs
+    sampling = [i for i, smp in enumerate(plan.samples) if smp]
+    return ModelInputs(
+        request_ids=ids,
+        input_ids=torch.tensor(tokens, dtype=torch.int64),
+        positions=positions,
+        slot_mapping=slots,
+        query_start_loc=qsl.to(torch.int32),
+        seq_lens=(starts + counts).to(torch.int32),
+        block_tables=block_tables.to(torch.int32),
+        sample_rows=qsl[1:][sampling] - 1,
+        sample_request_ids=tuple(ids[i] for i in sampling),
+    )
+
+
+def _padded(tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Ragged tables -> ``[S, W]`` int64, zero-padded (padding is never read).
+
+    Filling a typed ``array`` and wrapping it is an order of magnitude cheaper than a
+    boolean-mask scatter or ``torch.tensor`` on nested lists (measured: 0.6 vs 8 us per
+    request at 1024 requests of 8 blocks).
+    """
+    width = max((len(t) for t in tables), default=0)
+    if width == 0:
+        return torch.zeros(len(tables), 0, dtype=torch.int64)
+    zeros = [0] * width
+    flat = array("q")
+    for t in tables:
+        flat.extend(t)
+        flat.extend(zeros[: width - len(t)])
+    return torch.frombuffer(flat, dtype=torch.int64).view(len(tables), width)
+
+
+def scheduled_requests(
+    plan: StepPlan, inputs: ModelInputs, block_size: int
+) -> tuple[ScheduledRequest, ...]:
+    """The plan as spec sees it, read back from the executor's real inputs.
+
+    Positions, slots and block tables come from the tensors the executor gets, not from
+    the plan, so the POS/CAP/PREFIX checks verify what is actually executed.
+    """
+    qsl = inputs.query_start_loc.tolist()
+    positions = inputs.positions.tolist()
+    slots = inputs.slot_mapping.tolist()
+    tables = inputs.block_tables.tolist()
+    seq_lens = inputs.seq_lens.tolist()
+    return tuple(
+        ScheduledRequest(
+            request_id=c.request_id,
+            num_new_tokens=c.num_new_tokens,
+            positions=tuple(positions[qsl[i] : qsl[i + 1]]),
+            slot_mapping=tuple(slots[qsl[i] : qsl[i + 1]]),
+            block_table=tuple(tables[i][: blocks_needed(seq_lens[i], block_size)]),
+            samples=c.samples,
+            num_new_cached_tokens=c.num_new_cached_tokens,
+        )
+        for i, c in enumerate(plan.chunks)
+    )

@@ -1,0 +1,141 @@
+"""The request state machine and its fields (docs/ARCHITECTURE.md, "Vocabulary").
+
+WAITING -> PREFILLING -> DECODING -> FINISHED, with PREEMPTED (blocks released, every
+token id kept, back to the waiting queue), SWAPPED (preempted with its KV copied to the
+host pool, back to the waiting queue with ``num_computed_tokens`` kept), WAITING_TOOL
+(an agent turn paused for a tool) and ABORTED reachable from any live state.
+``num_computed_tokens`` (KV length) and the sampled count (``len(output_token_ids)``) are
+separate fields and neither is derived from the other (KVLEN invariant).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from ref.errors import InvalidArgument
+from spec.hashing import DEFAULT_NAMESPACE, Namespace
+from spec.snapshot import RequestSnapshot, RequestStatus
+
+S = RequestStatus
+
+LEGAL_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    S.WAITING: frozenset({S.PREFILLING, S.DECODING, S.FINISHED, S.ABORTED}),
+    S.PREFILLING: frozenset(
+        {S.PREFILLING, S.DECODING, S.PREEMPTED, S.SWAPPED, S.FINISHED, S.ABORTED}
+    ),
+    S.DECODING: frozenset(
+        {S.DECODING, S.PREEMPTED, S.SWAPPED, S.WAITING_TOOL, S.FINISHED, S.ABORTED}
+    ),
+    S.PREEMPTED: frozenset({S.PREFILLING, S.DECODING, S.FINISHED, S.ABORTED}),
+    S.SWAPPED: frozenset({S.DECODING, S.PREFILLING, S.ABORTED, S.FINISHED}),
+    S.WAITING_TOOL: frozenset({S.PREFILLING, S.WAITING, S.SWAPPED, S.FINISHED, S.ABORTED}),
+    S.FINISHED: frozenset(),
+    S.ABORTED: frozenset(),
+}
+
+
+class IllegalTransition(InvalidArgument):
+    """A state change the request state machine does not allow."""
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # eos or a stop token id
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+    CAPACITY = "capacity"  # a lone request that can never grow in this pool
+    TIMEOUT = "timeout"  # waited past the queue timeout without being admitted
+    # Its logits could not be sampled (a non-finite row): this request alone ends, the
+    # step commits for everyone else (ref/model/sampler.py, README "The engine").
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class StopParams:
+    """When to stop sampling: ``max_tokens`` outputs, eos, or a stop token id."""
+
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    eos_token_id: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise InvalidArgument(f"max_tokens must be an int, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    def is_stop(self, token: int) -> bool:
+        """The stop rule, the one place it is written (the scheduler's commit and the
+        engine's fork both ask it): a stop token id, or eos unless ``ignore_eos``."""
+        return token in self.stop_token_ids or (token == self.eos_token_id and not self.ignore_eos)
+
+
+@dataclass
+class Request:
+    """One generation request. Timestamps are in ms on the engine's clock."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    stop: StopParams = field(default_factory=StopParams)
+    arrival_ms: float = 0.0
+    priority: int = 0
+    tenant: str = "default"
+    namespace: Namespace = DEFAULT_NAMESPACE
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    # Order of arrival at the scheduler; ties in arrival_ms keep submission order.
+    seq: int = 0
+    # The step at which it last entered the waiting queue (aging counts from here).
+    queued_step: int = 0
+    # Metrics (ms on the engine clock).
+    admitted_ms: float | None = None
+    token_times_ms: list[float] = field(default_factory=list)
+    finished_ms: float | None = None
+
+    # Prompt then sampled tokens in one list: the pool slices new positions out of it
+    # each step without building a concatenation.
+    token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_done(self) -> bool:
+        return self.status.is_done
+
+    def transition(self, new: RequestStatus) -> None:
+        if new not in LEGAL_TRANSITIONS[self.status]:
+            raise IllegalTransition(
+                f"request {self.request_id!r}: illegal transition {self.status} -> {new}"
+            )
+        self.status = new
+
+    def snapshot(self, max_model_len: int) -> RequestSnapshot:
+        return RequestSnapshot(
+            request_id=self.request_id,
+            status=self.status,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            num_computed_tokens=self.num_computed_tokens,
+            max_tokens=self.stop.max_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            max_model_len=max_model_len,
+        )

@@ -1,0 +1,932 @@
+"""The engine API: requests in, streamed text and tokens out, the real model underneath.
+
+::
+
+    from ref.engine.llm_engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine("tiny")                    # or a local HF checkpoint directory
+    rid = engine.add_request("Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished:
+        for out in engine.step():                 # one scheduler step, one forward
+            print(out.request_id, repr(out.new_text), out.finished)
+
+    results = engine.generate(["a", "b"], SamplingParams(max_tokens=4))
+
+A step is :class:`ref.core.engine_core.EngineCore`'s (schedule, build inputs, execute, commit)
+with :class:`ref.model.executor.ModelExecutor` as the executor; this module adds
+tokenization, detokenization, stop strings, ``n > 1`` forks and the outputs.
+
+``n > 1``: the request runs its prompt once. Its last prefill step draws all ``n`` first
+tokens from the same logits; sample 0 continues as the request itself and samples
+1..n-1 are forked off it (:meth:`BlockPool.fork`: every block shared, the partial last
+block copied on the first write), so the prompt's K/V is never recomputed. The fork
+happens at a step boundary through :meth:`Scheduler.fork`: the child enters as a running
+request in decode or, when ``max_num_seqs`` is reached, waits like a preempted request.
+Sample ``i`` has the id ``<request id>#<i>`` inside the engine (scheduler, executor,
+metrics); that is why a caller's request id may not contain ``#`` (:data:`FORK_SEPARATOR`).
+A request that ends before its first token (abort, queue timeout, capacity) gives a final
+output for every one of its ``n`` samples, each with that finish reason and no tokens.
+
+Preemption by swap (``SchedulerConfig.preemption_mode``) needs a host copy of the KV: the
+engine builds a :class:`~ref.model.llama.HostKVCache` of ``num_host_blocks`` blocks and
+the executor applies each step's swap copies before the forward; ``swap_out_bytes`` /
+``swap_in_bytes`` count the bytes moved.
+
+Agent turns (tool waits): :meth:`LLMEngine.pause` stops a decoding request
+for a tool call, its KV kept on the device, moved to the host or dropped
+(``KVRetention``); :meth:`LLMEngine.resume` appends the tool's output to the
+conversation and generates the next turn, which continues from the retained KV (or
+recomputes). Outputs are per turn: a resumed turn's ``token_ids`` / ``text`` are that
+turn's alone, ``turn`` counts the turns (0 for the first), and ``finished`` is true only
+when the request is done for good (a pause ends a turn, not the request).
+
+Faults (issue 12, "Faults and hostile input"). A row of logits the sampler cannot sample
+(a non-finite value) ends that request alone with the finish reason ``error``: the step
+commits for every request (the failed sample's placeholder token included, so the step
+stays one transaction), then the request is finished at the step boundary through
+:meth:`Scheduler.finish`, the path a stop string takes; the placeholder token is never
+shown. Outputs held for the next :meth:`LLMEngine.step` (an abort's final output, the text
+a pause flushes) stay held if that step raises, and are delivered, once, by the next step
+that returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import cast
+
+import torch
+
+from ref.core.config import SchedulerConfig
+from ref.core.engine_core import EngineCore, StepRecord
+from ref.core.policy import Policy
+from ref.core.request import FinishReason, Request, StopParams
+from ref.core.scheduler import Scheduler
+from ref.core.swap import KVRetention
+from ref.errors import DuplicateRequest, InvalidArgument, RefserveError, UnknownRequest
+from ref.model.attention import make_backend
+from ref.model.config import ModelConfig, tiny_config
+from ref.model.executor import ModelExecutor
+from ref.model.llama import HostKVCache, KVCache, LlamaModel
+from ref.model.sampler import (
+    InvalidSamplingParams,
+    SampleSpec,
+    SamplingParams,
+    derive_seed,
+    mix64,
+    sample_failed,
+)
+from ref.model.tokenizer import ByteTokenizer, HFTokenizer, TextStream, Tokenizer
+from ref.model.weights import LlamaWeights, load_checkpoint, random_weights
+from ref.sim.metrics import RequestMetrics, RunMetrics
+
+__all__ = [
+    "GenerationResult",
+    "InvalidPrompt",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+]
+
+Prompt = str | Sequence[int]
+
+#: Joins a request id and a sample index into the internal id of samples 1..n-1
+#: (``"x#2"``); caller-chosen request ids may not contain it, so no caller id can ever
+#: name a sample that another request is about to fork.
+FORK_SEPARATOR = "#"
+
+
+class InvalidPrompt(InvalidArgument):
+    """The prompt is empty, too long, or has token ids outside the vocabulary."""
+
+
+class EngineStalled(RefserveError):
+    """Steps keep scheduling nothing while requests are unfinished (a scheduler bug)."""
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one sequence (``index`` is the sample, 0..n-1).
+
+    ``new_*`` fields are this step's delta; ``text`` / ``token_ids`` are cumulative over
+    the current turn (``turn``: 0, then one more after each :meth:`LLMEngine.resume`).
+    ``text`` may lag ``token_ids`` by a few characters while they could still be the
+    start of a stop string, or while a UTF-8 character is incomplete; the output that
+    :meth:`LLMEngine.pause` queues carries that held-back text (no new tokens).
+    """
+
+    request_id: str
+    index: int
+    new_text: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[float, ...] | None
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    metrics: RequestMetrics
+    turn: int = 0
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """A finished request of :meth:`LLMEngine.generate`: one final output per sample."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    outputs: tuple[RequestOutput, ...]
+
+
+@dataclass
+class _Seq:
+    """One sampled sequence (the request itself, or a fork of it)."""
+
+    seq_id: str
+    request_id: str
+    index: int
+    request: Request | None  # None for a fork that finished on its first token
+    stream: TextStream
+    logprobs: list[float] | None
+    token_ids: list[int] = field(default_factory=list)
+    delivered_tokens: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    pending_stop: str | int | None = None  # a stop the scheduler does not know about
+    metrics_from: Request | None = None  # for a fork without its own request
+    # Agent turns: the turn this sequence is, whether it is paused for a tool, where its
+    # token times start in the request's (which span every turn) and when it arrived.
+    turn: int = 0
+    paused: bool = False
+    times_from: int = 0
+    turn_arrival_ms: float | None = None
+
+
+@dataclass
+class _Group:
+    request_id: str
+    params: SamplingParams
+    stop: StopParams
+    prompt_token_ids: tuple[int, ...]
+    seed: int
+    seqs: list[_Seq]
+    child_ids: tuple[str, ...]
+    turn: int = 0
+
+
+class LLMEngine:
+    """A serving engine over the real model; single-threaded, stepped by the caller."""
+
+    def __init__(
+        self,
+        model: str | Path | tuple[ModelConfig, LlamaWeights] = "tiny",
+        *,
+        tokenizer: Tokenizer | str | Path | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        policy: Policy | None = None,
+        attention_backend: str = "torch",
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        seed: int = 0,
+        model_seed: int = 0,
+        check_invariants: bool = False,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        cfg, weights, model_dir = _resolve_model(model, dtype=dtype, device=device, seed=model_seed)
+        self.model_config = cfg
+        self.tokenizer = _resolve_tokenizer(tokenizer, model_dir, cfg)
+        sched_cfg = scheduler_config if scheduler_config is not None else SchedulerConfig()
+        if sched_cfg.max_model_len > cfg.max_position_embeddings:
+            sched_cfg = replace(sched_cfg, max_model_len=cfg.max_position_embeddings)
+        self.scheduler = Scheduler(sched_cfg, policy)
+        self.cache = KVCache(
+            cfg, sched_cfg.num_blocks, sched_cfg.block_size, dtype=dtype, device=device
+        )
+        swap_cost = sched_cfg.swap_cost
+        per_token = self.cache.bytes_per_block // sched_cfg.block_size
+        if swap_cost is not None and swap_cost.kv_bytes_per_token != per_token:
+            # The recompute-vs-swap rule would price copies of a different model.
+            raise InvalidArgument(
+                f"swap_cost.kv_bytes_per_token is {swap_cost.kv_bytes_per_token}, but this "
+                f"model's K and V take {per_token} bytes per token"
+            )
+        # The host side of swap, shaped like the device blocks (empty when swap is off).
+        self.host_cache = HostKVCache(self.cache, sched_cfg.num_host_blocks)
+        self.model = LlamaModel(cfg, weights, make_backend(attention_backend))
+        self.executor = ModelExecutor(
+            self.model, self.cache, self.scheduler.requests, self.host_cache
+        )
+        self.core = EngineCore(self.scheduler, self.executor, check_invariants=check_invariants)
+        self._rng = random.Random(seed)
+        self._t0 = time.perf_counter()
+        self._clock = clock
+        self._groups: dict[str, _Group] = {}
+        self._seqs: dict[str, _Seq] = {}
+        self._inbox: list[RequestOutput] = []
+        self._next_id = 0
+        self.steps: list[StepRecord] = []
+        self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0
+        self.num_forks = 0
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Some request is not finished (a paused one counts) or outputs are held."""
+        return bool(self._groups) or bool(self._inbox)
+
+    @property
+    def has_runnable(self) -> bool:
+        """:meth:`step` can make progress: outputs are held, or a live request is not
+        paused for a tool (a paused one waits for :meth:`resume`, not for steps)."""
+        sched = self.scheduler
+        return bool(self._inbox) or len(sched.requests) > len(sched.paused)
+
+    @property
+    def paused_request_ids(self) -> tuple[str, ...]:
+        """Requests waiting for a tool, in pause order."""
+        return tuple(self.scheduler.paused)
+
+    @property
+    def swap_out_bytes(self) -> int:
+        """KV bytes copied device -> host so far (K and V, every layer)."""
+        return self.executor.swap_out_bytes
+
+    @property
+    def swap_in_bytes(self) -> int:
+        """KV bytes copied host -> device so far."""
+        return self.executor.swap_in_bytes
+
+    def now_ms(self) -> float:
+        if self._clock is not None:
+            return self._clock()
+        return (time.perf_counter() - self._t0) * 1e3
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | Mapping[str, object] | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Queue a request; return its id. Bad input raises a typed error, changes nothing.
+
+        ``request_id`` (default: ``req-<k>``) must be a non-empty str without ``#``
+        (:data:`FORK_SEPARATOR`: the ids ``<id>#<i>`` of samples 1..n-1 are the engine's),
+        else :class:`InvalidArgument`; an id in use raises :class:`DuplicateRequest`.
+        Sampling options that cannot be sampled raise :class:`InvalidSamplingParams`
+        naming the option (``field``), even for a :class:`SamplingParams` altered after
+        it was built: it is checked again here.
+        """
+        sp = _sampling_params(params)
+        ids = self._prompt_ids(prompt)
+        if len(ids) >= self.max_model_len:
+            raise InvalidPrompt(
+                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                "leaving no room for an output token"
+            )
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidArgument(f"priority must be an int, got {priority!r}")
+        rid = self._new_id(request_id)
+        child_ids = tuple(f"{rid}{FORK_SEPARATOR}{i}" for i in range(1, sp.n))
+        for cid in child_ids:
+            if cid in self._seqs or cid in self.scheduler.requests:
+                raise DuplicateRequest(cid, "add_request (n > 1 sample id)")
+        stop = self._stop_params(sp)
+        # n > 1: the request must survive its first token whatever it is, so the other
+        # samples can fork off it; its real stop conditions come back right after.
+        first_stop = stop if sp.n == 1 or sp.max_tokens == 1 else StopParams(sp.max_tokens)
+        seed = sp.seed if sp.seed is not None else self._rng.randrange(1 << 62)
+        req = Request(rid, list(ids), first_stop, arrival_ms=self.now_ms(), priority=priority)
+        self.scheduler.add_request(req)  # may raise (e.g. ExceedsCapacity): nothing registered
+        spec = _spec(sp, seed)
+        self.executor.register(
+            rid, spec, tuple(replace(spec, seed=derive_seed(seed, i)) for i in range(1, sp.n))
+        )
+        seq = self._new_seq(rid, rid, 0, req, sp, ids)
+        self._groups[rid] = _Group(rid, sp, stop, tuple(ids), seed, [seq], child_ids)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Abort every live sample of a request; its final outputs come with the next step.
+
+        Every sample gets one: an ``n > 1`` request aborted before its first token (its
+        samples 1..n-1 not forked yet) gives ``n`` final outputs with reason ``abort``.
+        """
+        group = self._groups.get(request_id)
+        if group is None:
+            raise UnknownRequest(request_id, "abort")
+        now = self.now_ms()
+        for seq in group.seqs:
+            if seq.finished:
+                continue
+            if seq.seq_id in self.scheduler.requests:
+                self.scheduler.abort(seq.seq_id, now)
+            self._finish(seq, FinishReason.ABORT.value, None)
+        self._close_unforked(group, FinishReason.ABORT.value)
+        self._inbox.extend(self._collect([s.seq_id for s in group.seqs]))
+
+    # ------------------------------------------------------------------ agent turns
+    def pause(
+        self,
+        request_id: str,
+        retention: KVRetention | str | None = None,
+        *,
+        expected_wait_ms: float = 0.0,
+    ) -> KVRetention:
+        """Pause a decoding request for a tool call (an agent turn); return where
+        its KV waits (``KVRetention``: ``device``, ``host`` or ``drop``; ``None`` lets
+        ``SchedulerConfig.retention`` choose from ``expected_wait_ms``).
+
+        The current turn ends here: its text stream is flushed (text held back for a
+        possible stop string is released: the turn ended without one) and one output with
+        no new tokens carries that text, delivered by the next :meth:`step`. A paused
+        request then produces nothing until :meth:`resume`; it is not finished
+        (``has_unfinished`` stays true) but needs no steps (``has_runnable`` ignores it,
+        and :meth:`iter_outputs` returns when only paused requests are left).
+        :meth:`abort` ends it like any live request. With ``host`` the KV moves in the
+        next :meth:`step` (the executor copies it even if that step schedules nothing).
+
+        Only ``n == 1`` requests pause, and only while decoding (a request just preempted
+        waits to be re-admitted first). Bad input raises a typed error (unknown id:
+        :class:`UnknownRequest`; ``n > 1``, not decoding, already paused, ``host`` with no
+        host pool, a bad retention: :class:`InvalidArgument`) and changes nothing.
+        """
+        group = self._groups.get(request_id)
+        if group is None:
+            raise UnknownRequest(request_id, "pause")
+        if group.params.n != 1:
+            raise InvalidArgument(
+                f"pause: request {request_id!r} has n={group.params.n}; only n == 1 requests "
+                "pause for a tool"
+            )
+        seq = group.seqs[0]
+        if seq.finished or request_id not in self.scheduler.requests:
+            raise InvalidArgument(f"pause: request {request_id!r} has finished")
+        kind = self.scheduler.pause(request_id, retention, expected_wait_ms=expected_wait_ms)
+        seq.paused = True
+        seq.stream.finish()
+        self._inbox.extend(self._collect([request_id]))
+        return kind
+
+    def resume(
+        self,
+        request_id: str,
+        tool_output: str | Sequence[int],
+        params: SamplingParams | Mapping[str, object] | None = None,
+    ) -> None:
+        """The tool answered: append its output to the conversation and generate the next
+        turn (the prompt of the turn is every token so far plus the tool's).
+
+        ``tool_output`` is text (encoded with the engine tokenizer, no special tokens) or
+        token ids. ``params`` are the new turn's sampling params (``None``: the previous
+        turn's; ``n`` must be 1); ``max_tokens`` counts this turn's outputs. The turn's
+        seed is ``params.seed`` mixed with the turn number when a seed is given (turns
+        reproducible, yet not the same random stream), else a fresh engine draw.
+
+        Outputs of the new turn start fresh (``token_ids`` / ``text`` are this turn's,
+        ``turn`` is one more than before; metrics count from the resume: arrival is the
+        resume time, token times are this turn's, ``admitted_ms`` is None). Bad input
+        raises a typed error (unknown id: :class:`UnknownRequest`; not paused:
+        :class:`InvalidArgument`; empty or out-of-vocabulary tool output or a turn that
+        would reach ``max_model_len``: :class:`InvalidPrompt`; a turn whose KV could never
+        fit the device pool: :class:`ExceedsCapacity`; bad params:
+        :class:`InvalidSamplingParams`) and changes nothing.
+        """
+        group = self._groups.get(request_id)
+        if group is None:
+            raise UnknownRequest(request_id, "resume")
+        req = self.scheduler.paused.get(request_id)
+        if req is None:
+            raise InvalidArgument(f"resume: request {request_id!r} is not paused for a tool")
+        sp = group.params if params is None else _sampling_params(params)
+        if sp.n != 1:
+            raise InvalidSamplingParams(
+                f"resume: a turn samples one sequence (n=1), got n={sp.n}", field="n"
+            )
+        tool = self._prompt_ids(tool_output, what="tool output", add_special_tokens=False)
+        total = req.num_tokens + len(tool)
+        if total >= self.max_model_len:
+            raise InvalidPrompt(
+                f"resume: request {request_id!r} would hold {total} tokens; max_model_len is "
+                f"{self.max_model_len}, leaving no room for an output token"
+            )
+        stop = self._stop_params(sp)
+        turn = group.turn + 1
+        seed = mix64(sp.seed, turn) if sp.seed is not None else self._rng.randrange(1 << 62)
+        arrival = self.now_ms()
+        times_from = len(req.token_times_ms)
+        self.scheduler.resume(request_id, tool, stop)  # may raise: nothing changed yet
+        self.executor.register(request_id, _spec(sp, seed))
+        prompt = tuple(req.prompt_token_ids)  # the conversation plus the tool's tokens
+        seq = self._new_seq(request_id, request_id, 0, req, sp, prompt)
+        seq.turn = turn
+        seq.times_from = times_from
+        seq.turn_arrival_ms = arrival
+        group.params, group.stop, group.seed = sp, stop, seed
+        group.prompt_token_ids = prompt
+        group.seqs = [seq]
+        group.turn = turn
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the held outputs, then the ones it produced.
+
+        If the step raises, the held outputs (an abort's final output, the text a pause
+        flushed) stay held and come with the next step that returns: each is delivered
+        exactly once (module doc, "Faults"). The failed step itself was rolled back, its
+        K/V writes included (ref/model/executor.py), so stepping again computes the same
+        tokens a fault-free run would; a ``KVStateLost`` means the engine must be rebuilt.
+        """
+        # Step first, take the held outputs after: an exception leaves them queued.
+        fresh = self._step() if self.scheduler.has_unfinished else []
+        outputs, self._inbox = self._inbox, []
+        outputs.extend(fresh)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        touched: list[str] = []
+        record = self.core.step(self.now_ms())
+        self.steps.append(record)
+        events = record.events
+        self.num_preemptions += len(events.preempted)
+        self.num_prefix_hit_tokens += sum(record.plan.num_new_cached_tokens)
+        logprobs = self.executor.last_logprobs
+        failed: list[str] = []  # the sampler could not sample their row (module doc)
+        for sid, token in events.new_tokens.items():
+            seq = self._seqs[sid]
+            logprob = logprobs.get(sid)
+            if sample_failed(logprob):
+                failed.append(sid)  # its token is a placeholder, not the model's: not shown
+            else:
+                self._append(seq, token, logprob)
+            touched.append(sid)
+        for parent_id, samples in self.executor.last_fork_samples.items():
+            touched.extend(
+                self._fork(parent_id, samples, parent_id in events.finished, parent_id in failed)
+            )
+        for sid in events.finished:
+            seq = self._seqs[sid]
+            if seq.finished or sid in failed:  # a failed sample ends with error below
+                continue
+            assert seq.request is not None and seq.request.finish_reason is not None
+            if seq.index == 0 and not seq.token_ids:  # ended before its first token
+                group = self._groups[seq.request_id]
+                touched.extend(self._close_unforked(group, seq.request.finish_reason.value))
+            if seq.pending_stop is not None:  # a stop string on the same token wins
+                self._finish(seq, FinishReason.STOP.value, seq.pending_stop)
+                continue
+            reason = seq.request.finish_reason
+            stop_reason: str | int | None = None
+            if reason is FinishReason.STOP and seq.token_ids:
+                stop_reason = seq.token_ids[-1]
+            self._finish(seq, reason.value, stop_reason)
+            if sid not in touched:
+                touched.append(sid)
+        now = record.end_ms
+        for sid in failed:
+            # At the step boundary, like a stop string: the step committed for everyone
+            # (the placeholder token included) and only this request ends. Its
+            # placeholder may already have ended it in commit (max_tokens, a stop id):
+            # then only the reason is corrected; the token is still not shown.
+            if sid in self.scheduler.requests:
+                self.scheduler.finish(sid, FinishReason.ERROR, now)
+            self._finish(self._seqs[sid], FinishReason.ERROR.value, None)
+        for sid in touched:
+            seq = self._seqs[sid]
+            if seq.pending_stop is not None and not seq.finished:
+                if sid in self.scheduler.requests:
+                    self.scheduler.finish(sid, FinishReason.STOP, now)
+                self._finish(seq, FinishReason.STOP.value, seq.pending_stop)
+        return self._collect(touched)
+
+    def iter_outputs(self, *, max_idle_steps: int = 10_000) -> Iterator[RequestOutput]:
+        """Step until every request is finished or paused for a tool, yielding each output
+        as it appears. Returns (rather than stepping an idle engine) when only paused
+        requests are left: they wait for :meth:`resume`, not for steps."""
+        idle = 0
+        while self.has_unfinished:
+            if not self.has_runnable and self.scheduler.paused:
+                return
+            outs = self.step()
+            idle = 0 if outs else idle + 1
+            if idle > max_idle_steps:
+                raise EngineStalled(f"{max_idle_steps} steps in a row produced no output")
+            yield from outs
+
+    def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | Mapping[str, object] | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Add a request now and iterate over its outputs while stepping the engine.
+
+        Other requests' outputs produced meanwhile are kept for the next :meth:`step`.
+        The iteration ends when the request finishes or is paused (:meth:`pause`).
+        """
+        rid = self.add_request(prompt, params, request_id=request_id)
+        return self._stream(rid)
+
+    def _stream(self, rid: str) -> Iterator[RequestOutput]:
+        idle = 0
+        while rid in self._groups:
+            mine: list[RequestOutput] = []
+            held: list[RequestOutput] = []
+            for o in self._inbox:
+                (mine if o.request_id == rid else held).append(o)
+            self._inbox = held
+            if not mine and rid in self.scheduler.paused:
+                return  # paused for a tool: the stream ends with the turn
+            if not mine and self.scheduler.has_unfinished:
+                for o in self._step():
+                    (mine if o.request_id == rid else self._inbox).append(o)
+            idle = 0 if mine else idle + 1
+            if idle > 10_000:
+                raise EngineStalled(f"request {rid!r} made no progress in 10000 steps")
+            yield from mine
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        """Run a batch to completion; results in the order of ``prompts``.
+
+        If any prompt or params is rejected, the requests of this call that were already
+        added are aborted and the error is raised; other requests are not touched. If a
+        step raises, the requests of this call are aborted too (their outputs dropped),
+        the outputs of other requests it had taken are put back for :meth:`step`, and the
+        error is raised: nothing of another caller's is lost (module doc, "Faults").
+        """
+        batch = _as_prompt_list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            plist: list[SamplingParams | None] = [params] * len(batch)
+        else:
+            plist = list(params)
+            if len(plist) != len(batch):
+                raise InvalidArgument(
+                    f"generate: {len(batch)} prompts but {len(plist)} sampling params"
+                )
+        ids: list[str] = []
+        try:
+            for p, sp in zip(batch, plist, strict=True):
+                ids.append(self.add_request(p, sp))
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            self._inbox = [o for o in self._inbox if o.request_id not in ids]
+            raise
+        wanted = set(ids)
+        final: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in ids}
+        prompts_of = {rid: self._groups[rid].prompt_token_ids for rid in ids}
+        held: list[RequestOutput] = []
+        idle = 0
+        try:
+            while any(rid in self._groups for rid in ids):
+                outs = self.step()
+                idle = 0 if outs else idle + 1
+                if idle > 10_000:
+                    raise EngineStalled("generate: 10000 steps in a row produced no output")
+                for o in outs:
+                    if o.request_id in wanted:
+                        if o.finished:
+                            final[o.request_id][o.index] = o
+                    else:
+                        held.append(o)
+        except BaseException:
+            for rid in ids:
+                if rid in self._groups:
+                    with contextlib.suppress(RefserveError):  # the first error is the one
+                        self.abort(rid)
+            self._inbox = [o for o in self._inbox if o.request_id not in wanted]
+            raise
+        finally:
+            self._inbox = held + self._inbox
+        return [
+            GenerationResult(rid, prompts_of[rid], tuple(final[rid][i] for i in sorted(final[rid])))
+            for rid in ids
+        ]
+
+    # ------------------------------------------------------------------ summaries
+    def run_metrics(self, requests: Sequence[RequestMetrics], duration_ms: float) -> RunMetrics:
+        return RunMetrics.of(requests, duration_ms)
+
+    # ------------------------------------------------------------------ internals
+    def _prompt_ids(
+        self, prompt: Prompt, *, what: str = "prompt", add_special_tokens: bool = True
+    ) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidPrompt(f"{what} is an empty string")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
+            ids = list(cast("Sequence[int]", prompt))  # each element is checked below
+        else:
+            raise InvalidPrompt(
+                f"{what} must be a str or a sequence of token ids, got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise InvalidPrompt(f"{what} has no tokens")
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidPrompt(
+                    f"{what} token {i} is {t!r}; token ids must be ints in [0, {vocab})"
+                )
+        return ids
+
+    def _new_id(self, request_id: str | None) -> str:
+        if request_id is None:
+            while True:
+                rid = f"req-{self._next_id}"
+                self._next_id += 1
+                if rid not in self._groups and rid not in self._seqs:
+                    return rid
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgument(f"request_id must be a non-empty str, got {request_id!r}")
+        if FORK_SEPARATOR in request_id:
+            # Sample ids "<id>#<i>" are the engine's (module doc): "x#1" taken by a caller
+            # would collide with sample 1 of "x" when it forks, after its step committed.
+            raise InvalidArgument(
+                f"request_id must not contain {FORK_SEPARATOR!r} (reserved for the ids of "
+                f"samples 1..n-1, '<id>{FORK_SEPARATOR}<i>'), got {request_id!r}"
+            )
+        if (
+            request_id in self._groups
+            or request_id in self._seqs
+            or request_id in self.scheduler.requests
+        ):
+            raise DuplicateRequest(request_id, "add_request")
+        return request_id
+
+    def _stop_params(self, sp: SamplingParams) -> StopParams:
+        eos_ids = self.model_config.eos_token_ids
+        tok_eos = self.tokenizer.eos_token_id
+        if not eos_ids and tok_eos is not None:
+            eos_ids = (tok_eos,)
+        extra = () if sp.ignore_eos else eos_ids[1:]
+        return StopParams(
+            max_tokens=sp.max_tokens,
+            stop_token_ids=tuple(dict.fromkeys((*sp.stop_token_ids, *extra))),
+            eos_token_id=eos_ids[0] if eos_ids else None,
+            ignore_eos=sp.ignore_eos,
+        )
+
+    def _new_seq(
+        self,
+        seq_id: str,
+        request_id: str,
+        index: int,
+        req: Request | None,
+        sp: SamplingParams,
+        prompt_ids: Sequence[int],
+    ) -> _Seq:
+        stream = TextStream(
+            self.tokenizer.detokenizer(prompt_ids),
+            sp.stop,
+            include_stop_str_in_output=sp.include_stop_str_in_output,
+        )
+        seq = _Seq(seq_id, request_id, index, req, stream, [] if sp.logprobs else None)
+        self._seqs[seq_id] = seq
+        return seq
+
+    def _append(self, seq: _Seq, token: int, logprob: float | None) -> None:
+        seq.token_ids.append(token)
+        if seq.logprobs is not None:
+            seq.logprobs.append(float("nan") if logprob is None else logprob)
+        if seq.stream.add(token) and seq.pending_stop is None:
+            seq.pending_stop = seq.stream.stopped_by
+
+    def _fork(
+        self,
+        parent_id: str,
+        samples: list[tuple[int, float | None]],
+        parent_finished: bool,
+        parent_failed: bool = False,
+    ) -> list[str]:
+        """Samples 1..n-1 of ``parent_id`` after its first token (see the module doc).
+
+        A sample the sampler could not draw ends with ``error`` and no token. When the
+        parent's own sample failed, so do all of them: they come from the same row of
+        logits, and the parent (about to end with ``error``) has nothing to fork from.
+        """
+        parent = self._seqs[parent_id]
+        group = self._groups[parent.request_id]
+        self.executor.forked(parent_id)
+        preq = parent.request
+        assert preq is not None
+        stop = group.stop
+        out: list[str] = []
+        for i, (cid, (token, logprob)) in enumerate(
+            zip(group.child_ids, samples, strict=True), start=1
+        ):
+            if parent_failed or sample_failed(logprob):
+                out.append(self._tokenless_sample(group, i, preq, FinishReason.ERROR.value))
+                continue
+            is_stop = stop.is_stop(token)
+            live = not parent_finished and not is_stop
+            child_req = None
+            if live:
+                child_req = self.scheduler.fork(preq.request_id, cid, token, stop)
+                self.executor.register(
+                    cid, replace(_spec(group.params, group.seed), seed=derive_seed(group.seed, i))
+                )
+                self.num_forks += 1
+            seq = self._new_seq(
+                cid, group.request_id, i, child_req, group.params, group.prompt_token_ids
+            )
+            seq.metrics_from = None if live else preq
+            group.seqs.append(seq)
+            self._append(seq, token, logprob)
+            if child_req is not None and child_req.finish_reason is not None:
+                self._finish(seq, child_req.finish_reason.value, None)  # could never fit
+            elif not live:
+                reason = FinishReason.STOP if is_stop else FinishReason.LENGTH
+                self._finish(seq, reason.value, token if is_stop else None)
+            out.append(cid)
+        if not parent_finished and not parent_failed:
+            preq.stop = stop  # the real stop conditions, from the second token on
+            token = parent.token_ids[-1]
+            if stop.is_stop(token) and parent.pending_stop is None:
+                parent.pending_stop = token
+        return out
+
+    def _close_unforked(self, group: _Group, reason: str) -> list[str]:
+        """Final outputs for samples 1..n-1 of a request that ended before its first token
+        (so before they were forked): each ends like sample 0, with no tokens."""
+        if len(group.seqs) > 1 or not group.child_ids:
+            return []  # forked already (forks come with the first token), or n == 1
+        parent = group.seqs[0]
+        preq = parent.request
+        assert preq is not None
+        self.executor.forked(parent.seq_id)  # their specs will never be drawn
+        return [
+            self._tokenless_sample(group, i, preq, reason)
+            for i in range(1, len(group.child_ids) + 1)
+        ]
+
+    def _tokenless_sample(self, group: _Group, index: int, parent: Request, reason: str) -> str:
+        """Sample ``index`` (>= 1), never forked, finished with ``reason`` and no tokens;
+        its metrics are the parent request's. Returns its id for :meth:`_collect`."""
+        cid = group.child_ids[index - 1]
+        seq = self._new_seq(
+            cid, group.request_id, index, None, group.params, group.prompt_token_ids
+        )
+        seq.metrics_from = parent
+        group.seqs.append(seq)
+        self._finish(seq, reason, None)
+        return cid
+
+    def _finish(self, seq: _Seq, reason: str, stop_reason: str | int | None) -> None:
+        seq.finished = True
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        seq.stream.finish()
+
+    def _collect(self, seq_ids: Sequence[str]) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        for sid in dict.fromkeys(seq_ids):
+            seq = self._seqs.get(sid)
+            if seq is None:
+                continue
+            new_ids = tuple(seq.token_ids[seq.delivered_tokens :])
+            new_lp = None if seq.logprobs is None else tuple(seq.logprobs[seq.delivered_tokens :])
+            seq.delivered_tokens = len(seq.token_ids)
+            ended = seq.finished or seq.paused  # the turn's text is complete
+            outs.append(
+                RequestOutput(
+                    request_id=seq.request_id,
+                    index=seq.index,
+                    new_text=seq.stream.take(final=ended),
+                    new_token_ids=new_ids,
+                    new_logprobs=new_lp,
+                    text=seq.stream.text if ended else seq.stream.emitted_text,
+                    token_ids=tuple(seq.token_ids),
+                    logprobs=None if seq.logprobs is None else tuple(seq.logprobs),
+                    finished=seq.finished,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    metrics=self._metrics(seq),
+                    turn=seq.turn,
+                )
+            )
+            if seq.finished:
+                self._retire(seq)
+        return outs
+
+    def _metrics(self, seq: _Seq) -> RequestMetrics:
+        req = seq.request if seq.request is not None else seq.metrics_from
+        assert req is not None
+        # A resumed turn's figures are the turn's: its token times, from its resume.
+        first = seq.times_from
+        times = tuple(req.token_times_ms[first : first + len(seq.token_ids)])
+        return RequestMetrics(
+            request_id=seq.seq_id,
+            arrival_ms=req.arrival_ms if seq.turn_arrival_ms is None else seq.turn_arrival_ms,
+            admitted_ms=req.admitted_ms if seq.turn == 0 else None,
+            token_times_ms=times,
+            finished_ms=req.finished_ms if seq.finished else None,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=len(seq.token_ids),
+            num_cached_tokens=req.num_cached_tokens,
+            num_preemptions=req.num_preemptions,
+        )
+
+    def _retire(self, seq: _Seq) -> None:
+        del self._seqs[seq.seq_id]
+        self.executor.unregister(seq.seq_id)
+        group = self._groups.get(seq.request_id)
+        # Forks happen in the step that samples the first token, before outputs are
+        # collected, so a group whose current samples are all finished is done.
+        if group is not None and all(s.finished for s in group.seqs):
+            del self._groups[seq.request_id]
+
+
+def _spec(sp: SamplingParams, seed: int) -> SampleSpec:
+    return SampleSpec(
+        temperature=float(sp.temperature),
+        top_k=sp.top_k,
+        top_p=float(sp.top_p),
+        seed=seed,
+        logprobs=sp.logprobs,
+    )
+
+
+def _sampling_params(params: SamplingParams | Mapping[str, object] | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        # Built again, so validated again: a frozen dataclass can still be altered with
+        # object.__setattr__, and a value that cannot be sampled must not reach a step.
+        return replace(params)
+    if isinstance(params, Mapping):
+        return SamplingParams.from_dict(params)
+    raise InvalidSamplingParams(
+        f"params must be SamplingParams or a mapping, got {type(params).__name__}"
+    )
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
+
+
+#: The name of the embedded trained checkpoint (``ref/model/tiny/``); ``"tiny"`` is the
+#: seeded random-weight model the tests use.
+TINY_TRAINED = "tiny-trained"
+
+
+def _resolve_model(
+    model: str | Path | tuple[ModelConfig, LlamaWeights],
+    *,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+) -> tuple[ModelConfig, LlamaWeights, Path | None]:
+    if isinstance(model, tuple):
+        return model[0], model[1], None
+    if str(model) == "tiny":
+        cfg = tiny_config()
+        return cfg, random_weights(cfg, seed, dtype=dtype, device=device), None
+    if str(model) == TINY_TRAINED:
+        # The shipped checkpoint, read like any other (the byte tokenizer: no tokenizer.json).
+        from ref.model.tiny import TRAINED_DIR
+
+        cfg, weights = load_checkpoint(TRAINED_DIR, dtype=dtype, device=device)
+        return cfg, weights, TRAINED_DIR
+    cfg, weights = load_checkpoint(model, dtype=dtype, device=device)
+    return cfg, weights, Path(model)
+
+
+def _resolve_tokenizer(
+    tokenizer: Tokenizer | str | Path | None, model_dir: Path | None, cfg: ModelConfig
+) -> Tokenizer:
+    if tokenizer is None:
+        if model_dir is not None and (model_dir / "tokenizer.json").is_file():
+            return HFTokenizer(
+                model_dir, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id
+            )
+        return ByteTokenizer()
+    if isinstance(tokenizer, str | Path):
+        if str(tokenizer) == "byte":
+            return ByteTokenizer()
+        return HFTokenizer(tokenizer, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
+    return tokenizer

@@ -1,0 +1,280 @@
+"""The model executor: runs the real model on a step's flattened inputs and samples.
+
+It plugs into :class:`ref.core.engine_core.EngineCore` exactly where the simulator's executor
+does; the scheduler does not know which one it drives. One ``execute`` is: the plan's
+swap-out copies (device -> host), its swap-in copies (host -> device), its copy-on-write
+block copies, one forward over every scheduled token (prefill chunks and decodes mixed),
+logits only at the rows that sample, then the sampler.
+
+The swap order is the host pool's contract (ref/kv/host_pool.py): a device block freed
+by a swap-out may be a swap-in's (or this step's forward's) destination in the same
+step, so every swap-out reads before anything writes. Swaps are applied even in a step
+that schedules no tokens (a paused turn moving to the host while nothing runs).
+
+K/V memory joins the step's transaction (ref/core/executor.py; README "atomic steps"):
+:meth:`ModelExecutor.begin` saves, before anything is written, exactly what the step may
+overwrite: the K and V at every slot of ``slot_mapping`` in every layer, the device
+blocks that are destinations of ``swap_in`` and ``copies``, and the host blocks that are
+destinations of ``swap_out``. :meth:`ModelExecutor.rollback` writes them back, so a step
+that failed after its forward (a preempted victim's block reused, then the sampler or
+``validate_output`` failing) leaves every block as it was and the retry computes the
+same tokens. The cost is O(tokens written + blocks copied) gathers per step, never
+O(cache).
+
+``fault_hook`` (tests): called with a point name at ``before_swaps``, ``after_swaps``,
+``after_forward``, ``in_sampler`` (just before sampling) and ``after_execute``; raising
+from it fails the step there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ref.core.executor import StepOutput
+from ref.core.inputs import ModelInputs
+from ref.core.plan import StepPlan
+from ref.core.request import Request
+from ref.errors import RefserveError
+from ref.model.attention import AttentionMetadata
+from ref.model.llama import HostKVCache, KVCache, LlamaModel
+from ref.model.sampler import SampleSpec, sample
+
+#: ``(request ids, fp32 logits [N, vocab])`` of the rows sampled in a step, for tests.
+LogitsHook = Callable[[tuple[str, ...], torch.Tensor], None]
+#: Called with a fault point's name (module doc); raising there fails the step, for tests.
+FaultHook = Callable[[str], None]
+FAULT_POINTS = ("before_swaps", "after_swaps", "after_forward", "in_sampler", "after_execute")
+
+
+@dataclass(frozen=True)
+class SavedRows:
+    """What rows ``index`` along dim 0 of one cache's per-layer K/V tensors held before
+    the step: whole blocks (``[num_blocks, block_size, H, D]`` tensors) or single slots
+    (the same tensors viewed as ``[num_blocks * block_size, H, D]``)."""
+
+    key_cache: Sequence[torch.Tensor]  # the per-layer tensors, as indexed (a view for slots)
+    value_cache: Sequence[torch.Tensor]
+    index: torch.Tensor  # int64, on the cache's device
+    key: tuple[torch.Tensor, ...]  # per layer, the saved rows
+    value: tuple[torch.Tensor, ...]
+
+    @staticmethod
+    def save(
+        key_cache: Sequence[torch.Tensor], value_cache: Sequence[torch.Tensor], index: torch.Tensor
+    ) -> SavedRows:
+        return SavedRows(
+            key_cache,
+            value_cache,
+            index,
+            tuple(t.index_select(0, index) for t in key_cache),
+            tuple(t.index_select(0, index) for t in value_cache),
+        )
+
+    def restore(self) -> None:
+        # Duplicate indices (a slot listed twice) saved the same original value, so
+        # index_copy_ writes the right one whichever copy wins.
+        for caches, saved in ((self.key_cache, self.key), (self.value_cache, self.value)):
+            for t, rows in zip(caches, saved, strict=True):
+                t.index_copy_(0, self.index, rows)
+
+
+class ExecutorError(RefserveError):
+    """The executor was called without what it needs (inputs, a sampling spec)."""
+
+
+class ModelExecutor:
+    needs_inputs = True
+    transactional_kv = True  # begin/rollback restore every slot and block (module doc)
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        requests: Mapping[str, Request],
+        host_cache: HostKVCache | None = None,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.host_cache = host_cache
+        # Bytes the swap copies moved (K and V, every layer), counted when copied: a
+        # step that fails after its copies still moved them over the link (rolling back
+        # restores the destinations from saved copies, and the retry moves them again).
+        self.swap_out_bytes = 0
+        self.swap_in_bytes = 0
+        self._requests = requests
+        self._specs: dict[str, SampleSpec] = {}
+        # n > 1: specs of samples 1..n-1, drawn from the parent's first logits.
+        self._fork_specs: dict[str, tuple[SampleSpec, ...]] = {}
+        self.logits_hook: LogitsHook | None = None
+        self.fault_hook: FaultHook | None = None
+        # What the step in flight may overwrite, in write order (begin .. commit/rollback).
+        self._journal: list[SavedRows] = []
+        # Side outputs of the last execute (read by the engine after commit).
+        self.last_logprobs: dict[str, float] = {}
+        self.last_fork_samples: dict[str, list[tuple[int, float | None]]] = {}
+
+    def register(
+        self, request_id: str, spec: SampleSpec, fork_specs: Sequence[SampleSpec] = ()
+    ) -> None:
+        self._specs[request_id] = spec
+        if fork_specs:
+            self._fork_specs[request_id] = tuple(fork_specs)
+
+    def unregister(self, request_id: str) -> None:
+        self._specs.pop(request_id, None)
+        self._fork_specs.pop(request_id, None)
+
+    def forked(self, request_id: str) -> None:
+        """The parent's samples 1..n-1 were forked off; do not draw them again."""
+        self._fork_specs.pop(request_id, None)
+
+    # ------------------------------------------------------------------ transaction
+    def begin(self, plan: StepPlan, inputs: ModelInputs | None) -> None:
+        """Save everything this step may write, before any of it is written (module doc).
+
+        Saved in the order ``execute`` writes: host blocks (swap-out), device blocks
+        (swap-in, then copy-on-write), then the forward's slots."""
+        self._journal = []
+        dev_key, dev_value = self.cache.key, self.cache.value
+        if not dev_key:
+            return
+        device = dev_key[0].device
+        host = self.host_cache
+        if plan.swap_out and host is not None and host.key:
+            self._save(host.key, host.value, [c.dst for c in plan.swap_out], host.key[0].device)
+        blocks = [c.dst for c in plan.swap_in] + [c.dst for c in plan.copies]
+        if blocks:
+            self._save(dev_key, dev_value, blocks, device)
+        if inputs is not None and inputs.slot_mapping.numel():
+            slots = inputs.slot_mapping
+            slots = slots[slots >= 0]  # -1 is padding: the kernels skip it
+            nb, bs, h, d = dev_key[0].shape
+            flat_key = [t.view(nb * bs, h, d) for t in dev_key]
+            flat_value = [t.view(nb * bs, h, d) for t in dev_value]
+            self._journal.append(SavedRows.save(flat_key, flat_value, slots.to(device)))
+
+    def _save(
+        self,
+        key: Sequence[torch.Tensor],
+        value: Sequence[torch.Tensor],
+        blocks: Sequence[int],
+        device: torch.device,
+    ) -> None:
+        n = key[0].shape[0]
+        # An out-of-range copy is refused by the copy itself before it writes anything;
+        # saving it would raise here first, with a less precise message.
+        index = [b for b in blocks if 0 <= b < n]
+        if index:
+            idx = torch.tensor(index, dtype=torch.int64, device=device)
+            self._journal.append(SavedRows.save(key, value, idx))
+
+    def rollback(self) -> None:
+        """Write back what :meth:`begin` saved, newest first, and drop the failed step's
+        side outputs (ATOMIC for memory; module doc)."""
+        journal, self._journal = self._journal, []
+        with torch.inference_mode():
+            for saved in reversed(journal):
+                saved.restore()
+        self.last_logprobs = {}
+        self.last_fork_samples = {}
+
+    def commit(self) -> None:
+        self._journal = []
+
+    # ------------------------------------------------------------------ the step
+    def _fault(self, point: str) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(point)
+
+    def execute(self, plan: StepPlan, inputs: ModelInputs | None) -> StepOutput:
+        output = self._execute(plan, inputs)
+        self._fault("after_execute")
+        return output
+
+    def _execute(self, plan: StepPlan, inputs: ModelInputs | None) -> StepOutput:
+        self.last_logprobs = {}
+        self.last_fork_samples = {}
+        self._fault("before_swaps")
+        if plan.swap_out or plan.swap_in:
+            self._apply_swaps(plan)
+        self._fault("after_swaps")
+        if not plan.request_ids:
+            return StepOutput({})
+        if inputs is None:
+            raise ExecutorError("ModelExecutor.execute needs the step's ModelInputs")
+        dev = self.model.device
+        meta = AttentionMetadata(
+            slot_mapping=inputs.slot_mapping.to(dev),
+            query_start_loc=inputs.query_start_loc.to(dev),
+            seq_lens=inputs.seq_lens.to(dev),
+            block_tables=inputs.block_tables.to(dev),
+            query_start_loc_host=tuple(inputs.query_start_loc.tolist()),
+            seq_lens_host=tuple(inputs.seq_lens.tolist()),
+        )
+        hidden = self.model.forward(
+            inputs.input_ids.to(dev), inputs.positions.to(dev), meta, self.cache, plan.copies
+        )
+        self._fault("after_forward")
+        rids = inputs.sample_request_ids
+        if not rids:
+            return StepOutput({})
+        logits = self.model.logits(hidden[inputs.sample_rows.to(dev)])
+        if self.logits_hook is not None:
+            self.logits_hook(rids, logits.detach().cpu())
+        specs: list[SampleSpec] = []
+        indices: list[int] = []
+        rows: list[int] = []
+        for row, rid in enumerate(rids):
+            spec = self._specs.get(rid)
+            if spec is None:
+                raise ExecutorError(f"no sampling spec registered for request {rid!r}")
+            k = self._requests[rid].num_output_tokens
+            specs.append(spec)
+            indices.append(k)
+            rows.append(row)
+            if k == 0:
+                for child in self._fork_specs.get(rid, ()):
+                    specs.append(child)
+                    indices.append(0)
+                    rows.append(row)
+        self._fault("in_sampler")
+        drawn = sample(logits[rows], specs, indices)
+        self._check_vocab(rids, drawn)
+        sampled: dict[str, int] = {}
+        j = 0
+        for rid in rids:
+            token, logprob = drawn[j]
+            j += 1
+            sampled[rid] = token
+            if logprob is not None:
+                self.last_logprobs[rid] = logprob
+            if self._requests[rid].num_output_tokens == 0 and rid in self._fork_specs:
+                n_children = len(self._fork_specs[rid])
+                self.last_fork_samples[rid] = drawn[j : j + n_children]
+                j += n_children
+        return StepOutput(sampled)
+
+    def _check_vocab(self, rids: Sequence[str], drawn: Sequence[tuple[int, float | None]]) -> None:
+        """A token outside the vocabulary would be committed and detokenized as something
+        else (a silent wrong answer): fail the step instead, so it rolls back (ATOMIC)."""
+        vocab = self.model.config.vocab_size
+        for token, _ in drawn:
+            if not 0 <= token < vocab:
+                raise ExecutorError(
+                    f"the sampler drew token {token} for a step of {list(rids)!r}; "
+                    f"token ids must be in [0, {vocab})"
+                )
+
+    def _apply_swaps(self, plan: StepPlan) -> None:
+        """Every swap-out, then every swap-in (the order StepPlan documents)."""
+        host = self.host_cache
+        if host is None or not host.num_blocks:
+            raise ExecutorError(
+                f"step {plan.step_index} swaps KV blocks but the executor has no host cache "
+                "(num_host_blocks is 0)"
+            )
+        self.swap_out_bytes += host.swap_out(self.cache, plan.swap_out)
+        self.swap_in_bytes += host.swap_in(self.cache, plan.swap_in)

@@ -1,0 +1,159 @@
+"""PNG charts for reports, drawn with matplotlib.
+
+matplotlib is imported inside the drawing functions only: the engine core, the simulator
+and every command that draws nothing never pay for (or depend on) it. Figures are built
+with the object-oriented ``Figure`` API and the Agg canvas, never pyplot, so no GUI
+backend is chosen and nothing global changes. Each file is rendered into memory and then
+renamed into place, so an interrupted run never leaves half a PNG.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ref.errors import OutputPathError
+from ref.files import shown, temp_name
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Small enough to commit (a few tens of KB each) and still readable at page width.
+FIGSIZE = (7.0, 4.0)
+DPI = 100
+
+Point = tuple[float, float | None]
+
+
+@dataclass(frozen=True)
+class BarGroup:
+    """One cluster of a grouped bar chart: a label and a value per series."""
+
+    label: str
+    values: Mapping[str, float | None]
+
+
+def new_figure(width: float = FIGSIZE[0], height: float = FIGSIZE[1]) -> Figure:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def write_png(path: Path, fig: Figure, what: str = "plot") -> Path:
+    """Render ``fig`` and write it to ``path`` through a temporary name."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
+    tmp = temp_name(path)
+    try:
+        with tmp.open("xb") as fh:
+            fh.write(buf.getvalue())
+        os.replace(tmp, path)
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the name
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise OutputPathError(f"{what} {shown(path)}: cannot write: {reason}") from None
+    finally:
+        # Ctrl-C between open and rename must not leave the temporary file behind.
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return path
+
+
+def line_chart_png(
+    path: Path,
+    title: str,
+    x_label: str,
+    y_label: str,
+    series: Mapping[str, Sequence[Point]],
+    *,
+    log_y: bool = False,
+    log_x: bool = False,
+    reference: Sequence[Point] | None = None,
+    reference_label: str = "",
+) -> Path:
+    """A line chart, one line with markers per series; ``None`` breaks a line.
+
+    ``reference`` is drawn dashed grey (e.g. the offered load, y = x).
+    """
+    fig = new_figure()
+    ax = fig.add_subplot()
+    if reference:
+        xs, ys = _xy(reference)
+        ax.plot(xs, ys, "--", color="0.6", label=reference_label or "reference")
+    # Distinct markers as well as colours: policies that coincide stay visible.
+    markers = "osD^v<>ph*"
+    for i, (name, pts) in enumerate(series.items()):
+        xs, ys = _xy(pts)
+        ax.plot(xs, ys, marker=markers[i % len(markers)], markersize=4, label=name)
+    from matplotlib.ticker import FuncFormatter
+
+    # Plain numbers (0.1, 16), not 10^-1 mathtext: a rate is read off the axis.
+    plain = FuncFormatter(lambda v, _pos: f"{v:g}")
+    if log_x:
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(plain)
+    if log_y:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(plain)
+        # Within about a decade there are no major ticks to read, so label the minor
+        # ones; across several decades they would crowd the axis.
+        lo, hi = ax.get_ylim()
+        if hi <= 20 * lo:
+            ax.yaxis.set_minor_formatter(plain)
+    else:
+        ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(y_label)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+    return write_png(path, fig)
+
+
+def grouped_bar_chart_png(
+    path: Path,
+    title: str,
+    x_label: str,
+    y_label: str,
+    groups: Sequence[BarGroup],
+    *,
+    log_y: bool = False,
+) -> Path:
+    """Bars side by side within each group; a missing value (``None``) draws no bar."""
+    fig = new_figure()
+    ax = fig.add_subplot()
+    names: list[str] = []
+    for g in groups:
+        names += [n for n in g.values if n not in names]
+    width = 0.8 / max(len(names), 1)
+    for j, name in enumerate(names):
+        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(groups))]
+        ys = [_nan(g.values.get(name)) for g in groups]
+        bars = ax.bar(xs, ys, width, label=name)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=1)
+    ax.set_xticks(range(len(groups)), [g.label for g in groups])
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(y_label)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+    return write_png(path, fig)
+
+
+def _nan(y: float | None) -> float:
+    return float("nan") if y is None else y
+
+
+def _xy(pts: Sequence[Point]) -> tuple[list[float], list[float]]:
+    ordered = sorted(pts, key=lambda p: p[0])
+    return [x for x, _ in ordered], [_nan(y) for _, y in ordered]

@@ -1,0 +1,188 @@
+"""Per-request latencies and run-level throughput (docs/ARCHITECTURE.md, example 2f).
+
+Per request: queueing delay (admitted - arrival), TTFT (first token - arrival), ITL (gaps
+between consecutive tokens), TPOT (mean ITL), E2E (last token - arrival). Per run: input
+tokens/s, output tokens/s and requests/s kept apart, percentiles of TTFT and ITL, and the
+time-averaged number of requests in the system, which with throughput and mean E2E obeys
+Little's law L = lambda * W over the whole run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ref.core.request import Request
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    request_id: str
+    arrival_ms: float
+    admitted_ms: float | None
+    token_times_ms: tuple[float, ...]
+    finished_ms: float | None
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    tenant: str = "default"
+
+    @property
+    def queue_ms(self) -> float | None:
+        return None if self.admitted_ms is None else self.admitted_ms - self.arrival_ms
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return self.token_times_ms[0] - self.arrival_ms if self.token_times_ms else None
+
+    @property
+    def itl_ms(self) -> tuple[float, ...]:
+        t = self.token_times_ms
+        return tuple(b - a for a, b in itertools.pairwise(t))
+
+    @property
+    def tpot_ms(self) -> float | None:
+        itl = self.itl_ms
+        return sum(itl) / len(itl) if itl else None
+
+    @property
+    def e2e_ms(self) -> float | None:
+        return self.token_times_ms[-1] - self.arrival_ms if self.token_times_ms else None
+
+    @classmethod
+    def of(cls, r: Request) -> RequestMetrics:
+        return cls(
+            r.request_id,
+            r.arrival_ms,
+            r.admitted_ms,
+            tuple(r.token_times_ms),
+            r.finished_ms,
+            None if r.finish_reason is None else str(r.finish_reason),
+            r.num_prompt_tokens,
+            r.num_output_tokens,
+            r.num_cached_tokens,
+            r.num_preemptions,
+            r.tenant,
+        )
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (``q`` in [0, 100]); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def littles_law_l(arrival_rate_per_s: float, mean_time_in_system_s: float) -> float:
+    """L = lambda * W (example 2g: 16 req/s * 0.75 s = 12 requests in the system)."""
+    return arrival_rate_per_s * mean_time_in_system_s
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    num_requests: int
+    num_finished: int
+    duration_ms: float
+    input_tokens: int
+    output_tokens: int
+    input_tokens_per_s: float
+    output_tokens_per_s: float
+    requests_per_s: float
+    ttft_ms: dict[str, float | None]
+    itl_ms: dict[str, float | None]
+    mean_e2e_ms: float | None
+    mean_in_system: float  # time-averaged L over [first arrival, last finish]
+    num_preemptions: int
+    num_cached_tokens: int
+
+    @classmethod
+    def of(cls, requests: Sequence[RequestMetrics], duration_ms: float) -> RunMetrics:
+        secs = duration_ms / 1e3 if duration_ms > 0 else math.inf
+        done = [r for r in requests if r.e2e_ms is not None]
+        ttfts = [t for r in requests if (t := r.ttft_ms) is not None]
+        itls = [x for r in requests for x in r.itl_ms]
+        e2es = [r.e2e_ms for r in done if r.e2e_ms is not None]
+        # Each request is in the system from arrival to its last token: the integral of
+        # N(t) over the run is the sum of E2E, so L = sum(E2E) / duration exactly.
+        in_system = sum(e2es) / duration_ms if duration_ms > 0 else 0.0
+        out_tokens = sum(r.num_output_tokens for r in requests)
+        in_tokens = sum(r.num_prompt_tokens for r in requests)
+
+        def pcts(xs: list[float]) -> dict[str, float | None]:
+            return {
+                "p50": percentile(xs, 50),
+                "p95": percentile(xs, 95),
+                "p99": percentile(xs, 99),
+                "mean": (sum(xs) / len(xs)) if xs else None,
+            }
+
+        return cls(
+            num_requests=len(requests),
+            num_finished=len(done),
+            duration_ms=duration_ms,
+            input_tokens=in_tokens,
+            output_tokens=out_tokens,
+            input_tokens_per_s=in_tokens / secs,
+            output_tokens_per_s=out_tokens / secs,
+            requests_per_s=len(done) / secs,
+            ttft_ms=pcts(ttfts),
+            itl_ms=pcts(itls),
+            mean_e2e_ms=(sum(e2es) / len(e2es)) if e2es else None,
+            mean_in_system=in_system,
+            num_preemptions=sum(r.num_preemptions for r in requests),
+            num_cached_tokens=sum(r.num_cached_tokens for r in requests),
+        )
+
+
+@dataclass(frozen=True)
+class TenantMetrics:
+    """Fairness report for one tenant (per-tenant TTFT/TBT and service)."""
+
+    tenant: str
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    itl_p99_ms: float | None
+
+
+def per_tenant(requests: Sequence[RequestMetrics]) -> dict[str, TenantMetrics]:
+    out: dict[str, TenantMetrics] = {}
+    for tenant in sorted({r.tenant for r in requests}):
+        mine = [r for r in requests if r.tenant == tenant]
+        ttfts = [t for r in mine if (t := r.ttft_ms) is not None]
+        itls = [x for r in mine for x in r.itl_ms]
+        out[tenant] = TenantMetrics(
+            tenant,
+            len(mine),
+            sum(r.num_prompt_tokens for r in mine),
+            sum(r.num_output_tokens for r in mine),
+            percentile(ttfts, 50),
+            percentile(ttfts, 99),
+            percentile(itls, 99),
+        )
+    return out
+
+
+def jain_index(values: Sequence[float]) -> float | None:
+    """Jain's fairness index ``(sum x)^2 / (n * sum x^2)`` of non-negative shares.
+
+    1.0 when every share is equal, ``1/n`` when one party gets everything; None for no
+    values. All-zero shares are equal shares (nobody was served), so 1.0.
+    """
+    if not values:
+        return None
+    if any(v < 0 for v in values):
+        raise ValueError(f"shares must be >= 0, got {min(values)}")
+    square_sum = sum(v * v for v in values)
+    if square_sum == 0:
+        return 1.0
+    return sum(values) ** 2 / (len(values) * square_sum)

@@ -1,0 +1,441 @@
+"""The cost-model simulator: a virtual clock and an executor that samples fake tokens.
+
+The scheduler and engine core are the same ones that drive the real model; only this
+executor differs. Requests that arrive during a step join at the next step boundary.
+
+Three ways to replay a workload, all on the same engine core and executor:
+
+- :func:`simulate`: open loop, each request arrives at its ``arrival_ms``.
+- :func:`simulate_closed_loop`: a fixed number of requests in flight; the next one is
+  released the moment one finishes (its ``arrival_ms`` becomes the release time).
+- :func:`simulate_sessions`: multi-turn sessions whose turn k+1 is built from turn k's
+  prompt and outputs plus the turn's new tokens and arrives ``tool_wait_ms`` after turn k
+  finishes (agent sessions); optionally with at most ``concurrency`` sessions
+  active at once.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ref.core.cost import StepCost
+from ref.core.engine_core import EngineCore, StepRecord
+from ref.core.executor import NoKVMemory, StepOutput
+from ref.core.inputs import ModelInputs
+from ref.core.plan import StepPlan
+from ref.core.request import FinishReason, Request, StopParams
+from ref.core.scheduler import Scheduler
+from ref.core.swap import SwapCost, SwapTraffic
+from ref.errors import InvalidArgument, RefserveError
+
+VOCAB = 32000
+#: The default step cap of every replay (``refserve simulate --max-steps``): a workload
+#: that cannot finish (a request that never fits, a policy that starves one) ends with
+#: :class:`StepLimitReached` instead of running forever.
+DEFAULT_MAX_STEPS = 1_000_000
+
+
+def default_max_steps(requests: Iterable[Request]) -> int:
+    """The step cap of :func:`simulate` when none is given: the larger of
+    :data:`DEFAULT_MAX_STEPS` and the trace's tokens (prompts plus output limits).
+
+    A fixed cap would stop a large trace that is still progressing (a million requests
+    arriving one by one take more than a million steps); a step that makes progress
+    computes at least one of those tokens, so a run without preemptions that needs more
+    steps than that is not progressing. The floor keeps small traces' cap as it was.
+    """
+    tokens = sum(r.num_tokens + r.stop.max_tokens for r in requests)
+    return max(DEFAULT_MAX_STEPS, tokens)
+
+
+def fake_token(request_seq: int, position: int) -> int:
+    """A deterministic token id; the same request and position always give the same one."""
+    return (request_seq * 1_000_003 + position * 7_919 + 17) % VOCAB
+
+
+class SimExecutor(NoKVMemory):
+    """Fake tokens and a step time from the cost model.
+
+    With a ``swap`` cost model, the step's swap traffic adds its copy time: one
+    ``copy_ms`` per direction that moves blocks, serialized with the compute (a
+    conservative model; an engine that overlaps copies with compute hides part of it).
+    """
+
+    needs_inputs = False
+
+    def __init__(
+        self,
+        cost: StepCost,
+        requests: Mapping[str, Request],
+        *,
+        swap: SwapCost | None = None,
+        block_size: int = 16,
+    ) -> None:
+        self.cost = cost
+        self._requests = requests
+        self.swap = swap
+        self.block_size = block_size
+
+    def execute(self, plan: StepPlan, inputs: ModelInputs | None) -> StepOutput:
+        reqs = self._requests
+        sampled = {
+            rid: fake_token(reqs[rid].seq, len(reqs[rid].token_ids))
+            for rid, samples in zip(plan.request_ids, plan.samples, strict=True)
+            if samples
+        }
+        kv_read = 0
+        if self.cost.e:
+            kv_read = sum(
+                s + n
+                for s, n, p in zip(plan.starts, plan.num_new_tokens, plan.is_prefill, strict=True)
+                if not p
+            )
+        ms = self.cost.step_ms(plan.num_prefill_tokens, plan.num_decode_requests, kv_read)
+        if self.swap is not None:
+            for moved in (plan.swap_out, plan.swap_in):
+                if moved:
+                    ms += self.swap.copy_ms(len(moved) * self.block_size)
+        return StepOutput(sampled, ms)
+
+
+class _Steps:
+    """The steps of a replay: every record with ``keep``, else only the counts a result
+    needs, so a long replay's memory does not grow with its steps (a record holds the
+    step's plan: about 100 bytes per scheduled request)."""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep
+        self.records: list[StepRecord] = []
+        self.count = 0
+        # SwapTraffic.of over every plan, summed as the steps go
+        self.swapped_out = self.swapped_in = self.blocks_out = self.blocks_in = 0
+
+    def add(self, record: StepRecord) -> None:
+        self.count += 1
+        if self.keep:
+            self.records.append(record)
+        p = record.plan
+        self.swapped_out += len(p.swapped_out)
+        self.swapped_in += len(p.swapped_in)
+        self.blocks_out += len(p.swap_out)
+        self.blocks_in += len(p.swap_in)
+
+    def swap(self, bytes_per_block: int) -> SwapTraffic:
+        return SwapTraffic(
+            self.swapped_out, self.swapped_in, self.blocks_out, self.blocks_in, bytes_per_block
+        )
+
+
+def _result(
+    scheduler: Scheduler, everyone: Sequence[Request], steps: _Steps, span: float
+) -> SimResult:
+    cfg = scheduler.config
+    swap = None
+    if cfg.num_host_blocks:
+        per_block = cfg.swap_cost.kv_bytes_per_token * cfg.block_size if cfg.swap_cost else 0
+        swap = steps.swap(per_block)
+    return SimResult(tuple(everyone), tuple(steps.records), span, swap, steps.count)
+
+
+def _sim_executor(scheduler: Scheduler, cost: StepCost) -> SimExecutor:
+    cfg = scheduler.config
+    return SimExecutor(cost, scheduler.requests, swap=cfg.swap_cost, block_size=cfg.block_size)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    requests: tuple[Request, ...]  # every request, in arrival order, with its timeline
+    steps: tuple[StepRecord, ...]  # every step; empty when the replay ran keep_steps=False
+    makespan_ms: float
+    swap: SwapTraffic | None = None  # host-link traffic, when the scheduler has a host pool
+    num_steps: int = 0  # steps run (kept or not)
+
+    def __post_init__(self) -> None:
+        assert not self.steps or len(self.steps) == self.num_steps, "steps kept are all steps"
+
+
+class StepLimitReached(RefserveError):
+    """A replay ran ``max_steps`` steps with requests still unfinished.
+
+    ``partial`` is the result so far (every request, finished or not, and every step run),
+    so a caller can still write what happened.
+    """
+
+    def __init__(self, max_steps: int, partial: SimResult) -> None:
+        left = sum(1 for r in partial.requests if not r.is_done)
+        super().__init__(
+            f"the simulation did not finish within max_steps={max_steps} steps; "
+            f"{left} of {len(partial.requests)} requests unfinished"
+        )
+        self.max_steps = max_steps
+        self.partial = partial
+
+
+def _check_max_steps(max_steps: int) -> None:
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+        raise InvalidArgument(f"max_steps must be an int >= 1, got {max_steps!r}")
+
+
+def _check_time(at_ms: float, what: str) -> None:
+    # A NaN or infinite time would stall the idle jump (``clock = next arrival``) forever:
+    # every comparison with NaN is false, so nothing is ever admitted.
+    if not math.isfinite(at_ms):
+        raise InvalidArgument(f"{what} must be a finite time in ms, got {at_ms}")
+
+
+def simulate(
+    scheduler: Scheduler,
+    arrivals: Iterable[Request],
+    cost: StepCost,
+    *,
+    check_invariants: bool = False,
+    max_steps: int | None = None,
+    keep_steps: bool = True,
+) -> SimResult:
+    """Run every request to completion on a virtual clock; return timelines and steps.
+
+    Raises :class:`StepLimitReached` (holding the partial result) after ``max_steps``
+    steps (default: :func:`default_max_steps` of the arrivals), and
+    :class:`InvalidArgument` for an arrival time that is not finite. With
+    ``keep_steps=False`` the result has no step records, only their count and swap
+    totals: memory then grows with the requests, not with the steps.
+    """
+    pending = list(arrivals)
+    if max_steps is None:
+        max_steps = default_max_steps(pending)
+    _check_max_steps(max_steps)
+    for r in pending:
+        _check_time(r.arrival_ms, f"request {r.request_id!r} arrival_ms")
+    pending.sort(key=lambda r: r.arrival_ms)
+    everyone = list(pending)
+    core = EngineCore(scheduler, _sim_executor(scheduler, cost), check_invariants=check_invariants)
+    clock = 0.0
+    steps = _Steps(keep_steps)
+    i = 0
+    while i < len(pending) or scheduler.has_unfinished:
+        while i < len(pending) and pending[i].arrival_ms <= clock:
+            scheduler.add_request(pending[i])
+            i += 1
+        if not scheduler.has_unfinished:
+            # Idle until the next arrival: finite (checked above) and later than the clock
+            # (else the loop above admitted it), so each idle turn admits a request.
+            clock = pending[i].arrival_ms
+            continue
+        if steps.count >= max_steps:
+            start = min((r.arrival_ms for r in everyone), default=0.0)
+            raise StepLimitReached(max_steps, _result(scheduler, everyone, steps, clock - start))
+        record = core.step(clock)
+        steps.add(record)
+        clock = record.end_ms
+    start = min((r.arrival_ms for r in everyone), default=0.0)
+    return _result(scheduler, everyone, steps, clock - start)
+
+
+# ----------------------------------------------------------------- closed loop, sessions
+@dataclass(frozen=True)
+class SessionTurn:
+    """One turn of a session.
+
+    ``new_token_ids`` are appended to the previous turn's prompt and outputs (for the
+    first turn they are the whole prompt); ``tool_wait_ms`` is the pause between the
+    previous turn's last token and this turn's arrival (ignored for the first turn).
+    """
+
+    new_token_ids: tuple[int, ...]
+    output_len: int
+    tool_wait_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Session:
+    """A multi-turn conversation; its turns run one after another, never overlapping."""
+
+    session_id: str
+    start_ms: float
+    turns: tuple[SessionTurn, ...]
+    priority: int = 0
+    tenant: str = "default"
+    # Request ids are ``<session_id>/t<k>``; False: a one-turn session's request is
+    # named ``session_id`` itself (a plain request replayed alongside sessions).
+    turn_ids: bool = True
+
+    def turn_id(self, k: int) -> str:
+        return f"{self.session_id}/t{k}" if self.turn_ids else self.session_id
+
+
+@dataclass
+class _Job:
+    """A unit the closed loop counts: a single request or a whole session."""
+
+    session: Session | None
+    request: Request | None  # a ready-made single request (no session)
+    next_turn: int = 0
+    previous: Request | None = None
+
+
+@dataclass(order=True)
+class _Release:
+    at_ms: float
+    order: int
+    job: _Job = field(compare=False)
+
+
+def simulate_closed_loop(
+    scheduler: Scheduler,
+    requests: Iterable[Request],
+    cost: StepCost,
+    *,
+    concurrency: int,
+    check_invariants: bool = False,
+    max_steps: int = DEFAULT_MAX_STEPS,
+    keep_steps: bool = True,
+) -> SimResult:
+    """Keep ``concurrency`` requests in flight; release the next (in list order) as one ends.
+
+    The first ``concurrency`` requests are released at time 0; each later one at the step
+    boundary where a request finishes. A request's ``arrival_ms`` is overwritten with its
+    release time, so TTFT is measured from the moment the client sent it.
+    """
+    jobs = [_Job(None, r) for r in requests]
+    return _replay(scheduler, jobs, cost, concurrency, check_invariants, max_steps, keep_steps)
+
+
+def simulate_sessions(
+    scheduler: Scheduler,
+    sessions: Iterable[Session],
+    cost: StepCost,
+    *,
+    concurrency: int | None = None,
+    check_invariants: bool = False,
+    max_steps: int = DEFAULT_MAX_STEPS,
+    keep_steps: bool = True,
+) -> SimResult:
+    """Replay multi-turn sessions; turn k+1 arrives ``tool_wait_ms`` after turn k finishes.
+
+    Turn k+1's prompt is turn k's prompt, then its sampled outputs, then the turn's new
+    tokens, so with prefix caching on the resumed prefix is found in the cache. Without
+    ``concurrency`` each session starts at its ``start_ms`` (open loop over sessions);
+    with it, at most that many sessions are active and the next (in ``start_ms`` order)
+    starts when one ends. A turn that does not finish normally (capacity) ends its session.
+    """
+    ordered = sorted(sessions, key=lambda s: s.start_ms)
+    for s in ordered:
+        if not s.turns:
+            raise InvalidArgument(f"session {s.session_id!r} has no turns")
+    jobs = [_Job(s, None) for s in ordered]
+    return _replay(scheduler, jobs, cost, concurrency, check_invariants, max_steps, keep_steps)
+
+
+def _replay(
+    scheduler: Scheduler,
+    jobs: Sequence[_Job],
+    cost: StepCost,
+    concurrency: int | None,
+    check_invariants: bool,
+    max_steps: int,
+    keep_steps: bool,
+) -> SimResult:
+    if concurrency is not None and concurrency < 1:
+        raise InvalidArgument(f"concurrency must be >= 1, got {concurrency}")
+    _check_max_steps(max_steps)
+    core = EngineCore(scheduler, _sim_executor(scheduler, cost), check_invariants=check_invariants)
+    releases: list[_Release] = []
+    order = 0
+
+    def release(job: _Job, at_ms: float) -> None:
+        nonlocal order
+        # Session starts and tool waits come from the caller: a NaN one would stall the
+        # idle jump below forever.
+        _check_time(at_ms, f"release time of {_job_name(job)}")
+        heapq.heappush(releases, _Release(at_ms, order, job))
+        order += 1
+
+    queued = iter(jobs)
+    if concurrency is None:
+        for job in queued:
+            release(job, _start_ms(job))
+    else:
+        for _, job in zip(range(concurrency), queued, strict=False):
+            release(job, 0.0)
+    in_flight: dict[str, _Job] = {}  # request id -> the job it belongs to
+    everyone: list[Request] = []
+    clock = 0.0 if concurrency is not None else min((r.at_ms for r in releases), default=0.0)
+    steps = _Steps(keep_steps)
+    while releases or scheduler.has_unfinished:
+        while releases and releases[0].at_ms <= clock:
+            rel = heapq.heappop(releases)
+            r = _next_request(rel.job, rel.at_ms)
+            scheduler.add_request(r)
+            in_flight[r.request_id] = rel.job
+            everyone.append(r)
+        if not scheduler.has_unfinished:
+            clock = releases[0].at_ms  # idle until the next release (finite: checked)
+            continue
+        if steps.count >= max_steps:
+            everyone.sort(key=lambda r: (r.arrival_ms, r.seq))
+            start = min((r.arrival_ms for r in everyone), default=0.0)
+            raise StepLimitReached(max_steps, _result(scheduler, everyone, steps, clock - start))
+        record = core.step(clock)
+        steps.add(record)
+        clock = record.end_ms
+        for rid in record.events.finished:
+            job = in_flight.pop(rid)
+            done = job.previous
+            assert done is not None and done.request_id == rid
+            s = job.session
+            more = (
+                s is not None
+                and job.next_turn < len(s.turns)
+                and done.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+            )
+            if more:
+                assert s is not None
+                release(job, clock + s.turns[job.next_turn].tool_wait_ms)
+            elif concurrency is not None:
+                nxt = next(queued, None)
+                if nxt is not None:
+                    release(nxt, clock)
+    everyone.sort(key=lambda r: (r.arrival_ms, r.seq))
+    start = min((r.arrival_ms for r in everyone), default=0.0)
+    return _result(scheduler, everyone, steps, clock - start)
+
+
+def _job_name(job: _Job) -> str:
+    if job.session is not None:
+        return f"session {job.session.session_id!r}"
+    assert job.request is not None
+    return f"request {job.request.request_id!r}"
+
+
+def _start_ms(job: _Job) -> float:
+    if job.session is not None:
+        return job.session.start_ms
+    assert job.request is not None
+    return job.request.arrival_ms
+
+
+def _next_request(job: _Job, at_ms: float) -> Request:
+    """The job's next request, arriving at ``at_ms``."""
+    if job.session is None:
+        assert job.request is not None
+        r = job.request
+        r.arrival_ms = at_ms
+        job.previous = r
+        return r
+    s, k = job.session, job.next_turn
+    turn = s.turns[k]
+    head = job.previous.token_ids if job.previous is not None else []
+    r = Request(
+        s.turn_id(k),
+        [*head, *turn.new_token_ids],
+        StopParams(max_tokens=turn.output_len, ignore_eos=True),
+        arrival_ms=at_ms,
+        priority=s.priority,
+        tenant=s.tenant,
+    )
+    job.next_turn = k + 1
+    job.previous = r
+    return r

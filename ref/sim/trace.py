@@ -1,0 +1,242 @@
+"""Workload traces: JSONL, one request per line.
+
+Fields: ``id`` (printable str of at most 256 characters), ``arrival_ms`` (a finite number
+in [0, 1e12], non-decreasing down the file), either ``prompt_len`` (int in [1, 2**24]) or
+``prompt_token_ids`` (non-empty list of at most 2**24 ints in [0, 2**31)), ``output_len``
+(int in [1, 2**24]); optional ``priority`` (int in [-2**31, 2**31)), ``tenant`` (str like
+``id``), ``prefix_group`` (str like ``id``, only with ``prompt_len``) with ``prefix_len``
+(requests of one group share their first ``prefix_len`` prompt tokens; by default half
+the prompt). A whole trace holds at most 2**24 prompt tokens and its file at most 64 MiB.
+Any other field, a bad value (``NaN`` and ``Infinity`` included), a duplicate key, an
+out-of-order arrival or a duplicate id raises :class:`TraceError` naming the file and
+line; nothing is half-loaded. Limits are checked before any token list is built.
+
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from ref.core.request import Request, StopParams
+from ref.errors import InvalidArgument
+from ref.files import clip, exists, loads_json, read_text_file, show, shown
+
+FIELDS = frozenset(
+    {
+        "id",
+        "arrival_ms",
+        "prompt_len",
+        "prompt_token_ids",
+        "output_len",
+        "priority",
+        "tenant",
+        "prefix_group",
+        "prefix_len",
+    }
+)
+BUILTIN = ("seed000_decode", "seed001", "seed002", "shared_prefix", "memory_pressure")
+
+#: Limits of a trace (documented above). Tokens of ``prompt_len`` lines are built in
+#: memory (a Python int each), so the total is what bounds a load's time and memory:
+#: 2**24 tokens take a few seconds and under 1 GiB.
+MAX_TRACE_BYTES = 64 << 20
+MAX_REQUEST_TOKENS = 1 << 24
+MAX_TRACE_TOKENS = 1 << 24
+MAX_TOKEN_ID = (1 << 31) - 1
+MAX_ARRIVAL_MS = 1e12  # about 32 years: past it float ms lose sub-microsecond steps
+MAX_NAME_CHARS = 256
+PRIORITY_RANGE = (-(1 << 31), (1 << 31) - 1)
+
+
+class TraceError(InvalidArgument):
+    """A trace line is malformed; the message names the source and line number."""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    id: str
+    arrival_ms: float
+    prompt_token_ids: tuple[int, ...]
+    output_len: int
+    priority: int = 0
+    tenant: str = "default"
+
+    def to_request(self) -> Request:
+        return Request(
+            self.id,
+            list(self.prompt_token_ids),
+            StopParams(max_tokens=self.output_len, ignore_eos=True),
+            arrival_ms=self.arrival_ms,
+            priority=self.priority,
+            tenant=self.tenant,
+        )
+
+
+def builtin_path(name: str) -> Path:
+    return Path(str(resources.files("ref.sim") / "traces" / f"{name}.jsonl"))
+
+
+def load_trace(source: str | Path, *, max_model_len: int | None = None) -> list[TraceRequest]:
+    """Load a JSONL trace from a path, or a built-in trace by name (see ``BUILTIN``).
+
+    ``max_model_len``: refuse a prompt longer than this before its tokens are built.
+    A file without requests is refused too (a run over nothing is a mistake, not a result).
+    """
+    path = Path(source)
+    if str(source) in BUILTIN and not exists(path):
+        path = builtin_path(str(source))
+    if not exists(path):
+        raise TraceError(
+            f"trace {shown(source)!r}: no such file (built-in traces: {', '.join(BUILTIN)})"
+        )
+    text = read_text_file(path, "trace", MAX_TRACE_BYTES, TraceError)
+    out = parse_trace(text, shown(path), max_model_len=max_model_len)
+    if not out:
+        raise TraceError(f"trace {shown(path)}: holds no requests")
+    return out
+
+
+def parse_trace(
+    text: str, name: str = "<trace>", *, max_model_len: int | None = None
+) -> list[TraceRequest]:
+    out: list[TraceRequest] = []
+    seen: set[str] = set()
+    groups: dict[str, list[int]] = {}
+    last_arrival = 0.0
+    total_tokens = 0
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{name}:{lineno}"
+        obj = loads_json(line, where, TraceError)
+        if not isinstance(obj, dict):
+            raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        unknown = sorted(set(obj) - FIELDS)
+        if unknown:
+            raise TraceError(
+                f"{where}: unknown field(s) {', '.join(clip(u) for u in unknown[:5])}; "
+                f"allowed: {', '.join(sorted(FIELDS))}"
+            )
+        rid = _name(obj.get("id"), "id", where)
+        if rid in seen:
+            raise TraceError(f"{where}: duplicate request id {rid!r}")
+        seen.add(rid)
+        arrival = obj.get("arrival_ms", 0.0)
+        # Compare before float(): an int of 400 digits would overflow it; NaN fails both.
+        if (
+            isinstance(arrival, bool)
+            or not isinstance(arrival, int | float)
+            or not 0 <= arrival <= MAX_ARRIVAL_MS
+        ):
+            raise TraceError(
+                f"{where}: 'arrival_ms' must be a finite number in [0, {MAX_ARRIVAL_MS:g}], "
+                f"got {show(arrival)}"
+            )
+        if arrival < last_arrival:
+            raise TraceError(
+                f"{where}: arrival_ms {arrival} is before the previous line's {last_arrival}"
+            )
+        last_arrival = float(arrival)
+        output_len = _positive_int(obj.get("output_len"), "output_len", where)
+        priority = obj.get("priority", 0)
+        lo, hi = PRIORITY_RANGE
+        if isinstance(priority, bool) or not isinstance(priority, int) or not lo <= priority <= hi:
+            raise TraceError(
+                f"{where}: 'priority' must be an int in [{lo}, {hi}], got {show(priority)}"
+            )
+        tenant = _name(obj.get("tenant", "default"), "tenant", where)
+        n = _prompt_len(obj, where)
+        if max_model_len is not None and n > max_model_len:
+            # The scheduler would refuse it too, but only after the tokens were built.
+            raise TraceError(
+                f"{where}: request {rid!r} prompt has {n} tokens; max_model_len is {max_model_len}"
+            )
+        total_tokens += n
+        if total_tokens > MAX_TRACE_TOKENS:
+            raise TraceError(
+                f"{where}: the trace holds more than {MAX_TRACE_TOKENS} prompt tokens "
+                "(the limit of one trace)"
+            )
+        prompt = _prompt(obj, n, where, rid, groups)
+        out.append(TraceRequest(rid, float(arrival), prompt, output_len, priority, tenant))
+    return out
+
+
+def _prompt_len(obj: dict[str, object], where: str) -> int:
+    """The prompt's length, checked, before any token is built."""
+    if ("prompt_len" in obj) == ("prompt_token_ids" in obj):
+        raise TraceError(f"{where}: give exactly one of 'prompt_len' or 'prompt_token_ids'")
+    if "prompt_token_ids" in obj:
+        ids = obj["prompt_token_ids"]
+        if not isinstance(ids, list) or not ids:
+            raise TraceError(f"{where}: 'prompt_token_ids' must be a non-empty list")
+        if len(ids) > MAX_REQUEST_TOKENS:
+            raise TraceError(
+                f"{where}: 'prompt_token_ids' holds {len(ids)} tokens; at most "
+                f"{MAX_REQUEST_TOKENS} per request"
+            )
+        for field_name in ("prefix_group", "prefix_len"):
+            if field_name in obj:
+                raise TraceError(f"{where}: '{field_name}' applies only with 'prompt_len'")
+        return len(ids)
+    return _positive_int(obj.get("prompt_len"), "prompt_len", where)
+
+
+def _prompt(
+    obj: dict[str, object], n: int, where: str, rid: str, groups: dict[str, list[int]]
+) -> tuple[int, ...]:
+    if "prompt_token_ids" in obj:
+        ids = obj["prompt_token_ids"]
+        assert isinstance(ids, list)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
+                raise TraceError(f"{where}: 'prompt_token_ids' holds a bad token id {show(t)}")
+        return tuple(ids)
+    group_value = obj.get("prefix_group")
+    if group_value is None and "prefix_len" in obj:
+        raise TraceError(f"{where}: 'prefix_len' needs 'prefix_group'")
+    group = None if group_value is None else _name(group_value, "prefix_group", where)
+    plen = obj.get("prefix_len", n // 2)
+    if isinstance(plen, bool) or not isinstance(plen, int) or not 0 <= plen <= n:
+        raise TraceError(f"{where}: 'prefix_len' must be an int in 0..{n}, got {show(plen)}")
+    # Synthetic tokens, deterministic per request id; a prefix group shares its head.
+    rng = random.Random(rid)
+    tokens = [rng.randrange(256, 32000) for _ in range(n)]
+    if group is not None:
+        shared = groups.setdefault(
+            group, [random.Random(f"group:{group}").randrange(256, 32000) for _ in range(n)]
+        )
+        while len(shared) < plen:
+            shared.append(random.Random(f"group:{group}:{len(shared)}").randrange(256, 32000))
+        tokens[:plen] = shared[:plen]
+    return tuple(tokens)
+
+
+def _positive_int(value: object, field: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TraceError(f"{where}: '{field}' must be an int >= 1, got {show(value)}")
+    if value > MAX_REQUEST_TOKENS:
+        raise TraceError(
+            f"{where}: '{field}' is {show(value)}; at most {MAX_REQUEST_TOKENS} tokens per request"
+        )
+    return value
+
+
+def _name(value: object, field: str, where: str) -> str:
+    """An id-like string: non-empty, short, printable (no control characters, no lone
+    surrogates: either would break the tables and files the run writes)."""
+    if not isinstance(value, str) or not value:
+        raise TraceError(f"{where}: '{field}' must be a non-empty string, got {show(value)}")
+    if len(value) > MAX_NAME_CHARS:
+        raise TraceError(
+            f"{where}: '{field}' has {len(value)} characters; at most {MAX_NAME_CHARS}"
+        )
+    if not value.isprintable():
+        raise TraceError(
+            f"{where}: '{field}' must be printable text (no control characters or lone "
+            f"surrogates), got {show(value)}"
+        )
+    return value

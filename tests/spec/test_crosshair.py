@@ -1,0 +1,227 @@
+"""CrossHair proves spec/arith.py's contracts, and refutes a planted off-by-one.
+
+Plus plain unit and property tests of the same arithmetic and of the hash chain.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from spec.arith import (
+    blocks_needed,
+    cdiv,
+    chunk_size,
+    max_cacheable_tokens,
+    new_blocks_needed,
+    slot_of,
+)
+from spec.hashing import DEFAULT_NAMESPACE, Namespace, block_key, chain_keys
+
+ROOT = Path(__file__).resolve().parents[2]
+ARITH = ROOT / "spec" / "arith.py"
+CROSSHAIR = Path(sys.executable).parent / "crosshair"
+
+
+def crosshair_check(target: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(CROSSHAIR), "check", "--per_condition_timeout=5", str(target)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_crosshair_proves_arith_contracts() -> None:
+    assert CROSSHAIR.exists(), f"crosshair not installed next to {sys.executable}"
+    result = crosshair_check(ARITH, ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == ""
+
+
+def test_crosshair_confirms_every_postcondition() -> None:
+    """Guard against an assurance that checked nothing: each post: is confirmed."""
+    result = subprocess.run(
+        [str(CROSSHAIR), "check", "--report_all", "--per_condition_timeout=5", str(ARITH)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    num_posts = ARITH.read_text().count("post: ")
+    confirmed = [line for line in result.stdout.splitlines() if "Confirmed over all paths" in line]
+    assert len(confirmed) == num_posts, result.stdout
+
+
+PLANTS = [
+    pytest.param(
+        "blocks_needed",
+        "    return cdiv(num_tokens, block_size)\n",
+        "    return num_tokens // block_size\n",
+        id="blocks_needed-floor",
+    ),
+    pytest.param(
+        "max_cacheable_tokens",
+        "    return ((num_prompt_tokens - 1) // block_size) * block_size\n",
+        "    return (num_prompt_tokens // block_size) * block_size\n",
+        id="max_cacheable_tokens-serves-last-token",
+    ),
+    pytest.param(
+        "slot_of",
+        "    return block_id * block_size + position % block_size\n",
+        "    return block_id * block_size + (position + 1) % block_size\n",
+        id="slot_of-off-by-one",
+    ),
+]
+
+
+@pytest.mark.parametrize(("function", "good", "bad"), PLANTS)
+def test_crosshair_finds_planted_off_by_one(
+    tmp_path: Path, function: str, good: str, bad: str
+) -> None:
+    source = ARITH.read_text()
+    assert source.count(good) == 1, f"plant site for {function} moved"
+    planted = tmp_path / "arith_planted.py"
+    planted.write_text(source.replace(good, bad))
+    result = crosshair_check(planted, tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"when calling {function}(" in result.stdout, result.stdout
+
+
+# ------------------------------------------------------------------ unit: arith
+def test_arith_examples_from_the_seeds() -> None:
+    assert blocks_needed(17, 16) == 2 and blocks_needed(31, 16) == 2  # example 0b
+    assert [blocks_needed(n, 4) for n in (7, 12, 13, 14)] == [2, 3, 4, 4]  # example 1
+    assert slot_of(12, 8, 4) == 48  # example 1: B's table 7, 2, 12; position 8
+    assert slot_of(7, 3, 4) == 31
+    assert blocks_needed(1600, 16) == 100  # example 2e admission
+    assert max_cacheable_tokens(10_000, 16) == 9_984
+    assert chunk_size(12, 7, 4, False, 0) == 7  # example 1: B gets 7, then 5
+    assert chunk_size(5, 5, 4, False, 7) == 5
+    assert chunk_size(4000, 1021, 16, True, 6000) == 1008  # example 3: 63 blocks
+
+
+def test_arith_edges() -> None:
+    assert cdiv(0, 5) == 0 and cdiv(1, 5) == 1 and cdiv(5, 5) == 1 and cdiv(6, 5) == 2
+    assert blocks_needed(0, 4) == 0
+    assert new_blocks_needed(3, 1, 1, 4) == 0
+    assert new_blocks_needed(4, 1, 1, 4) == 1
+    assert new_blocks_needed(0, 9, 0, 4) == 3
+    assert new_blocks_needed(2, 0, 1, 4) == 0
+    assert max_cacheable_tokens(1, 4) == 0
+    assert max_cacheable_tokens(4, 4) == 0  # block-aligned: the last block is recomputed
+    assert max_cacheable_tokens(5, 4) == 4
+    assert max_cacheable_tokens(8, 1) == 7
+    assert chunk_size(3, 10, 4, True, 0) == 3  # finishing the prompt need not align
+    assert chunk_size(10, 3, 4, True, 0) == 0  # cannot reach a boundary: take nothing
+    assert chunk_size(10, 3, 4, True, 1) == 3  # 1 + 3 lands on the boundary
+    assert chunk_size(10, 0, 4, False, 0) == 0
+
+
+@given(st.integers(0, 10_000), st.integers(1, 64))
+def test_blocks_needed_is_the_least_cover(n: int, bs: int) -> None:
+    k = blocks_needed(n, bs)
+    assert k * bs >= n and (k == 0 or (k - 1) * bs < n)
+
+
+@given(st.integers(0, 1000), st.integers(0, 10_000), st.integers(1, 64))
+def test_slot_of_is_the_block_table_formula(block: int, pos: int, bs: int) -> None:
+    slot = slot_of(block, pos, bs)
+    assert divmod(slot, bs) == (block, pos % bs)
+
+
+@given(st.integers(1, 10_000), st.integers(1, 64))
+def test_max_cacheable_tokens_spares_the_last_token(n: int, bs: int) -> None:
+    m = max_cacheable_tokens(n, bs)
+    assert m % bs == 0 and 0 <= m <= n - 1 and n - 1 - m < bs
+
+
+@given(
+    st.integers(0, 500), st.integers(0, 500), st.integers(1, 32), st.booleans(), st.integers(0, 500)
+)
+def test_chunk_size_bounds(remaining: int, budget: int, bs: int, align: bool, done: int) -> None:
+    n = chunk_size(remaining, budget, bs, align, done)
+    assert 0 <= n <= min(remaining, budget)
+    if align and n not in (0, remaining):
+        assert (done + n) % bs == 0
+    if not align:
+        assert n == min(remaining, budget)
+
+
+# ---------------------------------------------------------------- unit: hashing
+def test_root_key_is_stable() -> None:
+    """The key scheme is part of stored traces; changing it must be deliberate."""
+    root = DEFAULT_NAMESPACE.root_key()
+    # v2: each field as its UTF-8 length (8 bytes, little-endian) then its bytes.
+    payload = b"refserve-prefix-v2\x00" + (7).to_bytes(8, "little") + b"default" + bytes(16)
+    assert root == hashlib.sha256(payload).digest()
+    assert root.hex().startswith("880a36808479af7a")
+    assert block_key(root, [1, 2, 3, 4]).hex().startswith("f52f91c69824f602")
+
+
+def test_namespaces_have_distinct_roots() -> None:
+    roots = {
+        Namespace().root_key(),
+        Namespace(model="m2").root_key(),
+        Namespace(adapter="lora").root_key(),
+        Namespace(cache_salt="salt").root_key(),
+        Namespace(adapter="a", cache_salt="").root_key(),
+        Namespace(adapter="", cache_salt="a").root_key(),
+    }
+    assert len(roots) == 6  # the last two differ only in which field holds "a"
+
+
+def test_block_key_depends_on_parent_and_every_token() -> None:
+    root = DEFAULT_NAMESPACE.root_key()
+    k = block_key(root, [1, 2, 3, 4])
+    assert block_key(root, (1, 2, 3, 4)) == k  # sequence type does not matter
+    assert block_key(root, [1, 2, 3, 5]) != k
+    assert block_key(root, [4, 3, 2, 1]) != k
+    assert block_key(Namespace(adapter="x").root_key(), [1, 2, 3, 4]) != k
+    assert block_key(root, [-1]) != block_key(root, [2**64 - 1 - 2**63])  # signed packing
+    assert block_key(root, [256]) != block_key(root, [1, 0])
+
+
+@given(
+    st.lists(st.integers(0, 3), min_size=1, max_size=24),
+    st.integers(1, 4),
+    st.data(),
+)
+def test_chain_keys_differ_after_any_earlier_difference(
+    toks: list[int], bs: int, data: st.DataObject
+) -> None:
+    nblocks = len(toks) // bs
+    root = DEFAULT_NAMESPACE.root_key()
+    keys = chain_keys(root, toks, bs, nblocks)
+    assert len(keys) == nblocks
+    assert len(set(keys)) == nblocks
+    if nblocks == 0:
+        return
+    j = data.draw(st.integers(0, nblocks * bs - 1), label="changed position")
+    other = list(toks)
+    other[j] += 1
+    keys2 = chain_keys(root, other, bs, nblocks)
+    first = j // bs
+    assert keys2[:first] == keys[:first]
+    assert all(a != b for a, b in zip(keys[first:], keys2[first:], strict=True))
+    salted = chain_keys(Namespace(cache_salt="s").root_key(), toks, bs, nblocks)
+    assert all(a != b for a, b in zip(keys, salted, strict=True))
+
+
+def test_chain_keys_match_block_key_and_refuse_short_input() -> None:
+    root = DEFAULT_NAMESPACE.root_key()
+    k1 = block_key(root, [1, 2])
+    assert chain_keys(root, [1, 2, 3, 4, 5], 2, 2) == [k1, block_key(k1, [3, 4])]
+    assert chain_keys(root, [1], 2, 0) == []
+    with pytest.raises(ValueError, match="2 blocks of 2 need 4 tokens, got 3"):
+        chain_keys(root, [1, 2, 3], 2, 2)
