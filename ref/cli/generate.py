@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ref.cli.main import int_at_most
+from ref.cli.args import int_at_most
 from ref.errors import InvalidArgument
 
 #: Forks of one prompt: each is a sequence object and a scheduler slot.
@@ -102,7 +102,7 @@ def _check_backend(backend: str, device: str) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from ref.cli.main import check_device
+    from ref.cli.args import check_device
 
     check_device(args.device)
     _check_backend(args.attention_backend, args.device)
@@ -172,7 +172,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def generate_main(argv: Sequence[str] | None = None) -> int:
     """``refserve generate`` alone; same options, same error surface."""
-    from ref.cli.main import ArgumentParser, run_cli
+    from ref.cli.args import ArgumentParser, run_cli
 
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args

@@ -10,9 +10,8 @@ traceback. Exit 1 is reserved for a check that ran and failed (``check-kernel``,
 starts; outputs are written to a temporary name and renamed, so an interrupted run leaves
 no half-written file. ``conformance`` owns its whole command line (``conformance.cli``).
 
-Limits of the options: block pools at most ``MAX_BLOCKS`` blocks (a
-pool is a Python list: 2**22 blocks take about a second to build), token counts at most
-``MAX_TOKENS``, ``--max-steps`` at most ``MAX_STEPS``, every float finite.
+The error surface, the exit statuses, the option types and their limits live in
+:mod:`ref.cli.args`; ``compare``'s options in :mod:`ref.cli.compare`.
 
 Heavy modules (torch, the engine) are imported inside the commands, after the error
 surface is in place, so Ctrl-C during start-up is handled like Ctrl-C during the run.
@@ -26,27 +25,32 @@ import math
 import os
 import re
 import sys
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
-from ref.errors import InvalidArgument, RefserveError, UsageError
+from ref.cli.args import (
+    EXIT_OK,
+    MAX_BLOCK_SIZE,
+    MAX_BLOCKS,
+    MAX_KV_BYTES_PER_TOKEN,
+    MAX_SEQS,
+    MAX_STEPS,
+    MAX_TOKENS,
+    PROG,
+    ArgumentParser,
+    check_device,
+    clip,
+    finite_float,
+    int_at_most,
+    run_cli,
+)
+from ref.errors import InvalidArgument, UsageError
 
 if TYPE_CHECKING:
     from ref.core.config import SchedulerConfig
     from ref.core.cost import StepCost
     from ref.sim.simulator import SimResult
-
-PROG = "refserve"
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-MAX_BLOCKS = 1 << 22
-MAX_TOKENS = (1 << 31) - 1
-MAX_BLOCK_SIZE = 1 << 16
-MAX_SEQS = 1 << 20
-MAX_STEPS = 100_000_000
-MAX_KV_BYTES_PER_TOKEN = 1 << 40
-MAX_MESSAGE_CHARS = 1000
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -67,131 +71,12 @@ def _dispatch(args: list[str]) -> int:
     if args[:1] == ["check-kernel"]:
         return _check_kernel_main(args[1:])
     if args[:1] == ["compare"]:
-        from ref.report.compare import compare_cli
+        from ref.cli.compare import compare_cli
 
         return compare_cli(args[1:])
     ns = _parser().parse_args(args)
     code: int = ns.func(ns)
     return code
-
-
-# --------------------------------------------------------------------- error surface
-def run_cli(command: Callable[[], int], *, debug: bool = False) -> int:
-    """Run a command under the one error surface; return its exit status."""
-    try:
-        return command()
-    except KeyboardInterrupt:
-        if debug:
-            traceback.print_exc()
-        _say("interrupted")
-        return EXIT_INTERRUPTED
-    except SystemExit as e:  # --help: argparse prints and exits 0
-        return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_USAGE)
-    except RefserveError as e:
-        if debug:
-            traceback.print_exc()
-        _say(f"error: {e}")
-        return EXIT_USAGE
-    except BrokenPipeError:
-        # The reader went away (`| head`): stop quietly; point stdout at /dev/null so the
-        # interpreter's final flush does not fail again.
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_FAILED
-    except OSError as e:  # a file the OS refused (read or write) that no check foresaw
-        if debug:
-            traceback.print_exc()
-        where = f"{e.filename}: " if e.filename is not None else ""
-        _say(f"error: {where}{e.strerror or e}")
-        return EXIT_USAGE
-    except MemoryError:
-        if debug:
-            traceback.print_exc()
-        _say("error: out of memory (the input asks for more than this machine has)")
-        return EXIT_USAGE
-    except Exception as e:  # a bug in refserve: still one line unless --debug
-        if debug:
-            traceback.print_exc()
-        _say(f"error: internal error: {type(e).__name__}: {e} (--debug shows the traceback)")
-        return EXIT_USAGE
-
-
-def _say(message: str) -> None:
-    """One line on stderr, whatever the message holds (newlines, thousands of digits)."""
-    text = " ".join(message.splitlines()) or message
-    if len(text) > MAX_MESSAGE_CHARS:
-        text = text[: MAX_MESSAGE_CHARS - 3] + "..."
-    print(f"{PROG}: {text}", file=sys.stderr, flush=True)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are :class:`UsageError` (one line, exit 2 via
-    :func:`run_cli`) instead of a usage block and ``sys.exit(2)``."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{_clip(message, 300)} (see '{self.prog} --help')")
-
-
-def _clip(text: str, limit: int = 60) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def int_at_most(hi: int, lo: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an int, at most ``hi`` (and at least ``lo`` when given). Lower
-    bounds are otherwise left to the config objects, whose messages name the field."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:  # also past Python's 4300-digit limit
-            raise argparse.ArgumentTypeError(f"expected an int, got {_clip(text)!r}") from None
-        if value > hi or (lo is not None and value < lo):
-            bounds = f"at most {hi}" if lo is None else f"an int in [{lo}, {hi}]"
-            raise argparse.ArgumentTypeError(f"must be {bounds}, got {_clip(text)}")
-        return value
-
-    return parse
-
-
-def finite_float(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite float in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {_clip(text)!r}") from None
-        above = value > lo if lo_open else value >= lo
-        if not (above and value <= hi):  # NaN fails every comparison
-            left = "(" if lo_open else "["
-            raise argparse.ArgumentTypeError(
-                f"must be a finite number in {left}{lo:g}, {hi:g}], got {_clip(text)}"
-            )
-        return value
-
-    return parse
-
-
-def check_device(text: str, option: str = "--device") -> str:
-    """``cpu``, ``cuda`` or ``cuda:N`` on a machine that has it; anything else is refused
-    by name before a model is built (torch would fail deep inside, or, for ``meta``,
-    load tensors without data)."""
-    import torch
-
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError, TypeError):
-        raise InvalidArgument(f"{option} {text!r}: not a device (use cpu or cuda[:N])") from None
-    if device.type == "cpu":
-        return text
-    if device.type != "cuda":
-        raise InvalidArgument(f"{option} {text!r}: only cpu and cuda[:N] are supported")
-    if not torch.cuda.is_available():
-        raise InvalidArgument(f"{option} {text!r}: CUDA is not available on this machine")
-    count = torch.cuda.device_count()
-    if device.index is not None and device.index >= count:
-        raise InvalidArgument(f"{option} {text!r}: this machine has {count} CUDA device(s)")
-    return text
 
 
 # --------------------------------------------------------------------- the parser
@@ -494,6 +379,20 @@ def _check_kernel_main(argv: list[str]) -> int:
     _check_kernel_target(ns.target)
     if getattr(ns, "device", None) is not None:
         check_device(ns.device)
+    _check_kernel_numbers(ns)
+    from ref.files import check_output_file
+
+    jsonl = getattr(ns, "jsonl", None)
+    if jsonl and jsonl != "-":
+        # Streamed one record per result, so a partial file is its design; checked only.
+        check_output_file(Path(jsonl), "--jsonl")
+    if ns.json_path is None:
+        return check_kernel_main(argv)
+    return _check_kernel_to_json(argv, check_output_file(Path(ns.json_path), "--json"))
+
+
+def _check_kernel_numbers(ns: argparse.Namespace) -> None:
+    """``--timeout`` finite and > 0, ``--atol`` and ``--rtol`` finite and >= 0."""
     for name, least in (("timeout", "> 0"), ("atol", ">= 0"), ("rtol", ">= 0")):
         value = getattr(ns, name, None)
         # NaN passes the grid's own ``<= 0`` check, and a NaN timeout never fires.
@@ -503,18 +402,17 @@ def _check_kernel_main(argv: list[str]) -> int:
             raise InvalidArgument(
                 f"check-kernel: --{name} must be a finite number {least}, got {value}"
             )
-    from ref.files import check_output_file, temp_name
 
-    jsonl = getattr(ns, "jsonl", None)
-    if jsonl and jsonl != "-":
-        # Streamed one record per result, so a partial file is its design; checked only.
-        check_output_file(Path(jsonl), "--jsonl")
-    if ns.json_path is None:
-        return check_kernel_main(argv)
+
+def _check_kernel_to_json(argv: list[str], final: Path) -> int:
+    """Run the grid with its ``--json`` report pointed at a temporary name beside
+    ``final``, renamed into place only when the grid wrote it."""
+    from conformance.kernel_grid import check_kernel_main
+    from ref.files import temp_name
+
     # The grid writes its report with a plain open(): hand it a temporary name beside the
     # real one and rename only a finished report, so Ctrl-C leaves nothing half-written.
     # Abbreviations of --json cannot occur (each is also one of --jsonl).
-    final = check_output_file(Path(ns.json_path), "--json")
     tmp = temp_name(final)
     forward = list(argv)
     for i, arg in enumerate(argv):
@@ -543,12 +441,12 @@ def _check_kernel_target(target: str) -> None:
 
     module_name, colon, function = target.partition(":")
     if not (module_name and colon and function):
-        raise InvalidArgument(f"check-kernel: target {_clip(target)!r} is not MODULE:FUNCTION")
+        raise InvalidArgument(f"check-kernel: target {clip(target)!r} is not MODULE:FUNCTION")
     if not _MODULE_NAME.match(module_name) or not function.isidentifier():
-        raise InvalidArgument(f"check-kernel: {_clip(target)!r} is not MODULE:FUNCTION")
+        raise InvalidArgument(f"check-kernel: {clip(target)!r} is not MODULE:FUNCTION")
     top = module_name.split(".")[0]
     if importlib.util.find_spec(top) is None:
-        raise InvalidArgument(f"check-kernel: no module named {top!r} (in {_clip(target)!r})")
+        raise InvalidArgument(f"check-kernel: no module named {top!r} (in {clip(target)!r})")
 
 
 def _conformance_main(argv: list[str]) -> int:

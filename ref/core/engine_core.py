@@ -17,9 +17,18 @@ the blocks the failed step could have written.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-from ref.core.executor import Executor, KVTransaction, NoKVMemory, StepExecutor
+from ref.core.executor import (
+    NO_FORKS,
+    NO_LOGPROBS,
+    DrawnToken,
+    Executor,
+    KVTransaction,
+    NoKVMemory,
+    StepExecutor,
+)
 from ref.core.inputs import ModelInputs, build_inputs, scheduled_requests
 from ref.core.plan import StepPlan
 from ref.core.scheduler import Scheduler, StepEvents
@@ -57,7 +66,10 @@ class InvariantViolation(RefserveError):
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What a step did, for tables, traces and metrics."""
+    """What a step did, for tables, traces and metrics, and what the engine reads after
+    the commit: ``logprobs`` and ``fork_samples`` are the executor's
+    (:class:`ref.core.executor.StepOutput`), carried here rather than kept on the
+    executor, so a step's results travel with the step (empty for the simulator)."""
 
     step_index: int
     start_ms: float
@@ -68,6 +80,8 @@ class StepRecord:
     kv_blocks_used: int
     events: StepEvents
     plan: StepPlan
+    logprobs: Mapping[str, float] = field(default_factory=lambda: NO_LOGPROBS)
+    fork_samples: Mapping[str, tuple[DrawnToken, ...]] = field(default_factory=lambda: NO_FORKS)
 
 
 class EngineCore:
@@ -126,6 +140,8 @@ class EngineCore:
             kv_blocks_used=kv_blocks_used,
             events=events,
             plan=plan,
+            logprobs=output.logprobs,
+            fork_samples=output.fork_samples,
         )
 
     def _transaction(self) -> KVTransaction:

@@ -14,7 +14,8 @@ K/V again: ATOMIC extends from the snapshot to the memory it describes.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Protocol, runtime_checkable
 
 from ref.core.inputs import ModelInputs
@@ -22,12 +23,38 @@ from ref.core.plan import StepPlan
 
 
 @dataclass(frozen=True)
+class DrawnToken:
+    """One token the sampler drew, with its logprob: ``None`` when the sequence did not
+    ask for logprobs, NaN when its row of logits could not be sampled (then ``token`` is
+    a placeholder the engine never shows; ref/model/sampler.py)."""
+
+    token: int
+    logprob: float | None
+
+
+#: The empty ``logprobs`` / ``fork_samples`` of a step that drew none: read-only, so one
+#: instance serves every step (a long replay keeps a record per step).
+NO_LOGPROBS: Mapping[str, float] = MappingProxyType({})
+NO_FORKS: Mapping[str, tuple[DrawnToken, ...]] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
 class StepOutput:
-    """Sampled token per sampling request; ``duration_ms`` from a cost model, or None
-    when the engine should measure wall time."""
+    """Everything one ``execute`` produced (docs/ARCHITECTURE.md, "One step", stage 3).
+
+    ``sampled``: the token per sampling request, what the scheduler commits.
+    ``duration_ms``: from a cost model, or None when the engine should measure wall time.
+    ``logprobs``: per sampling request that asked for them, or whose row could not be
+    sampled (NaN). ``fork_samples``: per ``n > 1`` request drawing its first token, the
+    first tokens of its samples 1..n-1 in sample order, drawn from the same logits; the
+    engine forks them off after the commit. An executor without a model (the simulator)
+    leaves both empty.
+    """
 
     sampled: Mapping[str, int]
     duration_ms: float | None = None
+    logprobs: Mapping[str, float] = field(default_factory=lambda: NO_LOGPROBS)
+    fork_samples: Mapping[str, tuple[DrawnToken, ...]] = field(default_factory=lambda: NO_FORKS)
 
 
 class StepExecutor(Protocol):

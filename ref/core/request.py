@@ -139,3 +139,23 @@ class Request:
             num_cached_tokens=self.num_cached_tokens,
             max_model_len=max_model_len,
         )
+
+
+def check_room_for_output(
+    num_tokens: int,
+    max_len: int,
+    *,
+    subject: str,
+    limit: str,
+    error: type[InvalidArgument] = InvalidArgument,
+) -> None:
+    """The one rule for a sequence about to be queued (a prompt, a resumed turn): it must
+    leave room for at least one output token, ``num_tokens < max_len``, or it could never
+    sample (docs/ARCHITECTURE.md, "Vocabulary": ``num_tokens``).
+
+    Raises ``error`` with ``"<subject> <num_tokens> tokens; <limit>, leaving no room for an
+    output token"``: ``subject`` names the sequence (``"prompt has"``), ``limit`` the cap
+    that applies (``"max_model_len is 32"``).
+    """
+    if num_tokens >= max_len:
+        raise error(f"{subject} {num_tokens} tokens; {limit}, leaving no room for an output token")

@@ -11,20 +11,28 @@ Preemption by swap (``preemption_mode``) copies the victim's KV to the host pool
 of dropping it (ref/core/swap.py has the rule); a swapped request waits in its arrival place
 and is admitted later by a swap-in that restores its blocks before its next tokens run.
 The host pool joins the step's transaction.
+
+This module keeps the books (requests, queue, running list) and applies a plan; the
+parts it delegates each have a module: the planning of a step (ref/core/planner.py,
+filling one ref/core/draft.py ``StepDraft``), swaps and tool waits
+(ref/core/suspend.py), the block rules of CAP (ref/core/capacity.py) and the prefill
+reserve, SLO cap and chunking (ref/core/prefill.py).
 """
 
 from __future__ import annotations
 
-import math
-from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ref.core.config import Admission, SchedulerConfig
-from ref.core.plan import PlanBuilder, PlannedFinish, StepPlan
+from ref.core.capacity import never_fits, require_fit
+from ref.core.config import SchedulerConfig
+from ref.core.plan import StepPlan
+from ref.core.planner import Planner
 from ref.core.policy import Policy, make_policy
-from ref.core.request import FinishReason, Request, StopParams
-from ref.core.swap import KVRetention, PreemptionMode
+from ref.core.prefill import PrefillBacklog
+from ref.core.request import FinishReason, Request, StopParams, check_room_for_output
+from ref.core.suspend import Suspension
+from ref.core.swap import KVRetention
 from ref.errors import (
     DuplicateRequest,
     ExceedsCapacity,
@@ -33,9 +41,8 @@ from ref.errors import (
     RefserveError,
     UnknownRequest,
 )
-from ref.kv import BlockCopy, BlockPool, PrefixHit
+from ref.kv import BlockPool
 from ref.kv.host_pool import HostPool
-from spec.arith import blocks_needed, chunk_size
 from spec.snapshot import EngineSnapshot, RequestStatus
 
 S = RequestStatus
@@ -47,17 +54,6 @@ class StepInProgress(RefserveError):
 
 class BadExecutorOutput(RefserveError):
     """The executor's output does not match the plan (a sampled token is missing, ...)."""
-
-
-@dataclass
-class _StepSwaps:
-    """The swap traffic a plan collects (see StepPlan for the order the executor uses)."""
-
-    out: list[BlockCopy] = field(default_factory=list)
-    in_: list[BlockCopy] = field(default_factory=list)
-    swapped_out: list[str] = field(default_factory=list)
-    swapped_in: list[str] = field(default_factory=list)
-    dropped: list[str] = field(default_factory=list)  # paused turns whose KV was released
 
 
 @dataclass(frozen=True)
@@ -87,19 +83,14 @@ class Scheduler:
         # it admits from (ref/core/waiting.py). Preempted requests keep their arrival place.
         self._queue = self.policy.waiting_queue(track_arrivals=config.queue_timeout_ms is not None)
         self.running: list[Request] = []  # admission order
-        self.paused: dict[str, Request] = {}  # WAITING_TOOL: agent turns waiting for a tool
-        # Paused turns whose KV the next step moves to the host pool (pause order).
-        self._to_host: list[str] = []
+        self._suspend = Suspension(config, self.pool, self.host)  # swaps and tool waits
+        self._planner = Planner(config, self.policy, self.pool, self._suspend, self._queue)
         self.step_index = 0
         self._seq = 0
         self._pending: StepPlan | None = None
         self._plan_start_ms = 0.0
-        # Requests with prefill work left -> the last step in which they got any tokens
-        # (or were queued). Drives the prefill reserve that bounds starvation. Kept in
-        # order of that step (each update moves the entry to the end), so the longest
-        # waiting one is the first; _backlog counts them per tenant for the policy.
-        self._prefill_since: OrderedDict[str, int] = OrderedDict()
-        self._backlog: Counter[str] = Counter()
+        # Prefill work left, for the reserve that bounds starvation (ref/core/prefill.py).
+        self._backlog = PrefillBacklog()
         self.retired: list[Request] = []  # finished or aborted since the last commit
         # Admission control counters (rejected at add_request; timed out while waiting).
         self.num_rejected = 0
@@ -108,10 +99,40 @@ class Scheduler:
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
 
+    @property
+    def paused(self) -> dict[str, Request]:
+        """WAITING_TOOL: agent turns waiting for a tool, in pause order."""
+        return self._suspend.paused
+
+    @property
+    def _to_host(self) -> list[str]:
+        """Paused turns whose KV the next step moves to the host pool (pause order)."""
+        return self._suspend.to_host
+
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
         """Queue a request. Bad input raises a typed error and queues nothing."""
         self._require_boundary("add_request")
+        self._check_new(request)
+        self._check_prompt(request)
+        rid = request.request_id
+        try:
+            require_fit(self.config, rid, request.num_prompt_tokens)
+        except ExceedsCapacity:
+            self.num_rejected += 1
+            raise
+        limit = self.config.max_waiting
+        if limit is not None and len(self._queue) >= limit:
+            self.num_rejected += 1
+            raise QueueFull(f"add_request: request {rid!r} rejected: {limit} requests already wait")
+        request.seq = self._seq
+        request.queued_step = self.step_index
+        self._seq += 1
+        self.requests[rid] = request
+        self._queue.add(request)
+        self._backlog.mark(request, self.step_index)
+
+    def _check_new(self, request: Request) -> None:
         rid = request.request_id
         if not isinstance(rid, str) or not rid:
             raise InvalidArgument(f"add_request: request id must be a non-empty str, got {rid!r}")
@@ -125,36 +146,25 @@ class Scheduler:
             raise InvalidArgument(
                 f"add_request: request {rid!r} is not fresh (status {request.status})"
             )
+
+    def _check_prompt(self, request: Request) -> None:
+        rid = request.request_id
         if request.num_prompt_tokens < 1:
             raise InvalidArgument(f"add_request: request {rid!r} has an empty prompt")
         for t in request.prompt_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise InvalidArgument(f"add_request: request {rid!r} has a bad token id {t!r}")
         max_len = self.config.max_len
-        if request.num_prompt_tokens >= max_len:
-            what = (
+        check_room_for_output(
+            request.num_prompt_tokens,
+            max_len,
+            subject=f"add_request: request {rid!r} prompt has",
+            limit=(
                 f"max_model_len is {max_len}"
                 if max_len == self.config.max_model_len
                 else f"without chunked prefill the token budget {max_len} caps the length"
-            )
-            raise InvalidArgument(
-                f"add_request: request {rid!r} prompt has {request.num_prompt_tokens} tokens; "
-                f"{what}, leaving no room for an output token"
-            )
-        need = blocks_needed(request.num_prompt_tokens, self.config.block_size)
-        if need > self.config.num_blocks:
-            self.num_rejected += 1
-            raise ExceedsCapacity(rid, need, self.config.num_blocks)
-        limit = self.config.max_waiting
-        if limit is not None and len(self._queue) >= limit:
-            self.num_rejected += 1
-            raise QueueFull(f"add_request: request {rid!r} rejected: {limit} requests already wait")
-        request.seq = self._seq
-        request.queued_step = self.step_index
-        self._seq += 1
-        self.requests[rid] = request
-        self._queue.add(request)
-        self._mark_prefill(request)
+            ),
+        )
 
     def abort(self, request_id: str, now_ms: float = 0.0) -> None:
         """Abort in any live state; every block the request held returns to the pool."""
@@ -208,7 +218,7 @@ class Scheduler:
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             self.running.append(child)
-        elif blocks_needed(child.num_tokens, self.config.block_size) > self.config.num_blocks:
+        elif never_fits(self.config, child.num_tokens):
             # Waiting means recomputing all its tokens later, and they can never fit.
             child.transition(S.PREEMPTED)
             self._retire(child, S.FINISHED, FinishReason.CAPACITY, self._plan_start_ms)
@@ -238,38 +248,8 @@ class Scheduler:
         r = self.requests.get(request_id)
         if r is None:
             raise UnknownRequest(request_id, "pause")
-        if r.status is not S.DECODING:
-            raise InvalidArgument(
-                f"pause: request {request_id!r} must be decoding (it is {r.status})"
-            )
-        if retention is None:
-            if isinstance(expected_wait_ms, bool) or not isinstance(expected_wait_ms, int | float):
-                raise InvalidArgument(
-                    f"pause: expected_wait_ms must be a number, got {expected_wait_ms!r}"
-                )
-            kind = self.config.retention.choose(
-                expected_wait_ms, host_available=self.host.can_hold(r.num_computed_tokens)
-            )
-        else:
-            try:
-                kind = KVRetention(retention)
-            except ValueError:
-                allowed = ", ".join(m.value for m in KVRetention)
-                raise InvalidArgument(
-                    f"pause: retention must be one of {allowed}, got {retention!r}"
-                ) from None
-        if kind is KVRetention.HOST and not self.host.num_blocks:
-            raise InvalidArgument(
-                f"pause: request {request_id!r} cannot wait on the host: num_host_blocks is 0"
-            )
-        if kind is KVRetention.DROP:
-            self.pool.free(request_id)
-            r.num_computed_tokens = 0
-        elif kind is KVRetention.HOST:
-            self._to_host.append(request_id)
+        kind = self._suspend.pause(r, retention, expected_wait_ms)
         self.running.remove(r)
-        r.transition(S.WAITING_TOOL)
-        self.paused[request_id] = r
         return kind
 
     def resume(self, request_id: str, tool_token_ids: Sequence[int], stop: StopParams) -> None:
@@ -283,27 +263,7 @@ class Scheduler:
         it queues in its arrival place and recomputes through the prefix cache.
         """
         self._require_boundary("resume")
-        r = self.paused.get(request_id)
-        if r is None:
-            raise UnknownRequest(request_id, "resume (not waiting for a tool)")
-        tool = list(tool_token_ids)
-        if not tool or any(type(t) is not int or t < 0 for t in tool):
-            raise InvalidArgument(f"resume: request {request_id!r} needs tool token ids >= 0")
-        if r.num_tokens + len(tool) >= self.config.max_len:
-            raise InvalidArgument(
-                f"resume: request {request_id!r} would hold {r.num_tokens + len(tool)} tokens; "
-                f"the limit is {self.config.max_len - 1} before an output token"
-            )
-        need = blocks_needed(r.num_tokens + len(tool), self.config.block_size)
-        if need > self.config.num_blocks:
-            raise ExceedsCapacity(request_id, need, self.config.num_blocks)
-        del self.paused[request_id]
-        if request_id in self._to_host:  # the tool answered before the KV moved
-            self._to_host.remove(request_id)
-        r.prompt_token_ids = [*r.token_ids, *tool]
-        r.token_ids = list(r.prompt_token_ids)
-        r.num_prompt_tokens = len(r.token_ids)
-        r.stop = stop
+        r = self._suspend.resume(request_id, tool_token_ids, stop)
         in_place = (
             len(self.running) < self.config.max_num_seqs
             and self.policy.admission_open(len(self.running))
@@ -312,7 +272,7 @@ class Scheduler:
         if self.pool.has_request(request_id) and in_place:
             r.transition(S.PREFILLING)
             self.running.append(r)
-            self._mark_prefill(r)
+            self._backlog.mark(r, self.step_index)
             return
         if self.pool.has_request(request_id):  # it may not run now: give the blocks back
             self.pool.free(request_id)
@@ -339,7 +299,10 @@ class Scheduler:
         self.pool.begin()
         self.host.begin()
         try:
-            plan = self._plan(now_ms)
+            reserve = self._backlog.reserve(self.config, self.step_index)
+            plan = self._planner.plan(
+                self.step_index, list(self.running), reserve, now_ms, fast=self.fast_decode
+            )
         except BaseException:
             self.pool.rollback()
             self.host.rollback()
@@ -355,36 +318,65 @@ class Scheduler:
         self._pending = None
 
     def commit(self, plan: StepPlan, sampled: Mapping[str, int], now_ms: float = 0.0) -> StepEvents:
-        """Apply a step's results: counters, sampled tokens, stops, preemptions, admissions."""
+        """Apply a step's results: counters, sampled tokens, stops, preemptions, admissions.
+
+        In phases, each a method: the victims leave, the admitted join, the chunks advance
+        and sample, the planned finishes retire, then the books close.
+        """
         assert plan is self._pending, "commit of a plan that is not pending"
         self.validate_output(plan, sampled)
-        by_id = self.requests
-        gone: set[str] = set()
-        finished: list[str] = []
+        finished: list[str] = []  # in the order they finish, for StepEvents
+        self._commit_preempted(plan, finished, now_ms)
+        self._commit_admitted(plan)
+        new_tokens = self._commit_chunks(plan, sampled, finished, now_ms)
+        self._commit_finishes(plan, finished, now_ms)
+        if plan.preempted or finished:
+            gone = {*plan.preempted, *finished}
+            self.running = [r for r in self.running if r.request_id not in gone]
+        self._suspend.commit(plan)
+        self.num_swapped_out_blocks += len(plan.swap_out)
+        self.num_swapped_in_blocks += len(plan.swap_in)
+        self.pool.commit()
+        self.host.commit()
+        self._pending = None
+        self.step_index += 1
+        self._tell_policy(plan)
+        return StepEvents(new_tokens, tuple(finished), plan.preempted)
+
+    def _commit_preempted(self, plan: StepPlan, finished: list[str], now_ms: float) -> None:
+        """Victims wait again in their arrival place: swapped with their KV on the host,
+        or preempted to recompute, unless their tokens can never fit again (capacity)."""
         swapped = set(plan.swapped_out)
         for rid in plan.preempted:
-            r = by_id[rid]
+            r = self.requests[rid]
             r.num_preemptions += 1
-            gone.add(rid)
             if rid in swapped:  # its KV waits on the host; num_computed_tokens stays
                 r.transition(S.SWAPPED)
-                self._requeue(r)
-                continue
-            r.transition(S.PREEMPTED)
-            r.num_computed_tokens = 0
-            if blocks_needed(r.num_tokens, self.config.block_size) > self.config.num_blocks:
-                # Its known tokens outgrew the pool: recomputing them can never fit.
-                self._retire(r, S.FINISHED, FinishReason.CAPACITY, now_ms)
-                finished.append(rid)
             else:
-                self._requeue(r)
-        if plan.admitted:
-            for rid in plan.admitted:
-                r = by_id[rid]
-                self._queue.remove(r)
-                self.running.append(r)
-                if r.admitted_ms is None:
-                    r.admitted_ms = self._plan_start_ms
+                r.transition(S.PREEMPTED)
+                r.num_computed_tokens = 0
+                if never_fits(self.config, r.num_tokens):
+                    # Its known tokens outgrew the pool: recomputing them can never fit.
+                    self._retire(r, S.FINISHED, FinishReason.CAPACITY, now_ms)
+                    finished.append(rid)
+                    continue
+            self._requeue(r)
+
+    def _commit_admitted(self, plan: StepPlan) -> None:
+        for rid in plan.admitted:
+            r = self.requests[rid]
+            self._queue.remove(r)
+            self.running.append(r)
+            if r.admitted_ms is None:
+                r.admitted_ms = self._plan_start_ms
+
+    def _commit_chunks(
+        self, plan: StepPlan, sampled: Mapping[str, int], finished: list[str], now_ms: float
+    ) -> dict[str, int]:
+        """Advance each scheduled request's KV length, append its sampled token and stop
+        it by :meth:`StopParams.is_stop` or length (KVLEN). The hot loop of a decode
+        step: one pass, no call per request but the stop rule's."""
+        by_id = self.requests
         new_tokens: dict[str, int] = {}
         max_len = self.config.max_len
         for rid, start, n, samples, cached in zip(
@@ -401,7 +393,7 @@ class Scheduler:
             r.num_computed_tokens = start + n
             if not samples:
                 r.transition(S.PREFILLING)
-                self._mark_prefill(r)
+                self._backlog.mark(r, self.step_index)
                 continue
             token = sampled[rid]
             tokens = r.token_ids
@@ -410,44 +402,29 @@ class Scheduler:
             new_tokens[rid] = token
             stop = r.stop
             if stop.is_stop(token):
-                reason: FinishReason | None = FinishReason.STOP
+                reason = FinishReason.STOP
             elif len(tokens) - r.num_prompt_tokens >= stop.max_tokens or len(tokens) >= max_len:
                 reason = FinishReason.LENGTH
             else:
-                reason = None
-            if reason is not None:
-                self.pool.free(rid)
-                gone.add(rid)
-                self._retire(r, S.FINISHED, reason, now_ms)
-                finished.append(rid)
-            elif r.status is not S.DECODING:
-                r.transition(S.DECODING)
-                self._clear_prefill(r)
+                if r.status is not S.DECODING:
+                    r.transition(S.DECODING)
+                    self._backlog.clear(r)
+                continue
+            self.pool.free(rid)
+            self._retire(r, S.FINISHED, reason, now_ms)
+            finished.append(rid)
+        return new_tokens
+
+    def _commit_finishes(self, plan: StepPlan, finished: list[str], now_ms: float) -> None:
+        """The plan's finishes without computing: timed out in the queue, or capacity."""
         for cf in plan.finished:
-            r = by_id[cf.request_id]
-            gone.add(cf.request_id)
+            r = self.requests[cf.request_id]
             if r in self._queue:  # timed out while waiting
                 self._queue.remove(r)
             self._retire(r, S.FINISHED, cf.reason, now_ms)
             finished.append(cf.request_id)
             if cf.reason is FinishReason.TIMEOUT:
                 self.num_timeouts += 1
-        if gone:
-            self.running = [r for r in self.running if r.request_id not in gone]
-        if plan.swapped_out:  # paused turns whose KV moved to the host in this step
-            self._to_host = [rid for rid in self._to_host if rid not in swapped]
-        for rid in plan.dropped:
-            by_id[rid].num_computed_tokens = 0
-            if rid in self._to_host:
-                self._to_host.remove(rid)
-        self.num_swapped_out_blocks += len(plan.swap_out)
-        self.num_swapped_in_blocks += len(plan.swap_in)
-        self.pool.commit()
-        self.host.commit()
-        self._pending = None
-        self.step_index += 1
-        self._tell_policy(plan)
-        return StepEvents(new_tokens, tuple(finished), plan.preempted)
 
     def _tell_policy(self, plan: StepPlan) -> None:
         granted: dict[str, int] = {}
@@ -460,336 +437,13 @@ class Scheduler:
                     tenant = self._tenant_of(rid)
                     granted[tenant] = granted.get(tenant, 0) + n
         # A live view, valid for the call: O(1) however many requests are backlogged.
-        self.policy.on_commit(granted, self._backlog.keys())
+        self.policy.on_commit(granted, self._backlog.tenants)
 
     def _tenant_of(self, request_id: str) -> str:
         r = self.requests.get(request_id)
         if r is not None:
             return r.tenant
         return next(x.tenant for x in self.retired if x.request_id == request_id)
-
-    # ------------------------------------------------------------------ planning
-    def _plan(self, now_ms: float) -> StepPlan:
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        reserve = cfg.prefill_reserve_tokens if self._prefill_starving() else 0
-        plan = PlanBuilder(self.step_index)
-        running = list(self.running)
-        scheduled: set[str] = set()
-        preempted: list[str] = []
-        finished = self._timed_out(now_ms)
-        copies: list[BlockCopy] = []
-        swaps = _StepSwaps()
-        self._move_paused_to_host(swaps)
-        was_running = len(running)
-        decoded: list[Request] = []
-        prefill_left = budget
-
-        # Decodes first, in admission order; then running prefills; then admission.
-        decoders = [r for r in running if r.status is S.DECODING][: max(0, budget - reserve)]
-        fast = (
-            self.pool.append_decode_tokens(
-                [r.request_id for r in decoders], [r.token_ids for r in decoders]
-            )
-            if self.fast_decode and decoders
-            else None
-        )
-        if fast is not None:
-            # Nobody needed preempting: exactly what the per-request loop below would do.
-            copies.extend(fast)
-            plan.add_decodes(
-                [r.request_id for r in decoders], [r.num_computed_tokens for r in decoders]
-            )
-            scheduled.update(r.request_id for r in decoders)
-            decoded = decoders
-            budget -= len(decoders)
-            phases: tuple[bool, ...] = (False,)
-        else:
-            phases = (True, False)
-        for decode_phase in phases:
-            if not decode_phase:
-                prefill_left = self._prefill_cap(decoded, now_ms, reserve)
-            for r in list(running):
-                if r.request_id in scheduled or r.request_id in preempted:
-                    continue
-                is_decode = r.status is S.DECODING
-                if is_decode != decode_phase:
-                    continue
-                avail = budget - reserve if is_decode else min(budget, prefill_left)
-                remaining = r.num_tokens - r.num_computed_tokens
-                n = 1 if is_decode else self._chunk(remaining, avail, r.num_computed_tokens)
-                if n < 1 or avail < n:
-                    continue
-                if not self._make_room(r, n, running, scheduled, preempted, swaps):
-                    if not scheduled and len(running) == 1:
-                        # Alone, and still cannot grow: it never will in this pool.
-                        self.pool.free(r.request_id)
-                        running.remove(r)
-                        finished.append(PlannedFinish(r.request_id, FinishReason.CAPACITY))
-                    continue
-                alloc = self.pool.allocate(r.request_id, r.token_ids, n, namespace=r.namespace)
-                copies.extend(alloc.copies)
-                start = alloc.start_position
-                plan.add(r.request_id, start, n, start + n == r.num_tokens, not is_decode)
-                scheduled.add(r.request_id)
-                budget -= n
-                if is_decode:
-                    decoded.append(r)
-                else:
-                    prefill_left -= n
-
-        timed_out = {f.request_id for f in finished}
-        admit_budget = min(budget, prefill_left)
-        admitted = self._admit(running, plan, admit_budget, was_running, copies, timed_out, swaps)
-        return plan.build(
-            preempted,
-            admitted,
-            finished,
-            copies,
-            swaps.out,
-            swaps.in_,
-            swaps.swapped_out,
-            swaps.swapped_in,
-            swaps.dropped,
-        )
-
-    def _prefill_cap(self, decoded: Sequence[Request], now_ms: float, reserve: int) -> int:
-        """Prefill tokens this step may take so the tightest decode meets its TBT SLO.
-
-        Example 3 of docs/ARCHITECTURE.md: with the decodes placed, the step's predicted time
-        ``a + b*P + c*D (+ e*K)`` must end before the earliest next-token deadline
-        (last token time + ``tbt_slo_ms``), so ``P <= (slack - a - c*D - e*K) / b``. A
-        prefill starving past the reserve threshold still gets its reserved share.
-        """
-        cfg = self.config
-        model = cfg.step_cost
-        if cfg.tbt_slo_ms is None or model is None or not decoded:
-            return cfg.max_num_batched_tokens
-        last = min(r.token_times_ms[-1] if r.token_times_ms else now_ms for r in decoded)
-        slack = last + cfg.tbt_slo_ms - now_ms
-        kv_read = sum(r.num_computed_tokens + 1 for r in decoded) if model.e else 0
-        spare = slack - model.step_ms(0, len(decoded), kv_read)
-        return max(reserve, math.floor(spare / model.b) if spare > 0 else 0)
-
-    def _timed_out(self, now_ms: float) -> list[PlannedFinish]:
-        """Requests still waiting for their first admission past the queue timeout."""
-        timeout = self.config.queue_timeout_ms
-        if timeout is None:
-            return []
-        return [
-            PlannedFinish(r.request_id, FinishReason.TIMEOUT)
-            for r in self._queue.overdue(now_ms, timeout)
-        ]
-
-    def _admit(
-        self,
-        running: list[Request],
-        plan: PlanBuilder,
-        budget: int,
-        was_running: int,
-        copies: list[BlockCopy],
-        skip: set[str],
-        swaps: _StepSwaps,
-    ) -> list[str]:
-        cfg = self.config
-        admitted: list[str] = []
-        if not self._queue or not self.policy.admission_open(was_running):
-            return admitted
-        for r in self.policy.waiting_order(self._queue, self.step_index):
-            if r.request_id in skip or not self.policy.may_admit(r, running):
-                continue
-            if len(running) >= cfg.max_num_seqs or budget < 1:
-                break
-            if r.status is S.SWAPPED:
-                n = self._swap_in(r, running, plan, budget, swaps)
-                if not n:
-                    break  # FCFS, as below
-                running.append(r)
-                admitted.append(r.request_id)
-                budget -= n
-                continue
-            hit = self.pool.lookup(r.token_ids, r.namespace) if cfg.enable_prefix_caching else None
-            cached = hit.num_tokens if hit else 0
-            n = self._chunk(r.num_tokens - cached, budget, cached)
-            if n < 1:
-                break
-            if running or plan.request_ids:
-                free = self.pool.num_free_blocks - cfg.watermark_blocks
-                ok = self._admission_blocks(r, n, hit) <= free
-            else:
-                ok = self._fits_alone(r.request_id, n, hit, swaps)
-            if not ok:
-                break  # FCFS: later arrivals do not overtake the head of the queue
-            alloc = self.pool.allocate(r.request_id, r.token_ids, n, hit=hit, namespace=r.namespace)
-            copies.extend(alloc.copies)
-            start = alloc.start_position
-            plan.add(r.request_id, start, n, start + n == r.num_tokens, True, cached)
-            running.append(r)
-            admitted.append(r.request_id)
-            budget -= n
-        return admitted
-
-    def _swap_in(
-        self,
-        r: Request,
-        running: list[Request],
-        plan: PlanBuilder,
-        budget: int,
-        swaps: _StepSwaps,
-    ) -> int:
-        """Admit a swapped request: restore its KV from the host and schedule its next
-        tokens in the same step (the swap-in copies run before the forward). Returns
-        the tokens scheduled, 0 if it does not fit now (nothing reserved then)."""
-        rid = r.request_id
-        stored = r.num_computed_tokens
-        remaining = r.num_tokens - stored
-        n = self._chunk(remaining, budget, stored)
-        if n < 1:
-            return 0
-        if running or plan.request_ids:
-            free = self.pool.num_free_blocks - self.config.watermark_blocks
-            ok = self._admission_blocks(r, stored + n, None) <= free
-        else:
-            ok = self._fits_alone(rid, stored + n, None, swaps)
-        if not ok:
-            return 0
-        self.pool.allocate(rid, r.token_ids, stored, namespace=r.namespace)
-        host = self.host.release(rid)
-        device = self.pool.block_table_view(rid)
-        swaps.in_.extend(BlockCopy(h, d) for h, d in zip(host.block_ids, device, strict=True))
-        swaps.swapped_in.append(rid)
-        alloc = self.pool.allocate(rid, r.token_ids, n, namespace=r.namespace)
-        assert not alloc.copies, "a swapped-in request shares no block"
-        # A swapped decode has one token left (the last sampled one); anything longer
-        # is a resumed agent turn's incremental prefill.
-        plan.add(rid, stored, n, stored + n == r.num_tokens, remaining > 1)
-        return n
-
-    def _move_paused_to_host(self, swaps: _StepSwaps) -> None:
-        """Paused turns retained on the host leave the device at the start of a step,
-        so this step can already use their blocks (the swap-out copies run first)."""
-        for rid in self._to_host:
-            r = self.paused[rid]
-            if self.host.can_hold(r.num_computed_tokens):
-                self._swap_out(r, swaps)
-            # else: the host pool is full; the KV stays on the device and the move is
-            # retried next step.
-
-    def _fits_alone(
-        self, request_id: str, n: int, hit: PrefixHit | None, swaps: _StepSwaps
-    ) -> bool:
-        """Admission when nothing else runs: the watermark and the whole-request rules
-        protect running requests' growth, and waiving them here guarantees progress, as
-        does reclaiming paused turns' KV when the request still does not fit."""
-        while not self.pool.can_allocate(request_id, n, hit):
-            if not self._reclaim_paused(swaps):
-                return False
-        return True
-
-    def _reclaim_paused(self, swaps: _StepSwaps) -> bool:
-        """Free the device blocks of one paused turn (the longest paused): to the host
-        if it has room, else dropped. False if no paused turn holds device blocks.
-
-        A tool wait never blocks progress: paused KV is reclaimed before a running
-        request is preempted, and before admission stalls with nothing running.
-        """
-        for rid, r in self.paused.items():
-            if not self.pool.has_request(rid):
-                continue  # its KV is on the host already, or was dropped
-            if r.num_computed_tokens and self.host.can_hold(r.num_computed_tokens):
-                self._swap_out(r, swaps)
-            else:
-                self.pool.free(rid)
-                swaps.dropped.append(rid)
-            return True
-        return False
-
-    def _should_swap(self, victim: Request) -> bool:
-        """Recompute or swap a preemption victim (ref/core/swap.py documents the rule)."""
-        cfg = self.config
-        stored = victim.num_computed_tokens
-        if cfg.preemption_mode is PreemptionMode.RECOMPUTE or not stored:
-            return False
-        if blocks_needed(victim.num_tokens, cfg.block_size) > cfg.num_blocks:
-            return False  # it can never run again here: commit finishes it (capacity)
-        if not self.host.can_hold(stored):
-            return False
-        if cfg.preemption_mode is PreemptionMode.AUTO:
-            assert cfg.swap_cost is not None
-            return cfg.swap_cost.prefers_swap(stored)
-        return True
-
-    def _swap_out(self, r: Request, swaps: _StepSwaps) -> None:
-        rid = r.request_id
-        device = self.pool.block_table_view(rid)
-        swaps.out.extend(self.host.swap_out(rid, device, r.num_computed_tokens, r.token_ids))
-        swaps.swapped_out.append(rid)
-        self.pool.free(rid)
-
-    def _chunk(self, remaining: int, avail: int, num_computed: int) -> int:
-        if not self.config.enable_chunked_prefill:
-            return remaining if remaining <= avail else 0
-        return chunk_size(
-            remaining,
-            avail,
-            self.config.block_size,
-            self.config.align_chunks_to_blocks,
-            num_computed,
-        )
-
-    def _admission_blocks(self, r: Request, n: int, hit: PrefixHit | None) -> int:
-        """Free blocks a waiting request must find before it is admitted (CAP)."""
-        cfg = self.config
-        first = self.pool.blocks_to_allocate(r.request_id, n, hit)
-        if cfg.admission is Admission.FIRST_CHUNK:
-            return first
-        if cfg.admission is Admission.PROMPT:
-            total = r.num_tokens
-        else:
-            total = min(r.num_prompt_tokens + r.stop.max_tokens, cfg.max_len)
-        held = len(hit.block_ids) if hit else 0
-        fresh_first = max(0, blocks_needed(held * cfg.block_size + n, cfg.block_size) - held)
-        revived = first - fresh_first  # cached blocks that leave the free queue on a hit
-        return max(first, blocks_needed(total, cfg.block_size) - held + revived)
-
-    def _make_room(
-        self,
-        r: Request,
-        n: int,
-        running: list[Request],
-        scheduled: set[str],
-        preempted: list[str],
-        swaps: _StepSwaps,
-    ) -> bool:
-        """Preempt victims until ``r`` can get blocks for ``n`` tokens; False if impossible.
-
-        Victims are running requests not yet scheduled in this step, chosen by the policy,
-        each swapped out or dropped for recompute (:meth:`_should_swap`). Those preempted
-        before failing stay preempted: their blocks are already free.
-        """
-        while not self.pool.can_allocate(r.request_id, n):
-            if self._reclaim_paused(swaps):
-                continue  # idle KV goes before running work is preempted
-            candidates = [v for v in running if v is not r and v.request_id not in scheduled]
-            victim = self.policy.pick_victim(candidates)
-            if victim is None:
-                return False
-            if self._should_swap(victim):
-                self._swap_out(victim, swaps)
-            else:
-                self.pool.free(victim.request_id)
-            running.remove(victim)
-            preempted.append(victim.request_id)
-        return True
-
-    def _prefill_starving(self) -> bool:
-        cfg = self.config
-        if not cfg.prefill_reserve_tokens:
-            return False
-        if not self._prefill_since:
-            return False
-        longest = next(iter(self._prefill_since.values()))  # the smallest: kept in order
-        return self.step_index - longest >= cfg.prefill_reserve_after_steps
 
     # ------------------------------------------------------------------ helpers
     def validate_output(self, plan: StepPlan, sampled: Mapping[str, int]) -> None:
@@ -810,22 +464,7 @@ class Scheduler:
         # by later arrivals; aging counts from now.
         r.queued_step = self.step_index
         self._queue.add(r)
-        self._mark_prefill(r)
-
-    def _mark_prefill(self, r: Request) -> None:
-        """``r`` has prefill work left and got tokens (or was queued) in this step."""
-        rid = r.request_id
-        if rid not in self._prefill_since:
-            self._backlog[r.tenant] += 1
-        self._prefill_since[rid] = self.step_index
-        self._prefill_since.move_to_end(rid)  # steps only grow: the order stays sorted
-
-    def _clear_prefill(self, r: Request) -> None:
-        if self._prefill_since.pop(r.request_id, None) is not None:
-            self._backlog[r.tenant] -= 1
-            assert self._backlog[r.tenant] >= 0, "a tenant counted as it was marked"
-            if not self._backlog[r.tenant]:
-                del self._backlog[r.tenant]
+        self._backlog.mark(r, self.step_index)
 
     def _end(
         self, request_id: str, status: RequestStatus, reason: FinishReason, now_ms: float, what: str
@@ -836,15 +475,10 @@ class Scheduler:
             raise UnknownRequest(request_id, what)
         if self.pool.has_request(request_id):
             self.pool.free(request_id)
-        if self.host.has_request(request_id):
-            self.host.release(request_id)
-        if request_id in self._to_host:
-            self._to_host.remove(request_id)
+        was_paused = self._suspend.forget(request_id)
         if r in self.running:
             self.running.remove(r)
-        elif request_id in self.paused:
-            del self.paused[request_id]
-        else:
+        elif not was_paused:
             self._queue.remove(r)
         self._retire(r, status, reason, now_ms)
 
@@ -855,7 +489,7 @@ class Scheduler:
         r.finish_reason = reason
         r.finished_ms = now_ms
         del self.requests[r.request_id]
-        self._clear_prefill(r)
+        self._backlog.clear(r)
         self.retired.append(r)
 
     def _require_boundary(self, what: str) -> None:

@@ -14,7 +14,12 @@
 
 A step is :class:`ref.core.engine_core.EngineCore`'s (schedule, build inputs, execute, commit)
 with :class:`ref.model.executor.ModelExecutor` as the executor; this module adds
-tokenization, detokenization, stop strings, ``n > 1`` forks and the outputs.
+tokenization, detokenization, stop strings, ``n > 1`` forks and the outputs. Everything
+the executor produced reaches the engine through the step's
+:class:`~ref.core.engine_core.StepRecord` (tokens, logprobs, the first tokens of forks),
+never through state left on the executor. :meth:`LLMEngine.iter_outputs`,
+:meth:`LLMEngine.stream` and :meth:`LLMEngine.generate` are one drive loop
+(``_drive``) that differs only in which outputs the caller takes and when it stops.
 
 ``n > 1``: the request runs its prompt once. Its last prefill step draws all ``n`` first
 tokens from the same logits; sample 0 continues as the request itself and samples
@@ -64,8 +69,9 @@ import torch
 
 from ref.core.config import SchedulerConfig
 from ref.core.engine_core import EngineCore, StepRecord
+from ref.core.executor import DrawnToken
 from ref.core.policy import Policy
-from ref.core.request import FinishReason, Request, StopParams
+from ref.core.request import FinishReason, Request, StopParams, check_room_for_output
 from ref.core.scheduler import Scheduler
 from ref.core.swap import KVRetention
 from ref.errors import DuplicateRequest, InvalidArgument, RefserveError, UnknownRequest
@@ -83,7 +89,7 @@ from ref.model.sampler import (
 )
 from ref.model.tokenizer import ByteTokenizer, HFTokenizer, TextStream, Tokenizer
 from ref.model.weights import LlamaWeights, load_checkpoint, random_weights
-from ref.sim.metrics import RequestMetrics, RunMetrics
+from ref.sim.metrics import RequestMetrics
 
 __all__ = [
     "GenerationResult",
@@ -107,6 +113,11 @@ class InvalidPrompt(InvalidArgument):
 
 class EngineStalled(RefserveError):
     """Steps keep scheduling nothing while requests are unfinished (a scheduler bug)."""
+
+
+#: How many passes of a drive loop in a row may produce no output before it raises
+#: :class:`EngineStalled` (:meth:`LLMEngine.iter_outputs`, ``stream``, ``generate``).
+MAX_IDLE_STEPS = 10_000
 
 
 @dataclass(frozen=True)
@@ -199,9 +210,10 @@ class LLMEngine:
         check_invariants: bool = False,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        cfg, weights, model_dir = _resolve_model(model, dtype=dtype, device=device, seed=model_seed)
+        checkpoint = _resolve_checkpoint(model, dtype=dtype, device=device, seed=model_seed)
+        cfg = checkpoint.config
         self.model_config = cfg
-        self.tokenizer = _resolve_tokenizer(tokenizer, model_dir, cfg)
+        self.tokenizer = _resolve_tokenizer(tokenizer, checkpoint)
         sched_cfg = scheduler_config if scheduler_config is not None else SchedulerConfig()
         if sched_cfg.max_model_len > cfg.max_position_embeddings:
             sched_cfg = replace(sched_cfg, max_model_len=cfg.max_position_embeddings)
@@ -219,7 +231,7 @@ class LLMEngine:
             )
         # The host side of swap, shaped like the device blocks (empty when swap is off).
         self.host_cache = HostKVCache(self.cache, sched_cfg.num_host_blocks)
-        self.model = LlamaModel(cfg, weights, make_backend(attention_backend))
+        self.model = LlamaModel(cfg, checkpoint.weights, make_backend(attention_backend))
         self.executor = ModelExecutor(
             self.model, self.cache, self.scheduler.requests, self.host_cache
         )
@@ -292,11 +304,7 @@ class LLMEngine:
         """
         sp = _sampling_params(params)
         ids = self._prompt_ids(prompt)
-        if len(ids) >= self.max_model_len:
-            raise InvalidPrompt(
-                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
-                "leaving no room for an output token"
-            )
+        self._check_room(len(ids), "prompt has")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidArgument(f"priority must be an int, got {priority!r}")
         rid = self._new_id(request_id)
@@ -311,9 +319,8 @@ class LLMEngine:
         seed = sp.seed if sp.seed is not None else self._rng.randrange(1 << 62)
         req = Request(rid, list(ids), first_stop, arrival_ms=self.now_ms(), priority=priority)
         self.scheduler.add_request(req)  # may raise (e.g. ExceedsCapacity): nothing registered
-        spec = _spec(sp, seed)
         self.executor.register(
-            rid, spec, tuple(replace(spec, seed=derive_seed(seed, i)) for i in range(1, sp.n))
+            rid, _spec(sp, seed), tuple(_spec(sp, derive_seed(seed, i)) for i in range(1, sp.n))
         )
         seq = self._new_seq(rid, rid, 0, req, sp, ids)
         self._groups[rid] = _Group(rid, sp, stop, tuple(ids), seed, [seq], child_ids)
@@ -417,12 +424,7 @@ class LLMEngine:
                 f"resume: a turn samples one sequence (n=1), got n={sp.n}", field="n"
             )
         tool = self._prompt_ids(tool_output, what="tool output", add_special_tokens=False)
-        total = req.num_tokens + len(tool)
-        if total >= self.max_model_len:
-            raise InvalidPrompt(
-                f"resume: request {request_id!r} would hold {total} tokens; max_model_len is "
-                f"{self.max_model_len}, leaving no room for an output token"
-            )
+        self._check_room(req.num_tokens + len(tool), f"resume: request {request_id!r} would hold")
         stop = self._stop_params(sp)
         turn = group.turn + 1
         seed = mix64(sp.seed, turn) if sp.seed is not None else self._rng.randrange(1 << 62)
@@ -457,74 +459,141 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        touched: list[str] = []
+        """One core step (ref/core/engine_core.py), then what it means for the sequences,
+        in this order (module doc): new tokens, forks of ``n > 1`` samples, requests the
+        scheduler finished, failed samples, stop strings. Returns the outputs of every
+        sequence the step touched."""
         record = self.core.step(self.now_ms())
-        self.steps.append(record)
+        self._count(record)
         events = record.events
-        self.num_preemptions += len(events.preempted)
-        self.num_prefix_hit_tokens += sum(record.plan.num_new_cached_tokens)
-        logprobs = self.executor.last_logprobs
-        failed: list[str] = []  # the sampler could not sample their row (module doc)
-        for sid, token in events.new_tokens.items():
-            seq = self._seqs[sid]
-            logprob = logprobs.get(sid)
-            if sample_failed(logprob):
-                failed.append(sid)  # its token is a placeholder, not the model's: not shown
-            else:
-                self._append(seq, token, logprob)
-            touched.append(sid)
-        for parent_id, samples in self.executor.last_fork_samples.items():
+        # The sampler could not sample their row (module doc, "Faults").
+        failed = [sid for sid in events.new_tokens if sample_failed(record.logprobs.get(sid))]
+        touched = self._append_tokens(events.new_tokens, record.logprobs)
+        for parent_id, samples in record.fork_samples.items():
             touched.extend(
                 self._fork(parent_id, samples, parent_id in events.finished, parent_id in failed)
             )
-        for sid in events.finished:
+        self._close_finished(events.finished, failed, touched)
+        self._end_failed(failed, record.end_ms)
+        self._end_at_stop_strings(touched, record.end_ms)
+        return self._collect(touched)
+
+    def _count(self, record: StepRecord) -> None:
+        self.steps.append(record)
+        self.num_preemptions += len(record.events.preempted)
+        self.num_prefix_hit_tokens += sum(record.plan.num_new_cached_tokens)
+
+    def _append_tokens(
+        self, new_tokens: Mapping[str, int], logprobs: Mapping[str, float]
+    ) -> list[str]:
+        """Each committed token to its sequence; the ids, in commit order."""
+        touched: list[str] = []
+        for sid, token in new_tokens.items():
             seq = self._seqs[sid]
-            if seq.finished or sid in failed:  # a failed sample ends with error below
+            logprob = logprobs.get(sid)
+            # A failed sample's token is a placeholder, not the model's: never shown.
+            if not sample_failed(logprob):
+                self._append(seq, token, logprob)
+            touched.append(sid)
+        return touched
+
+    def _close_finished(
+        self, finished: Sequence[str], failed: Sequence[str], touched: list[str]
+    ) -> None:
+        """Sequences the scheduler finished in the step (max_tokens, a stop id, a limit),
+        with its reason; a failed sample ends with ``error`` instead (:meth:`_end_failed`).
+        Adds to ``touched`` what now has a final output."""
+        for sid in finished:
+            seq = self._seqs[sid]
+            if seq.finished or sid in failed:
                 continue
-            assert seq.request is not None and seq.request.finish_reason is not None
+            req = seq.request
+            assert req is not None and req.finish_reason is not None
             if seq.index == 0 and not seq.token_ids:  # ended before its first token
                 group = self._groups[seq.request_id]
-                touched.extend(self._close_unforked(group, seq.request.finish_reason.value))
+                touched.extend(self._close_unforked(group, req.finish_reason.value))
             if seq.pending_stop is not None:  # a stop string on the same token wins
                 self._finish(seq, FinishReason.STOP.value, seq.pending_stop)
                 continue
-            reason = seq.request.finish_reason
-            stop_reason: str | int | None = None
-            if reason is FinishReason.STOP and seq.token_ids:
-                stop_reason = seq.token_ids[-1]
-            self._finish(seq, reason.value, stop_reason)
+            stopped_by_token = req.finish_reason is FinishReason.STOP and seq.token_ids
+            self._finish(
+                seq, req.finish_reason.value, seq.token_ids[-1] if stopped_by_token else None
+            )
             if sid not in touched:
                 touched.append(sid)
-        now = record.end_ms
+
+    def _end_failed(self, failed: Sequence[str], now_ms: float) -> None:
+        """End each failed sample with ``error``, at the step boundary like a stop string:
+        the step committed for everyone (the placeholder token included) and only this
+        request ends. Its placeholder may already have ended it in commit (max_tokens, a
+        stop id): then only the reason is corrected; the token is still not shown."""
         for sid in failed:
-            # At the step boundary, like a stop string: the step committed for everyone
-            # (the placeholder token included) and only this request ends. Its
-            # placeholder may already have ended it in commit (max_tokens, a stop id):
-            # then only the reason is corrected; the token is still not shown.
             if sid in self.scheduler.requests:
-                self.scheduler.finish(sid, FinishReason.ERROR, now)
+                self.scheduler.finish(sid, FinishReason.ERROR, now_ms)
             self._finish(self._seqs[sid], FinishReason.ERROR.value, None)
+
+    def _end_at_stop_strings(self, touched: Sequence[str], now_ms: float) -> None:
+        """End the sequences whose text reached a stop string (the scheduler does not
+        know about stop strings: the request is finished from here)."""
         for sid in touched:
             seq = self._seqs[sid]
             if seq.pending_stop is not None and not seq.finished:
                 if sid in self.scheduler.requests:
-                    self.scheduler.finish(sid, FinishReason.STOP, now)
+                    self.scheduler.finish(sid, FinishReason.STOP, now_ms)
                 self._finish(seq, FinishReason.STOP.value, seq.pending_stop)
-        return self._collect(touched)
 
-    def iter_outputs(self, *, max_idle_steps: int = 10_000) -> Iterator[RequestOutput]:
-        """Step until every request is finished or paused for a tool, yielding each output
-        as it appears. Returns (rather than stepping an idle engine) when only paused
-        requests are left: they wait for :meth:`resume`, not for steps."""
+    # ------------------------------------------------------------------ driving
+    def _drive(
+        self,
+        wants: Callable[[RequestOutput], bool],
+        done: Callable[[], bool],
+        what: str,
+        max_idle_steps: int = MAX_IDLE_STEPS,
+    ) -> Iterator[RequestOutput]:
+        """The one loop that steps the engine for a caller (:meth:`iter_outputs`,
+        :meth:`stream`, :meth:`generate`): until ``done()``, yield the held outputs the
+        caller ``wants`` or, when none is held, step once and yield the wanted outputs it
+        produced. Every other output stays held for :meth:`step`, in order.
+
+        ``max_idle_steps`` passes in a row without a single output (held or produced,
+        wanted or not) raise :class:`EngineStalled`: requests are unfinished, yet nothing
+        comes out of them.
+        """
         idle = 0
-        while self.has_unfinished:
-            if not self.has_runnable and self.scheduler.paused:
-                return
-            outs = self.step()
-            idle = 0 if outs else idle + 1
+        while not done():
+            mine = self._take_held(wants)
+            produced = bool(mine)
+            if not mine and self.scheduler.has_unfinished:
+                fresh = self._step()
+                produced = bool(fresh)
+                for o in fresh:
+                    (mine if wants(o) else self._inbox).append(o)
+            idle = 0 if produced else idle + 1
             if idle > max_idle_steps:
-                raise EngineStalled(f"{max_idle_steps} steps in a row produced no output")
-            yield from outs
+                raise EngineStalled(f"{what}: {max_idle_steps} steps in a row produced no output")
+            yield from mine
+
+    def _take_held(self, wants: Callable[[RequestOutput], bool]) -> list[RequestOutput]:
+        """Remove the held outputs a caller wants from the inbox (the rest stay, in order)."""
+        taken: list[RequestOutput] = []
+        kept: list[RequestOutput] = []
+        for o in self._inbox:
+            (taken if wants(o) else kept).append(o)
+        self._inbox = kept
+        return taken
+
+    def iter_outputs(self, *, max_idle_steps: int = MAX_IDLE_STEPS) -> Iterator[RequestOutput]:
+        """Step until every request is finished or paused for a tool, yielding each output
+        as it appears (held outputs first, before the next step). Returns (rather than
+        stepping an idle engine) when only paused requests are left: they wait for
+        :meth:`resume`, not for steps."""
+
+        def done() -> bool:
+            return not self.has_unfinished or (
+                not self.has_runnable and bool(self.scheduler.paused)
+            )
+
+        return self._drive(lambda o: True, done, "iter_outputs", max_idle_steps)
 
     def stream(
         self,
@@ -539,25 +608,14 @@ class LLMEngine:
         The iteration ends when the request finishes or is paused (:meth:`pause`).
         """
         rid = self.add_request(prompt, params, request_id=request_id)
-        return self._stream(rid)
 
-    def _stream(self, rid: str) -> Iterator[RequestOutput]:
-        idle = 0
-        while rid in self._groups:
-            mine: list[RequestOutput] = []
-            held: list[RequestOutput] = []
-            for o in self._inbox:
-                (mine if o.request_id == rid else held).append(o)
-            self._inbox = held
-            if not mine and rid in self.scheduler.paused:
-                return  # paused for a tool: the stream ends with the turn
-            if not mine and self.scheduler.has_unfinished:
-                for o in self._step():
-                    (mine if o.request_id == rid else self._inbox).append(o)
-            idle = 0 if mine else idle + 1
-            if idle > 10_000:
-                raise EngineStalled(f"request {rid!r} made no progress in 10000 steps")
-            yield from mine
+        def done() -> bool:
+            if rid not in self._groups:
+                return True
+            # Paused for a tool: the stream ends with the turn, once its output is out.
+            return rid in self.scheduler.paused and all(o.request_id != rid for o in self._inbox)
+
+        return self._drive(lambda o: o.request_id == rid, done, f"stream of request {rid!r}")
 
     def generate(
         self,
@@ -569,10 +627,36 @@ class LLMEngine:
         If any prompt or params is rejected, the requests of this call that were already
         added are aborted and the error is raised; other requests are not touched. If a
         step raises, the requests of this call are aborted too (their outputs dropped),
-        the outputs of other requests it had taken are put back for :meth:`step`, and the
-        error is raised: nothing of another caller's is lost (module doc, "Faults").
+        the outputs of other requests stay held for :meth:`step`, and the error is
+        raised: nothing of another caller's is lost (module doc, "Faults").
         """
-        batch = _as_prompt_list(prompts)
+        ids = self._add_batch(_as_prompt_list(prompts), params)
+        wanted = set(ids)
+        prompts_of = {rid: self._groups[rid].prompt_token_ids for rid in ids}
+        final: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in ids}
+        try:
+            for o in self._drive(
+                lambda o: o.request_id in wanted,
+                lambda: not any(rid in self._groups for rid in ids),
+                "generate",
+            ):
+                if o.finished:
+                    final[o.request_id][o.index] = o
+        except BaseException:
+            self._drop(ids)
+            raise
+        return [
+            GenerationResult(rid, prompts_of[rid], tuple(final[rid][i] for i in sorted(final[rid])))
+            for rid in ids
+        ]
+
+    def _add_batch(
+        self,
+        batch: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[str]:
+        """Add every prompt of a :meth:`generate` call, or none: a rejected one drops
+        those already added (:meth:`_drop`) and the error is raised."""
         if params is None or isinstance(params, SamplingParams):
             plist: list[SamplingParams | None] = [params] * len(batch)
         else:
@@ -586,46 +670,34 @@ class LLMEngine:
             for p, sp in zip(batch, plist, strict=True):
                 ids.append(self.add_request(p, sp))
         except BaseException:
-            for rid in ids:
-                self.abort(rid)
-            self._inbox = [o for o in self._inbox if o.request_id not in ids]
+            self._drop(ids)
             raise
-        wanted = set(ids)
-        final: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in ids}
-        prompts_of = {rid: self._groups[rid].prompt_token_ids for rid in ids}
-        held: list[RequestOutput] = []
-        idle = 0
-        try:
-            while any(rid in self._groups for rid in ids):
-                outs = self.step()
-                idle = 0 if outs else idle + 1
-                if idle > 10_000:
-                    raise EngineStalled("generate: 10000 steps in a row produced no output")
-                for o in outs:
-                    if o.request_id in wanted:
-                        if o.finished:
-                            final[o.request_id][o.index] = o
-                    else:
-                        held.append(o)
-        except BaseException:
-            for rid in ids:
-                if rid in self._groups:
-                    with contextlib.suppress(RefserveError):  # the first error is the one
-                        self.abort(rid)
-            self._inbox = [o for o in self._inbox if o.request_id not in wanted]
-            raise
-        finally:
-            self._inbox = held + self._inbox
-        return [
-            GenerationResult(rid, prompts_of[rid], tuple(final[rid][i] for i in sorted(final[rid])))
-            for rid in ids
-        ]
+        return ids
 
-    # ------------------------------------------------------------------ summaries
-    def run_metrics(self, requests: Sequence[RequestMetrics], duration_ms: float) -> RunMetrics:
-        return RunMetrics.of(requests, duration_ms)
+    def _drop(self, ids: Sequence[str]) -> None:
+        """Abort the requests ``ids`` that are still live and drop every output of theirs
+        held for :meth:`step` (a :meth:`generate` call that fails takes its own
+        requests with it, and only those)."""
+        for rid in ids:
+            if rid in self._groups:
+                with contextlib.suppress(RefserveError):  # the first error is the one
+                    self.abort(rid)
+        gone = set(ids)
+        self._inbox = [o for o in self._inbox if o.request_id not in gone]
 
     # ------------------------------------------------------------------ internals
+    def _check_room(self, num_tokens: int, subject: str) -> None:
+        """A prompt or resumed turn must leave room for an output token under
+        ``max_model_len`` (:func:`ref.core.request.check_room_for_output`); checked here,
+        before anything is registered, to raise :class:`InvalidPrompt`."""
+        check_room_for_output(
+            num_tokens,
+            self.max_model_len,
+            subject=subject,
+            limit=f"max_model_len is {self.max_model_len}",
+            error=InvalidPrompt,
+        )
+
     def _prompt_ids(
         self, prompt: Prompt, *, what: str = "prompt", add_special_tokens: bool = True
     ) -> list[int]:
@@ -714,7 +786,7 @@ class LLMEngine:
     def _fork(
         self,
         parent_id: str,
-        samples: list[tuple[int, float | None]],
+        samples: Sequence[DrawnToken],
         parent_finished: bool,
         parent_failed: bool = False,
     ) -> list[str]:
@@ -729,41 +801,51 @@ class LLMEngine:
         self.executor.forked(parent_id)
         preq = parent.request
         assert preq is not None
-        stop = group.stop
+        assert len(samples) == len(group.child_ids), "one first token per sample 1..n-1"
         out: list[str] = []
-        for i, (cid, (token, logprob)) in enumerate(
-            zip(group.child_ids, samples, strict=True), start=1
-        ):
-            if parent_failed or sample_failed(logprob):
+        for i, drawn in enumerate(samples, start=1):
+            if parent_failed or sample_failed(drawn.logprob):
                 out.append(self._tokenless_sample(group, i, preq, FinishReason.ERROR.value))
-                continue
-            is_stop = stop.is_stop(token)
-            live = not parent_finished and not is_stop
-            child_req = None
-            if live:
-                child_req = self.scheduler.fork(preq.request_id, cid, token, stop)
-                self.executor.register(
-                    cid, replace(_spec(group.params, group.seed), seed=derive_seed(group.seed, i))
-                )
-                self.num_forks += 1
-            seq = self._new_seq(
-                cid, group.request_id, i, child_req, group.params, group.prompt_token_ids
-            )
-            seq.metrics_from = None if live else preq
-            group.seqs.append(seq)
-            self._append(seq, token, logprob)
-            if child_req is not None and child_req.finish_reason is not None:
-                self._finish(seq, child_req.finish_reason.value, None)  # could never fit
-            elif not live:
-                reason = FinishReason.STOP if is_stop else FinishReason.LENGTH
-                self._finish(seq, reason.value, token if is_stop else None)
-            out.append(cid)
+            else:
+                out.append(self._forked_sample(group, i, preq, drawn, parent_finished))
         if not parent_finished and not parent_failed:
-            preq.stop = stop  # the real stop conditions, from the second token on
+            preq.stop = group.stop  # the real stop conditions, from the second token on
             token = parent.token_ids[-1]
-            if stop.is_stop(token) and parent.pending_stop is None:
+            if group.stop.is_stop(token) and parent.pending_stop is None:
                 parent.pending_stop = token
         return out
+
+    def _forked_sample(
+        self,
+        group: _Group,
+        index: int,
+        parent: Request,
+        drawn: DrawnToken,
+        parent_finished: bool,
+    ) -> str:
+        """Sample ``index`` (>= 1) with its first token ``drawn``: a live request forked off
+        ``parent`` in the scheduler, or, when the parent finished or the token stops it,
+        a sequence finished on that token. Returns its id for :meth:`_collect`."""
+        cid = group.child_ids[index - 1]
+        is_stop = group.stop.is_stop(drawn.token)
+        live = not parent_finished and not is_stop
+        child_req = None
+        if live:
+            child_req = self.scheduler.fork(parent.request_id, cid, drawn.token, group.stop)
+            self.executor.register(cid, _spec(group.params, derive_seed(group.seed, index)))
+            self.num_forks += 1
+        seq = self._new_seq(
+            cid, group.request_id, index, child_req, group.params, group.prompt_token_ids
+        )
+        seq.metrics_from = None if live else parent
+        group.seqs.append(seq)
+        self._append(seq, drawn.token, drawn.logprob)
+        if child_req is not None and child_req.finish_reason is not None:
+            self._finish(seq, child_req.finish_reason.value, None)  # could never fit
+        elif not live:
+            reason = FinishReason.STOP if is_stop else FinishReason.LENGTH
+            self._finish(seq, reason.value, drawn.token if is_stop else None)
+        return cid
 
     def _close_unforked(self, group: _Group, reason: str) -> list[str]:
         """Final outputs for samples 1..n-1 of a request that ended before its first token
@@ -894,35 +976,47 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 TINY_TRAINED = "tiny-trained"
 
 
-def _resolve_model(
+@dataclass(frozen=True)
+class _Checkpoint:
+    """What the ``model`` argument of :class:`LLMEngine` names: a network's config and
+    weights, and the directory they came from (None when built in memory), where a
+    ``tokenizer.json`` may be. :attr:`LLMEngine.model` is the network built from it."""
+
+    config: ModelConfig
+    weights: LlamaWeights
+    directory: Path | None
+
+
+def _resolve_checkpoint(
     model: str | Path | tuple[ModelConfig, LlamaWeights],
     *,
     dtype: torch.dtype,
     device: str,
     seed: int,
-) -> tuple[ModelConfig, LlamaWeights, Path | None]:
+) -> _Checkpoint:
     if isinstance(model, tuple):
-        return model[0], model[1], None
+        return _Checkpoint(model[0], model[1], None)
     if str(model) == "tiny":
         cfg = tiny_config()
-        return cfg, random_weights(cfg, seed, dtype=dtype, device=device), None
+        return _Checkpoint(cfg, random_weights(cfg, seed, dtype=dtype, device=device), None)
     if str(model) == TINY_TRAINED:
         # The shipped checkpoint, read like any other (the byte tokenizer: no tokenizer.json).
         from ref.model.tiny import TRAINED_DIR
 
         cfg, weights = load_checkpoint(TRAINED_DIR, dtype=dtype, device=device)
-        return cfg, weights, TRAINED_DIR
+        return _Checkpoint(cfg, weights, TRAINED_DIR)
     cfg, weights = load_checkpoint(model, dtype=dtype, device=device)
-    return cfg, weights, Path(model)
+    return _Checkpoint(cfg, weights, Path(model))
 
 
 def _resolve_tokenizer(
-    tokenizer: Tokenizer | str | Path | None, model_dir: Path | None, cfg: ModelConfig
+    tokenizer: Tokenizer | str | Path | None, checkpoint: _Checkpoint
 ) -> Tokenizer:
+    cfg, directory = checkpoint.config, checkpoint.directory
     if tokenizer is None:
-        if model_dir is not None and (model_dir / "tokenizer.json").is_file():
+        if directory is not None and (directory / "tokenizer.json").is_file():
             return HFTokenizer(
-                model_dir, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id
+                directory, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id
             )
         return ByteTokenizer()
     if isinstance(tokenizer, str | Path):

@@ -40,15 +40,6 @@ class FreeQueue:
             yield b
             b = self._next[b]
 
-    def peek(self, count: int) -> list[int]:
-        """The first ``count`` blocks in hand-out order, without removing them."""
-        out: list[int] = []
-        b = self._next[self._head]
-        while b != self._tail and len(out) < count:
-            out.append(b)
-            b = self._next[b]
-        return out
-
     def popleft(self) -> int:
         b = self._next[self._head]
         assert b != self._tail, "popleft on an empty free queue"

@@ -252,24 +252,13 @@ class BlockPool:
 
         with self.transaction():
             if table is None:
-                table = self._new_table(request_id, hit.root_key if hit else namespace.root_key())
-                if hit is not None:
-                    for b, key in zip(hit.block_ids, hit.keys, strict=True):
-                        self._take(b)
-                        table.block_table.append(b)
-                        table.keys.append(key)
-                    table.token_ids.extend(token_ids[: hit.num_tokens])
+                table = self._table_from_hit(request_id, token_ids, hit, namespace)
             else:
                 self._record_table_undo(table)
             copies: list[BlockCopy] = []
             if self._needs_copy_on_write(table, num_new_tokens):
                 copies.append(self._copy_on_write(table))
-            new_blocks: list[int] = []
-            for _ in range(total - len(table.block_table)):
-                b = self._pop_free()
-                self._set_ref(b, 1)
-                table.block_table.append(b)
-                new_blocks.append(b)
+            new_blocks = self._append_free_blocks(table, total - len(table.block_table))
             table.token_ids.extend(token_ids[start:end])
             if self.enable_prefix_caching:
                 self._cache_full_blocks(table)
@@ -411,6 +400,35 @@ class BlockPool:
         if table is None:
             raise UnknownRequest(request_id, what)
         return table
+
+    def _table_from_hit(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        hit: PrefixHit | None,
+        namespace: Namespace,
+    ) -> _Table:
+        """A new request's table (part of :meth:`allocate`'s transaction): the hit's
+        blocks, each gaining a reference, and their tokens; empty without a hit."""
+        table = self._new_table(request_id, hit.root_key if hit else namespace.root_key())
+        if hit is not None:
+            for b, key in zip(hit.block_ids, hit.keys, strict=True):
+                self._take(b)
+                table.block_table.append(b)
+                table.keys.append(key)
+            table.token_ids.extend(token_ids[: hit.num_tokens])
+        return table
+
+    def _append_free_blocks(self, table: _Table, count: int) -> list[int]:
+        """Move ``count`` free blocks (reference 1) onto the end of ``table``; the caller
+        has checked there are that many (part of :meth:`allocate`'s transaction)."""
+        new_blocks: list[int] = []
+        for _ in range(count):
+            b = self._pop_free()
+            self._set_ref(b, 1)
+            table.block_table.append(b)
+            new_blocks.append(b)
+        return new_blocks
 
     def _new_table(self, request_id: str, root_key: bytes) -> _Table:
         table = _Table(root_key)

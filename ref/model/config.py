@@ -78,16 +78,14 @@ class ModelConfig:
                 )
         # A bos id outside the vocabulary would be prepended to every prompt and index past
         # the embedding table; an eos id outside it could never be sampled.
-        for name, ids in (
-            ("bos_token_id", () if self.bos_token_id is None else (self.bos_token_id,)),
-            ("eos_token_id", self.eos_token_ids),
-        ):
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                    raise InvalidArgument(
-                        f"model config: {name} {t!r} is outside the vocabulary "
-                        f"[0, {self.vocab_size})"
-                    )
+        bos = () if self.bos_token_id is None else (self.bos_token_id,)
+        named_ids = [("bos_token_id", t) for t in bos]
+        named_ids += [("eos_token_id", t) for t in self.eos_token_ids]
+        for name, t in named_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise InvalidArgument(
+                    f"model config: {name} {t!r} is outside the vocabulary [0, {self.vocab_size})"
+                )
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -102,61 +100,16 @@ class ModelConfig:
         default (the string ``"false"`` is not a boolean, a string ``rope_theta`` is not
         10000); ``null`` means "not set" for optional fields.
         """
-        model_type = _str(cfg, "model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModel(
-                f"model_type {model_type!r} is not supported (supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
-        act = _str(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModel(f"hidden_act {act!r} is not supported (only silu)")
-        if _bool(cfg, "mlp_bias", False):
-            raise UnsupportedModel("mlp_bias=true is not supported")
-        if _bool(cfg, "use_sliding_window", False):
-            raise UnsupportedModel("use_sliding_window=true is not supported")
-        theta = _float(cfg, "rope_theta", 10000.0)
-        for key in ("rope_parameters", "rope_scaling"):
-            rope = cfg.get(key)
-            if rope is None:
-                continue
-            if not isinstance(rope, Mapping):
-                raise UnsupportedModel(
-                    f"config.json: {key} must be an object or null, got {_show(rope)}"
-                )
-            if not rope:
-                continue
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type != "default":
-                raise UnsupportedModel(
-                    f"{key}: rope type {_show(rope_type)} is not supported (only default)"
-                )
-            theta = _float(rope, "rope_theta", theta, where=f"config.json: {key}.")
+        model_type = _supported_model_type(cfg)
+        theta = _rope_theta(cfg)
         hidden = _int(cfg, "hidden_size")
         heads = _int(cfg, "num_attention_heads")
         if heads < 1:
             raise UnsupportedModel(
                 f"config.json: num_attention_heads must be a positive int, got {heads}"
             )
-        if cfg.get("head_dim") is not None:
-            head_dim = _int(cfg, "head_dim")
-        elif hidden % heads == 0:
-            head_dim = hidden // heads
-        else:
-            raise UnsupportedModel(
-                f"config.json: no head_dim, and hidden_size {hidden} is not a multiple of "
-                f"num_attention_heads {heads}"
-            )
-        eos = cfg.get("eos_token_id")
-        eos_ids: list[int] = []
-        if isinstance(eos, list):
-            if not all(isinstance(x, int) and not isinstance(x, bool) for x in eos):
-                raise UnsupportedModel(
-                    f"config.json: eos_token_id must be an int or a list of ints, got {_show(eos)}"
-                )
-            eos_ids = list(eos)
-        elif eos is not None:
-            eos_ids = [_int(cfg, "eos_token_id")]
+        head_dim = _head_dim(cfg, hidden, heads)
+        eos_ids = _eos_ids(cfg)
         bos = _int(cfg, "bos_token_id") if cfg.get("bos_token_id") is not None else None
         return cls(
             vocab_size=_int(cfg, "vocab_size"),
@@ -176,6 +129,73 @@ class ModelConfig:
             extra_eos_token_ids=tuple(eos_ids[1:]),
             model_type=model_type,
         )
+
+
+def _supported_model_type(cfg: Mapping[str, object]) -> str:
+    """The model type, refused (with the features this network lacks) unless supported."""
+    model_type = _str(cfg, "model_type", "llama")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModel(
+            f"model_type {model_type!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    act = _str(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModel(f"hidden_act {act!r} is not supported (only silu)")
+    if _bool(cfg, "mlp_bias", False):
+        raise UnsupportedModel("mlp_bias=true is not supported")
+    if _bool(cfg, "use_sliding_window", False):
+        raise UnsupportedModel("use_sliding_window=true is not supported")
+    return model_type
+
+
+def _rope_theta(cfg: Mapping[str, object]) -> float:
+    """``rope_theta``, overridden by ``rope_parameters`` (5.x) or ``rope_scaling`` (4.x);
+    any rope type but the default is refused."""
+    theta = _float(cfg, "rope_theta", 10000.0)
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = cfg.get(key)
+        if rope is None:
+            continue
+        if not isinstance(rope, Mapping):
+            raise UnsupportedModel(
+                f"config.json: {key} must be an object or null, got {_show(rope)}"
+            )
+        if not rope:
+            continue
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise UnsupportedModel(
+                f"{key}: rope type {_show(rope_type)} is not supported (only default)"
+            )
+        theta = _float(rope, "rope_theta", theta, where=f"config.json: {key}.")
+    return theta
+
+
+def _head_dim(cfg: Mapping[str, object], hidden: int, heads: int) -> int:
+    """``head_dim`` when given, else ``hidden_size / num_attention_heads`` when whole."""
+    if cfg.get("head_dim") is not None:
+        return _int(cfg, "head_dim")
+    if hidden % heads == 0:
+        return hidden // heads
+    raise UnsupportedModel(
+        f"config.json: no head_dim, and hidden_size {hidden} is not a multiple of "
+        f"num_attention_heads {heads}"
+    )
+
+
+def _eos_ids(cfg: Mapping[str, object]) -> list[int]:
+    """``eos_token_id``: an int, a list of ints, or null (none)."""
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, list):
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in eos):
+            raise UnsupportedModel(
+                f"config.json: eos_token_id must be an int or a list of ints, got {_show(eos)}"
+            )
+        return list(eos)
+    if eos is not None:
+        return [_int(cfg, "eos_token_id")]
+    return []
 
 
 def tiny_config() -> ModelConfig:

@@ -21,6 +21,12 @@ that failed after its forward (a preempted victim's block reused, then the sampl
 same tokens. The cost is O(tokens written + blocks copied) gathers per step, never
 O(cache).
 
+Everything a step produced comes back in its :class:`~ref.core.executor.StepOutput`:
+the tokens the scheduler commits, their logprobs, and the first tokens of the samples
+1..n-1 of an ``n > 1`` request, which the engine forks off after the commit. Nothing is
+left on the executor for the engine to read afterwards, so a failed step leaves nothing
+behind either.
+
 ``fault_hook`` (tests): called with a point name at ``before_swaps``, ``after_swaps``,
 ``after_forward``, ``in_sampler`` (just before sampling) and ``after_execute``; raising
 from it fails the step there.
@@ -28,12 +34,13 @@ from it fails the step there.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ref.core.executor import StepOutput
+from ref.core.executor import DrawnToken, StepOutput
 from ref.core.inputs import ModelInputs
 from ref.core.plan import StepPlan
 from ref.core.request import Request
@@ -81,6 +88,20 @@ class SavedRows:
                 t.index_copy_(0, self.index, rows)
 
 
+@dataclass(frozen=True)
+class _Draw:
+    """One sequence to sample in a step: the row of logits it reads, its spec and its
+    output index (the seed's counter). A fork's draw (``fork``) reads its parent's row;
+    the parent's draw counts the forks that follow it."""
+
+    request_id: str
+    row: int
+    spec: SampleSpec
+    index: int
+    num_forks: int = 0
+    fork: bool = False
+
+
 class ExecutorError(RefserveError):
     """The executor was called without what it needs (inputs, a sampling spec)."""
 
@@ -112,9 +133,6 @@ class ModelExecutor:
         self.fault_hook: FaultHook | None = None
         # What the step in flight may overwrite, in write order (begin .. commit/rollback).
         self._journal: list[SavedRows] = []
-        # Side outputs of the last execute (read by the engine after commit).
-        self.last_logprobs: dict[str, float] = {}
-        self.last_fork_samples: dict[str, list[tuple[int, float | None]]] = {}
 
     def register(
         self, request_id: str, spec: SampleSpec, fork_specs: Sequence[SampleSpec] = ()
@@ -149,12 +167,16 @@ class ModelExecutor:
         if blocks:
             self._save(dev_key, dev_value, blocks, device)
         if inputs is not None and inputs.slot_mapping.numel():
-            slots = inputs.slot_mapping
-            slots = slots[slots >= 0]  # -1 is padding: the kernels skip it
-            nb, bs, h, d = dev_key[0].shape
-            flat_key = [t.view(nb * bs, h, d) for t in dev_key]
-            flat_value = [t.view(nb * bs, h, d) for t in dev_value]
-            self._journal.append(SavedRows.save(flat_key, flat_value, slots.to(device)))
+            self._save_slots(inputs.slot_mapping)
+
+    def _save_slots(self, slot_mapping: torch.Tensor) -> None:
+        """Save the K/V at every slot the forward writes, in every layer."""
+        dev_key, dev_value = self.cache.key, self.cache.value
+        slots = slot_mapping[slot_mapping >= 0]  # -1 is padding: the kernels skip it
+        nb, bs, h, d = dev_key[0].shape
+        flat_key = [t.view(nb * bs, h, d) for t in dev_key]
+        flat_value = [t.view(nb * bs, h, d) for t in dev_value]
+        self._journal.append(SavedRows.save(flat_key, flat_value, slots.to(dev_key[0].device)))
 
     def _save(
         self,
@@ -172,14 +194,12 @@ class ModelExecutor:
             self._journal.append(SavedRows.save(key, value, idx))
 
     def rollback(self) -> None:
-        """Write back what :meth:`begin` saved, newest first, and drop the failed step's
-        side outputs (ATOMIC for memory; module doc)."""
+        """Write back what :meth:`begin` saved, newest first (ATOMIC for memory; module
+        doc)."""
         journal, self._journal = self._journal, []
         with torch.inference_mode():
             for saved in reversed(journal):
                 saved.restore()
-        self.last_logprobs = {}
-        self.last_fork_samples = {}
 
     def commit(self) -> None:
         self._journal = []
@@ -195,8 +215,6 @@ class ModelExecutor:
         return output
 
     def _execute(self, plan: StepPlan, inputs: ModelInputs | None) -> StepOutput:
-        self.last_logprobs = {}
-        self.last_fork_samples = {}
         self._fault("before_swaps")
         if plan.swap_out or plan.swap_in:
             self._apply_swaps(plan)
@@ -205,6 +223,14 @@ class ModelExecutor:
             return StepOutput({})
         if inputs is None:
             raise ExecutorError("ModelExecutor.execute needs the step's ModelInputs")
+        hidden = self._forward(plan, inputs)
+        self._fault("after_forward")
+        if not inputs.sample_request_ids:
+            return StepOutput({})
+        return self._sample(inputs, hidden)
+
+    def _forward(self, plan: StepPlan, inputs: ModelInputs) -> torch.Tensor:
+        """One forward over every scheduled token; the hidden state of each."""
         dev = self.model.device
         meta = AttentionMetadata(
             slot_mapping=inputs.slot_mapping.to(dev),
@@ -214,48 +240,51 @@ class ModelExecutor:
             query_start_loc_host=tuple(inputs.query_start_loc.tolist()),
             seq_lens_host=tuple(inputs.seq_lens.tolist()),
         )
-        hidden = self.model.forward(
+        return self.model.forward(
             inputs.input_ids.to(dev), inputs.positions.to(dev), meta, self.cache, plan.copies
         )
-        self._fault("after_forward")
+
+    def _sample(self, inputs: ModelInputs, hidden: torch.Tensor) -> StepOutput:
+        """Logits at the sampling rows, then one draw per sequence: each sampling
+        request's, and right after it, for an ``n > 1`` request drawing its first token,
+        samples 1..n-1 from the same row."""
         rids = inputs.sample_request_ids
-        if not rids:
-            return StepOutput({})
-        logits = self.model.logits(hidden[inputs.sample_rows.to(dev)])
+        logits = self.model.logits(hidden[inputs.sample_rows.to(self.model.device)])
         if self.logits_hook is not None:
             self.logits_hook(rids, logits.detach().cpu())
-        specs: list[SampleSpec] = []
-        indices: list[int] = []
-        rows: list[int] = []
+        draws = self._draws(rids)
+        self._fault("in_sampler")
+        drawn = sample(
+            logits[[d.row for d in draws]], [d.spec for d in draws], [d.index for d in draws]
+        )
+        self._check_vocab(rids, drawn)
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, float] = {}
+        forks: dict[str, tuple[DrawnToken, ...]] = {}
+        it = iter(zip(draws, drawn, strict=True))
+        for draw, (token, logprob) in it:
+            assert not draw.fork, "a fork's draw follows its parent's"
+            sampled[draw.request_id] = token
+            if logprob is not None:
+                logprobs[draw.request_id] = logprob
+            if draw.num_forks:
+                forks[draw.request_id] = tuple(
+                    DrawnToken(t, lp) for _, (t, lp) in itertools.islice(it, draw.num_forks)
+                )
+        return StepOutput(sampled, logprobs=logprobs, fork_samples=forks)
+
+    def _draws(self, rids: Sequence[str]) -> list[_Draw]:
+        """What to draw for the sampling rows ``rids`` (row ``i`` is ``rids[i]``)."""
+        draws: list[_Draw] = []
         for row, rid in enumerate(rids):
             spec = self._specs.get(rid)
             if spec is None:
                 raise ExecutorError(f"no sampling spec registered for request {rid!r}")
             k = self._requests[rid].num_output_tokens
-            specs.append(spec)
-            indices.append(k)
-            rows.append(row)
-            if k == 0:
-                for child in self._fork_specs.get(rid, ()):
-                    specs.append(child)
-                    indices.append(0)
-                    rows.append(row)
-        self._fault("in_sampler")
-        drawn = sample(logits[rows], specs, indices)
-        self._check_vocab(rids, drawn)
-        sampled: dict[str, int] = {}
-        j = 0
-        for rid in rids:
-            token, logprob = drawn[j]
-            j += 1
-            sampled[rid] = token
-            if logprob is not None:
-                self.last_logprobs[rid] = logprob
-            if self._requests[rid].num_output_tokens == 0 and rid in self._fork_specs:
-                n_children = len(self._fork_specs[rid])
-                self.last_fork_samples[rid] = drawn[j : j + n_children]
-                j += n_children
-        return StepOutput(sampled)
+            children = self._fork_specs.get(rid, ()) if k == 0 else ()
+            draws.append(_Draw(rid, row, spec, k, num_forks=len(children)))
+            draws.extend(_Draw(rid, row, child, 0, fork=True) for child in children)
+        return draws
 
     def _check_vocab(self, rids: Sequence[str], drawn: Sequence[tuple[int, float | None]]) -> None:
         """A token outside the vocabulary would be committed and detokenized as something

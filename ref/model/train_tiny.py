@@ -188,24 +188,13 @@ def _train(
         raise ValueError(f"corpus too small for seq_len {seq_len}")
     r = random.Random(seed)
     params = init_params(cfg, seed)
-    decay = [t for n, t in params.items() if t.dim() == 2]
-    no_decay = [t for n, t in params.items() if t.dim() != 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr,
-        betas=(0.9, 0.95),
-    )
+    opt = _optimizer(params, lr)
     warmup = max(1, steps // 20)
     offsets = torch.arange(seq_len + 1)
     t0 = time.perf_counter()
     for step in range(steps):
-        scale = (
-            (step + 1) / warmup
-            if step < warmup
-            else 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-        )
         for group in opt.param_groups:
-            group["lr"] = lr * max(scale, 0.05)
+            group["lr"] = lr * max(_lr_scale(step, steps, warmup), 0.05)
         batch = torch.tensor([r.choice(starts) for _ in range(batch_size)])
         window = stream[batch[:, None] + offsets[None, :]]
         logits = forward(params, cfg, window[:, :-1])
@@ -218,6 +207,24 @@ def _train(
             elapsed = time.perf_counter() - t0
             print(f"step {step:5d}  loss {loss.item():.3f}  {elapsed:6.1f} s", flush=True)
     return {n: t.detach().clone().contiguous() for n, t in params.items()}
+
+
+def _optimizer(params: dict[str, torch.Tensor], lr: float) -> torch.optim.AdamW:
+    """AdamW; weight decay on the matrices only (not on norms' gains)."""
+    decay = [t for n, t in params.items() if t.dim() == 2]
+    no_decay = [t for n, t in params.items() if t.dim() != 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+
+
+def _lr_scale(step: int, steps: int, warmup: int) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine decay to 0 at ``steps``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
 def save(out_dir: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:

@@ -12,16 +12,23 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ref.errors import OutputPathError
 from ref.files import shown, temp_name
+from ref.report.swap_comparison import SWAP_COST, SWAP_TRACE
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+
+    from ref.report.analysis import PointResult
+    from ref.report.policies import NamedPolicy
+    from ref.report.swap_comparison import SwapResult
+    from ref.report.sweep import SweepResult
+    from ref.report.workload_specs import TraceSpec
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Small enough to commit (a few tens of KB each) and still readable at page width.
@@ -29,6 +36,8 @@ FIGSIZE = (7.0, 4.0)
 DPI = 100
 
 Point = tuple[float, float | None]
+# Trace (or "swap") -> chart kind -> the PNG's file name in the output folder.
+ChartFiles = dict[str, dict[str, str]]
 
 
 @dataclass(frozen=True)
@@ -157,3 +166,78 @@ def _nan(y: float | None) -> float:
 def _xy(pts: Sequence[Point]) -> tuple[list[float], list[float]]:
     ordered = sorted(pts, key=lambda p: p[0])
     return [x for x, _ in ordered], [_nan(y) for _, y in ordered]
+
+
+# ------------------------------------------------------------------------ refserve compare
+def write_compare_plots(out: Path, sweep: SweepResult, swap: Sequence[SwapResult]) -> ChartFiles:
+    """``refserve compare``'s charts in ``out``: goodput and P99 TTFT against the rate for
+    each trace, and the recompute-vs-swap latencies; returns their file names."""
+    plots: ChartFiles = {}
+    for planned in sweep.plan:
+        spec = planned.spec
+        mine = [p for p in sweep.points if p.trace == spec.name]
+        plots[spec.name] = _trace_charts(out, spec, mine, sweep.policies)
+    if swap:
+        plots["swap"] = {"latency": _swap_chart(out, swap)}
+    return plots
+
+
+def _trace_charts(
+    out: Path, spec: TraceSpec, mine: Sequence[PointResult], policies: Sequence[NamedPolicy]
+) -> dict[str, str]:
+    """One trace's goodput and P99 TTFT charts, a line per policy."""
+
+    def series(get: Callable[[PointResult], float | None]) -> dict[str, list[Point]]:
+        return {
+            pol.name: [(p.rate, get(p)) for p in mine if p.policy == pol.name] for pol in policies
+        }
+
+    offered: list[Point] = sorted({(p.rate, p.offered_rps) for p in mine})
+    swept = [p.rate for p in mine]
+    log_x = bool(swept) and max(swept) / min(swept) >= 50
+    names = {"goodput": f"goodput_{spec.name}.png", "ttft_p99": f"ttft_p99_{spec.name}.png"}
+    line_chart_png(
+        out / names["goodput"],
+        f"{spec.name}: goodput (both SLOs met) vs offered rate",
+        f"rate ({spec.rate_unit})",
+        "goodput (req/s)",
+        series(lambda p: p.goodput_rps),
+        log_x=log_x,
+        reference=offered,
+        reference_label="offered (req/s)",
+    )
+    line_chart_png(
+        out / names["ttft_p99"],
+        f"{spec.name}: P99 TTFT vs offered rate",
+        f"rate ({spec.rate_unit})",
+        "P99 TTFT (ms)",
+        series(lambda p: p.ttft_p99_ms),
+        log_y=True,
+        log_x=log_x,
+    )
+    return names
+
+
+def _swap_chart(out: Path, swap: Sequence[SwapResult]) -> str:
+    """The recompute-vs-swap latencies, a bar group per preemption mode and link."""
+    name = "swap_vs_recompute.png"
+    grouped_bar_chart_png(
+        out / name,
+        f"recompute vs swap on {SWAP_TRACE} (cost {SWAP_COST} ms)",
+        "preemption mode (host link)",
+        "latency (virtual ms, log scale)",
+        [
+            BarGroup(
+                r.label,
+                {
+                    "TTFT p99": r.ttft_p99_ms,
+                    "ITL p50": r.itl_p50_ms,
+                    "ITL p99": r.itl_p99_ms,
+                    "E2E p99": r.e2e_p99_ms,
+                },
+            )
+            for r in swap
+        ],
+        log_y=True,
+    )
+    return name

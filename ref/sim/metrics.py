@@ -105,40 +105,45 @@ class RunMetrics:
     @classmethod
     def of(cls, requests: Sequence[RequestMetrics], duration_ms: float) -> RunMetrics:
         secs = duration_ms / 1e3 if duration_ms > 0 else math.inf
-        done = [r for r in requests if r.e2e_ms is not None]
+        # A request is done when it has an end-to-end time (its last token).
+        e2es = [e for r in requests if (e := r.e2e_ms) is not None]
         ttfts = [t for r in requests if (t := r.ttft_ms) is not None]
         itls = [x for r in requests for x in r.itl_ms]
-        e2es = [r.e2e_ms for r in done if r.e2e_ms is not None]
         # Each request is in the system from arrival to its last token: the integral of
         # N(t) over the run is the sum of E2E, so L = sum(E2E) / duration exactly.
         in_system = sum(e2es) / duration_ms if duration_ms > 0 else 0.0
         out_tokens = sum(r.num_output_tokens for r in requests)
         in_tokens = sum(r.num_prompt_tokens for r in requests)
-
-        def pcts(xs: list[float]) -> dict[str, float | None]:
-            return {
-                "p50": percentile(xs, 50),
-                "p95": percentile(xs, 95),
-                "p99": percentile(xs, 99),
-                "mean": (sum(xs) / len(xs)) if xs else None,
-            }
-
         return cls(
             num_requests=len(requests),
-            num_finished=len(done),
+            num_finished=len(e2es),
             duration_ms=duration_ms,
             input_tokens=in_tokens,
             output_tokens=out_tokens,
             input_tokens_per_s=in_tokens / secs,
             output_tokens_per_s=out_tokens / secs,
-            requests_per_s=len(done) / secs,
-            ttft_ms=pcts(ttfts),
-            itl_ms=pcts(itls),
-            mean_e2e_ms=(sum(e2es) / len(e2es)) if e2es else None,
+            requests_per_s=len(e2es) / secs,
+            ttft_ms=_percentiles(ttfts),
+            itl_ms=_percentiles(itls),
+            mean_e2e_ms=_mean(e2es),
             mean_in_system=in_system,
             num_preemptions=sum(r.num_preemptions for r in requests),
             num_cached_tokens=sum(r.num_cached_tokens for r in requests),
         )
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return (sum(xs) / len(xs)) if xs else None
+
+
+def _percentiles(xs: list[float]) -> dict[str, float | None]:
+    """P50, P95, P99 and the mean (None each for no values)."""
+    return {
+        "p50": percentile(xs, 50),
+        "p95": percentile(xs, 95),
+        "p99": percentile(xs, 99),
+        "mean": _mean(xs),
+    }
 
 
 @dataclass(frozen=True)

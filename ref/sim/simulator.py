@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ref.core.cost import StepCost
@@ -342,62 +342,97 @@ def _replay(
         raise InvalidArgument(f"concurrency must be >= 1, got {concurrency}")
     _check_max_steps(max_steps)
     core = EngineCore(scheduler, _sim_executor(scheduler, cost), check_invariants=check_invariants)
-    releases: list[_Release] = []
-    order = 0
-
-    def release(job: _Job, at_ms: float) -> None:
-        nonlocal order
-        # Session starts and tool waits come from the caller: a NaN one would stall the
-        # idle jump below forever.
-        _check_time(at_ms, f"release time of {_job_name(job)}")
-        heapq.heappush(releases, _Release(at_ms, order, job))
-        order += 1
-
+    releases = _Releases()
     queued = iter(jobs)
     if concurrency is None:
         for job in queued:
-            release(job, _start_ms(job))
+            releases.push(job, _start_ms(job))
     else:
         for _, job in zip(range(concurrency), queued, strict=False):
-            release(job, 0.0)
+            releases.push(job, 0.0)
+    # Closed loop: a finished job lets the next queued one in.
+    waiting = queued if concurrency is not None else None
     in_flight: dict[str, _Job] = {}  # request id -> the job it belongs to
     everyone: list[Request] = []
-    clock = 0.0 if concurrency is not None else min((r.at_ms for r in releases), default=0.0)
+    clock = 0.0 if concurrency is not None else releases.first_ms(default=0.0)
     steps = _Steps(keep_steps)
     while releases or scheduler.has_unfinished:
-        while releases and releases[0].at_ms <= clock:
-            rel = heapq.heappop(releases)
+        for rel in releases.due(clock):
             r = _next_request(rel.job, rel.at_ms)
             scheduler.add_request(r)
             in_flight[r.request_id] = rel.job
             everyone.append(r)
         if not scheduler.has_unfinished:
-            clock = releases[0].at_ms  # idle until the next release (finite: checked)
+            clock = releases.first_ms()  # idle until the next release (finite: checked)
             continue
         if steps.count >= max_steps:
-            everyone.sort(key=lambda r: (r.arrival_ms, r.seq))
-            start = min((r.arrival_ms for r in everyone), default=0.0)
-            raise StepLimitReached(max_steps, _result(scheduler, everyone, steps, clock - start))
+            raise StepLimitReached(max_steps, _replay_result(scheduler, everyone, steps, clock))
         record = core.step(clock)
         steps.add(record)
         clock = record.end_ms
         for rid in record.events.finished:
-            job = in_flight.pop(rid)
-            done = job.previous
-            assert done is not None and done.request_id == rid
-            s = job.session
-            more = (
-                s is not None
-                and job.next_turn < len(s.turns)
-                and done.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
-            )
-            if more:
-                assert s is not None
-                release(job, clock + s.turns[job.next_turn].tool_wait_ms)
-            elif concurrency is not None:
-                nxt = next(queued, None)
-                if nxt is not None:
-                    release(nxt, clock)
+            _after_finish(in_flight.pop(rid), rid, clock, releases, waiting)
+    return _replay_result(scheduler, everyone, steps, clock)
+
+
+class _Releases:
+    """Jobs waiting for their next request to be released, earliest first (ties: in the
+    order they were pushed)."""
+
+    def __init__(self) -> None:
+        self._heap: list[_Release] = []
+        self._order = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def push(self, job: _Job, at_ms: float) -> None:
+        # Session starts and tool waits come from the caller: a NaN one would stall the
+        # idle jump of the replay forever.
+        _check_time(at_ms, f"release time of {_job_name(job)}")
+        heapq.heappush(self._heap, _Release(at_ms, self._order, job))
+        self._order += 1
+
+    def first_ms(self, default: float | None = None) -> float:
+        """The earliest release time (``default`` when none is left)."""
+        if not self._heap:
+            assert default is not None, "no release left"
+            return default
+        return self._heap[0].at_ms
+
+    def due(self, clock: float) -> Iterator[_Release]:
+        """Pop, earliest first, every release at or before ``clock``."""
+        while self._heap and self._heap[0].at_ms <= clock:
+            yield heapq.heappop(self._heap)
+
+
+def _after_finish(
+    job: _Job, rid: str, clock: float, releases: _Releases, waiting: Iterator[_Job] | None
+) -> None:
+    """A job's request ``rid`` finished at ``clock``: release its session's next turn
+    after the tool wait; else, in closed loop (``waiting``), let the next job in. A turn
+    that did not finish normally (capacity) ends its session."""
+    done = job.previous
+    assert done is not None and done.request_id == rid
+    s = job.session
+    more = (
+        s is not None
+        and job.next_turn < len(s.turns)
+        and done.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    )
+    if more:
+        assert s is not None
+        releases.push(job, clock + s.turns[job.next_turn].tool_wait_ms)
+    elif waiting is not None:
+        nxt = next(waiting, None)
+        if nxt is not None:
+            releases.push(nxt, clock)
+
+
+def _replay_result(
+    scheduler: Scheduler, everyone: list[Request], steps: _Steps, clock: float
+) -> SimResult:
+    """The result so far, requests in arrival order, times from the first arrival."""
     everyone.sort(key=lambda r: (r.arrival_ms, r.seq))
     start = min((r.arrival_ms for r in everyone), default=0.0)
     return _result(scheduler, everyone, steps, clock - start)

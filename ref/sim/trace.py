@@ -102,28 +102,42 @@ def load_trace(source: str | Path, *, max_model_len: int | None = None) -> list[
 def parse_trace(
     text: str, name: str = "<trace>", *, max_model_len: int | None = None
 ) -> list[TraceRequest]:
+    parser = _TraceParser(max_model_len)
     out: list[TraceRequest] = []
-    seen: set[str] = set()
-    groups: dict[str, list[int]] = {}
-    last_arrival = 0.0
-    total_tokens = 0
     for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{name}:{lineno}"
-        obj = loads_json(line, where, TraceError)
-        if not isinstance(obj, dict):
-            raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-        unknown = sorted(set(obj) - FIELDS)
-        if unknown:
-            raise TraceError(
-                f"{where}: unknown field(s) {', '.join(clip(u) for u in unknown[:5])}; "
-                f"allowed: {', '.join(sorted(FIELDS))}"
-            )
+        if line.strip():
+            out.append(parser.parse_line(line, f"{name}:{lineno}"))
+    return out
+
+
+class _TraceParser:
+    """What one line's checks need from the lines before it: the ids seen, the previous
+    arrival, the prompt tokens so far, and each prefix group's shared head."""
+
+    def __init__(self, max_model_len: int | None) -> None:
+        self.max_model_len = max_model_len
+        self.seen: set[str] = set()
+        self.groups: dict[str, list[int]] = {}
+        self.last_arrival = 0.0
+        self.total_tokens = 0
+
+    def parse_line(self, line: str, where: str) -> TraceRequest:
+        """One request; every check in the order the module docstring lists the fields,
+        and the prompt's length (and the trace's total) before its tokens are built."""
+        obj = _fields(line, where)
         rid = _name(obj.get("id"), "id", where)
-        if rid in seen:
+        if rid in self.seen:
             raise TraceError(f"{where}: duplicate request id {rid!r}")
-        seen.add(rid)
+        self.seen.add(rid)
+        arrival = self._arrival(obj, where)
+        output_len = _positive_int(obj.get("output_len"), "output_len", where)
+        priority = _priority(obj, where)
+        tenant = _name(obj.get("tenant", "default"), "tenant", where)
+        n = self._count_prompt(obj, where, rid)
+        prompt = _prompt(obj, n, where, rid, self.groups)
+        return TraceRequest(rid, float(arrival), prompt, output_len, priority, tenant)
+
+    def _arrival(self, obj: dict[str, object], where: str) -> int | float:
         arrival = obj.get("arrival_ms", 0.0)
         # Compare before float(): an int of 400 digits would overflow it; NaN fails both.
         if (
@@ -135,34 +149,53 @@ def parse_trace(
                 f"{where}: 'arrival_ms' must be a finite number in [0, {MAX_ARRIVAL_MS:g}], "
                 f"got {show(arrival)}"
             )
-        if arrival < last_arrival:
+        if arrival < self.last_arrival:
             raise TraceError(
-                f"{where}: arrival_ms {arrival} is before the previous line's {last_arrival}"
+                f"{where}: arrival_ms {arrival} is before the previous line's {self.last_arrival}"
             )
-        last_arrival = float(arrival)
-        output_len = _positive_int(obj.get("output_len"), "output_len", where)
-        priority = obj.get("priority", 0)
-        lo, hi = PRIORITY_RANGE
-        if isinstance(priority, bool) or not isinstance(priority, int) or not lo <= priority <= hi:
-            raise TraceError(
-                f"{where}: 'priority' must be an int in [{lo}, {hi}], got {show(priority)}"
-            )
-        tenant = _name(obj.get("tenant", "default"), "tenant", where)
+        self.last_arrival = float(arrival)
+        return arrival
+
+    def _count_prompt(self, obj: dict[str, object], where: str, rid: str) -> int:
+        """The prompt's length, within ``max_model_len`` and the trace's token limit."""
         n = _prompt_len(obj, where)
-        if max_model_len is not None and n > max_model_len:
+        if self.max_model_len is not None and n > self.max_model_len:
             # The scheduler would refuse it too, but only after the tokens were built.
             raise TraceError(
-                f"{where}: request {rid!r} prompt has {n} tokens; max_model_len is {max_model_len}"
+                f"{where}: request {rid!r} prompt has {n} tokens; "
+                f"max_model_len is {self.max_model_len}"
             )
-        total_tokens += n
-        if total_tokens > MAX_TRACE_TOKENS:
+        self.total_tokens += n
+        if self.total_tokens > MAX_TRACE_TOKENS:
             raise TraceError(
                 f"{where}: the trace holds more than {MAX_TRACE_TOKENS} prompt tokens "
                 "(the limit of one trace)"
             )
-        prompt = _prompt(obj, n, where, rid, groups)
-        out.append(TraceRequest(rid, float(arrival), prompt, output_len, priority, tenant))
-    return out
+        return n
+
+
+def _fields(line: str, where: str) -> dict[str, object]:
+    """The line as a JSON object holding only known fields."""
+    obj = loads_json(line, where, TraceError)
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - FIELDS)
+    if unknown:
+        raise TraceError(
+            f"{where}: unknown field(s) {', '.join(clip(u) for u in unknown[:5])}; "
+            f"allowed: {', '.join(sorted(FIELDS))}"
+        )
+    return obj
+
+
+def _priority(obj: dict[str, object], where: str) -> int:
+    priority = obj.get("priority", 0)
+    lo, hi = PRIORITY_RANGE
+    if isinstance(priority, bool) or not isinstance(priority, int) or not lo <= priority <= hi:
+        raise TraceError(
+            f"{where}: 'priority' must be an int in [{lo}, {hi}], got {show(priority)}"
+        )
+    return priority
 
 
 def _prompt_len(obj: dict[str, object], where: str) -> int:
@@ -189,12 +222,7 @@ def _prompt(
     obj: dict[str, object], n: int, where: str, rid: str, groups: dict[str, list[int]]
 ) -> tuple[int, ...]:
     if "prompt_token_ids" in obj:
-        ids = obj["prompt_token_ids"]
-        assert isinstance(ids, list)
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
-                raise TraceError(f"{where}: 'prompt_token_ids' holds a bad token id {show(t)}")
-        return tuple(ids)
+        return _given_tokens(obj["prompt_token_ids"], where)
     group_value = obj.get("prefix_group")
     if group_value is None and "prefix_len" in obj:
         raise TraceError(f"{where}: 'prefix_len' needs 'prefix_group'")
@@ -206,13 +234,28 @@ def _prompt(
     rng = random.Random(rid)
     tokens = [rng.randrange(256, 32000) for _ in range(n)]
     if group is not None:
-        shared = groups.setdefault(
-            group, [random.Random(f"group:{group}").randrange(256, 32000) for _ in range(n)]
-        )
-        while len(shared) < plen:
-            shared.append(random.Random(f"group:{group}:{len(shared)}").randrange(256, 32000))
-        tokens[:plen] = shared[:plen]
+        tokens[:plen] = _group_head(groups, group, n, plen)
     return tuple(tokens)
+
+
+def _given_tokens(ids: object, where: str) -> tuple[int, ...]:
+    """``prompt_token_ids`` (a non-empty list, length checked by :func:`_prompt_len`)."""
+    assert isinstance(ids, list)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
+            raise TraceError(f"{where}: 'prompt_token_ids' holds a bad token id {show(t)}")
+    return tuple(ids)
+
+
+def _group_head(groups: dict[str, list[int]], group: str, n: int, plen: int) -> list[int]:
+    """The first ``plen`` tokens ``group`` shares: made when the group is first seen (``n``
+    of them) and grown, deterministically, when a later member asks for more."""
+    shared = groups.setdefault(
+        group, [random.Random(f"group:{group}").randrange(256, 32000) for _ in range(n)]
+    )
+    while len(shared) < plen:
+        shared.append(random.Random(f"group:{group}:{len(shared)}").randrange(256, 32000))
+    return shared[:plen]
 
 
 def _positive_int(value: object, field: str, where: str) -> int:

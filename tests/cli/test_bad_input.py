@@ -443,9 +443,9 @@ def test_smoke_python_m_ref_cli(tmp_path: Path) -> None:
 
 def test_limits_are_what_the_docs_say() -> None:
     """The bounds the modules document are the ones enforced."""
+    from ref.cli import compare
     from ref.cli import main as cli
     from ref.core import cost as cost_model
-    from ref.report import compare
     from ref.sim import trace
 
     assert cli.MAX_BLOCKS == 1 << 22 and cli.MAX_STEPS == 100_000_000

@@ -13,48 +13,15 @@ import math
 import random
 
 import pytest
+from harness import COST, Stepper, make_request
 
 from ref.core.config import Admission, PolicyName, SchedulerConfig
 from ref.core.cost import StepCost
-from ref.core.engine_core import EngineCore, StepRecord
 from ref.core.request import Request, StopParams
 from ref.core.scheduler import Scheduler
 from ref.sim.metrics import RequestMetrics, RunMetrics, littles_law_l
-from ref.sim.simulator import SimExecutor, simulate
+from ref.sim.simulator import simulate
 from ref.sim.trace import load_trace
-
-SEED002_COST = StepCost.parse("2+0.5P+D")
-
-
-def req(
-    rid: str, prompt_len: int, max_tokens: int, arrival_ms: float = 0.0, base: int = 0
-) -> Request:
-    return Request(
-        rid,
-        [base + i + 1 for i in range(prompt_len)],
-        StopParams(max_tokens=max_tokens, ignore_eos=True),
-        arrival_ms=arrival_ms,
-    )
-
-
-class Stepper:
-    """Drive the scheduler step by step on the simulator, checking every invariant."""
-
-    def __init__(self, config: SchedulerConfig, cost: StepCost = SEED002_COST) -> None:
-        self.sched = Scheduler(config)
-        self.core = EngineCore(
-            self.sched, SimExecutor(cost, self.sched.requests), check_invariants=True
-        )
-        self.clock = 0.0
-
-    def add(self, *requests: Request) -> None:
-        for r in requests:
-            self.sched.add_request(r)
-
-    def step(self) -> StepRecord:
-        rec = self.core.step(self.clock)
-        self.clock = rec.end_ms
-        return rec
 
 
 # ------------------------------------------------------------- example 0
@@ -92,13 +59,13 @@ def test_seed001_round_by_round() -> None:
         SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=3, block_size=4, num_blocks=32),
         StepCost(1, 0, 0),
     )
-    st.add(req("A", 1, 3))
+    st.add(make_request("A", 1, 3))
     st.step()  # A's one-token prompt: it is decoding when the example's round 1 starts
-    st.add(req("B", 12, 4, base=100))
+    st.add(make_request("B", 12, 4, base=100))
     rounds, b_blocks = [], []
     for i in range(4):
         if i == 1:
-            st.add(req("C", 3, 2, base=200))  # C arrives before round 2
+            st.add(make_request("C", 3, 2, base=200))  # C arrives before round 2
         rec = st.step()
         rounds.append(rec.tokens)
         b_blocks.append(
@@ -122,7 +89,7 @@ def test_seed001_b_block_table_grows_in_place() -> None:
         SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=3, block_size=4, num_blocks=32),
         StepCost(1, 0, 0),
     )
-    st.add(req("B", 12, 4))
+    st.add(make_request("B", 12, 4))
     tables = []
     for _ in range(3):
         st.step()
@@ -135,7 +102,7 @@ def test_seed001_b_block_table_grows_in_place() -> None:
 def test_seed002_worked_example() -> None:
     cfg = SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=8, block_size=4, num_blocks=64)
     trace = [t.to_request() for t in load_trace("seed002")]
-    result = simulate(Scheduler(cfg), trace, SEED002_COST, check_invariants=True)
+    result = simulate(Scheduler(cfg), trace, COST, check_invariants=True)
     m = {r.request_id: RequestMetrics.of(r) for r in result.requests}
     assert {k: v.ttft_ms for k, v in m.items()} == {"A": 8.0, "B": 6.0, "C": 10.5}
     assert m["A"].itl_ms == (5.0, 3.5) and m["B"].itl_ms == (5.0,) and m["C"].itl_ms == (3.0,)
@@ -152,10 +119,10 @@ def test_seed002_budget_14_vs_6(budget: int, prompt_done: float, old_tokens: lis
     st = Stepper(
         SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, block_size=4, num_blocks=64)
     )
-    st.add(req("D1", 1, 20), req("D2", 1, 20, base=50))
+    st.add(make_request("D1", 1, 20), make_request("D2", 1, 20, base=50))
     st.step()  # both prompts: now two decodes are running
     t0 = st.clock
-    x = req("X", 12, 2, arrival_ms=t0, base=100)
+    x = make_request("X", 12, 2, arrival_ms=t0, base=100)
     st.add(x)
     while not x.token_times_ms:
         st.step()
@@ -169,9 +136,9 @@ def test_seed002_p7_d5_exercise() -> None:
     st = Stepper(
         SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=16, block_size=4, num_blocks=64)
     )
-    st.add(*[req(f"D{i}", 1, 20, base=10 * i) for i in range(5)])
+    st.add(*[make_request(f"D{i}", 1, 20, base=10 * i) for i in range(5)])
     st.step()
-    st.add(req("A", 10, 2, base=100), req("B", 4, 2, base=200))
+    st.add(make_request("A", 10, 2, base=100), make_request("B", 4, 2, base=200))
     rec = st.step()
     assert dict(rec.tokens) == {"D0": 1, "D1": 1, "D2": 1, "D3": 1, "D4": 1, "A": 7}
     assert (rec.num_prefill_tokens, rec.num_decodes) == (7, 5)
@@ -189,9 +156,9 @@ def _starvation_run(reserve: int) -> int | None:
         prefill_reserve_after_steps=4,
     )
     st = Stepper(cfg)
-    st.add(*[req(f"D{i}", 1, 10_000, base=10 * i) for i in range(8)])
+    st.add(*[make_request(f"D{i}", 1, 10_000, base=10 * i) for i in range(8)])
     st.step()
-    st.add(req("X", 6, 2, base=500))
+    st.add(make_request("X", 6, 2, base=500))
     for i in range(60):
         rec = st.step()
         if "X" in dict(rec.tokens):
@@ -219,10 +186,10 @@ def _admission_example(**kw: object) -> bool:
         **kw,
     )  # type: ignore[arg-type]
     st = Stepper(cfg)
-    st.add(req("R", 14399, 1000))  # 900 blocks; its next decode fits in block 900
+    st.add(make_request("R", 14399, 1000))  # 900 blocks; its next decode fits in block 900
     st.step()
     assert st.sched.pool.num_used_blocks == 900
-    st.add(req("X", 1600, 8, base=20000))
+    st.add(make_request("X", 1600, 8, base=20000))
     rec = st.step()
     return "X" in dict(rec.tokens)
 
@@ -250,7 +217,7 @@ def test_seed002_littles_law() -> None:
     for i in range(120):
         t += rng.expovariate(1 / 40.0)
         reqs.append(
-            req(
+            make_request(
                 f"r{i}",
                 rng.randint(4, 40),
                 rng.randint(1, 12),
@@ -259,7 +226,7 @@ def test_seed002_littles_law() -> None:
             )
         )
     cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, block_size=4, num_blocks=256)
-    result = simulate(Scheduler(cfg), reqs, SEED002_COST, check_invariants=False)
+    result = simulate(Scheduler(cfg), reqs, COST, check_invariants=False)
     events = sorted(
         [(r.arrival_ms, 1) for r in result.requests]
         + [(r.token_times_ms[-1], -1) for r in result.requests]
@@ -295,7 +262,7 @@ def test_seed003_prefix_hit_and_block_aligned_chunk() -> None:
     st = Stepper(cfg)
     s = Request("S", [*prefix, 99_999], StopParams(max_tokens=50, ignore_eos=True))  # 376 blocks
     # d1 holds 200 blocks so the pool (647) can hold X's whole 625-block prompt at all.
-    st.add(s, req("d1", 3199, 50, base=40_000), req("d2", 1, 50, base=50_000))
+    st.add(s, make_request("d1", 3199, 50, base=40_000), make_request("d2", 1, 50, base=50_000))
     while any(r.num_output_tokens == 0 for r in st.sched.requests.values()):
         st.step()
     assert st.sched.pool.num_free_blocks == 70

@@ -3,13 +3,16 @@
 ``Namespace.root_key`` once joined model, adapter and cache salt with NUL bytes, so model
 ``"a\\0b"`` had the root of model ``"a"`` + adapter ``"b\\0"``: a block cached by one tenant
 was a prefix hit for the other's identical tokens. Each field is now length-prefixed.
+Within one namespace, a block-key collision is refused by lookup's identity check.
 """
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import ref.kv.pool as pool_module
 from ref.kv.pool import BlockPool
 from spec.hashing import DEFAULT_NAMESPACE, Namespace, chain_keys
 
@@ -82,3 +85,14 @@ def test_a_cached_block_is_no_hit_in_the_colliding_namespace() -> None:
     assert chain_keys(tenant_a.root_key(), tokens, 4, 2) != chain_keys(
         tenant_b.root_key(), tokens, 4, 2
     )
+
+
+@pytest.mark.mutation_kill
+def test_a_key_collision_in_lookup_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A block key that ignores the parent makes "token 6 after 5" and "token 6 first"
+    # collide; lookup's identity check (stored parent key) must refuse the reuse.
+    monkeypatch.setattr(pool_module, "block_key", lambda parent, tokens: bytes(tokens))
+    pool = BlockPool(4, 1)
+    pool.allocate("a", [5, 6], 2)
+    assert pool.lookup([5, 6, 7]).block_ids == (0, 1)
+    assert pool.lookup([6, 7]).block_ids == ()

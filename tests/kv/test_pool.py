@@ -1,4 +1,5 @@
-"""BlockPool: worked examples (docs/ARCHITECTURE.md), prefix-cache behaviour, bad input.
+"""BlockPool: worked examples (docs/ARCHITECTURE.md), allocation and decode appends,
+prefix-cache behaviour, transactions, bad input.
 
 Every bad-input test asserts the typed exception from ``ref.errors``, a message naming
 the bad value, and that ``pool.snapshot()`` is unchanged (ATOMIC).
@@ -20,6 +21,7 @@ from ref.errors import (
     UnknownRequest,
 )
 from ref.kv import BlockCopy, BlockPool, PrefixHit
+from ref.kv.pool import Allocation
 from spec import check_pool
 from spec.atomic import check_atomic_pool
 from spec.hashing import Namespace
@@ -98,6 +100,111 @@ def test_seed_003_prefix_hit_only_gains_references() -> None:
         e for e in after.cache_entries if e.block_id in shared
     }
     assert pool.num_stored("Q") == 6000 + 1008
+
+
+# ------------------------------------------------------------------ allocate and decode appends
+@pytest.mark.mutation_kill
+def test_allocate_reports_what_it_did() -> None:
+    pool = BlockPool(6, 2)
+    first = pool.allocate("a", [1, 2, 3, 4, 5], 3)
+    assert first == Allocation("a", 0, 3, 0, (0, 1), ())
+    more = pool.allocate("a", [1, 2, 3, 4, 5], 2)
+    assert more == Allocation("a", 3, 2, 0, (2,), ())
+    pool.free("a")  # blocks 0 and 1 stay cached; the free queue is 3, 4, 5, 2, 1, 0
+    hit = pool.lookup([1, 2, 3, 4, 9, 9])
+    assert hit.block_ids == (0, 1)
+    shared = pool.allocate("b", [1, 2, 3, 4, 9, 9], 1, hit=hit)
+    assert shared == Allocation("b", 4, 1, 4, (3,), ())
+    pool.fork("b", "c")
+    cow = pool.allocate("b", [1, 2, 3, 4, 9, 9], 1)
+    assert cow.copies == (BlockCopy(3, 4),) and cow.new_block_ids == ()
+    assert (cow.start_position, cow.num_new_tokens, cow.num_cached_tokens) == (5, 1, 0)
+    assert check_pool(pool.snapshot()) == []
+
+
+@pytest.mark.mutation_kill
+def test_allocate_takes_exactly_the_free_blocks_and_the_whole_pool() -> None:
+    pool = BlockPool(2, 4)
+    assert pool.allocate("a", list(range(8)), 8).new_block_ids == (0, 1)  # all of it
+    assert pool.num_free_blocks == 0
+    pool.free("a")
+    pool.allocate("b", [1, 2, 3], 3)
+    pool.allocate("c", [4, 5, 6], 3)
+    # A full pool: appending into a last block with room needs no free block.
+    assert pool.allocate("b", [1, 2, 3, 4], 1).new_block_ids == ()
+    assert check_pool(pool.snapshot()) == []
+
+
+@pytest.mark.mutation_kill
+def test_no_new_tokens_need_no_blocks() -> None:
+    pool = BlockPool(4, 2)
+    pool.allocate("a", [1, 2, 3], 3)
+    pool.fork("a", "c")  # a's last block is partial and shared
+    assert pool.blocks_to_allocate("a", 0) == 0
+    assert pool.blocks_to_allocate("new", 0) == 0
+    assert pool.blocks_to_allocate("a", 1) == 1  # the copy-on-write
+
+
+@pytest.mark.mutation_kill
+def test_decode_appends_that_fit_need_no_free_block() -> None:
+    pool = BlockPool(2, 4)
+    pool.allocate("a", [1, 2, 3], 3)
+    pool.allocate("b", [5, 6, 7], 3)
+    assert pool.num_free_blocks == 0
+    # Both last blocks have a free slot and are private: nothing to take from the queue.
+    assert pool.append_decode_tokens(["a", "b"], [[1, 2, 3, 4], [5, 6, 7, 8]]) == []
+    assert pool.num_stored("a") == pool.num_stored("b") == 4
+    assert check_pool(pool.snapshot()) == []
+
+
+@pytest.mark.mutation_kill
+def test_decode_appends_count_every_request_that_needs_a_block() -> None:
+    pool = BlockPool(3, 2)
+    pool.allocate("a", [1, 2], 2)
+    pool.allocate("b", [3, 4], 2)
+    before = pool.snapshot()
+    # Both last blocks are full: two fresh blocks needed, one is free.
+    assert pool.append_decode_tokens(["a", "b"], [[1, 2, 5], [3, 4, 6]]) is None
+    assert pool.snapshot() == before
+
+
+@pytest.mark.mutation_kill
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_block_filled_by_a_decode_append_is_cached_at_once(caching: bool) -> None:
+    pool = BlockPool(4, 4, enable_prefix_caching=caching)
+    pool.allocate("a", [1, 2, 3], 3)
+    assert pool.append_decode_tokens(["a"], [[1, 2, 3, 4]]) == []
+    entries = pool.snapshot().cache_entries
+    assert [(e.block_id, e.token_ids) for e in entries] == ([(0, (1, 2, 3, 4))] if caching else [])
+    assert pool.lookup([1, 2, 3, 4, 9]).block_ids == ((0,) if caching else ())
+    pool.begin()
+    pool.append_decode_tokens(["a"], [[1, 2, 3, 4, 5]])  # a fresh block 1 (allocate)
+    pool.append_decode_tokens(["a"], [[1, 2, 3, 4, 5, 6]])  # the fast list append
+    assert pool.num_stored("a") == 6 and pool.block_table("a") == (0, 1)
+    pool.rollback()
+    assert pool.num_stored("a") == 4 and pool.block_table("a") == (0,)
+    assert pool.snapshot().cache_entries == entries
+    assert check_pool(pool.snapshot()) == []
+
+
+@pytest.mark.mutation_kill
+def test_decode_append_into_a_shared_block_needs_a_free_block_for_its_copy() -> None:
+    pool = BlockPool(1, 4)
+    pool.allocate("a", [1, 2, 3], 3)
+    pool.fork("a", "c")
+    before = pool.snapshot()
+    assert pool.append_decode_tokens(["a"], [[1, 2, 3, 4]]) is None  # copy-on-write, 0 free
+    assert pool.snapshot() == before
+
+
+@pytest.mark.mutation_kill
+def test_decode_append_copies_a_shared_block_with_exactly_one_free_block() -> None:
+    pool = BlockPool(2, 4)
+    pool.allocate("a", [1, 2, 3], 3)
+    pool.fork("a", "c")
+    assert pool.append_decode_tokens(["a"], [[1, 2, 3, 4]]) == [BlockCopy(0, 1)]
+    assert pool.block_table("a") == (1,) and pool.block_table("c") == (0,)
+    assert check_pool(pool.snapshot()) == []
 
 
 # ------------------------------------------------------------- prefix caching
@@ -271,12 +378,40 @@ def test_revived_cached_block_leaves_the_free_queue() -> None:
     assert_valid(pool)
 
 
+@pytest.mark.mutation_kill
+def test_can_allocate_counts_the_revived_blocks_of_a_hit() -> None:
+    pool = BlockPool(4, 2)
+    pool.allocate("a", [1, 2, 3, 4, 5], 5)  # blocks 0, 1 cached, 2 partial
+    pool.free("a")  # all free again, 0 and 1 still cached
+    pool.allocate("c", [7], 1)  # takes block 3: three free blocks left
+    prompt = [1, 2, 3, 4, 9, 9, 9]
+    hit = pool.lookup(prompt)
+    assert hit.block_ids == (0, 1)
+    # Two fresh blocks plus the two free cached blocks the hit revives: 4 > 3.
+    assert pool.blocks_to_allocate("b", 3, hit) == 4
+    assert pool.can_allocate("b", 3, hit) is False
+    assert pool.can_allocate("b", 3) is True  # without the hit only 2 blocks
+
+
 def test_prefix_caching_off() -> None:
     pool = BlockPool(4, 2, enable_prefix_caching=False)
     pool.allocate("a", tokens(5), 5)
     assert pool.snapshot().cache_entries == ()
     assert pool.lookup(tokens(5)).block_ids == ()
     assert pool.evict(4) == 0
+
+
+@pytest.mark.mutation_kill
+def test_forget_cached_counts_only_cached_in_range_blocks() -> None:
+    pool = BlockPool(4, 2)
+    pool.allocate("a", [1, 2, 3, 4, 5], 5)  # blocks 0, 1 full and cached; 2 partial
+    assert len(pool.snapshot().cache_entries) == 2
+    assert pool.forget_cached([]) == 0
+    assert pool.forget_cached([2, 4, -1, 99]) == 0  # uncached or out of range
+    assert pool.forget_cached([0, 1, 4]) == 2  # 4 == num_blocks is out of range
+    assert pool.forget_cached([0]) == 0  # already gone
+    assert pool.snapshot().cache_entries == ()
+    assert check_pool(pool.snapshot()) == []
 
 
 def test_transaction_rollback_restores_free_queue_order() -> None:
@@ -295,6 +430,21 @@ def test_transaction_rollback_restores_free_queue_order() -> None:
     assert pool.block_table("s") == (3, 4)
 
 
+@pytest.mark.mutation_kill
+def test_rollback_restores_a_block_swapped_by_copy_on_write() -> None:
+    pool = BlockPool(4, 4)
+    pool.allocate("a", [1, 2, 3], 3)
+    pool.fork("a", "c")
+    before = pool.snapshot()
+    pool.begin()
+    alloc = pool.allocate("a", [1, 2, 3, 4], 1)
+    assert alloc.copies == (BlockCopy(0, 1),) and pool.block_table("a") == (1,)
+    pool.rollback()
+    assert pool.block_table("a") == (0,)
+    assert pool.snapshot() == before
+    assert check_pool(pool.snapshot()) == []
+
+
 def test_transaction_commits_when_the_body_succeeds() -> None:
     pool = BlockPool(4, 2)
     with pool.transaction():
@@ -307,6 +457,19 @@ def test_transaction_commits_when_the_body_succeeds() -> None:
         raise KeyError("fault")
     assert pool.block_table("a") == pool.block_table("b") == (0, 1)
     assert_valid(pool)
+
+
+@pytest.mark.mutation_kill
+def test_free_inside_a_rolled_back_transaction_restores_the_table() -> None:
+    pool = BlockPool(4, 2)
+    pool.allocate("a", [1, 2, 3], 3)
+    before = pool.snapshot()
+    pool.begin()
+    pool.free("a")
+    assert not pool.has_request("a")
+    pool.rollback()
+    assert pool.has_request("a")
+    assert pool.snapshot() == before
 
 
 # -------------------------------------------------------------------- bad input
@@ -366,6 +529,15 @@ def test_bad_evict_count(pool: BlockPool) -> None:
     refused(pool, InvalidArgument, ["bool True"], lambda: pool.evict(True))
 
 
+@pytest.mark.mutation_kill
+def test_evict_rejects_a_negative_count_by_name() -> None:
+    pool = BlockPool(4, 2)
+    with pytest.raises(InvalidArgument) as info:
+        pool.evict(-1)
+    assert str(info.value) == "num_blocks must be >= 0, got -1"
+    assert pool.evict(0) == 0
+
+
 def test_free_unknown_or_already_freed(pool: BlockPool) -> None:
     refused(pool, UnknownRequest, ["free", "'ghost'"], lambda: pool.free("ghost"))
     refused(pool, UnknownRequest, ["free", "'b'"], lambda: pool.free("b"))
@@ -382,6 +554,47 @@ def test_fork_missing_or_onto_existing(pool: BlockPool) -> None:
 def test_queries_on_unknown_request(pool: BlockPool) -> None:
     refused(pool, UnknownRequest, ["'ghost'"], lambda: pool.block_table("ghost"))
     refused(pool, UnknownRequest, ["'ghost'"], lambda: pool.num_stored("ghost"))
+
+
+@pytest.mark.mutation_kill
+def test_block_table_view_is_the_live_table() -> None:
+    pool = BlockPool(4, 2)
+    pool.allocate("a", [1, 2, 3], 3)
+    view = pool.block_table_view("a")
+    assert list(view) == [0, 1]
+    pool.allocate("a", [1, 2, 3, 4, 5], 2)
+    assert list(view) == [0, 1, 2]  # live: sees the growth without a new call
+    with pytest.raises(UnknownRequest, match=r"^block_table_view: unknown request id 'x'$"):
+        pool.block_table_view("x")
+
+
+@pytest.mark.mutation_kill
+def test_pool_unknown_request_messages_name_the_operation() -> None:
+    pool = BlockPool(4, 2)
+    pool.allocate("a", [1, 2, 3], 3)
+    cases = {
+        "num_stored": lambda: pool.num_stored("x"),
+        "block_table": lambda: pool.block_table("x"),
+        "free": lambda: pool.free("x"),
+        "append_decode_tokens": lambda: pool.append_decode_tokens(["a", "x"], [[1], [2]]),
+        "block_table_views": lambda: pool.block_table_views(["a", "x"]),
+        "fork": lambda: pool.fork("x", "c"),
+    }
+    for what, call in cases.items():
+        with pytest.raises(UnknownRequest) as info:
+            call()
+        assert str(info.value) == f"{what}: unknown request id 'x'"
+    with pytest.raises(DuplicateRequest) as dup:
+        pool.fork("a", "a")
+    assert str(dup.value) == "fork: request id 'a' is already in use"
+    with pytest.raises(InvalidArgument) as bad:
+        pool.append_decode_tokens(["a"], [[1, 2, 3]])
+    assert str(bad.value) == (
+        "append_decode_tokens: a request has 3 known tokens and 3 stored; "
+        "there is no new token to append"
+    )
+    views = pool.block_table_views(["a", "a"])
+    assert [list(v) for v in views] == [[0, 1], [0, 1]]
 
 
 @pytest.mark.parametrize(
@@ -440,6 +653,21 @@ def test_allocation_beyond_free_blocks(pool: BlockPool) -> None:
     assert pool.can_allocate("new", 4)
 
 
+@pytest.mark.mutation_kill
+def test_allocate_refusals_name_the_request_and_the_counts() -> None:
+    pool = BlockPool(2, 4)
+    with pytest.raises(ExceedsCapacity) as never:
+        pool.allocate("big", list(range(9)), 9)
+    assert str(never.value) == "request 'big' needs 3 KV blocks but the pool has only 2"
+    assert (never.value.request_id, never.value.needed, never.value.num_blocks) == ("big", 3, 2)
+    pool.allocate("a", [1, 2, 3, 4], 4)
+    with pytest.raises(OutOfBlocks) as later:
+        pool.allocate("b", list(range(8)), 8)
+    assert str(later.value) == "request 'b' needs 2 free KV blocks, 1 are free"
+    assert (later.value.request_id, later.value.needed, later.value.free) == ("b", 2, 1)
+    assert not pool.has_request("b") and check_pool(pool.snapshot()) == []
+
+
 def test_stale_prefix_hit(pool: BlockPool) -> None:
     prompt = [*tokens(2, 10), 99]
     hit = pool.lookup(prompt)  # b's freed, still cached block
@@ -474,6 +702,22 @@ def test_hit_given_to_an_existing_request(pool: BlockPool) -> None:
     )
 
 
+@pytest.mark.mutation_kill
+def test_allocate_argument_refusals_are_exact() -> None:
+    pool = BlockPool(4, 2)
+    with pytest.raises(InvalidArgument) as zero:
+        pool.allocate("a", [1, 2], 0)
+    assert str(zero.value) == "num_new_tokens must be >= 1, got 0"
+    pool.allocate("a", [1, 2, 3], 3)
+    hit = pool.lookup([1, 2, 3])
+    with pytest.raises(InvalidArgument) as again:
+        pool.allocate("a", [1, 2, 3, 4], 1, hit=hit)
+    assert str(again.value) == (
+        "allocate: request 'a' already holds blocks; a prefix hit applies only to a new request"
+    )
+    assert pool.num_stored("a") == 3
+
+
 def test_hit_for_other_token_ids(pool: BlockPool) -> None:
     """Regression: a hit looked up for one prompt was accepted for another."""
     hit = pool.lookup([*tokens(2, 10), 5])
@@ -495,6 +739,44 @@ def test_hit_covering_the_last_token(pool: BlockPool) -> None:
         ["'new'", "covers 2 tokens of 2", "last token"],
         lambda: pool.allocate("new", tokens(2, 10), 1, hit=forged),
     )
+
+
+def _three_cached_blocks() -> tuple[BlockPool, PrefixHit]:
+    """Block size 1, 3 blocks all held by "a" and cached ([5], [5, 6], [5, 6, 7])."""
+    pool = BlockPool(3, 1)
+    pool.allocate("a", [5, 6, 7], 3)
+    hit = pool.lookup([5, 6, 7, 8])
+    assert hit.block_ids == (0, 1, 2)
+    return pool, hit
+
+
+@pytest.mark.mutation_kill
+def test_a_hit_must_leave_the_last_token_to_recompute() -> None:
+    pool, hit = _three_cached_blocks()
+    one = PrefixHit(hit.root_key, hit.block_ids[:1], hit.keys[:1], 1)
+    with pytest.raises(InvalidArgument, match="covers 1 tokens of 1; the last token must be"):
+        pool.allocate("b", [5], 1, hit=one)
+
+
+@pytest.mark.mutation_kill
+def test_a_hit_with_more_blocks_than_keys_is_refused() -> None:
+    pool, hit = _three_cached_blocks()
+    bad = PrefixHit(hit.root_key, hit.block_ids[:2], hit.keys[:1], 1)
+    before = pool.snapshot()
+    with pytest.raises(ValueError, match="zip"):
+        pool.allocate("b", [5, 6, 7, 8], 1, hit=bad)
+    assert pool.snapshot() == before
+
+
+@pytest.mark.mutation_kill
+def test_a_hit_must_chain_from_the_root() -> None:
+    # Block 1 holds token 6 computed after token 5: a hit that starts at it (from the
+    # root) has the right key and tokens for that block but the wrong parent.
+    pool, hit = _three_cached_blocks()
+    bad = PrefixHit(hit.root_key, hit.block_ids[1:2], hit.keys[1:2], 1)
+    with pytest.raises(InvalidArgument, match="does not match its token ids at block 0"):
+        pool.allocate("b", [6, 9], 1, hit=bad)
+    assert not pool.has_request("b")
 
 
 def test_hit_from_another_pool(pool: BlockPool) -> None:
@@ -524,8 +806,28 @@ def test_too_few_token_ids(pool: BlockPool) -> None:
     )
 
 
+@pytest.mark.mutation_kill
+def test_decode_append_with_mismatched_token_lists_is_refused_first() -> None:
+    # A full pool, and "a" needs a fresh block: the length mismatch must be reported
+    # (ValueError) before the "not enough blocks" answer (None).
+    pool = BlockPool(1, 2)
+    pool.allocate("a", [1, 2], 2)
+    before = pool.snapshot()
+    with pytest.raises(ValueError, match="zip"):
+        pool.append_decode_tokens(["a"], [[1, 2, 3], [4, 5, 6]])
+    assert pool.append_decode_tokens(["a"], [[1, 2, 3]]) is None
+    assert pool.snapshot() == before
+
+
 def test_empty_lookup(pool: BlockPool) -> None:
     refused(pool, InvalidArgument, ["token_ids is empty"], lambda: pool.lookup([]))
+
+
+@pytest.mark.mutation_kill
+def test_lookup_of_nothing_is_refused_by_name() -> None:
+    with pytest.raises(InvalidArgument) as info:
+        BlockPool(2, 1).lookup([])
+    assert str(info.value) == "lookup: token_ids is empty; a request needs at least one token"
 
 
 def test_rollback_of_fast_decode_restores_chain_keys() -> None:

@@ -1,51 +1,25 @@
-"""QoS mechanisms: SLO-aware chunk sizing, the fitted iteration model, admission
-control and priority aging (issue "QoS"). Every engine run checks every invariant."""
+"""QoS mechanisms: SLO-aware chunk sizing and the prefill cap, the fitted iteration model,
+admission control, priority aging, and tenants (weighted deficit round robin, the
+per-tenant cap, what the policy is told) (issue "QoS"). Every engine run checks every
+invariant."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Set
+
 import pytest
+from harness import COST, SMALL_CONFIG, Stepper, commit_step, make_request, plan_entry
 from hypothesis import given
 from hypothesis import strategies as st
 
 from ref.core.config import PolicyName, SchedulerConfig
 from ref.core.cost import StepCost, fit_step_cost
-from ref.core.engine_core import EngineCore
 from ref.core.policy import DecodeFirst, TenantFair
-from ref.core.request import FinishReason, Request, StopParams
+from ref.core.request import Request, StopParams
 from ref.core.scheduler import Scheduler
-from ref.core.swap import KVRetention
-from ref.errors import InvalidArgument, QueueFull, UnknownRequest
+from ref.errors import InvalidArgument, QueueFull
 from ref.sim.metrics import RequestMetrics, per_tenant
-from ref.sim.simulator import SimExecutor, simulate
-
-COST = StepCost.parse("2+0.5P+D")
-
-
-def req(
-    rid: str, n: int, max_tokens: int, *, base: int = 0, arrival_ms: float = 0.0, priority: int = 0
-) -> Request:
-    return Request(
-        rid,
-        [base + i + 1 for i in range(n)],
-        StopParams(max_tokens, ignore_eos=True),
-        arrival_ms=arrival_ms,
-        priority=priority,
-    )
-
-
-class Stepper:
-    def __init__(self, cfg: SchedulerConfig) -> None:
-        self.sched = Scheduler(cfg)
-        self.added: list[Request] = []
-        self.core = EngineCore(
-            self.sched, SimExecutor(COST, self.sched.requests), check_invariants=True
-        )
-        self.clock = 0.0
-
-    def step(self) -> dict[str, int]:
-        rec = self.core.step(self.clock)
-        self.clock = rec.end_ms
-        return dict(rec.tokens)
+from ref.sim.simulator import simulate
 
 
 # ------------------------------------------------------------ SLO-aware chunk sizing
@@ -64,15 +38,15 @@ def _seed003(b: float) -> tuple[int, float]:
     )
     st_ = Stepper(cfg)
     st_.sched.add_request(Request("S", [*prefix, 99_999], StopParams(50, ignore_eos=True)))
-    st_.sched.add_request(req("d1", 3199, 50, base=40_000))
-    st_.sched.add_request(req("d2", 1, 50, base=50_000))
+    st_.sched.add_request(make_request("d1", 3199, 50, base=40_000))
+    st_.sched.add_request(make_request("d2", 1, 50, base=50_000))
     while any(r.num_output_tokens == 0 for r in st_.sched.requests.values()):
         st_.step()
     # Every decode produced its last token at the end of the previous step: slack = 4 ms.
     st_.sched.add_request(
         Request("X", [*prefix, *range(60_000, 64_000)], StopParams(4, ignore_eos=True))
     )
-    tokens = st_.step()
+    tokens = st_.step_tokens()
     assert (tokens["S"], tokens["d1"], tokens["d2"]) == (1, 1, 1)
     return tokens["X"], model.step_ms(tokens["X"], 3)
 
@@ -95,10 +69,113 @@ def test_slo_config_needs_both_fields() -> None:
         SchedulerConfig(tbt_slo_ms=4.0, step_cost=StepCost(1.0, 0.0, 1.0))
 
 
+def _slo_chunk(
+    model: StepCost, now: float, *, reserve: int = 0, prompt: int = 60, fast: bool = True
+) -> int:
+    """Prefill tokens admitted next to one decode whose last token came at t = 0."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        block_size=4,
+        num_blocks=64,
+        max_model_len=128,
+        tbt_slo_ms=20.0,
+        step_cost=model,
+        prefill_reserve_tokens=reserve,
+        prefill_reserve_after_steps=0,
+    )
+    sched = Scheduler(cfg, fast_decode=fast)
+    sched.add_request(make_request("d", 3, 50))
+    commit_step(sched, 0.0)  # d: 3 tokens computed, first token at t = 0
+    sched.add_request(make_request("p", prompt, 2, base=100))
+    plan = sched.schedule(now)
+    assert plan_entry(plan, "d")[:2] == (3, 1)
+    return plan_entry(plan, "p")[1] if "p" in plan.request_ids else 0
+
+
+@pytest.mark.mutation_kill
+@pytest.mark.parametrize("fast", [True, False])
+def test_prefill_cap_is_the_slack_left_by_the_decodes(fast: bool) -> None:
+    # P <= (last + slo - now - a - c*D - e*K) / b with D = 1 decode reading K = 3 + 1.
+    assert _slo_chunk(StepCost(2.0, 0.5, 1.0), 4.0, fast=fast) == 26  # (20 - 4 - 2 - 1) / 0.5
+    assert _slo_chunk(StepCost(2.0, 0.5, 1.0, 0.5), 4.0, fast=fast) == 22  # 0.5 * 4 ms reads
+    assert _slo_chunk(StepCost(2.0, 0.5, 1.0, 0.5), 4.25, fast=fast) == 21  # 21.5 rounds down
+    assert _slo_chunk(StepCost(2.0, 0.5, 1.0), 0.0, prompt=20) == 20  # the whole prompt fits
+
+
+@pytest.mark.mutation_kill
+def test_prefill_cap_is_zero_without_slack_unless_reserved() -> None:
+    assert _slo_chunk(StepCost(2.0, 0.5, 1.0), 17.0) == 0  # spare exactly 0
+    assert _slo_chunk(StepCost(2.0, 0.5, 1.0), 16.0) == 2  # spare 1 ms
+    assert _slo_chunk(StepCost(2.0, 0.5, 1.0), 16.5) == 1  # spare 0.5 ms
+    assert _slo_chunk(StepCost(2.0, 0.5, 1.0), 30.0) == 0  # the deadline has passed
+    assert _slo_chunk(StepCost(2.0, 0.5, 1.0), 30.0, reserve=5) == 5
+    assert _slo_chunk(StepCost(2.0, 0.5, 1.0), 4.0, reserve=5) == 26
+
+
+@pytest.mark.mutation_kill
+def test_prefill_cap_follows_the_tightest_decode() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        block_size=4,
+        num_blocks=64,
+        max_model_len=128,
+        tbt_slo_ms=20.0,
+        step_cost=StepCost(2.0, 0.5, 1.0),
+    )
+    sched = Scheduler(cfg)
+    sched.add_request(make_request("d1", 3, 50))
+    commit_step(sched, 0.0)  # d1's first token at t = 0
+    sched.add_request(make_request("d2", 3, 50, base=50))
+    commit_step(sched, 2.0)  # d1 decodes and d2 samples its first token at t = 2
+    assert [r.token_times_ms for r in sched.running] == [[0.0, 2.0], [2.0]]
+    sched.add_request(make_request("p", 60, 2, base=100))
+    plan = sched.schedule(4.0)
+    # Tightest deadline: 2 + 20; two decodes: (22 - 4 - 2 - 2) / 0.5 = 28.
+    assert plan_entry(plan, "p")[1] == 28
+    sched.rollback()
+
+
+@pytest.mark.mutation_kill
+def test_without_an_slo_the_prefill_takes_the_whole_budget() -> None:
+    sched = Scheduler(SMALL_CONFIG)
+    sched.add_request(make_request("d", 3, 50))
+    commit_step(sched, 0.0)
+    sched.add_request(make_request("p", 31, 1, base=100))
+    plan = sched.schedule(100.0)
+    assert plan_entry(plan, "p")[1] == 31  # all the budget (32) the decode leaves
+    sched.rollback()
+
+
+@pytest.mark.mutation_kill
+def test_running_prefills_and_admissions_share_one_slo_prefill_cap() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        block_size=4,
+        num_blocks=64,
+        max_model_len=128,
+        tbt_slo_ms=20.0,
+        step_cost=StepCost(2.0, 0.5, 1.0),
+    )
+    sched = Scheduler(cfg)
+    sched.add_request(make_request("d", 3, 50))
+    commit_step(sched, 0.0)
+    sched.add_request(make_request("q", 40, 2, base=100))
+    plan, _ = commit_step(sched, 4.0)  # cap (20 - 4 - 2 - 1) / 0.5 = 26
+    assert plan.request_ids == ("d", "q") and plan.num_new_tokens == (1, 26)
+    sched.add_request(make_request("x", 20, 2, base=200))
+    plan, _ = commit_step(sched, 8.5)  # d's token at 4: cap (24 - 8.5 - 3) / 0.5 = 25
+    assert plan.request_ids == ("d", "q", "x") and plan.num_new_tokens == (1, 14, 11)
+
+
 # ------------------------------------------------------------ the fitted model
 def test_fit_recovers_the_simulators_cost_model_from_its_own_steps() -> None:
     cfg = SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=6, block_size=4, num_blocks=128)
-    reqs = [req(f"r{i}", 3 + 5 * i, 2 + i, base=100 * i, arrival_ms=3.0 * i) for i in range(8)]
+    reqs = [
+        make_request(f"r{i}", 3 + 5 * i, 2 + i, base=100 * i, arrival_ms=3.0 * i) for i in range(8)
+    ]
     result = simulate(Scheduler(cfg), reqs, COST)
     fit = fit_step_cost(
         [s.end_ms - s.start_ms for s in result.steps],
@@ -123,26 +200,13 @@ def test_bounded_queue_rejects_with_a_reason_and_changes_nothing() -> None:
         )
     )
     for i in range(2):
-        st_.sched.add_request(req(f"w{i}", 3, 2, base=10 * i))
+        st_.sched.add_request(make_request(f"w{i}", 3, 2, base=10 * i))
     before = st_.sched.snapshot()
     with pytest.raises(QueueFull, match="2 requests already wait"):
-        st_.sched.add_request(req("late", 3, 2, base=99))
+        st_.sched.add_request(make_request("late", 3, 2, base=99))
     assert st_.sched.snapshot() == before and st_.sched.num_rejected == 1
     while st_.sched.has_unfinished:
         st_.step()
-
-
-def test_queue_timeout_reason_is_recorded() -> None:
-    cfg = SchedulerConfig(
-        max_num_batched_tokens=4, max_num_seqs=1, block_size=4, num_blocks=16, queue_timeout_ms=10.0
-    )
-    sched = Scheduler(cfg)
-    reqs = [req("long", 4, 12), req("patient", 2, 2, base=50)]
-    simulate(sched, reqs, COST, check_invariants=True)
-    assert reqs[0].finish_reason is FinishReason.LENGTH
-    assert reqs[1].finish_reason is FinishReason.TIMEOUT and reqs[1].num_output_tokens == 0
-    assert reqs[1].finished_ms is not None and reqs[1].finished_ms - reqs[1].arrival_ms > 10.0
-    assert sched.num_timeouts == 1 and sched.pool.num_used_blocks == 0
 
 
 # ------------------------------------------------------------ aging
@@ -160,7 +224,7 @@ def test_aging_ordering_bound(aging: int, arrivals: list[tuple[int, int]], now: 
     for seq, (step, prio) in enumerate(sorted(arrivals)):
         if step > now:
             continue
-        r = req(f"r{seq}", 1, 1, priority=prio)
+        r = make_request(f"r{seq}", 1, 1, priority=prio)
         r.seq, r.queued_step = seq, step
         waiting.append(r)
     order = policy.waiting_order(waiting, now)
@@ -175,10 +239,10 @@ def _low_priority_first_admission(aging: int) -> int | None:
         max_num_batched_tokens=4, max_num_seqs=1, block_size=4, num_blocks=64, aging_steps=aging
     )
     st_ = Stepper(cfg)
-    st_.sched.add_request(req("low", 2, 1, priority=3, base=900))
+    st_.sched.add_request(make_request("low", 2, 1, priority=3, base=900))
     for i in range(40):  # an urgent request arrives every step: adversarial for "low"
-        st_.sched.add_request(req(f"hi{i}", 2, 1, priority=0, base=10 * i))
-        if "low" in st_.step():
+        st_.sched.add_request(make_request(f"hi{i}", 2, 1, priority=0, base=10 * i))
+        if "low" in st_.step_tokens():
             return i
     return None
 
@@ -210,10 +274,9 @@ def _tenant_run(weights: tuple[tuple[str, float], ...], cap: int | None = None) 
     st_ = Stepper(cfg)
     for i in range(40):  # both tenants keep a deep backlog of equal prompts
         for tenant in ("A", "B"):
-            r = req(f"{tenant}{i}", 12, 1, base=1000 * i + (0 if tenant == "A" else 500))
+            r = make_request(f"{tenant}{i}", 12, 1, base=1000 * i + (0 if tenant == "A" else 500))
             r.tenant = tenant
-            st_.sched.add_request(r)
-            st_.added.append(r)
+            st_.add(r)
     return st_
 
 
@@ -255,58 +318,69 @@ def test_per_tenant_report() -> None:
     assert report["B"].ttft_p50_ms < report["A"].ttft_p50_ms  # the heavier tenant waits less
 
 
-# ------------------------------------------------------------ agent sessions
-def _session(retention: KVRetention) -> tuple[Stepper, dict[str, int], int]:
-    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, block_size=4, num_blocks=64)
-    st_ = Stepper(cfg)
-    st_.sched.add_request(req("agent", 18, 3))
-    st_.sched.add_request(req("other", 5, 12, base=500))
-    while st_.sched.requests["agent"].num_output_tokens < 2:
-        st_.step()
-    agent = st_.sched.requests["agent"]
-    kv_before = agent.num_computed_tokens
-    assert st_.sched.pause("agent", retention) is retention
-    assert agent.status.value == "waiting_tool"
-    for _ in range(3):  # the tool runs while the other request keeps decoding
-        assert "agent" not in st_.step()
-    st_.sched.resume("agent", [900, 901, 902, 903, 904], StopParams(2, ignore_eos=True))
-    return st_, st_.step(), kv_before
+class RecordingPolicy(DecodeFirst):
+    """Decode-first, recording what each commit tells the policy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.told: list[tuple[dict[str, int], set[str]]] = []
+
+    def on_commit(self, prefill_tokens: Mapping[str, int], backlogged: Set[str]) -> None:
+        self.told.append((dict(prefill_tokens), set(backlogged)))
 
 
-def test_tool_pause_with_retained_kv_resumes_as_an_incremental_prefill() -> None:
-    st_, tokens, kv_before = _session(KVRetention.DEVICE)
-    # Only the last sampled token (it had no KV yet) and the 5 tool tokens are computed.
-    assert tokens["agent"] == 1 + 5
-    assert st_.sched.requests["agent"].num_computed_tokens == kv_before + 6
-    while st_.sched.has_unfinished:
-        st_.step()
-    assert st_.sched.pool.num_used_blocks == 0
+@pytest.mark.mutation_kill
+def test_the_policy_is_told_prefill_tokens_per_tenant_and_the_backlog() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=8, max_num_seqs=4, block_size=4, num_blocks=32, max_model_len=32
+    )
+    policy = RecordingPolicy()
+    sched = Scheduler(cfg, policy)
+    sched.add_request(make_request("c", 3, 6, tenant="C"))
+    commit_step(sched)
+    assert policy.told[-1] == ({"C": 3}, set())
+    sched.add_request(make_request("a", 6, 1, base=100, tenant="A"))  # finishes in its first step
+    sched.add_request(make_request("b", 10, 2, base=200, tenant="B"))
+    plan, events = commit_step(sched)
+    assert plan.num_new_tokens == (1, 6, 1) and events.finished == ("a",)
+    # c's decode is not a prefill grant; a, retired in this very step, still counts.
+    assert policy.told[-1] == ({"A": 6, "B": 1}, {"B"})
+    commit_step(sched)
+    assert policy.told[-1] == ({"B": 7}, {"B"})
+    commit_step(sched)
+    assert policy.told[-1] == ({"B": 2}, set())
+    commit_step(sched)
+    assert policy.told[-1] == ({}, set())  # decodes only
+    assert len(policy.told) == sched.step_index == 5
 
 
-def test_tool_pause_that_drops_kv_recomputes_through_the_prefix_cache() -> None:
-    st_, tokens, kv_before = _session(KVRetention.DROP)
-    agent = st_.sched.requests["agent"]
-    assert agent.num_cached_tokens > 0 and agent.num_cached_tokens % 4 == 0
-    assert tokens["agent"] == agent.num_prompt_tokens - agent.num_cached_tokens
-    assert agent.num_cached_tokens <= kv_before
-    while st_.sched.has_unfinished:
-        st_.step()
+@pytest.mark.mutation_kill
+def test_a_waiting_tenant_is_backlogged_before_it_gets_any_tokens() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=8, max_num_seqs=1, block_size=4, num_blocks=32, max_model_len=32
+    )
+    policy = RecordingPolicy()
+    sched = Scheduler(cfg, policy)
+    sched.add_request(make_request("a", 3, 4, tenant="A"))
+    sched.add_request(make_request("b", 3, 4, base=100, tenant="B"))  # no running slot for it
+    commit_step(sched)
+    assert policy.told[-1] == ({"A": 3}, {"B"})
 
 
-def test_pause_and_resume_reject_bad_input_and_abort_frees_a_paused_request() -> None:
-    cfg = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=2, block_size=4, num_blocks=32)
-    st_ = Stepper(cfg)
-    st_.sched.add_request(req("a", 10, 5))
-    with pytest.raises(InvalidArgument, match="must be decoding"):
-        st_.sched.pause("a")
-    while st_.sched.requests["a"].num_output_tokens == 0:
-        st_.step()
-    with pytest.raises(UnknownRequest):
-        st_.sched.resume("a", [1], StopParams(1))
-    st_.sched.pause("a")
-    before = st_.sched.snapshot()
-    with pytest.raises(InvalidArgument, match="tool token ids"):
-        st_.sched.resume("a", [], StopParams(1))
-    assert st_.sched.snapshot() == before
-    st_.sched.abort("a")
-    assert st_.sched.pool.num_used_blocks == 0 and not st_.sched.paused
+@pytest.mark.mutation_kill
+def test_tenant_fair_credit_follows_the_granted_prefill_tokens() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=8,
+        max_num_seqs=4,
+        block_size=4,
+        num_blocks=32,
+        max_model_len=32,
+        policy=PolicyName.TENANT_FAIR,
+        tenant_quantum_tokens=4,
+    )
+    sched = Scheduler(cfg)
+    assert isinstance(sched.policy, TenantFair)
+    sched.add_request(make_request("a", 12, 2, tenant="A"))
+    commit_step(sched)  # A gets 8 prefill tokens and still has 4 to go
+    assert sched.policy.credit == {"A": 4 - 8}
+    assert sched.policy.served == {"A": 8}

@@ -2,7 +2,8 @@
 
 Every step runs through ``EngineCore(check_invariants=True)`` (directly or via
 ``ref.sim.simulator.simulate``), so each scenario is also checked against every spec invariant;
-the assertions here state the behaviour the scenario is about.
+the assertions here state the behaviour the scenario is about. The abort and finish time
+stamps are pinned on ``harness.commit_step`` (schedule and commit, ``check_pool`` after).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from harness import COST, SMALL_CONFIG, STEP_LIMIT, Stepper, decoding_scheduler, make_request
 
 from ref.core.config import Admission, PolicyName, SchedulerConfig
-from ref.core.cost import StepCost
 from ref.core.engine_core import EngineCore, StepRecord
 from ref.core.request import FinishReason, Request, StopParams
 from ref.core.scheduler import Scheduler
@@ -26,42 +27,26 @@ from spec.arith import blocks_needed
 from spec.progress import check_quiescent
 from spec.snapshot import RequestStatus as S
 
-COST = StepCost(2, 0.5, 1)
 
-
-class Run:
-    """A scheduler stepped one step at a time through the checked engine core."""
+class Run(Stepper):
+    """The harness stepper, adding requests by id with explicit prompts (EOS not ignored),
+    whose drain also checks that nothing is left held (check_quiescent)."""
 
     def __init__(self, config: SchedulerConfig) -> None:
-        self.sched = Scheduler(config)
-        self.core = EngineCore(
-            self.sched, SimExecutor(COST, self.sched.requests), check_invariants=True
-        )
-        self.records: list[StepRecord] = []
-        self.clock = 0.0
+        super().__init__(config, COST)
         self.all: dict[str, Request] = {}
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int = 4, **kw: object) -> Request:
+    def submit(self, rid: str, prompt: list[int], max_tokens: int = 4, **kw: object) -> Request:
         r = Request(rid, list(prompt), StopParams(max_tokens=max_tokens), **kw)  # type: ignore[arg-type]
-        self.sched.add_request(r)
+        self.add(r)
         self.all[rid] = r
         return r
-
-    def step(self) -> StepRecord:
-        rec = self.core.step(self.clock)
-        self.clock = rec.end_ms
-        self.records.append(rec)
-        return rec
 
     def status(self, rid: str) -> S:
         return self.all[rid].status
 
-    def drain(self, bound: int = 500) -> None:
-        for _ in range(bound):
-            if not self.sched.has_unfinished:
-                break
-            self.step()
-        assert not self.sched.has_unfinished, f"not drained in {bound} steps"
+    def drain(self, limit: int = STEP_LIMIT) -> None:
+        super().drain(limit)
         assert check_quiescent(self.sched.pool.snapshot()) == []
 
     def chunk(self, rec: StepRecord, rid: str):  # type: ignore[no-untyped-def]
@@ -84,8 +69,8 @@ def _preempting_run() -> Run:
             enable_prefix_caching=False,
         )
     )
-    run.add("old", [1, 2], max_tokens=10)
-    run.add("new", [3, 4], max_tokens=10)
+    run.submit("old", [1, 2], max_tokens=10)
+    run.submit("new", [3, 4], max_tokens=10)
     return run
 
 
@@ -101,9 +86,9 @@ def test_abort_in_every_state_then_no_leak(state: str) -> None:
         run = Run(
             SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=2, block_size=2, num_blocks=16)
         )
-        run.add("a", _prompt(3), max_tokens=6)
-        run.add("b", _prompt(9, 1), max_tokens=6)
-        run.add("c", _prompt(5, 2), max_tokens=6)
+        run.submit("a", _prompt(3), max_tokens=6)
+        run.submit("b", _prompt(9, 1), max_tokens=6)
+        run.submit("c", _prompt(5, 2), max_tokens=6)
         run.step()  # a: 3 tokens (decoding next), b: 1 token (prefilling), c waits
         victim = {"waiting": "c", "prefilling": "b", "decoding": "a"}[state]
     assert run.status(victim).value == state
@@ -123,9 +108,9 @@ def test_abort_in_every_state_then_no_leak(state: str) -> None:
 def test_abort_of_a_request_sharing_cached_blocks_keeps_the_sharers_blocks() -> None:
     run = Run(SchedulerConfig(max_num_batched_tokens=64, block_size=4, num_blocks=16))
     shared = _prompt(8)
-    run.add("first", [*shared, 1], max_tokens=8)
+    run.submit("first", [*shared, 1], max_tokens=8)
     run.step()
-    run.add("second", [*shared, 2], max_tokens=8)
+    run.submit("second", [*shared, 2], max_tokens=8)
     rec = run.step()
     assert run.chunk(rec, "second").num_new_cached_tokens == 8
     pool = run.sched.pool
@@ -137,12 +122,41 @@ def test_abort_of_a_request_sharing_cached_blocks_keeps_the_sharers_blocks() -> 
     run.drain()
 
 
+@pytest.mark.mutation_kill
+def test_abort_and_finish_stamp_the_given_time_defaulting_to_zero() -> None:
+    sched = decoding_scheduler(
+        SMALL_CONFIG,
+        make_request("a", 3),
+        make_request("b", 3, base=10),
+        make_request("c", 3, base=20),
+    )
+    a, b, c = (sched.requests[x] for x in "abc")
+    sched.abort("a")
+    sched.finish("b", FinishReason.STOP)
+    sched.abort("c", 3.5)
+    assert (a.finished_ms, b.finished_ms, c.finished_ms) == (0.0, 0.0, 3.5)
+    assert (a.status, b.status, c.status) == (S.ABORTED, S.FINISHED, S.ABORTED)
+    assert (a.finish_reason, b.finish_reason) == (FinishReason.ABORT, FinishReason.STOP)
+    assert sched.retired == [a, b, c] and sched.requests == {}
+    assert sched.pool.num_free_blocks == SMALL_CONFIG.num_blocks
+
+
+@pytest.mark.mutation_kill
+def test_abort_before_the_first_step_retires_the_request() -> None:
+    sched = Scheduler(SMALL_CONFIG)
+    a = make_request("a", 3)
+    sched.add_request(a)
+    sched.abort("a", 1.5)
+    assert sched.retired == [a] and sched.waiting == [] and sched.requests == {}
+    assert a.status is S.ABORTED and a.finished_ms == 1.5
+
+
 # ----------------------------------------------------------- prefix cache
 def _cached_then_same(prompt: list[int], block_size: int = 4) -> tuple[Run, StepRecord]:
     run = Run(SchedulerConfig(max_num_batched_tokens=64, block_size=block_size, num_blocks=32))
-    run.add("warm", prompt, max_tokens=1)
+    run.submit("warm", prompt, max_tokens=1)
     run.drain()
-    run.add("again", prompt, max_tokens=3)
+    run.submit("again", prompt, max_tokens=3)
     return run, run.step()
 
 
@@ -183,8 +197,8 @@ def test_two_requests_sharing_a_new_prefix_in_the_same_step() -> None:
     not exist yet); each computes its own, and a later request hits the cached one."""
     run = Run(SchedulerConfig(max_num_batched_tokens=64, block_size=4, num_blocks=32))
     shared = _prompt(8)
-    run.add("a", [*shared, 1, 1], max_tokens=2)
-    run.add("b", [*shared, 2, 2], max_tokens=2)
+    run.submit("a", [*shared, 1, 1], max_tokens=2)
+    run.submit("b", [*shared, 2, 2], max_tokens=2)
     rec = run.step()
     ca, cb = run.chunk(rec, "a"), run.chunk(rec, "b")
     assert ca.num_new_cached_tokens == cb.num_new_cached_tokens == 0
@@ -192,7 +206,7 @@ def test_two_requests_sharing_a_new_prefix_in_the_same_step() -> None:
     ta, tb = run.sched.pool.block_table("a"), run.sched.pool.block_table("b")
     assert not set(ta) & set(tb)
     run.drain()
-    run.add("c", [*shared, 3], max_tokens=1)
+    run.submit("c", [*shared, 3], max_tokens=1)
     assert run.chunk(run.step(), "c").num_new_cached_tokens == 8
     run.drain()
 
@@ -200,9 +214,9 @@ def test_two_requests_sharing_a_new_prefix_in_the_same_step() -> None:
 def test_no_hit_on_a_block_a_running_prefill_completes_in_the_same_step() -> None:
     run = Run(SchedulerConfig(max_num_batched_tokens=6, block_size=4, num_blocks=32))
     shared = _prompt(8)
-    run.add("a", [*shared, 1], max_tokens=2)
+    run.submit("a", [*shared, 1], max_tokens=2)
     run.step()  # a: positions 0..5 (block 0 full and cached, block 1 partial)
-    run.add("b", [*shared, 2], max_tokens=2)
+    run.submit("b", [*shared, 2], max_tokens=2)
     rec = run.step()  # a completes block 1 in this step; b is admitted in this step
     assert run.chunk(rec, "a").start == 6
     cb = run.chunk(rec, "b")
@@ -212,10 +226,10 @@ def test_no_hit_on_a_block_a_running_prefill_completes_in_the_same_step() -> Non
 
 def test_no_hit_on_a_block_a_decode_completes_in_the_same_step() -> None:
     run = Run(SchedulerConfig(max_num_batched_tokens=64, block_size=4, num_blocks=32))
-    a = run.add("a", _prompt(7), max_tokens=6)
+    a = run.submit("a", _prompt(7), max_tokens=6)
     run.step()  # a: prompt (7) computed, one token sampled; block 1 completes next step
     known = list(a.token_ids)  # 8 tokens: 2 full blocks once the decode writes position 7
-    run.add("b", [*known, 5], max_tokens=2)
+    run.submit("b", [*known, 5], max_tokens=2)
     rec = run.step()
     assert run.chunk(rec, "a").start == 7
     assert run.chunk(rec, "b").num_new_cached_tokens == 4
@@ -233,7 +247,7 @@ def test_preemption_storm_never_overcounts() -> None:
     )
     run = Run(cfg)
     for i in range(10):
-        run.add(f"r{i}", _prompt(3 + i % 4, i % 3), max_tokens=6 + i % 5)
+        run.submit(f"r{i}", _prompt(3 + i % 4, i % 3), max_tokens=6 + i % 5)
     for _ in range(600):
         if not run.sched.has_unfinished:
             break
@@ -254,7 +268,7 @@ def test_preempted_request_keeps_its_place_ahead_of_later_arrivals() -> None:
     run = _preempting_run()
     while run.status("new") is not S.PREEMPTED:
         run.step()
-    run.add("later", [5, 6], max_tokens=2)
+    run.submit("later", [5, 6], max_tokens=2)
     assert [r.request_id for r in run.sched.waiting] == ["new", "later"]
     admitted = [rid for rec in run.records for rid in rec.plan.admitted]
     run.drain()
@@ -272,12 +286,12 @@ def test_preempted_request_keeps_its_place_under_equal_priority_but_not_over_bet
             enable_prefix_caching=False,
         )
     )
-    run.add("old", [1, 2], max_tokens=10, priority=1)
-    run.add("new", [3, 4], max_tokens=10, priority=1)
+    run.submit("old", [1, 2], max_tokens=10, priority=1)
+    run.submit("new", [3, 4], max_tokens=10, priority=1)
     while run.status("new") is not S.PREEMPTED:
         run.step()
-    run.add("same", [5], max_tokens=1, priority=1)
-    run.add("urgent", [6], max_tokens=1, priority=0)
+    run.submit("same", [5], max_tokens=1, priority=1)
+    run.submit("urgent", [6], max_tokens=1, priority=0)
     order = [
         r.request_id
         for r in run.sched.policy.waiting_order(run.sched.waiting, run.sched.step_index)
@@ -296,9 +310,9 @@ def test_victim_is_the_lowest_priority_then_the_latest() -> None:
             enable_prefix_caching=False,
         )
     )
-    run.add("p0_early", [1, 2], max_tokens=20, priority=0)
-    run.add("p1", [3, 4], max_tokens=20, priority=1)
-    run.add("p0_late", [5, 6], max_tokens=20, priority=0)
+    run.submit("p0_early", [1, 2], max_tokens=20, priority=0)
+    run.submit("p1", [3, 4], max_tokens=20, priority=1)
+    run.submit("p0_late", [5, 6], max_tokens=20, priority=0)
     first = None
     for _ in range(20):
         rec = run.step()
@@ -311,8 +325,8 @@ def test_victim_is_the_lowest_priority_then_the_latest() -> None:
 
 def test_lone_request_that_cannot_grow_finishes_with_capacity() -> None:
     run = Run(SchedulerConfig(max_num_batched_tokens=8, block_size=2, num_blocks=2))
-    r = run.add("big", [1, 2, 3], max_tokens=10)
-    run.drain(bound=10)  # no spin: 2 steps of work, then the capacity finish
+    r = run.submit("big", [1, 2, 3], max_tokens=10)
+    run.drain(limit=10)  # no spin: 2 steps of work, then the capacity finish
     assert r.finish_reason == FinishReason.CAPACITY
     # It filled the pool (4 slots of KV) and sampled one more token it has no room for.
     assert (r.num_computed_tokens, r.num_tokens, r.num_output_tokens) == (4, 5, 2)
@@ -327,9 +341,9 @@ def test_capacity_finish_only_when_no_victim_exists() -> None:
             max_num_batched_tokens=8, block_size=2, num_blocks=4, enable_prefix_caching=False
         )
     )
-    run.add("a", [1, 2, 3], max_tokens=10)
-    run.add("b", [4, 5, 6], max_tokens=10)
-    run.drain(bound=60)
+    run.submit("a", [1, 2, 3], max_tokens=10)
+    run.submit("b", [4, 5, 6], max_tokens=10)
+    run.drain(limit=60)
     preempted = [rid for rec in run.records for rid in rec.plan.preempted]
     assert preempted and preempted[0] == "b"
     reasons = {rid: r.finish_reason for rid, r in run.all.items()}
@@ -348,10 +362,10 @@ def _starvation_run(reserve: int) -> tuple[Run, int]:
     )
     run = Run(cfg)
     for i in range(8):
-        run.add(f"d{i}", [i + 1], max_tokens=10_000)
+        run.submit(f"d{i}", [i + 1], max_tokens=10_000)
     run.step()  # 8 one-token prompts: all decoding from now on
     assert all(run.status(f"d{i}") is S.DECODING for i in range(8))
-    run.add("p", _prompt(4), max_tokens=2)
+    run.submit("p", _prompt(4), max_tokens=2)
     arrived = len(run.records)
     for _ in range(40):
         run.step()
@@ -386,10 +400,10 @@ def _seed002_admission(**cfg_kw: object) -> tuple[Run, str]:
     )  # type: ignore[arg-type]
     run = Run(cfg)
     for i in range(9):  # 9 x 1590-token prompts: 100 blocks each, 900 in use
-        run.add(f"occ{i}", _prompt(1590, i), max_tokens=5)
+        run.submit(f"occ{i}", _prompt(1590, i), max_tokens=5)
     run.step()
     assert run.sched.pool.num_used_blocks == 900
-    run.add("new", _prompt(1600, 42), max_tokens=16)
+    run.submit("new", _prompt(1600, 42), max_tokens=16)
     assert blocks_needed(1600, 16) == 100
     rec = run.step()
     return run, "new" if "new" in rec.plan.admitted else ""
@@ -474,7 +488,7 @@ def test_static_policy_never_admits_while_a_batch_runs() -> None:
 # --------------------------------------------------- free-list determinism
 _DETERMINISM = """
 import json, sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {harness!r}]
 from test_scheduler_behaviour import block_table_history
 print(json.dumps(block_table_history()))
 """
@@ -489,7 +503,7 @@ def block_table_history() -> list[object]:
     out: list[object] = []
     shared = _prompt(4)
     for i in range(8):
-        run.add(f"req-{i}-{'x' * i}", [*shared[: i % 5], *_prompt(2 + i % 3, i)], max_tokens=5)
+        run.submit(f"req-{i}-{'x' * i}", [*shared[: i % 5], *_prompt(2 + i % 3, i)], max_tokens=5)
     for k in range(200):
         if not run.sched.has_unfinished:
             break
@@ -514,7 +528,8 @@ def test_free_list_reuse_order_is_deterministic() -> None:
     # The run really reuses freed blocks (free queue order matters).
     assert any(r[1] != sorted(r[1]) for r in first)
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    code = _DETERMINISM.format(tests=str(Path(__file__).parent))
+    here = Path(__file__).parent
+    code = _DETERMINISM.format(tests=str(here), harness=str(here.parent))
     out = subprocess.run(
         [sys.executable, "-c", code],
         env=env,
@@ -557,9 +572,9 @@ def test_reusing_an_evicted_cached_block_is_not_a_prefix_violation() -> None:
             max_num_batched_tokens=1, block_size=1, num_blocks=1, max_num_seqs=1, max_model_len=2
         )
     )
-    run.add("r1", [0], max_tokens=1)
+    run.submit("r1", [0], max_tokens=1)
     run.step()  # r1 caches block 0 ([0]) and finishes: block 0 is free and cached
-    run.add("r2", [0], max_tokens=1)  # no hit (last token is recomputed): evicts block 0
+    run.submit("r2", [0], max_tokens=1)  # no hit (last token is recomputed): evicts block 0
     run.step()
 
 

@@ -220,6 +220,80 @@ def test_rejected_request_does_not_consume_an_arrival_number(engine: Engine) -> 
     assert late.seq == len(engine.all)
 
 
+def _refusal(sched: Scheduler, r: Request) -> str:
+    with pytest.raises(RefserveError) as info:
+        sched.add_request(r)
+    return f"{type(info.value).__name__}: {info.value}"
+
+
+@pytest.mark.mutation_kill
+def test_add_request_refusals_are_exact_and_count_only_capacity_and_queue() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16,
+        max_num_seqs=2,
+        block_size=4,
+        num_blocks=4,
+        max_model_len=20,
+        max_waiting=2,
+    )
+    sched = Scheduler(cfg)
+    used = Request("x", [1, 2])
+    used.token_ids.append(3)  # a sampled token: not fresh
+    assert _refusal(sched, used) == (
+        "InvalidArgument: add_request: request 'x' is not fresh (status waiting)"
+    )
+    assert _refusal(sched, Request("", [1])) == (
+        "InvalidArgument: add_request: request id must be a non-empty str, got ''"
+    )
+    assert _refusal(sched, Request("x", [])) == (
+        "InvalidArgument: add_request: request 'x' has an empty prompt"
+    )
+    assert _refusal(sched, Request("x", [0, -2])) == (
+        "InvalidArgument: add_request: request 'x' has a bad token id -2"
+    )
+    assert _refusal(sched, Request("x", [1] * 20)) == (
+        "InvalidArgument: add_request: request 'x' prompt has 20 tokens; max_model_len is 20, "
+        "leaving no room for an output token"
+    )
+    assert sched.num_rejected == 0  # malformed input is not an admission-control rejection
+    assert _refusal(sched, Request("x", [1] * 17)) == (
+        "ExceedsCapacity: request 'x' needs 5 KV blocks but the pool has only 4"
+    )
+    assert sched.num_rejected == 1
+    sched.add_request(Request("a", [1] * 16))  # 4 blocks of 4: exactly the pool
+    sched.add_request(Request("b", [0]))
+    assert _refusal(sched, Request("c", [1])) == (
+        "QueueFull: add_request: request 'c' rejected: 2 requests already wait"
+    )
+    assert sched.num_rejected == 2
+    assert _refusal(sched, Request("a", [1])) == (
+        "DuplicateRequest: add_request: request id 'a' is already in use"
+    )
+    assert _refusal(sched, Request("y", [1] * 19)).startswith("ExceedsCapacity: request 'y'")
+    assert sched.num_rejected == 3
+    sched.schedule(0.0)
+    assert _refusal(sched, Request("z", [1])) == (
+        "StepInProgress: add_request: a step is in progress (schedule without commit/rollback)"
+    )
+    sched.rollback()
+    assert [r.request_id for r in sched.waiting] == ["a", "b"]
+    assert [r.seq for r in sched.waiting] == [0, 1]
+
+
+@pytest.mark.mutation_kill
+def test_without_chunked_prefill_the_budget_caps_the_prompt_by_name() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=8, block_size=4, num_blocks=8, enable_chunked_prefill=False
+    )
+    sched = Scheduler(cfg)
+    assert _refusal(sched, Request("x", [1] * 8)) == (
+        "InvalidArgument: add_request: request 'x' prompt has 8 tokens; without chunked "
+        "prefill the token budget 8 caps the length, leaving no room for an output token"
+    )
+    sched.add_request(Request("y", [1] * 7))
+    assert sched.waiting[0].request_id == "y"
+
+
 # -------------------------------------------------------------------- abort
 def test_abort_unknown_id(engine: Engine, reference: dict[str, object]) -> None:
     before = engine.state()

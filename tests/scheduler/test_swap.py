@@ -1,28 +1,22 @@
-"""Preemption by swap, host-retained tool waits, the recompute-vs-swap rule and the
-host pool (issue "QoS and memory pressure", item 5/6). Every engine run here goes
-through EngineCore(check_invariants=True), which checks spec.host on every step."""
+"""Preemption by swap, swap-in, the recompute-vs-swap rule and ``spec.host`` (issue "QoS
+and memory pressure", item 5/6). Every engine run here goes through
+EngineCore(check_invariants=True), which checks spec.host on every step. Tool waits are
+in test_pause.py, the host pool itself in tests/kv/test_host_pool.py."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 import pytest
+from harness import COST, Stepper, make_request
 
 from ref.core.config import SchedulerConfig
 from ref.core.cost import StepCost
-from ref.core.engine_core import EngineCore
 from ref.core.plan import StepPlan
-from ref.core.request import FinishReason, Request, StopParams
+from ref.core.request import FinishReason, StopParams
 from ref.core.scheduler import Scheduler
 from ref.core.swap import KVRetention, PreemptionMode, RetentionPolicy, SwapCost
-from ref.errors import (
-    DuplicateRequest,
-    ExceedsCapacity,
-    InvalidArgument,
-    OutOfBlocks,
-    UnknownRequest,
-)
-from ref.kv.host_pool import HostPool
+from ref.errors import InvalidArgument
 from ref.kv.pool import BlockCopy
 from ref.sim.simulator import SimExecutor, simulate
 from spec import EngineSnapshot, PoolSnapshot, RequestSnapshot, RequestStatus, TableSnapshot
@@ -33,36 +27,6 @@ from spec.progress import check_quiescent
 from spec.violation import Invariant
 
 S = RequestStatus
-COST = StepCost.parse("2+0.5P+D")
-
-
-def req(rid: str, n: int, max_tokens: int, *, base: int = 0) -> Request:
-    return Request(rid, [base + i + 1 for i in range(n)], StopParams(max_tokens, ignore_eos=True))
-
-
-class Stepper:
-    def __init__(self, cfg: SchedulerConfig) -> None:
-        self.sched = Scheduler(cfg)
-        self.core = EngineCore(
-            self.sched,
-            SimExecutor(COST, self.sched.requests, swap=cfg.swap_cost, block_size=cfg.block_size),
-            check_invariants=True,
-        )
-        self.clock = 0.0
-        self.plans: list[object] = []
-
-    def step(self) -> dict[str, int]:
-        rec = self.core.step(self.clock)
-        self.clock = rec.end_ms
-        self.plans.append(rec.plan)
-        return dict(rec.tokens)
-
-    def drain(self, limit: int = 500) -> None:
-        for _ in range(limit):
-            if not self.sched.has_unfinished:
-                return
-            self.step()
-        raise AssertionError("did not drain")
 
 
 # Two requests whose decodes outgrow a 6-block pool (block size 4): the later one is
@@ -79,16 +43,15 @@ def _pressure(mode: PreemptionMode, host_blocks: int = 8, **kw: object) -> Stepp
         **kw,  # type: ignore[arg-type]
     )
     st_ = Stepper(cfg)
-    st_.sched.add_request(req("a", 7, 10))
-    st_.sched.add_request(req("b", 7, 10, base=100))
+    st_.sched.add_request(make_request("a", 7, 10))
+    st_.sched.add_request(make_request("b", 7, 10, base=100))
     return st_
 
 
-def _run_to_first_preemption(st_: Stepper) -> object:
+def _run_to_first_preemption(st_: Stepper) -> StepPlan:
     for _ in range(50):
-        st_.step()
-        plan = st_.plans[-1]
-        if plan.preempted:  # type: ignore[attr-defined]
+        plan = st_.step().plan
+        if plan.preempted:
             return plan
     raise AssertionError("no preemption happened")
 
@@ -97,29 +60,28 @@ def _run_to_first_preemption(st_: Stepper) -> object:
 def test_swap_preemption_keeps_the_victims_kv_and_resumes_without_recompute() -> None:
     st_ = _pressure(PreemptionMode.SWAP)
     plan = _run_to_first_preemption(st_)
-    victim = plan.preempted[0]  # type: ignore[attr-defined]
+    victim = plan.preempted[0]
     assert victim == "b"  # the latest arrival
-    assert plan.swapped_out == ("b",)  # type: ignore[attr-defined]
+    assert plan.swapped_out == ("b",)
     b = st_.sched.requests["b"]
     assert b.status is S.SWAPPED and b.num_preemptions == 1
     kv = b.num_computed_tokens
     assert kv == b.num_tokens - 1  # it was decoding: KV for all but the last token
     host = st_.sched.host.table("b")
     # Every device block of the victim was copied out, in table order.
-    assert len(plan.swap_out) == len(host.block_ids) == -(-kv // 4)  # type: ignore[attr-defined]
-    assert [c.dst for c in plan.swap_out] == list(host.block_ids)  # type: ignore[attr-defined]
+    assert len(plan.swap_out) == len(host.block_ids) == -(-kv // 4)
+    assert [c.dst for c in plan.swap_out] == list(host.block_ids)
     assert not st_.sched.pool.has_request("b")
     # Later it is swapped in and decodes one token: nothing recomputed.
     for _ in range(50):
-        tokens = st_.step()
+        tokens = st_.step_tokens()
         p = st_.plans[-1]
-        if "b" in p.swapped_in:  # type: ignore[attr-defined]
+        if "b" in p.swapped_in:
             assert tokens["b"] == 1
-            assert len(p.swap_in) == len(host.block_ids)  # type: ignore[attr-defined]
-            assert [c.src for c in p.swap_in] == list(host.block_ids)  # type: ignore[attr-defined]
+            assert len(p.swap_in) == len(host.block_ids)
+            assert [c.src for c in p.swap_in] == list(host.block_ids)
             assert list(st_.sched.pool.block_table("b"))[: len(host.block_ids)] == [
-                c.dst
-                for c in p.swap_in  # type: ignore[attr-defined]
+                c.dst for c in p.swap_in
             ]
             break
     else:
@@ -135,8 +97,8 @@ def test_swap_computes_fewer_tokens_than_recompute_for_the_same_workload() -> No
     for mode in (PreemptionMode.RECOMPUTE, PreemptionMode.SWAP):
         st_ = _pressure(mode)
         st_.drain()
-        totals[mode] = sum(sum(p.num_new_tokens) for p in st_.plans)  # type: ignore[attr-defined]
-        assert sum(len(p.preempted) for p in st_.plans) >= 1  # type: ignore[attr-defined]
+        totals[mode] = sum(sum(p.num_new_tokens) for p in st_.plans)
+        assert sum(len(p.preempted) for p in st_.plans) >= 1
     # Both produce the same outputs (7 + 10 tokens each); recompute redoes the victim's KV.
     assert totals[PreemptionMode.SWAP] == 2 * (7 + 10 - 1)
     assert totals[PreemptionMode.RECOMPUTE] > totals[PreemptionMode.SWAP]
@@ -145,7 +107,7 @@ def test_swap_computes_fewer_tokens_than_recompute_for_the_same_workload() -> No
 def test_full_host_pool_falls_back_to_recompute() -> None:
     st_ = _pressure(PreemptionMode.SWAP, host_blocks=1)
     plan = _run_to_first_preemption(st_)
-    assert plan.swapped_out == ()  # type: ignore[attr-defined]
+    assert plan.swapped_out == ()
     assert st_.sched.requests["b"].status is S.PREEMPTED
     assert st_.sched.requests["b"].num_computed_tokens == 0
     st_.drain()
@@ -159,7 +121,7 @@ def test_auto_mode_follows_the_cost_rule() -> None:
     for model, swapped in ((slow, False), (fast, True)):
         st_ = _pressure(PreemptionMode.AUTO, swap_cost=model)
         plan = _run_to_first_preemption(st_)
-        assert bool(plan.swapped_out) is swapped  # type: ignore[attr-defined]
+        assert bool(plan.swapped_out) is swapped
         st_.drain()
 
 
@@ -185,6 +147,77 @@ def test_abort_of_a_swapped_request_frees_its_host_blocks() -> None:
     assert st_.sched.host.num_used_blocks == 0 and not st_.sched.host.has_request("b")
     assert check_host(st_.sched.snapshot()) == []
     st_.drain()
+
+
+@pytest.mark.mutation_kill
+def test_two_swapped_victims_in_one_step_are_both_requeued() -> None:
+    """A fork shares its parent's only block: freeing one of them frees nothing, so the
+    growing request preempts (and swaps) both."""
+    run = Stepper.of(
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        block_size=2,
+        num_blocks=2,
+        enable_prefix_caching=False,
+        preemption_mode="swap",
+        num_host_blocks=8,
+    )
+    run.add(make_request("r", 2), make_request("v", 2, base=50))
+    run.decoding("r", "v")
+    run.sched.fork("v", "c", 7, StopParams(8, ignore_eos=True))
+    plan = run.step().plan
+    assert set(plan.preempted) == {"v", "c"} and set(plan.swapped_out) == {"v", "c"}
+    for rid in ("v", "c"):
+        r = run.sched.requests[rid]
+        assert r.status is S.SWAPPED and r in run.sched.waiting and r not in run.sched.running
+    run.drain()
+
+
+@pytest.mark.mutation_kill
+def test_a_victim_that_fills_the_pool_exactly_is_swapped() -> None:
+    """A fork of a parent whose 3 tokens need exactly the 2-block pool: the parent's
+    decode needs a third block and preempts the fork, whose KV then fits again."""
+    run = Stepper.of(
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        block_size=2,
+        num_blocks=2,
+        enable_prefix_caching=False,
+        preemption_mode="swap",
+        num_host_blocks=8,
+    )
+    run.add(make_request("p", 3))
+    run.decoding("p")
+    run.sched.fork("p", "c", 7, StopParams(8, ignore_eos=True))
+    plan = run.step().plan
+    assert plan.preempted == ("c",) and plan.swapped_out == ("c",)
+
+
+@pytest.mark.mutation_kill
+def test_a_victim_that_outgrew_the_pool_finishes_instead_of_swapping() -> None:
+    run = Stepper.of(
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        block_size=2,
+        num_blocks=3,
+        preemption_mode="swap",
+        num_host_blocks=8,
+    )
+    run.add(make_request("p", 6, 9))
+    run.decoding("p")
+    child = run.sched.fork("p", "c", 5, StopParams(9))
+    plan = run.step().plan
+    assert plan.preempted == ("c",) and plan.swapped_out == ()
+    assert child.finish_reason is FinishReason.CAPACITY
+    assert run.sched.host.num_used_blocks == 0
+
+
+@pytest.mark.mutation_kill
+def test_a_scheduler_without_a_host_pool_snapshots_none() -> None:
+    """EngineSnapshot.host is the host pool when there is one, None otherwise."""
+    assert Scheduler(SchedulerConfig()).snapshot().host is None
+    host = Scheduler(SchedulerConfig(num_host_blocks=3)).snapshot().host
+    assert host is not None and host.num_blocks == 3 and host.free_queue == (0, 1, 2)
 
 
 def test_swap_config_is_validated() -> None:
@@ -236,150 +269,34 @@ def test_retention_policy_by_expected_wait() -> None:
         p.choose(-1.0, host_available=True)
 
 
-# ------------------------------------------------------------------ tool waits
-def _agent(host_blocks: int = 16) -> Stepper:
-    cfg = SchedulerConfig(
-        max_num_batched_tokens=64,
-        max_num_seqs=4,
-        block_size=4,
-        num_blocks=64,
-        num_host_blocks=host_blocks,
-        retention=RetentionPolicy(device_max_wait_ms=100.0, host_max_wait_ms=10_000.0),
-    )
-    st_ = Stepper(cfg)
-    st_.sched.add_request(req("agent", 18, 3))
-    st_.sched.add_request(req("other", 5, 12, base=500))
-    while st_.sched.requests["agent"].num_output_tokens < 2:
-        st_.step()
-    return st_
+@pytest.mark.parametrize(("link_gb_per_s", "winner"), [(25.0, "swap"), (8.0, "recompute")])
+def test_auto_matches_the_cheaper_mode_on_the_memory_pressure_trace(
+    link_gb_per_s: float, winner: str
+) -> None:
+    """README's figure: a 7B-like model (512 KiB of KV per token), 0.07 ms per prefill
+    token; a 25 GB/s link makes the round trip (0.042 ms/token) cheaper than recompute,
+    8 GB/s (0.131 ms/token) dearer. ``auto`` must pick the faster mode in both."""
+    from ref.sim.trace import load_trace
 
-
-def test_tool_wait_on_the_host_moves_kv_out_then_swaps_it_back_in() -> None:
-    st_ = _agent()
-    agent = st_.sched.requests["agent"]
-    kv = agent.num_computed_tokens
-    used = st_.sched.pool.num_used_blocks
-    assert st_.sched.pause("agent", expected_wait_ms=500.0) is KVRetention.HOST
-    assert st_.sched.pool.has_request("agent")  # moves with the next step
-    st_.step()
-    plan = st_.plans[-1]
-    assert plan.swapped_out == ("agent",) and plan.preempted == ()  # type: ignore[attr-defined]
-    assert not st_.sched.pool.has_request("agent")
-    assert st_.sched.pool.num_used_blocks < used
-    assert st_.sched.host.table("agent").num_stored == kv == agent.num_computed_tokens
-    assert agent.status is S.WAITING_TOOL
-    st_.sched.resume("agent", [900, 901, 902], StopParams(2, ignore_eos=True))
-    assert agent.status is S.SWAPPED
-    tokens = st_.step()
-    plan = st_.plans[-1]
-    assert plan.swapped_in == ("agent",)  # type: ignore[attr-defined]
-    assert tokens["agent"] == 1 + 3  # last sampled token (no KV yet) + tool tokens
-    assert agent.num_computed_tokens == kv + 4
-    st_.drain()
-    assert check_quiescent(st_.sched.host.snapshot()) == []
-
-
-def test_tool_answer_before_the_move_keeps_kv_on_the_device() -> None:
-    st_ = _agent()
-    st_.sched.pause("agent", KVRetention.HOST)
-    st_.sched.resume("agent", [900], StopParams(1, ignore_eos=True))
-    tokens = st_.step()
-    assert st_.plans[-1].swapped_out == ()  # type: ignore[attr-defined]
-    assert tokens["agent"] == 2
-    st_.drain()
-
-
-def test_long_tool_wait_drops_kv_and_short_keeps_it() -> None:
-    st_ = _agent()
-    assert st_.sched.pause("agent", expected_wait_ms=50_000.0) is KVRetention.DROP
-    assert not st_.sched.pool.has_request("agent")
-    assert st_.sched.requests["agent"].num_computed_tokens == 0
-    st_ = _agent()
-    assert st_.sched.pause("agent", expected_wait_ms=10.0) is KVRetention.DEVICE
-    assert st_.sched.pool.has_request("agent")
-
-
-def test_pause_rejects_bad_retention_with_nothing_changed() -> None:
-    st_ = _agent(host_blocks=0)
-    before = st_.sched.snapshot()
-    with pytest.raises(InvalidArgument, match="num_host_blocks is 0"):
-        st_.sched.pause("agent", KVRetention.HOST)
-    with pytest.raises(InvalidArgument, match="retention must be one of"):
-        st_.sched.pause("agent", "fridge")
-    with pytest.raises(InvalidArgument, match="expected_wait_ms"):
-        st_.sched.pause("agent", expected_wait_ms="soon")  # type: ignore[arg-type]
-    assert st_.sched.snapshot() == before
-    assert st_.sched.requests["agent"].status is S.DECODING
-    # With no host pool the policy never picks the host.
-    assert st_.sched.pause("agent", expected_wait_ms=500.0) is KVRetention.DROP
-
-
-def test_host_move_waits_while_the_host_pool_is_full() -> None:
-    st_ = _agent(host_blocks=2)  # the agent's 20 tokens need 5 host blocks
-    st_.sched.pause("agent", KVRetention.HOST)
-    st_.step()
-    assert st_.plans[-1].swapped_out == ()  # type: ignore[attr-defined]
-    assert st_.sched.pool.has_request("agent")
-    st_.sched.abort("agent")
-    assert not st_.sched.pool.has_request("agent")
-    st_.drain()
-
-
-def test_aborting_a_paused_host_request_frees_the_host_pool() -> None:
-    st_ = _agent()
-    st_.sched.pause("agent", KVRetention.HOST)
-    st_.step()
-    assert st_.sched.host.num_used_blocks > 0
-    st_.sched.abort("agent")
-    assert st_.sched.host.num_used_blocks == 0
-    st_.drain()
-
-
-# ------------------------------------------------------------------ host pool
-def test_host_pool_swap_out_release_and_quarantine() -> None:
-    host = HostPool(4, 2)
-    copies = host.swap_out("a", [7, 3], 3, [1, 2, 3, 9])
-    assert copies == (BlockCopy(7, 0), BlockCopy(3, 1))
-    t = host.table("a")
-    assert t.block_ids == (0, 1) and t.num_stored == 3 and t.token_ids == (1, 2, 3)
-    assert host.num_free_blocks == 2 and not host.can_hold(5) and host.can_hold(4)
-    host.begin()
-    host.release("a")
-    # Released inside the step: not reusable by this step's swap-outs.
-    assert host.num_free_blocks == 2
-    with pytest.raises(OutOfBlocks):
-        host.swap_out("b", [1, 2, 3], 5, [0] * 5)
-    host.commit()
-    assert host.num_free_blocks == 4
-    assert host.snapshot().free_queue == (2, 3, 0, 1)
-
-
-def test_host_pool_rollback_is_exact() -> None:
-    host = HostPool(5, 2)
-    host.swap_out("a", [1], 1, [4])
-    before = host.snapshot()
-    host.begin()
-    host.release("a")
-    host.swap_out("b", [2, 3], 4, [0, 1, 2, 3])
-    host.swap_out("c", [4, 5], 3, [0, 1, 2])
-    host.rollback()
-    assert host.snapshot() == before
-    assert check_atomic(_engine(before), _engine(host.snapshot())) == []
-
-
-def test_host_pool_rejects_bad_calls() -> None:
-    host = HostPool(2, 2)
-    host.swap_out("a", [1], 2, [1, 2])
-    with pytest.raises(DuplicateRequest):
-        host.swap_out("a", [1], 2, [1, 2])
-    with pytest.raises(InvalidArgument, match="device blocks"):
-        host.swap_out("b", [1, 2], 2, [1, 2])
-    with pytest.raises(UnknownRequest):
-        host.release("zz")
-    with pytest.raises(UnknownRequest):
-        host.table("zz")
-    with pytest.raises(InvalidArgument):
-        HostPool(-1, 2)
+    cost = StepCost.parse("7+0.07P+0.05D")
+    swap = SwapCost(524_288, link_gb_per_s, iteration=cost)
+    makespan = {}
+    for mode in PreemptionMode:
+        cfg = SchedulerConfig(
+            max_num_batched_tokens=2048,
+            block_size=16,
+            num_blocks=700,
+            preemption_mode=mode,
+            num_host_blocks=4096 if mode is not PreemptionMode.RECOMPUTE else 0,
+            swap_cost=swap,
+        )
+        reqs = [t.to_request() for t in load_trace("memory_pressure")]
+        res = simulate(Scheduler(cfg), reqs, cost)
+        assert sum(r.num_preemptions for r in res.requests) > 0
+        makespan[mode] = res.makespan_ms
+    loser = "recompute" if winner == "swap" else "swap"
+    assert makespan[PreemptionMode(winner)] < makespan[PreemptionMode(loser)]
+    assert makespan[PreemptionMode.AUTO] == pytest.approx(makespan[PreemptionMode(winner)])
 
 
 # ------------------------------------------------------------------ spec.host fails
@@ -484,340 +401,15 @@ def test_simulate_with_swap_reproduces_the_recompute_outputs() -> None:
             preemption_mode=mode,
             num_host_blocks=24,
         )
-        reqs = [req(f"r{i}", 6 + i, 9, base=100 * i) for i in range(6)]
+        reqs = [make_request(f"r{i}", 6 + i, 9, base=100 * i) for i in range(6)]
         res = simulate(Scheduler(cfg), reqs, COST, check_invariants=True)
         assert sum(r.num_preemptions for r in res.requests) > 0
         outs[mode] = {r.request_id: r.output_token_ids for r in res.requests}
     assert outs[PreemptionMode.RECOMPUTE] == outs[PreemptionMode.SWAP]
 
 
-# ------------------------------------------------------------------ paused KV never blocks
-def _paused_holder(host_blocks: int) -> Stepper:
-    """A 6-block pool (block 4): "p" pauses holding 3 blocks, "g" decodes and grows."""
-    cfg = SchedulerConfig(
-        max_num_batched_tokens=32,
-        max_num_seqs=4,
-        block_size=4,
-        num_blocks=6,
-        enable_prefix_caching=False,
-        num_host_blocks=host_blocks,
-    )
-    st_ = Stepper(cfg)
-    st_.sched.add_request(req("p", 10, 5))
-    st_.sched.add_request(req("g", 7, 12, base=100))
-    while st_.sched.requests["p"].num_output_tokens < 1:
-        st_.step()
-    st_.sched.pause("p", KVRetention.DEVICE)
-    return st_
-
-
-@pytest.mark.parametrize("host_blocks", [0, 8])
-def test_paused_kv_is_reclaimed_before_a_running_request_is_preempted(host_blocks: int) -> None:
-    st_ = _paused_holder(host_blocks)
-    p = st_.sched.requests["p"]
-    kv = p.num_computed_tokens
-    for _ in range(20):
-        st_.step()
-        plan = st_.plans[-1]
-        if plan.swapped_out or plan.dropped:  # type: ignore[attr-defined]
-            break
-    else:
-        raise AssertionError("the paused KV was never reclaimed")
-    assert plan.preempted == ()  # type: ignore[attr-defined]
-    assert not st_.sched.pool.has_request("p") and p.status is S.WAITING_TOOL
-    if host_blocks:
-        assert plan.swapped_out == ("p",) and p.num_computed_tokens == kv  # type: ignore[attr-defined]
-    else:
-        assert plan.dropped == ("p",) and p.num_computed_tokens == 0  # type: ignore[attr-defined]
-    st_.sched.resume("p", [7, 8], StopParams(2, ignore_eos=True))
-    st_.drain()
-    assert st_.sched.pool.num_used_blocks == 0 and st_.sched.host.num_used_blocks == 0
-
-
-def test_paused_kv_is_reclaimed_when_admission_would_stall() -> None:
-    st_ = _paused_holder(0)
-    st_.sched.abort("g")
-    # 5 free blocks; a 22-token prompt needs 6 with nothing running: the paused KV goes.
-    st_.sched.add_request(req("w", 22, 2, base=300))
-    tokens = st_.step()
-    assert tokens.get("w", 0) > 0
-    assert st_.plans[-1].dropped == ("p",)  # type: ignore[attr-defined]
-    st_.sched.abort("p")
-    st_.drain()
-
-
-def test_resume_rejects_a_turn_that_can_never_fit_with_nothing_changed() -> None:
-    st_ = _paused_holder(0)
-    before = st_.sched.snapshot()
-    with pytest.raises(ExceedsCapacity):
-        st_.sched.resume("p", [1] * 20, StopParams(2))
-    assert st_.sched.snapshot() == before and "p" in st_.sched.paused
-    st_.sched.resume("p", [1], StopParams(2, ignore_eos=True))
-    st_.drain()
-
-
-def test_token_check_on_a_reclaimed_paused_turn() -> None:
-    from spec import StepSnapshot
-    from spec.token import check_token
-
-    device = PoolSnapshot(4, 2, (0, 0, 0, 0), (0, 1, 2, 3), ())
-    paused = RequestSnapshot("p", S.WAITING_TOOL, 3, 1, 3, 4)
-
-    def step(after_kv: int, preempted: tuple[str, ...]) -> StepSnapshot:
-        after = replace(paused, num_computed_tokens=after_kv)
-        return StepSnapshot(
-            0,
-            8,
-            4,
-            EngineSnapshot((paused,), device),
-            (),
-            EngineSnapshot((after,), device),
-            preempted=preempted,
-        )
-
-    assert check_token(step(0, ("p",))) == []  # dropped, and said so
-    assert check_token(step(3, ())) == []  # untouched
-    assert any("did not advance" in str(v) for v in check_token(step(0, ())))
-    assert any("must reset" in str(v) for v in check_token(step(1, ("p",))))
-
-
-@pytest.mark.parametrize(("link_gb_per_s", "winner"), [(25.0, "swap"), (8.0, "recompute")])
-def test_auto_matches_the_cheaper_mode_on_the_memory_pressure_trace(
-    link_gb_per_s: float, winner: str
-) -> None:
-    """README's figure: a 7B-like model (512 KiB of KV per token), 0.07 ms per prefill
-    token; a 25 GB/s link makes the round trip (0.042 ms/token) cheaper than recompute,
-    8 GB/s (0.131 ms/token) dearer. ``auto`` must pick the faster mode in both."""
-    from ref.sim.trace import load_trace
-
-    cost = StepCost.parse("7+0.07P+0.05D")
-    swap = SwapCost(524_288, link_gb_per_s, iteration=cost)
-    makespan = {}
-    for mode in PreemptionMode:
-        cfg = SchedulerConfig(
-            max_num_batched_tokens=2048,
-            block_size=16,
-            num_blocks=700,
-            preemption_mode=mode,
-            num_host_blocks=4096 if mode is not PreemptionMode.RECOMPUTE else 0,
-            swap_cost=swap,
-        )
-        reqs = [t.to_request() for t in load_trace("memory_pressure")]
-        res = simulate(Scheduler(cfg), reqs, cost)
-        assert sum(r.num_preemptions for r in res.requests) > 0
-        makespan[mode] = res.makespan_ms
-    loser = "recompute" if winner == "swap" else "swap"
-    assert makespan[PreemptionMode(winner)] < makespan[PreemptionMode(loser)]
-    assert makespan[PreemptionMode.AUTO] == pytest.approx(makespan[PreemptionMode(winner)])
-
-
-def test_resume_in_place_respects_the_policy() -> None:
-    """A static batch in flight admits nobody, so a resumed turn waits (and recomputes)."""
-    cfg = SchedulerConfig(
-        max_num_batched_tokens=64, max_num_seqs=4, block_size=4, num_blocks=64, policy="static"
-    )
-    st_ = Stepper(cfg)
-    st_.sched.add_request(req("agent", 6, 8))
-    st_.sched.add_request(req("other", 5, 12, base=500))
-    st_.step()
-    st_.step()
-    st_.sched.pause("agent", KVRetention.DEVICE)
-    st_.sched.resume("agent", [900], StopParams(2, ignore_eos=True))
-    agent = st_.sched.requests["agent"]
-    assert agent.status is S.WAITING and agent not in st_.sched.running
-    assert not st_.sched.pool.has_request("agent") and agent.num_computed_tokens == 0
-    st_.drain()
-    # Under decode-first the same resume continues in place.
-    st_ = Stepper(replace(cfg, policy="decode-first"))
-    st_.sched.add_request(req("agent", 6, 8))
-    st_.sched.add_request(req("other", 5, 12, base=500))
-    st_.step()
-    st_.step()
-    st_.sched.pause("agent", KVRetention.DEVICE)
-    st_.sched.resume("agent", [900], StopParams(2, ignore_eos=True))
-    assert st_.sched.requests["agent"].status is S.PREFILLING
-    st_.drain()
-
-
-# ====================================================================== mutation kills
-# Checks that kill mutants of the swap and tool-wait code (docs/MUTATION.md), each
-# pinning one documented behaviour, every step checked by EngineCore(check_invariants).
-def kreq(rid: str, n: int, max_tokens: int = 8, *, base: int = 0, tenant: str = "t") -> Request:
-    r = Request(rid, [base + i + 1 for i in range(n)], StopParams(max_tokens, ignore_eos=True))
-    r.tenant = tenant
-    return r
-
-
-class Checked:
-    """A scheduler stepped through EngineCore with every invariant checked."""
-
-    def __init__(self, **kw: object) -> None:
-        self.sched = Scheduler(SchedulerConfig(**kw))  # type: ignore[arg-type]
-        self.core = EngineCore(
-            self.sched, SimExecutor(StepCost(), self.sched.requests), check_invariants=True
-        )
-        self.clock = 0.0
-        self.plans: list[StepPlan] = []
-
-    def add(self, *rs: Request) -> None:
-        for r in rs:
-            self.sched.add_request(r)
-
-    def step(self) -> StepPlan:
-        rec = self.core.step(self.clock)
-        self.clock = rec.end_ms
-        self.plans.append(rec.plan)
-        return rec.plan
-
-    def until(self, cond: object, limit: int = 50) -> None:
-        for _ in range(limit):
-            if cond():  # type: ignore[operator]
-                return
-            self.step()
-        raise AssertionError("condition never reached")
-
-    def drain(self, limit: int = 300) -> None:
-        self.until(lambda: not self.sched.has_unfinished, limit)
-
-    def decoding(self, *rids: str) -> None:
-        self.until(lambda: all(self.sched.requests[r].status is S.DECODING for r in rids))
-
-
-# ------------------------------------------------------------------ host pool messages
-def test_host_pool_error_messages_name_the_request_and_the_call() -> None:
-    host = HostPool(2, 2)
-    with pytest.raises(UnknownRequest) as e1:
-        host.table("zz")
-    assert str(e1.value) == "host table: unknown request id 'zz'"
-    with pytest.raises(UnknownRequest) as e2:
-        host.release("zz")
-    assert str(e2.value) == "release (no host table): unknown request id 'zz'"
-    host.swap_out("a", [5], 2, [1, 2])
-    with pytest.raises(DuplicateRequest) as e3:
-        host.swap_out("a", [5], 2, [1, 2])
-    assert str(e3.value) == "swap_out: request id 'a' is already in use"
-    with pytest.raises(OutOfBlocks) as e4:
-        host.swap_out("b", [6, 7], 3, [1, 2, 3])
-    assert str(e4.value) == "request 'b' needs 2 free KV blocks, 1 are free"
-
-
-# ------------------------------------------------------------------ pause / resume
-def test_pause_without_a_wait_keeps_kv_on_the_device_below_the_first_threshold() -> None:
-    run = Checked(num_blocks=32, block_size=4, retention=RetentionPolicy(1.0, 10.0))
-    run.add(kreq("a", 5))
-    run.decoding("a")
-    assert run.sched.pause("a") is KVRetention.DEVICE  # 0 ms < 1 ms
-
-
-def test_pause_names_the_allowed_retentions() -> None:
-    run = Checked(num_blocks=32, block_size=4)
-    run.add(kreq("a", 5))
-    run.decoding("a")
-    with pytest.raises(InvalidArgument) as e:
-        run.sched.pause("a", "fridge")
-    assert str(e.value) == "pause: retention must be one of device, host, drop, got 'fridge'"
-
-
-def test_resume_names_the_blocks_a_turn_that_never_fits_needs() -> None:
-    run = Checked(num_blocks=3, block_size=2)
-    run.add(kreq("a", 3))
-    run.decoding("a")
-    run.sched.pause("a", KVRetention.DEVICE)
-    with pytest.raises(ExceedsCapacity) as e:
-        run.sched.resume("a", [9, 9, 9], StopParams(2))  # 4 + 3 tokens: 4 blocks
-    assert str(e.value) == "request 'a' needs 4 KV blocks but the pool has only 3"
-
-
-def test_static_resumes_in_place_when_no_batch_runs() -> None:
-    run = Checked(num_blocks=32, block_size=4, policy="static")
-    run.add(kreq("a", 5))
-    run.decoding("a")
-    run.sched.pause("a", KVRetention.DEVICE)
-    run.sched.resume("a", [9], StopParams(2, ignore_eos=True))
-    assert run.sched.requests["a"].status is S.PREFILLING
-    assert run.sched.requests["a"] in run.sched.running
-    run.drain()
-
-
-def test_resume_in_place_respects_the_tenant_cap() -> None:
-    run = Checked(num_blocks=32, block_size=4, policy="tenant-fair", tenant_max_running=1)
-    run.add(kreq("a", 5, tenant="A"), kreq("b", 5, base=50, tenant="B"))
-    run.decoding("a", "b")
-    run.sched.pause("a", KVRetention.DEVICE)
-    run.add(kreq("c", 3, base=90, tenant="A"))
-    run.until(lambda: run.sched.requests["c"].status is S.DECODING)
-    run.sched.resume("a", [9], StopParams(2, ignore_eos=True))
-    a = run.sched.requests["a"]
-    assert a.status is S.WAITING and a not in run.sched.running  # A already runs c
-    run.sched.pause("b", KVRetention.DEVICE)
-    run.sched.resume("b", [9], StopParams(2, ignore_eos=True))
-    assert run.sched.requests["b"].status is S.PREFILLING  # B is under its cap
-    run.drain()
-
-
-# ------------------------------------------------------------------ swapped victims
-def test_two_swapped_victims_in_one_step_are_both_requeued() -> None:
-    """A fork shares its parent's only block: freeing one of them frees nothing, so the
-    growing request preempts (and swaps) both."""
-    run = Checked(
-        max_num_batched_tokens=16,
-        max_num_seqs=4,
-        block_size=2,
-        num_blocks=2,
-        enable_prefix_caching=False,
-        preemption_mode="swap",
-        num_host_blocks=8,
-    )
-    run.add(kreq("r", 2), kreq("v", 2, base=50))
-    run.decoding("r", "v")
-    run.sched.fork("v", "c", 7, StopParams(8, ignore_eos=True))
-    plan = run.step()
-    assert set(plan.preempted) == {"v", "c"} and set(plan.swapped_out) == {"v", "c"}
-    for rid in ("v", "c"):
-        r = run.sched.requests[rid]
-        assert r.status is S.SWAPPED and r in run.sched.waiting and r not in run.sched.running
-    run.drain()
-
-
-def test_a_victim_that_fills_the_pool_exactly_is_swapped() -> None:
-    """A fork of a parent whose 3 tokens need exactly the 2-block pool: the parent's
-    decode needs a third block and preempts the fork, whose KV then fits again."""
-    run = Checked(
-        max_num_batched_tokens=16,
-        max_num_seqs=4,
-        block_size=2,
-        num_blocks=2,
-        enable_prefix_caching=False,
-        preemption_mode="swap",
-        num_host_blocks=8,
-    )
-    run.add(kreq("p", 3))
-    run.decoding("p")
-    run.sched.fork("p", "c", 7, StopParams(8, ignore_eos=True))
-    plan = run.step()
-    assert plan.preempted == ("c",) and plan.swapped_out == ("c",)
-
-
-def test_a_victim_that_outgrew_the_pool_finishes_instead_of_swapping() -> None:
-    run = Checked(
-        max_num_batched_tokens=16,
-        max_num_seqs=4,
-        block_size=2,
-        num_blocks=3,
-        preemption_mode="swap",
-        num_host_blocks=8,
-    )
-    run.add(kreq("p", 6, 9))
-    run.decoding("p")
-    child = run.sched.fork("p", "c", 5, StopParams(9))
-    plan = run.step()
-    assert plan.preempted == ("c",) and plan.swapped_out == ()
-    assert child.finish_reason is FinishReason.CAPACITY
-    assert run.sched.host.num_used_blocks == 0
-
-
 # ------------------------------------------------------------------ swap-in
-def _swapped_run(**kw: object) -> Checked:
+def _swapped_run(**kw: object) -> Stepper:
     """``b`` is swapped out while both decode in a 6-block pool of 4-token blocks."""
     cfg: dict[str, object] = dict(
         max_num_batched_tokens=32,
@@ -829,12 +421,13 @@ def _swapped_run(**kw: object) -> Checked:
         num_host_blocks=8,
     )
     cfg.update(kw)
-    run = Checked(**cfg)
-    run.add(kreq("a", 7, 10), kreq("b", 7, 10, base=100))
+    run = Stepper.of(**cfg)
+    run.add(make_request("a", 7, 10), make_request("b", 7, 10, base=100))
     run.until(lambda: bool(run.plans and run.plans[-1].swapped_out))
     return run
 
 
+@pytest.mark.mutation_kill
 def test_a_swapped_in_decode_is_a_decode_and_samples() -> None:
     run = _swapped_run()
     run.until(lambda: bool(run.plans[-1].swapped_in))
@@ -844,20 +437,22 @@ def test_a_swapped_in_decode_is_a_decode_and_samples() -> None:
     run.drain()
 
 
+@pytest.mark.mutation_kill
 def test_a_resumed_turn_from_the_host_is_a_prefill_that_samples_at_its_end() -> None:
-    run = Checked(num_blocks=32, block_size=4, num_host_blocks=16)
-    run.add(kreq("a", 5), kreq("o", 3, 20, base=50))
+    run = Stepper.of(num_blocks=32, block_size=4, num_host_blocks=16)
+    run.add(make_request("a", 5), make_request("o", 3, 20, base=50))
     run.decoding("a")
     run.sched.pause("a", KVRetention.HOST)
     run.step()
     run.sched.resume("a", [9], StopParams(2, ignore_eos=True))  # last token + 1 tool token
-    plan = run.step()
+    plan = run.step().plan
     i = plan.request_ids.index("a")
     assert plan.swapped_in == ("a",)
     assert (plan.num_new_tokens[i], plan.samples[i], plan.is_prefill[i]) == (2, True, True)
     run.drain()
 
 
+@pytest.mark.mutation_kill
 def test_swap_in_waits_for_the_watermark_and_fits_exactly() -> None:
     """While ``a`` runs, ``b`` (8 tokens: 2 blocks + 1 for its next token) comes back
     only when the free blocks minus the watermark cover its 3 blocks, and not before."""
@@ -866,7 +461,7 @@ def test_swap_in_waits_for_the_watermark_and_fits_exactly() -> None:
     for _ in range(60):
         free = run.sched.pool.num_free_blocks
         need = -(-(b.num_computed_tokens + 1) // 4)
-        plan = run.step()
+        plan = run.step().plan
         back = "b" in plan.swapped_in
         if run.sched.requests.get("a") is not None and "a" in plan.request_ids:
             assert back == (need <= free - 1), (need, free)
@@ -875,8 +470,9 @@ def test_swap_in_waits_for_the_watermark_and_fits_exactly() -> None:
     run.drain()
 
 
+@pytest.mark.mutation_kill
 def test_swap_in_with_aligned_chunks_ends_its_chunk_on_a_block_boundary() -> None:
-    run = Checked(
+    run = Stepper.of(
         max_num_batched_tokens=8,
         max_num_seqs=4,
         block_size=4,
@@ -884,20 +480,21 @@ def test_swap_in_with_aligned_chunks_ends_its_chunk_on_a_block_boundary() -> Non
         num_host_blocks=16,
         align_chunks_to_blocks=True,
     )
-    run.add(kreq("a", 9))
+    run.add(make_request("a", 9))
     run.decoding("a")  # 10 tokens, 9 with KV
     run.sched.pause("a", KVRetention.HOST)
     run.step()
     run.sched.resume("a", list(range(20, 32)), StopParams(2, ignore_eos=True))
-    plan = run.step()
+    plan = run.step().plan
     i = plan.request_ids.index("a")
     # From position 9 with 8 tokens of budget the aligned chunk ends at 16.
     assert (plan.starts[i], plan.num_new_tokens[i]) == (9, 7)
     run.drain()
 
 
+@pytest.mark.mutation_kill
 def test_swap_in_without_chunked_prefill_waits_for_the_whole_turn() -> None:
-    run = Checked(
+    run = Stepper.of(
         max_num_batched_tokens=16,
         max_num_seqs=8,
         block_size=4,
@@ -905,8 +502,8 @@ def test_swap_in_without_chunked_prefill_waits_for_the_whole_turn() -> None:
         num_host_blocks=16,
         enable_chunked_prefill=False,
     )
-    others = [kreq(f"o{i}", 3, 40, base=50 + 10 * i) for i in range(6)]
-    run.add(kreq("a", 2), *others)
+    others = [make_request(f"o{i}", 3, 40, base=50 + 10 * i) for i in range(6)]
+    run.add(make_request("a", 2), *others)
     run.decoding("a", *(o.request_id for o in others))
     run.sched.pause("a", KVRetention.HOST)
     run.step()
@@ -916,7 +513,7 @@ def test_swap_in_without_chunked_prefill_waits_for_the_whole_turn() -> None:
     tool = [9] * (15 - a.num_tokens)
     assert 16 - a.num_computed_tokens > 16 - len(others)
     run.sched.resume("a", tool, StopParams(1, ignore_eos=True))
-    plan = run.step()
+    plan = run.step().plan
     assert "a" not in plan.request_ids and plan.swapped_in == ()
     assert run.sched.requests["a"].status is S.SWAPPED
     for o in others:
@@ -924,9 +521,10 @@ def test_swap_in_without_chunked_prefill_waits_for_the_whole_turn() -> None:
     run.drain()
 
 
+@pytest.mark.mutation_kill
 def test_a_lone_swap_in_reclaims_paused_kv_to_fit() -> None:
     """Nothing runs; ``b`` waits swapped; paused ``p`` holds the blocks ``b`` needs."""
-    run = Checked(
+    run = Stepper.of(
         max_num_batched_tokens=32,
         max_num_seqs=4,
         block_size=4,
@@ -935,28 +533,29 @@ def test_a_lone_swap_in_reclaims_paused_kv_to_fit() -> None:
         preemption_mode="swap",
         num_host_blocks=8,
     )
-    b = kreq("b", 7, 30, base=100)
+    b = make_request("b", 7, 30, base=100)
     b.priority = 1  # the victim
-    run.add(kreq("a", 2, 30), b, kreq("p", 18, 30, base=300))
+    run.add(make_request("a", 2, 30), b, make_request("p", 18, 30, base=300))
     run.until(lambda: run.sched.requests["b"].status is S.SWAPPED)
     run.until(lambda: run.sched.pool.num_free_blocks == 0)  # a and p grow into b's blocks
     run.sched.pause("p", KVRetention.DEVICE)
     run.sched.abort("a")
     need = -(-(b.num_computed_tokens + 1) // 4)
     assert run.sched.pool.num_free_blocks < need
-    plan = run.step()
+    plan = run.step().plan
     assert plan.swapped_in == ("b",) and not run.sched.pool.has_request("p")
     assert "p" in plan.dropped or "p" in plan.swapped_out
     run.sched.abort("p")
     run.drain()
 
 
+@pytest.mark.mutation_kill
 def test_a_swapped_in_table_keeps_its_namespace() -> None:
     ns = Namespace(model="other")
     run = _swapped_run()
     run.sched.abort("a")
     run.drain()
-    run = Checked(
+    run = Stepper.of(
         max_num_batched_tokens=32,
         max_num_seqs=4,
         block_size=4,
@@ -964,7 +563,7 @@ def test_a_swapped_in_table_keeps_its_namespace() -> None:
         preemption_mode="swap",
         num_host_blocks=8,
     )
-    a, b = kreq("a", 7, 10), kreq("b", 7, 10, base=100)
+    a, b = make_request("a", 7, 10), make_request("b", 7, 10, base=100)
     b.namespace = ns
     run.add(a, b)
     run.until(lambda: "b" in run.plans[-1].swapped_in if run.plans else False, 80)
@@ -973,124 +572,28 @@ def test_a_swapped_in_table_keeps_its_namespace() -> None:
     run.drain()
 
 
-# ------------------------------------------------------------------ paused KV reclaim
-def test_reclaim_skips_a_paused_turn_already_on_the_host() -> None:
-    run = Checked(
-        max_num_batched_tokens=32,
-        max_num_seqs=4,
-        block_size=2,
-        num_blocks=6,
-        enable_prefix_caching=False,
-        num_host_blocks=2,
-    )
-    run.add(kreq("h", 3, 9), kreq("d", 3, 9, base=40), kreq("g", 2, 12, base=80))
-    run.decoding("h", "d", "g")
-    run.sched.pause("h", KVRetention.HOST)
-    run.step()
-    assert run.sched.host.has_request("h")
-    run.sched.pause("d", KVRetention.DEVICE)  # the host is full: reclaim drops it
-    run.until(lambda: bool(run.plans[-1].dropped))
-    plan = run.plans[-1]
-    assert plan.dropped == ("d",) and plan.preempted == ()
-    run.sched.abort("h")
-    run.sched.abort("d")
-    run.drain()
-
-
-def test_room_for_a_prefill_chunk_may_take_two_paused_turns() -> None:
-    run = Checked(
-        max_num_batched_tokens=4,
-        max_num_seqs=4,
-        block_size=2,
-        num_blocks=4,
-        enable_prefix_caching=False,
-    )
-    run.add(kreq("p1", 1, 9), kreq("p2", 1, 9, base=40))
-    run.decoding("p1", "p2")
-    run.sched.pause("p1", KVRetention.DEVICE)
-    run.sched.pause("p2", KVRetention.DEVICE)
-    run.add(kreq("r", 8, 2, base=80))
-    run.step()  # r's first chunk: 4 tokens, the 2 free blocks
-    plan = run.step()  # its second chunk needs 2 blocks: both paused turns give theirs
-    assert set(plan.dropped) == {"p1", "p2"} and "r" in plan.request_ids
-    run.sched.abort("p1")
-    run.sched.abort("p2")
-    run.drain()
-
-
-def test_a_pending_host_move_that_is_dropped_leaves_the_queue() -> None:
-    run = Checked(
-        max_num_batched_tokens=32,
-        max_num_seqs=4,
-        block_size=2,
-        num_blocks=5,
-        enable_prefix_caching=False,
-        num_host_blocks=1,
-    )
-    run.add(kreq("p", 3, 9), kreq("g", 2, 20, base=40))
-    run.decoding("p", "g")
-    run.sched.pause("p", KVRetention.HOST)  # 3 tokens: 2 host blocks, only 1 exists
-    run.until(lambda: bool(run.plans[-1].dropped))
-    assert run.plans[-1].dropped == ("p",)
-    run.step()  # a later step must not try to move it again
-    run.sched.resume("p", [9], StopParams(2, ignore_eos=True))
-    run.drain()
-
-
-def test_a_pending_host_move_happens_once_the_host_has_room() -> None:
-    run = Checked(
-        max_num_batched_tokens=32,
-        max_num_seqs=4,
-        block_size=2,
-        num_blocks=16,
-        num_host_blocks=2,
-    )
-    run.add(kreq("x", 3, 9), kreq("y", 3, 9, base=40), kreq("o", 2, 30, base=80))
-    run.decoding("x", "y", "o")
-    run.sched.pause("x", KVRetention.HOST)
-    run.sched.pause("y", KVRetention.HOST)
-    assert run.step().swapped_out == ("x",)  # the host holds one of them
-    assert run.step().swapped_out == ()
-    run.sched.abort("x")
-    assert run.step().swapped_out == ("y",)
-    run.sched.abort("y")
-    run.drain()
-
-
-def test_a_scheduler_without_a_host_pool_snapshots_none() -> None:
-    """EngineSnapshot.host is the host pool when there is one, None otherwise."""
-    assert Scheduler(SchedulerConfig()).snapshot().host is None
-    host = Scheduler(SchedulerConfig(num_host_blocks=3)).snapshot().host
-    assert host is not None and host.num_blocks == 3 and host.free_queue == (0, 1, 2)
-
-
-def test_host_pool_refuses_a_bad_size_by_name() -> None:
-    for bad in (-1, "4", 2.0, True):
-        with pytest.raises(InvalidArgument) as e:
-            HostPool(bad, 2)  # type: ignore[arg-type]
-        assert str(e.value) == f"num_host_blocks must be an int >= 0, got {bad!r}"
-
-
+@pytest.mark.mutation_kill
 @pytest.mark.parametrize("policy", ["decode-first", "tenant-fair"])
 def test_a_swap_in_leaves_the_rest_of_the_budget_to_later_admissions(policy: str) -> None:
     """``b`` comes back with its one decode token; ``w``, queued behind it, gets exactly
     the 7 tokens the 8-token budget has left (under tenant-fair, past its cap check)."""
     run = _swapped_run(max_num_batched_tokens=8, policy=policy, tenant_max_running=4)
     run.sched.abort("a")
-    run.sched.add_request(kreq("w", 12, 2, base=500))
-    plan = run.step()
+    run.sched.add_request(make_request("w", 12, 2, base=500))
+    plan = run.step().plan
     assert plan.swapped_in == ("b",) and plan.admitted == ("b", "w")
     assert dict(zip(plan.request_ids, plan.num_new_tokens, strict=True)) == {"b": 1, "w": 7}
     run.drain()
 
 
+@pytest.mark.mutation_kill
 @pytest.mark.parametrize(("watermark", "back"), [(1, True), (2, False)])
 def test_a_swap_in_beside_running_work_needs_its_blocks_above_the_watermark(
     watermark: int, back: bool
 ) -> None:
     """``a`` keeps running; once ``c`` is gone 5 blocks are free after ``a``'s decode, and
     ``b`` (KV for 12 tokens plus its next one: 4 blocks) needs 4 <= 5 - watermark."""
-    run = Checked(
+    run = Stepper.of(
         max_num_batched_tokens=32,
         max_num_seqs=4,
         block_size=4,
@@ -1100,16 +603,16 @@ def test_a_swap_in_beside_running_work_needs_its_blocks_above_the_watermark(
         num_host_blocks=16,
         watermark_blocks=watermark,
     )
-    b = kreq("b", 7, 30, base=100)
+    b = make_request("b", 7, 30, base=100)
     b.priority = 1  # the victim
-    run.add(kreq("a", 3, 30), b, kreq("c", 1, 30, base=300))
+    run.add(make_request("a", 3, 30), b, make_request("c", 1, 30, base=300))
     run.until(lambda: run.sched.requests["b"].status is S.SWAPPED)
     run.sched.abort("c")
     a = run.sched.requests["a"]
     grows = a.num_computed_tokens % 4 == 0  # a's decode opens a new block
     assert run.sched.pool.num_free_blocks - grows == 5
     assert -(-(b.num_computed_tokens + 1) // 4) == 4
-    plan = run.step()
+    plan = run.step().plan
     assert "a" in plan.request_ids
     assert ("b" in plan.swapped_in) is back
     run.drain()

@@ -5,17 +5,23 @@ ahead of its equal-seq siblings, read through the policy's full sort. Random his
 of arrivals, requeues (same seq, later queued step), forks (a seq shared), removals and
 steps must give the same admission order, arrival order and overdue set at every point,
 for decode-first with and without aging and for tenant-fair with changing credits.
+The last section pins the order the scheduler itself requeues a preempted or resumed
+turn in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
+from harness import commit_step, decoding_scheduler, make_request
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ref.core.config import SchedulerConfig
 from ref.core.policy import DecodeFirst, TenantFair
 from ref.core.request import Request, StopParams
+from ref.core.swap import KVRetention
 from ref.core.waiting import WaitingQueue
 
 TENANTS = ("a", "b", "c")
@@ -183,3 +189,47 @@ def test_a_skipped_tenant_is_read_no_further(ops: list, skip_after: list[bool]) 
         if next(decisions, False):
             skipped.add(r.tenant)
     assert got == want
+
+
+# ------------------------------------------------------------------ requeue order in the scheduler
+@pytest.mark.mutation_kill
+def test_a_requeued_turn_waits_in_arrival_order() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16,
+        max_num_seqs=1,
+        block_size=4,
+        num_blocks=32,
+        max_model_len=64,
+        prefill_reserve_tokens=1,
+    )
+    sched = decoding_scheduler(cfg, make_request("a", 3))
+    for i, rid in enumerate("bcd"):
+        sched.add_request(make_request(rid, 3, base=10 * (i + 1)))
+    sched.pause("a", KVRetention.DROP)
+    commit_step(sched)  # b takes the free running slot
+    assert [r.request_id for r in sched.running] == ["b"]
+    sched.resume("a", [1], StopParams(2))
+    assert [r.request_id for r in sched.waiting] == ["a", "c", "d"]
+    sched.pause("b", KVRetention.DROP)
+    sched.resume("b", [1], StopParams(2))
+    assert [r.request_id for r in sched.waiting] == ["a", "b", "c", "d"]
+    assert [r.seq for r in sched.waiting] == [0, 1, 2, 3]
+    plan, _ = commit_step(sched)
+    assert plan.admitted == ("a",)
+
+
+@pytest.mark.mutation_kill
+def test_a_requeued_turn_goes_behind_every_earlier_arrival() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16, max_num_seqs=1, block_size=4, num_blocks=32, max_model_len=64
+    )
+    sched = decoding_scheduler(cfg, make_request("x", 3))
+    sched.add_request(make_request("y", 3, base=10))
+    sched.add_request(make_request("z", 3, base=20))
+    sched.add_request(make_request("w", 3, base=30, priority=-1))  # more important: admitted first
+    sched.abort("x")
+    commit_step(sched)
+    assert [r.request_id for r in sched.running] == ["w"]
+    sched.pause("w", KVRetention.DROP)
+    sched.resume("w", [1], StopParams(2))
+    assert [r.request_id for r in sched.waiting] == ["y", "z", "w"]

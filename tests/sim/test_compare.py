@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from ref.cli.compare import compare_main
 from ref.core.config import SchedulerConfig
 from ref.core.engine_core import StepRecord
 from ref.core.plan import StepPlan
@@ -20,7 +21,6 @@ from ref.report.compare import (
     TRACES,
     LimitFractions,
     Slo,
-    compare_main,
     knee_cause,
     knee_rate,
     limit_fractions,

@@ -1,0 +1,206 @@
+"""``refserve compare``'s command line: parse and check the options, run the comparison
+(:func:`ref.report.compare.run_compare`), print where the report went and each knee.
+
+Limits of the options, checked before anything is built: ``--scale`` in
+[``MIN_SCALE``, ``MAX_SCALE``] (scale 1 is example 3's real lengths; below it a session
+would outgrow what the simulator replays in reasonable time), rates at most ``MAX_RATE``,
+at most ``MAX_REQUESTS`` requests (sessions) in one run (a run's requests are built in
+memory up front), SLOs at most ``MAX_SLO_MS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from ref.cli.args import MAX_BLOCKS, MAX_TOKENS, ArgumentParser, finite_float, int_at_most, run_cli
+from ref.core.cost import StepCost
+from ref.errors import InvalidArgument
+from ref.files import check_output_dir, shown
+from ref.report.compare import (
+    BASE_CONFIG,
+    DEFAULT_COST,
+    DEFAULT_SCALE,
+    POLICIES,
+    TRACES,
+    CompareOptions,
+    Slo,
+    knee_text,
+    run_compare,
+)
+
+MIN_SCALE, MAX_SCALE = 1.0, 65536.0
+MAX_RATE = 10_000.0
+MAX_REQUESTS = 100_000
+MAX_SLO_MS = 1e9
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected numbers like 1,2,4; got {text[:60]!r}"
+        ) from None
+    if not rates or any(not (0 < r <= MAX_RATE) for r in rates):
+        raise argparse.ArgumentTypeError(
+            f"rates must be finite numbers > 0 and <= {MAX_RATE:g}; got {text[:60]!r}"
+        )
+    return rates
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected names like a,b; got {text[:60]!r}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"a name is given twice in {text[:60]!r}")
+    return names
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(
+        prog="refserve compare",
+        description="Compare scheduling policies over example 3's traces and a rate sweep "
+        "on the simulator; writes DIR/report.md, DIR/report.json and PNG plots.",
+    )
+    ms = finite_float(0, MAX_SLO_MS)
+    p.add_argument("--out", type=Path, default=Path("compare-report"), help="output folder")
+    p.add_argument(
+        "--rates",
+        type=_float_list,
+        help=f"rates to sweep for every trace (default: per trace; each <= {MAX_RATE:g})",
+    )
+    p.add_argument("--quick", action="store_true", help="few requests and rates (seconds)")
+    p.add_argument("--traces", type=_names, help=f"subset of {','.join(t.name for t in TRACES)}")
+    p.add_argument(
+        "--policies", type=_names, help=f"subset of {','.join(x.name for x in POLICIES)}"
+    )
+    p.add_argument(
+        "--requests",
+        type=int_at_most(MAX_REQUESTS),
+        help=f"requests (sessions for agent) per run (at most {MAX_REQUESTS:,})",
+    )
+    p.add_argument(
+        "--scale",
+        type=finite_float(MIN_SCALE, MAX_SCALE),
+        default=DEFAULT_SCALE,
+        help=f"divide token lengths ({MIN_SCALE:g} to {MAX_SCALE:g}; 1 = example 3's lengths)",
+    )
+    p.add_argument("--seed", type=int_at_most((1 << 63) - 1, lo=-(1 << 63)), default=0)
+    p.add_argument("--cost", default=DEFAULT_COST, help="step cost in ms, e.g. '2+0.5P+D'")
+    p.add_argument("--ttft-slo-ms", type=ms, default=Slo.ttft_base_ms)
+    p.add_argument("--ttft-slo-per-token-ms", type=ms, default=Slo.ttft_per_token_ms)
+    p.add_argument(
+        "--tbt-slo-ms", type=finite_float(0, MAX_SLO_MS, lo_open=True), default=Slo.tbt_ms
+    )
+    p.add_argument(
+        "--knee",
+        type=finite_float(0, 1, lo_open=True),
+        default=0.9,
+        help="goodput/offered threshold, in (0, 1]",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int_at_most(MAX_TOKENS),
+        default=BASE_CONFIG.max_num_batched_tokens,
+    )
+    p.add_argument("--num-blocks", type=int_at_most(MAX_BLOCKS), default=BASE_CONFIG.num_blocks)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument(
+        "--full-sweep", action="store_true", help="run every rate even far past a policy's knee"
+    )
+    return p
+
+
+_T = TypeVar("_T")
+
+
+def _pick(
+    what: str, names: tuple[str, ...] | None, items: tuple[_T, ...], name_of: Callable[[_T], str]
+) -> tuple[_T, ...]:
+    if names is None:
+        return items
+    by_name = {name_of(i): i for i in items}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise InvalidArgument(
+            f"unknown {what} {', '.join(unknown)}; choose from {', '.join(by_name)}"
+        )
+    return tuple(by_name[n] for n in names)
+
+
+def compare_options(argv: list[str]) -> tuple[CompareOptions, bool]:
+    """Parse and check the command line: the options and whether to show progress.
+    Nothing is built or written yet (the output folder is created if missing, and
+    refused if it cannot hold the report)."""
+    args = _parser().parse_args(argv)
+    if args.requests is not None and args.requests < 1:
+        raise InvalidArgument(f"--requests must be >= 1, got {args.requests}")
+    opts = CompareOptions(
+        out=args.out,
+        traces=_pick("trace", args.traces, TRACES, lambda t: t.name),
+        policies=_pick("policy", args.policies, POLICIES, lambda p: p.name),
+        rates=args.rates,
+        quick=args.quick,
+        scale=args.scale,
+        seed=args.seed,
+        cost=StepCost.parse(args.cost),
+        slo=Slo(args.ttft_slo_ms, args.ttft_slo_per_token_ms, args.tbt_slo_ms),
+        base=dataclasses.replace(
+            BASE_CONFIG,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_blocks=args.num_blocks,
+        ),
+        knee=args.knee,
+        num=args.requests,
+        stop_after=None if args.full_sweep else 2,
+    )
+    _check_run_sizes(opts)
+    check_output_dir(opts.out, "--out")
+    return opts, not args.no_progress
+
+
+def _check_run_sizes(opts: CompareOptions) -> None:
+    """A rate's request count grows with the rate (agent: rate x 20 s); bound it before
+    any workload is built."""
+    for spec in opts.traces:
+        for rate in spec.rates_to_sweep(opts.rates, opts.quick):
+            n = spec.num_units(rate, opts.num, opts.quick)
+            if n > MAX_REQUESTS:
+                raise InvalidArgument(
+                    f"--rates {rate:g} asks for {n:,} {spec.name} requests in one run; at "
+                    f"most {MAX_REQUESTS:,}"
+                )
+
+
+def compare_cli(argv: list[str]) -> int:
+    """``refserve compare ...``: typed errors propagate to :func:`ref.cli.args.run_cli`."""
+    opts, progress = compare_options(argv)
+    report = run_compare(opts, sys.stderr, progress=progress)
+    print(f"wrote {shown(opts.out / 'report.md')} and {shown(opts.out / 'report.json')}")
+    plots = report["plots"]
+    assert isinstance(plots, dict)
+    charts = [name for per in plots.values() for name in per.values()]
+    print(f"  {len(charts)} PNG charts in {shown(opts.out)}: {', '.join(charts)}")
+    knees, traces = report["knees"], report["traces"]
+    assert isinstance(knees, dict) and isinstance(traces, list)
+    for t in traces:
+        per_policy = knees[t["name"]]
+        text = ", ".join(f"{n} {knee_text(k, t['rates'])}" for n, k in per_policy.items())
+        print(f"  knee ({t['name']}, {t['rate_unit']}): {text}")
+    return 0
+
+
+def compare_main(argv: list[str]) -> int:
+    """``refserve compare [--out DIR] [--rates R1,R2,...] [--quick] ...``; returns an exit code."""
+    debug = "--debug" in argv
+    return run_cli(lambda: compare_cli([a for a in argv if a != "--debug"]), debug=debug)
+
+
+if __name__ == "__main__":
+    raise SystemExit(compare_main(sys.argv[1:]))

@@ -1,0 +1,207 @@
+"""Planning one step (stage 1 of "One step" in docs/ARCHITECTURE.md): which requests run,
+how many tokens each, which blocks they get, the preemptions and the swap copies.
+
+Read aloud: queue timeouts, paused KV bound for the host, decodes first (all at once when
+nobody needs preempting, else one by one), then running prefills, then admission of
+waiting requests, under three separate limits (token budget, max_num_seqs, free KV
+blocks). When a running request cannot get a block, the policy's victim is preempted.
+Everything a step's planning collects goes into one :class:`StepDraft`. Blocks are
+reserved inside the pool transaction the scheduler opened; no request field changes
+here (ATOMIC): ``Scheduler.commit`` applies the plan.
+"""
+
+from __future__ import annotations
+
+from ref.core.capacity import admission_blocks
+from ref.core.config import SchedulerConfig
+from ref.core.draft import StepDraft
+from ref.core.plan import PlanBuilder, PlannedFinish, StepPlan
+from ref.core.policy import Policy
+from ref.core.prefill import chunk, prefill_cap
+from ref.core.request import FinishReason, Request
+from ref.core.suspend import Suspension
+from ref.core.waiting import WaitingQueue
+from ref.kv import BlockPool, PrefixHit
+from spec.snapshot import RequestStatus
+
+S = RequestStatus
+
+
+class Planner:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        policy: Policy,
+        pool: BlockPool,
+        suspension: Suspension,
+        queue: WaitingQueue,
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.pool = pool
+        self._suspend = suspension
+        self._queue = queue  # the scheduler's: planning reads it, commit changes it
+
+    def plan(
+        self, step_index: int, running: list[Request], reserve: int, now_ms: float, *, fast: bool
+    ) -> StepPlan:
+        """The plan of step ``step_index``; ``running`` is a copy of the running list,
+        ``reserve`` the tokens decodes leave to a starving prefill, ``fast`` allows the
+        bulk decode path."""
+        cfg = self.config
+        d = StepDraft(
+            PlanBuilder(step_index),
+            running,
+            cfg.max_num_batched_tokens,
+            reserve,
+            self._timed_out(now_ms),
+        )
+        self._suspend.move_to_host(d)
+        if not (fast and self._decode_bulk(d)):
+            self._decode_each(d)
+        prefill_left = self._prefill_running(d, prefill_cap(cfg, d.decoded, now_ms, reserve))
+        d.budget = min(d.budget, prefill_left)  # admission is prefill too
+        self._admit(d)
+        return d.build()
+
+    def _decode_bulk(self, d: StepDraft) -> bool:
+        """Every running decode in one pool call, when nobody needs preempting: exactly
+        what :meth:`_decode_each` would plan. False (nothing planned) otherwise."""
+        decoders = [r for r in d.running if r.status is S.DECODING][: max(0, d.budget - d.reserve)]
+        if not decoders:
+            return False
+        ids = [r.request_id for r in decoders]
+        copies = self.pool.append_decode_tokens(ids, [r.token_ids for r in decoders])
+        if copies is None:
+            return False
+        d.copies.extend(copies)
+        d.plan.add_decodes(ids, [r.num_computed_tokens for r in decoders])
+        d.scheduled.update(ids)
+        d.decoded = decoders
+        d.budget -= len(decoders)
+        return True
+
+    def _decode_each(self, d: StepDraft) -> None:
+        """The reference decode path: in admission order, preempting as needed."""
+        for r in list(d.running):
+            if r.status is not S.DECODING or r.request_id in d.preempted:
+                continue
+            if d.budget - d.reserve >= 1 and self._place(d, r, 1, is_prefill=False):
+                d.decoded.append(r)
+
+    def _prefill_running(self, d: StepDraft, cap: int) -> int:
+        """Running prefills in admission order, at most ``cap`` tokens; the cap left."""
+        for r in list(d.running):
+            if r.status is S.DECODING or r.request_id in d.preempted:
+                continue
+            computed = r.num_computed_tokens
+            n = chunk(self.config, r.num_tokens - computed, min(d.budget, cap), computed)
+            if n >= 1 and self._place(d, r, n, is_prefill=True):
+                cap -= n
+        return cap
+
+    def _place(self, d: StepDraft, r: Request, n: int, *, is_prefill: bool) -> bool:
+        """Reserve blocks for ``n`` tokens of running ``r``, preempting victims if needed;
+        False if it cannot grow now. Alone and still unable, it never will in this pool:
+        the plan finishes it (capacity)."""
+        rid = r.request_id
+        if not self._make_room(d, r, n):
+            if not d.scheduled and len(d.running) == 1:
+                self.pool.free(rid)
+                d.running.remove(r)
+                d.finished.append(PlannedFinish(rid, FinishReason.CAPACITY))
+            return False
+        alloc = self.pool.allocate(rid, r.token_ids, n, namespace=r.namespace)
+        d.copies.extend(alloc.copies)
+        start = alloc.start_position
+        d.plan.add(rid, start, n, start + n == r.num_tokens, is_prefill)
+        d.scheduled.add(rid)
+        d.budget -= n
+        return True
+
+    def _timed_out(self, now_ms: float) -> list[PlannedFinish]:
+        """Requests still waiting for their first admission past the queue timeout."""
+        timeout = self.config.queue_timeout_ms
+        if timeout is None:
+            return []
+        return [
+            PlannedFinish(r.request_id, FinishReason.TIMEOUT)
+            for r in self._queue.overdue(now_ms, timeout)
+        ]
+
+    def _admit(self, d: StepDraft) -> None:
+        """Waiting requests in the policy's order while the sequence limit, the budget
+        and the free blocks allow; FCFS: later arrivals do not overtake the head of the
+        queue when it does not fit."""
+        if not self._queue or not self.policy.admission_open(d.was_running):
+            return
+        timed_out = {f.request_id for f in d.finished}
+        for r in self.policy.waiting_order(self._queue, d.plan.step_index):
+            if r.request_id in timed_out or not self.policy.may_admit(r, d.running):
+                continue
+            if len(d.running) >= self.config.max_num_seqs or d.budget < 1:
+                break
+            if not self._admit_one(d, r):
+                break
+            d.running.append(r)
+            d.admitted.append(r.request_id)
+
+    def _admit_one(self, d: StepDraft, r: Request) -> bool:
+        """Schedule the first tokens of waiting ``r`` (a swapped one is swapped in, any
+        other starts from its prefix-cache hit); False, nothing reserved, if they do not
+        fit now."""
+        cfg = self.config
+        if r.status is S.SWAPPED:
+            stored = r.num_computed_tokens
+            n = chunk(cfg, r.num_tokens - stored, d.budget, stored)
+            if n < 1 or not self._admission_fits(d, r, stored + n, None):
+                return False
+            self._suspend.swap_in(r, n, d)
+        else:
+            hit = self.pool.lookup(r.token_ids, r.namespace) if cfg.enable_prefix_caching else None
+            cached = hit.num_tokens if hit else 0
+            n = chunk(cfg, r.num_tokens - cached, d.budget, cached)
+            if n < 1 or not self._admission_fits(d, r, n, hit):
+                return False
+            alloc = self.pool.allocate(r.request_id, r.token_ids, n, hit=hit, namespace=r.namespace)
+            d.copies.extend(alloc.copies)
+            start = alloc.start_position
+            d.plan.add(r.request_id, start, n, start + n == r.num_tokens, True, cached)
+        d.budget -= n
+        return True
+
+    def _admission_fits(self, d: StepDraft, r: Request, n: int, hit: PrefixHit | None) -> bool:
+        """The admission-fit check (CAP, example 2e): with anything else in the step, the
+        blocks ``admission_blocks`` asks must be free above the watermark."""
+        if d.running or d.plan.request_ids:
+            free = self.pool.num_free_blocks - self.config.watermark_blocks
+            return admission_blocks(self.config, self.pool, r, n, hit) <= free
+        return self._fits_alone(r.request_id, n, hit, d)
+
+    def _fits_alone(self, request_id: str, n: int, hit: PrefixHit | None, d: StepDraft) -> bool:
+        """Admission when nothing else runs: the watermark and the whole-request rules
+        protect running requests' growth, and waiving them here guarantees progress, as
+        does reclaiming paused turns' KV when the request still does not fit."""
+        while not self.pool.can_allocate(request_id, n, hit):
+            if not self._suspend.reclaim(d):
+                return False
+        return True
+
+    def _make_room(self, d: StepDraft, r: Request, n: int) -> bool:
+        """Preempt victims until ``r`` can get blocks for ``n`` tokens; False if impossible.
+
+        Victims are running requests not yet scheduled in this step, chosen by the policy,
+        each swapped out or dropped for recompute (``Suspension.evict``). Those preempted
+        before failing stay preempted: their blocks are already free.
+        """
+        while not self.pool.can_allocate(r.request_id, n):
+            if self._suspend.reclaim(d):
+                continue  # idle KV goes before running work is preempted
+            candidates = [v for v in d.running if v is not r and v.request_id not in d.scheduled]
+            victim = self.policy.pick_victim(candidates)
+            if victim is None:
+                return False
+            self._suspend.evict(victim, d)
+            d.running.remove(victim)
+            d.preempted.append(victim.request_id)
+        return True

@@ -1,0 +1,201 @@
+"""Requests whose KV leaves the device: swapped preemption victims and paused agent turns.
+
+The rules live in ref/core/swap.py (recompute or swap, where a tool wait keeps its KV);
+this module is their mechanics, which the scheduler delegates to:
+
+- **tool waits**: ``pause`` moves a decoding turn to WAITING_TOOL with its KV on the
+  device, bound for the host (moved at the start of the next step) or dropped;
+  ``resume`` turns the tool's answer into the next turn's prompt;
+- **within a step** (all inside the step's pool and host transactions): paused KV bound
+  for the host moves there, paused KV is reclaimed before running work is preempted, a
+  victim is swapped out or dropped, a swapped request is swapped back in on admission;
+- **at commit**: the paused turns' bookkeeping catches up with the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ref.core.capacity import never_fits, require_fit
+from ref.core.config import SchedulerConfig
+from ref.core.draft import StepDraft
+from ref.core.plan import StepPlan
+from ref.core.request import Request, StopParams
+from ref.core.swap import KVRetention, PreemptionMode
+from ref.errors import InvalidArgument, UnknownRequest
+from ref.kv import BlockCopy, BlockPool
+from ref.kv.host_pool import HostPool
+from spec.snapshot import RequestStatus
+
+S = RequestStatus
+
+
+class Suspension:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, host: HostPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.host = host
+        self.paused: dict[str, Request] = {}  # WAITING_TOOL: agent turns waiting for a tool
+        # Paused turns whose KV the next step moves to the host pool (pause order).
+        self.to_host: list[str] = []
+
+    # ------------------------------------------------------------------ tool waits
+    def pause(
+        self, r: Request, retention: KVRetention | str | None, expected_wait_ms: float
+    ) -> KVRetention:
+        """``Scheduler.pause`` without the running list: see its docstring."""
+        rid = r.request_id
+        if r.status is not S.DECODING:
+            raise InvalidArgument(f"pause: request {rid!r} must be decoding (it is {r.status})")
+        kind = self._retention(r, retention, expected_wait_ms)
+        if kind is KVRetention.HOST and not self.host.num_blocks:
+            raise InvalidArgument(
+                f"pause: request {rid!r} cannot wait on the host: num_host_blocks is 0"
+            )
+        if kind is KVRetention.DROP:
+            self.pool.free(rid)
+            r.num_computed_tokens = 0
+        elif kind is KVRetention.HOST:
+            self.to_host.append(rid)
+        r.transition(S.WAITING_TOOL)
+        self.paused[rid] = r
+        return kind
+
+    def _retention(
+        self, r: Request, retention: KVRetention | str | None, expected_wait_ms: float
+    ) -> KVRetention:
+        if retention is None:
+            if isinstance(expected_wait_ms, bool) or not isinstance(expected_wait_ms, int | float):
+                raise InvalidArgument(
+                    f"pause: expected_wait_ms must be a number, got {expected_wait_ms!r}"
+                )
+            return self.config.retention.choose(
+                expected_wait_ms, host_available=self.host.can_hold(r.num_computed_tokens)
+            )
+        try:
+            return KVRetention(retention)
+        except ValueError:
+            allowed = ", ".join(m.value for m in KVRetention)
+            raise InvalidArgument(
+                f"pause: retention must be one of {allowed}, got {retention!r}"
+            ) from None
+
+    def resume(self, request_id: str, tool_token_ids: Sequence[int], stop: StopParams) -> Request:
+        """The paused turn leaves the tool wait with ``tool_token_ids`` appended to its
+        prompt, its KV where it was; the scheduler decides where it goes next."""
+        r = self.paused.get(request_id)
+        if r is None:
+            raise UnknownRequest(request_id, "resume (not waiting for a tool)")
+        tool = list(tool_token_ids)
+        if not tool or any(type(t) is not int or t < 0 for t in tool):
+            raise InvalidArgument(f"resume: request {request_id!r} needs tool token ids >= 0")
+        num_tokens = r.num_tokens + len(tool)
+        if num_tokens >= self.config.max_len:
+            raise InvalidArgument(
+                f"resume: request {request_id!r} would hold {num_tokens} tokens; "
+                f"the limit is {self.config.max_len - 1} before an output token"
+            )
+        require_fit(self.config, request_id, num_tokens)
+        del self.paused[request_id]
+        if request_id in self.to_host:  # the tool answered before the KV moved
+            self.to_host.remove(request_id)
+        r.prompt_token_ids = [*r.token_ids, *tool]
+        r.token_ids = list(r.prompt_token_ids)
+        r.num_prompt_tokens = len(r.token_ids)
+        r.stop = stop
+        return r
+
+    def forget(self, request_id: str) -> bool:
+        """An aborted or finished request leaves the host pool and the tool wait;
+        True if it was paused."""
+        if self.host.has_request(request_id):
+            self.host.release(request_id)
+        if request_id in self.to_host:
+            self.to_host.remove(request_id)
+        return self.paused.pop(request_id, None) is not None
+
+    # ------------------------------------------------------------------ within a step
+    def move_to_host(self, d: StepDraft) -> None:
+        """Paused turns retained on the host leave the device at the start of a step,
+        so this step can already use their blocks (the swap-out copies run first)."""
+        for rid in self.to_host:
+            r = self.paused[rid]
+            if self.host.can_hold(r.num_computed_tokens):
+                self._swap_out(r, d)
+            # else: the host pool is full; the KV stays on the device and the move is
+            # retried next step.
+
+    def reclaim(self, d: StepDraft) -> bool:
+        """Free the device blocks of one paused turn (the longest paused): to the host
+        if it has room, else dropped. False if no paused turn holds device blocks.
+
+        A tool wait never blocks progress: paused KV is reclaimed before a running
+        request is preempted, and before admission stalls with nothing running.
+        """
+        for rid, r in self.paused.items():
+            if not self.pool.has_request(rid):
+                continue  # its KV is on the host already, or was dropped
+            if r.num_computed_tokens and self.host.can_hold(r.num_computed_tokens):
+                self._swap_out(r, d)
+            else:
+                self.pool.free(rid)
+                d.dropped.append(rid)
+            return True
+        return False
+
+    def evict(self, victim: Request, d: StepDraft) -> None:
+        """Free a preemption victim's device blocks: swapped out, or dropped for recompute."""
+        if self._should_swap(victim):
+            self._swap_out(victim, d)
+        else:
+            self.pool.free(victim.request_id)
+
+    def _should_swap(self, victim: Request) -> bool:
+        """Recompute or swap a preemption victim (ref/core/swap.py documents the rule)."""
+        cfg = self.config
+        stored = victim.num_computed_tokens
+        if cfg.preemption_mode is PreemptionMode.RECOMPUTE or not stored:
+            return False
+        if never_fits(cfg, victim.num_tokens):
+            return False  # it can never run again here: commit finishes it (capacity)
+        if not self.host.can_hold(stored):
+            return False
+        if cfg.preemption_mode is PreemptionMode.AUTO:
+            assert cfg.swap_cost is not None
+            return cfg.swap_cost.prefers_swap(stored)
+        return True
+
+    def _swap_out(self, r: Request, d: StepDraft) -> None:
+        rid = r.request_id
+        device = self.pool.block_table_view(rid)
+        d.swap_out.extend(self.host.swap_out(rid, device, r.num_computed_tokens, r.token_ids))
+        d.swapped_out.append(rid)
+        self.pool.free(rid)
+
+    def swap_in(self, r: Request, n: int, d: StepDraft) -> None:
+        """Admit a swapped request whose ``n`` next tokens fit: restore its KV from the
+        host and schedule them in the same step (the swap-in copies run before the
+        forward)."""
+        rid = r.request_id
+        stored = r.num_computed_tokens
+        self.pool.allocate(rid, r.token_ids, stored, namespace=r.namespace)
+        host = self.host.release(rid)
+        device = self.pool.block_table_view(rid)
+        d.swap_in.extend(BlockCopy(h, v) for h, v in zip(host.block_ids, device, strict=True))
+        d.swapped_in.append(rid)
+        alloc = self.pool.allocate(rid, r.token_ids, n, namespace=r.namespace)
+        assert not alloc.copies, "a swapped-in request shares no block"
+        # A swapped decode has one token left (the last sampled one); anything longer
+        # is a resumed agent turn's incremental prefill.
+        d.plan.add(rid, stored, n, stored + n == r.num_tokens, r.num_tokens - stored > 1)
+
+    # ------------------------------------------------------------------ at commit
+    def commit(self, plan: StepPlan) -> None:
+        """Paused turns whose KV the plan moved to the host or released."""
+        if plan.swapped_out:
+            swapped = set(plan.swapped_out)
+            self.to_host = [rid for rid in self.to_host if rid not in swapped]
+        for rid in plan.dropped:
+            self.paused[rid].num_computed_tokens = 0
+            if rid in self.to_host:
+                self.to_host.remove(rid)

@@ -1,0 +1,139 @@
+"""The scheduling policies ``refserve compare`` sets side by side, and the SLOs it judges
+them by (docs/ARCHITECTURE.md, example 3).
+
+A policy is a :class:`NamedPolicy`: a name, a description and a function that turns the
+comparison's base :class:`~ref.core.config.SchedulerConfig` into that policy's config.
+Add one by appending to :data:`POLICIES`. A policy that needs a SchedulerConfig field
+this checkout lacks is skipped and named in the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ref.core.config import PolicyName, SchedulerConfig
+from ref.core.cost import StepCost
+from ref.sim.metrics import RequestMetrics
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Per-request service level: both must hold for a request to count as goodput."""
+
+    ttft_base_ms: float = 500.0
+    ttft_per_token_ms: float = 1.0
+    tbt_ms: float = 100.0
+
+    def ttft_limit_ms(self, num_prompt_tokens: int) -> float:
+        return self.ttft_base_ms + self.ttft_per_token_ms * num_prompt_tokens
+
+    def met(self, m: RequestMetrics) -> bool:
+        """Finished normally, first token in time, and no gap between tokens too long."""
+        if m.finish_reason not in ("stop", "length"):
+            return False
+        return self.ttft_met(m) and self.tbt_met(m)
+
+    def ttft_met(self, m: RequestMetrics) -> bool:
+        return m.ttft_ms is not None and m.ttft_ms <= self.ttft_limit_ms(m.num_prompt_tokens)
+
+    def tbt_met(self, m: RequestMetrics) -> bool:
+        return all(gap <= self.tbt_ms for gap in m.itl_ms)
+
+
+@dataclass(frozen=True)
+class NamedPolicy:
+    """A scheduler configuration under a name.
+
+    ``configure(base, max_len, slo, cost)`` returns the config for a workload whose
+    longest sequence is ``max_len`` tokens on a simulator with step cost ``cost``.
+    ``requires`` names SchedulerConfig fields the policy needs; without them it is
+    skipped (and the report says so).
+    """
+
+    name: str
+    description: str
+    configure: Callable[[SchedulerConfig, int, Slo, StepCost], SchedulerConfig]
+    requires: tuple[str, ...] = ()
+
+    def available(self) -> bool:
+        have = {f.name for f in dataclasses.fields(SchedulerConfig)}
+        return all(r in have for r in self.requires)
+
+
+def _fcfs(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> SchedulerConfig:
+    # Without chunking a prompt must fit in one step: the budget grows to the longest
+    # sequence, as vLLM sets max_num_batched_tokens = max_model_len without chunking.
+    return dataclasses.replace(
+        base,
+        enable_chunked_prefill=False,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=max(base.max_num_batched_tokens, max_len + 1),
+    )
+
+
+def _static(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> SchedulerConfig:
+    return dataclasses.replace(_fcfs(base, max_len, slo, cost), policy=PolicyName.STATIC)
+
+
+def _chunked(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> SchedulerConfig:
+    return dataclasses.replace(base, enable_chunked_prefill=True, enable_prefix_caching=False)
+
+
+def _prefix_aware(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> SchedulerConfig:
+    return dataclasses.replace(base, enable_chunked_prefill=True, enable_prefix_caching=True)
+
+
+def _reserve(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> SchedulerConfig:
+    return dataclasses.replace(
+        _prefix_aware(base, max_len, slo, cost),
+        prefill_reserve_tokens=max(1, base.max_num_batched_tokens // 8),
+    )
+
+
+def _slo_aware(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> SchedulerConfig:
+    # The simulator's own cost model is the iteration model (in the real engine it would
+    # be fitted from recorded steps: ref.core.cost.fit_step_cost).
+    return dataclasses.replace(
+        _prefix_aware(base, max_len, slo, cost), tbt_slo_ms=slo.tbt_ms, step_cost=cost
+    )
+
+
+POLICIES: tuple[NamedPolicy, ...] = (
+    NamedPolicy(
+        "static",
+        "static batching: a new batch only when the whole previous one finished; whole "
+        "prompts, no prefix cache",
+        _static,
+    ),
+    NamedPolicy(
+        "fcfs",
+        "continuous batching, FCFS admission, whole prompts in one step (chunked prefill "
+        "off), no prefix cache: a long prompt stalls every decode for its whole prefill",
+        _fcfs,
+    ),
+    NamedPolicy(
+        "chunked",
+        "decode-first with chunked prefill (budget 512), no prefix cache",
+        _chunked,
+    ),
+    NamedPolicy(
+        "prefix-aware",
+        "decode-first, chunked prefill and the prefix cache on",
+        _prefix_aware,
+    ),
+    NamedPolicy(
+        "reserve",
+        "prefix-aware plus example 2d's starvation fix: 1/8 of the budget reserved for a "
+        "prefill that waited 8 steps",
+        _reserve,
+    ),
+    NamedPolicy(
+        "slo-aware",
+        "prefix-aware plus SLO-aware chunk sizing: prefill chunks shrink so the predicted "
+        "step keeps the tightest decode within the TBT SLO",
+        _slo_aware,
+        requires=("tbt_slo_ms", "step_cost"),
+    ),
+)

@@ -1,0 +1,131 @@
+"""The workload families ``refserve compare`` sweeps over rates (docs/ARCHITECTURE.md,
+example 3): short chat, long prompt, chat with a few long prompts mixed in, and agent
+multi-turn sessions.
+
+Token lengths are divided by the comparison's scale (see :mod:`ref.sim.workloads`);
+times (arrivals, tool waits) are not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ref.sim.workloads import (
+    Workload,
+    agent_sessions,
+    from_records,
+    long_prompt,
+    long_prompt_records,
+    merge_records,
+    short_chat,
+    short_chat_records,
+)
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    """A workload family swept over rates: ``build(rate, n, scale, seed)``."""
+
+    name: str
+    description: str
+    rate_unit: str
+    num: int
+    quick_num: int
+    rates: tuple[float, ...]
+    quick_rates: tuple[float, ...]
+    build: Callable[[float, int, float, int], Workload]
+    # At least ``rate * min_window_s`` units, so arrivals last long enough for the load
+    # to be sustained (an agent session lives ~10 s: 48 sessions at 16/s would all start
+    # within 3 s and the system would never see 16 sessions/s in steady state).
+    min_window_s: float = 0.0
+
+    def rates_to_sweep(self, override: tuple[float, ...] | None, quick: bool) -> tuple[float, ...]:
+        """The rates a run sweeps, in the order given: ``override`` (the command line's
+        ``--rates``) when set, else this family's own (quick) sweep."""
+        return override or (self.quick_rates if quick else self.rates)
+
+    def num_units(self, rate: float, num: int | None, quick: bool) -> int:
+        if num is not None:
+            return num
+        if quick:
+            return self.quick_num
+        return max(self.num, math.ceil(rate * self.min_window_s))
+
+
+def _chat(rate: float, n: int, scale: float, seed: int) -> Workload:
+    return Workload("chat", tuple(short_chat(n, rate, seed=seed, scale=scale)))
+
+
+def _long(rate: float, n: int, scale: float, seed: int) -> Workload:
+    return Workload("long", tuple(long_prompt(n, rate, seed=seed, scale=scale)))
+
+
+def _mixed(rate: float, n: int, scale: float, seed: int) -> Workload:
+    n_long = max(1, round(n * 0.05))
+    # Two tenants, so fairness asks whether the long prompts cost the chat users.
+    chat = [
+        {**r, "tenant": "chat"}
+        for r in short_chat_records(n - n_long, rate * 0.95, seed=seed, scale=scale)
+    ]
+    long = [
+        {**r, "tenant": "long"}
+        for r in long_prompt_records(n_long, rate * 0.05, seed=seed + 1, scale=scale)
+    ]
+    return Workload("mixed", tuple(from_records(merge_records(chat, long))))
+
+
+def _agent(rate: float, n: int, scale: float, seed: int) -> Workload:
+    # Each session is its own tenant: fairness across sessions of one shared prefix.
+    sessions = agent_sessions(n, rate, seed=seed, scale=scale)
+    return Workload(
+        "agent", sessions=tuple(dataclasses.replace(s, tenant=s.session_id) for s in sessions)
+    )
+
+
+TRACES: tuple[TraceSpec, ...] = (
+    TraceSpec(
+        "chat",
+        "short chat: prompt ~1K (+-50 %), output ~128 (+-50 %), Poisson arrivals",
+        "req/s",
+        200,
+        24,
+        (4, 8, 12, 16, 20, 24, 28, 32),
+        (4, 24),
+        _chat,
+    ),
+    TraceSpec(
+        "long",
+        "long prompt: prompt ~64K (+-25 %), output ~128 (+-25 %), Poisson arrivals",
+        "req/s",
+        40,
+        6,
+        (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6),
+        (0.1, 0.6),
+        _long,
+    ),
+    TraceSpec(
+        "mixed",
+        "chat with 5 % long prompts mixed in (head-of-line blocking), Poisson arrivals",
+        "req/s",
+        200,
+        24,
+        (0.5, 1, 2, 3, 4, 6, 8),
+        (1, 6),
+        _mixed,
+    ),
+    TraceSpec(
+        "agent",
+        "agent sessions: ~80K shared prefix, 3-6 turns of +1K tokens and ~128 outputs, "
+        "tool waits log-uniform 0.1-10 s; Poisson session starts",
+        "sessions/s",
+        48,
+        4,
+        (0.05, 0.1, 0.2, 0.5, 1, 2, 4, 8, 12, 16),
+        (0.1, 2),
+        _agent,
+        min_window_s=20.0,
+    ),
+)

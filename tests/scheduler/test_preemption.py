@@ -1,0 +1,106 @@
+"""Preemption: which request gives its blocks back, and what becomes of it.
+
+A victim that still fits the pool waits to run again; one that outgrew the pool
+finishes with ``capacity`` (a resumed turn that outgrew it is rejected); the preemption
+count matches the preemption events (docs/ARCHITECTURE.md, "Invariants": PROGRESS).
+"""
+
+from __future__ import annotations
+
+import pytest
+from harness import commit_step, decoding_scheduler, make_request, plan_entry, sampled_tokens
+
+from ref.core.config import SchedulerConfig
+from ref.core.request import FinishReason, Request, StopParams
+from ref.core.scheduler import Scheduler, StepEvents
+from ref.errors import ExceedsCapacity
+from spec import check_pool
+from spec.snapshot import RequestStatus as S
+
+
+def _preempted_while_resumed(tool: list[int]) -> tuple[Scheduler, Request, StepEvents]:
+    """Blocks of 2, a 3-block pool. ``a`` (4 tokens cached in 2 blocks) pauses keeping its
+    KV; ``b`` reuses both blocks and fills the pool. ``a`` resumes in place with ``tool``;
+    ``b``'s next decode needs a fourth block, so it preempts ``a`` (which frees nothing,
+    every block of ``a`` being shared) and then, alone, finishes with ``capacity``."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16, max_num_seqs=4, block_size=2, num_blocks=3, max_model_len=64
+    )
+    sched = decoding_scheduler(cfg, make_request("a", 4, 9))
+    a = sched.requests["a"]
+    sched.pause("a")
+    sched.add_request(make_request("b", 6, 9))
+    plan, _ = commit_step(sched)
+    assert plan_entry(plan, "b")[4] == 4 and sched.requests["b"].status is S.DECODING
+    assert sched.pool.num_free_blocks == 0
+    sched.resume("a", tool, StopParams(3))
+    plan = sched.schedule(30.0)
+    assert plan.preempted == ("a",) and plan.request_ids == ()
+    assert [(f.request_id, f.reason) for f in plan.finished] == [("b", FinishReason.CAPACITY)]
+    events = sched.commit(plan, sampled_tokens(plan), 31.0)
+    assert check_pool(sched.pool.snapshot()) == []
+    return sched, a, events
+
+
+@pytest.mark.mutation_kill
+def test_a_preempted_request_that_still_fits_the_pool_waits() -> None:
+    sched, a, events = _preempted_while_resumed([8])  # 6 tokens: 3 blocks, the pool
+    assert events.preempted == ("a",) and events.finished == ("b",)
+    assert a.status is S.PREEMPTED and a.num_preemptions == 1 and a.num_computed_tokens == 0
+    assert sched.waiting == [a] and sched.requests == {"a": a}
+
+
+@pytest.mark.mutation_kill
+def test_a_resumed_turn_that_outgrows_the_pool_is_rejected() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16, max_num_seqs=4, block_size=2, num_blocks=3, max_model_len=64
+    )
+    sched = decoding_scheduler(cfg, make_request("a", 4, 9))
+    sched.pause("a")
+    with pytest.raises(ExceedsCapacity):
+        sched.resume("a", [8, 9], StopParams(3))  # 7 tokens: 4 blocks of 2
+    assert "a" in sched.paused
+
+
+@pytest.mark.mutation_kill
+def test_a_preempted_request_that_outgrew_the_pool_finishes_with_capacity() -> None:
+    """A fork of a parent whose prompt fills the pool shares every block; the parent's
+    next decode needs a fourth block, so it preempts the child, whose 7 tokens can never
+    fit again (capacity), and then, alone, finishes with capacity itself."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16, max_num_seqs=4, block_size=2, num_blocks=3, max_model_len=64
+    )
+    sched = decoding_scheduler(cfg, make_request("p", 6, 9))
+    child = sched.fork("p", "c", 5, StopParams(9))
+    assert sched.pool.block_table("c") == sched.pool.block_table("p")
+    plan = sched.schedule(30.0)
+    assert plan.preempted == ("c",) and plan.request_ids == ()
+    assert [(f.request_id, f.reason) for f in plan.finished] == [("p", FinishReason.CAPACITY)]
+    events = sched.commit(plan, sampled_tokens(plan), 31.0)
+    assert events.preempted == ("c",) and events.finished == ("c", "p")
+    assert child.status is S.FINISHED and child.finish_reason is FinishReason.CAPACITY
+    assert child.finished_ms == 31.0 and child.num_preemptions == 1
+    assert sched.waiting == [] and sched.requests == {}
+    assert [r.request_id for r in sched.retired] == ["c", "p"]
+    assert check_pool(sched.pool.snapshot()) == [] and sched.pool.num_used_blocks == 0
+
+
+@pytest.mark.mutation_kill
+def test_the_preemption_count_matches_the_preemption_events() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=5, max_num_seqs=6, block_size=2, num_blocks=8, max_model_len=64
+    )
+    sched = Scheduler(cfg)
+    reqs = [make_request(f"r{i}", 3 + i % 4, 6 + i % 5, base=(i % 3) * 50) for i in range(10)]
+    for r in reqs:
+        sched.add_request(r)
+    seen = dict.fromkeys((r.request_id for r in reqs), 0)
+    for _ in range(400):
+        if not sched.has_unfinished:
+            break
+        _, events = commit_step(sched)
+        for rid in events.preempted:
+            seen[rid] += 1
+    assert not sched.has_unfinished
+    assert {r.request_id: r.num_preemptions for r in reqs} == seen
+    assert max(seen.values()) >= 2  # some request was preempted more than once
