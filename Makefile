@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CROSSHAIR_MODULES := spec/arith.py spec/hashing.py
 CROSSHAIR_TIMEOUT ?= 5
 
-.PHONY: run train-tiny test lint typecheck pytest crosshair conformance conformance-nanovllm bench deep clean venv gpu-check gpu-bench
+.PHONY: run train-tiny test lint typecheck pytest crosshair conformance conformance-nanovllm conformance-vllm bench deep clean venv gpu-check gpu-bench
 
 venv: $(STAMP)
 
@@ -78,8 +78,38 @@ conformance-nanovllm: $(NANO_STAMP)
 	$(NANO_VENV)/bin/refserve conformance --adapter conformance.adapters.nanovllm:make \
 		--report out/nanovllm.json --markdown out/nanovllm.md
 
+# vLLM's V1 scheduler and KV cache manager, driven on the CPU by
+# conformance/adapters/vllm.py (no model, no GPU; a fake model-runner output). vLLM pins its
+# own torch (a CUDA build from the package index, ~9 GB with its dependencies), so it lives
+# in its own virtualenv, never in $(VENV) and never in `make test`. Like the nano-vllm run,
+# the run exits 1 when the suite finds failures; findings: conformance/FINDINGS_vllm.md.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q 'vllm==0.33.0'
+	$(VLLM_PY) -m pip install -q -e '.[conformance]' 'pytest>=8' pytest-benchmark
+	touch $(VLLM_STAMP)
+
+conformance-vllm: $(VLLM_STAMP)
+	mkdir -p out
+	$(VLLM_VENV)/bin/refserve conformance --adapter conformance.adapters.vllm:make \
+		--report out/vllm.json --markdown out/vllm.md
+
 bench: $(STAMP)
 	$(PY) -m pytest tests/bench --benchmark-only --benchmark-columns=min,median,mean,rounds -p no:cacheprovider
+
+# refserve, nano-vllm-fork and vLLM scheduler steps side by side through the adapters'
+# engines (conformance/bench/; not in `make test`): one worker per engine in its own venv
+# (the two venvs of conformance-nanovllm and conformance-vllm), rounds interleaved.
+# Writes out/bench-peers.json and out/bench-peers.md; exit 1 if an engine could not run.
+.PHONY: bench-peers
+bench-peers: $(STAMP) $(NANO_STAMP) $(VLLM_STAMP)
+	mkdir -p out
+	$(PY) -m conformance.bench.peers --json out/bench-peers.json --markdown out/bench-peers.md
 
 # Long Hypothesis runs for local use.
 deep: $(STAMP)

@@ -57,7 +57,8 @@ The suite checks *rules* (what no correct engine ever does: docs/CONFORMANCE.md 
 them) and leaves *conventions* to the engine. An adapter declares the conventions its
 engine follows in an optional ``properties`` attribute (:class:`EngineProperties`; an
 adapter without one gets the documented defaults): blocks reserved ahead of the KV
-length, no eos handling, the admission order and the step order. A correct engine that
+length, no eos handling, the admission order, the step order, same-step cache hits, an
+unordered free list and a stop at ``max_model_len``. A correct engine that
 declares any documented choice passes with zero findings; a declared policy (admission
 order) is then checked exactly. The guide for adapter authors is docs/ADAPTERS.md.
 """
@@ -122,8 +123,9 @@ class StepOrder(StrEnum):
 class EngineProperties:
     """Design choices a correct engine may make, declared by its adapter (docs/CONFORMANCE.md).
 
-    Every field has the default that refserve itself follows; an adapter without a
-    ``properties`` attribute is held to these defaults.
+    Every field has the default that refserve itself follows (``max_model_len_stop``:
+    the stricter reading, as the suite's workloads never reach refserve's limit); an
+    adapter without a ``properties`` attribute is held to these defaults.
     """
 
     lookahead_slots: int = 0
@@ -154,6 +156,15 @@ class EngineProperties:
     free blocks (checked: new blocks come from its head). ``False`` for an engine whose
     free list has no defined order (a set); the queue is then a plain list of the free
     blocks and its order is not checked."""
+    max_model_len_stop: bool = False
+    """Whether a request that reaches the ``max_model_len`` its snapshot reports
+    (``RequestSnapshot.max_model_len``; prompt plus outputs) finishes there with reason
+    ``length``, before ``max_tokens``. vLLM does (``check_stop``) and fits
+    ``max_model_len`` to the pool, so small pools reach it; refserve does too, with a
+    limit the suite's workloads never reach. With ``True`` such a request must finish in
+    that step with reason ``length`` (KVLEN); a ``length`` stop anywhere else before
+    ``max_tokens`` is still a violation, as is every such stop with ``False``. Going
+    past the reported limit is a KVLEN violation either way."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.lookahead_slots, int) or self.lookahead_slots < 0:
@@ -166,6 +177,8 @@ class EngineProperties:
             )
         if not isinstance(self.free_queue_order, bool):
             raise ValueError(f"free_queue_order must be a bool, got {self.free_queue_order!r}")
+        if not isinstance(self.max_model_len_stop, bool):
+            raise ValueError(f"max_model_len_stop must be a bool, got {self.max_model_len_stop!r}")
         object.__setattr__(self, "admission_order", AdmissionOrder(self.admission_order))
         object.__setattr__(self, "step_order", StepOrder(self.step_order))
 
@@ -177,6 +190,7 @@ class EngineProperties:
             "step_order": str(self.step_order),
             "same_step_prefix_hits": self.same_step_prefix_hits,
             "free_queue_order": self.free_queue_order,
+            "max_model_len_stop": self.max_model_len_stop,
         }
 
 

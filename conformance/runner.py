@@ -587,22 +587,56 @@ class _Run:
             p = self.plans.get(rid)
             if p is None:
                 continue
-            n_out = len(self.tokens[rid]) - len(p.prompt)
+            n_tokens = len(self.tokens[rid])
+            n_out = n_tokens - len(p.prompt)
             # An engine without eos handling is never asked to stop on one (choose()).
             is_stop = self.props.eos and tok == self.cfg.eos_token_id
-            must = is_stop or n_out >= p.max_tokens
+            at_max_tokens = n_out >= p.max_tokens
+            # Declared max_model_len_stop: reaching the max_model_len the request's own
+            # snapshot reports stops it too (reason length), as vLLM's check_stop does.
+            limit = self.reported_max_model_len(after, rid)
+            at_limit = limit is not None and n_tokens >= limit
+            must = is_stop or at_max_tokens or at_limit
             if must and rid not in reasons:
-                why = "sampled its eos token" if is_stop else f"reached max_tokens {p.max_tokens}"
+                if is_stop:
+                    why = "sampled its eos token"
+                elif at_max_tokens:
+                    why = f"reached max_tokens {p.max_tokens}"
+                else:
+                    why = f"reached its max_model_len {limit} ({n_tokens} tokens)"
                 self.fail(
                     Invariant.KVLEN, step, "step", f"request {rid}", f"{why} but kept running"
                 )
-            if not must and rid in reasons and reasons[rid] in ("stop", "length"):
+            elif at_limit and not (is_stop or at_max_tokens) and reasons[rid] != "length":
                 self.fail(
                     Invariant.KVLEN,
                     step,
                     "step",
                     f"request {rid}",
-                    f"finished with reason {reasons[rid]} after {n_out} outputs without a stop",
+                    f"reached its max_model_len {limit} and finished with reason "
+                    f"{reasons[rid]}, not length",
+                )
+            if not must and rid in reasons and reasons[rid] in ("stop", "length"):
+                hint = ""
+                r = after.request(rid)
+                if (
+                    not self.props.max_model_len_stop
+                    and reasons[rid] == "length"
+                    and r is not None
+                    and r.max_model_len == n_tokens
+                ):
+                    hint = (
+                        f" (it reached the max_model_len {n_tokens} its snapshot reports: "
+                        "an engine that stops there declares "
+                        "EngineProperties(max_model_len_stop=True))"
+                    )
+                self.fail(
+                    Invariant.KVLEN,
+                    step,
+                    "step",
+                    f"request {rid}",
+                    f"finished with reason {reasons[rid]} after {n_out} outputs without a stop"
+                    + hint,
                 )
         for rid, reason in reasons.items():
             self.live.discard(rid)
@@ -613,6 +647,17 @@ class _Run:
                 self.fail(
                     Invariant.PROGRESS, step, "step", f"request {rid}", "finished but holds blocks"
                 )
+
+    def reported_max_model_len(self, after: EngineSnapshot, rid: str) -> int | None:
+        """The ``max_model_len`` the request's snapshot after the commit reports, when the
+        adapter declared ``max_model_len_stop`` (else None: only eos, stop tokens and
+        ``max_tokens`` may stop a request)."""
+        if not self.props.max_model_len_stop:
+            return None
+        r = after.request(rid)
+        if r is None or isinstance(r.max_model_len, bool) or not isinstance(r.max_model_len, int):
+            return None  # a missing or malformed record is reported by the snapshot checks
+        return r.max_model_len
 
     def observe(
         self,

@@ -199,6 +199,11 @@ def _notes(features: frozenset[Feature], props: EngineProperties) -> list[str]:
         notes.append("eos: the engine has no eos handling; the suite never forced a stop")
     if not props.free_queue_order:
         notes.append("free_queue_order: the free queue is unordered; hand-out order not checked")
+    if props.max_model_len_stop:
+        notes.append(
+            "max_model_len_stop: a request stops with reason length at the max_model_len "
+            "its snapshot reports (KVLEN checks the stop there)"
+        )
     if props.step_order is StepOrder.PREFILL_FIRST:
         notes.append("golden schedules are decode-first: a prefill-first engine differs by design")
     return notes

@@ -33,13 +33,16 @@ from spec.snapshot import EngineSnapshot
 
 # refserve's conventions: KV length and table length agree exactly, eos stops a request,
 # the free queue is an LRU queue handed out from its head, decode-first batching, and
-# strict priority-then-arrival admission with head-of-line blocking (no aging configured).
+# strict priority-then-arrival admission with head-of-line blocking (no aging configured);
+# a request that reaches max_model_len (SchedulerConfig.max_len, which its snapshot reports)
+# finishes there with reason length (Scheduler.commit).
 REF_PROPERTIES = EngineProperties(
     lookahead_slots=0,
     eos=True,
     admission_order=AdmissionOrder.PRIORITY,
     step_order=StepOrder.DECODE_FIRST,
     free_queue_order=True,
+    max_model_len_stop=True,
 )
 
 

@@ -88,6 +88,10 @@ class TemplateAdapter:
         # blocks (new blocks must come from its head). False: the engine's free list has
         # no order (a set); the queue is then just the free blocks.
         free_queue_order=True,
+        # True: a request that reaches the max_model_len its RequestSnapshot reports
+        # finishes there with reason "length", before max_tokens (vLLM, refserve).
+        # False: only eos, stop tokens and max_tokens stop a request.
+        max_model_len_stop=False,
     )
 
     def __init__(self) -> None:

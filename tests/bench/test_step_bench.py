@@ -2,9 +2,8 @@
 
 Measures ``schedule()``, building the executor inputs (token ids, positions, slot
 mapping, block tables as int tensors) and ``commit()`` together, per running request.
-Anchors (same machine class; docs/ARCHITECTURE.md, "Reference figures from other
-engines"): vLLM 0.33.0 ~20 us/request/step before input preparation; nano-vllm-fork 12 us
-at N=256 and 20 us at N=1024. Target: <= 2 us at 1024.
+Side by side with vLLM and nano-vllm-fork on the same workload: ``make bench-peers``
+(README, "Benchmarks"). Target: <= 2 us at 1024.
 Run: ``make bench`` (or ``pytest tests/bench/test_step_bench.py --benchmark-only``).
 """
 

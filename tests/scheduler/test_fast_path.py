@@ -7,6 +7,7 @@ to the reference loop), prefix sharing and forks' copy-on-write alike.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -75,3 +76,36 @@ def test_fast_decode_path_matches_reference_loop(
         slow.commit(ps, sampled)
         assert fast.snapshot() == slow.snapshot()
     assert not fast.has_unfinished
+
+
+@pytest.mark.mutation_kill
+def test_steady_decodes_take_the_bulk_path() -> None:
+    """With room for everyone, each step's decodes go through one bulk pool call that
+    covers every decoding request: the fast path is taken, not silently skipped (the
+    differential test above cannot tell a skipped fast path from a taken one)."""
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, block_size=4, num_blocks=64)
+    s = Scheduler(cfg, fast_decode=True)
+    bulk = s.pool.append_decode_tokens
+    calls: list[tuple[list[str], bool]] = []
+
+    def spy(ids: list[str], tokens: list[list[int]]) -> object:
+        out = bulk(ids, tokens)
+        calls.append((list(ids), out is not None))
+        return out
+
+    s.pool.append_decode_tokens = spy  # type: ignore[assignment, method-assign]
+    for i in range(4):
+        s.add_request(Request(f"r{i}", [1, 2, 3], StopParams(max_tokens=6, ignore_eos=True)))
+    decode_steps = 0
+    while s.has_unfinished:
+        decoding = sorted(r.request_id for r in s.running if r.num_output_tokens > 0)
+        before = len(calls)
+        plan = s.schedule()
+        if decoding:
+            decode_steps += 1
+            assert len(calls) == before + 1, "a decode step skipped the bulk path"
+            assert sorted(calls[-1][0]) == decoding and calls[-1][1]
+        s.commit(
+            plan, {rid: 1 for rid, smp in zip(plan.request_ids, plan.samples, strict=True) if smp}
+        )
+    assert decode_steps == 5

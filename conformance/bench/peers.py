@@ -1,0 +1,565 @@
+"""``make bench-peers``: refserve, nano-vllm-fork and vLLM side by side, interleaved.
+
+Run from refserve's venv::
+
+    python -m conformance.bench.peers --json out/bench-peers.json --markdown out/bench-peers.md
+
+Each engine runs in a worker process started with its own venv's Python (refserve: this
+interpreter; nano-vllm-fork: ``.venv-nanovllm``; vLLM: ``.venv-vllm``), built by
+``make conformance-nanovllm`` / ``make conformance-vllm``. Every worker first builds
+every configuration of :mod:`conformance.bench.workload` (N requests prefilled and
+decoding, prefix caching off and on). Then the rounds interleave the engines: in each
+round, for each configuration, each engine times one decode step, the engines' order
+rotating from round to round, so that a slow phase of the machine hits every engine
+alike. A cell's figure is the median over the rounds of the step time divided by N (us
+per running request); its ratio is that median over refserve's for the same
+configuration in the same run, and its growth is the figure at the largest N over the
+figure at the smallest.
+
+A missing venv, an engine that cannot be imported, a worker that dies or hangs are
+reported in the table and on stderr in one line each (exit 1), never as a traceback;
+the other engines' figures are still written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import selectors
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from conformance.bench import workload as W
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Where one engine's worker runs."""
+
+    key: str
+    module: str
+    venv: str | None
+    """The venv directory under the repository root (None: this interpreter)."""
+    build: str
+    """How to build that venv."""
+
+
+ENGINES: dict[str, EngineSpec] = {
+    "ref": EngineSpec("ref", "conformance.bench.ref_worker", None, "make venv"),
+    "nanovllm": EngineSpec(
+        "nanovllm",
+        "conformance.bench.nanovllm_worker",
+        ".venv-nanovllm",
+        "make conformance-nanovllm",
+    ),
+    "vllm": EngineSpec(
+        "vllm", "conformance.bench.vllm_worker", ".venv-vllm", "make conformance-vllm"
+    ),
+}
+BASELINE = "ref"
+SETUP_TIMEOUT = 600.0
+STEP_TIMEOUT = 120.0
+
+
+class WorkerError(Exception):
+    """A worker that is missing, died, hung or answered nonsense (one line)."""
+
+
+class Worker:
+    """One engine's worker process and its line protocol (conformance.bench.worker)."""
+
+    def __init__(self, spec: EngineSpec, python: str) -> None:
+        self.spec = spec
+        self.python = python
+        self.proc: subprocess.Popen[str] | None = None
+        self.stderr: IO[str] | None = None
+        self.hello: dict[str, Any] = {}
+
+    def start(self, timeout: float) -> dict[str, Any]:
+        if not Path(self.python).is_file():
+            raise WorkerError(
+                f"not run: {self.python} not found (build the venv: {self.spec.build})"
+            )
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        # Closed by stop(); it outlives this method (the worker writes to it).
+        self.stderr = tempfile.TemporaryFile(  # noqa: SIM115
+            "w+", encoding="utf-8", errors="replace"
+        )
+        try:
+            self.proc = subprocess.Popen(
+                [self.python, "-m", self.spec.module],
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self.stderr,
+                text=True,
+                encoding="utf-8",
+            )
+        except OSError as e:
+            raise WorkerError(f"not run: cannot start {self.python}: {e}") from e
+        hello = self._read(timeout)
+        if not hello.get("ok"):
+            raise WorkerError(f"cannot start: {hello.get('error', hello)}")
+        self.hello = hello
+        return hello
+
+    def ask(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        proc = self.proc
+        if proc is None or proc.stdin is None:
+            raise WorkerError("worker not started")
+        try:
+            proc.stdin.write(json.dumps(msg) + "\n")
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            raise WorkerError(f"worker died ({e}){self._stderr_tail()}") from e
+        return self._read(timeout)
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        proc = self.proc
+        assert proc is not None and proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            if not sel.select(timeout):
+                self.kill()
+                raise WorkerError(f"no answer within {timeout:.0f} s (killed)")
+        line = proc.stdout.readline()
+        if not line:
+            code = proc.wait(timeout=10)
+            raise WorkerError(f"worker exited with status {code}{self._stderr_tail()}")
+        try:
+            msg = json.loads(line)
+        except json.JSONDecodeError:
+            raise WorkerError(f"not a protocol line: {line.strip()[:200]!r}") from None
+        if not isinstance(msg, dict):
+            raise WorkerError(f"not a protocol object: {line.strip()[:200]!r}")
+        return msg
+
+    def _stderr_tail(self) -> str:
+        if self.stderr is None:
+            return ""
+        self.stderr.seek(0)
+        lines = [ln.strip() for ln in self.stderr.read().splitlines() if ln.strip()]
+        return f": {lines[-1][:300]}" if lines else ""
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            try:
+                if proc.stdin is not None:
+                    proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                    proc.stdin.flush()
+                proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired, ValueError):
+                proc.kill()
+                proc.wait()
+        if self.stderr is not None:
+            self.stderr.close()
+            self.stderr = None
+
+
+# --------------------------------------------------------------------- the figures
+@dataclass
+class Cell:
+    """One engine on one configuration."""
+
+    engine: str
+    n: int
+    prefix_caching: bool
+    status: str = "ok"
+    """``ok``, ``unsupported`` (the engine has no such configuration) or ``error``."""
+    reason: str = ""
+    setup_s: float = 0.0
+    times_ns: list[list[int]] = field(default_factory=list)
+    """Per round: the step's phases in nanoseconds."""
+
+    @property
+    def key(self) -> str:
+        return W.Shape(self.n, self.prefix_caching).key
+
+
+def per_request_us(times_ns: Sequence[Sequence[int]], n: int) -> float:
+    """The median over rounds of one step's time (its phases summed) per request, in us."""
+    if not times_ns:
+        raise ValueError("no rounds")
+    return statistics.median(sum(t) for t in times_ns) / n / 1e3
+
+
+def phase_us(times_ns: Sequence[Sequence[int]], n: int) -> list[float]:
+    """Each phase's median over rounds, per request, in us."""
+    if not times_ns:
+        return []
+    return [statistics.median(t[i] for t in times_ns) / n / 1e3 for i in range(len(times_ns[0]))]
+
+
+def figure(cells: Sequence[Cell], engine: str, n: int, caching: bool) -> float | None:
+    """The engine's us per request on that configuration (None: not measured)."""
+    for c in cells:
+        if (c.engine, c.n, c.prefix_caching) == (engine, n, caching):
+            if c.status == "ok" and c.times_ns:
+                return per_request_us(c.times_ns, n)
+            return None
+    return None
+
+
+def ratio(cells: Sequence[Cell], engine: str, n: int, caching: bool) -> float | None:
+    """The engine's figure over refserve's for the same configuration."""
+    mine = figure(cells, engine, n, caching)
+    base = figure(cells, BASELINE, n, caching)
+    if mine is None or base is None or base <= 0:
+        return None
+    return mine / base
+
+
+def growth(cells: Sequence[Cell], engine: str, caching: bool, sizes: Sequence[int]) -> float | None:
+    """The figure at the largest N over the figure at the smallest."""
+    if len(sizes) < 2:
+        return None
+    lo = figure(cells, engine, min(sizes), caching)
+    hi = figure(cells, engine, max(sizes), caching)
+    if lo is None or hi is None or lo <= 0:
+        return None
+    return hi / lo
+
+
+@dataclass
+class Run:
+    """Everything one ``bench-peers`` run measured."""
+
+    command: str
+    sizes: list[int]
+    rounds: int
+    warmup: int
+    engines: dict[str, dict[str, Any]]
+    """Per engine key: ``name``, ``includes``, ``phases``, ``python``, ``error``."""
+    cells: list[Cell]
+    started: str = ""
+    load_before: list[float] = field(default_factory=list)
+    load_after: list[float] = field(default_factory=list)
+    cpus: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        out_cells = []
+        for c in self.cells:
+            d: dict[str, Any] = {
+                "engine": c.engine,
+                "n": c.n,
+                "prefix_caching": c.prefix_caching,
+                "status": c.status,
+            }
+            if c.reason:
+                d["reason"] = c.reason
+            if c.status == "ok" and c.times_ns:
+                d["us_per_request"] = round(per_request_us(c.times_ns, c.n), 3)
+                phases = self.engines.get(c.engine, {}).get("phases", [])
+                d["phase_us_per_request"] = dict(
+                    zip(phases, (round(x, 3) for x in phase_us(c.times_ns, c.n)), strict=False)
+                )
+                r = ratio(self.cells, c.engine, c.n, c.prefix_caching)
+                d["ratio_to_refserve"] = None if r is None else round(r, 3)
+                d["setup_s"] = c.setup_s
+                d["times_ns"] = c.times_ns
+            out_cells.append(d)
+        growths = {
+            f"{e}-{'cache' if caching else 'nocache'}": (None if g is None else round(g, 3))
+            for e in self.engines
+            for caching in (False, True)
+            for g in [growth(self.cells, e, caching, self.sizes)]
+        }
+        return {
+            "format": "refserve-bench-peers",
+            "version": 1,
+            "command": self.command,
+            "started": self.started,
+            "load_before": self.load_before,
+            "load_after": self.load_after,
+            "cpus": self.cpus,
+            "sizes": self.sizes,
+            "rounds": self.rounds,
+            "warmup": self.warmup,
+            "workload": {
+                "block_size": W.BLOCK_SIZE,
+                "prompt_tokens": [W.MIN_PROMPT, W.MAX_PROMPT],
+                "blocks_per_request": W.BLOCKS_PER_REQUEST,
+                "max_num_batched_tokens": "max(2048, 2 N)",
+            },
+            "engines": self.engines,
+            "cells": out_cells,
+            "growth_largest_over_smallest_n": growths,
+        }
+
+
+def _fmt_us(x: float) -> str:
+    return f"{x:.1f} us" if x >= 1 else f"{x:.2f} us"
+
+
+def render_markdown(run: Run) -> str:
+    """The side-by-side table, what each timed step includes, and the phase breakdown."""
+    sizes = run.sizes
+    lo, hi = (min(sizes), max(sizes)) if sizes else (0, 0)
+    load = " / ".join(f"{x:.2f}" for x in run.load_before)
+    load_after = " / ".join(f"{x:.2f}" for x in run.load_after)
+    lines = [
+        "# Scheduler step, side by side (`make bench-peers`)",
+        "",
+        f"Command: `{run.command}`. Started {run.started}; {run.cpus} CPUs; load average "
+        f"(1 / 5 / 15 min) {load} before, {load_after} after.",
+        "",
+        f"Decode-heavy workload: N running requests, block {W.BLOCK_SIZE}, prompts of "
+        f"{W.MIN_PROMPT}-{W.MAX_PROMPT} tokens, every request decoding; one step decodes one "
+        f"token for each. Median of {run.rounds} interleaved rounds ({run.warmup} warm-up "
+        "rounds discarded), per running request; in brackets the ratio to refserve on the "
+        "same configuration in this run.",
+        "",
+        "| engine | prefix caching | "
+        + " | ".join(f"N = {n}" for n in sizes)
+        + f" | growth N = {lo} to {hi} |",
+        "|---|---|" + "---|" * len(sizes) + "---|",
+    ]
+    for e, info in run.engines.items():
+        name = str(info.get("name") or e)
+        for caching in (False, True):
+            row = [name, "on" if caching else "off"]
+            for n in sizes:
+                cell = next(
+                    (c for c in run.cells if (c.engine, c.n, c.prefix_caching) == (e, n, caching)),
+                    None,
+                )
+                f = figure(run.cells, e, n, caching)
+                if f is None:
+                    row.append(f"n/a ({cell.status})" if cell is not None else "n/a")
+                    continue
+                r = ratio(run.cells, e, n, caching)
+                text = _fmt_us(f)
+                if e != BASELINE and r is not None:
+                    text += f" ({r:.1f}x)"
+                row.append(text)
+            g = growth(run.cells, e, caching, sizes)
+            row.append("n/a" if g is None else f"{g:.2f}x")
+            lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "What each engine's timed step includes:", ""]
+    for e, info in run.engines.items():
+        name = str(info.get("name") or e)
+        if info.get("error"):
+            lines.append(f"- {name}: **not measured**: {info['error']}")
+        else:
+            lines.append(f"- {name}: {info.get('includes', '')}")
+    missing = {
+        (str(run.engines.get(c.engine, {}).get("name") or c.engine), c.status, c.reason)
+        for c in run.cells
+        if c.status != "ok" and not run.engines.get(c.engine, {}).get("error")
+    }
+    if missing:
+        lines += ["", "Not measured:", ""]
+        lines += [f"- {name} ({status}): {reason}" for name, status, reason in sorted(missing)]
+    lines += [
+        "",
+        "Phases (median of each phase over the rounds, per running request; the medians "
+        "need not add up to the step's):",
+        "",
+        "| engine | prefix caching | N | phases |",
+        "|---|---|---|---|",
+    ]
+    rank = {e: i for i, e in enumerate(run.engines)}
+    for c in sorted(run.cells, key=lambda c: (rank.get(c.engine, 0), c.prefix_caching, c.n)):
+        if c.status != "ok" or not c.times_ns:
+            continue
+        info = run.engines.get(c.engine, {})
+        phases = info.get("phases", [])
+        parts = ", ".join(
+            f"{p} {_fmt_us(x)}" for p, x in zip(phases, phase_us(c.times_ns, c.n), strict=False)
+        )
+        lines.append(
+            f"| {info.get('name') or c.engine} | {'on' if c.prefix_caching else 'off'} | "
+            f"{c.n} | {parts} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------- the run
+def _load() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def run_peers(
+    engines: Sequence[str],
+    pythons: dict[str, str],
+    sizes: Sequence[int],
+    rounds: int,
+    warmup: int,
+    command: str,
+    log: IO[str] | None = None,
+) -> Run:
+    """Start one worker per engine, build every configuration, interleave the rounds."""
+    log = sys.stderr if log is None else log
+    shapes = W.shapes(tuple(sizes))
+    run = Run(
+        command=command,
+        sizes=list(sizes),
+        rounds=rounds,
+        warmup=warmup,
+        engines={},
+        cells=[],
+        started=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        load_before=_load(),
+        cpus=os.cpu_count() or 0,
+    )
+    workers: dict[str, Worker] = {}
+    try:
+        for e in engines:
+            spec = ENGINES[e]
+            w = Worker(spec, pythons[e])
+            info: dict[str, Any] = {"name": e, "python_path": pythons[e]}
+            run.engines[e] = info
+            try:
+                hello = w.start(SETUP_TIMEOUT)
+            except WorkerError as err:
+                info["error"] = str(err)
+                print(f"bench-peers: {e}: {err}", file=log)
+                w.stop()
+                for s in shapes:
+                    run.cells.append(Cell(e, s.n, s.prefix_caching, "error", str(err)))
+                continue
+            info.update(
+                name=hello.get("engine", e),
+                includes=hello.get("includes", ""),
+                phases=list(hello.get("phases", [])),
+                python=hello.get("python", ""),
+            )
+            workers[e] = w
+        for s in shapes:
+            _measure(s, workers, run, rounds, warmup, log)
+    finally:
+        for w in workers.values():
+            w.stop()
+        run.load_after = _load()
+    return run
+
+
+def _measure(
+    s: W.Shape, workers: dict[str, Worker], run: Run, rounds: int, warmup: int, log: IO[str]
+) -> None:
+    """One configuration: built in every worker, the rounds interleaved, then dropped (a
+    worker holds one configuration at a time, so no engine's heap carries the others)."""
+    cells: dict[str, Cell] = {}
+    for e, w in workers.items():
+        cell = Cell(e, s.n, s.prefix_caching)
+        cells[e] = cell
+        run.cells.append(cell)
+        print(f"bench-peers: {e}: building {s.key}", file=log)
+        _ask_into(cell, w, {"cmd": "setup", "n": s.n, "prefix_caching": s.prefix_caching})
+        if cell.status == "error":
+            print(f"bench-peers: {e}: {s.key}: {cell.reason}", file=log)
+    order = [e for e in workers if cells[e].status == "ok"]
+    for r in range(warmup + rounds if order else 0):
+        k = r % len(order)
+        for e in order[k:] + order[:k]:  # the engines' order rotates from round to round
+            cell = cells[e]
+            if cell.status != "ok":
+                continue
+            ans = _ask_into(cell, workers[e], {"cmd": "steps", "key": s.key, "steps": 1})
+            if cell.status == "error":
+                print(f"bench-peers: {e}: {s.key}: {cell.reason}", file=log)
+            elif r >= warmup and ans is not None:
+                cell.times_ns.extend(ans["times_ns"])
+    for e in order:
+        if cells[e].status == "ok":
+            _ask_into(cells[e], workers[e], {"cmd": "drop", "key": s.key})
+    if order:
+        print(f"bench-peers: {s.key}: {rounds} rounds done", file=log)
+
+
+def _ask_into(cell: Cell, w: Worker, msg: dict[str, Any]) -> dict[str, Any] | None:
+    """Ask the worker; an unsupported configuration or a failure is recorded in the cell."""
+    timeout = STEP_TIMEOUT if msg["cmd"] == "steps" else SETUP_TIMEOUT
+    try:
+        ans = w.ask(msg, timeout)
+    except WorkerError as err:
+        cell.status, cell.reason = "error", str(err)
+        return None
+    if ans.get("unsupported"):
+        cell.status, cell.reason = "unsupported", str(ans["unsupported"])
+        return None
+    if not ans.get("ok"):
+        cell.status, cell.reason = "error", str(ans.get("error", ans))
+        return None
+    if msg["cmd"] == "setup":
+        cell.setup_s = float(ans.get("setup_s", 0.0))
+    elif msg["cmd"] == "steps" and not isinstance(ans.get("times_ns"), list):
+        cell.status, cell.reason = "error", "answer without times_ns"
+        return None
+    return ans
+
+
+def default_python(spec: EngineSpec) -> str:
+    if spec.venv is None:
+        return sys.executable
+    return str(ROOT / spec.venv / "bin" / "python")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m conformance.bench.peers",
+        description="refserve, nano-vllm-fork and vLLM scheduler steps side by side.",
+    )
+    p.add_argument("--engines", nargs="+", choices=sorted(ENGINES), default=list(ENGINES))
+    p.add_argument("--sizes", nargs="+", type=int, default=list(W.SIZES), metavar="N")
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--python",
+        action="append",
+        default=[],
+        metavar="ENGINE=PATH",
+        help="the interpreter of an engine's worker (default: its venv's)",
+    )
+    p.add_argument("--json", type=Path, default=ROOT / "out" / "bench-peers.json")
+    p.add_argument("--markdown", type=Path, default=ROOT / "out" / "bench-peers.md")
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.warmup < 0 or any(n < 1 for n in args.sizes):
+        p.error("--rounds must be >= 1, --warmup >= 0 and every size >= 1")
+    pythons = {e: default_python(s) for e, s in ENGINES.items()}
+    for item in args.python:
+        e, sep, path = str(item).partition("=")
+        if not sep or e not in ENGINES or not path:
+            p.error(f"--python takes ENGINE=PATH with ENGINE one of {sorted(ENGINES)}")
+        pythons[e] = path
+    engines = list(dict.fromkeys(args.engines))
+    if BASELINE not in engines:
+        engines.insert(0, BASELINE)  # the ratios need refserve in the same run
+    command = "python -m conformance.bench.peers " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+    )
+    run = run_peers(engines, pythons, sorted(set(args.sizes)), args.rounds, args.warmup, command)
+    for path in (args.json, args.markdown):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(run.to_json(), indent=1) + "\n", encoding="utf-8")
+    md = render_markdown(run)
+    args.markdown.write_text(md, encoding="utf-8")
+    print(md)
+    failed = [c for c in run.cells if c.status == "error"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
