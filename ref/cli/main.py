@@ -121,6 +121,15 @@ def _parser() -> argparse.ArgumentParser:
     from ref.cli.generate import add_generate_parser
 
     add_generate_parser(sub)
+    from ref.cli.serve import add_serve_parser
+
+    add_serve_parser(sub)
+    from ref.cli.conformance_http import add_conformance_http_parser
+
+    add_conformance_http_parser(sub)
+    from ref.cli.bench_serve import add_bench_serve_parser
+
+    add_bench_serve_parser(sub)
 
     # Listed for --help; main() hands their arguments over before this parser runs.
     ck = sub.add_parser("check-kernel", help="run the kernel grid against the dense oracle")

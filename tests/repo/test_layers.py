@@ -26,8 +26,9 @@ REF_LAYERS: dict[str, int] = {
     "ref.model": 4,
     "ref.sim": 4,
     "ref.engine": 5,
-    "ref.report": 6,
-    "ref.cli": 7,
+    "ref.serve": 6,
+    "ref.report": 7,
+    "ref.cli": 8,
 }
 # The top-level packages each may import (besides itself and third-party code).
 PACKAGE_MAY_IMPORT: dict[str, set[str]] = {

@@ -1,0 +1,2 @@
+"""The OpenAI-compatible HTTP server over the engine (``refserve serve``) and the
+HTTP load generator (``refserve bench-serve``). Above ``ref.engine``, below ``ref.cli``."""

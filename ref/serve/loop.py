@@ -1,0 +1,328 @@
+"""The engine in its own thread, and the hand-off between it and the asyncio side.
+
+:class:`LLMEngine` is single-threaded and stepped by its caller. The server gives it one
+thread of its own (:class:`EngineLoop`) that owns it outright: every touch of the engine
+(adding a request, aborting one, reading the pool) is a command the thread runs between
+two steps, so nothing else ever sees the engine mid-step and no lock is held across a
+forward. The asyncio side never waits on a model step: it enqueues a command and awaits
+a future, and each output reaches the request's :class:`asyncio.Queue` through
+``loop.call_soon_threadsafe``. While requests are runnable the thread steps back to back,
+draining the command queue without blocking between steps; when none is, it blocks on the
+command queue.
+
+Per-step timings (:class:`StepTiming`) are kept in a bounded ring: the gap between the
+end of one step and the start of the next, when the engine had work throughout, is the
+loop's overhead (commands, output hand-off, the GIL shared with the HTTP side): the
+overlap figure of issue 15. The ring is also what ``GET /debug/steps`` shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from ref.engine.llm_engine import LLMEngine, RequestOutput
+from ref.errors import RefserveError, UnknownRequest
+from ref.model.sampler import SamplingParams
+from ref.serve.metrics import ServerMetrics
+
+T = TypeVar("T")
+
+log = logging.getLogger("refserve.serve")
+
+#: How many step timings the ring keeps (a few minutes of steps at a few ms each).
+STEP_RING = 20_000
+#: How long an idle engine thread blocks on the command queue before it looks at its
+#: stop flag again.
+IDLE_POLL_S = 0.05
+
+
+class ServerDraining(RefserveError):
+    """The server is shutting down and admits no new request."""
+
+
+class EngineFailed(RefserveError):
+    """A step raised: the request was aborted (the error is in the message)."""
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One engine step as the loop saw it (``perf_counter`` seconds).
+
+    ``gap_ms`` is the time since the previous step ended, set only when the loop went
+    from that step to this one without idling (work was waiting all along).
+    """
+
+    index: int
+    start_s: float
+    end_s: float
+    num_prefill_tokens: int
+    num_decodes: int
+    num_outputs: int
+    gap_ms: float | None
+
+
+@dataclass
+class _Sink:
+    """Where one request's outputs go: its asyncio queue, in the server's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    n: int
+    finished: int = 0
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop closed: nobody listens
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass(frozen=True)
+class Submission:
+    """An admitted request: its id and the queue its outputs arrive on."""
+
+    request_id: str
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    n: int
+
+
+class EngineLoop:
+    """Owns an :class:`LLMEngine` in a dedicated thread (module doc)."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: ServerMetrics | None = None,
+        *,
+        torch_threads: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.torch_threads = torch_threads
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}
+        self._stop = threading.Event()
+        self._admitting = True
+        self._thread = threading.Thread(target=self._run, name="refserve-engine", daemon=True)
+        self.timings: deque[StepTiming] = deque(maxlen=STEP_RING)
+        self._step_index = 0
+        self.failure: BaseException | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sinks)
+
+    def stop_admitting(self) -> None:
+        self._admitting = False
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Stop admitting, let in-flight requests finish for up to ``timeout_s``, abort the
+        rest (their clients get ``finish_reason`` ``abort``), and stop the thread."""
+        self.stop_admitting()
+        deadline = time.monotonic() + timeout_s
+        while self._sinks and self.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self.alive:
+            done = self.run_sync(self._abort_all)
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                done.result(timeout=5.0)
+            # Let the aborts' final outputs go out (the next step delivers them).
+            end = time.monotonic() + 2.0
+            while self._sinks and self.alive and time.monotonic() < end:
+                time.sleep(0.01)
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+
+    # ------------------------------------------------------------------ commands
+    def run_sync(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on the engine thread between two steps; its result as a future."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def command() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # handed to the awaiting side, never lost
+                fut.set_exception(e)
+
+        if self._stop.is_set() or not self.alive:
+            fut.set_exception(ServerDraining("the engine loop is stopped"))
+            return fut
+        self._commands.put(command)
+        return fut
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """:meth:`run_sync` awaited from the event loop."""
+        return await asyncio.wrap_future(self.run_sync(fn))
+
+    async def submit(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+    ) -> Submission:
+        """Add a request on the engine thread; raise its typed error (bad params, a prompt
+        too long, a full queue) if the engine refuses it. Nothing running is affected."""
+        if not self._admitting:
+            raise ServerDraining("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        sink = _Sink(loop, q, params.n)
+
+        def add() -> str:
+            if not self._admitting:
+                raise ServerDraining("the server is shutting down")
+            rid = self.engine.add_request(list(prompt), params, request_id=request_id)
+            self._sinks[rid] = sink  # before any step: no output can be missed
+            return rid
+
+        rid = await self.call(add)
+        return Submission(rid, q, params.n)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request if it is still live (a client went away); non-blocking."""
+
+        def command() -> None:
+            with contextlib.suppress(UnknownRequest):
+                self.engine.abort(request_id)
+
+        if self.alive:
+            self._commands.put(command)
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        prev_end: float | None = None
+        # torch's intra-op thread count is process-wide: set for the loop's life, then put
+        # back (a server started inside a test process must not change its neighbours).
+        # Why fewer threads than cores: torch's OpenMP workers spin while they wait, and
+        # with every core taken the HTTP thread starved (a 300-token stream went from 1 s
+        # to 26 s on a loaded 2-core machine).
+        threads_before = torch.get_num_threads()
+        if self.torch_threads is not None:
+            torch.set_num_threads(self.torch_threads)
+        try:
+            while not self._stop.is_set():
+                idled = self._run_commands(block=not self.engine.has_runnable)
+                if idled:
+                    prev_end = None
+                if not self.engine.has_runnable:
+                    continue
+                prev_end = self._one_step(prev_end)
+        except BaseException as e:  # the loop itself broke: fail every request loudly
+            log.exception("engine loop failed")
+            self.failure = e
+            self._fail_all(EngineFailed(f"engine loop failed: {type(e).__name__}: {e}"))
+            raise
+        finally:
+            torch.set_num_threads(threads_before)
+
+    def _run_commands(self, *, block: bool) -> bool:
+        """Run the queued commands; with ``block``, wait for one first. True when the
+        loop idled (waited for a command)."""
+        idled = False
+        if block:
+            idled = True
+            try:
+                self._commands.get(timeout=IDLE_POLL_S)()
+            except queue.Empty:
+                return True
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return idled
+            command()
+
+    def _one_step(self, prev_end: float | None) -> float:
+        start = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # A failed step was rolled back (ref/core/engine_core.py); its requests cannot
+            # be trusted to make progress, so they end, with the reason, and the loop goes on.
+            log.exception("engine step failed")
+            live = list(self._sinks)
+            self._fail_all(EngineFailed(f"engine step failed: {type(e).__name__}: {e}"))
+            self._abort_all(live)
+            return time.perf_counter()
+        end = time.perf_counter()
+        records = self.engine.steps
+        record = records[-1] if records else None
+        # The engine keeps every StepRecord for in-process callers; a server runs for days.
+        records.clear()
+        self.timings.append(
+            StepTiming(
+                index=self._step_index,
+                start_s=start,
+                end_s=end,
+                num_prefill_tokens=record.num_prefill_tokens if record else 0,
+                num_decodes=record.num_decodes if record else 0,
+                num_outputs=len(outputs),
+                gap_ms=None if prev_end is None else (start - prev_end) * 1e3,
+            )
+        )
+        self._step_index += 1
+        self._dispatch(outputs)
+        if self.metrics is not None:
+            self.metrics.after_step(self.engine, outputs)
+        return time.perf_counter()
+
+    def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
+        for o in outputs:
+            sink = self._sinks.get(o.request_id)
+            if sink is None:
+                continue
+            sink.put(o)
+            if o.finished:
+                sink.finished += 1
+                if sink.finished >= sink.n:
+                    del self._sinks[o.request_id]
+
+    def _abort_all(self, request_ids: Sequence[str] | None = None) -> None:
+        for rid in list(self._sinks) if request_ids is None else request_ids:
+            with contextlib.suppress(UnknownRequest):
+                self.engine.abort(rid)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for sink in self._sinks.values():
+            sink.put(error)
+        self._sinks.clear()
+
+
+def gap_summary(timings: Sequence[StepTiming]) -> dict[str, float | int]:
+    """Percentiles (ms) of the gaps between back-to-back steps, and the step times."""
+    gaps = sorted(t.gap_ms for t in timings if t.gap_ms is not None)
+    steps = sorted((t.end_s - t.start_s) * 1e3 for t in timings)
+
+    def pct(xs: list[float], q: float) -> float:
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+    return {
+        "num_steps": len(timings),
+        "num_gaps": len(gaps),
+        "gap_p50_ms": pct(gaps, 0.5),
+        "gap_p99_ms": pct(gaps, 0.99),
+        "gap_mean_ms": sum(gaps) / len(gaps) if gaps else float("nan"),
+        "step_p50_ms": pct(steps, 0.5),
+        "step_mean_ms": sum(steps) / len(steps) if steps else float("nan"),
+    }
