@@ -71,7 +71,9 @@ def hanging() -> Iterator[str]:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    deadline = time.monotonic() + 30.0
     while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the hanging server did not start"
         time.sleep(0.01)
     yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     server.should_exit = True
