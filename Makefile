@@ -99,8 +99,16 @@ conformance-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/refserve conformance --adapter conformance.adapters.vllm:make \
 		--report out/vllm.json --markdown out/vllm.md
 
+# The pytest-benchmark suites; then refserve's full CPU step, the bulk path (persistent
+# batch) against the reference loop, each in its own worker process, rounds interleaved,
+# prefix caching off and on (out/bench-step.md); then the Python heap per running
+# request (out/bench-memory.md). Code: conformance/bench/.
 bench: $(STAMP)
 	$(PY) -m pytest tests/bench --benchmark-only --benchmark-columns=min,median,mean,rounds -p no:cacheprovider
+	mkdir -p out
+	$(PY) -m conformance.bench.peers --engines ref ref-loop --only steps \
+		--json out/bench-step.json --markdown out/bench-step.md
+	$(PY) -m conformance.bench.memory --json out/bench-memory.json --markdown out/bench-memory.md
 
 # refserve, nano-vllm-fork and vLLM scheduler steps side by side through the adapters'
 # engines (conformance/bench/; not in `make test`): one worker per engine in its own venv

@@ -10,6 +10,7 @@ used on purpose: Python's ``hash()`` is salted per process and collides easily.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -52,8 +53,14 @@ def block_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
     """
     # Token ids are packed as signed 64-bit little-endian so the key does not depend on
     # how a tokenizer's ids happen to print.
-    packed = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    packed = _packer(len(token_ids)).pack(*token_ids)
     return hashlib.sha256(parent_key + packed).digest()
+
+
+@functools.lru_cache(maxsize=64)
+def _packer(n: int) -> struct.Struct:
+    # A block is hashed every block_size decode steps per request: parse the format once.
+    return struct.Struct(f"<{n}q")
 
 
 def chain_keys(

@@ -16,6 +16,14 @@ per running request); its ratio is that median over refserve's for the same
 configuration in the same run, and its growth is the figure at the largest N over the
 figure at the smallest.
 
+The block-pool part (``--only pool`` runs it alone) times each engine's block pool by
+itself: a round allocates ``POOL_K`` = 32 fresh blocks for a new request and frees them,
+with prefix caching off and on (on: every full block hashed, sha256 over the same 160
+bytes in both engines, and indexed; every pop evicts a cached block), plus vLLM with its
+own hashing. Rounds interleave as for the steps (``POOL_REPS`` timed rounds per message);
+a cell's figure is the median over all its rounds per block, its ratio that over
+refserve's with caching as configured, in the same run.
+
 A missing venv, an engine that cannot be imported, a worker that dies or hangs are
 reported in the table and on stderr in one line each (exit 1), never as a traceback;
 the other engines' figures are still written.
@@ -53,10 +61,16 @@ class EngineSpec:
     """The venv directory under the repository root (None: this interpreter)."""
     build: str
     """How to build that venv."""
+    args: tuple[str, ...] = ()
+    """Arguments for the worker module."""
 
 
 ENGINES: dict[str, EngineSpec] = {
     "ref": EngineSpec("ref", "conformance.bench.ref_worker", None, "make venv"),
+    # refserve's own baseline: the same worker on the per-request reference loop.
+    "ref-loop": EngineSpec(
+        "ref-loop", "conformance.bench.ref_worker", None, "make venv", ("--reference-loop",)
+    ),
     "nanovllm": EngineSpec(
         "nanovllm",
         "conformance.bench.nanovllm_worker",
@@ -99,7 +113,7 @@ class Worker:
         )
         try:
             self.proc = subprocess.Popen(
-                [self.python, "-m", self.spec.module],
+                [self.python, "-m", self.spec.module, *self.spec.args],
                 cwd=ROOT,
                 env=env,
                 stdin=subprocess.PIPE,
@@ -195,6 +209,45 @@ class Cell:
         return W.Shape(self.n, self.prefix_caching).key
 
 
+@dataclass
+class PoolCell(Cell):
+    """One engine's block pool on one configuration; ``n`` is ``POOL_K`` (blocks per
+    round), so :func:`per_request_us` of its rounds is microseconds per block."""
+
+    hashing: str = "same"
+    """``same`` (refserve's block_key in both engines) or ``native`` (vLLM's own)."""
+
+    @property
+    def key(self) -> str:
+        return W.pool_key(self.prefix_caching, self.hashing)
+
+
+POOL_CONFIGS: tuple[tuple[bool, str], ...] = ((False, "same"), (True, "same"), (True, "native"))
+"""(prefix caching, hashing) of each block-pool configuration, in table order."""
+
+
+def pool_figure(
+    cells: Sequence[PoolCell], engine: str, caching: bool, hashing: str
+) -> float | None:
+    """The engine's us per block on that pool configuration (None: not measured)."""
+    for c in cells:
+        if (c.engine, c.prefix_caching, c.hashing) == (engine, caching, hashing):
+            if c.status == "ok" and c.times_ns:
+                return per_request_us(c.times_ns, c.n)
+            return None
+    return None
+
+
+def pool_ratio(cells: Sequence[PoolCell], engine: str, caching: bool, hashing: str) -> float | None:
+    """The engine's figure over refserve's with the same prefix caching (refserve has one
+    hashing, so vLLM's native hashing is set against it too)."""
+    mine = pool_figure(cells, engine, caching, hashing)
+    base = pool_figure(cells, BASELINE, caching, "same")
+    if mine is None or base is None or base <= 0:
+        return None
+    return mine / base
+
+
 def per_request_us(times_ns: Sequence[Sequence[int]], n: int) -> float:
     """The median over rounds of one step's time (its phases summed) per request, in us."""
     if not times_ns:
@@ -254,6 +307,8 @@ class Run:
     load_before: list[float] = field(default_factory=list)
     load_after: list[float] = field(default_factory=list)
     cpus: int = 0
+    pool_cells: list[PoolCell] = field(default_factory=list)
+    parts: tuple[str, ...] = ("steps", "pool")
 
     def to_json(self) -> dict[str, Any]:
         out_cells = []
@@ -303,6 +358,34 @@ class Run:
             "engines": self.engines,
             "cells": out_cells,
             "growth_largest_over_smallest_n": growths,
+            "parts": list(self.parts),
+            "pool": self._pool_json(),
+        }
+
+    def _pool_json(self) -> dict[str, Any]:
+        cells = []
+        for c in self.pool_cells:
+            d: dict[str, Any] = {
+                "engine": c.engine,
+                "prefix_caching": c.prefix_caching,
+                "hashing": c.hashing,
+                "status": c.status,
+            }
+            if c.reason:
+                d["reason"] = c.reason
+            if c.status == "ok" and c.times_ns:
+                d["us_per_block"] = round(per_request_us(c.times_ns, c.n), 4)
+                r = pool_ratio(self.pool_cells, c.engine, c.prefix_caching, c.hashing)
+                d["ratio_to_refserve"] = None if r is None else round(r, 3)
+                d["setup_s"] = c.setup_s
+                d["rounds_ns"] = [t[0] for t in c.times_ns]
+            cells.append(d)
+        return {
+            "blocks": W.POOL_BLOCKS,
+            "blocks_per_round": W.POOL_K,
+            "block_size": W.BLOCK_SIZE,
+            "timed_rounds_per_message": W.POOL_REPS,
+            "cells": cells,
         }
 
 
@@ -312,15 +395,87 @@ def _fmt_us(x: float) -> str:
 
 def render_markdown(run: Run) -> str:
     """The side-by-side table, what each timed step includes, and the phase breakdown."""
-    sizes = run.sizes
-    lo, hi = (min(sizes), max(sizes)) if sizes else (0, 0)
     load = " / ".join(f"{x:.2f}" for x in run.load_before)
     load_after = " / ".join(f"{x:.2f}" for x in run.load_after)
-    lines = [
-        "# Scheduler step, side by side (`make bench-peers`)",
+    head = [
+        "# Scheduler step and block pool, side by side (`make bench-peers`)",
         "",
         f"Command: `{run.command}`. Started {run.started}; {run.cpus} CPUs; load average "
         f"(1 / 5 / 15 min) {load} before, {load_after} after.",
+        "",
+    ]
+    steps = _render_steps(run) if "steps" in run.parts else []
+    pool = _render_pool(run) if "pool" in run.parts else []
+    return "\n".join(head + steps + pool) + "\n"
+
+
+def _render_pool(run: Run) -> list[str]:
+    """The block-pool table: us per block, ratio to refserve, what each round includes."""
+    lines = [
+        "## Block pool (allocate + free)",
+        "",
+        f"Each engine's block pool alone, {W.POOL_BLOCKS} blocks of {W.BLOCK_SIZE}: a round "
+        f"allocates {W.POOL_K} fresh blocks for a new request and frees them; with prefix "
+        "caching every free block is cached beforehand, so every pop evicts, and each "
+        "round hashes and indexes its full blocks. Median over all rounds (interleaved, "
+        f"{W.POOL_REPS} per message, {run.rounds} messages per engine after {run.warmup} "
+        "warm-up), per block; in brackets the ratio to refserve with the same prefix "
+        "caching in this run.",
+        "",
+        "| engine | no prefix caching | prefix caching, same hashing | "
+        "prefix caching, engine's own hashing |",
+        "|---|---|---|---|",
+    ]
+    for e, info in run.engines.items():
+        row = [str(info.get("name") or e)]
+        for caching, hashing in POOL_CONFIGS:
+            if e == BASELINE and hashing == "native":
+                row.append("(same as its own)")
+                continue
+            cell = next(
+                (
+                    c
+                    for c in run.pool_cells
+                    if (c.engine, c.prefix_caching, c.hashing) == (e, caching, hashing)
+                ),
+                None,
+            )
+            f = pool_figure(run.pool_cells, e, caching, hashing)
+            if f is None:
+                row.append(f"n/a ({cell.status})" if cell is not None else "n/a")
+                continue
+            r = pool_ratio(run.pool_cells, e, caching, hashing)
+            text = f"{f:.3f} us"
+            if e != BASELINE and r is not None:
+                text += f" ({r:.2f}x)"
+            row.append(text)
+        lines.append("| " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "Hashing: *same* is `spec.hashing.block_key` in both engines, sha256 over the parent "
+        "key (32 bytes) and the block's 16 token ids as int64 (128 bytes); vLLM's *own* is "
+        "`hash_block_tokens(sha256, ...)`, sha256 over the pickle of (parent hash, token "
+        "tuple, None).",
+        "",
+        "What each engine's pool round includes:",
+        "",
+    ]
+    for e, info in run.engines.items():
+        name = str(info.get("name") or e)
+        if info.get("error"):
+            lines.append(f"- {name}: **not measured**: {info['error']}")
+        else:
+            lines.append(f"- {name}: {info.get('pool_includes') or 'no block-pool benchmark'}")
+    lines.append("")
+    return lines
+
+
+def _render_steps(run: Run) -> list[str]:
+    """The scheduler-step table, what each step includes, and the phase breakdown."""
+    sizes = run.sizes
+    lo, hi = (min(sizes), max(sizes)) if sizes else (0, 0)
+    lines = [
+        "## Scheduler step",
         "",
         f"Decode-heavy workload: N running requests, block {W.BLOCK_SIZE}, prompts of "
         f"{W.MIN_PROMPT}-{W.MAX_PROMPT} tokens, every request decoding; one step decodes one "
@@ -390,7 +545,8 @@ def render_markdown(run: Run) -> str:
             f"| {info.get('name') or c.engine} | {'on' if c.prefix_caching else 'off'} | "
             f"{c.n} | {parts} |"
         )
-    return "\n".join(lines) + "\n"
+    lines.append("")
+    return lines
 
 
 # --------------------------------------------------------------------- the run
@@ -409,10 +565,11 @@ def run_peers(
     warmup: int,
     command: str,
     log: IO[str] | None = None,
+    parts: Sequence[str] = ("steps", "pool"),
 ) -> Run:
     """Start one worker per engine, build every configuration, interleave the rounds."""
     log = sys.stderr if log is None else log
-    shapes = W.shapes(tuple(sizes))
+    shapes = W.shapes(tuple(sizes)) if "steps" in parts else []
     run = Run(
         command=command,
         sizes=list(sizes),
@@ -423,7 +580,9 @@ def run_peers(
         started=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         load_before=_load(),
         cpus=os.cpu_count() or 0,
+        parts=tuple(parts),
     )
+    pool_configs = POOL_CONFIGS if "pool" in parts else ()
     workers: dict[str, Worker] = {}
     try:
         for e in engines:
@@ -439,14 +598,23 @@ def run_peers(
                 w.stop()
                 for s in shapes:
                     run.cells.append(Cell(e, s.n, s.prefix_caching, "error", str(err)))
+                for caching, hashing in pool_configs:
+                    run.pool_cells.append(
+                        PoolCell(e, W.POOL_K, caching, "error", str(err), hashing=hashing)
+                    )
                 continue
             info.update(
                 name=hello.get("engine", e),
                 includes=hello.get("includes", ""),
                 phases=list(hello.get("phases", [])),
                 python=hello.get("python", ""),
+                pool_includes=hello.get("pool_includes", ""),
             )
             workers[e] = w
+        # The pool first, on fresh workers: measured after the steps, vLLM's pool took
+        # 0.71 us per block in one run against 0.46 us in a pool-only run.
+        for caching, hashing in pool_configs:
+            _measure_pool(caching, hashing, workers, run, rounds, warmup, log)
         for s in shapes:
             _measure(s, workers, run, rounds, warmup, log)
     finally:
@@ -489,9 +657,50 @@ def _measure(
         print(f"bench-peers: {s.key}: {rounds} rounds done", file=log)
 
 
+def _measure_pool(
+    caching: bool,
+    hashing: str,
+    workers: dict[str, Worker],
+    run: Run,
+    rounds: int,
+    warmup: int,
+    log: IO[str],
+) -> None:
+    """One block-pool configuration, as :func:`_measure` does a step configuration."""
+    key = W.pool_key(caching, hashing)
+    cells: dict[str, PoolCell] = {}
+    for e, w in workers.items():
+        cell = PoolCell(e, W.POOL_K, caching, hashing=hashing)
+        cells[e] = cell
+        run.pool_cells.append(cell)
+        setup = {"cmd": "pool_setup", "prefix_caching": caching, "hashing": hashing}
+        _ask_into(cell, w, setup)
+        if cell.status == "error":
+            print(f"bench-peers: {e}: {key}: {cell.reason}", file=log)
+    order = [e for e in workers if cells[e].status == "ok"]
+    for r in range(warmup + rounds if order else 0):
+        k = r % len(order)
+        for e in order[k:] + order[:k]:
+            cell = cells[e]
+            if cell.status != "ok":
+                continue
+            msg = {"cmd": "pool_rounds", "key": key, "rounds": W.POOL_REPS}
+            ans = _ask_into(cell, workers[e], msg)
+            if cell.status == "error":
+                print(f"bench-peers: {e}: {key}: {cell.reason}", file=log)
+            elif r >= warmup and ans is not None:
+                cell.times_ns.extend(ans["times_ns"])
+    for e in order:
+        if cells[e].status == "ok":
+            _ask_into(cells[e], workers[e], {"cmd": "drop", "key": key})
+    if order:
+        print(f"bench-peers: {key}: {rounds} rounds done", file=log)
+
+
 def _ask_into(cell: Cell, w: Worker, msg: dict[str, Any]) -> dict[str, Any] | None:
     """Ask the worker; an unsupported configuration or a failure is recorded in the cell."""
-    timeout = STEP_TIMEOUT if msg["cmd"] == "steps" else SETUP_TIMEOUT
+    timed = msg["cmd"] in ("steps", "pool_rounds")
+    timeout = STEP_TIMEOUT if timed else SETUP_TIMEOUT
     try:
         ans = w.ask(msg, timeout)
     except WorkerError as err:
@@ -505,7 +714,7 @@ def _ask_into(cell: Cell, w: Worker, msg: dict[str, Any]) -> dict[str, Any] | No
         return None
     if msg["cmd"] == "setup":
         cell.setup_s = float(ans.get("setup_s", 0.0))
-    elif msg["cmd"] == "steps" and not isinstance(ans.get("times_ns"), list):
+    elif timed and not isinstance(ans.get("times_ns"), list):
         cell.status, cell.reason = "error", "answer without times_ns"
         return None
     return ans
@@ -522,10 +731,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m conformance.bench.peers",
         description="refserve, nano-vllm-fork and vLLM scheduler steps side by side.",
     )
-    p.add_argument("--engines", nargs="+", choices=sorted(ENGINES), default=list(ENGINES))
+    p.add_argument(
+        "--engines",
+        nargs="+",
+        choices=sorted(ENGINES),
+        default=["ref", "nanovllm", "vllm"],
+        help="ref-loop (refserve on its reference loop) is refserve's own baseline, used by "
+        "`make bench`",
+    )
     p.add_argument("--sizes", nargs="+", type=int, default=list(W.SIZES), metavar="N")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--only",
+        choices=("steps", "pool"),
+        help="run only the scheduler steps or only the block pool (default: both)",
+    )
     p.add_argument(
         "--python",
         action="append",
@@ -550,14 +771,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m conformance.bench.peers " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
     )
-    run = run_peers(engines, pythons, sorted(set(args.sizes)), args.rounds, args.warmup, command)
+    parts = (args.only,) if args.only else ("steps", "pool")
+    run = run_peers(
+        engines, pythons, sorted(set(args.sizes)), args.rounds, args.warmup, command, parts=parts
+    )
     for path in (args.json, args.markdown):
         path.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(run.to_json(), indent=1) + "\n", encoding="utf-8")
     md = render_markdown(run)
     args.markdown.write_text(md, encoding="utf-8")
     print(md)
-    failed = [c for c in run.cells if c.status == "error"]
+    failed = [c for c in [*run.cells, *run.pool_cells] if c.status == "error"]
     return 1 if failed else 0
 
 

@@ -12,6 +12,12 @@ protocol. Messages:
   "unsupported": WHY}`` for a configuration the engine does not have;
 * ``{"cmd": "steps", "key": KEY, "steps": K}``: K timed decode steps;
   ``{"ok": true, "times_ns": [[phase ns, ...], ...]}``;
+* ``{"cmd": "pool_setup", "prefix_caching": B, "hashing": H}``: build the engine's block
+  pool alone (``POOL_BLOCKS`` blocks; with caching, every free block cached first);
+  ``{"ok": true, "setup_s": S}``, or ``unsupported``;
+* ``{"cmd": "pool_rounds", "key": KEY, "rounds": R}``: R timed rounds, each allocating
+  ``POOL_K`` fresh blocks (with caching: hashing and indexing each full block) and freeing
+  them; ``{"ok": true, "times_ns": [[ns], ...]}``;
 * ``{"cmd": "drop", "key": KEY}``: forget that configuration (then a full collection);
 * ``{"cmd": "quit"}``.
 
@@ -29,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, TextIO
 
-from conformance.bench.workload import Shape
+from conformance.bench.workload import Shape, pool_key
 from conformance.guard import describe
 
 
@@ -64,6 +70,24 @@ class BenchEngine(Protocol):
         ...
 
 
+class PoolBench(Protocol):
+    """An engine's block pool alone (optional: a worker without it answers unsupported)."""
+
+    @property
+    def pool_includes(self) -> str:
+        """Exactly what one timed pool round includes, in words."""
+        ...
+
+    def pool_setup(self, prefix_caching: bool, hashing: str) -> object:
+        """A fresh pool of ``POOL_BLOCKS`` blocks (untimed); raises :class:`Unsupported`
+        for a hashing the engine does not have."""
+        ...
+
+    def pool_round(self, state: object) -> int:
+        """Allocate ``POOL_K`` fresh blocks and free them; nanoseconds."""
+        ...
+
+
 def _send(out: TextIO, msg: dict[str, Any]) -> None:
     out.write(json.dumps(msg) + "\n")
     out.flush()
@@ -84,6 +108,15 @@ def handle(engine: BenchEngine, states: dict[str, object], msg: dict[str, Any]) 
             state = states[str(msg["key"])]
             times = [list(engine.step(state)) for _ in range(int(msg["steps"]))]
             return {"ok": True, "times_ns": times}
+        if cmd == "pool_setup":
+            return _pool_setup(engine, states, msg)
+        if cmd == "pool_rounds":
+            pool_state = states[str(msg["key"])]
+            bench = _pool_bench(engine)
+            return {
+                "ok": True,
+                "times_ns": [[bench.pool_round(pool_state)] for _ in range(int(msg["rounds"]))],
+            }
         if cmd == "drop":
             states.pop(str(msg["key"]), None)
             gc.collect()
@@ -93,6 +126,24 @@ def handle(engine: BenchEngine, states: dict[str, object], msg: dict[str, Any]) 
         return {"ok": False, "unsupported": str(e)}
     except Exception as e:  # the engine's own failure is an answer, not a crash
         return {"ok": False, "error": describe(e)}
+
+
+def _pool_bench(engine: BenchEngine) -> PoolBench:
+    if not hasattr(engine, "pool_round"):
+        raise Unsupported("this worker has no block-pool benchmark")
+    return engine  # type: ignore[return-value]  # checked just above
+
+
+def _pool_setup(
+    engine: BenchEngine, states: dict[str, object], msg: dict[str, Any]
+) -> dict[str, Any]:
+    bench = _pool_bench(engine)
+    caching, hashing = bool(msg["prefix_caching"]), str(msg["hashing"])
+    t0 = time.perf_counter()
+    states[pool_key(caching, hashing)] = bench.pool_setup(caching, hashing)
+    setup_s = round(time.perf_counter() - t0, 3)
+    gc.collect()
+    return {"ok": True, "setup_s": setup_s}
 
 
 def serve(make_engine: Callable[[], BenchEngine]) -> int:
@@ -107,6 +158,7 @@ def serve(make_engine: Callable[[], BenchEngine]) -> int:
             "engine": engine.name,
             "includes": engine.includes,
             "phases": list(engine.phases),
+            "pool_includes": str(getattr(engine, "pool_includes", "")),
             "python": sys.version.split()[0],
         }
     except Exception as e:  # ImportError of the engine, a wrong version...

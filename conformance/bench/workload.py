@@ -66,3 +66,31 @@ def request_id(i: int) -> str:
 def shapes(sizes: tuple[int, ...] = SIZES) -> list[Shape]:
     """Every configuration: each N with prefix caching off, then on."""
     return [Shape(n, caching) for n in sizes for caching in (False, True)]
+
+
+# ------------------------------------------------------------------ the block pool
+POOL_BLOCKS = 4096
+"""Blocks in each engine's pool for the block-pool measurement."""
+POOL_K = 32
+"""Fresh blocks allocated (then freed) per timed round."""
+POOL_REPS = 100
+"""Timed rounds per message, so one message's protocol cost is spread over many."""
+
+
+def pool_key(prefix_caching: bool, hashing: str) -> str:
+    """The configuration key of a block-pool cell (``hashing``: ``same`` or ``native``)."""
+    return f"pool-{'cache' if prefix_caching else 'nocache'}-{hashing}"
+
+
+def pool_tokens(round_index: int) -> list[int]:
+    """Round ``round_index``'s token ids: ``POOL_K`` full blocks no other round shares, so
+    no round finds another's blocks in the prefix cache."""
+    n = POOL_K * BLOCK_SIZE
+    start = 1 + round_index * n
+    return list(range(start, start + n))
+
+
+def pool_warm_tokens(num_blocks: int) -> list[int]:
+    """Token ids that fill ``num_blocks`` blocks before the rounds, with prefix caching on,
+    so every free block is cached and each pop of a round evicts (negative: no round's)."""
+    return list(range(-1, -(num_blocks * BLOCK_SIZE) - 1, -1))

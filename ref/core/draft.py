@@ -25,7 +25,9 @@ class StepDraft:
     reserve: int  # tokens decodes leave to a starving prefill
     finished: list[PlannedFinish]  # timed out, or can never fit (capacity)
     was_running: int = field(init=False)  # running requests when the step began
-    scheduled: set[str] = field(default_factory=set)  # running requests given tokens
+    # Running requests given tokens: the bulk decodes, then the others one by one.
+    bulk_ids: list[str] = field(default_factory=list)
+    scheduled: set[str] = field(default_factory=set)
     decoded: list[Request] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     admitted: list[str] = field(default_factory=list)
@@ -37,8 +39,21 @@ class StepDraft:
     swapped_in: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)  # paused turns whose KV was released
 
+    _bulk_set: set[str] | None = field(default=None, init=False)
+
     def __post_init__(self) -> None:
         self.was_running = len(self.running)
+
+    def is_scheduled(self, request_id: str) -> bool:
+        if request_id in self.scheduled:
+            return True
+        if self.bulk_ids and self._bulk_set is None:
+            # Built only when a later stage asks (a victim search after bulk decodes).
+            self._bulk_set = set(self.bulk_ids)
+        return self._bulk_set is not None and request_id in self._bulk_set
+
+    def any_scheduled(self) -> bool:
+        return bool(self.scheduled or self.bulk_ids)
 
     def build(self) -> StepPlan:
         return self.plan.build(

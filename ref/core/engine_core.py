@@ -189,7 +189,8 @@ class EngineCore:
     def _inputs(self, plan: StepPlan) -> ModelInputs | None:
         if not (self.executor.needs_inputs or self.check_invariants):
             return None
-        return build_inputs(plan, self.scheduler.requests, self.scheduler.pool)
+        sched = self.scheduler
+        return build_inputs(plan, sched.requests, sched.pool, sched.batch)
 
     def _check(self, plan: StepPlan, inputs: ModelInputs, before: EngineSnapshot) -> None:
         sched = self.scheduler

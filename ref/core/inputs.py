@@ -13,8 +13,10 @@ from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from ref.core.batch import DecodeRows, PersistentBatch
 from ref.core.plan import StepPlan
 from ref.core.request import Request
 from ref.kv import BlockPool
@@ -35,11 +37,22 @@ class ModelInputs:
     sample_request_ids: tuple[str, ...]
 
 
-def build_inputs(plan: StepPlan, requests: Mapping[str, Request], pool: BlockPool) -> ModelInputs:
+def build_inputs(
+    plan: StepPlan,
+    requests: Mapping[str, Request],
+    pool: BlockPool,
+    batch: PersistentBatch | None = None,
+) -> ModelInputs:
+    """The executor's inputs for ``plan``. A step of bulk decodes only is read from the
+    ``batch`` arrays (:func:`decode_inputs`); any other step from the requests and the
+    pool's tables. Both give equal tensors (tests/scheduler/test_fast_path.py)."""
+    rows = plan.decode_rows
+    if batch is not None and rows is not None and len(rows.slots) == len(plan.request_ids):
+        return decode_inputs(plan, rows, batch)
     ids = plan.request_ids
     num_seqs = len(ids)
-    starts = torch.tensor(plan.starts, dtype=torch.int64)
-    counts = torch.tensor(plan.num_new_tokens, dtype=torch.int64)
+    starts = torch.from_numpy(np.array(plan.starts, dtype=np.int64))
+    counts = torch.from_numpy(np.array(plan.num_new_tokens, dtype=np.int64))
     qsl = torch.zeros(num_seqs + 1, dtype=torch.int64)
     torch.cumsum(counts, 0, out=qsl[1:])
     total = int(qsl[-1])
@@ -60,7 +73,7 @@ def build_inputs(plan: StepPlan, requests: Mapping[str, Request], pool: BlockPoo
     sampling = [i for i, smp in enumerate(plan.samples) if smp]
     return ModelInputs(
         request_ids=ids,
-        input_ids=torch.tensor(tokens, dtype=torch.int64),
+        input_ids=torch.from_numpy(np.array(tokens, dtype=np.int64)),
         positions=positions,
         slot_mapping=slots,
         query_start_loc=qsl.to(torch.int32),
@@ -68,6 +81,33 @@ def build_inputs(plan: StepPlan, requests: Mapping[str, Request], pool: BlockPoo
         block_tables=block_tables.to(torch.int32),
         sample_rows=qsl[1:][sampling] - 1,
         sample_request_ids=tuple(ids[i] for i in sampling),
+    )
+
+
+def decode_inputs(plan: StepPlan, rows: DecodeRows, batch: PersistentBatch) -> ModelInputs:
+    """One token for each bulk decode row, every tensor a vector op over the batch's
+    arrays: the token is the row's last, its position the KV length, its slot read from
+    the persistent block table (padding zero, never read)."""
+    slots = rows.slots
+    k = len(slots)
+    positions = batch.num_computed[slots]
+    table = batch.block_table
+    width = int(batch.num_blocks[slots].max())
+    bs = batch.block_size
+    # Flat indices into the (contiguous) persistent table: row slot, column pos // bs.
+    block_ids = np.take(table, slots * table.shape[1] + positions // bs)
+    slot_mapping = block_ids.astype(np.int64) * bs + positions % bs
+    sample_rows = np.arange(k, dtype=np.int64)
+    return ModelInputs(
+        request_ids=plan.request_ids,
+        input_ids=torch.from_numpy(batch.last_token[slots]),
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slot_mapping),
+        query_start_loc=torch.from_numpy(np.arange(k + 1, dtype=np.int32)),
+        seq_lens=torch.from_numpy((positions + 1).astype(np.int32)),
+        block_tables=torch.from_numpy(np.take(table[:, :width], slots, axis=0)),
+        sample_rows=torch.from_numpy(sample_rows),
+        sample_request_ids=plan.request_ids,
     )
 
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from ref.core.batch import DecodeRows
 from ref.core.request import FinishReason
 from ref.kv import BlockCopy
 
@@ -69,6 +70,10 @@ class StepPlan:
     swapped_out: tuple[str, ...] = ()
     swapped_in: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
+    # The bulk decode path's rows of the persistent batch (ref/core/batch.py): the
+    # first ``len(decode_rows.slots)`` entries. A cache for building inputs and
+    # committing, not part of what the plan says (two plans equal without it).
+    decode_rows: DecodeRows | None = field(default=None, compare=False, repr=False)
 
     @cached_property
     def chunks(self) -> tuple[ScheduledChunk, ...]:
@@ -120,7 +125,13 @@ class PlanBuilder:
         self.is_prefill.append(is_prefill)
         self.num_new_cached_tokens.append(cached)
 
-    def add_decodes(self, request_ids: Sequence[str], starts: Sequence[int]) -> None:
+    decode_rows: DecodeRows | None = None
+
+    def add_decodes(self, rows: DecodeRows, starts: Sequence[int]) -> None:
+        """The bulk decodes, before any other entry."""
+        assert not self.request_ids, "bulk decodes come first in a plan"
+        self.decode_rows = rows
+        request_ids = rows.request_ids
         k = len(request_ids)
         self.request_ids.extend(request_ids)
         self.starts.extend(starts)
@@ -158,4 +169,5 @@ class PlanBuilder:
             tuple(swapped_out),
             tuple(swapped_in),
             tuple(dropped),
+            self.decode_rows,
         )

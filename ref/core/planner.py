@@ -12,6 +12,7 @@ here (ATOMIC): ``Scheduler.commit`` applies the plan.
 
 from __future__ import annotations
 
+from ref.core.batch import PersistentBatch
 from ref.core.capacity import admission_blocks
 from ref.core.config import SchedulerConfig
 from ref.core.draft import StepDraft
@@ -35,8 +36,10 @@ class Planner:
         pool: BlockPool,
         suspension: Suspension,
         queue: WaitingQueue,
+        batch: PersistentBatch,
     ) -> None:
         self.config = config
+        self.batch = batch  # the running requests' arrays, for the bulk decode path
         self.policy = policy
         self.pool = pool
         self._suspend = suspension
@@ -57,28 +60,41 @@ class Planner:
             self._timed_out(now_ms),
         )
         self._suspend.move_to_host(d)
-        if not (fast and self._decode_bulk(d)):
+        bulk = fast and self._decode_bulk(d)
+        if not bulk:
             self._decode_each(d)
-        prefill_left = self._prefill_running(d, prefill_cap(cfg, d.decoded, now_ms, reserve))
+        cap = prefill_cap(cfg, d.decoded, now_ms, reserve)
+        # Every running request decoding: no running prefill to walk.
+        prefill_left = cap if bulk and self.batch.all_decoding() else self._prefill_running(d, cap)
         d.budget = min(d.budget, prefill_left)  # admission is prefill too
         self._admit(d)
         return d.build()
 
     def _decode_bulk(self, d: StepDraft) -> bool:
         """Every running decode in one pool call, when nobody needs preempting: exactly
-        what :meth:`_decode_each` would plan. False (nothing planned) otherwise."""
-        decoders = [r for r in d.running if r.status is S.DECODING][: max(0, d.budget - d.reserve)]
-        if not decoders:
+        what :meth:`_decode_each` would plan. False (nothing planned) otherwise.
+
+        The persistent batch (ref/core/batch.py) knows each request's KV length, last
+        token and block state, so only the requests that need a block enter Python."""
+        batch = self.batch
+        assert len(d.running) == len(batch), "the batch mirrors the running list"
+        batch.sync_tables(self.pool)
+        rows = batch.decode_rows(d.budget - d.reserve)
+        if rows is None:
             return False
-        ids = [r.request_id for r in decoders]
-        copies = self.pool.append_decode_tokens(ids, [r.token_ids for r in decoders])
-        if copies is None:
+        slots = rows.slots
+        fills = batch.fills_block(rows) if self.pool.enable_prefix_caching else []
+        needy = batch.needs_block(rows, self.pool)
+        tokens = batch.last_token[slots].tolist()
+        growth = self.pool.append_decodes(rows.request_ids, tokens, needy, fills)
+        if growth is None:
             return False
-        d.copies.extend(copies)
-        d.plan.add_decodes(ids, [r.num_computed_tokens for r in decoders])
-        d.scheduled.update(ids)
-        d.decoded = decoders
-        d.budget -= len(decoders)
+        batch.grew(rows, needy, growth)
+        d.copies.extend(growth.copies)
+        d.plan.add_decodes(rows, batch.num_computed[slots].tolist())
+        d.bulk_ids = rows.request_ids
+        d.decoded = rows.requests
+        d.budget -= len(slots)
         return True
 
     def _decode_each(self, d: StepDraft) -> None:
@@ -106,7 +122,7 @@ class Planner:
         the plan finishes it (capacity)."""
         rid = r.request_id
         if not self._make_room(d, r, n):
-            if not d.scheduled and len(d.running) == 1:
+            if not d.any_scheduled() and len(d.running) == 1:
                 self.pool.free(rid)
                 d.running.remove(r)
                 d.finished.append(PlannedFinish(rid, FinishReason.CAPACITY))
@@ -197,7 +213,7 @@ class Planner:
         while not self.pool.can_allocate(r.request_id, n):
             if self._suspend.reclaim(d):
                 continue  # idle KV goes before running work is preempted
-            candidates = [v for v in d.running if v is not r and v.request_id not in d.scheduled]
+            candidates = [v for v in d.running if v is not r and not d.is_scheduled(v.request_id)]
             victim = self.policy.pick_victim(candidates)
             if victim is None:
                 return False

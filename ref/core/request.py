@@ -71,9 +71,13 @@ class StopParams:
         return token in self.stop_token_ids or (token == self.eos_token_id and not self.ignore_eos)
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
-    """One generation request. Timestamps are in ms on the engine's clock."""
+    """One generation request. Timestamps are in ms on the engine's clock.
+
+    Slotted: the bulk commit writes ``num_computed_tokens`` of every running request each
+    step, and a slot is one cache line fewer to touch than an instance dict.
+    """
 
     request_id: str
     prompt_token_ids: list[int]

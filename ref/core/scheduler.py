@@ -21,9 +21,15 @@ reserve, SLO cap and chunking (ref/core/prefill.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ref.core.batch import Ints, PersistentBatch
 from ref.core.capacity import never_fits, require_fit
 from ref.core.config import SchedulerConfig
 from ref.core.plan import StepPlan
@@ -56,6 +62,77 @@ class BadExecutorOutput(RefserveError):
     """The executor's output does not match the plan (a sampled token is missing, ...)."""
 
 
+Sampled = Mapping[str, int] | torch.Tensor | npt.NDArray[np.integer[Any]]
+"""The executor's sampled tokens: by request id, or in the plan's sampling order."""
+
+
+@dataclass(frozen=True)
+class _Output:
+    bulk: Ints  # the bulk decode rows' tokens, in plan order
+    rest: Mapping[str, int]  # the other sampling entries' tokens
+
+
+def _sampling_ids(plan: StepPlan, start: int) -> list[str]:
+    return [
+        rid for rid, smp in zip(plan.request_ids[start:], plan.samples[start:], strict=True) if smp
+    ]
+
+
+def _checked_array(plan: StepPlan, tokens: list[object], ids: Sequence[str]) -> Ints:
+    """``tokens`` (one per id) as an int64 array, or :class:`BadExecutorOutput` naming
+    the first request whose token is not a non-negative int (bool excluded)."""
+    if set(map(type, tokens)) <= {int}:
+        array = np.array(tokens, dtype=np.int64) if tokens else np.zeros(0, dtype=np.int64)
+        if not len(array) or array.min() >= 0:
+            return array
+    for rid, token in zip(ids, tokens, strict=True):
+        if type(token) is not int or token < 0:
+            raise BadExecutorOutput(
+                f"step {plan.step_index}: executor gave {token!r} as the sampled token of "
+                f"request {rid!r}; expected a non-negative int"
+            )
+    raise AssertionError("unreachable: a rejected array has a bad token")
+
+
+class NewTokens(Mapping[str, int]):
+    """The token each request got in a commit, by request id.
+
+    Kept as the commit made it: the bulk decodes as two parallel sequences (their ids
+    and an int array) and the other entries in a dict, in plan order; an index by id
+    is built on the first lookup. Iterating costs no index (what a stream consumer
+    does), so a step of a thousand decodes builds no thousand-entry dict.
+    """
+
+    __slots__ = ("_ids", "_index", "_rest", "_tokens")
+
+    def __init__(self, ids: Sequence[str], tokens: Ints, rest: dict[str, int]) -> None:
+        self._ids = ids
+        self._tokens = tokens
+        self._rest = rest
+        self._index: dict[str, int] | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._ids
+        yield from self._rest
+
+    def __len__(self) -> int:
+        return len(self._ids) + len(self._rest)
+
+    def __getitem__(self, request_id: str) -> int:
+        if self._index is None:
+            self._index = dict(zip(self._ids, self._tokens.tolist(), strict=True))
+            self._index.update(self._rest)
+        return self._index[request_id]
+
+    def pairs(self) -> Iterator[tuple[str, int]]:
+        """``(request id, token)`` in plan order, without building the index."""
+        yield from zip(self._ids, self._tokens.tolist(), strict=True)
+        yield from self._rest.items()
+
+    def __repr__(self) -> str:
+        return f"NewTokens({dict(self.pairs())!r})"
+
+
 @dataclass(frozen=True)
 class StepEvents:
     """What a commit changed, for metrics and streaming."""
@@ -82,9 +159,13 @@ class Scheduler:
         # Admission order (the policy's), kept incrementally: a step reads only the head
         # it admits from (ref/core/waiting.py). Preempted requests keep their arrival place.
         self._queue = self.policy.waiting_queue(track_arrivals=config.queue_timeout_ms is not None)
-        self.running: list[Request] = []  # admission order
+        # The running requests, in admission order, with their per-step state in arrays
+        # (ref/core/batch.py): the bulk decode path plans and commits from those.
+        self._batch = PersistentBatch(config.block_size, config.max_len)
         self._suspend = Suspension(config, self.pool, self.host)  # swaps and tool waits
-        self._planner = Planner(config, self.policy, self.pool, self._suspend, self._queue)
+        self._planner = Planner(
+            config, self.policy, self.pool, self._suspend, self._queue, self._batch
+        )
         self.step_index = 0
         self._seq = 0
         self._pending: StepPlan | None = None
@@ -98,6 +179,15 @@ class Scheduler:
         # Swap traffic, in blocks (bytes = blocks x the KV bytes of one block).
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
+
+    @property
+    def running(self) -> list[Request]:
+        """The running requests in admission order (read-only: the batch keeps it)."""
+        return self._batch.requests
+
+    @property
+    def batch(self) -> PersistentBatch:
+        return self._batch
 
     @property
     def paused(self) -> dict[str, Request]:
@@ -217,7 +307,7 @@ class Scheduler:
             self.pool.fork(parent_id, child_id)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
-            self.running.append(child)
+            self._batch.append(child, self.pool)
         elif never_fits(self.config, child.num_tokens):
             # Waiting means recomputing all its tokens later, and they can never fit.
             child.transition(S.PREEMPTED)
@@ -249,7 +339,7 @@ class Scheduler:
         if r is None:
             raise UnknownRequest(request_id, "pause")
         kind = self._suspend.pause(r, retention, expected_wait_ms)
-        self.running.remove(r)
+        self._batch.remove(r)
         return kind
 
     def resume(self, request_id: str, tool_token_ids: Sequence[int], stop: StopParams) -> None:
@@ -271,7 +361,7 @@ class Scheduler:
         )
         if self.pool.has_request(request_id) and in_place:
             r.transition(S.PREFILLING)
-            self.running.append(r)
+            self._batch.append(r, self.pool)
             self._backlog.mark(r, self.step_index)
             return
         if self.pool.has_request(request_id):  # it may not run now: give the blocks back
@@ -307,6 +397,7 @@ class Scheduler:
             self.pool.rollback()
             self.host.rollback()
             raise
+        self._batch.sync_tables(self.pool)  # the executor reads the new blocks
         self._pending = plan
         return plan
 
@@ -317,22 +408,24 @@ class Scheduler:
         self.host.rollback()
         self._pending = None
 
-    def commit(self, plan: StepPlan, sampled: Mapping[str, int], now_ms: float = 0.0) -> StepEvents:
+    def commit(self, plan: StepPlan, sampled: Sampled, now_ms: float = 0.0) -> StepEvents:
         """Apply a step's results: counters, sampled tokens, stops, preemptions, admissions.
 
-        In phases, each a method: the victims leave, the admitted join, the chunks advance
-        and sample, the planned finishes retire, then the books close.
+        ``sampled``: the token of each sampling request, by request id, or as an int
+        array (numpy or torch) in the plan's order of sampling entries (what
+        ``ModelInputs.sample_request_ids`` lists). In phases, each a method: the victims
+        leave, the admitted join, the chunks advance and sample, the planned finishes
+        retire, then the books close.
         """
         assert plan is self._pending, "commit of a plan that is not pending"
-        self.validate_output(plan, sampled)
+        tokens = self._split_output(plan, sampled)
         finished: list[str] = []  # in the order they finish, for StepEvents
         self._commit_preempted(plan, finished, now_ms)
         self._commit_admitted(plan)
-        new_tokens = self._commit_chunks(plan, sampled, finished, now_ms)
+        new_tokens = self._commit_chunks(plan, tokens, finished, now_ms)
         self._commit_finishes(plan, finished, now_ms)
         if plan.preempted or finished:
-            gone = {*plan.preempted, *finished}
-            self.running = [r for r in self.running if r.request_id not in gone]
+            self._batch.remove_many({*plan.preempted, *finished})
         self._suspend.commit(plan)
         self.num_swapped_out_blocks += len(plan.swap_out)
         self.num_swapped_in_blocks += len(plan.swap_in)
@@ -366,25 +459,36 @@ class Scheduler:
         for rid in plan.admitted:
             r = self.requests[rid]
             self._queue.remove(r)
-            self.running.append(r)
+            self._batch.append(r, self.pool)
             if r.admitted_ms is None:
                 r.admitted_ms = self._plan_start_ms
 
     def _commit_chunks(
-        self, plan: StepPlan, sampled: Mapping[str, int], finished: list[str], now_ms: float
-    ) -> dict[str, int]:
+        self, plan: StepPlan, tokens: _Output, finished: list[str], now_ms: float
+    ) -> NewTokens:
         """Advance each scheduled request's KV length, append its sampled token and stop
-        it by :meth:`StopParams.is_stop` or length (KVLEN). The hot loop of a decode
-        step: one pass, no call per request but the stop rule's."""
+        it by :meth:`_finish_reason` (KVLEN). The bulk decodes go through the persistent
+        batch in one vector pass that enters Python only for those that finish; the
+        other entries (prefill chunks, the reference decode loop) one by one, after
+        which their rows are reloaded."""
+        new_tokens: dict[str, int] = {}  # the entries after the bulk decodes
+        rows = plan.decode_rows
+        k = 0
+        if rows is not None:
+            k = len(rows.slots)
+            for i in self._batch.commit_decodes(rows, tokens.bulk, now_ms):
+                r = rows.requests[i]
+                reason = self._finish_reason(r, int(tokens.bulk[i]))
+                assert reason is not None, f"the batch finished {r.request_id!r} without cause"
+                self._finish_decoded(r, reason, finished, now_ms)
         by_id = self.requests
-        new_tokens: dict[str, int] = {}
-        max_len = self.config.max_len
+        rest = tokens.rest
         for rid, start, n, samples, cached in zip(
-            plan.request_ids,
-            plan.starts,
-            plan.num_new_tokens,
-            plan.samples,
-            plan.num_new_cached_tokens,
+            plan.request_ids[k:],
+            plan.starts[k:],
+            plan.num_new_tokens[k:],
+            plan.samples[k:],
+            plan.num_new_cached_tokens[k:],
             strict=True,
         ):
             r = by_id[rid]
@@ -395,25 +499,38 @@ class Scheduler:
                 r.transition(S.PREFILLING)
                 self._backlog.mark(r, self.step_index)
                 continue
-            token = sampled[rid]
-            tokens = r.token_ids
-            tokens.append(token)
+            token = rest[rid]
+            r.token_ids.append(token)
             r.token_times_ms.append(now_ms)
             new_tokens[rid] = token
-            stop = r.stop
-            if stop.is_stop(token):
-                reason = FinishReason.STOP
-            elif len(tokens) - r.num_prompt_tokens >= stop.max_tokens or len(tokens) >= max_len:
-                reason = FinishReason.LENGTH
-            else:
-                if r.status is not S.DECODING:
-                    r.transition(S.DECODING)
-                    self._backlog.clear(r)
-                continue
-            self.pool.free(rid)
-            self._retire(r, S.FINISHED, reason, now_ms)
-            finished.append(rid)
-        return new_tokens
+            reason = self._finish_reason(r, token)
+            if reason is not None:
+                self._finish_decoded(r, reason, finished, now_ms)
+            elif r.status is not S.DECODING:
+                r.transition(S.DECODING)
+                self._backlog.clear(r)
+        for rid in plan.request_ids[k:]:
+            live = by_id.get(rid)  # finished ones leave the batch below
+            if live is not None and rid in self._batch:
+                self._batch.reload(live, self.pool)
+        return NewTokens(rows.request_ids if rows else (), tokens.bulk, new_tokens)
+
+    def _finish_reason(self, r: Request, token: int) -> FinishReason | None:
+        """After ``token`` was appended: a stop id (:meth:`StopParams.is_stop`), else
+        the length limit (``max_tokens`` outputs or ``max_len`` tokens), else None."""
+        if r.stop.is_stop(token):
+            return FinishReason.STOP
+        n = r.num_tokens
+        if n - r.num_prompt_tokens >= r.stop.max_tokens or n >= self.config.max_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish_decoded(
+        self, r: Request, reason: FinishReason, finished: list[str], now_ms: float
+    ) -> None:
+        self.pool.free(r.request_id)
+        self._retire(r, S.FINISHED, reason, now_ms)
+        finished.append(r.request_id)
 
     def _commit_finishes(self, plan: StepPlan, finished: list[str], now_ms: float) -> None:
         """The plan's finishes without computing: timed out in the queue, or capacity."""
@@ -446,18 +563,50 @@ class Scheduler:
         return next(x.tenant for x in self.retired if x.request_id == request_id)
 
     # ------------------------------------------------------------------ helpers
-    def validate_output(self, plan: StepPlan, sampled: Mapping[str, int]) -> None:
+    def validate_output(self, plan: StepPlan, sampled: Sampled) -> None:
         """Raise :class:`BadExecutorOutput` unless every sampling request got a token."""
-        get = sampled.get
-        for rid, samples in zip(plan.request_ids, plan.samples, strict=True):
-            if not samples:
-                continue
-            token = get(rid)
-            if type(token) is not int or token < 0:  # bool is excluded on purpose
-                raise BadExecutorOutput(
-                    f"step {plan.step_index}: executor gave {token!r} as the sampled token of "
-                    f"request {rid!r}; expected a non-negative int"
-                )
+        self._split_output(plan, sampled)
+
+    def _split_output(self, plan: StepPlan, sampled: Sampled) -> _Output:
+        """The sampled tokens checked (non-negative ints, one per sampling entry) and
+        split: an array for the bulk decodes, a mapping for the other entries."""
+        rows = plan.decode_rows
+        k = 0 if rows is None else len(rows.slots)
+        # Arrays first: isinstance against the Mapping ABC is slow for a tensor.
+        if not isinstance(sampled, torch.Tensor | np.ndarray) and isinstance(sampled, Mapping):
+            bulk_ids = plan.request_ids[:k]
+            bulk = _checked_array(plan, list(map(sampled.get, bulk_ids)), bulk_ids)
+            rest_ids = _sampling_ids(plan, k)
+            rest = {rid: sampled.get(rid) for rid in rest_ids}
+            _checked_array(plan, list(rest.values()), rest_ids)
+            return _Output(bulk, rest)  # type: ignore[arg-type]
+        values = sampled.detach().cpu().numpy() if isinstance(sampled, torch.Tensor) else sampled
+        count = sum(plan.samples)
+        if (
+            not isinstance(values, np.ndarray)
+            or values.ndim != 1
+            or values.dtype.kind not in "iu"
+            or len(values) != count
+        ):
+            raise BadExecutorOutput(
+                f"step {plan.step_index}: executor gave sampled tokens of type "
+                f"{type(sampled).__name__} {getattr(values, 'dtype', '')} shape "
+                f"{getattr(values, 'shape', '?')}; expected a 1-D int array of {count}, one "
+                "per sampling request in plan order, or a mapping by request id"
+            )
+        ids = (
+            plan.request_ids
+            if count == len(plan.samples)
+            else (plan.request_ids[:k] + tuple(_sampling_ids(plan, k)))
+        )
+        checked = values.astype(np.int64)  # a uint64 past int64 wraps negative: refused
+        if len(checked) and checked.min() < 0:
+            bad = int(np.flatnonzero(checked < 0)[0])
+            raise BadExecutorOutput(
+                f"step {plan.step_index}: executor gave {values[bad]!r} as the sampled token "
+                f"of request {ids[bad]!r}; expected a non-negative int"
+            )
+        return _Output(checked[:k], dict(zip(ids[k:], checked[k:].tolist(), strict=True)))
 
     def _requeue(self, r: Request) -> None:
         # The queue keeps arrival order (seq), so a preempted request is not overtaken
@@ -476,8 +625,8 @@ class Scheduler:
         if self.pool.has_request(request_id):
             self.pool.free(request_id)
         was_paused = self._suspend.forget(request_id)
-        if r in self.running:
-            self.running.remove(r)
+        if request_id in self._batch:
+            self._batch.remove(r)
         elif not was_paused:
             self._queue.remove(r)
         self._retire(r, status, reason, now_ms)

@@ -4,12 +4,15 @@ A doubly linked list over block ids in two int arrays, with sentinels. Blocks fr
 later go to the tail; allocation pops the head, so a cached block that was freed long ago
 is evicted first. A cache hit on a free block removes it from the middle in O(1). Removal
 leaves the removed node's own links intact (Knuth's "dancing links"), so an undo that
-runs in reverse order can relink it exactly where it was.
+runs in reverse order can relink it exactly where it was. The run operations
+(``popleft_n``, ``append_n``, and the pool's ``acquire_n`` / ``release_n``, which also
+set its reference counts) move many blocks in one loop with one journal entry: per block,
+a Python call and an undo record cost more than the linking itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from ref.kv.journal import Journal
 
@@ -46,6 +49,60 @@ class FreeQueue:
         self.remove(b)
         return b
 
+    def popleft_n(self, k: int) -> list[int]:
+        """The first ``k`` blocks, unlinked as one run with one journal entry.
+
+        The run's inner links are left as they are (only the head and the block after the
+        run are relinked), so the undo reattaches the whole run in O(1) links.
+        """
+        assert 0 <= k <= self._len, f"popleft_n({k}) on a free queue of {self._len}"
+        if k == 0:
+            return []
+        nxt, inn = self._next, self._in
+        out = [0] * k
+        b = nxt[self._head]
+        for i in range(k):
+            out[i] = b
+            inn[b] = False
+            b = nxt[b]
+        nxt[self._head] = b
+        self._prev[b] = self._head
+        self._len -= k
+        if self._journal.active:
+            self._journal.record(self._relink_run, out[0], out[-1], k)
+        return out
+
+    def acquire_n(self, k: int, counts: list[int]) -> list[int]:
+        """:meth:`popleft_n` that also sets ``counts[b]`` to 1 for each block taken, in
+        the same loop (the pool's reference counts, 0 for every queued block); one
+        journal entry undoes both."""
+        assert 0 <= k <= self._len, f"acquire_n({k}) on a free queue of {self._len}"
+        if k == 0:
+            return []
+        nxt, inn = self._next, self._in
+        out = [0] * k
+        b = nxt[self._head]
+        for i in range(k):
+            out[i] = b
+            inn[b] = False
+            counts[b] = 1
+            b = nxt[b]
+        nxt[self._head] = b
+        self._prev[b] = self._head
+        self._len -= k
+        if self._journal.active:
+            self._journal.record(self._unacquire_n, out[0], out[-1], k, counts)
+        return out
+
+    def _unacquire_n(self, first: int, last: int, k: int, counts: list[int]) -> None:
+        # Undo of acquire_n: the counts back to 0, then as popleft_n's undo.
+        nxt = self._next
+        b = first
+        for _ in range(k):
+            counts[b] = 0
+            b = nxt[b]
+        self._relink_run(first, last, k)
+
     def remove(self, block_id: int) -> None:
         assert self._in[block_id], f"block {block_id} is not in the free queue"
         p, n = self._prev[block_id], self._next[block_id]
@@ -53,7 +110,7 @@ class FreeQueue:
         self._prev[n] = p
         self._in[block_id] = False
         self._len -= 1
-        self._journal.record(lambda: self._relink(block_id))
+        self._journal.record(self._relink, block_id)
 
     def append(self, block_id: int) -> None:
         assert not self._in[block_id], f"block {block_id} is already in the free queue"
@@ -61,7 +118,118 @@ class FreeQueue:
         # block still needs for its undo; keep them so the undo can put them back.
         links = (self._prev[block_id], self._next[block_id])
         self._link_before_tail(block_id)
-        self._journal.record(lambda: self._unlink_tail(block_id, links))
+        self._journal.record(self._unlink_tail, block_id, links)
+
+    def append_n(self, blocks: Sequence[int]) -> None:
+        """Link ``blocks`` before the tail, in order, with one journal entry.
+
+        As in :meth:`append`, the blocks' own links are saved first (only while a
+        transaction is open: nothing else reads them) for the undo of an earlier removal.
+        A block already queued, or listed twice, fails with the queue unchanged.
+        """
+        if not blocks:
+            return
+        prev, nxt, inn = self._prev, self._next, self._in
+        saved = {b: (prev[b], nxt[b]) for b in blocks} if self._journal.active else None
+        anchor = last = prev[self._tail]
+        for b in blocks:
+            if inn[b]:
+                # Checked while linking (a separate pass cost as much as the linking):
+                # cut the partial run off again before failing.
+                self._cut_partial_run(anchor, last, saved)  # _len is not counted yet
+                raise AssertionError(f"block {b} is already in the free queue")
+            inn[b] = True
+            prev[b] = last
+            nxt[last] = b
+            last = b
+        nxt[last] = self._tail
+        prev[self._tail] = last
+        self._len += len(blocks)
+        if saved is not None:
+            self._journal.record(self._unlink_tail_run, tuple(blocks), saved)
+
+    def release_n(self, blocks: Sequence[int], counts: list[int]) -> None:
+        """Drop one from ``counts[b]`` for each of ``blocks`` (distinct), in order, and link
+        those that reach zero before the tail as one run: freeing a block table.
+
+        One loop and one journal entry for both (``counts`` are the pool's reference
+        counts; a separate pass for each cost half as much again). A count that would go
+        negative, or a block reaching zero that is already queued, fails with the counts
+        and the queue unchanged.
+        """
+        if not blocks:
+            return
+        prev, nxt, inn = self._prev, self._next, self._in
+        saved = {b: (prev[b], nxt[b]) for b in blocks} if self._journal.active else None
+        anchor = last = prev[self._tail]
+        kept = 0  # still referenced (the rare case: counted there, not per linked block)
+        for b in blocks:
+            c = counts[b] - 1
+            counts[b] = c
+            if c:
+                if c < 0:
+                    self._abort_release(blocks, b, counts, anchor, last, saved)
+                    raise AssertionError(f"ref count of block {b} would go negative")
+                kept += 1
+                continue
+            if inn[b]:
+                self._abort_release(blocks, b, counts, anchor, last, saved)
+                raise AssertionError(f"block {b} is already in the free queue")
+            inn[b] = True
+            prev[b] = last
+            nxt[last] = b
+            last = b
+        nxt[last] = self._tail
+        prev[self._tail] = last
+        self._len += len(blocks) - kept
+        if saved is not None:
+            self._journal.record(self._unrelease_n, anchor, tuple(blocks), counts, saved)
+
+    def _abort_release(
+        self,
+        blocks: Sequence[int],
+        failed: int,
+        counts: list[int],
+        anchor: int,
+        last: int,
+        saved: dict[int, tuple[int, int]] | None,
+    ) -> None:
+        # release_n failed at ``failed``: give back the counts taken so far and cut off the
+        # run linked so far.
+        for b in blocks[: list(blocks).index(failed) + 1]:
+            counts[b] += 1
+        self._cut_partial_run(anchor, last, saved)  # _len is not counted yet
+
+    def _unrelease_n(
+        self,
+        anchor: int,
+        blocks: tuple[int, ...],
+        counts: list[int],
+        saved: dict[int, tuple[int, int]],
+    ) -> None:
+        # Undo of release_n: the run it linked is everything after ``anchor``.
+        self._len -= self._cut_partial_run(anchor, self._prev[self._tail], saved)
+        self._prev[self._tail] = anchor
+        for b in blocks:
+            counts[b] += 1
+
+    def _cut_partial_run(
+        self, anchor: int, last: int, saved: dict[int, tuple[int, int]] | None
+    ) -> int:
+        """Unlink the blocks after ``anchor`` up to ``last`` (``anchor``'s next was the
+        tail before they were linked), giving each its ``saved`` links; how many."""
+        prev, nxt, inn = self._prev, self._next, self._in
+        run: list[int] = []
+        b = anchor
+        while b != last:
+            b = nxt[b]
+            run.append(b)
+        nxt[anchor] = self._tail
+        for b in run:
+            inn[b] = False
+            if saved is not None:
+                prev[b], nxt[b] = saved[b]
+        return len(run)
 
     def _link_before_tail(self, b: int) -> None:
         last = self._prev[self._tail]
@@ -78,6 +246,19 @@ class FreeQueue:
         self._in[b] = True
         self._len += 1
 
+    def _relink_run(self, first: int, last: int, k: int) -> None:
+        # Undo of popleft_n: the run's first and last blocks still name their old
+        # neighbours (the head and the block after the run), and its inner links are as
+        # popleft_n left them, so the run is found again by walking from ``first``.
+        nxt, inn = self._next, self._in
+        nxt[self._prev[first]] = first
+        self._prev[nxt[last]] = last
+        b = first
+        for _ in range(k):
+            inn[b] = True
+            b = nxt[b]
+        self._len += k
+
     def _unlink_tail(self, b: int, links: tuple[int, int]) -> None:
         # Undo of append: restore b's own links too (see append).
         assert self._prev[self._tail] == b
@@ -87,3 +268,12 @@ class FreeQueue:
         self._prev[b], self._next[b] = links
         self._in[b] = False
         self._len -= 1
+
+    def _unlink_tail_run(self, run: tuple[int, ...], saved: dict[int, tuple[int, int]]) -> None:
+        # Undo of append_n: cut the run off the tail, then give each block back the links
+        # it had before (see append_n).
+        assert self._prev[self._tail] == run[-1]
+        anchor = self._prev[run[0]]
+        self._cut_partial_run(anchor, run[-1], saved)
+        self._prev[self._tail] = anchor
+        self._len -= len(run)

@@ -11,37 +11,49 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
-Undo = Callable[[], object]
+Undo = Callable[..., object]
 
 
 class Journal:
+    """Undo entries are ``(fn, args)`` tuples: a hot path records one bound method and
+    its arguments instead of building a closure per change (rollback calls
+    ``fn(*args)``). ``record(fn)`` with no arguments is the old zero-argument form."""
+
     def __init__(self) -> None:
-        self._undo: list[Undo] | None = None
+        self._undo: list[tuple[Undo, tuple[Any, ...]]] | None = None
+        # A plain attribute, not a property: hot paths read it once per call, and a
+        # property read costs as much as the pool work of a block.
+        self.active = False
 
-    @property
-    def active(self) -> bool:
-        return self._undo is not None
-
-    def record(self, undo: Undo) -> None:
+    def record(self, undo: Undo, *args: Any) -> None:
         if self._undo is not None:
-            self._undo.append(undo)
+            self._undo.append((undo, args))
 
     def begin(self) -> None:
         """Open a transaction that spans calls (the scheduler's step: plan ... commit)."""
         assert self._undo is None, "a transaction is already open"
         self._undo = []
+        self.active = True
 
     def commit(self) -> None:
         assert self._undo is not None, "commit without an open transaction"
         self._undo = None
+        self.active = False
 
     def rollback(self) -> None:
         """Undo every mutation recorded since :meth:`begin`, newest first."""
         assert self._undo is not None, "rollback without an open transaction"
         undo, self._undo = self._undo, None
-        for fn in reversed(undo):
-            fn()
+        self.active = False
+        for fn, args in reversed(undo):
+            fn(*args)
+
+    @property
+    def num_entries(self) -> int:
+        """Entries recorded in the open transaction (0 when none is open)."""
+        return 0 if self._undo is None else len(self._undo)
 
     @contextmanager
     def transaction(self) -> Iterator[None]:

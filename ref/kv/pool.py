@@ -10,9 +10,11 @@ bad argument raises a typed error with nothing changed; inside
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from operator import attrgetter
 
 from ref.errors import (
     DuplicateRequest,
@@ -51,6 +53,21 @@ class BlockCopy:
 
 
 @dataclass(frozen=True)
+class DecodeGrowth:
+    """What :meth:`BlockPool.append_decodes` did to the tables that needed a block.
+
+    ``tails[j]`` is the last block of request ``needy[j]``'s table afterwards (a fresh
+    block, or the private copy of a shared one) and ``lengths[j]`` its block count; the
+    caller, which keeps its own copy of the tables, writes them back (these changes are
+    not reported by :meth:`BlockPool.take_changed`).
+    """
+
+    copies: list[BlockCopy]
+    tails: list[int]
+    lengths: list[int]
+
+
+@dataclass(frozen=True)
 class Allocation:
     """What :meth:`BlockPool.allocate` did for one request."""
 
@@ -65,9 +82,10 @@ class Allocation:
 class _Table:
     """One request's block table and the token ids whose K/V its blocks hold."""
 
-    __slots__ = ("block_table", "keys", "root_key", "token_ids")
+    __slots__ = ("block_table", "keys", "request_id", "root_key", "token_ids")
 
-    def __init__(self, root_key: bytes) -> None:
+    def __init__(self, request_id: str, root_key: bytes) -> None:
+        self.request_id = request_id
         self.root_key = root_key
         self.block_table: list[int] = []
         self.keys: list[bytes] = []  # chain keys of this table's full blocks, in order
@@ -90,6 +108,8 @@ class BlockPool:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._journal = Journal()
+        # Namespace.root_key() hashes on every call; nearly every request has the default.
+        self._default_root = DEFAULT_NAMESPACE.root_key()
         self._free = FreeQueue(num_blocks, self._journal)
         self._ref = [0] * num_blocks
         self._tables: dict[str, _Table] = {}
@@ -99,6 +119,11 @@ class BlockPool:
         # Blocks indexed inside the open transaction: their K/V is computed by the step
         # that reserved them, so a lookup in that same step must not serve them.
         self._fresh: set[int] = set()
+        # Requests whose block table changed (or whose last block's sharing did) since
+        # the last take_changed(): the persistent batch (ref/core/batch.py) rewrites only
+        # their rows. A rollback may shrink any table, so it marks every table changed.
+        self._changed: set[str] = set()
+        self._all_changed = False
 
     # ------------------------------------------------------------------ queries
     @property
@@ -143,7 +168,7 @@ class BlockPool:
         """
         if len(token_ids) < 1:
             raise InvalidArgument("lookup: token_ids is empty; a request needs at least one token")
-        root = namespace.root_key()
+        root = self._root_key(namespace)
         if not self.enable_prefix_caching:
             return PrefixHit(root, (), (), self.block_size)
         bs = self.block_size
@@ -198,6 +223,25 @@ class BlockPool:
     def rollback(self) -> None:
         self._journal.rollback()
         self._fresh.clear()
+        self._all_changed = True
+
+    def take_changed(self) -> tuple[set[str], bool]:
+        """Requests whose block table changed since the last call, and whether every
+        table may have (after a rollback); both are reset."""
+        changed, everything = self._changed, self._all_changed
+        self._changed = set()
+        self._all_changed = False
+        return changed, everything
+
+    def _mark_changed(self, table: _Table) -> None:
+        self._changed.add(table.request_id)
+
+    def _abort(self, outermost: bool) -> None:
+        """The body raised: an outermost transaction is undone; a joined one is left to
+        its opener. Either way the undo may shrink any table."""
+        if outermost:
+            self.rollback()
+        self._all_changed = True
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
@@ -206,6 +250,9 @@ class BlockPool:
         try:
             with self._journal.transaction():
                 yield
+        except BaseException:
+            self._all_changed = True  # the undo may have shrunk any table
+            raise
         finally:
             if outermost:
                 self._fresh.clear()
@@ -227,14 +274,83 @@ class BlockPool:
         All-or-nothing: raises :class:`OutOfBlocks` (try later) or
         :class:`ExceedsCapacity` (never fits) with the pool unchanged.
         """
-        _require_int(num_new_tokens, "num_new_tokens", minimum=1)
         table = self._tables.get(request_id)
-        if table is not None and hit is not None:
-            raise InvalidArgument(
-                f"allocate: request {request_id!r} already holds blocks; "
-                "a prefix hit applies only to a new request"
-            )
+        if (
+            table is None
+            and hit is None
+            and not self.enable_prefix_caching
+            and not self._journal.active
+        ):
+            fast = self._allocate_new(request_id, token_ids, num_new_tokens, namespace)
+            if fast is not None:
+                return fast
+        return self._allocate(request_id, table, token_ids, num_new_tokens, hit, namespace)
+
+    def _allocate(
+        self,
+        request_id: str,
+        table: _Table | None,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        hit: PrefixHit | None,
+        namespace: Namespace,
+    ) -> Allocation:
+        """:meth:`allocate`, the general case."""
+        start, total, new_tokens = self._check_allocate(
+            request_id, table, token_ids, num_new_tokens, hit, namespace
+        )
+        # Outside a transaction with prefix caching off nothing below can fail (the new
+        # tokens are already taken, the counts checked), so no undo is recorded; with
+        # caching a token id can fail hashing, so a transaction is opened: an explicit
+        # one, as the generator-based `with self.transaction()` alone cost more than a
+        # small allocation's pool work. Inside a transaction the changes join it.
+        journal = self._journal
+        opened = not journal.active and self.enable_prefix_caching
+        if opened:
+            journal.begin()
+        try:
+            copies: tuple[BlockCopy, ...] = ()
+            if table is None:
+                # A hit covers full blocks only, so a new table never needs a copy.
+                table = self._table_from_hit(request_id, token_ids, hit, namespace)
+            else:
+                self._record_table_undo(table)
+                if self._needs_copy_on_write(table, num_new_tokens):
+                    copies = (self._copy_on_write(table),)
+            new_blocks = self._append_free_blocks(table, total - len(table.block_table))
+            table.token_ids += new_tokens
+            if self.enable_prefix_caching:
+                self._cache_full_blocks(table)
+        except BaseException:
+            self._abort(opened)
+            raise
+        if opened:  # self.commit(), inlined (hot)
+            journal.commit()
+            if self._fresh:
+                self._fresh.clear()
+        return _allocation(
+            request_id, start, num_new_tokens, hit.num_tokens if hit else 0, new_blocks, copies
+        )
+
+    def _check_allocate(
+        self,
+        request_id: str,
+        table: _Table | None,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        hit: PrefixHit | None,
+        namespace: Namespace,
+    ) -> tuple[int, int, list[int] | tuple[int, ...]]:
+        """:meth:`allocate`'s validation: the first position, the table's block count
+        after it and the new token ids, or a typed error with nothing changed. The token
+        ids are taken here so that adding them to the table later cannot fail."""
+        _require_int(num_new_tokens, "num_new_tokens", minimum=1)
         if hit is not None:
+            if table is not None:
+                raise InvalidArgument(
+                    f"allocate: request {request_id!r} already holds blocks; "
+                    "a prefix hit applies only to a new request"
+                )
             self._validate_hit(request_id, hit, token_ids, namespace)
         start = table.num_stored if table is not None else (hit.num_tokens if hit else 0)
         end = start + num_new_tokens
@@ -243,44 +359,65 @@ class BlockPool:
                 f"allocate: request {request_id!r} asks for positions up to {end} but only "
                 f"{len(token_ids)} token ids are known"
             )
-        total = blocks_needed(end, self.block_size)
+        total = -(-end // self.block_size)  # spec.arith.blocks_needed, inlined (hot)
         if total > self.num_blocks:
             raise ExceedsCapacity(request_id, total, self.num_blocks)
         needed = self.blocks_to_allocate(request_id, num_new_tokens, hit)
         if needed > len(self._free):
             raise OutOfBlocks(request_id, needed, len(self._free))
+        return start, total, _taken(token_ids, start, end)
 
-        with self.transaction():
-            if table is None:
-                table = self._table_from_hit(request_id, token_ids, hit, namespace)
-            else:
-                self._record_table_undo(table)
-            copies: list[BlockCopy] = []
-            if self._needs_copy_on_write(table, num_new_tokens):
-                copies.append(self._copy_on_write(table))
-            new_blocks = self._append_free_blocks(table, total - len(table.block_table))
-            table.token_ids.extend(token_ids[start:end])
-            if self.enable_prefix_caching:
-                self._cache_full_blocks(table)
-        return Allocation(
+    def _allocate_new(
+        self, request_id: str, token_ids: Sequence[int], num_new_tokens: int, namespace: Namespace
+    ) -> Allocation | None:
+        """:meth:`allocate` of a new request without a hit, prefix caching off, outside
+        a transaction (a one-off or benchmark allocation); None when a check fails, for
+        :meth:`allocate` to raise its typed error.
+
+        Everything that can fail comes before the first change (the token ids are taken
+        first, and there is no hashing), so there is nothing to undo and no undo record.
+        """
+        if type(num_new_tokens) is not int or not 1 <= num_new_tokens <= len(token_ids):
+            return None
+        total = -(-num_new_tokens // self.block_size)  # spec.arith.blocks_needed
+        free = self._free
+        if total > len(free):  # also covers total > num_blocks
+            return None
+        # _taken and _allocation inlined: this path is the benchmark's whole round.
+        new = token_ids if num_new_tokens == len(token_ids) else token_ids[:num_new_tokens]
+        if type(new) is not list and not isinstance(new, tuple):
+            new = list(new)
+        table = _Table(
             request_id,
-            start,
-            num_new_tokens,
-            hit.num_tokens if hit else 0,
-            tuple(new_blocks),
-            tuple(copies),
+            self._default_root if namespace is DEFAULT_NAMESPACE else namespace.root_key(),
         )
+        table.token_ids += new
+        self._tables[request_id] = table
+        self._mark_changed(table)
+        blocks = free.acquire_n(total, self._ref)
+        self._evict_reused(blocks)
+        table.block_table = blocks
+        a = object.__new__(Allocation)
+        d = a.__dict__
+        d["request_id"] = request_id
+        d["start_position"] = 0
+        d["num_new_tokens"] = num_new_tokens
+        d["num_cached_tokens"] = 0
+        d["new_block_ids"] = tuple(blocks)
+        d["copies"] = ()
+        return a
 
     def append_decode_tokens(
         self, request_ids: Sequence[str], token_ids: Sequence[Sequence[int]]
     ) -> list[BlockCopy] | None:
         """The steady decode step: one more token for each request, in order.
 
-        Equivalent to ``allocate(rid, tokens, 1)`` for each request in turn, but a request
-        whose last block has room and is private is served by a list append with no
-        per-request undo record. All-or-nothing: if the free blocks cannot cover every
-        request that needs a fresh block or a copy-on-write, returns None and changes
-        nothing (the caller then decides whom to preempt). Returns the copies to apply.
+        Equivalent to ``allocate(rid, tokens, 1)`` for each request in turn; ``token_ids``
+        are the requests' known tokens. All-or-nothing: if the free blocks cannot cover
+        every request that needs a fresh block or a copy-on-write, returns None and
+        changes nothing (the caller then decides whom to preempt). Returns the copies to
+        apply. :meth:`append_decodes` is the same step for a caller that already knows
+        which requests need a block (the persistent batch).
         """
         bs = self.block_size
         ref = self._ref
@@ -288,38 +425,126 @@ class BlockPool:
             tables = [self._tables[rid] for rid in request_ids]
         except KeyError as e:
             raise UnknownRequest(str(e.args[0]), "append_decode_tokens") from None
-        needy = 0
-        for t, src in zip(tables, token_ids, strict=True):
+        tokens: list[int] = []
+        needy: list[int] = []
+        filling: list[int] = []
+        for i, (t, src) in enumerate(zip(tables, token_ids, strict=True)):
             n = len(t.token_ids)
             if len(src) <= n:
                 raise InvalidArgument(
                     f"append_decode_tokens: a request has {len(src)} known tokens and "
                     f"{n} stored; there is no new token to append"
                 )
+            tokens.append(src[n])
             if n % bs == 0 or ref[t.block_table[-1]] > 1:
-                needy += 1
-        if needy > len(self._free):
+                needy.append(i)
+            if (n + 1) % bs == 0:
+                filling.append(i)
+        growth = self._append_decodes(tables, tokens, needy, filling)
+        if growth is None:
+            return None
+        for i in needy:
+            self._mark_changed(tables[i])
+        return growth.copies
+
+    def append_decodes(
+        self,
+        request_ids: Sequence[str],
+        tokens: Sequence[int],
+        needy: Sequence[int],
+        filling: Sequence[int],
+    ) -> DecodeGrowth | None:
+        """:meth:`append_decode_tokens` for a caller that knows each request's state:
+        ``tokens[i]`` is request ``i``'s token at its KV length, ``needy`` the indices
+        whose token starts a block or lands in a shared last block, ``filling`` those
+        whose token fills its block. Nothing is re-derived per request: a wrong claim
+        breaks POS/BLOCK on the next snapshot (the persistent batch that makes the
+        claims is differential-tested against the per-request path).
+        """
+        try:
+            tables = list(map(self._tables.__getitem__, request_ids))
+        except KeyError as e:
+            raise UnknownRequest(str(e.args[0]), "append_decodes") from None
+        if len(tokens) != len(tables):
+            raise InvalidArgument(
+                f"append_decodes: {len(tokens)} tokens for {len(tables)} requests"
+            )
+        return self._append_decodes(tables, tokens, needy, filling)
+
+    def _append_decodes(
+        self,
+        tables: list[_Table],
+        tokens: Sequence[int],
+        needy: Sequence[int],
+        filling: Sequence[int],
+    ) -> DecodeGrowth | None:
+        if len(needy) > len(self._free):
             return None
         copies: list[BlockCopy] = []
-        appended: list[_Table] = []
-        with self.transaction():
-            # Recorded first so it is undone last: the fast appends touch only their
-            # own token lists, which nothing else in this call changes.
-            self._journal.record(lambda: [t.token_ids.pop() for t in appended])
+        journal = self._journal
+        outermost = not journal.active
+        if outermost:
+            journal.begin()
+        try:
+            token_lists = list(map(_TOKEN_IDS, tables))
+            deque(map(list.append, token_lists, tokens), 0)
+            # Recorded first, so undone last: the appends touch only the token lists,
+            # which nothing below changes.
+            journal.record(_pop_each, token_lists)
+            # The few requests that grow or fill a block, in request order as the
+            # per-request path takes them: a growth may evict a cached free block whose
+            # key a later request's filled block then takes (or not).
             caching = self.enable_prefix_caching
-            for rid, t, src in zip(request_ids, tables, token_ids, strict=True):
-                n = len(t.token_ids)
-                if n % bs == 0 or ref[t.block_table[-1]] > 1:
-                    copies.extend(self.allocate(rid, src, 1).copies)
-                    continue
-                t.token_ids.append(src[n])
-                appended.append(t)
-                if caching and (n + 1) % bs == 0:
-                    # Indexing appends to t.keys: journal it, or a rollback leaves a key
-                    # for a token that is gone and later blocks chain from it.
-                    self._record_table_undo(t)
+            grows = set(needy)
+            fills = set(filling) if caching else set()
+            for i in sorted(grows | fills):
+                t = tables[i]
+                if i in grows:
+                    copy = self._grow_one(t, len(t.token_ids) - 1)
+                    if copy is not None:
+                        copies.append(copy)
+                if i in fills:
+                    journal.record(_truncate, t.keys, len(t.keys))  # indexing appends keys
                     self._cache_full_blocks(t)
-        return copies
+        except BaseException:
+            if outermost:
+                journal.rollback()
+                self._all_changed = True
+            raise
+        if outermost:
+            journal.commit()
+            self._fresh.clear()
+        grown = [tables[i].block_table for i in needy]
+        return DecodeGrowth(copies, [t[-1] for t in grown], list(map(len, grown)))
+
+    def _grow_one(self, table: _Table, stored: int) -> BlockCopy | None:
+        """Room for the token at position ``stored`` of ``table`` (open transaction, a
+        free block checked):
+        a fresh block when the last one is full, else a private copy of the last block
+        if it is still shared (a sibling earlier in the same step may have copied away).
+        Only the block list and two reference counts change, each undone by one compact
+        entry; the caller is told the new tail (:class:`DecodeGrowth`)."""
+        blocks = table.block_table
+        ref = self._ref
+        partial = stored % self.block_size
+        if partial and ref[blocks[-1]] == 1:
+            return None  # its sibling copied away earlier in this step
+        b = self._pop_free()
+        ref[b] = 1
+        record = self._journal.record
+        if not partial:
+            blocks.append(b)
+            record(_undo_append_block, ref, blocks, b)
+            return None
+        src = blocks[-1]
+        ref[src] -= 1
+        blocks[-1] = b
+        record(_undo_copy_on_write, ref, blocks, src, b)
+        return BlockCopy(src, b)
+
+    def ref_count(self, block_id: int) -> int:
+        """How many tables hold ``block_id``."""
+        return self._ref[block_id]
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Share every block of ``parent_id`` with a new ``child_id`` (n > 1 sampling).
@@ -332,6 +557,7 @@ class BlockPool:
             raise DuplicateRequest(child_id, "fork")
         with self.transaction():
             child = self._new_table(child_id, parent.root_key)
+            self._mark_changed(parent)  # its last block is shared now
             for b in parent.block_table:
                 self._set_ref(b, self._ref[b] + 1)
             child.block_table.extend(parent.block_table)
@@ -343,14 +569,24 @@ class BlockPool:
 
         Cached blocks keep their index entry and stay reusable until evicted.
         """
-        table = self._table(request_id, "free")
-        with self.transaction():
-            for b in reversed(table.block_table):
-                self._set_ref(b, self._ref[b] - 1)
-                if self._ref[b] == 0:
-                    self._free.append(b)
+        table = self._tables.get(request_id)
+        if table is None:
+            raise UnknownRequest(request_id, "free")
+        self._mark_changed(table)
+        # Tail first (reversed), one run; release_n either completes or fails with
+        # everything put back, and nothing after it can fail, so outside a transaction
+        # no undo is recorded.
+        if not self._journal.active:
+            self._free.release_n(table.block_table[::-1], self._ref)
             del self._tables[request_id]
-            self._journal.record(lambda: self._tables.__setitem__(request_id, table))
+            return
+        try:
+            self._free.release_n(table.block_table[::-1], self._ref)
+            del self._tables[request_id]
+            self._journal.record(self._tables.__setitem__, request_id, table)
+        except BaseException:
+            self._abort(False)  # the opener's rollback undoes this call
+            raise
 
     def forget_cached(self, block_ids: Iterable[int]) -> int:
         """Drop the cache entries of these blocks (their K/V can no longer be trusted).
@@ -395,6 +631,9 @@ class BlockPool:
     def _cache_entries(self) -> list[CacheEntry]:
         return [e for b in self._index.values() if (e := self._entry[b]) is not None]
 
+    def _root_key(self, namespace: Namespace) -> bytes:
+        return self._default_root if namespace is DEFAULT_NAMESPACE else namespace.root_key()
+
     def _table(self, request_id: str, what: str) -> _Table:
         table = self._tables.get(request_id)
         if table is None:
@@ -410,7 +649,7 @@ class BlockPool:
     ) -> _Table:
         """A new request's table (part of :meth:`allocate`'s transaction): the hit's
         blocks, each gaining a reference, and their tokens; empty without a hit."""
-        table = self._new_table(request_id, hit.root_key if hit else namespace.root_key())
+        table = self._new_table(request_id, hit.root_key if hit else self._root_key(namespace))
         if hit is not None:
             for b, key in zip(hit.block_ids, hit.keys, strict=True):
                 self._take(b)
@@ -422,18 +661,20 @@ class BlockPool:
     def _append_free_blocks(self, table: _Table, count: int) -> list[int]:
         """Move ``count`` free blocks (reference 1) onto the end of ``table``; the caller
         has checked there are that many (part of :meth:`allocate`'s transaction)."""
-        new_blocks: list[int] = []
-        for _ in range(count):
-            b = self._pop_free()
-            self._set_ref(b, 1)
-            table.block_table.append(b)
-            new_blocks.append(b)
+        if not count:
+            return []
+        self._mark_changed(table)
+        new_blocks = self._free.acquire_n(count, self._ref)
+        self._evict_reused(new_blocks)
+        table.block_table.extend(new_blocks)
         return new_blocks
 
     def _new_table(self, request_id: str, root_key: bytes) -> _Table:
-        table = _Table(root_key)
+        table = _Table(request_id, root_key)
         self._tables[request_id] = table
-        self._journal.record(lambda: self._tables.pop(request_id))
+        self._mark_changed(table)
+        if self._journal.active:
+            self._journal.record(self._tables.pop, request_id)
         return table
 
     def _record_table_undo(self, table: _Table) -> None:
@@ -443,20 +684,12 @@ class BlockPool:
             return
         n_blocks, n_keys, n_tokens = len(table.block_table), len(table.keys), len(table.token_ids)
         last = table.block_table[-1] if table.block_table else None
-
-        def undo() -> None:
-            del table.block_table[n_blocks:]
-            del table.keys[n_keys:]
-            del table.token_ids[n_tokens:]
-            if last is not None:
-                table.block_table[-1] = last
-
-        self._journal.record(undo)
+        self._journal.record(_truncate_table, table, n_blocks, n_keys, n_tokens, last)
 
     def _validate_hit(
         self, request_id: str, hit: PrefixHit, token_ids: Sequence[int], namespace: Namespace
     ) -> None:
-        if hit.block_size != self.block_size or hit.root_key != namespace.root_key():
+        if hit.block_size != self.block_size or hit.root_key != self._root_key(namespace):
             raise InvalidArgument(
                 f"allocate: prefix hit for {request_id!r} comes from another pool or namespace"
             )
@@ -494,13 +727,20 @@ class BlockPool:
         self._set_ref(dst, 1)
         self._set_ref(src, self._ref[src] - 1)
         table.block_table[-1] = dst
+        self._mark_changed(table)
         return BlockCopy(src, dst)
 
     def _pop_free(self) -> int:
         b = self._free.popleft()
-        if self._entry[b] is not None:
-            self._uncache(b)  # evicted: its key must never point at the block's new tokens
+        self._evict_reused((b,))
         return b
+
+    def _evict_reused(self, blocks: Sequence[int]) -> None:
+        """Blocks taken from the free queue for new tokens lose their cache entries: a
+        key must never point at a block's new tokens (PREFIX)."""
+        if self._index:  # no entry at all (caching off): nothing to evict
+            entries = self._entry
+            self._uncache_run([b for b in blocks if entries[b] is not None])
 
     def _take(self, b: int) -> None:
         if self._ref[b] == 0:
@@ -511,44 +751,149 @@ class BlockPool:
         assert value >= 0, f"ref count of block {b} would go negative"
         old = self._ref[b]
         self._ref[b] = value
-        self._journal.record(lambda: self._ref.__setitem__(b, old))
+        self._journal.record(self._ref.__setitem__, b, old)
 
     def _cache_full_blocks(self, table: _Table) -> None:
+        """Index the table's full blocks not indexed yet (their keys join ``table.keys``)."""
         bs = self.block_size
-        for i in range(len(table.keys), table.num_stored // bs):
-            parent = table.keys[-1] if table.keys else table.root_key
-            tokens = tuple(table.token_ids[i * bs : (i + 1) * bs])
+        keys, token_ids, block_table = table.keys, table.token_ids, table.block_table
+        first, end = len(keys), len(token_ids) // bs
+        if first >= end:
+            return
+        index, entries = self._index, self._entry
+        parent = keys[-1] if keys else table.root_key
+        indexed: list[int] = []
+        for i in range(first, end):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             key = block_key(parent, tokens)
-            table.keys.append(key)
-            b = table.block_table[i]
+            keys.append(key)
+            b = block_table[i]
             # Two requests may compute the same new prefix in one step; the first one
             # indexed wins and the other block simply stays private.
-            if key not in self._index and self._entry[b] is None:
-                self._cache(b, CacheEntry(key, b, parent, tokens))
+            if key not in index and entries[b] is None:
+                index[key] = b
+                entries[b] = _cache_entry(key, b, parent, tokens)
+                indexed.append(b)
+            parent = key
+        if indexed and self._journal.active:
+            self._fresh.update(indexed)
+            self._journal.record(self._unindex_run, indexed)
 
-    def _cache(self, b: int, entry: CacheEntry) -> None:
-        self._index[entry.key] = b
-        self._entry[b] = entry
-        if self._journal.active:
-            self._fresh.add(b)
+    def _unindex_run(self, blocks: list[int]) -> None:
+        # Undo of _cache_full_blocks: the blocks' entries are the ones it made.
+        index, entries = self._index, self._entry
+        for b in blocks:
+            entry = entries[b]
+            assert entry is not None
+            del index[entry.key]
+            entries[b] = None
 
-        def undo() -> None:
-            del self._index[entry.key]
-            self._entry[b] = None
+    def _uncache_run(self, blocks: list[int]) -> None:
+        """Drop the cache entries of ``blocks`` (each has one), with one undo record."""
+        if not blocks:
+            return
+        index, entries = self._index, self._entry
+        dropped: list[CacheEntry] = []
+        for b in blocks:
+            entry = entries[b]
+            assert entry is not None
+            del index[entry.key]
+            entries[b] = None
+            dropped.append(entry)
+        self._journal.record(self._reindex_run, dropped)
 
-        self._journal.record(undo)
+    def _reindex_run(self, dropped: list[CacheEntry]) -> None:
+        # Undo of _uncache_run.
+        index, entries = self._index, self._entry
+        for entry in dropped:
+            index[entry.key] = entry.block_id
+            entries[entry.block_id] = entry
 
     def _uncache(self, b: int) -> None:
         entry = self._entry[b]
         assert entry is not None
         del self._index[entry.key]
         self._entry[b] = None
+        self._journal.record(self._reindex, b, entry)
 
-        def undo() -> None:
-            self._index[entry.key] = b
-            self._entry[b] = entry
+    def _reindex(self, b: int, entry: CacheEntry) -> None:
+        # Undo of _uncache.
+        self._index[entry.key] = b
+        self._entry[b] = entry
 
-        self._journal.record(undo)
+
+_TOKEN_IDS = attrgetter("token_ids")
+
+
+def _truncate(items: list[int] | list[bytes], n: int) -> None:
+    del items[n:]
+
+
+def _undo_append_block(ref: list[int], blocks: list[int], b: int) -> None:
+    blocks.pop()
+    ref[b] = 0
+
+
+def _undo_copy_on_write(ref: list[int], blocks: list[int], src: int, b: int) -> None:
+    blocks[-1] = src
+    ref[src] += 1
+    ref[b] = 0
+
+
+def _pop_each(token_lists: list[list[int]]) -> None:
+    for tokens in token_lists:
+        tokens.pop()
+
+
+def _taken(token_ids: Sequence[int], start: int, end: int) -> list[int] | tuple[int, ...]:
+    """The token ids ``[start, end)`` as a list or tuple, which a table's list can then be
+    extended by without any failure (the whole of a list is not copied here)."""
+    new = token_ids if start == 0 and end == len(token_ids) else token_ids[start:end]
+    return new if type(new) is list or isinstance(new, tuple) else list(new)
+
+
+def _cache_entry(key: bytes, b: int, parent: bytes, tokens: tuple[int, ...]) -> CacheEntry:
+    # As _allocation: the same frozen instance without the per-field object.__setattr__.
+    e = object.__new__(CacheEntry)
+    d = e.__dict__
+    d["key"] = key
+    d["block_id"] = b
+    d["parent_key"] = parent
+    d["token_ids"] = tokens
+    return e
+
+
+def _allocation(
+    request_id: str,
+    start: int,
+    num_new_tokens: int,
+    num_cached: int,
+    new_blocks: list[int],
+    copies: tuple[BlockCopy, ...],
+) -> Allocation:
+    # The frozen dataclass's generated __init__ sets each field through
+    # object.__setattr__, half of a small allocate's fixed cost; filling the instance
+    # dict directly gives the same object.
+    a = object.__new__(Allocation)
+    d = a.__dict__
+    d["request_id"] = request_id
+    d["start_position"] = start
+    d["num_new_tokens"] = num_new_tokens
+    d["num_cached_tokens"] = num_cached
+    d["new_block_ids"] = tuple(new_blocks)
+    d["copies"] = copies
+    return a
+
+
+def _truncate_table(
+    table: _Table, n_blocks: int, n_keys: int, n_tokens: int, last: int | None
+) -> None:
+    # Undo of growth (see _record_table_undo).
+    del table.block_table[n_blocks:]
+    del table.keys[n_keys:]
+    del table.token_ids[n_tokens:]
+    if last is not None:
+        table.block_table[-1] = last
 
 
 def _entry_order(e: CacheEntry) -> int:

@@ -6,10 +6,18 @@ size" can be read off the table (``extra_info`` carries K and the pool size). Po
 built once per test (O(num_blocks) setup, outside the timed rounds), half of them held by
 background requests, and with prefix caching every free block starts out cached so each
 pop also evicts, in both sizes alike.
+
+``python tests/bench/test_pool_bench.py [rounds]`` (not collected by pytest) times
+allocate + free of K blocks on the two sizes in interleaved rounds, the order alternating,
+and prints the medians per block and the 100k / 1k ratio; the side-by-side figures against
+vLLM's BlockPool are ``make bench-peers`` (conformance/bench/peers.py, "Block pool").
 """
 
 from __future__ import annotations
 
+import statistics
+import sys
+import time
 from itertools import count
 from typing import Any
 
@@ -112,3 +120,34 @@ def test_decode_append(benchmark: Benchmark, num_blocks: int) -> None:
 
     # 40 new blocks per request: fits the 1k pool's ~500 free blocks.
     benchmark.pedantic(step, rounds=BS * 40, iterations=1)
+
+
+def interleaved_sizes(rounds: int) -> dict[bool, dict[int, float]]:
+    """Median us per block of allocate + free of K fresh blocks, per caching and pool
+    size, the sizes' rounds interleaved (order alternating) so load drift hits both."""
+    out: dict[bool, dict[int, float]] = {}
+    for caching in (False, True):
+        pools = [(n, make_pool(n, caching)) for n in SIZES]
+        fresh = count(10**9)
+        times: dict[int, list[int]] = {n: [] for n in SIZES}
+        for r in range(rounds):
+            for n, pool in pools if r % 2 == 0 else pools[::-1]:
+                tokens = [next(fresh) for _ in range(K * BS)]
+                t0 = time.perf_counter_ns()
+                pool.allocate("r", tokens, K * BS)
+                pool.free("r")
+                times[n].append(time.perf_counter_ns() - t0)
+        warm = rounds // 10
+        out[caching] = {n: statistics.median(t[warm:]) / K / 1e3 for n, t in times.items()}
+    return out
+
+
+if __name__ == "__main__":
+    figures = interleaved_sizes(int(sys.argv[1]) if len(sys.argv) > 1 else 3000)
+    for caching, per_size in figures.items():
+        lo, hi = per_size[SIZES[0]], per_size[SIZES[-1]]
+        print(
+            f"allocate+free, {'prefix caching' if caching else 'no prefix caching'}: "
+            f"{lo:.3f} us/block at {SIZES[0]} blocks, {hi:.3f} at {SIZES[-1]}, "
+            f"ratio {hi / lo:.2f}"
+        )

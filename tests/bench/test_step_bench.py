@@ -2,8 +2,11 @@
 
 Measures ``schedule()``, building the executor inputs (token ids, positions, slot
 mapping, block tables as int tensors) and ``commit()`` together, per running request.
-Side by side with vLLM and nano-vllm-fork on the same workload: ``make bench-peers``
-(README, "Benchmarks"). Target: <= 2 us at 1024.
+The bulk path runs on the persistent batch (docs/ARCHITECTURE.md, "The persistent
+batch"). The interleaved bulk-vs-reference figures with prefix caching off and on, and
+the memory per request, come from ``conformance.bench.peers --engines ref ref-loop`` and
+``conformance.bench.memory`` (the last part of ``make bench``); side by side with vLLM
+and nano-vllm-fork: ``make bench-peers``.
 Run: ``make bench`` (or ``pytest tests/bench/test_step_bench.py --benchmark-only``).
 """
 
@@ -13,6 +16,7 @@ import gc
 import os
 
 import pytest
+import torch
 from pytest_benchmark.fixture import BenchmarkFixture
 
 from ref.core.config import SchedulerConfig
@@ -41,8 +45,8 @@ def running_decodes(n: int, *, fast_decode: bool = True) -> Scheduler:
 
 def one_step(s: Scheduler) -> None:
     plan = s.schedule()
-    inputs = build_inputs(plan, s.requests, s.pool)
-    s.commit(plan, dict.fromkeys(inputs.sample_request_ids, 7))
+    inputs = build_inputs(plan, s.requests, s.pool, s.batch)
+    s.commit(plan, torch.full((len(inputs.sample_request_ids),), 7))
 
 
 @pytest.mark.parametrize("fast_decode", [True, False], ids=["bulk", "reference"])

@@ -210,8 +210,8 @@ class NoCopiesKV(RefKVAdapter):
 
 
 class _StalePool(BlockPool):
-    def _pop_free(self) -> int:
-        return self._free.popleft()  # reused without dropping its cache entry
+    def _evict_reused(self, blocks: Sequence[int]) -> None:
+        pass  # reused without dropping their cache entries
 
 
 class StaleCacheKV(RefKVAdapter):

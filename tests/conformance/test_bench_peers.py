@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.bench import peers
+from conformance.bench import memory, peers
 from conformance.bench.peers import Cell, Run, growth, per_request_us, phase_us, ratio
 from conformance.bench.worker import Unsupported, handle
 from conformance.bench.workload import Shape, prompt, prompt_len, shapes
@@ -193,3 +193,37 @@ def test_a_broken_worker_is_one_line(
     assert run.engines["vllm"]["error"] == expected
     assert log.getvalue() == f"bench-peers: vllm: {expected}\n"
     assert {c.status for c in run.cells} == {"error"}
+
+
+def test_make_bench_times_the_bulk_path_against_the_reference_loop(tmp_path: Path) -> None:
+    """`make bench`'s step table: refserve and refserve on its reference loop, each in
+    its own worker, with the reference loop's ratio to the bulk path."""
+    out_json, out_md = tmp_path / "s.json", tmp_path / "s.md"
+    code = peers.main(
+        [
+            *("--engines", "ref", "ref-loop", "--only", "steps"),
+            *("--sizes", "8", "--rounds", "2", "--warmup", "0"),
+            *("--json", str(out_json), "--markdown", str(out_md)),
+        ]
+    )
+    assert code == 0
+    data = json.loads(out_json.read_text())
+    assert data["engines"]["ref-loop"]["name"].endswith(", reference loop")
+    cells = {(c["engine"], c["prefix_caching"]): c for c in data["cells"]}
+    assert set(cells) == {(e, p) for e in ("ref", "ref-loop") for p in (False, True)}
+    assert all(c["status"] == "ok" and c["us_per_request"] > 0 for c in cells.values())
+    assert "reference loop" in out_md.read_text() and data["parts"] == ["steps"]
+
+
+def test_make_bench_reports_the_heap_per_running_request(tmp_path: Path) -> None:
+    out_json, out_md = tmp_path / "m.json", tmp_path / "m.md"
+    assert (
+        memory.main(["--sizes", "8", "32", "--json", str(out_json), "--markdown", str(out_md)]) == 0
+    )
+    figures = json.loads(out_json.read_text())["figures"]
+    assert [f["n"] for f in figures] == [8, 32]
+    # A request holds its prompt (100-128 token ids, twice: the request and the pool's
+    # table) and its bookkeeping: kilobytes, not bytes and not megabytes.
+    assert all(2_000 < f["heap_bytes_per_request"] < 100_000 for f in figures)
+    assert all(0 < f["step_bytes_per_request"] < 100_000 for f in figures)
+    assert "| 32 |" in out_md.read_text()

@@ -90,3 +90,124 @@ def test_journal_and_free_queue_misuse_fails_loudly() -> None:
         fq.remove(0)
     journal.rollback()
     assert list(fq) == [0] and not journal.active
+
+
+def _state(fq: FreeQueue, n: int) -> tuple[list[int], int, list[bool]]:
+    return list(fq), len(fq), [b in fq for b in range(n)]
+
+
+def test_runs_interleaved_with_single_changes_roll_back_to_the_exact_order() -> None:
+    journal = Journal()
+    fq = FreeQueue(10, journal)
+    fq.remove(3)
+    fq.append(3)  # order 0 1 2 4 5 6 7 8 9 3: not id order, so a wrong relink shows
+    before = _state(fq, 10)
+    journal.begin()
+    assert fq.popleft_n(3) == [0, 1, 2]
+    fq.remove(7)
+    fq.append_n([1, 7])
+    assert fq.popleft_n(2) == [4, 5]
+    fq.append(0)
+    fq.remove(9)
+    fq.append_n([9, 5, 2])
+    assert fq.popleft_n(4) == [6, 8, 3, 1]
+    assert list(fq) == [7, 0, 9, 5, 2] and len(fq) == 5
+    journal.rollback()
+    assert _state(fq, 10) == before
+
+
+def test_acquire_and_release_runs_set_counts_and_roll_back_exactly() -> None:
+    journal = Journal()
+    fq = FreeQueue(6, journal)
+    counts = [0] * 6
+    journal.begin()
+    run = fq.acquire_n(4, counts)
+    assert run == [0, 1, 2, 3] and counts == [1, 1, 1, 1, 0, 0] and list(fq) == [4, 5]
+    counts[2] += 1  # a second holder (the pool journals its own changes)
+    fq.release_n(run[::-1], counts)  # only the blocks reaching zero join, in that order
+    assert counts == [0, 0, 1, 0, 0, 0] and list(fq) == [4, 5, 3, 1, 0] and len(fq) == 5
+    assert 2 not in fq
+    counts[2] -= 1
+    journal.rollback()
+    assert counts == [0] * 6 and list(fq) == [0, 1, 2, 3, 4, 5] and len(fq) == 6
+
+
+def test_a_run_records_one_journal_entry_whatever_its_length() -> None:
+    journal = Journal()
+    fq = FreeQueue(64, journal)
+    counts = [0] * 64
+    journal.begin()
+    run = fq.popleft_n(32)
+    assert journal.num_entries == 1
+    fq.append_n(run)
+    assert journal.num_entries == 2
+    fq.release_n(fq.acquire_n(16, counts), counts)
+    assert journal.num_entries == 4
+    journal.rollback()
+    assert list(fq) == list(range(64)) and journal.num_entries == 0
+
+
+def test_outside_a_transaction_runs_record_nothing() -> None:
+    journal = Journal()
+    fq = FreeQueue(8, journal)
+    counts = [0] * 8
+    fq.append_n(fq.popleft_n(3))
+    fq.release_n(fq.acquire_n(2, counts), counts)
+    assert list(fq) == [5, 6, 7, 0, 1, 2, 3, 4] and len(fq) == 8
+    assert journal.num_entries == 0 and counts == [0] * 8
+
+
+@pytest.mark.parametrize("journaled", [False, True])
+def test_a_failed_run_leaves_the_queue_and_counts_unchanged(journaled: bool) -> None:
+    journal = Journal()
+    fq = FreeQueue(6, journal)
+    counts = [0] * 6
+    assert fq.acquire_n(3, counts) == [0, 1, 2]  # held once each; 3 4 5 queued
+    if journaled:
+        journal.begin()
+    before = (_state(fq, 6), list(counts), journal.num_entries)
+    with pytest.raises(AssertionError, match=r"^block 4 is already in the free queue"):
+        fq.append_n([0, 1, 4])
+    with pytest.raises(AssertionError, match=r"^block 0 is already in the free queue"):
+        fq.append_n([0, 0])
+    assert (_state(fq, 6), counts, journal.num_entries) == before
+    counts[3] = 1  # inconsistent on purpose: a queued block that reaches zero again
+    with pytest.raises(AssertionError, match=r"^block 3 is already in the free queue"):
+        fq.release_n([1, 3], counts)
+    assert counts[3] == 1
+    counts[3] = 0
+    with pytest.raises(AssertionError, match=r"^ref count of block 5 would go negative"):
+        fq.release_n([2, 1, 5], counts)
+    assert (_state(fq, 6), counts, journal.num_entries) == before
+    if journaled:
+        journal.rollback()
+        assert (_state(fq, 6), counts) == before[:2]
+
+
+def test_the_journal_replays_compact_entries_newest_first() -> None:
+    journal = Journal()
+    log: list[object] = []
+    journal.record(log.append, "outside")  # no transaction: nothing is kept
+    assert not _is_open(journal) and journal.num_entries == 0
+    journal.begin()
+    assert _is_open(journal)
+    journal.record(log.append, 1)
+    journal.record(lambda: log.append("zero-argument form"))
+    journal.record(log.extend, (2, 3))
+    assert journal.num_entries == 3
+    journal.rollback()
+    assert log == [2, 3, "zero-argument form", 1]
+    assert not _is_open(journal) and journal.num_entries == 0
+    journal.begin()
+    journal.record(log.clear)
+    journal.commit()  # a commit drops the entries: nothing is replayed
+    assert log == [2, 3, "zero-argument form", 1] and not _is_open(journal)
+    with pytest.raises(RuntimeError), journal.transaction():
+        journal.record(log.pop)
+        raise RuntimeError
+    assert log == [2, 3, "zero-argument form"]
+
+
+def _is_open(journal: Journal) -> bool:
+    # A call, so that mypy does not narrow ``active`` across begin() and rollback().
+    return journal.active

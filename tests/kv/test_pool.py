@@ -572,7 +572,7 @@ def test_block_table_view_is_the_live_table() -> None:
 def test_pool_unknown_request_messages_name_the_operation() -> None:
     pool = BlockPool(4, 2)
     pool.allocate("a", [1, 2, 3], 3)
-    cases = {
+    cases: dict[str, Callable[[], object]] = {
         "num_stored": lambda: pool.num_stored("x"),
         "block_table": lambda: pool.block_table("x"),
         "free": lambda: pool.free("x"),
@@ -848,3 +848,82 @@ def test_rollback_of_fast_decode_restores_chain_keys() -> None:
     pool.allocate("s", [1, 2, 7], 3)  # indexes the key of (1, 2)
     assert pool.lookup([1, 2, 4, 5, 9]).block_ids == pool.block_table("s")[:1]
     assert_valid(pool)
+
+
+def _round_trip(pool: BlockPool, tag: str, k: int, bs: int) -> Allocation:
+    tokens = [(len(tag) * 7919 + ord(tag[-1]) * 131 + i) % 30_000 for i in range(k * bs)]
+    alloc = pool.allocate(tag, tokens, len(tokens))
+    pool.free(tag)
+    return alloc
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_allocate_and_free_outside_and_inside_a_transaction_agree(caching: bool) -> None:
+    """The unjournaled allocate/free outside a transaction (no undo records) leaves the
+    pool exactly as the journaled one inside a committed transaction does."""
+    outside = BlockPool(40, 4, enable_prefix_caching=caching)
+    inside = BlockPool(40, 4, enable_prefix_caching=caching)
+    outside.allocate("held", list(range(-1, -11, -1)), 10)
+    inside.allocate("held", list(range(-1, -11, -1)), 10)
+    for i, k in enumerate([3, 8, 1, 30, 5]):
+        a = _round_trip(outside, f"r{i}", k, 4)
+        inside.begin()
+        b = _round_trip(inside, f"r{i}", k, 4)
+        inside.commit()
+        assert a == b and len(a.new_block_ids) == k
+        assert outside.snapshot() == inside.snapshot()
+    check_pool(outside.snapshot())
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_rolled_back_step_of_runs_restores_the_pool_exactly(caching: bool) -> None:
+    pool = BlockPool(64, 4, enable_prefix_caching=caching)
+    pool.allocate("a", list(range(100, 130)), 30)
+    pool.fork("a", "b")
+    _round_trip(pool, "warm", 20, 4)  # with caching: cached free blocks, evicted on pop
+    before = pool.snapshot()
+    pool.begin()
+    pool.allocate("c", list(range(200, 240)), 40)
+    alloc = pool.allocate("b", [*range(100, 130), 1, 2, 3], 3)
+    assert len(alloc.copies) == 1  # the shared partial tail is copied
+    pool.free("a")  # shared with b: those blocks only lose a reference
+    pool.free("c")
+    _round_trip(pool, "d", 30, 4)
+    pool.rollback()
+    assert pool.snapshot() == before
+    check_pool(pool.snapshot())
+
+
+def test_a_run_of_blocks_costs_a_constant_number_of_undo_records() -> None:
+    """Compact journal: allocating or freeing K blocks records O(1) entries, not O(K)."""
+    counts = []
+    for k in (2, 32):
+        pool = BlockPool(64, 4, enable_prefix_caching=False)
+        pool.begin()
+        pool.allocate("r", list(range(k * 4)), k * 4)
+        allocated = pool._journal.num_entries
+        pool.free("r")
+        counts.append((allocated, pool._journal.num_entries))
+        pool.rollback()
+        assert pool.num_free_blocks == 64
+    assert counts[0] == counts[1]
+
+
+def test_the_unjournaled_allocate_still_raises_typed_errors_with_nothing_changed() -> None:
+    pool = BlockPool(4, 2, enable_prefix_caching=False)
+    pool.allocate("h", [9, 9, 9, 9], 4)
+    before = pool.snapshot()
+    with pytest.raises(OutOfBlocks):
+        pool.allocate("a", list(range(6)), 6)  # 3 blocks, 2 free
+    with pytest.raises(ExceedsCapacity):
+        pool.allocate("a", list(range(10)), 10)  # 5 blocks of 4
+    with pytest.raises(InvalidArgument):
+        pool.allocate("a", [1, 2], 3)
+    with pytest.raises(InvalidArgument):
+        pool.allocate("a", [1, 2], True)
+    with pytest.raises(InvalidArgument):
+        pool.allocate("a", [1, 2], 0)
+    assert pool.snapshot() == before and not pool.has_request("a")
+    alloc = pool.allocate("a", (5, 6, 7), 3)  # a tuple of token ids works as a list
+    assert alloc == Allocation("a", 0, 3, 0, (2, 3), ())
+    assert pool.snapshot().tables[0].token_ids == (5, 6, 7)

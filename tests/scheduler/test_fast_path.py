@@ -1,24 +1,36 @@
 """The bulk decode path equals the per-request reference loop (differential test).
 
-Two schedulers, one with ``fast_decode`` and one without, get the same workload; every
-plan and every snapshot must be identical, under memory pressure (preemption falls back
-to the reference loop), prefix sharing and forks' copy-on-write alike.
+Two schedulers, one with ``fast_decode`` (the persistent batch, ref/core/batch.py) and
+one without, get the same workload; every plan, every executor input and every snapshot
+must be identical, under memory pressure (preemption falls back to the reference loop),
+prefix sharing, forks' copy-on-write, aborts and rollbacks alike; and the inputs the
+batch builds equal those built from the requests and the pool's tables.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+
 import pytest
+import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from ref.core.batch import DecodeRows, Ints, PersistentBatch
 from ref.core.config import SchedulerConfig
+from ref.core.inputs import ModelInputs, build_inputs
 from ref.core.request import Request, StopParams
 from ref.core.scheduler import Scheduler
+from ref.kv import BlockPool
 from ref.sim.simulator import fake_token
+from spec.snapshot import RequestStatus
 
 
 @st.composite
-def workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, list[tuple[int, list[int], int]]]:
+def workloads(
+    draw: st.DrawFn,
+) -> tuple[SchedulerConfig, list[tuple[int, list[int], int]], int]:
     block_size = draw(st.integers(1, 5))
     cfg = SchedulerConfig(
         max_num_batched_tokens=draw(st.integers(1, 24)),
@@ -33,24 +45,49 @@ def workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, list[tuple[int, list[in
         arrival_step = draw(st.integers(0, 12))
         prompt = draw(st.lists(st.integers(1, 3), min_size=1, max_size=3 * block_size + 2))
         reqs.append((arrival_step, prompt, draw(st.integers(1, 12))))
-    return cfg, reqs
+    return cfg, reqs, draw(st.integers(0, 30))
 
 
-@settings(max_examples=150)
+def _assert_same_inputs(a: ModelInputs, b: ModelInputs) -> None:
+    assert a.request_ids == b.request_ids
+    assert a.sample_request_ids == b.sample_request_ids
+    for name in (
+        "input_ids",
+        "positions",
+        "slot_mapping",
+        "query_start_loc",
+        "seq_lens",
+        "block_tables",
+        "sample_rows",
+    ):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), f"{name}: {x} != {y}"
+
+
+Work = tuple[SchedulerConfig, list[tuple[int, list[int], int]], int]
+
+
+@settings(max_examples=int(os.environ.get("FAST_PATH_EXAMPLES", "150")))
 @given(workloads())
-def test_fast_decode_path_matches_reference_loop(
-    work: tuple[SchedulerConfig, list[tuple[int, list[int], int]]],
-) -> None:
-    cfg, reqs = work
+def test_fast_decode_path_matches_reference_loop(work: Work) -> None:
+    run_side_by_side(work, on_bulk=event)
+
+
+def run_side_by_side(work: Work, on_bulk: Callable[[str], None] | None = None) -> None:
+    """Drive a fast and a reference scheduler through ``work``; AssertionError at the
+    first step where plans, inputs, snapshots or running orders differ."""
+    cfg, reqs, abort_at = work
+    forked: set[str] = set()
     fast, slow = Scheduler(cfg, fast_decode=True), Scheduler(cfg, fast_decode=False)
-    bulk = fast.pool.append_decode_tokens
+    if on_bulk is not None:
+        bulk = fast.pool.append_decodes
 
-    def counted(*args: object) -> object:
-        out = bulk(*args)  # type: ignore[arg-type]
-        event("bulk decode path" if out is not None else "fell back to the reference loop")
-        return out
+        def counted(*args: object) -> object:
+            out = bulk(*args)  # type: ignore[arg-type]
+            on_bulk("bulk decode path" if out is not None else "fell back to the reference loop")
+            return out
 
-    fast.pool.append_decode_tokens = counted  # type: ignore[assignment, method-assign]
+        fast.pool.append_decodes = counted  # type: ignore[assignment, method-assign]
     for step in range(200):
         for s in (fast, slow):
             for i, (arrival, prompt, max_tokens) in enumerate(reqs):
@@ -67,15 +104,100 @@ def test_fast_decode_path_matches_reference_loop(
         pf, ps = fast.schedule(), slow.schedule()
         assert pf == ps, f"step {step}: plans differ"
         assert fast.pool.snapshot() == slow.pool.snapshot()
+        _assert_same_inputs(
+            build_inputs(pf, fast.requests, fast.pool, fast.batch),
+            build_inputs(ps, slow.requests, slow.pool),
+        )
+        if step % 7 == 3:  # a failed step: both roll back, then plan it again
+            fast.rollback()
+            slow.rollback()
+            assert fast.snapshot() == slow.snapshot()
+            pf, ps = fast.schedule(), slow.schedule()
+            assert pf == ps, f"step {step}: plans differ after a rollback"
         sampled = {
             rid: fake_token(fast.requests[rid].seq, fast.requests[rid].num_tokens) % 3 + 1
             for rid, smp in zip(pf.request_ids, pf.samples, strict=True)
             if smp
         }
-        fast.commit(pf, sampled)
+        # The fast side gets the tokens as an array in plan order, the slow one by id.
+        fast.commit(pf, torch.tensor(list(sampled.values()), dtype=torch.int64))
         slow.commit(ps, sampled)
         assert fast.snapshot() == slow.snapshot()
+        assert [r.request_id for r in fast.running] == [r.request_id for r in slow.running]
+        if step == abort_at and fast.running:
+            victim = fast.running[len(fast.running) // 2].request_id
+            fast.abort(victim)
+            slow.abort(victim)
+        for r in list(fast.running):  # n = 2: a sibling sharing every block (COW)
+            child = r.request_id + ".1"
+            decoding = r.status is RequestStatus.DECODING
+            if decoding and r.num_output_tokens == 1 and "." not in r.request_id and step % 2:
+                if child in forked:
+                    continue
+                forked.add(child)
+                if on_bulk is not None:
+                    on_bulk("forked")
+                for s in (fast, slow):
+                    s.fork(r.request_id, child, 2, StopParams(4, ignore_eos=True))
     assert not fast.has_unfinished
+
+
+# A workload that crosses blocks, forks, rolls back, aborts and finishes by length.
+PLANTED: Work = (
+    SchedulerConfig(
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        block_size=2,
+        num_blocks=40,
+        enable_prefix_caching=True,
+        prefill_reserve_tokens=0,
+    ),
+    # The last one forks at step 9 and both copy-on-write in step 10, rolled back.
+    [(0, [1, 2, 3], 9), (0, [1, 2, 3], 7), (1, [2, 2], 12), (2, [3], 5), (9, [4, 5, 6], 6)],
+    6,
+)
+
+
+def test_the_planted_workload_passes_unplanted() -> None:
+    run_side_by_side(PLANTED)
+
+
+_NEEDS_BLOCK = PersistentBatch.needs_block
+_COMMIT_DECODES = PersistentBatch.commit_decodes
+
+
+def _drop_last_needy(self: PersistentBatch, rows: DecodeRows, pool: BlockPool) -> list[int]:
+    return _NEEDS_BLOCK(self, rows, pool)[:-1]
+
+
+def _forget_growth(self: PersistentBatch, rows: DecodeRows, needy: list[int], g: object) -> None:
+    return None  # the rows keep their old tables
+
+
+def _miss_length(self: PersistentBatch, rows: DecodeRows, tokens: Ints, now_ms: float) -> list[int]:
+    self.limit[rows.slots] += 1  # finishes one token late
+    return _COMMIT_DECODES(self, rows, tokens, now_ms)
+
+
+def _ignore_rollback(self: PersistentBatch, pool: BlockPool) -> None:
+    pool.take_changed()  # drops the "every table" mark of a rollback
+
+
+@pytest.mark.parametrize(
+    ("method", "planted"),
+    [
+        ("needs_block", _drop_last_needy),
+        ("grew", _forget_growth),
+        ("commit_decodes", _miss_length),
+        ("sync_tables", _ignore_rollback),
+    ],
+)
+def test_the_differential_test_catches_a_planted_batch_bug(
+    monkeypatch: pytest.MonkeyPatch, method: str, planted: Callable[..., object]
+) -> None:
+    monkeypatch.setattr(PersistentBatch, method, planted)
+    with pytest.raises(AssertionError):
+        run_side_by_side(PLANTED)
 
 
 @pytest.mark.mutation_kill
@@ -85,15 +207,15 @@ def test_steady_decodes_take_the_bulk_path() -> None:
     differential test above cannot tell a skipped fast path from a taken one)."""
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, block_size=4, num_blocks=64)
     s = Scheduler(cfg, fast_decode=True)
-    bulk = s.pool.append_decode_tokens
+    bulk = s.pool.append_decodes
     calls: list[tuple[list[str], bool]] = []
 
-    def spy(ids: list[str], tokens: list[list[int]]) -> object:
-        out = bulk(ids, tokens)
+    def spy(ids: list[str], *args: list[int]) -> object:
+        out = bulk(ids, *args)
         calls.append((list(ids), out is not None))
         return out
 
-    s.pool.append_decode_tokens = spy  # type: ignore[assignment, method-assign]
+    s.pool.append_decodes = spy  # type: ignore[assignment, method-assign]
     for i in range(4):
         s.add_request(Request(f"r{i}", [1, 2, 3], StopParams(max_tokens=6, ignore_eos=True)))
     decode_steps = 0

@@ -1,0 +1,301 @@
+"""The persistent batch: the running requests' per-step state in arrays, by slot.
+
+docs/ARCHITECTURE.md, "The persistent batch". Every running request holds a slot; its
+KV length, token count, last token, length limit, stop ids, decoding flag and block
+table live in preallocated arrays at that slot, so the steady decode step (every
+running request decoding one token) is planned, turned into executor inputs and
+committed with vector operations: Python runs per request only for those that cross a
+block boundary, share their last block (copy-on-write) or finish. Slots are recycled
+when a request leaves the running set (finish, preemption, pause, abort).
+
+The :class:`~ref.core.request.Request` objects stay the source of truth; the arrays
+mirror them. A row is (re)loaded from its request whenever anything but the bulk path
+changed it (admission, a prefill chunk, the reference decode loop), and its block-table
+row whenever the pool reports the table changed (``BlockPool.take_changed``; a
+rollback reports every table). The bulk commit writes both the arrays and the requests.
+The mirror is checked from outside: the differential test runs the per-request
+reference loop beside it and requires identical plans, inputs and snapshots at every
+step, and the POS invariant reads the slot mapping from the tensors this batch builds.
+
+Arrays are numpy (cheap scalar writes for the few rows that change) and reach the
+executor as torch tensors sharing their memory.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from itertools import compress, repeat
+from typing import TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from ref.core.request import Request
+from ref.kv import BlockPool, DecodeGrowth
+from spec.snapshot import RequestStatus
+
+S = RequestStatus
+Ints = npt.NDArray[np.int64]
+AnyArray = TypeVar("AnyArray", bound=np.generic)
+
+NO_STOP = -1
+"""Padding of the stop-id matrix: token ids are >= 0, so it never matches."""
+_MIN_CAPACITY = 16
+_MIN_WIDTH = 8
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """The decoding requests of one step, in running (admission) order.
+
+    ``slots`` index the batch arrays; the lists are parallel to it: the requests, their
+    ids, and their live token and token-time lists (the bulk commit appends to them).
+    """
+
+    slots: Ints
+    requests: list[Request]
+    request_ids: list[str]
+    token_lists: list[list[int]]
+    time_lists: list[list[float]]
+
+
+class PersistentBatch:
+    """The running requests in admission order, with their per-step state by slot."""
+
+    def __init__(self, block_size: int, max_len: int) -> None:
+        self.block_size = block_size
+        self.max_len = max_len
+        # In running (admission) order; Scheduler.running is ``requests``.
+        self.requests: list[Request] = []
+        self._ids: list[str] = []
+        self._order: list[int] = []  # their slots
+        self._token_lists: list[list[int]] = []  # their token_ids (the same list objects)
+        self._time_lists: list[list[float]] = []  # their token_times_ms
+        self._order_array: Ints | None = None  # _order as an array, rebuilt on change
+        self._slot: dict[str, int] = {}
+        # By slot.
+        cap, width = _MIN_CAPACITY, _MIN_WIDTH
+        self.num_computed: Ints = np.zeros(cap, dtype=np.int64)  # KV length
+        self.num_tokens: Ints = np.zeros(cap, dtype=np.int64)
+        self.last_token: Ints = np.zeros(cap, dtype=np.int64)
+        self.limit: Ints = np.zeros(cap, dtype=np.int64)  # num_tokens that ends it (LENGTH)
+        self.stop_ids: Ints = np.full((cap, 1), NO_STOP, dtype=np.int64)
+        self.decoding = np.zeros(cap, dtype=np.bool_)
+        self.shared_tail = np.zeros(cap, dtype=np.bool_)  # its last block may be shared
+        self.num_blocks: Ints = np.zeros(cap, dtype=np.int64)
+        self.block_table = np.zeros((cap, width), dtype=np.int32)  # zero past num_blocks
+        self._free: list[int] = list(range(cap - 1, -1, -1))  # recycled slots
+
+    def _grow(self, capacity: int, width: int) -> None:
+        """Reallocate for ``capacity`` slots and ``width`` blocks, keeping every row."""
+        have, had_width = self.block_table.shape
+
+        def grown(
+            a: npt.NDArray[AnyArray], shape: tuple[int, ...], fill: int
+        ) -> npt.NDArray[AnyArray]:
+            out = np.full(shape, fill, dtype=a.dtype)
+            out[tuple(slice(0, n) for n in a.shape)] = a
+            return out
+
+        self.num_computed = grown(self.num_computed, (capacity,), 0)
+        self.num_tokens = grown(self.num_tokens, (capacity,), 0)
+        self.last_token = grown(self.last_token, (capacity,), 0)
+        self.limit = grown(self.limit, (capacity,), 0)
+        self.stop_ids = grown(self.stop_ids, (capacity, self.stop_ids.shape[1]), NO_STOP)
+        self.decoding = grown(self.decoding, (capacity,), 0)
+        self.shared_tail = grown(self.shared_tail, (capacity,), 0)
+        self.num_blocks = grown(self.num_blocks, (capacity,), 0)
+        self.block_table = grown(self.block_table, (capacity, max(width, had_width)), 0)
+        self._free.extend(range(capacity - 1, have - 1, -1))
+
+    # ------------------------------------------------------------------ membership
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._slot
+
+    def append(self, r: Request, pool: BlockPool) -> None:
+        """``r`` starts running (last in admission order); its row is loaded."""
+        rid = r.request_id
+        assert rid not in self._slot, f"{rid!r} is already running"
+        if not self._free:
+            self._grow(2 * len(self.num_computed), self.block_table.shape[1])
+        slot = self._free.pop()
+        self._slot[rid] = slot
+        self.requests.append(r)
+        self._ids.append(rid)
+        self._order.append(slot)
+        self._token_lists.append(r.token_ids)
+        self._time_lists.append(r.token_times_ms)
+        self._order_array = None
+        self.block_table[slot] = 0
+        self.num_blocks[slot] = 0
+        self.reload(r, pool)
+
+    def remove(self, r: Request) -> None:
+        """``r`` stops running; its slot is recycled."""
+        i = self._ids.index(r.request_id)
+        del self.requests[i], self._ids[i], self._order[i]
+        del self._token_lists[i], self._time_lists[i]
+        self._order_array = None
+        self._free.append(self._slot.pop(r.request_id))
+
+    def remove_many(self, request_ids: set[str]) -> None:
+        """Several leave at once (a commit's finishes and victims); the order is kept."""
+        keep = [rid not in request_ids for rid in self._ids]
+        self.requests = list(compress(self.requests, keep))
+        self._ids = list(compress(self._ids, keep))
+        self._order = list(compress(self._order, keep))
+        self._token_lists = list(compress(self._token_lists, keep))
+        self._time_lists = list(compress(self._time_lists, keep))
+        self._order_array = None
+        for rid in request_ids:
+            slot = self._slot.pop(rid, None)
+            if slot is not None:
+                self._free.append(slot)
+
+    # ------------------------------------------------------------------ rows
+    def reload(self, r: Request, pool: BlockPool) -> None:
+        """Copy running ``r``'s fields (and its block table) into its row."""
+        slot = self._slot[r.request_id]
+        self.num_computed[slot] = r.num_computed_tokens
+        self.num_tokens[slot] = r.num_tokens
+        self.last_token[slot] = r.token_ids[-1]
+        self.limit[slot] = min(r.num_prompt_tokens + r.stop.max_tokens, self.max_len)
+        self.decoding[slot] = r.status is S.DECODING
+        stop = r.stop
+        ids = set(stop.stop_token_ids)
+        if stop.eos_token_id is not None and not stop.ignore_eos:
+            ids.add(stop.eos_token_id)
+        if len(ids) > self.stop_ids.shape[1]:
+            wider = np.full((len(self.stop_ids), len(ids)), NO_STOP, dtype=np.int64)
+            wider[:, : self.stop_ids.shape[1]] = self.stop_ids
+            self.stop_ids = wider
+        self.stop_ids[slot] = NO_STOP
+        self.stop_ids[slot, : len(ids)] = sorted(ids)
+        self._load_table(slot, r.request_id, pool)
+
+    def _load_table(
+        self, slot: int, request_id: str, pool: BlockPool, *, grown: bool = False
+    ) -> None:
+        """Write ``request_id``'s block table into its row. ``grown``: the table only
+        gained blocks or had its last one replaced since the row was written (what a
+        step does to a running request's table), so only the tail is rewritten."""
+        table = pool.block_table_view(request_id) if pool.has_request(request_id) else ()
+        m = len(table)
+        had = int(self.num_blocks[slot])
+        if m > self.block_table.shape[1]:
+            self._grow(len(self.num_computed), max(2 * self.block_table.shape[1], m))
+        row = self.block_table[slot]
+        if grown and 0 < had <= m:
+            for i in range(had - 1, m):  # a block or two: scalar writes
+                row[i] = table[i]
+        else:
+            row[m:had] = 0  # a rollback can shrink a table
+            row[:m] = table
+        self.num_blocks[slot] = m
+        self.shared_tail[slot] = m > 0 and pool.ref_count(table[-1]) > 1
+
+    def sync_tables(self, pool: BlockPool) -> None:
+        """Rewrite the block-table rows the pool changed since the last sync (every row
+        after a rollback, which may have shrunk any table)."""
+        changed, everything = pool.take_changed()
+        slots = self._slot
+        for rid in slots if everything else changed:
+            slot = slots.get(rid)
+            if slot is not None:
+                self._load_table(slot, rid, pool, grown=not everything)
+
+    # ------------------------------------------------------------------ the bulk step
+    @property
+    def order(self) -> Ints:
+        """Slots in running order."""
+        if self._order_array is None:
+            self._order_array = np.array(self._order, dtype=np.int64)
+        return self._order_array
+
+    def all_decoding(self) -> bool:
+        return bool(self.decoding[self.order].all())
+
+    def decode_rows(self, limit: int) -> DecodeRows | None:
+        """The first ``limit`` decoding requests in running order (None if none)."""
+        order = self.order
+        k = min(limit, len(order))
+        if k <= 0:
+            return None
+        mask = self.decoding[order]
+        if mask[:k].all():  # the steady state: slices, no per-request Python
+            return DecodeRows(
+                order[:k],
+                self.requests[:k],
+                self._ids[:k],
+                self._token_lists[:k],
+                self._time_lists[:k],
+            )
+        at = np.flatnonzero(mask)[:limit]
+        if not len(at):
+            return None
+        pos = at.tolist()
+        return DecodeRows(
+            order[at],
+            [self.requests[i] for i in pos],
+            [self._ids[i] for i in pos],
+            [self._token_lists[i] for i in pos],
+            [self._time_lists[i] for i in pos],
+        )
+
+    def needs_block(self, rows: DecodeRows, pool: BlockPool) -> list[int]:
+        """Indices into ``rows`` whose next token starts a new block or lands in a shared
+        last block (copy-on-write); the others append to a private block with room."""
+        slots = rows.slots
+        needs = self.num_computed[slots] % self.block_size == 0
+        for i in np.flatnonzero(self.shared_tail[slots] & ~needs).tolist():  # forks: rare
+            slot = int(slots[i])
+            last = int(self.block_table[slot, self.num_blocks[slot] - 1])
+            if pool.ref_count(last) > 1:
+                needs[i] = True
+            else:
+                self.shared_tail[slot] = False  # the sibling copied away
+        return list(np.flatnonzero(needs).tolist())
+
+    def grew(self, rows: DecodeRows, needy: list[int], growth: DecodeGrowth) -> None:
+        """Write back what the pool did to the rows that needed a block: each table's
+        new last block (a fresh one, or a private copy) and its length."""
+        if not needy:
+            return
+        slots = rows.slots[needy]
+        lengths = np.array(growth.lengths, dtype=np.int64)
+        if lengths.max() > self.block_table.shape[1]:
+            self._grow(
+                len(self.num_computed), max(2 * self.block_table.shape[1], int(lengths.max()))
+            )
+        self.block_table[slots, lengths - 1] = growth.tails
+        self.num_blocks[slots] = lengths
+        self.shared_tail[slots] = False  # a fresh block or a private copy
+
+    def fills_block(self, rows: DecodeRows) -> list[int]:
+        """Indices into ``rows`` whose next token fills its block (prefix caching)."""
+        filled = (self.num_computed[rows.slots] + 1) % self.block_size == 0
+        return list(np.flatnonzero(filled).tolist())
+
+    def commit_decodes(self, rows: DecodeRows, tokens: Ints, now_ms: float) -> list[int]:
+        """Append one sampled token to each row's request, KV length + 1 (KVLEN); return
+        the indices into ``rows`` that finish: a stop id, or the length limit."""
+        slots = rows.slots
+        computed = self.num_computed[slots] + 1
+        self.num_computed[slots] = computed
+        self.num_tokens[slots] += 1
+        self.last_token[slots] = tokens
+        deque(map(list.append, rows.token_lists, tokens.tolist()), 0)
+        deque(map(list.append, rows.time_lists, repeat(now_ms)), 0)
+        deque(map(setattr, rows.requests, repeat("num_computed_tokens"), computed.tolist()), 0)
+        stopped = (self.stop_ids[slots] == tokens[:, None]).any(axis=1)
+        return list(
+            np.flatnonzero(stopped | (self.num_tokens[slots] >= self.limit[slots])).tolist()
+        )
+
+    def is_stop(self, slot: int, token: int) -> bool:
+        """The stop-id half of the finish rule, for one row."""
+        return bool((self.stop_ids[slot] == token).any())

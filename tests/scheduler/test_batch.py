@@ -1,0 +1,177 @@
+"""The persistent batch (ref/core/batch.py): slots, rows and the array form of a step.
+
+The differential test (test_fast_path.py) checks that the bulk path plans, builds inputs
+and commits exactly as the reference loop does; these tests pin the batch's own rules:
+slots are recycled, the running order is kept through removals, the arrays grow, a
+row follows its request, the block table follows the pool (after a rollback too), and
+the executor's sampled tokens as an array are checked like the mapping form.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ref.core.config import SchedulerConfig
+from ref.core.inputs import build_inputs
+from ref.core.request import FinishReason, Request, StopParams
+from ref.core.scheduler import BadExecutorOutput, NewTokens, Scheduler
+from spec.snapshot import RequestStatus
+from tests.harness import make_request
+
+S = RequestStatus
+
+
+def decoding(n: int, *, block_size: int = 4, num_blocks: int = 256, **stop: object) -> Scheduler:
+    """``n`` requests of 3 prompt tokens, each decoding with one sampled token (5)."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=256, max_num_seqs=64, block_size=block_size, num_blocks=num_blocks
+    )
+    s = Scheduler(cfg)
+    for i in range(n):
+        params = StopParams(**{"max_tokens": 50, "ignore_eos": True, **stop})  # type: ignore[arg-type]
+        s.add_request(Request(f"r{i}", [i + 1, i + 2, i + 3], params))
+    plan = s.schedule()
+    s.commit(plan, torch.full((sum(plan.samples),), 5))
+    assert all(r.status is S.DECODING for r in s.running)
+    return s
+
+
+def test_rows_mirror_the_running_requests() -> None:
+    s = decoding(3)
+    b = s.batch
+    for r in s.running:
+        slot = b._slot[r.request_id]
+        assert b.num_computed[slot] == r.num_computed_tokens == 3
+        assert b.num_tokens[slot] == r.num_tokens == 4
+        assert b.last_token[slot] == r.token_ids[-1] == 5
+        assert b.limit[slot] == r.num_prompt_tokens + 50
+        assert b.decoding[slot]
+        table = s.pool.block_table(r.request_id)
+        assert b.num_blocks[slot] == len(table)
+        assert tuple(b.block_table[slot, : len(table)]) == table
+        assert not b.block_table[slot, len(table) :].any()  # padding is zero
+
+
+def test_slots_are_recycled_and_the_order_is_kept() -> None:
+    s = decoding(4)
+    b = s.batch
+    freed = b._slot["r1"]
+    s.abort("r1")
+    assert [r.request_id for r in s.running] == ["r0", "r2", "r3"]
+    assert "r1" not in b and len(b) == 3
+    s.add_request(Request("new", [9, 9], StopParams(max_tokens=5, ignore_eos=True)))
+    plan = s.schedule()
+    s.commit(plan, torch.full((sum(plan.samples),), 7))
+    assert b._slot["new"] == freed  # the slot r1 left
+    assert [r.request_id for r in s.running] == ["r0", "r2", "r3", "new"]
+    assert list(b.order) == [b._slot[rid] for rid in ("r0", "r2", "r3", "new")]
+
+
+def test_the_arrays_grow_past_their_first_capacity_and_width() -> None:
+    s = decoding(40, block_size=1, num_blocks=1024)  # 40 slots > 16; 3 blocks, then more
+    b = s.batch
+    assert len(b.num_computed) >= 40
+    for _ in range(12):  # every request gains a block each step (block size 1)
+        plan = s.schedule()
+        inputs = build_inputs(plan, s.requests, s.pool, b)
+        assert plan.decode_rows is not None
+        s.commit(plan, torch.full((len(inputs.sample_request_ids),), 6))
+    assert b.block_table.shape[1] >= 16
+    for r in s.running:
+        slot = b._slot[r.request_id]
+        table = s.pool.block_table(r.request_id)
+        assert tuple(b.block_table[slot, : len(table)]) == table
+
+
+def test_stop_ids_and_eos_finish_a_bulk_decode_with_reason_stop() -> None:
+    s = decoding(3, stop_token_ids=(40, 41, 42), eos_token_id=43, ignore_eos=False)
+    plan = s.schedule()
+    assert plan.decode_rows is not None and s.batch.stop_ids.shape[1] >= 4
+    events = s.commit(plan, torch.tensor([41, 43, 8]))
+    assert events.finished == ("r0", "r1")
+    assert [r.finish_reason for r in s.retired] == [FinishReason.STOP, FinishReason.STOP]
+    assert [r.request_id for r in s.running] == ["r2"]
+
+
+def test_ignore_eos_is_not_a_stop_in_the_batch() -> None:
+    s = decoding(1, eos_token_id=43, ignore_eos=True)
+    plan = s.schedule()
+    assert s.commit(plan, torch.tensor([43])).finished == ()
+
+
+def test_the_length_limit_finishes_a_bulk_decode_with_reason_length() -> None:
+    s = decoding(2, max_tokens=2)
+    plan = s.schedule()
+    assert plan.decode_rows is not None
+    events = s.commit(plan, torch.tensor([8, 9]))
+    assert events.finished == ("r0", "r1")
+    assert {r.finish_reason for r in s.retired} == {FinishReason.LENGTH}
+    assert not s.running and not s.batch.order.size
+
+
+def test_the_table_rows_follow_a_rollback() -> None:
+    s = decoding(2, block_size=3)  # 3 tokens stored: the next one starts a block
+    before = {r.request_id: s.pool.block_table(r.request_id) for r in s.running}
+    s.schedule()
+    b = s.batch
+    assert all(b.num_blocks[b._slot[rid]] == len(t) + 1 for rid, t in before.items())
+    s.rollback()
+    plan = s.schedule()  # planned again from the rolled-back tables
+    inputs = build_inputs(plan, s.requests, s.pool, b)
+    assert torch.equal(inputs.block_tables, build_inputs(plan, s.requests, s.pool).block_tables)
+
+
+def test_new_tokens_map_by_id_and_iterate_in_plan_order() -> None:
+    s = decoding(3)
+    plan = s.schedule()
+    events = s.commit(plan, np.array([7, 8, 9]))
+    assert isinstance(events.new_tokens, NewTokens)
+    assert list(events.new_tokens) == ["r0", "r1", "r2"]
+    assert events.new_tokens == {"r0": 7, "r1": 8, "r2": 9}
+    assert list(events.new_tokens.pairs()) == [("r0", 7), ("r1", 8), ("r2", 9)]
+    assert len(events.new_tokens) == 3 and events.new_tokens["r1"] == 8
+    with pytest.raises(KeyError):
+        events.new_tokens["nope"]
+
+
+@pytest.mark.parametrize(
+    ("sampled", "what"),
+    [
+        (torch.tensor([1, 2]), "of 3"),  # too short
+        (torch.tensor([1, 2, 3, 4]), "of 3"),  # too long
+        (torch.tensor([[1, 2, 3]]), "of 3"),  # 2-D
+        (torch.tensor([1.0, 2.0, 3.0]), "float"),
+        (torch.tensor([True, False, True]), "bool"),
+        (np.array([1, -2, 3]), "-2"),
+        (np.array([1, 2, 2**64 - 1], dtype=np.uint64), "request 'r2'"),
+        ({"r0": 1, "r1": 2}, "None"),  # one request missing
+        ({"r0": 1, "r1": True, "r2": 3}, "True"),
+    ],
+)
+def test_bad_sampled_tokens_are_refused_and_the_step_can_roll_back(
+    sampled: object, what: str
+) -> None:
+    s = decoding(3)
+    before = s.snapshot()
+    plan = s.schedule()
+    with pytest.raises(BadExecutorOutput, match=what.replace("[", r"\[")):
+        s.commit(plan, sampled)  # type: ignore[arg-type]
+    s.rollback()
+    assert s.snapshot() == before
+    plan = s.schedule()
+    s.commit(plan, torch.tensor([1, 2, 3]))
+    assert [r.output_token_ids for r in s.running] == [[5, 1], [5, 2], [5, 3]]
+
+
+def test_an_array_covers_the_sampling_entries_after_the_bulk_decodes_too() -> None:
+    s = decoding(2)
+    s.add_request(make_request("p", 6, max_tokens=5))
+    plan = s.schedule()  # r0, r1 decode in bulk; p prefills and samples
+    assert plan.decode_rows is not None and plan.request_ids == ("r0", "r1", "p")
+    events = s.commit(plan, torch.tensor([11, 12, 13]))
+    assert events.new_tokens == {"r0": 11, "r1": 12, "p": 13}
+    p = s.requests["p"]
+    assert p.output_token_ids == [13] and p.status is S.DECODING
+    assert s.batch.decoding[s.batch._slot["p"]]  # its row was reloaded after commit
