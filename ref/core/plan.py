@@ -114,6 +114,7 @@ class PlanBuilder:
     samples: list[bool] = field(default_factory=list)
     is_prefill: list[bool] = field(default_factory=list)
     num_new_cached_tokens: list[int] = field(default_factory=list)
+    decode_rows: DecodeRows | None = None  # the bulk decodes' batch rows (first entries)
 
     def add(
         self, request_id: str, start: int, n: int, samples: bool, is_prefill: bool, cached: int = 0
@@ -124,8 +125,6 @@ class PlanBuilder:
         self.samples.append(samples)
         self.is_prefill.append(is_prefill)
         self.num_new_cached_tokens.append(cached)
-
-    decode_rows: DecodeRows | None = None
 
     def add_decodes(self, rows: DecodeRows, starts: Sequence[int]) -> None:
         """The bulk decodes, before any other entry."""

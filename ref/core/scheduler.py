@@ -80,18 +80,22 @@ def _sampling_ids(plan: StepPlan, start: int) -> list[str]:
 
 def _checked_array(plan: StepPlan, tokens: list[object], ids: Sequence[str]) -> Ints:
     """``tokens`` (one per id) as an int64 array, or :class:`BadExecutorOutput` naming
-    the first request whose token is not a non-negative int (bool excluded)."""
+    the first request whose token is not an int in ``[0, 2**63)`` (bool excluded)."""
     if set(map(type, tokens)) <= {int}:
-        array = np.array(tokens, dtype=np.int64) if tokens else np.zeros(0, dtype=np.int64)
-        if not len(array) or array.min() >= 0:
+        try:
+            array = np.array(tokens, dtype=np.int64) if tokens else np.zeros(0, dtype=np.int64)
+        except OverflowError:
+            array = None  # one of them is 2**63 or more: named below
+        if array is not None and (not len(array) or array.min() >= 0):
             return array
     for rid, token in zip(ids, tokens, strict=True):
-        if type(token) is not int or token < 0:
+        if type(token) is not int or not 0 <= token < 2**63:
+            limit = " below 2**63" if type(token) is int and token > 0 else ""
             raise BadExecutorOutput(
                 f"step {plan.step_index}: executor gave {token!r} as the sampled token of "
-                f"request {rid!r}; expected a non-negative int"
+                f"request {rid!r}; expected a non-negative int{limit}"
             )
-    raise AssertionError("unreachable: a rejected array has a bad token")
+    raise AssertionError("unreachable: a refused list has a bad token")
 
 
 class NewTokens(Mapping[str, int]):
@@ -604,7 +608,7 @@ class Scheduler:
             bad = int(np.flatnonzero(checked < 0)[0])
             raise BadExecutorOutput(
                 f"step {plan.step_index}: executor gave {values[bad]!r} as the sampled token "
-                f"of request {ids[bad]!r}; expected a non-negative int"
+                f"of request {ids[bad]!r}; expected a non-negative int below 2**63"
             )
         return _Output(checked[:k], dict(zip(ids[k:], checked[k:].tolist(), strict=True)))
 

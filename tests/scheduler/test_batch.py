@@ -148,6 +148,7 @@ def test_new_tokens_map_by_id_and_iterate_in_plan_order() -> None:
         (np.array([1, 2, 2**64 - 1], dtype=np.uint64), "request 'r2'"),
         ({"r0": 1, "r1": 2}, "None"),  # one request missing
         ({"r0": 1, "r1": True, "r2": 3}, "True"),
+        ({"r0": 1, "r1": 2**70, "r2": 3}, "1180591620717411303424"),
     ],
 )
 def test_bad_sampled_tokens_are_refused_and_the_step_can_roll_back(
