@@ -295,7 +295,3 @@ class PersistentBatch:
         return list(
             np.flatnonzero(stopped | (self.num_tokens[slots] >= self.limit[slots])).tolist()
         )
-
-    def is_stop(self, slot: int, token: int) -> bool:
-        """The stop-id half of the finish rule, for one row."""
-        return bool((self.stop_ids[slot] == token).any())

@@ -371,8 +371,10 @@ class BlockPool:
         self, request_id: str, token_ids: Sequence[int], num_new_tokens: int, namespace: Namespace
     ) -> Allocation | None:
         """:meth:`allocate` of a new request without a hit, prefix caching off, outside
-        a transaction (a one-off or benchmark allocation); None when a check fails, for
-        :meth:`allocate` to raise its typed error.
+        a step's transaction (a one-off allocation: a KV manager used on its own, the
+        conformance suite's KV adapter); None when a check fails, for :meth:`allocate`
+        to raise its typed error. The scheduler never takes it: its allocations join the
+        step's transaction.
 
         Everything that can fail comes before the first change (the token ids are taken
         first, and there is no hashing), so there is nothing to undo and no undo record.
@@ -383,7 +385,6 @@ class BlockPool:
         free = self._free
         if total > len(free):  # also covers total > num_blocks
             return None
-        # _taken and _allocation inlined: this path is the benchmark's whole round.
         new = token_ids if num_new_tokens == len(token_ids) else token_ids[:num_new_tokens]
         if type(new) is not list and not isinstance(new, tuple):
             new = list(new)
@@ -397,15 +398,7 @@ class BlockPool:
         blocks = free.acquire_n(total, self._ref)
         self._evict_reused(blocks)
         table.block_table = blocks
-        a = object.__new__(Allocation)
-        d = a.__dict__
-        d["request_id"] = request_id
-        d["start_position"] = 0
-        d["num_new_tokens"] = num_new_tokens
-        d["num_cached_tokens"] = 0
-        d["new_block_ids"] = tuple(blocks)
-        d["copies"] = ()
-        return a
+        return _allocation(request_id, 0, num_new_tokens, 0, blocks, ())
 
     def append_decode_tokens(
         self, request_ids: Sequence[str], token_ids: Sequence[Sequence[int]]
