@@ -5,9 +5,9 @@ later go to the tail; allocation pops the head, so a cached block that was freed
 is evicted first. A cache hit on a free block removes it from the middle in O(1). Removal
 leaves the removed node's own links intact (Knuth's "dancing links"), so an undo that
 runs in reverse order can relink it exactly where it was. The run operations
-(``popleft_n``, ``append_n``, and the pool's ``acquire_n`` / ``release_n``, which also
-set its reference counts) move many blocks in one loop with one journal entry: per block,
-a Python call and an undo record cost more than the linking itself.
+(``acquire_n`` / ``release_n``, which also set the pool's reference counts) move many
+blocks in one loop with one journal entry: per block, a Python call and an undo record
+cost more than the linking itself.
 """
 
 from __future__ import annotations
@@ -49,33 +49,12 @@ class FreeQueue:
         self.remove(b)
         return b
 
-    def popleft_n(self, k: int) -> list[int]:
-        """The first ``k`` blocks, unlinked as one run with one journal entry.
-
-        The run's inner links are left as they are (only the head and the block after the
-        run are relinked), so the undo reattaches the whole run in O(1) links.
-        """
-        assert 0 <= k <= self._len, f"popleft_n({k}) on a free queue of {self._len}"
-        if k == 0:
-            return []
-        nxt, inn = self._next, self._in
-        out = [0] * k
-        b = nxt[self._head]
-        for i in range(k):
-            out[i] = b
-            inn[b] = False
-            b = nxt[b]
-        nxt[self._head] = b
-        self._prev[b] = self._head
-        self._len -= k
-        if self._journal.active:
-            self._journal.record(self._relink_run, out[0], out[-1], k)
-        return out
-
     def acquire_n(self, k: int, counts: list[int]) -> list[int]:
-        """:meth:`popleft_n` that also sets ``counts[b]`` to 1 for each block taken, in
-        the same loop (the pool's reference counts, 0 for every queued block); one
-        journal entry undoes both."""
+        """The first ``k`` blocks, unlinked as one run, with ``counts[b]`` set to 1 for
+        each (the pool's reference counts, 0 for every queued block) in the same loop;
+        one journal entry undoes both. The run's inner links are left as they are (only
+        the head and the block after the run are relinked), so the undo reattaches the
+        whole run by its two ends."""
         assert 0 <= k <= self._len, f"acquire_n({k}) on a free queue of {self._len}"
         if k == 0:
             return []
@@ -95,7 +74,7 @@ class FreeQueue:
         return out
 
     def _unacquire_n(self, first: int, last: int, k: int, counts: list[int]) -> None:
-        # Undo of acquire_n: the counts back to 0, then as popleft_n's undo.
+        # Undo of acquire_n: the counts back to 0, then the run relinked.
         nxt = self._next
         b = first
         for _ in range(k):
@@ -119,34 +98,6 @@ class FreeQueue:
         links = (self._prev[block_id], self._next[block_id])
         self._link_before_tail(block_id)
         self._journal.record(self._unlink_tail, block_id, links)
-
-    def append_n(self, blocks: Sequence[int]) -> None:
-        """Link ``blocks`` before the tail, in order, with one journal entry.
-
-        As in :meth:`append`, the blocks' own links are saved first (only while a
-        transaction is open: nothing else reads them) for the undo of an earlier removal.
-        A block already queued, or listed twice, fails with the queue unchanged.
-        """
-        if not blocks:
-            return
-        prev, nxt, inn = self._prev, self._next, self._in
-        saved = {b: (prev[b], nxt[b]) for b in blocks} if self._journal.active else None
-        anchor = last = prev[self._tail]
-        for b in blocks:
-            if inn[b]:
-                # Checked while linking (a separate pass cost as much as the linking):
-                # cut the partial run off again before failing.
-                self._cut_partial_run(anchor, last, saved)  # _len is not counted yet
-                raise AssertionError(f"block {b} is already in the free queue")
-            inn[b] = True
-            prev[b] = last
-            nxt[last] = b
-            last = b
-        nxt[last] = self._tail
-        prev[self._tail] = last
-        self._len += len(blocks)
-        if saved is not None:
-            self._journal.record(self._unlink_tail_run, tuple(blocks), saved)
 
     def release_n(self, blocks: Sequence[int], counts: list[int]) -> None:
         """Drop one from ``counts[b]`` for each of ``blocks`` (distinct), in order, and link
@@ -247,9 +198,9 @@ class FreeQueue:
         self._len += 1
 
     def _relink_run(self, first: int, last: int, k: int) -> None:
-        # Undo of popleft_n: the run's first and last blocks still name their old
-        # neighbours (the head and the block after the run), and its inner links are as
-        # popleft_n left them, so the run is found again by walking from ``first``.
+        # The run's first and last blocks still name their old neighbours (the head and
+        # the block after the run), and its inner links are as acquire_n left them, so
+        # the run is found again by walking from ``first``.
         nxt, inn = self._next, self._in
         nxt[self._prev[first]] = first
         self._prev[nxt[last]] = last
@@ -268,12 +219,3 @@ class FreeQueue:
         self._prev[b], self._next[b] = links
         self._in[b] = False
         self._len -= 1
-
-    def _unlink_tail_run(self, run: tuple[int, ...], saved: dict[int, tuple[int, int]]) -> None:
-        # Undo of append_n: cut the run off the tail, then give each block back the links
-        # it had before (see append_n).
-        assert self._prev[self._tail] == run[-1]
-        anchor = self._prev[run[0]]
-        self._cut_partial_run(anchor, run[-1], saved)
-        self._prev[self._tail] = anchor
-        self._len -= len(run)
