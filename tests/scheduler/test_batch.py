@@ -176,3 +176,37 @@ def test_an_array_covers_the_sampling_entries_after_the_bulk_decodes_too() -> No
     p = s.requests["p"]
     assert p.output_token_ids == [13] and p.status is S.DECODING
     assert s.batch.decoding[s.batch._slot["p"]]  # its row was reloaded after commit
+
+
+@pytest.mark.mutation_kill
+def test_after_an_abort_the_next_step_still_takes_the_bulk_path() -> None:
+    """Removing a request rebuilds the running order the bulk path reads; a stale order
+    would silently send every later step down the reference loop."""
+    s = decoding(4)
+    s.abort("r2")
+    calls: list[list[str]] = []
+    bulk = s.pool.append_decodes
+
+    def spy(ids: list[str], *args: list[int]) -> object:
+        calls.append(list(ids))
+        return bulk(ids, *args)
+
+    s.pool.append_decodes = spy  # type: ignore[assignment, method-assign]
+    plan = s.schedule()
+    assert calls == [["r0", "r1", "r3"]] and plan.decode_rows is not None
+    s.commit(plan, torch.tensor([1, 2, 3]))
+
+
+@pytest.mark.mutation_kill
+def test_the_slots_of_finished_requests_are_reused() -> None:
+    s = decoding(3, max_tokens=2)
+    b = s.batch
+    slots = {rid: b._slot[rid] for rid in ("r0", "r1", "r2")}
+    plan = s.schedule()
+    assert s.commit(plan, torch.tensor([7, 7, 7])).finished == ("r0", "r1", "r2")
+    assert sorted(b._free[-3:]) == sorted(slots.values()) and None not in b._free
+    for i in range(3):
+        s.add_request(Request(f"n{i}", [5, 6], StopParams(max_tokens=4, ignore_eos=True)))
+    plan = s.schedule()
+    s.commit(plan, torch.full((sum(plan.samples),), 3))
+    assert {b._slot[f"n{i}"] for i in range(3)} == set(slots.values())
