@@ -24,6 +24,7 @@ executor as torch tensors sharing their memory.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import compress, repeat
 from typing import TypeVar
@@ -85,29 +86,28 @@ class PersistentBatch:
         self.shared_tail = np.zeros(cap, dtype=np.bool_)  # its last block may be shared
         self.num_blocks: Ints = np.zeros(cap, dtype=np.int64)
         self.block_table = np.zeros((cap, width), dtype=np.int32)  # zero past num_blocks
-        self._free: list[int] = list(range(cap - 1, -1, -1))  # recycled slots
+        self._free: list[int] = list(reversed(range(cap)))  # recycled slots, lowest last
 
     def _grow(self, capacity: int, width: int) -> None:
-        """Reallocate for ``capacity`` slots and ``width`` blocks, keeping every row."""
+        """Reallocate for ``capacity`` slots and ``width`` blocks, keeping every row.
+        New rows are zero: every row is loaded (``append``) before anything reads it."""
         have, had_width = self.block_table.shape
 
-        def grown(
-            a: npt.NDArray[AnyArray], shape: tuple[int, ...], fill: int
-        ) -> npt.NDArray[AnyArray]:
-            out = np.full(shape, fill, dtype=a.dtype)
-            out[tuple(slice(0, n) for n in a.shape)] = a
+        def grown(a: npt.NDArray[AnyArray], shape: tuple[int, ...]) -> npt.NDArray[AnyArray]:
+            out = np.zeros(shape, dtype=a.dtype)
+            out[tuple(slice(n) for n in a.shape)] = a
             return out
 
-        self.num_computed = grown(self.num_computed, (capacity,), 0)
-        self.num_tokens = grown(self.num_tokens, (capacity,), 0)
-        self.last_token = grown(self.last_token, (capacity,), 0)
-        self.limit = grown(self.limit, (capacity,), 0)
-        self.stop_ids = grown(self.stop_ids, (capacity, self.stop_ids.shape[1]), NO_STOP)
-        self.decoding = grown(self.decoding, (capacity,), 0)
-        self.shared_tail = grown(self.shared_tail, (capacity,), 0)
-        self.num_blocks = grown(self.num_blocks, (capacity,), 0)
-        self.block_table = grown(self.block_table, (capacity, max(width, had_width)), 0)
-        self._free.extend(range(capacity - 1, have - 1, -1))
+        self.num_computed = grown(self.num_computed, (capacity,))
+        self.num_tokens = grown(self.num_tokens, (capacity,))
+        self.last_token = grown(self.last_token, (capacity,))
+        self.limit = grown(self.limit, (capacity,))
+        self.stop_ids = grown(self.stop_ids, (capacity, self.stop_ids.shape[1]))
+        self.decoding = grown(self.decoding, (capacity,))
+        self.shared_tail = grown(self.shared_tail, (capacity,))
+        self.num_blocks = grown(self.num_blocks, (capacity,))
+        self.block_table = grown(self.block_table, (capacity, max(width, had_width)))
+        self._free.extend(reversed(range(have, capacity)))
 
     # ------------------------------------------------------------------ membership
     def __len__(self) -> int:
@@ -177,24 +177,17 @@ class PersistentBatch:
         self.stop_ids[slot, : len(ids)] = sorted(ids)
         self._load_table(slot, r.request_id, pool)
 
-    def _load_table(
-        self, slot: int, request_id: str, pool: BlockPool, *, grown: bool = False
-    ) -> None:
-        """Write ``request_id``'s block table into its row. ``grown``: the table only
-        gained blocks or had its last one replaced since the row was written (what a
-        step does to a running request's table), so only the tail is rewritten."""
+    def _load_table(self, slot: int, request_id: str, pool: BlockPool) -> None:
+        """Write ``request_id``'s block table into its row, zero past its end. (The bulk
+        path's own growth is written by :meth:`grew`; this serves the rest: admissions,
+        prefill chunks, the reference loop, forks, rollbacks.)"""
         table = pool.block_table_view(request_id) if pool.has_request(request_id) else ()
         m = len(table)
-        had = int(self.num_blocks[slot])
         if m > self.block_table.shape[1]:
             self._grow(len(self.num_computed), max(2 * self.block_table.shape[1], m))
         row = self.block_table[slot]
-        if grown and 0 < had <= m:
-            for i in range(had - 1, m):  # a block or two: scalar writes
-                row[i] = table[i]
-        else:
-            row[m:had] = 0  # a rollback can shrink a table
-            row[:m] = table
+        row[m:] = 0  # a rollback can shrink a table
+        row[:m] = table
         self.num_blocks[slot] = m
         self.shared_tail[slot] = m > 0 and pool.ref_count(table[-1]) > 1
 
@@ -206,7 +199,7 @@ class PersistentBatch:
         for rid in slots if everything else changed:
             slot = slots.get(rid)
             if slot is not None:
-                self._load_table(slot, rid, pool, grown=not everything)
+                self._load_table(slot, rid, pool)
 
     # ------------------------------------------------------------------ the bulk step
     @property
@@ -288,10 +281,15 @@ class PersistentBatch:
         self.num_computed[slots] = computed
         self.num_tokens[slots] += 1
         self.last_token[slots] = tokens
-        deque(map(list.append, rows.token_lists, tokens.tolist()), 0)
-        deque(map(list.append, rows.time_lists, repeat(now_ms)), 0)
-        deque(map(setattr, rows.requests, repeat("num_computed_tokens"), computed.tolist()), 0)
+        _consume(map(list.append, rows.token_lists, tokens.tolist()))
+        _consume(map(list.append, rows.time_lists, repeat(now_ms)))
+        _consume(map(setattr, rows.requests, repeat("num_computed_tokens"), computed.tolist()))
         stopped = (self.stop_ids[slots] == tokens[:, None]).any(axis=1)
         return list(
             np.flatnonzero(stopped | (self.num_tokens[slots] >= self.limit[slots])).tolist()
         )
+
+
+def _consume(calls: Iterator[object]) -> None:
+    """Run a ``map`` of calls for their effect, at C speed (a deque that keeps nothing)."""
+    deque(calls, maxlen=0)

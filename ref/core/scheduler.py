@@ -592,11 +592,15 @@ class Scheduler:
             or values.dtype.kind not in "iu"
             or len(values) != count
         ):
+            given = (
+                f"a {values.dtype} array of shape {values.shape}"
+                if isinstance(values, np.ndarray)
+                else f"a {type(sampled).__name__}"
+            )
             raise BadExecutorOutput(
-                f"step {plan.step_index}: executor gave sampled tokens of type "
-                f"{type(sampled).__name__} {getattr(values, 'dtype', '')} shape "
-                f"{getattr(values, 'shape', '?')}; expected a 1-D int array of {count}, one "
-                "per sampling request in plan order, or a mapping by request id"
+                f"step {plan.step_index}: executor gave {given} as the sampled tokens; "
+                f"expected a 1-D int array of {count}, one per sampling request in plan "
+                "order, or a mapping by request id"
             )
         ids = (
             plan.request_ids

@@ -210,3 +210,24 @@ def test_the_slots_of_finished_requests_are_reused() -> None:
     plan = s.schedule()
     s.commit(plan, torch.full((sum(plan.samples),), 3))
     assert {b._slot[f"n{i}"] for i in range(3)} == set(slots.values())
+
+
+@pytest.mark.parametrize(
+    ("sampled", "given"),
+    [
+        ([1, 2, 3], "a list"),
+        (torch.tensor([[1, 2, 3]]), "a int64 array of shape (1, 3)"),
+        (np.array([1.5, 2.0, 3.0]), "a float64 array of shape (3,)"),
+    ],
+)
+def test_a_sampled_array_of_the_wrong_kind_is_named_in_the_error(
+    sampled: object, given: str
+) -> None:
+    s = decoding(3)
+    plan = s.schedule()
+    with pytest.raises(BadExecutorOutput) as e:
+        s.commit(plan, sampled)  # type: ignore[arg-type]
+    assert str(e.value) == (
+        f"step 1: executor gave {given} as the sampled tokens; expected a 1-D int array "
+        "of 3, one per sampling request in plan order, or a mapping by request id"
+    )
