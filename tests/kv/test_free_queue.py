@@ -210,3 +210,21 @@ def test_the_journal_replays_compact_entries_newest_first() -> None:
 def _is_open(journal: Journal) -> bool:
     # A call, so that mypy does not narrow ``active`` across begin() and rollback().
     return journal.active
+
+
+def test_a_failed_release_inside_a_transaction_keeps_earlier_undos_exact() -> None:
+    """A block removed earlier in the transaction and linked by a release that then
+    fails gets its own links back, so the rollback relinks it where it was."""
+    journal = Journal()
+    fq = FreeQueue(6, journal)
+    counts = [0] * 6
+    assert fq.acquire_n(2, counts) == [0, 1]
+    before = _state(fq, 6)
+    journal.begin()
+    fq.remove(4)  # a cache hit revives block 4 (the pool counts it)
+    counts[4] = 1
+    with pytest.raises(AssertionError, match="would go negative"):
+        fq.release_n([4, 5], counts)  # 4 reaches zero and is linked; 5 is not held
+    counts[4] = 0
+    journal.rollback()
+    assert _state(fq, 6) == before and list(fq) == [2, 3, 4, 5]

@@ -927,3 +927,29 @@ def test_the_unjournaled_allocate_still_raises_typed_errors_with_nothing_changed
     alloc = pool.allocate("a", (5, 6, 7), 3)  # a tuple of token ids works as a list
     assert alloc == Allocation("a", 0, 3, 0, (2, 3), ())
     assert pool.snapshot().tables[0].token_ids == (5, 6, 7)
+
+
+def test_append_decodes_refuses_an_unknown_request_and_a_token_count_mismatch() -> None:
+    pool = BlockPool(8, 4)
+    pool.allocate("a", [1, 2], 2)
+    before = pool.snapshot()
+    with pytest.raises(UnknownRequest) as unknown:
+        pool.append_decodes(["a", "ghost"], [3, 3], [], [])
+    assert unknown.value.request_id == "ghost" and "append_decodes" in str(unknown.value)
+    assert pool.snapshot() == before
+    pool.allocate("b", [5], 1)
+    with_b = pool.snapshot()
+    with pytest.raises(InvalidArgument, match=r"^append_decodes: 1 tokens for 2 requests$"):
+        pool.append_decodes(["a", "b"], [3], [], [])
+    assert pool.snapshot() == with_b
+
+
+def test_a_token_that_cannot_be_hashed_leaves_a_caching_pool_unchanged() -> None:
+    """With prefix caching, allocate hashes the blocks it fills after changing the table;
+    a token id outside int64 fails there, and the pool's own transaction undoes it."""
+    pool = BlockPool(8, 4, enable_prefix_caching=True)
+    pool.allocate("a", [1, 2, 3, 4, 5], 5)
+    before = pool.snapshot()
+    with pytest.raises(Exception, match=r"argument out of range|format requires"):
+        pool.allocate("b", [7, 7, 7, 2**64], 4)
+    assert pool.snapshot() == before and not pool.has_request("b")
