@@ -231,3 +231,11 @@ def test_a_sampled_array_of_the_wrong_kind_is_named_in_the_error(
         f"step 1: executor gave {given} as the sampled tokens; expected a 1-D int array "
         "of 3, one per sampling request in plan order, or a mapping by request id"
     )
+
+
+@pytest.mark.mutation_kill
+def test_token_id_zero_is_a_valid_sampled_token_in_an_array() -> None:
+    s = decoding(3)
+    plan = s.schedule()
+    assert s.commit(plan, np.array([0, 1, 0])).new_tokens == {"r0": 0, "r1": 1, "r2": 0}
+    assert [r.token_ids[-1] for r in s.running] == [0, 1, 0]
