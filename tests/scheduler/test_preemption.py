@@ -104,3 +104,22 @@ def test_the_preemption_count_matches_the_preemption_events() -> None:
     assert not sched.has_unfinished
     assert {r.request_id: r.num_preemptions for r in reqs} == seen
     assert max(seen.values()) >= 2  # some request was preempted more than once
+
+
+@pytest.mark.mutation_kill
+def test_every_victim_of_a_step_that_outgrew_the_pool_finishes_with_capacity() -> None:
+    """Two forks share every block of a parent that fills the pool; the parent's next
+    decode preempts both, and neither can ever fit again: each one finishes with
+    capacity, not only the first (then the parent, alone, finishes too)."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16, max_num_seqs=4, block_size=2, num_blocks=3, max_model_len=64
+    )
+    sched = decoding_scheduler(cfg, make_request("p", 6, 9))
+    c1 = sched.fork("p", "c1", 5, StopParams(9))
+    c2 = sched.fork("p", "c2", 4, StopParams(9))
+    plan = sched.schedule(30.0)
+    assert sorted(plan.preempted) == ["c1", "c2"]
+    events = sched.commit(plan, sampled_tokens(plan), 31.0)
+    assert sorted(events.finished) == ["c1", "c2", "p"]
+    assert all(c.finish_reason is FinishReason.CAPACITY for c in (c1, c2))
+    assert sched.requests == {} and sched.waiting == [] and not sched.running
