@@ -401,7 +401,6 @@ class Scheduler:
             self.pool.rollback()
             self.host.rollback()
             raise
-        self._batch.sync_tables(self.pool)  # the executor reads the new blocks
         self._pending = plan
         return plan
 
