@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ref.core.request import Request
-from ref.kv import BlockPool, DecodeGrowth
+from ref.kv import BlockPool, DecodeGrowth, DecodeRun
 from spec.snapshot import RequestStatus
 
 S = RequestStatus
@@ -74,6 +74,11 @@ class PersistentBatch:
         self._token_lists: list[list[int]] = []  # their token_ids (the same list objects)
         self._time_lists: list[list[float]] = []  # their token_times_ms
         self._order_array: Ints | None = None  # _order as an array, rebuilt on change
+        # The steady step hands these lists out as they are (DecodeRows) instead of
+        # copying them; the next change in place copies them first.
+        self._lent = False
+        # The pool's tables of every running request, in order, while current.
+        self._run: DecodeRun | None = None
         self._slot: dict[str, int] = {}
         # By slot.
         cap, width = _MIN_CAPACITY, _MIN_WIDTH
@@ -124,12 +129,14 @@ class PersistentBatch:
             self._grow(2 * len(self.num_computed), self.block_table.shape[1])
         slot = self._free.pop()
         self._slot[rid] = slot
+        self._unlend()
         self.requests.append(r)
         self._ids.append(rid)
         self._order.append(slot)
         self._token_lists.append(r.token_ids)
         self._time_lists.append(r.token_times_ms)
         self._order_array = None
+        self._run = None
         self.block_table[slot] = 0
         self.num_blocks[slot] = 0
         self.reload(r, pool)
@@ -137,9 +144,11 @@ class PersistentBatch:
     def remove(self, r: Request) -> None:
         """``r`` stops running; its slot is recycled."""
         i = self._ids.index(r.request_id)
+        self._unlend()
         del self.requests[i], self._ids[i], self._order[i]
         del self._token_lists[i], self._time_lists[i]
         self._order_array = None
+        self._run = None
         self._free.append(self._slot.pop(r.request_id))
 
     def remove_many(self, request_ids: set[str]) -> None:
@@ -150,11 +159,23 @@ class PersistentBatch:
         self._order = list(compress(self._order, keep))
         self._token_lists = list(compress(self._token_lists, keep))
         self._time_lists = list(compress(self._time_lists, keep))
+        self._lent = False  # new lists: the lent ones are left as they were
         self._order_array = None
+        self._run = None
         for rid in request_ids:
             slot = self._slot.pop(rid, None)
             if slot is not None:
                 self._free.append(slot)
+
+    def _unlend(self) -> None:
+        """Copy the order lists before a change in place if DecodeRows hold them."""
+        if self._lent:
+            self.requests = list(self.requests)
+            self._ids = list(self._ids)
+            self._order = list(self._order)
+            self._token_lists = list(self._token_lists)
+            self._time_lists = list(self._time_lists)
+            self._lent = False
 
     # ------------------------------------------------------------------ rows
     def reload(self, r: Request, pool: BlockPool) -> None:
@@ -219,7 +240,10 @@ class PersistentBatch:
         if k <= 0:
             return None
         mask = self.decoding[order]
-        if mask[:k].all():  # the steady state: slices, no per-request Python
+        if k == len(order) and mask.all():  # the steady state: the lists themselves
+            self._lent = True
+            return DecodeRows(order, self.requests, self._ids, self._token_lists, self._time_lists)
+        if mask[:k].all():  # slices, no per-request Python
             return DecodeRows(
                 order[:k],
                 self.requests[:k],
@@ -238,6 +262,18 @@ class PersistentBatch:
             [self._token_lists[i] for i in pos],
             [self._time_lists[i] for i in pos],
         )
+
+    def decode_run(self, rows: DecodeRows, pool: BlockPool) -> DecodeRun:
+        """The pool's tables of ``rows`` (:class:`~ref.kv.DecodeRun`); for the whole
+        running order, kept from step to step while the pool says it is current."""
+        whole = rows.request_ids is self._ids
+        run = self._run
+        if whole and run is not None and pool.is_current(run):
+            return run
+        run = pool.decode_run(rows.request_ids)
+        if whole:
+            self._run = run
+        return run
 
     def needs_block(self, rows: DecodeRows, pool: BlockPool) -> list[int]:
         """Indices into ``rows`` whose next token starts a new block or lands in a shared

@@ -86,7 +86,8 @@ class Planner:
         fills = batch.fills_block(rows) if self.pool.enable_prefix_caching else []
         needy = batch.needs_block(rows, self.pool)
         tokens = batch.last_token[slots].tolist()
-        growth = self.pool.append_decodes(rows.request_ids, tokens, needy, fills)
+        run = batch.decode_run(rows, self.pool)
+        growth = self.pool.append_decodes(run, tokens, needy, fills)
         if growth is None:
             return False
         batch.grew(rows, needy, growth)

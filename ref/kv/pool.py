@@ -79,6 +79,29 @@ class Allocation:
     copies: tuple[BlockCopy, ...]
 
 
+class DecodeRun:
+    """The block tables of some requests, in order, looked up once
+    (:meth:`BlockPool.decode_run`) for any number of :meth:`BlockPool.append_decodes`.
+
+    Current while no table changes other than by ``append_decodes`` itself: every
+    other change (a table added, freed, grown by ``allocate``, forked; a rollback)
+    makes it stale, :meth:`BlockPool.is_current` says so and ``append_decodes``
+    refuses it. The persistent batch keeps one for its whole running order, so the
+    steady decode step looks no request up.
+    """
+
+    __slots__ = ("_epoch", "_tables", "_token_lists", "request_ids")
+
+    def __init__(self, request_ids: Sequence[str], tables: list[_Table], epoch: int) -> None:
+        self.request_ids = request_ids
+        self._tables = tables
+        self._token_lists = list(map(_TOKEN_IDS, tables))
+        self._epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+
 class _Table:
     """One request's block table and the token ids whose K/V its blocks hold."""
 
@@ -123,6 +146,9 @@ class BlockPool:
         # the last take_changed(): the persistent batch (ref/core/batch.py) rewrites only
         # their rows. A rollback may shrink any table, so it marks every table changed.
         self._changed: set[str] = set()
+        # Bumped by every table change outside append_decodes: a DecodeRun taken at an
+        # older epoch may hold a table that is gone or replaced.
+        self._epoch = 0
         self._all_changed = False
 
     # ------------------------------------------------------------------ queries
@@ -223,7 +249,7 @@ class BlockPool:
     def rollback(self) -> None:
         self._journal.rollback()
         self._fresh.clear()
-        self._all_changed = True
+        self._mark_all_changed()
 
     def take_changed(self) -> tuple[set[str], bool]:
         """Requests whose block table changed since the last call, and whether every
@@ -235,13 +261,18 @@ class BlockPool:
 
     def _mark_changed(self, table: _Table) -> None:
         self._changed.add(table.request_id)
+        self._epoch += 1
+
+    def _mark_all_changed(self) -> None:
+        self._all_changed = True
+        self._epoch += 1
 
     def _abort(self, outermost: bool) -> None:
         """The body raised: an outermost transaction is undone; a joined one is left to
         its opener. Either way the undo may shrink any table."""
         if outermost:
             self.rollback()
-        self._all_changed = True
+        self._mark_all_changed()
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
@@ -251,7 +282,7 @@ class BlockPool:
             with self._journal.transaction():
                 yield
         except BaseException:
-            self._all_changed = True  # the undo may have shrunk any table
+            self._mark_all_changed()  # the undo may have shrunk any table
             raise
         finally:
             if outermost:
@@ -433,40 +464,54 @@ class BlockPool:
                 needy.append(i)
             if (n + 1) % bs == 0:
                 filling.append(i)
-        growth = self._append_decodes(tables, tokens, needy, filling)
+        growth = self._append_decodes(tables, list(map(_TOKEN_IDS, tables)), tokens, needy, filling)
         if growth is None:
             return None
         for i in needy:
             self._mark_changed(tables[i])
         return growth.copies
 
+    def decode_run(self, request_ids: Sequence[str]) -> DecodeRun:
+        """These requests' tables, in order, for :meth:`append_decodes` (see
+        :class:`DecodeRun`)."""
+        try:
+            tables = list(map(self._tables.__getitem__, request_ids))
+        except KeyError as e:
+            raise UnknownRequest(str(e.args[0]), "decode_run") from None
+        return DecodeRun(request_ids, tables, self._epoch)
+
+    def is_current(self, run: DecodeRun) -> bool:
+        """No table changed since ``run`` was taken, other than by append_decodes."""
+        return run._epoch == self._epoch
+
     def append_decodes(
         self,
-        request_ids: Sequence[str],
+        run: DecodeRun,
         tokens: Sequence[int],
         needy: Sequence[int],
         filling: Sequence[int],
     ) -> DecodeGrowth | None:
         """:meth:`append_decode_tokens` for a caller that knows each request's state:
-        ``tokens[i]`` is request ``i``'s token at its KV length, ``needy`` the indices
-        whose token starts a block or lands in a shared last block, ``filling`` those
-        whose token fills its block. Nothing is re-derived per request: a wrong claim
-        breaks POS/BLOCK on the next snapshot (the persistent batch that makes the
-        claims is differential-tested against the per-request path).
+        ``tokens[i]`` is the token of ``run``'s request ``i`` at its KV length, ``needy``
+        the indices whose token starts a block or lands in a shared last block,
+        ``filling`` those whose token fills its block. Nothing is re-derived per request:
+        a wrong claim breaks POS/BLOCK on the next snapshot (the persistent batch that
+        makes the claims is differential-tested against the per-request path). A stale
+        ``run`` is refused.
         """
-        try:
-            tables = list(map(self._tables.__getitem__, request_ids))
-        except KeyError as e:
-            raise UnknownRequest(str(e.args[0]), "append_decodes") from None
-        if len(tokens) != len(tables):
+        if run._epoch != self._epoch:
             raise InvalidArgument(
-                f"append_decodes: {len(tokens)} tokens for {len(tables)} requests"
+                "append_decodes: the decode run is stale (a table changed since "
+                "decode_run); take a new one"
             )
-        return self._append_decodes(tables, tokens, needy, filling)
+        if len(tokens) != len(run):
+            raise InvalidArgument(f"append_decodes: {len(tokens)} tokens for {len(run)} requests")
+        return self._append_decodes(run._tables, run._token_lists, tokens, needy, filling)
 
     def _append_decodes(
         self,
         tables: list[_Table],
+        token_lists: list[list[int]],
         tokens: Sequence[int],
         needy: Sequence[int],
         filling: Sequence[int],
@@ -479,36 +524,112 @@ class BlockPool:
         if outermost:
             journal.begin()
         try:
-            token_lists = list(map(_TOKEN_IDS, tables))
             deque(map(list.append, token_lists, tokens), 0)
             # Recorded first, so undone last: the appends touch only the token lists,
             # which nothing below changes.
             journal.record(_pop_each, token_lists)
-            # The few requests that grow or fill a block, in request order as the
-            # per-request path takes them: a growth may evict a cached free block whose
-            # key a later request's filled block then takes (or not).
-            caching = self.enable_prefix_caching
-            grows = set(needy)
-            fills = set(filling) if caching else set()
-            for i in sorted(grows | fills):
-                t = tables[i]
-                if i in grows:
-                    copy = self._grow_one(t, len(t.token_ids) - 1)
-                    if copy is not None:
-                        copies.append(copy)
-                if i in fills:
-                    journal.record(_truncate, t.keys, len(t.keys))  # indexing appends keys
-                    self._cache_full_blocks(t)
+            fills = filling if self.enable_prefix_caching else ()
+            bs = self.block_size
+            if all((len(tables[i].token_ids) - 1) % bs == 0 for i in needy):
+                evicted = self._grow_run([tables[i] for i in needy], needy)
+                if fills:
+                    self._fill_run(tables, fills, evicted)
+            else:
+                copies = self._grow_in_order(tables, needy, fills)
         except BaseException:
             if outermost:
                 journal.rollback()
-                self._all_changed = True
+                self._mark_all_changed()
             raise
         if outermost:
             journal.commit()
             self._fresh.clear()
         grown = [tables[i].block_table for i in needy]
         return DecodeGrowth(copies, [t[-1] for t in grown], list(map(len, grown)))
+
+    def _grow_run(self, tables: list[_Table], order: Sequence[int]) -> dict[bytes, int]:
+        """A fresh block for each of ``tables`` (each last block full; ``order[j]`` is
+        ``tables[j]``'s place in the step's request order), as one run off the free
+        queue: one journal entry for the run, one for the appends, one for the evictions.
+
+        The per-request path pops in request order and indexes each filled block as it
+        comes, so a pop that evicts key K *after* a request that fills a block with key
+        K saw K still indexed. Returned: each evicted key with the place of the request
+        whose pop evicted it, for :meth:`_fill_run` to replay that order exactly."""
+        if not tables:
+            return {}
+        blocks = self._free.acquire_n(len(tables), self._ref)
+        evicted: dict[bytes, int] = {}
+        if self._index:  # caching on and something indexed: the popped lose their entries
+            entries = self._entry
+            cached = [j for j, b in enumerate(blocks) if entries[b] is not None]
+            for j in cached:
+                entry = entries[blocks[j]]
+                assert entry is not None
+                evicted[entry.key] = order[j]
+            self._uncache_run([blocks[j] for j in cached])
+        lists = list(map(_BLOCK_TABLE, tables))
+        deque(map(list.append, lists, blocks), 0)
+        self._journal.record(_pop_each, lists)
+        return evicted
+
+    def _fill_run(
+        self, tables: list[_Table], filling: Sequence[int], evicted: dict[bytes, int]
+    ) -> None:
+        """Index the block each of ``tables[i]`` (``i`` in ``filling``, ascending) just
+        filled, as :meth:`_cache_full_blocks` would one by one in request order after
+        the pops of the requests before it (``evicted``, from :meth:`_grow_run`): one
+        journal entry for the keys, one for the index. A key is already taken if it is
+        indexed, or was evicted by the pop of a request after this one."""
+        bs = self.block_size
+        index, entries = self._index, self._entry
+        grown: list[tuple[list[bytes], int]] = []
+        indexed: list[int] = []
+        for i in filling:
+            t = tables[i]
+            keys, token_ids, block_table = t.keys, t.token_ids, t.block_table
+            first, end = len(keys), len(token_ids) // bs
+            if first >= end:
+                continue
+            grown.append((keys, first))
+            parent = keys[-1] if keys else t.root_key
+            for blk in range(first, end):
+                ids = tuple(token_ids[blk * bs : (blk + 1) * bs])
+                key = block_key(parent, ids)
+                keys.append(key)
+                b = block_table[blk]
+                taken = key in index or evicted.get(key, -1) > i
+                if not taken and entries[b] is None:
+                    index[key] = b
+                    entries[b] = _cache_entry(key, b, parent, ids)
+                    indexed.append(b)
+                parent = key
+        if grown:
+            self._journal.record(_truncate_each, grown)
+        if indexed:
+            self._fresh.update(indexed)
+            self._journal.record(self._unindex_run, indexed)
+
+    def _grow_in_order(
+        self, tables: list[_Table], needy: Sequence[int], fills: Sequence[int]
+    ) -> list[BlockCopy]:
+        """The general case (some table copies a shared last block): request by request,
+        as the per-request path takes them. A sibling earlier in the step may have
+        copied away, and a growth may evict a cached free block whose key a later
+        request's filled block then takes (or not)."""
+        copies: list[BlockCopy] = []
+        grows = set(needy)
+        fill_set = set(fills)
+        for i in sorted(grows | fill_set):
+            t = tables[i]
+            if i in grows:
+                copy = self._grow_one(t, len(t.token_ids) - 1)
+                if copy is not None:
+                    copies.append(copy)
+            if i in fill_set:
+                self._journal.record(_truncate, t.keys, len(t.keys))  # indexing appends keys
+                self._cache_full_blocks(t)
+        return copies
 
     def _grow_one(self, table: _Table, stored: int) -> BlockCopy | None:
         """Room for the token at position ``stored`` of ``table`` (open transaction, a
@@ -816,6 +937,7 @@ class BlockPool:
 
 
 _TOKEN_IDS = attrgetter("token_ids")
+_BLOCK_TABLE = attrgetter("block_table")
 
 
 def _truncate(items: list[int] | list[bytes], n: int) -> None:
@@ -833,9 +955,14 @@ def _undo_copy_on_write(ref: list[int], blocks: list[int], src: int, b: int) -> 
     ref[b] = 0
 
 
-def _pop_each(token_lists: list[list[int]]) -> None:
-    for tokens in token_lists:
-        tokens.pop()
+def _pop_each(lists: list[list[int]]) -> None:
+    for items in lists:
+        items.pop()
+
+
+def _truncate_each(grown: list[tuple[list[bytes], int]]) -> None:
+    for items, n in grown:
+        del items[n:]
 
 
 def _taken(token_ids: Sequence[int], start: int, end: int) -> list[int] | tuple[int, ...]:

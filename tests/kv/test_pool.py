@@ -929,19 +929,53 @@ def test_the_unjournaled_allocate_still_raises_typed_errors_with_nothing_changed
     assert pool.snapshot().tables[0].token_ids == (5, 6, 7)
 
 
-def test_append_decodes_refuses_an_unknown_request_and_a_token_count_mismatch() -> None:
+def test_append_decodes_refuses_an_unknown_request_a_token_count_mismatch_and_a_stale_run() -> None:
     pool = BlockPool(8, 4)
     pool.allocate("a", [1, 2], 2)
     before = pool.snapshot()
     with pytest.raises(UnknownRequest) as unknown:
-        pool.append_decodes(["a", "ghost"], [3, 3], [], [])
-    assert unknown.value.request_id == "ghost" and "append_decodes" in str(unknown.value)
+        pool.decode_run(["a", "ghost"])
+    assert unknown.value.request_id == "ghost" and "decode_run" in str(unknown.value)
     assert pool.snapshot() == before
-    pool.allocate("b", [5], 1)
+    stale = pool.decode_run(["a"])
+    pool.allocate("b", [5], 1)  # a table added: the run taken before is stale
     with_b = pool.snapshot()
+    assert not pool.is_current(stale)
+    with pytest.raises(InvalidArgument, match=r"^append_decodes: the decode run is stale"):
+        pool.append_decodes(stale, [3], [], [])
+    run = pool.decode_run(["a", "b"])
+    assert pool.is_current(run)
     with pytest.raises(InvalidArgument, match=r"^append_decodes: 1 tokens for 2 requests$"):
-        pool.append_decodes(["a", "b"], [3], [], [])
+        pool.append_decodes(run, [3], [], [])
     assert pool.snapshot() == with_b
+    growth = pool.append_decodes(run, [3, 6], [], [])  # each appends into its own block
+    assert growth is not None and growth.tails == [] and pool.is_current(run)
+    assert [t.token_ids for t in pool.snapshot().tables] == [(1, 2, 3), (5, 6)]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda p: p.allocate("a", [1, 2, 3, 4, 5], 3),  # a second block
+        lambda p: p.free("a"),
+        lambda p: p.fork("a", "c"),
+        lambda p: p.allocate("c", [9], 1),
+        lambda p: (p.begin(), p.allocate("c", [9], 1), p.rollback()),
+    ],
+    ids=["grow", "free", "fork", "add", "rollback"],
+)
+def test_a_table_added_freed_forked_or_grown_or_a_rollback_makes_a_run_stale(
+    change: Callable[[BlockPool], object],
+) -> None:
+    """A run holds table objects and their token lists: after a table is freed or
+    replaced (or a rollback, which may have done either) it must not be appended to.
+    Any change the pool reports to take_changed also ends it, conservatively."""
+    pool = BlockPool(8, 4)
+    pool.allocate("a", [1, 2], 2)
+    pool.allocate("b", [5], 1)
+    run = pool.decode_run(["a", "b"])
+    change(pool)
+    assert not pool.is_current(run)
 
 
 def test_a_token_that_cannot_be_hashed_leaves_a_caching_pool_unchanged() -> None:
@@ -953,3 +987,37 @@ def test_a_token_that_cannot_be_hashed_leaves_a_caching_pool_unchanged() -> None
     with pytest.raises(Exception, match=r"argument out of range|format requires"):
         pool.allocate("b", [7, 7, 7, 2**64], 4)
     assert pool.snapshot() == before and not pool.has_request("b")
+
+
+def _evicting_decode_pool() -> BlockPool:
+    """Block 2, caching on: "x" holds [1, 2, 3] (a hit on block 0, key K1) and fills
+    its second block with (3, 4) at its next decode, key K2; "y" holds [9, 9] and needs
+    a fresh block at its next decode. The one free block is the freed "old"'s block
+    indexed as K2, so y's pop evicts the very key x's fill computes."""
+    pool = BlockPool(4, 2, enable_prefix_caching=True)
+    pool.allocate("old", [1, 2, 3, 4], 4)  # blocks 0 (K1) and 1 (K2), both indexed
+    hit = pool.lookup([1, 2, 3])
+    assert pool.allocate("x", [1, 2, 3], 1, hit=hit).num_cached_tokens == 2  # block 0 shared
+    pool.allocate("y", [9, 9], 2)
+    pool.free("old")  # block 1 (K2) is the only free block, still indexed
+    assert pool.num_free_blocks == 1
+    return pool
+
+
+@pytest.mark.parametrize("order", [("x", "y"), ("y", "x")], ids=["fill-first", "pop-first"])
+def test_a_decode_run_replays_the_order_of_pops_and_fills(order: tuple[str, str]) -> None:
+    """The bulk decode takes its fresh blocks off the free queue as one run, before any
+    filled block is indexed; the per-request path alternates in request order. When a
+    pop evicts the key that another request's fill computes, only the order decides:
+    fill first, the key is still taken (x's block stays private, then the key is gone);
+    pop first, x's block takes the key. The run must end exactly as the loop does."""
+    known = {"x": [1, 2, 3, 4], "y": [9, 9, 9]}
+    bulk, loop = _evicting_decode_pool(), _evicting_decode_pool()
+    assert bulk.append_decode_tokens(list(order), [known[r] for r in order]) == []
+    for rid in order:
+        loop.allocate(rid, known[rid], 1)
+    assert bulk.snapshot() == loop.snapshot()
+    assert_valid(bulk)
+    indexed = {e.block_id for e in bulk.snapshot().cache_entries}
+    x_block = bulk.block_table("x")[1]
+    assert (x_block in indexed) == (order == ("y", "x"))

@@ -17,6 +17,7 @@ from ref.core.config import SchedulerConfig
 from ref.core.inputs import build_inputs
 from ref.core.request import FinishReason, Request, StopParams
 from ref.core.scheduler import BadExecutorOutput, NewTokens, Scheduler
+from ref.kv import DecodeRun
 from spec.snapshot import RequestStatus
 from tests.harness import make_request
 
@@ -187,9 +188,9 @@ def test_after_an_abort_the_next_step_still_takes_the_bulk_path() -> None:
     calls: list[list[str]] = []
     bulk = s.pool.append_decodes
 
-    def spy(ids: list[str], *args: list[int]) -> object:
-        calls.append(list(ids))
-        return bulk(ids, *args)
+    def spy(run: DecodeRun, *args: list[int]) -> object:
+        calls.append(list(run.request_ids))
+        return bulk(run, *args)
 
     s.pool.append_decodes = spy  # type: ignore[assignment, method-assign]
     plan = s.schedule()

@@ -22,7 +22,7 @@ from ref.core.config import SchedulerConfig
 from ref.core.inputs import ModelInputs, build_inputs
 from ref.core.request import Request, StopParams
 from ref.core.scheduler import Scheduler
-from ref.kv import BlockPool
+from ref.kv import BlockPool, DecodeRun
 from ref.sim.simulator import fake_token
 from spec.snapshot import RequestStatus
 
@@ -210,9 +210,9 @@ def test_steady_decodes_take_the_bulk_path() -> None:
     bulk = s.pool.append_decodes
     calls: list[tuple[list[str], bool]] = []
 
-    def spy(ids: list[str], *args: list[int]) -> object:
-        out = bulk(ids, *args)
-        calls.append((list(ids), out is not None))
+    def spy(run: DecodeRun, *args: list[int]) -> object:
+        out = bulk(run, *args)
+        calls.append((list(run.request_ids), out is not None))
         return out
 
     s.pool.append_decodes = spy  # type: ignore[assignment, method-assign]
