@@ -50,11 +50,20 @@ _MIN_WIDTH = 8
 class DecodeRows:
     """The decoding requests of one step, in running (admission) order.
 
-    ``slots`` index the batch arrays; the lists are parallel to it: the requests, their
-    ids, and their live token and token-time lists (the bulk commit appends to them).
+    ``slots`` are their rows in the batch arrays and ``at`` indexes those rows: the
+    same slots, or a slice when they are consecutive (the usual case: slots are handed
+    out lowest first, so a batch that has not churned holds them in order), which numpy
+    reads and writes without a gather. ``positions`` are their KV lengths when planned
+    (each row's token goes there; nothing changes them before the commit) and
+    ``offsets`` those modulo the block size. The lists are parallel to ``slots``: the
+    requests, their ids, and their live token and token-time lists (the bulk commit
+    appends to them).
     """
 
     slots: Ints
+    at: Ints | slice
+    positions: Ints
+    offsets: Ints
     requests: list[Request]
     request_ids: list[str]
     token_lists: list[list[int]]
@@ -74,6 +83,7 @@ class PersistentBatch:
         self._token_lists: list[list[int]] = []  # their token_ids (the same list objects)
         self._time_lists: list[list[float]] = []  # their token_times_ms
         self._order_array: Ints | None = None  # _order as an array, rebuilt on change
+        self._order_start: int | None = None  # its first slot, if its slots are consecutive
         # The steady step hands these lists out as they are (DecodeRows) instead of
         # copying them; the next change in place copies them first.
         self._lent = False
@@ -227,7 +237,10 @@ class PersistentBatch:
     def order(self) -> Ints:
         """Slots in running order."""
         if self._order_array is None:
-            self._order_array = np.array(self._order, dtype=np.int64)
+            order = self._order_array = np.array(self._order, dtype=np.int64)
+            n = len(order)
+            consecutive = n > 0 and bool((order == np.arange(order[0], order[0] + n)).all())
+            self._order_start = int(order[0]) if consecutive else None
         return self._order_array
 
     def all_decoding(self) -> bool:
@@ -240,28 +253,32 @@ class PersistentBatch:
         if k <= 0:
             return None
         mask = self.decoding[order]
+        start = self._order_start
         if k == len(order) and mask.all():  # the steady state: the lists themselves
             self._lent = True
-            return DecodeRows(order, self.requests, self._ids, self._token_lists, self._time_lists)
-        if mask[:k].all():  # slices, no per-request Python
-            return DecodeRows(
-                order[:k],
-                self.requests[:k],
-                self._ids[:k],
-                self._token_lists[:k],
-                self._time_lists[:k],
+            lists = (self.requests, self._ids, self._token_lists, self._time_lists)
+            slots = order
+        elif mask[:k].all():  # slices, no per-request Python
+            lists = (self.requests[:k], self._ids[:k], self._token_lists[:k], self._time_lists[:k])
+            slots = order[:k]
+        else:
+            found = np.flatnonzero(mask)[:limit]
+            if not len(found):
+                return None
+            pos = found.tolist()
+            lists = (
+                [self.requests[i] for i in pos],
+                [self._ids[i] for i in pos],
+                [self._token_lists[i] for i in pos],
+                [self._time_lists[i] for i in pos],
             )
-        at = np.flatnonzero(mask)[:limit]
-        if not len(at):
-            return None
-        pos = at.tolist()
-        return DecodeRows(
-            order[at],
-            [self.requests[i] for i in pos],
-            [self._ids[i] for i in pos],
-            [self._token_lists[i] for i in pos],
-            [self._time_lists[i] for i in pos],
-        )
+            slots = order[found]
+            start = None
+        at: Ints | slice = slots if start is None else slice(start, start + len(slots))
+        positions = _gather(self.num_computed, at)
+        bs = self.block_size
+        offsets = positions & (bs - 1) if bs & (bs - 1) == 0 else positions % bs
+        return DecodeRows(slots, at, positions, offsets, *lists)
 
     def decode_run(self, rows: DecodeRows, pool: BlockPool) -> DecodeRun:
         """The pool's tables of ``rows`` (:class:`~ref.kv.DecodeRun`); for the whole
@@ -278,10 +295,10 @@ class PersistentBatch:
     def needs_block(self, rows: DecodeRows, pool: BlockPool) -> list[int]:
         """Indices into ``rows`` whose next token starts a new block or lands in a shared
         last block (copy-on-write); the others append to a private block with room."""
-        slots = rows.slots
-        needs = self.num_computed[slots] % self.block_size == 0
-        for i in np.flatnonzero(self.shared_tail[slots] & ~needs).tolist():  # forks: rare
-            slot = int(slots[i])
+        needs = rows.offsets == 0
+        tail = self.shared_tail[rows.at]
+        for i in np.flatnonzero(tail & ~needs).tolist() if tail.any() else ():  # forks: rare
+            slot = int(rows.slots[i])
             last = int(self.block_table[slot, self.num_blocks[slot] - 1])
             if pool.ref_count(last) > 1:
                 needs[i] = True
@@ -306,24 +323,27 @@ class PersistentBatch:
 
     def fills_block(self, rows: DecodeRows) -> list[int]:
         """Indices into ``rows`` whose next token fills its block (prefix caching)."""
-        filled = (self.num_computed[rows.slots] + 1) % self.block_size == 0
-        return list(np.flatnonzero(filled).tolist())
+        return list(np.flatnonzero(rows.offsets == self.block_size - 1).tolist())
 
     def commit_decodes(self, rows: DecodeRows, tokens: Ints, now_ms: float) -> list[int]:
         """Append one sampled token to each row's request, KV length + 1 (KVLEN); return
         the indices into ``rows`` that finish: a stop id, or the length limit."""
-        slots = rows.slots
-        computed = self.num_computed[slots] + 1
-        self.num_computed[slots] = computed
-        self.num_tokens[slots] += 1
-        self.last_token[slots] = tokens
+        at = rows.at
+        computed = rows.positions + 1  # KV lengths are unchanged since the plan
+        self.num_computed[at] = computed
+        num_tokens = self.num_tokens[at] + 1
+        self.num_tokens[at] = num_tokens
+        self.last_token[at] = tokens
         _consume(map(list.append, rows.token_lists, tokens.tolist()))
         _consume(map(list.append, rows.time_lists, repeat(now_ms)))
         _consume(map(setattr, rows.requests, repeat("num_computed_tokens"), computed.tolist()))
-        stopped = (self.stop_ids[slots] == tokens[:, None]).any(axis=1)
-        return list(
-            np.flatnonzero(stopped | (self.num_tokens[slots] >= self.limit[slots])).tolist()
-        )
+        stopped = (self.stop_ids[at] == tokens[:, None]).any(axis=1)
+        return list(np.flatnonzero(stopped | (num_tokens >= self.limit[at])).tolist())
+
+
+def _gather(a: Ints, at: Ints | slice) -> Ints:
+    """``a``'s rows ``at`` as a new array (a slice alone would be a view of ``a``)."""
+    return a[at].copy() if isinstance(at, slice) else a[at]
 
 
 def _consume(calls: Iterator[object]) -> None:

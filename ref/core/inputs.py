@@ -87,26 +87,26 @@ def build_inputs(
 def decode_inputs(plan: StepPlan, rows: DecodeRows, batch: PersistentBatch) -> ModelInputs:
     """One token for each bulk decode row, every tensor a vector op over the batch's
     arrays: the token is the row's last, its position the KV length, its slot read from
-    the persistent block table (padding zero, never read)."""
-    slots = rows.slots
+    the persistent block table (padding zero, never read). Every tensor is a copy: the
+    executor gets nothing that the batch changes later."""
+    slots, at = rows.slots, rows.at
     k = len(slots)
-    positions = batch.num_computed[slots]
+    positions = rows.positions
     table = batch.block_table
-    width = int(batch.num_blocks[slots].max())
+    width = int(batch.num_blocks[at].max())
     bs = batch.block_size
     # Flat indices into the (contiguous) persistent table: row slot, column pos // bs.
     block_ids = np.take(table, slots * table.shape[1] + positions // bs)
-    slot_mapping = block_ids.astype(np.int64) * bs + positions % bs
-    sample_rows = np.arange(k, dtype=np.int64)
+    slot_mapping = block_ids.astype(np.int64) * bs + rows.offsets
     return ModelInputs(
         request_ids=plan.request_ids,
-        input_ids=torch.from_numpy(batch.last_token[slots]),
-        positions=torch.from_numpy(positions),
+        input_ids=torch.from_numpy(batch.last_token[at].copy()),
+        positions=torch.from_numpy(positions.copy()),
         slot_mapping=torch.from_numpy(slot_mapping),
         query_start_loc=torch.from_numpy(np.arange(k + 1, dtype=np.int32)),
         seq_lens=torch.from_numpy((positions + 1).astype(np.int32)),
-        block_tables=torch.from_numpy(np.take(table[:, :width], slots, axis=0)),
-        sample_rows=torch.from_numpy(sample_rows),
+        block_tables=torch.from_numpy(table[at, :width].copy()),
+        sample_rows=torch.from_numpy(np.arange(k, dtype=np.int64)),
         sample_request_ids=plan.request_ids,
     )
 

@@ -85,14 +85,14 @@ class Planner:
         slots = rows.slots
         fills = batch.fills_block(rows) if self.pool.enable_prefix_caching else []
         needy = batch.needs_block(rows, self.pool)
-        tokens = batch.last_token[slots].tolist()
+        tokens = batch.last_token[rows.at].tolist()
         run = batch.decode_run(rows, self.pool)
         growth = self.pool.append_decodes(run, tokens, needy, fills)
         if growth is None:
             return False
         batch.grew(rows, needy, growth)
         d.copies.extend(growth.copies)
-        d.plan.add_decodes(rows, batch.num_computed[slots].tolist())
+        d.plan.add_decodes(rows, rows.positions.tolist())
         d.bulk_ids = rows.request_ids
         d.decoded = rows.requests
         d.budget -= len(slots)

@@ -584,7 +584,7 @@ class Scheduler:
             _checked_array(plan, list(rest.values()), rest_ids)
             return _Output(bulk, rest)  # type: ignore[arg-type]
         values = sampled.detach().cpu().numpy() if isinstance(sampled, torch.Tensor) else sampled
-        count = sum(plan.samples)
+        count = plan.samples.count(True)
         if (
             not isinstance(values, np.ndarray)
             or values.ndim != 1
