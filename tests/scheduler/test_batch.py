@@ -240,3 +240,66 @@ def test_token_id_zero_is_a_valid_sampled_token_in_an_array() -> None:
     plan = s.schedule()
     assert s.commit(plan, np.array([0, 1, 0])).new_tokens == {"r0": 0, "r1": 1, "r2": 0}
     assert [r.token_ids[-1] for r in s.running] == [0, 1, 0]
+
+
+@pytest.mark.mutation_kill
+def test_steady_steps_look_up_the_pool_tables_once() -> None:
+    """While nobody joins or leaves and no table changes outside the bulk path, the
+    batch keeps its DecodeRun: the steady step looks no request up in the pool."""
+    s = decoding(3)
+    lookups: list[list[str]] = []
+    decode_run = s.pool.decode_run
+
+    def spy(ids: list[str]) -> DecodeRun:
+        lookups.append(list(ids))
+        return decode_run(ids)
+
+    s.pool.decode_run = spy  # type: ignore[method-assign]
+    for _ in range(6):  # block 4: two of these steps start a block, all stay in bulk
+        plan = s.schedule()
+        assert plan.decode_rows is not None
+        s.commit(plan, torch.tensor([7, 7, 7]))
+    assert lookups == [["r0", "r1", "r2"]]
+    s.abort("r1")  # membership changed: one new lookup
+    for _ in range(2):
+        s.commit(s.schedule(), torch.tensor([7, 7]))
+    assert lookups == [["r0", "r1", "r2"], ["r0", "r2"]]
+
+
+@pytest.mark.mutation_kill
+def test_a_committed_plan_still_describes_its_rows_as_planned() -> None:
+    """The rows' positions are a copy taken at planning: the commit that advances the KV
+    lengths (and any later step) leaves a kept plan's rows as they were."""
+    s = decoding(3)
+    plan = s.schedule()
+    rows = plan.decode_rows
+    assert rows is not None and isinstance(rows.at, slice)  # slots 0, 1, 2: a slice
+    assert rows.positions.tolist() == list(plan.starts) == [3, 3, 3]
+    s.commit(plan, torch.tensor([7, 7, 7]))
+    s.commit(s.schedule(), torch.tensor([7, 7, 7]))
+    assert rows.positions.tolist() == list(plan.starts) == [3, 3, 3]
+    assert rows.offsets.tolist() == [3, 3, 3]
+
+
+@pytest.mark.mutation_kill
+def test_a_lone_decoding_request_takes_the_bulk_path() -> None:
+    s = decoding(1)
+    plan = s.schedule()
+    assert plan.decode_rows is not None and plan.request_ids == ("r0",)
+    s.commit(plan, torch.tensor([7]))
+
+
+@pytest.mark.mutation_kill
+def test_decodes_before_a_running_prefill_still_go_in_bulk() -> None:
+    """A running request still prefilling (a long prompt in chunks) is not a decode row;
+    the decoding rows around it are picked out and still go in bulk."""
+    s = decoding(2)
+    s.add_request(make_request("p", 800, max_tokens=5))  # three chunks of the 256 budget
+    s.commit(s.schedule(), torch.tensor([7, 7]))  # p's first chunk samples nothing
+    assert [r.request_id for r in s.running] == ["r0", "r1", "p"]
+    plan = s.schedule()
+    rows = plan.decode_rows
+    assert rows is not None and rows.request_ids == ["r0", "r1"]
+    assert plan.request_ids == ("r0", "r1", "p") and plan.is_prefill == (False, False, True)
+    assert plan.samples == (True, True, False)
+    s.commit(plan, torch.tensor([7, 7]))
