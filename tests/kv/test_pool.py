@@ -1047,3 +1047,24 @@ def test_a_decode_step_with_a_copy_on_write_and_a_fill_rolls_back_exactly() -> N
     assert_valid(pool)
     assert pool.lookup([1, 2, 3, 9, 0]).num_tokens == 4  # a's chain: (1, 2) then (3, 9)
     assert pool.lookup([5, 8, 0]).num_tokens == 2
+
+
+def test_a_decode_run_lets_a_request_take_the_key_its_own_pop_evicted() -> None:
+    """Block 1: x's next token needs a fresh block and fills it. The block it pops is
+    the freed "old"'s block indexed under the very key x's block then computes. The loop
+    pops before it fills (its own growth first), so the key is free again and x's block
+    takes it; the run must do the same."""
+
+    def build() -> BlockPool:
+        pool = BlockPool(3, 1, enable_prefix_caching=True)
+        pool.allocate("old", [1, 2], 2)  # blocks 0 (key of (1)), 1 (key of (1, 2))
+        pool.allocate("x", [1], 1)  # block 2; its key is taken by block 0
+        pool.free("old")  # the queue: block 1 then block 0, both still indexed
+        return pool
+
+    bulk, loop = build(), build()
+    assert bulk.append_decode_tokens(["x"], [[1, 2]]) == []
+    loop.allocate("x", [1, 2], 1)
+    assert bulk.snapshot() == loop.snapshot()
+    assert bulk.block_table("x") == (2, 1)
+    assert bulk.lookup([1, 2, 3]).block_ids == (0, 1)  # x's new block holds the key now
