@@ -965,8 +965,9 @@ def test_append_decodes_refuses_an_unknown_request_a_token_count_mismatch_and_a_
         lambda p: p.allocate("c", [9], 1),
         lambda p: (p.begin(), p.allocate("c", [9], 1), p.rollback()),
         lambda p: (p.begin(), p.allocate("a", [1, 2, 3, 4, 5], 3), p.rollback()),
+        lambda p: (p.begin(), p.free("b"), p.rollback()),
     ],
-    ids=["grow", "free", "fork", "add", "rollback", "rolled-back-grow"],
+    ids=["grow", "free", "fork", "add", "rollback", "rolled-back-grow", "rolled-back-free"],
 )
 def test_a_table_added_freed_forked_or_grown_or_a_rollback_makes_a_run_stale(
     change: Callable[[BlockPool], object],
