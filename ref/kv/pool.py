@@ -83,11 +83,11 @@ class DecodeRun:
     """The block tables of some requests, in order, looked up once
     (:meth:`BlockPool.decode_run`) for any number of :meth:`BlockPool.append_decodes`.
 
-    Current while no table changes other than by ``append_decodes`` itself: every
-    other change (a table added, freed, grown by ``allocate``, forked; a rollback)
-    makes it stale, :meth:`BlockPool.is_current` says so and ``append_decodes``
-    refuses it. The persistent batch keeps one for its whole running order, so the
-    steady decode step looks no request up.
+    It holds table objects, so it stays current until a table is added or freed, or
+    anything else the pool reports to ``take_changed`` happens (a block added or
+    copied by ``allocate``, a fork) or a rollback: then :meth:`BlockPool.is_current`
+    says it is stale and ``append_decodes`` refuses it. The persistent batch keeps one
+    for its whole running order, so the steady decode step looks no request up.
     """
 
     __slots__ = ("_epoch", "_tables", "_token_lists", "request_ids")
@@ -146,8 +146,8 @@ class BlockPool:
         # the last take_changed(): the persistent batch (ref/core/batch.py) rewrites only
         # their rows. A rollback may shrink any table, so it marks every table changed.
         self._changed: set[str] = set()
-        # Bumped by every table change outside append_decodes: a DecodeRun taken at an
-        # older epoch may hold a table that is gone or replaced.
+        # Bumped by every change reported to take_changed and by every rollback: a
+        # DecodeRun taken at an older epoch may hold a table that is gone or replaced.
         self._epoch = 0
         self._all_changed = False
 

@@ -1069,3 +1069,19 @@ def test_a_decode_run_lets_a_request_take_the_key_its_own_pop_evicted() -> None:
     assert bulk.snapshot() == loop.snapshot()
     assert bulk.block_table("x") == (2, 1)
     assert bulk.lookup([1, 2, 3]).block_ids == (0, 1)  # x's new block holds the key now
+
+
+@pytest.mark.mutation_kill
+def test_a_run_stays_stale_whatever_rollbacks_follow() -> None:
+    """Staleness is for good: after a table of the run is freed, no later rollback (of
+    another step) may make the run look current again."""
+    pool = BlockPool(8, 4)
+    pool.allocate("a", [1, 2], 2)
+    pool.begin()
+    pool.rollback()  # nothing to undo; the run below is taken after a rollback
+    run = pool.decode_run(["a"])
+    pool.free("a")
+    for _ in range(pool._epoch + 2):  # past any epoch the run could be mistaken for
+        pool.begin()
+        pool.rollback()
+        assert not pool.is_current(run)
