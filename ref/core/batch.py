@@ -275,10 +275,8 @@ class PersistentBatch:
             slots = order[found]
             start = None
         at: Ints | slice = slots if start is None else slice(start, start + len(slots))
-        positions = _gather(self.num_computed, at)
-        bs = self.block_size
-        offsets = positions & (bs - 1) if bs & (bs - 1) == 0 else positions % bs
-        return DecodeRows(slots, at, positions, offsets, *lists)
+        positions = self.num_computed[at].copy()  # a slice alone would be a view
+        return DecodeRows(slots, at, positions, positions % self.block_size, *lists)
 
     def decode_run(self, rows: DecodeRows, pool: BlockPool) -> DecodeRun:
         """The pool's tables of ``rows`` (:class:`~ref.kv.DecodeRun`); for the whole
@@ -297,7 +295,7 @@ class PersistentBatch:
         last block (copy-on-write); the others append to a private block with room."""
         needs = rows.offsets == 0
         tail = self.shared_tail[rows.at]
-        for i in np.flatnonzero(tail & ~needs).tolist() if tail.any() else ():  # forks: rare
+        for i in np.flatnonzero(tail & ~needs).tolist():  # forks: rare
             slot = int(rows.slots[i])
             last = int(self.block_table[slot, self.num_blocks[slot] - 1])
             if pool.ref_count(last) > 1:
@@ -339,11 +337,6 @@ class PersistentBatch:
         _consume(map(setattr, rows.requests, repeat("num_computed_tokens"), computed.tolist()))
         stopped = (self.stop_ids[at] == tokens[:, None]).any(axis=1)
         return list(np.flatnonzero(stopped | (num_tokens >= self.limit[at])).tolist())
-
-
-def _gather(a: Ints, at: Ints | slice) -> Ints:
-    """``a``'s rows ``at`` as a new array (a slice alone would be a view of ``a``)."""
-    return a[at].copy() if isinstance(at, slice) else a[at]
 
 
 def _consume(calls: Iterator[object]) -> None:
