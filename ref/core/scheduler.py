@@ -610,8 +610,8 @@ class Scheduler:
         if len(checked) and checked.min() < 0:
             bad = int(np.flatnonzero(checked < 0)[0])
             raise BadExecutorOutput(
-                f"step {plan.step_index}: executor gave {values[bad]!r} as the sampled token "
-                f"of request {ids[bad]!r}; expected a non-negative int below 2**63"
+                f"step {plan.step_index}: executor gave {values[bad].item()!r} as the sampled "
+                f"token of request {ids[bad]!r}; expected a non-negative int below 2**63"
             )
         return _Output(checked[:k], dict(zip(ids[k:], checked[k:].tolist(), strict=True)))
 

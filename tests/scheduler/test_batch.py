@@ -303,3 +303,15 @@ def test_decodes_before_a_running_prefill_still_go_in_bulk() -> None:
     assert plan.request_ids == ("r0", "r1", "p") and plan.is_prefill == (False, False, True)
     assert plan.samples == (True, True, False)
     s.commit(plan, torch.tensor([7, 7]))
+
+
+@pytest.mark.mutation_kill
+def test_a_negative_token_is_named_by_its_own_request_after_a_zero() -> None:
+    """The error names the request whose token is negative, not an earlier one whose
+    token is 0 (a valid id); nothing is committed."""
+    s = decoding(3)
+    plan = s.schedule()
+    with pytest.raises(BadExecutorOutput, match=r"gave -4 as the sampled token of request 'r1'"):
+        s.commit(plan, np.array([0, -4, 1]))
+    s.rollback()
+    assert [r.token_ids[-1] for r in s.running] == [5, 5, 5]
