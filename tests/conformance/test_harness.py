@@ -280,8 +280,8 @@ def test_ctrl_c_exits_130_with_one_line_and_a_valid_partial_report(tmp_path: Pat
     while not rep.exists() and time.monotonic() < deadline:
         time.sleep(0.05)  # the first scenario's results are streamed
     proc.send_signal(signal.SIGINT)
-    _out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, f"stdout: {out[-2000:]}\nstderr: {err[-2000:]}"
     assert err.strip().splitlines()[-1] == "refserve conformance: interrupted"
     assert "Traceback" not in err
     partial = json.loads(rep.read_text())
