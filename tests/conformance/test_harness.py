@@ -257,8 +257,21 @@ def _subprocess(argv: list[str]) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{ROOT}"}
     cmd = [sys.executable, "-m", "conformance.cli", *argv]
     return subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_sigint_default,
     )
+
+
+def _sigint_default() -> None:
+    # A shell starts background jobs with SIGINT ignored, and Python keeps an inherited
+    # "ignore" (no KeyboardInterrupt at all): a test suite run in the background would
+    # see Ctrl-C ignored. The child starts as a terminal's foreground job would.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_a_call_stuck_in_native_code_ends_the_run_with_a_partial_report(tmp_path: Path) -> None:
