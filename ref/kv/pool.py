@@ -11,10 +11,11 @@ bad argument raises a typed error with nothing changed; inside
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from operator import attrgetter
+from types import MappingProxyType
 
 from ref.errors import (
     DuplicateRequest,
@@ -28,6 +29,9 @@ from ref.kv.journal import Journal
 from spec.arith import blocks_needed, max_cacheable_tokens
 from spec.hashing import DEFAULT_NAMESPACE, Namespace, block_key
 from spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
+
+_NOTHING_EVICTED: Mapping[bytes, int] = MappingProxyType({})
+"""No key evicted in this step (every caller but :meth:`BlockPool._fill_run`)."""
 
 
 @dataclass(frozen=True)
@@ -494,8 +498,9 @@ class BlockPool:
         """:meth:`append_decode_tokens` for a caller that knows each request's state:
         ``tokens[i]`` is the token of ``run``'s request ``i`` at its KV length, ``needy``
         the indices whose token starts a block or lands in a shared last block,
-        ``filling`` those whose token fills its block. Nothing is re-derived per request:
-        a wrong claim breaks POS/BLOCK on the next snapshot (the persistent batch that
+        ``filling`` those whose token fills its block. Nothing is re-derived per request
+        (only each needy table's fresh block is told from a copy-on-write): a wrong
+        claim breaks POS/BLOCK on the next snapshot (the persistent batch that
         makes the claims is differential-tested against the per-request path). A stale
         ``run`` is refused.
         """
@@ -563,11 +568,8 @@ class BlockPool:
         if self._index:  # caching on and something indexed: the popped lose their entries
             entries = self._entry
             cached = [j for j, b in enumerate(blocks) if entries[b] is not None]
-            for j in cached:
-                entry = entries[blocks[j]]
-                assert entry is not None
-                evicted[entry.key] = order[j]
-            self._uncache_run([blocks[j] for j in cached])
+            dropped = self._uncache_run([blocks[j] for j in cached])
+            evicted = {e.key: order[j] for j, e in zip(cached, dropped, strict=True)}
         lists = list(map(_BLOCK_TABLE, tables))
         deque(map(list.append, lists, blocks), 0)
         self._journal.record(_pop_each, lists)
@@ -579,31 +581,14 @@ class BlockPool:
         """Index the block each of ``tables[i]`` (``i`` in ``filling``, ascending) just
         filled, as :meth:`_cache_full_blocks` would one by one in request order after
         the pops of the requests before it (``evicted``, from :meth:`_grow_run`): one
-        journal entry for the keys, one for the index. A key is already taken if it is
-        indexed, or was evicted by the pop of a request after this one."""
-        bs = self.block_size
-        index, entries = self._index, self._entry
+        journal entry for the keys, one for the index."""
         grown: list[tuple[list[bytes], int]] = []
         indexed: list[int] = []
         for i in filling:
             t = tables[i]
-            keys, token_ids, block_table = t.keys, t.token_ids, t.block_table
-            first, end = len(keys), len(token_ids) // bs
-            if first >= end:
-                continue
-            grown.append((keys, first))
-            parent = keys[-1] if keys else t.root_key
-            for blk in range(first, end):
-                ids = tuple(token_ids[blk * bs : (blk + 1) * bs])
-                key = block_key(parent, ids)
-                keys.append(key)
-                b = block_table[blk]
-                taken = key in index or evicted.get(key, -1) > i
-                if not taken and entries[b] is None:
-                    index[key] = b
-                    entries[b] = _cache_entry(key, b, parent, ids)
-                    indexed.append(b)
-                parent = key
+            first = len(t.keys)
+            if self._index_new_blocks(t, indexed, evicted, i):
+                grown.append((t.keys, first))
         if grown:
             self._journal.record(_truncate_each, grown)
         if indexed:
@@ -869,14 +854,31 @@ class BlockPool:
 
     def _cache_full_blocks(self, table: _Table) -> None:
         """Index the table's full blocks not indexed yet (their keys join ``table.keys``)."""
+        indexed: list[int] = []
+        self._index_new_blocks(table, indexed)
+        if indexed and self._journal.active:
+            self._fresh.update(indexed)
+            self._journal.record(self._unindex_run, indexed)
+
+    def _index_new_blocks(
+        self,
+        table: _Table,
+        indexed: list[int],
+        evicted: Mapping[bytes, int] = _NOTHING_EVICTED,
+        place: int = 0,
+    ) -> bool:
+        """Hash the table's full blocks that have no key yet (the keys join
+        ``table.keys``) and index each whose key is free, appending it to ``indexed``;
+        False if there was no such block. A key is taken if it is indexed, or if
+        ``evicted`` holds it with a place after ``place``: :meth:`_fill_run` replays a
+        step in which that later request's pop evicts it only after this fill."""
         bs = self.block_size
         keys, token_ids, block_table = table.keys, table.token_ids, table.block_table
         first, end = len(keys), len(token_ids) // bs
         if first >= end:
-            return
+            return False
         index, entries = self._index, self._entry
         parent = keys[-1] if keys else table.root_key
-        indexed: list[int] = []
         for i in range(first, end):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             key = block_key(parent, tokens)
@@ -884,14 +886,13 @@ class BlockPool:
             b = block_table[i]
             # Two requests may compute the same new prefix in one step; the first one
             # indexed wins and the other block simply stays private.
-            if key not in index and entries[b] is None:
+            taken = key in index or evicted.get(key, -1) > place
+            if not taken and entries[b] is None:
                 index[key] = b
                 entries[b] = _cache_entry(key, b, parent, tokens)
                 indexed.append(b)
             parent = key
-        if indexed and self._journal.active:
-            self._fresh.update(indexed)
-            self._journal.record(self._unindex_run, indexed)
+        return True
 
     def _unindex_run(self, blocks: list[int]) -> None:
         # Undo of _cache_full_blocks: the blocks' entries are the ones it made.
@@ -902,10 +903,11 @@ class BlockPool:
             del index[entry.key]
             entries[b] = None
 
-    def _uncache_run(self, blocks: list[int]) -> None:
-        """Drop the cache entries of ``blocks`` (each has one), with one undo record."""
+    def _uncache_run(self, blocks: list[int]) -> list[CacheEntry]:
+        """Drop the cache entries of ``blocks`` (each has one), with one undo record;
+        the entries dropped, in order."""
         if not blocks:
-            return
+            return []
         index, entries = self._index, self._entry
         dropped: list[CacheEntry] = []
         for b in blocks:
@@ -915,6 +917,7 @@ class BlockPool:
             entries[b] = None
             dropped.append(entry)
         self._journal.record(self._reindex_run, dropped)
+        return dropped
 
     def _reindex_run(self, dropped: list[CacheEntry]) -> None:
         # Undo of _uncache_run.
