@@ -9,6 +9,9 @@ tokenizer, and the executor that runs it for the core's step.
 - :mod:`ref.model.tiny`: the embedded trained checkpoint ``"tiny-trained"`` and its corpus,
   written by :mod:`ref.model.train_tiny` (``make train-tiny``);
 - :mod:`ref.model.sampler`, :mod:`ref.model.tokenizer`;
+- :mod:`ref.model.rejection` and :mod:`ref.model.proposers`: speculative decoding's
+  verification (greedy matching, rejection sampling) and its draft proposers (n-gram
+  lookup, a draft model), docs/SPECULATIVE.md;
 - :mod:`ref.model.executor`: :class:`ModelExecutor`, the core's executor protocol over the
   model.
 
