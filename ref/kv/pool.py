@@ -14,8 +14,10 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import repeat
 from operator import attrgetter
 from types import MappingProxyType
+from typing import NamedTuple
 
 from ref.errors import (
     DuplicateRequest,
@@ -32,6 +34,25 @@ from spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
 
 _NOTHING_EVICTED: Mapping[bytes, int] = MappingProxyType({})
 """No key evicted in this step (every caller but :meth:`BlockPool._fill_run`)."""
+
+_MAX_PENDING_STEPS = 16
+"""Decode steps a :class:`DecodeRun` holds before its tokens are written into its tables:
+bounds its memory, and writes each table's tokens a block's worth at a time (block 16)."""
+
+
+class _Entry(NamedTuple):
+    """A prefix-cache entry as the pool keeps it: the fields of
+    :class:`spec.snapshot.CacheEntry`, which :meth:`BlockPool.snapshot` builds from it.
+    A named tuple is made in a third of the frozen dataclass's time, once per block that
+    fills with prefix caching on."""
+
+    key: bytes
+    block_id: int
+    parent_key: bytes
+    token_ids: tuple[int, ...]
+
+
+_new_tuple = tuple.__new__
 
 
 @dataclass(frozen=True)
@@ -92,14 +113,24 @@ class DecodeRun:
     copied by ``allocate``, a fork) or a rollback: then :meth:`BlockPool.is_current`
     says it is stale and ``append_decodes`` refuses it. The persistent batch keeps one
     for its whole running order, so the steady decode step looks no request up.
+
+    Each ``append_decodes`` adds one token to every table of the run, so the run keeps
+    the step's tokens as one tuple (``_steps``) instead of appending to each table's
+    token list: the steady step touches no table that needs no block. Every table of
+    the run then holds ``len(_steps)`` tokens beyond its list. The pool writes them in
+    (``BlockPool._settle``, one pass per table) before anything reads a table's tokens
+    (``allocate``, a fork, another run, ``num_stored``), every
+    :data:`_MAX_PENDING_STEPS` steps, and before a step that copies a shared block;
+    a snapshot reads them where they are.
     """
 
-    __slots__ = ("_epoch", "_tables", "_token_lists", "request_ids")
+    __slots__ = ("_epoch", "_steps", "_tables", "_token_lists", "request_ids")
 
     def __init__(self, request_ids: Sequence[str], tables: list[_Table], epoch: int) -> None:
         self.request_ids = request_ids
         self._tables = tables
         self._token_lists = list(map(_TOKEN_IDS, tables))
+        self._steps: list[tuple[int, ...]] = []
         self._epoch = epoch
 
     def __len__(self) -> int:
@@ -142,7 +173,7 @@ class BlockPool:
         self._tables: dict[str, _Table] = {}
         # Prefix cache: key -> block, and per block what its key was computed from.
         self._index: dict[bytes, int] = {}
-        self._entry: list[CacheEntry | None] = [None] * num_blocks
+        self._entry: list[_Entry | None] = [None] * num_blocks
         # Blocks indexed inside the open transaction: their K/V is computed by the step
         # that reserved them, so a lookup in that same step must not serve them.
         self._fresh: set[int] = set()
@@ -154,6 +185,8 @@ class BlockPool:
         # DecodeRun taken at an older epoch may hold a table that is gone or replaced.
         self._epoch = 0
         self._all_changed = False
+        # The run whose tables hold tokens not yet in their lists (DecodeRun), if any.
+        self._pending: DecodeRun | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -183,7 +216,9 @@ class BlockPool:
             raise UnknownRequest(str(e.args[0]), "block_table_views") from None
 
     def num_stored(self, request_id: str) -> int:
-        return self._table(request_id, "num_stored").num_stored
+        table = self._table(request_id, "num_stored")
+        self._settle()
+        return table.num_stored
 
     def lookup(
         self, token_ids: Sequence[int], namespace: Namespace = DEFAULT_NAMESPACE
@@ -223,6 +258,8 @@ class BlockPool:
         self, request_id: str, num_new_tokens: int, hit: PrefixHit | None = None
     ) -> int:
         """Free blocks :meth:`allocate` would consume (new, copy-on-write, revived hits)."""
+        if self._pending is not None:
+            self._settle()
         table = self._tables.get(request_id)
         if table is None:
             held = len(hit.block_ids) if hit else 0
@@ -331,6 +368,8 @@ class BlockPool:
         namespace: Namespace,
     ) -> Allocation:
         """:meth:`allocate`, the general case."""
+        if self._pending is not None:
+            self._settle()
         start, total, new_tokens = self._check_allocate(
             request_id, table, token_ids, num_new_tokens, hit, namespace
         )
@@ -453,6 +492,7 @@ class BlockPool:
             tables = [self._tables[rid] for rid in request_ids]
         except KeyError as e:
             raise UnknownRequest(str(e.args[0]), "append_decode_tokens") from None
+        self._settle()
         tokens: list[int] = []
         needy: list[int] = []
         filling: list[int] = []
@@ -511,7 +551,9 @@ class BlockPool:
             )
         if len(tokens) != len(run):
             raise InvalidArgument(f"append_decodes: {len(tokens)} tokens for {len(run)} requests")
-        return self._append_decodes(run._tables, run._token_lists, tokens, needy, filling)
+        if self._pending is not run:
+            self._settle()  # another run's tokens go in first
+        return self._append_decodes(run._tables, run._token_lists, tokens, needy, filling, run)
 
     def _append_decodes(
         self,
@@ -520,7 +562,10 @@ class BlockPool:
         tokens: Sequence[int],
         needy: Sequence[int],
         filling: Sequence[int],
+        run: DecodeRun | None = None,
     ) -> DecodeGrowth | None:
+        """One token for each table: into ``run``'s pending steps if given (its tables
+        hold no other run's pending token), else into each token list."""
         if len(needy) > len(self._free):
             return None
         copies: list[BlockCopy] = []
@@ -529,18 +574,29 @@ class BlockPool:
         if outermost:
             journal.begin()
         try:
-            deque(map(list.append, token_lists, tokens), 0)
-            # Recorded first, so undone last: the appends touch only the token lists,
-            # which nothing below changes.
-            journal.record(_pop_each, token_lists)
+            # Recorded first, so undone last: the tokens join only the token lists or
+            # the run's steps, which nothing below changes but a settle (undone first).
+            if run is None:
+                steps: list[tuple[int, ...]] = []
+                deque(map(list.append, token_lists, tokens), 0)
+                journal.record(_pop_each, token_lists)
+            else:
+                steps = run._steps
+                steps.append(tuple(tokens))
+                journal.record(steps.pop)
+                self._pending = run
             fills = filling if self.enable_prefix_caching else ()
             bs = self.block_size
-            if all((len(tables[i].token_ids) - 1) % bs == 0 for i in needy):
+            behind = len(steps)  # tokens each table holds beyond its list (this one too)
+            if all((len(tables[i].token_ids) + behind - 1) % bs == 0 for i in needy):
                 evicted = self._grow_run([tables[i] for i in needy], needy)
                 if fills:
-                    self._fill_run(tables, fills, evicted)
+                    self._fill_run(tables, fills, evicted, steps)
             else:
+                self._settle()  # the general case reads every table's tokens
                 copies = self._grow_in_order(tables, needy, fills)
+            if run is not None and len(run._steps) >= _MAX_PENDING_STEPS:
+                self._settle()
         except BaseException:
             if outermost:
                 journal.rollback()
@@ -576,18 +632,24 @@ class BlockPool:
         return evicted
 
     def _fill_run(
-        self, tables: list[_Table], filling: Sequence[int], evicted: dict[bytes, int]
+        self,
+        tables: list[_Table],
+        filling: Sequence[int],
+        evicted: dict[bytes, int],
+        steps: Sequence[tuple[int, ...]],
     ) -> None:
         """Index the block each of ``tables[i]`` (``i`` in ``filling``, ascending) just
         filled, as :meth:`_cache_full_blocks` would one by one in request order after
-        the pops of the requests before it (``evicted``, from :meth:`_grow_run`): one
-        journal entry for the keys, one for the index."""
+        the pops of the requests before it (``evicted``, from :meth:`_grow_run`); each
+        table holds ``steps``' tokens beyond its list (:class:`DecodeRun`). One journal
+        entry for the keys, one for the index."""
         grown: list[tuple[list[bytes], int]] = []
         indexed: list[int] = []
         for i in filling:
             t = tables[i]
             first = len(t.keys)
-            if self._index_new_blocks(t, indexed, evicted, i):
+            pending = [step[i] for step in steps]
+            if self._index_new_blocks(t, indexed, evicted, i, pending):
                 grown.append((t.keys, first))
         if grown:
             self._journal.record(_truncate_each, grown)
@@ -654,6 +716,7 @@ class BlockPool:
         parent = self._table(parent_id, "fork")
         if child_id in self._tables:
             raise DuplicateRequest(child_id, "fork")
+        self._settle()
         with self.transaction():
             child = self._new_table(child_id, parent.root_key)
             self._mark_changed(parent)  # its last block is shared now
@@ -712,23 +775,58 @@ class BlockPool:
 
     # ------------------------------------------------------------------ snapshot
     def snapshot(self) -> PoolSnapshot:
+        """The pool as spec sees it. A decode run's pending tokens are read where they
+        are, not written in: a checked run steps exactly as an unchecked one."""
+        pending: dict[int, tuple[int, ...]] = {}
+        run = self._pending
+        if run is not None and run._steps:
+            columns = zip(*run._steps, strict=True)
+            pending = {id(t): col for t, col in zip(run._tables, columns, strict=True)}
+
+        def stored(t: _Table) -> tuple[int, ...]:
+            return (*t.token_ids, *pending.get(id(t), ()))
+
+        tables = []
+        for rid, t in sorted(self._tables.items()):
+            tokens = stored(t)
+            tables.append(TableSnapshot(rid, tuple(t.block_table), len(tokens), tokens, t.root_key))
         return PoolSnapshot(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             ref_cnt=tuple(self._ref),
             free_queue=tuple(self._free),
-            tables=tuple(
-                TableSnapshot(
-                    rid, tuple(t.block_table), t.num_stored, tuple(t.token_ids), t.root_key
-                )
-                for rid, t in sorted(self._tables.items())
-            ),
+            tables=tuple(tables),
             cache_entries=tuple(sorted(self._cache_entries(), key=_entry_order)),
         )
 
     # ----------------------------------------------------------------- internals
+    def _settle(self) -> None:
+        """Write the pending decode run's tokens into its tables' lists (one pass per
+        table; :class:`DecodeRun`), with one undo record."""
+        run = self._pending
+        if run is None:
+            return
+        self._pending = None
+        steps = run._steps
+        if not steps:
+            return
+        run._steps = []
+        lists = run._token_lists
+        if len(steps) == 1:
+            deque(map(list.append, lists, steps[0]), 0)
+        else:
+            deque(map(list.extend, lists, zip(*steps, strict=True)), 0)
+        self._journal.record(self._unsettle, run, steps)
+
+    def _unsettle(self, run: DecodeRun, steps: list[tuple[int, ...]]) -> None:
+        # Undo of _settle: each list grew by exactly len(steps) tokens, and every later
+        # change to it is undone already.
+        deque(map(_drop_last, run._token_lists, repeat(len(steps))), 0)
+        run._steps = steps
+        self._pending = run
+
     def _cache_entries(self) -> list[CacheEntry]:
-        return [e for b in self._index.values() if (e := self._entry[b]) is not None]
+        return [CacheEntry(*e) for b in self._index.values() if (e := self._entry[b]) is not None]
 
     def _root_key(self, namespace: Namespace) -> bytes:
         return self._default_root if namespace is DEFAULT_NAMESPACE else namespace.root_key()
@@ -866,21 +964,28 @@ class BlockPool:
         indexed: list[int],
         evicted: Mapping[bytes, int] = _NOTHING_EVICTED,
         place: int = 0,
+        pending: Sequence[int] = (),
     ) -> bool:
         """Hash the table's full blocks that have no key yet (the keys join
         ``table.keys``) and index each whose key is free, appending it to ``indexed``;
-        False if there was no such block. A key is taken if it is indexed, or if
-        ``evicted`` holds it with a place after ``place``: :meth:`_fill_run` replays a
-        step in which that later request's pop evicts it only after this fill."""
+        False if there was no such block. The table holds ``pending`` tokens beyond its
+        list (:class:`DecodeRun`). A key is taken if it is indexed, or if ``evicted``
+        holds it with a place after ``place``: :meth:`_fill_run` replays a step in which
+        that later request's pop evicts it only after this fill."""
         bs = self.block_size
         keys, token_ids, block_table = table.keys, table.token_ids, table.block_table
-        first, end = len(keys), len(token_ids) // bs
+        n = len(token_ids)
+        first, end = len(keys), (n + len(pending)) // bs
         if first >= end:
             return False
         index, entries = self._index, self._entry
         parent = keys[-1] if keys else table.root_key
         for i in range(first, end):
-            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            lo, hi = i * bs, (i + 1) * bs
+            if hi <= n:
+                tokens = tuple(token_ids[lo:hi])
+            else:
+                tokens = tuple(token_ids[lo:] + list(pending[max(lo - n, 0) : hi - n]))
             key = block_key(parent, tokens)
             keys.append(key)
             b = block_table[i]
@@ -889,7 +994,7 @@ class BlockPool:
             taken = key in index or evicted.get(key, -1) > place
             if not taken and entries[b] is None:
                 index[key] = b
-                entries[b] = _cache_entry(key, b, parent, tokens)
+                entries[b] = _new_tuple(_Entry, (key, b, parent, tokens))
                 indexed.append(b)
             parent = key
         return True
@@ -903,13 +1008,13 @@ class BlockPool:
             del index[entry.key]
             entries[b] = None
 
-    def _uncache_run(self, blocks: list[int]) -> list[CacheEntry]:
+    def _uncache_run(self, blocks: list[int]) -> list[_Entry]:
         """Drop the cache entries of ``blocks`` (each has one), with one undo record;
         the entries dropped, in order."""
         if not blocks:
             return []
         index, entries = self._index, self._entry
-        dropped: list[CacheEntry] = []
+        dropped: list[_Entry] = []
         for b in blocks:
             entry = entries[b]
             assert entry is not None
@@ -919,7 +1024,7 @@ class BlockPool:
         self._journal.record(self._reindex_run, dropped)
         return dropped
 
-    def _reindex_run(self, dropped: list[CacheEntry]) -> None:
+    def _reindex_run(self, dropped: list[_Entry]) -> None:
         # Undo of _uncache_run.
         index, entries = self._index, self._entry
         for entry in dropped:
@@ -933,7 +1038,7 @@ class BlockPool:
         self._entry[b] = None
         self._journal.record(self._reindex, b, entry)
 
-    def _reindex(self, b: int, entry: CacheEntry) -> None:
+    def _reindex(self, b: int, entry: _Entry) -> None:
         # Undo of _uncache.
         self._index[entry.key] = b
         self._entry[b] = entry
@@ -958,6 +1063,10 @@ def _undo_copy_on_write(ref: list[int], blocks: list[int], src: int, b: int) -> 
     ref[b] = 0
 
 
+def _drop_last(items: list[int], count: int) -> None:
+    del items[len(items) - count :]
+
+
 def _pop_each(lists: list[list[int]]) -> None:
     for items in lists:
         items.pop()
@@ -973,17 +1082,6 @@ def _taken(token_ids: Sequence[int], start: int, end: int) -> list[int] | tuple[
     extended by without any failure (the whole of a list is not copied here)."""
     new = token_ids if start == 0 and end == len(token_ids) else token_ids[start:end]
     return new if type(new) is list or isinstance(new, tuple) else list(new)
-
-
-def _cache_entry(key: bytes, b: int, parent: bytes, tokens: tuple[int, ...]) -> CacheEntry:
-    # As _allocation: the same frozen instance without the per-field object.__setattr__.
-    e = object.__new__(CacheEntry)
-    d = e.__dict__
-    d["key"] = key
-    d["block_id"] = b
-    d["parent_key"] = parent
-    d["token_ids"] = tokens
-    return e
 
 
 def _allocation(

@@ -1,0 +1,257 @@
+"""A pool driven by decode runs equals one driven request by request (ref/kv/pool.py,
+``DecodeRun``; docs/ARCHITECTURE.md, "The persistent batch").
+
+A decode run keeps its steps' tokens beside its tables and writes them in later (before
+anything reads a table's tokens, every few steps, before a copy-on-write step). Two pools
+take the same random operations: admissions with prefix hits, decode steps (some rolled
+back), single tokens through ``allocate``, frees, forks, a second run over the same
+tables and reads of ``num_stored``; one decodes through
+``decode_run``/``append_decodes`` with the claims the persistent batch makes, the other
+through ``append_decode_tokens``. After every operation their snapshots are equal and
+``spec.check_pool`` reports nothing, however many steps the run holds back.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ref.errors import ExceedsCapacity, OutOfBlocks
+from ref.kv import BlockPool, DecodeRun
+from ref.kv.pool import _MAX_PENDING_STEPS
+from spec import check_pool
+
+TOKENS = st.integers(min_value=0, max_value=2)  # few ids: prefix hits are common
+
+
+class _Pair:
+    def __init__(self, num_blocks: int, block_size: int, caching: bool) -> None:
+        self.ref = BlockPool(num_blocks, block_size, enable_prefix_caching=caching)
+        self.bulk = BlockPool(num_blocks, block_size, enable_prefix_caching=caching)
+        self.bs = block_size
+        self.known: dict[str, list[int]] = {}  # each request's tokens; the last is unstored
+        self.run: DecodeRun | None = None
+        self.spare: DecodeRun | None = None  # a second run over the same tables
+        self.next_id = 0
+
+    def check(self) -> None:
+        snap = self.bulk.snapshot()
+        assert snap == self.ref.snapshot()
+        assert check_pool(snap) == []
+
+    def admit(self, prompt: list[int], sampled: int) -> None:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        outcomes = []
+        for pool in (self.ref, self.bulk):
+            hit = pool.lookup(prompt) if pool.enable_prefix_caching else None
+            try:
+                pool.allocate(rid, prompt, len(prompt) - (hit.num_tokens if hit else 0), hit=hit)
+                outcomes.append(True)
+            except (OutOfBlocks, ExceedsCapacity):
+                outcomes.append(False)
+        assert outcomes[0] == outcomes[1]
+        if outcomes[0]:
+            self.known[rid] = [*prompt, sampled]
+
+    def decode(self, sampled: list[int], rolled_back: bool) -> None:
+        ids = list(self.known)
+        if not ids:
+            return
+        stored = [len(self.known[rid]) - 1 for rid in ids]
+        tokens = [self.known[rid][n] for rid, n in zip(ids, stored, strict=True)]
+        bs = self.bs
+        needy = [
+            i
+            for i, (rid, n) in enumerate(zip(ids, stored, strict=True))
+            if n % bs == 0 or self.bulk.ref_count(self.bulk.block_table(rid)[-1]) > 1
+        ]
+        filling = [i for i, n in enumerate(stored) if (n + 1) % bs == 0]
+        if self.spare is not None and self.bulk.is_current(self.spare):
+            self.run, self.spare = self.spare, self.run  # the other run's steps go in first
+        if self.run is None or not self.bulk.is_current(self.run):
+            self.run = self.bulk.decode_run(ids)
+        if rolled_back:
+            self.ref.begin()
+            self.bulk.begin()
+        copies = self.ref.append_decode_tokens(ids, [self.known[rid] for rid in ids])
+        growth = self.bulk.append_decodes(self.run, tokens, needy, filling)
+        assert (growth is None) == (copies is None)
+        if growth is not None:
+            assert growth.copies == copies
+        if rolled_back:
+            self.ref.rollback()
+            self.bulk.rollback()
+        elif growth is not None:
+            for rid, token in zip(ids, sampled, strict=False):
+                self.known[rid].append(token)
+
+    def take_spare_run(self) -> None:
+        if self.known:
+            self.spare = self.bulk.decode_run(list(self.known))
+
+    def extend(self, pick: int, sampled: int) -> None:
+        """One token through ``allocate``, as the reference decode loop stores it."""
+        if self.known:
+            rid = list(self.known)[pick % len(self.known)]
+            outcomes = []
+            for pool in (self.ref, self.bulk):
+                try:
+                    pool.allocate(rid, self.known[rid], 1)
+                    outcomes.append(True)
+                except (OutOfBlocks, ExceedsCapacity):
+                    outcomes.append(False)
+            assert outcomes[0] == outcomes[1]
+            if outcomes[0]:
+                self.known[rid].append(sampled)
+
+    def free(self, pick: int) -> None:
+        if self.known:
+            rid = list(self.known)[pick % len(self.known)]
+            self.ref.free(rid)
+            self.bulk.free(rid)
+            del self.known[rid]
+
+    def fork(self, pick: int) -> None:
+        if self.known:
+            parent = list(self.known)[pick % len(self.known)]
+            child = f"r{self.next_id}"
+            self.next_id += 1
+            self.ref.fork(parent, child)
+            self.bulk.fork(parent, child)
+            self.known[child] = list(self.known[parent])
+
+    def read_num_stored(self, pick: int) -> None:
+        if self.known:
+            rid = list(self.known)[pick % len(self.known)]
+            assert self.bulk.num_stored(rid) == self.ref.num_stored(rid)
+
+
+OPS = st.one_of(
+    st.tuples(st.just("admit"), st.lists(TOKENS, min_size=1, max_size=9), TOKENS),
+    st.tuples(st.just("decode"), st.lists(TOKENS, min_size=8, max_size=8), st.booleans()),
+    st.tuples(st.just("decode"), st.lists(TOKENS, min_size=8, max_size=8), st.just(False)),
+    st.tuples(st.just("decode"), st.lists(TOKENS, min_size=8, max_size=8), st.just(False)),
+    st.tuples(st.just("decode"), st.lists(TOKENS, min_size=8, max_size=8), st.just(False)),
+    st.tuples(st.just("decode"), st.lists(TOKENS, min_size=8, max_size=8), st.just(True)),
+    st.tuples(st.just("extend"), st.integers(0, 7), TOKENS),
+    st.tuples(st.just("spare"), st.none(), st.none()),
+    st.tuples(st.just("free"), st.integers(0, 7), st.none()),
+    st.tuples(st.just("fork"), st.integers(0, 7), st.none()),
+    st.tuples(st.just("num_stored"), st.integers(0, 7), st.none()),
+)
+
+
+@settings(max_examples=150)
+@given(
+    num_blocks=st.integers(3, 24),
+    block_size=st.sampled_from([1, 2, 4]),
+    caching=st.booleans(),
+    ops=st.lists(OPS, max_size=80),
+)
+def test_a_pool_decoding_by_runs_equals_one_decoding_request_by_request(
+    num_blocks: int, block_size: int, caching: bool, ops: list[tuple[str, object, object]]
+) -> None:
+    pair = _Pair(num_blocks, block_size, caching)
+    for op, a, b in ops:
+        if op == "admit":
+            assert isinstance(a, list) and isinstance(b, int)
+            pair.admit(a, b)
+        elif op == "decode":
+            assert isinstance(a, list) and isinstance(b, bool)
+            pair.decode(a, b)
+        elif op == "free":
+            assert isinstance(a, int)
+            pair.free(a)
+        elif op == "fork":
+            assert isinstance(a, int)
+            pair.fork(a)
+        elif op == "extend":
+            assert isinstance(a, int) and isinstance(b, int)
+            pair.extend(a, b)
+        elif op == "spare":
+            pair.take_spare_run()
+        else:
+            assert isinstance(a, int)
+            pair.read_num_stored(a)
+        pair.check()
+
+
+def test_a_run_writes_its_tokens_in_at_its_cap_and_on_a_read_in_order() -> None:
+    """Forty steps of one request, block 4, caching on: a snapshot sees every token at
+    every step and its blocks hashed right, the run never holds more than its cap of
+    steps, and a read of ``num_stored`` writes the rest in."""
+    pool = BlockPool(16, 4, enable_prefix_caching=True)
+    pool.allocate("a", [7], 1)
+    run = pool.decode_run(["a"])
+    stored = [7]
+    held = []
+    for step in range(40):
+        position = len(stored)
+        token = step % 3
+        needy = [0] if position % 4 == 0 else []
+        filling = [0] if (position + 1) % 4 == 0 else []
+        assert pool.append_decodes(run, [token], needy, filling) is not None
+        stored.append(token)
+        snap = pool.snapshot()
+        assert snap.tables[0].token_ids == tuple(stored) and check_pool(snap) == []
+        held.append(len(run._steps))
+    assert max(held) == _MAX_PENDING_STEPS - 1 and held.count(0) == 40 // _MAX_PENDING_STEPS
+    assert pool.num_stored("a") == len(stored) and run._steps == []
+    assert pool.is_current(run)  # writing tokens in changes no table's blocks
+
+
+def _two_decoding() -> tuple[BlockPool, DecodeRun]:
+    """ "a" and "b" (block 4, caching on), each with two decode steps held by the run."""
+    pool = BlockPool(16, 4, enable_prefix_caching=True)
+    pool.allocate("a", [1, 2], 2)
+    pool.allocate("b", [5], 1)
+    run = pool.decode_run(["a", "b"])
+    assert pool.append_decodes(run, [3, 6], [], []) is not None
+    assert pool.append_decodes(run, [4, 7], [], [0]) is not None  # "a" fills block 0
+    return pool, run
+
+
+def test_a_second_runs_step_follows_the_first_runs_held_steps() -> None:
+    pool, first = _two_decoding()
+    second = pool.decode_run(["a", "b"])
+    assert pool.append_decodes(second, [9, 8], [0], []) is not None  # "a" starts block 1
+    assert [t.token_ids for t in pool.snapshot().tables] == [(1, 2, 3, 4, 9), (5, 6, 7, 8)]
+    assert first._steps == [] and pool.num_stored("b") == 4
+
+
+def test_a_rollback_undoes_the_steps_written_in_inside_it_and_keeps_the_earlier_ones() -> None:
+    pool, run = _two_decoding()
+    before = pool.snapshot()
+    pool.begin()
+    assert pool.append_decodes(run, [9, 8], [0], []) is not None
+    assert pool.num_stored("a") == 5  # a read inside the step writes every held step in
+    pool.rollback()
+    assert pool.snapshot() == before
+    again = pool.decode_run(["a", "b"])  # the rollback made the run stale
+    assert pool.append_decodes(again, [0, 1], [0], []) is not None
+    assert [t.token_ids for t in pool.snapshot().tables] == [(1, 2, 3, 4, 0), (5, 6, 7, 1)]
+    assert check_pool(pool.snapshot()) == []
+
+
+def test_a_copy_on_write_step_writes_the_held_steps_in_first() -> None:
+    """The general growth path reads every table's tokens: after a fork, "a" and its
+    child share a partial block, and a step held by the run must be in the lists when
+    the copy-on-write step hashes the block it fills."""
+    pools = [BlockPool(16, 4, enable_prefix_caching=True) for _ in range(2)]
+    for pool in pools:
+        pool.allocate("a", [1, 2], 2)
+    bulk, ref = pools
+    run = bulk.decode_run(["a"])
+    assert bulk.append_decodes(run, [3], [], []) is not None
+    assert ref.append_decode_tokens(["a"], [[1, 2, 3]]) == []
+    for pool in pools:
+        pool.fork("a", "c")
+    run = bulk.decode_run(["a", "c"])
+    bulk.begin()
+    assert bulk.append_decodes(run, [4, 5], [0, 1], [0, 1]) is not None
+    held = bulk.snapshot()
+    bulk.commit()
+    assert ref.append_decode_tokens(["a", "c"], [[1, 2, 3, 4], [1, 2, 3, 5]]) is not None
+    assert held == bulk.snapshot() == ref.snapshot()
+    assert check_pool(held) == []
