@@ -258,9 +258,9 @@ class BlockPool:
         self, request_id: str, num_new_tokens: int, hit: PrefixHit | None = None
     ) -> int:
         """Free blocks :meth:`allocate` would consume (new, copy-on-write, revived hits)."""
-        if self._pending is not None:
-            self._settle()
         table = self._tables.get(request_id)
+        if table is not None and self._pending is not None:
+            self._settle()  # its KV length may be held by a decode run
         if table is None:
             held = len(hit.block_ids) if hit else 0
             start = hit.num_tokens if hit else 0
@@ -368,8 +368,8 @@ class BlockPool:
         namespace: Namespace,
     ) -> Allocation:
         """:meth:`allocate`, the general case."""
-        if self._pending is not None:
-            self._settle()
+        if table is not None and self._pending is not None:
+            self._settle()  # its tokens may be held by a decode run
         start, total, new_tokens = self._check_allocate(
             request_id, table, token_ids, num_new_tokens, hit, namespace
         )

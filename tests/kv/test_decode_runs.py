@@ -255,3 +255,16 @@ def test_a_copy_on_write_step_writes_the_held_steps_in_first() -> None:
     assert ref.append_decode_tokens(["a", "c"], [[1, 2, 3, 4], [1, 2, 3, 5]]) is not None
     assert held == bulk.snapshot() == ref.snapshot()
     assert check_pool(held) == []
+
+
+def test_allocate_and_its_block_count_see_the_held_steps() -> None:
+    """After two held steps "a" stores 4 tokens (block 0 full): one more token needs a
+    fresh block, and ``allocate`` stores it at position 4, as for a pool decoding request
+    by request."""
+    pool, _ = _two_decoding()
+    assert pool.blocks_to_allocate("a", 1) == 1 and pool.can_allocate("a", 1)
+    pool, _ = _two_decoding()  # again, without the read before allocate
+    alloc = pool.allocate("a", [1, 2, 3, 4, 9], 1)
+    assert alloc.start_position == 4 and len(alloc.new_block_ids) == 1
+    assert [t.token_ids for t in pool.snapshot().tables] == [(1, 2, 3, 4, 9), (5, 6, 7)]
+    assert check_pool(pool.snapshot()) == []
