@@ -553,19 +553,18 @@ class BlockPool:
             raise InvalidArgument(f"append_decodes: {len(tokens)} tokens for {len(run)} requests")
         if self._pending is not run:
             self._settle()  # another run's tokens go in first
-        return self._append_decodes(run._tables, run._token_lists, tokens, needy, filling, run)
+        return self._append_decodes(run._tables, run, tokens, needy, filling)
 
     def _append_decodes(
         self,
         tables: list[_Table],
-        token_lists: list[list[int]],
+        into: DecodeRun | list[list[int]],
         tokens: Sequence[int],
         needy: Sequence[int],
         filling: Sequence[int],
-        run: DecodeRun | None = None,
     ) -> DecodeGrowth | None:
-        """One token for each table: into ``run``'s pending steps if given (its tables
-        hold no other run's pending token), else into each token list."""
+        """One token for each table: held by the run ``into`` (whose tables hold no
+        other run's token), or appended to the tables' token lists ``into``."""
         if len(needy) > len(self._free):
             return None
         copies: list[BlockCopy] = []
@@ -576,15 +575,17 @@ class BlockPool:
         try:
             # Recorded first, so undone last: the tokens join only the token lists or
             # the run's steps, which nothing below changes but a settle (undone first).
-            if run is None:
-                steps: list[tuple[int, ...]] = []
-                deque(map(list.append, token_lists, tokens), 0)
-                journal.record(_pop_each, token_lists)
-            else:
+            run: DecodeRun | None = None
+            if isinstance(into, DecodeRun):
+                run = into
                 steps = run._steps
                 steps.append(tuple(tokens))
                 journal.record(steps.pop)
                 self._pending = run
+            else:
+                steps = []
+                _consume(map(list.append, into, tokens))
+                journal.record(_pop_each, into)
             fills = filling if self.enable_prefix_caching else ()
             bs = self.block_size
             behind = len(steps)  # tokens each table holds beyond its list (this one too)
@@ -627,7 +628,7 @@ class BlockPool:
             dropped = self._uncache_run([blocks[j] for j in cached])
             evicted = {e.key: order[j] for j, e in zip(cached, dropped, strict=True)}
         lists = list(map(_BLOCK_TABLE, tables))
-        deque(map(list.append, lists, blocks), 0)
+        _consume(map(list.append, lists, blocks))
         self._journal.record(_pop_each, lists)
         return evicted
 
@@ -648,11 +649,9 @@ class BlockPool:
         for i in filling:
             t = tables[i]
             first = len(t.keys)
-            pending = [step[i] for step in steps]
-            if self._index_new_blocks(t, indexed, evicted, i, pending):
-                grown.append((t.keys, first))
-        if grown:
-            self._journal.record(_truncate_each, grown)
+            self._index_new_blocks(t, indexed, evicted, i, [step[i] for step in steps])
+            grown.append((t.keys, first))
+        self._journal.record(_truncate_each, grown)  # filling is never empty here
         if indexed:
             self._fresh.update(indexed)
             self._journal.record(self._unindex_run, indexed)
@@ -777,18 +776,15 @@ class BlockPool:
     def snapshot(self) -> PoolSnapshot:
         """The pool as spec sees it. A decode run's pending tokens are read where they
         are, not written in: a checked run steps exactly as an unchecked one."""
-        pending: dict[int, tuple[int, ...]] = {}
-        run = self._pending
-        if run is not None and run._steps:
-            columns = zip(*run._steps, strict=True)
-            pending = {id(t): col for t, col in zip(run._tables, columns, strict=True)}
-
-        def stored(t: _Table) -> tuple[int, ...]:
-            return (*t.token_ids, *pending.get(id(t), ()))
-
+        held: dict[int, int] = {}  # id of a table of the pending run -> its place there
+        steps: list[tuple[int, ...]] = []
+        if self._pending is not None:
+            steps = self._pending._steps
+            held = {id(t): i for i, t in enumerate(self._pending._tables)}
         tables = []
         for rid, t in sorted(self._tables.items()):
-            tokens = stored(t)
+            i = held.get(id(t))
+            tokens = (*t.token_ids, *(() if i is None else (step[i] for step in steps)))
             tables.append(TableSnapshot(rid, tuple(t.block_table), len(tokens), tokens, t.root_key))
         return PoolSnapshot(
             num_blocks=self.num_blocks,
@@ -813,15 +809,15 @@ class BlockPool:
         run._steps = []
         lists = run._token_lists
         if len(steps) == 1:
-            deque(map(list.append, lists, steps[0]), 0)
+            _consume(map(list.append, lists, steps[0]))
         else:
-            deque(map(list.extend, lists, zip(*steps, strict=True)), 0)
+            _consume(map(list.extend, lists, zip(*steps, strict=True)))
         self._journal.record(self._unsettle, run, steps)
 
     def _unsettle(self, run: DecodeRun, steps: list[tuple[int, ...]]) -> None:
         # Undo of _settle: each list grew by exactly len(steps) tokens, and every later
         # change to it is undone already.
-        deque(map(_drop_last, run._token_lists, repeat(len(steps))), 0)
+        _consume(map(_drop_last, run._token_lists, repeat(len(steps))))
         run._steps = steps
         self._pending = run
 
@@ -965,22 +961,19 @@ class BlockPool:
         evicted: Mapping[bytes, int] = _NOTHING_EVICTED,
         place: int = 0,
         pending: Sequence[int] = (),
-    ) -> bool:
+    ) -> None:
         """Hash the table's full blocks that have no key yet (the keys join
-        ``table.keys``) and index each whose key is free, appending it to ``indexed``;
-        False if there was no such block. The table holds ``pending`` tokens beyond its
+        ``table.keys``) and index each whose key is free, appending it to ``indexed``.
+        The table holds ``pending`` tokens beyond its
         list (:class:`DecodeRun`). A key is taken if it is indexed, or if ``evicted``
         holds it with a place after ``place``: :meth:`_fill_run` replays a step in which
         that later request's pop evicts it only after this fill."""
         bs = self.block_size
         keys, token_ids, block_table = table.keys, table.token_ids, table.block_table
         n = len(token_ids)
-        first, end = len(keys), (n + len(pending)) // bs
-        if first >= end:
-            return False
         index, entries = self._index, self._entry
         parent = keys[-1] if keys else table.root_key
-        for i in range(first, end):
+        for i in range(len(keys), (n + len(pending)) // bs):
             lo, hi = i * bs, (i + 1) * bs
             if hi <= n:
                 tokens = tuple(token_ids[lo:hi])
@@ -997,7 +990,6 @@ class BlockPool:
                 entries[b] = _new_tuple(_Entry, (key, b, parent, tokens))
                 indexed.append(b)
             parent = key
-        return True
 
     def _unindex_run(self, blocks: list[int]) -> None:
         # Undo of _cache_full_blocks: the blocks' entries are the ones it made.
@@ -1061,6 +1053,11 @@ def _undo_copy_on_write(ref: list[int], blocks: list[int], src: int, b: int) -> 
     blocks[-1] = src
     ref[src] += 1
     ref[b] = 0
+
+
+def _consume(calls: Iterator[object]) -> None:
+    """Run a ``map`` of calls for their effect, at C speed (a deque that keeps nothing)."""
+    deque(calls, maxlen=0)
 
 
 def _drop_last(items: list[int], count: int) -> None:
