@@ -268,3 +268,21 @@ def test_allocate_and_its_block_count_see_the_held_steps() -> None:
     assert alloc.start_position == 4 and len(alloc.new_block_ids) == 1
     assert [t.token_ids for t in pool.snapshot().tables] == [(1, 2, 3, 4, 9), (5, 6, 7)]
     assert check_pool(pool.snapshot()) == []
+
+
+def test_a_decode_step_after_the_cache_was_forgotten_fills_and_grows() -> None:
+    """With prefix caching on but nothing indexed (an executor fault made the pool forget
+    its cache), a step in which one request starts a block and another fills one still
+    indexes the filled block, as request by request."""
+    pools = [BlockPool(16, 4, enable_prefix_caching=True) for _ in range(2)]
+    for pool in pools:
+        pool.allocate("a", [1, 2, 3, 4], 4)  # block 0 full: indexed
+        pool.allocate("b", [5, 6, 7], 3)
+        assert pool.forget_cached(range(16)) == 1
+    bulk, ref = pools
+    run = bulk.decode_run(["a", "b"])
+    assert bulk.append_decodes(run, [9, 8], [0], [1]) is not None
+    assert ref.append_decode_tokens(["a", "b"], [[1, 2, 3, 4, 9], [5, 6, 7, 8]]) == []
+    snap = bulk.snapshot()
+    assert snap == ref.snapshot() and len(snap.cache_entries) == 1
+    assert check_pool(snap) == []
