@@ -575,17 +575,7 @@ class BlockPool:
         try:
             # Recorded first, so undone last: the tokens join only the token lists or
             # the run's steps, which nothing below changes but a settle (undone first).
-            run: DecodeRun | None = None
-            if isinstance(into, DecodeRun):
-                run = into
-                steps = run._steps
-                steps.append(tuple(tokens))
-                journal.record(steps.pop)
-                self._pending = run
-            else:
-                steps = []
-                _consume(map(list.append, into, tokens))
-                journal.record(_pop_each, into)
+            steps = self._add_tokens(into, tokens)
             fills = filling if self.enable_prefix_caching else ()
             bs = self.block_size
             behind = len(steps)  # tokens each table holds beyond its list (this one too)
@@ -596,7 +586,7 @@ class BlockPool:
             else:
                 self._settle()  # the general case reads every table's tokens
                 copies = self._grow_in_order(tables, needy, fills)
-            if run is not None and len(run._steps) >= _MAX_PENDING_STEPS:
+            if isinstance(into, DecodeRun) and len(into._steps) >= _MAX_PENDING_STEPS:
                 self._settle()
         except BaseException:
             if outermost:
@@ -608,6 +598,20 @@ class BlockPool:
             self._fresh.clear()
         grown = [tables[i].block_table for i in needy]
         return DecodeGrowth(copies, [t[-1] for t in grown], list(map(len, grown)))
+
+    def _add_tokens(
+        self, into: DecodeRun | list[list[int]], tokens: Sequence[int]
+    ) -> list[tuple[int, ...]]:
+        """The step's tokens, held by the run ``into`` or appended to the token lists
+        ``into``, with one undo entry; the run's held steps (none for lists)."""
+        if isinstance(into, DecodeRun):
+            into._steps.append(tuple(tokens))
+            self._journal.record(into._steps.pop)
+            self._pending = into
+            return into._steps
+        _consume(map(list.append, into, tokens))
+        self._journal.record(_pop_each, into)
+        return []
 
     def _grow_run(self, tables: list[_Table], order: Sequence[int]) -> dict[bytes, int]:
         """A fresh block for each of ``tables`` (each last block full; ``order[j]`` is
