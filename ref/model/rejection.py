@@ -153,7 +153,7 @@ def _residual(p: torch.Tensor, q: torch.Tensor, seed: int, index: int) -> int:
     total = float(r.sum())
     if not total > 0:  # p == q up to rounding: a rejection had probability ~0
         r, total = p, float(p.sum())
-    g = torch.Generator().manual_seed(mix64(mix64(seed, index), _RESIDUAL_STREAM))
+    g = torch.Generator(device=p.device).manual_seed(mix64(mix64(seed, index), _RESIDUAL_STREAM))
     return int(torch.multinomial(r / total, 1, generator=g))
 
 

@@ -83,8 +83,8 @@ class _Pair:
             self.ref.rollback()
             self.bulk.rollback()
         elif growth is not None:
-            for rid, token in zip(ids, sampled, strict=False):
-                self.known[rid].append(token)
+            for j, rid in enumerate(ids):  # more requests than drawn tokens: reuse them
+                self.known[rid].append(sampled[j % len(sampled)])
 
     def take_spare_run(self) -> None:
         if self.known:
