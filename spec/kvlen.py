@@ -10,7 +10,7 @@ that derive one count from the other drift by one after a preemption or a cache 
 
 from __future__ import annotations
 
-from spec.snapshot import RequestSnapshot, RequestStatus, StepSnapshot
+from spec.snapshot import RequestSnapshot, RequestStatus, ScheduledRequest, StepSnapshot
 from spec.violation import Invariant, Violation, violation
 
 K = Invariant.KVLEN
@@ -68,7 +68,9 @@ def check_kvlen_request(r: RequestSnapshot) -> list[Violation]:
 
 
 def check_kvlen(step: StepSnapshot) -> list[Violation]:
-    """Sampling only when a chunk reaches ``num_tokens``; one token per sampling request."""
+    """Sampling only when a chunk reaches ``num_tokens``; one token per sampling request,
+    or, for a step that verifies ``d`` draft tokens, from one to ``d + 1`` (the accepted
+    drafts, then the target's own token: docs/SPECULATIVE.md)."""
     out: list[Violation] = []
     for r in step.after.requests:
         out.extend(check_kvlen_request(r))
@@ -91,29 +93,64 @@ def check_kvlen(step: StepSnapshot) -> list[Violation]:
                     )
                 )
             continue
-        end = before.num_computed_tokens + s.num_new_cached_tokens + s.num_new_tokens
-        reaches_end = end == before.num_tokens
-        if s.samples != reaches_end:
+        out.extend(_check_chunk(before, s, after))
+    return out
+
+
+def _check_chunk(
+    before: RequestSnapshot, s: ScheduledRequest, after: RequestSnapshot
+) -> list[Violation]:
+    """One scheduled request: its samples flag, and what it sampled."""
+    out: list[Violation] = []
+    rid = s.request_id
+    drafts = s.num_draft_tokens
+    # The drafts sit beyond the known tokens: the chunk before them must reach the end.
+    end = before.num_computed_tokens + s.num_new_cached_tokens + s.num_new_tokens - drafts
+    reaches_end = end == before.num_tokens
+    if s.samples != reaches_end:
+        out.append(
+            violation(
+                K,
+                f"request {rid}",
+                "samples flag disagrees with whether the chunk reaches num_tokens",
+                reaches_end,
+                s.samples,
+            )
+        )
+    if drafts and not reaches_end:
+        out.append(
+            violation(
+                K,
+                f"request {rid}",
+                "draft tokens verified after a chunk that does not reach num_tokens",
+                before.num_tokens,
+                end,
+            )
+        )
+    if after.status is RequestStatus.ABORTED:
+        return out
+    gained = after.num_output_tokens - before.num_output_tokens
+    if drafts and reaches_end:
+        if not 1 <= gained <= drafts + 1:
             out.append(
                 violation(
                     K,
                     f"request {rid}",
-                    "samples flag disagrees with whether the chunk reaches num_tokens",
-                    reaches_end,
-                    s.samples,
+                    f"a step verifying {drafts} drafts must emit 1 to {drafts + 1} tokens",
+                    f"1..{drafts + 1}",
+                    gained,
                 )
             )
-        if after.status is RequestStatus.ABORTED:
-            continue
-        expected = before.num_output_tokens + (1 if reaches_end else 0)
-        if after.num_output_tokens != expected:
-            out.append(
-                violation(
-                    K,
-                    f"request {rid}",
-                    "sampled count changed by other than one per sampling step",
-                    expected,
-                    after.num_output_tokens,
-                )
+        return out
+    expected = 1 if reaches_end else 0
+    if gained != expected:
+        out.append(
+            violation(
+                K,
+                f"request {rid}",
+                "sampled count changed by other than one per sampling step",
+                before.num_output_tokens + expected,
+                after.num_output_tokens,
             )
+        )
     return out

@@ -137,6 +137,10 @@ class ScheduledRequest:
     samples: bool
     num_new_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache when this step admitted the request."""
+    num_draft_tokens: int = 0
+    """Speculative decoding (docs/SPECULATIVE.md): how many of the ``num_new_tokens``
+    are draft tokens this step verifies. They come last, after the request's last
+    sampled token, at the positions that follow it; 0 for a plain chunk."""
 
 
 @dataclass(frozen=True)
@@ -154,3 +158,6 @@ class StepSnapshot:
     preempted: tuple[str, ...] = ()
     finished: tuple[str, ...] = ()
     aborted: tuple[str, ...] = field(default=())
+    # The declared most draft tokens one request may verify in a step (k); 0 when the
+    # engine does not speculate.
+    num_speculative_tokens: int = 0

@@ -10,7 +10,7 @@ that advances past ``num_tokens`` is the preemption-storm bug seen in public tra
 
 from __future__ import annotations
 
-from spec.snapshot import RequestStatus, ScheduledRequest, StepSnapshot
+from spec.snapshot import RequestSnapshot, RequestStatus, ScheduledRequest, StepSnapshot
 from spec.violation import Invariant, Violation, violation
 
 T = Invariant.TOKEN
@@ -63,6 +63,7 @@ def check_token(step: StepSnapshot) -> list[Violation]:
             out.append(
                 violation(T, f"request {s.request_id}", "both scheduled and preempted in one step")
             )
+        out.extend(_check_drafts(s, step.num_speculative_tokens))
     for after in step.after.requests:
         rid = after.request_id
         if after.num_computed_tokens > after.num_tokens:
@@ -92,15 +93,47 @@ def check_token(step: StepSnapshot) -> list[Violation]:
             continue
         sched = scheduled.get(rid)
         advance = 0 if sched is None else sched.num_new_cached_tokens + sched.num_new_tokens
-        expected = before.num_computed_tokens + advance
+        rejected = 0 if sched is None else _rejected(sched, before, after)
+        expected = before.num_computed_tokens + advance - rejected
         if after.num_computed_tokens != expected:
             out.append(
                 violation(
                     T,
                     f"request {rid}",
-                    "num_computed_tokens did not advance by the scheduled count",
+                    "num_computed_tokens did not advance by the scheduled count"
+                    + (f" less the {rejected} rejected drafts" if rejected else ""),
                     expected,
                     after.num_computed_tokens,
                 )
             )
     return out
+
+
+def _check_drafts(s: ScheduledRequest, limit: int) -> list[Violation]:
+    """A verifying entry keeps one token that is not a draft (the last sampled one) and
+    verifies at most the declared ``num_speculative_tokens``."""
+    d = s.num_draft_tokens
+    who = f"request {s.request_id}"
+    if not 0 <= d < max(s.num_new_tokens, 1):
+        return [
+            violation(
+                T,
+                who,
+                "draft tokens must leave the last sampled token to verify them after",
+                f"0..{s.num_new_tokens - 1}",
+                d,
+            )
+        ]
+    if d > limit:
+        return [
+            violation(T, who, "more draft tokens than num_speculative_tokens", f"<= {limit}", d)
+        ]
+    return []
+
+
+def _rejected(s: ScheduledRequest, before: RequestSnapshot, after: RequestSnapshot) -> int:
+    """The drafts a verification rejected: all but the emitted tokens less the one of the
+    target's own (docs/SPECULATIVE.md). Their K/V was written and is dropped, so the KV
+    length advances by that much less than was scheduled."""
+    accepted = after.num_output_tokens - before.num_output_tokens - 1
+    return s.num_draft_tokens - min(max(accepted, 0), s.num_draft_tokens)
