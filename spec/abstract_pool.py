@@ -134,6 +134,29 @@ class AbstractPool:
                 self.free.append(b)
         return True
 
+    def truncate(self, rid: str, keep: int) -> bool:
+        """Keep the first ``keep`` tokens' K/V (a verification rejected the rest): the
+        blocks past them are freed tail first, and every block holding a dropped token
+        loses its cache entry."""
+        table = self.tables.get(rid)
+        if table is None or not 0 <= keep <= len(table.tokens):
+            return False
+        if keep == len(table.tokens):
+            return True
+        bs = self.block_size
+        for b in table.blocks[keep // bs :]:
+            e = self.cached_block(b)
+            if e is not None:
+                del self.cache[e.key]
+        kept = blocks_needed(keep, bs)
+        for b in reversed(table.blocks[kept:]):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free.append(b)
+        del table.blocks[kept:]
+        del table.tokens[keep:]
+        return True
+
     def evict(self, count: int) -> int:
         victims = [b for b in self.free if self.cached_block(b) is not None][:count]
         for b in victims:

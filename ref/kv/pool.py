@@ -753,6 +753,40 @@ class BlockPool:
             self._abort(False)  # the opener's rollback undoes this call
             raise
 
+    def truncate(self, request_id: str, num_stored: int) -> list[int]:
+        """Keep the K/V of positions ``[0, num_stored)`` only: a verification rejected the
+        draft tokens after them (docs/SPECULATIVE.md, "Rejected drafts").
+
+        The blocks past the kept positions hold only rejected ones and go back to the
+        free queue (tail first, as :meth:`free`); they are returned. Every block that
+        holds a rejected position loses its cache entry: the kept block is overwritten
+        from ``num_stored`` on by the next step, and the returned ones would chain from
+        it. Inside a step the changes join its transaction.
+        """
+        table = self._table(request_id, "truncate")
+        self._settle()
+        stored = table.num_stored
+        _require_int(num_stored, "num_stored", minimum=0)
+        if num_stored > stored:
+            raise InvalidArgument(
+                f"truncate: request {request_id!r} stores {stored} tokens; "
+                f"it cannot keep {num_stored}"
+            )
+        if num_stored == stored:
+            return []
+        bs = self.block_size
+        keep_blocks, keep_keys = -(-num_stored // bs), num_stored // bs
+        blocks = table.block_table
+        with self.transaction():
+            entries = self._entry
+            self._uncache_run([b for b in blocks[keep_keys:] if entries[b] is not None])
+            tails = (table.token_ids[num_stored:], table.keys[keep_keys:], blocks[keep_blocks:])
+            del table.token_ids[num_stored:], table.keys[keep_keys:], blocks[keep_blocks:]
+            self._journal.record(_untruncate, table, tails)
+            self._mark_changed(table)
+            self._free.release_n(tails[2][::-1], self._ref)
+        return tails[2]
+
     def forget_cached(self, block_ids: Iterable[int]) -> int:
         """Drop the cache entries of these blocks (their K/V can no longer be trusted).
 
@@ -1116,6 +1150,14 @@ def _truncate_table(
     del table.token_ids[n_tokens:]
     if last is not None:
         table.block_table[-1] = last
+
+
+def _untruncate(table: _Table, tails: tuple[list[int], list[bytes], list[int]]) -> None:
+    # Undo of truncate: every later change to the table is undone already.
+    tokens, keys, blocks = tails
+    table.token_ids += tokens
+    table.keys += keys
+    table.block_table += blocks
 
 
 def _entry_order(e: CacheEntry) -> int:

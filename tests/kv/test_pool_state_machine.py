@@ -44,6 +44,7 @@ from spec.hashing import Namespace, chain_keys
 
 NAMESPACES = (Namespace(), Namespace(adapter="lora-1"))
 ALPHABET = st.integers(min_value=0, max_value=2)
+POISONED = -1  # a rejected draft's slot in the fake memory: never a token id
 
 
 class _Rollback(Exception):
@@ -233,6 +234,37 @@ class PoolMachine(RuleBasedStateMachine):
         self._allocate(rid, known, n, None, self.ns[rid])
 
     @rule(data=st.data())
+    def verify_drafts(self, data: st.DataObject) -> None:
+        """A step that verifies drafts (docs/SPECULATIVE.md): slots for the last sampled
+        token and ``d`` drafts, then only ``a`` drafts kept. The rejected slots are
+        poisoned in the fake memory, so reading one later (a kept cache entry, a block
+        not returned and read as context) fails the read-back."""
+        rid = self._pick(data, "rid")
+        if rid is None:
+            return
+        start = len(self.stored[rid])
+        known = self.known[rid]
+        last = known[start] if len(known) > start else data.draw(ALPHABET, label="sampled")
+        d = data.draw(st.integers(1, 2 * self.bs), label="drafts")
+        drafts = data.draw(st.lists(ALPHABET, min_size=d, max_size=d), label="draft ids")
+        tokens = [*known[:start], last, *drafts]
+        if not self._allocate(rid, tokens, 1 + d, None, self.ns[rid]):
+            return
+        table = self.pool.block_table(rid)
+        accepted = data.draw(st.integers(0, d), label="accepted")
+        keep = start + 1 + accepted
+        event(f"verify: {'all' if accepted == d else 'some' if accepted else 'no'} drafts kept")
+        returned = self.pool.truncate(rid, keep)
+        assert self.model.truncate(rid, keep)
+        assert returned == list(table[blocks_needed(keep, self.bs) :])
+        if returned:
+            event("verify: blocks of rejected positions returned")
+        for p in range(keep, start + 1 + d):
+            self.memory[slot_of(table[p // self.bs], p, self.bs)] = POISONED
+        self.stored[rid] = tokens[:keep]
+        self.known[rid] = tokens[:keep]
+
+    @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
         parent = self._pick(data, "parent")
         if parent is not None:
@@ -374,6 +406,13 @@ class PoolMachine(RuleBasedStateMachine):
             self.pool.fork(rid, rid)
         with pytest.raises(InvalidArgument):
             self.pool.allocate(rid, self.known[rid], 0)
+        with pytest.raises(UnknownRequest, match="truncate"):
+            self.pool.truncate("ghost", 0)
+        stored = self.pool.num_stored(rid)
+        with pytest.raises(InvalidArgument, match=f"stores {stored} tokens; it cannot keep"):
+            self.pool.truncate(rid, stored + 1)
+        with pytest.raises(InvalidArgument, match="num_stored"):
+            self.pool.truncate(rid, -1)
         assert self.pool.snapshot() == before
 
     @rule(data=st.data())
@@ -439,7 +478,7 @@ class PoolMachine(RuleBasedStateMachine):
             event("rollback undid a decode batch")
 
     def _tx_ops(self, data: st.DataObject, steps: int, live: set[str], did: Counter[str]) -> None:
-        ops = ["append", "decode", "new", "fork", "free", "evict"]
+        ops = ["append", "decode", "new", "fork", "free", "evict", "truncate"]
         for k in range(steps):
             op = data.draw(st.sampled_from(ops))
             if op == "evict":
@@ -474,6 +513,8 @@ class PoolMachine(RuleBasedStateMachine):
                         self.pool.allocate(rid, toks, n)
                 except (OutOfBlocks, ExceedsCapacity):
                     continue
+            elif op == "truncate":  # a verification that rejected some drafts
+                self.pool.truncate(rid, data.draw(st.integers(0, self.pool.num_stored(rid))))
             elif op == "fork":
                 self.pool.fork(rid, f"tx{k}")
                 live.add(f"tx{k}")
