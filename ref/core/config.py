@@ -81,6 +81,9 @@ class SchedulerConfig:
     swap_cost: SwapCost | None = None
     # Where a paused agent turn's KV waits when ``pause`` is not told (by expected wait).
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    # Speculative decoding (docs/SPECULATIVE.md): the most draft tokens one decoding
+    # request may have verified in a step (``Scheduler.propose``); 0 turns it off.
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -96,6 +99,7 @@ class SchedulerConfig:
             "prefill_reserve_tokens",
             "prefill_reserve_after_steps",
             "num_host_blocks",
+            "num_speculative_tokens",
         ):
             _non_negative(name, getattr(self, name))
         if self.prefill_reserve_tokens >= self.max_num_batched_tokens:

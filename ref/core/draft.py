@@ -9,6 +9,7 @@ for one ``schedule()`` call; no request field changes while it is filled (ATOMIC
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ref.core.plan import PlanBuilder, PlannedFinish, StepPlan
@@ -38,6 +39,8 @@ class StepDraft:
     swapped_out: list[str] = field(default_factory=list)
     swapped_in: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)  # paused turns whose KV was released
+    # Speculative decoding: the drafts proposed for this step, by request id.
+    proposals: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     _bulk_set: set[str] | None = field(default=None, init=False)
 

@@ -112,12 +112,12 @@ class EngineCore:
             inputs = self._inputs(plan)
             kv.begin(plan, inputs)
             output = self.executor.execute(plan, inputs)
-            sched.validate_output(plan, output.sampled)
+            sched.validate_output(plan, output.sampled, output.accepted)
             duration = output.duration_ms
             if duration is None:
                 duration = (time.perf_counter() - started) * 1e3
             end_ms = now_ms + duration
-            events = sched.commit(plan, output.sampled, end_ms)
+            events = sched.commit(plan, output.sampled, end_ms, output.accepted)
         except BaseException:
             if sched.step_index != plan.step_index:
                 # The scheduler committed before the error (its last lines): the books
@@ -206,6 +206,7 @@ class EngineCore:
             after=after,
             preempted=plan.preempted + plan.dropped,
             finished=tuple(r.request_id for r in sched.retired),
+            num_speculative_tokens=cfg.num_speculative_tokens,
         )
         violations = check_step(step)
         if violations:

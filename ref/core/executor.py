@@ -36,6 +36,7 @@ class DrawnToken:
 #: instance serves every step (a long replay keeps a record per step).
 NO_LOGPROBS: Mapping[str, float] = MappingProxyType({})
 NO_FORKS: Mapping[str, tuple[DrawnToken, ...]] = MappingProxyType({})
+NO_ACCEPTED: Mapping[str, int] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ class StepOutput:
     duration_ms: float | None = None
     logprobs: Mapping[str, float] = field(default_factory=lambda: NO_LOGPROBS)
     fork_samples: Mapping[str, tuple[DrawnToken, ...]] = field(default_factory=lambda: NO_FORKS)
+    #: Speculative decoding: per request that verified drafts, how many were accepted
+    #: (its ``sampled`` token is the target's own, after them: docs/SPECULATIVE.md).
+    accepted: Mapping[str, int] = field(default_factory=lambda: NO_ACCEPTED)
 
 
 class StepExecutor(Protocol):

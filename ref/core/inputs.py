@@ -65,8 +65,11 @@ def build_inputs(
         row = torch.repeat_interleave(torch.arange(num_seqs), counts)
         positions = torch.arange(total, dtype=torch.int64) - qsl[row] + starts[row]
         tokens = []
+        drafts = plan.drafts
         for rid, st, n in zip(ids, plan.starts, plan.num_new_tokens, strict=True):
             tokens.extend(requests[rid].token_ids[st : st + n])
+            if rid in drafts:  # a verification: its drafts follow its known tokens
+                tokens.extend(drafts[rid])
     block_tables = _padded(pool.block_table_views(ids))
     bs = pool.block_size
     slots = block_tables[row, positions // bs] * bs + positions % bs
@@ -151,6 +154,7 @@ def scheduled_requests(
             block_table=tuple(tables[i][: blocks_needed(seq_lens[i], block_size)]),
             samples=c.samples,
             num_new_cached_tokens=c.num_new_cached_tokens,
+            num_draft_tokens=len(c.draft_token_ids),
         )
         for i, c in enumerate(plan.chunks)
     )

@@ -8,7 +8,7 @@ and checkers, built on first use.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -33,6 +33,9 @@ class ScheduledChunk:
     samples: bool
     is_prefill: bool
     num_new_cached_tokens: int = 0
+    draft_token_ids: tuple[int, ...] = ()
+    """Speculative decoding: the drafts this decode verifies, its last ``len`` tokens
+    (docs/SPECULATIVE.md); ``start + num_new_tokens - len`` is the request's length."""
 
 
 @dataclass(frozen=True)
@@ -74,12 +77,16 @@ class StepPlan:
     # first ``len(decode_rows.slots)`` entries. A cache for building inputs and
     # committing, not part of what the plan says (two plans equal without it).
     decode_rows: DecodeRows | None = field(default=None, compare=False, repr=False)
+    # Speculative decoding: the draft tokens of each entry that verifies some, by id;
+    # they are the entry's last tokens (docs/SPECULATIVE.md).
+    drafts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @cached_property
     def chunks(self) -> tuple[ScheduledChunk, ...]:
+        drafts = self.drafts
         return tuple(
-            ScheduledChunk(*fields)
-            for fields in zip(
+            ScheduledChunk(rid, start, n, samples, is_prefill, cached, drafts.get(rid, ()))
+            for rid, start, n, samples, is_prefill, cached in zip(
                 self.request_ids,
                 self.starts,
                 self.num_new_tokens,
@@ -115,10 +122,21 @@ class PlanBuilder:
     is_prefill: list[bool] = field(default_factory=list)
     num_new_cached_tokens: list[int] = field(default_factory=list)
     decode_rows: DecodeRows | None = None  # the bulk decodes' batch rows (first entries)
+    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def add(
-        self, request_id: str, start: int, n: int, samples: bool, is_prefill: bool, cached: int = 0
+        self,
+        request_id: str,
+        start: int,
+        n: int,
+        samples: bool,
+        is_prefill: bool,
+        cached: int = 0,
+        drafts: tuple[int, ...] = (),
     ) -> None:
+        """One entry of ``n`` tokens from ``start``; ``drafts``, if any, are its last."""
+        if drafts:
+            self.drafts[request_id] = drafts
         self.request_ids.append(request_id)
         self.starts.append(start)
         self.num_new_tokens.append(n)
@@ -169,4 +187,5 @@ class PlanBuilder:
             tuple(swapped_in),
             tuple(dropped),
             self.decode_rows,
+            self.drafts,
         )

@@ -12,6 +12,8 @@ here (ATOMIC): ``Scheduler.commit`` applies the plan.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ref.core.batch import PersistentBatch
 from ref.core.capacity import admission_blocks
 from ref.core.config import SchedulerConfig
@@ -46,11 +48,18 @@ class Planner:
         self._queue = queue  # the scheduler's: planning reads it, commit changes it
 
     def plan(
-        self, step_index: int, running: list[Request], reserve: int, now_ms: float, *, fast: bool
+        self,
+        step_index: int,
+        running: list[Request],
+        reserve: int,
+        now_ms: float,
+        *,
+        fast: bool,
+        proposals: Mapping[str, tuple[int, ...]] | None = None,
     ) -> StepPlan:
         """The plan of step ``step_index``; ``running`` is a copy of the running list,
         ``reserve`` the tokens decodes leave to a starving prefill, ``fast`` allows the
-        bulk decode path."""
+        bulk decode path, ``proposals`` are the draft tokens proposed for decodes."""
         cfg = self.config
         d = StepDraft(
             PlanBuilder(step_index),
@@ -59,8 +68,11 @@ class Planner:
             reserve,
             self._timed_out(now_ms),
         )
+        if proposals:
+            d.proposals = proposals
         self._suspend.move_to_host(d)
-        bulk = fast and self._decode_bulk(d)
+        # Drafts are verified one request at a time: the bulk path plans one token each.
+        bulk = fast and not d.proposals and self._decode_bulk(d)
         if not bulk:
             self._decode_each(d)
         cap = prefill_cap(cfg, d.decoded, now_ms, reserve)
@@ -100,11 +112,27 @@ class Planner:
 
     def _decode_each(self, d: StepDraft) -> None:
         """The reference decode path: in admission order, preempting as needed."""
-        for r in list(d.running):
-            if r.status is not S.DECODING or r.request_id in d.preempted:
+        decoding = [r for r in d.running if r.status is S.DECODING]
+        for i, r in enumerate(decoding):
+            if r.request_id in d.preempted or d.budget - d.reserve < 1:
                 continue
-            if d.budget - d.reserve >= 1 and self._place(d, r, 1, is_prefill=False):
+            drafts = self._drafts(d, r, len(decoding) - i - 1) if d.proposals else ()
+            if self._place(d, r, 1, is_prefill=False, drafts=drafts):
                 d.decoded.append(r)
+
+    def _drafts(self, d: StepDraft, r: Request, later: int) -> tuple[int, ...]:
+        """The drafts ``r`` verifies this step: its proposal cut to what it may still
+        emit (a verification emits up to one token more than its drafts) and to the
+        budget left, and dropped unless the free blocks cover their slots and still one
+        block for each of the ``later`` decodes: a draft never costs a decode its place
+        (docs/SPECULATIVE.md, "Scheduling")."""
+        drafts = d.proposals.get(r.request_id, ())
+        room = min(r.stop.max_tokens - r.num_output_tokens, self.config.max_len - r.num_tokens)
+        cut = max(min(len(drafts), room - 1, d.budget - d.reserve - 1), 0)
+        if not cut:
+            return ()
+        need = self.pool.blocks_to_allocate(r.request_id, 1 + cut)
+        return drafts[:cut] if need + later <= self.pool.num_free_blocks else ()
 
     def _prefill_running(self, d: StepDraft, cap: int) -> int:
         """Running prefills in admission order, at most ``cap`` tokens; the cap left."""
@@ -117,23 +145,27 @@ class Planner:
                 cap -= n
         return cap
 
-    def _place(self, d: StepDraft, r: Request, n: int, *, is_prefill: bool) -> bool:
-        """Reserve blocks for ``n`` tokens of running ``r``, preempting victims if needed;
-        False if it cannot grow now. Alone and still unable, it never will in this pool:
-        the plan finishes it (capacity)."""
+    def _place(
+        self, d: StepDraft, r: Request, n: int, *, is_prefill: bool, drafts: tuple[int, ...] = ()
+    ) -> bool:
+        """Reserve blocks for ``n`` tokens of running ``r`` and its ``drafts`` after them,
+        preempting victims if needed; False if it cannot grow now. Alone and still
+        unable, it never will in this pool: the plan finishes it (capacity)."""
         rid = r.request_id
-        if not self._make_room(d, r, n):
+        total = n + len(drafts)
+        if not self._make_room(d, r, total):
             if not d.any_scheduled() and len(d.running) == 1:
                 self.pool.free(rid)
                 d.running.remove(r)
                 d.finished.append(PlannedFinish(rid, FinishReason.CAPACITY))
             return False
-        alloc = self.pool.allocate(rid, r.token_ids, n, namespace=r.namespace)
+        tokens = [*r.token_ids, *drafts] if drafts else r.token_ids
+        alloc = self.pool.allocate(rid, tokens, total, namespace=r.namespace)
         d.copies.extend(alloc.copies)
         start = alloc.start_position
-        d.plan.add(rid, start, n, start + n == r.num_tokens, is_prefill)
+        d.plan.add(rid, start, total, start + n == r.num_tokens, is_prefill, drafts=drafts)
         d.scheduled.add(rid)
-        d.budget -= n
+        d.budget -= total
         return True
 
     def _timed_out(self, now_ms: float) -> list[PlannedFinish]:

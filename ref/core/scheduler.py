@@ -22,7 +22,7 @@ reserve, SLO cap and chunking (ref/core/prefill.py).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -98,6 +98,27 @@ def _checked_array(plan: StepPlan, tokens: list[object], ids: Sequence[str]) -> 
     raise AssertionError("unreachable: a refused list has a bad token")
 
 
+def _checked_accepted(plan: StepPlan, accepted: Mapping[str, int] | None) -> Mapping[str, int]:
+    """``accepted``: for each request of the plan that verifies drafts, how many were
+    accepted, an int from 0 to its draft count; :class:`BadExecutorOutput` names the
+    first request without one, with another, or that verified none."""
+    given = accepted or {}
+    for rid in given:
+        if rid not in plan.drafts:
+            raise BadExecutorOutput(
+                f"step {plan.step_index}: executor gave an accepted count for request "
+                f"{rid!r}, which verified no drafts"
+            )
+    for rid, drafts in plan.drafts.items():
+        a = given.get(rid)
+        if type(a) is not int or not 0 <= a <= len(drafts):
+            raise BadExecutorOutput(
+                f"step {plan.step_index}: executor gave {a!r} as the accepted count of "
+                f"request {rid!r}; expected an int from 0 to its {len(drafts)} drafts"
+            )
+    return given
+
+
 class NewTokens(Mapping[str, int]):
     """The token each request got in a commit, by request id.
 
@@ -138,12 +159,28 @@ class NewTokens(Mapping[str, int]):
 
 
 @dataclass(frozen=True)
+class Verified:
+    """One request's verification in a step: ``num_drafts`` drafts, ``num_accepted`` of
+    them accepted, and the ``tokens`` it gained (the accepted drafts, then the target's
+    own token, cut at a stop)."""
+
+    num_drafts: int
+    num_accepted: int
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class StepEvents:
-    """What a commit changed, for metrics and streaming."""
+    """What a commit changed, for metrics and streaming.
+
+    ``new_tokens`` holds each sampling request's last new token. A request that verified
+    drafts may have gained several: all of them, in order, are in ``verified``, with
+    how many drafts it verified and how many were accepted (docs/SPECULATIVE.md)."""
 
     new_tokens: Mapping[str, int]
     finished: tuple[str, ...]
     preempted: tuple[str, ...]
+    verified: Mapping[str, Verified] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -173,6 +210,8 @@ class Scheduler:
         self.step_index = 0
         self._seq = 0
         self._pending: StepPlan | None = None
+        # Speculative decoding: drafts proposed for the next step, by request id.
+        self._proposals: dict[str, tuple[int, ...]] = {}
         self._plan_start_ms = 0.0
         # Prefill work left, for the reserve that bounds starvation (ref/core/prefill.py).
         self._backlog = PrefillBacklog()
@@ -344,6 +383,7 @@ class Scheduler:
             raise UnknownRequest(request_id, "pause")
         kind = self._suspend.pause(r, retention, expected_wait_ms)
         self._batch.remove(r)
+        self._proposals.pop(request_id, None)
         return kind
 
     def resume(self, request_id: str, tool_token_ids: Sequence[int], stop: StopParams) -> None:
@@ -374,6 +414,34 @@ class Scheduler:
         r.transition(S.SWAPPED if self.host.has_request(request_id) else S.WAITING)
         self._requeue(r)
 
+    def propose(self, request_id: str, draft_token_ids: Sequence[int]) -> None:
+        """Draft tokens for a decoding request's next step (speculative decoding,
+        docs/SPECULATIVE.md): that step verifies them after its last token, within
+        ``num_speculative_tokens``; the planner may verify fewer (budget, blocks, the
+        tokens the request may still emit). They hold for one step, or until the
+        request leaves the running batch. An empty sequence withdraws them."""
+        self._require_boundary("propose")
+        r = self.requests.get(request_id)
+        if r is None:
+            raise UnknownRequest(request_id, "propose")
+        k = self.config.num_speculative_tokens
+        drafts = tuple(draft_token_ids)
+        if len(drafts) > k:
+            raise InvalidArgument(
+                f"propose: {len(drafts)} drafts for {request_id!r}; num_speculative_tokens is {k}"
+            )
+        if drafts and (r.status is not S.DECODING or request_id not in self._batch):
+            raise InvalidArgument(
+                f"propose: request {request_id!r} is not running in decode (status {r.status})"
+            )
+        for t in drafts:
+            if type(t) is not int or t < 0:
+                raise InvalidArgument(f"propose: bad draft token {t!r} for {request_id!r}")
+        if drafts:
+            self._proposals[request_id] = drafts
+        else:
+            self._proposals.pop(request_id, None)
+
     @property
     def waiting(self) -> list[Request]:
         """The waiting requests in arrival order (seq), preempted ones in their arrival
@@ -395,7 +463,12 @@ class Scheduler:
         try:
             reserve = self._backlog.reserve(self.config, self.step_index)
             plan = self._planner.plan(
-                self.step_index, list(self.running), reserve, now_ms, fast=self.fast_decode
+                self.step_index,
+                list(self.running),
+                reserve,
+                now_ms,
+                fast=self.fast_decode,
+                proposals=self._proposals,
             )
         except BaseException:
             self.pool.rollback()
@@ -411,21 +484,31 @@ class Scheduler:
         self.host.rollback()
         self._pending = None
 
-    def commit(self, plan: StepPlan, sampled: Sampled, now_ms: float = 0.0) -> StepEvents:
+    def commit(
+        self,
+        plan: StepPlan,
+        sampled: Sampled,
+        now_ms: float = 0.0,
+        accepted: Mapping[str, int] | None = None,
+    ) -> StepEvents:
         """Apply a step's results: counters, sampled tokens, stops, preemptions, admissions.
 
         ``sampled``: the token of each sampling request, by request id, or as an int
         array (numpy or torch) in the plan's order of sampling entries (what
-        ``ModelInputs.sample_request_ids`` lists). In phases, each a method: the victims
-        leave, the admitted join, the chunks advance and sample, the planned finishes
-        retire, then the books close.
+        ``ModelInputs.sample_request_ids`` lists); for a request that verified drafts,
+        the target's own token after the accepted ones. ``accepted``: how many of its
+        drafts each such request had accepted (docs/SPECULATIVE.md). In phases, each a
+        method: the victims leave, the admitted join, the chunks advance and sample, the
+        planned finishes retire, then the books close.
         """
         assert plan is self._pending, "commit of a plan that is not pending"
         tokens = self._split_output(plan, sampled)
+        counts = _checked_accepted(plan, accepted)
         finished: list[str] = []  # in the order they finish, for StepEvents
+        verified: dict[str, Verified] = {}
         self._commit_preempted(plan, finished, now_ms)
         self._commit_admitted(plan)
-        new_tokens = self._commit_chunks(plan, tokens, finished, now_ms)
+        new_tokens = self._commit_chunks(plan, tokens, finished, now_ms, (counts, verified))
         self._commit_finishes(plan, finished, now_ms)
         if plan.preempted or finished:
             self._batch.remove_many({*plan.preempted, *finished})
@@ -435,9 +518,11 @@ class Scheduler:
         self.pool.commit()
         self.host.commit()
         self._pending = None
+        if self._proposals:
+            self._proposals = {}  # drafts hold for one step
         self.step_index += 1
         self._tell_policy(plan)
-        return StepEvents(new_tokens, tuple(finished), plan.preempted)
+        return StepEvents(new_tokens, tuple(finished), plan.preempted, verified)
 
     def _commit_preempted(self, plan: StepPlan, finished: list[str], now_ms: float) -> None:
         """Victims wait again in their arrival place: swapped with their KV on the host,
@@ -467,7 +552,12 @@ class Scheduler:
                 r.admitted_ms = self._plan_start_ms
 
     def _commit_chunks(
-        self, plan: StepPlan, tokens: _Output, finished: list[str], now_ms: float
+        self,
+        plan: StepPlan,
+        tokens: _Output,
+        finished: list[str],
+        now_ms: float,
+        verification: tuple[Mapping[str, int], dict[str, Verified]],
     ) -> NewTokens:
         """Advance each scheduled request's KV length, append its sampled token and stop
         it by :meth:`_finish_reason` (KVLEN). The bulk decodes go through the persistent
@@ -503,6 +593,12 @@ class Scheduler:
                 self._backlog.mark(r, self.step_index)
                 continue
             token = rest[rid]
+            if rid in plan.drafts:
+                counts, verified = verification
+                v = self._commit_verified(r, plan.drafts[rid], counts[rid], token, finished, now_ms)
+                verified[rid] = v
+                new_tokens[rid] = v.tokens[-1]
+                continue
             r.token_ids.append(token)
             r.token_times_ms.append(now_ms)
             new_tokens[rid] = token
@@ -517,6 +613,37 @@ class Scheduler:
             if live is not None and rid in self._batch:
                 self._batch.reload(live, self.pool)
         return NewTokens(rows.request_ids if rows else (), tokens.bulk, new_tokens)
+
+    def _commit_verified(
+        self,
+        r: Request,
+        drafts: tuple[int, ...],
+        accepted: int,
+        token: int,
+        finished: list[str],
+        now_ms: float,
+    ) -> Verified:
+        """A verification's outcome (docs/SPECULATIVE.md, "Rejected drafts"): the K/V of
+        the rejected drafts is dropped (the blocks that held only them go back to the
+        pool), then the accepted drafts and the target's token join the request one by
+        one, each checked for a stop, as that many plain steps would have. The KV then
+        covers all but the last token, as after a plain step (KVLEN)."""
+        gained: list[int] = []
+        reason = None
+        for t in (*drafts[:accepted], token):
+            r.token_ids.append(t)
+            r.token_times_ms.append(now_ms)
+            gained.append(t)
+            reason = self._finish_reason(r, t)
+            if reason is not None:
+                break
+        r.num_computed_tokens = r.num_tokens - 1
+        # Even for a request that stops here: a freed block keeps its cache entry, and
+        # none may cover a rejected draft.
+        self.pool.truncate(r.request_id, r.num_computed_tokens)
+        if reason is not None:
+            self._finish_decoded(r, reason, finished, now_ms)
+        return Verified(len(drafts), accepted, tuple(gained))
 
     def _finish_reason(self, r: Request, token: int) -> FinishReason | None:
         """After ``token`` was appended: a stop id (:meth:`StopParams.is_stop`), else
@@ -566,9 +693,13 @@ class Scheduler:
         return next(x.tenant for x in self.retired if x.request_id == request_id)
 
     # ------------------------------------------------------------------ helpers
-    def validate_output(self, plan: StepPlan, sampled: Sampled) -> None:
-        """Raise :class:`BadExecutorOutput` unless every sampling request got a token."""
+    def validate_output(
+        self, plan: StepPlan, sampled: Sampled, accepted: Mapping[str, int] | None = None
+    ) -> None:
+        """Raise :class:`BadExecutorOutput` unless every sampling request got a token
+        and every verification an accepted count."""
         self._split_output(plan, sampled)
+        _checked_accepted(plan, accepted)
 
     def _split_output(self, plan: StepPlan, sampled: Sampled) -> _Output:
         """The sampled tokens checked (non-negative ints, one per sampling entry) and
@@ -631,6 +762,7 @@ class Scheduler:
             raise UnknownRequest(request_id, what)
         if self.pool.has_request(request_id):
             self.pool.free(request_id)
+        self._proposals.pop(request_id, None)
         was_paused = self._suspend.forget(request_id)
         if request_id in self._batch:
             self._batch.remove(r)

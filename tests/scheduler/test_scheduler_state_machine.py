@@ -66,7 +66,7 @@ from ref.core.cost import StepCost
 from ref.core.engine_core import EngineCore
 from ref.core.executor import StepOutput
 from ref.core.inputs import ModelInputs, scheduled_requests
-from ref.core.plan import StepPlan
+from ref.core.plan import ScheduledChunk, StepPlan
 from ref.core.request import FinishReason, Request, StopParams
 from ref.core.scheduler import BadExecutorOutput, Scheduler
 from ref.core.swap import KVRetention, PreemptionMode, SwapCost
@@ -83,6 +83,7 @@ PROMPT_TOKEN = st.integers(0, 2)  # tiny alphabet: prefixes collide, cache hits 
 MAX_LIVE = 8
 STOP_ID = 4  # sampled tokens are 0..3 plus these two, forced by the script
 EOS_ID = 5
+POISONED = -1  # a rejected draft's slot in the fake memory: never a token id
 # Where a live request's KV is, in the test's books (never read from the scheduler).
 DEVICE, HOST, NOWHERE = "device", "host", "nowhere"
 
@@ -115,6 +116,7 @@ class ScriptedExecutor:
         self.began: StepPlan | None = None
         self._saved: dict[int, int | None] = {}
         self._saved_host: dict[int, int | None] = {}
+        self.accepted: dict[str, int] = {}  # the last step's accepted drafts, by request
 
     def begin(self, plan: StepPlan, inputs: ModelInputs | None) -> None:
         assert inputs is not None
@@ -169,8 +171,9 @@ class ScriptedExecutor:
         slots = inputs.slot_mapping.tolist()
         qsl = inputs.query_start_loc.tolist()
         for c, lo, hi in zip(plan.chunks, qsl, qsl[1:], strict=False):
-            own = m.tokens(c.request_id)
-            # The executor is fed the request's own tokens at its new positions.
+            own = [*m.tokens(c.request_id), *c.draft_token_ids]
+            # The executor is fed the request's own tokens at its new positions, and a
+            # verification its drafts after them.
             assert ids[lo:hi] == own[c.start : c.start + c.num_new_tokens], c
         for slot, tok in zip(slots, ids, strict=True):
             m.memory[slot] = tok
@@ -178,24 +181,34 @@ class ScriptedExecutor:
         tables = inputs.block_tables.tolist()
         for i, c in enumerate(plan.chunks):
             end = c.start + c.num_new_tokens
-            own = m.tokens(c.request_id)[:end]
+            own = [*m.tokens(c.request_id), *c.draft_token_ids][:end]
             table = tables[i][: blocks_needed(end, bs)]
             got = [m.memory.get(slot_of(table[p // bs], p, bs)) for p in range(end)]
             assert got == own, f"{c.request_id} reads {got} through {table}, owns {own}"
+        # The script is the target model, greedy: a draft is accepted while it is the
+        # script's next token, and the token sampled is the script's after them.
+        self.accepted = {
+            c.request_id: _accepted(c.draft_token_ids, m.next_tokens(c.request_id))
+            for c in plan.chunks
+            if c.draft_token_ids
+        }
         sampled = {
-            c.request_id: m.script[c.request_id][len(m.outputs[c.request_id])]
+            c.request_id: m.next_tokens(c.request_id)[self.accepted.get(c.request_id, 0)]
             for c in plan.chunks
             if c.samples
         }
         if self.fail_at == "bad_output" and sampled:
             self.fail_at = None
             event("failed step: output rejected")
+            if self.accepted:  # an accepted count past the drafts, or a bad token
+                rid, a = next(iter(self.accepted.items()))
+                return StepOutput(sampled, 1.0, accepted={**self.accepted, rid: a + 99})
             return StepOutput({**sampled, next(iter(sampled)): -1}, 1.0)
         # A step that samples nothing has no output to spoil: fail after it instead.
         self.fail_at = "after_execute" if self.fail_at == "bad_output" else self.fail_at
         self.last = (plan, inputs, sampled)
         self._fail("after_execute")
-        return StepOutput(sampled, 1.0)
+        return StepOutput(sampled, 1.0, accepted=self.accepted)
 
 
 def _copy_block(
@@ -237,6 +250,10 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def tokens(self, rid: str) -> list[int]:
         return self.prompts[rid] + self.outputs[rid]
+
+    def next_tokens(self, rid: str) -> list[int]:
+        """What the target (the script) samples next for ``rid``, in order."""
+        return self.script[rid][len(self.outputs[rid]) :]
 
     # ------------------------------------------------------------------ setup
     @initialize(data=st.data())
@@ -326,6 +343,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             preemption_mode=mode,
             num_host_blocks=host_blocks,
             swap_cost=swap_cost,
+            num_speculative_tokens=d(st.sampled_from([0, 0, 1, 2, 4]), label="k"),
         )
         if align and budget < bs:
             with pytest.raises(InvalidArgument, match="align_chunks_to_blocks"):
@@ -622,6 +640,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, n: int, data: st.DataObject) -> None:
         self.in_rule = True
         for _ in range(n):
+            self._propose(data)
             self._step()
             # Preempted and mid-prefill are short-lived states: sometimes abort one
             # right away, so aborts in every state are reached often.
@@ -644,13 +663,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.in_rule = False
 
     @precondition(lambda self: self.ready)
-    @rule(point=st.sampled_from(FAIL_POINTS))
-    def failing_step(self, point: str) -> None:
+    @rule(point=st.sampled_from(FAIL_POINTS), data=st.data())
+    def failing_step(self, point: str, data: st.DataObject) -> None:
         self.in_rule = True
         sched = self.sched
         before = self._state()
         mem, host_mem = dict(self.memory), dict(self.host_memory)
         pending = list(self.pending_host)
+        self._propose(data)
         self.executor.fail_at = point
         # EngineCore rolls back (memory, then books) and checks ATOMIC itself
         # (InvariantViolation otherwise).
@@ -675,6 +695,27 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.in_rule = False
 
     # ---------------------------------------------------------------- helpers
+    def _propose(self, data: st.DataObject) -> None:
+        """Drafts for some decoding requests (speculative decoding): the script's next
+        tokens up to a drawn point, then drawn tokens, so the test chooses how many are
+        accepted (a drawn token may still match: the executor compares)."""
+        k = self.config.num_speculative_tokens
+        if not k:
+            return
+        running = {r.request_id for r in self.sched.running}
+        for rid in sorted(running & self.live):
+            if self.sched.requests[rid].status is not S.DECODING:
+                continue
+            n = data.draw(st.integers(0, k), label="drafts")
+            right = data.draw(st.integers(0, n), label="right drafts")
+            wrong = data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n), label="drawn")
+            drafts = [*self.next_tokens(rid)[:right], *wrong][:n]
+            if data.draw(st.integers(0, 15), label="bad proposal") == 0:
+                with pytest.raises(InvalidArgument, match="propose"):
+                    self.sched.propose(rid, [*drafts, 0] if len(drafts) == k else [-1])
+                event("bad proposal refused")
+            self.sched.propose(rid, drafts)
+
     def _state(self) -> tuple[object, ...]:
         s = self.sched
         return (
@@ -735,12 +776,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if c.num_new_cached_tokens == max_cacheable_tokens(len(self.tokens(rid)), bs):
                     event("prompt cached up to its last block")
             assert c.start == self.computed[rid] + c.num_new_cached_tokens, c
-            end = c.start + c.num_new_tokens
+            drafts = c.draft_token_ids
+            end = c.start + c.num_new_tokens - len(drafts)
             assert end <= len(self.tokens(rid))
             assert c.samples == (end == len(self.tokens(rid)))
             self.computed[rid] = end
             self.kv_at[rid] = DEVICE
-            if c.samples:
+            if drafts:
+                self._verified(c, inputs, sampled[rid])
+            elif c.samples:
                 self.outputs[rid].append(sampled[rid])
         planned = {cf.request_id: cf.reason for cf in plan.finished}
         for rid in plan.preempted:  # its known tokens outgrew the pool: never fits again
@@ -771,6 +815,26 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._forget(rid)
         assert set(retired) <= set(self.prompts) and not set(retired) & self.live
         self._check_books(after)
+
+    def _verified(self, c: ScheduledChunk, inputs: ModelInputs, token: int) -> None:
+        """The books after a verification: the accepted drafts and the script's token
+        join the outputs up to a stop; the KV covers the accepted drafts; the slots of
+        the rejected ones are poisoned in the fake memory, so a later read of them as
+        context (a block not returned, a kept cache entry) fails the read-back."""
+        rid, drafts = c.request_id, c.draft_token_ids
+        accepted = self.executor.accepted[rid]
+        event(f"verification: {'all' if accepted == len(drafts) else accepted or 'no'} accepted")
+        self.computed[rid] += accepted
+        i = inputs.request_ids.index(rid)
+        lo, hi = inputs.query_start_loc.tolist()[i : i + 2]
+        for slot in inputs.slot_mapping.tolist()[lo + 1 + accepted : hi]:
+            self.memory[slot] = POISONED
+        for j, t in enumerate((*drafts[:accepted], token)):
+            self.outputs[rid].append(t)
+            if self._expected_finish(rid) is not None:
+                if j < accepted:
+                    event("verification: stopped at an accepted draft")
+                break
 
     def _check_swaps(
         self, plan: StepPlan, inputs: ModelInputs, host_free: int, was_swapped: set[str]
@@ -977,6 +1041,14 @@ def kv_readback_errors(
     return errors
 
 
+def _accepted(drafts: tuple[int, ...], target: list[int]) -> int:
+    """How many leading drafts equal the target's tokens."""
+    n = 0
+    while n < len(drafts) and drafts[n] == target[n]:
+        n += 1
+    return n
+
+
 def _longest_wait(steps: list[StepSnapshot]) -> int:
     waited: dict[str, int] = {}
     best = 0
@@ -1010,6 +1082,7 @@ def _step_snapshot(
         after=after,
         preempted=plan.preempted + plan.dropped,  # as EngineCore builds it
         finished=tuple(r.request_id for r in retired),
+        num_speculative_tokens=cfg.num_speculative_tokens,
     )
 
 
