@@ -39,6 +39,7 @@ def workloads(
         num_blocks=draw(st.integers(4, 24)),
         enable_prefix_caching=draw(st.booleans()),
         prefill_reserve_tokens=0,
+        num_speculative_tokens=draw(st.sampled_from([0, 0, 3])),
     )
     reqs = []
     for _ in range(draw(st.integers(1, 10))):
@@ -101,6 +102,8 @@ def run_side_by_side(work: Work, on_bulk: Callable[[str], None] | None = None) -
                     )
         if not fast.has_unfinished and step > 12:
             break
+        if cfg.num_speculative_tokens and step % 3 == 1:
+            _propose_to_both(fast, slow, step, on_bulk)
         pf, ps = fast.schedule(), slow.schedule()
         assert pf == ps, f"step {step}: plans differ"
         assert fast.pool.snapshot() == slow.pool.snapshot()
@@ -119,9 +122,10 @@ def run_side_by_side(work: Work, on_bulk: Callable[[str], None] | None = None) -
             for rid, smp in zip(pf.request_ids, pf.samples, strict=True)
             if smp
         }
+        accepted = {rid: (step + len(d)) % (len(d) + 1) for rid, d in pf.drafts.items()}
         # The fast side gets the tokens as an array in plan order, the slow one by id.
-        fast.commit(pf, torch.tensor(list(sampled.values()), dtype=torch.int64))
-        slow.commit(ps, sampled)
+        fast.commit(pf, torch.tensor(list(sampled.values()), dtype=torch.int64), 0.0, accepted)
+        slow.commit(ps, sampled, 0.0, accepted)
         assert fast.snapshot() == slow.snapshot()
         assert [r.request_id for r in fast.running] == [r.request_id for r in slow.running]
         if step == abort_at and fast.running:
@@ -140,6 +144,22 @@ def run_side_by_side(work: Work, on_bulk: Callable[[str], None] | None = None) -
                 for s in (fast, slow):
                     s.fork(r.request_id, child, 2, StopParams(4, ignore_eos=True))
     assert not fast.has_unfinished
+
+
+def _propose_to_both(
+    fast: Scheduler, slow: Scheduler, step: int, on_bulk: Callable[[str], None] | None
+) -> None:
+    """The same drafts for both (speculative decoding): a verification step runs the
+    reference loop on both sides, and the next bulk step must find the batch's rows
+    reloaded after the rejected drafts were dropped."""
+    for r in fast.running:
+        if r.status is RequestStatus.DECODING:
+            n = (r.seq + step) % (fast.config.num_speculative_tokens + 1)
+            drafts = [fake_token(r.seq, r.num_tokens + j) % 3 + 1 for j in range(n)]
+            fast.propose(r.request_id, drafts)
+            slow.propose(r.request_id, drafts)
+            if on_bulk is not None and n:
+                on_bulk("drafts proposed")
 
 
 # A workload that crosses blocks, forks, rolls back, aborts and finishes by length.
