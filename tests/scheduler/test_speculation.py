@@ -116,7 +116,7 @@ def test_bad_proposals_are_refused_and_change_nothing() -> None:
         ("a", [True], InvalidArgument, "bad draft token True"),
     ]:
         with pytest.raises(error, match=match):
-            sched.propose(rid, drafts)
+            sched.propose(rid, drafts)  # type: ignore[arg-type]
     assert sched.snapshot() == before and sched.schedule().drafts == {}
     with pytest.raises(StepInProgress, match="propose"):
         sched.propose("a", [1])
