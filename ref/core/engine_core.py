@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from ref.core.executor import (
     NO_FORKS,
     NO_LOGPROBS,
+    NO_VERIFIED,
     DrawnToken,
     Executor,
     KVTransaction,
@@ -82,6 +83,8 @@ class StepRecord:
     plan: StepPlan
     logprobs: Mapping[str, float] = field(default_factory=lambda: NO_LOGPROBS)
     fork_samples: Mapping[str, tuple[DrawnToken, ...]] = field(default_factory=lambda: NO_FORKS)
+    # Speculative decoding: the logprob of each token a verification emitted, when asked.
+    verified_logprobs: Mapping[str, tuple[float, ...]] = field(default_factory=lambda: NO_VERIFIED)
 
 
 class EngineCore:
@@ -142,6 +145,7 @@ class EngineCore:
             plan=plan,
             logprobs=output.logprobs,
             fork_samples=output.fork_samples,
+            verified_logprobs=output.verified_logprobs,
         )
 
     def _transaction(self) -> KVTransaction:

@@ -37,6 +37,7 @@ class DrawnToken:
 NO_LOGPROBS: Mapping[str, float] = MappingProxyType({})
 NO_FORKS: Mapping[str, tuple[DrawnToken, ...]] = MappingProxyType({})
 NO_ACCEPTED: Mapping[str, int] = MappingProxyType({})
+NO_VERIFIED: Mapping[str, tuple[float, ...]] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,10 @@ class StepOutput:
     logprobs: Mapping[str, float] = field(default_factory=lambda: NO_LOGPROBS)
     fork_samples: Mapping[str, tuple[DrawnToken, ...]] = field(default_factory=lambda: NO_FORKS)
     #: Speculative decoding: per request that verified drafts, how many were accepted
-    #: (its ``sampled`` token is the target's own, after them: docs/SPECULATIVE.md).
+    #: (its ``sampled`` token is the target's own, after them: docs/SPECULATIVE.md),
+    #: and, when it asked for logprobs, one per emitted token (``logprobs`` has the last).
     accepted: Mapping[str, int] = field(default_factory=lambda: NO_ACCEPTED)
+    verified_logprobs: Mapping[str, tuple[float, ...]] = field(default_factory=lambda: NO_VERIFIED)
 
 
 class StepExecutor(Protocol):

@@ -79,6 +79,7 @@ from ref.model.attention import make_backend
 from ref.model.config import ModelConfig, tiny_config
 from ref.model.executor import ModelExecutor
 from ref.model.llama import HostKVCache, KVCache, LlamaModel
+from ref.model.proposers import DraftModelProposer, NgramProposer
 from ref.model.sampler import (
     InvalidSamplingParams,
     SampleSpec,
@@ -90,6 +91,7 @@ from ref.model.sampler import (
 from ref.model.tokenizer import ByteTokenizer, HFTokenizer, TextStream, Tokenizer
 from ref.model.weights import LlamaWeights, load_checkpoint, random_weights
 from ref.sim.metrics import RequestMetrics
+from spec.snapshot import RequestStatus
 
 __all__ = [
     "GenerationResult",
@@ -105,6 +107,10 @@ Prompt = str | Sequence[int]
 #: (``"x#2"``); caller-chosen request ids may not contain it, so no caller id can ever
 #: name a sample that another request is about to fork.
 FORK_SEPARATOR = "#"
+
+
+Proposer = NgramProposer | DraftModelProposer
+"""Who drafts tokens for speculative decoding (ref/model/proposers.py)."""
 
 
 class InvalidPrompt(InvalidArgument):
@@ -209,6 +215,7 @@ class LLMEngine:
         model_seed: int = 0,
         check_invariants: bool = False,
         clock: Callable[[], float] | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         checkpoint = _resolve_checkpoint(model, dtype=dtype, device=device, seed=model_seed)
         cfg = checkpoint.config
@@ -217,6 +224,11 @@ class LLMEngine:
         sched_cfg = scheduler_config if scheduler_config is not None else SchedulerConfig()
         if sched_cfg.max_model_len > cfg.max_position_embeddings:
             sched_cfg = replace(sched_cfg, max_model_len=cfg.max_position_embeddings)
+        # Speculative decoding (docs/SPECULATIVE.md): the proposer's k bounds the drafts.
+        self.proposer = proposer
+        if proposer is not None:
+            _check_proposer(proposer, cfg.vocab_size)
+            sched_cfg = replace(sched_cfg, num_speculative_tokens=proposer.num_speculative_tokens)
         self.scheduler = Scheduler(sched_cfg, policy)
         self.cache = KVCache(
             cfg, sched_cfg.num_blocks, sched_cfg.block_size, dtype=dtype, device=device
@@ -463,12 +475,14 @@ class LLMEngine:
         in this order (module doc): new tokens, forks of ``n > 1`` samples, requests the
         scheduler finished, failed samples, stop strings. Returns the outputs of every
         sequence the step touched."""
+        if self.proposer is not None:
+            self._propose(self.proposer)
         record = self.core.step(self.now_ms())
         self._count(record)
         events = record.events
         # The sampler could not sample their row (module doc, "Faults").
         failed = [sid for sid in events.new_tokens if sample_failed(record.logprobs.get(sid))]
-        touched = self._append_tokens(events.new_tokens, record.logprobs)
+        touched = self._append_tokens(events.new_tokens, record)
         for parent_id, samples in record.fork_samples.items():
             touched.extend(
                 self._fork(parent_id, samples, parent_id in events.finished, parent_id in failed)
@@ -483,16 +497,40 @@ class LLMEngine:
         self.num_preemptions += len(record.events.preempted)
         self.num_prefix_hit_tokens += sum(record.plan.num_new_cached_tokens)
 
-    def _append_tokens(
-        self, new_tokens: Mapping[str, int], logprobs: Mapping[str, float]
-    ) -> list[str]:
-        """Each committed token to its sequence; the ids, in commit order."""
+    def _propose(self, proposer: Proposer) -> None:
+        """Drafts for every decoding request's next step (docs/SPECULATIVE.md), no more
+        than it may still emit less one; a draft model's distributions go to the
+        executor for the verification."""
+        sched, executor = self.scheduler, self.executor
+        for r in sched.running:
+            if r.status is not RequestStatus.DECODING:
+                continue
+            limit = r.stop.max_tokens - r.num_output_tokens - 1
+            if isinstance(proposer, NgramProposer):
+                drafts = proposer.propose(r.token_ids, limit)
+            else:
+                spec = executor.spec(r.request_id)
+                draft = proposer.propose(r.token_ids, spec, r.num_output_tokens, limit)
+                drafts = draft.tokens
+                executor.draft_probs[r.request_id] = draft.probs
+            sched.propose(r.request_id, drafts)
+
+    def _append_tokens(self, new_tokens: Mapping[str, int], record: StepRecord) -> list[str]:
+        """Each committed token to its sequence (all of a verification's, up to a stop
+        string); the ids, in commit order."""
         touched: list[str] = []
+        verified = record.events.verified
         for sid, token in new_tokens.items():
             seq = self._seqs[sid]
-            logprob = logprobs.get(sid)
+            logprob = record.logprobs.get(sid)
+            v = verified.get(sid)
+            if v is not None:
+                logprobs = record.verified_logprobs.get(sid)
+                for j, t in enumerate(v.tokens[:-1]):  # the accepted drafts
+                    if seq.pending_stop is None:
+                        self._append(seq, t, None if logprobs is None else logprobs[j])
             # A failed sample's token is a placeholder, not the model's: never shown.
-            if not sample_failed(logprob):
+            if not sample_failed(logprob) and seq.pending_stop is None:
                 self._append(seq, token, logprob)
             touched.append(sid)
         return touched
@@ -937,6 +975,23 @@ class LLMEngine:
         # collected, so a group whose current samples are all finished is done.
         if group is not None and all(s.finished for s in group.seqs):
             del self._groups[seq.request_id]
+
+
+def _check_proposer(proposer: object, vocab_size: int) -> None:
+    """A proposer the engine can use: n-gram lookup, or a draft model that shares the
+    target's vocabulary (its drafts are target token ids)."""
+    if isinstance(proposer, NgramProposer):
+        return
+    if not isinstance(proposer, DraftModelProposer):
+        raise InvalidArgument(
+            f"proposer must be an NgramProposer or a DraftModelProposer, "
+            f"got {type(proposer).__name__}"
+        )
+    if proposer.vocab_size != vocab_size:
+        raise InvalidArgument(
+            f"the draft model's vocabulary ({proposer.vocab_size}) differs from the "
+            f"target's ({vocab_size}): its drafts would be other tokens"
+        )
 
 
 def _spec(sp: SamplingParams, seed: int) -> SampleSpec:

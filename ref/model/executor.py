@@ -35,7 +35,8 @@ from it fails the step there.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+import math
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ from ref.core.request import Request
 from ref.errors import RefserveError
 from ref.model.attention import AttentionMetadata
 from ref.model.llama import HostKVCache, KVCache, LlamaModel
+from ref.model.rejection import Verification, verify
 from ref.model.sampler import SampleSpec, sample
 
 #: ``(request ids, fp32 logits [N, vocab])`` of the rows sampled in a step, for tests.
@@ -130,6 +132,9 @@ class ModelExecutor:
         # n > 1: specs of samples 1..n-1, drawn from the parent's first logits.
         self._fork_specs: dict[str, tuple[SampleSpec, ...]] = {}
         self.logits_hook: LogitsHook | None = None
+        # Speculative decoding: the proposer's distribution at each draft of a request
+        # (``[d, V]``), set by the engine before the step; absent for point-mass drafts.
+        self.draft_probs: dict[str, torch.Tensor] = {}
         self.fault_hook: FaultHook | None = None
         # What the step in flight may overwrite, in write order (begin .. commit/rollback).
         self._journal: list[SavedRows] = []
@@ -203,6 +208,7 @@ class ModelExecutor:
 
     def commit(self) -> None:
         self._journal = []
+        self.draft_probs = {}  # a rolled-back step keeps them: the retry verifies again
 
     # ------------------------------------------------------------------ the step
     def _fault(self, point: str) -> None:
@@ -227,7 +233,7 @@ class ModelExecutor:
         self._fault("after_forward")
         if not inputs.sample_request_ids:
             return StepOutput({})
-        return self._sample(inputs, hidden)
+        return self._sample(plan, inputs, hidden)
 
     def _forward(self, plan: StepPlan, inputs: ModelInputs) -> torch.Tensor:
         """One forward over every scheduled token; the hidden state of each."""
@@ -244,15 +250,16 @@ class ModelExecutor:
             inputs.input_ids.to(dev), inputs.positions.to(dev), meta, self.cache, plan.copies
         )
 
-    def _sample(self, inputs: ModelInputs, hidden: torch.Tensor) -> StepOutput:
+    def _sample(self, plan: StepPlan, inputs: ModelInputs, hidden: torch.Tensor) -> StepOutput:
         """Logits at the sampling rows, then one draw per sequence: each sampling
         request's, and right after it, for an ``n > 1`` request drawing its first token,
-        samples 1..n-1 from the same row."""
+        samples 1..n-1 from the same row. A request that verifies drafts is verified
+        instead, on the logits of all its rows (:meth:`_verify`)."""
         rids = inputs.sample_request_ids
         logits = self.model.logits(hidden[inputs.sample_rows.to(self.model.device)])
         if self.logits_hook is not None:
             self.logits_hook(rids, logits.detach().cpu())
-        draws = self._draws(rids)
+        draws = self._draws(rids, skip=plan.drafts)
         self._fault("in_sampler")
         drawn = sample(
             logits[[d.row for d in draws]], [d.spec for d in draws], [d.index for d in draws]
@@ -271,15 +278,59 @@ class ModelExecutor:
                 forks[draw.request_id] = tuple(
                     DrawnToken(t, lp) for _, (t, lp) in itertools.islice(it, draw.num_forks)
                 )
-        return StepOutput(sampled, logprobs=logprobs, fork_samples=forks)
+        if not plan.drafts:
+            return StepOutput(sampled, logprobs=logprobs, fork_samples=forks)
+        accepted: dict[str, int] = {}
+        emitted: dict[str, tuple[float, ...]] = {}
+        for rid, v in self._verify(plan, inputs, hidden).items():
+            sampled[rid], accepted[rid] = v.tokens[-1], v.num_accepted
+            if v.logprobs is not None:
+                logprobs[rid] = v.logprobs[-1]
+                emitted[rid] = v.logprobs
+            elif v.failed:  # as the sampler reports a row it could not sample
+                logprobs[rid] = math.nan
+        return StepOutput(sampled, None, logprobs, forks, accepted, emitted)
 
-    def _draws(self, rids: Sequence[str]) -> list[_Draw]:
-        """What to draw for the sampling rows ``rids`` (row ``i`` is ``rids[i]``)."""
+    def _verify(
+        self, plan: StepPlan, inputs: ModelInputs, hidden: torch.Tensor
+    ) -> dict[str, Verification]:
+        """Each verifying request's drafts against the target's logits at all its rows
+        (its last token's and each draft's: docs/SPECULATIVE.md, "Verification"), with
+        the proposer's distributions from :attr:`draft_probs` (none: a point-mass
+        proposer such as n-gram lookup)."""
+        row = {rid: i for i, rid in enumerate(inputs.request_ids)}
+        qsl = inputs.query_start_loc.tolist()
+        out: dict[str, Verification] = {}
+        for rid, drafts in plan.drafts.items():
+            i = row[rid]
+            logits = self.model.logits(hidden[qsl[i] : qsl[i + 1]])
+            probs = self.draft_probs.get(rid)  # the planner may verify fewer than drafted
+            v = verify(
+                logits,
+                drafts,
+                self.spec(rid),
+                self._requests[rid].num_output_tokens,
+                None if probs is None else probs[: len(drafts)],
+            )
+            self._check_vocab((rid,), [(t, None) for t in v.tokens])
+            out[rid] = v
+        return out
+
+    def spec(self, rid: str) -> SampleSpec:
+        """The sampling spec registered for ``rid``."""
+        spec = self._specs.get(rid)
+        if spec is None:
+            raise ExecutorError(f"no sampling spec registered for request {rid!r}")
+        return spec
+
+    def _draws(self, rids: Sequence[str], skip: Container[str] = ()) -> list[_Draw]:
+        """What to draw for the sampling rows ``rids`` (row ``i`` is ``rids[i]``), but
+        for those in ``skip``."""
         draws: list[_Draw] = []
         for row, rid in enumerate(rids):
-            spec = self._specs.get(rid)
-            if spec is None:
-                raise ExecutorError(f"no sampling spec registered for request {rid!r}")
+            if rid in skip:
+                continue
+            spec = self.spec(rid)
             k = self._requests[rid].num_output_tokens
             children = self._fork_specs.get(rid, ()) if k == 0 else ()
             draws.append(_Draw(rid, row, spec, k, num_forks=len(children)))

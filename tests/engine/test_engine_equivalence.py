@@ -24,7 +24,7 @@ import torch
 from hf_oracle import HFOracle, random_prompt
 
 from ref.core.config import SchedulerConfig
-from ref.engine.llm_engine import LLMEngine, RequestOutput
+from ref.engine.llm_engine import LLMEngine, Proposer, RequestOutput
 from ref.model.sampler import SamplingParams
 
 ATOL = 2e-5
@@ -51,9 +51,14 @@ class Run:
 
 
 def run_jobs(
-    hf: HFOracle, jobs: Sequence[Job], cfg: SchedulerConfig, *, record_logits: bool = False
+    hf: HFOracle,
+    jobs: Sequence[Job],
+    cfg: SchedulerConfig,
+    *,
+    record_logits: bool = False,
+    proposer: Proposer | None = None,
 ) -> Run:
-    engine = LLMEngine(str(hf.path), scheduler_config=cfg, check_invariants=True)
+    engine = LLMEngine(str(hf.path), scheduler_config=cfg, check_invariants=True, proposer=proposer)
     run = Run(engine)
     if record_logits:
 
