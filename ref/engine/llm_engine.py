@@ -161,6 +161,27 @@ class GenerationResult:
     outputs: tuple[RequestOutput, ...]
 
 
+@dataclass(frozen=True)
+class SpeculationStats:
+    """Speculative decoding over an engine's life (docs/SPECULATIVE.md): verifications
+    (a request's step with drafts), drafts verified and drafts accepted."""
+
+    num_verifications: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / verified drafts; None before any draft."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted(self) -> float | None:
+        """Drafts accepted per verification (each also emits one token of the target's)."""
+        n = self.num_verifications
+        return self.num_accepted_tokens / n if n else None
+
+
 @dataclass
 class _Seq:
     """One sampled sequence (the request itself, or a fork of it)."""
@@ -184,6 +205,9 @@ class _Seq:
     paused: bool = False
     times_from: int = 0
     turn_arrival_ms: float | None = None
+    # Speculative decoding: drafts verified for this sequence, and those accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -259,6 +283,10 @@ class LLMEngine:
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
         self.num_forks = 0
+        # Speculative decoding, over the engine's life (docs/SPECULATIVE.md).
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_verifications = 0
 
     # ------------------------------------------------------------------ requests
     @property
@@ -291,6 +319,13 @@ class LLMEngine:
     def swap_in_bytes(self) -> int:
         """KV bytes copied host -> device so far."""
         return self.executor.swap_in_bytes
+
+    @property
+    def speculation(self) -> SpeculationStats:
+        """Drafts verified and accepted so far (speculative decoding)."""
+        return SpeculationStats(
+            self.num_verifications, self.num_draft_tokens, self.num_accepted_tokens
+        )
 
     def now_ms(self) -> float:
         if self._clock is not None:
@@ -525,6 +560,11 @@ class LLMEngine:
             logprob = record.logprobs.get(sid)
             v = verified.get(sid)
             if v is not None:
+                seq.num_draft_tokens += v.num_drafts
+                seq.num_accepted_tokens += v.num_accepted
+                self.num_draft_tokens += v.num_drafts
+                self.num_accepted_tokens += v.num_accepted
+                self.num_verifications += 1
                 logprobs = record.verified_logprobs.get(sid)
                 for j, t in enumerate(v.tokens[:-1]):  # the accepted drafts
                     if seq.pending_stop is None:
@@ -965,6 +1005,8 @@ class LLMEngine:
             num_output_tokens=len(seq.token_ids),
             num_cached_tokens=req.num_cached_tokens,
             num_preemptions=req.num_preemptions,
+            num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_tokens=seq.num_accepted_tokens,
         )
 
     def _retire(self, seq: _Seq) -> None:

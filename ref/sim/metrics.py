@@ -30,6 +30,10 @@ class RequestMetrics:
     num_cached_tokens: int
     num_preemptions: int
     tenant: str = "default"
+    # Speculative decoding (docs/SPECULATIVE.md): drafts verified for this request, and
+    # how many of them the target accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def queue_ms(self) -> float | None:

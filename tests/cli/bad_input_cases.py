@@ -443,6 +443,21 @@ GENERATE: list[Case] = [
     Case("gen-model-missing", gen("--model", "{ws}/absent"), "absent"),
     Case("gen-model-is-file", gen("--model", "{ws}/afile"), "afile"),
     Case("gen-model-no-weights", gen("--model", "{ws}/adir"), "config.json"),
+    Case("gen-speculative-unknown", gen("--speculative", "medusa"), "--speculative"),
+    Case("gen-speculative-draft-empty", gen("--speculative", "draft:"), "draft:DIR"),
+    Case("gen-speculative-draft-missing", gen("--speculative", "draft:{ws}/absent"), "absent"),
+    Case("gen-speculative-draft-file", gen("--speculative", "draft:{ws}/afile"), "afile"),
+    Case("gen-speculative-draft-no-weights", gen("--speculative", "draft:{ws}/adir"), "config"),
+    Case(
+        "gen-speculative-k-0",
+        gen("--speculative", "ngram", "--num-speculative-tokens", "0"),
+        "num-speculative-tokens",
+    ),
+    Case(
+        "gen-speculative-k-5000",
+        gen("--speculative", "ngram", "--num-speculative-tokens", "5000"),
+        "--num-speculative-tokens",
+    ),
 ]
 
 CONFIGS: list[Case] = [
