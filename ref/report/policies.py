@@ -16,6 +16,10 @@ from dataclasses import dataclass
 from ref.core.config import PolicyName, SchedulerConfig
 from ref.core.cost import StepCost
 from ref.sim.metrics import RequestMetrics
+from ref.sim.simulator import SimSpeculation
+
+#: Drafts per decoding request per step for the speculative policies.
+SPECULATIVE_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,9 @@ class NamedPolicy:
     description: str
     configure: Callable[[SchedulerConfig, int, Slo, StepCost], SchedulerConfig]
     requires: tuple[str, ...] = ()
+    # Speculative decoding's acceptance model on the simulator, for a policy that sets
+    # num_speculative_tokens (docs/SPECULATIVE.md, "Simulator").
+    speculation: SimSpeculation | None = None
 
     def available(self) -> bool:
         have = {f.name for f in dataclasses.fields(SchedulerConfig)}
@@ -100,6 +107,12 @@ def _slo_aware(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) ->
     )
 
 
+def _speculative(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> SchedulerConfig:
+    return dataclasses.replace(
+        _prefix_aware(base, max_len, slo, cost), num_speculative_tokens=SPECULATIVE_TOKENS
+    )
+
+
 POLICIES: tuple[NamedPolicy, ...] = (
     NamedPolicy(
         "static",
@@ -135,5 +148,21 @@ POLICIES: tuple[NamedPolicy, ...] = (
         "step keeps the tightest decode within the TBT SLO",
         _slo_aware,
         requires=("tbt_slo_ms", "step_cost"),
+    ),
+    NamedPolicy(
+        "spec-0.8",
+        f"prefix-aware plus speculative decoding: {SPECULATIVE_TOKENS} drafts per decode "
+        "per step, each accepted with probability 0.8 (a good draft model or repetitive text)",
+        _speculative,
+        requires=("num_speculative_tokens",),
+        speculation=SimSpeculation(0.8),
+    ),
+    NamedPolicy(
+        "spec-0.5",
+        f"prefix-aware plus speculative decoding: {SPECULATIVE_TOKENS} drafts per decode "
+        "per step, each accepted with probability 0.5",
+        _speculative,
+        requires=("num_speculative_tokens",),
+        speculation=SimSpeculation(0.5),
     ),
 )

@@ -232,7 +232,9 @@ def run_point(opts: CompareOptions, at: SweepPoint) -> PointResult:
     slo = opts.slo
     config = at.policy.configure(opts.base, at.workload.max_len, slo, opts.cost)
     # Steps are kept: which limit bound is read from them (then they are dropped).
-    result = at.workload.run(Scheduler(config), opts.cost, keep_steps=True)
+    result = at.workload.run(
+        Scheduler(config), opts.cost, keep_steps=True, speculation=at.policy.speculation
+    )
     reqs = [RequestMetrics.of(r) for r in result.requests]
     run = RunMetrics.of(reqs, result.makespan_ms)
     met = [m for m in reqs if slo.met(m)]

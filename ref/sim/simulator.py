@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ from ref.core.request import FinishReason, Request, StopParams
 from ref.core.scheduler import Scheduler
 from ref.core.swap import SwapCost, SwapTraffic
 from ref.errors import InvalidArgument, RefserveError
+from spec.snapshot import RequestStatus
 
 VOCAB = 32000
 #: The default step cap of every replay (``refserve simulate --max-steps``): a workload
@@ -56,12 +58,41 @@ def fake_token(request_seq: int, position: int) -> int:
     return (request_seq * 1_000_003 + position * 7_919 + 17) % VOCAB
 
 
+@dataclass(frozen=True)
+class SimSpeculation:
+    """Speculative decoding on the simulator (docs/SPECULATIVE.md, "Simulator"): each
+    step, every decoding request is proposed the scheduler's ``num_speculative_tokens``
+    drafts, and each draft is accepted with probability ``acceptance_rate`` up to the
+    first rejection (a truncated geometric count, drawn from a generator seeded by the
+    request and its length, so a replay is deterministic). The drafts are the tokens the
+    request will sample anyway: speculation changes when tokens come, never which."""
+
+    acceptance_rate: float
+
+    def __post_init__(self) -> None:
+        rate = self.acceptance_rate
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
+            raise InvalidArgument(f"acceptance_rate must be a number in [0, 1], got {rate!r}")
+
+    def accepted(self, request_seq: int, position: int, num_drafts: int) -> int:
+        """How many of ``num_drafts`` drafts at ``position`` the target accepts."""
+        rng = random.Random(request_seq * 1_000_003 + position)
+        n = 0
+        while n < num_drafts and rng.random() < self.acceptance_rate:
+            n += 1
+        return n
+
+
 class SimExecutor(NoKVMemory):
     """Fake tokens and a step time from the cost model.
 
     With a ``swap`` cost model, the step's swap traffic adds its copy time: one
     ``copy_ms`` per direction that moves blocks, serialized with the compute (a
     conservative model; an engine that overlaps copies with compute hides part of it).
+
+    With ``speculation`` it also stands in for the proposer: when a step commits, it
+    proposes the next step's drafts to the ``scheduler`` (:class:`SimSpeculation`), and
+    a verification token costs what a prefill token costs (``b``).
     """
 
     needs_inputs = False
@@ -73,11 +104,28 @@ class SimExecutor(NoKVMemory):
         *,
         swap: SwapCost | None = None,
         block_size: int = 16,
+        speculation: SimSpeculation | None = None,
+        scheduler: Scheduler | None = None,
     ) -> None:
+        if speculation is not None and scheduler is None:
+            raise InvalidArgument("SimExecutor: speculation needs the scheduler to propose to")
         self.cost = cost
         self._requests = requests
         self.swap = swap
         self.block_size = block_size
+        self.speculation = speculation
+        self._scheduler = scheduler
+
+    def commit(self) -> None:
+        """The step committed: propose the next step's drafts (with ``speculation``)."""
+        sched, spec = self._scheduler, self.speculation
+        if spec is None or sched is None or not sched.config.num_speculative_tokens:
+            return
+        k = sched.config.num_speculative_tokens
+        for r in sched.running:
+            if r.status is RequestStatus.DECODING:
+                n = r.num_tokens
+                sched.propose(r.request_id, [fake_token(r.seq, n + j) for j in range(k)])
 
     def execute(self, plan: StepPlan, inputs: ModelInputs | None) -> StepOutput:
         reqs = self._requests
@@ -86,6 +134,16 @@ class SimExecutor(NoKVMemory):
             for rid, samples in zip(plan.request_ids, plan.samples, strict=True)
             if samples
         }
+        accepted: dict[str, int] = {}
+        verify_tokens = 0
+        if plan.drafts:
+            assert self.speculation is not None, "drafts without a speculation model"
+            for rid, drafts in plan.drafts.items():
+                r = reqs[rid]
+                a = self.speculation.accepted(r.seq, r.num_tokens, len(drafts))
+                accepted[rid] = a
+                sampled[rid] = fake_token(r.seq, r.num_tokens + a)
+                verify_tokens += len(drafts)
         kv_read = 0
         if self.cost.e:
             kv_read = sum(
@@ -93,12 +151,14 @@ class SimExecutor(NoKVMemory):
                 for s, n, p in zip(plan.starts, plan.num_new_tokens, plan.is_prefill, strict=True)
                 if not p
             )
-        ms = self.cost.step_ms(plan.num_prefill_tokens, plan.num_decode_requests, kv_read)
+        ms = self.cost.step_ms(
+            plan.num_prefill_tokens + verify_tokens, plan.num_decode_requests, kv_read
+        )
         if self.swap is not None:
             for moved in (plan.swap_out, plan.swap_in):
                 if moved:
                     ms += self.swap.copy_ms(len(moved) * self.block_size)
-        return StepOutput(sampled, ms)
+        return StepOutput(sampled, ms, accepted=accepted)
 
 
 class _Steps:
@@ -140,9 +200,18 @@ def _result(
     return SimResult(tuple(everyone), tuple(steps.records), span, swap, steps.count)
 
 
-def _sim_executor(scheduler: Scheduler, cost: StepCost) -> SimExecutor:
+def _sim_executor(
+    scheduler: Scheduler, cost: StepCost, speculation: SimSpeculation | None = None
+) -> SimExecutor:
     cfg = scheduler.config
-    return SimExecutor(cost, scheduler.requests, swap=cfg.swap_cost, block_size=cfg.block_size)
+    return SimExecutor(
+        cost,
+        scheduler.requests,
+        swap=cfg.swap_cost,
+        block_size=cfg.block_size,
+        speculation=speculation,
+        scheduler=scheduler,
+    )
 
 
 @dataclass(frozen=True)
@@ -194,6 +263,7 @@ def simulate(
     check_invariants: bool = False,
     max_steps: int | None = None,
     keep_steps: bool = True,
+    speculation: SimSpeculation | None = None,
 ) -> SimResult:
     """Run every request to completion on a virtual clock; return timelines and steps.
 
@@ -211,7 +281,8 @@ def simulate(
         _check_time(r.arrival_ms, f"request {r.request_id!r} arrival_ms")
     pending.sort(key=lambda r: r.arrival_ms)
     everyone = list(pending)
-    core = EngineCore(scheduler, _sim_executor(scheduler, cost), check_invariants=check_invariants)
+    executor = _sim_executor(scheduler, cost, speculation)
+    core = EngineCore(scheduler, executor, check_invariants=check_invariants)
     clock = 0.0
     steps = _Steps(keep_steps)
     i = 0
@@ -292,6 +363,7 @@ def simulate_closed_loop(
     check_invariants: bool = False,
     max_steps: int = DEFAULT_MAX_STEPS,
     keep_steps: bool = True,
+    speculation: SimSpeculation | None = None,
 ) -> SimResult:
     """Keep ``concurrency`` requests in flight; release the next (in list order) as one ends.
 
@@ -300,7 +372,9 @@ def simulate_closed_loop(
     release time, so TTFT is measured from the moment the client sent it.
     """
     jobs = [_Job(None, r) for r in requests]
-    return _replay(scheduler, jobs, cost, concurrency, check_invariants, max_steps, keep_steps)
+    return _replay(
+        scheduler, jobs, cost, concurrency, check_invariants, max_steps, keep_steps, speculation
+    )
 
 
 def simulate_sessions(
@@ -312,6 +386,7 @@ def simulate_sessions(
     check_invariants: bool = False,
     max_steps: int = DEFAULT_MAX_STEPS,
     keep_steps: bool = True,
+    speculation: SimSpeculation | None = None,
 ) -> SimResult:
     """Replay multi-turn sessions; turn k+1 arrives ``tool_wait_ms`` after turn k finishes.
 
@@ -326,7 +401,9 @@ def simulate_sessions(
         if not s.turns:
             raise InvalidArgument(f"session {s.session_id!r} has no turns")
     jobs = [_Job(s, None) for s in ordered]
-    return _replay(scheduler, jobs, cost, concurrency, check_invariants, max_steps, keep_steps)
+    return _replay(
+        scheduler, jobs, cost, concurrency, check_invariants, max_steps, keep_steps, speculation
+    )
 
 
 def _replay(
@@ -337,11 +414,13 @@ def _replay(
     check_invariants: bool,
     max_steps: int,
     keep_steps: bool,
+    speculation: SimSpeculation | None,
 ) -> SimResult:
     if concurrency is not None and concurrency < 1:
         raise InvalidArgument(f"concurrency must be >= 1, got {concurrency}")
     _check_max_steps(max_steps)
-    core = EngineCore(scheduler, _sim_executor(scheduler, cost), check_invariants=check_invariants)
+    executor = _sim_executor(scheduler, cost, speculation)
+    core = EngineCore(scheduler, executor, check_invariants=check_invariants)
     releases = _Releases()
     queued = iter(jobs)
     if concurrency is None:

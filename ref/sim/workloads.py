@@ -43,6 +43,7 @@ from ref.sim.simulator import (
     Session,
     SessionTurn,
     SimResult,
+    SimSpeculation,
     simulate,
     simulate_closed_loop,
     simulate_sessions,
@@ -400,8 +401,10 @@ class Workload:
         concurrency: int | None = None,
         check_invariants: bool = False,
         keep_steps: bool = True,
+        speculation: SimSpeculation | None = None,
     ) -> SimResult:
-        """Replay on the simulator: by arrival time, or closed loop with ``concurrency``.
+        """Replay on the simulator: by arrival time, or closed loop with ``concurrency``;
+        with speculative decoding under ``speculation``.
 
         Sessions' turns are always released ``tool_wait_ms`` after the previous turn. In
         closed loop a session holds one slot from its first turn to its last; single
@@ -410,7 +413,12 @@ class Workload:
         singles = to_requests(self.requests)
         if not self.sessions and concurrency is None:
             return simulate(
-                scheduler, singles, cost, check_invariants=check_invariants, keep_steps=keep_steps
+                scheduler,
+                singles,
+                cost,
+                check_invariants=check_invariants,
+                keep_steps=keep_steps,
+                speculation=speculation,
             )
         if not self.sessions:
             assert concurrency is not None
@@ -421,6 +429,7 @@ class Workload:
                 concurrency=concurrency,
                 check_invariants=check_invariants,
                 keep_steps=keep_steps,
+                speculation=speculation,
             )
         # A single request is a one-turn session; its prompt is its own new tokens.
         as_sessions = [
@@ -441,4 +450,5 @@ class Workload:
             concurrency=concurrency,
             check_invariants=check_invariants,
             keep_steps=keep_steps,
+            speculation=speculation,
         )
