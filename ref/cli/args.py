@@ -18,9 +18,15 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from ref.errors import InvalidArgument, RefserveError, UsageError
+
+if TYPE_CHECKING:  # the model is imported when a command runs, not at startup
+    from ref.engine.llm_engine import Proposer
+
+#: Drafts per step (``--num-speculative-tokens``): each is a position of the forward.
+MAX_DRAFTS = 64
 
 PROG = "refserve"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -158,3 +164,47 @@ def check_device(text: str, option: str = "--device") -> str:
     if device.index is not None and device.index >= count:
         raise InvalidArgument(f"{option} {text!r}: this machine has {count} CUDA device(s)")
     return text
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """``--speculative ngram|draft:DIR`` and ``--num-speculative-tokens K``
+    (docs/SPECULATIVE.md); :func:`proposer_from_args` reads them."""
+    p.add_argument(
+        "--speculative",
+        metavar="ngram|draft:DIR",
+        help="speculative decoding: n-gram prompt lookup, or a smaller draft checkpoint "
+        "(a local HF dir sharing the model's vocabulary); reports the acceptance rate",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int_at_most(MAX_DRAFTS),
+        default=3,
+        help=f"drafts verified per step with --speculative (1..{MAX_DRAFTS}; default 3)",
+    )
+
+
+def proposer_from_args(args: argparse.Namespace) -> Proposer | None:
+    """The proposer ``--speculative`` names: ``ngram``, or ``draft:DIR`` (a checkpoint
+    loaded on ``--device``); None without the option."""
+    choice, k = args.speculative, args.num_speculative_tokens
+    if choice is None:
+        return None
+    from ref.model.proposers import DraftModelProposer, NgramProposer
+
+    if k < 1:
+        raise InvalidArgument(f"--num-speculative-tokens must be >= 1, got {k}")
+    if choice == "ngram":
+        return NgramProposer(k)
+    kind, _, path = choice.partition(":")
+    if kind != "draft" or not path:
+        raise InvalidArgument(
+            f"--speculative: {choice!r}; expected 'ngram' or 'draft:DIR' (a checkpoint dir)"
+        )
+    from ref.model.attention import TorchAttention
+    from ref.model.llama import LlamaModel
+    from ref.model.weights import load_checkpoint
+
+    if not os.path.isdir(path):
+        raise InvalidArgument(f"--speculative draft:{path}: no such checkpoint directory")
+    cfg, weights = load_checkpoint(path, device=getattr(args, "device", "cpu"))
+    return DraftModelProposer(LlamaModel(cfg, weights, TorchAttention()), k)

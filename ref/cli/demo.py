@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from ref.core.config import SchedulerConfig
-from ref.engine.llm_engine import TINY_TRAINED, LLMEngine, RequestOutput
+from ref.engine.llm_engine import TINY_TRAINED, LLMEngine, Proposer, RequestOutput
 from ref.model.sampler import SamplingParams
 from ref.report.timeline import write_timeline_html, write_timeline_png
 from ref.sim.metrics import RequestMetrics, RunMetrics, percentile
@@ -25,7 +25,7 @@ WORKLOAD: tuple[tuple[int, str, SamplingParams], ...] = (
 )
 
 
-def demo_main(timeline_path: str | Path | None = None) -> int:
+def demo_main(timeline_path: str | Path | None = None, proposer: Proposer | None = None) -> int:
     """Run the demo workload on ``"tiny-trained"`` with the byte tokenizer.
 
     Streams the finished outputs, then prints the per-step table, per-request TTFT/ITL and
@@ -33,10 +33,11 @@ def demo_main(timeline_path: str | Path | None = None) -> int:
     ``refserve-demo-timeline.html`` in the current directory) and a PNG beside it (same
     name, ``.png``). Every spec invariant is checked after every step. The model learned
     simple English sentences from a generated corpus, so the text is short readable
-    sentences.
+    sentences. With a ``proposer`` the decodes speculate (docs/SPECULATIVE.md) and the
+    summary gives the acceptance rate.
     """
     cfg = CONFIG
-    engine = LLMEngine(TINY_TRAINED, scheduler_config=cfg, check_invariants=True)
+    engine = LLMEngine(TINY_TRAINED, scheduler_config=cfg, check_invariants=True, proposer=proposer)
     print(
         f"refserve demo: tiny trained Llama ({cfg.block_size}-token blocks, {cfg.num_blocks} "
         f"blocks, budget {cfg.max_num_batched_tokens} tokens/step), byte tokenizer"
@@ -129,3 +130,5 @@ def _print_summary(
         f"{engine.num_prefix_hit_tokens} tokens; preemptions {engine.num_preemptions}; "
         f"forks {engine.num_forks}"
     )
+    if engine.proposer is not None:
+        print(f"speculation: {engine.speculation}")

@@ -16,16 +16,14 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ref.cli.args import int_at_most
+from ref.cli.args import add_speculative_args, int_at_most, proposer_from_args
 from ref.errors import InvalidArgument
 
 if TYPE_CHECKING:  # the engine is imported when a command runs, not at startup
-    from ref.engine.llm_engine import Proposer, SpeculationStats
+    from ref.engine.llm_engine import SpeculationStats
 
 #: Forks of one prompt: each is a sequence object and a scheduler slot.
 MAX_N = 1024
-#: Drafts per step: each is a position of the verification's forward.
-MAX_DRAFTS = 64
 
 
 def add_generate_parser(sub: Any) -> argparse.ArgumentParser:
@@ -64,18 +62,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", choices=["torch", "triton"], default="torch")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print ids, finish reason and metrics")
-    p.add_argument(
-        "--speculative",
-        metavar="ngram|draft:DIR",
-        help="speculative decoding: n-gram prompt lookup, or a smaller draft checkpoint "
-        "(a local HF dir sharing the model's vocabulary); reports the acceptance rate",
-    )
-    p.add_argument(
-        "--num-speculative-tokens",
-        type=int_at_most(MAX_DRAFTS),
-        default=3,
-        help=f"drafts verified per step with --speculative (1..{MAX_DRAFTS}; default 3)",
-    )
+    add_speculative_args(p)
 
 
 def _text(value: str, option: str) -> str:
@@ -143,11 +130,7 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=stop,
     )
-    proposer = (
-        None
-        if args.speculative is None
-        else _proposer(args.speculative, args.num_speculative_tokens, args.device)
-    )
+    proposer = proposer_from_args(args)
     engine = LLMEngine(
         args.model, attention_backend=args.attention_backend, device=args.device, proposer=proposer
     )
@@ -196,36 +179,8 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"{tag}text:   {o.text!r}")
         print(f"{tag}finish: {o.finish_reason}")
     if proposer is not None:
-        s = engine.speculation
-        rate = "n/a" if s.acceptance_rate is None else f"{100 * s.acceptance_rate:.1f} %"
-        print(
-            f"speculation: {s.num_accepted_tokens} of {s.num_draft_tokens} drafts accepted "
-            f"({rate}) in {s.num_verifications} verifications"
-        )
+        print(f"speculation: {engine.speculation}")
     return 0
-
-
-def _proposer(choice: str, k: int, device: str) -> Proposer:
-    """The proposer ``--speculative`` names: ``ngram``, or ``draft:DIR`` (a checkpoint)."""
-    from ref.model.proposers import DraftModelProposer, NgramProposer
-
-    if k < 1:
-        raise InvalidArgument(f"--num-speculative-tokens must be >= 1, got {k}")
-    if choice == "ngram":
-        return NgramProposer(k)
-    kind, _, path = choice.partition(":")
-    if kind != "draft" or not path:
-        raise InvalidArgument(
-            f"--speculative: {choice!r}; expected 'ngram' or 'draft:DIR' (a checkpoint dir)"
-        )
-    from ref.model.attention import TorchAttention
-    from ref.model.llama import LlamaModel
-    from ref.model.weights import load_checkpoint
-
-    if not os.path.isdir(path):
-        raise InvalidArgument(f"--speculative draft:{path}: no such checkpoint directory")
-    cfg, weights = load_checkpoint(path, device=device)
-    return DraftModelProposer(LlamaModel(cfg, weights, TorchAttention()), k)
 
 
 def _speculation(s: SpeculationStats) -> dict[str, object]:

@@ -39,10 +39,12 @@ from ref.cli.args import (
     MAX_TOKENS,
     PROG,
     ArgumentParser,
+    add_speculative_args,
     check_device,
     clip,
     finite_float,
     int_at_most,
+    proposer_from_args,
     run_cli,
 )
 from ref.errors import InvalidArgument, UsageError
@@ -116,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--simulator", action="store_true", help="the seed scenarios on the simulator instead"
     )
+    add_speculative_args(demo)
     demo.set_defaults(func=_demo)
 
     from ref.cli.generate import add_generate_parser
@@ -319,7 +322,7 @@ def _demo(args: argparse.Namespace) -> int:
     path = check_output_file(args.timeline, "--timeline")
     from ref.cli.demo import demo_main
 
-    return demo_main(path)
+    return demo_main(path, proposer_from_args(args))
 
 
 def _simulator_demo() -> int:

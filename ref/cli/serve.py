@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ref.cli.args import finite_float, int_at_most
+from ref.cli.args import add_speculative_args, finite_float, int_at_most, proposer_from_args
 from ref.errors import InvalidArgument
 
 #: The environment variable read when ``--api-key`` is not given.
@@ -65,6 +65,7 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--attention-backend", choices=["torch", "triton"], default="torch")
     p.add_argument("--device", default="cpu")
+    add_speculative_args(p)
     _add_config_args(p)
     p.set_defaults(func=run_serve, num_blocks=1024, max_model_len=1 << 20)
     return p
@@ -106,6 +107,7 @@ def run_serve(args: argparse.Namespace) -> int:
         attention_backend=args.attention_backend,
         device=args.device,
         check_invariants=args.check,
+        proposer=proposer_from_args(args),
     )
     settings = ServeSettings(
         model_name=name,

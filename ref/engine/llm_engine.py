@@ -181,6 +181,14 @@ class SpeculationStats:
         n = self.num_verifications
         return self.num_accepted_tokens / n if n else None
 
+    def __str__(self) -> str:
+        rate = self.acceptance_rate
+        shown = "n/a" if rate is None else f"{100 * rate:.1f} %"
+        return (
+            f"{self.num_accepted_tokens} of {self.num_draft_tokens} drafts accepted ({shown}) "
+            f"in {self.num_verifications} verifications"
+        )
+
 
 @dataclass
 class _Seq:

@@ -70,9 +70,23 @@ class ServerMetrics:
         self._swap_in = Counter(
             "refserve:swapped_in_bytes", "KV bytes copied host to device.", labels, registry=r
         )
+        # Speculative decoding (docs/SPECULATIVE.md); the acceptance rate is
+        # accepted / draft tokens.
+        self._spec_drafts = Counter(
+            "vllm:spec_decode_num_drafts", "Verifications (a request's step with drafts).",
+            labels, registry=r,
+        )  # fmt: skip
+        self._spec_draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", labels, registry=r
+        )
+        self._spec_accepted = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels, registry=r
+        )
         self._name = model_name
         # Engine totals already exported (the engine counts cumulatively).
-        self._seen = {"preempt": 0, "prefix": 0, "out": 0, "in": 0}
+        self._seen = dict.fromkeys(
+            ("preempt", "prefix", "out", "in", "drafts", "draft_tokens", "accepted"), 0
+        )
 
     def after_step(self, engine: LLMEngine, outputs: Sequence[RequestOutput]) -> None:
         """Called on the engine thread after each step."""
@@ -86,6 +100,9 @@ class ServerMetrics:
         self._bump("prefix", engine.num_prefix_hit_tokens, self._prefix_hits)
         self._bump("out", engine.swap_out_bytes, self._swap_out)
         self._bump("in", engine.swap_in_bytes, self._swap_in)
+        self._bump("drafts", engine.num_verifications, self._spec_drafts)
+        self._bump("draft_tokens", engine.num_draft_tokens, self._spec_draft_tokens)
+        self._bump("accepted", engine.num_accepted_tokens, self._spec_accepted)
         for o in outputs:
             self._gen_tokens.labels(m).inc(len(o.new_token_ids))
             if o.finished:
