@@ -40,6 +40,13 @@ Semantics every adapter must follow
   finished in this step (including those of ``StepReport.finished``) with their reasons.
 * ``rollback`` (feature ``rollback``) undoes a pending ``schedule`` as if it never ran
   (the model failed): the snapshot must equal the one before ``schedule`` (ATOMIC).
+* ``propose(request_id, draft_token_ids)`` (feature ``speculative_decoding``, a method
+  only such adapters have) gives a decoding request drafts for the next step, at a step
+  boundary. The step may verify a prefix of them, reported as
+  ``ScheduledRequest.num_draft_tokens`` (the entry's last tokens, after its last sampled
+  one); ``commit(sampled, accepted)`` then gets, per verifying request, how many drafts
+  the suite accepts and the token after them; the engine keeps the accepted drafts and
+  that token, and drops the rejected drafts' KV (the suite poisons their slots).
 * ``snapshot`` returns a :class:`spec.EngineSnapshot` at a step boundary: every live
   request, plus the requests that finished or were aborted since the last ``schedule``
   began (status ``finished`` / ``aborted``); the pool with ref counts, the free queue in
@@ -94,6 +101,10 @@ class Feature(StrEnum):
     """:meth:`EngineAdapter.rollback` undoes a pending schedule (executor fault)."""
     STOP_TOKEN_IDS = "stop_token_ids"
     """``RequestSpec.stop_token_ids`` are honoured besides the eos token."""
+    SPECULATIVE_DECODING = "speculative_decoding"
+    """``propose(request_id, draft_token_ids)`` before ``schedule``; a step verifies the
+    drafts (``ScheduledRequest.num_draft_tokens``) and ``commit(sampled, accepted)``
+    takes how many of each request's drafts the suite accepts (docs/SPECULATIVE.md)."""
 
 
 ALL_FEATURES = frozenset(Feature)
@@ -225,6 +236,9 @@ class EngineConfig:
     max_model_len: int = 1 << 20
     eos_token_id: int | None = None
     """One eos id for every request of the run (engines often hold it globally)."""
+    num_speculative_tokens: int = 0
+    """The most drafts one request verifies in a step (feature ``speculative_decoding``);
+    0: the suite proposes none."""
 
 
 @dataclass(frozen=True)

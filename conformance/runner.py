@@ -46,10 +46,12 @@ from spec.atomic import check_atomic
 from spec.checks import check_pool, check_step
 from spec.order import check_admission_order
 from spec.progress import check_quiescent, check_starvation
-from spec.snapshot import EngineSnapshot, RequestStatus, StepSnapshot
+from spec.snapshot import EngineSnapshot, RequestStatus, ScheduledRequest, StepSnapshot
 from spec.violation import Invariant, Violation, violation
 
 T = TypeVar("T")
+#: A rejected draft's slot in the fake KV memory: never a token id (those are >= 0).
+POISONED = -1
 
 
 class _Stop(Exception):
@@ -374,9 +376,12 @@ class _Run:
 
     def step(self, step: int) -> None:
         before = self.snapshot(step, "step")
+        proposals = self.propose(before, step) if self.cfg.num_speculative_tokens else {}
         plan = self.call(step, "step", "schedule()", self.a.schedule)
         self.malformed(step, "step", "schedule()", validate.check_step_report(plan))
         sampled: dict[str, int] = {}
+        accepted: dict[str, int] = {}
+        gained: dict[str, list[int]] = {}
         for s in plan.scheduled:
             if not s.samples:
                 continue
@@ -386,8 +391,17 @@ class _Run:
                     Invariant.TOKEN, step, "step", f"request {s.request_id}", "unknown id scheduled"
                 )
                 continue
-            sampled[s.request_id] = self.choose(s.request_id, toks)
-        done = self.call(step, "step", "commit()", lambda: self.a.commit(sampled))
+            if s.num_draft_tokens:
+                self.verify(s, proposals, sampled, accepted, gained, step)
+            else:
+                sampled[s.request_id] = self.choose(s.request_id, toks)
+                gained[s.request_id] = [sampled[s.request_id]]
+        done = self.call(
+            step,
+            "step",
+            "commit()",
+            lambda: self.a.commit(sampled, accepted) if accepted else self.a.commit(sampled),  # type: ignore[call-arg]
+        )
         self.malformed(step, "step", "commit()", validate.check_commit_report(done))
         after = self.snapshot(step, "step")
         idle = not plan.scheduled and not plan.preempted and not plan.finished
@@ -404,6 +418,7 @@ class _Run:
             after=after,
             preempted=plan.preempted,
             finished=finished,
+            num_speculative_tokens=self.cfg.num_speculative_tokens,
         )
         self.checked(
             step,
@@ -420,13 +435,16 @@ class _Run:
         self.steps.append(snap)
         if self.props.free_queue_order:
             self.check_free_order(snap, step)
-        self.write_kv(plan, step)
-        for rid, tok in sampled.items():
-            self.tokens[rid].append(tok)
+        self.write_kv(plan, step, proposals)
+        self.poison_rejected(plan, accepted)
+        for rid, toks in gained.items():
+            self.tokens[rid].extend(toks)
         self.check_stops(plan, done, sampled, after, step)
         self.read_back(after, step)
         self.read_back_host(after, step)
         self.observe(before, plan, done, sampled, step)
+        if accepted:
+            self.res.trace[-1]["accepted"] = dict(accepted)
 
     def check_free_order(self, snap: StepSnapshot, step: int) -> None:
         """Free blocks are handed out in the order the snapshot's free queue states.
@@ -464,6 +482,88 @@ class _Run:
                 )
             )
 
+    def propose(self, before: EngineSnapshot, step: int) -> dict[str, tuple[int, ...]]:
+        """Drafts for every decoding request (feature ``speculative_decoding``): the
+        suite's own next tokens up to a point it chooses by the step, then tokens it will
+        not sample, so it decides how many a verification accepts; never past a stop."""
+        k = self.cfg.num_speculative_tokens
+        out: dict[str, tuple[int, ...]] = {}
+        for r in before.requests:
+            rid = r.request_id
+            if r.status is not RequestStatus.DECODING or rid not in self.tokens:
+                continue
+            truth = self.truth(rid, k + 1)
+            n = min(k, len(truth) - 1)  # the token at a stop is the target's own
+            if n < 1:
+                continue
+            right = (step + len(self.tokens[rid])) % (n + 1)
+            drafts = (*truth[:right], *(t ^ 1 for t in truth[right:n]))  # t ^ 1 != t
+            propose = self.a.propose  # type: ignore[attr-defined]  # feature-gated method
+            self.call(step, "step", f"propose({rid!r})", lambda: propose(rid, drafts))  # noqa: B023
+            out[rid] = drafts
+        return out
+
+    def truth(self, rid: str, n: int) -> list[int]:
+        """The next ``n`` tokens the suite samples for ``rid``, cut after a stop."""
+        p = self.plans[rid]
+        toks = list(self.tokens[rid])
+        out: list[int] = []
+        while len(out) < n:
+            t = self.choose(rid, toks)
+            toks.append(t)
+            out.append(t)
+            eos = self.props.eos and t == self.cfg.eos_token_id
+            if (
+                eos
+                or len(toks) - len(p.prompt) >= p.max_tokens
+                or len(toks) >= self.cfg.max_model_len
+            ):
+                break
+        return out
+
+    def verify(
+        self,
+        s: ScheduledRequest,
+        proposals: Mapping[str, tuple[int, ...]],
+        sampled: dict[str, int],
+        accepted: dict[str, int],
+        gained: dict[str, list[int]],
+        step: int,
+    ) -> None:
+        """The suite's verification of ``s``'s drafts: the leading drafts equal to its
+        own tokens are accepted, then its next token is the one sampled."""
+        rid, d = s.request_id, s.num_draft_tokens
+        drafts = proposals.get(rid, ())[:d]
+        if len(drafts) != d:
+            self.fail(
+                Invariant.TOKEN,
+                step,
+                "step",
+                f"request {rid}",
+                "verifies more drafts than the suite proposed",
+                f"<= {len(drafts)}",
+                d,
+            )
+            raise _Stop
+        truth = self.truth(rid, d + 1)
+        a = 0
+        while a < d and drafts[a] == truth[a]:
+            a += 1
+        accepted[rid] = a
+        sampled[rid] = truth[a]
+        gained[rid] = truth[: a + 1]
+
+    def poison_rejected(self, plan: StepReport, accepted: Mapping[str, int]) -> None:
+        """The slots of rejected drafts hold K/V no later step may read (KVLEN)."""
+        for s in plan.scheduled:
+            a = accepted.get(s.request_id)
+            if a is None:
+                continue
+            kept = len(self.tokens[s.request_id]) + a  # before this step's tokens join
+            for pos, slot in zip(s.positions, s.slot_mapping, strict=False):
+                if pos >= kept:
+                    self.kv[slot] = POISONED
+
     def choose(self, rid: str, toks: list[int]) -> int:
         p = self.plans[rid]
         n_out = len(toks) - len(p.prompt) + 1
@@ -472,7 +572,9 @@ class _Run:
             return self.cfg.eos_token_id
         return next_token(toks)
 
-    def write_kv(self, plan: StepReport, step: int) -> None:
+    def write_kv(
+        self, plan: StepReport, step: int, proposals: Mapping[str, tuple[int, ...]]
+    ) -> None:
         bs = self.cfg.block_size
         # The executor's order: swap-outs, swap-ins, copy-on-write, then the new K/V.
         for pairs, src_kv, dst_kv in (
@@ -489,6 +591,8 @@ class _Run:
                         dst_kv[dst * bs + off] = v
         for s in plan.scheduled:
             toks = self.tokens.get(s.request_id, [])
+            if s.num_draft_tokens:  # a verification writes its drafts after its tokens
+                toks = [*toks, *proposals.get(s.request_id, ())[: s.num_draft_tokens]]
             for pos, slot in zip(s.positions, s.slot_mapping, strict=False):
                 if not 0 <= pos < len(toks):
                     self.fail(
@@ -525,6 +629,8 @@ class _Run:
                     continue
                 if got is None:
                     inv, why = Invariant.POS, "KV at this position was never written"
+                elif got == POISONED:
+                    inv, why = Invariant.KVLEN, "it holds a rejected draft's K/V"
                 elif holders[b] > 1 or p < cached:
                     inv, why = (
                         Invariant.PREFIX,
@@ -700,6 +806,7 @@ class _Run:
                         "block_table": list(s.block_table),
                         "samples": s.samples,
                         "cached": s.num_new_cached_tokens,
+                        "drafts": s.num_draft_tokens,
                     }
                     for s in plan.scheduled
                 ],

@@ -16,7 +16,9 @@ from conformance.adapter import EngineConfig
 from conformance.workload import EOS, RequestPlan, Scenario, Workload, prompt
 
 
-def _cfg(bs: int, blocks: int, budget: int, seqs: int, *, caching: bool = True) -> EngineConfig:
+def _cfg(
+    bs: int, blocks: int, budget: int, seqs: int, *, caching: bool = True, spec: int = 0
+) -> EngineConfig:
     return EngineConfig(
         block_size=bs,
         num_blocks=blocks,
@@ -24,6 +26,7 @@ def _cfg(bs: int, blocks: int, budget: int, seqs: int, *, caching: bool = True) 
         max_num_seqs=seqs,
         enable_prefix_caching=caching,
         eos_token_id=EOS,
+        num_speculative_tokens=spec,
     )
 
 
@@ -334,6 +337,38 @@ def _known_bugs() -> list[Scenario]:
                 ),
             ),
             ("KVLEN", "PROGRESS"),
+        ),
+        Scenario(
+            "speculation-verify-and-roll-back",
+            "Speculative decoding (docs/SPECULATIVE.md): the suite proposes up to 3 drafts "
+            "per decode and accepts none, some or all of them by turns; the KV length rolls "
+            "back by the rejected ones, whose slots are poisoned in the fake memory; eos "
+            "lands among the drafts for one request.",
+            Workload(
+                _cfg(4, 32, 16, 4, spec=3),
+                (
+                    R("A", prompt(200, 5), 12),
+                    R("B", prompt(201, 3), 9, 1, stop_at=5),
+                    R("C", prompt(202, 6), 10, 2),
+                ),
+            ),
+            ("KVLEN", "TOKEN", "POS"),
+        ),
+        Scenario(
+            "speculation-under-pressure",
+            "Drafts of 4 in a small pool with a shared prefix, chunked prompts and faults: "
+            "the lookahead blocks must never cost another decode its place, preemption and "
+            "rollback must find the books exact, and no cache entry may cover a draft.",
+            Workload(
+                _cfg(2, 12, 8, 4, spec=4),
+                (
+                    R("A", p9, 10),
+                    R("B", p9, 8, 1),
+                    R("C", prompt(203, 5), 9, 2),
+                ),
+                rollback_at=(3, 6),
+            ),
+            ("CAP", "PREFIX", "ATOMIC"),
         ),
         Scenario(
             "no-prefix-caching",

@@ -413,6 +413,7 @@ def _scheduled(p: _Problems, where: str, s: object) -> str | None:
     _ints(p, f"{where}.block_table", _get(s, "block_table"), item="block id")
     _bool(p, f"{where}.samples", _get(s, "samples"))
     _int(p, f"{where}.num_new_cached_tokens", _get(s, "num_new_cached_tokens"))
+    _int(p, f"{where}.num_draft_tokens", _get(s, "num_draft_tokens"))
     # Lengths that disagree (positions vs num_new_tokens vs slot_mapping) are the engine's
     # answer, judged by TOKEN and POS under their own ids, not a shape error.
     del n, positions, slots

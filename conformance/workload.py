@@ -93,6 +93,8 @@ class Workload:
             out.add(Feature.PRIORITIES)
         if self.rollback_at:
             out.add(Feature.ROLLBACK)
+        if cfg.num_speculative_tokens:
+            out.add(Feature.SPECULATIVE_DECODING)
         return frozenset(out)
 
     def to_json(self) -> dict[str, Any]:

@@ -80,6 +80,7 @@ class RefAdapter:
                 num_blocks=config.num_blocks,
                 max_model_len=config.max_model_len,
                 enable_prefix_caching=config.enable_prefix_caching,
+                num_speculative_tokens=config.num_speculative_tokens,
                 **overrides,  # type: ignore[arg-type]  # caller-chosen extra fields
             )
         except RefserveError as e:
@@ -126,13 +127,18 @@ class RefAdapter:
             swap_in=tuple((c.src, c.dst) for c in plan.swap_in),
         )
 
-    def commit(self, sampled: Mapping[str, int]) -> CommitReport:
+    def propose(self, request_id: str, draft_token_ids: tuple[int, ...]) -> None:
+        self.sched.propose(request_id, draft_token_ids)
+
+    def commit(
+        self, sampled: Mapping[str, int], accepted: Mapping[str, int] | None = None
+    ) -> CommitReport:
         plan = self._plan
         if plan is None:
             raise RuntimeError("commit without schedule")
         self._plan = None
         sched = self.sched
-        sched.commit(plan, sampled)
+        sched.commit(plan, sampled, accepted=accepted)
         return CommitReport(
             tuple(
                 (r.request_id, str(r.finish_reason))
