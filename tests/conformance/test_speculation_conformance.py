@@ -5,10 +5,12 @@ planted bugs in the verification's bookkeeping are each found."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from conformance.adapter import StepReport
 from conformance.adapters.ref import RefAdapter
 from conformance.runner import RunResult, run_with
 from conformance.scenarios import by_name
@@ -81,9 +83,7 @@ def test_a_planted_verification_bug_is_found(
 class _HidesDrafts(RefAdapter):
     """Reports a verification as a plain chunk (num_draft_tokens lost in translation)."""
 
-    def schedule(self):  # type: ignore[no-untyped-def]
-        import dataclasses
-
+    def schedule(self) -> StepReport:
         rep = super().schedule()
         plain = tuple(dataclasses.replace(s, num_draft_tokens=0) for s in rep.scheduled)
         return dataclasses.replace(rep, scheduled=plain)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,9 +15,9 @@ TINY = Path(__file__).resolve().parents[2] / "ref" / "model" / "tiny"
 ARGV = ["generate", "--prompt", "the cat sat on the mat, the cat sat on the", "--max-tokens", "24"]
 
 
-def _json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
+def _json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
     assert main([*argv, "--json"]) == 0
-    doc: dict[str, object] = json.loads(capsys.readouterr().out)
+    doc: dict[str, Any] = json.loads(capsys.readouterr().out)
     return doc
 
 
@@ -29,8 +30,8 @@ def test_speculation_keeps_the_tokens_and_reports_acceptance(
     plain = _json(ARGV, capsys)
     spec = _json([*ARGV, "--speculative", speculative, "--num-speculative-tokens", "4"], capsys)
     assert "speculation" not in plain
-    (out,) = spec["outputs"]  # type: ignore[misc]
-    assert out["token_ids"] == plain["outputs"][0]["token_ids"]  # type: ignore[index]
+    (out,) = spec["outputs"]
+    assert out["token_ids"] == plain["outputs"][0]["token_ids"]
     stats = spec["speculation"]
     assert isinstance(stats, dict)
     assert stats["num_draft_tokens"] > 0
