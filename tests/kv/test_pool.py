@@ -843,6 +843,10 @@ def test_rollback_of_fast_decode_restores_chain_keys() -> None:
     assert pool.append_decode_tokens(["r"], [[1, 2]]) == []  # fills block 0 and caches it
     pool.rollback()
     assert pool.snapshot() == before
+    with pytest.raises(UnknownRequest, match=r"^truncate: unknown request id 'ghost'$"):
+        pool.truncate("ghost", 0)
+    with pytest.raises(InvalidArgument, match=r"^num_stored must be >= 0, got -1$"):
+        pool.truncate("a", -1)
     pool.allocate("r", [1, 3, 4, 5], 3)  # other tokens this time
     assert_valid(pool)
     pool.allocate("s", [1, 2, 7], 3)  # indexes the key of (1, 2)
@@ -1085,3 +1089,18 @@ def test_a_run_stays_stale_whatever_rollbacks_follow() -> None:
         pool.begin()
         pool.rollback()
         assert not pool.is_current(run)
+
+
+@pytest.mark.mutation_kill
+def test_a_partial_truncation_is_undone_exactly_by_a_rollback() -> None:
+    # A verification's rejected drafts dropped, then the step fails: the table gets its
+    # tokens, keys and blocks back, and the cache its entries (docs/SPECULATIVE.md).
+    pool = BlockPool(8, 4)
+    pool.allocate("a", list(range(1, 11)), 10)
+    before = pool.snapshot()
+    third = pool.block_table("a")[2]
+    pool.begin()
+    assert pool.truncate("a", 5) == [third]  # positions 8..9 only: returned
+    assert pool.num_stored("a") == 5 and len(pool.block_table("a")) == 2
+    pool.rollback()
+    assert pool.snapshot() == before

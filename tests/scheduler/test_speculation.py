@@ -72,6 +72,53 @@ def test_drafts_are_cut_to_the_outputs_the_request_may_still_emit() -> None:
     assert sched.schedule().drafts == {"a": (7,)}
 
 
+def test_no_draft_when_one_output_is_left() -> None:
+    sched = _decoding(max_tokens=2)  # the next token is the last: nothing to verify
+    sched.propose("a", [7])
+    assert sched.schedule().drafts == {}
+
+
+def test_drafts_are_cut_to_the_model_length() -> None:
+    # max_model_len 8: "a" holds 6 tokens, so at most 2 more, the last the target's own.
+    sched = _decoding(max_model_len=8)
+    sched.propose("a", [7, 8, 9])
+    assert sched.schedule().drafts == {"a": (7,)}
+
+
+def test_drafts_that_fit_in_the_blocks_held_need_no_free_block() -> None:
+    # Two blocks of 4, both held by "a" (KV 5): positions 5..7 fit in its second block.
+    sched = _decoding(num_blocks=2)
+    assert sched.pool.num_free_blocks == 0
+    sched.propose("a", [7, 8])
+    assert sched.schedule().drafts == {"a": (7, 8)}
+
+
+def test_token_zero_is_a_valid_draft() -> None:
+    sched = _decoding()
+    sched.propose("a", [0])
+    assert sched.schedule().drafts == {"a": (0,)}
+
+
+def _two_decoding(num_blocks: int) -> Scheduler:
+    """ "a" (KV 5 of blocks of 4) and "b" (KV 4: its next token starts a block)."""
+    sched = _decoding(num_blocks=num_blocks)
+    sched.add_request(Request("b", [1, 1, 1, 1], StopParams(10)))
+    sched.commit(sched.schedule(), {"a": 7, "b": 2})
+    return sched
+
+
+def test_drafts_take_free_blocks_that_leave_one_per_later_decode() -> None:
+    sched = _two_decoding(num_blocks=5)  # two free: a's drafts take one, b's decode one
+    sched.propose("a", [8, 9, 10])
+    assert sched.schedule().drafts == {"a": (8, 9, 10)}
+
+
+def test_the_last_decode_may_take_the_last_free_block_for_its_drafts() -> None:
+    sched = _two_decoding(num_blocks=4)  # one free; "b" decodes last in the step
+    sched.propose("b", [3, 4, 5])
+    assert sched.schedule().drafts == {"b": (3, 4, 5)}
+
+
 def test_drafts_are_cut_to_the_token_budget() -> None:
     sched = _decoding(max_num_batched_tokens=3)
     sched.propose("a", [7, 8, 9])
@@ -94,10 +141,11 @@ def test_drafts_never_take_the_block_a_later_decode_needs() -> None:
 def test_a_stop_among_the_accepted_drafts_ends_the_request_there() -> None:
     sched = _decoding(stop=(8,))
     sched.propose("a", [7, 8, 9])
-    events = sched.commit(sched.schedule(), {"a": 42}, accepted={"a": 3})
+    events = sched.commit(sched.schedule(), {"a": 42}, 5.0, accepted={"a": 3})
     assert events.finished == ("a",) and events.verified["a"].tokens == (7, 8)
     r = sched.retired[0]
     assert r.output_token_ids == [6, 7, 8] and r.finish_reason is FinishReason.STOP
+    assert r.finished_ms == 5.0
     # Its blocks are free, and no cache entry covers a position past the stop.
     assert sched.pool.num_used_blocks == 0
     assert all(len(e.token_ids) == 4 for e in sched.pool.snapshot().cache_entries)
@@ -109,7 +157,7 @@ def test_bad_proposals_are_refused_and_change_nothing() -> None:
     sched.add_request(Request("w", [1], StopParams(4)))  # waiting, not decoding
     before = sched.snapshot()
     for rid, drafts, error, match in [
-        ("ghost", [1], UnknownRequest, "propose"),
+        ("ghost", [1], UnknownRequest, "propose: unknown request id 'ghost'"),
         ("a", [1, 2, 3], InvalidArgument, "3 drafts for 'a'; num_speculative_tokens is 2"),
         ("w", [1], InvalidArgument, "'w' is not running in decode"),
         ("a", [-1], InvalidArgument, "bad draft token -1"),
@@ -118,7 +166,7 @@ def test_bad_proposals_are_refused_and_change_nothing() -> None:
         with pytest.raises(error, match=match):
             sched.propose(rid, drafts)  # type: ignore[arg-type]
     assert sched.snapshot() == before and sched.schedule().drafts == {}
-    with pytest.raises(StepInProgress, match="propose"):
+    with pytest.raises(StepInProgress, match=r"^propose: a step is in progress"):
         sched.propose("a", [1])
     off = _decoding(k=0)
     with pytest.raises(InvalidArgument, match="num_speculative_tokens is 0"):
@@ -145,6 +193,7 @@ def test_a_bad_accepted_count_is_refused_before_anything_changes(
     assert sched.snapshot() == before
     plan = sched.schedule()  # the drafts survive the failed step
     assert plan.drafts == {"a": (7, 8, 9)}
+    sched.validate_output(plan, {"a": 42}, {"a": 2})  # a good count passes
     sched.commit(plan, {"a": 42}, accepted={"a": 2})
     assert sched.requests["a"].output_token_ids == [6, 7, 8, 42]
 
