@@ -843,10 +843,6 @@ def test_rollback_of_fast_decode_restores_chain_keys() -> None:
     assert pool.append_decode_tokens(["r"], [[1, 2]]) == []  # fills block 0 and caches it
     pool.rollback()
     assert pool.snapshot() == before
-    with pytest.raises(UnknownRequest, match=r"^truncate: unknown request id 'ghost'$"):
-        pool.truncate("ghost", 0)
-    with pytest.raises(InvalidArgument, match=r"^num_stored must be >= 0, got -1$"):
-        pool.truncate("a", -1)
     pool.allocate("r", [1, 3, 4, 5], 3)  # other tokens this time
     assert_valid(pool)
     pool.allocate("s", [1, 2, 7], 3)  # indexes the key of (1, 2)
@@ -1104,3 +1100,7 @@ def test_a_partial_truncation_is_undone_exactly_by_a_rollback() -> None:
     assert pool.num_stored("a") == 5 and len(pool.block_table("a")) == 2
     pool.rollback()
     assert pool.snapshot() == before
+    with pytest.raises(UnknownRequest, match=r"^truncate: unknown request id 'ghost'$"):
+        pool.truncate("ghost", 0)
+    with pytest.raises(InvalidArgument, match=r"^num_stored must be >= 0, got -1$"):
+        pool.truncate("a", -1)
