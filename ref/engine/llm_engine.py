@@ -72,7 +72,7 @@ from ref.core.engine_core import EngineCore, StepRecord
 from ref.core.executor import DrawnToken
 from ref.core.policy import Policy
 from ref.core.request import FinishReason, Request, StopParams, check_room_for_output
-from ref.core.scheduler import Scheduler
+from ref.core.scheduler import Scheduler, Verified
 from ref.core.swap import KVRetention
 from ref.errors import DuplicateRequest, InvalidArgument, RefserveError, UnknownRequest
 from ref.model.attention import make_backend
@@ -524,7 +524,7 @@ class LLMEngine:
         self._count(record)
         events = record.events
         # The sampler could not sample their row (module doc, "Faults").
-        failed = [sid for sid in events.new_tokens if sample_failed(record.logprobs.get(sid))]
+        failed = [sid for sid in events.new_tokens if sample_failed(_last_logprob(record, sid))]
         touched = self._append_tokens(events.new_tokens, record)
         for parent_id, samples in record.fork_samples.items():
             touched.extend(
@@ -565,21 +565,20 @@ class LLMEngine:
         verified = record.events.verified
         for sid, token in new_tokens.items():
             seq = self._seqs[sid]
-            logprob = record.logprobs.get(sid)
             v = verified.get(sid)
-            if v is not None:
+            if v is None:
+                emitted = [(token, record.logprobs.get(sid))]
+            else:
                 seq.num_draft_tokens += v.num_drafts
                 seq.num_accepted_tokens += v.num_accepted
                 self.num_draft_tokens += v.num_drafts
                 self.num_accepted_tokens += v.num_accepted
                 self.num_verifications += 1
-                logprobs = record.verified_logprobs.get(sid)
-                for j, t in enumerate(v.tokens[:-1]):  # the accepted drafts
-                    if seq.pending_stop is None:
-                        self._append(seq, t, None if logprobs is None else logprobs[j])
-            # A failed sample's token is a placeholder, not the model's: never shown.
-            if not sample_failed(logprob) and seq.pending_stop is None:
-                self._append(seq, token, logprob)
+                emitted = _verified_tokens(record, sid, v)
+            for t, logprob in emitted:
+                # A failed sample's token is a placeholder, not the model's: never shown.
+                if not sample_failed(logprob) and seq.pending_stop is None:
+                    self._append(seq, t, logprob)
             touched.append(sid)
         return touched
 
@@ -1025,6 +1024,26 @@ class LLMEngine:
         # collected, so a group whose current samples are all finished is done.
         if group is not None and all(s.finished for s in group.seqs):
             del self._groups[seq.request_id]
+
+
+def _verified_tokens(record: StepRecord, sid: str, v: Verified) -> list[tuple[int, float | None]]:
+    """The tokens a verification gave ``sid``, each with its logprob: the accepted
+    drafts, then the target's token, as the commit kept them (cut at a stop,
+    docs/SPECULATIVE.md). The executor's logprobs cover the whole verification, so they
+    are matched by position: after a cut, ``record.logprobs`` (the target token's) is
+    not the last kept token's."""
+    per_token = record.verified_logprobs.get(sid)
+    target = record.logprobs.get(sid) if len(v.tokens) == v.num_accepted + 1 else None
+    return [
+        (t, per_token[j] if per_token is not None else (target if j == v.num_accepted else None))
+        for j, t in enumerate(v.tokens)
+    ]
+
+
+def _last_logprob(record: StepRecord, sid: str) -> float | None:
+    """The logprob of the last token a step gave ``sid`` (NaN: its row failed)."""
+    v = record.events.verified.get(sid)
+    return record.logprobs.get(sid) if v is None else _verified_tokens(record, sid, v)[-1][1]
 
 
 def _check_proposer(proposer: object, vocab_size: int) -> None:

@@ -12,6 +12,7 @@ draft accepted.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,10 @@ from ref.errors import InvalidArgument
 from ref.model.attention import TorchAttention
 from ref.model.llama import LlamaModel
 from ref.model.proposers import DraftModelProposer, NgramProposer
+from ref.model.sampler import SamplingParams
 from ref.model.weights import load_checkpoint, random_weights
+
+TINY = Path(__file__).resolve().parents[2] / "ref" / "model" / "tiny"
 
 
 def _looping_jobs(seed: int, n: int) -> list[Job]:
@@ -109,3 +113,22 @@ def test_a_proposer_the_engine_cannot_use_is_refused(hf: HFOracle) -> None:
         LLMEngine(str(hf.path), proposer=draft)
     with pytest.raises(InvalidArgument, match="NgramProposer or a DraftModelProposer"):
         LLMEngine(str(hf.path), proposer=object())  # type: ignore[arg-type]
+
+
+def test_a_stop_among_accepted_drafts_keeps_each_tokens_logprob() -> None:
+    # The target as its own draft on the embedded model: the stop token comes as an
+    # accepted draft, and the commit cuts the verification there. Every kept token's
+    # logprob must be its own, not the cut-off target token's.
+    cfg, weights = load_checkpoint(TINY)
+    prompt = "the cat sat on the"
+    plain = LLMEngine("tiny-trained").generate([prompt], SamplingParams(max_tokens=24))
+    stop = plain[0].outputs[0].token_ids[6]
+    params = SamplingParams(max_tokens=24, logprobs=True, stop_token_ids=(stop,))
+    want = LLMEngine("tiny-trained").generate([prompt], params)[0].outputs[0]
+    draft = DraftModelProposer(LlamaModel(cfg, weights, TorchAttention()), 4)
+    engine = LLMEngine("tiny-trained", proposer=draft)
+    got = engine.generate([prompt], params)[0].outputs[0]
+    assert engine.speculation.num_accepted_tokens > 0
+    assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+    assert got.logprobs is not None and want.logprobs is not None
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
