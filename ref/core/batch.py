@@ -1,12 +1,13 @@
 """The persistent batch: the running requests' per-step state in arrays, by slot.
 
 docs/ARCHITECTURE.md, "The persistent batch". Every running request holds a slot; its
-KV length, token count, last token, length limit, stop ids, decoding flag and block
-table live in preallocated arrays at that slot, so the steady decode step (every
-running request decoding one token) is planned, turned into executor inputs and
-committed with vector operations: Python runs per request only for those that cross a
-block boundary, share their last block (copy-on-write) or finish. Slots are recycled
-when a request leaves the running set (finish, preemption, pause, abort).
+KV length, last token, length limit, stop ids, decoding flag, block table and (for
+prefix caching) the tokens of its last block live in preallocated arrays at that slot,
+so the steady decode step (every running request decoding one token) is planned,
+turned into executor inputs and committed with vector operations: Python runs per
+request only for those that cross a block boundary, fill a block (prefix caching),
+share their last block (copy-on-write) or finish. Slots are recycled when a request
+leaves the running set (finish, preemption, pause, abort).
 
 The :class:`~ref.core.request.Request` objects stay the source of truth; the arrays
 mirror them. A row is (re)loaded from its request whenever anything but the bulk path
@@ -92,16 +93,27 @@ class PersistentBatch:
         self._slot: dict[str, int] = {}
         # By slot.
         cap, width = _MIN_CAPACITY, _MIN_WIDTH
-        self.num_computed: Ints = np.zeros(cap, dtype=np.int64)  # KV length
-        self.num_tokens: Ints = np.zeros(cap, dtype=np.int64)
+        # KV length; a decoding request holds one token more (KVLEN).
+        self.num_computed: Ints = np.zeros(cap, dtype=np.int64)
         self.last_token: Ints = np.zeros(cap, dtype=np.int64)
-        self.limit: Ints = np.zeros(cap, dtype=np.int64)  # num_tokens that ends it (LENGTH)
+        # The KV length at which its token count reaches its length limit (LENGTH).
+        self.kv_limit: Ints = np.zeros(cap, dtype=np.int64)
         self.stop_ids: Ints = np.full((cap, 1), NO_STOP, dtype=np.int64)
         self.decoding = np.zeros(cap, dtype=np.bool_)
         self.shared_tail = np.zeros(cap, dtype=np.bool_)  # its last block may be shared
         self.num_blocks: Ints = np.zeros(cap, dtype=np.int64)
-        self.block_table = np.zeros((cap, width), dtype=np.int32)  # zero past num_blocks
+        # Zero past num_blocks. int64, so the slot mapping needs no cast.
+        self.block_table: Ints = np.zeros((cap, width), dtype=np.int64)
+        # The tokens of its last block up to its KV length (prefix caching hashes a block
+        # from here when it fills: see current_blocks).
+        self.block_tokens: Ints = np.zeros((cap, block_size), dtype=np.int64)
         self._free: list[int] = list(reversed(range(cap)))  # recycled slots, lowest last
+        # A numpy call costs a fixed ~10 us when the caches are cold (the model ran in
+        # between steps), against ~10 ns per row: facts about all rows that rarely
+        # change are kept here instead of being recomputed with vector ops each step.
+        self._all_decoding: bool | None = None  # every running row decodes; None: unknown
+        self._may_share = False  # some slot's shared_tail is set
+        self._width: int | None = None  # the longest running table; None: unknown
 
     def _grow(self, capacity: int, width: int) -> None:
         """Reallocate for ``capacity`` slots and ``width`` blocks, keeping every row.
@@ -114,14 +126,14 @@ class PersistentBatch:
             return out
 
         self.num_computed = grown(self.num_computed, (capacity,))
-        self.num_tokens = grown(self.num_tokens, (capacity,))
         self.last_token = grown(self.last_token, (capacity,))
-        self.limit = grown(self.limit, (capacity,))
+        self.kv_limit = grown(self.kv_limit, (capacity,))
         self.stop_ids = grown(self.stop_ids, (capacity, self.stop_ids.shape[1]))
         self.decoding = grown(self.decoding, (capacity,))
         self.shared_tail = grown(self.shared_tail, (capacity,))
         self.num_blocks = grown(self.num_blocks, (capacity,))
         self.block_table = grown(self.block_table, (capacity, max(width, had_width)))
+        self.block_tokens = grown(self.block_tokens, (capacity, self.block_size))
         self._free.extend(reversed(range(have, capacity)))
 
     # ------------------------------------------------------------------ membership
@@ -159,7 +171,7 @@ class PersistentBatch:
         del self._token_lists[i], self._time_lists[i]
         self._order_array = None
         self._run = None
-        self._free.append(self._slot.pop(r.request_id))
+        self._forget(self._slot.pop(r.request_id))
 
     def remove_many(self, request_ids: set[str]) -> None:
         """Several leave at once (a commit's finishes and victims); the order is kept."""
@@ -175,7 +187,14 @@ class PersistentBatch:
         for rid in request_ids:
             slot = self._slot.pop(rid, None)
             if slot is not None:
-                self._free.append(slot)
+                self._forget(slot)
+
+    def _forget(self, slot: int) -> None:
+        """Recycle ``slot``; the facts kept about all rows may have changed."""
+        self.shared_tail[slot] = False
+        self._all_decoding = None
+        self._width = None
+        self._free.append(slot)
 
     def _unlend(self) -> None:
         """Copy the order lists before a change in place if DecodeRows hold them."""
@@ -191,11 +210,15 @@ class PersistentBatch:
     def reload(self, r: Request, pool: BlockPool) -> None:
         """Copy running ``r``'s fields (and its block table) into its row."""
         slot = self._slot[r.request_id]
-        self.num_computed[slot] = r.num_computed_tokens
-        self.num_tokens[slot] = r.num_tokens
+        computed = r.num_computed_tokens
+        self.num_computed[slot] = computed
+        start = computed - computed % self.block_size
+        block = r.token_ids[start : start + self.block_size]
+        self.block_tokens[slot, : len(block)] = block
         self.last_token[slot] = r.token_ids[-1]
-        self.limit[slot] = min(r.num_prompt_tokens + r.stop.max_tokens, self.max_len)
+        self.kv_limit[slot] = min(r.num_prompt_tokens + r.stop.max_tokens, self.max_len) - 1
         self.decoding[slot] = r.status is S.DECODING
+        self._all_decoding = None
         stop = r.stop
         ids = set(stop.stop_token_ids)
         if stop.eos_token_id is not None and not stop.ignore_eos:
@@ -220,7 +243,10 @@ class PersistentBatch:
         row[m:] = 0  # a rollback can shrink a table
         row[:m] = table
         self.num_blocks[slot] = m
-        self.shared_tail[slot] = m > 0 and pool.ref_count(table[-1]) > 1
+        shared = m > 0 and pool.ref_count(table[-1]) > 1
+        self.shared_tail[slot] = shared
+        self._may_share = self._may_share or shared
+        self._width = None
 
     def sync_tables(self, pool: BlockPool) -> None:
         """Rewrite the block-table rows the pool changed since the last sync (every row
@@ -244,7 +270,16 @@ class PersistentBatch:
         return self._order_array
 
     def all_decoding(self) -> bool:
-        return bool(self.decoding[self.order].all())
+        if self._all_decoding is None:
+            self._all_decoding = bool(self.decoding[self.order].all())
+        return self._all_decoding
+
+    def width(self) -> int:
+        """Blocks in the longest running table (the executor's block-table width)."""
+        if self._width is None:
+            order = self.order
+            self._width = int(self.num_blocks[order].max()) if len(order) else 0
+        return self._width
 
     def decode_rows(self, limit: int) -> DecodeRows | None:
         """The first ``limit`` decoding requests in running order (None if none)."""
@@ -252,17 +287,16 @@ class PersistentBatch:
         k = min(limit, len(order))
         if k <= 0:
             return None
-        mask = self.decoding[order]
         start = self._order_start
-        if k == len(order) and mask.all():  # the steady state: the lists themselves
+        if self.all_decoding() and k == len(order):  # the steady state: the lists themselves
             self._lent = True
             lists = (self.requests, self._ids, self._token_lists, self._time_lists)
             slots = order
-        elif mask[:k].all():  # slices, no per-request Python
+        elif self.all_decoding() or self.decoding[order[:k]].all():  # slices, no Python
             lists = (self.requests[:k], self._ids[:k], self._token_lists[:k], self._time_lists[:k])
             slots = order[:k]
         else:
-            found = np.flatnonzero(mask)[:limit]
+            found = np.flatnonzero(self.decoding[order])[:limit]
             if not len(found):
                 return None
             pos = found.tolist()
@@ -294,8 +328,10 @@ class PersistentBatch:
         """Indices into ``rows`` whose next token starts a new block or lands in a shared
         last block (copy-on-write); the others append to a private block with room."""
         needs = rows.offsets == 0
+        if not self._may_share:  # no fork shares a last block: the usual case
+            return list(np.flatnonzero(needs).tolist())
         tail = self.shared_tail[rows.at]
-        for i in np.flatnonzero(tail & ~needs).tolist():  # forks: rare
+        for i in np.flatnonzero(tail & ~needs).tolist():
             slot = int(rows.slots[i])
             last = int(self.block_table[slot, self.num_blocks[slot] - 1])
             if pool.ref_count(last) > 1:
@@ -311,17 +347,31 @@ class PersistentBatch:
             return
         slots = rows.slots[needy]
         lengths = np.array(growth.lengths, dtype=np.int64)
-        if lengths.max() > self.block_table.shape[1]:
-            self._grow(
-                len(self.num_computed), max(2 * self.block_table.shape[1], int(lengths.max()))
-            )
+        longest = max(growth.lengths)
+        if longest > self.block_table.shape[1]:
+            self._grow(len(self.num_computed), max(2 * self.block_table.shape[1], longest))
         self.block_table[slots, lengths - 1] = growth.tails
         self.num_blocks[slots] = lengths
-        self.shared_tail[slots] = False  # a fresh block or a private copy
+        if self._may_share:
+            self.shared_tail[slots] = False  # a fresh block or a private copy
+        if self._width is not None:
+            self._width = max(self._width, longest)
 
     def fills_block(self, rows: DecodeRows) -> list[int]:
         """Indices into ``rows`` whose next token fills its block (prefix caching)."""
         return list(np.flatnonzero(rows.offsets == self.block_size - 1).tolist())
+
+    def current_blocks(self, rows: DecodeRows, fills: list[int]) -> list[list[int]]:
+        """Each row's token joins its last block's tokens at its offset; returned, the
+        tokens of the blocks that ``fills`` (indices into ``rows``) complete.
+
+        A block's earlier tokens were written by the bulk steps that planned them, or
+        by :meth:`reload` after any other path (which rewrites the whole row), so a
+        block holds all its tokens when its last one comes; a rolled-back step wrote
+        the token its position holds anyway. Called on every bulk step with prefix
+        caching (the pool hashes the blocks from these, ``BlockPool.append_decodes``)."""
+        self.block_tokens[rows.slots, rows.offsets] = self.last_token[rows.at]
+        return list(self.block_tokens[rows.slots[fills]].tolist())
 
     def commit_decodes(self, rows: DecodeRows, tokens: Ints, now_ms: float) -> list[int]:
         """Append one sampled token to each row's request, KV length + 1 (KVLEN); return
@@ -329,14 +379,16 @@ class PersistentBatch:
         at = rows.at
         computed = rows.positions + 1  # KV lengths are unchanged since the plan
         self.num_computed[at] = computed
-        num_tokens = self.num_tokens[at] + 1
-        self.num_tokens[at] = num_tokens
         self.last_token[at] = tokens
         _consume(map(list.append, rows.token_lists, tokens.tolist()))
         _consume(map(list.append, rows.time_lists, repeat(now_ms)))
         _consume(map(setattr, rows.requests, repeat("num_computed_tokens"), computed.tolist()))
-        stopped = (self.stop_ids[at] == tokens[:, None]).any(axis=1)
-        return list(np.flatnonzero(stopped | (num_tokens >= self.limit[at])).tolist())
+        stop_ids = self.stop_ids
+        if stop_ids.shape[1] == 1:  # one stop id or none per request: no broadcast
+            stopped = stop_ids[at, 0] == tokens
+        else:
+            stopped = (stop_ids[at] == tokens[:, None]).any(axis=1)
+        return list(np.flatnonzero(stopped | (computed >= self.kv_limit[at])).tolist())
 
 
 def _consume(calls: Iterator[object]) -> None:

@@ -96,19 +96,18 @@ def decode_inputs(plan: StepPlan, rows: DecodeRows, batch: PersistentBatch) -> M
     k = len(slots)
     positions = rows.positions
     table = batch.block_table
-    width = int(batch.num_blocks[at].max())
+    # Whole rows: the longest running table; a prefix of them: the longest among it.
+    width = batch.width() if k == len(batch) else int(batch.num_blocks[at].max())
     bs = batch.block_size
-    # Flat indices into the (contiguous) persistent table: row slot, column pos // bs.
-    block_ids = np.take(table, slots * table.shape[1] + positions // bs)
-    slot_mapping = block_ids.astype(np.int64) * bs + rows.offsets
+    slot_mapping = table[slots, positions // bs] * bs + rows.offsets
     return ModelInputs(
         request_ids=plan.request_ids,
         input_ids=torch.from_numpy(batch.last_token[at].copy()),
         positions=torch.from_numpy(positions.copy()),
         slot_mapping=torch.from_numpy(slot_mapping),
         query_start_loc=torch.from_numpy(np.arange(k + 1, dtype=np.int32)),
-        seq_lens=torch.from_numpy((positions + 1).astype(np.int32)),
-        block_tables=torch.from_numpy(table[at, :width].copy()),
+        seq_lens=torch.from_numpy(np.add(positions, 1, dtype=np.int32, casting="unsafe")),
+        block_tables=torch.from_numpy(table[at, :width].astype(np.int32)),
         sample_rows=torch.from_numpy(np.arange(k, dtype=np.int64)),
         sample_request_ids=plan.request_ids,
     )

@@ -95,11 +95,13 @@ class Planner:
         if rows is None:
             return False
         slots = rows.slots
-        fills = batch.fills_block(rows) if self.pool.enable_prefix_caching else []
+        caching = self.pool.enable_prefix_caching
+        fills = batch.fills_block(rows) if caching else []
+        filled = batch.current_blocks(rows, fills) if caching else None
         needy = batch.needs_block(rows, self.pool)
         tokens = batch.last_token[rows.at].tolist()
         run = batch.decode_run(rows, self.pool)
-        growth = self.pool.append_decodes(run, tokens, needy, fills)
+        growth = self.pool.append_decodes(run, tokens, needy, fills, filled)
         if growth is None:
             return False
         batch.grew(rows, needy, growth)

@@ -534,15 +534,18 @@ class BlockPool:
         tokens: Sequence[int],
         needy: Sequence[int],
         filling: Sequence[int],
+        filled: Sequence[Sequence[int]] | None = None,
     ) -> DecodeGrowth | None:
         """:meth:`append_decode_tokens` for a caller that knows each request's state:
         ``tokens[i]`` is the token of ``run``'s request ``i`` at its KV length, ``needy``
         the indices whose token starts a block or lands in a shared last block,
-        ``filling`` those whose token fills its block. Nothing is re-derived per request
-        (only each needy table's fresh block is told from a copy-on-write): a wrong
-        claim breaks POS/BLOCK on the next snapshot (the persistent batch that
-        makes the claims is differential-tested against the per-request path). A stale
-        ``run`` is refused.
+        ``filling`` those whose token fills its block, and ``filled[j]`` (optional) the
+        token ids of the block that ``filling[j]``'s token fills, so that hashing it
+        reads no held tokens. Nothing is re-derived per request (only each needy
+        table's fresh block is told from a copy-on-write): a wrong claim breaks
+        POS/BLOCK/PREFIX on the next snapshot (the persistent batch that makes the
+        claims is differential-tested against the per-request path). A stale ``run`` is
+        refused.
         """
         if run._epoch != self._epoch:
             raise InvalidArgument(
@@ -551,9 +554,13 @@ class BlockPool:
             )
         if len(tokens) != len(run):
             raise InvalidArgument(f"append_decodes: {len(tokens)} tokens for {len(run)} requests")
+        if filled is not None and len(filled) != len(filling):
+            raise InvalidArgument(
+                f"append_decodes: {len(filled)} filled blocks for {len(filling)} filling requests"
+            )
         if self._pending is not run:
             self._settle()  # another run's tokens go in first
-        return self._append_decodes(run._tables, run, tokens, needy, filling)
+        return self._append_decodes(run._tables, run, tokens, needy, filling, filled)
 
     def _append_decodes(
         self,
@@ -562,6 +569,7 @@ class BlockPool:
         tokens: Sequence[int],
         needy: Sequence[int],
         filling: Sequence[int],
+        filled: Sequence[Sequence[int]] | None = None,
     ) -> DecodeGrowth | None:
         """One token for each table: held by the run ``into`` (whose tables hold no
         other run's token), or appended to the tables' token lists ``into``."""
@@ -582,7 +590,7 @@ class BlockPool:
             if all((len(tables[i].token_ids) + behind - 1) % bs == 0 for i in needy):
                 evicted = self._grow_run([tables[i] for i in needy], needy)
                 if fills:
-                    self._fill_run(tables, fills, evicted, steps)
+                    self._fill_run(tables, fills, evicted, steps, filled)
             else:
                 self._settle()  # the general case reads every table's tokens
                 copies = self._grow_in_order(tables, needy, fills)
@@ -642,19 +650,28 @@ class BlockPool:
         filling: Sequence[int],
         evicted: dict[bytes, int],
         steps: Sequence[tuple[int, ...]],
+        filled: Sequence[Sequence[int]] | None,
     ) -> None:
         """Index the block each of ``tables[i]`` (``i`` in ``filling``, ascending) just
         filled, as :meth:`_cache_full_blocks` would one by one in request order after
         the pops of the requests before it (``evicted``, from :meth:`_grow_run`); each
-        table holds ``steps``' tokens beyond its list (:class:`DecodeRun`). One journal
-        entry for the keys, one for the index."""
+        table holds ``steps``' tokens beyond its list (:class:`DecodeRun`). With the
+        blocks' tokens given (``filled``) and every earlier block of a table keyed, its
+        one new key is hashed from them: the held tokens of a row lie one per step
+        tuple, a cache miss each. One journal entry for the keys, one for the index."""
         grown: list[tuple[list[bytes], int]] = []
         indexed: list[int] = []
-        for i in filling:
+        held = len(steps)
+        bs = self.block_size
+        for j, i in enumerate(filling):
             t = tables[i]
-            first = len(t.keys)
-            self._index_new_blocks(t, indexed, evicted, i, [step[i] for step in steps])
-            grown.append((t.keys, first))
+            keys = t.keys
+            first = len(keys)
+            if filled is not None and first == (len(t.token_ids) + held) // bs - 1:
+                self._index_block(t, first, tuple(filled[j]), indexed, evicted, i)
+            else:
+                self._index_new_blocks(t, indexed, evicted, i, [step[i] for step in steps])
+            grown.append((keys, first))
         self._journal.record(_truncate_each, grown)  # filling is never empty here
         if indexed:
             self._fresh.update(indexed)
@@ -1007,27 +1024,40 @@ class BlockPool:
         holds it with a place after ``place``: :meth:`_fill_run` replays a step in which
         that later request's pop evicts it only after this fill."""
         bs = self.block_size
-        keys, token_ids, block_table = table.keys, table.token_ids, table.block_table
+        token_ids = table.token_ids
         n = len(token_ids)
-        index, entries = self._index, self._entry
-        parent = keys[-1] if keys else table.root_key
-        for i in range(len(keys), (n + len(pending)) // bs):
+        for i in range(len(table.keys), (n + len(pending)) // bs):
             lo, hi = i * bs, (i + 1) * bs
             if hi <= n:
                 tokens = tuple(token_ids[lo:hi])
             else:
                 tokens = tuple(token_ids[lo:] + list(pending[max(lo - n, 0) : hi - n]))
-            key = block_key(parent, tokens)
-            keys.append(key)
-            b = block_table[i]
-            # Two requests may compute the same new prefix in one step; the first one
-            # indexed wins and the other block simply stays private.
-            taken = key in index or evicted.get(key, -1) > place
-            if not taken and entries[b] is None:
-                index[key] = b
-                entries[b] = _new_tuple(_Entry, (key, b, parent, tokens))
-                indexed.append(b)
-            parent = key
+            self._index_block(table, i, tokens, indexed, evicted, place)
+
+    def _index_block(
+        self,
+        table: _Table,
+        i: int,
+        tokens: tuple[int, ...],
+        indexed: list[int],
+        evicted: Mapping[bytes, int],
+        place: int,
+    ) -> None:
+        """Key the table's full block ``i`` (every block before it keyed) from its
+        ``tokens`` and index it if the key is free (:meth:`_index_new_blocks`)."""
+        keys = table.keys
+        parent = keys[-1] if keys else table.root_key
+        key = block_key(parent, tokens)
+        keys.append(key)
+        b = table.block_table[i]
+        entries = self._entry
+        # Two requests may compute the same new prefix in one step; the first one
+        # indexed wins and the other block simply stays private.
+        taken = key in self._index or evicted.get(key, -1) > place
+        if not taken and entries[b] is None:
+            self._index[key] = b
+            entries[b] = _new_tuple(_Entry, (key, b, parent, tokens))
+            indexed.append(b)
 
     def _unindex_run(self, blocks: list[int]) -> None:
         # Undo of _cache_full_blocks: the blocks' entries are the ones it made.

@@ -8,15 +8,17 @@ back), single tokens through ``allocate``, frees, forks, a second run over the s
 tables and reads of ``num_stored``; one decodes through
 ``decode_run``/``append_decodes`` with the claims the persistent batch makes, the other
 through ``append_decode_tokens``. After every operation their snapshots are equal and
-``spec.check_pool`` reports nothing, however many steps the run holds back.
+``spec.check_pool`` reports nothing, however many steps the run holds back, whether or
+not the caller hands over the tokens of the blocks that fill (``filled``).
 """
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ref.errors import ExceedsCapacity, OutOfBlocks
+from ref.errors import ExceedsCapacity, InvalidArgument, OutOfBlocks
 from ref.kv import BlockPool, DecodeRun
 from ref.kv.pool import _MAX_PENDING_STEPS
 from spec import check_pool
@@ -54,7 +56,7 @@ class _Pair:
         if outcomes[0]:
             self.known[rid] = [*prompt, sampled]
 
-    def decode(self, sampled: list[int], rolled_back: bool) -> None:
+    def decode(self, sampled: list[int], rolled_back: bool, claim_filled: bool) -> None:
         ids = list(self.known)
         if not ids:
             return
@@ -67,6 +69,11 @@ class _Pair:
             if n % bs == 0 or self.bulk.ref_count(self.bulk.block_table(rid)[-1]) > 1
         ]
         filling = [i for i, n in enumerate(stored) if (n + 1) % bs == 0]
+        filled = (
+            [self.known[ids[i]][stored[i] + 1 - bs : stored[i] + 1] for i in filling]
+            if claim_filled
+            else None
+        )
         if self.spare is not None and self.bulk.is_current(self.spare):
             self.run, self.spare = self.spare, self.run  # the other run's steps go in first
         if self.run is None or not self.bulk.is_current(self.run):
@@ -75,7 +82,7 @@ class _Pair:
             self.ref.begin()
             self.bulk.begin()
         copies = self.ref.append_decode_tokens(ids, [self.known[rid] for rid in ids])
-        growth = self.bulk.append_decodes(self.run, tokens, needy, filling)
+        growth = self.bulk.append_decodes(self.run, tokens, needy, filling, filled)
         assert (growth is None) == (copies is None)
         if growth is not None:
             assert growth.copies == copies
@@ -127,13 +134,15 @@ class _Pair:
             assert self.bulk.num_stored(rid) == self.ref.num_stored(rid)
 
 
+SAMPLED = st.lists(TOKENS, min_size=8, max_size=8)
+KEPT = st.tuples(st.just(False), st.booleans())  # (rolled back, claim the filled blocks)
 OPS = st.one_of(
     st.tuples(st.just("admit"), st.lists(TOKENS, min_size=1, max_size=9), TOKENS),
-    st.tuples(st.just("decode"), st.lists(TOKENS, min_size=8, max_size=8), st.booleans()),
-    st.tuples(st.just("decode"), st.lists(TOKENS, min_size=8, max_size=8), st.just(False)),
-    st.tuples(st.just("decode"), st.lists(TOKENS, min_size=8, max_size=8), st.just(False)),
-    st.tuples(st.just("decode"), st.lists(TOKENS, min_size=8, max_size=8), st.just(False)),
-    st.tuples(st.just("decode"), st.lists(TOKENS, min_size=8, max_size=8), st.just(True)),
+    st.tuples(st.just("decode"), SAMPLED, st.tuples(st.booleans(), st.booleans())),
+    st.tuples(st.just("decode"), SAMPLED, KEPT),
+    st.tuples(st.just("decode"), SAMPLED, KEPT),
+    st.tuples(st.just("decode"), SAMPLED, KEPT),
+    st.tuples(st.just("decode"), SAMPLED, st.tuples(st.just(True), st.booleans())),
     st.tuples(st.just("extend"), st.integers(0, 7), TOKENS),
     st.tuples(st.just("spare"), st.none(), st.none()),
     st.tuples(st.just("free"), st.integers(0, 7), st.none()),
@@ -158,8 +167,8 @@ def test_a_pool_decoding_by_runs_equals_one_decoding_request_by_request(
             assert isinstance(a, list) and isinstance(b, int)
             pair.admit(a, b)
         elif op == "decode":
-            assert isinstance(a, list) and isinstance(b, bool)
-            pair.decode(a, b)
+            assert isinstance(a, list) and isinstance(b, tuple)
+            pair.decode(a, *b)
         elif op == "free":
             assert isinstance(a, int)
             pair.free(a)
@@ -286,3 +295,20 @@ def test_a_decode_step_after_the_cache_was_forgotten_fills_and_grows() -> None:
     snap = bulk.snapshot()
     assert snap == ref.snapshot() and len(snap.cache_entries) == 1
     assert check_pool(snap) == []
+
+
+def test_the_tokens_of_a_filled_block_are_the_callers_claim() -> None:
+    """``filled`` is trusted like ``needy`` and ``filling``: a wrong claim is cached as
+    given, and the next snapshot's PREFIX check names the block; a count that does not
+    match ``filling`` is refused before anything changes."""
+    pool = BlockPool(8, 4, enable_prefix_caching=True)
+    pool.allocate("a", [5, 6, 7], 3)
+    run = pool.decode_run(["a"])
+    before = pool.snapshot()
+    with pytest.raises(InvalidArgument, match="2 filled blocks for 1 filling"):
+        pool.append_decodes(run, [8], [], [0], [[5, 6, 7, 8], [5, 6, 7, 8]])
+    assert pool.snapshot() == before
+    assert pool.append_decodes(run, [8], [], [0], [[5, 6, 7, 9]]) is not None
+    violations = check_pool(pool.snapshot())
+    assert [v.invariant.name for v in violations] == ["PREFIX"]
+    assert "cache entry points at a block now holding other tokens" in str(violations[0])

@@ -45,9 +45,8 @@ def test_rows_mirror_the_running_requests() -> None:
     for r in s.running:
         slot = b._slot[r.request_id]
         assert b.num_computed[slot] == r.num_computed_tokens == 3
-        assert b.num_tokens[slot] == r.num_tokens == 4
         assert b.last_token[slot] == r.token_ids[-1] == 5
-        assert b.limit[slot] == r.num_prompt_tokens + 50
+        assert b.kv_limit[slot] == r.num_prompt_tokens + 50 - 1  # then it holds the limit
         assert b.decoding[slot]
         table = s.pool.block_table(r.request_id)
         assert b.num_blocks[slot] == len(table)

@@ -195,7 +195,7 @@ def _forget_growth(self: PersistentBatch, rows: DecodeRows, needy: list[int], g:
 
 
 def _miss_length(self: PersistentBatch, rows: DecodeRows, tokens: Ints, now_ms: float) -> list[int]:
-    self.limit[rows.slots] += 1  # finishes one token late
+    self.kv_limit[rows.slots] += 1  # finishes one token late
     return _COMMIT_DECODES(self, rows, tokens, now_ms)
 
 
