@@ -661,14 +661,12 @@ class BlockPool:
         tuple, a cache miss each. One journal entry for the keys, one for the index."""
         grown: list[tuple[list[bytes], int]] = []
         indexed: list[int] = []
-        held = len(steps)
-        bs = self.block_size
         for j, i in enumerate(filling):
             t = tables[i]
             keys = t.keys
             first = len(keys)
-            if filled is not None and first == (len(t.token_ids) + held) // bs - 1:
-                self._index_block(t, first, tuple(filled[j]), indexed, evicted, i)
+            if filled is not None and first == len(t.block_table) - 1:
+                self._index_new_blocks(t, indexed, evicted, i, block=tuple(filled[j]))
             else:
                 self._index_new_blocks(t, indexed, evicted, i, [step[i] for step in steps])
             grown.append((keys, first))
@@ -1016,48 +1014,40 @@ class BlockPool:
         evicted: Mapping[bytes, int] = _NOTHING_EVICTED,
         place: int = 0,
         pending: Sequence[int] = (),
+        block: tuple[int, ...] | None = None,
     ) -> None:
         """Hash the table's full blocks that have no key yet (the keys join
         ``table.keys``) and index each whose key is free, appending it to ``indexed``.
-        The table holds ``pending`` tokens beyond its
-        list (:class:`DecodeRun`). A key is taken if it is indexed, or if ``evicted``
-        holds it with a place after ``place``: :meth:`_fill_run` replays a step in which
-        that later request's pop evicts it only after this fill."""
+        The table holds ``pending`` tokens beyond its list (:class:`DecodeRun`); or
+        ``block`` gives the tokens of its one unkeyed block, its last. A key is taken
+        if it is indexed, or if ``evicted`` holds it with a place after ``place``:
+        :meth:`_fill_run` replays a step in which that later request's pop evicts it
+        only after this fill."""
         bs = self.block_size
-        token_ids = table.token_ids
+        keys, token_ids, block_table = table.keys, table.token_ids, table.block_table
         n = len(token_ids)
-        for i in range(len(table.keys), (n + len(pending)) // bs):
+        index, entries = self._index, self._entry
+        parent = keys[-1] if keys else table.root_key
+        first = len(keys)
+        for i in range(first, first + 1 if block is not None else (n + len(pending)) // bs):
             lo, hi = i * bs, (i + 1) * bs
-            if hi <= n:
+            if block is not None:
+                tokens = block
+            elif hi <= n:
                 tokens = tuple(token_ids[lo:hi])
             else:
                 tokens = tuple(token_ids[lo:] + list(pending[max(lo - n, 0) : hi - n]))
-            self._index_block(table, i, tokens, indexed, evicted, place)
-
-    def _index_block(
-        self,
-        table: _Table,
-        i: int,
-        tokens: tuple[int, ...],
-        indexed: list[int],
-        evicted: Mapping[bytes, int],
-        place: int,
-    ) -> None:
-        """Key the table's full block ``i`` (every block before it keyed) from its
-        ``tokens`` and index it if the key is free (:meth:`_index_new_blocks`)."""
-        keys = table.keys
-        parent = keys[-1] if keys else table.root_key
-        key = block_key(parent, tokens)
-        keys.append(key)
-        b = table.block_table[i]
-        entries = self._entry
-        # Two requests may compute the same new prefix in one step; the first one
-        # indexed wins and the other block simply stays private.
-        taken = key in self._index or evicted.get(key, -1) > place
-        if not taken and entries[b] is None:
-            self._index[key] = b
-            entries[b] = _new_tuple(_Entry, (key, b, parent, tokens))
-            indexed.append(b)
+            key = block_key(parent, tokens)
+            keys.append(key)
+            b = block_table[i]
+            # Two requests may compute the same new prefix in one step; the first one
+            # indexed wins and the other block simply stays private.
+            taken = key in index or evicted.get(key, -1) > place
+            if not taken and entries[b] is None:
+                index[key] = b
+                entries[b] = _new_tuple(_Entry, (key, b, parent, tokens))
+                indexed.append(b)
+            parent = key
 
     def _unindex_run(self, blocks: list[int]) -> None:
         # Undo of _cache_full_blocks: the blocks' entries are the ones it made.
