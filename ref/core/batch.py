@@ -112,7 +112,7 @@ class PersistentBatch:
         # between steps), against ~10 ns per row: facts about all rows that rarely
         # change are kept here instead of being recomputed with vector ops each step.
         self._all_decoding: bool | None = None  # every running row decodes; None: unknown
-        self._may_share = False  # some slot's shared_tail is set
+        self._may_share = False  # some row's shared_tail may be set (stays set: forks are rare)
         self._width: int | None = None  # the longest running table; None: unknown
 
     def _grow(self, capacity: int, width: int) -> None:
@@ -190,8 +190,8 @@ class PersistentBatch:
                 self._forget(slot)
 
     def _forget(self, slot: int) -> None:
-        """Recycle ``slot``; the facts kept about all rows may have changed."""
-        self.shared_tail[slot] = False
+        """Recycle ``slot`` (its next request's :meth:`reload` rewrites the row); the
+        facts kept about all rows may have changed."""
         self._all_decoding = None
         self._width = None
         self._free.append(slot)
