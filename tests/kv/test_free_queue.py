@@ -90,6 +90,9 @@ def test_journal_and_free_queue_misuse_fails_loudly() -> None:
         fq.remove(0)
     journal.rollback()
     assert list(fq) == [0] and not journal.active
+    assert fq.acquire_n(0, [0]) == [] and list(fq) == [0]  # no blocks: a no-op
+    with pytest.raises(AssertionError, match=r"^acquire_n\(2\) on a free queue of 1"):
+        fq.acquire_n(2, [0, 0])
 
 
 def _state(fq: FreeQueue, n: int) -> tuple[list[int], int, list[bool]]:
@@ -178,6 +181,9 @@ def test_a_failed_run_leaves_the_queue_and_counts_unchanged(journaled: bool) -> 
     with pytest.raises(AssertionError, match=r"^ref count of block 5 would go negative"):
         fq.release_n([2, 1, 5], counts)
     assert (_state(fq, 6), counts, journal.num_entries) == before
+    with pytest.raises(AssertionError, match=r"^ref count of block 5 would go negative"):
+        fq.release_n([2, 5, 1], counts)  # the block after the failing one keeps its count
+    assert (_state(fq, 6), counts, journal.num_entries) == before
     if journaled:
         journal.rollback()
         assert (_state(fq, 6), counts) == before[:2]
@@ -212,9 +218,10 @@ def _is_open(journal: Journal) -> bool:
     return journal.active
 
 
-def test_a_failed_release_inside_a_transaction_keeps_earlier_undos_exact() -> None:
+@pytest.mark.parametrize("failure", ["would go negative", "is already in the free queue"])
+def test_a_failed_release_inside_a_transaction_keeps_earlier_undos_exact(failure: str) -> None:
     """A block removed earlier in the transaction and linked by a release that then
-    fails gets its own links back, so the rollback relinks it where it was."""
+    fails (either way) gets its own links back, so the rollback relinks it where it was."""
     journal = Journal()
     fq = FreeQueue(6, journal)
     counts = [0] * 6
@@ -223,8 +230,10 @@ def test_a_failed_release_inside_a_transaction_keeps_earlier_undos_exact() -> No
     journal.begin()
     fq.remove(4)  # a cache hit revives block 4 (the pool counts it)
     counts[4] = 1
-    with pytest.raises(AssertionError, match="would go negative"):
-        fq.release_n([4, 5], counts)  # 4 reaches zero and is linked; 5 is not held
-    counts[4] = 0
+    if failure == "is already in the free queue":
+        counts[5] = 1  # inconsistent on purpose: queued, yet counted once
+    with pytest.raises(AssertionError, match=failure):
+        fq.release_n([4, 5], counts)  # 4 reaches zero and is linked; 5 fails
+    counts[4] = counts[5] = 0
     journal.rollback()
     assert _state(fq, 6) == before and list(fq) == [2, 3, 4, 5]

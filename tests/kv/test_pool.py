@@ -123,6 +123,75 @@ def test_allocate_reports_what_it_did() -> None:
 
 
 @pytest.mark.mutation_kill
+def test_a_one_off_allocation_takes_any_sequence_and_reports_its_table() -> None:
+    """The one-off path (caching off, a new request, no transaction) stores the tokens of
+    any sequence, not only a list or a tuple, and tells the batch its table changed; so
+    does the general path."""
+    pool = BlockPool(4, 2, enable_prefix_caching=False)
+    pool.take_changed()
+    pool.allocate("a", range(10, 15), 3)
+    assert pool.snapshot().tables[0].token_ids == (10, 11, 12)
+    assert pool.take_changed() == ({"a"}, False)
+    assert pool.take_changed() == (set(), False)  # both reset by the call
+    assert check_pool(pool.snapshot()) == []
+    more = pool.allocate("a", [10, 11, 12, 13], 1)  # an existing table grows, not anew
+    assert (more.start_position, pool.num_stored("a")) == (3, 4)
+    assert check_pool(pool.snapshot()) == []
+    cached = BlockPool(4, 2)  # the general path takes any sequence too
+    cached.allocate("a", range(10, 15), 3)
+    assert cached.snapshot().tables[0].token_ids == (10, 11, 12)
+
+
+@pytest.mark.mutation_kill
+def test_a_copy_on_write_leaves_the_other_holders_their_references() -> None:
+    """Three requests share a partial last block; the one that writes gets a private
+    copy and the shared block keeps the other two references."""
+    pool = BlockPool(8, 4, enable_prefix_caching=False)
+    pool.allocate("a", [1, 2, 3, 4, 5], 5)
+    pool.fork("a", "b")
+    pool.fork("a", "c")
+    shared = pool.block_table("a")[-1]
+    assert pool.append_decode_tokens(["a"], [[1, 2, 3, 4, 5, 6]]) == [
+        BlockCopy(shared, pool.block_table("a")[-1])
+    ]
+    assert pool.ref_count(shared) == 2
+    assert check_pool(pool.snapshot()) == []
+
+
+@pytest.mark.mutation_kill
+def test_a_free_that_fails_inside_a_transaction_is_left_to_its_opener() -> None:
+    """A free that fails inside an open transaction (here on a reference count
+    corrupted on purpose) undoes nothing itself: the opener's rollback undoes the whole
+    transaction, the earlier allocation in it included."""
+    pool = BlockPool(6, 2, enable_prefix_caching=False)
+    pool.allocate("a", [1, 2, 3], 3)
+    pool.allocate("b", [4], 1)
+    before = pool.snapshot()
+    pool.begin()
+    pool.allocate("b", [4, 5, 6], 2)
+    first = pool.block_table("a")[0]
+    pool._ref[first] = 0  # released last (tail first): its count would go negative
+    with pytest.raises(AssertionError, match="would go negative"):
+        pool.free("a")
+    pool._ref[first] = 1
+    pool.rollback()
+    assert pool.snapshot() == before
+
+
+@pytest.mark.mutation_kill
+def test_a_table_truncated_to_nothing_grows_again_inside_a_step() -> None:
+    pool = BlockPool(4, 2, enable_prefix_caching=False)
+    pool.allocate("a", [1, 2, 3], 3)
+    assert pool.truncate("a", 0) == [0, 1]  # every block held only rejected positions
+    before = pool.snapshot()
+    pool.begin()
+    pool.allocate("a", [1, 2, 3], 2)
+    assert pool.num_stored("a") == 2
+    pool.rollback()
+    assert pool.snapshot() == before and before.tables[0].block_table == ()
+
+
+@pytest.mark.mutation_kill
 def test_allocate_takes_exactly_the_free_blocks_and_the_whole_pool() -> None:
     pool = BlockPool(2, 4)
     assert pool.allocate("a", list(range(8)), 8).new_block_ids == (0, 1)  # all of it
@@ -1026,6 +1095,34 @@ def test_a_decode_run_replays_the_order_of_pops_and_fills(order: tuple[str, str]
     indexed = {e.block_id for e in bulk.snapshot().cache_entries}
     x_block = bulk.block_table("x")[1]
     assert (x_block in indexed) == (order == ("y", "x"))
+
+
+@pytest.mark.mutation_kill
+def test_a_claimed_fill_after_an_earlier_pop_takes_the_key_it_evicted() -> None:
+    """As above with a third request first and the filled blocks' tokens claimed
+    (``filled``, as the persistent batch passes them): "y" (second) pops the block
+    indexed as K2, then "x" (third) fills a block with key K2. In request order the
+    key is free again when x fills, so x's block takes it."""
+
+    def build() -> BlockPool:
+        pool = BlockPool(5, 2, enable_prefix_caching=True)
+        pool.allocate("old", [1, 2, 3, 4], 4)  # blocks 0 (K1) and 1 (K2)
+        pool.allocate("x", [1, 2, 3], 1, hit=pool.lookup([1, 2, 3]))
+        pool.allocate("y", [9, 9], 2)
+        pool.allocate("z", [7], 1)
+        pool.free("old")  # block 1 (K2) is the only free block, still indexed
+        return pool
+
+    known = {"z": [7, 7], "y": [9, 9, 9], "x": [1, 2, 3, 4]}
+    bulk, loop = build(), build()
+    run = bulk.decode_run(["z", "y", "x"])
+    assert bulk.append_decodes(run, [7, 9, 4], [1], [0, 2], [[7, 7], [3, 4]]) is not None
+    for rid in ("z", "y", "x"):
+        loop.allocate(rid, known[rid], 1)
+    assert bulk.snapshot() == loop.snapshot()
+    assert_valid(bulk)
+    indexed = {e.block_id for e in bulk.snapshot().cache_entries}
+    assert bulk.block_table("x")[1] in indexed
 
 
 def test_a_decode_step_with_a_copy_on_write_and_a_fill_rolls_back_exactly() -> None:

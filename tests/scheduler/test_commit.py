@@ -189,3 +189,46 @@ def test_a_failing_plan_leaves_no_reservation_behind() -> None:
     policy.fail = False
     plan, _ = commit_step(sched, 2.0)  # no step is left pending or half-reserved
     assert plan.request_ids == ("a", "b")
+
+
+@pytest.mark.mutation_kill
+def test_the_new_tokens_of_a_step_hold_the_bulk_decodes_and_the_other_entries() -> None:
+    """A step with bulk decodes and an admission reports every sampled token: the
+    decodes (kept as an array) then the admitted request, by id and in plan order."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_blocks=16, max_model_len=32
+    )
+    sched = Scheduler(cfg)
+    sched.add_request(make_request("a", 3, 4))
+    sched.add_request(make_request("b", 3, 4))
+    commit_step(sched)
+    sched.add_request(make_request("c", 2, 4))
+    plan = sched.schedule()
+    assert plan.decode_rows is not None and plan.admitted == ("c",)  # the bulk path ran
+    events = sched.commit(plan, {"a": 7, "b": 8, "c": 9})
+    new = events.new_tokens
+    assert len(new) == 3 and list(new) == ["a", "b", "c"]
+    assert list(new.pairs()) == [("a", 7), ("b", 8), ("c", 9)]
+    assert (new["b"], new["c"]) == (8, 9)
+
+
+@pytest.mark.mutation_kill
+def test_a_bad_sampled_token_is_named_among_good_ones() -> None:
+    """The refusal names the first bad token, not a good one beside it: 0 and 2**63 - 1
+    are the bounds of a good token, 2**63 the first past it."""
+    sched = Scheduler(SMALL_CONFIG)
+    for i, rid in enumerate("abc"):
+        sched.add_request(make_request(rid, 2, 2, base=10 * i))
+    plan = sched.schedule(0.0)
+    assert plan.request_ids == ("a", "b", "c") and all(plan.samples)
+    for good, bad, expected in (
+        ({"a": 0, "b": 500}, -1, "expected a non-negative int"),
+        ({"a": 2**63 - 1, "b": 1}, 2**63, "expected a non-negative int below 2**63"),
+    ):
+        with pytest.raises(BadExecutorOutput) as info:
+            sched.commit(plan, {**good, "c": bad})
+        assert str(info.value) == (
+            f"step 0: executor gave {bad!r} as the sampled token of request 'c'; {expected}"
+        )
+    sched.commit(plan, {"a": 0, "b": 2**63 - 1, "c": 5})
+    assert sched.requests["b"].output_token_ids == [2**63 - 1]
