@@ -13,7 +13,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
-from collections.abc import Sequence
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -53,8 +55,25 @@ def block_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
     """
     # Token ids are packed as signed 64-bit little-endian so the key does not depend on
     # how a tokenizer's ids happen to print.
-    packed = _packer(len(token_ids)).pack(*token_ids)
+    return packed_block_key(parent_key, _packer(len(token_ids)).pack(*token_ids))
+
+
+def packed_block_key(parent_key: bytes, packed: bytes) -> bytes:
+    """:func:`block_key` of a block whose token ids :func:`packed_token_ids` encoded.
+
+    post: len(__return__) == 32
+    """
     return hashlib.sha256(parent_key + packed).digest()
+
+
+def packed_token_ids(token_ids: Iterable[int]) -> bytes:
+    """Token ids encoded as :func:`block_key` hashes them, 8 bytes each: many blocks
+    encoded in one call, then hashed a slice each (:func:`packed_block_key`).
+    OverflowError for an id outside int64."""
+    packed = array("q", token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 @functools.lru_cache(maxsize=64)

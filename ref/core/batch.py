@@ -1,13 +1,12 @@
 """The persistent batch: the running requests' per-step state in arrays, by slot.
 
 docs/ARCHITECTURE.md, "The persistent batch". Every running request holds a slot; its
-KV length, last token, length limit, stop ids, decoding flag, block table and (for
-prefix caching) the tokens of its last block live in preallocated arrays at that slot,
-so the steady decode step (every running request decoding one token) is planned,
-turned into executor inputs and committed with vector operations: Python runs per
-request only for those that cross a block boundary, fill a block (prefix caching),
-share their last block (copy-on-write) or finish. Slots are recycled when a request
-leaves the running set (finish, preemption, pause, abort).
+KV length, last token, length limit, stop ids, decoding flag and block table live in
+preallocated arrays at that slot, so the steady decode step (every running request
+decoding one token) is planned, turned into executor inputs and committed with vector
+operations: Python runs per request only for those that cross a block boundary, fill
+a block (prefix caching), share their last block (copy-on-write) or finish. Slots are
+recycled when a request leaves the running set (finish, preemption, pause, abort).
 
 The :class:`~ref.core.request.Request` objects stay the source of truth; the arrays
 mirror them. A row is (re)loaded from its request whenever anything but the bulk path
@@ -104,9 +103,6 @@ class PersistentBatch:
         self.num_blocks: Ints = np.zeros(cap, dtype=np.int64)
         # Zero past num_blocks. int64, so the slot mapping needs no cast.
         self.block_table: Ints = np.zeros((cap, width), dtype=np.int64)
-        # The tokens of its last block up to its KV length (prefix caching hashes a block
-        # from here when it fills: see current_blocks).
-        self.block_tokens: Ints = np.zeros((cap, block_size), dtype=np.int64)
         self._free: list[int] = list(reversed(range(cap)))  # recycled slots, lowest last
         # A numpy call costs a fixed ~10 us when the caches are cold (the model ran in
         # between steps), against ~10 ns per row: facts about all rows that rarely
@@ -133,7 +129,6 @@ class PersistentBatch:
         self.shared_tail = grown(self.shared_tail, (capacity,))
         self.num_blocks = grown(self.num_blocks, (capacity,))
         self.block_table = grown(self.block_table, (capacity, max(width, had_width)))
-        self.block_tokens = grown(self.block_tokens, (capacity, self.block_size))
         self._free.extend(reversed(range(have, capacity)))
 
     # ------------------------------------------------------------------ membership
@@ -210,11 +205,7 @@ class PersistentBatch:
     def reload(self, r: Request, pool: BlockPool) -> None:
         """Copy running ``r``'s fields (and its block table) into its row."""
         slot = self._slot[r.request_id]
-        computed = r.num_computed_tokens
-        self.num_computed[slot] = computed
-        start = computed - computed % self.block_size
-        block = r.token_ids[start : start + self.block_size]
-        self.block_tokens[slot, : len(block)] = block
+        self.num_computed[slot] = r.num_computed_tokens
         self.last_token[slot] = r.token_ids[-1]
         self.kv_limit[slot] = min(r.num_prompt_tokens + r.stop.max_tokens, self.max_len) - 1
         self.decoding[slot] = r.status is S.DECODING
@@ -329,16 +320,16 @@ class PersistentBatch:
         last block (copy-on-write); the others append to a private block with room."""
         needs = rows.offsets == 0
         if not self._may_share:  # no fork shares a last block: the usual case
-            return list(np.flatnonzero(needs).tolist())
+            return _indices(needs)
         tail = self.shared_tail[rows.at]
-        for i in np.flatnonzero(tail & ~needs).tolist():
+        for i in _indices(tail & ~needs):
             slot = int(rows.slots[i])
             last = int(self.block_table[slot, self.num_blocks[slot] - 1])
             if pool.ref_count(last) > 1:
                 needs[i] = True
             else:
                 self.shared_tail[slot] = False  # the sibling copied away
-        return list(np.flatnonzero(needs).tolist())
+        return _indices(needs)
 
     def grew(self, rows: DecodeRows, needy: list[int], growth: DecodeGrowth) -> None:
         """Write back what the pool did to the rows that needed a block: each table's
@@ -359,19 +350,17 @@ class PersistentBatch:
 
     def fills_block(self, rows: DecodeRows) -> list[int]:
         """Indices into ``rows`` whose next token fills its block (prefix caching)."""
-        return list(np.flatnonzero(rows.offsets == self.block_size - 1).tolist())
+        return _indices(rows.offsets == self.block_size - 1)
 
-    def current_blocks(self, rows: DecodeRows, fills: list[int]) -> list[list[int]]:
-        """Each row's token joins its last block's tokens at its offset; returned, the
-        tokens of the blocks that ``fills`` (indices into ``rows``) complete.
-
-        A block's earlier tokens were written by the bulk steps that planned them, or
-        by :meth:`reload` after any other path (which rewrites the whole row), so a
-        block holds all its tokens when its last one comes; a rolled-back step wrote
-        the token its position holds anyway. Called on every bulk step with prefix
-        caching (the pool hashes the blocks from these, ``BlockPool.append_decodes``)."""
-        self.block_tokens[rows.slots, rows.offsets] = self.last_token[rows.at]
-        return list(self.block_tokens[rows.slots[fills]].tolist())
+    def filled_blocks(self, rows: DecodeRows, fills: list[int]) -> list[list[int]]:
+        """The tokens of the blocks that ``fills`` (indices into ``rows``) complete: each
+        such row's last ``block_size`` tokens. A decoding request's token list ends with
+        the token this step writes at its KV length (KVLEN), and that token ends its
+        block. (The pool hashes the blocks from these, ``BlockPool.append_decodes``: a
+        slice per filling row, nothing written per row.)"""
+        bs = self.block_size
+        lists = rows.token_lists
+        return [lists[j][-bs:] for j in fills]
 
     def commit_decodes(self, rows: DecodeRows, tokens: Ints, now_ms: float) -> list[int]:
         """Append one sampled token to each row's request, KV length + 1 (KVLEN); return
@@ -388,7 +377,14 @@ class PersistentBatch:
             stopped = stop_ids[at, 0] == tokens
         else:
             stopped = (stop_ids[at] == tokens[:, None]).any(axis=1)
-        return list(np.flatnonzero(stopped | (computed >= self.kv_limit[at])).tolist())
+        return _indices(stopped | (computed >= self.kv_limit[at]))
+
+
+def _indices(mask: npt.NDArray[np.bool_]) -> list[int]:
+    """The indices where a 1-D ``mask`` is true. (``np.flatnonzero`` goes through three
+    Python-level wrappers: a few microseconds per call when the caches are cold.)"""
+    found: list[int] = mask.nonzero()[0].tolist()
+    return found
 
 
 def _consume(calls: Iterator[object]) -> None:

@@ -97,7 +97,7 @@ class Planner:
         slots = rows.slots
         caching = self.pool.enable_prefix_caching
         fills = batch.fills_block(rows) if caching else []
-        filled = batch.current_blocks(rows, fills) if caching else None
+        filled = batch.filled_blocks(rows, fills) if caching else None
         needy = batch.needs_block(rows, self.pool)
         tokens = batch.last_token[rows.at].tolist()
         run = batch.decode_run(rows, self.pool)

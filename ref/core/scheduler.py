@@ -64,6 +64,7 @@ class BadExecutorOutput(RefserveError):
 
 Sampled = Mapping[str, int] | torch.Tensor | npt.NDArray[np.integer[Any]]
 """The executor's sampled tokens: by request id, or in the plan's sampling order."""
+_ARRAY_TYPES = (torch.Tensor, np.ndarray)
 
 
 @dataclass(frozen=True)
@@ -707,14 +708,15 @@ class Scheduler:
         rows = plan.decode_rows
         k = 0 if rows is None else len(rows.slots)
         # Arrays first: isinstance against the Mapping ABC is slow for a tensor.
-        if not isinstance(sampled, torch.Tensor | np.ndarray) and isinstance(sampled, Mapping):
+        if not isinstance(sampled, _ARRAY_TYPES) and isinstance(sampled, Mapping):
             bulk_ids = plan.request_ids[:k]
             bulk = _checked_array(plan, list(map(sampled.get, bulk_ids)), bulk_ids)
             rest_ids = _sampling_ids(plan, k)
             rest = {rid: sampled.get(rid) for rid in rest_ids}
             _checked_array(plan, list(rest.values()), rest_ids)
             return _Output(bulk, rest)  # type: ignore[arg-type]
-        values = sampled.detach().cpu().numpy() if isinstance(sampled, torch.Tensor) else sampled
+        # force: detach, copy off a device, resolve views, in one call
+        values = sampled.numpy(force=True) if isinstance(sampled, torch.Tensor) else sampled
         count = plan.samples.count(True)
         if (
             not isinstance(values, np.ndarray)
@@ -744,6 +746,8 @@ class Scheduler:
                 f"step {plan.step_index}: executor gave {values[bad].item()!r} as the sampled "
                 f"token of request {ids[bad]!r}; expected a non-negative int below 2**63"
             )
+        if k == count:  # bulk decodes only: the usual step
+            return _Output(checked, {})
         return _Output(checked[:k], dict(zip(ids[k:], checked[k:].tolist(), strict=True)))
 
     def _requeue(self, r: Request) -> None:

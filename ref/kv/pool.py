@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import chain, repeat
 from operator import attrgetter
 from types import MappingProxyType
 from typing import NamedTuple
@@ -29,7 +29,13 @@ from ref.errors import (
 from ref.kv.free_queue import FreeQueue
 from ref.kv.journal import Journal
 from spec.arith import blocks_needed, max_cacheable_tokens
-from spec.hashing import DEFAULT_NAMESPACE, Namespace, block_key
+from spec.hashing import (
+    DEFAULT_NAMESPACE,
+    Namespace,
+    block_key,
+    packed_block_key,
+    packed_token_ids,
+)
 from spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
 
 _NOTHING_EVICTED: Mapping[bytes, int] = MappingProxyType({})
@@ -90,6 +96,18 @@ class DecodeGrowth:
     copies: list[BlockCopy]
     tails: list[int]
     lengths: list[int]
+
+
+@dataclass(frozen=True)
+class _FilledBlocks:
+    """The token ids of the blocks a decode step fills (``filled`` of
+    :meth:`BlockPool.append_decodes`), and all of them encoded at once for hashing
+    (``spec.hashing.packed_token_ids``): block ``j`` is ``packed[j * width :
+    (j + 1) * width]``."""
+
+    blocks: Sequence[Sequence[int]]
+    packed: bytes
+    width: int
 
 
 @dataclass(frozen=True)
@@ -554,13 +572,34 @@ class BlockPool:
             )
         if len(tokens) != len(run):
             raise InvalidArgument(f"append_decodes: {len(tokens)} tokens for {len(run)} requests")
-        if filled is not None and len(filled) != len(filling):
+        blocks = None if filled is None else self._filled_blocks(filled, filling)
+        if self._pending is not run:
+            self._settle()  # another run's tokens go in first
+        return self._append_decodes(run._tables, run, tokens, needy, filling, blocks)
+
+    def _filled_blocks(
+        self, filled: Sequence[Sequence[int]], filling: Sequence[int]
+    ) -> _FilledBlocks:
+        """``filled`` checked (one block of int64 token ids per filling request) and
+        encoded in one call: hashing then takes a slice per block, not a pack."""
+        if len(filled) != len(filling):
             raise InvalidArgument(
                 f"append_decodes: {len(filled)} filled blocks for {len(filling)} filling requests"
             )
-        if self._pending is not run:
-            self._settle()  # another run's tokens go in first
-        return self._append_decodes(run._tables, run, tokens, needy, filling, filled)
+        try:
+            packed = packed_token_ids(chain.from_iterable(filled))
+        except (OverflowError, TypeError) as e:
+            raise InvalidArgument(
+                f"append_decodes: a filled block holds a bad token id ({e})"
+            ) from e
+        width = 8 * self.block_size
+        if len(packed) != width * len(filled):
+            lengths = sorted({len(b) for b in filled} - {self.block_size})
+            raise InvalidArgument(
+                f"append_decodes: a filled block holds {lengths[0]} token ids, "
+                f"not the block size {self.block_size}"
+            )
+        return _FilledBlocks(filled, packed, width)
 
     def _append_decodes(
         self,
@@ -569,7 +608,7 @@ class BlockPool:
         tokens: Sequence[int],
         needy: Sequence[int],
         filling: Sequence[int],
-        filled: Sequence[Sequence[int]] | None = None,
+        filled: _FilledBlocks | None = None,
     ) -> DecodeGrowth | None:
         """One token for each table: held by the run ``into`` (whose tables hold no
         other run's token), or appended to the tables' token lists ``into``."""
@@ -650,7 +689,7 @@ class BlockPool:
         filling: Sequence[int],
         evicted: dict[bytes, int],
         steps: Sequence[tuple[int, ...]],
-        filled: Sequence[Sequence[int]] | None,
+        filled: _FilledBlocks | None,
     ) -> None:
         """Index the block each of ``tables[i]`` (``i`` in ``filling``, ascending) just
         filled, as :meth:`_cache_full_blocks` would one by one in request order after
@@ -661,15 +700,28 @@ class BlockPool:
         tuple, a cache miss each. One journal entry for the keys, one for the index."""
         grown: list[tuple[list[bytes], int]] = []
         indexed: list[int] = []
+        index, entries = self._index, self._entry
+        packed, width = (filled.packed, filled.width) if filled is not None else (b"", 0)
         for j, i in enumerate(filling):
             t = tables[i]
             keys = t.keys
             first = len(keys)
-            if filled is not None and first == len(t.block_table) - 1:
-                self._index_new_blocks(t, indexed, evicted, i, block=tuple(filled[j]))
-            else:
-                self._index_new_blocks(t, indexed, evicted, i, [step[i] for step in steps])
             grown.append((keys, first))
+            if filled is None or first != len(t.block_table) - 1:
+                self._index_new_blocks(t, indexed, evicted, i, [step[i] for step in steps])
+                continue
+            # _index_new_blocks' loop for this one block, inline, its tokens encoded with
+            # all the others' (_FilledBlocks): a method call and a struct pack per block
+            # were half of the step's hashing cost.
+            parent = keys[-1] if keys else t.root_key
+            tokens = tuple(filled.blocks[j])
+            key = packed_block_key(parent, packed[j * width : (j + 1) * width])
+            keys.append(key)
+            b = t.block_table[first]
+            if entries[b] is None and key not in index and evicted.get(key, -1) <= i:
+                index[key] = b
+                entries[b] = _new_tuple(_Entry, (key, b, parent, tokens))
+                indexed.append(b)
         self._journal.record(_truncate_each, grown)  # filling is never empty here
         if indexed:
             self._fresh.update(indexed)
@@ -1014,12 +1066,10 @@ class BlockPool:
         evicted: Mapping[bytes, int] = _NOTHING_EVICTED,
         place: int = 0,
         pending: Sequence[int] = (),
-        block: tuple[int, ...] | None = None,
     ) -> None:
         """Hash the table's full blocks that have no key yet (the keys join
         ``table.keys``) and index each whose key is free, appending it to ``indexed``.
-        The table holds ``pending`` tokens beyond its list (:class:`DecodeRun`); or
-        ``block`` gives the tokens of its one unkeyed block, its last. A key is taken
+        The table holds ``pending`` tokens beyond its list (:class:`DecodeRun`). A key is taken
         if it is indexed, or if ``evicted`` holds it with a place after ``place``:
         :meth:`_fill_run` replays a step in which that later request's pop evicts it
         only after this fill."""
@@ -1029,11 +1079,9 @@ class BlockPool:
         index, entries = self._index, self._entry
         parent = keys[-1] if keys else table.root_key
         first = len(keys)
-        for i in range(first, first + 1 if block is not None else (n + len(pending)) // bs):
+        for i in range(first, (n + len(pending)) // bs):
             lo, hi = i * bs, (i + 1) * bs
-            if block is not None:
-                tokens = block
-            elif hi <= n:
+            if hi <= n:
                 tokens = tuple(token_ids[lo:hi])
             else:
                 tokens = tuple(token_ids[lo:] + list(pending[max(lo - n, 0) : hi - n]))

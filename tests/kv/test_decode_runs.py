@@ -300,13 +300,19 @@ def test_a_decode_step_after_the_cache_was_forgotten_fills_and_grows() -> None:
 def test_the_tokens_of_a_filled_block_are_the_callers_claim() -> None:
     """``filled`` is trusted like ``needy`` and ``filling``: a wrong claim is cached as
     given, and the next snapshot's PREFIX check names the block; a count that does not
-    match ``filling`` is refused before anything changes."""
+    match ``filling``, a block of another length or a token id outside int64 is refused
+    before anything changes."""
     pool = BlockPool(8, 4, enable_prefix_caching=True)
     pool.allocate("a", [5, 6, 7], 3)
     run = pool.decode_run(["a"])
     before = pool.snapshot()
     with pytest.raises(InvalidArgument, match="2 filled blocks for 1 filling"):
         pool.append_decodes(run, [8], [], [0], [[5, 6, 7, 8], [5, 6, 7, 8]])
+    assert pool.snapshot() == before
+    with pytest.raises(InvalidArgument, match="a filled block holds 3 token ids, not the block"):
+        pool.append_decodes(run, [8], [], [0], [[6, 7, 8]])
+    with pytest.raises(InvalidArgument, match="a filled block holds a bad token id"):
+        pool.append_decodes(run, [8], [], [0], [[5, 6, 7, 2**63]])
     assert pool.snapshot() == before
     assert pool.append_decodes(run, [8], [], [0], [[5, 6, 7, 9]]) is not None
     violations = check_pool(pool.snapshot())
