@@ -1098,6 +1098,45 @@ def test_a_decode_run_replays_the_order_of_pops_and_fills(order: tuple[str, str]
 
 
 @pytest.mark.mutation_kill
+@pytest.mark.parametrize("order", [("x", "y"), ("y", "x")], ids=["fill-first", "pop-first"])
+def test_a_claimed_fill_replays_the_order_of_pops_and_fills(order: tuple[str, str]) -> None:
+    """The same two orders with the filled block's tokens claimed (``filled``, as the
+    persistent batch passes them): the inline hashing of a claimed block keeps a key that
+    a later request's pop evicts taken, exactly as the loop does."""
+    known = {"x": [1, 2, 3, 4], "y": [9, 9, 9]}
+    bulk, loop = _evicting_decode_pool(), _evicting_decode_pool()
+    run = bulk.decode_run(list(order))
+    x, y = order.index("x"), order.index("y")
+    tokens = [known[r][-1] for r in order]
+    assert bulk.append_decodes(run, tokens, [y], [x], [[3, 4]]) is not None
+    for rid in order:
+        loop.allocate(rid, known[rid], 1)
+    assert bulk.snapshot() == loop.snapshot()
+    indexed = {e.block_id for e in bulk.snapshot().cache_entries}
+    assert (bulk.block_table("x")[1] in indexed) == (order == ("y", "x"))
+
+
+@pytest.mark.mutation_kill
+def test_a_claimed_fill_takes_the_key_its_own_pop_evicted() -> None:
+    """Blocks of one token: a decode both needs a block and fills it. "a"'s pop evicts
+    the cached block keyed as (5, 6), the very key its own filled block computes; the
+    pop comes first, so a's new block takes the key, as request by request."""
+
+    def build() -> BlockPool:
+        pool = BlockPool(3, 1, enable_prefix_caching=True)
+        pool.allocate("a", [5], 1)  # block 0, K5
+        pool.allocate("old", [5, 6], 2)  # block 1 private (K5 is taken), block 2 K56
+        pool.free("old")  # block 2 (K56, still indexed) heads the free queue
+        return pool
+
+    bulk, loop = build(), build()
+    assert bulk.append_decodes(bulk.decode_run(["a"]), [6], [0], [0], [[6]]) is not None
+    loop.allocate("a", [5, 6], 1)
+    assert bulk.snapshot() == loop.snapshot()
+    assert bulk.block_table("a")[1] in {e.block_id for e in bulk.snapshot().cache_entries}
+
+
+@pytest.mark.mutation_kill
 def test_a_claimed_fill_after_an_earlier_pop_takes_the_key_it_evicted() -> None:
     """As above with a third request first and the filled blocks' tokens claimed
     (``filled``, as the persistent batch passes them): "y" (second) pops the block

@@ -63,6 +63,34 @@ def test_a_prefill_that_does_not_fit_lets_a_later_one_run() -> None:
 
 
 @pytest.mark.mutation_kill
+def test_a_running_prefill_that_gets_no_blocks_leaves_its_tokens_to_admission() -> None:
+    """A chunk that is not placed takes nothing from the step's prefill budget: ``p``
+    (re-admitted after a preemption) cannot get the blocks of its next chunk and keeps
+    running, and the prompt queued behind it is admitted whole with the 5 tokens the
+    decode leaves."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=6,
+        max_num_seqs=4,
+        block_size=2,
+        num_blocks=8,
+        enable_prefix_caching=False,
+    )
+    sched = Scheduler(cfg, fast_decode=False)
+    sched.add_request(make_request("d", 2, 50))
+    sched.add_request(make_request("p", 12, 5, base=100))
+    plans = []
+    for step in range(6):
+        if step == 4:
+            sched.add_request(make_request("w", 2, 5, base=500))
+        plans.append(commit_step(sched)[0])
+    assert plans[3].preempted == ("p",)  # d's growth took p's blocks
+    plan = plans[5]
+    assert plan.request_ids == ("d", "w") and plan.preempted == () and not plan.finished
+    assert plan_entry(plan, "w") == (0, 2, True, True, 0)
+    assert sched.requests["p"].status is S.PREFILLING
+
+
+@pytest.mark.mutation_kill
 @pytest.mark.parametrize(("prompt", "admitted"), [(2, True), (3, False)])
 def test_without_chunked_prefill_a_prompt_is_admitted_only_whole(
     prompt: int, admitted: bool

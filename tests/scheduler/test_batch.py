@@ -54,6 +54,22 @@ def test_rows_mirror_the_running_requests() -> None:
         assert not b.block_table[slot, len(table) :].any()  # padding is zero
 
 
+@pytest.mark.mutation_kill
+def test_the_arrays_keep_their_types_as_they_grow_and_widen() -> None:
+    """Token ids, KV lengths and block ids are int64 and the flags bool on every
+    platform (numpy's default int is 32-bit on some), through growth in slots (17
+    rows), in table width (10 blocks of one token) and in stop-id columns (three)."""
+    s = decoding(17, block_size=1, stop_token_ids=(1, 2, 3))
+    for _ in range(6):
+        plan = s.schedule()
+        s.commit(plan, torch.full((sum(plan.samples),), 7))
+    b = s.batch
+    assert len(b.num_computed) > 16 and b.stop_ids.shape[1] == 3 and b.block_table.shape[1] > 8
+    for name in ("num_computed", "last_token", "kv_limit", "stop_ids", "num_blocks", "block_table"):
+        assert getattr(b, name).dtype == np.int64, name
+    assert b.decoding.dtype == np.bool_ and b.shared_tail.dtype == np.bool_
+
+
 def test_slots_are_recycled_and_the_order_is_kept() -> None:
     s = decoding(4)
     b = s.batch
@@ -314,3 +330,74 @@ def test_a_negative_token_is_named_by_its_own_request_after_a_zero() -> None:
         s.commit(plan, np.array([0, -4, 1]))
     s.rollback()
     assert [r.token_ids[-1] for r in s.running] == [5, 5, 5]
+
+
+def _count_ref_count_calls(s: Scheduler) -> list[int]:
+    """Record each block whose reference count the scheduler asks the pool for."""
+    asked: list[int] = []
+    ref_count = s.pool.ref_count
+
+    def spy(block: int) -> int:
+        asked.append(block)
+        return ref_count(block)
+
+    s.pool.ref_count = spy  # type: ignore[method-assign]
+    return asked
+
+
+@pytest.mark.mutation_kill
+def test_the_steady_step_asks_the_pool_about_no_rows_last_block() -> None:
+    """A row's last block is checked for sharing when its table is loaded, and then
+    only if it may be shared (a fork's): a row loaded with a private block, or given a
+    fresh one by the bulk step, is not checked again; the steady step enters Python
+    per row only for rows that need a block."""
+    s = decoding(3)
+    loaded = [s.pool.block_table_view(r.request_id)[-1] for r in s.running]
+    asked = _count_ref_count_calls(s)
+    for _ in range(6):  # block 4: every row starts a new block on the second step
+        plan = s.schedule()
+        assert plan.decode_rows is not None
+        s.commit(plan, torch.tensor([7, 7, 7]))
+    assert sorted(asked) == sorted(loaded)  # once each: the first step reloads the tables
+
+
+@pytest.mark.mutation_kill
+def test_a_forked_rows_last_block_is_checked_until_it_is_copied_away() -> None:
+    """A fork shares its parent's last block: both rows are checked each step until the
+    write that copies it, then never again."""
+    s = decoding(1)  # r0: KV for 3 tokens, its 4th (5) at position 3 of block 0
+    s.fork("r0", "c0", 6, StopParams(max_tokens=50, ignore_eos=True))
+    asked = _count_ref_count_calls(s)
+    plan = s.schedule()  # both write position 3 of the shared block: one copies it
+    s.commit(plan, torch.tensor([7, 7]))
+    assert asked and len(plan.request_ids) == 2
+    asked.clear()
+    for _ in range(5):
+        plan = s.schedule()
+        assert plan.decode_rows is not None and len(plan.decode_rows.slots) == 2
+        s.commit(plan, torch.tensor([7, 7]))
+    assert asked == []
+
+
+@pytest.mark.mutation_kill
+def test_a_row_whose_sibling_copied_away_is_checked_once_more() -> None:
+    """With a budget of two decodes, a fork ``c0`` waits behind ``r0`` and ``r1``; ``r0``
+    copies the shared block away, and when ``r1`` has finished, ``c0``'s next step finds
+    the block private, clears its flag, and is not checked again."""
+    cfg = SchedulerConfig(max_num_batched_tokens=2, max_num_seqs=8, block_size=4, num_blocks=64)
+    s = Scheduler(cfg)
+    s.add_request(Request("r0", [1], StopParams(max_tokens=50, ignore_eos=True)))
+    s.add_request(Request("r1", [2], StopParams(max_tokens=2, ignore_eos=True)))
+    s.commit(s.schedule(), torch.tensor([5, 5]))
+    s.fork("r0", "c0", 6, StopParams(max_tokens=50, ignore_eos=True))
+    step = s.schedule()  # r0 writes the shared block: a private copy
+    assert step.request_ids == ("r0", "r1") and len(step.copies) == 1
+    s.commit(step, torch.tensor([7, 7]))  # r1 finishes
+    asked = _count_ref_count_calls(s)
+    step = s.schedule()
+    assert step.request_ids == ("r0", "c0") and step.copies == ()
+    s.commit(step, torch.tensor([7, 7]))
+    assert len(asked) == 1  # c0's flagged block, found private
+    for _ in range(4):
+        s.commit(s.schedule(), torch.tensor([7, 7]))
+    assert len(asked) == 1

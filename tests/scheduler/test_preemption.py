@@ -7,15 +7,25 @@ count matches the preemption events (docs/ARCHITECTURE.md, "Invariants": PROGRES
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from harness import commit_step, decoding_scheduler, make_request, plan_entry, sampled_tokens
 
 from ref.core.config import SchedulerConfig
+from ref.core.policy import DecodeFirst
 from ref.core.request import FinishReason, Request, StopParams
 from ref.core.scheduler import Scheduler, StepEvents
 from ref.errors import ExceedsCapacity
 from spec import check_pool
 from spec.snapshot import RequestStatus as S
+
+
+class _KeepsEveryone(DecodeFirst):
+    """A policy that names no victim, ever (``Policy.pick_victim`` may return None)."""
+
+    def pick_victim(self, candidates: Sequence[Request]) -> Request | None:
+        return None
 
 
 def _preempted_while_resumed(tool: list[int]) -> tuple[Scheduler, Request, StepEvents]:
@@ -123,3 +133,40 @@ def test_every_victim_of_a_step_that_outgrew_the_pool_finishes_with_capacity() -
     assert sorted(events.finished) == ["c1", "c2", "p"]
     assert all(c.finish_reason is FinishReason.CAPACITY for c in (c1, c2))
     assert sched.requests == {} and sched.waiting == [] and not sched.running
+
+
+@pytest.mark.mutation_kill
+def test_a_request_that_may_not_preempt_the_others_waits_for_a_block() -> None:
+    """Capacity ends a request only when it cannot grow even alone. Two requests fill a
+    4-block pool and both need a block; the policy preempts no one, so neither is
+    placed, and neither is finished or preempted: they wait."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16, max_num_seqs=4, block_size=2, num_blocks=4, max_model_len=64
+    )
+    sched = Scheduler(cfg, _KeepsEveryone())
+    for rid, base in (("a", 0), ("b", 10)):
+        sched.add_request(make_request(rid, 3, 9, base=base))
+    commit_step(sched)  # prefill: 2 blocks each, the pool is full
+    commit_step(sched)  # position 3: room in each last block
+    plan, events = commit_step(sched)  # position 4: both need a block
+    assert plan.request_ids == () and plan.preempted == () and plan.finished == ()
+    assert events.finished == () and sched.pool.num_free_blocks == 0
+    assert [r.status for r in sched.running] == [S.DECODING, S.DECODING]
+
+
+@pytest.mark.mutation_kill
+def test_the_decodes_after_a_victim_still_run() -> None:
+    """The victim need not be last in running order: ``b`` (the least important) was
+    admitted before ``c``. When ``a``'s growth preempts ``b``, ``c`` still decodes."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16, max_num_seqs=4, block_size=2, num_blocks=6, max_model_len=64
+    )
+    sched = Scheduler(cfg)
+    sched.add_request(make_request("a", 3, 9))
+    sched.add_request(make_request("b", 3, 9, base=10, priority=5))
+    commit_step(sched)  # a and b prefill: 2 blocks each
+    sched.add_request(make_request("c", 3, 9, base=20))
+    commit_step(sched)  # c prefills into the last 2 blocks; a and b at position 3
+    assert [r.request_id for r in sched.running] == ["a", "b", "c"]
+    plan, _ = commit_step(sched)  # a and b need a block, c has room
+    assert plan.preempted == ("b",) and plan.request_ids == ("a", "c")

@@ -126,6 +126,20 @@ def test_drafts_are_cut_to_the_token_budget() -> None:
     assert plan.drafts == {"a": (7, 8)} and plan.num_new_tokens == (3,)
 
 
+@pytest.mark.mutation_kill
+def test_drafts_leave_the_prefill_reserve_to_a_starving_prompt() -> None:
+    # A budget of 4 with 2 reserved for the waiting prompt: the decode and one draft
+    # take the other 2, and the prompt gets its reserve.
+    sched = _decoding(
+        max_num_batched_tokens=4, prefill_reserve_tokens=2, prefill_reserve_after_steps=0
+    )
+    sched.add_request(Request("p", [1, 2, 3], StopParams(2)))
+    sched.propose("a", [7, 8, 9])
+    plan = sched.schedule()
+    assert plan.drafts == {"a": (7,)}
+    assert plan.request_ids == ("a", "p") and plan.num_new_tokens == (2, 2)
+
+
 def test_drafts_never_take_the_block_a_later_decode_needs() -> None:
     # Blocks of 4: "a" stores 5 and "b" stores 4 (its next token starts a block). Free
     # blocks: 4 - 2 - 1 = 1, which b's decode needs; a's drafts would need it too.
