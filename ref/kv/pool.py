@@ -102,12 +102,11 @@ class DecodeGrowth:
 class _FilledBlocks:
     """The token ids of the blocks a decode step fills (``filled`` of
     :meth:`BlockPool.append_decodes`), and all of them encoded at once for hashing
-    (``spec.hashing.packed_token_ids``): block ``j`` is ``packed[j * width :
-    (j + 1) * width]``."""
+    (``spec.hashing.packed_token_ids``, 8 bytes per token id): block ``j`` is the
+    ``j``-th ``8 * block_size`` bytes of ``packed``."""
 
     blocks: Sequence[Sequence[int]]
     packed: bytes
-    width: int
 
 
 @dataclass(frozen=True)
@@ -599,7 +598,7 @@ class BlockPool:
                 f"append_decodes: a filled block holds {lengths[0]} token ids, "
                 f"not the block size {self.block_size}"
             )
-        return _FilledBlocks(filled, packed, width)
+        return _FilledBlocks(filled, packed)
 
     def _append_decodes(
         self,
@@ -701,7 +700,8 @@ class BlockPool:
         grown: list[tuple[list[bytes], int]] = []
         indexed: list[int] = []
         index, entries = self._index, self._entry
-        packed, width = (filled.packed, filled.width) if filled is not None else (b"", 0)
+        packed = filled.packed if filled is not None else b""
+        width = 8 * self.block_size  # bytes per block in packed
         for j, i in enumerate(filling):
             t = tables[i]
             keys = t.keys

@@ -346,7 +346,7 @@ def _count_ref_count_calls(s: Scheduler) -> list[int]:
 
 
 @pytest.mark.mutation_kill
-def test_the_steady_step_asks_the_pool_about_no_rows_last_block() -> None:
+def test_the_steady_step_asks_about_a_rows_last_block_only_when_it_loads_it() -> None:
     """A row's last block is checked for sharing when its table is loaded, and then
     only if it may be shared (a fork's): a row loaded with a private block, or given a
     fresh one by the bulk step, is not checked again; the steady step enters Python
