@@ -24,6 +24,9 @@ own hashing. Rounds interleave as for the steps (``POOL_REPS`` timed rounds per 
 a cell's figure is the median over all its rounds per block, its ratio that over
 refserve's with caching as configured, in the same run.
 
+Every worker runs on one CPU (``--cpu``, default the highest-numbered; ``--no-pin`` lets
+the OS place them): see :func:`pinned`.
+
 A missing venv, an engine that cannot be imported, a worker that dies or hangs are
 reported in the table and on stderr in one line each (exit 1), never as a traceback;
 the other engines' figures are still written.
@@ -41,7 +44,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -307,6 +311,8 @@ class Run:
     load_before: list[float] = field(default_factory=list)
     load_after: list[float] = field(default_factory=list)
     cpus: int = 0
+    pinned_cpu: int | None = None
+    """The one CPU every worker ran on (:func:`pinned`), or None: the OS placed them."""
     pool_cells: list[PoolCell] = field(default_factory=list)
     parts: tuple[str, ...] = ("steps", "pool")
 
@@ -346,6 +352,7 @@ class Run:
             "load_before": self.load_before,
             "load_after": self.load_after,
             "cpus": self.cpus,
+            "pinned_cpu": self.pinned_cpu,
             "sizes": self.sizes,
             "rounds": self.rounds,
             "warmup": self.warmup,
@@ -401,7 +408,13 @@ def render_markdown(run: Run) -> str:
         "# Scheduler step and block pool, side by side (`make bench-peers`)",
         "",
         f"Command: `{run.command}`. Started {run.started}; {run.cpus} CPUs; load average "
-        f"(1 / 5 / 15 min) {load} before, {load_after} after.",
+        f"(1 / 5 / 15 min) {load} before, {load_after} after. "
+        + (
+            f"Every worker pinned to CPU {run.pinned_cpu} (`--cpu`): the rounds run one at "
+            "a time, so they never compete for it."
+            if run.pinned_cpu is not None
+            else "Workers not pinned: the OS placed them (`--no-pin`, or no CPU affinity here)."
+        ),
         "",
     ]
     steps = _render_steps(run) if "steps" in run.parts else []
@@ -557,6 +570,34 @@ def _load() -> list[float]:
         return []
 
 
+@contextmanager
+def pinned(cpu: int | None) -> Iterator[int | None]:
+    """Run the body on CPU ``cpu`` alone, and so every process it starts (they inherit
+    the affinity); the CPU, or None when ``cpu`` is None or the platform cannot pin.
+
+    Unpinned on a shared 2-CPU VM, the OS moved a worker between CPUs mid-run: one run in
+    five of the same block-pool loop was 1.5x slower throughout, in refserve's worker and
+    in vLLM's alike, and the step's medians moved by 30 % between back-to-back runs.
+    The rounds run one at a time, so pinned workers never wait for each other; each
+    still finds the caches as the other engines' rounds left them."""
+    if cpu is None or not hasattr(os, "sched_setaffinity"):
+        yield None
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield cpu
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def default_cpu() -> int | None:
+    """The highest-numbered CPU this process may run on (None without CPU affinity)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    return max(os.sched_getaffinity(0))
+
+
 def run_peers(
     engines: Sequence[str],
     pythons: dict[str, str],
@@ -566,8 +607,26 @@ def run_peers(
     command: str,
     log: IO[str] | None = None,
     parts: Sequence[str] = ("steps", "pool"),
+    cpu: int | None = None,
 ) -> Run:
-    """Start one worker per engine, build every configuration, interleave the rounds."""
+    """Start one worker per engine, build every configuration, interleave the rounds;
+    with ``cpu``, every worker on that CPU alone (:func:`pinned`)."""
+    with pinned(cpu) as on:
+        run = _run_peers(engines, pythons, sizes, rounds, warmup, command, log, parts)
+    run.pinned_cpu = on
+    return run
+
+
+def _run_peers(
+    engines: Sequence[str],
+    pythons: dict[str, str],
+    sizes: Sequence[int],
+    rounds: int,
+    warmup: int,
+    command: str,
+    log: IO[str] | None,
+    parts: Sequence[str],
+) -> Run:
     log = sys.stderr if log is None else log
     shapes = W.shapes(tuple(sizes)) if "steps" in parts else []
     run = Run(
@@ -609,6 +668,7 @@ def run_peers(
                 phases=list(hello.get("phases", [])),
                 python=hello.get("python", ""),
                 pool_includes=hello.get("pool_includes", ""),
+                cpus=list(hello.get("cpus", [])),
             )
             workers[e] = w
         # The pool first, on fresh workers: measured after the steps, vLLM's pool took
@@ -754,11 +814,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="ENGINE=PATH",
         help="the interpreter of an engine's worker (default: its venv's)",
     )
+    pin = p.add_mutually_exclusive_group()
+    pin.add_argument(
+        "--cpu",
+        type=int,
+        default=default_cpu(),
+        help="the CPU every worker runs on (default: the highest-numbered one allowed)",
+    )
+    pin.add_argument(
+        "--no-pin", action="store_true", help="let the OS place the workers on any CPU"
+    )
     p.add_argument("--json", type=Path, default=ROOT / "out" / "bench-peers.json")
     p.add_argument("--markdown", type=Path, default=ROOT / "out" / "bench-peers.md")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0 or any(n < 1 for n in args.sizes):
         p.error("--rounds must be >= 1, --warmup >= 0 and every size >= 1")
+    cpu = None if args.no_pin else args.cpu
+    if cpu is not None and hasattr(os, "sched_getaffinity"):
+        allowed = sorted(os.sched_getaffinity(0))
+        if cpu not in allowed:
+            p.error(f"--cpu {cpu}: this process may run on CPUs {allowed} only")
     pythons = {e: default_python(s) for e, s in ENGINES.items()}
     for item in args.python:
         e, sep, path = str(item).partition("=")
@@ -773,7 +848,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parts = (args.only,) if args.only else ("steps", "pool")
     run = run_peers(
-        engines, pythons, sorted(set(args.sizes)), args.rounds, args.warmup, command, parts=parts
+        engines,
+        pythons,
+        sorted(set(args.sizes)),
+        args.rounds,
+        args.warmup,
+        command,
+        parts=parts,
+        cpu=cpu,
     )
     for path in (args.json, args.markdown):
         path.parent.mkdir(parents=True, exist_ok=True)

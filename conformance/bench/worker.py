@@ -160,6 +160,8 @@ def serve(make_engine: Callable[[], BenchEngine]) -> int:
             "phases": list(engine.phases),
             "pool_includes": str(getattr(engine, "pool_includes", "")),
             "python": sys.version.split()[0],
+            # The CPUs this worker may run on: one when the run pins its workers.
+            "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
         }
     except Exception as e:  # ImportError of the engine, a wrong version...
         _send(out, {"ok": False, "error": describe(e)})

@@ -24,7 +24,7 @@ class FreeQueue:
         self._prev = [0] * (num_blocks + 2)
         self._next = [0] * (num_blocks + 2)
         self._in = [False] * num_blocks
-        self._len = 0
+        self.num_free = 0  # read-only outside this class; len() of it, without the call
         self._journal = journal
         self._next[self._head] = self._tail
         self._prev[self._tail] = self._head
@@ -32,7 +32,7 @@ class FreeQueue:
             self._link_before_tail(b)
 
     def __len__(self) -> int:
-        return self._len
+        return self.num_free
 
     def __contains__(self, block_id: int) -> bool:
         return self._in[block_id]
@@ -55,7 +55,7 @@ class FreeQueue:
         one journal entry undoes both. The run's inner links are left as they are (only
         the head and the block after the run are relinked), so the undo reattaches the
         whole run by its two ends."""
-        assert 0 <= k <= self._len, f"acquire_n({k}) on a free queue of {self._len}"
+        assert 0 <= k <= self.num_free, f"acquire_n({k}) on a free queue of {self.num_free}"
         if k == 0:
             return []
         nxt, inn = self._next, self._in
@@ -68,7 +68,7 @@ class FreeQueue:
             b = nxt[b]
         nxt[self._head] = b
         self._prev[b] = self._head
-        self._len -= k
+        self.num_free -= k
         if self._journal.active:
             self._journal.record(self._unacquire_n, out[0], out[-1], k, counts)
         return out
@@ -88,7 +88,7 @@ class FreeQueue:
         self._next[p] = n
         self._prev[n] = p
         self._in[block_id] = False
-        self._len -= 1
+        self.num_free -= 1
         self._journal.record(self._relink, block_id)
 
     def append(self, block_id: int) -> None:
@@ -115,24 +115,24 @@ class FreeQueue:
         anchor = last = prev[self._tail]
         kept = 0  # still referenced (the rare case: counted there, not per linked block)
         for b in blocks:
-            c = counts[b] - 1
-            counts[b] = c
-            if c:
-                if c < 0:
-                    self._abort_release(blocks, b, counts, anchor, last, saved)
-                    raise AssertionError(f"ref count of block {b} would go negative")
-                kept += 1
-                continue
-            if inn[b]:
+            c = counts[b]
+            if c != 1 or inn[b]:  # one test for the rare cases: a shared block, or a bad one
+                if c > 1:
+                    counts[b] = c - 1
+                    kept += 1
+                    continue
                 self._abort_release(blocks, b, counts, anchor, last, saved)
+                if c < 1:
+                    raise AssertionError(f"ref count of block {b} would go negative")
                 raise AssertionError(f"block {b} is already in the free queue")
+            counts[b] = 0
             inn[b] = True
             prev[b] = last
             nxt[last] = b
             last = b
         nxt[last] = self._tail
         prev[self._tail] = last
-        self._len += len(blocks) - kept
+        self.num_free += len(blocks) - kept
         if saved is not None:
             self._journal.record(self._unrelease_n, anchor, tuple(blocks), counts, saved)
 
@@ -145,11 +145,11 @@ class FreeQueue:
         last: int,
         saved: dict[int, tuple[int, int]] | None,
     ) -> None:
-        # release_n failed at ``failed``: give back the counts taken so far and cut off the
-        # run linked so far.
-        for b in blocks[: list(blocks).index(failed) + 1]:
+        # release_n failed at ``failed`` (its count untouched): give back the counts taken
+        # before it and cut off the run linked so far.
+        for b in blocks[: list(blocks).index(failed)]:
             counts[b] += 1
-        self._cut_partial_run(anchor, last, saved)  # _len is not counted yet
+        self._cut_partial_run(anchor, last, saved)  # num_free is not counted yet
 
     def _unrelease_n(
         self,
@@ -159,7 +159,7 @@ class FreeQueue:
         saved: dict[int, tuple[int, int]],
     ) -> None:
         # Undo of release_n: the run it linked is everything after ``anchor``.
-        self._len -= self._cut_partial_run(anchor, self._prev[self._tail], saved)
+        self.num_free -= self._cut_partial_run(anchor, self._prev[self._tail], saved)
         self._prev[self._tail] = anchor
         for b in blocks:
             counts[b] += 1
@@ -188,14 +188,14 @@ class FreeQueue:
         self._next[last] = b
         self._prev[self._tail] = b
         self._in[b] = True
-        self._len += 1
+        self.num_free += 1
 
     def _relink(self, b: int) -> None:
         # Undo of remove: b's own links still name its old neighbours.
         self._next[self._prev[b]] = b
         self._prev[self._next[b]] = b
         self._in[b] = True
-        self._len += 1
+        self.num_free += 1
 
     def _relink_run(self, first: int, last: int, k: int) -> None:
         # The run's first and last blocks still name their old neighbours (the head and
@@ -208,7 +208,7 @@ class FreeQueue:
         for _ in range(k):
             inn[b] = True
             b = nxt[b]
-        self._len += k
+        self.num_free += k
 
     def _unlink_tail(self, b: int, links: tuple[int, int]) -> None:
         # Undo of append: restore b's own links too (see append).
@@ -218,4 +218,4 @@ class FreeQueue:
         self._prev[self._tail] = p
         self._prev[b], self._next[b] = links
         self._in[b] = False
-        self._len -= 1
+        self.num_free -= 1

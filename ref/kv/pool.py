@@ -474,21 +474,19 @@ class BlockPool:
             return None
         total = -(-num_new_tokens // self.block_size)  # spec.arith.blocks_needed
         free = self._free
-        if total > len(free):  # also covers total > num_blocks
+        if total > free.num_free:  # also covers total > num_blocks
             return None
         new = token_ids if num_new_tokens == len(token_ids) else token_ids[:num_new_tokens]
-        if type(new) is not list and not isinstance(new, tuple):
-            new = list(new)
         table = _Table(
             request_id,
             self._default_root if namespace is DEFAULT_NAMESPACE else namespace.root_key(),
         )
-        table.token_ids += new
+        table.token_ids += new if type(new) is list or isinstance(new, tuple) else list(new)
         self._tables[request_id] = table
-        self._mark_changed(table)
-        blocks = free.acquire_n(total, self._ref)
-        self._evict_reused(blocks)
-        table.block_table = blocks
+        self._changed.add(request_id)  # _mark_changed, inlined (hot)
+        self._epoch += 1
+        # Caching is off: nothing is indexed, so the popped blocks have no entry to evict.
+        table.block_table = blocks = free.acquire_n(total, self._ref)
         return _allocation(request_id, 0, num_new_tokens, 0, blocks, ())
 
     def append_decode_tokens(
@@ -804,7 +802,8 @@ class BlockPool:
         table = self._tables.get(request_id)
         if table is None:
             raise UnknownRequest(request_id, "free")
-        self._mark_changed(table)
+        self._changed.add(request_id)  # _mark_changed, inlined (hot)
+        self._epoch += 1
         # Tail first (reversed), one run; release_n either completes or fails with
         # everything put back, and nothing after it can fail, so outside a transaction
         # no undo is recorded.

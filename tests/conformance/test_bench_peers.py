@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import stat
 import sys
 from pathlib import Path
@@ -213,6 +214,46 @@ def test_make_bench_times_the_bulk_path_against_the_reference_loop(tmp_path: Pat
     assert set(cells) == {(e, p) for e in ("ref", "ref-loop") for p in (False, True)}
     assert all(c["status"] == "ok" and c["us_per_request"] > 0 for c in cells.values())
     assert "reference loop" in out_md.read_text() and data["parts"] == ["steps"]
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity"), reason="pinning needs CPU affinity (Linux)"
+)
+def test_every_worker_runs_on_the_cpu_the_run_pins_and_the_caller_is_left_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """`--cpu` pins every worker (each reports its CPUs in its hello); the caller's own
+    affinity comes back afterwards; `--no-pin` leaves the workers where the OS puts them."""
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    out_json, out_md = tmp_path / "s.json", tmp_path / "s.md"
+    args = [
+        *("--engines", "ref", "ref-loop", "--only", "pool", "--rounds", "1", "--warmup", "0"),
+        *("--json", str(out_json), "--markdown", str(out_md)),
+    ]
+    assert peers.main([*args, "--cpu", str(cpu)]) == 0
+    assert os.sched_getaffinity(0) == before
+    data = json.loads(out_json.read_text())
+    assert data["pinned_cpu"] == cpu
+    assert all(info["cpus"] == [cpu] for info in data["engines"].values())
+    assert f"pinned to CPU {cpu}" in out_md.read_text()
+    assert peers.main([*args, "--no-pin"]) == 0
+    data = json.loads(out_json.read_text())
+    assert data["pinned_cpu"] is None and "not pinned" in out_md.read_text()
+    assert all(info["cpus"] == sorted(before) for info in data["engines"].values())
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity"), reason="the check needs CPU affinity (Linux)"
+)
+def test_a_cpu_the_run_may_not_use_is_refused_by_name(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    bad = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(SystemExit) as e:
+        peers.main(["--only", "pool", "--cpu", str(bad), "--json", str(tmp_path / "x.json")])
+    assert e.value.code == 2
+    assert f"--cpu {bad}: this process may run on CPUs" in capsys.readouterr().err
 
 
 def test_make_bench_reports_the_heap_per_running_request(tmp_path: Path) -> None:
