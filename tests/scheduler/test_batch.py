@@ -9,17 +9,21 @@ the executor's sampled tokens as an array are checked like the mapping form.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
+from ref.core.batch import PersistentBatch
 from ref.core.config import SchedulerConfig
 from ref.core.inputs import build_inputs
 from ref.core.request import FinishReason, Request, StopParams
 from ref.core.scheduler import BadExecutorOutput, NewTokens, Scheduler
-from ref.kv import DecodeRun
+from ref.kv import BlockPool, DecodeGrowth, DecodeRun
 from spec.snapshot import RequestStatus
-from tests.harness import make_request
+from tests.harness import make_request, prompt_tokens
 
 S = RequestStatus
 
@@ -379,11 +383,10 @@ def test_a_forked_rows_last_block_is_checked_until_it_is_copied_away() -> None:
     assert asked == []
 
 
-@pytest.mark.mutation_kill
-def test_a_row_whose_sibling_copied_away_is_checked_once_more() -> None:
+def _fork_whose_sibling_copied_away() -> Scheduler:
     """With a budget of two decodes, a fork ``c0`` waits behind ``r0`` and ``r1``; ``r0``
-    copies the shared block away, and when ``r1`` has finished, ``c0``'s next step finds
-    the block private, clears its flag, and is not checked again."""
+    copies the shared block away and ``r1`` finishes: ``c0``'s row is still flagged as
+    sharing its last block, which is private now, and ``c0`` decodes in the next step."""
     cfg = SchedulerConfig(max_num_batched_tokens=2, max_num_seqs=8, block_size=4, num_blocks=64)
     s = Scheduler(cfg)
     s.add_request(Request("r0", [1], StopParams(max_tokens=50, ignore_eos=True)))
@@ -393,6 +396,15 @@ def test_a_row_whose_sibling_copied_away_is_checked_once_more() -> None:
     step = s.schedule()  # r0 writes the shared block: a private copy
     assert step.request_ids == ("r0", "r1") and len(step.copies) == 1
     s.commit(step, torch.tensor([7, 7]))  # r1 finishes
+    return s
+
+
+@pytest.mark.mutation_kill
+def test_a_row_whose_sibling_copied_away_is_checked_once_more() -> None:
+    """With a budget of two decodes, a fork ``c0`` waits behind ``r0`` and ``r1``; ``r0``
+    copies the shared block away, and when ``r1`` has finished, ``c0``'s next step finds
+    the block private, clears its flag, and is not checked again."""
+    s = _fork_whose_sibling_copied_away()
     asked = _count_ref_count_calls(s)
     step = s.schedule()
     assert step.request_ids == ("r0", "c0") and step.copies == ()
@@ -401,3 +413,200 @@ def test_a_row_whose_sibling_copied_away_is_checked_once_more() -> None:
     for _ in range(4):
         s.commit(s.schedule(), torch.tensor([7, 7]))
     assert len(asked) == 1
+
+
+def _config(block_size: int = 4) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_num_batched_tokens=256, max_num_seqs=64, block_size=block_size, num_blocks=256
+    )
+
+
+@pytest.mark.mutation_kill
+def test_the_running_list_is_copied_before_a_change_only_while_a_step_holds_it() -> None:
+    """Changes are in place, but the first after a steady step lent the list copies it."""
+    s = Scheduler(_config())
+    running = s.running
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", 3, max_tokens=50, base=10 * i))
+    s.commit(s.schedule(), torch.tensor([5, 5, 5]))  # admitted: appended in place
+    assert s.running is running and len(running) == 3
+    plan = s.schedule()  # the steady step: its rows are the running list itself
+    assert plan.decode_rows is not None and plan.decode_rows.requests is running
+    s.commit(plan, torch.tensor([7, 7, 7]))
+    s.abort("r1")
+    assert s.running is not running
+    assert [r.request_id for r in plan.decode_rows.requests] == ["r0", "r1", "r2"]
+    copied = s.running
+    assert [r.request_id for r in copied] == ["r0", "r2"]
+    s.abort("r2")  # nothing holds the copy: in place
+    assert s.running is copied and [r.request_id for r in copied] == ["r0"]
+
+
+@pytest.mark.mutation_kill
+def test_a_commit_that_finishes_rows_leaves_the_new_running_list_unlent() -> None:
+    """Finishes leave through new lists, so the next leave changes the list in place."""
+    s = Scheduler(_config())
+    for i, max_tokens in enumerate((50, 2, 50)):
+        s.add_request(make_request(f"r{i}", 3, max_tokens=max_tokens, base=10 * i))
+    s.commit(s.schedule(), torch.tensor([5, 5, 5]))
+    plan = s.schedule()
+    rows = plan.decode_rows
+    assert rows is not None and rows.requests is s.running
+    assert s.commit(plan, torch.tensor([7, 7, 7])).finished == ("r1",)
+    assert [r.request_id for r in rows.requests] == ["r0", "r1", "r2"]
+    running = s.running
+    assert [r.request_id for r in running] == ["r0", "r2"]
+    s.abort("r0")
+    assert s.running is running and [r.request_id for r in running] == ["r2"]
+
+
+@pytest.mark.mutation_kill
+def test_a_new_batch_has_an_empty_order_no_width_and_no_decode_rows() -> None:
+    """Empty int64 order, width 0, all (none) decoding, and no decode rows for any limit."""
+    b = PersistentBatch(block_size=4, max_len=64)
+    assert b.order.dtype == np.int64 and b.order.shape == (0,)
+    assert b.width() == 0
+    assert b.all_decoding() is True
+    assert b.decode_rows(0) is None and b.decode_rows(5) is None
+
+
+@pytest.mark.mutation_kill
+def test_a_batch_whose_requests_all_left_has_no_width_and_no_decode_rows() -> None:
+    """Once every running request has finished, the batch reads as a new one."""
+    s = decoding(2, max_tokens=2)
+    b = s.batch
+    assert b.width() > 0
+    assert s.commit(s.schedule(), torch.tensor([7, 7])).finished == ("r0", "r1")
+    assert b.order.dtype == np.int64 and b.order.shape == (0,)
+    assert b.width() == 0 and b.all_decoding() is True
+    assert b.decode_rows(0) is None and b.decode_rows(5) is None
+
+
+@pytest.mark.mutation_kill
+def test_a_limit_of_zero_gives_no_decode_rows() -> None:
+    """``decode_rows(0)`` of a decoding batch is None; a limit of 1 takes the first row."""
+    s = decoding(2)
+    assert s.batch.decode_rows(0) is None
+    rows = s.batch.decode_rows(1)
+    assert rows is not None and rows.request_ids == ["r0"]
+
+
+@pytest.mark.mutation_kill
+def test_a_request_the_pool_holds_no_table_for_loads_an_empty_row() -> None:
+    """No table in the pool: an all-zero row (recycled slot too), no blocks, no shared tail."""
+    pool = BlockPool(64, 4)
+    b = PersistentBatch(block_size=4, max_len=64)
+    a = Request("a", prompt_tokens(6), StopParams(max_tokens=5, ignore_eos=True))
+    pool.allocate("a", a.token_ids, 6)
+    b.append(a, pool)
+    slot = b._slot["a"]
+    assert b.num_blocks[slot] == 2 and b.block_table[slot].any()
+    b.remove(a)
+    x = Request("x", prompt_tokens(3, base=20), StopParams(max_tokens=5, ignore_eos=True))
+    assert not pool.has_request("x")
+    b.append(x, pool)
+    assert b._slot["x"] == slot  # the row a left
+    assert not b.block_table[slot].any() and b.num_blocks[slot] == 0
+    assert not b.shared_tail[slot] and b.width() == 0
+
+
+@pytest.mark.mutation_kill
+def test_a_loaded_table_widens_the_block_table_by_doubling_only_past_its_width() -> None:
+    """Width 8 holds a table of 8 blocks as it is; one of 9 doubles it to 16, rows kept."""
+    pool = BlockPool(64, 1)
+    b = PersistentBatch(block_size=1, max_len=64)
+    a = Request("a", prompt_tokens(8), StopParams(max_tokens=5, ignore_eos=True))
+    pool.allocate("a", a.token_ids, 8)
+    b.append(a, pool)
+    assert b.block_table.shape == (16, 8)
+    c = Request("c", prompt_tokens(9, base=20), StopParams(max_tokens=5, ignore_eos=True))
+    pool.allocate("c", c.token_ids, 9)
+    b.append(c, pool)
+    assert b.block_table.shape == (16, 16)
+    for rid in ("a", "c"):
+        table = pool.block_table(rid)
+        assert tuple(b.block_table[b._slot[rid], : len(table)]) == table
+
+
+@pytest.mark.mutation_kill
+def test_the_seventeenth_request_doubles_the_capacity() -> None:
+    """Slots start at 16 and double when all are taken, not before."""
+    assert len(decoding(16).batch.num_computed) == 16
+    b = decoding(17).batch
+    for name in ("num_computed", "last_token", "kv_limit", "decoding", "num_blocks"):
+        assert len(getattr(b, name)) == 32, name
+    assert b.stop_ids.shape[0] == 32 and b.block_table.shape[0] == 32
+
+
+@pytest.mark.mutation_kill
+def test_the_bulk_step_widens_the_block_table_by_doubling_only_past_its_width() -> None:
+    """A bulk step growing a table to width 8 keeps it; growing to 9 doubles it to 16."""
+    s = Scheduler(_config(block_size=1))
+    s.add_request(make_request("r0", 7, max_tokens=50))
+    s.commit(s.schedule(), torch.tensor([5]))  # 7 blocks
+    b = s.batch
+    assert b.block_table.shape[1] == 8
+    for blocks, width in ((8, 8), (9, 16)):
+        plan = s.schedule()
+        assert plan.decode_rows is not None
+        s.commit(plan, torch.tensor([7]))
+        table = s.pool.block_table("r0")
+        assert len(table) == blocks and b.block_table.shape[1] == width
+        assert tuple(b.block_table[b._slot["r0"], :blocks]) == table
+
+
+@pytest.mark.mutation_kill
+def test_a_row_whose_sibling_copied_away_is_not_claimed_to_need_a_block() -> None:
+    """A forked row whose last block is private again, with room, claims no new block."""
+    s = _fork_whose_sibling_copied_away()
+    claims: list[list[int]] = []
+    append_decodes = s.pool.append_decodes
+
+    def spy(
+        run: DecodeRun, tokens: Sequence[int], needy: Sequence[int], *rest: Any
+    ) -> DecodeGrowth | None:
+        claims.append(list(needy))
+        return append_decodes(run, tokens, needy, *rest)
+
+    s.pool.append_decodes = spy  # type: ignore[assignment, method-assign]
+    step = s.schedule()  # r0 writes position 2 and c0 position 1 of private blocks
+    assert step.decode_rows is not None and step.request_ids == ("r0", "c0")
+    assert claims == [[]] and step.copies == ()
+    s.commit(step, torch.tensor([7, 7]))
+
+
+@pytest.mark.mutation_kill
+def test_the_first_decoding_rows_before_a_running_prefill_are_read_as_a_slice() -> None:
+    """The first ``limit`` rows all decode (a prefill after): ``at`` is a slice, no gather."""
+    s = decoding(2)
+    s.add_request(make_request("p", 800, max_tokens=5))  # prefills over several steps
+    s.commit(s.schedule(), torch.tensor([7, 7]))
+    assert [r.request_id for r in s.running] == ["r0", "r1", "p"]
+    assert not s.batch.all_decoding()
+    rows = s.batch.decode_rows(2)
+    assert rows is not None and rows.request_ids == ["r0", "r1"]
+    assert isinstance(rows.at, slice) and rows.at == slice(0, 2)
+
+
+@pytest.mark.mutation_kill
+def test_the_stop_id_matrix_widens_only_to_the_largest_stop_id_set() -> None:
+    """One column while each request has at most one stop id; three ids widen it to three."""
+    s = decoding(3, eos_token_id=43, ignore_eos=False)
+    b = s.batch
+    assert b.stop_ids.shape == (16, 1)
+    assert [b.stop_ids[b._slot[r.request_id], 0] for r in s.running] == [43, 43, 43]
+    s.add_request(Request("w", [9, 9], StopParams(max_tokens=5, stop_token_ids=(40, 41, 42))))
+    s.commit(s.schedule(), torch.tensor([7, 7, 7, 7]))
+    assert b.stop_ids.shape == (16, 3)
+    assert b.stop_ids[b._slot["w"]].tolist() == [40, 41, 42]
+
+
+@pytest.mark.mutation_kill
+def test_a_bulk_decode_stops_on_either_of_two_stop_ids() -> None:
+    """With two stop ids per request, a token equal to either one finishes it (STOP)."""
+    s = decoding(3, stop_token_ids=(40, 41))
+    assert s.batch.stop_ids.shape[1] == 2
+    plan = s.schedule()
+    assert plan.decode_rows is not None
+    assert s.commit(plan, torch.tensor([41, 40, 8])).finished == ("r0", "r1")
+    assert [r.finish_reason for r in s.retired] == [FinishReason.STOP, FinishReason.STOP]
