@@ -481,7 +481,7 @@ class BlockPool:
             request_id,
             self._default_root if namespace is DEFAULT_NAMESPACE else namespace.root_key(),
         )
-        table.token_ids += new if type(new) is list or isinstance(new, tuple) else list(new)
+        table.token_ids += new  # any sequence; nothing is changed yet if this fails
         self._tables[request_id] = table
         self._changed.add(request_id)  # _mark_changed, inlined (hot)
         self._epoch += 1

@@ -184,6 +184,12 @@ def test_a_failed_run_leaves_the_queue_and_counts_unchanged(journaled: bool) -> 
     with pytest.raises(AssertionError, match=r"^ref count of block 5 would go negative"):
         fq.release_n([2, 5, 1], counts)  # the block after the failing one keeps its count
     assert (_state(fq, 6), counts, journal.num_entries) == before
+    counts[0] = 2  # shared: the release before the failure only drops its count
+    shared = (_state(fq, 6), list(counts), journal.num_entries)
+    with pytest.raises(AssertionError, match=r"^ref count of block 5 would go negative"):
+        fq.release_n([0, 1, 5], counts)
+    assert (_state(fq, 6), counts, journal.num_entries) == shared
+    counts[0] = 1
     if journaled:
         journal.rollback()
         assert (_state(fq, 6), counts) == before[:2]

@@ -134,12 +134,30 @@ def test_a_one_off_allocation_takes_any_sequence_and_reports_its_table() -> None
     assert pool.take_changed() == ({"a"}, False)
     assert pool.take_changed() == (set(), False)  # both reset by the call
     assert check_pool(pool.snapshot()) == []
-    more = pool.allocate("a", [10, 11, 12, 13], 1)  # an existing table grows, not anew
-    assert (more.start_position, pool.num_stored("a")) == (3, 4)
+    more = pool.allocate("a", [10, 11, 12, 13, 14], 2)  # an existing table grows, not anew
+    assert (more.start_position, pool.num_stored("a")) == (3, 5)
     assert check_pool(pool.snapshot()) == []
+    assert pool.take_changed() == ({"a"}, False)  # the one-off table knows its request
     cached = BlockPool(4, 2)  # the general path takes any sequence too
     cached.allocate("a", range(10, 15), 3)
     assert cached.snapshot().tables[0].token_ids == (10, 11, 12)
+
+
+@pytest.mark.mutation_kill
+def test_a_decode_run_is_stale_after_a_one_off_allocation_or_a_free() -> None:
+    """Each table added or freed outside a step, caching off, makes an earlier decode run
+    stale and is reported to ``take_changed`` by its request id."""
+    pool = BlockPool(8, 2, enable_prefix_caching=False)
+    pool.allocate("a", [1, 2, 3], 3)
+    run = pool.decode_run(["a"])
+    pool.take_changed()
+    pool.allocate("b", [4, 5], 2)
+    assert not pool.is_current(run)
+    assert pool.take_changed() == ({"b"}, False)
+    run = pool.decode_run(["a"])
+    pool.free("b")
+    assert not pool.is_current(run)
+    assert pool.take_changed() == ({"b"}, False)
 
 
 @pytest.mark.mutation_kill
