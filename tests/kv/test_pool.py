@@ -158,6 +158,8 @@ def test_a_decode_run_is_stale_after_a_one_off_allocation_or_a_free() -> None:
     pool.free("b")
     assert not pool.is_current(run)
     assert pool.take_changed() == ({"b"}, False)
+    pool.allocate("c", [6, 7], 2)  # a free then an allocation: never back to the run's epoch
+    assert not pool.is_current(run)
 
 
 @pytest.mark.mutation_kill
