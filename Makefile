@@ -101,7 +101,8 @@ conformance-vllm: $(VLLM_STAMP)
 
 # The pytest-benchmark suites; then refserve's full CPU step, the bulk path (persistent
 # batch) against the reference loop, each in its own worker process, rounds interleaved,
-# prefix caching off and on (out/bench-step.md); then the Python heap per running
+# every worker on one CPU (--no-pin to let the OS move them), prefix caching off and on
+# (out/bench-step.md); then the Python heap per running
 # request (out/bench-memory.md). Code: conformance/bench/.
 bench: $(STAMP)
 	$(PY) -m pytest tests/bench --benchmark-only --benchmark-columns=min,median,mean,rounds -p no:cacheprovider
@@ -112,7 +113,8 @@ bench: $(STAMP)
 
 # refserve, nano-vllm-fork and vLLM scheduler steps side by side through the adapters'
 # engines (conformance/bench/; not in `make test`): one worker per engine in its own venv
-# (the two venvs of conformance-nanovllm and conformance-vllm), rounds interleaved.
+# (the two venvs of conformance-nanovllm and conformance-vllm), rounds interleaved, every
+# worker on one CPU.
 # Writes out/bench-peers.json and out/bench-peers.md; exit 1 if an engine could not run.
 .PHONY: bench-peers
 bench-peers: $(STAMP) $(NANO_STAMP) $(VLLM_STAMP)

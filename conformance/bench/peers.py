@@ -575,11 +575,12 @@ def pinned(cpu: int | None) -> Iterator[int | None]:
     """Run the body on CPU ``cpu`` alone, and so every process it starts (they inherit
     the affinity); the CPU, or None when ``cpu`` is None or the platform cannot pin.
 
-    Unpinned on a shared 2-CPU VM, the OS moved a worker between CPUs mid-run: one run in
-    five of the same block-pool loop was 1.5x slower throughout, in refserve's worker and
-    in vLLM's alike, and the step's medians moved by 30 % between back-to-back runs.
-    The rounds run one at a time, so pinned workers never wait for each other; each
-    still finds the caches as the other engines' rounds left them."""
+    Unpinned on a shared 2-CPU VM, the OS moves a worker between the CPUs mid-run, and a
+    run's figure moves with it: two ``--no-pin`` runs of ``--only pool`` a minute apart
+    gave vLLM/refserve 1.20x and 0.80x without caching, three pinned runs beside them
+    1.06x-1.11x (README, "Benchmarks"). The rounds run one at a time, so pinned workers
+    never wait for each other; each still finds the caches as the other engines' rounds
+    left them."""
     if cpu is None or not hasattr(os, "sched_setaffinity"):
         yield None
         return
