@@ -608,26 +608,9 @@ def run_peers(
     command: str,
     log: IO[str] | None = None,
     parts: Sequence[str] = ("steps", "pool"),
-    cpu: int | None = None,
 ) -> Run:
-    """Start one worker per engine, build every configuration, interleave the rounds;
-    with ``cpu``, every worker on that CPU alone (:func:`pinned`)."""
-    with pinned(cpu) as on:
-        run = _run_peers(engines, pythons, sizes, rounds, warmup, command, log, parts)
-    run.pinned_cpu = on
-    return run
-
-
-def _run_peers(
-    engines: Sequence[str],
-    pythons: dict[str, str],
-    sizes: Sequence[int],
-    rounds: int,
-    warmup: int,
-    command: str,
-    log: IO[str] | None,
-    parts: Sequence[str],
-) -> Run:
+    """Start one worker per engine, build every configuration, interleave the rounds.
+    The workers run where this process may (:func:`pinned` narrows that)."""
     log = sys.stderr if log is None else log
     shapes = W.shapes(tuple(sizes)) if "steps" in parts else []
     run = Run(
@@ -848,16 +831,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
     )
     parts = (args.only,) if args.only else ("steps", "pool")
-    run = run_peers(
-        engines,
-        pythons,
-        sorted(set(args.sizes)),
-        args.rounds,
-        args.warmup,
-        command,
-        parts=parts,
-        cpu=cpu,
-    )
+    sizes = sorted(set(args.sizes))
+    with pinned(cpu) as on:
+        run = run_peers(engines, pythons, sizes, args.rounds, args.warmup, command, parts=parts)
+    run.pinned_cpu = on
     for path in (args.json, args.markdown):
         path.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(run.to_json(), indent=1) + "\n", encoding="utf-8")

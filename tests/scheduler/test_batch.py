@@ -23,7 +23,7 @@ from ref.core.request import FinishReason, Request, StopParams
 from ref.core.scheduler import BadExecutorOutput, NewTokens, Scheduler
 from ref.kv import BlockPool, DecodeGrowth, DecodeRun
 from spec.snapshot import RequestStatus
-from tests.harness import make_request, prompt_tokens
+from tests.harness import make_request
 
 S = RequestStatus
 
@@ -496,13 +496,13 @@ def test_a_request_the_pool_holds_no_table_for_loads_an_empty_row() -> None:
     """No table in the pool: an all-zero row (recycled slot too), no blocks, no shared tail."""
     pool = BlockPool(64, 4)
     b = PersistentBatch(block_size=4, max_len=64)
-    a = Request("a", prompt_tokens(6), StopParams(max_tokens=5, ignore_eos=True))
+    a = make_request("a", 6, 5)
     pool.allocate("a", a.token_ids, 6)
     b.append(a, pool)
     slot = b._slot["a"]
     assert b.num_blocks[slot] == 2 and b.block_table[slot].any()
     b.remove(a)
-    x = Request("x", prompt_tokens(3, base=20), StopParams(max_tokens=5, ignore_eos=True))
+    x = make_request("x", 3, 5, base=20)
     assert not pool.has_request("x")
     b.append(x, pool)
     assert b._slot["x"] == slot  # the row a left
@@ -515,11 +515,11 @@ def test_a_loaded_table_widens_the_block_table_by_doubling_only_past_its_width()
     """Width 8 holds a table of 8 blocks as it is; one of 9 doubles it to 16, rows kept."""
     pool = BlockPool(64, 1)
     b = PersistentBatch(block_size=1, max_len=64)
-    a = Request("a", prompt_tokens(8), StopParams(max_tokens=5, ignore_eos=True))
+    a = make_request("a", 8, 5)
     pool.allocate("a", a.token_ids, 8)
     b.append(a, pool)
     assert b.block_table.shape == (16, 8)
-    c = Request("c", prompt_tokens(9, base=20), StopParams(max_tokens=5, ignore_eos=True))
+    c = make_request("c", 9, 5, base=20)
     pool.allocate("c", c.token_ids, 9)
     b.append(c, pool)
     assert b.block_table.shape == (16, 16)
