@@ -1,0 +1,15 @@
+"""Exhaustive exploration: every reachable state of an engine up to a bounded scope.
+
+The suite's other searches sample; this package enumerates. From a fresh engine it applies
+every enabled event (add a request from a small catalogue, abort a live one, step with
+every sampled outcome, an executor fault) in every reachable state, breadth first, checks
+every invariant on every transition, deduplicates states on a canonical key that factors
+out request and block renaming, and then checks liveness on the explored graph: from
+every state, stepping alone finishes every request. docs/CONFORMANCE.md, "Exhaustive
+exploration", says what is covered and what is not.
+"""
+
+from conformance.explore.explorer import ExploreResult, explore
+from conformance.explore.scope import SCOPES, RequestTemplate, Scope
+
+__all__ = ["SCOPES", "ExploreResult", "RequestTemplate", "Scope", "explore"]

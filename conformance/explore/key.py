@@ -1,0 +1,122 @@
+"""The canonical key of a state: two states with the same key have the same futures.
+
+Deduplicating on it is what makes an exhaustive exploration finite and small. It factors
+out the symmetries a correct engine cannot observe (docs/CONFORMANCE.md, "Exhaustive
+exploration"):
+
+* **request ids**: live requests are named by their arrival order (the ids the explorer
+  hands out are arbitrary strings to the engine); finished and aborted ones are gone;
+* **physical block ids**: renamed by first use, walking the live tables in arrival
+  order, then the cache index in key order (content hashes, independent of ids);
+* **the free queue**: kept only where it is observable. Free blocks that hold no
+  cache entry are interchangeable, so only where the indexed ones sit in the hand-out
+  order survives (which evictable block goes first); an engine declaring an unordered
+  free list keeps no order at all.
+
+What the key keeps: every live request's counters, tokens and catalogue entry; every
+table (renamed), ref count and cache entry; the fake KV memory of every held or indexed
+block (the K/V content rule reads nothing else); the explorer's own phase. An engine
+whose behaviour depends on state its snapshot does not show (a timer, an aging counter,
+its queue order) adds it with an ``explore_key()`` method on its adapter (request ids in
+it are renamed like the snapshot's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+
+from spec.snapshot import EngineSnapshot, PoolSnapshot
+
+Key = Hashable
+
+
+class _Names:
+    """Physical ids renamed in order of first appearance."""
+
+    def __init__(self) -> None:
+        self.of: dict[int, int] = {}
+
+    def __call__(self, block: int) -> int:
+        return self.of.setdefault(block, len(self.of))
+
+
+def pool_key(
+    pool: PoolSnapshot,
+    rank: Mapping[str, int],
+    memory: Mapping[int, int],
+    ordered_free: bool,
+) -> Key:
+    """The canonical form of one pool (device or host) and of its fake memory."""
+    names = _Names()
+    bs = pool.block_size
+    tables = sorted(
+        (t for t in pool.tables if t.request_id in rank), key=lambda t: rank[t.request_id]
+    )
+    strays = sorted(t.request_id for t in pool.tables if t.request_id not in rank)
+    table_key = tuple(
+        (rank[t.request_id], tuple(names(b) for b in t.block_table), t.num_stored, t.root_key)
+        for t in tables
+    )
+    entries = sorted(pool.cache_entries, key=lambda e: e.key)
+    entry_key = tuple((e.key, names(e.block_id), e.parent_key) for e in entries)
+    if ordered_free:
+        free: tuple[int | None, ...] = tuple(names.of.get(b) for b in pool.free_queue)
+    else:
+        free = tuple(sorted(names.of[b] for b in pool.free_queue if b in names.of))
+    num_free = len(pool.free_queue)
+    ref = {
+        names.of[b]: c
+        for b, c in enumerate(pool.ref_cnt)
+        if b in names.of and 0 <= b < len(pool.ref_cnt)
+    }
+    contents = tuple(
+        tuple(memory.get(b * bs + off) for off in range(bs))
+        for b, _ in sorted(names.of.items(), key=lambda kv: kv[1])
+    )
+    # Blocks counted as held but in no table, cache entry or free slot: a leak the BLOCK
+    # check reports; their number is part of the state all the same.
+    held = sum(1 for c in pool.ref_cnt if c > 0)
+    return (
+        table_key,
+        tuple(strays),
+        entry_key,
+        free,
+        num_free,
+        tuple(sorted(ref.items())),
+        held - len(ref),
+        contents,
+    )
+
+
+def request_key(snap: EngineSnapshot, rank: Mapping[str, int]) -> Key:
+    live = sorted(
+        (r for r in snap.requests if r.request_id in rank), key=lambda r: rank[r.request_id]
+    )
+    return tuple(
+        (
+            rank[r.request_id],
+            str(r.status),
+            r.num_prompt_tokens,
+            r.num_output_tokens,
+            r.num_computed_tokens,
+            r.num_cached_tokens,
+            r.max_model_len,
+        )
+        for r in live
+    )
+
+
+def rename(value: object, rank: Mapping[str, int]) -> Key:
+    """``value`` with every live request id replaced by its rank (for ``explore_key``)."""
+    if isinstance(value, str):
+        return ("#", rank[value]) if value in rank else value
+    if isinstance(value, (tuple, list)):
+        return tuple(rename(v, rank) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return frozenset(rename(v, rank) for v in value)
+    if isinstance(value, dict):
+        return tuple(
+            sorted(((rename(k, rank), rename(v, rank)) for k, v in value.items()), key=repr)
+        )
+    assert isinstance(value, Hashable), f"explore_key() returned an unhashable {value!r}"
+    return value

@@ -1,0 +1,259 @@
+"""One path of an exploration: an engine driven event by event, checked after each one.
+
+A :class:`Session` is the conformance runner (:mod:`conformance.runner`) cut into single
+events. The runner drives a whole workload; here every add, abort, step and fault is one
+call of :meth:`Session.apply`, with the same guarded adapter calls, the same fake KV
+memory and the same checkers as a conformance run, so a finding of the explorer is a
+finding of the suite, and a path replays as an ordinary workload
+(:mod:`conformance.explore.counterexample`).
+
+Events at one step boundary come in the runner's order: adds, then aborts, then the step
+(a fault is the runner's ``rollback_at``: a step scheduled and undone just before the
+real one). Once an abort has been made at a boundary, the next add waits for the next
+boundary, so that every path is a workload the runner replays exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from itertools import combinations
+
+from conformance.adapter import EngineAdapter, EngineProperties, Feature
+from conformance.explore.key import Key, pool_key, rename, request_key
+from conformance.explore.scope import Scope
+from conformance.guard import describe
+from conformance.runner import Finding, _Run, _Stop
+from conformance.workload import EOS, RequestPlan, Workload, next_token
+from spec.violation import Invariant, violation
+
+
+@dataclass(frozen=True)
+class Add:
+    """Submit catalogue entry ``entry`` (each entry at most once per path)."""
+
+    entry: int
+
+    def __str__(self) -> str:
+        return f"add #{self.entry}"
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+    def __str__(self) -> str:
+        return f"abort {self.request_id}"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One engine step; the requests in ``eos`` sample eos, every other sampler does not."""
+
+    eos: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return f"step (eos: {', '.join(self.eos)})" if self.eos else "step"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """The executor fails: a step is scheduled and rolled back (ATOMIC)."""
+
+    def __str__(self) -> str:
+        return "fault"
+
+
+Event = Add | Abort | Step | Fault
+
+
+def eos_variants(sampled: tuple[str, ...]) -> Iterator[Step]:
+    """Every step outcome besides the all-ordinary one: each non-empty set of samplers
+    that sample eos."""
+    for n in range(1, len(sampled) + 1):
+        for group in combinations(sampled, n):
+            yield Step(group)
+
+
+class _ExploreRun(_Run):
+    """The runner with the sampled token chosen by the explorer, not by the workload."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.eos_now: frozenset[str] = frozenset()
+        self.sampled_now: list[str] = []
+
+    def choose(self, rid: str, toks: list[int]) -> int:
+        self.sampled_now.append(rid)
+        if rid in self.eos_now and self.props.eos:
+            return EOS
+        return next_token(toks)
+
+
+class Session:
+    """An engine at the end of one path, with the books the checks need."""
+
+    def __init__(
+        self, adapter: EngineAdapter, scope: Scope, props: EngineProperties, timeout: float
+    ) -> None:
+        self.scope = scope
+        self.run = _ExploreRun(adapter, Workload(scope.config(), ()), props, timeout)
+        self.features: frozenset[Feature] = frozenset()
+        self.boundary = 0
+        self.steps = 0
+        self.aborting = False
+        """An abort was made at this boundary: adds wait for the next one."""
+        self.entries: dict[str, int] = {}
+        """Catalogue entry of every request added so far (live or not), by id."""
+        self.last_sampled: tuple[str, ...] = ()
+        self.dead = False
+        """A call failed or the engine could not take the scope: nothing follows."""
+        self.last_abort = ""
+        """The last id aborted at this boundary: the runner aborts in sorted id order."""
+        self.record = False
+        """Keep the runner's trace and the books a replayable workload needs."""
+        self.stops: dict[str, int] = {}
+        """With ``record``: the output number at which each request sampled eos."""
+        self.aborts: dict[str, int] = {}
+        self.rollbacks: list[int] = []
+
+    @property
+    def findings(self) -> list[Finding]:
+        return self.run.res.findings
+
+    def start(self, features: frozenset[Feature]) -> list[Finding]:
+        self.features = features
+        return self._guarded(
+            lambda: self.run.call(
+                -1, "configure", "configure()", lambda: self.run.a.configure(self.run.cfg)
+            )
+        )
+
+    def live(self) -> list[str]:
+        """Live request ids in arrival order (the canonical order of the key)."""
+        return [rid for rid in self.entries if rid in self.run.live]
+
+    def enabled(self) -> list[Event]:
+        """Every event the explorer may apply now (a step's eos outcomes come from the
+        ordinary step's samplers: :func:`eos_variants`)."""
+        if self.dead:
+            return []
+        live = self.live()
+        out: list[Event] = []
+        used = set(self.entries.values())
+        if len(self.entries) < self.scope.max_requests and not (self.aborting and live):
+            out += [Add(i) for i in range(len(self.scope.catalogue)) if i not in used]
+        if Feature.ABORT in self.features:
+            last = self.last_abort if self.aborting else ""
+            out += [Abort(rid) for rid in sorted(live) if rid > last]
+        if live:
+            out.append(Step())
+            if self.scope.faults and Feature.ROLLBACK in self.features:
+                out.append(Fault())
+        return out
+
+    def apply(self, ev: Event) -> list[Finding]:
+        """Apply one event with every check of the runner; returns its new findings."""
+        assert not self.dead, "an event after a failed call"
+        if isinstance(ev, Add):
+            return self._guarded(lambda: self._add(ev.entry))
+        if isinstance(ev, Abort):
+            return self._guarded(lambda: self._abort(ev.request_id))
+        if isinstance(ev, Fault):
+            if self.record:
+                self.rollbacks.append(self.steps)
+            return self._guarded(lambda: self.run.rollback(self.steps))
+        return self._guarded(lambda: self._step(ev.eos))
+
+    def _add(self, entry: int) -> None:
+        if self.aborting:  # nothing live after the aborts: the runner idles one boundary
+            self.boundary += 1
+            self.aborting = False
+        t = self.scope.catalogue[entry]
+        rid = f"r{len(self.entries)}"
+        self.entries[rid] = entry
+        plan = RequestPlan(rid, t.prompt, t.max_tokens, arrival=self.boundary, priority=t.priority)
+        self.run.plans[rid] = plan
+        self.run.add(plan, self.steps)
+        self._after()
+
+    def _abort(self, rid: str) -> None:
+        if self.record:
+            self.aborts[rid] = self.boundary
+        self.run.abort(rid, self.steps)
+        self.aborting = True
+        self.last_abort = rid
+        self._after()
+
+    def _step(self, eos: tuple[str, ...]) -> None:
+        run = self.run
+        run.eos_now = frozenset(eos)
+        if self.record:
+            for rid in eos:
+                self.stops[rid] = len(run.tokens[rid]) - len(run.plans[rid].prompt) + 1
+        run.sampled_now = []
+        run.step(self.steps)
+        self.last_sampled = tuple(run.sampled_now)
+        self.steps += 1
+        self.boundary += 1
+        self.aborting = False
+        self._after()
+
+    def _after(self) -> None:
+        run = self.run
+        if not self.record:
+            # Path-long histories are the runner's reports, not state: a state's checks
+            # read only the step in hand, and a copied session stays small.
+            run.res.trace.clear()
+            run.steps.clear()
+        if not run.live and self.entries:
+            run.quiesce(self.steps)
+
+    def key(self) -> Key:
+        """The canonical key of the state (:mod:`conformance.explore.key`); raises
+        ``_Stop`` when the snapshot cannot be read (the finding is recorded)."""
+        run = self.run
+        snap = run.snapshot(self.steps, "explore")
+        live = self.live()
+        rank = {rid: i for i, rid in enumerate(live)}
+        books = tuple((self.entries[rid], tuple(run.tokens[rid])) for rid in live)
+        device = pool_key(snap.pool, rank, run.kv, run.props.free_queue_order)
+        host = None if snap.host is None else pool_key(snap.host, rank, run.host_kv, True)
+        explore_key = getattr(run.a, "explore_key", None)
+        extra = rename(explore_key(), rank) if callable(explore_key) else None
+        # At a boundary with aborts made, adds wait and only later ids may be aborted.
+        phase = tuple(rank[r] for r in live if r > self.last_abort) if self.aborting else None
+        return (
+            phase if live else None,
+            frozenset(self.entries.values()),
+            books,
+            request_key(snap, rank),
+            device,
+            host,
+            extra,
+        )
+
+    def _guarded(self, fn: Callable[[], None]) -> list[Finding]:
+        mark = len(self.findings)
+        try:
+            fn()
+        except _Stop:
+            self.dead = True
+        except Exception as e:  # the runner's books tripped on the adapter's data
+            self.findings.append(
+                Finding(
+                    violation(
+                        Invariant.PROGRESS,
+                        "adapter",
+                        f"the suite could not follow the adapter's records: {describe(e)}",
+                    ),
+                    self.steps,
+                )
+            )
+            self.dead = True
+        if self.run.res.not_supported:
+            self.dead = True
+        return self.findings[mark:]
+
+
+__all__ = ["Abort", "Add", "Event", "Fault", "Session", "Step", "eos_variants"]
