@@ -18,10 +18,10 @@ graph is complete, liveness is checked on it (:mod:`conformance.explore.liveness
 from __future__ import annotations
 
 import copy
-from itertools import pairwise
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 from conformance.adapter import AdapterFactory, EngineProperties, Feature
