@@ -7,6 +7,8 @@ Usage::
         [--report report.json] [--markdown report.md] [--no-progress]
     refserve conformance --kv-adapter MODULE:FACTORY [...]      # the block manager alone
     refserve conformance --adapter MODULE:FACTORY --replay workload.json
+    refserve conformance --adapter MODULE:FACTORY --exhaustive [--scope small]
+        [--strategy replay|copy] [--counterexamples DIR] [--report explore.json]
     refserve conformance --adapter MODULE:FACTORY --self-check
     refserve conformance --list
 
@@ -73,6 +75,30 @@ def _parser() -> argparse.ArgumentParser:
         help="suppress the findings of an earlier report, so the search goes past them",
     )
     p.add_argument("--replay", type=Path, help="run one workload JSON and print its trace")
+    p.add_argument(
+        "--exhaustive",
+        action="store_true",
+        help="explore every reachable state of a bounded scope instead of sampling "
+        "(docs/CONFORMANCE.md, 'Exhaustive exploration')",
+    )
+    p.add_argument(
+        "--scope",
+        default="small",
+        help="with --exhaustive: the named scope to exhaust (tiny, small, medium; default small)",
+    )
+    p.add_argument(
+        "--strategy",
+        default="replay",
+        choices=("replay", "copy"),
+        help="with --exhaustive: reach each state by replaying its path on a fresh adapter "
+        "(any adapter; the default) or by deep-copying the parent's (adapters that copy)",
+    )
+    p.add_argument(
+        "--counterexamples",
+        type=Path,
+        metavar="DIR",
+        help="with --exhaustive: write each counterexample's workload here, for --replay",
+    )
     p.add_argument(
         "--self-check",
         action="store_true",
@@ -145,6 +171,8 @@ def _main(argv: list[str]) -> int:
         return self_check_main(args.adapter, args.call_timeout)
     if args.replay is not None:
         return _replay(args)
+    if args.exhaustive:
+        return _exhaustive(args)
     for out in (args.report, args.markdown):
         if out is not None:
             _check_writable(out)
@@ -356,6 +384,44 @@ def _load_kv(spec: str) -> Any:
     from conformance.kv.machine import load_kv_factory
 
     return _load_with(load_kv_factory, spec, "--kv-adapter")
+
+
+def _exhaustive(args: argparse.Namespace) -> int:
+    from conformance.explore import SCOPES, explore
+
+    if not args.adapter:
+        raise UsageError("--exhaustive needs --adapter MODULE:FACTORY")
+    scope = SCOPES.get(args.scope)
+    if scope is None:
+        raise UsageError(f"--scope must be one of {', '.join(SCOPES)}, got {args.scope!r}")
+    for out in (args.report, args.markdown):
+        if out is not None:
+            _check_writable(out)
+    if args.counterexamples is not None:
+        try:
+            args.counterexamples.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--counterexamples {args.counterexamples}: {e.strerror}") from None
+    factory = _load(args.adapter)
+    res = explore(factory, scope, strategy=args.strategy, call_timeout=args.call_timeout)
+    for i, c in enumerate(res.counterexamples):
+        print(f"FAIL {c.kind}: {c.finding}")
+        print(f"  shortest path ({len(c.path)} events): {', '.join(map(str, c.path))}")
+        if c.cycle:
+            print(f"  then forever: {', '.join(map(str, c.cycle))}")
+        print(c.table)
+        if args.counterexamples is not None:
+            path = args.counterexamples / f"counterexample-{i + 1}.json"
+            _write_atomic(path, json.dumps(c.workload.to_json(), indent=1) + "\n")
+            print(f"  replay: refserve conformance --adapter {args.adapter} --replay {path}")
+    if args.report is not None:
+        _write_atomic(args.report, json.dumps(res.to_json(), indent=1) + "\n")
+    if args.markdown is not None:
+        md = [f"# Exhaustive exploration: {res.engine}", "", res.summary(), ""]
+        md += [f"## {c.kind}: {c.finding}\n\n{c.table}\n" for c in res.counterexamples]
+        _write_atomic(args.markdown, "\n".join(md))
+    print(res.summary())
+    return EXIT_FINDINGS if res.counterexamples else EXIT_OK
 
 
 def _replay(args: argparse.Namespace) -> int:

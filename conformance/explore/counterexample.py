@@ -29,6 +29,8 @@ class Counterexample:
     """``safety`` (a check failed on the last event) or ``liveness`` (a step cycle)."""
     cycle: tuple[Event, ...] = ()
     """For a livelock: the steps that lead from the path's last state back to it."""
+    table: str = ""
+    """The path (and cycle) as a step table (:func:`step_table`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -37,6 +39,7 @@ class Counterexample:
             "path": [str(e) for e in self.path],
             "cycle": [str(e) for e in self.cycle],
             "workload": self.workload.to_json(),
+            "table": self.table,
         }
 
 

@@ -33,6 +33,7 @@ from conformance.explore.session import Event, Fault, Session, Step, eos_variant
 from conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError
 from conformance.runner import Finding, _Stop, adapter_traits, build
 from conformance.shrink import signature
+from conformance.workload import Workload
 from spec.violation import Invariant, violation
 
 STRATEGIES = ("replay", "copy")
@@ -69,8 +70,6 @@ class ExploreResult:
     counterexamples: list[Counterexample] = field(default_factory=list)
     liveness: Liveness | None = None
     not_supported: str = ""
-    tables: dict[str, str] = field(default_factory=dict)
-    """Each counterexample's step table, by signature."""
     coverage: dict[str, int] = field(default_factory=dict)
     """What the explored transitions exercised (preemptions, prefix hits, chunked
     prompts, rejections, finish reasons) and how many states had a request in each
@@ -330,9 +329,8 @@ class _Explorer:
         for n in self.nodes:
             for status in {r[1] for r in n.key[3]}:  # type: ignore[index]  # request_key
                 res.coverage[f"state {status}"] = res.coverage.get(f"state {status}", 0) + 1
-        for sig, (f, path) in self.found.items():
+        for f, path in self.found.values():
             res.counterexamples.append(self.counterexample(f, path, "safety"))
-            res.tables[sig] = self.table(path)
         if not self.nodes:
             return
         live = {i for i, n in enumerate(self.nodes) if n.live and i not in self.unknown}
@@ -356,7 +354,6 @@ class _Explorer:
                 "liveness",
             )
             res.counterexamples.append(self.counterexample(f, path, "liveness", cycle))
-            res.tables["liveness"] = self.table(path + cycle)
 
     def _edge_event(self, a: int, b: int) -> Event:
         n = self.nodes[b]
@@ -369,19 +366,13 @@ class _Explorer:
     ) -> Counterexample:
         note = f"explorer {kind} counterexample: {f}"
         try:
-            s = record(self.factory, self.scope, path, self.timeout)
+            s = record(self.factory, self.scope, path + cycle, self.timeout)
             w = to_workload(s, note)
-        except AdapterCallError:
-            from conformance.workload import Workload
-
-            w = Workload(self.scope.config(), (), note=note)
-        return Counterexample(f, path, w, kind, cycle)
-
-    def table(self, path: tuple[Event, ...]) -> str:
-        try:
-            return step_table(record(self.factory, self.scope, path, self.timeout), path)
+            table = step_table(s, path + cycle)
         except AdapterCallError as e:
-            return f"(the path could not be replayed: {e})"
+            w = Workload(self.scope.config(), (), note=note)
+            table = f"(the path could not be replayed: {e})"
+        return Counterexample(f, path, w, kind, cycle, table)
 
 
 class _Failed(Exception):

@@ -91,11 +91,13 @@ class Scope:
 
 # The catalogue: prompts share a leading block (prefix hits) and differ after it; one is
 # longer than the budget (chunked prefill); two together outgrow the pool (preemption);
-# one outgrows the pool alone (a capacity finish); one is more important (priorities).
+# one outgrows the pool alone (a capacity finish); one is more important (priorities);
+# two long prompts cannot be prefilled side by side (the planted livelock's trigger).
 _A = RequestTemplate((2, 3, 4), 3)
 _B = RequestTemplate((2, 3, 5, 6), 2)
 _C = RequestTemplate((7, 8), 1)
 _D = RequestTemplate((2, 3, 5, 6, 9, 10, 11), 3, priority=-1)
+_E = RequestTemplate((12, 13, 14, 15, 16, 17), 1)
 
 SCOPES: dict[str, Scope] = {
     "tiny": Scope(
@@ -113,7 +115,7 @@ SCOPES: dict[str, Scope] = {
         num_blocks=4,
         max_num_batched_tokens=2,
         max_num_seqs=2,
-        catalogue=(_A, _B, _C, _D),
+        catalogue=(_A, _B, _D, _E),
         max_requests=3,
     ),
     "medium": Scope(
@@ -122,7 +124,7 @@ SCOPES: dict[str, Scope] = {
         num_blocks=4,
         max_num_batched_tokens=4,
         max_num_seqs=3,
-        catalogue=(_A, _B, _C, _D),
+        catalogue=(_A, _B, _C, _D, _E),
         max_requests=4,
     ),
 }

@@ -172,7 +172,9 @@ class Session:
         t = self.scope.catalogue[entry]
         rid = f"r{len(self.entries)}"
         self.entries[rid] = entry
-        plan = RequestPlan(rid, t.prompt, t.max_tokens, arrival=self.boundary, priority=t.priority)
+        # An engine without priorities gets them all equal (its workloads never mix them).
+        prio = t.priority if Feature.PRIORITIES in self.features else 0
+        plan = RequestPlan(rid, t.prompt, t.max_tokens, arrival=self.boundary, priority=prio)
         self.run.plans[rid] = plan
         self.run.add(plan, self.steps)
         self._after()
