@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Modules whose pure helpers carry CrossHair contracts (pre/post conditions).
-CROSSHAIR_MODULES := spec/arith.py spec/hashing.py
+CROSSHAIR_MODULES := spec/arith.py spec/hashing.py ref/core/capacity.py ref/core/prefill.py \
+	ref/core/planner.py ref/core/swap.py ref/core/policy.py
 CROSSHAIR_TIMEOUT ?= 5
 
 .PHONY: run train-tiny test lint typecheck pytest crosshair conformance conformance-nanovllm conformance-vllm bench deep clean venv gpu-check gpu-bench

@@ -84,12 +84,18 @@ def chunk_size(
     boundary (example 3: budget 1021 left, chunk 1008 = 63 blocks), so no partial block is
     carried between steps.
 
+    The last two conditions say what alignment may cost: a chunk is 0 ("not this step")
+    only when nothing is left, no budget is, or an aligned chunk cannot reach the next
+    block boundary; and cutting back to a boundary gives up less than one block.
+
     pre: num_remaining >= 0
     pre: budget_left >= 0
     pre: block_size > 0
     pre: num_computed >= 0
     post: 0 <= __return__ <= min(num_remaining, budget_left)
     post: __return__ in (0, num_remaining) or not align_to_block or (num_computed + __return__) % block_size == 0
+    post: (__return__ == 0) == (num_remaining == 0 or budget_left == 0 or (align_to_block and budget_left < num_remaining and num_computed % block_size + budget_left < block_size))
+    post: min(num_remaining, budget_left) - __return__ < block_size
     """
     n = min(num_remaining, budget_left)
     if align_to_block and n < num_remaining:

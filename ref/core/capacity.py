@@ -7,6 +7,10 @@ has can never run here. It is asked when a request arrives or a tool turn resume
 
 :func:`admission_blocks`: the free blocks a waiting request must find before it is
 admitted, by ``config.admission`` (example 2e: admission with growth headroom).
+
+Their arithmetic is in two pure functions, :func:`exceeds_pool` and
+:func:`whole_request_blocks`, whose CrossHair contracts ``make crosshair`` proves
+(docs/ARCHITECTURE.md, "Verification practice").
 """
 
 from __future__ import annotations
@@ -18,9 +22,52 @@ from ref.kv import BlockPool, PrefixHit
 from spec.arith import blocks_needed
 
 
+def exceeds_pool(num_tokens: int, block_size: int, num_blocks: int) -> bool:
+    """``num_tokens`` tokens of KV need more blocks than a pool of ``num_blocks`` holds (CAP).
+
+    The rule counts whole blocks; the contract compares with the pool's slots directly,
+    so rounding up to blocks neither lets through a request one token too long nor
+    refuses one that fills the last slot exactly.
+
+    pre: num_tokens >= 0
+    pre: block_size > 0
+    pre: num_blocks >= 0
+    post: __return__ == (num_tokens > num_blocks * block_size)
+    """
+    return blocks_needed(num_tokens, block_size) > num_blocks
+
+
+def whole_request_blocks(
+    first: int, num_held: int, num_new: int, num_total: int, block_size: int
+) -> int:
+    """Free blocks to find before admitting a request whose whole ``num_total`` tokens
+    must fit (CAP, example 2e), when its first chunk of ``num_new`` tokens after a prefix
+    hit of ``num_held`` blocks asks ``first`` of the pool.
+
+    ``first`` is the fresh blocks of the first chunk plus the hit's cached blocks that
+    leave the free queue (revived, so they count against the free blocks too). Once
+    admitted the request holds ``blocks_needed(num_held * block_size + num_new)`` blocks,
+    so ``__return__ - first`` more make it hold the whole request: the second condition
+    says they cover ``num_total`` tokens, the third that no fewer would, the first that
+    the first chunk is never asked less than it takes.
+
+    pre: block_size > 0
+    pre: num_held >= 0
+    pre: num_new >= 0
+    pre: num_total >= num_held * block_size + num_new
+    pre: first >= blocks_needed(num_held * block_size + num_new, block_size) - num_held
+    post: __return__ >= first
+    post: (__return__ - first + blocks_needed(num_held * block_size + num_new, block_size)) * block_size >= num_total
+    post: __return__ == first or (__return__ - first + blocks_needed(num_held * block_size + num_new, block_size) - 1) * block_size < num_total
+    """  # noqa: E501 (CrossHair reads one condition per line)
+    fresh_first = max(0, blocks_needed(num_held * block_size + num_new, block_size) - num_held)
+    revived = first - fresh_first  # cached blocks that leave the free queue on a hit
+    return max(first, blocks_needed(num_total, block_size) - num_held + revived)
+
+
 def never_fits(config: SchedulerConfig, num_tokens: int) -> bool:
     """``num_tokens`` tokens of KV need more blocks than the device pool holds."""
-    return blocks_needed(num_tokens, config.block_size) > config.num_blocks
+    return exceeds_pool(num_tokens, config.block_size, config.num_blocks)
 
 
 def require_fit(config: SchedulerConfig, request_id: str, num_tokens: int) -> None:
@@ -42,6 +89,4 @@ def admission_blocks(
     else:
         total = min(r.num_prompt_tokens + r.stop.max_tokens, config.max_len)
     held = len(hit.block_ids) if hit else 0
-    fresh_first = max(0, blocks_needed(held * config.block_size + n, config.block_size) - held)
-    revived = first - fresh_first  # cached blocks that leave the free queue on a hit
-    return max(first, blocks_needed(total, config.block_size) - held + revived)
+    return whole_request_blocks(first, held, n, total, config.block_size)

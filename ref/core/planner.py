@@ -130,7 +130,7 @@ class Planner:
         (docs/SPECULATIVE.md, "Scheduling")."""
         drafts = d.proposals.get(r.request_id, ())
         room = min(r.stop.max_tokens - r.num_output_tokens, self.config.max_len - r.num_tokens)
-        cut = max(min(len(drafts), room - 1, d.budget - d.reserve - 1), 0)
+        cut = draft_count(len(drafts), room, d.budget - d.reserve)
         if not cut:
             return ()
         need = self.pool.blocks_to_allocate(r.request_id, 1 + cut)
@@ -256,3 +256,21 @@ class Planner:
             d.running.remove(victim)
             d.preempted.append(victim.request_id)
         return True
+
+
+def draft_count(num_proposed: int, room: int, budget_left: int) -> int:
+    """Drafts a decode may verify this step: ``num_proposed`` cut so the verification
+    (its drafts plus the bonus token, docs/SPECULATIVE.md "Scheduling") stays within the
+    ``room`` tokens the request may still emit (KVLEN: outputs never exceed
+    ``max_tokens`` / ``max_model_len``) and the ``budget_left`` tokens of the step's
+    budget (TOKEN); docs/ARCHITECTURE.md, "Verification practice".
+
+    The contract: never more drafts than proposed; any kept fit both limits with their
+    bonus token; and the cut is the largest such (one more draft would break a limit).
+
+    pre: num_proposed >= 0
+    post: 0 <= __return__ <= num_proposed
+    post: __return__ == 0 or (__return__ + 1 <= room and __return__ + 1 <= budget_left)
+    post: __return__ == num_proposed or __return__ + 2 > room or __return__ + 2 > budget_left
+    """
+    return max(min(num_proposed, room - 1, budget_left - 1), 0)

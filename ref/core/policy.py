@@ -48,6 +48,29 @@ class Policy(Protocol):
         ...
 
 
+def aged_priority(priority: int, queued_step: int, step_index: int, aging_steps: int) -> int:
+    """``priority`` improved by one level per ``aging_steps`` steps waited since
+    ``queued_step`` (0: no aging): :meth:`DecodeFirst.effective_priority`, the bound on
+    starvation of PROGRESS (docs/ARCHITECTURE.md, "Verification practice").
+
+    The contract: aging only ever improves a priority, by exactly the whole number of
+    ``aging_steps`` periods waited; and it equals the waiting queue's split of the same
+    value into a term fixed at queueing time and one shared by every request of a phase
+    (``queued_step % aging_steps``; ref/core/waiting.py, "Aging without re-sorting"), which
+    is what lets the queue keep each phase's order without re-sorting.
+
+    pre: aging_steps >= 0
+    pre: 0 <= queued_step <= step_index
+    post: __return__ <= priority
+    post: aging_steps > 0 or __return__ == priority
+    post: aging_steps == 0 or (priority - __return__) * aging_steps <= step_index - queued_step < (priority - __return__ + 1) * aging_steps
+    post: aging_steps == 0 or __return__ == (priority + queued_step // aging_steps) - (step_index - queued_step % aging_steps) // aging_steps
+    """  # noqa: E501 (CrossHair reads one condition per line)
+    if not aging_steps:
+        return priority
+    return priority - (step_index - queued_step) // aging_steps
+
+
 class DecodeFirst:
     """Decode first, then prefill in arrival order; preempt the least important request.
 
@@ -68,9 +91,7 @@ class DecodeFirst:
         has to overcome). Only the finitely many requests queued within that window can
         overtake it, so under any arrival pattern it cannot wait forever.
         """
-        if not self.aging_steps:
-            return r.priority
-        return r.priority - (step_index - r.queued_step) // self.aging_steps
+        return aged_priority(r.priority, r.queued_step, step_index, self.aging_steps)
 
     def waiting_queue(self, *, track_arrivals: bool) -> WaitingQueue:
         return WaitingQueue(self.aging_steps, track_arrivals=track_arrivals)

@@ -83,8 +83,41 @@ def prefill_cap(
 def chunk(config: SchedulerConfig, remaining: int, avail: int, num_computed: int) -> int:
     """Tokens of a prefill with ``remaining`` tokens left that fit ``avail`` ("Chunk size
     rules" in docs/ARCHITECTURE.md); without chunked prefill, all of them or none."""
-    if not config.enable_chunked_prefill:
-        return remaining if remaining <= avail else 0
-    return chunk_size(
-        remaining, avail, config.block_size, config.align_chunks_to_blocks, num_computed
+    return prefill_chunk(
+        remaining,
+        avail,
+        config.block_size,
+        num_computed,
+        chunked=config.enable_chunked_prefill,
+        align_to_block=config.align_chunks_to_blocks,
     )
+
+
+def prefill_chunk(
+    num_remaining: int,
+    budget_left: int,
+    block_size: int,
+    num_computed: int,
+    *,
+    chunked: bool,
+    align_to_block: bool,
+) -> int:
+    """:func:`chunk` on plain numbers (PROGRESS; docs/ARCHITECTURE.md, "Chunk size rules").
+
+    The contract: a chunk never exceeds the budget nor the tokens left; without chunked
+    prefill a prompt runs whole or not at all; and a chunk is 0 ("not this step") exactly
+    when nothing is left, no budget is, or the prompt does not fit whole (unchunked) or
+    cannot reach the next block boundary (aligned). A chunk of 0 when the request could
+    have run is the starvation bug; a chunk past the budget breaks the step's limit.
+
+    pre: num_remaining >= 0
+    pre: budget_left >= 0
+    pre: block_size > 0
+    pre: num_computed >= 0
+    post: 0 <= __return__ <= min(num_remaining, budget_left)
+    post: chunked or __return__ in (0, num_remaining)
+    post: (__return__ == 0) == (num_remaining == 0 or budget_left == 0 or (budget_left < num_remaining and (not chunked or (align_to_block and num_computed % block_size + budget_left < block_size))))
+    """  # noqa: E501 (CrossHair reads one condition per line)
+    if not chunked:
+        return num_remaining if num_remaining <= budget_left else 0
+    return chunk_size(num_remaining, budget_left, block_size, align_to_block, num_computed)

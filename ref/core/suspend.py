@@ -21,7 +21,7 @@ from ref.core.config import SchedulerConfig
 from ref.core.draft import StepDraft
 from ref.core.plan import StepPlan
 from ref.core.request import Request, StopParams
-from ref.core.swap import KVRetention, PreemptionMode
+from ref.core.swap import KVRetention, preempt_by_swap
 from ref.errors import InvalidArgument, UnknownRequest
 from ref.kv import BlockCopy, BlockPool
 from ref.kv.host_pool import HostPool
@@ -154,16 +154,17 @@ class Suspension:
         """Recompute or swap a preemption victim (ref/core/swap.py documents the rule)."""
         cfg = self.config
         stored = victim.num_computed_tokens
-        if cfg.preemption_mode is PreemptionMode.RECOMPUTE or not stored:
-            return False
-        if never_fits(cfg, victim.num_tokens):
-            return False  # it can never run again here: commit finishes it (capacity)
-        if not self.host.can_hold(stored):
-            return False
-        if cfg.preemption_mode is PreemptionMode.AUTO:
-            assert cfg.swap_cost is not None
-            return cfg.swap_cost.prefers_swap(stored)
-        return True
+        # The facts are read-only queries, asked eagerly so the rule stays one pure
+        # function: a preemption is rare and each is O(1). The config gives AUTO, the only
+        # mode that reads swap_is_cheaper, a swap cost.
+        cost = cfg.swap_cost
+        return preempt_by_swap(
+            cfg.preemption_mode,
+            stored,
+            never_fits=never_fits(cfg, victim.num_tokens),
+            host_has_room=self.host.can_hold(stored),
+            swap_is_cheaper=cost is not None and cost.prefers_swap(stored),
+        )
 
     def _swap_out(self, r: Request, d: StepDraft) -> None:
         rid = r.request_id

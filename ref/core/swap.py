@@ -113,6 +113,42 @@ class SwapCost:
         return lo
 
 
+def preempt_by_swap(
+    mode: PreemptionMode,
+    num_stored: int,
+    *,
+    never_fits: bool,
+    host_has_room: bool,
+    swap_is_cheaper: bool,
+) -> bool:
+    """Whether a preemption victim with ``num_stored`` tokens of KV is swapped out
+    (True) or dropped for recompute: the rule of the module doc (PROGRESS: a victim
+    leaves the device either way; docs/ARCHITECTURE.md, "Verification practice").
+
+    ``never_fits``: the victim's tokens exceed the device pool (it would never be swapped
+    back in); ``host_has_room``: the host pool can hold its KV; ``swap_is_cheaper``:
+    :meth:`SwapCost.prefers_swap`, read only by ``AUTO``. The contract is the rule as a
+    table: nothing is swapped that cannot be (no KV, no host room, or never coming back);
+    ``RECOMPUTE`` never swaps; ``SWAP`` swaps whenever it can; ``AUTO`` swaps exactly when
+    it can and the swap is the cheaper.
+
+    pre: num_stored >= 0
+    post: not __return__ or (num_stored > 0 and host_has_room and not never_fits)
+    post: mode is not PreemptionMode.RECOMPUTE or not __return__
+    post: mode is not PreemptionMode.SWAP or __return__ == (num_stored > 0 and host_has_room and not never_fits)
+    post: mode is not PreemptionMode.AUTO or __return__ == (num_stored > 0 and host_has_room and not never_fits and swap_is_cheaper)
+    """  # noqa: E501 (CrossHair reads one condition per line)
+    if mode is PreemptionMode.RECOMPUTE or not num_stored:
+        return False
+    if never_fits:
+        return False  # it can never run again here: commit finishes it (capacity)
+    if not host_has_room:
+        return False
+    if mode is PreemptionMode.AUTO:
+        return swap_is_cheaper
+    return True
+
+
 @dataclass(frozen=True)
 class RetentionPolicy:
     """Tool-wait retention by expected wait: device below ``device_max_wait_ms``, host

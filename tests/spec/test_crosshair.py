@@ -1,4 +1,5 @@
-"""CrossHair proves spec/arith.py's contracts, and refutes a planted off-by-one.
+"""CrossHair proves the contracts of spec/arith.py and of the core's pure decision
+functions (CROSSHAIR_MODULES in the Makefile), and refutes a planted bug in each.
 
 Plus plain unit and property tests of the same arithmetic and of the hash chain.
 """
@@ -6,14 +7,22 @@ Plus plain unit and property tests of the same arithmetic and of the hash chain.
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ref.core.capacity import exceeds_pool, whole_request_blocks
+from ref.core.planner import draft_count
+from ref.core.policy import aged_priority
+from ref.core.prefill import prefill_chunk
+from ref.core.swap import PreemptionMode, preempt_by_swap
 from spec.arith import (
     blocks_needed,
     cdiv,
@@ -27,12 +36,27 @@ from spec.hashing import DEFAULT_NAMESPACE, Namespace, block_key, chain_keys
 ROOT = Path(__file__).resolve().parents[2]
 ARITH = ROOT / "spec" / "arith.py"
 CROSSHAIR = Path(sys.executable).parent / "crosshair"
+# The core modules whose pure functions carry contracts. They are checked in one process
+# (each import of ref.core pays ~3 s for torch); spec/arith.py imports nothing and is
+# checked alone.
+CORE_MODULES = ["capacity", "prefill", "planner", "swap", "policy"]
+CORE_CONTRACTS = [ROOT / "ref" / "core" / f"{m}.py" for m in CORE_MODULES]
 
 
-def crosshair_check(target: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+def crosshair_check(
+    *targets: Path | str, cwd: Path, report_all: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """One crosshair process over ``targets`` (files, or ``file:line`` for one function).
+
+    PYTHONPATH names this checkout: a planted copy outside it imports ``ref`` and ``spec``,
+    and the shared virtualenv's editable install may point at another checkout.
+    """
+    flags = ["--report_all"] if report_all else []
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [str(CROSSHAIR), "check", "--per_condition_timeout=5", str(target)],
+        [str(CROSSHAIR), "check", *flags, "--per_condition_timeout=5", *map(str, targets)],
         cwd=cwd,
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
@@ -40,27 +64,52 @@ def crosshair_check(target: Path, cwd: Path) -> subprocess.CompletedProcess[str]
     )
 
 
+def confirmed_lines(stdout: str, path: Path) -> set[int]:
+    """Lines of ``path`` whose condition CrossHair reports confirmed over all paths."""
+    found = re.findall(
+        rf"^{re.escape(str(path))}:(\d+): info: Confirmed over all paths", stdout, re.M
+    )
+    return {int(n) for n in found}
+
+
+def post_lines(path: Path) -> set[int]:
+    return {i for i, line in enumerate(path.read_text().splitlines(), 1) if "post: " in line}
+
+
 def test_crosshair_proves_arith_contracts() -> None:
     assert CROSSHAIR.exists(), f"crosshair not installed next to {sys.executable}"
-    result = crosshair_check(ARITH, ROOT)
+    result = crosshair_check(ARITH, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == ""
 
 
 def test_crosshair_confirms_every_postcondition() -> None:
     """Guard against an assurance that checked nothing: each post: is confirmed."""
-    result = subprocess.run(
-        [str(CROSSHAIR), "check", "--report_all", "--per_condition_timeout=5", str(ARITH)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = crosshair_check(ARITH, cwd=ROOT, report_all=True)
     assert result.returncode == 0, result.stdout + result.stderr
     num_posts = ARITH.read_text().count("post: ")
     confirmed = [line for line in result.stdout.splitlines() if "Confirmed over all paths" in line]
     assert len(confirmed) == num_posts, result.stdout
+
+
+def test_crosshair_confirms_every_core_postcondition() -> None:
+    """The core's contracts hold, each confirmed over all paths (a "Not confirmed" within
+    the time bound would pass ``make crosshair`` while checking nothing)."""
+    result = crosshair_check(*CORE_CONTRACTS, cwd=ROOT, report_all=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for path in CORE_CONTRACTS:
+        assert post_lines(path), f"{path.name} carries no contract"
+        assert confirmed_lines(result.stdout, path) == post_lines(path), result.stdout
+
+
+def test_crosshair_modules_are_the_makefile_list() -> None:
+    """``make crosshair`` proves what these tests show failing on a planted bug."""
+    makefile = (ROOT / "Makefile").read_text()
+    listed = re.search(r"^CROSSHAIR_MODULES := ((?:.*\\\n)*.*)$", makefile, re.M)
+    assert listed is not None
+    modules = set(listed.group(1).replace("\\\n", " ").split())
+    core = {f"ref/core/{m}.py" for m in CORE_MODULES}
+    assert modules == {"spec/arith.py", "spec/hashing.py", *core}
 
 
 PLANTS = [
@@ -82,6 +131,12 @@ PLANTS = [
         "    return block_id * block_size + (position + 1) % block_size\n",
         id="slot_of-off-by-one",
     ),
+    pytest.param(
+        "chunk_size",
+        "        n = max(0, end - num_computed)\n",
+        "        n = max(0, end - num_computed - block_size)\n",
+        id="chunk_size-aligns-a-block-too-far-back",
+    ),
 ]
 
 
@@ -93,9 +148,133 @@ def test_crosshair_finds_planted_off_by_one(
     assert source.count(good) == 1, f"plant site for {function} moved"
     planted = tmp_path / "arith_planted.py"
     planted.write_text(source.replace(good, bad))
-    result = crosshair_check(planted, tmp_path)
+    result = crosshair_check(planted, cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"when calling {function}(" in result.stdout, result.stdout
+
+
+@dataclass(frozen=True)
+class CorePlant:
+    """One bug planted in a copy of a core module: ``good`` becomes ``bad``."""
+
+    name: str
+    module: str
+    function: str
+    good: str
+    bad: str
+
+
+CORE_PLANTS = [
+    CorePlant(
+        "exceeds_pool-refuses-an-exact-fit",
+        "capacity",
+        "exceeds_pool",
+        "    return blocks_needed(num_tokens, block_size) > num_blocks\n",
+        "    return blocks_needed(num_tokens, block_size) >= num_blocks\n",
+    ),
+    CorePlant(
+        "whole_request_blocks-forgets-revived-blocks",
+        "capacity",
+        "whole_request_blocks",
+        "    return max(first, blocks_needed(num_total, block_size) - num_held + revived)\n",
+        "    return max(first, blocks_needed(num_total, block_size) - num_held)\n",
+    ),
+    CorePlant(
+        "prefill_chunk-refuses-a-prompt-that-fills-the-budget",
+        "prefill",
+        "prefill_chunk",
+        "        return num_remaining if num_remaining <= budget_left else 0\n",
+        "        return num_remaining if num_remaining < budget_left else 0\n",
+    ),
+    CorePlant(
+        "draft_count-forgets-the-bonus-token",
+        "planner",
+        "draft_count",
+        "    return max(min(num_proposed, room - 1, budget_left - 1), 0)\n",
+        "    return max(min(num_proposed, room, budget_left - 1), 0)\n",
+    ),
+    CorePlant(
+        "preempt_by_swap-auto-ignores-the-cost",
+        "swap",
+        "preempt_by_swap",
+        "    if mode is PreemptionMode.AUTO:\n        return swap_is_cheaper\n",
+        "    if mode is PreemptionMode.SWAP:\n        return swap_is_cheaper\n",
+    ),
+    CorePlant(
+        "preempt_by_swap-swaps-an-empty-victim",
+        "swap",
+        "preempt_by_swap",
+        "    if mode is PreemptionMode.RECOMPUTE or not num_stored:\n",
+        "    if mode is PreemptionMode.RECOMPUTE:\n",
+    ),
+    CorePlant(
+        "aged_priority-ages-a-step-early",
+        "policy",
+        "aged_priority",
+        "    return priority - (step_index - queued_step) // aging_steps\n",
+        "    return priority - (step_index - queued_step + 1) // aging_steps\n",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def core_plant_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Path]]:
+    """Every core plant, each in its own copy of its module, in ONE crosshair process
+    (torch is imported once, not once per plant); each copy is checked only at its
+    planted function (``file:line``), so the copy's other contracts are not re-proved."""
+    where = tmp_path_factory.mktemp("core_plants")
+    targets: list[str] = []
+    files: dict[str, Path] = {}
+    for plant in CORE_PLANTS:
+        source = (ROOT / "ref" / "core" / f"{plant.module}.py").read_text()
+        assert source.count(plant.good) == 1, f"plant site of {plant.name} moved"
+        planted = where / f"{plant.name.replace('-', '_')}.py"
+        planted.write_text(source.replace(plant.good, plant.bad))
+        lines = planted.read_text().splitlines()
+        line = next(i for i, x in enumerate(lines, 1) if x.startswith(f"def {plant.function}("))
+        targets.append(f"{planted}:{line}")
+        files[plant.name] = planted
+    return crosshair_check(*targets, cwd=where), files
+
+
+@pytest.mark.parametrize("plant", CORE_PLANTS, ids=lambda p: p.name)
+def test_crosshair_finds_planted_core_bug(
+    core_plant_run: tuple[subprocess.CompletedProcess[str], dict[str, Path]], plant: CorePlant
+) -> None:
+    result, files = core_plant_run
+    assert result.returncode == 1, result.stdout + result.stderr
+    errors = [
+        line
+        for line in result.stdout.splitlines()
+        if line.startswith(f"{files[plant.name]}:") and ": error: " in line
+    ]
+    assert any(f"when calling {plant.function}(" in line for line in errors), result.stdout
+
+
+# ------------------------------------------------------------ unit: core decisions
+def test_core_decisions_on_examples() -> None:
+    """The extracted functions on hand-checked cases, without CrossHair."""
+    assert not exceeds_pool(64, 16, 4) and exceeds_pool(65, 16, 4)  # 4 blocks hold 64 slots
+    assert whole_request_blocks(1, 0, 16, 1600, 16) == 100  # example 2e: 100 blocks
+    # A hit of 2 blocks, 1 of them revived: the first chunk asks 2 fresh + 1 revived.
+    assert whole_request_blocks(3, 2, 5, 40, 4) == 9  # 10 blocks - 2 held + 1 revived
+    assert whole_request_blocks(3, 2, 5, 13, 4) == 3  # the prompt is the first chunk
+    assert prefill_chunk(12, 7, 4, 0, chunked=True, align_to_block=False) == 7  # example 1
+    assert prefill_chunk(8, 8, 4, 0, chunked=False, align_to_block=False) == 8
+    assert prefill_chunk(9, 8, 4, 0, chunked=False, align_to_block=False) == 0
+    assert draft_count(5, 3, 100) == 2 and draft_count(5, 100, 4) == 3
+    assert draft_count(5, 1, 100) == 0 and draft_count(0, 100, 100) == 0
+    auto = PreemptionMode.AUTO
+    facts = {"never_fits": False, "host_has_room": True}
+    assert preempt_by_swap(auto, 10, **facts, swap_is_cheaper=True)
+    assert not preempt_by_swap(auto, 10, **facts, swap_is_cheaper=False)
+    assert preempt_by_swap(PreemptionMode.SWAP, 10, **facts, swap_is_cheaper=False)
+    assert not preempt_by_swap(PreemptionMode.RECOMPUTE, 10, **facts, swap_is_cheaper=True)
+    assert not preempt_by_swap(auto, 10, never_fits=True, host_has_room=True, swap_is_cheaper=True)
+    assert [aged_priority(3, 5, s, 4) for s in (5, 8, 9, 13)] == [3, 3, 2, 1]
+    assert aged_priority(3, 5, 100, 0) == 3
 
 
 # ------------------------------------------------------------------ unit: arith
