@@ -151,3 +151,20 @@ mutation: $(STAMP)
 	$(PY) -m pip install -q 'mutmut==3.8.1'
 	HYPOTHESIS_PROFILE=ci $(VENV)/bin/mutmut run --max-children 2
 	$(VENV)/bin/mutmut results
+
+# The exhaustive explorer through the adapter protocol on the third-party engines (each
+# in its own virtualenv, as for conformance-nanovllm / conformance-vllm; not in
+# `make test`): every state of the small scope, replayed from a fresh adapter per state.
+# Exits 1 when a counterexample is found; findings: conformance/FINDINGS_*.md.
+.PHONY: explore-nanovllm explore-vllm
+explore-nanovllm: $(NANO_STAMP)
+	mkdir -p out/explore-nanovllm
+	$(NANO_VENV)/bin/refserve conformance --exhaustive --scope small \
+		--adapter conformance.adapters.nanovllm:make --report out/explore-nanovllm.json \
+		--counterexamples out/explore-nanovllm
+
+explore-vllm: $(VLLM_STAMP)
+	mkdir -p out/explore-vllm
+	$(VLLM_VENV)/bin/refserve conformance --exhaustive --scope small \
+		--adapter conformance.adapters.vllm:make --report out/explore-vllm.json \
+		--counterexamples out/explore-vllm

@@ -205,6 +205,10 @@ class _Explorer:
             adapter = build(self.factory, self.timeout)
             self.features, self.props = adapter_traits(adapter, self.timeout)
             res.engine = str(getattr(adapter, "name", "?"))
+            missing = self.scope.needs() - self.features
+            if missing:
+                res.not_supported = "engine lacks " + ", ".join(sorted(missing))
+                return res
             root = Session(adapter, self.scope, self.props, self.timeout)
             found = root.start(self.features)
             if root.run.res.not_supported:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conformance.adapter import EngineConfig
-from conformance.workload import EOS
+from conformance.adapter import EngineConfig, Feature
+from conformance.workload import EOS, RequestPlan, Workload
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,17 @@ class Scope:
             enable_prefix_caching=self.enable_prefix_caching,
             eos_token_id=EOS,
         )
+
+    def needs(self) -> frozenset[Feature]:
+        """Features an engine must have for the scope (as :meth:`Workload.needs`; aborts,
+        faults and priorities are left out of the events of an engine without them)."""
+        w = Workload(
+            self.config(),
+            tuple(
+                RequestPlan(f"c{i}", t.prompt, t.max_tokens) for i, t in enumerate(self.catalogue)
+            ),
+        )
+        return w.needs()
 
     def describe(self) -> str:
         """One line a reader can quote: what every explored state is bounded by."""
