@@ -84,7 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--scope",
         default="small",
-        help="with --exhaustive: the named scope to exhaust (tiny, small, medium; default small)",
+        help="with --exhaustive: the named scope to exhaust (tiny, small, small-unchunked for an "
+        "engine without chunked prefill, medium; default small)",
     )
     p.add_argument(
         "--strategy",

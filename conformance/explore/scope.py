@@ -129,6 +129,17 @@ SCOPES: dict[str, Scope] = {
         catalogue=(_A, _B, _D, _E),
         max_requests=3,
     ),
+    # The small scope for an engine without chunked prefill: a budget every prompt and
+    # its outputs fit whole (a recomputed request included).
+    "small-unchunked": Scope(
+        "small-unchunked",
+        block_size=2,
+        num_blocks=4,
+        max_num_batched_tokens=10,
+        max_num_seqs=2,
+        catalogue=(_A, _B, _D, _E),
+        max_requests=3,
+    ),
     "medium": Scope(
         "medium",
         block_size=2,
