@@ -115,11 +115,26 @@ class AdmissionOrder(StrEnum):
 
     FCFS = "fcfs"
     """No request is admitted while an earlier-arrived waiting request that fits right
-    now is passed over (ORDER)."""
+    now is passed over (ORDER); passing over a head that does not fit is allowed."""
     PRIORITY = "priority"
     """As FCFS, ordered by ``RequestSpec.priority`` (smaller first), then arrival."""
+    FCFS_STRICT = "fcfs_strict"
+    """Head-of-line blocking: no never-run request is admitted while an earlier-arrived
+    one that was waiting before the step is not admitted, fitting or not (ORDER)."""
+    PRIORITY_STRICT = "priority_strict"
+    """As FCFS_STRICT, ordered by ``RequestSpec.priority`` (smaller first), then arrival."""
     UNSPECIFIED = "unspecified"
     """Not checked (reported as such)."""
+
+    @property
+    def by_priority(self) -> bool:
+        """Whether the order ranks by ``(priority, arrival)`` rather than arrival alone."""
+        return self in (AdmissionOrder.PRIORITY, AdmissionOrder.PRIORITY_STRICT)
+
+    @property
+    def strict(self) -> bool:
+        """Whether a waiting head blocks everyone behind it (head-of-line blocking)."""
+        return self in (AdmissionOrder.FCFS_STRICT, AdmissionOrder.PRIORITY_STRICT)
 
 
 class StepOrder(StrEnum):

@@ -29,7 +29,7 @@ from spec.arith import slot_of
 from spec.atomic import check_atomic, check_atomic_pool
 from spec.cap import check_cap_step
 from spec.hashing import Namespace, block_key
-from spec.order import check_admission_order
+from spec.order import check_admission_order, check_strict_admission_order
 from spec.prefix import check_prefix_step
 from spec.progress import check_quiescent, check_starvation
 
@@ -897,6 +897,88 @@ def test_admission_order_allows_skipping_what_does_not_fit() -> None:
     # One lookahead slot makes X's 4-token prompt need a second block.
     assert check_admission_order(overtaking_step(x_prompt=4), keys) != []
     assert check_admission_order(overtaking_step(x_prompt=4), keys, lookahead=1) == []
+
+
+def queue_step(admit: tuple[str, ...], head: RequestStatus = RequestStatus.WAITING) -> StepSnapshot:
+    """X (first in order, prompt 5), Y and Z (prompt 3 each) wait; the step admits
+    ``admit`` (each a whole prompt) and no one else. ``head`` is X's status before."""
+    prompts = {"X": 5, "Y": 3, "Z": 3}
+    pool = BlockPool(8, BS)
+    before = EngineSnapshot(
+        tuple(
+            req(r, head if r == "X" else RequestStatus.WAITING, n, 0, 0) for r, n in prompts.items()
+        ),
+        pool.snapshot(),
+    )
+    for r in admit:
+        pool.allocate(r, tuple(range(10 * len(r), 10 * len(r) + prompts[r])), prompts[r])
+    after = EngineSnapshot(
+        tuple(
+            req(r, RequestStatus.DECODING, n, 1, n)
+            if r in admit
+            else req(r, head if r == "X" else RequestStatus.WAITING, n, 0, 0)
+            for r, n in prompts.items()
+        ),
+        pool.snapshot(),
+    )
+    sched = tuple(scheduled(pool, r, 0, prompts[r], True) for r in admit)
+    return StepSnapshot(0, 16, 4, before, sched, after)
+
+
+FIFO = {"X": (0,), "Y": (1,), "Z": (2,)}
+
+
+def test_strict_admission_order_a_later_request_admitted_past_a_waiting_head() -> None:
+    # The lax rule allows it: X (2 blocks) never fitted in what Y took (1 block).
+    s = overtaking_step(x_prompt=5, budget=16)
+    keys = {"X": (0,), "Y": (1,)}
+    assert check_admission_order(s, keys) == []
+    vs = check_strict_admission_order(s, keys)
+    v = find(vs, Invariant.ORDER, "request X", "passed over for Y, later in fcfs_strict order")
+    assert "head-of-line blocking" in v.message
+    expect(v, "Y waits behind it", "Y admitted")
+    assert vs == [v]
+    # Two requests behind the head, both admitted: one finding, naming the first.
+    vs = check_strict_admission_order(queue_step(("Y", "Z")), FIFO, "priority_strict")
+    v = find(
+        vs, Invariant.ORDER, "request X", "passed over for Y and 1 more, later in priority_strict"
+    )
+    assert vs == [v]
+    # A head and a request behind it both blocked while the last one is admitted.
+    vs = check_strict_admission_order(queue_step(("Z",)), FIFO)
+    assert [v.subject for v in vs] == ["request X", "request Y"]
+
+
+def test_strict_admission_order_holds_on_head_of_line_steps() -> None:
+    assert check_strict_admission_order(queue_step(()), FIFO) == []  # nobody admitted
+    assert check_strict_admission_order(queue_step(("X",)), FIFO) == []  # the head only
+    assert check_strict_admission_order(queue_step(("X", "Y")), FIFO) == []
+    assert check_strict_admission_order(queue_step(("X", "Y", "Z")), FIFO) == []
+    # Priority order puts Z first: Z overtakes nobody, and nobody overtakes Y.
+    keys = {"X": (1, 0), "Y": (1, 1), "Z": (0, 2)}
+    assert check_strict_admission_order(queue_step(("Z",)), keys) == []
+    assert check_strict_admission_order(queue_step(("Y",)), keys) != []
+    # Requests without a key are not judged.
+    assert check_strict_admission_order(queue_step(("Y",)), {"Y": (1,), "Z": (2,)}) == []
+
+
+def test_strict_admission_order_leaves_out_preempted_and_retired_heads() -> None:
+    # A preempted head re-enters the queue by a separate convention (front or place).
+    s = queue_step(("Y",), head=RequestStatus.PREEMPTED)
+    assert check_strict_admission_order(s, FIFO) == []
+    # A head retired while the step was planned (capacity) waits no more.
+    s = replace(queue_step(("Y",)), finished=("X",))
+    assert check_strict_admission_order(s, FIFO) == []
+    # A waiting head with KV already computed has run before: it is not judged.
+    s = queue_step(("Y",))
+    before = replace(
+        s.before,
+        requests=tuple(
+            replace(r, num_computed_tokens=2) if r.request_id == "X" else r
+            for r in s.before.requests
+        ),
+    )
+    assert check_strict_admission_order(replace(s, before=before), FIFO) == []
 
 
 # ------------------------------------------------- same-step prefix hits (a convention)
