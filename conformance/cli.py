@@ -265,9 +265,8 @@ def _run(
 
 
 def _print_summary(report: Any) -> None:
-    s = report.summary()
     who = report.engine if report.adapter else f"KV adapter {report.kv_adapter}"
-    print(f"{who}: {s['fail']} failed, {s['pass']} passed, {s['not_supported']} not supported")
+    print(f"{who}: {report.headline()}")
     for r in report.results:
         for f in r.failures:
             print(f"  FAIL {r.scenario} {r.invariant}: step {f.step}: {f.subject}: {f.message}")

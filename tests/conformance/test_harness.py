@@ -300,6 +300,38 @@ def test_the_member_lists_are_the_protocols_and_nothing_of_the_adapter_runs() ->
     assert missing_members({}, attrs, methods) == [*attrs, *methods]
 
 
+def test_the_summary_line_counts_scenarios_and_findings_apart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from conformance.report import Failure, Result, to_markdown
+
+    def fail(msg: str) -> Failure:
+        return Failure(0, "step", "step", msg, "", "", {}, [], f"TOKEN step: {msg}")
+
+    results = (
+        Result("a", "TOKEN", "fail", "", fail("one"), (fail("two"),)),  # two findings
+        Result("a", "BLOCK", "fail", "", fail("three")),
+        Result("a", "POS", "pass"),
+        Result("b", "TOKEN", "pass"),
+        Result("c", "TOKEN", "not_supported", "engine lacks abort"),
+    )
+    report = Report("m:f", "eng", (), results, ())
+    line = (
+        "1 of 3 scenarios failed (3 findings); checks (scenario x invariant): 2 failed, "
+        "2 passed, 1 not supported"
+    )
+    assert report.headline() == line
+    assert f"**{line}.**" in to_markdown(report)
+    one = Report("m:f", "eng", (), (results[1], results[3]), ())  # one scenario fails
+    assert one.headline().startswith("1 of 2 scenarios failed (1 finding); ")
+    # The CLI prints it above exactly as many FAIL lines as it counts findings.
+    code, _ = _run(tmp_path, "raises_schedule")
+    out = capsys.readouterr().out.splitlines()
+    assert code == 1
+    assert out[0].startswith("refserve: 1 of 1 scenarios failed (1 finding); checks "), out[0]
+    assert sum(1 for x in out if x.startswith("  FAIL ")) == 1, out
+
+
 def test_malformed_replay_and_baseline_files(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
