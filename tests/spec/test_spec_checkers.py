@@ -756,6 +756,34 @@ def test_progress_message_tells_a_full_pool_from_a_policy_stall() -> None:
     assert "needs 1 for its next token, 0 free" in v.message and "policy" not in v.message
 
 
+def test_progress_message_tells_a_prompt_over_the_budget_from_a_policy_stall() -> None:
+    """An engine that cannot chunk never schedules a prompt longer than the budget: the
+    message says so, not that every limit had room."""
+    pool = BlockPool(8, BS).snapshot()
+
+    def stall(prompt: int, budget: int, status: RequestStatus = RequestStatus.WAITING) -> str:
+        reqs = (req("W", status, prompt, 0, 0),)
+        snap = EngineSnapshot(reqs, pool)
+        s = StepSnapshot(0, budget, 4, snap, (), snap)
+        return find(check_step(s), Invariant.PROGRESS, "step", "request W got nothing").message
+
+    long = stall(prompt=12, budget=8)
+    assert "budget: 8 tokens unused, fewer than the 12 it has to compute" in long
+    assert long.endswith(
+        "unchunked: its tokens exceed the per-step token budget, so an engine that cannot "
+        "chunk can never schedule it)"
+    )
+    assert "policy" not in long
+    assert stall(prompt=12, budget=8, status=RequestStatus.PREEMPTED) == long.replace(
+        "waiting", "preempted"
+    )
+    # A prompt that fits the budget stalls by policy.
+    fits = stall(prompt=8, budget=8)
+    assert fits.endswith(
+        "budget: 8 tokens unused; seqs: 0 of 4 running; policy: every limit had room)"
+    )
+
+
 def test_preempted_request_keeping_its_blocks(step: StepSnapshot) -> None:
     pool = step.after.pool
     kept = TableSnapshot("D", (9,), 0, ())
