@@ -72,7 +72,9 @@ order) is then checked exactly. The guide for adapter authors is docs/ADAPTERS.m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
@@ -115,11 +117,26 @@ class AdmissionOrder(StrEnum):
 
     FCFS = "fcfs"
     """No request is admitted while an earlier-arrived waiting request that fits right
-    now is passed over (ORDER)."""
+    now is passed over (ORDER); passing over a head that does not fit is allowed."""
     PRIORITY = "priority"
     """As FCFS, ordered by ``RequestSpec.priority`` (smaller first), then arrival."""
+    FCFS_STRICT = "fcfs_strict"
+    """Head-of-line blocking: no never-run request is admitted while an earlier-arrived
+    one that was waiting before the step is not admitted, fitting or not (ORDER)."""
+    PRIORITY_STRICT = "priority_strict"
+    """As FCFS_STRICT, ordered by ``RequestSpec.priority`` (smaller first), then arrival."""
     UNSPECIFIED = "unspecified"
     """Not checked (reported as such)."""
+
+    @property
+    def by_priority(self) -> bool:
+        """Whether the order ranks by ``(priority, arrival)`` rather than arrival alone."""
+        return self in (AdmissionOrder.PRIORITY, AdmissionOrder.PRIORITY_STRICT)
+
+    @property
+    def strict(self) -> bool:
+        """Whether a waiting head blocks everyone behind it (head-of-line blocking)."""
+        return self in (AdmissionOrder.FCFS_STRICT, AdmissionOrder.PRIORITY_STRICT)
 
 
 class StepOrder(StrEnum):
@@ -327,6 +344,53 @@ class EngineAdapter(Protocol):
 
 AdapterFactory = Callable[[], EngineAdapter]
 """A zero-argument callable returning a fresh adapter (``MODULE:FACTORY`` on the CLI)."""
+
+ENGINE_ADAPTER_ATTRIBUTES = ("name", "features")
+"""The data members of :class:`EngineAdapter` (``properties`` is optional)."""
+ENGINE_ADAPTER_METHODS = (
+    "configure",
+    "add_request",
+    "abort",
+    "has_unfinished",
+    "schedule",
+    "commit",
+    "rollback",
+    "snapshot",
+)
+"""The methods of :class:`EngineAdapter`; each must exist (one the engine lacks raises
+:class:`NotSupported`)."""
+
+_ABSENT = object()
+
+
+def missing_members(obj: object, attributes: Sequence[str], methods: Sequence[str]) -> list[str]:
+    """The protocol members ``obj`` lacks, in the order given: an attribute or method
+    that is not there, or a method that is not callable (``"schedule (not callable)"``).
+
+    Looked up statically (``inspect.getattr_static``), so no property of the adapter
+    runs: one that raises or hangs is a finding of the run, under the suite's guard,
+    not a reason to call the object something else. Only an object whose class defines
+    ``__getattr__`` (a proxy) is asked dynamically for what the static lookup misses; an
+    exception other than AttributeError from it propagates to the caller.
+    """
+    dynamic = hasattr(type(obj), "__getattr__")
+    out: list[str] = []
+    for m in (*attributes, *methods):
+        v = inspect.getattr_static(obj, m, _ABSENT)
+        if v is _ABSENT and dynamic:
+            with contextlib.suppress(AttributeError):
+                v = getattr(obj, m)
+        if v is _ABSENT:
+            out.append(m)
+        elif m in methods and not _method_like(v):
+            out.append(f"{m} (not callable)")
+    return out
+
+
+def _method_like(v: object) -> bool:
+    # A classmethod object is not callable until bound, and a property may well return
+    # a method: neither can be judged without running adapter code, so both pass.
+    return callable(v) or isinstance(v, (classmethod, staticmethod, property))
 
 
 def load_factory(spec: str) -> AdapterFactory:

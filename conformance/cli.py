@@ -206,7 +206,6 @@ def _run(
         total += len(kv_scenario_names())
     state: dict[str, Any] = {"results": [], "infos": [], "current": "setup"}
     header: dict[str, Any] = {"engine": "unknown", "features": (), "properties": {}}
-    bar = _progress(total, disabled=args.no_progress)
 
     def partial(complete: bool = False, extra: tuple[Any, ...] = ()) -> Report:
         return Report(
@@ -252,6 +251,8 @@ def _run(
     from conformance.guard import Watchdog
 
     with Watchdog(grace=max(5.0, args.call_timeout), on_stuck=on_stuck):
+        _check_adapters(args, factory, kv_factory)
+        bar = _progress(total, disabled=args.no_progress)  # after the check: one error line
         if factory is not None:
             report = run_suite(
                 factory,
@@ -293,9 +294,8 @@ def _run(
 
 
 def _print_summary(report: Any) -> None:
-    s = report.summary()
     who = report.engine if report.adapter else f"KV adapter {report.kv_adapter}"
-    print(f"{who}: {s['fail']} failed, {s['pass']} passed, {s['not_supported']} not supported")
+    print(f"{who}: {report.headline()}")
     for r in report.results:
         for f in r.failures:
             print(f"  FAIL {r.scenario} {r.invariant}: step {f.step}: {f.subject}: {f.message}")
@@ -404,6 +404,7 @@ def _exhaustive(args: argparse.Namespace) -> int:
         except OSError as e:
             raise UsageError(f"--counterexamples {args.counterexamples}: {e.strerror}") from None
     factory = _load(args.adapter)
+    _check_adapters(args, factory, None)
     res = explore(factory, scope, strategy=args.strategy, call_timeout=args.call_timeout)
     for i, c in enumerate(res.counterexamples):
         print(f"FAIL {c.kind}: {c.finding}")
@@ -425,6 +426,51 @@ def _exhaustive(args: argparse.Namespace) -> int:
     return EXIT_FINDINGS if res.counterexamples else EXIT_OK
 
 
+def _check_adapters(args: argparse.Namespace, factory: Any, kv_factory: Any) -> None:
+    """Refuse, before any scenario runs, a factory whose product is not an adapter at
+    all (a usage error: the wrong MODULE:FACTORY). Without this the first attribute the
+    suite reads is reported as a finding of an engine that was never there."""
+    from conformance.adapter import ENGINE_ADAPTER_ATTRIBUTES, ENGINE_ADAPTER_METHODS
+    from conformance.kv.protocol import KV_ADAPTER_ATTRIBUTES, KV_ADAPTER_METHODS
+
+    t = args.call_timeout
+    if factory is not None:
+        engine = (ENGINE_ADAPTER_ATTRIBUTES, ENGINE_ADAPTER_METHODS)
+        _check_members(factory, args.adapter, "--adapter", "an engine adapter", engine, t)
+    if kv_factory is not None:
+        kv = (KV_ADAPTER_ATTRIBUTES, KV_ADAPTER_METHODS)
+        _check_members(kv_factory, args.kv_adapter, "--kv-adapter", "a KV adapter", kv, t)
+
+
+def _check_members(
+    factory: Callable[[], object],
+    spec: str,
+    flag: str,
+    what: str,
+    members: tuple[tuple[str, ...], tuple[str, ...]],
+    timeout: float,
+) -> None:
+    """UsageError naming what the factory's product lacks of the protocol (``members``:
+    attributes, methods). A factory that raises or hangs is left to the run, which
+    reports it as a finding: that is the engine's fault (a missing extension, say), not
+    a wrong name."""
+    from conformance.adapter import missing_members
+    from conformance.guard import AdapterCallError, call
+
+    try:
+        missing = call(
+            "the adapter factory",
+            lambda: missing_members(factory(), *members),
+            timeout,
+        )
+    except AdapterCallError:
+        return
+    if missing:
+        raise UsageError(
+            f"{flag} {spec} does not return {what}: missing {', '.join(missing)} (docs/ADAPTERS.md)"
+        )
+
+
 def _replay(args: argparse.Namespace) -> int:
     from conformance.runner import run_fresh
     from conformance.workload import Workload
@@ -437,7 +483,9 @@ def _replay(args: argparse.Namespace) -> int:
             raise UsageError("--replay of a KV workload (with 'ops') needs --kv-adapter")
         from conformance.kv.machine import replay_kv
 
-        kv_findings = replay_kv(_load_kv(args.kv_adapter), data)
+        kv_factory = _load_kv(args.kv_adapter)
+        _check_adapters(args, None, kv_factory)
+        kv_findings = replay_kv(kv_factory, data)
         for kf in kv_findings:
             print(f"FAIL {kf}")
         return EXIT_FINDINGS if kv_findings else EXIT_OK
@@ -449,7 +497,9 @@ def _replay(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--replay {args.replay}: not a workload ({type(e).__name__}: {e})"
         ) from None
-    result = run_fresh(_load(args.adapter), workload, call_timeout=args.call_timeout)
+    factory = _load(args.adapter)
+    _check_adapters(args, factory, None)
+    result = run_fresh(factory, workload, call_timeout=args.call_timeout)
     print(json.dumps({"trace": result.trace}, indent=1))
     if result.not_supported:
         print(f"not supported: {result.not_supported}")

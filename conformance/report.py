@@ -179,10 +179,27 @@ class Report:
         return any(r.status == "fail" for r in self.results)
 
     def summary(self) -> dict[str, int]:
+        """Results by status: one result per (scenario, invariant), not per scenario."""
         out = dict.fromkeys(STATUSES, 0)
         for r in self.results:
             out[r.status] += 1
         return out
+
+    def headline(self) -> str:
+        """The one-line verdict: how many scenarios failed, how many findings they hold
+        (one FAIL line each: a failed check may hold several distinct findings), then the
+        checks (:meth:`summary`). Three counts used to stand alone, so a line saying
+        ``3 failed`` sat above five FAIL lines and a reader counted scenarios."""
+        scenarios = {r.scenario for r in self.results}
+        failed = {r.scenario for r in self.results if r.status == "fail"}
+        findings = sum(len(r.failures) for r in self.results)
+        s = self.summary()
+        return (
+            f"{len(failed)} of {len(scenarios)} scenarios failed "
+            f"({findings} finding{'' if findings == 1 else 's'}); checks (scenario x "
+            f"invariant): {s['fail']} failed, {s['pass']} passed, "
+            f"{s['not_supported']} not supported"
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -245,13 +262,12 @@ _ICON = {"pass": "pass", "fail": "**FAIL**", "not_supported": "not supported"}
 
 def to_markdown(report: Report) -> str:
     """A report a human reads: the matrix, then each failure with its shrunk workload."""
-    s = report.summary()
     lines = [
         f"# Conformance report: {report.engine}",
         "",
         f"Adapter `{report.adapter}`; features: {', '.join(report.features) or 'none'}.",
         "",
-        f"**{s['fail']} failed, {s['pass']} passed, {s['not_supported']} not supported.**",
+        f"**{report.headline()}.**",
         "",
     ]
     if not report.complete:

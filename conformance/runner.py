@@ -44,7 +44,7 @@ from conformance.workload import EOS, RequestPlan, Workload, next_token
 from spec.arith import slot_of
 from spec.atomic import check_atomic
 from spec.checks import check_pool, check_step
-from spec.order import check_admission_order
+from spec.order import check_admission_order, check_strict_admission_order
 from spec.progress import check_quiescent, check_starvation
 from spec.snapshot import EngineSnapshot, RequestStatus, ScheduledRequest, StepSnapshot
 from spec.violation import Invariant, Violation, violation
@@ -336,7 +336,7 @@ class _Run:
             self.res.trace.append({"boundary": step, "rejected": r.request_id, "reason": str(e)})
             return
         n = len(self.rank)
-        if self.props.admission_order is AdmissionOrder.PRIORITY:
+        if self.props.admission_order.by_priority:
             self.rank[r.request_id] = (r.priority, n)
         else:
             self.rank[r.request_id] = (n,)
@@ -425,12 +425,23 @@ class _Run:
             "step",
             lambda: check_step(snap, self.props.lookahead_slots, self.props.same_step_prefix_hits),
         )
-        if self.props.admission_order is not AdmissionOrder.UNSPECIFIED:
-            order = str(self.props.admission_order)
+        declared = self.props.admission_order
+        if declared.strict:
+            # Head-of-line blocking promises more than the lax order: a strict engine
+            # that lets a small request pass a large head breaks its promise although
+            # the lax rule allows it (spec/order.py).
             self.checked(
                 step,
                 "step",
-                lambda: check_admission_order(snap, self.rank, self.props.lookahead_slots, order),
+                lambda: check_strict_admission_order(snap, self.rank, str(declared)),
+            )
+        elif declared is not AdmissionOrder.UNSPECIFIED:
+            self.checked(
+                step,
+                "step",
+                lambda: check_admission_order(
+                    snap, self.rank, self.props.lookahead_slots, str(declared)
+                ),
             )
         self.steps.append(snap)
         if self.props.free_queue_order:

@@ -264,6 +264,36 @@ def _known_bugs() -> list[Scenario]:
             ("PROGRESS", "CAP"),
         ),
         Scenario(
+            "order-head-of-line-blocking",
+            "A head that does not fit holds back a small request behind it (strict orders): "
+            "A takes 5 of 8 blocks; X (16 tokens, 4 blocks) and then Y (3 tokens, 1 block) "
+            "arrive together. A strict engine admits neither before A finishes; a lax one "
+            "may admit Y (X never fits in what Y took).",
+            Workload(
+                _cfg(4, 8, 32, 4),
+                (
+                    R("A", prompt(145, 20), 4),
+                    R("X", prompt(146, 16), 2, 1),
+                    R("Y", prompt(147, 3), 2, 1),
+                ),
+            ),
+            ("ORDER", "PROGRESS"),
+        ),
+        Scenario(
+            "order-priority-head-of-line-blocking",
+            "The same under priorities: X (priority 0, does not fit) arrives after Y "
+            "(priority 1, fits); a strict priority engine admits Y only after X.",
+            Workload(
+                _cfg(4, 8, 32, 4),
+                (
+                    R("A", prompt(148, 20), 4, prio=1),
+                    R("Y", prompt(149, 3), 2, 1, prio=1),
+                    R("X", prompt(150, 16), 2, 1, prio=0),
+                ),
+            ),
+            ("ORDER", "PROGRESS"),
+        ),
+        Scenario(
             "bug-first-chunk-admission-thrash",
             "Admission that checks only the first chunk then thrashes (admit, fill, preempt, "
             "repeat): long prompts in small chunks in a pool that holds only one of them.",

@@ -43,6 +43,7 @@ from typing import TypeVar
 from conformance import validate
 from conformance.adapter import (
     DEFAULT_PROPERTIES,
+    ENGINE_ADAPTER_METHODS,
     AdapterFactory,
     CommitReport,
     EngineAdapter,
@@ -90,16 +91,7 @@ length. The sampled tokens are 2, 3, 4, ... (never the eos id 1)."""
 MAX_STEPS = 20
 """Steps after which a request that has not finished is a PROGRESS problem."""
 
-PROTOCOL_METHODS = (
-    "configure",
-    "add_request",
-    "abort",
-    "has_unfinished",
-    "schedule",
-    "commit",
-    "rollback",
-    "snapshot",
-)
+PROTOCOL_METHODS = ENGINE_ADAPTER_METHODS
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,14 @@ what the overtaking request took:
 
 Preempted and swapped requests are left out: where a victim re-enters the queue is a
 separate convention (front of the queue, or its arrival place).
+
+The strict orders (``fcfs_strict``, ``priority_strict``: head-of-line blocking, as vLLM's
+and nano-vllm's FCFS admit and as refserve's queue does) promise more, and are checked
+by :func:`check_strict_admission_order` instead: a waiting request that is not admitted
+blocks every never-run request behind it in the declared order, whether it fits or not.
+That is the promise an engine with a small head behind a large one breaks when it lets
+the small one in, which the rule above deliberately allows (docs/CONFORMANCE.md, "The
+declared admission order").
 """
 
 from __future__ import annotations
@@ -78,4 +86,54 @@ def check_admission_order(
                 )
             )
             break
+    return out
+
+
+def check_strict_admission_order(
+    step: StepSnapshot,
+    keys: Mapping[str, tuple[int, ...]],
+    order: str = "fcfs_strict",
+) -> list[Violation]:
+    """ORDER, strict (head-of-line blocking): no never-run waiting request is admitted
+    while one earlier in ``keys`` that was waiting before the step is not admitted.
+
+    docs/CONFORMANCE.md, "The declared admission order". ``keys`` as for
+    :func:`check_admission_order`. A request retired while the step was planned (for
+    example finished for ``capacity``) no longer waits, so it blocks nobody; preempted
+    and swapped requests are left out as there. One violation per passed-over request,
+    naming the first request behind it that was admitted.
+    """
+    out: list[Violation] = []
+    scheduled = {s.request_id for s in step.scheduled}
+    gone = set(step.finished) | set(step.aborted)
+    waiting = sorted(
+        (
+            r
+            for r in step.before.requests
+            if r.status is RequestStatus.WAITING
+            and r.num_computed_tokens == 0
+            and r.request_id in keys
+        ),
+        key=lambda r: keys[r.request_id],
+    )
+    admitted = [r for r in waiting if r.request_id in scheduled]
+    for x in waiting:
+        if x.request_id in scheduled or x.request_id in gone:
+            continue
+        behind = [y for y in admitted if keys[y.request_id] > keys[x.request_id]]
+        if not behind:
+            continue
+        first = behind[0].request_id
+        more = f" and {len(behind) - 1} more" if len(behind) > 1 else ""
+        out.append(
+            violation(
+                ORD,
+                f"request {x.request_id}",
+                f"passed over for {first}{more}, later in {order} order: with head-of-line "
+                f"blocking a waiting request that is not admitted holds back everyone "
+                f"behind it, fitting or not",
+                f"{first} waits behind it",
+                f"{first} admitted",
+            )
+        )
     return out

@@ -48,10 +48,16 @@ def check_progress(step: StepSnapshot, lookahead: int = 0) -> list[Violation]:
 
 
 def _why_not(r: RequestSnapshot, step: StepSnapshot, lookahead: int) -> str:
-    """What the step offered ``r``: the blocks it needs for one more token (and the
-    declared lookahead slots) vs the free ones, the whole budget, and the sequence
-    slots. Which of them an engine consulted is its business; when all look sufficient
-    the cause is the engine's policy."""
+    """What the step offered ``r`` (PROGRESS; docs/CONFORMANCE.md, "Rules"): the blocks
+    it needs for one more token (and the declared lookahead slots) vs the free ones, the
+    whole budget, and the sequence slots. Which of them an engine consulted is its
+    business; when all look sufficient the cause is the engine's policy.
+
+    Except for a request that starts (or recomputes) its prompt with more tokens to
+    compute than the whole budget: one token of budget is room only for an engine that
+    chunks, and one that cannot chunk can never schedule it, so the message says that
+    instead of blaming a policy.
+    """
     pool = step.before.pool
     bs = pool.block_size
     table = pool.table(r.request_id)
@@ -63,9 +69,18 @@ def _why_not(r: RequestSnapshot, step: StepSnapshot, lookahead: int) -> str:
         for x in step.before.requests
         if x.status in (RequestStatus.PREFILLING, RequestStatus.DECODING)
     )
+    todo = r.num_tokens - r.num_computed_tokens
+    # A prefilling or decoding request is already past its first chunk.
+    unchunked = (
+        r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
+        and todo > step.token_budget
+    )
+    budget = f"budget: {step.token_budget} tokens unused"
+    if unchunked:
+        budget += f", fewer than the {todo} it has to compute"
     parts = [
         f"blocks: needs {need} for its next token, {free} free",
-        f"budget: {step.token_budget} tokens unused",
+        budget,
         f"seqs: {running} of {step.max_num_seqs} running",
     ]
     if (
@@ -76,7 +91,12 @@ def _why_not(r: RequestSnapshot, step: StepSnapshot, lookahead: int) -> str:
             or r.status in (RequestStatus.PREFILLING, RequestStatus.DECODING)
         )
     ):
-        parts.append("policy: every limit had room")
+        parts.append(
+            "unchunked: its tokens exceed the per-step token budget, so an engine that "
+            "cannot chunk can never schedule it"
+            if unchunked
+            else "policy: every limit had room"
+        )
     return "; ".join(parts)
 
 

@@ -33,13 +33,15 @@ from spec.snapshot import EngineSnapshot
 
 # refserve's conventions: KV length and table length agree exactly, eos stops a request,
 # the free queue is an LRU queue handed out from its head, decode-first batching, and
-# strict priority-then-arrival admission with head-of-line blocking (no aging configured);
+# strict priority-then-arrival admission with head-of-line blocking (no aging configured:
+# Planner._admit stops at the first waiting request that does not fit, so the strict
+# order is declared and checked, not the lax one that allows skipping such a head);
 # a request that reaches max_model_len (SchedulerConfig.max_len, which its snapshot reports)
 # finishes there with reason length (Scheduler.commit).
 REF_PROPERTIES = EngineProperties(
     lookahead_slots=0,
     eos=True,
-    admission_order=AdmissionOrder.PRIORITY,
+    admission_order=AdmissionOrder.PRIORITY_STRICT,
     step_order=StepOrder.DECODE_FIRST,
     free_queue_order=True,
     max_model_len_stop=True,

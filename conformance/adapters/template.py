@@ -75,7 +75,9 @@ class TemplateAdapter:
         eos=True,
         # The admission order the suite checks exactly (ORDER): FCFS (nobody is admitted
         # past an earlier waiting request that fits), PRIORITY (by RequestSpec.priority,
-        # smaller first, then arrival), or UNSPECIFIED (not checked).
+        # smaller first, then arrival), FCFS_STRICT / PRIORITY_STRICT (head-of-line
+        # blocking: nobody is admitted past an earlier waiting request that is not,
+        # fitting or not), or UNSPECIFIED (not checked).
         admission_order=AdmissionOrder.UNSPECIFIED,
         # DECODE_FIRST or PREFILL_FIRST batching: observed and reported, never a finding.
         step_order=StepOrder.UNSPECIFIED,

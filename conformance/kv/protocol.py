@@ -123,3 +123,9 @@ class KVAdapter(Protocol):
 
 KVAdapterFactory = Callable[[], KVAdapter]
 """A zero-argument callable returning a fresh KV adapter (``MODULE:FACTORY`` on the CLI)."""
+
+KV_ADAPTER_ATTRIBUTES = ("name", "features")
+"""The data members of :class:`KVAdapter`."""
+KV_ADAPTER_METHODS = ("configure", "allocate", "fork", "free", "snapshot")
+"""The methods of :class:`KVAdapter` (``fork`` too: without feature ``fork`` it raises
+:class:`conformance.adapter.NotSupported`)."""

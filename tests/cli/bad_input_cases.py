@@ -614,6 +614,33 @@ CHECK_KERNEL: list[Case] = [
     ),
 ]
 
+CONF_ERROR = "refserve conformance: error: "  # the conformance command's own surface
+
+CONFORMANCE: list[Case] = [
+    Case(
+        "conformance-adapter-not-an-adapter",
+        ("conformance", "--adapter", "builtins:dict", "--report", "{ws}/o/r.json"),
+        "--adapter builtins:dict does not return an engine adapter: missing name, features, "
+        "configure, add_request, abort, has_unfinished, schedule, commit, rollback, snapshot",
+        outputs=("o/r.json",),
+        message=CONF_ERROR,
+    ),
+    Case(
+        "conformance-kv-adapter-not-an-adapter",
+        ("conformance", "--kv-adapter", "builtins:dict", "--report", "{ws}/o/r.json"),
+        "--kv-adapter builtins:dict does not return a KV adapter: missing name, features, "
+        "configure, allocate, fork, free, snapshot",
+        outputs=("o/r.json",),
+        message=CONF_ERROR,
+    ),
+    Case(
+        "conformance-kv-adapter-is-an-engine-adapter",
+        ("conformance", "--kv-adapter", "conformance.adapters.ref:make"),
+        "missing allocate, fork, free",
+        message=CONF_ERROR,
+    ),
+]
+
 TOP_LEVEL: list[Case] = [
     Case("no-command", (), "COMMAND"),
     Case("unknown-command", ("frobnicate",), "frobnicate"),
@@ -630,5 +657,6 @@ ALL_CASES: list[Case] = [
     *CONFIGS,
     *COMPARE,
     *CHECK_KERNEL,
+    *CONFORMANCE,
     *TOP_LEVEL,
 ]

@@ -6,7 +6,10 @@ alone (:class:`IndieKVAdapter`, ``conformance.kv.protocol.KVAdapter``). Each pla
 of :data:`indie_engine.BUGS` has both factories, ``make_<bug>`` and ``make_kv_<bug>``
 (e.g. ``indie_adapter:make_cow_skipped`` / ``indie_adapter:make_kv_cow_skipped``),
 resolved by the module ``__getattr__`` below; both build the engine or manager with that
-bug. With ``tests/conformance`` on ``sys.path`` they load like any adapter.
+bug. ``make_lax`` and ``make_lax_<bug>`` build the same engines declaring the lax ``fcfs``
+order instead of the engine's real ``fcfs_strict`` (how ``hol_skip`` passes the lax rule
+and fails the strict one). With ``tests/conformance`` on ``sys.path`` they load like any
+adapter.
 
 How the engine maps onto the protocol (the adapters translate; they never fix):
 
@@ -30,6 +33,7 @@ How the engine maps onto the protocol (the adapters translate; they never fix):
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from indie_engine import (
@@ -68,7 +72,8 @@ from spec.snapshot import (
 PROPERTIES = EngineProperties(
     lookahead_slots=1,
     eos=False,
-    admission_order=AdmissionOrder.FCFS,
+    # Head-of-line blocking (_Planner.admit stops at a head that does not fit).
+    admission_order=AdmissionOrder.FCFS_STRICT,
     step_order=StepOrder.PREFILL_FIRST,
 )
 
@@ -96,10 +101,11 @@ def pool_snapshot(bm: BlockManager) -> PoolSnapshot:
 class IndieAdapter:
     """The indie engine behind ``conformance.adapter.EngineAdapter``."""
 
-    properties = PROPERTIES
-
-    def __init__(self, bug: str | None = None) -> None:
+    def __init__(
+        self, bug: str | None = None, order: AdmissionOrder = AdmissionOrder.FCFS_STRICT
+    ) -> None:
         self.bug = bug
+        self.properties = replace(PROPERTIES, admission_order=order)
         self._eng: IndieEngine | None = None
         self._gen: StepGen | None = None
         self._arrival: dict[str, int] = {}
@@ -282,13 +288,22 @@ def make() -> IndieAdapter:
     return IndieAdapter()
 
 
+def make_lax() -> IndieAdapter:
+    """The correct engine declaring the lax ``fcfs`` order (its strict order implies it)."""
+    return IndieAdapter(order=AdmissionOrder.FCFS)
+
+
 def make_kv() -> IndieKVAdapter:
     """``--kv-adapter indie_adapter:make_kv``: the correct block manager."""
     return IndieKVAdapter()
 
 
 def __getattr__(name: str) -> Callable[[], Any]:
-    """``make_<bug>`` and ``make_kv_<bug>`` for every bug in ``indie_engine.BUGS``."""
+    """``make_<bug>``, ``make_lax_<bug>`` and ``make_kv_<bug>`` for every bug in
+    ``indie_engine.BUGS``."""
+    if name.startswith("make_lax_") and name[len("make_lax_") :] in BUGS:
+        bug = name[len("make_lax_") :]
+        return lambda: IndieAdapter(bug, AdmissionOrder.FCFS)
     if name.startswith("make_kv_") and name[len("make_kv_") :] in BUGS:
         bug = name[len("make_kv_") :]
         return lambda: IndieKVAdapter(bug)

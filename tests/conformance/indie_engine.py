@@ -25,8 +25,9 @@ Where it differs from refserve on purpose:
   and goes back to the *front* of the waiting queue; no one is admitted in a step that
   preempted.
 * **No eos handling**: a request stops only at ``max_tokens`` (or ``max_model_len``).
-* **Admission**: FCFS with head-of-line blocking; a waiting request is admitted when the
-  free blocks cover its first chunk (plus the slot ahead if that chunk samples).
+* **Admission**: FCFS with head-of-line blocking (declared ``fcfs_strict``); a waiting
+  request is admitted when the free blocks cover its first chunk (plus the slot ahead if
+  that chunk samples), and a head that does not fit holds back everyone behind it.
 
 ``bug`` plants one realistic mistake (:data:`BUGS`) so tests can check the suite sees it.
 """
@@ -50,6 +51,7 @@ BUGS = frozenset(
         "stale_prefix_entry",  # a reused block keeps its old prefix-cache entry
         "preempt_no_reset",  # a preempted request keeps its KV length
         "capacity_spin",  # a lone request that can never grow is skipped, not finished
+        "hol_skip",  # a later request that fits is admitted past a head that does not
     }
 )
 
@@ -526,18 +528,22 @@ class _Planner:
 
     def admit(self) -> None:
         eng, bm = self.eng, self.eng.bm
-        while eng.waiting and self.left > 0 and len(eng.running) < eng.max_seqs:
-            r = eng.waiting[0]
+        skipped = 0  # bug hol_skip: heads left in place, at the front of the queue
+        while len(eng.waiting) > skipped and self.left > 0 and len(eng.running) < eng.max_seqs:
+            r = eng.waiting[skipped]
             if _cdiv(len(r.tokens) + 1, bm.block_size) > bm.num_blocks:
                 # A preempted request whose outputs outgrew the pool cannot recompute.
-                eng.waiting.popleft()
+                del eng.waiting[skipped]
                 eng._retire(r, "capacity")
                 self.retired.append((r.rid, "capacity"))
                 continue
             n = min(len(r.tokens), self.left)
             if bm.blocks_to_allocate(r.rid, n, self.lookahead(r, n)) > bm.num_free:
+                if eng.bug == "hol_skip":
+                    skipped += 1  # looks past a head that does not fit: breaks strict FCFS
+                    continue
                 break  # head-of-line: nobody overtakes the head of the queue
-            eng.waiting.popleft()
+            del eng.waiting[skipped]
             eng.running.append(r)
             self.schedule(r, n, self.lookahead(r, n), new=True)
 

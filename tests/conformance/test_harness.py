@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.adapter import CommitReport, NotSupported, RequestSpec, StepReport
+from conformance.adapter import CommitReport, Feature, NotSupported, RequestSpec, StepReport
 from conformance.adapters.ref import RefAdapter
 from conformance.cli import conformance_main
 from conformance.report import Report
@@ -199,6 +199,10 @@ def test_usage_errors_exit_2_with_one_line(
         ["--adapter", "nope"],
         ["--adapter", "no_such_module_xyz:make"],
         ["--adapter", "builtins:nothing_here"],
+        ["--adapter", "builtins:dict"],  # returns something that is no adapter at all
+        ["--kv-adapter", "builtins:dict"],
+        ["--kv-adapter", "conformance.adapters.ref:make"],  # an engine adapter, not a KV one
+        ["--adapter", "conformance.adapters.ref_kv:make_kv"],
         [*ref, "--scenarios", "no-such-scenario"],
         [*ref, "--examples", "-5"],
         [*ref, "--examples", "zero"],
@@ -217,6 +221,115 @@ def test_usage_errors_exit_2_with_one_line(
         err = capsys.readouterr().err
         assert "Traceback" not in err, argv
         assert "error" in err, (argv, err)
+
+
+def test_a_factory_that_returns_no_adapter_is_a_usage_error_naming_what_is_missing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rep = tmp_path / "r.json"
+    assert conformance_main(["--adapter", "builtins:dict", "--report", str(rep)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "refserve conformance: error: --adapter builtins:dict does not return an engine "
+        "adapter: missing name, features, configure, add_request, abort, has_unfinished, "
+        "schedule, commit, rollback, snapshot (docs/ADAPTERS.md)"
+    ]
+    assert not rep.exists()  # refused before the run: no report, not even a partial one
+    argv = ["--kv-adapter", "conformance.adapters.ref:make"]
+    assert conformance_main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        "refserve conformance: error: --kv-adapter conformance.adapters.ref:make does not "
+        "return a KV adapter: missing allocate, fork, free (docs/ADAPTERS.md)"
+    )
+    # Replays are checked the same way.
+    from conformance.scenarios import by_name
+
+    wl = tmp_path / "w.json"
+    wl.write_text(json.dumps(by_name()["seed001-round-by-round"].workload.to_json()))
+    assert conformance_main(["--adapter", "builtins:dict", "--replay", str(wl)]) == 2
+    assert "does not return an engine adapter" in capsys.readouterr().err
+
+
+def test_the_member_lists_are_the_protocols_and_nothing_of_the_adapter_runs() -> None:
+    from conformance.adapter import (
+        ENGINE_ADAPTER_ATTRIBUTES,
+        ENGINE_ADAPTER_METHODS,
+        EngineAdapter,
+        missing_members,
+    )
+    from conformance.kv.protocol import KV_ADAPTER_ATTRIBUTES, KV_ADAPTER_METHODS, KVAdapter
+
+    def shaped(names: tuple[str, ...], drop: str = "") -> object:
+        return type("Shaped", (), {n: (lambda self: None) for n in names if n != drop})()
+
+    for proto, attrs, methods in (
+        (EngineAdapter, ENGINE_ADAPTER_ATTRIBUTES, ENGINE_ADAPTER_METHODS),
+        (KVAdapter, KV_ADAPTER_ATTRIBUTES, KV_ADAPTER_METHODS),
+    ):
+        names = (*attrs, *methods)
+        # Exactly the protocol: every listed member is needed, and the list is enough.
+        assert isinstance(shaped(names), proto)
+        for n in names:
+            assert not isinstance(shaped(names, drop=n), proto), n
+            assert missing_members(shaped(names, drop=n), attrs, methods) == [n]
+        assert missing_members(shaped(names), attrs, methods) == []
+
+    class Odd(RefAdapter):
+        schedule = 3  # type: ignore[assignment]
+
+        @property
+        def features(self) -> frozenset[Feature]:
+            raise AssertionError("a property must not run while the members are checked")
+
+        @classmethod
+        def rollback(cls) -> None: ...  # type: ignore[override]
+
+    attrs, methods = ENGINE_ADAPTER_ATTRIBUTES, ENGINE_ADAPTER_METHODS
+    assert missing_members(Odd(), attrs, methods) == ["schedule (not callable)"]
+
+    class Proxy:
+        """Delegates everything, as a wrapper around an engine's own adapter may."""
+
+        def __init__(self) -> None:
+            self.inner = RefAdapter()
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+    assert missing_members(Proxy(), attrs, methods) == []
+    assert missing_members({}, attrs, methods) == [*attrs, *methods]
+
+
+def test_the_summary_line_counts_scenarios_and_findings_apart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from conformance.report import Failure, Result, to_markdown
+
+    def fail(msg: str) -> Failure:
+        return Failure(0, "step", "step", msg, "", "", {}, [], f"TOKEN step: {msg}")
+
+    results = (
+        Result("a", "TOKEN", "fail", "", fail("one"), (fail("two"),)),  # two findings
+        Result("a", "BLOCK", "fail", "", fail("three")),
+        Result("a", "POS", "pass"),
+        Result("b", "TOKEN", "pass"),
+        Result("c", "TOKEN", "not_supported", "engine lacks abort"),
+    )
+    report = Report("m:f", "eng", (), results, ())
+    line = (
+        "1 of 3 scenarios failed (3 findings); checks (scenario x invariant): 2 failed, "
+        "2 passed, 1 not supported"
+    )
+    assert report.headline() == line
+    assert f"**{line}.**" in to_markdown(report)
+    one = Report("m:f", "eng", (), (results[1], results[3]), ())  # one scenario fails
+    assert one.headline().startswith("1 of 2 scenarios failed (1 finding); ")
+    # The CLI prints it above exactly as many FAIL lines as it counts findings.
+    code, _ = _run(tmp_path, "raises_schedule")
+    out = capsys.readouterr().out.splitlines()
+    assert code == 1
+    assert out[0].startswith("refserve: 1 of 1 scenarios failed (1 finding); checks "), out[0]
+    assert sum(1 for x in out if x.startswith("  FAIL ")) == 1, out
 
 
 def test_malformed_replay_and_baseline_files(

@@ -16,7 +16,7 @@ import indie_adapter
 import pytest
 from indie_engine import BUGS, Batch, EngineError, IndieEngine, State
 
-from conformance.adapter import EngineAdapter
+from conformance.adapter import AdmissionOrder, EngineAdapter
 from conformance.cli import conformance_main
 from conformance.kv.protocol import KVAdapter, KVConfig
 
@@ -32,6 +32,7 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "stale_prefix_entry": ("PREFIX", "kv"),  # a cache hit reads another request's tokens
     "preempt_no_reset": ("TOKEN", "engine"),  # recompute preemption keeps its KV length
     "capacity_spin": ("PROGRESS", "engine"),  # a lone request that cannot grow spins
+    "hol_skip": ("ORDER", "engine"),  # a head that does not fit is passed (strict order)
 }
 
 
@@ -83,6 +84,8 @@ def test_every_bug_has_an_expectation_and_both_factories() -> None:
         assert isinstance(eng, EngineAdapter) and isinstance(kv, KVAdapter)
         assert isinstance(eng, indie_adapter.IndieAdapter) and eng.bug == bug
         assert isinstance(kv, indie_adapter.IndieKVAdapter) and kv.bug == bug
+        lax = getattr(indie_adapter, f"make_lax_{bug}")()
+        assert lax.bug == bug and lax.properties.admission_order is AdmissionOrder.FCFS
 
 
 @pytest.mark.parametrize("bug", sorted(EXPECTED))
@@ -93,6 +96,37 @@ def test_each_planted_bug_is_caught_with_the_expected_invariant(bug: str, tmp_pa
     found = _failures(report)
     at_level = [(s, inv, msg) for s, inv, msg in found if s.startswith("kv-") == (level == "kv")]
     assert invariant in {inv for _, inv, _ in at_level}, found
+
+
+def test_the_engine_declares_strict_fcfs_and_keeps_the_lax_order_too(tmp_path: Path) -> None:
+    """Head-of-line blocking implies the lax order: the correct engine passes under both."""
+    assert indie_adapter.make().properties.admission_order is AdmissionOrder.FCFS_STRICT
+    assert indie_adapter.make_lax().properties.admission_order is AdmissionOrder.FCFS
+    rc, report = _cli(tmp_path, "make_lax", "make_kv")
+    assert (rc, _failures(report)) == (0, [])
+    assert report["properties"]["admission_order"] == "fcfs"
+
+
+def test_skipping_a_head_that_does_not_fit_breaks_only_the_strict_order(tmp_path: Path) -> None:
+    """``hol_skip`` admits a small request past a head that does not fit: the lax ``fcfs``
+    rule allows that (the head never fitted in what the small one took), so the engine
+    passes the whole suite when it declares ``fcfs``; declaring the head-of-line blocking
+    it promises (``fcfs_strict``), it fails ORDER, and nothing else."""
+    rc, report = _cli(tmp_path, "make_lax_hol_skip", "make_kv_hol_skip")
+    assert (rc, _failures(report)) == (0, [])
+    rc, report = _cli(tmp_path, "make_hol_skip", "make_kv_hol_skip")
+    found = _failures(report)
+    assert rc == 1 and found
+    assert {inv for _, inv, _ in found} == {"ORDER"}, found
+    assert ("order-head-of-line-blocking", "ORDER") in {(s, inv) for s, inv, _ in found}
+    assert all("later in fcfs_strict order" in msg for _, _, msg in found), found
+
+
+def test_lifo_admission_breaks_the_lax_order_too(tmp_path: Path) -> None:
+    rc, report = _cli(tmp_path, "make_lax_fcfs_broken", "make_kv")
+    found = [(s, msg) for s, inv, msg in _failures(report) if inv == "ORDER"]
+    assert rc == 1 and found
+    assert all("later in fcfs order, although it fitted" in msg for _, msg in found), found
 
 
 # ------------------------------------------------------------------ the engine itself

@@ -29,7 +29,7 @@ from spec.arith import slot_of
 from spec.atomic import check_atomic, check_atomic_pool
 from spec.cap import check_cap_step
 from spec.hashing import Namespace, block_key
-from spec.order import check_admission_order
+from spec.order import check_admission_order, check_strict_admission_order
 from spec.prefix import check_prefix_step
 from spec.progress import check_quiescent, check_starvation
 
@@ -756,6 +756,34 @@ def test_progress_message_tells_a_full_pool_from_a_policy_stall() -> None:
     assert "needs 1 for its next token, 0 free" in v.message and "policy" not in v.message
 
 
+def test_progress_message_tells_a_prompt_over_the_budget_from_a_policy_stall() -> None:
+    """An engine that cannot chunk never schedules a prompt longer than the budget: the
+    message says so, not that every limit had room."""
+    pool = BlockPool(8, BS).snapshot()
+
+    def stall(prompt: int, budget: int, status: RequestStatus = RequestStatus.WAITING) -> str:
+        reqs = (req("W", status, prompt, 0, 0),)
+        snap = EngineSnapshot(reqs, pool)
+        s = StepSnapshot(0, budget, 4, snap, (), snap)
+        return find(check_step(s), Invariant.PROGRESS, "step", "request W got nothing").message
+
+    long = stall(prompt=12, budget=8)
+    assert "budget: 8 tokens unused, fewer than the 12 it has to compute" in long
+    assert long.endswith(
+        "unchunked: its tokens exceed the per-step token budget, so an engine that cannot "
+        "chunk can never schedule it)"
+    )
+    assert "policy" not in long
+    assert stall(prompt=12, budget=8, status=RequestStatus.PREEMPTED) == long.replace(
+        "waiting", "preempted"
+    )
+    # A prompt that fits the budget stalls by policy.
+    fits = stall(prompt=8, budget=8)
+    assert fits.endswith(
+        "budget: 8 tokens unused; seqs: 0 of 4 running; policy: every limit had room)"
+    )
+
+
 def test_preempted_request_keeping_its_blocks(step: StepSnapshot) -> None:
     pool = step.after.pool
     kept = TableSnapshot("D", (9,), 0, ())
@@ -897,6 +925,88 @@ def test_admission_order_allows_skipping_what_does_not_fit() -> None:
     # One lookahead slot makes X's 4-token prompt need a second block.
     assert check_admission_order(overtaking_step(x_prompt=4), keys) != []
     assert check_admission_order(overtaking_step(x_prompt=4), keys, lookahead=1) == []
+
+
+def queue_step(admit: tuple[str, ...], head: RequestStatus = RequestStatus.WAITING) -> StepSnapshot:
+    """X (first in order, prompt 5), Y and Z (prompt 3 each) wait; the step admits
+    ``admit`` (each a whole prompt) and no one else. ``head`` is X's status before."""
+    prompts = {"X": 5, "Y": 3, "Z": 3}
+    pool = BlockPool(8, BS)
+    before = EngineSnapshot(
+        tuple(
+            req(r, head if r == "X" else RequestStatus.WAITING, n, 0, 0) for r, n in prompts.items()
+        ),
+        pool.snapshot(),
+    )
+    for r in admit:
+        pool.allocate(r, tuple(range(10 * len(r), 10 * len(r) + prompts[r])), prompts[r])
+    after = EngineSnapshot(
+        tuple(
+            req(r, RequestStatus.DECODING, n, 1, n)
+            if r in admit
+            else req(r, head if r == "X" else RequestStatus.WAITING, n, 0, 0)
+            for r, n in prompts.items()
+        ),
+        pool.snapshot(),
+    )
+    sched = tuple(scheduled(pool, r, 0, prompts[r], True) for r in admit)
+    return StepSnapshot(0, 16, 4, before, sched, after)
+
+
+FIFO = {"X": (0,), "Y": (1,), "Z": (2,)}
+
+
+def test_strict_admission_order_a_later_request_admitted_past_a_waiting_head() -> None:
+    # The lax rule allows it: X (2 blocks) never fitted in what Y took (1 block).
+    s = overtaking_step(x_prompt=5, budget=16)
+    keys = {"X": (0,), "Y": (1,)}
+    assert check_admission_order(s, keys) == []
+    vs = check_strict_admission_order(s, keys)
+    v = find(vs, Invariant.ORDER, "request X", "passed over for Y, later in fcfs_strict order")
+    assert "head-of-line blocking" in v.message
+    expect(v, "Y waits behind it", "Y admitted")
+    assert vs == [v]
+    # Two requests behind the head, both admitted: one finding, naming the first.
+    vs = check_strict_admission_order(queue_step(("Y", "Z")), FIFO, "priority_strict")
+    v = find(
+        vs, Invariant.ORDER, "request X", "passed over for Y and 1 more, later in priority_strict"
+    )
+    assert vs == [v]
+    # A head and a request behind it both blocked while the last one is admitted.
+    vs = check_strict_admission_order(queue_step(("Z",)), FIFO)
+    assert [v.subject for v in vs] == ["request X", "request Y"]
+
+
+def test_strict_admission_order_holds_on_head_of_line_steps() -> None:
+    assert check_strict_admission_order(queue_step(()), FIFO) == []  # nobody admitted
+    assert check_strict_admission_order(queue_step(("X",)), FIFO) == []  # the head only
+    assert check_strict_admission_order(queue_step(("X", "Y")), FIFO) == []
+    assert check_strict_admission_order(queue_step(("X", "Y", "Z")), FIFO) == []
+    # Priority order puts Z first: Z overtakes nobody, and nobody overtakes Y.
+    keys = {"X": (1, 0), "Y": (1, 1), "Z": (0, 2)}
+    assert check_strict_admission_order(queue_step(("Z",)), keys) == []
+    assert check_strict_admission_order(queue_step(("Y",)), keys) != []
+    # Requests without a key are not judged.
+    assert check_strict_admission_order(queue_step(("Y",)), {"Y": (1,), "Z": (2,)}) == []
+
+
+def test_strict_admission_order_leaves_out_preempted_and_retired_heads() -> None:
+    # A preempted head re-enters the queue by a separate convention (front or place).
+    s = queue_step(("Y",), head=RequestStatus.PREEMPTED)
+    assert check_strict_admission_order(s, FIFO) == []
+    # A head retired while the step was planned (capacity) waits no more.
+    s = replace(queue_step(("Y",)), finished=("X",))
+    assert check_strict_admission_order(s, FIFO) == []
+    # A waiting head with KV already computed has run before: it is not judged.
+    s = queue_step(("Y",))
+    before = replace(
+        s.before,
+        requests=tuple(
+            replace(r, num_computed_tokens=2) if r.request_id == "X" else r
+            for r in s.before.requests
+        ),
+    )
+    assert check_strict_admission_order(replace(s, before=before), FIFO) == []
 
 
 # ------------------------------------------------- same-step prefix hits (a convention)
