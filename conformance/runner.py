@@ -507,12 +507,20 @@ class _Run:
             n = min(k, len(truth) - 1)  # the token at a stop is the target's own
             if n < 1:
                 continue
-            right = (step + len(self.tokens[rid])) % (n + 1)
+            right = self.right_drafts(rid, n, step)
             drafts = (*truth[:right], *(t ^ 1 for t in truth[right:n]))  # t ^ 1 != t
             propose = self.a.propose  # type: ignore[attr-defined]  # feature-gated method
             self.call(step, "step", f"propose({rid!r})", lambda: propose(rid, drafts))  # noqa: B023
             out[rid] = drafts
         return out
+
+    def right_drafts(self, rid: str, n: int, step: int) -> int:
+        """How many of the ``n`` drafts proposed to ``rid`` at ``step`` are right: the
+        workload's choice if it made one, else one rotating with the step and length."""
+        for at, who, right in self.w.drafts_right:
+            if at == step and who == rid:
+                return min(right, n)
+        return (step + len(self.tokens[rid])) % (n + 1)
 
     def truth(self, rid: str, n: int) -> list[int]:
         """The next ``n`` tokens the suite samples for ``rid``, cut after a stop."""

@@ -55,6 +55,11 @@ class Workload:
     """Steps after which a run that has not quiesced fails PROGRESS (0: derived)."""
     rollback_at: tuple[int, ...] = ()
     """Steps at which the suite simulates an executor fault (feature ``rollback``)."""
+    drafts_right: tuple[tuple[int, str, int], ...] = ()
+    """(step, request id, n): at that step the first n drafts the suite proposes to the
+    request are its own next tokens and the rest are not, so a verification accepts n
+    (feature ``speculative_decoding``; the exhaustive explorer records its choices
+    here). Steps not listed use the suite's rotating choice."""
     note: str = ""
 
     @property
@@ -101,6 +106,7 @@ class Workload:
         d = asdict(self)
         d["requests"] = [{**asdict(r), "prompt": list(r.prompt)} for r in self.requests]
         d["rollback_at"] = list(self.rollback_at)
+        d["drafts_right"] = [list(x) for x in self.drafts_right]
         return d
 
     @staticmethod
@@ -112,6 +118,9 @@ class Workload:
             ),
             max_steps=int(d.get("max_steps", 0)),
             rollback_at=tuple(d.get("rollback_at", ())),
+            drafts_right=tuple(
+                (int(step), str(rid), int(n)) for step, rid, n in d.get("drafts_right", ())
+            ),
             note=str(d.get("note", "")),
         )
 

@@ -63,7 +63,13 @@ def to_workload(s: Session, note: str) -> Workload:
         replace(s.run.plans[rid], stop_at=s.stops.get(rid), abort_at=s.aborts.get(rid))
         for rid in s.entries
     ]
-    return Workload(s.scope.config(), tuple(plans), rollback_at=tuple(s.rollbacks), note=note)
+    return Workload(
+        s.scope.config(),
+        tuple(plans),
+        rollback_at=tuple(s.rollbacks),
+        drafts_right=tuple(s.run.right_used),
+        note=note,
+    )
 
 
 def step_table(s: Session, path: Sequence[Event]) -> str:

@@ -29,7 +29,7 @@ from conformance.explore.counterexample import Counterexample, record, step_tabl
 from conformance.explore.key import Key
 from conformance.explore.liveness import Liveness, check_liveness
 from conformance.explore.scope import Scope
-from conformance.explore.session import Event, Fault, Session, Step, eos_variants
+from conformance.explore.session import Event, Fault, Session, Step, step_variants
 from conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError
 from conformance.runner import Finding, _Stop, adapter_traits, build
 from conformance.shrink import signature
@@ -294,8 +294,9 @@ class _Explorer:
                 if isinstance(ev, Step):
                     self.unknown.add(nid)
                 continue
-            if isinstance(ev, Step) and not ev.eos and self.props.eos:
-                pending.extend(eos_variants(child.last_sampled))
+            if isinstance(ev, Step) and not ev.eos and not ev.right:
+                samplers = child.last_sampled if self.props.eos else ()
+                pending.extend(step_variants(samplers, child.last_proposed))
             if isinstance(ev, Fault):
                 continue  # ATOMIC held: the state is the one before (a self-loop)
             cid = self.add_node(nid, ev, depth, child)
@@ -303,6 +304,8 @@ class _Explorer:
                 self.steps.setdefault(nid, set()).add(cid)
 
     def cover(self, parent: Session, child: Session) -> None:
+        if child.dead:
+            return
         a, b = parent.run.res.observed, child.run.res.observed
         cov = self.res.coverage
         for name, before, after in (
@@ -317,6 +320,9 @@ class _Explorer:
         ):
             if after > before:
                 cov[name] = cov.get(name, 0) + 1
+        for accepted, verified in child.last_accepted.values():
+            what = "drafts all accepted" if accepted >= verified else "drafts rejected"
+            cov[what] = cov.get(what, 0) + 1
 
     def record_finding(self, found: list[Finding], nid: int, ev: Event | None) -> None:
         if not found:

@@ -52,6 +52,9 @@ class Scope:
     max_states: int = 200_000
     faults: bool = True
     """Try an executor fault (schedule, then rollback) in every state with live requests."""
+    num_speculative_tokens: int = 0
+    """Drafts proposed to every decoding request each step (feature
+    ``speculative_decoding``); each accepted count is an outcome of the step."""
 
     def __post_init__(self) -> None:
         for field in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs"):
@@ -75,6 +78,7 @@ class Scope:
             max_num_seqs=self.max_num_seqs,
             enable_prefix_caching=self.enable_prefix_caching,
             eos_token_id=EOS,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
     def needs(self) -> frozenset[Feature]:
@@ -97,6 +101,7 @@ class Scope:
             f"{lengths}, max_tokens {outs}), {self.num_blocks} blocks of {self.block_size} "
             f"tokens, budget {self.max_num_batched_tokens}, max {self.max_num_seqs} seqs, "
             f"prefix caching {'on' if self.enable_prefix_caching else 'off'}"
+            + (f", {self.num_speculative_tokens} drafts" if self.num_speculative_tokens else "")
         )
 
 
@@ -109,6 +114,9 @@ _B = RequestTemplate((2, 3, 5, 6), 2)
 _C = RequestTemplate((7, 8), 1)
 _D = RequestTemplate((2, 3, 5, 6, 9, 10, 11), 3, priority=-1)
 _E = RequestTemplate((12, 13, 14, 15, 16, 17), 1)
+# With drafts, outputs long enough that a decode is proposed two drafts.
+_A_SPEC = RequestTemplate((2, 3, 4), 5)
+_B_SPEC = RequestTemplate((2, 3, 5, 6), 4)
 
 SCOPES: dict[str, Scope] = {
     "tiny": Scope(
@@ -139,6 +147,17 @@ SCOPES: dict[str, Scope] = {
         max_num_seqs=2,
         catalogue=(_A, _B, _D, _E),
         max_requests=3,
+    ),
+    # Speculative decoding: two drafts a step, every accepted count explored.
+    "small-spec": Scope(
+        "small-spec",
+        block_size=2,
+        num_blocks=4,
+        max_num_batched_tokens=4,
+        max_num_seqs=2,
+        catalogue=(_A_SPEC, _B_SPEC, _C),
+        max_requests=3,
+        num_speculative_tokens=2,
     ),
     "medium": Scope(
         "medium",

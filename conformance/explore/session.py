@@ -15,9 +15,9 @@ boundary, so that every path is a workload the runner replays exactly.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from itertools import combinations
+from itertools import combinations, product
 
 from conformance.adapter import EngineAdapter, EngineProperties, Feature
 from conformance.explore.key import Key, pool_key, rename, request_key
@@ -48,12 +48,22 @@ class Abort:
 
 @dataclass(frozen=True)
 class Step:
-    """One engine step; the requests in ``eos`` sample eos, every other sampler does not."""
+    """One engine step; the requests in ``eos`` sample eos, every other sampler does not.
+
+    With speculative decoding, ``right`` lists (request, n) for requests whose drafts
+    are right only up to n (every other proposer's drafts are all right), so each
+    accepted count is an outcome of its own."""
 
     eos: tuple[str, ...] = ()
+    right: tuple[tuple[str, int], ...] = ()
 
     def __str__(self) -> str:
-        return f"step (eos: {', '.join(self.eos)})" if self.eos else "step"
+        parts = []
+        if self.eos:
+            parts.append(f"eos: {', '.join(self.eos)}")
+        if self.right:
+            parts.append("drafts right: " + ", ".join(f"{r} {n}" for r, n in self.right))
+        return f"step ({'; '.join(parts)})" if parts else "step"
 
 
 @dataclass(frozen=True)
@@ -67,12 +77,19 @@ class Fault:
 Event = Add | Abort | Step | Fault
 
 
-def eos_variants(sampled: tuple[str, ...]) -> Iterator[Step]:
-    """Every step outcome besides the all-ordinary one: each non-empty set of samplers
-    that sample eos."""
-    for n in range(1, len(sampled) + 1):
-        for group in combinations(sampled, n):
-            yield Step(group)
+def step_variants(sampled: tuple[str, ...], proposed: Mapping[str, int]) -> Iterator[Step]:
+    """Every step outcome besides the ordinary one (no eos, every draft right): each set
+    of samplers that sample eos, with each choice of how many drafts are right."""
+    eos_sets = [g for n in range(len(sampled) + 1) for g in combinations(sampled, n)]
+    proposers = sorted(proposed)
+    counts = product(*(range(proposed[r] + 1) for r in proposers))
+    rights = [
+        tuple((r, n) for r, n in zip(proposers, c, strict=True) if n < proposed[r]) for c in counts
+    ]
+    for eos in eos_sets:
+        for right in rights:
+            if eos or right:
+                yield Step(eos, right)
 
 
 class _ExploreRun(_Run):
@@ -81,13 +98,21 @@ class _ExploreRun(_Run):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.eos_now: frozenset[str] = frozenset()
-        self.sampled_now: list[str] = []
+        self.right_now: dict[str, int] = {}
+        self.proposed: dict[str, int] = {}
+        """The drafts proposed to each request in the last step, by count."""
+        self.right_used: list[tuple[int, str, int]] = []
 
     def choose(self, rid: str, toks: list[int]) -> int:
-        self.sampled_now.append(rid)
         if rid in self.eos_now and self.props.eos:
             return EOS
         return next_token(toks)
+
+    def right_drafts(self, rid: str, n: int, step: int) -> int:
+        right = min(self.right_now.get(rid, n), n)
+        self.proposed[rid] = n
+        self.right_used.append((step, rid, right))
+        return right
 
 
 class Session:
@@ -106,6 +131,8 @@ class Session:
         self.entries: dict[str, int] = {}
         """Catalogue entry of every request added so far (live or not), by id."""
         self.last_sampled: tuple[str, ...] = ()
+        self.last_proposed: dict[str, int] = {}
+        self.last_accepted: dict[str, tuple[int, int]] = {}
         self.dead = False
         """A call failed or the engine could not take the scope: nothing follows."""
         self.last_abort = ""
@@ -163,7 +190,7 @@ class Session:
             if self.record:
                 self.rollbacks.append(self.steps)
             return self._guarded(lambda: self.run.rollback(self.steps))
-        return self._guarded(lambda: self._step(ev.eos))
+        return self._guarded(lambda: self._step(ev))
 
     def _add(self, entry: int) -> None:
         if self.aborting:  # nothing live after the aborts: the runner idles one boundary
@@ -187,15 +214,23 @@ class Session:
         self.last_abort = rid
         self._after()
 
-    def _step(self, eos: tuple[str, ...]) -> None:
+    def _step(self, ev: Step) -> None:
         run = self.run
-        run.eos_now = frozenset(eos)
+        run.eos_now = frozenset(ev.eos)
+        run.right_now = dict(ev.right)
+        run.proposed = {}
         if self.record:
-            for rid in eos:
+            for rid in ev.eos:
                 self.stops[rid] = len(run.tokens[rid]) - len(run.plans[rid].prompt) + 1
-        run.sampled_now = []
         run.step(self.steps)
-        self.last_sampled = tuple(run.sampled_now)
+        last = run.res.trace[-1] if run.res.trace else {}
+        self.last_sampled = tuple(last.get("sampled", {})) if "step" in last else ()
+        self.last_proposed = dict(run.proposed)
+        # (accepted, verified) per verification: coverage of every accepted count.
+        verified = {c["id"]: c["drafts"] for c in last.get("scheduled", ())}
+        self.last_accepted = {
+            rid: (a, verified.get(rid, 0)) for rid, a in last.get("accepted", {}).items()
+        }
         self.steps += 1
         self.boundary += 1
         self.aborting = False
@@ -204,6 +239,7 @@ class Session:
     def _after(self) -> None:
         run = self.run
         if not self.record:
+            run.right_used.clear()
             # Path-long histories are the runner's reports, not state: a state's checks
             # read only the step in hand, and a copied session stays small.
             run.res.trace.clear()
@@ -258,4 +294,4 @@ class Session:
         return self.findings[mark:]
 
 
-__all__ = ["Abort", "Add", "Event", "Fault", "Session", "Step", "eos_variants"]
+__all__ = ["Abort", "Add", "Event", "Fault", "Session", "Step", "step_variants"]

@@ -18,13 +18,15 @@ import indie_adapter
 import livelock_engine
 import pytest
 
-from conformance.adapters.ref import make, make_swap
+from conformance.adapters.ref import RefAdapter, make, make_swap
 from conformance.explore import SCOPES, explore
 from conformance.explore.key import pool_key
 from conformance.explore.liveness import check_liveness, find_cycle, longest_drain
 from conformance.runner import run_fresh
 from conformance.shrink import signature
 from conformance.suite import run_suite
+from ref.core.request import Request
+from ref.core.scheduler import Scheduler
 from spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
 
 HERE = Path(__file__).parent
@@ -34,6 +36,7 @@ ENGINE_BUGS = (
     "budget_overrun",
     "capacity_spin",
     "fcfs_broken",
+    "hol_skip",
     "preempt_keeps_blocks",
     "preempt_no_reset",
 )
@@ -191,3 +194,45 @@ def test_cli_exhaustive_reports_and_writes_replayable_counterexamples(tmp_path: 
     wrong = _cli("--exhaustive", "--scope", "huge", "--adapter", "conformance.adapters.ref:make")
     assert wrong.returncode == 2 and "--scope must be one of" in wrong.stderr
     assert "Traceback" not in wrong.stderr
+
+
+class _FewerDrafts(RefAdapter):
+    """Verifies one draft fewer than proposed: a valid choice (a budget of its own)."""
+
+    def propose(self, request_id: str, draft_token_ids: tuple[int, ...]) -> None:
+        super().propose(request_id, draft_token_ids[:-1])
+
+
+@pytest.mark.parametrize("factory", [RefAdapter, _FewerDrafts], ids=["refserve", "fewer"])
+def test_every_accepted_count_is_explored(factory: type[RefAdapter]) -> None:
+    res = explore(factory, SCOPES["small-spec"], strategy="copy")
+    assert res.exhausted and res.ok, [str(c.finding) for c in res.counterexamples]
+    assert res.coverage.get("drafts rejected", 0) > 0, res.coverage
+    assert res.coverage.get("drafts all accepted", 0) > 0, res.coverage
+
+
+@pytest.mark.parametrize(
+    ("bug", "invariant"),
+    [("keeps rejected KV", {"POS"}), ("counts the target's token", {"KVLEN", "TOKEN"})],
+)
+def test_a_planted_verification_bug_is_found_and_replays(
+    monkeypatch: pytest.MonkeyPatch, bug: str, invariant: set[str]
+) -> None:
+    original = Scheduler._commit_verified
+
+    def planted(self: Scheduler, r: Request, *args: object) -> object:
+        if bug == "keeps rejected KV":
+            monkeypatch.setattr(self.pool, "truncate", lambda *_: [])
+        out = original(self, r, *args)  # type: ignore[arg-type]
+        if bug == "counts the target's token" and not r.is_done:
+            r.num_computed_tokens += 1
+        return out
+
+    monkeypatch.setattr(Scheduler, "_commit_verified", planted)
+    res = explore(RefAdapter, SCOPES["small-spec"], strategy="copy", first_only=True)
+    assert len(res.counterexamples) == 1, res.summary()
+    assert str(res.counterexamples[0].finding.invariant) in invariant
+    c = res.counterexamples[0]
+    assert c.workload.drafts_right  # the accepted counts travel with the workload
+    replayed = run_fresh(RefAdapter, c.workload)
+    assert signature(c.finding) in {signature(f) for f in replayed.findings}
