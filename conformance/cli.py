@@ -404,8 +404,24 @@ def _exhaustive(args: argparse.Namespace) -> int:
         except OSError as e:
             raise UsageError(f"--counterexamples {args.counterexamples}: {e.strerror}") from None
     factory = _load(args.adapter)
-    _check_adapters(args, factory, None)
-    res = explore(factory, scope, strategy=args.strategy, call_timeout=args.call_timeout)
+
+    def on_stuck(what: str) -> int:
+        print(
+            f"{PROG}: FAIL PROGRESS: {what} did not return within {args.call_timeout:g} s "
+            "and could not be interrupted (blocked in native code); the exploration was "
+            "stopped",
+            file=sys.stderr,
+        )
+        return EXIT_FINDINGS
+
+    from conformance.guard import Watchdog
+
+    with Watchdog(grace=max(5.0, args.call_timeout), on_stuck=on_stuck):
+        _check_adapters(args, factory, None)
+        res = explore(factory, scope, strategy=args.strategy, call_timeout=args.call_timeout)
+    if res.not_supported:
+        print(res.summary())
+        return EXIT_OK
     for i, c in enumerate(res.counterexamples):
         print(f"FAIL {c.kind}: {c.finding}")
         print(f"  shortest path ({len(c.path)} events): {', '.join(map(str, c.path))}")

@@ -30,7 +30,7 @@ from conformance.explore.key import Key
 from conformance.explore.liveness import Liveness, check_liveness
 from conformance.explore.scope import Scope
 from conformance.explore.session import Event, Fault, Session, Step, step_variants
-from conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError
+from conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, describe
 from conformance.runner import Finding, _Stop, adapter_traits, build
 from conformance.shrink import signature
 from conformance.workload import Workload
@@ -176,9 +176,13 @@ class _Explorer:
         return tuple(reversed(out))
 
     def at(self, nid: int) -> Session:
-        """A session in state ``nid`` that the caller may change."""
+        """A new session in state ``nid``: with ``copy`` a copy of the stored one, with
+        ``replay`` the state's path replayed on a fresh adapter (checking determinism)."""
         if self.strategy == "copy":
-            return copy.deepcopy(self.sessions[nid])
+            try:
+                return copy.deepcopy(self.sessions[nid])
+            except Exception as e:  # a lock, a generator, a native handle in the engine
+                raise _NotCopyable(describe(e)) from None
         s = self.fresh()
         for ev in self.path(nid):
             found = s.apply(ev)
@@ -200,31 +204,36 @@ class _Explorer:
     # ------------------------------------------------------------------ search
     def run(self) -> ExploreResult:
         start = time.perf_counter()
-        res = self.res
         try:
-            adapter = build(self.factory, self.timeout)
-            self.features, self.props = adapter_traits(adapter, self.timeout)
-            res.engine = str(getattr(adapter, "name", "?"))
-            missing = self.scope.needs() - self.features
-            if missing:
-                res.not_supported = "engine lacks " + ", ".join(sorted(missing))
-                return res
-            root = Session(adapter, self.scope, self.props, self.timeout)
-            found = root.start(self.features)
-            if root.run.res.not_supported:
-                res.not_supported = root.run.res.not_supported
-                return res
-            if found:
-                self.found[signature(found[0])] = (found[0], ())
-            else:
-                self.search(root)
+            self.begin()
         except AdapterCallError as e:
             self.found.setdefault("setup", (_finding(str(e), "setup"), ()))
-        finally:
-            res.seconds = time.perf_counter() - start
-        self.finish()
-        res.seconds = time.perf_counter() - start
-        return res
+        except _NotCopyable as e:
+            self.res.not_supported = (
+                f"the adapter cannot be deep-copied ({e}): explore it with strategy replay"
+            )
+        if not self.res.not_supported:
+            self.finish()
+        self.res.seconds = time.perf_counter() - start
+        return self.res
+
+    def begin(self) -> None:
+        res = self.res
+        adapter = build(self.factory, self.timeout)
+        self.features, self.props = adapter_traits(adapter, self.timeout)
+        res.engine = str(getattr(adapter, "name", "?"))
+        missing = self.scope.needs() - self.features
+        if missing:
+            res.not_supported = "engine lacks " + ", ".join(sorted(missing))
+            return
+        root = Session(adapter, self.scope, self.props, self.timeout)
+        found = root.start(self.features)
+        if root.run.res.not_supported:
+            res.not_supported = root.run.res.not_supported
+        elif found:
+            self.found[signature(found[0])] = (found[0], ())
+        else:
+            self.search(root)
 
     def add_node(self, parent: int, ev: Event | None, depth: int, s: Session) -> int | None:
         """The node of ``s``'s state (a new one is queued); None if the key is unreadable."""
@@ -279,7 +288,7 @@ class _Explorer:
         pending: list[Event] = parent.enabled()
         depth = self.nodes[nid].depth + 1
         for ev in pending:
-            child = copy.deepcopy(parent) if self.strategy == "copy" else self.at(nid)
+            child = self.at(nid)
             found = child.apply(ev)
             self.res.transitions += 1
             self.cover(parent, child)
@@ -383,6 +392,11 @@ class _Explorer:
             w = Workload(self.scope.config(), (), note=note)
             table = f"(the path could not be replayed: {e})"
         return Counterexample(f, path, w, kind, cycle, table)
+
+
+class _NotCopyable(Exception):
+    """``copy.deepcopy`` failed on a session (strategy ``copy`` on an adapter that
+    cannot be copied)."""
 
 
 class _Failed(Exception):

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import indie_adapter
@@ -236,3 +237,21 @@ def test_a_planted_verification_bug_is_found_and_replays(
     assert c.workload.drafts_right  # the accepted counts travel with the workload
     replayed = run_fresh(RefAdapter, c.workload)
     assert signature(c.finding) in {signature(f) for f in replayed.findings}
+
+
+class _Uncopyable(RefAdapter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()  # deepcopy refuses locks
+
+
+def test_an_adapter_that_cannot_be_copied_is_told_to_replay() -> None:
+    res = explore(_Uncopyable, SCOPES["tiny"], strategy="copy")
+    assert "cannot be deep-copied" in res.not_supported and "replay" in res.not_supported
+    assert not res.ok
+    assert explore(_Uncopyable, SCOPES["tiny"], strategy="replay").ok
+
+
+def test_a_scope_an_engine_cannot_take_is_not_supported() -> None:
+    res = explore(indie_adapter.make, SCOPES["small-spec"], strategy="copy")
+    assert res.not_supported == "engine lacks speculative_decoding", res.summary()
