@@ -10,6 +10,18 @@ exploration", says what is covered and what is not.
 """
 
 from conformance.explore.explorer import ExploreResult, explore
+from conformance.explore.kv import KV_SCOPES, KVCounterexample, KVExploreResult, KVScope, explore_kv
 from conformance.explore.scope import SCOPES, RequestTemplate, Scope
 
-__all__ = ["SCOPES", "ExploreResult", "RequestTemplate", "Scope", "explore"]
+__all__ = [
+    "KV_SCOPES",
+    "SCOPES",
+    "ExploreResult",
+    "KVCounterexample",
+    "KVExploreResult",
+    "KVScope",
+    "RequestTemplate",
+    "Scope",
+    "explore",
+    "explore_kv",
+]

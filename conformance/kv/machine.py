@@ -53,6 +53,7 @@ that exact signature. Signatures in a baseline (``known``) are counted, not fail
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import json
 from collections import Counter
@@ -394,6 +395,22 @@ class _KVRun:
         """The ops run so far, up to and including op ``upto``."""
         ops = self.ops if upto is None else self.ops[: max(0, upto + 1)]
         return KVWorkload(self.config, tuple(ops))
+
+    def clone(self) -> _KVRun:
+        """An independent copy of this run, adapter included (deep-copied), for the
+        exhaustive explorer's copy strategy (conformance.explore.kv). The suite's books
+        are copied one level deep and the snapshots and ops are shared: they are never
+        changed in place, and a generic deep copy of them costs more than the op."""
+        new = copy.copy(self)
+        new.adapter = copy.deepcopy(self.adapter)
+        new.known = {rid: list(toks) for rid, toks in self.known.items()}
+        new.stored, new.cached = dict(self.stored), dict(self.cached)
+        new.memory = dict(self.memory)
+        new.freed, new.ever_held = set(self.freed), set(self.ever_held)
+        new.checked = set(self.checked)
+        new.ops, new.findings, new.trace = list(self.ops), list(self.findings), list(self.trace)
+        new.coverage = Counter(self.coverage)
+        return new
 
     # ------------------------------------------------------------------ recording
     def _fail(
