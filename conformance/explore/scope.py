@@ -134,7 +134,7 @@ SCOPES: dict[str, Scope] = {
         num_blocks=4,
         max_num_batched_tokens=2,
         max_num_seqs=2,
-        catalogue=(_A, _B, _D, _E),
+        catalogue=(_A, _B, _C, _D, _E),
         max_requests=3,
     ),
     # The small scope for an engine without chunked prefill: a budget every prompt and
@@ -145,7 +145,7 @@ SCOPES: dict[str, Scope] = {
         num_blocks=4,
         max_num_batched_tokens=10,
         max_num_seqs=2,
-        catalogue=(_A, _B, _D, _E),
+        catalogue=(_A, _B, _C, _D, _E),
         max_requests=3,
     ),
     # Speculative decoding: two drafts a step, every accepted count explored.
