@@ -154,12 +154,13 @@ mutation: $(STAMP)
 
 # The exhaustive explorer through the adapter protocol on the third-party engines (each
 # in its own virtualenv, as for conformance-nanovllm / conformance-vllm; not in
-# `make test`): every state of the small scope, replayed from a fresh adapter per state.
+# `make test`): every state of the small scope (small-unchunked for nano-vllm, which
+# cannot chunk a prompt), replayed from a fresh adapter per state.
 # Exits 1 when a counterexample is found; findings: conformance/FINDINGS_*.md.
 .PHONY: explore-nanovllm explore-vllm
 explore-nanovllm: $(NANO_STAMP)
 	mkdir -p out/explore-nanovllm
-	$(NANO_VENV)/bin/refserve conformance --exhaustive --scope small \
+	$(NANO_VENV)/bin/refserve conformance --exhaustive --scope small-unchunked \
 		--adapter conformance.adapters.nanovllm:make --report out/explore-nanovllm.json \
 		--counterexamples out/explore-nanovllm
 

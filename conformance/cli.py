@@ -391,7 +391,11 @@ def _exhaustive(args: argparse.Namespace) -> int:
     from conformance.explore import SCOPES, explore
 
     if not args.adapter:
-        raise UsageError("--exhaustive needs --adapter MODULE:FACTORY")
+        if args.kv_adapter:
+            return _exhaustive_kv(args)
+        raise UsageError("--exhaustive needs --adapter MODULE:FACTORY (or --kv-adapter)")
+    if args.kv_adapter:
+        raise UsageError("--exhaustive explores one adapter: give --adapter or --kv-adapter")
     scope = SCOPES.get(args.scope)
     if scope is None:
         raise UsageError(f"--scope must be one of {', '.join(SCOPES)}, got {args.scope!r}")
@@ -438,6 +442,37 @@ def _exhaustive(args: argparse.Namespace) -> int:
         md = [f"# Exhaustive exploration: {res.engine}", "", res.summary(), ""]
         md += [f"## {c.kind}: {c.finding}\n\n{c.table}\n" for c in res.counterexamples]
         _write_atomic(args.markdown, "\n".join(md))
+    print(res.summary())
+    return EXIT_FINDINGS if res.counterexamples else EXIT_OK
+
+
+def _exhaustive_kv(args: argparse.Namespace) -> int:
+    from conformance.explore import KV_SCOPES, explore_kv
+
+    scope = KV_SCOPES.get(args.scope)
+    if scope is None:
+        raise UsageError(
+            f"--scope with --kv-adapter must be one of {', '.join(KV_SCOPES)}, got {args.scope!r}"
+        )
+    if args.report is not None:
+        _check_writable(args.report)
+    if args.counterexamples is not None:
+        try:
+            args.counterexamples.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--counterexamples {args.counterexamples}: {e.strerror}") from None
+    factory = _load_kv(args.kv_adapter)
+    _check_adapters(args, None, factory)
+    res = explore_kv(factory, scope, strategy=args.strategy, call_timeout=args.call_timeout)
+    for i, c in enumerate(res.counterexamples):
+        print(f"FAIL {c.finding}")
+        print(f"  shortest path: {len(c.workload.ops)} ops")
+        if args.counterexamples is not None:
+            path = args.counterexamples / f"kv-counterexample-{i + 1}.json"
+            _write_atomic(path, json.dumps(c.workload.to_json(), indent=1) + "\n")
+            print(f"  replay: refserve conformance --kv-adapter {args.kv_adapter} --replay {path}")
+    if args.report is not None:
+        _write_atomic(args.report, json.dumps(res.to_json(), indent=1) + "\n")
     print(res.summary())
     return EXIT_FINDINGS if res.counterexamples else EXIT_OK
 

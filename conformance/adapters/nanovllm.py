@@ -120,8 +120,8 @@ ROOT = DEFAULT_NAMESPACE.root_key()
 # * FCFS: ``waiting`` is a deque appended at submission; admission looks only at its head
 #   and stops (``break``) at the first sequence that does not fit in the budget
 #   (len(seq), cache hits not deducted) or in the free blocks: head-of-line blocking,
-#   nothing is ever passed over. Preempted sequences go back to the front (appendleft),
-#   which ORDER leaves to the engine.
+#   nothing is ever passed over (declared: fcfs_strict). Preempted sequences go back to
+#   the front (appendleft), which ORDER leaves to the engine.
 # * prefill-first: a step that admits any waiting sequence runs prefills only; decodes
 #   run only in steps where nothing was admitted.
 # * same_step_prefix_hits: ``allocate`` indexes a full block's hash as soon as it
@@ -134,7 +134,7 @@ ROOT = DEFAULT_NAMESPACE.root_key()
 NANOVLLM_PROPERTIES = EngineProperties(
     lookahead_slots=0,
     eos=True,
-    admission_order=AdmissionOrder.FCFS,
+    admission_order=AdmissionOrder.FCFS_STRICT,
     step_order=StepOrder.PREFILL_FIRST,
     same_step_prefix_hits=True,
     free_queue_order=True,

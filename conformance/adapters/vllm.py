@@ -8,7 +8,7 @@ adapter writes to a temporary directory (no tokenizer, no weights) and a CPU dev
 config, and the ``KVCacheConfig`` is one full-attention group of ``num_blocks + 1``
 blocks. The suite plays the model runner: ``commit`` hands the sampled tokens to
 ``Scheduler.update_from_output`` in a ``ModelRunnerOutput``. Nothing of vLLM is copied
-or patched. Its conventions are declared in :data:`VLLM_PROPERTIES` (fcfs) and
+or patched. Its conventions are declared in :data:`VLLM_PROPERTIES` (fcfs_strict) and
 :data:`VLLM_PRIORITY_PROPERTIES` (priority policy).
 
 How vLLM's state maps onto the protocol (the adapter translates, it never fixes):
@@ -266,7 +266,9 @@ NULL_BLOCKS = 1  # vLLM's BlockPool reserves block 0 as its null block
 #   request_id) under ``policy="priority"``); the waiting loop looks at its head and
 #   ``break``s at the first request whose allocation fails (head-of-line blocking; no
 #   request is skipped in this setting: the skip paths are for grammars, remote KV,
-#   LoRA, encoders and Mamba). No waiting request is admitted in a step that preempted.
+#   LoRA, encoders and Mamba), so the strict orders are declared (fcfs_strict and
+#   priority_strict: the sampled suite and the exhaustive small scope pass them). No
+#   waiting request is admitted in a step that preempted.
 #   Preempted requests go back to the front (``prepend_request``), which ORDER leaves
 #   to the engine.
 # * decode-first: ``schedule`` serves ``self.running`` (decodes and running prefill
@@ -286,7 +288,7 @@ NULL_BLOCKS = 1  # vLLM's BlockPool reserves block 0 as its null block
 VLLM_PROPERTIES = EngineProperties(
     lookahead_slots=0,
     eos=True,
-    admission_order=AdmissionOrder.FCFS,
+    admission_order=AdmissionOrder.FCFS_STRICT,
     step_order=StepOrder.DECODE_FIRST,
     same_step_prefix_hits=True,
     free_queue_order=True,
@@ -295,7 +297,7 @@ VLLM_PROPERTIES = EngineProperties(
 VLLM_PRIORITY_PROPERTIES = EngineProperties(
     lookahead_slots=0,
     eos=True,
-    admission_order=AdmissionOrder.PRIORITY,
+    admission_order=AdmissionOrder.PRIORITY_STRICT,
     step_order=StepOrder.DECODE_FIRST,
     same_step_prefix_hits=True,
     free_queue_order=True,

@@ -265,7 +265,7 @@ def test_nanovllm_adapter_runs_and_finds_its_known_defects() -> None:
     assert factory().properties == EngineProperties(
         lookahead_slots=0,
         eos=True,
-        admission_order=AdmissionOrder.FCFS,
+        admission_order=AdmissionOrder.FCFS_STRICT,
         step_order=StepOrder.PREFILL_FIRST,
         same_step_prefix_hits=True,
         free_queue_order=True,

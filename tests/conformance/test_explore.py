@@ -255,3 +255,30 @@ def test_an_adapter_that_cannot_be_copied_is_told_to_replay() -> None:
 def test_a_scope_an_engine_cannot_take_is_not_supported() -> None:
     res = explore(indie_adapter.make, SCOPES["small-spec"], strategy="copy")
     assert res.not_supported == "engine lacks speculative_decoding", res.summary()
+
+
+def test_cli_exhaustive_kv_writes_replayable_counterexamples(tmp_path: Path) -> None:
+    ok = _cli(
+        "--exhaustive", "--scope", "tiny", "--kv-adapter", "conformance.adapters.ref_kv:make_kv"
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "all invariants hold" in ok.stdout
+    bad = _cli(
+        "--exhaustive",
+        "--scope",
+        "tiny",
+        "--kv-adapter",
+        "indie_adapter:make_kv_fork_no_incref",
+        "--counterexamples",
+        str(tmp_path),
+    )
+    assert bad.returncode == 1 and "FAIL" in bad.stdout, bad.stderr
+    replay = _cli(
+        "--kv-adapter",
+        "indie_adapter:make_kv_fork_no_incref",
+        "--replay",
+        str(tmp_path / "kv-counterexample-1.json"),
+    )
+    assert replay.returncode == 1 and "FAIL" in replay.stdout
+    both = _cli("--exhaustive", "--adapter", "x:y", "--kv-adapter", "x:y")
+    assert both.returncode == 2 and "one adapter" in both.stderr

@@ -119,13 +119,13 @@ def test_vllm_adapter_declares_its_conventions_and_keeps_them() -> None:
     assert mod.make().properties == EngineProperties(
         lookahead_slots=0,
         eos=True,
-        admission_order=AdmissionOrder.FCFS,
+        admission_order=AdmissionOrder.FCFS_STRICT,
         step_order=StepOrder.DECODE_FIRST,
         same_step_prefix_hits=True,
         free_queue_order=True,
         max_model_len_stop=True,
     )
-    assert mod.make_priority().properties.admission_order == AdmissionOrder.PRIORITY
+    assert mod.make_priority().properties.admission_order == AdmissionOrder.PRIORITY_STRICT
     assert Feature.PRIORITIES in mod.make_priority().features
     assert Feature.CHUNKED_PREFILL not in mod.make_unchunked().features
     report = run_suite(mod.make, "conformance.adapters.vllm:make", TRIAGED, max_examples=1)
