@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Modules whose pure helpers carry CrossHair contracts (pre/post conditions).
 CROSSHAIR_MODULES := spec/arith.py spec/hashing.py ref/core/capacity.py ref/core/prefill.py \
-	ref/core/planner.py ref/core/swap.py ref/core/policy.py
+	ref/core/planner.py ref/core/swap.py ref/core/policy.py conformance/explore/key.py
 CROSSHAIR_TIMEOUT ?= 5
 
 .PHONY: run train-tiny test lint typecheck pytest crosshair conformance conformance-nanovllm conformance-vllm bench deep clean venv gpu-check gpu-bench

@@ -30,14 +30,33 @@ from spec.snapshot import EngineSnapshot, PoolSnapshot
 Key = Hashable
 
 
-class _Names:
-    """Physical ids renamed in order of first appearance."""
+def same_pattern(a: list[int], b: list[int]) -> bool:
+    """Whether ``a`` and ``b`` hold equal values at exactly the same pairs of places."""
+    n = len(a)
+    return all((a[i] == a[j]) == (b[i] == b[j]) for i in range(n) for j in range(i))
 
-    def __init__(self) -> None:
-        self.of: dict[int, int] = {}
 
-    def __call__(self, block: int) -> int:
-        return self.of.setdefault(block, len(self.of))
+def first_use(ids: list[int]) -> list[int]:
+    """``ids`` renamed by first use: the canonical form the key gives block ids.
+
+    Two sequences get the same names exactly when they have the same equality pattern,
+    so the names factor out every renaming of the physical ids and nothing more (the
+    key's symmetry reduction; CrossHair proves it in ``make crosshair`` for up to four
+    ids, the loop being the same for any length). A list, not a dict: CrossHair reasons
+    about list membership, and keys hold a handful of blocks.
+
+    pre: len(ids) <= 4
+    post: len(__return__) == len(ids)
+    post: same_pattern(__return__, ids)
+    post: all(__return__[i] <= max(__return__[:i], default=-1) + 1 for i in range(len(ids)))
+    """
+    seen: list[int] = []
+    out: list[int] = []
+    for b in ids:
+        if b not in seen:
+            seen.append(b)
+        out.append(seen.index(b))
+    return out
 
 
 def pool_key(
@@ -47,31 +66,30 @@ def pool_key(
     ordered_free: bool,
 ) -> Key:
     """The canonical form of one pool (device or host) and of its fake memory."""
-    names = _Names()
     bs = pool.block_size
     tables = sorted(
         (t for t in pool.tables if t.request_id in rank), key=lambda t: rank[t.request_id]
     )
     strays = sorted(t.request_id for t in pool.tables if t.request_id not in rank)
+    entries = sorted(pool.cache_entries, key=lambda e: e.key)
+    order = [b for t in tables for b in t.block_table] + [e.block_id for e in entries]
+    names = dict(zip(order, first_use(order), strict=True))
     table_key = tuple(
-        (rank[t.request_id], tuple(names(b) for b in t.block_table), t.num_stored, t.root_key)
+        (rank[t.request_id], tuple(names[b] for b in t.block_table), t.num_stored, t.root_key)
         for t in tables
     )
-    entries = sorted(pool.cache_entries, key=lambda e: e.key)
-    entry_key = tuple((e.key, names(e.block_id), e.parent_key) for e in entries)
+    entry_key = tuple((e.key, names[e.block_id], e.parent_key) for e in entries)
     if ordered_free:
-        free: tuple[int | None, ...] = tuple(names.of.get(b) for b in pool.free_queue)
+        free: tuple[int | None, ...] = tuple(names.get(b) for b in pool.free_queue)
     else:
-        free = tuple(sorted(names.of[b] for b in pool.free_queue if b in names.of))
+        free = tuple(sorted(names[b] for b in pool.free_queue if b in names))
     num_free = len(pool.free_queue)
     ref = {
-        names.of[b]: c
-        for b, c in enumerate(pool.ref_cnt)
-        if b in names.of and 0 <= b < len(pool.ref_cnt)
+        names[b]: c for b, c in enumerate(pool.ref_cnt) if b in names and 0 <= b < len(pool.ref_cnt)
     }
     contents = tuple(
         tuple(memory.get(b * bs + off) for off in range(bs))
-        for b, _ in sorted(names.of.items(), key=lambda kv: kv[1])
+        for b, _ in sorted(names.items(), key=lambda kv: kv[1])
     )
     # Blocks counted as held but in no table, cache entry or free slot: a leak the BLOCK
     # check reports; their number is part of the state all the same.

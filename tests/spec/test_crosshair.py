@@ -109,7 +109,36 @@ def test_crosshair_modules_are_the_makefile_list() -> None:
     assert listed is not None
     modules = set(listed.group(1).replace("\\\n", " ").split())
     core = {f"ref/core/{m}.py" for m in CORE_MODULES}
-    assert modules == {"spec/arith.py", "spec/hashing.py", *core}
+    assert modules == {"spec/arith.py", "spec/hashing.py", *core, "conformance/explore/key.py"}
+
+
+KEY = ROOT / "conformance" / "explore" / "key.py"
+
+
+def test_crosshair_proves_the_canonical_renaming() -> None:
+    """The explorer's symmetry reduction (docs/CONFORMANCE.md, "Exhaustive exploration"):
+    block ids renamed by first use keep exactly their equality pattern."""
+    result = crosshair_check(KEY, cwd=ROOT, report_all=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert post_lines(KEY) and confirmed_lines(result.stdout, KEY) == post_lines(KEY), result.stdout
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param("        out.append(b)\n", id="raw-ids-kept"),
+        pytest.param("        out.append(len(seen) - 1)\n", id="a-repeat-gets-the-newest-name"),
+    ],
+)
+def test_crosshair_finds_a_planted_renaming_bug(tmp_path: Path, bad: str) -> None:
+    source = KEY.read_text()
+    good = "        out.append(seen.index(b))\n"
+    assert source.count(good) == 1, "plant site of first_use moved"
+    planted = tmp_path / "key_planted.py"
+    planted.write_text(source.replace(good, bad))
+    result = crosshair_check(planted, cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "when calling first_use(" in result.stdout, result.stdout
 
 
 PLANTS = [
