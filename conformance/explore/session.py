@@ -162,7 +162,7 @@ class Session:
 
     def enabled(self) -> list[Event]:
         """Every event the explorer may apply now (a step's eos outcomes come from the
-        ordinary step's samplers: :func:`eos_variants`)."""
+        ordinary step's samplers and proposers: :func:`step_variants`)."""
         if self.dead:
             return []
         live = self.live()
