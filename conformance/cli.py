@@ -29,10 +29,11 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from conformance.guard import DEFAULT_CALL_TIMEOUT
 
+T = TypeVar("T")
 PROG = "refserve conformance"
 MAX_EXAMPLES = 100_000
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -388,17 +389,13 @@ def _load_kv(spec: str) -> Any:
 
 
 def _exhaustive(args: argparse.Namespace) -> int:
-    from conformance.explore import SCOPES, explore
-
-    if not args.adapter:
-        if args.kv_adapter:
-            return _exhaustive_kv(args)
-        raise UsageError("--exhaustive needs --adapter MODULE:FACTORY (or --kv-adapter)")
-    if args.kv_adapter:
-        raise UsageError("--exhaustive explores one adapter: give --adapter or --kv-adapter")
-    scope = SCOPES.get(args.scope)
-    if scope is None:
-        raise UsageError(f"--scope must be one of {', '.join(SCOPES)}, got {args.scope!r}")
+    """``--exhaustive``: explore every state of a scope (docs/CONFORMANCE.md,
+    "Exhaustive exploration"), the engine with ``--adapter`` or the block manager alone
+    with ``--kv-adapter``."""
+    if bool(args.adapter) == bool(args.kv_adapter):
+        raise UsageError(
+            "--exhaustive explores one adapter: give --adapter MODULE:FACTORY or --kv-adapter"
+        )
     for out in (args.report, args.markdown):
         if out is not None:
             _check_writable(out)
@@ -407,7 +404,33 @@ def _exhaustive(args: argparse.Namespace) -> int:
             args.counterexamples.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise UsageError(f"--counterexamples {args.counterexamples}: {e.strerror}") from None
-    factory = _load(args.adapter)
+    res, failures = _explore_kv(args) if args.kv_adapter else _explore_engine(args)
+    if res.not_supported:
+        print(res.summary())
+        return EXIT_OK
+    flag, spec = (
+        ("--kv-adapter", args.kv_adapter) if args.kv_adapter else ("--adapter", args.adapter)
+    )
+    md = [f"# Exhaustive exploration: {res.engine}", "", res.summary(), ""]
+    for i, (text, workload) in enumerate(failures, 1):
+        print(text)
+        md.append(f"## Counterexample {i}\n\n```\n{text}\n```\n")
+        if args.counterexamples is not None:
+            path = args.counterexamples / f"counterexample-{i}.json"
+            _write_atomic(path, json.dumps(workload, indent=1) + "\n")
+            print(f"  replay: refserve conformance {flag} {spec} --replay {path}")
+    if args.report is not None:
+        _write_atomic(args.report, json.dumps(res.to_json(), indent=1) + "\n")
+    if args.markdown is not None:
+        _write_atomic(args.markdown, "\n".join(md))
+    print(res.summary())
+    return EXIT_FINDINGS if failures else EXIT_OK
+
+
+def _watched(args: argparse.Namespace, fn: Callable[[], T]) -> T:
+    """``fn`` under the watchdog: an adapter call stuck in native code ends the process
+    with a FAIL line instead of hanging it."""
+    from conformance.guard import Watchdog
 
     def on_stuck(what: str) -> int:
         print(
@@ -418,35 +441,37 @@ def _exhaustive(args: argparse.Namespace) -> int:
         )
         return EXIT_FINDINGS
 
-    from conformance.guard import Watchdog
-
     with Watchdog(grace=max(5.0, args.call_timeout), on_stuck=on_stuck):
+        return fn()
+
+
+def _explore_engine(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
+    from conformance.explore import SCOPES, explore
+
+    scope = SCOPES.get(args.scope)
+    if scope is None:
+        raise UsageError(f"--scope must be one of {', '.join(SCOPES)}, got {args.scope!r}")
+    factory = _load(args.adapter)
+
+    def run() -> Any:
         _check_adapters(args, factory, None)
-        res = explore(factory, scope, strategy=args.strategy, call_timeout=args.call_timeout)
-    if res.not_supported:
-        print(res.summary())
-        return EXIT_OK
-    for i, c in enumerate(res.counterexamples):
-        print(f"FAIL {c.kind}: {c.finding}")
-        print(f"  shortest path ({len(c.path)} events): {', '.join(map(str, c.path))}")
+        return explore(factory, scope, strategy=args.strategy, call_timeout=args.call_timeout)
+
+    res = _watched(args, run)
+    failures = []
+    for c in res.counterexamples:
+        lines = [
+            f"FAIL {c.kind}: {c.finding}",
+            f"  shortest path ({len(c.path)} events): {', '.join(map(str, c.path))}",
+        ]
         if c.cycle:
-            print(f"  then forever: {', '.join(map(str, c.cycle))}")
-        print(c.table)
-        if args.counterexamples is not None:
-            path = args.counterexamples / f"counterexample-{i + 1}.json"
-            _write_atomic(path, json.dumps(c.workload.to_json(), indent=1) + "\n")
-            print(f"  replay: refserve conformance --adapter {args.adapter} --replay {path}")
-    if args.report is not None:
-        _write_atomic(args.report, json.dumps(res.to_json(), indent=1) + "\n")
-    if args.markdown is not None:
-        md = [f"# Exhaustive exploration: {res.engine}", "", res.summary(), ""]
-        md += [f"## {c.kind}: {c.finding}\n\n{c.table}\n" for c in res.counterexamples]
-        _write_atomic(args.markdown, "\n".join(md))
-    print(res.summary())
-    return EXIT_FINDINGS if res.counterexamples else EXIT_OK
+            lines.append(f"  then forever: {', '.join(map(str, c.cycle))}")
+        lines.append(c.table)
+        failures.append(("\n".join(lines), c.workload.to_json()))
+    return res, failures
 
 
-def _exhaustive_kv(args: argparse.Namespace) -> int:
+def _explore_kv(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
     from conformance.explore import KV_SCOPES, explore_kv
 
     scope = KV_SCOPES.get(args.scope)
@@ -454,27 +479,18 @@ def _exhaustive_kv(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--scope with --kv-adapter must be one of {', '.join(KV_SCOPES)}, got {args.scope!r}"
         )
-    if args.report is not None:
-        _check_writable(args.report)
-    if args.counterexamples is not None:
-        try:
-            args.counterexamples.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"--counterexamples {args.counterexamples}: {e.strerror}") from None
     factory = _load_kv(args.kv_adapter)
-    _check_adapters(args, None, factory)
-    res = explore_kv(factory, scope, strategy=args.strategy, call_timeout=args.call_timeout)
-    for i, c in enumerate(res.counterexamples):
-        print(f"FAIL {c.finding}")
-        print(f"  shortest path: {len(c.workload.ops)} ops")
-        if args.counterexamples is not None:
-            path = args.counterexamples / f"kv-counterexample-{i + 1}.json"
-            _write_atomic(path, json.dumps(c.workload.to_json(), indent=1) + "\n")
-            print(f"  replay: refserve conformance --kv-adapter {args.kv_adapter} --replay {path}")
-    if args.report is not None:
-        _write_atomic(args.report, json.dumps(res.to_json(), indent=1) + "\n")
-    print(res.summary())
-    return EXIT_FINDINGS if res.counterexamples else EXIT_OK
+
+    def run() -> Any:
+        _check_adapters(args, None, factory)
+        return explore_kv(factory, scope, strategy=args.strategy, call_timeout=args.call_timeout)
+
+    res = _watched(args, run)
+    failures = [
+        (f"FAIL {c.finding}\n  shortest path: {len(c.workload.ops)} ops", c.workload.to_json())
+        for c in res.counterexamples
+    ]
+    return res, failures
 
 
 def _check_adapters(args: argparse.Namespace, factory: Any, kv_factory: Any) -> None:

@@ -28,6 +28,7 @@ from conformance.adapter import AdapterFactory, EngineProperties, Feature
 from conformance.explore.counterexample import Counterexample, record, step_table, to_workload
 from conformance.explore.key import Key
 from conformance.explore.liveness import Liveness, check_liveness
+from conformance.explore.result import Exploration
 from conformance.explore.scope import Scope
 from conformance.explore.session import Event, Fault, Session, Step, step_variants
 from conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, describe
@@ -49,49 +50,27 @@ class _Node:
 
 
 @dataclass
-class ExploreResult:
-    """What one exploration covered and found (docs/CONFORMANCE.md, "Exhaustive
-    exploration"; the JSON keys of :meth:`to_json`)."""
+class ExploreResult(Exploration):
+    """What one exploration covered and found (the JSON keys of :meth:`to_json`)."""
 
-    scope: Scope
-    engine: str
-    strategy: str
-    states: int = 0
-    """Distinct canonical states reached."""
-    transitions: int = 0
-    """Events applied (each with every check), faults included."""
+    scope: Scope | None = None
     faults: int = 0
     """Executor faults tried (one per state with live requests, when supported)."""
-    depth: int = 0
-    """The longest shortest path: events from the fresh engine to the farthest state."""
-    exhausted: bool = False
-    """Every reachable state of the scope was expanded (no depth or state cap hit)."""
-    seconds: float = 0.0
     counterexamples: list[Counterexample] = field(default_factory=list)
     liveness: Liveness | None = None
-    not_supported: str = ""
-    coverage: dict[str, int] = field(default_factory=dict)
-    """What the explored transitions exercised (preemptions, prefix hits, chunked
-    prompts, rejections, finish reasons) and how many states had a request in each
-    status: evidence that the scope reaches the paths it is meant to."""
 
     @property
-    def ok(self) -> bool:
-        return not self.counterexamples and not self.not_supported
+    def num_counterexamples(self) -> int:
+        return len(self.counterexamples)
 
     def to_json(self) -> dict[str, Any]:
+        assert self.scope is not None
         lv = self.liveness
         return {
-            "engine": self.engine,
+            **self.figures_json(),
             "scope": self.scope.name,
             "scope_description": self.scope.describe(),
-            "strategy": self.strategy,
-            "states": self.states,
-            "transitions": self.transitions,
             "faults": self.faults,
-            "depth": self.depth,
-            "exhausted": self.exhausted,
-            "seconds": round(self.seconds, 3),
             "liveness": None
             if lv is None
             else {
@@ -99,12 +78,11 @@ class ExploreResult:
                 "livelock": bool(lv.cycle),
                 "longest_drain": lv.longest_drain,
             },
-            "not_supported": self.not_supported,
-            "coverage": dict(sorted(self.coverage.items())),
             "counterexamples": [c.to_json() for c in self.counterexamples],
         }
 
     def summary(self) -> str:
+        assert self.scope is not None
         lv = self.liveness
         live = (
             "liveness not checked"
@@ -114,18 +92,10 @@ class ExploreResult:
             else f"every request finishes within {lv.longest_drain} steps"
             + ("" if lv.checked else " (explored part only)")
         )
-        verdict = (
-            f"not supported: {self.not_supported}"
-            if self.not_supported
-            else f"{len(self.counterexamples)} counterexample(s)"
-            if self.counterexamples
-            else "all invariants hold"
-        )
+        moves = f"{self.transitions} transitions ({self.faults} faults)"
         return (
             f"{self.engine}, scope {self.scope.name} ({self.scope.describe()}): "
-            f"{self.states} states, {self.transitions} transitions ({self.faults} faults), "
-            f"depth {self.depth}, {'exhausted' if self.exhausted else 'NOT exhausted'}, "
-            f"{self.seconds:.1f} s; {verdict}; {live}"
+            f"{self.figures(moves)}; {live}"
         )
 
 
@@ -155,7 +125,7 @@ class _Explorer:
         self.found: dict[str, tuple[Finding, tuple[Event, ...]]] = {}
         self.features: frozenset[Feature] = frozenset()
         self.props = EngineProperties()
-        self.res = ExploreResult(scope, "?", strategy)
+        self.res = ExploreResult(strategy=strategy, scope=scope)
 
     # ------------------------------------------------------------------ sessions
     def fresh(self) -> Session:

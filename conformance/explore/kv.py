@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from conformance.explore.key import Key, pool_key, rename
+from conformance.explore.result import Exploration
 from conformance.guard import DEFAULT_CALL_TIMEOUT
 from conformance.kv.machine import KVFinding, KVWorkload, _find, _KVRun, _replay
 from conformance.kv.protocol import KVAdapterFactory, KVConfig, KVFeature
@@ -306,63 +307,38 @@ class KVCounterexample:
 
 
 @dataclass
-class KVExploreResult:
-    """What one KV exploration covered and found (the JSON keys of :meth:`to_json`)."""
+class KVExploreResult(Exploration):
+    """What one KV exploration covered and found (the JSON keys of :meth:`to_json`).
 
-    scope: KVScope
-    engine: str
-    strategy: str
-    states: int = 0
-    """Distinct canonical states reached."""
-    transitions: int = 0
-    """Ops applied, each with every check."""
-    depth: int = 0
-    """The longest shortest path: ops from the fresh manager to the farthest state."""
-    exhausted: bool = False
-    """Every reachable state of the scope was expanded (no cap hit, no early stop)."""
-    seconds: float = 0.0
+    ``coverage`` counts the transitions that exercised each path of the manager (the
+    machine's coverage names: cow_copies, cache_hits, revived_hits, evictions,
+    no_space, forks...)."""
+
+    scope: KVScope | None = None
     counterexamples: list[KVCounterexample] = field(default_factory=list)
-    not_supported: str = ""
     stopped: str = ""
     """Why the run ended before the scope was exhausted (other than a cap)."""
-    coverage: dict[str, int] = field(default_factory=dict)
-    """Transitions that exercised each path of the manager (the machine's coverage
-    names: cow_copies, cache_hits, revived_hits, evictions, no_space, forks...)."""
 
     @property
-    def ok(self) -> bool:
-        return not self.counterexamples and not self.not_supported
+    def num_counterexamples(self) -> int:
+        return len(self.counterexamples)
 
     def to_json(self) -> dict[str, Any]:
+        assert self.scope is not None
         return {
-            "engine": self.engine,
+            **self.figures_json(),
             "scope": self.scope.name,
             "scope_description": self.scope.describe(),
-            "strategy": self.strategy,
-            "states": self.states,
-            "transitions": self.transitions,
-            "depth": self.depth,
-            "exhausted": self.exhausted,
-            "seconds": round(self.seconds, 3),
-            "not_supported": self.not_supported,
             "stopped": self.stopped,
-            "coverage": dict(sorted(self.coverage.items())),
             "counterexamples": [c.to_json() for c in self.counterexamples],
         }
 
     def summary(self) -> str:
-        verdict = (
-            f"not supported: {self.not_supported}"
-            if self.not_supported
-            else f"{len(self.counterexamples)} counterexample(s)"
-            if self.counterexamples
-            else "all invariants hold"
-        )
+        assert self.scope is not None
         return (
             f"{self.engine}, KV scope {self.scope.name} ({self.scope.describe()}): "
-            f"{self.states} states, {self.transitions} transitions, depth {self.depth}, "
-            f"{'exhausted' if self.exhausted else 'NOT exhausted'}, {self.seconds:.1f} s; "
-            f"{verdict}" + (f"; stopped: {self.stopped}" if self.stopped else "")
+            f"{self.figures(f'{self.transitions} transitions')}"
+            + (f"; stopped: {self.stopped}" if self.stopped else "")
         )
 
 
@@ -404,7 +380,7 @@ class _KVExplorer:
         self.sessions: dict[int, _Session] = {}
         self.queue: deque[int] = deque()
         self.found: dict[str, tuple[KVFinding, KVWorkload]] = {}
-        self.res = KVExploreResult(scope, "?", strategy)
+        self.res = KVExploreResult(strategy=strategy, scope=scope)
 
     # ------------------------------------------------------------------ sessions
     def fresh(self, config: KVConfig) -> _Session:

@@ -277,7 +277,7 @@ def test_cli_exhaustive_kv_writes_replayable_counterexamples(tmp_path: Path) -> 
         "--kv-adapter",
         "indie_adapter:make_kv_fork_no_incref",
         "--replay",
-        str(tmp_path / "kv-counterexample-1.json"),
+        str(tmp_path / "counterexample-1.json"),
     )
     assert replay.returncode == 1 and "FAIL" in replay.stdout
     both = _cli("--exhaustive", "--adapter", "x:y", "--kv-adapter", "x:y")
