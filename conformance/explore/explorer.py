@@ -28,7 +28,7 @@ from conformance.adapter import AdapterFactory, EngineProperties, Feature
 from conformance.explore.counterexample import Counterexample, record, step_table, to_workload
 from conformance.explore.key import Key
 from conformance.explore.liveness import Liveness, check_liveness
-from conformance.explore.result import Exploration
+from conformance.explore.result import STRATEGIES, Exploration
 from conformance.explore.scope import Scope
 from conformance.explore.session import Event, Fault, Session, Step, step_variants
 from conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, describe
@@ -36,8 +36,6 @@ from conformance.runner import Finding, _Stop, adapter_traits, build
 from conformance.shrink import signature
 from conformance.workload import Workload
 from spec.violation import Invariant, violation
-
-STRATEGIES = ("replay", "copy")
 
 
 @dataclass

@@ -37,13 +37,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from conformance.explore.key import Key, pool_key, rename
-from conformance.explore.result import Exploration
+from conformance.explore.result import STRATEGIES, Exploration
 from conformance.guard import DEFAULT_CALL_TIMEOUT
 from conformance.kv.machine import KVFinding, KVWorkload, _find, _KVRun, _replay
 from conformance.kv.protocol import KVAdapterFactory, KVConfig, KVFeature
 from spec.violation import Invariant, violation
-
-STRATEGIES = ("replay", "copy")
 
 Op = Mapping[str, Any]
 """One op in the KV workload format (conformance.kv.machine's module docstring)."""

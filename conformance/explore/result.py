@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+STRATEGIES = ("replay", "copy")
+"""How a state is reached: its path replayed on a fresh adapter, or its parent copied."""
+
 
 @dataclass
 class Exploration:

@@ -28,6 +28,9 @@ ENGINE_BUGS = (
     "preempt_keeps_blocks",
     "preempt_no_reset",
 )
+"""The indie engine's bugs that live in its scheduler (test_explore.py finds each); the
+other three are in its block manager, reached only through the KV protocol
+(test_explore_kv.py)."""
 
 
 def _n(k: int, what: str) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 import indie_adapter
 import livelock_engine
 import pytest
+from explore_vs_suite import ENGINE_BUGS
 
 from conformance.adapters.ref import RefAdapter, make, make_swap
 from conformance.explore import SCOPES, explore
@@ -32,18 +33,6 @@ from ref.core.scheduler import Scheduler
 from spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
 
 HERE = Path(__file__).parent
-ENGINE_BUGS = (
-    "abort_leak",
-    "blocks_needed_off_by_one",
-    "budget_overrun",
-    "capacity_spin",
-    "fcfs_broken",
-    "hol_skip",
-    "preempt_keeps_blocks",
-    "preempt_no_reset",
-)
-"""The indie engine's bugs that live in its scheduler; the other three are in its block
-manager, reached only through the KV protocol (tests/conformance/test_explore_kv.py)."""
 
 
 def test_refserve_exhausts_the_small_scope() -> None:
