@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 
 from ref.errors import InvalidArgument
 from spec.hashing import DEFAULT_NAMESPACE, Namespace
@@ -65,10 +66,19 @@ class StopParams:
         if self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
 
+    @cached_property
+    def stopping_ids(self) -> frozenset[int]:
+        """The stop rule, the one place it is written: the token ids that end sampling,
+        each stop token id and eos unless ``ignore_eos``. :meth:`is_stop` asks it for one
+        token (the scheduler's per-request commit, the engine's fork); the persistent
+        batch loads it into a row of its stop-id matrix for the bulk commit."""
+        ids = set(self.stop_token_ids)
+        if self.eos_token_id is not None and not self.ignore_eos:
+            ids.add(self.eos_token_id)
+        return frozenset(ids)
+
     def is_stop(self, token: int) -> bool:
-        """The stop rule, the one place it is written (the scheduler's commit and the
-        engine's fork both ask it): a stop token id, or eos unless ``ignore_eos``."""
-        return token in self.stop_token_ids or (token == self.eos_token_id and not self.ignore_eos)
+        return token in self.stopping_ids
 
 
 @dataclass(slots=True)
