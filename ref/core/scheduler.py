@@ -30,26 +30,26 @@ import numpy as np
 from ref.core.batch import Ints, PersistentBatch
 from ref.core.capacity import never_fits, require_fit
 from ref.core.config import SchedulerConfig
+from ref.core.forks import fork_child
 from ref.core.outcome import Outcome, StepOutcome
 from ref.core.output import Sampled, checked_accepted, split_output
 from ref.core.plan import StepPlan
 from ref.core.planner import Planner
 from ref.core.policy import Policy, make_policy
 from ref.core.prefill import PrefillBacklog
-from ref.core.request import FinishReason, Request, StopParams, check_room_for_output
+from ref.core.request import FinishReason, Request, StopParams, check_new_request, finish_reason
+from ref.core.speculation import Proposals, keep_verified
 from ref.core.suspend import Suspension
 from ref.core.swap import KVRetention
 from ref.errors import (
     DuplicateRequest,
     ExceedsCapacity,
-    InvalidArgument,
     QueueFull,
     RefserveError,
     UnknownRequest,
 )
 from ref.kv import BlockPool
 from ref.kv.host_pool import HostPool
-from spec.arith import length_limit, reaches_length
 from spec.snapshot import EngineSnapshot, RequestStatus
 
 S = RequestStatus
@@ -57,18 +57,6 @@ S = RequestStatus
 
 class StepInProgress(RefserveError):
     """An operation that needs a step boundary was called between schedule and commit."""
-
-
-def finish_reason(r: Request, token: int, max_len: int) -> FinishReason | None:
-    """After ``token`` joined ``r``: a stop id (:meth:`StopParams.is_stop`), else the
-    length limit (spec.arith ``length_limit``), else None. The persistent batch applies
-    the same two rules to its rows (ref/core/batch.py, ``commit_decodes``)."""
-    if r.stop.is_stop(token):
-        return FinishReason.STOP
-    limit = length_limit(r.num_prompt_tokens, r.stop.max_tokens, max_len)
-    if reaches_length(r.num_tokens, limit):
-        return FinishReason.LENGTH
-    return None
 
 
 class Scheduler:
@@ -98,8 +86,8 @@ class Scheduler:
         self.step_index = 0
         self._seq = 0
         self._pending: StepPlan | None = None
-        # Speculative decoding: drafts proposed for the next step, by request id.
-        self._proposals: dict[str, tuple[int, ...]] = {}
+        # Speculative decoding: drafts proposed for the next step.
+        self._proposals = Proposals(config.num_speculative_tokens)
         self._plan_start_ms = 0.0
         # Prefill work left, for the reserve that bounds starvation (ref/core/prefill.py).
         self._backlog = PrefillBacklog()
@@ -134,9 +122,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request. Bad input raises a typed error and queues nothing."""
         self._require_boundary("add_request")
-        self._check_new(request)
-        self._check_prompt(request)
+        check_new_request(request, self.config.max_len, self.config.max_model_len)
         rid = request.request_id
+        if rid in self.requests:
+            raise DuplicateRequest(rid, "add_request")
         try:
             require_fit(self.config, rid, request.num_prompt_tokens)
         except ExceedsCapacity:
@@ -153,40 +142,6 @@ class Scheduler:
         self._queue.add(request)
         self._backlog.mark(request, self.step_index)
 
-    def _check_new(self, request: Request) -> None:
-        rid = request.request_id
-        if not isinstance(rid, str) or not rid:
-            raise InvalidArgument(f"add_request: request id must be a non-empty str, got {rid!r}")
-        if rid in self.requests:
-            raise DuplicateRequest(rid, "add_request")
-        if (
-            request.status is not S.WAITING
-            or request.num_computed_tokens
-            or request.num_output_tokens
-        ):
-            raise InvalidArgument(
-                f"add_request: request {rid!r} is not fresh (status {request.status})"
-            )
-
-    def _check_prompt(self, request: Request) -> None:
-        rid = request.request_id
-        if request.num_prompt_tokens < 1:
-            raise InvalidArgument(f"add_request: request {rid!r} has an empty prompt")
-        for t in request.prompt_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise InvalidArgument(f"add_request: request {rid!r} has a bad token id {t!r}")
-        max_len = self.config.max_len
-        check_room_for_output(
-            request.num_prompt_tokens,
-            max_len,
-            subject=f"add_request: request {rid!r} prompt has",
-            limit=(
-                f"max_model_len is {max_len}"
-                if max_len == self.config.max_model_len
-                else f"without chunked prefill the token budget {max_len} caps the length"
-            ),
-        )
-
     def abort(self, request_id: str, now_ms: float = 0.0) -> None:
         """Abort in any live state; every block the request held returns to the pool."""
         self._end(request_id, S.ABORTED, FinishReason.ABORT, now_ms, "abort")
@@ -197,14 +152,12 @@ class Scheduler:
         self._end(request_id, S.FINISHED, reason, now_ms, "finish")
 
     def fork(self, parent_id: str, child_id: str, first_token: int, stop: StopParams) -> Request:
-        """n > 1 sampling: a sibling of a parent that has just sampled its first token.
-
-        The child has the parent's prompt and its own first token (drawn from the same
-        logits). While ``max_num_seqs`` leaves room it shares every KV block of the parent
-        (copy-on-write on the first write to the shared partial block) and enters in
-        decode, exactly the parent's state. Otherwise it waits in the state of a
-        recompute-preempted request and is admitted later like one, the prompt's full
-        blocks coming from the prefix cache.
+        """n > 1 sampling (ref/core/forks.py): a sibling of a parent that has just
+        sampled its first token. While ``max_num_seqs`` leaves room it shares every KV
+        block of the parent (copy-on-write on the first write to the shared partial
+        block) and enters in decode, exactly the parent's state. Otherwise it waits in
+        the state of a recompute-preempted request and is admitted later like one, the
+        prompt's full blocks coming from the prefix cache.
         """
         self._require_boundary("fork")
         parent = self.requests.get(parent_id)
@@ -212,39 +165,19 @@ class Scheduler:
             raise UnknownRequest(parent_id, "fork")
         if child_id in self.requests:
             raise DuplicateRequest(child_id, "fork")
-        if parent.status is not S.DECODING or parent.num_output_tokens != 1:
-            raise InvalidArgument(
-                f"fork: parent {parent_id!r} must be decoding with exactly one sampled token "
-                f"(status {parent.status}, {parent.num_output_tokens} sampled)"
-            )
-        if type(first_token) is not int or first_token < 0:
-            raise InvalidArgument(f"fork: bad first token {first_token!r} for {child_id!r}")
-        child = Request(
-            child_id,
-            list(parent.prompt_token_ids),
-            stop,
-            arrival_ms=parent.arrival_ms,
-            priority=parent.priority,
-            tenant=parent.tenant,
-            namespace=parent.namespace,
-        )
-        child.token_ids.append(first_token)
-        child.seq = parent.seq  # siblings keep the parent's place in arrival order
-        child.admitted_ms = parent.admitted_ms
-        child.token_times_ms = list(parent.token_times_ms)
-        child.transition(S.DECODING)
+        child = fork_child(parent, child_id, first_token, stop)
         self.requests[child_id] = child
         if len(self.running) < self.config.max_num_seqs:
             self.pool.fork(parent_id, child_id)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             self._batch.append(child, self.pool)
-        elif never_fits(self.config, child.num_tokens):
+            return child
+        child.transition(S.PREEMPTED)
+        if never_fits(self.config, child.num_tokens):
             # Waiting means recomputing all its tokens later, and they can never fit.
-            child.transition(S.PREEMPTED)
             self._retire(child, S.FINISHED, FinishReason.CAPACITY, self._plan_start_ms)
         else:
-            child.transition(S.PREEMPTED)
             self._requeue(child)
         return child
 
@@ -271,7 +204,7 @@ class Scheduler:
             raise UnknownRequest(request_id, "pause")
         kind = self._suspend.pause(r, retention, expected_wait_ms)
         self._batch.remove(r)
-        self._proposals.pop(request_id, None)
+        self._proposals.drop(request_id)
         return kind
 
     def resume(self, request_id: str, tool_token_ids: Sequence[int], stop: StopParams) -> None:
@@ -303,32 +236,15 @@ class Scheduler:
         self._requeue(r)
 
     def propose(self, request_id: str, draft_token_ids: Sequence[int]) -> None:
-        """Draft tokens for a decoding request's next step (speculative decoding,
+        """Draft tokens for a decoding request's next step (ref/core/speculation.py,
         docs/SPECULATIVE.md): that step verifies them after its last token, within
         ``num_speculative_tokens``; the planner may verify fewer (budget, blocks, the
-        tokens the request may still emit). They hold for one step, or until the
-        request leaves the running batch. An empty sequence withdraws them."""
+        tokens the request may still emit). An empty sequence withdraws them."""
         self._require_boundary("propose")
         r = self.requests.get(request_id)
         if r is None:
             raise UnknownRequest(request_id, "propose")
-        k = self.config.num_speculative_tokens
-        drafts = tuple(draft_token_ids)
-        if len(drafts) > k:
-            raise InvalidArgument(
-                f"propose: {len(drafts)} drafts for {request_id!r}; num_speculative_tokens is {k}"
-            )
-        if drafts and (r.status is not S.DECODING or request_id not in self._batch):
-            raise InvalidArgument(
-                f"propose: request {request_id!r} is not running in decode (status {r.status})"
-            )
-        for t in drafts:
-            if type(t) is not int or t < 0:
-                raise InvalidArgument(f"propose: bad draft token {t!r} for {request_id!r}")
-        if drafts:
-            self._proposals[request_id] = drafts
-        else:
-            self._proposals.pop(request_id, None)
+        self._proposals.propose(r, request_id in self._batch, draft_token_ids)
 
     @property
     def waiting(self) -> list[Request]:
@@ -356,7 +272,7 @@ class Scheduler:
                 reserve,
                 now_ms,
                 fast=self.fast_decode,
-                proposals=self._proposals,
+                proposals=self._proposals.drafts,
             )
         except BaseException:
             self.pool.rollback()
@@ -417,8 +333,7 @@ class Scheduler:
         self.pool.commit()
         self.host.commit()
         self._pending = None
-        if self._proposals:
-            self._proposals = {}  # drafts hold for one step
+        self._proposals.clear()  # drafts hold for one step
         self.step_index += 1
         self._tell_policy(plan)
 
@@ -534,25 +449,10 @@ class Scheduler:
     def _commit_verified(
         self, r: Request, drafts: tuple[int, ...], accepted: int, token: int, now_ms: float
     ) -> Outcome:
-        """A verification's outcome (docs/SPECULATIVE.md, "Rejected drafts"): the K/V of
-        the rejected drafts is dropped (the blocks that held only them go back to the
-        pool), then the accepted drafts and the target's token join the request one by
-        one, each checked for a stop, as that many plain steps would have. The KV then
-        covers all but the last token, as after a plain step (KVLEN)."""
-        gained: list[int] = []
-        reason = None
-        for t in (*drafts[:accepted], token):
-            r.token_ids.append(t)
-            r.token_times_ms.append(now_ms)
-            gained.append(t)
-            reason = finish_reason(r, t, self.config.max_len)
-            if reason is not None:
-                break
-        r.num_computed_tokens = r.num_tokens - 1
-        # Even for a request that stops here: a freed block keeps its cache entry, and
-        # none may cover a rejected draft.
-        self.pool.truncate(r.request_id, r.num_computed_tokens)
-        kept = tuple(gained)
+        """A verification (ref/core/speculation.py): the tokens it keeps, then a finish."""
+        kept, reason = keep_verified(
+            r, drafts, accepted, token, now_ms, self.pool, self.config.max_len
+        )
         if reason is not None:
             done = self._finish_decoded(r, kept, reason, now_ms)
             return replace(done, num_drafts=len(drafts), num_accepted=accepted)
@@ -616,7 +516,7 @@ class Scheduler:
             raise UnknownRequest(request_id, what)
         if self.pool.has_request(request_id):
             self.pool.free(request_id)
-        self._proposals.pop(request_id, None)
+        self._proposals.drop(request_id)
         was_paused = self._suspend.forget(request_id)
         if request_id in self._batch:
             self._batch.remove(r)
