@@ -476,10 +476,10 @@ def render_rounds(result: SimResult) -> str:
     for s in result.steps:
         who = " ".join(f"{rid}:{n}" for rid, n in s.tokens) or "-"
         extra = ""
-        if s.events.preempted:
-            extra += f"  preempted {','.join(s.events.preempted)}"
-        if s.events.finished:
-            extra += f"  finished {','.join(s.events.finished)}"
+        if s.outcome.preempted:
+            extra += f"  preempted {','.join(s.outcome.preempted)}"
+        if s.outcome.finished:
+            extra += f"  finished {','.join(s.outcome.finished)}"
         lines.append(
             f"{s.step_index + 1:>5} {s.start_ms:>9.2f} {s.end_ms:>9.2f}  {s.num_prefill_tokens:>5} "
             f"{s.num_decodes:>4} {s.kv_blocks_used:>9}  {who}{extra}"
@@ -560,10 +560,10 @@ def result_json(result: SimResult, config: SchedulerConfig, cost: StepCost) -> d
                 "num_prefill_tokens": s.num_prefill_tokens,
                 "num_decodes": s.num_decodes,
                 "kv_blocks_used": s.kv_blocks_used,
-                "preempted": list(s.events.preempted),
+                "preempted": list(s.outcome.preempted),
                 "swapped_out": list(s.plan.swapped_out),
                 "swapped_in": list(s.plan.swapped_in),
-                "finished": list(s.events.finished),
+                "finished": list(s.outcome.finished),
             }
             for s in result.steps
         ],

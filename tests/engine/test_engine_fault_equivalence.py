@@ -38,8 +38,8 @@ from ref.core.cost import StepCost
 from ref.core.engine_core import KVStateLost
 from ref.core.executor import StepOutput
 from ref.core.inputs import ModelInputs
+from ref.core.output import BadExecutorOutput
 from ref.core.plan import StepPlan
-from ref.core.scheduler import BadExecutorOutput
 from ref.core.swap import SwapCost
 from ref.engine.llm_engine import LLMEngine
 from ref.model.executor import FAULT_POINTS, ModelExecutor
