@@ -91,12 +91,12 @@ def split_output(plan: StepPlan, sampled: Sampled) -> Output:
     """The sampled tokens checked (non-negative ints, one per sampling entry) and
     split: an array for the bulk decodes, a mapping for the other entries."""
     rows = plan.decode_rows
-    k = 0 if rows is None else len(rows.slots)
+    num_bulk = 0 if rows is None else len(rows.slots)
     # Arrays first: isinstance against the Mapping ABC is slow for a tensor.
     if not isinstance(sampled, _ARRAY_TYPES) and isinstance(sampled, Mapping):
-        bulk_ids = plan.request_ids[:k]
+        bulk_ids = plan.request_ids[:num_bulk]
         bulk = _checked_array(plan, list(map(sampled.get, bulk_ids)), bulk_ids)
-        rest_ids = _sampling_ids(plan, k)
+        rest_ids = _sampling_ids(plan, num_bulk)
         rest = {rid: sampled.get(rid) for rid in rest_ids}
         _checked_array(plan, list(rest.values()), rest_ids)
         return Output(bulk, rest)  # type: ignore[arg-type]
@@ -122,7 +122,7 @@ def split_output(plan: StepPlan, sampled: Sampled) -> Output:
     ids = (
         plan.request_ids
         if count == len(plan.samples)
-        else (plan.request_ids[:k] + tuple(_sampling_ids(plan, k)))
+        else (plan.request_ids[:num_bulk] + tuple(_sampling_ids(plan, num_bulk)))
     )
     checked = values.astype(np.int64)  # a uint64 past int64 wraps negative: refused
     if len(checked) and checked.min() < 0:
@@ -131,9 +131,11 @@ def split_output(plan: StepPlan, sampled: Sampled) -> Output:
             f"step {plan.step_index}: executor gave {values[bad].item()!r} as the sampled "
             f"token of request {ids[bad]!r}; expected a non-negative int below 2**63"
         )
-    if k == count:  # bulk decodes only: the usual step
+    if num_bulk == count:  # bulk decodes only: the usual step
         return Output(checked, {})
-    return Output(checked[:k], dict(zip(ids[k:], checked[k:].tolist(), strict=True)))
+    return Output(
+        checked[:num_bulk], dict(zip(ids[num_bulk:], checked[num_bulk:].tolist(), strict=True))
+    )
 
 
 def validate_output(

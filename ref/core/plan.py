@@ -149,13 +149,13 @@ class PlanBuilder:
         assert not self.request_ids, "bulk decodes come first in a plan"
         self.decode_rows = rows
         request_ids = rows.request_ids
-        k = len(request_ids)
+        count = len(request_ids)
         self.request_ids.extend(request_ids)
         self.starts.extend(starts)
-        self.num_new_tokens.extend([1] * k)
-        self.samples.extend([True] * k)
-        self.is_prefill.extend([False] * k)
-        self.num_new_cached_tokens.extend([0] * k)
+        self.num_new_tokens.extend([1] * count)
+        self.samples.extend([True] * count)
+        self.is_prefill.extend([False] * count)
+        self.num_new_cached_tokens.extend([0] * count)
 
     def build(
         self,

@@ -115,17 +115,17 @@ class Suspension:
         return self.paused.pop(request_id, None) is not None
 
     # ------------------------------------------------------------------ within a step
-    def move_to_host(self, d: StepDraft) -> None:
+    def move_to_host(self, draft: StepDraft) -> None:
         """Paused turns retained on the host leave the device at the start of a step,
         so this step can already use their blocks (the swap-out copies run first)."""
         for rid in self.to_host:
             r = self.paused[rid]
             if self.host.can_hold(r.num_computed_tokens):
-                self._swap_out(r, d)
+                self._swap_out(r, draft)
             # else: the host pool is full; the KV stays on the device and the move is
             # retried next step.
 
-    def reclaim(self, d: StepDraft) -> bool:
+    def reclaim(self, draft: StepDraft) -> bool:
         """Free the device blocks of one paused turn (the longest paused): to the host
         if it has room, else dropped. False if no paused turn holds device blocks.
 
@@ -136,17 +136,17 @@ class Suspension:
             if not self.pool.has_request(rid):
                 continue  # its KV is on the host already, or was dropped
             if r.num_computed_tokens and self.host.can_hold(r.num_computed_tokens):
-                self._swap_out(r, d)
+                self._swap_out(r, draft)
             else:
                 self.pool.free(rid)
-                d.dropped.append(rid)
+                draft.dropped.append(rid)
             return True
         return False
 
-    def evict(self, victim: Request, d: StepDraft) -> None:
+    def evict(self, victim: Request, draft: StepDraft) -> None:
         """Free a preemption victim's device blocks: swapped out, or dropped for recompute."""
         if self._should_swap(victim):
-            self._swap_out(victim, d)
+            self._swap_out(victim, draft)
         else:
             self.pool.free(victim.request_id)
 
@@ -166,14 +166,14 @@ class Suspension:
             swap_is_cheaper=cost is not None and cost.prefers_swap(stored),
         )
 
-    def _swap_out(self, r: Request, d: StepDraft) -> None:
+    def _swap_out(self, r: Request, draft: StepDraft) -> None:
         rid = r.request_id
         device = self.pool.block_table_view(rid)
-        d.swap_out.extend(self.host.swap_out(rid, device, r.num_computed_tokens, r.token_ids))
-        d.swapped_out.append(rid)
+        draft.swap_out.extend(self.host.swap_out(rid, device, r.num_computed_tokens, r.token_ids))
+        draft.swapped_out.append(rid)
         self.pool.free(rid)
 
-    def swap_in(self, r: Request, n: int, d: StepDraft) -> None:
+    def swap_in(self, r: Request, n: int, draft: StepDraft) -> None:
         """Admit a swapped request whose ``n`` next tokens fit: restore its KV from the
         host and schedule them in the same step (the swap-in copies run before the
         forward)."""
@@ -182,13 +182,13 @@ class Suspension:
         self.pool.allocate(rid, r.token_ids, stored, namespace=r.namespace)
         host = self.host.release(rid)
         device = self.pool.block_table_view(rid)
-        d.swap_in.extend(BlockCopy(h, v) for h, v in zip(host.block_ids, device, strict=True))
-        d.swapped_in.append(rid)
+        draft.swap_in.extend(BlockCopy(h, v) for h, v in zip(host.block_ids, device, strict=True))
+        draft.swapped_in.append(rid)
         alloc = self.pool.allocate(rid, r.token_ids, n, namespace=r.namespace)
         assert not alloc.copies, "a swapped-in request shares no block"
         # A swapped decode has one token left (the last sampled one); anything longer
         # is a resumed agent turn's incremental prefill.
-        d.plan.add(rid, stored, n, stored + n == r.num_tokens, r.num_tokens - stored > 1)
+        draft.plan.add(rid, stored, n, stored + n == r.num_tokens, r.num_tokens - stored > 1)
 
     # ------------------------------------------------------------------ at commit
     def commit(self, plan: StepPlan) -> None:
