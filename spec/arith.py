@@ -120,6 +120,18 @@ def chunk_size(
 # "The persistent batch"); they are not second implementations.
 
 
+def logical_block(position: int, block_size: int) -> int:
+    """The index in a block table of the block holding ``position`` (POS:
+    ``block_table[logical_block(p)]`` holds the K/V of position ``p``).
+
+    pre: position >= 0
+    pre: block_size > 0
+    post: __return__ * block_size <= position < (__return__ + 1) * block_size
+    post: __return__ < blocks_needed(position + 1, block_size)
+    """
+    return position // block_size
+
+
 def block_offset(position: int, block_size: int) -> int:
     """The slot of ``position`` within its block (POS; :func:`slot_of` adds the block's
     first slot).
@@ -182,7 +194,9 @@ if TYPE_CHECKING:
     Ints = npt.NDArray[np.int64]
     Bools = npt.NDArray[np.bool_]
 
+logical_block_rows = cast("Callable[[Ints, int], Ints]", logical_block)
 block_offset_rows = cast("Callable[[Ints, int], Ints]", block_offset)
+slot_of_rows = cast("Callable[[Ints, Ints, int], Ints]", slot_of)
 starts_block_rows = cast("Callable[[Ints], Bools]", starts_block)
 fills_block_rows = cast("Callable[[Ints, int], Bools]", fills_block)
 reaches_length_rows = cast("Callable[[Ints, Ints], Bools]", reaches_length)
