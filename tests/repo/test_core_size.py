@@ -1,0 +1,89 @@
+"""README's "How big is the core" is measured, and the core stays small.
+
+The table names each part of the core, the modules it is, their lines and source lines
+(radon's SLOC: without blank lines, comments and docstrings, the measure the size of
+``ref/kv`` + ``ref/core`` was first quoted in) and the target. This test measures the
+modules, requires the README's figures to be exactly the measured ones (so they cannot
+drift from the code), and each part's source lines to stay within its target
+(docs/ARCHITECTURE.md, "The core and what attaches to it").
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from radon.raw import analyze
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    modules: tuple[str, ...]
+    target: int  # source lines
+
+
+PARTS = (
+    Part("scheduler core", ("ref/core/scheduler.py",), 400),
+    Part("allocator", ("ref/kv/allocator.py",), 300),
+    Part("engine step path", ("ref/core/engine_core.py",), 300),
+)
+
+
+@dataclass(frozen=True)
+class Size:
+    lines: int
+    source_lines: int
+
+
+def measure(part: Part) -> Size:
+    stats = [analyze((ROOT / m).read_text(encoding="utf-8")) for m in part.modules]
+    return Size(sum(s.loc for s in stats), sum(s.sloc for s in stats))
+
+
+def readme_rows() -> dict[str, tuple[str, ...]]:
+    text = README.read_text(encoding="utf-8").split("## How big is the core", 1)[1]
+    table = text.split("\n## ", 1)[0]
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0] not in {"part", ""} and not cells[0].startswith("-"):
+            rows[cells[0]] = tuple(cells[1:])
+    return rows
+
+
+def expected_row(part: Part) -> tuple[str, ...]:
+    size = measure(part)
+    modules = ", ".join(f"`{m}`" for m in part.modules)
+    return (modules, f"{size.lines:,}", f"{size.source_lines:,}", f"{part.target:,}")
+
+
+def test_readme_gives_the_measured_sizes() -> None:
+    rows = readme_rows()
+    assert set(rows) == {p.name for p in PARTS}, "README's table names other parts"
+    for part in PARTS:
+        assert rows[part.name] == expected_row(part), (
+            f"README, 'How big is the core', {part.name}: write | {part.name} | "
+            + " | ".join(expected_row(part))
+            + " |"
+        )
+
+
+def test_each_part_is_within_its_target() -> None:
+    over = [
+        f"{p.name}: {measure(p).source_lines} source lines > {p.target}"
+        for p in PARTS
+        if measure(p).source_lines > p.target
+    ]
+    assert not over, over
+
+
+def test_the_measure_counts_code_not_docstrings() -> None:
+    source = '"""A module docstring\nover two lines."""\n\n# a comment\nx = 1\n'
+    stats = analyze(source)
+    assert (stats.loc, stats.sloc) == (5, 1)
+    assert re.search(r"\| part \| modules \| lines \| source lines \| target \|", README.read_text())
