@@ -37,7 +37,7 @@ from ref.core.plan import StepPlan
 from ref.core.scheduler import Scheduler
 from ref.errors import RefserveError
 from spec import EngineSnapshot, StepSnapshot, Violation, check_step
-from spec.arith import blocks_needed
+from spec.arith import blocks_needed, logical_block
 from spec.atomic import check_atomic
 
 
@@ -188,7 +188,7 @@ class EngineCore:
         tables = self.scheduler.pool.block_table_views(plan.request_ids)
         written: set[int] = set()
         for table, start, n in zip(tables, plan.starts, plan.num_new_tokens, strict=True):
-            written.update(table[start // bs : blocks_needed(start + n, bs)])
+            written.update(table[logical_block(start, bs) : blocks_needed(start + n, bs)])
         written.update(c.dst for c in plan.swap_in)  # restored before the forward
         return written
 

@@ -25,7 +25,7 @@ from ref.core.batch import DecodeRows, PersistentBatch
 from ref.core.plan import StepPlan
 from ref.core.request import Request
 from ref.kv import BlockPool
-from spec.arith import blocks_needed
+from spec.arith import blocks_needed, logical_block_rows, slot_of_rows
 from spec.snapshot import ScheduledRequest
 
 I64 = npt.NDArray[np.int64]
@@ -83,7 +83,7 @@ def build_inputs(
                 tokens.extend(drafts[rid])
     block_tables = _padded(pool.block_table_views(ids))
     bs = pool.block_size
-    slots = block_tables[row, positions // bs] * bs + positions % bs
+    slots = slot_of_rows(block_tables[row, logical_block_rows(positions, bs)], positions, bs)
     sampling = [i for i, smp in enumerate(plan.samples) if smp]
     return ModelInputs(
         request_ids=ids,
@@ -110,7 +110,7 @@ def decode_inputs(plan: StepPlan, rows: DecodeRows, batch: PersistentBatch) -> M
     # Whole rows: the longest running table; a prefix of them: the longest among it.
     width = batch.width() if k == len(batch) else int(batch.num_blocks[at].max())
     bs = batch.block_size
-    slot_mapping = table[slots, positions // bs] * bs + rows.offsets
+    slot_mapping = slot_of_rows(table[slots, logical_block_rows(positions, bs)], positions, bs)
     return ModelInputs(
         request_ids=plan.request_ids,
         input_ids=batch.last_token[at].copy(),

@@ -273,7 +273,7 @@ class LLMEngine:
             cfg, sched_cfg.num_blocks, sched_cfg.block_size, dtype=dtype, device=device
         )
         swap_cost = sched_cfg.swap_cost
-        per_token = self.cache.bytes_per_block // sched_cfg.block_size
+        per_token = self.cache.bytes_per_token
         if swap_cost is not None and swap_cost.kv_bytes_per_token != per_token:
             # The recompute-vs-swap rule would price copies of a different model.
             raise InvalidArgument(

@@ -22,6 +22,7 @@ import torch
 
 from ref.errors import InvalidArgument, RefserveError
 from ref.kv import BlockCopy
+from spec.arith import blocks_needed
 
 BACKENDS = ("torch", "triton")
 
@@ -114,7 +115,7 @@ class TorchAttention:
             q_len = b - a
             if q_len == 0:
                 continue
-            nblocks = -(-kv_len // bs)
+            nblocks = blocks_needed(kv_len, bs)
             blocks = meta.block_tables[s, :nblocks].long()
             k = key_cache[blocks].reshape(nblocks * bs, hkv, d)[:kv_len].float()
             v = value_cache[blocks].reshape(nblocks * bs, hkv, d)[:kv_len].float()

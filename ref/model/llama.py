@@ -56,6 +56,12 @@ class KVCache:
         """K and V of one block over every layer: what one swap copy moves."""
         return self.nbytes // self.num_blocks if self.num_blocks else 0
 
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over every layer (what the swap cost rule prices)."""
+        per_slot = self.key[0].shape[2] * self.key[0].shape[3] if self.key else 0
+        return sum(per_slot * t.element_size() for t in (*self.key, *self.value))
+
 
 class HostKVCache:
     """The host side of swap (ref/kv/host_pool.py): ``num_blocks`` blocks of K and V per

@@ -31,6 +31,7 @@ from ref.model.config import ModelConfig
 from ref.model.llama import KVCache, LlamaModel
 from ref.model.rejection import target_probs
 from ref.model.sampler import SampleSpec, mix64
+from spec.arith import blocks_needed
 
 # Mixed into the per-index seed: the draft's own draw never reuses the target's.
 _DRAFT_STREAM = 0xD2_AF
@@ -220,7 +221,7 @@ class DraftModelProposer:
         if k <= 0:
             return Draft((), torch.zeros(0, vocab))
         bs = self.block_size
-        num_blocks = -(-(n + k) // bs)
+        num_blocks = blocks_needed(n + k, bs)
         cache = KVCache(
             self.model.config, num_blocks, bs, dtype=self.model.dtype, device=self.model.device
         )
