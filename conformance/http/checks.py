@@ -1,5 +1,5 @@
-"""The checks of ``refserve conformance-http`` (docs in the README section of the same
-name). Each takes the :class:`Context` and returns a note (or ``None``) when it passes;
+"""The checks of ``refserve conformance-http`` (docs/GUIDE.md, "Checking any
+OpenAI-compatible server"). Each takes the :class:`Context` and returns a note (or ``None``) when it passes;
 it raises :class:`~conformance.http.client.Finding` when the server is wrong, and
 :class:`NotSupported` when the server refuses a feature the check needs (that is not a
 failure: the report says which).

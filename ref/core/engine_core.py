@@ -6,7 +6,7 @@ from the executor's real inputs) and every invariant is checked, TigerBeetle-sty
 failed execute is rolled back and checked for ATOMIC against the state before the step.
 
 A step is one transaction over the scheduler's books and the executor's K/V memory
-(ref/core/executor.py, README "atomic steps"): ``executor.begin`` saves what the step may
+(ref/core/executor.py, docs/ARCHITECTURE.md, "Atomic steps"): ``executor.begin`` saves what the step may
 write, and a failure anywhere before the scheduler commits runs ``executor.rollback``
 and then ``scheduler.rollback``, so every block handed back to its owner reads back its
 own K/V and the prefix cache keeps every entry. Only an executor that declares it cannot
@@ -46,7 +46,7 @@ class KVStateLost(RefserveError):
 
     The scheduler's books were rolled back, but the memory they describe may hold what
     the failed step wrote, so every later token could be computed from another request's
-    K/V (ATOMIC, README "atomic steps"). Nothing can repair that in place: the engine
+    K/V (ATOMIC, docs/ARCHITECTURE.md, "Atomic steps"). Nothing can repair that in place: the engine
     refuses further steps and must be rebuilt.
     """
 

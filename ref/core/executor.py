@@ -1,6 +1,6 @@
 """The executor interface: the only part that differs between simulation and a model.
 
-A step is one transaction over two kinds of state (README, "atomic steps"): the
+A step is one transaction over two kinds of state (docs/ARCHITECTURE.md, "Atomic steps"): the
 scheduler's books, which the pool's undo journal restores, and the executor's K/V memory,
 which the executor journals itself. :class:`ref.core.engine_core.EngineCore` calls
 ``begin(plan, inputs)`` before ``execute`` and then exactly one of ``commit()`` (the step

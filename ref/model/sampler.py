@@ -9,7 +9,7 @@ recompute preemption. Sample ``i`` of an ``n > 1`` request uses :func:`derive_se
 Logprobs are of the model's distribution (raw logits, before temperature, top-k or
 top-p), as vLLM reports by default.
 
-Per-request isolation (README "The engine", issue 12): parameters that cannot be sampled
+Per-request isolation (docs/GUIDE.md, "The engine from Python"): parameters that cannot be sampled
 are rejected when :class:`SamplingParams` is built (so at ``add_request``), and a row of
 logits that cannot be sampled (a non-finite value, or a distribution that is not one
 after temperature and the filters) is not an exception: :func:`sample` reports that one
