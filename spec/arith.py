@@ -142,7 +142,7 @@ def block_offset(position: int, block_size: int) -> int:
     post: (position - __return__) % block_size == 0
     post: (__return__ == 0) == (blocks_needed(position + 1, block_size) > blocks_needed(position, block_size))
     post: (__return__ == block_size - 1) == (blocks_needed(position + 1, block_size) * block_size == position + 1)
-    """  # noqa: E501 (CrossHair reads one condition per line)
+    """
     return position % block_size
 
 

@@ -1,8 +1,8 @@
-"""The checks of ``refserve conformance-http`` (docs/GUIDE.md, "Checking any
-OpenAI-compatible server"). Each takes the :class:`Context` and returns a note (or ``None``) when it passes;
-it raises :class:`~conformance.http.client.Finding` when the server is wrong, and
-:class:`NotSupported` when the server refuses a feature the check needs (that is not a
-failure: the report says which).
+"""The checks of ``refserve conformance-http`` (docs/GUIDE.md, "Checking any OpenAI-
+compatible server"). Each takes the :class:`Context` and returns a note (or ``None``)
+when it passes; it raises :class:`~conformance.http.client.Finding` when the server is
+wrong, and :class:`NotSupported` when the server refuses a feature the check needs (that
+is not a failure: the report says which).
 
 The reference is refserve's :class:`~ref.engine.llm_engine.LLMEngine` on the same
 checkpoint, run in-process: greedy outputs, token counts and stop-string cuts are

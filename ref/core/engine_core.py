@@ -6,10 +6,10 @@ from the executor's real inputs) and every invariant is checked, TigerBeetle-sty
 failed execute is rolled back and checked for ATOMIC against the state before the step.
 
 A step is one transaction over the scheduler's books and the executor's K/V memory
-(ref/core/executor.py, docs/ARCHITECTURE.md, "Atomic steps"): ``executor.begin`` saves what the step may
-write, and a failure anywhere before the scheduler commits runs ``executor.rollback``
-and then ``scheduler.rollback``, so every block handed back to its owner reads back its
-own K/V and the prefix cache keeps every entry. Only an executor that declares it cannot
+(ref/core/executor.py; docs/ARCHITECTURE.md, "Atomic steps"): ``executor.begin`` saves
+what the step may write, and a failure anywhere before the scheduler commits runs
+``executor.rollback`` and then ``scheduler.rollback``, so every block handed back to its
+owner reads back its own K/V and the prefix cache keeps every entry. Only an executor that declares it cannot
 restore (``transactional_kv`` false, or one without ``begin``) costs the cache entries of
 the blocks the failed step could have written.
 """

@@ -48,7 +48,8 @@ class FinishReason(StrEnum):
     CAPACITY = "capacity"  # a lone request that can never grow in this pool
     TIMEOUT = "timeout"  # waited past the queue timeout without being admitted
     # Its logits could not be sampled (a non-finite row): this request alone ends, the
-    # step commits for everyone else (ref/model/sampler.py, docs/GUIDE.md, "The engine from Python").
+    # step commits for everyone else (ref/model/sampler.py; docs/GUIDE.md, "The engine
+    # from Python").
     ERROR = "error"
 
 

@@ -11,7 +11,8 @@ by a swap-out may be a swap-in's (or this step's forward's) destination in the s
 step, so every swap-out reads before anything writes. Swaps are applied even in a step
 that schedules no tokens (a paused turn moving to the host while nothing runs).
 
-K/V memory joins the step's transaction (ref/core/executor.py; docs/ARCHITECTURE.md, "Atomic steps"):
+K/V memory joins the step's transaction (ref/core/executor.py; docs/ARCHITECTURE.md,
+"Atomic steps"):
 :meth:`ModelExecutor.begin` saves, before anything is written, exactly what the step may
 overwrite: the K and V at every slot of ``slot_mapping`` in every layer, the device
 blocks that are destinations of ``swap_in`` and ``copies``, and the host blocks that are
