@@ -149,6 +149,25 @@ class RunResult:
         return self.findings[0] if self.findings else None
 
 
+@dataclass
+class _Sampled:
+    """What the suite's model answers to one step report: the token sampled per request,
+    the drafts accepted per verified request, and the tokens each request gains."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
+    gained: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _MustStop:
+    """Why a sampled token must end its request (KVLEN); ``limit`` is set when only the
+    max_model_len its snapshot reports stops it (the reason must then be ``length``)."""
+
+    why: str
+    limit: int | None = None
+
+
 class _Run:
     def __init__(
         self,
@@ -274,13 +293,7 @@ class _Run:
         step = 0
         i = 0
         while True:
-            while i < len(pending) and pending[i].arrival <= boundary:
-                self.add(pending[i], step)
-                i += 1
-            for rid in sorted(self.live):
-                p = self.plans[rid]
-                if p.abort_at is not None and p.abort_at <= boundary:
-                    self.abort(rid, step)
+            i = self.arrive(pending, i, boundary, step)
             boundary += 1
             if not self.live:
                 if i >= len(pending):
@@ -301,21 +314,40 @@ class _Run:
                 self.rollback(step)
             self.step(step)
             step += 1
-            if self.unchanged >= STALL_STEPS and not self.events_ahead(pending[i:]):
-                # Nothing the suite will still do can unstick it: running on to the step
-                # limit would only repeat the same finding, thousands of steps long.
-                if not any(f.invariant is Invariant.PROGRESS for f in self.res.findings):
-                    self.fail(
-                        Invariant.PROGRESS,
-                        step,
-                        "step",
-                        "run",
-                        f"stalled: {STALL_STEPS} steps in a row changed nothing",
-                        "progress",
-                        f"{sorted(self.live)} still live",
-                    )
+            if self.stalled(pending[i:], step):
                 return
         self.quiesce(step)
+
+    def arrive(self, pending: list[RequestPlan], i: int, boundary: int, step: int) -> int:
+        """Add the requests arrived by ``boundary`` (``pending[i:]`` in arrival order)
+        and abort those due; the index of the next request still to arrive."""
+        while i < len(pending) and pending[i].arrival <= boundary:
+            self.add(pending[i], step)
+            i += 1
+        for rid in sorted(self.live):
+            p = self.plans[rid]
+            if p.abort_at is not None and p.abort_at <= boundary:
+                self.abort(rid, step)
+        return i
+
+    def stalled(self, pending: list[RequestPlan], step: int) -> bool:
+        """PROGRESS: whether the run ends stalled (:data:`STALL_STEPS` unchanged steps
+        and nothing ahead that could unstick it), reported once."""
+        if self.unchanged < STALL_STEPS or self.events_ahead(pending):
+            return False
+        # Nothing the suite will still do can unstick it: running on to the step
+        # limit would only repeat the same finding, thousands of steps long.
+        if not any(f.invariant is Invariant.PROGRESS for f in self.res.findings):
+            self.fail(
+                Invariant.PROGRESS,
+                step,
+                "step",
+                "run",
+                f"stalled: {STALL_STEPS} steps in a row changed nothing",
+                "progress",
+                f"{sorted(self.live)} still live",
+            )
+        return True
 
     def add(self, r: RequestPlan, step: int) -> None:
         before = self.snapshot(step, "add")
@@ -379,23 +411,8 @@ class _Run:
         proposals = self.propose(before, step) if self.cfg.num_speculative_tokens else {}
         plan = self.call(step, "step", "schedule()", self.a.schedule)
         self.malformed(step, "step", "schedule()", validate.check_step_report(plan))
-        sampled: dict[str, int] = {}
-        accepted: dict[str, int] = {}
-        gained: dict[str, list[int]] = {}
-        for s in plan.scheduled:
-            if not s.samples:
-                continue
-            toks = self.tokens.get(s.request_id)
-            if toks is None:
-                self.fail(
-                    Invariant.TOKEN, step, "step", f"request {s.request_id}", "unknown id scheduled"
-                )
-                continue
-            if s.num_draft_tokens:
-                self.verify(s, proposals, sampled, accepted, gained, step)
-            else:
-                sampled[s.request_id] = self.choose(s.request_id, toks)
-                gained[s.request_id] = [sampled[s.request_id]]
+        out = self.sample(plan, proposals, step)
+        sampled, accepted = out.sampled, out.accepted
         done = self.call(
             step,
             "step",
@@ -425,6 +442,45 @@ class _Run:
             "step",
             lambda: check_step(snap, self.props.lookahead_slots, self.props.same_step_prefix_hits),
         )
+        self.check_order(snap, step)
+        self.steps.append(snap)
+        if self.props.free_queue_order:
+            self.check_free_order(snap, step)
+        self.write_kv(plan, step, proposals)
+        self.poison_rejected(plan, accepted)
+        for rid, toks in out.gained.items():
+            self.tokens[rid].extend(toks)
+        self.check_stops(plan, done, sampled, after, step)
+        self.read_back(after, step)
+        self.read_back_host(after, step)
+        self.observe(before, plan, done, sampled, step)
+        if accepted:
+            self.res.trace[-1]["accepted"] = dict(accepted)
+
+    def sample(
+        self, plan: StepReport, proposals: Mapping[str, tuple[int, ...]], step: int
+    ) -> _Sampled:
+        """The suite's model: a token for every entry that samples (TOKEN: only for a
+        request it knows), its drafts verified first when it carries some."""
+        out = _Sampled()
+        for s in plan.scheduled:
+            if not s.samples:
+                continue
+            toks = self.tokens.get(s.request_id)
+            if toks is None:
+                self.fail(
+                    Invariant.TOKEN, step, "step", f"request {s.request_id}", "unknown id scheduled"
+                )
+                continue
+            if s.num_draft_tokens:
+                self.verify(s, proposals, out.sampled, out.accepted, out.gained, step)
+            else:
+                out.sampled[s.request_id] = self.choose(s.request_id, toks)
+                out.gained[s.request_id] = [out.sampled[s.request_id]]
+        return out
+
+    def check_order(self, snap: StepSnapshot, step: int) -> None:
+        """ORDER: the declared admission order, when the adapter declares one."""
         declared = self.props.admission_order
         if declared.strict:
             # Head-of-line blocking promises more than the lax order: a strict engine
@@ -443,19 +499,6 @@ class _Run:
                     snap, self.rank, self.props.lookahead_slots, str(declared)
                 ),
             )
-        self.steps.append(snap)
-        if self.props.free_queue_order:
-            self.check_free_order(snap, step)
-        self.write_kv(plan, step, proposals)
-        self.poison_rejected(plan, accepted)
-        for rid, toks in gained.items():
-            self.tokens[rid].extend(toks)
-        self.check_stops(plan, done, sampled, after, step)
-        self.read_back(after, step)
-        self.read_back_host(after, step)
-        self.observe(before, plan, done, sampled, step)
-        if accepted:
-            self.res.trace[-1]["accepted"] = dict(accepted)
 
     def check_free_order(self, snap: StepSnapshot, step: int) -> None:
         """Free blocks are handed out in the order the snapshot's free queue states.
@@ -707,62 +750,13 @@ class _Run:
         after: EngineSnapshot,
         step: int,
     ) -> None:
+        """KVLEN: a request stops exactly when a stop says so; PROGRESS: a finished
+        request holds no block."""
         reasons = dict(plan.finished) | dict(done.finished)
         for rid, tok in sampled.items():
             p = self.plans.get(rid)
-            if p is None:
-                continue
-            n_tokens = len(self.tokens[rid])
-            n_out = n_tokens - len(p.prompt)
-            # An engine without eos handling is never asked to stop on one (choose()).
-            is_stop = self.props.eos and tok == self.cfg.eos_token_id
-            at_max_tokens = n_out >= p.max_tokens
-            # Declared max_model_len_stop: reaching the max_model_len the request's own
-            # snapshot reports stops it too (reason length), as vLLM's check_stop does.
-            limit = self.reported_max_model_len(after, rid)
-            at_limit = limit is not None and n_tokens >= limit
-            must = is_stop or at_max_tokens or at_limit
-            if must and rid not in reasons:
-                if is_stop:
-                    why = "sampled its eos token"
-                elif at_max_tokens:
-                    why = f"reached max_tokens {p.max_tokens}"
-                else:
-                    why = f"reached its max_model_len {limit} ({n_tokens} tokens)"
-                self.fail(
-                    Invariant.KVLEN, step, "step", f"request {rid}", f"{why} but kept running"
-                )
-            elif at_limit and not (is_stop or at_max_tokens) and reasons[rid] != "length":
-                self.fail(
-                    Invariant.KVLEN,
-                    step,
-                    "step",
-                    f"request {rid}",
-                    f"reached its max_model_len {limit} and finished with reason "
-                    f"{reasons[rid]}, not length",
-                )
-            if not must and rid in reasons and reasons[rid] in ("stop", "length"):
-                hint = ""
-                r = after.request(rid)
-                if (
-                    not self.props.max_model_len_stop
-                    and reasons[rid] == "length"
-                    and r is not None
-                    and r.max_model_len == n_tokens
-                ):
-                    hint = (
-                        f" (it reached the max_model_len {n_tokens} its snapshot reports: "
-                        "an engine that stops there declares "
-                        "EngineProperties(max_model_len_stop=True))"
-                    )
-                self.fail(
-                    Invariant.KVLEN,
-                    step,
-                    "step",
-                    f"request {rid}",
-                    f"finished with reason {reasons[rid]} after {n_out} outputs without a stop"
-                    + hint,
-                )
+            if p is not None:
+                self.check_stop(rid, p, self.must_stop(rid, p, tok, after), reasons, after, step)
         for rid, reason in reasons.items():
             self.live.discard(rid)
             self.res.observed.finish_reasons[reason] = (
@@ -772,6 +766,71 @@ class _Run:
                 self.fail(
                     Invariant.PROGRESS, step, "step", f"request {rid}", "finished but holds blocks"
                 )
+
+    def must_stop(
+        self, rid: str, p: RequestPlan, tok: int, after: EngineSnapshot
+    ) -> _MustStop | None:
+        """Why sampling ``tok`` must end ``rid``, or None when nothing stops it."""
+        n_tokens = len(self.tokens[rid])
+        # An engine without eos handling is never asked to stop on one (choose()).
+        if self.props.eos and tok == self.cfg.eos_token_id:
+            return _MustStop("sampled its eos token")
+        if n_tokens - len(p.prompt) >= p.max_tokens:
+            return _MustStop(f"reached max_tokens {p.max_tokens}")
+        # Declared max_model_len_stop: reaching the max_model_len the request's own
+        # snapshot reports stops it too (reason length), as vLLM's check_stop does.
+        limit = self.reported_max_model_len(after, rid)
+        if limit is not None and n_tokens >= limit:
+            return _MustStop(f"reached its max_model_len {limit} ({n_tokens} tokens)", limit)
+        return None
+
+    def check_stop(
+        self,
+        rid: str,
+        p: RequestPlan,
+        must: _MustStop | None,
+        reasons: Mapping[str, str],
+        after: EngineSnapshot,
+        step: int,
+    ) -> None:
+        """KVLEN for one sampled request: stopped when it must (with reason length at
+        the max_model_len), not stopped for ``stop`` or ``length`` when it need not."""
+        who = f"request {rid}"
+        reason = reasons.get(rid)
+        if must is not None and reason is None:
+            self.fail(Invariant.KVLEN, step, "step", who, f"{must.why} but kept running")
+        elif must is not None and must.limit is not None and reason != "length":
+            self.fail(
+                Invariant.KVLEN,
+                step,
+                "step",
+                who,
+                f"reached its max_model_len {must.limit} and finished with reason "
+                f"{reason}, not length",
+            )
+        if must is None and reason in ("stop", "length"):
+            n_tokens = len(self.tokens[rid])
+            r = after.request(rid)
+            hint = ""
+            if (
+                not self.props.max_model_len_stop
+                and reason == "length"
+                and r is not None
+                and r.max_model_len == n_tokens
+            ):
+                hint = (
+                    f" (it reached the max_model_len {n_tokens} its snapshot reports: "
+                    "an engine that stops there declares "
+                    "EngineProperties(max_model_len_stop=True))"
+                )
+            self.fail(
+                Invariant.KVLEN,
+                step,
+                "step",
+                who,
+                f"finished with reason {reason} after {n_tokens - len(p.prompt)} outputs "
+                "without a stop" + hint,
+            )
 
     def reported_max_model_len(self, after: EngineSnapshot, rid: str) -> int | None:
         """The ``max_model_len`` the request's snapshot after the commit reports, when the

@@ -521,12 +521,31 @@ class _SelfCheck:
             )
 
     def check_schedule(
-        self, rep: StepReport, before: EngineSnapshot, s: ScheduledRequest | None
+        self, rep: StepReport, before: EngineSnapshot, entry: ScheduledRequest | None
     ) -> None:
         """A's entry of the step report, every field compared with the protocol."""
-        m = self.model
+        retired = self.check_others(rep)
+        if entry is None:
+            if REQUEST.request_id not in retired:
+                self.fail(
+                    f"schedule() gave {REQUEST.request_id} nothing although it is runnable, "
+                    f"alone, and the pool ({CONFIG.num_blocks} blocks) and budget "
+                    f"({CONFIG.max_num_batched_tokens} tokens) have room (PROGRESS)"
+                )
+            return
+        start = self.model.computed + entry.num_new_cached_tokens
+        self.check_counts(entry, start)
+        self.check_positions(entry, start)
+        self.check_slots(entry)
+        self.check_growth(entry.block_table, before)
+        self.check_samples(entry, start)
+        if self.props.free_queue_order:
+            self.check_free_order(before, entry.block_table)
+
+    def check_others(self, rep: StepReport) -> dict[str, str]:
+        """Nothing but A is scheduled; A is neither preempted nor retired while planning.
+        Returns the requests the plan retired, with their reasons."""
         rid = REQUEST.request_id
-        bs = CONFIG.block_size
         for s in rep.scheduled:
             if s.request_id != rid:
                 self.fail(f"schedule() scheduled {s.request_id!r}, a request that was never added")
@@ -539,25 +558,20 @@ class _SelfCheck:
         if rid in retired:
             self.fail(
                 f"schedule() retired {rid} (reason {retired[rid]!r}) while planning, after "
-                f"{m.outputs} of {REQUEST.max_tokens} outputs: nothing stops it yet"
+                f"{self.model.outputs} of {REQUEST.max_tokens} outputs: nothing stops it yet"
             )
-        if s is None:
-            if rid not in retired:
-                self.fail(
-                    f"schedule() gave {rid} nothing although it is runnable, alone, and the "
-                    f"pool ({CONFIG.num_blocks} blocks) and budget "
-                    f"({CONFIG.max_num_batched_tokens} tokens) have room (PROGRESS)"
-                )
-            return
-        n = s.num_new_tokens
-        known = len(m.tokens)
+        return retired
+
+    def check_counts(self, s: ScheduledRequest, start: int) -> None:
+        """KVLEN: no cache hit in a fresh engine; at least one new token, no more than
+        are known and left to compute, and within the budget."""
+        n, known = s.num_new_tokens, len(self.model.tokens)
         if s.num_new_cached_tokens:
             self.fail(
                 f"num_new_cached_tokens is {s.num_new_cached_tokens}, but nothing is cached in "
                 "a fresh engine: it counts prompt tokens served from the prefix cache when "
                 "this step admits the request"
             )
-        start = m.computed + s.num_new_cached_tokens
         if n < 1:
             self.fail(
                 f"num_new_tokens is {n}: a request listed in StepReport.scheduled gets at "
@@ -565,30 +579,38 @@ class _SelfCheck:
             )
         elif start + n > known:
             self.fail(
-                f"num_new_tokens is {n} but only {known - start} of {rid}'s {known} known "
-                f"tokens are left to compute (KV for positions 0..{start - 1} exists)"
+                f"num_new_tokens is {n} but only {known - start} of {REQUEST.request_id}'s "
+                f"{known} known tokens are left to compute (KV for positions "
+                f"0..{start - 1} exists)"
             )
         if n > CONFIG.max_num_batched_tokens:
             self.fail(f"num_new_tokens {n} exceeds the budget {CONFIG.max_num_batched_tokens}")
-        expected = tuple(range(start, start + n))
-        if s.positions != expected:
-            first = s.positions[0] if s.positions else None
-            hint = ""
-            if first is not None and first == start + 1:
-                hint = (
-                    "; off by one: a token's position is its index in prompt + outputs, "
-                    "from 0, and the first new token of a decode is the last sampled one, "
-                    "at num_tokens - 1"
-                )
-            elif first is not None and first != start:
-                hint = f"; they must start at num_computed_tokens = {start}"
-            else:
-                hint = "; they must be contiguous"
-            self.fail(
-                f"positions are {_span(s.positions)}, expected {_span(expected)}: positions "
-                f"continue from the KV already computed, {start} tokens{hint}"
+
+    def check_positions(self, s: ScheduledRequest, start: int) -> None:
+        """POS: the positions continue the KV already computed, contiguously."""
+        expected = tuple(range(start, start + s.num_new_tokens))
+        if s.positions == expected:
+            return
+        first = s.positions[0] if s.positions else None
+        if first is not None and first == start + 1:
+            hint = (
+                "; off by one: a token's position is its index in prompt + outputs, "
+                "from 0, and the first new token of a decode is the last sampled one, "
+                "at num_tokens - 1"
             )
-        table = s.block_table
+        elif first is not None and first != start:
+            hint = f"; they must start at num_computed_tokens = {start}"
+        else:
+            hint = "; they must be contiguous"
+        self.fail(
+            f"positions are {_span(s.positions)}, expected {_span(expected)}: positions "
+            f"continue from the KV already computed, {start} tokens{hint}"
+        )
+
+    def check_slots(self, s: ScheduledRequest) -> None:
+        """POS: each slot is ``block_table[pos // bs] * bs + pos % bs``; the first wrong
+        one is explained."""
+        table, bs = s.block_table, CONFIG.block_size
         for i, (pos, slot) in enumerate(zip(s.positions, s.slot_mapping, strict=False)):
             if pos // bs >= len(table):
                 self.fail(
@@ -596,7 +618,7 @@ class _SelfCheck:
                     f"(covers positions 0..{len(table) * bs - 1}): the table sent with the "
                     "step must already hold the blocks this step writes"
                 )
-                break
+                return
             want = slot_of(table[pos // bs], pos, bs)
             if slot != want:
                 hint = " (looks like the position itself)" if slot == pos and pos != want else ""
@@ -605,34 +627,41 @@ class _SelfCheck:
                     f"is block_table[pos // {bs}] * {bs} + pos % {bs} = "
                     f"{table[pos // bs]} * {bs} + {pos % bs} = {want}{hint}"
                 )
-                break
+                return
+
+    def check_growth(self, table: tuple[int, ...], before: EngineSnapshot) -> None:
+        """BLOCK: the step's table names pool blocks and extends the one held before."""
         out_of_pool = [b for b in table if b >= CONFIG.num_blocks]
         if out_of_pool:
             self.fail(f"block table {_tup(table)} names blocks {out_of_pool} outside the pool")
         held_before = self.table(before)
-        if held_before is not None:
-            prev = tuple(held_before.block_table)
-            if tuple(table[: len(prev)]) != prev:
-                self.fail(
-                    f"block table {_tup(table)} does not start with the table {rid} held "
-                    f"before the step {_tup(prev)}: a request keeps its blocks in order and "
-                    "only appends"
-                )
+        if held_before is None:
+            return
+        prev = tuple(held_before.block_table)
+        if tuple(table[: len(prev)]) != prev:
+            self.fail(
+                f"block table {_tup(table)} does not start with the table "
+                f"{REQUEST.request_id} held before the step {_tup(prev)}: a request keeps "
+                "its blocks in order and only appends"
+            )
+
+    def check_samples(self, s: ScheduledRequest, start: int) -> None:
+        """KVLEN: ``samples`` is set exactly when the chunk reaches the last known token."""
+        n, known = s.num_new_tokens, len(self.model.tokens)
         reaches_end = start + n == known
-        if s.samples is not reaches_end and isinstance(s.samples, bool):
-            if reaches_end:
-                self.fail(
-                    f"samples is False, but the chunk reaches the last known token "
-                    f"({start} + {n} == num_tokens {known}): the model samples after it"
-                )
-            else:
-                self.fail(
-                    f"samples is True, but the chunk ends at position {start + n - 1}, short "
-                    f"of the last known token (position {known - 1}): a chunk that stops "
-                    "inside the prompt has no logit worth sampling"
-                )
-        if self.props.free_queue_order:
-            self.check_free_order(before, table)
+        if s.samples is reaches_end or not isinstance(s.samples, bool):
+            return
+        if reaches_end:
+            self.fail(
+                f"samples is False, but the chunk reaches the last known token "
+                f"({start} + {n} == num_tokens {known}): the model samples after it"
+            )
+        else:
+            self.fail(
+                f"samples is True, but the chunk ends at position {start + n - 1}, short "
+                f"of the last known token (position {known - 1}): a chunk that stops "
+                "inside the prompt has no logit worth sampling"
+            )
 
     def check_free_order(self, before: EngineSnapshot, table: tuple[int, ...]) -> None:
         held = self.table(before)
@@ -706,21 +735,47 @@ class _SelfCheck:
                 )
             return
         if m.finished:
-            if r.status != RequestStatus.FINISHED:
-                self.fail(f"{rid} finished in this step but the snapshot says {r.status}")
-            if r.num_output_tokens != m.outputs:
-                self.fail(f"{rid}.num_output_tokens is {r.num_output_tokens}, expected {m.outputs}")
-            if t is not None:
-                self.fail(
-                    f"{rid} finished but still has a table {_tup(t.block_table)}: a finished "
-                    "request's blocks go back to the pool at once"
-                )
-            if not self.failed_since(mark):
-                self.ok(f"snapshot: {rid} finished, {r.num_output_tokens} outputs, no table")
+            self.check_finished(r, t, mark)
             return
+        want, why = self.expected_status()
+        if r.status != want:
+            self.fail(f"{why}; the snapshot says {r.status}")
+        self.counters(r, outputs=m.outputs, computed=m.computed)
+        self.check_table(snap, r, t, entry)
+        if not self.failed_since(mark):
+            assert t is not None  # check_table failed otherwise
+            kv = (
+                f" == num_tokens {r.num_tokens} - 1"
+                if want is RequestStatus.DECODING
+                else f" of {r.num_tokens}"
+            )
+            self.ok(
+                f"snapshot: {rid} {r.status}, num_computed_tokens {r.num_computed_tokens}{kv}"
+                f"; table {_tup(t.block_table)} stores {t.num_stored} tokens"
+            )
+
+    def check_finished(self, r: RequestSnapshot, t: TableSnapshot | None, mark: int) -> None:
+        """A request that finished in this step is listed finished, with all its outputs
+        and no table (its blocks went back to the pool at once)."""
+        rid, outputs = REQUEST.request_id, self.model.outputs
+        if r.status != RequestStatus.FINISHED:
+            self.fail(f"{rid} finished in this step but the snapshot says {r.status}")
+        if r.num_output_tokens != outputs:
+            self.fail(f"{rid}.num_output_tokens is {r.num_output_tokens}, expected {outputs}")
+        if t is not None:
+            self.fail(
+                f"{rid} finished but still has a table {_tup(t.block_table)}: a finished "
+                "request's blocks go back to the pool at once"
+            )
+        if not self.failed_since(mark):
+            self.ok(f"snapshot: {rid} finished, {r.num_output_tokens} outputs, no table")
+
+    def expected_status(self) -> tuple[RequestStatus, str]:
+        """The status a live request has after this step (KVLEN: decoding exactly when
+        ``num_computed_tokens == num_tokens - 1`` after a sample), and why."""
+        m = self.model
         known = len(m.tokens)
         if m.computed == known - 1 and m.outputs:
-            want = RequestStatus.DECODING
             why = (
                 "after a chunk that reached the end of the prompt and sampled, the request "
                 "should be decoding"
@@ -728,27 +783,11 @@ class _SelfCheck:
                 else "after a decode step the request stays decoding"
             )
             why += f" with num_computed_tokens == num_tokens - 1 ({m.computed} == {known} - 1)"
-        else:
-            want = RequestStatus.PREFILLING
-            why = (
-                f"after a chunk that stopped inside the prompt ({m.computed} of {known} tokens "
-                "computed) the request should be prefilling"
-            )
-        if r.status != want:
-            self.fail(f"{why}; the snapshot says {r.status}")
-        self.counters(r, outputs=m.outputs, computed=m.computed)
-        self.check_table(snap, r, t, entry)
-        if not self.failed_since(mark):
-            assert t is not None  # check_table failed otherwise
-            self.ok(
-                f"snapshot: {rid} {r.status}, num_computed_tokens {r.num_computed_tokens}"
-                + (
-                    f" == num_tokens {r.num_tokens} - 1"
-                    if want is RequestStatus.DECODING
-                    else f" of {r.num_tokens}"
-                )
-                + f"; table {_tup(t.block_table)} stores {t.num_stored} tokens"
-            )
+            return RequestStatus.DECODING, why
+        return RequestStatus.PREFILLING, (
+            f"after a chunk that stopped inside the prompt ({m.computed} of {known} tokens "
+            "computed) the request should be prefilling"
+        )
 
     def check_table(
         self,
