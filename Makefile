@@ -14,7 +14,7 @@ venv: $(STAMP)
 
 # torch==2.13.0 is installed explicitly first: this machine's pip finds the CPU wheel on
 # local disk, and the project's torch range is satisfied by it, so pip never resolves a
-# multi-GB CUDA build. GPU users: see README ("Installing on a GPU machine").
+# multi-GB CUDA build. GPU users: see docs/GUIDE.md ("Installing").
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -100,27 +100,40 @@ conformance-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/refserve conformance --adapter conformance.adapters.vllm:make \
 		--report out/vllm.json --markdown out/vllm.md
 
-# The pytest-benchmark suites; then refserve's full CPU step, the bulk path (persistent
-# batch) against the reference loop, each in its own worker process, rounds interleaved,
-# every worker on one CPU (--no-pin to let the OS move them), prefix caching off and on
-# (out/bench-step.md); then the Python heap per running
-# request (out/bench-memory.md). Code: conformance/bench/.
+# The pytest-benchmark suites (out/bench-pytest.json); then refserve's full CPU step, the
+# bulk path (persistent batch) against the reference loop, each in its own worker process,
+# rounds interleaved, every worker on one CPU (--no-pin to let the OS move them), prefix
+# caching off and on (out/bench-step.json); then the Python heap per running request
+# (out/bench-memory.json). Code: conformance/bench/. Last, the fresh JSON replaces the
+# committed inputs in docs/bench/ and docs/BENCHMARKS.md is rendered from them (figures
+# are never typed by hand; tests/repo/test_benchmarks_doc.py keeps the two in step).
+BENCH_REPORT = $(PY) -m conformance.bench.report --out docs/BENCHMARKS.md docs/bench/*.json
+
 bench: $(STAMP)
-	$(PY) -m pytest tests/bench --benchmark-only --benchmark-columns=min,median,mean,rounds -p no:cacheprovider
-	mkdir -p out
+	mkdir -p out docs/bench
+	$(PY) -m pytest tests/bench --benchmark-only --benchmark-columns=min,median,mean,rounds \
+		--benchmark-json out/bench-pytest.json -p no:cacheprovider
 	$(PY) -m conformance.bench.peers --engines ref ref-loop --only steps \
 		--json out/bench-step.json --markdown out/bench-step.md
 	$(PY) -m conformance.bench.memory --json out/bench-memory.json --markdown out/bench-memory.md
+	cp out/bench-pytest.json out/bench-step.json out/bench-memory.json docs/bench/
+	$(BENCH_REPORT)
 
 # refserve, nano-vllm-fork and vLLM scheduler steps side by side through the adapters'
 # engines (conformance/bench/; not in `make test`): one worker per engine in its own venv
 # (the two venvs of conformance-nanovllm and conformance-vllm), rounds interleaved, every
-# worker on one CPU.
-# Writes out/bench-peers.json and out/bench-peers.md; exit 1 if an engine could not run.
-.PHONY: bench-peers
+# worker on one CPU. Writes out/bench-peers.json and out/bench-peers.md; exit 1 if an
+# engine could not run, and then docs/bench/ keeps the last complete run.
+.PHONY: bench-peers bench-report
 bench-peers: $(STAMP) $(NANO_STAMP) $(VLLM_STAMP)
-	mkdir -p out
+	mkdir -p out docs/bench
 	$(PY) -m conformance.bench.peers --json out/bench-peers.json --markdown out/bench-peers.md
+	cp out/bench-peers.json docs/bench/
+	$(BENCH_REPORT)
+
+# docs/BENCHMARKS.md again from the JSON in docs/bench/, measuring nothing.
+bench-report: $(STAMP)
+	$(BENCH_REPORT)
 
 # Long Hypothesis runs for local use.
 deep: $(STAMP)

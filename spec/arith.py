@@ -2,11 +2,19 @@
 
 These helpers are the single definition of the formulas in docs/ARCHITECTURE.md
 ("Vocabulary"): blocks needed for n tokens, the slot of a position, the cacheable prefix of
-a prompt and how a prompt is split into chunks. ``make crosshair`` proves the ``post:``
+a prompt, how a prompt is split into chunks, and the decode rules (a token that starts or
+fills a block, the length limit). ``make crosshair`` proves the ``post:``
 conditions for all inputs satisfying the ``pre:`` conditions (or finds a counterexample).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 
 def cdiv(a: int, b: int) -> int:
@@ -102,3 +110,79 @@ def chunk_size(
         end = ((num_computed + n) // block_size) * block_size
         n = max(0, end - num_computed)
     return n
+
+
+# --------------------------------------------------------------- the decode rules
+# Each rule below is written once, for one request, in operators numpy broadcasts: the
+# persistent batch (ref/core/batch.py) applies the very same function to a column of
+# rows (arrays in, arrays out), the per-request path to one request's ints. The
+# ``*_rows`` names are those functions, typed for arrays (docs/ARCHITECTURE.md,
+# "The persistent batch"); they are not second implementations.
+
+
+def block_offset(position: int, block_size: int) -> int:
+    """The slot of ``position`` within its block (POS; :func:`slot_of` adds the block's
+    first slot).
+
+    pre: position >= 0
+    pre: block_size > 0
+    post: 0 <= __return__ < block_size
+    post: (position - __return__) % block_size == 0
+    post: (__return__ == 0) == (blocks_needed(position + 1, block_size) > blocks_needed(position, block_size))
+    post: (__return__ == block_size - 1) == (blocks_needed(position + 1, block_size) * block_size == position + 1)
+    """  # noqa: E501 (CrossHair reads one condition per line)
+    return position % block_size
+
+
+def starts_block(offset: int) -> bool:
+    """A token at block offset ``offset`` (:func:`block_offset`) is the first of a new
+    block: storing it needs a fresh block (POS). A decode needs a block for this reason
+    or to copy a shared last block before writing it (copy-on-write).
+
+    pre: offset >= 0
+    post: __return__ == (offset == 0)
+    """
+    return offset == 0
+
+
+def fills_block(offset: int, block_size: int) -> bool:
+    """A token at block offset ``offset`` takes its block's last slot: after it the block
+    is full and, with prefix caching, indexed under its chain key (PREFIX).
+
+    pre: block_size > 0
+    pre: 0 <= offset < block_size
+    post: __return__ == (offset + 1 == block_size)
+    """
+    return offset == block_size - 1
+
+
+def length_limit(num_prompt_tokens: int, max_tokens: int, max_len: int) -> int:
+    """The token count (prompt and outputs) at which a request stops for length: its
+    ``max_tokens`` outputs, or ``max_len`` tokens in all (LENGTH).
+
+    pre: num_prompt_tokens >= 1
+    pre: max_tokens >= 1
+    pre: max_len > num_prompt_tokens
+    post: num_prompt_tokens < __return__ <= max_len
+    post: __return__ - num_prompt_tokens <= max_tokens
+    """
+    return min(num_prompt_tokens + max_tokens, max_len)
+
+
+def reaches_length(num_tokens: int, limit: int) -> bool:
+    """A request holding ``num_tokens`` tokens has reached its :func:`length_limit`.
+
+    pre: num_tokens >= 0
+    post: __return__ == (num_tokens >= limit)
+    """
+    return num_tokens >= limit
+
+
+if TYPE_CHECKING:
+    Ints = npt.NDArray[np.int64]
+    Bools = npt.NDArray[np.bool_]
+
+block_offset_rows = cast("Callable[[Ints, int], Ints]", block_offset)
+starts_block_rows = cast("Callable[[Ints], Bools]", starts_block)
+fills_block_rows = cast("Callable[[Ints, int], Bools]", fills_block)
+reaches_length_rows = cast("Callable[[Ints, Ints], Bools]", reaches_length)

@@ -1,6 +1,12 @@
-"""Run every applicable invariant on a pool or a step."""
+"""Run every applicable invariant on a pool or a step.
+
+The checkers are listed once, as data (:data:`POOL_CHECKS`, :data:`STEP_CHECKS`), so what
+reports "checked against N invariant checks" counts the list that actually runs.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from spec.block import check_block
 from spec.cap import check_cap, check_cap_step
@@ -13,31 +19,50 @@ from spec.snapshot import PoolSnapshot, StepSnapshot
 from spec.token import check_token
 from spec.violation import Violation
 
+#: A pool checker, given the pool and the declared ``lookahead``.
+PoolCheck = Callable[[PoolSnapshot, int], list[Violation]]
+#: A step checker, given the step, ``lookahead`` and ``same_step_hits``.
+StepCheck = Callable[[StepSnapshot, int, bool], list[Violation]]
+
+#: BLOCK, CAP, POS (table coverage, ``lookahead`` slots allowed) and PREFIX, in the order
+#: :func:`check_pool` runs them. Each takes the same arguments, whether it reads them or not,
+#: so one loop runs them all.
+POOL_CHECKS: tuple[PoolCheck, ...] = (
+    lambda pool, lookahead: check_block(pool),
+    lambda pool, lookahead: check_cap(pool),
+    check_pos_pool,
+    lambda pool, lookahead: check_prefix(pool),
+)
+
+
+def _on_pool_after(check: PoolCheck) -> StepCheck:
+    return lambda step, lookahead, same_step_hits: check(step.after.pool, lookahead)
+
+
+#: Everything :func:`check_step` runs, in order: the step-level invariants, every pool
+#: check on the state after the step, and the host pool's (:func:`spec.host.check_host`).
+STEP_CHECKS: tuple[StepCheck, ...] = (
+    lambda step, lookahead, same_step_hits: check_token(step),
+    lambda step, lookahead, same_step_hits: check_kvlen(step),
+    lambda step, lookahead, same_step_hits: check_pos(step),
+    lambda step, lookahead, same_step_hits: check_cap_step(step),
+    lambda step, lookahead, same_step_hits: check_prefix_step(step, same_step_hits),
+    lambda step, lookahead, same_step_hits: check_progress(step, lookahead),
+    lambda step, lookahead, same_step_hits: check_preempted_released(step),
+    *(_on_pool_after(check) for check in POOL_CHECKS),
+    lambda step, lookahead, same_step_hits: check_host(step.after, lookahead),
+)
+
 
 def check_pool(pool: PoolSnapshot, lookahead: int = 0) -> list[Violation]:
-    """BLOCK, CAP, POS (table coverage, ``lookahead`` slots allowed) and PREFIX on a pool."""
-    return [
-        *check_block(pool),
-        *check_cap(pool),
-        *check_pos_pool(pool, lookahead),
-        *check_prefix(pool),
-    ]
+    """Every check of :data:`POOL_CHECKS` on a pool."""
+    return [v for check in POOL_CHECKS for v in check(pool, lookahead)]
 
 
 def check_step(
     step: StepSnapshot, lookahead: int = 0, same_step_hits: bool = False
 ) -> list[Violation]:
-    """Every step-level invariant plus :func:`check_pool` and :func:`spec.host.check_host`
-    on the state after the step. ``lookahead`` and ``same_step_hits`` are declared
-    conventions (:func:`spec.pos.check_pos_pool`, :func:`spec.prefix.check_prefix_step`)."""
-    return [
-        *check_token(step),
-        *check_kvlen(step),
-        *check_pos(step),
-        *check_cap_step(step),
-        *check_prefix_step(step, same_step_hits),
-        *check_progress(step, lookahead),
-        *check_preempted_released(step),
-        *check_pool(step.after.pool, lookahead),
-        *check_host(step.after, lookahead),
-    ]
+    """Every check of :data:`STEP_CHECKS` on a step. ``lookahead`` and ``same_step_hits``
+    are declared conventions (:func:`spec.pos.check_pos_pool`,
+    :func:`spec.prefix.check_prefix_step`)."""
+    return [v for check in STEP_CHECKS for v in check(step, lookahead, same_step_hits)]

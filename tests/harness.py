@@ -15,9 +15,10 @@ from typing import Any
 from ref.core.config import SchedulerConfig
 from ref.core.cost import StepCost
 from ref.core.engine_core import EngineCore, StepRecord
+from ref.core.outcome import StepOutcome
 from ref.core.plan import StepPlan
 from ref.core.request import Request, StopParams
-from ref.core.scheduler import Scheduler, StepEvents
+from ref.core.scheduler import Scheduler
 from ref.sim.simulator import SimExecutor
 from spec import check_pool
 from spec.snapshot import RequestStatus
@@ -127,7 +128,15 @@ def sampled_tokens(plan: StepPlan, token: int = 7) -> dict[str, int]:
     return {rid: token for rid, s in zip(plan.request_ids, plan.samples, strict=True) if s}
 
 
-def commit_step(sched: Scheduler, now: float = 0.0, token: int = 7) -> tuple[StepPlan, StepEvents]:
+def reference_loop(sched: Scheduler) -> Scheduler:
+    """``sched`` planning every decode one request at a time (the per-request path), for
+    the differential test against the bulk path (docs/ARCHITECTURE.md, "The persistent
+    batch"); returned for chaining."""
+    sched.fast_decode = False
+    return sched
+
+
+def commit_step(sched: Scheduler, now: float = 0.0, token: int = 7) -> tuple[StepPlan, StepOutcome]:
     """Schedule one step and commit it as if every sampling request drew ``token``."""
     plan = sched.schedule(now)
     events = sched.commit(plan, sampled_tokens(plan, token), now)

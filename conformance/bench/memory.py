@@ -20,15 +20,18 @@ import argparse
 import datetime as dt
 import gc
 import json
+import shlex
 import statistics
 import sys
 import tracemalloc
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from conformance.bench import workload as W
+from conformance.bench.machine import describe, machine_line
 from ref.core.config import SchedulerConfig
 from ref.core.inputs import build_inputs
 from ref.core.request import Request, StopParams
@@ -94,18 +97,42 @@ def measure(n: int) -> MemoryFigure:
     return MemoryFigure(n, held // n, int(statistics.median(peaks)) // n)
 
 
-def markdown(figures: list[MemoryFigure], when: str) -> str:
+FORMAT = "refserve-bench-memory"
+
+
+def table(figures: list[MemoryFigure]) -> list[str]:
+    """The figures as a markdown table (also what ``conformance.bench.report`` prints)."""
     lines = [
-        "# refserve: Python heap per running request (tracemalloc)",
-        "",
-        f"{when}. Bulk decode path, prefix caching off, block 16, prompts of 100-128 tokens.",
-        "",
         "| N | heap held per running request | peak a step allocates, per running request |",
         "|---|---|---|",
     ]
     for f in figures:
         lines.append(f"| {f.n} | {f.heap_bytes_per_request:,} B | {f.step_bytes_per_request:,} B |")
+    return lines
+
+
+def markdown(figures: list[MemoryFigure], when: str, machine: dict[str, Any]) -> str:
+    lines = [
+        "# refserve: Python heap per running request (tracemalloc)",
+        "",
+        f"{when}. Bulk decode path, prefix caching off, block {W.BLOCK_SIZE}, prompts of "
+        f"{W.MIN_PROMPT}-{W.MAX_PROMPT} tokens. {machine_line(machine)}.",
+        "",
+        *table(figures),
+    ]
     return "\n".join(lines) + "\n"
+
+
+def figures_of(doc: dict[str, Any]) -> list[MemoryFigure]:
+    """The figures of a JSON document :func:`main` wrote."""
+    if doc.get("format") != FORMAT:
+        raise ValueError(f"not a {FORMAT} JSON (format {doc.get('format')!r})")
+    return [
+        MemoryFigure(
+            int(f["n"]), int(f["heap_bytes_per_request"]), int(f["step_bytes_per_request"])
+        )
+        for f in doc["figures"]
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(n < 1 for n in args.sizes):
         p.error("every size must be >= 1")
     when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    machine = describe()  # before the run: its load average is what the run started on
+    command = "python -m conformance.bench.memory " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+    )
     figures = []
     for n in args.sizes:
         f = measure(n)
@@ -126,9 +157,24 @@ def main(argv: list[str] | None = None) -> int:
             f"allocates at most {f.step_bytes_per_request:,} B per request",
             flush=True,
         )
+    doc = {
+        "format": FORMAT,
+        "version": 1,
+        "command": command,
+        "when": when,
+        "machine": machine,
+        "load_after": describe()["load_average"],
+        "workload": {
+            "block_size": W.BLOCK_SIZE,
+            "prompt_tokens": [W.MIN_PROMPT, W.MAX_PROMPT],
+            "blocks_per_request": BLOCKS_PER_REQUEST,
+            "prefix_caching": False,
+        },
+        "figures": [asdict(f) for f in figures],
+    }
     for path, text in (
-        (args.json, json.dumps({"when": when, "figures": [asdict(f) for f in figures]}, indent=2)),
-        (args.markdown, markdown(figures, when)),
+        (args.json, json.dumps(doc, indent=2)),
+        (args.markdown, markdown(figures, when, machine)),
     ):
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)

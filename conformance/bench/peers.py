@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from conformance.bench import workload as W
+from conformance.bench.machine import describe, machine_line
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -296,6 +297,26 @@ def growth(cells: Sequence[Cell], engine: str, caching: bool, sizes: Sequence[in
     return hi / lo
 
 
+def default_workload() -> dict[str, Any]:
+    """The step workload as the JSON records it (the renderers read it from there, so a
+    committed JSON still renders with the workload it was measured on)."""
+    return {
+        "block_size": W.BLOCK_SIZE,
+        "prompt_tokens": [W.MIN_PROMPT, W.MAX_PROMPT],
+        "blocks_per_request": W.BLOCKS_PER_REQUEST,
+        "max_num_batched_tokens": "max(2048, 2 N)",
+    }
+
+
+def default_pool_workload() -> dict[str, Any]:
+    return {
+        "blocks": W.POOL_BLOCKS,
+        "blocks_per_round": W.POOL_K,
+        "block_size": W.BLOCK_SIZE,
+        "timed_rounds_per_message": W.POOL_REPS,
+    }
+
+
 @dataclass
 class Run:
     """Everything one ``bench-peers`` run measured."""
@@ -315,6 +336,10 @@ class Run:
     """The one CPU every worker ran on (:func:`pinned`), or None: the OS placed them."""
     pool_cells: list[PoolCell] = field(default_factory=list)
     parts: tuple[str, ...] = ("steps", "pool")
+    machine: dict[str, Any] = field(default_factory=dict)
+    """:func:`conformance.bench.machine.describe` when the run started."""
+    workload: dict[str, Any] = field(default_factory=default_workload)
+    pool_workload: dict[str, Any] = field(default_factory=default_pool_workload)
 
     def to_json(self) -> dict[str, Any]:
         out_cells = []
@@ -353,15 +378,11 @@ class Run:
             "load_after": self.load_after,
             "cpus": self.cpus,
             "pinned_cpu": self.pinned_cpu,
+            "machine": self.machine,
             "sizes": self.sizes,
             "rounds": self.rounds,
             "warmup": self.warmup,
-            "workload": {
-                "block_size": W.BLOCK_SIZE,
-                "prompt_tokens": [W.MIN_PROMPT, W.MAX_PROMPT],
-                "blocks_per_request": W.BLOCKS_PER_REQUEST,
-                "max_num_batched_tokens": "max(2048, 2 N)",
-            },
+            "workload": self.workload,
             "engines": self.engines,
             "cells": out_cells,
             "growth_largest_over_smallest_n": growths,
@@ -387,13 +408,62 @@ class Run:
                 d["setup_s"] = c.setup_s
                 d["rounds_ns"] = [t[0] for t in c.times_ns]
             cells.append(d)
-        return {
-            "blocks": W.POOL_BLOCKS,
-            "blocks_per_round": W.POOL_K,
-            "block_size": W.BLOCK_SIZE,
-            "timed_rounds_per_message": W.POOL_REPS,
-            "cells": cells,
-        }
+        return {**self.pool_workload, "cells": cells}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Run:
+        """The run a :meth:`to_json` document describes, as far as rendering needs: the
+        per-round times are kept, so every median and ratio is recomputed exactly as
+        the run computed it (``conformance.bench.report`` renders committed JSON so)."""
+        if d.get("format") != "refserve-bench-peers":
+            raise ValueError(f"not a bench-peers JSON (format {d.get('format')!r})")
+        cells = [
+            Cell(
+                str(c["engine"]),
+                int(c["n"]),
+                bool(c["prefix_caching"]),
+                str(c.get("status", "ok")),
+                str(c.get("reason", "")),
+                float(c.get("setup_s", 0.0)),
+                [list(map(int, t)) for t in c.get("times_ns", [])],
+            )
+            for c in d.get("cells", [])
+        ]
+        pool = dict(d.get("pool") or {})
+        pool_workload = {k: v for k, v in pool.items() if k != "cells"}
+        k = int(pool_workload.get("blocks_per_round", W.POOL_K))
+        pool_cells = [
+            PoolCell(
+                str(c["engine"]),
+                k,
+                bool(c["prefix_caching"]),
+                str(c.get("status", "ok")),
+                str(c.get("reason", "")),
+                float(c.get("setup_s", 0.0)),
+                [[int(t)] for t in c.get("rounds_ns", [])],
+                hashing=str(c.get("hashing", "same")),
+            )
+            for c in pool.get("cells", [])
+        ]
+        pinned = d.get("pinned_cpu")
+        return cls(
+            command=str(d.get("command", "")),
+            sizes=[int(n) for n in d.get("sizes", [])],
+            rounds=int(d.get("rounds", 0)),
+            warmup=int(d.get("warmup", 0)),
+            engines={str(e): dict(v) for e, v in dict(d.get("engines") or {}).items()},
+            cells=cells,
+            started=str(d.get("started", "")),
+            load_before=[float(x) for x in d.get("load_before", [])],
+            load_after=[float(x) for x in d.get("load_after", [])],
+            cpus=int(d.get("cpus", 0)),
+            pinned_cpu=None if pinned is None else int(pinned),
+            pool_cells=pool_cells,
+            parts=tuple(str(p) for p in d.get("parts", ("steps", "pool"))),
+            machine=dict(d.get("machine") or {}),
+            workload=dict(d.get("workload") or default_workload()),
+            pool_workload=pool_workload or default_pool_workload(),
+        )
 
 
 def _fmt_us(x: float) -> str:
@@ -409,6 +479,7 @@ def render_markdown(run: Run) -> str:
         "",
         f"Command: `{run.command}`. Started {run.started}; {run.cpus} CPUs; load average "
         f"(1 / 5 / 15 min) {load} before, {load_after} after. "
+        + (f"{machine_line(run.machine)}. " if run.machine else "")
         + (
             f"Every worker pinned to CPU {run.pinned_cpu} (`--cpu`): the rounds run one at "
             "a time, so they never compete for it."
@@ -417,23 +488,24 @@ def render_markdown(run: Run) -> str:
         ),
         "",
     ]
-    steps = _render_steps(run) if "steps" in run.parts else []
-    pool = _render_pool(run) if "pool" in run.parts else []
+    steps = render_steps(run) if "steps" in run.parts else []
+    pool = render_pool(run) if "pool" in run.parts else []
     return "\n".join(head + steps + pool) + "\n"
 
 
-def _render_pool(run: Run) -> list[str]:
+def render_pool(run: Run, level: int = 2) -> list[str]:
     """The block-pool table: us per block, ratio to refserve, what each round includes."""
+    pw = run.pool_workload
     lines = [
-        "## Block pool (allocate + free)",
+        "#" * level + " Block pool (allocate + free)",
         "",
-        f"Each engine's block pool alone, {W.POOL_BLOCKS} blocks of {W.BLOCK_SIZE}: a round "
-        f"allocates {W.POOL_K} fresh blocks for a new request and frees them; with prefix "
-        "caching every free block is cached beforehand, so every pop evicts, and each "
-        "round hashes and indexes its full blocks. Median over all rounds (interleaved, "
-        f"{W.POOL_REPS} per message, {run.rounds} messages per engine after {run.warmup} "
-        "warm-up), per block; in brackets the ratio to refserve with the same prefix "
-        "caching in this run.",
+        f"Each engine's block pool alone, {pw['blocks']} blocks of {pw['block_size']}: a "
+        f"round allocates {pw['blocks_per_round']} fresh blocks for a new request and frees "
+        "them; with prefix caching every free block is cached beforehand, so every pop "
+        "evicts, and each round hashes and indexes its full blocks. Median over all rounds "
+        f"(interleaved, {pw['timed_rounds_per_message']} per message, {run.rounds} messages "
+        f"per engine after {run.warmup} warm-up), per block; in brackets the ratio to "
+        "refserve with the same prefix caching in this run.",
         "",
         "| engine | no prefix caching | prefix caching, same hashing | "
         "prefix caching, engine's own hashing |",
@@ -483,16 +555,17 @@ def _render_pool(run: Run) -> list[str]:
     return lines
 
 
-def _render_steps(run: Run) -> list[str]:
+def render_steps(run: Run, level: int = 2) -> list[str]:
     """The scheduler-step table, what each step includes, and the phase breakdown."""
     sizes = run.sizes
     lo, hi = (min(sizes), max(sizes)) if sizes else (0, 0)
+    lo_prompt, hi_prompt = run.workload["prompt_tokens"]
     lines = [
-        "## Scheduler step",
+        "#" * level + " Scheduler step",
         "",
-        f"Decode-heavy workload: N running requests, block {W.BLOCK_SIZE}, prompts of "
-        f"{W.MIN_PROMPT}-{W.MAX_PROMPT} tokens, every request decoding; one step decodes one "
-        f"token for each. Median of {run.rounds} interleaved rounds ({run.warmup} warm-up "
+        f"Decode-heavy workload: N running requests, block {run.workload['block_size']}, "
+        f"prompts of {lo_prompt}-{hi_prompt} tokens, every request decoding; one step decodes "
+        f"one token for each. Median of {run.rounds} interleaved rounds ({run.warmup} warm-up "
         "rounds discarded), per running request; in brackets the ratio to refserve on the "
         "same configuration in this run.",
         "",
@@ -578,7 +651,7 @@ def pinned(cpu: int | None) -> Iterator[int | None]:
     Unpinned on a shared 2-CPU VM, the OS moves a worker between the CPUs mid-run, and a
     run's figure moves with it: two ``--no-pin`` runs of ``--only pool`` a minute apart
     gave vLLM/refserve 1.20x and 0.80x without caching, three pinned runs beside them
-    1.06x-1.11x (README, "Benchmarks"). The rounds run one at a time, so pinned workers
+    1.06x-1.11x (docs/GUIDE.md, "Benchmarks"). The rounds run one at a time, so pinned workers
     never wait for each other; each still finds the caches as the other engines' rounds
     left them."""
     if cpu is None or not hasattr(os, "sched_setaffinity"):
@@ -622,6 +695,7 @@ def run_peers(
         cells=[],
         started=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         load_before=_load(),
+        machine=describe(),
         cpus=os.cpu_count() or 0,
         parts=tuple(parts),
     )

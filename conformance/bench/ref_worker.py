@@ -64,7 +64,9 @@ class RefBench:
             num_blocks=shape.num_blocks,
             enable_prefix_caching=shape.prefix_caching,
         )
-        s = Scheduler(cfg, fast_decode=self.fast_decode)
+        s = Scheduler(cfg)
+        # The benchmark's baseline: the same scheduler on its per-request path.
+        s.fast_decode = self.fast_decode
         for i in range(shape.n):
             stop = StopParams(max_tokens=W.MAX_TOKENS, ignore_eos=True)
             s.add_request(Request(W.request_id(i), W.prompt(i), stop))

@@ -101,7 +101,9 @@ def _parser() -> argparse.ArgumentParser:
         choices=sorted(DTYPES),
         help="repeatable; default float32, float16 (+ bfloat16 on cuda)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the cases' random inputs (default 0)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser  # fmt: skip
 

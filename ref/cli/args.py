@@ -18,7 +18,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ref.errors import InvalidArgument, RefserveError, UsageError
 
@@ -104,6 +104,13 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{clip(message, 300)} (see '{self.prog} --help')")
 
 
+def add_command(sub: Any, name: str, summary: str) -> argparse.ArgumentParser:
+    """Add subcommand ``name`` to an ``add_subparsers()`` object: ``summary`` is its line in
+    ``refserve --help`` and the head of its own ``--help``."""
+    p: argparse.ArgumentParser = sub.add_parser(name, help=summary, description=summary)
+    return p
+
+
 def clip(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -166,6 +173,40 @@ def check_device(text: str, option: str = "--device") -> str:
     return text
 
 
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--attention-backend``, where the model runs;
+    :func:`check_device_args` checks them before a model is built."""
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model runs: cpu, cuda or cuda:N (default %(default)s)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        choices=["torch", "triton"],
+        default="torch",
+        help="paged attention in plain torch, or the Triton kernels (needs a CUDA device, "
+        "or TRITON_INTERPRET=1 on a CPU; default %(default)s)",
+    )
+
+
+def check_device_args(args: argparse.Namespace) -> None:
+    """The options of :func:`add_device_args`: the device exists here, and the backend can
+    run on it."""
+    check_device(args.device)
+    backend, device = args.attention_backend, args.device
+    if backend != "triton" or device.startswith("cuda"):
+        return
+    # Triton has no CPU backend: its kernels run on CPU tensors only in interpreter mode,
+    # which must be on before the kernels are imported (kernels/_runtime.py).
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise InvalidArgument(
+            f"--attention-backend triton needs a CUDA device (--device {device}); on a CPU "
+            "start with TRITON_INTERPRET=1 (the slow interpreter) or use --attention-backend "
+            "torch"
+        )
+
+
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
     """``--speculative ngram|draft:DIR`` and ``--num-speculative-tokens K``
     (docs/SPECULATIVE.md); :func:`proposer_from_args` reads them."""
@@ -179,7 +220,9 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         "--num-speculative-tokens",
         type=int_at_most(MAX_DRAFTS),
         default=3,
-        help=f"drafts verified per step with --speculative (1..{MAX_DRAFTS}; default 3)",
+        metavar="K",
+        help=f"drafts verified per step with --speculative (1 to {MAX_DRAFTS}; default "
+        "%(default)s)",
     )
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ref.cli.args import EXIT_OK, finite_float, int_at_most
+from ref.cli.args import EXIT_OK, add_command, finite_float, int_at_most
 from ref.errors import InvalidArgument
 
 MAX_RATE = 1e6
@@ -39,27 +39,73 @@ def _rates(text: str) -> list[float]:
 def add_bench_serve_parser(sub: Any) -> argparse.ArgumentParser:
     from ref.serve.bench import MAX_REQUESTS, TRACES
 
-    p: argparse.ArgumentParser = sub.add_parser(
-        "bench-serve", help="open-loop load generator for any OpenAI-compatible server"
-    )
+    p = add_command(sub, "bench-serve", "open-loop load generator for any OpenAI-compatible server")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (no /v1)")
     p.add_argument("--model", required=True, help="the model name the server serves")
-    p.add_argument("--trace", default="chat", help=f"{', '.join(TRACES)}, or a JSONL trace file")
-    p.add_argument("--rate", type=_rate, default=1.0, help="requests (sessions) per second; inf")
+    p.add_argument(
+        "--trace",
+        default="chat",
+        help=f"{', '.join(TRACES)}, or a JSONL trace file (default %(default)s)",
+    )
+    p.add_argument(
+        "--rate",
+        type=_rate,
+        default=1.0,
+        help="requests (sessions) per second; inf sends all at once (default %(default)s)",
+    )
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--num-requests", type=int_at_most(MAX_REQUESTS, lo=1))
-    size.add_argument("--duration", type=finite_float(0, 86400, lo_open=True), help="seconds")
-    p.add_argument("--sweep", type=_rates, help="run at each of these rates: 1,2,4,8")
+    size.add_argument(
+        "--num-requests",
+        type=int_at_most(MAX_REQUESTS, lo=1),
+        metavar="N",
+        help=f"requests (sessions) to send per rate (default 100 without --duration; 1 to "
+        f"{MAX_REQUESTS:,})",
+    )
+    size.add_argument(
+        "--duration",
+        type=finite_float(0, 86400, lo_open=True),
+        metavar="SECONDS",
+        help="instead of --num-requests: send what arrives in this many seconds (at most 86400)",
+    )
+    p.add_argument(
+        "--sweep",
+        type=_rates,
+        metavar="RATES",
+        help="run at each of these rates instead of --rate, e.g. 1,2,4,8",
+    )
     p.add_argument(
         "--scale",
         type=finite_float(0, 1e6, lo_open=True),
         default=16.0,
         help="divide the trace's token lengths (default 16: chat ~64 in / 8 out)",
     )
-    p.add_argument("--seed", type=int_at_most(1 << 62, lo=0), default=0)
-    p.add_argument("--slo-ttft-ms", type=finite_float(0, 1e7, lo_open=True), default=1000.0)
-    p.add_argument("--slo-tpot-ms", type=finite_float(0, 1e7, lo_open=True), default=100.0)
-    p.add_argument("--timeout", type=finite_float(0, 86400, lo_open=True), default=300.0)
+    p.add_argument(
+        "--seed",
+        type=int_at_most(1 << 62, lo=0),
+        default=0,
+        help="seed of the arrivals and lengths drawn from the trace (default %(default)s)",
+    )
+    p.add_argument(
+        "--slo-ttft-ms",
+        type=finite_float(0, 1e7, lo_open=True),
+        default=1000.0,
+        metavar="MS",
+        help="goodput counts a request whose first token came within this (default %(default)s)",
+    )
+    p.add_argument(
+        "--slo-tpot-ms",
+        type=finite_float(0, 1e7, lo_open=True),
+        default=100.0,
+        metavar="MS",
+        help="... and whose mean time per output token is within this (default %(default)s)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=finite_float(0, 86400, lo_open=True),
+        default=300.0,
+        metavar="SECONDS",
+        help="a request unanswered after this is recorded as a timeout (default %(default)s)",
+    )
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     p.add_argument(
         "--no-ignore-eos", action="store_true", help="do not send ignore_eos (OpenAI proper)"
@@ -72,7 +118,7 @@ def add_bench_serve_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback server")
     p.add_argument("--json", type=Path, help="write every request's record and the summary")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run_bench_serve)
     return p
 

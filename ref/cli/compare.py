@@ -69,7 +69,12 @@ def _parser() -> argparse.ArgumentParser:
         "on the simulator; writes DIR/report.md, DIR/report.json and PNG plots.",
     )
     ms = finite_float(0, MAX_SLO_MS)
-    p.add_argument("--out", type=Path, default=Path("compare-report"), help="output folder")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("compare-report"),
+        help="output folder (default %(default)s)",
+    )
     p.add_argument(
         "--rates",
         type=_float_list,
@@ -91,25 +96,56 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_SCALE,
         help=f"divide token lengths ({MIN_SCALE:g} to {MAX_SCALE:g}; 1 = example 3's lengths)",
     )
-    p.add_argument("--seed", type=int_at_most((1 << 63) - 1, lo=-(1 << 63)), default=0)
-    p.add_argument("--cost", default=DEFAULT_COST, help="step cost in ms, e.g. '2+0.5P+D'")
-    p.add_argument("--ttft-slo-ms", type=ms, default=Slo.ttft_base_ms)
-    p.add_argument("--ttft-slo-per-token-ms", type=ms, default=Slo.ttft_per_token_ms)
     p.add_argument(
-        "--tbt-slo-ms", type=finite_float(0, MAX_SLO_MS, lo_open=True), default=Slo.tbt_ms
+        "--seed",
+        type=int_at_most((1 << 63) - 1, lo=-(1 << 63)),
+        default=0,
+        help="seed of the generated workloads (default %(default)s)",
+    )
+    p.add_argument("--cost", default=DEFAULT_COST, help="step cost in ms, e.g. '2+0.5P+D'")
+    p.add_argument(
+        "--ttft-slo-ms",
+        type=ms,
+        default=Slo.ttft_base_ms,
+        metavar="MS",
+        help="goodput: first token within this plus --ttft-slo-per-token-ms per prompt token "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--ttft-slo-per-token-ms",
+        type=ms,
+        default=Slo.ttft_per_token_ms,
+        metavar="MS",
+        help="the time-to-first-token allowance per prompt token (default %(default)s)",
+    )
+    p.add_argument(
+        "--tbt-slo-ms",
+        type=finite_float(0, MAX_SLO_MS, lo_open=True),
+        default=Slo.tbt_ms,
+        metavar="MS",
+        help="goodput: no gap between two tokens longer than this (default %(default)s)",
     )
     p.add_argument(
         "--knee",
         type=finite_float(0, 1, lo_open=True),
         default=0.9,
-        help="goodput/offered threshold, in (0, 1]",
+        help="a policy's knee is the first rate whose goodput/offered falls below this, in "
+        "(0, 1] (default %(default)s)",
     )
     p.add_argument(
         "--max-num-batched-tokens",
         type=int_at_most(MAX_TOKENS),
         default=BASE_CONFIG.max_num_batched_tokens,
+        metavar="N",
+        help=f"every policy's token budget per step (default %(default)s; at most {MAX_TOKENS:,})",
     )
-    p.add_argument("--num-blocks", type=int_at_most(MAX_BLOCKS), default=BASE_CONFIG.num_blocks)
+    p.add_argument(
+        "--num-blocks",
+        type=int_at_most(MAX_BLOCKS),
+        default=BASE_CONFIG.num_blocks,
+        metavar="N",
+        help=f"every policy's KV blocks (default %(default)s; at most {MAX_BLOCKS:,})",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument(
         "--full-sweep", action="store_true", help="run every rate even far past a policy's knee"

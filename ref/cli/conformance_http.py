@@ -13,14 +13,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ref.cli.args import EXIT_FAILED, EXIT_OK, finite_float, int_at_most
+from ref.cli.args import EXIT_FAILED, EXIT_OK, add_command, finite_float, int_at_most
 from ref.errors import InvalidArgument
 
 
 def add_conformance_http_parser(sub: Any) -> argparse.ArgumentParser:
-    p: argparse.ArgumentParser = sub.add_parser(
+    p = add_command(
+        sub,
         "conformance-http",
-        help="black-box checks of an OpenAI-compatible server against the reference engine",
+        "black-box checks of an OpenAI-compatible server against the reference engine",
     )
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (no /v1)")
     p.add_argument(
@@ -38,9 +39,19 @@ def add_conformance_http_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--list", action="store_true", help="list the checks and exit")
     p.add_argument(
-        "--timeout", type=finite_float(0, 3600, lo_open=True), default=60.0, help="per request, s"
+        "--timeout",
+        type=finite_float(0, 3600, lo_open=True),
+        default=60.0,
+        metavar="SECONDS",
+        help="limit of one request; past it is a finding (default %(default)s)",
     )
-    p.add_argument("--max-tokens", type=int_at_most(4096, lo=4), default=16)
+    p.add_argument(
+        "--max-tokens",
+        type=int_at_most(4096, lo=4),
+        default=16,
+        metavar="N",
+        help="max_tokens of the checks' requests (default %(default)s; 4 to 4096)",
+    )
     p.add_argument("--json", type=Path, help="write the JSON report here")
     p.add_argument("--markdown", type=Path, help="write the markdown report here")
     p.set_defaults(func=run_conformance_http)

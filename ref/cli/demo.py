@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import spec.checks
 from ref.core.config import SchedulerConfig
 from ref.engine.llm_engine import TINY_TRAINED, LLMEngine, Proposer, RequestOutput
 from ref.model.sampler import SamplingParams
@@ -132,3 +133,10 @@ def _print_summary(
     )
     if engine.proposer is not None:
         print(f"speculation: {engine.speculation}")
+    # The engine checks every step and raises on a violation, so reaching here means none.
+    # The list is read now, not at import: it is the one check_step ran.
+    checks = len(spec.checks.STEP_CHECKS)
+    print(
+        f"checked: all {len(engine.steps)} steps against the {checks} invariant checks of "
+        "spec.check_step, none violated"
+    )

@@ -1,7 +1,7 @@
 """``refserve generate``: one prompt through the real engine, tokens and text printed.
 
 Wired into ``ref/cli/main.py`` (``add_generate_parser``); ``python -m ref.cli.generate ...``
-runs it standalone under the same error surface (:func:`ref.cli.main.run_cli`). Everything is
+runs it standalone under the same error surface (:func:`ref.cli.args.run_cli`). Everything is
 checked before a model is built: the device exists, the attention backend can run there,
 the prompt and stop strings are text that can be encoded (a lone surrogate, which is what
 Python makes of argv bytes that are not UTF-8, cannot), ``--prompt-ids`` are ints.
@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ref.cli.args import add_speculative_args, int_at_most, proposer_from_args
+from ref.cli.args import (
+    add_command,
+    add_device_args,
+    add_speculative_args,
+    check_device_args,
+    int_at_most,
+    proposer_from_args,
+)
 from ref.errors import InvalidArgument
 
 if TYPE_CHECKING:  # the engine is imported when a command runs, not at startup
@@ -28,9 +34,10 @@ MAX_N = 1024
 
 def add_generate_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the ``generate`` subcommand to an ``add_subparsers()`` object."""
-    p: argparse.ArgumentParser = sub.add_parser(
+    p = add_command(
+        sub,
         "generate",
-        help="generate from a prompt with the real model (embedded or a local checkpoint)",
+        "generate from a prompt with the real model (embedded or a local checkpoint)",
     )
     _add_args(p)
     p.set_defaults(func=run_generate)
@@ -47,20 +54,55 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=16,
+        metavar="N",
+        help="most tokens to generate per sample (default %(default)s; at most the model's "
+        "max_model_len)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature; 0 is greedy (default %(default)s)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        metavar="K",
+        help="sample from the K most likely tokens only; 0 is all (default %(default)s)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="sample from the smallest set of tokens whose probability reaches P, in (0, 1] "
+        "(default %(default)s: all)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the sampler, for a reproducible sampled output (default: none)",
+    )
     p.add_argument(
         "--n",
         type=int_at_most(MAX_N),
         default=1,
-        help=f"parallel samples (forks of one prompt; at most {MAX_N})",
+        help=f"parallel samples, forks of one prompt (default %(default)s; at most {MAX_N})",
     )
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--attention-backend", choices=["torch", "triton"], default="torch")
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="end a sample when its text contains TEXT (repeatable)",
+    )
+    add_device_args(p)
     p.add_argument("--json", action="store_true", help="print ids, finish reason and metrics")
     add_speculative_args(p)
 
@@ -92,24 +134,8 @@ def _prompt_ids(text: str) -> list[int]:
     return ids
 
 
-def _check_backend(backend: str, device: str) -> None:
-    if backend != "triton" or device.startswith("cuda"):
-        return
-    # Triton has no CPU backend: its kernels run on CPU tensors only in interpreter mode,
-    # which must be on before the kernels are imported (kernels/_runtime.py).
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise InvalidArgument(
-            f"--attention-backend triton needs a CUDA device (--device {device}); on a CPU "
-            "start with TRITON_INTERPRET=1 (the slow interpreter) or use --attention-backend "
-            "torch"
-        )
-
-
 def run_generate(args: argparse.Namespace) -> int:
-    from ref.cli.args import check_device
-
-    check_device(args.device)
-    _check_backend(args.attention_backend, args.device)
+    check_device_args(args)
     prompt: str | list[int]
     if args.prompt_ids is not None:
         prompt = _prompt_ids(args.prompt_ids)
@@ -202,7 +228,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     args = [a for a in args if a != "--debug"]
 
     def command() -> int:
-        p = ArgumentParser(prog="refserve generate", description=__doc__)
+        p = ArgumentParser(prog="refserve generate")
         _add_args(p)
         return run_generate(p.parse_args(args))
 

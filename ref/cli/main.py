@@ -1,5 +1,6 @@
-"""The ``refserve`` command line: ``simulate``, ``demo``, ``generate``, ``compare``,
-``check-kernel``, ``conformance``.
+"""The ``refserve`` command line: the top-level parser, ``simulate`` and ``demo``, and the
+dispatch to every other subcommand (its module adds its own parser; ``refserve --help``
+lists what is registered).
 
 One error surface for every subcommand (:func:`run_cli`): a typed error (bad input, a bad
 option, an output path that cannot be written) prints one line ``refserve: error: ...``
@@ -8,10 +9,11 @@ internal error, also one line and exit 2; ``--debug`` (anywhere on the line) add
 traceback. Exit 1 is reserved for a check that ran and failed (``check-kernel``,
 ``conformance``). Every input is validated and every output path checked before the work
 starts; outputs are written to a temporary name and renamed, so an interrupted run leaves
-no half-written file. ``conformance`` owns its whole command line (``conformance.cli``).
+no half-written file. ``check-kernel``, ``compare`` and ``conformance`` parse their whole
+command line themselves.
 
 The error surface, the exit statuses, the option types and their limits live in
-:mod:`ref.cli.args`; ``compare``'s options in :mod:`ref.cli.compare`.
+:mod:`ref.cli.args`; the scheduler's options in :mod:`ref.cli.config_args`.
 
 Heavy modules (torch, the engine) are imported inside the commands, after the error
 surface is in place, so Ctrl-C during start-up is handled like Ctrl-C during the run.
@@ -27,26 +29,22 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from ref.cli.args import (
     EXIT_OK,
-    MAX_BLOCK_SIZE,
-    MAX_BLOCKS,
-    MAX_KV_BYTES_PER_TOKEN,
-    MAX_SEQS,
     MAX_STEPS,
-    MAX_TOKENS,
     PROG,
     ArgumentParser,
+    add_command,
     add_speculative_args,
     check_device,
     clip,
-    finite_float,
     int_at_most,
     proposer_from_args,
     run_cli,
 )
+from ref.cli.config_args import add_config_args, config_from_args
 from ref.errors import InvalidArgument, UsageError
 
 if TYPE_CHECKING:
@@ -82,44 +80,92 @@ def _dispatch(args: list[str]) -> int:
 
 
 # --------------------------------------------------------------------- the parser
+DESCRIPTION = "refserve: a reference LLM serving engine, every step checked against its spec."
+EPILOG = f"Each command has its own options: {PROG} COMMAND --help."
+
+
+def version() -> str:
+    """The installed distribution's version; a checkout run without installing has none."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed(PROG)
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, looked up only when asked: reading the package metadata costs about a
+    tenth of a second, which every other command would pay if the parser computed it."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str) -> None:
+        super().__init__(
+            option_strings,
+            dest,
+            nargs=0,
+            default=argparse.SUPPRESS,
+            help="print the version and exit",
+        )
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> NoReturn:
+        print(f"{PROG} {version()}")
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     from ref.sim.trace import BUILTIN
 
-    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG)
+    p.add_argument("--version", action=_VersionAction)
     p.add_argument(
         "--debug", action="store_true", help="show the traceback of an error (any position)"
     )
-    sub = p.add_subparsers(required=True, metavar="COMMAND")
+    sub = p.add_subparsers(required=True, metavar="COMMAND", help="what to run")
 
-    sim = sub.add_parser("simulate", help="replay a JSONL trace on the cost-model simulator")
+    demo = add_command(
+        sub, "demo", "the main job: the tiny model on a mixed workload, every step checked"
+    )
+    demo.add_argument(
+        "--timeline",
+        type=Path,
+        default=Path("out/demo-timeline.html"),
+        metavar="HTML",
+        help="write the timeline picture here, and a PNG beside it (default %(default)s)",
+    )
+    demo.add_argument(
+        "--simulator", action="store_true", help="the seed scenarios on the simulator instead"
+    )
+    add_speculative_args(demo)
+    demo.set_defaults(func=_demo)
+
+    sim = add_command(sub, "simulate", "replay a JSONL trace on the cost-model simulator")
     sim.add_argument(
         "trace", help=f"path to a JSONL trace, or a built-in one: {', '.join(BUILTIN)}"
     )
-    _add_config_args(sim)
-    sim.add_argument("--json", type=Path, help="write timelines, iterations and summary here")
+    add_config_args(sim)
+    sim.add_argument(
+        "--json", type=Path, metavar="PATH", help="write timelines, iterations and summary here"
+    )
     sim.add_argument("--quiet", action="store_true", help="summary only, no per-round table")
-    sim.add_argument("--timeline", type=Path, help="write a timeline picture (self-contained HTML)")
+    sim.add_argument(
+        "--timeline",
+        type=Path,
+        metavar="HTML",
+        help="write a timeline picture here (self-contained HTML)",
+    )
     from ref.sim.simulator import DEFAULT_MAX_STEPS
 
     sim.add_argument(
         "--max-steps",
         type=int_at_most(MAX_STEPS, lo=1),
         default=None,
+        metavar="N",
         help=f"stop after this many steps, write the partial result, exit 2 (default: "
         f"the trace's prompt and output tokens, at least {DEFAULT_MAX_STEPS:,}; at most "
         f"{MAX_STEPS:,})",
     )
     sim.set_defaults(func=_simulate)
-
-    demo = sub.add_parser(
-        "demo", help="the main job: the tiny model on a mixed workload, every step checked"
-    )
-    demo.add_argument("--timeline", type=Path, default=Path("out/demo-timeline.html"))
-    demo.add_argument(
-        "--simulator", action="store_true", help="the seed scenarios on the simulator instead"
-    )
-    add_speculative_args(demo)
-    demo.set_defaults(func=_demo)
 
     from ref.cli.generate import add_generate_parser
 
@@ -135,17 +181,17 @@ def _parser() -> argparse.ArgumentParser:
     add_bench_serve_parser(sub)
 
     # Listed for --help; main() hands their arguments over before this parser runs.
-    ck = sub.add_parser("check-kernel", help="run the kernel grid against the dense oracle")
+    ck = add_command(sub, "check-kernel", "run the kernel grid against the dense oracle")
     ck.add_argument(
         "rest",
         nargs=argparse.REMAINDER,
         help="MODULE:FUNCTION [--quick] [-k PATTERN] [--json OUT] [--list] (check-kernel --help)",
     )
-    sub.add_parser(
-        "compare", help="compare scheduling policies over built-in traces and a rate sweep"
+    add_command(
+        sub, "compare", "compare scheduling policies over built-in traces and a rate sweep"
     ).add_argument("rest", nargs=argparse.REMAINDER, help="[--out DIR] [--rates ...] [--quick]")
-    sub.add_parser(
-        "conformance", help="check an engine's scheduler and KV manager against the spec"
+    add_command(
+        sub, "conformance", "check an engine's scheduler and KV manager against the spec"
     ).add_argument(
         "rest",
         nargs=argparse.REMAINDER,
@@ -153,87 +199,6 @@ def _parser() -> argparse.ArgumentParser:
         "[--examples N] [--replay W.json] [--list]",
     )
     return p
-
-
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    from ref.core.config import Admission, PolicyName
-    from ref.core.swap import PreemptionMode
-
-    tokens, blocks = int_at_most(MAX_TOKENS), int_at_most(MAX_BLOCKS)
-    p.add_argument("--max-num-batched-tokens", type=tokens, default=2048)
-    p.add_argument("--max-num-seqs", type=int_at_most(MAX_SEQS), default=256)
-    p.add_argument("--block-size", type=int_at_most(MAX_BLOCK_SIZE), default=16)
-    p.add_argument(
-        "--num-blocks", type=blocks, default=4096, help=f"KV blocks (at most {MAX_BLOCKS:,})"
-    )
-    p.add_argument("--max-model-len", type=tokens, default=1 << 20)
-    p.add_argument(
-        "--cost", default="2+0.5P+D", help="step cost in ms, e.g. '2+0.5P+D' (K: KV read)"
-    )
-    p.add_argument(
-        "--policy", choices=[x.value for x in PolicyName], default=PolicyName.DECODE_FIRST.value
-    )
-    p.add_argument(
-        "--admission", choices=[x.value for x in Admission], default=Admission.FIRST_CHUNK.value
-    )
-    p.add_argument("--watermark-blocks", type=blocks, default=0)
-    p.add_argument(
-        "--align-chunks", action="store_true", help="end partial chunks on block boundaries"
-    )
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--no-chunked-prefill", action="store_true")
-    p.add_argument(
-        "--preemption-mode",
-        choices=[x.value for x in PreemptionMode],
-        default=PreemptionMode.RECOMPUTE.value,
-        help="swap/auto need --num-host-blocks; auto also --kv-bytes-per-token",
-    )
-    p.add_argument("--num-host-blocks", type=blocks, default=0, help="host swap pool size")
-    p.add_argument(
-        "--kv-bytes-per-token",
-        type=int_at_most(MAX_KV_BYTES_PER_TOKEN),
-        help="K+V bytes of one token over all layers (prices swap; e.g. 524288 for a 7B fp16)",
-    )
-    p.add_argument(
-        "--swap-link-gbps",
-        type=finite_float(0, 1e6, lo_open=True),
-        default=25.0,
-        help="host link GB/s",
-    )
-    p.add_argument(
-        "--check", action="store_true", help="check every spec invariant after every step"
-    )
-
-
-def _config(args: argparse.Namespace) -> SchedulerConfig:
-    from ref.core.config import Admission, PolicyName, SchedulerConfig
-    from ref.core.cost import StepCost
-    from ref.core.swap import PreemptionMode, SwapCost
-
-    return SchedulerConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-        enable_chunked_prefill=not args.no_chunked_prefill,
-        align_chunks_to_blocks=args.align_chunks,
-        admission=Admission(args.admission),
-        watermark_blocks=args.watermark_blocks,
-        policy=PolicyName(args.policy),
-        preemption_mode=PreemptionMode(args.preemption_mode),
-        num_host_blocks=args.num_host_blocks,
-        swap_cost=(
-            SwapCost(
-                args.kv_bytes_per_token,
-                args.swap_link_gbps,
-                iteration=StepCost.parse(args.cost),
-            )
-            if args.kv_bytes_per_token is not None
-            else None
-        ),
-    )
 
 
 # --------------------------------------------------------------------- commands
@@ -247,7 +212,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from ref.sim.trace import load_trace
 
     # Everything is checked before the first step: options, the trace, the output paths.
-    config = _config(args)
+    config = config_from_args(args)
     cost = StepCost.parse(args.cost)
     trace = load_trace(args.trace, max_model_len=config.max_model_len)
     json_path = check_output_file(args.json, "--json") if args.json else None
@@ -326,6 +291,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _simulator_demo() -> int:
+    import spec.checks
     from ref.core.config import PolicyName, SchedulerConfig
     from ref.core.cost import StepCost
     from ref.core.scheduler import Scheduler
@@ -344,6 +310,7 @@ def _simulator_demo() -> int:
     print(render_rounds(result))
     print()
     print(render_summary(result))
+    num_steps = result.num_steps
     print("\nexample 0: decode-only batch of A(2 steps), B(5), C(2, ready after round 2), 2 slots")
     for policy in (PolicyName.STATIC, PolicyName.DECODE_FIRST):
         cfg = SchedulerConfig(
@@ -356,7 +323,13 @@ def _simulator_demo() -> int:
             check_invariants=True,
         )
         print(f"  {policy.value:>12}: {len(r.steps)} rounds")
-    print("\nevery step above was checked against all spec invariants")
+        num_steps += r.num_steps
+    # check_invariants raises on a violation, so reaching here means none.
+    checks = len(spec.checks.STEP_CHECKS)
+    print(
+        f"\nchecked: all {num_steps} steps above against the {checks} invariant checks of "
+        "spec.check_step, none violated"
+    )
     return EXIT_OK
 
 
@@ -476,10 +449,10 @@ def render_rounds(result: SimResult) -> str:
     for s in result.steps:
         who = " ".join(f"{rid}:{n}" for rid, n in s.tokens) or "-"
         extra = ""
-        if s.events.preempted:
-            extra += f"  preempted {','.join(s.events.preempted)}"
-        if s.events.finished:
-            extra += f"  finished {','.join(s.events.finished)}"
+        if s.outcome.preempted:
+            extra += f"  preempted {','.join(s.outcome.preempted)}"
+        if s.outcome.finished:
+            extra += f"  finished {','.join(s.outcome.finished)}"
         lines.append(
             f"{s.step_index + 1:>5} {s.start_ms:>9.2f} {s.end_ms:>9.2f}  {s.num_prefill_tokens:>5} "
             f"{s.num_decodes:>4} {s.kv_blocks_used:>9}  {who}{extra}"
@@ -560,10 +533,10 @@ def result_json(result: SimResult, config: SchedulerConfig, cost: StepCost) -> d
                 "num_prefill_tokens": s.num_prefill_tokens,
                 "num_decodes": s.num_decodes,
                 "kv_blocks_used": s.kv_blocks_used,
-                "preempted": list(s.events.preempted),
+                "preempted": list(s.outcome.preempted),
                 "swapped_out": list(s.plan.swapped_out),
                 "swapped_in": list(s.plan.swapped_in),
-                "finished": list(s.events.finished),
+                "finished": list(s.outcome.finished),
             }
             for s in result.steps
         ],

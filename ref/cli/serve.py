@@ -1,6 +1,7 @@
 """``refserve serve``: the OpenAI-compatible HTTP server (:mod:`ref.serve`).
 
-Wired into ``ref/cli/main.py`` (``add_serve_parser``). Everything is checked before the
+Wired into ``ref/cli/main.py`` (``add_serve_parser``); the scheduler's options come from
+:mod:`ref.cli.config_args`, as ``simulate``'s do. Everything is checked before the
 model is built: the options, the API key, the address (bound before the model loads, so
 a port in use is one error line, not a traceback after a minute of loading). Binds
 127.0.0.1 unless ``--host`` says otherwise. SIGTERM drains and exits 0; Ctrl-C drains
@@ -11,12 +12,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ref.cli.args import add_speculative_args, finite_float, int_at_most, proposer_from_args
+from ref.cli.args import (
+    add_command,
+    add_device_args,
+    add_speculative_args,
+    check_device_args,
+    finite_float,
+    int_at_most,
+    proposer_from_args,
+)
+from ref.cli.config_args import add_config_args, config_from_args
 from ref.errors import InvalidArgument
 
 #: The environment variable read when ``--api-key`` is not given.
@@ -25,11 +34,7 @@ MAX_WAITING_DEFAULT = 256
 
 
 def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
-    from ref.cli.main import _add_config_args
-
-    p: argparse.ArgumentParser = sub.add_parser(
-        "serve", help="serve a model over the OpenAI HTTP API (FastAPI + uvicorn)"
-    )
+    p = add_command(sub, "serve", "serve a model over the OpenAI HTTP API (FastAPI + uvicorn)")
     p.add_argument(
         "--model",
         default="tiny-trained",
@@ -37,7 +42,12 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--served-model-name", help="the name clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int_at_most(65535, lo=0), default=8000, help="0: any free port")
+    p.add_argument(
+        "--port",
+        type=int_at_most(65535, lo=0),
+        default=8000,
+        help="port to listen on; 0: any free one (default %(default)s)",
+    )
     p.add_argument(
         "--api-key",
         help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
@@ -47,14 +57,23 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         "--max-waiting",
         type=int_at_most(1 << 20, lo=1),
         default=MAX_WAITING_DEFAULT,
-        help="queued requests beyond this answer 429",
+        help="queued requests beyond this answer 429 (default %(default)s)",
     )
-    p.add_argument("--max-body-bytes", type=int_at_most(1 << 30, lo=1024), default=4 << 20)
+    p.add_argument(
+        "--max-body-bytes",
+        type=int_at_most(1 << 30, lo=1024),
+        default=4 << 20,
+        metavar="BYTES",
+        help="a request body larger than this answers 413 (default %(default)s; 1024 to "
+        f"{1 << 30})",
+    )
     p.add_argument(
         "--drain-timeout",
         type=finite_float(0, 3600),
         default=30.0,
-        help="seconds in-flight requests get to finish after SIGTERM (then aborted)",
+        metavar="SECONDS",
+        help="time in-flight requests get to finish after SIGTERM, then they are aborted "
+        "(default %(default)s; at most 3600)",
     )
     p.add_argument(
         "--torch-threads",
@@ -63,10 +82,9 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         help="torch intra-op threads of the engine (default: one core less than the "
         "machine's, left to the HTTP side: spinning torch workers starve it otherwise)",
     )
-    p.add_argument("--attention-backend", choices=["torch", "triton"], default="torch")
-    p.add_argument("--device", default="cpu")
+    add_device_args(p)
     add_speculative_args(p)
-    _add_config_args(p)
+    add_config_args(p)
     p.set_defaults(func=run_serve, num_blocks=1024, max_model_len=1 << 20)
     return p
 
@@ -84,14 +102,9 @@ def _api_key(given: str | None) -> str | None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from ref.cli.args import check_device
-    from ref.cli.generate import _check_backend
-    from ref.cli.main import _config
-
-    check_device(args.device)
-    _check_backend(args.attention_backend, args.device)
+    check_device_args(args)
     key = _api_key(args.api_key)
-    config = replace(_config(args), max_waiting=args.max_waiting)
+    config = replace(config_from_args(args), max_waiting=args.max_waiting)
     name = args.served_model_name or str(args.model)
 
     from ref.serve.server import bind
@@ -122,9 +135,3 @@ def run_serve(args: argparse.Namespace) -> int:
     serve_forever(server, sock)
     print("refserve: drained, exiting", flush=True)
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from ref.cli.main import main
-
-    sys.exit(main(["serve", *sys.argv[1:]]))

@@ -34,6 +34,13 @@ import numpy.typing as npt
 
 from ref.core.request import Request
 from ref.kv import BlockPool, DecodeGrowth, DecodeRun
+from spec.arith import (
+    block_offset_rows,
+    fills_block_rows,
+    length_limit,
+    reaches_length_rows,
+    starts_block_rows,
+)
 from spec.snapshot import RequestStatus
 
 S = RequestStatus
@@ -207,13 +214,13 @@ class PersistentBatch:
         slot = self._slot[r.request_id]
         self.num_computed[slot] = r.num_computed_tokens
         self.last_token[slot] = r.token_ids[-1]
-        self.kv_limit[slot] = min(r.num_prompt_tokens + r.stop.max_tokens, self.max_len) - 1
+        # A decoding row holds one token more than its KV (KVLEN): its token count
+        # reaches the limit when its KV length reaches the limit less one.
+        limit = length_limit(r.num_prompt_tokens, r.stop.max_tokens, self.max_len)
+        self.kv_limit[slot] = limit - 1
         self.decoding[slot] = r.status is S.DECODING
         self._all_decoding = None
-        stop = r.stop
-        ids = set(stop.stop_token_ids)
-        if stop.eos_token_id is not None and not stop.ignore_eos:
-            ids.add(stop.eos_token_id)
+        ids = r.stop.stopping_ids
         if len(ids) > self.stop_ids.shape[1]:
             wider = np.full((len(self.stop_ids), len(ids)), NO_STOP, dtype=np.int64)
             wider[:, : self.stop_ids.shape[1]] = self.stop_ids
@@ -301,7 +308,8 @@ class PersistentBatch:
             start = None
         at: Ints | slice = slots if start is None else slice(start, start + len(slots))
         positions = self.num_computed[at].copy()  # a slice alone would be a view
-        return DecodeRows(slots, at, positions, positions % self.block_size, *lists)
+        offsets = block_offset_rows(positions, self.block_size)
+        return DecodeRows(slots, at, positions, offsets, *lists)
 
     def decode_run(self, rows: DecodeRows, pool: BlockPool) -> DecodeRun:
         """The pool's tables of ``rows`` (:class:`~ref.kv.DecodeRun`); for the whole
@@ -318,7 +326,7 @@ class PersistentBatch:
     def needs_block(self, rows: DecodeRows, pool: BlockPool) -> list[int]:
         """Indices into ``rows`` whose next token starts a new block or lands in a shared
         last block (copy-on-write); the others append to a private block with room."""
-        needs = rows.offsets == 0
+        needs = starts_block_rows(rows.offsets)
         if not self._may_share:  # no fork shares a last block: the usual case
             return _indices(needs)
         tail = self.shared_tail[rows.at]
@@ -350,7 +358,7 @@ class PersistentBatch:
 
     def fills_block(self, rows: DecodeRows) -> list[int]:
         """Indices into ``rows`` whose next token fills its block (prefix caching)."""
-        return _indices(rows.offsets == self.block_size - 1)
+        return _indices(fills_block_rows(rows.offsets, self.block_size))
 
     def filled_blocks(self, rows: DecodeRows, fills: list[int]) -> list[list[int]]:
         """The tokens of the blocks that ``fills`` (indices into ``rows``) complete: each
@@ -377,7 +385,7 @@ class PersistentBatch:
             stopped = stop_ids[at, 0] == tokens
         else:
             stopped = (stop_ids[at] == tokens[:, None]).any(axis=1)
-        return _indices(stopped | (computed >= self.kv_limit[at]))
+        return _indices(stopped | reaches_length_rows(computed, self.kv_limit[at]))
 
 
 def _indices(mask: npt.NDArray[np.bool_]) -> list[int]:

@@ -31,8 +31,10 @@ from ref.core.executor import (
     StepExecutor,
 )
 from ref.core.inputs import ModelInputs, build_inputs, scheduled_requests
+from ref.core.outcome import StepOutcome
+from ref.core.output import validate_output
 from ref.core.plan import StepPlan
-from ref.core.scheduler import Scheduler, StepEvents
+from ref.core.scheduler import Scheduler
 from ref.errors import RefserveError
 from spec import EngineSnapshot, StepSnapshot, Violation, check_step
 from spec.arith import blocks_needed
@@ -79,7 +81,7 @@ class StepRecord:
     num_prefill_tokens: int
     num_decodes: int
     kv_blocks_used: int
-    events: StepEvents
+    outcome: StepOutcome
     plan: StepPlan
     logprobs: Mapping[str, float] = field(default_factory=lambda: NO_LOGPROBS)
     fork_samples: Mapping[str, tuple[DrawnToken, ...]] = field(default_factory=lambda: NO_FORKS)
@@ -115,12 +117,12 @@ class EngineCore:
             inputs = self._inputs(plan)
             kv.begin(plan, inputs)
             output = self.executor.execute(plan, inputs)
-            sched.validate_output(plan, output.sampled, output.accepted)
+            validate_output(plan, output.sampled, output.accepted)
             duration = output.duration_ms
             if duration is None:
                 duration = (time.perf_counter() - started) * 1e3
             end_ms = now_ms + duration
-            events = sched.commit(plan, output.sampled, end_ms, output.accepted)
+            outcome = sched.commit(plan, output.sampled, end_ms, output.accepted)
         except BaseException:
             if sched.step_index != plan.step_index:
                 # The scheduler committed before the error (its last lines): the books
@@ -141,7 +143,7 @@ class EngineCore:
             num_prefill_tokens=plan.num_prefill_tokens,
             num_decodes=plan.num_decode_requests,
             kv_blocks_used=kv_blocks_used,
-            events=events,
+            outcome=outcome,
             plan=plan,
             logprobs=output.logprobs,
             fork_samples=output.fork_samples,

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 
 from ref.errors import InvalidArgument
+from spec.arith import length_limit, reaches_length
 from spec.hashing import DEFAULT_NAMESPACE, Namespace
 from spec.snapshot import RequestSnapshot, RequestStatus
 
@@ -65,10 +67,19 @@ class StopParams:
         if self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
 
+    @cached_property
+    def stopping_ids(self) -> frozenset[int]:
+        """The stop rule, the one place it is written: the token ids that end sampling,
+        each stop token id and eos unless ``ignore_eos``. :meth:`is_stop` asks it for one
+        token (the scheduler's per-request commit, the engine's fork); the persistent
+        batch loads it into a row of its stop-id matrix for the bulk commit."""
+        ids = set(self.stop_token_ids)
+        if self.eos_token_id is not None and not self.ignore_eos:
+            ids.add(self.eos_token_id)
+        return frozenset(ids)
+
     def is_stop(self, token: int) -> bool:
-        """The stop rule, the one place it is written (the scheduler's commit and the
-        engine's fork both ask it): a stop token id, or eos unless ``ignore_eos``."""
-        return token in self.stop_token_ids or (token == self.eos_token_id and not self.ignore_eos)
+        return token in self.stopping_ids
 
 
 @dataclass(slots=True)
@@ -163,3 +174,45 @@ def check_room_for_output(
     """
     if num_tokens >= max_len:
         raise error(f"{subject} {num_tokens} tokens; {limit}, leaving no room for an output token")
+
+
+def finish_reason(r: Request, token: int, max_len: int) -> FinishReason | None:
+    """After ``token`` joined ``r``: a stop id (:meth:`StopParams.is_stop`), else the
+    length limit (spec.arith ``length_limit``), else None. The scheduler's commit and a
+    verification ask it; the persistent batch applies the same two rules to its rows
+    (ref/core/batch.py, ``commit_decodes``)."""
+    if r.stop.is_stop(token):
+        return FinishReason.STOP
+    limit = length_limit(r.num_prompt_tokens, r.stop.max_tokens, max_len)
+    if reaches_length(r.num_tokens, limit):
+        return FinishReason.LENGTH
+    return None
+
+
+def check_new_request(request: Request, max_len: int, max_model_len: int) -> None:
+    """A request fit to queue: a non-empty str id, fresh (waiting, nothing computed or
+    sampled), a prompt of token ids >= 0 that leaves room for an output token within
+    ``max_len`` (:func:`check_room_for_output`). Raises :class:`InvalidArgument` naming
+    what is wrong."""
+    rid = request.request_id
+    if not isinstance(rid, str) or not rid:
+        raise InvalidArgument(f"add_request: request id must be a non-empty str, got {rid!r}")
+    if request.status is not S.WAITING or request.num_computed_tokens or request.num_output_tokens:
+        raise InvalidArgument(
+            f"add_request: request {rid!r} is not fresh (status {request.status})"
+        )
+    if request.num_prompt_tokens < 1:
+        raise InvalidArgument(f"add_request: request {rid!r} has an empty prompt")
+    for t in request.prompt_token_ids:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise InvalidArgument(f"add_request: request {rid!r} has a bad token id {t!r}")
+    check_room_for_output(
+        request.num_prompt_tokens,
+        max_len,
+        subject=f"add_request: request {rid!r} prompt has",
+        limit=(
+            f"max_model_len is {max_len}"
+            if max_len == max_model_len
+            else f"without chunked prefill the token budget {max_len} caps the length"
+        ),
+    )

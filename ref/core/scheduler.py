@@ -21,28 +21,29 @@ reserve, SLO cap and chunking (ref/core/prefill.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from itertools import compress
 
 import numpy as np
-import numpy.typing as npt
-import torch
 
 from ref.core.batch import Ints, PersistentBatch
 from ref.core.capacity import never_fits, require_fit
 from ref.core.config import SchedulerConfig
+from ref.core.forks import fork_child
+from ref.core.outcome import Outcome, StepOutcome
+from ref.core.output import Sampled, checked_accepted, split_output
 from ref.core.plan import StepPlan
 from ref.core.planner import Planner
 from ref.core.policy import Policy, make_policy
 from ref.core.prefill import PrefillBacklog
-from ref.core.request import FinishReason, Request, StopParams, check_room_for_output
+from ref.core.request import FinishReason, Request, StopParams, check_new_request, finish_reason
+from ref.core.speculation import Proposals, keep_verified
 from ref.core.suspend import Suspension
 from ref.core.swap import KVRetention
 from ref.errors import (
     DuplicateRequest,
     ExceedsCapacity,
-    InvalidArgument,
     QueueFull,
     RefserveError,
     UnknownRequest,
@@ -58,141 +59,15 @@ class StepInProgress(RefserveError):
     """An operation that needs a step boundary was called between schedule and commit."""
 
 
-class BadExecutorOutput(RefserveError):
-    """The executor's output does not match the plan (a sampled token is missing, ...)."""
-
-
-Sampled = Mapping[str, int] | torch.Tensor | npt.NDArray[np.integer[Any]]
-"""The executor's sampled tokens: by request id, or in the plan's sampling order."""
-_ARRAY_TYPES = (torch.Tensor, np.ndarray)
-
-
-@dataclass(frozen=True)
-class _Output:
-    bulk: Ints  # the bulk decode rows' tokens, in plan order
-    rest: Mapping[str, int]  # the other sampling entries' tokens
-
-
-def _sampling_ids(plan: StepPlan, start: int) -> list[str]:
-    return [
-        rid for rid, smp in zip(plan.request_ids[start:], plan.samples[start:], strict=True) if smp
-    ]
-
-
-def _checked_array(plan: StepPlan, tokens: list[object], ids: Sequence[str]) -> Ints:
-    """``tokens`` (one per id) as an int64 array, or :class:`BadExecutorOutput` naming
-    the first request whose token is not an int in ``[0, 2**63)`` (bool excluded)."""
-    if set(map(type, tokens)) <= {int}:
-        try:
-            array = np.array(tokens, dtype=np.int64) if tokens else np.zeros(0, dtype=np.int64)
-        except OverflowError:
-            array = None  # one of them is 2**63 or more: named below
-        if array is not None and (not len(array) or array.min() >= 0):
-            return array
-    for rid, token in zip(ids, tokens, strict=True):
-        if type(token) is not int or not 0 <= token < 2**63:
-            limit = " below 2**63" if type(token) is int and token > 0 else ""
-            raise BadExecutorOutput(
-                f"step {plan.step_index}: executor gave {token!r} as the sampled token of "
-                f"request {rid!r}; expected a non-negative int{limit}"
-            )
-    raise AssertionError("unreachable: a refused list has a bad token")
-
-
-def _checked_accepted(plan: StepPlan, accepted: Mapping[str, int] | None) -> Mapping[str, int]:
-    """``accepted``: for each request of the plan that verifies drafts, how many were
-    accepted, an int from 0 to its draft count; :class:`BadExecutorOutput` names the
-    first request without one, with another, or that verified none."""
-    given = accepted or {}
-    for rid in given:
-        if rid not in plan.drafts:
-            raise BadExecutorOutput(
-                f"step {plan.step_index}: executor gave an accepted count for request "
-                f"{rid!r}, which verified no drafts"
-            )
-    for rid, drafts in plan.drafts.items():
-        a = given.get(rid)
-        if type(a) is not int or not 0 <= a <= len(drafts):
-            raise BadExecutorOutput(
-                f"step {plan.step_index}: executor gave {a!r} as the accepted count of "
-                f"request {rid!r}; expected an int from 0 to its {len(drafts)} drafts"
-            )
-    return given
-
-
-class NewTokens(Mapping[str, int]):
-    """The token each request got in a commit, by request id.
-
-    Kept as the commit made it: the bulk decodes as two parallel sequences (their ids
-    and an int array) and the other entries in a dict, in plan order; an index by id
-    is built on the first lookup. Iterating costs no index (what a stream consumer
-    does), so a step of a thousand decodes builds no thousand-entry dict.
-    """
-
-    __slots__ = ("_ids", "_index", "_rest", "_tokens")
-
-    def __init__(self, ids: Sequence[str], tokens: Ints, rest: dict[str, int]) -> None:
-        self._ids = ids
-        self._tokens = tokens
-        self._rest = rest
-        self._index: dict[str, int] | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        yield from self._ids
-        yield from self._rest
-
-    def __len__(self) -> int:
-        return len(self._ids) + len(self._rest)
-
-    def __getitem__(self, request_id: str) -> int:
-        if self._index is None:
-            self._index = dict(zip(self._ids, self._tokens.tolist(), strict=True))
-            self._index.update(self._rest)
-        return self._index[request_id]
-
-    def pairs(self) -> Iterator[tuple[str, int]]:
-        """``(request id, token)`` in plan order, without building the index."""
-        yield from zip(self._ids, self._tokens.tolist(), strict=True)
-        yield from self._rest.items()
-
-    def __repr__(self) -> str:
-        return f"NewTokens({dict(self.pairs())!r})"
-
-
-@dataclass(frozen=True)
-class Verified:
-    """One request's verification in a step: ``num_drafts`` drafts, ``num_accepted`` of
-    them accepted, and the ``tokens`` it gained (the accepted drafts, then the target's
-    own token, cut at a stop)."""
-
-    num_drafts: int
-    num_accepted: int
-    tokens: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class StepEvents:
-    """What a commit changed, for metrics and streaming.
-
-    ``new_tokens`` holds each sampling request's last new token. A request that verified
-    drafts may have gained several: all of them, in order, are in ``verified``, with
-    how many drafts it verified and how many were accepted (docs/SPECULATIVE.md)."""
-
-    new_tokens: Mapping[str, int]
-    finished: tuple[str, ...]
-    preempted: tuple[str, ...]
-    verified: Mapping[str, Verified] = field(default_factory=dict)
-
-
 class Scheduler:
-    def __init__(
-        self, config: SchedulerConfig, policy: Policy | None = None, *, fast_decode: bool = True
-    ) -> None:
+    fast_decode = True
+    """The bulk decode path. Only the test harness turns it off (tests/harness.py
+    ``reference_loop``), for the differential test of the bulk path against the
+    per-request one (docs/ARCHITECTURE.md, "The persistent batch")."""
+
+    def __init__(self, config: SchedulerConfig, policy: Policy | None = None) -> None:
         self.config = config
         self.policy = policy or make_policy(config)
-        # The bulk decode path; False forces the per-request reference loop (the
-        # differential test runs both and requires identical plans).
-        self.fast_decode = fast_decode
         self.pool = BlockPool(
             config.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -211,8 +86,8 @@ class Scheduler:
         self.step_index = 0
         self._seq = 0
         self._pending: StepPlan | None = None
-        # Speculative decoding: drafts proposed for the next step, by request id.
-        self._proposals: dict[str, tuple[int, ...]] = {}
+        # Speculative decoding: drafts proposed for the next step.
+        self._proposals = Proposals(config.num_speculative_tokens)
         self._plan_start_ms = 0.0
         # Prefill work left, for the reserve that bounds starvation (ref/core/prefill.py).
         self._backlog = PrefillBacklog()
@@ -247,9 +122,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request. Bad input raises a typed error and queues nothing."""
         self._require_boundary("add_request")
-        self._check_new(request)
-        self._check_prompt(request)
+        check_new_request(request, self.config.max_len, self.config.max_model_len)
         rid = request.request_id
+        if rid in self.requests:
+            raise DuplicateRequest(rid, "add_request")
         try:
             require_fit(self.config, rid, request.num_prompt_tokens)
         except ExceedsCapacity:
@@ -266,40 +142,6 @@ class Scheduler:
         self._queue.add(request)
         self._backlog.mark(request, self.step_index)
 
-    def _check_new(self, request: Request) -> None:
-        rid = request.request_id
-        if not isinstance(rid, str) or not rid:
-            raise InvalidArgument(f"add_request: request id must be a non-empty str, got {rid!r}")
-        if rid in self.requests:
-            raise DuplicateRequest(rid, "add_request")
-        if (
-            request.status is not S.WAITING
-            or request.num_computed_tokens
-            or request.num_output_tokens
-        ):
-            raise InvalidArgument(
-                f"add_request: request {rid!r} is not fresh (status {request.status})"
-            )
-
-    def _check_prompt(self, request: Request) -> None:
-        rid = request.request_id
-        if request.num_prompt_tokens < 1:
-            raise InvalidArgument(f"add_request: request {rid!r} has an empty prompt")
-        for t in request.prompt_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise InvalidArgument(f"add_request: request {rid!r} has a bad token id {t!r}")
-        max_len = self.config.max_len
-        check_room_for_output(
-            request.num_prompt_tokens,
-            max_len,
-            subject=f"add_request: request {rid!r} prompt has",
-            limit=(
-                f"max_model_len is {max_len}"
-                if max_len == self.config.max_model_len
-                else f"without chunked prefill the token budget {max_len} caps the length"
-            ),
-        )
-
     def abort(self, request_id: str, now_ms: float = 0.0) -> None:
         """Abort in any live state; every block the request held returns to the pool."""
         self._end(request_id, S.ABORTED, FinishReason.ABORT, now_ms, "abort")
@@ -310,14 +152,12 @@ class Scheduler:
         self._end(request_id, S.FINISHED, reason, now_ms, "finish")
 
     def fork(self, parent_id: str, child_id: str, first_token: int, stop: StopParams) -> Request:
-        """n > 1 sampling: a sibling of a parent that has just sampled its first token.
-
-        The child has the parent's prompt and its own first token (drawn from the same
-        logits). While ``max_num_seqs`` leaves room it shares every KV block of the parent
-        (copy-on-write on the first write to the shared partial block) and enters in
-        decode, exactly the parent's state. Otherwise it waits in the state of a
-        recompute-preempted request and is admitted later like one, the prompt's full
-        blocks coming from the prefix cache.
+        """n > 1 sampling (ref/core/forks.py): a sibling of a parent that has just
+        sampled its first token. While ``max_num_seqs`` leaves room it shares every KV
+        block of the parent (copy-on-write on the first write to the shared partial
+        block) and enters in decode, exactly the parent's state. Otherwise it waits in
+        the state of a recompute-preempted request and is admitted later like one, the
+        prompt's full blocks coming from the prefix cache.
         """
         self._require_boundary("fork")
         parent = self.requests.get(parent_id)
@@ -325,39 +165,19 @@ class Scheduler:
             raise UnknownRequest(parent_id, "fork")
         if child_id in self.requests:
             raise DuplicateRequest(child_id, "fork")
-        if parent.status is not S.DECODING or parent.num_output_tokens != 1:
-            raise InvalidArgument(
-                f"fork: parent {parent_id!r} must be decoding with exactly one sampled token "
-                f"(status {parent.status}, {parent.num_output_tokens} sampled)"
-            )
-        if type(first_token) is not int or first_token < 0:
-            raise InvalidArgument(f"fork: bad first token {first_token!r} for {child_id!r}")
-        child = Request(
-            child_id,
-            list(parent.prompt_token_ids),
-            stop,
-            arrival_ms=parent.arrival_ms,
-            priority=parent.priority,
-            tenant=parent.tenant,
-            namespace=parent.namespace,
-        )
-        child.token_ids.append(first_token)
-        child.seq = parent.seq  # siblings keep the parent's place in arrival order
-        child.admitted_ms = parent.admitted_ms
-        child.token_times_ms = list(parent.token_times_ms)
-        child.transition(S.DECODING)
+        child = fork_child(parent, child_id, first_token, stop)
         self.requests[child_id] = child
         if len(self.running) < self.config.max_num_seqs:
             self.pool.fork(parent_id, child_id)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             self._batch.append(child, self.pool)
-        elif never_fits(self.config, child.num_tokens):
+            return child
+        child.transition(S.PREEMPTED)
+        if never_fits(self.config, child.num_tokens):
             # Waiting means recomputing all its tokens later, and they can never fit.
-            child.transition(S.PREEMPTED)
             self._retire(child, S.FINISHED, FinishReason.CAPACITY, self._plan_start_ms)
         else:
-            child.transition(S.PREEMPTED)
             self._requeue(child)
         return child
 
@@ -384,7 +204,7 @@ class Scheduler:
             raise UnknownRequest(request_id, "pause")
         kind = self._suspend.pause(r, retention, expected_wait_ms)
         self._batch.remove(r)
-        self._proposals.pop(request_id, None)
+        self._proposals.drop(request_id)
         return kind
 
     def resume(self, request_id: str, tool_token_ids: Sequence[int], stop: StopParams) -> None:
@@ -416,32 +236,15 @@ class Scheduler:
         self._requeue(r)
 
     def propose(self, request_id: str, draft_token_ids: Sequence[int]) -> None:
-        """Draft tokens for a decoding request's next step (speculative decoding,
+        """Draft tokens for a decoding request's next step (ref/core/speculation.py,
         docs/SPECULATIVE.md): that step verifies them after its last token, within
         ``num_speculative_tokens``; the planner may verify fewer (budget, blocks, the
-        tokens the request may still emit). They hold for one step, or until the
-        request leaves the running batch. An empty sequence withdraws them."""
+        tokens the request may still emit). An empty sequence withdraws them."""
         self._require_boundary("propose")
         r = self.requests.get(request_id)
         if r is None:
             raise UnknownRequest(request_id, "propose")
-        k = self.config.num_speculative_tokens
-        drafts = tuple(draft_token_ids)
-        if len(drafts) > k:
-            raise InvalidArgument(
-                f"propose: {len(drafts)} drafts for {request_id!r}; num_speculative_tokens is {k}"
-            )
-        if drafts and (r.status is not S.DECODING or request_id not in self._batch):
-            raise InvalidArgument(
-                f"propose: request {request_id!r} is not running in decode (status {r.status})"
-            )
-        for t in drafts:
-            if type(t) is not int or t < 0:
-                raise InvalidArgument(f"propose: bad draft token {t!r} for {request_id!r}")
-        if drafts:
-            self._proposals[request_id] = drafts
-        else:
-            self._proposals.pop(request_id, None)
+        self._proposals.propose(r, request_id in self._batch, draft_token_ids)
 
     @property
     def waiting(self) -> list[Request]:
@@ -469,7 +272,7 @@ class Scheduler:
                 reserve,
                 now_ms,
                 fast=self.fast_decode,
-                proposals=self._proposals,
+                proposals=self._proposals.drafts,
             )
         except BaseException:
             self.pool.rollback()
@@ -491,7 +294,7 @@ class Scheduler:
         sampled: Sampled,
         now_ms: float = 0.0,
         accepted: Mapping[str, int] | None = None,
-    ) -> StepEvents:
+    ) -> StepOutcome:
         """Apply a step's results: counters, sampled tokens, stops, preemptions, admissions.
 
         ``sampled``: the token of each sampling request, by request id, or as an int
@@ -499,35 +302,45 @@ class Scheduler:
         ``ModelInputs.sample_request_ids`` lists); for a request that verified drafts,
         the target's own token after the accepted ones. ``accepted``: how many of its
         drafts each such request had accepted (docs/SPECULATIVE.md). In phases, each a
-        method: the victims leave, the admitted join, the chunks advance and sample, the
-        planned finishes retire, then the books close.
+        method returning the outcomes it made (ref/core/outcome.py): the victims leave,
+        the admitted join, the bulk decodes advance, the other entries advance and
+        sample, the planned finishes retire; then the books close.
         """
         assert plan is self._pending, "commit of a plan that is not pending"
-        tokens = self._split_output(plan, sampled)
-        counts = _checked_accepted(plan, accepted)
-        finished: list[str] = []  # in the order they finish, for StepEvents
-        verified: dict[str, Verified] = {}
-        self._commit_preempted(plan, finished, now_ms)
+        tokens = split_output(plan, sampled)
+        counts = checked_accepted(plan, accepted)
+        preempted = self._commit_preempted(plan, now_ms)
         self._commit_admitted(plan)
-        new_tokens = self._commit_chunks(plan, tokens, finished, now_ms, (counts, verified))
-        self._commit_finishes(plan, finished, now_ms)
-        if plan.preempted or finished:
-            self._batch.remove_many({*plan.preempted, *finished})
+        decoded_ids, decoded_tokens, decode_finishes = self._commit_bulk(plan, tokens.bulk, now_ms)
+        entries = self._commit_entries(plan, tokens.rest, counts, now_ms)
+        finishes = self._commit_finishes(plan, now_ms)
+        outcome = StepOutcome(
+            decoded_ids, decoded_tokens, (*preempted, *decode_finishes, *entries, *finishes)
+        )
+        self._close(plan, outcome)
+        return outcome
+
+    def _close(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        """The books after a commit: who left the running set, swap counters, both
+        pools' transactions closed, the step counted, the policy told."""
+        if outcome.outcomes:
+            left = {o.request_id for o in outcome.outcomes if o.preempted or o.finish}
+            if left:
+                self._batch.remove_many(left)
         self._suspend.commit(plan)
         self.num_swapped_out_blocks += len(plan.swap_out)
         self.num_swapped_in_blocks += len(plan.swap_in)
         self.pool.commit()
         self.host.commit()
         self._pending = None
-        if self._proposals:
-            self._proposals = {}  # drafts hold for one step
+        self._proposals.clear()  # drafts hold for one step
         self.step_index += 1
         self._tell_policy(plan)
-        return StepEvents(new_tokens, tuple(finished), plan.preempted, verified)
 
-    def _commit_preempted(self, plan: StepPlan, finished: list[str], now_ms: float) -> None:
+    def _commit_preempted(self, plan: StepPlan, now_ms: float) -> list[Outcome]:
         """Victims wait again in their arrival place: swapped with their KV on the host,
         or preempted to recompute, unless their tokens can never fit again (capacity)."""
+        outcomes: list[Outcome] = []
         swapped = set(plan.swapped_out)
         for rid in plan.preempted:
             r = self.requests[rid]
@@ -540,9 +353,11 @@ class Scheduler:
                 if never_fits(self.config, r.num_tokens):
                     # Its known tokens outgrew the pool: recomputing them can never fit.
                     self._retire(r, S.FINISHED, FinishReason.CAPACITY, now_ms)
-                    finished.append(rid)
+                    outcomes.append(Outcome(rid, finish=FinishReason.CAPACITY, preempted=True))
                     continue
             self._requeue(r)
+            outcomes.append(Outcome(rid, preempted=True))
+        return outcomes
 
     def _commit_admitted(self, plan: StepPlan) -> None:
         for rid in plan.admitted:
@@ -552,31 +367,44 @@ class Scheduler:
             if r.admitted_ms is None:
                 r.admitted_ms = self._plan_start_ms
 
-    def _commit_chunks(
+    def _commit_bulk(
+        self, plan: StepPlan, tokens: Ints, now_ms: float
+    ) -> tuple[Sequence[str], Ints, list[Outcome]]:
+        """The bulk decodes, in one vector pass of the persistent batch that enters Python
+        only for those that finish (their reason from the same rules,
+        :func:`finish_reason`): the ids and tokens of those that run on, and the
+        outcomes of those that finished."""
+        rows = plan.decode_rows
+        if rows is None:
+            return (), tokens, []
+        ending = self._batch.commit_decodes(rows, tokens, now_ms)
+        if not ending:
+            return rows.request_ids, tokens, []
+        outcomes = []
+        for i in ending:
+            r = rows.requests[i]
+            token = int(tokens[i])
+            reason = finish_reason(r, token, self.config.max_len)
+            assert reason is not None, f"the batch finished {r.request_id!r} without cause"
+            outcomes.append(self._finish_decoded(r, (token,), reason, now_ms))
+        running_on = np.ones(len(tokens), dtype=np.bool_)
+        running_on[ending] = False
+        return list(compress(rows.request_ids, running_on.tolist())), tokens[running_on], outcomes
+
+    def _commit_entries(
         self,
         plan: StepPlan,
-        tokens: _Output,
-        finished: list[str],
+        tokens: Mapping[str, int],
+        accepted: Mapping[str, int],
         now_ms: float,
-        verification: tuple[Mapping[str, int], dict[str, Verified]],
-    ) -> NewTokens:
-        """Advance each scheduled request's KV length, append its sampled token and stop
-        it by :meth:`_finish_reason` (KVLEN). The bulk decodes go through the persistent
-        batch in one vector pass that enters Python only for those that finish; the
-        other entries (prefill chunks, the reference decode loop) one by one, after
-        which their rows are reloaded."""
-        new_tokens: dict[str, int] = {}  # the entries after the bulk decodes
-        rows = plan.decode_rows
-        k = 0
-        if rows is not None:
-            k = len(rows.slots)
-            for i in self._batch.commit_decodes(rows, tokens.bulk, now_ms):
-                r = rows.requests[i]
-                reason = self._finish_reason(r, int(tokens.bulk[i]))
-                assert reason is not None, f"the batch finished {r.request_id!r} without cause"
-                self._finish_decoded(r, reason, finished, now_ms)
+    ) -> list[Outcome]:
+        """The plan's entries after the bulk decodes (prefill chunks, the per-request
+        decode path, verifications), one by one: each advances its KV length (KVLEN),
+        and a sampling one keeps its token and stops by :func:`finish_reason`. Their
+        batch rows are reloaded after."""
+        outcomes: list[Outcome] = []
+        k = 0 if plan.decode_rows is None else len(plan.decode_rows.slots)
         by_id = self.requests
-        rest = tokens.rest
         for rid, start, n, samples, cached in zip(
             plan.request_ids[k:],
             plan.starts[k:],
@@ -592,87 +420,65 @@ class Scheduler:
             if not samples:
                 r.transition(S.PREFILLING)
                 self._backlog.mark(r, self.step_index)
-                continue
-            token = rest[rid]
-            if rid in plan.drafts:
-                counts, verified = verification
-                v = self._commit_verified(r, plan.drafts[rid], counts[rid], token, finished, now_ms)
-                verified[rid] = v
-                new_tokens[rid] = v.tokens[-1]
-                continue
-            r.token_ids.append(token)
-            r.token_times_ms.append(now_ms)
-            new_tokens[rid] = token
-            reason = self._finish_reason(r, token)
-            if reason is not None:
-                self._finish_decoded(r, reason, finished, now_ms)
-            elif r.status is not S.DECODING:
-                r.transition(S.DECODING)
-                self._backlog.clear(r)
+                outcomes.append(Outcome(rid))
+            elif rid in plan.drafts:
+                drafts = plan.drafts[rid]
+                outcomes.append(
+                    self._commit_verified(r, drafts, accepted[rid], tokens[rid], now_ms)
+                )
+            else:
+                outcomes.append(self._commit_token(r, tokens[rid], now_ms))
         for rid in plan.request_ids[k:]:
-            live = by_id.get(rid)  # finished ones leave the batch below
+            live = by_id.get(rid)  # finished ones leave the batch in _close
             if live is not None and rid in self._batch:
                 self._batch.reload(live, self.pool)
-        return NewTokens(rows.request_ids if rows else (), tokens.bulk, new_tokens)
+        return outcomes
+
+    def _commit_token(self, r: Request, token: int, now_ms: float) -> Outcome:
+        """One sampled token kept, then the stop and length rules."""
+        r.token_ids.append(token)
+        r.token_times_ms.append(now_ms)
+        reason = finish_reason(r, token, self.config.max_len)
+        if reason is not None:
+            return self._finish_decoded(r, (token,), reason, now_ms)
+        if r.status is not S.DECODING:
+            r.transition(S.DECODING)
+            self._backlog.clear(r)
+        return Outcome(r.request_id, (token,))
 
     def _commit_verified(
-        self,
-        r: Request,
-        drafts: tuple[int, ...],
-        accepted: int,
-        token: int,
-        finished: list[str],
-        now_ms: float,
-    ) -> Verified:
-        """A verification's outcome (docs/SPECULATIVE.md, "Rejected drafts"): the K/V of
-        the rejected drafts is dropped (the blocks that held only them go back to the
-        pool), then the accepted drafts and the target's token join the request one by
-        one, each checked for a stop, as that many plain steps would have. The KV then
-        covers all but the last token, as after a plain step (KVLEN)."""
-        gained: list[int] = []
-        reason = None
-        for t in (*drafts[:accepted], token):
-            r.token_ids.append(t)
-            r.token_times_ms.append(now_ms)
-            gained.append(t)
-            reason = self._finish_reason(r, t)
-            if reason is not None:
-                break
-        r.num_computed_tokens = r.num_tokens - 1
-        # Even for a request that stops here: a freed block keeps its cache entry, and
-        # none may cover a rejected draft.
-        self.pool.truncate(r.request_id, r.num_computed_tokens)
+        self, r: Request, drafts: tuple[int, ...], accepted: int, token: int, now_ms: float
+    ) -> Outcome:
+        """A verification (ref/core/speculation.py): the tokens it keeps, then a finish."""
+        kept, reason = keep_verified(
+            r, drafts, accepted, token, now_ms, self.pool, self.config.max_len
+        )
         if reason is not None:
-            self._finish_decoded(r, reason, finished, now_ms)
-        return Verified(len(drafts), accepted, tuple(gained))
-
-    def _finish_reason(self, r: Request, token: int) -> FinishReason | None:
-        """After ``token`` was appended: a stop id (:meth:`StopParams.is_stop`), else
-        the length limit (``max_tokens`` outputs or ``max_len`` tokens), else None."""
-        if r.stop.is_stop(token):
-            return FinishReason.STOP
-        n = r.num_tokens
-        if n - r.num_prompt_tokens >= r.stop.max_tokens or n >= self.config.max_len:
-            return FinishReason.LENGTH
-        return None
+            done = self._finish_decoded(r, kept, reason, now_ms)
+            return replace(done, num_drafts=len(drafts), num_accepted=accepted)
+        return Outcome(r.request_id, kept, num_drafts=len(drafts), num_accepted=accepted)
 
     def _finish_decoded(
-        self, r: Request, reason: FinishReason, finished: list[str], now_ms: float
-    ) -> None:
+        self, r: Request, kept: tuple[int, ...], reason: FinishReason, now_ms: float
+    ) -> Outcome:
+        """``r`` finished on a token it kept: its blocks go back to the pool."""
+        freed = len(self.pool.block_table_view(r.request_id))
         self.pool.free(r.request_id)
         self._retire(r, S.FINISHED, reason, now_ms)
-        finished.append(r.request_id)
+        return Outcome(r.request_id, kept, reason, freed)
 
-    def _commit_finishes(self, plan: StepPlan, finished: list[str], now_ms: float) -> None:
+    def _commit_finishes(self, plan: StepPlan, now_ms: float) -> list[Outcome]:
         """The plan's finishes without computing: timed out in the queue, or capacity."""
-        for cf in plan.finished:
-            r = self.requests[cf.request_id]
+        outcomes: list[Outcome] = []
+        for planned in plan.finished:
+            r = self.requests[planned.request_id]
             if r in self._queue:  # timed out while waiting
                 self._queue.remove(r)
-            self._retire(r, S.FINISHED, cf.reason, now_ms)
-            finished.append(cf.request_id)
-            if cf.reason is FinishReason.TIMEOUT:
+            self._retire(r, S.FINISHED, planned.reason, now_ms)
+            outcomes.append(Outcome(planned.request_id, finish=planned.reason))
+            if planned.reason is FinishReason.TIMEOUT:
                 self.num_timeouts += 1
+        return outcomes
 
     def _tell_policy(self, plan: StepPlan) -> None:
         granted: dict[str, int] = {}
@@ -694,62 +500,6 @@ class Scheduler:
         return next(x.tenant for x in self.retired if x.request_id == request_id)
 
     # ------------------------------------------------------------------ helpers
-    def validate_output(
-        self, plan: StepPlan, sampled: Sampled, accepted: Mapping[str, int] | None = None
-    ) -> None:
-        """Raise :class:`BadExecutorOutput` unless every sampling request got a token
-        and every verification an accepted count."""
-        self._split_output(plan, sampled)
-        _checked_accepted(plan, accepted)
-
-    def _split_output(self, plan: StepPlan, sampled: Sampled) -> _Output:
-        """The sampled tokens checked (non-negative ints, one per sampling entry) and
-        split: an array for the bulk decodes, a mapping for the other entries."""
-        rows = plan.decode_rows
-        k = 0 if rows is None else len(rows.slots)
-        # Arrays first: isinstance against the Mapping ABC is slow for a tensor.
-        if not isinstance(sampled, _ARRAY_TYPES) and isinstance(sampled, Mapping):
-            bulk_ids = plan.request_ids[:k]
-            bulk = _checked_array(plan, list(map(sampled.get, bulk_ids)), bulk_ids)
-            rest_ids = _sampling_ids(plan, k)
-            rest = {rid: sampled.get(rid) for rid in rest_ids}
-            _checked_array(plan, list(rest.values()), rest_ids)
-            return _Output(bulk, rest)  # type: ignore[arg-type]
-        # force: detach, copy off a device, resolve views, in one call
-        values = sampled.numpy(force=True) if isinstance(sampled, torch.Tensor) else sampled
-        count = plan.samples.count(True)
-        if (
-            not isinstance(values, np.ndarray)
-            or values.ndim != 1
-            or values.dtype.kind not in "iu"
-            or len(values) != count
-        ):
-            given = (
-                f"a {values.dtype} array of shape {values.shape}"
-                if isinstance(values, np.ndarray)
-                else f"a {type(sampled).__name__}"
-            )
-            raise BadExecutorOutput(
-                f"step {plan.step_index}: executor gave {given} as the sampled tokens; "
-                f"expected a 1-D int array of {count}, one per sampling request in plan "
-                "order, or a mapping by request id"
-            )
-        ids = (
-            plan.request_ids
-            if count == len(plan.samples)
-            else (plan.request_ids[:k] + tuple(_sampling_ids(plan, k)))
-        )
-        checked = values.astype(np.int64)  # a uint64 past int64 wraps negative: refused
-        if len(checked) and checked.min() < 0:
-            bad = int(np.flatnonzero(checked < 0)[0])
-            raise BadExecutorOutput(
-                f"step {plan.step_index}: executor gave {values[bad].item()!r} as the sampled "
-                f"token of request {ids[bad]!r}; expected a non-negative int below 2**63"
-            )
-        if k == count:  # bulk decodes only: the usual step
-            return _Output(checked, {})
-        return _Output(checked[:k], dict(zip(ids[k:], checked[k:].tolist(), strict=True)))
-
     def _requeue(self, r: Request) -> None:
         # The queue keeps arrival order (seq), so a preempted request is not overtaken
         # by later arrivals; aging counts from now.
@@ -766,7 +516,7 @@ class Scheduler:
             raise UnknownRequest(request_id, what)
         if self.pool.has_request(request_id):
             self.pool.free(request_id)
-        self._proposals.pop(request_id, None)
+        self._proposals.drop(request_id)
         was_paused = self._suspend.forget(request_id)
         if request_id in self._batch:
             self._batch.remove(r)

@@ -70,9 +70,10 @@ import torch
 from ref.core.config import SchedulerConfig
 from ref.core.engine_core import EngineCore, StepRecord
 from ref.core.executor import DrawnToken
+from ref.core.outcome import Outcome
 from ref.core.policy import Policy
 from ref.core.request import FinishReason, Request, StopParams, check_room_for_output
-from ref.core.scheduler import Scheduler, Verified
+from ref.core.scheduler import Scheduler
 from ref.core.swap import KVRetention
 from ref.errors import DuplicateRequest, InvalidArgument, RefserveError, UnknownRequest
 from ref.model.attention import make_backend
@@ -522,22 +523,23 @@ class LLMEngine:
             self._propose(self.proposer)
         record = self.core.step(self.now_ms())
         self._count(record)
-        events = record.events
+        outcome = record.outcome
+        new_tokens = outcome.new_tokens
         # The sampler could not sample their row (module doc, "Faults").
-        failed = [sid for sid in events.new_tokens if sample_failed(_last_logprob(record, sid))]
-        touched = self._append_tokens(events.new_tokens, record)
+        failed = [sid for sid in new_tokens if sample_failed(_last_logprob(record, sid))]
+        touched = self._append_tokens(new_tokens, record)
         for parent_id, samples in record.fork_samples.items():
             touched.extend(
-                self._fork(parent_id, samples, parent_id in events.finished, parent_id in failed)
+                self._fork(parent_id, samples, parent_id in outcome.finished, parent_id in failed)
             )
-        self._close_finished(events.finished, failed, touched)
+        self._close_finished(outcome.finished, failed, touched)
         self._end_failed(failed, record.end_ms)
         self._end_at_stop_strings(touched, record.end_ms)
         return self._collect(touched)
 
     def _count(self, record: StepRecord) -> None:
         self.steps.append(record)
-        self.num_preemptions += len(record.events.preempted)
+        self.num_preemptions += len(record.outcome.preempted)
         self.num_prefix_hit_tokens += sum(record.plan.num_new_cached_tokens)
 
     def _propose(self, proposer: Proposer) -> None:
@@ -562,7 +564,7 @@ class LLMEngine:
         """Each committed token to its sequence (all of a verification's, up to a stop
         string); the ids, in commit order."""
         touched: list[str] = []
-        verified = record.events.verified
+        verified = record.outcome.verified
         for sid, token in new_tokens.items():
             seq = self._seqs[sid]
             v = verified.get(sid)
@@ -1026,7 +1028,7 @@ class LLMEngine:
             del self._groups[seq.request_id]
 
 
-def _verified_tokens(record: StepRecord, sid: str, v: Verified) -> list[tuple[int, float | None]]:
+def _verified_tokens(record: StepRecord, sid: str, v: Outcome) -> list[tuple[int, float | None]]:
     """The tokens a verification gave ``sid``, each with its logprob: the accepted
     drafts, then the target's token, as the commit kept them (cut at a stop,
     docs/SPECULATIVE.md). The executor's logprobs cover the whole verification, so they
@@ -1042,7 +1044,7 @@ def _verified_tokens(record: StepRecord, sid: str, v: Verified) -> list[tuple[in
 
 def _last_logprob(record: StepRecord, sid: str) -> float | None:
     """The logprob of the last token a step gave ``sid`` (NaN: its row failed)."""
-    v = record.events.verified.get(sid)
+    v = record.outcome.verified.get(sid)
     return record.logprobs.get(sid) if v is None else _verified_tokens(record, sid, v)[-1][1]
 
 

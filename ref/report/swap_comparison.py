@@ -1,5 +1,5 @@
 """Recompute vs swap: one memory-pressure trace under each preemption mode at two host-link
-speeds, the README's memory-pressure experiment as a section of ``refserve compare``'s
+speeds, docs/GUIDE.md's memory-pressure experiment as a section of ``refserve compare``'s
 report (docs/ARCHITECTURE.md, example 3).
 
 Real token lengths (no scale); times are the simulator's virtual ms.
@@ -18,9 +18,10 @@ from ref.sim.metrics import RequestMetrics, RunMetrics, percentile
 from ref.sim.simulator import simulate
 from ref.sim.trace import load_trace
 
-# README's memory-pressure experiment: a 7B-like model (512 KiB of KV per token), a pool
-# small enough that 12 long requests preempt each other. At 25 GB/s the round trip
-# (0.042 ms/token) is cheaper than recomputing (0.07 ms/token); at 8 GB/s (0.131) dearer.
+# docs/GUIDE.md's memory-pressure experiment ("Recompute vs swap"): a 7B-like model
+# (512 KiB of KV per token), a pool small enough that 12 long requests preempt each other.
+# At 25 GB/s the round trip (0.042 ms/token) is cheaper than recomputing (0.07 ms/token);
+# at 8 GB/s (0.131) dearer.
 SWAP_TRACE = "memory_pressure"
 SWAP_COST = "7+0.07P+0.05D"
 SWAP_KV_BYTES_PER_TOKEN = 512 * 1024

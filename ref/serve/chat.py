@@ -9,7 +9,7 @@ special tokens.
 
 The byte tokenizer has no template of its own; refserve uses :data:`BYTE_TEMPLATE`, one
 line per message ``<role>: <content>`` and then ``assistant:`` for the model to continue,
-encoded with the tokenizer's BOS in front. It is documented in the README; it is a
+encoded with the tokenizer's BOS in front. It is documented in docs/GUIDE.md; it is a
 convention, not something the embedded models were trained on.
 """
 

@@ -449,7 +449,7 @@ def _replay(
         record = core.step(clock)
         steps.add(record)
         clock = record.end_ms
-        for rid in record.events.finished:
+        for rid in record.outcome.finished:
             _after_finish(in_flight.pop(rid), rid, clock, releases, waiting)
     return _replay_result(scheduler, everyone, steps, clock)
 

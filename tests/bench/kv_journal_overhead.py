@@ -1,4 +1,4 @@
-"""What journaling K/V costs a step (README "atomic steps"; ref/model/executor.py).
+"""What journaling K/V costs a step (docs/ARCHITECTURE.md, "Atomic steps"; ref/model/executor.py).
 
 Times 200 engine steps of the tiny model (CPU) with ``ModelExecutor.begin`` saving what
 each step may write, and with ``begin`` replaced by a no-op, in interleaved rounds (the

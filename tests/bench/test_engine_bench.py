@@ -54,7 +54,8 @@ def test_engine_output_tokens_per_second(benchmark: BenchmarkFixture, mode: str)
 
 
 def test_engine_mode_ratios(benchmark: BenchmarkFixture) -> None:
-    """All three modes timed back to back in one run; prints the ratios for README."""
+    """All three modes timed back to back in one run; prints the ratios (docs/GUIDE.md,
+    "Benchmarks")."""
 
     def all_modes() -> dict[str, float]:
         rates = {}

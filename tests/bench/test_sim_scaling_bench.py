@@ -9,7 +9,8 @@ run, so the checks below cannot pass on figures from another machine or day:
 * burst: every size up to 1M finishes (the 100k case used not to within 290 s).
 
 About 15 minutes on a shared 2-core machine, most of it the two 1M runs. The table it
-prints is the one in README ("The simulator"). ``make test`` runs the cheap guard
+prints is described in docs/GUIDE.md ("The simulator"); its figures reach
+docs/BENCHMARKS.md through ``extra_info``. ``make test`` runs the cheap guard
 instead (tests/sim/test_sim_scaling.py).
 """
 

@@ -23,6 +23,7 @@ from ref.core.config import SchedulerConfig
 from ref.core.inputs import build_inputs
 from ref.core.request import Request, StopParams
 from ref.core.scheduler import Scheduler
+from tests.harness import reference_loop
 
 PROMPT_LEN = 100  # ~7 blocks of KV per request when the measurement starts
 
@@ -31,7 +32,7 @@ def running_decodes(n: int, *, fast_decode: bool = True) -> Scheduler:
     cfg = SchedulerConfig(
         max_num_batched_tokens=max(2048, 2 * n), max_num_seqs=n, block_size=16, num_blocks=n * 64
     )
-    s = Scheduler(cfg, fast_decode=fast_decode)
+    s = Scheduler(cfg) if fast_decode else reference_loop(Scheduler(cfg))
     for i in range(n):
         prompt = [(i * 31 + j) % 30000 + 1 for j in range(PROMPT_LEN)]
         s.add_request(Request(f"r{i}", prompt, StopParams(max_tokens=1 << 20, ignore_eos=True)))

@@ -443,8 +443,8 @@ def test_smoke_python_m_ref_cli(tmp_path: Path) -> None:
 
 def test_limits_are_what_the_docs_say() -> None:
     """The bounds the modules document are the ones enforced."""
+    from ref.cli import args as cli
     from ref.cli import compare
-    from ref.cli import main as cli
     from ref.core import cost as cost_model
     from ref.sim import trace
 

@@ -4,8 +4,8 @@ Run: ``PYTHONPATH=tests/conformance .venv/bin/python tests/conformance/explore_v
 (about two minutes on 2 cores). Prints a markdown table: per planted bug of the indie
 engine (and the planted livelock), the events of the explorer's shortest path in the
 small scope, and the shortest failure the whole sampled suite reports (requests and
-steps, from whichever scenario, with that scenario's own limits). README, "Exhaustive
-exploration", quotes it.
+steps, from whichever scenario, with that scenario's own limits). docs/CONFORMANCE.md,
+"Exhaustive exploration", quotes it.
 """
 
 from __future__ import annotations

@@ -93,6 +93,18 @@ def test_the_table_shows_figures_ratios_growth_and_what_was_not_measured() -> No
     assert json.loads(json.dumps(data)) == data
 
 
+def test_a_run_renders_the_same_from_its_json() -> None:
+    """docs/BENCHMARKS.md renders committed JSON (conformance/bench/report.py): the run
+    read back from its JSON must give the table the run itself printed."""
+    run = _run(CELLS)
+    run.pool_cells = [peers.PoolCell("ref", 32, False, times_ns=[[3_200], [6_400]])]
+    back = Run.from_json(json.loads(json.dumps(run.to_json())))
+    assert peers.render_markdown(back) == peers.render_markdown(run)
+    assert back.to_json() == run.to_json()
+    with pytest.raises(ValueError, match="not a bench-peers JSON"):
+        Run.from_json({"format": "something else"})
+
+
 def test_the_shared_workload() -> None:
     assert {prompt_len(i) for i in range(1024)} == set(range(100, 129))
     assert len({tuple(prompt(i)[:16]) for i in range(1024)}) == 1024  # no shared block
@@ -166,6 +178,9 @@ def test_refserve_runs_and_a_missing_venv_is_one_line(
     assert lines[1].startswith("bench-peers: nanovllm: cannot start: raised ModuleNotFoundError")
     assert "make conformance-nanovllm" in lines[1]
     data = json.loads(out_json.read_text())
+    # The machine, recorded when the run started (conformance/bench/machine.py).
+    assert set(data["machine"]) >= {"cpu_model", "cores", "load_average", "python", "torch"}
+    assert data["machine"]["cores"] == os.cpu_count()
     ref = [c for c in data["cells"] if c["engine"] == "ref"]
     assert [c["status"] for c in ref] == ["ok", "ok"]
     assert all(c["us_per_request"] > 0 and len(c["times_ns"]) == 2 for c in ref)
@@ -261,7 +276,11 @@ def test_make_bench_reports_the_heap_per_running_request(tmp_path: Path) -> None
     assert (
         memory.main(["--sizes", "8", "32", "--json", str(out_json), "--markdown", str(out_md)]) == 0
     )
-    figures = json.loads(out_json.read_text())["figures"]
+    doc = json.loads(out_json.read_text())
+    assert doc["format"] == memory.FORMAT and doc["command"].endswith(str(out_md))
+    assert set(doc["machine"]) >= {"cpu_model", "cores", "load_average", "python", "torch"}
+    assert memory.figures_of(doc) == [memory.MemoryFigure(**f) for f in doc["figures"]]
+    figures = doc["figures"]
     assert [f["n"] for f in figures] == [8, 32]
     # A request holds its prompt (100-128 token ids, twice: the request and the pool's
     # table) and its bookkeeping: kilobytes, not bytes and not megabytes.

@@ -1,5 +1,5 @@
 """Failed steps change no token (issue 12, item 1): K/V memory is part of the step's
-transaction (ref/core/executor.py, ref/model/executor.py; README "atomic steps").
+transaction (ref/core/executor.py, ref/model/executor.py; docs/ARCHITECTURE.md, "Atomic steps").
 
 The executor fails on purpose at a drawn point of a drawn step (``ModelExecutor``'s
 ``fault_hook`` points, plus a sampled token the scheduler must reject): 15 % of steps,
@@ -38,8 +38,8 @@ from ref.core.cost import StepCost
 from ref.core.engine_core import KVStateLost
 from ref.core.executor import StepOutput
 from ref.core.inputs import ModelInputs
+from ref.core.output import BadExecutorOutput
 from ref.core.plan import StepPlan
-from ref.core.scheduler import BadExecutorOutput
 from ref.core.swap import SwapCost
 from ref.engine.llm_engine import LLMEngine
 from ref.model.executor import FAULT_POINTS, ModelExecutor

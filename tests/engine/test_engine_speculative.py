@@ -46,7 +46,7 @@ def _verified(run_engine: LLMEngine) -> tuple[int, int]:
     """(drafts verified, drafts accepted) over every step of the run."""
     drafted = accepted = 0
     for record in run_engine.steps:
-        for v in record.events.verified.values():
+        for v in record.outcome.verified.values():
             drafted += v.num_drafts
             accepted += v.num_accepted
     return drafted, accepted

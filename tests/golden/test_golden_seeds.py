@@ -72,7 +72,7 @@ def test_seed001_round_by_round() -> None:
             len(st.sched.pool.block_table("B")) if st.sched.pool.has_request("B") else None
         )
         if i == 1:
-            assert rec.events.finished == ("A",)  # A ends after round 2
+            assert rec.outcome.finished == ("A",)  # A ends after round 2
     assert rounds == [
         (("A", 1), ("B", 7)),
         (("A", 1), ("B", 5), ("C", 2)),

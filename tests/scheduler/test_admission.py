@@ -18,6 +18,7 @@ from ref.core.plan import StepPlan
 from ref.core.request import Request, StopParams
 from ref.core.scheduler import Scheduler
 from spec.snapshot import RequestStatus as S
+from tests.harness import reference_loop
 
 
 # ------------------------------------------------------------------ the token budget
@@ -75,7 +76,7 @@ def test_a_running_prefill_that_gets_no_blocks_leaves_its_tokens_to_admission() 
         num_blocks=8,
         enable_prefix_caching=False,
     )
-    sched = Scheduler(cfg, fast_decode=False)
+    sched = reference_loop(Scheduler(cfg))
     sched.add_request(make_request("d", 2, 50))
     sched.add_request(make_request("p", 12, 5, base=100))
     plans = []
@@ -230,7 +231,9 @@ def test_the_prefill_reserve_starts_after_the_configured_wait(fast_decode: bool)
         prefill_reserve_tokens=2,
         prefill_reserve_after_steps=2,
     )
-    sched = Scheduler(cfg, fast_decode=fast_decode)  # bulk path or per-request loop
+    sched = (
+        Scheduler(cfg) if fast_decode else reference_loop(Scheduler(cfg))
+    )  # bulk path or per-request loop
     for i in range(4):
         sched.add_request(make_request(f"d{i}", 1, 50, base=10 * i))
     commit_step(sched)  # four one-token prompts fill the budget and start decoding
@@ -268,7 +271,7 @@ def test_no_reserve_is_held_back_when_no_prompt_waits(fast_decode: bool) -> None
         prefill_reserve_tokens=2,
         prefill_reserve_after_steps=0,
     )
-    sched = Scheduler(cfg, fast_decode=fast_decode)
+    sched = Scheduler(cfg) if fast_decode else reference_loop(Scheduler(cfg))
     for i in range(4):
         sched.add_request(make_request(f"d{i}", 1, 50, base=10 * i))
     commit_step(sched)  # four one-token prompts: no prefill work is left after this step

@@ -19,8 +19,10 @@ import torch
 from ref.core.batch import PersistentBatch
 from ref.core.config import SchedulerConfig
 from ref.core.inputs import build_inputs
+from ref.core.outcome import Outcome
+from ref.core.output import BadExecutorOutput
 from ref.core.request import FinishReason, Request, StopParams
-from ref.core.scheduler import BadExecutorOutput, NewTokens, Scheduler
+from ref.core.scheduler import Scheduler
 from ref.kv import BlockPool, DecodeGrowth, DecodeRun
 from spec.snapshot import RequestStatus
 from tests.harness import make_request
@@ -143,17 +145,28 @@ def test_the_table_rows_follow_a_rollback() -> None:
     assert torch.equal(inputs.block_tables, build_inputs(plan, s.requests, s.pool).block_tables)
 
 
-def test_new_tokens_map_by_id_and_iterate_in_plan_order() -> None:
+def test_bulk_decodes_come_back_as_columns_in_plan_order() -> None:
     s = decoding(3)
     plan = s.schedule()
-    events = s.commit(plan, np.array([7, 8, 9]))
-    assert isinstance(events.new_tokens, NewTokens)
-    assert list(events.new_tokens) == ["r0", "r1", "r2"]
-    assert events.new_tokens == {"r0": 7, "r1": 8, "r2": 9}
-    assert list(events.new_tokens.pairs()) == [("r0", 7), ("r1", 8), ("r2", 9)]
-    assert len(events.new_tokens) == 3 and events.new_tokens["r1"] == 8
-    with pytest.raises(KeyError):
-        events.new_tokens["nope"]
+    outcome = s.commit(plan, np.array([7, 8, 9]))
+    # The steady step: the bulk decodes as two columns, no per-request record.
+    assert list(outcome.decoded_ids) == ["r0", "r1", "r2"] and outcome.outcomes == ()
+    assert outcome.decoded_tokens.tolist() == [7, 8, 9]
+    assert list(outcome.last_tokens()) == [("r0", 7), ("r1", 8), ("r2", 9)]
+    assert outcome.new_tokens == {"r0": 7, "r1": 8, "r2": 9}
+    assert outcome.outcome("r1") == Outcome("r1", (8,)) and outcome.outcome("nope") is None
+
+
+def test_a_bulk_decode_that_finishes_is_one_outcome_not_a_column() -> None:
+    s = decoding(3)
+    s.requests["r1"].stop = StopParams(max_tokens=1 << 20, stop_token_ids=(8,))
+    s.batch.reload(s.requests["r1"], s.pool)
+    held = len(s.pool.block_table("r1"))
+    plan = s.schedule()
+    outcome = s.commit(plan, np.array([7, 8, 9]))
+    assert list(outcome.decoded_ids) == ["r0", "r2"] and outcome.decoded_tokens.tolist() == [7, 9]
+    assert outcome.outcomes == (Outcome("r1", (8,), FinishReason.STOP, held),)
+    assert outcome.finished == ("r1",) and outcome.new_tokens == {"r0": 7, "r2": 9, "r1": 8}
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,10 @@ import pytest
 from harness import SMALL_CONFIG, commit_step, make_request, plan_entry
 
 from ref.core.config import SchedulerConfig
+from ref.core.output import BadExecutorOutput
 from ref.core.policy import DecodeFirst
 from ref.core.request import FinishReason, Request, StopParams
-from ref.core.scheduler import BadExecutorOutput, Scheduler, StepEvents
+from ref.core.scheduler import Scheduler
 from spec.snapshot import RequestStatus as S
 
 
@@ -28,7 +29,7 @@ def test_commit_stamps_times_from_the_right_clock() -> None:
     a = sched.requests["a"]
     assert a.admitted_ms == 5.0  # the step's start
     assert a.token_times_ms == [9.0]  # the step's end
-    assert events == StepEvents({"a": 11}, (), ())
+    assert events.new_tokens == {"a": 11} and events.finished == () and events.preempted == ()
     assert sched.step_index == 1 and sched.running == [a]
     _, events = commit_step(sched, 20.0, token=12)
     assert events.finished == ("a",) and events.new_tokens == {"a": 12}
@@ -208,7 +209,7 @@ def test_the_new_tokens_of_a_step_hold_the_bulk_decodes_and_the_other_entries() 
     events = sched.commit(plan, {"a": 7, "b": 8, "c": 9})
     new = events.new_tokens
     assert len(new) == 3 and list(new) == ["a", "b", "c"]
-    assert list(new.pairs()) == [("a", 7), ("b", 8), ("c", 9)]
+    assert list(events.last_tokens()) == [("a", 7), ("b", 8), ("c", 9)]
     assert (new["b"], new["c"]) == (8, 9)
 
 

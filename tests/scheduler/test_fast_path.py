@@ -25,6 +25,7 @@ from ref.core.scheduler import Scheduler
 from ref.kv import BlockPool, DecodeRun
 from ref.sim.simulator import fake_token
 from spec.snapshot import RequestStatus
+from tests.harness import reference_loop
 
 
 @st.composite
@@ -79,7 +80,7 @@ def run_side_by_side(work: Work, on_bulk: Callable[[str], None] | None = None) -
     first step where plans, inputs, snapshots or running orders differ."""
     cfg, reqs, abort_at = work
     forked: set[str] = set()
-    fast, slow = Scheduler(cfg, fast_decode=True), Scheduler(cfg, fast_decode=False)
+    fast, slow = Scheduler(cfg), reference_loop(Scheduler(cfg))
     if on_bulk is not None:
         bulk = fast.pool.append_decodes
 
@@ -226,7 +227,7 @@ def test_steady_decodes_take_the_bulk_path() -> None:
     covers every decoding request: the fast path is taken, not silently skipped (the
     differential test above cannot tell a skipped fast path from a taken one)."""
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, block_size=4, num_blocks=64)
-    s = Scheduler(cfg, fast_decode=True)
+    s = Scheduler(cfg)
     bulk = s.pool.append_decodes
     calls: list[tuple[list[str], bool]] = []
 

@@ -13,9 +13,10 @@ import pytest
 from harness import commit_step, decoding_scheduler, make_request, plan_entry, sampled_tokens
 
 from ref.core.config import SchedulerConfig
+from ref.core.outcome import StepOutcome
 from ref.core.policy import DecodeFirst
 from ref.core.request import FinishReason, Request, StopParams
-from ref.core.scheduler import Scheduler, StepEvents
+from ref.core.scheduler import Scheduler
 from ref.errors import ExceedsCapacity
 from spec import check_pool
 from spec.snapshot import RequestStatus as S
@@ -28,7 +29,7 @@ class _KeepsEveryone(DecodeFirst):
         return None
 
 
-def _preempted_while_resumed(tool: list[int]) -> tuple[Scheduler, Request, StepEvents]:
+def _preempted_while_resumed(tool: list[int]) -> tuple[Scheduler, Request, StepOutcome]:
     """Blocks of 2, a 3-block pool. ``a`` (4 tokens cached in 2 blocks) pauses keeping its
     KV; ``b`` reuses both blocks and fills the pool. ``a`` resumes in place with ``tool``;
     ``b``'s next decode needs a fourth block, so it preempts ``a`` (which frees nothing,

@@ -20,6 +20,7 @@ from ref.core.scheduler import Scheduler
 from ref.errors import InvalidArgument, QueueFull
 from ref.sim.metrics import RequestMetrics, per_tenant
 from ref.sim.simulator import simulate
+from tests.harness import reference_loop
 
 
 # ------------------------------------------------------------ SLO-aware chunk sizing
@@ -84,7 +85,7 @@ def _slo_chunk(
         prefill_reserve_tokens=reserve,
         prefill_reserve_after_steps=0,
     )
-    sched = Scheduler(cfg, fast_decode=fast)
+    sched = Scheduler(cfg) if fast else reference_loop(Scheduler(cfg))
     sched.add_request(make_request("d", 3, 50))
     commit_step(sched, 0.0)  # d: 3 tokens computed, first token at t = 0
     sched.add_request(make_request("p", prompt, 2, base=100))

@@ -331,7 +331,7 @@ def test_lone_request_that_cannot_grow_finishes_with_capacity() -> None:
     # It filled the pool (4 slots of KV) and sampled one more token it has no room for.
     assert (r.num_computed_tokens, r.num_tokens, r.num_output_tokens) == (4, 5, 2)
     assert len(run.records) <= 3
-    assert run.records[-1].events.finished == ("big",)
+    assert run.records[-1].outcome.finished == ("big",)
 
 
 def test_capacity_finish_only_when_no_victim_exists() -> None:
@@ -480,7 +480,7 @@ def test_static_policy_never_admits_while_a_batch_runs() -> None:
             )
             batches += 1
         running |= set(rec.plan.admitted)
-        running -= set(rec.events.finished) | set(rec.plan.preempted)
+        running -= set(rec.outcome.finished) | set(rec.plan.preempted)
     assert batches >= 3
     assert all(r.finish_reason == "length" for r in res.requests)
 

@@ -22,8 +22,9 @@ from ref.cli.main import main
 from ref.core.config import Admission, PolicyName, SchedulerConfig
 from ref.core.cost import StepCost
 from ref.core.engine_core import EngineCore
+from ref.core.output import BadExecutorOutput
 from ref.core.request import Request, StopParams
-from ref.core.scheduler import BadExecutorOutput, Scheduler, StepInProgress
+from ref.core.scheduler import Scheduler, StepInProgress
 from ref.errors import (
     DuplicateRequest,
     ExceedsCapacity,

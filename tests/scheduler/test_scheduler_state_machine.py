@@ -66,9 +66,10 @@ from ref.core.cost import StepCost
 from ref.core.engine_core import EngineCore
 from ref.core.executor import StepOutput
 from ref.core.inputs import ModelInputs, scheduled_requests
+from ref.core.output import BadExecutorOutput
 from ref.core.plan import ScheduledChunk, StepPlan
 from ref.core.request import FinishReason, Request, StopParams
-from ref.core.scheduler import BadExecutorOutput, Scheduler
+from ref.core.scheduler import Scheduler
 from ref.core.swap import KVRetention, PreemptionMode, SwapCost
 from ref.errors import DuplicateRequest, ExceedsCapacity, InvalidArgument, UnknownRequest
 from spec import EngineSnapshot, PoolSnapshot, StepSnapshot, check_pool

@@ -11,8 +11,10 @@ import pytest
 
 from ref.core.config import SchedulerConfig
 from ref.core.inputs import build_inputs
+from ref.core.outcome import Outcome
+from ref.core.output import BadExecutorOutput, validate_output
 from ref.core.request import FinishReason, Request, StopParams
-from ref.core.scheduler import BadExecutorOutput, Scheduler, StepInProgress, Verified
+from ref.core.scheduler import Scheduler, StepInProgress
 from ref.errors import InvalidArgument, UnknownRequest
 from spec.snapshot import RequestStatus
 
@@ -52,7 +54,7 @@ def test_a_verification_keeps_the_accepted_drafts_and_the_targets_token() -> Non
     assert len(sched.pool.block_table("a")) == 2  # the block of position 8 went back
     assert sched.pool.num_free_blocks == free
     assert events.new_tokens["a"] == 42
-    assert events.verified == {"a": Verified(3, 1, (7, 42))}
+    assert events.verified == {"a": Outcome("a", (7, 42), num_drafts=3, num_accepted=1)}
     assert r.token_times_ms[-2:] == [1.0, 1.0]
 
 
@@ -200,14 +202,14 @@ def test_a_bad_accepted_count_is_refused_before_anything_changes(
     before = sched.snapshot()
     plan = sched.schedule()
     with pytest.raises(BadExecutorOutput, match="accepted count"):
-        sched.validate_output(plan, {"a": 42}, accepted)
+        validate_output(plan, {"a": 42}, accepted)
     with pytest.raises(BadExecutorOutput, match="accepted count"):
         sched.commit(plan, {"a": 42}, accepted=accepted)
     sched.rollback()
     assert sched.snapshot() == before
     plan = sched.schedule()  # the drafts survive the failed step
     assert plan.drafts == {"a": (7, 8, 9)}
-    sched.validate_output(plan, {"a": 42}, {"a": 2})  # a good count passes
+    validate_output(plan, {"a": 42}, {"a": 2})  # a good count passes
     sched.commit(plan, {"a": 42}, accepted={"a": 2})
     assert sched.requests["a"].output_token_ids == [6, 7, 8, 42]
 

@@ -273,9 +273,10 @@ def test_retention_policy_by_expected_wait() -> None:
 def test_auto_matches_the_cheaper_mode_on_the_memory_pressure_trace(
     link_gb_per_s: float, winner: str
 ) -> None:
-    """README's figure: a 7B-like model (512 KiB of KV per token), 0.07 ms per prefill
-    token; a 25 GB/s link makes the round trip (0.042 ms/token) cheaper than recompute,
-    8 GB/s (0.131 ms/token) dearer. ``auto`` must pick the faster mode in both."""
+    """docs/GUIDE.md's figure ("Recompute vs swap"): a 7B-like model (512 KiB of KV per
+    token), 0.07 ms per prefill token; a 25 GB/s link makes the round trip (0.042
+    ms/token) cheaper than recompute, 8 GB/s (0.131 ms/token) dearer. ``auto`` must pick
+    the faster mode in both."""
     from ref.sim.trace import load_trace
 
     cost = StepCost.parse("7+0.07P+0.05D")

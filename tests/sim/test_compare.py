@@ -8,13 +8,14 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ref.cli.compare import compare_main
 from ref.core.config import SchedulerConfig
 from ref.core.engine_core import StepRecord
+from ref.core.outcome import Outcome, StepOutcome
 from ref.core.plan import StepPlan
-from ref.core.scheduler import StepEvents
 from ref.report.compare import (
     NO_LIMIT,
     POLICIES,
@@ -201,8 +202,14 @@ def _step(
     )
     return StepRecord(
         i, float(i), float(i + 1), tuple(tokens.items()), sum(tokens.values()), 0, kv,
-        StepEvents({}, (), preempted), plan,
+        _preempted(preempted), plan,
     )  # fmt: skip
+
+
+def _preempted(ids: tuple[str, ...]) -> StepOutcome:
+    return StepOutcome(
+        (), np.zeros(0, dtype=np.int64), tuple(Outcome(p, preempted=True) for p in ids)
+    )
 
 
 def test_knee_cause_classifier_on_synthetic_steps() -> None:

@@ -34,7 +34,7 @@ def _run(
 
 def _verifications(result: SimResult) -> list[tuple[int, int]]:
     return [
-        (v.num_drafts, v.num_accepted) for s in result.steps for v in s.events.verified.values()
+        (v.num_drafts, v.num_accepted) for s in result.steps for v in s.outcome.verified.values()
     ]
 
 

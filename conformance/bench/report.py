@@ -1,0 +1,319 @@
+"""docs/BENCHMARKS.md from the benchmarks' own JSON (``make bench``, ``make bench-peers``).
+
+Run::
+
+    python -m conformance.bench.report --out docs/BENCHMARKS.md docs/bench/*.json
+
+Every input is one benchmark's JSON as its writer left it: the step bench and the
+side-by-side run (``conformance.bench.peers``, ``out/bench-step.json`` and
+``out/bench-peers.json``), the heap per request (``conformance.bench.memory``,
+``out/bench-memory.json``) and pytest-benchmark's ``--benchmark-json`` (``make bench``,
+``out/bench-pytest.json``). Each becomes a section with its tables, the command that
+produced it and the machine it ran on (recorded in the JSON when it was measured:
+:mod:`conformance.bench.machine`), and a ratio wherever the run measured a baseline.
+
+Figures are never typed by hand: the Makefile copies fresh JSON into ``docs/bench/``
+and reruns this, and ``tests/repo/test_benchmarks_doc.py`` requires the committed
+docs/BENCHMARKS.md to equal what the committed JSON renders. A file that is not one of
+these formats is skipped with one line on stderr (so ``out/*.json``, which also holds
+conformance reports, works); no renderable input at all is an error (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from conformance.bench import memory, peers
+from conformance.bench.machine import machine_line
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of benchmark JSON: its section's title, the command that regenerates it,
+    and its renderer (body lines under the section's heading)."""
+
+    key: str
+    title: str
+    make: str
+    render: Callable[[dict[str, Any]], list[str]]
+    intro: str = ""
+    """What the section compares, in words (fixed text: never a figure)."""
+
+
+def kind_of(doc: object) -> str | None:
+    """Which benchmark wrote ``doc`` (a key of :data:`KINDS`), or None."""
+    if not isinstance(doc, dict):
+        return None
+    fmt = doc.get("format")
+    if fmt == "refserve-bench-peers":
+        # The step bench is the same driver with refserve alone (bulk path and the
+        # reference loop): its ratios are refserve against itself, not against peers.
+        engines = set(dict(doc.get("engines") or {}))
+        return "step" if engines <= {"ref", "ref-loop"} else "peers"
+    if fmt == memory.FORMAT:
+        return "memory"
+    if isinstance(doc.get("benchmarks"), list) and isinstance(doc.get("machine_info"), dict):
+        return "pytest"
+    return None
+
+
+# --------------------------------------------------------------------- the sections
+def _provenance(command: str, when: str, machine: dict[str, Any], extra: str = "") -> list[str]:
+    lines = [f"Command: `{command}`" + (f", run {when}" if when else "") + "."]
+    lines.append((machine_line(machine) + "." if machine else "Machine: not recorded.") + extra)
+    return [" ".join(lines), ""]
+
+
+def _peers_body(doc: dict[str, Any]) -> list[str]:
+    run = peers.Run.from_json(doc)
+    load_after = " / ".join(f"{x:.2f}" for x in run.load_after)
+    pin = (
+        f" Every worker pinned to CPU {run.pinned_cpu} (`--cpu`)."
+        if run.pinned_cpu is not None
+        else " Workers not pinned (`--no-pin`): the OS placed them."
+    )
+    extra = (f" Load average {load_after} at the end." if load_after else "") + pin
+    lines = _provenance(run.command, run.started, run.machine, extra)
+    if "steps" in run.parts:
+        lines += peers.render_steps(run, level=3)
+    if "pool" in run.parts:
+        lines += peers.render_pool(run, level=3)
+    return lines
+
+
+def _memory_body(doc: dict[str, Any]) -> list[str]:
+    w = doc.get("workload", {})
+    lo, hi = w.get("prompt_tokens", ["?", "?"])
+    load_after = " / ".join(f"{x:.2f}" for x in doc.get("load_after", []))
+    extra = f" Load average {load_after} at the end." if load_after else ""
+    return [
+        *_provenance(
+            str(doc.get("command", "")), str(doc.get("when", "")), doc.get("machine", {}), extra
+        ),
+        "tracemalloc on the bulk decode path, prefix caching "
+        f"{'on' if w.get('prefix_caching') else 'off'}, block {w.get('block_size', '?')}, "
+        f"prompts of {lo}-{hi} tokens, {w.get('blocks_per_request', '?')} blocks of pool per "
+        "request: the heap held while N requests decode, and the peak one full step "
+        "(schedule + build_inputs + commit) allocates above what it started with, both per "
+        "running request.",
+        "",
+        *memory.table(memory.figures_of(doc)),
+        "",
+    ]
+
+
+def _seconds(x: float) -> str:
+    """A duration with the unit that keeps three significant digits readable."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x / 1e-9:.3g} ns"
+
+
+def _extra(info: dict[str, Any]) -> str:
+    return "; ".join(f"{k} = {v}" for k, v in info.items()) if info else ""
+
+
+def _pytest_body(doc: dict[str, Any]) -> list[str]:
+    ours = doc.get("refserve") or {}
+    mi = doc.get("machine_info", {})
+    # pytest-benchmark's own record, where the run predates tests/bench/conftest.py's.
+    machine = ours.get("machine") or {
+        "cpu_model": (mi.get("cpu") or {}).get("brand_raw", mi.get("processor", "unknown")),
+        "cores": (mi.get("cpu") or {}).get("count", "?"),
+        "platform": f"{mi.get('system', '')} {mi.get('release', '')}".strip() or "unknown OS",
+        "python": mi.get("python_version", "?"),
+        "torch": None,
+    }
+    load_after = " / ".join(f"{x:.2f}" for x in ours.get("load_after", []))
+    extra = f" Load average {load_after} at the end." if load_after else ""
+    command = str(ours.get("command") or "python -m pytest (command not recorded)")
+    when = str(doc.get("datetime", ""))[:16].replace("T", " ")
+    lines = _provenance(command, f"{when} UTC" if when else "", machine, extra)
+    lines += [
+        "pytest-benchmark's statistics of the time per round, per benchmark, with what the "
+        "benchmark recorded itself (`extra_info`).",
+        "",
+    ]
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for b in doc["benchmarks"]:
+        group = b.get("group") or str(b.get("fullname", "")).split("::")[0]
+        groups.setdefault(group, []).append(b)
+    for group, items in groups.items():
+        lines += [
+            f"**{group}**",
+            "",
+            "| benchmark | median | min | mean | rounds | recorded |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
+        for b in items:
+            st = b["stats"]
+            lines.append(
+                f"| `{b['name']}` | {_seconds(st['median'])} | {_seconds(st['min'])} | "
+                f"{_seconds(st['mean'])} | {st['rounds']} | {_extra(b.get('extra_info', {}))} |"
+            )
+        lines.append("")
+    return lines
+
+
+KINDS: dict[str, Kind] = {
+    k.key: k
+    for k in (
+        Kind(
+            "step",
+            "refserve's step: the bulk path against the reference loop",
+            "make bench",
+            _peers_body,
+            "The full CPU step on the bulk path (the persistent batch: docs/ARCHITECTURE.md, "
+            '"The persistent batch") against the same scheduler with `fast_decode=False`, the '
+            "per-request reference loop the differential test holds it to, each in a worker "
+            "process of its own; the ratio in brackets is the reference loop's time over the "
+            "bulk path's.",
+        ),
+        Kind(
+            "memory",
+            "Python heap per running request",
+            "make bench",
+            _memory_body,
+            "What N decoding requests hold, and what one step allocates, per request: "
+            "nothing a step allocates may grow faster than N.",
+        ),
+        Kind(
+            "pytest",
+            "pytest-benchmark suites (`tests/bench/`)",
+            "make bench",
+            _pytest_body,
+            "The pool's operations at two pool sizes (the work per block must not grow with "
+            "the pool), the step, the engine and the simulator's scaling, as far as the "
+            "command below ran them.",
+        ),
+        Kind(
+            "peers",
+            "refserve, nano-vllm-fork and vLLM side by side",
+            "make bench-peers",
+            _peers_body,
+            "The same decode-heavy workload through each engine's scheduler, each in a worker "
+            "in its own venv, rounds interleaved; each engine's timed step covers different "
+            "work, listed under the table.",
+        ),
+    )
+}
+
+
+# --------------------------------------------------------------------- the document
+def display(path: Path) -> str:
+    """The path as the document names it: from the repository root when inside it, so
+    the text does not depend on where the command ran."""
+    p = path.resolve()
+    try:
+        return p.relative_to(ROOT).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def render(inputs: Sequence[tuple[str, dict[str, Any]]], out: str) -> str:
+    """The whole document for ``inputs`` ((display path, JSON) of known kinds), which is
+    to be written to ``out``; sections in :data:`KINDS` order, then by path."""
+    rank = {k: i for i, k in enumerate(KINDS)}
+    docs = []
+    for name, doc in inputs:
+        key = kind_of(doc)
+        if key is None:
+            raise ValueError(f"{name}: not a benchmark JSON")
+        docs.append((rank[key], name, KINDS[key], doc))
+    docs.sort(key=lambda d: (d[0], d[1]))
+    names = sorted(name for _, name, _, _ in docs)
+    command = "python -m conformance.bench.report --out " + " ".join(
+        shlex.quote(a) for a in (out, *names)
+    )
+    lines = [
+        "# Benchmarks",
+        "",
+        "<!-- Generated file: do not edit. Regenerate with `make bench` / `make bench-peers`. -->",
+        "",
+        f"**Generated** by `{command}` from the benchmarks' own JSON; do not edit it by "
+        "hand. `make bench` and `make bench-peers` measure, copy their JSON into "
+        "`docs/bench/` and regenerate this file; `tests/repo/test_benchmarks_doc.py` fails "
+        "when it differs from what that JSON renders.",
+        "",
+        "Each section names the command that measured it and the machine it ran on, as "
+        "recorded when it ran. The machines are shared VMs whose speed moves with their "
+        "load, so read a ratio measured in one run (in brackets) before an absolute figure, "
+        "and do not compare absolute figures across sections.",
+        "",
+    ]
+    lines += [f"- [{kind.title}](#{_slug(kind.title)}) (`{kind.make}`)" for _, _, kind, _ in docs]
+    missing = [k for k in KINDS.values() if all(k is not kind for _, _, kind, _ in docs)]
+    if missing:
+        lines += ["", "Not measured for this file (no JSON among the inputs):", ""]
+        lines += [f"- {k.title} (`{k.make}`)" for k in missing]
+    lines.append("")
+    for _, name, kind, doc in docs:
+        lines += [f"## {kind.title}", ""]
+        lines += [f"{kind.intro} From `{name}` (`{kind.make}`).".lstrip(), ""]
+        lines += kind.render(doc)
+    while lines and not lines[-1]:
+        lines.pop()
+    return "\n".join(lines) + "\n"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading (as tests/repo/test_self_contained.py computes it)."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def load(paths: Sequence[Path], log: Callable[[str], None]) -> list[tuple[str, dict[str, Any]]]:
+    """The benchmark JSON among ``paths``; anything else is skipped with one line."""
+    out = []
+    for path in paths:
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: cannot read JSON: {e}") from None
+        if kind_of(doc) is None:
+            log(f"report: skipped {path}: not a benchmark JSON")
+            continue
+        out.append((display(path), doc))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m conformance.bench.report",
+        description="Render docs/BENCHMARKS.md from the benchmarks' JSON.",
+    )
+    p.add_argument("--out", type=Path, required=True, help="the markdown file to write")
+    p.add_argument("inputs", type=Path, nargs="+", metavar="JSON")
+    args = p.parse_args(argv)
+    try:
+        inputs = load(args.inputs, lambda line: print(line, file=sys.stderr))
+        if not inputs:
+            raise ValueError("no benchmark JSON among the inputs")
+        text = render(inputs, display(args.out))
+    except (ValueError, KeyError, TypeError) as e:
+        # A JSON that claims a known format but lacks its fields is the writer's bug or a
+        # hand edit: one line, and the old document stays as it was.
+        print(f"report: error: {e}", file=sys.stderr)
+        return 2
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, args.out)  # never a half-written document
+    print(f"report: wrote {display(args.out)} from {len(inputs)} JSON file(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""docs/BENCHMARKS.md is generated from the benchmarks' JSON, never typed (issue 30).
+
+The committed document must equal what ``conformance.bench.report`` renders from the
+committed inputs in docs/bench/ (``make bench`` and ``make bench-peers`` refresh both);
+a hand edit of either side, or a JSON refreshed without regenerating, fails here. The
+renderer itself is checked on small hand-made JSON documents of every kind it reads.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conformance.bench import report
+from conformance.bench.peers import Cell, PoolCell, Run
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "BENCHMARKS.md"
+INPUTS = sorted((ROOT / "docs" / "bench").glob("*.json"))
+
+MACHINE = {
+    "cpu_model": "Test CPU 9000",
+    "cores": 2,
+    "load_average": [0.5, 0.25, 0.12],
+    "platform": "Linux-test",
+    "python": "3.11.7",
+    "torch": "2.13.0+cpu",
+}
+
+
+def _committed() -> list[tuple[str, dict[str, Any]]]:
+    return report.load(INPUTS, lambda line: pytest.fail(f"docs/bench/ holds a stray file: {line}"))
+
+
+def test_the_committed_document_is_what_the_committed_json_renders() -> None:
+    assert INPUTS, "docs/bench/ holds no benchmark JSON"
+    kinds = {report.kind_of(doc) for _, doc in _committed()}
+    assert {"step", "memory"} <= kinds  # what `make bench` always writes
+    rendered = report.render(_committed(), "docs/BENCHMARKS.md")
+    assert DOC.read_text(encoding="utf-8") == rendered, (
+        "docs/BENCHMARKS.md is stale or was edited by hand: run `make bench-report` "
+        "(python -m conformance.bench.report --out docs/BENCHMARKS.md docs/bench/*.json)"
+    )
+
+
+def test_a_refreshed_json_makes_the_committed_document_stale() -> None:
+    """The check above can fail: one changed figure in one input changes the text."""
+    inputs = copy.deepcopy(_committed())
+    name, mem = next((n, d) for n, d in inputs if report.kind_of(d) == "memory")
+    mem["figures"][0]["heap_bytes_per_request"] = 123_456_789
+    rendered = report.render(inputs, "docs/BENCHMARKS.md")
+    assert rendered != DOC.read_text(encoding="utf-8")
+    assert "123,456,789 B" in rendered and name.startswith("docs/bench/")
+
+
+# --------------------------------------------------------------------- fixtures
+def _step_run(engines: dict[str, str]) -> dict[str, Any]:
+    """A bench-peers JSON: refserve 2 us per request at N = 4 (the median of three rounds
+    of 4, 8 and 12 us, phases 1:3), every other engine 5x that, caching off only."""
+    cells = []
+    for e in engines:
+        scale = 1 if e == "ref" else 5
+        rounds = [
+            [2_000 * scale, 6_000 * scale],
+            [1_000 * scale, 3_000 * scale],
+            [3_000 * scale, 9_000 * scale],
+        ]
+        cells.append(Cell(e, 4, False, times_ns=rounds))
+    run = Run(
+        command="python -m conformance.bench.peers --fixture",
+        sizes=[4],
+        rounds=3,
+        warmup=1,
+        engines={
+            e: {"name": n, "includes": f"{n}'s step", "phases": ["a", "b"]}
+            for e, n in engines.items()
+        },
+        cells=cells,
+        started="2026-01-02 03:04 UTC",
+        load_before=[0.5, 0.25, 0.12],
+        load_after=[1.5, 0.5, 0.25],
+        cpus=2,
+        pinned_cpu=1,
+        parts=("steps",),
+        machine=MACHINE,
+    )
+    return run.to_json()
+
+
+MEMORY = {
+    "format": "refserve-bench-memory",
+    "version": 1,
+    "command": "python -m conformance.bench.memory --fixture",
+    "when": "2026-01-02 03:05 UTC",
+    "machine": MACHINE,
+    "load_after": [0.75, 0.3, 0.1],
+    "workload": {"block_size": 16, "prompt_tokens": [100, 128], "blocks_per_request": 16},
+    "figures": [
+        {"n": 1024, "heap_bytes_per_request": 10168, "step_bytes_per_request": 213},
+        {"n": 16384, "heap_bytes_per_request": 10204, "step_bytes_per_request": 209},
+    ],
+}
+
+PYTEST = {
+    "machine_info": {"processor": "x86_64", "python_version": "3.11.7", "cpu": {"count": 2}},
+    "commit_info": {},
+    "datetime": "2026-01-02T03:06:07.000+00:00",
+    "version": "5.3.1",
+    "benchmarks": [
+        {
+            "group": "allocate+free K=32 blocks (no cache)",
+            "name": "test_allocate_free[nocache-1000]",
+            "fullname": "tests/bench/test_pool_bench.py::test_allocate_free[nocache-1000]",
+            "extra_info": {"pool_blocks": 1000, "blocks_per_round": 32},
+            "stats": {"median": 9.94e-6, "min": 9.4e-6, "mean": 1.76e-5, "rounds": 2000},
+        },
+        {
+            "group": None,
+            "name": "test_engine[continuous]",
+            "fullname": "tests/bench/test_engine_bench.py::test_engine[continuous]",
+            "extra_info": {},
+            "stats": {"median": 1.5, "min": 1.25, "mean": 2.0, "rounds": 3},
+        },
+    ],
+    "refserve": {
+        "command": "python -m pytest tests/bench --benchmark-only",
+        "machine": MACHINE,
+        "load_after": [2.0, 1.0, 0.5],
+    },
+}
+
+
+def _rendered(*docs: tuple[str, dict[str, Any]]) -> str:
+    return report.render(list(docs), "docs/BENCHMARKS.md")
+
+
+def test_the_step_table_carries_figures_ratios_command_and_machine() -> None:
+    md = _rendered(("s.json", _step_run({"ref": "refserve", "ref-loop": "refserve, loop"})))
+    assert "## refserve's step: the bulk path against the reference loop" in md
+    assert "| refserve | off | 2.0 us | n/a |" in md  # one size: no growth
+    assert "| refserve | on | n/a | n/a |" in md  # never measured
+    assert "| refserve, loop | off | 10.0 us (5.0x) | n/a |" in md
+    assert "| refserve | off | 4 | a 0.50 us, b 1.5 us |" in md
+    assert "| refserve, loop | off | 4 | a 2.5 us, b 7.5 us |" in md
+    assert "Command: `python -m conformance.bench.peers --fixture`, run 2026-01-02 03:04 UTC." in md
+    assert (
+        "Machine: Test CPU 9000, 2 cores, load average (1 / 5 / 15 min) 0.50 / 0.25 / 0.12 "
+        "at the start; Linux-test, Python 3.11.7, torch 2.13.0+cpu." in md
+    )
+    assert "Load average 1.50 / 0.50 / 0.25 at the end. Every worker pinned to CPU 1" in md
+    assert "### Scheduler step" in md and "### Block pool" not in md  # --only steps
+
+
+def test_a_run_with_other_engines_is_the_side_by_side_section() -> None:
+    doc = _step_run({"ref": "refserve", "vllm": "vLLM 0.33.0"})
+    pool = PoolCell("ref", 32, False, times_ns=[[3_200], [6_400], [3_200]])
+    run = Run.from_json(doc)
+    run.parts, run.pool_cells = ("steps", "pool"), [pool]
+    md = _rendered(("p.json", run.to_json()))
+    assert "## refserve, nano-vllm-fork and vLLM side by side" in md
+    assert "| vLLM 0.33.0 | off | 10.0 us (5.0x) | n/a |" in md
+    assert "- vLLM 0.33.0: vLLM 0.33.0's step" in md
+    assert "### Block pool (allocate + free)" in md and "| refserve | 0.100 us |" in md
+    assert "Not measured for this file" in md and "side by side (`make bench-peers`)" not in md
+
+
+def test_the_memory_table() -> None:
+    md = _rendered(("m.json", MEMORY))
+    assert "| 1024 | 10,168 B | 213 B |" in md and "| 16384 | 10,204 B | 209 B |" in md
+    assert "Command: `python -m conformance.bench.memory --fixture`, run 2026-01-02 03:05" in md
+    assert "Load average 0.75 / 0.30 / 0.10 at the end." in md
+    assert "prompts of 100-128 tokens, 16 blocks of pool per request" in md
+
+
+def test_the_pytest_benchmark_tables_group_by_group_or_module() -> None:
+    md = _rendered(("b.json", PYTEST))
+    assert "**allocate+free K=32 blocks (no cache)**" in md
+    assert (
+        "| `test_allocate_free[nocache-1000]` | 9.94 us | 9.4 us | 17.6 us | 2000 | "
+        "pool_blocks = 1000; blocks_per_round = 32 |" in md
+    )
+    assert "**tests/bench/test_engine_bench.py**" in md  # no group: the module
+    assert "| `test_engine[continuous]` | 1.5 s | 1.25 s | 2 s | 3 |  |" in md
+    assert (
+        "Command: `python -m pytest tests/bench --benchmark-only`, run 2026-01-02 03:06 UTC" in md
+    )
+    assert "Test CPU 9000" in md  # tests/bench/conftest.py's record, not pytest-benchmark's
+
+
+def test_a_pytest_benchmark_json_without_our_record_still_names_its_machine() -> None:
+    bare = {k: v for k, v in PYTEST.items() if k != "refserve"}
+    md = _rendered(("b.json", bare))
+    assert "Machine: x86_64, 2 cores, load average (1 / 5 / 15 min) not recorded" in md
+    assert "(command not recorded)" in md
+
+
+def test_the_header_says_generated_by_what_and_sections_come_in_a_fixed_order() -> None:
+    step = _step_run({"ref": "refserve", "ref-loop": "loop"})
+    md = report.render([("z/m.json", MEMORY), ("a/b.json", PYTEST), ("y/s.json", step)], "X.md")
+    assert md.startswith("# Benchmarks\n")
+    assert (
+        "**Generated** by `python -m conformance.bench.report --out X.md a/b.json y/s.json "
+        "z/m.json` from the benchmarks' own JSON; do not edit it by hand." in md
+    )
+    titles = re.findall(r"^## (.*)$", md, re.M)
+    assert titles == [
+        "refserve's step: the bulk path against the reference loop",
+        "Python heap per running request",
+        "pytest-benchmark suites (`tests/bench/`)",
+    ]
+    assert "- refserve, nano-vllm-fork and vLLM side by side (`make bench-peers`)" in md
+    # The contents links resolve to the headings (GitHub's slugs).
+    for anchor in re.findall(r"\]\(#([\w-]+)\)", md):
+        assert anchor in {report._slug(t) for t in titles}
+
+
+def test_the_command_skips_other_json_and_refuses_nothing_to_render(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = tmp_path / "conformance.json"
+    other.write_text(json.dumps({"format": "refserve-conformance", "results": []}))
+    mem = tmp_path / "bench-memory.json"
+    mem.write_text(json.dumps(MEMORY))
+    out = tmp_path / "doc" / "B.md"
+    assert report.main(["--out", str(out), str(other), str(mem)]) == 0
+    assert f"report: skipped {other}: not a benchmark JSON" in capsys.readouterr().err
+    assert "| 1024 | 10,168 B | 213 B |" in out.read_text()
+    before = out.read_text()
+    assert report.main(["--out", str(out), str(other)]) == 2
+    assert "no benchmark JSON among the inputs" in capsys.readouterr().err
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({**MEMORY, "figures": [{"n": 1}]}))
+    assert report.main(["--out", str(out), str(broken)]) == 2
+    assert capsys.readouterr().err.startswith("report: error: ")
+    assert out.read_text() == before  # a failed run leaves the old document
+
+
+def test_make_bench_and_bench_peers_end_by_regenerating_the_document() -> None:
+    make = (ROOT / "Makefile").read_text(encoding="utf-8")
+    report_line = re.search(r"^BENCH_REPORT = (.*)$", make, re.M)
+    assert report_line is not None
+    assert report_line.group(1).endswith(
+        "-m conformance.bench.report --out docs/BENCHMARKS.md docs/bench/*.json"
+    )
+    for target, copied in (
+        ("bench", "out/bench-pytest.json out/bench-step.json out/bench-memory.json"),
+        ("bench-peers", "out/bench-peers.json"),
+    ):
+        recipe = re.search(rf"^{target}:.*\n((?:\t.*\n|.*\\\n)+)", make, re.M)
+        assert recipe is not None, target
+        lines = [ln.strip() for ln in recipe.group(1).splitlines()]
+        assert lines[-1] == "$(BENCH_REPORT)", target
+        assert lines[-2] == f"cp {copied} docs/bench/", target
+    assert "--benchmark-json out/bench-pytest.json" in make

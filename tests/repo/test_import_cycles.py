@@ -1,0 +1,181 @@
+"""No two modules import each other, directly or round a longer circle.
+
+Every ``import`` is read from the syntax tree, the ones inside functions and under
+``TYPE_CHECKING`` included: a lazy import postpones the circle to the first call, it does
+not remove it, and a circle is a pair of modules that cannot be understood (or moved) one
+without the other. An import names the module it loads (``from ref.core import scheduler``
+is an edge to ``ref.core.scheduler``; ``from ref.cli.args import PROG`` to
+``ref.cli.args``), not the packages above it, which Python loads first but which do not
+import back.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("ref", "spec", "kernels", "conformance")
+
+
+def module_name(path: str) -> str:
+    """``ref/cli/main.py`` -> ``ref.cli.main``; ``ref/cli/__init__.py`` -> ``ref.cli``."""
+    parts = path.removesuffix(".py").split("/")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imported_names(path: str, source: str) -> list[str]:
+    """Every dotted name an import statement in ``source`` loads, made absolute."""
+    me = module_name(path)
+    package = me if path.endswith("__init__.py") else me.rpartition(".")[0]
+    names: list[str] = []
+    for node in ast.walk(ast.parse(source, filename=path)):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from a.b import c` loads a.b.c when c is a module, else a.b (resolved below).
+            names += [f"{base}.{alias.name}" for alias in node.names]
+    return names
+
+
+def import_graph(sources: Mapping[str, str]) -> dict[str, set[str]]:
+    """Module -> the modules among ``sources`` it imports; ``sources`` maps a path
+    relative to the repository root to the file's text. Imports of modules outside
+    ``sources`` (the standard library, third-party code) are left out."""
+    modules = {module_name(path) for path in sources}
+    graph: dict[str, set[str]] = {}
+    for path, source in sources.items():
+        me = module_name(path)
+        edges: set[str] = set()
+        for name in _imported_names(path, source):
+            parts = name.split(".")
+            # The longest prefix that is a module: `from ref.cli.args import PROG`.
+            target = next(
+                (t for i in range(len(parts), 0, -1) if (t := ".".join(parts[:i])) in modules),
+                None,
+            )
+            if target is not None and target != me:
+                edges.add(target)
+        graph[me] = edges
+    return graph
+
+
+def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """Each group of modules that import one another round a circle (the strongly
+    connected components with more than one module, Tarjan's algorithm without recursion,
+    so a deep import chain cannot overflow the stack), each sorted, sorted by first."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work: list[tuple[str, list[str]]] = [(root, sorted(graph[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, todo = work[-1]
+            if todo:
+                nxt = todo.pop()
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, sorted(graph.get(nxt, ()))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                group: list[str] = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return sorted(found)
+
+
+def _repository_sources() -> dict[str, str]:
+    return {
+        path.relative_to(ROOT).as_posix(): path.read_text(encoding="utf-8")
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+    }
+
+
+def test_no_module_imports_itself_round_a_circle() -> None:
+    sources = _repository_sources()
+    graph = import_graph(sources)
+    # The walk saw the package: a broken reader would find no edges and pass.
+    assert "ref.cli.serve" in graph["ref.cli.main"]
+    assert "ref.cli.config_args" in graph["ref.cli.serve"]
+    found = cycles(graph)
+    assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_cli_commands_import_the_shared_options_not_each_other() -> None:
+    graph = import_graph(_repository_sources())
+    assert "ref.cli.main" not in graph["ref.cli.serve"]
+
+
+# --------------------------------------------------------------------- the checker fails
+@pytest.mark.parametrize(
+    ("sources", "circle"),
+    [
+        (  # the circle this test was written for: one side lazy, in a function
+            {
+                "ref/cli/main.py": "from ref.cli.serve import add\n",
+                "ref/cli/serve.py": "def add():\n    from ref.cli.main import config\n",
+            },
+            ["ref.cli.main", "ref.cli.serve"],
+        ),
+        (  # round three modules, relative and TYPE_CHECKING imports
+            {
+                "ref/a.py": "from . import b\n",
+                "ref/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                "    from ref.c import X\n",
+                "ref/c.py": "import ref.a\nimport json\n",
+            },
+            ["ref.a", "ref.b", "ref.c"],
+        ),
+        (  # through a package's __init__
+            {
+                "ref/kv/__init__.py": "from ref.kv.pool import Pool\n",
+                "ref/kv/pool.py": "from ref.kv import helper\n",
+            },
+            ["ref.kv", "ref.kv.pool"],
+        ),
+    ],
+)
+def test_a_planted_circle_is_found(sources: dict[str, str], circle: list[str]) -> None:
+    assert cycles(import_graph(sources)) == [circle]
+
+
+def test_a_one_way_chain_is_no_circle() -> None:
+    sources = {
+        "ref/a.py": "from ref.b import f\n",
+        "ref/b.py": "from ref import c\nimport os\n",
+        "ref/c.py": "from ref.c import itself\n",  # a module naming itself is no edge
+    }
+    graph = import_graph(sources)
+    assert graph == {"ref.a": {"ref.b"}, "ref.b": {"ref.c"}, "ref.c": set()}
+    assert cycles(graph) == []
