@@ -166,15 +166,25 @@ def _main(argv: list[str]) -> int:
     if not args.adapter and not args.kv_adapter:
         raise UsageError("--adapter MODULE:FACTORY (or --kv-adapter) is required")
     if args.self_check:
-        if not args.adapter:
-            raise UsageError("--self-check needs --adapter MODULE:FACTORY")
-        from conformance.selfcheck import self_check_main
-
-        return self_check_main(args.adapter, args.call_timeout)
+        return _self_check(args)
     if args.replay is not None:
         return _replay(args)
     if args.exhaustive:
         return _exhaustive(args)
+    return _suite(args)
+
+
+def _self_check(args: argparse.Namespace) -> int:
+    if not args.adapter:
+        raise UsageError("--self-check needs --adapter MODULE:FACTORY")
+    from conformance.selfcheck import self_check_main
+
+    return self_check_main(args.adapter, args.call_timeout)
+
+
+def _suite(args: argparse.Namespace) -> int:
+    """The suite itself (engine and/or KV level), once the outputs, the baseline and the
+    adapters are known to be usable."""
     for out in (args.report, args.markdown):
         if out is not None:
             _check_writable(out)

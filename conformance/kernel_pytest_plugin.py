@@ -54,10 +54,11 @@ class KernelCaseItem(pytest.Item):
     def runtest(self) -> None:
         import torch
 
-        from conformance.kernel_grid import CASES, FAIL, PASS, TIMEOUT, _load_function, run_case
+        from conformance.kernel_grid import CASES, FAIL, PASS, TIMEOUT, run_case
+        from conformance.kernel_grid.worker import load_function
 
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        fn = _load_function(self.target)
+        fn = load_function(self.target)
         result = run_case(fn, CASES[self.case], getattr(torch, self.dtype), device)
         if result.status in (FAIL, TIMEOUT):
             detail = json.dumps(result.to_json(), indent=1, default=str)

@@ -262,6 +262,13 @@ _ICON = {"pass": "pass", "fail": "**FAIL**", "not_supported": "not supported"}
 
 def to_markdown(report: Report) -> str:
     """A report a human reads: the matrix, then each failure with its shrunk workload."""
+    sections = (_md_header, _md_matrix, _md_failures, _md_not_supported, _md_policy)
+    lines = [line for section in sections for line in section(report)]
+    return "\n".join(lines) + "\n"
+
+
+def _md_header(report: Report) -> list[str]:
+    """Title, adapter, headline; a partial report and declared properties say so."""
     lines = [
         f"# Conformance report: {report.engine}",
         "",
@@ -275,48 +282,59 @@ def to_markdown(report: Report) -> str:
     if report.properties:
         props = ", ".join(f"{k} = {v}" for k, v in report.properties.items())
         lines += [f"Declared properties: {props}.", ""]
+    return lines
+
+
+def _md_matrix(report: Report) -> list[str]:
+    """One row per scenario, one column per invariant (``-``: not checked there)."""
     invariants = sorted({r.invariant for r in report.results})
     by = {(r.scenario, r.invariant): r for r in report.results}
-    lines.append("| scenario | " + " | ".join(invariants) + " |")
-    lines.append("|---|" + "---|" * len(invariants))
+    lines = ["| scenario | " + " | ".join(invariants) + " |", "|---|" + "---|" * len(invariants)]
     for sc in report.scenarios:
         cells = [_ICON[by[(sc.name, i)].status] if (sc.name, i) in by else "-" for i in invariants]
         lines.append(f"| {sc.name} | " + " | ".join(cells) + " |")
-    lines.append("")
+    return [*lines, ""]
+
+
+def _md_failures(report: Report) -> list[str]:
     failures = [(r, f) for r in report.results for f in r.failures]
-    if failures:
-        lines += ["## Failures", ""]
-        for r, f in failures:
-            lines += [
-                f"### {r.scenario}: {r.invariant}",
-                "",
-                f"Step {f.step} ({f.phase}), {f.subject}: {f.message}"
-                + (f" (expected {f.expected}, seen {f.seen})" if f.expected or f.seen else ""),
-                "",
-                "Shrunk workload:",
-                "",
-                "```json",
-                json.dumps(f.workload, sort_keys=False),
-                "```",
-                "",
-            ]
+    if not failures:
+        return []
+    lines = ["## Failures", ""]
+    for r, f in failures:
+        seen = f" (expected {f.expected}, seen {f.seen})" if f.expected or f.seen else ""
+        lines += [
+            f"### {r.scenario}: {r.invariant}",
+            "",
+            f"Step {f.step} ({f.phase}), {f.subject}: {f.message}{seen}",
+            "",
+            "Shrunk workload:",
+            "",
+            "```json",
+            json.dumps(f.workload, sort_keys=False),
+            "```",
+            "",
+        ]
+    return lines
+
+
+def _md_not_supported(report: Report) -> list[str]:
     unsupported = [sc for sc in report.scenarios if sc.not_supported]
-    if unsupported:
-        lines += ["## Not supported", ""]
-        lines += [f"- {sc.name}: {sc.not_supported}" for sc in unsupported]
-        lines.append("")
-    lines += ["## Observed policy (not violations)", ""]
-    for k, v in report.policy.items():
-        lines.append(f"- {k}: {v}")
-    golden = [sc for sc in report.scenarios if sc.golden is not None]
+    if not unsupported:
+        return []
+    return ["## Not supported", "", *(f"- {sc.name}: {sc.not_supported}" for sc in unsupported), ""]
+
+
+def _md_policy(report: Report) -> list[str]:
+    """Observed policy and golden matches (never violations), notes, the scenario list."""
+    lines = ["## Observed policy (not violations)", ""]
+    lines += [f"- {k}: {v}" for k, v in report.policy.items()]
+    golden = [(sc.name, sc.golden) for sc in report.scenarios if sc.golden is not None]
     if golden:
         lines += ["", "| golden scenario | matches the golden schedule |", "|---|---|"]
-        for sc in golden:
-            assert sc.golden is not None
-            lines.append(f"| {sc.name} | {'yes' if sc.golden.get('matches') else 'no'} |")
+        lines += [f"| {name} | {'yes' if g.get('matches') else 'no'} |" for name, g in golden]
     if report.notes:
-        lines += ["", "## Notes", ""]
-        lines += [f"- {n}" for n in report.notes]
+        lines += ["", "## Notes", "", *(f"- {n}" for n in report.notes)]
     lines += ["", "## Scenarios", ""]
     lines += [f"- **{sc.name}** ({sc.kind}): {sc.description}" for sc in report.scenarios]
-    return "\n".join(lines) + "\n"
+    return lines

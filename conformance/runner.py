@@ -5,10 +5,12 @@ report and runs :func:`spec.check_step`; after each abort it runs :func:`spec.ch
 on a rejected request or a rolled-back step it runs :func:`spec.atomic.check_atomic`; at
 quiescence :func:`spec.progress.check_quiescent` (the leak check) and
 :func:`spec.progress.check_starvation`. On top of the spec it keeps a fake KV memory
-(a model check that catches sharing bugs, docs/CONFORMANCE.md): each scheduled slot receives the
-token id at its position, and after each step every request must read back exactly its
-own tokens through its block table. An exception out of the engine is a PROGRESS failure
-(it must not crash); so is a run that does not quiesce within the workload's step limit.
+(a model check that catches sharing bugs, docs/CONFORMANCE.md; :mod:`conformance.fake_kv`):
+each scheduled slot receives the token id at its position, and after each step every
+request must read back exactly its own tokens through its block table. It samples every
+token itself, so it knows when a request must stop (:mod:`conformance.stops`). An
+exception out of the engine is a PROGRESS failure (it must not crash); so is a run that
+does not quiesce within the workload's step limit.
 
 Every adapter call goes through :func:`conformance.guard.call` (a time limit, any
 exception contained) and every value it returns is validated (:mod:`conformance.validate`)
@@ -17,6 +19,7 @@ PROGRESS finding naming the call, never a crash of the suite. ``NotSupported`` f
 call means the engine cannot run the workload (``not_supported``). The adapter's declared
 :class:`~conformance.adapter.EngineProperties` set what is a convention: lookahead slots
 (POS), eos handling (KVLEN), the free-queue order (BLOCK), the admission order (ORDER).
+What a run yields (findings, observed policy, trace) is :mod:`conformance.run_result`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from conformance import validate
 from conformance.adapter import (
@@ -39,9 +42,11 @@ from conformance.adapter import (
     StepReport,
     properties_of,
 )
+from conformance.fake_kv import POISONED, FakeKV
 from conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, call, describe
+from conformance.run_result import Finding, Observed, RunResult, step_trace
+from conformance.stops import StopRules
 from conformance.workload import EOS, RequestPlan, Workload, next_token
-from spec.arith import slot_of
 from spec.atomic import check_atomic
 from spec.checks import check_pool, check_step
 from spec.order import check_admission_order, check_strict_admission_order
@@ -50,8 +55,6 @@ from spec.snapshot import EngineSnapshot, RequestStatus, ScheduledRequest, StepS
 from spec.violation import Invariant, Violation, violation
 
 T = TypeVar("T")
-#: A rejected draft's slot in the fake KV memory: never a token id (those are >= 0).
-POISONED = -1
 
 
 class _Stop(Exception):
@@ -72,81 +75,14 @@ STEP_INVARIANTS = (
 )
 
 
-@dataclass(frozen=True)
-class Finding:
-    """A violation with where it happened: ``step`` is the engine step (-1: at quiescence),
-    ``phase`` one of ``step``, ``add``, ``abort``, ``rollback``, ``quiescence``."""
-
-    violation: Violation
-    step: int
-    phase: str = "step"
-
-    @property
-    def invariant(self) -> Invariant:
-        return self.violation.invariant
-
-    def to_json(self) -> dict[str, Any]:
-        v = self.violation
-        return {
-            "invariant": str(v.invariant),
-            "step": self.step,
-            "phase": self.phase,
-            "subject": v.subject,
-            "message": v.message,
-            "expected": v.expected,
-            "seen": v.seen,
-        }
-
-    def __str__(self) -> str:
-        return f"step {self.step} ({self.phase}): {self.violation}"
-
-
 @dataclass
-class Observed:
-    """Policy behaviour seen in a run (reported separately from violations)."""
+class _Sampled:
+    """What the suite's model answers to one step report: the token sampled per request,
+    the drafts accepted per verified request, and the tokens each request gains."""
 
-    steps: int = 0
-    mixed_steps: int = 0
-    """Steps scheduling both a prefill chunk and a decode."""
-    decodes_paused_for_prefill: int = 0
-    """Steps that ran a prefill while a decoding request got nothing (prefill-first)."""
-    chunked_prompts: int = 0
-    """Prompts computed over more than one step."""
-    preemptions: int = 0
-    cached_tokens: int = 0
-    rejected: int = 0
-    finish_reasons: dict[str, int] = field(default_factory=dict)
-    rounds: list[tuple[tuple[str, int], ...]] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "steps": self.steps,
-            "mixed_steps": self.mixed_steps,
-            "decodes_paused_for_prefill": self.decodes_paused_for_prefill,
-            "chunked_prompts": self.chunked_prompts,
-            "preemptions": self.preemptions,
-            "cached_tokens": self.cached_tokens,
-            "rejected": self.rejected,
-            "finish_reasons": dict(sorted(self.finish_reasons.items())),
-        }
-
-
-@dataclass
-class RunResult:
-    workload: Workload
-    findings: list[Finding] = field(default_factory=list)
-    trace: list[dict[str, Any]] = field(default_factory=list)
-    observed: Observed = field(default_factory=Observed)
-    checked: set[Invariant] = field(default_factory=set)
-    not_supported: str = ""
-    """Non-empty when the engine cannot run the workload at all (the reason)."""
-
-    @property
-    def ok(self) -> bool:
-        return not self.findings
-
-    def first(self) -> Finding | None:
-        return self.findings[0] if self.findings else None
+    sampled: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
+    gained: dict[str, list[int]] = field(default_factory=dict)
 
 
 class _Run:
@@ -168,10 +104,20 @@ class _Run:
         self.tokens: dict[str, list[int]] = {}
         self.plans: dict[str, RequestPlan] = {r.request_id: r for r in workload.requests}
         self.live: set[str] = set()
-        self.kv: dict[int, int] = {}
-        self.host_kv: dict[int, int] = {}  # the host swap pool's fake memory
+        self.memory = FakeKV()
+        self.stops = StopRules(props, self.cfg.eos_token_id)
         self.steps: list[StepSnapshot] = []
         self.prefill_steps: dict[str, int] = defaultdict(int)
+
+    @property
+    def kv(self) -> dict[int, int]:
+        """The device's fake KV memory (slot -> token id; the explorer's key reads it)."""
+        return self.memory.device
+
+    @property
+    def host_kv(self) -> dict[int, int]:
+        """The host swap pool's fake KV memory."""
+        return self.memory.host
 
     # ------------------------------------------------------------------ helpers
     def fail(
@@ -274,13 +220,7 @@ class _Run:
         step = 0
         i = 0
         while True:
-            while i < len(pending) and pending[i].arrival <= boundary:
-                self.add(pending[i], step)
-                i += 1
-            for rid in sorted(self.live):
-                p = self.plans[rid]
-                if p.abort_at is not None and p.abort_at <= boundary:
-                    self.abort(rid, step)
+            i = self.arrive(pending, i, boundary, step)
             boundary += 1
             if not self.live:
                 if i >= len(pending):
@@ -301,21 +241,40 @@ class _Run:
                 self.rollback(step)
             self.step(step)
             step += 1
-            if self.unchanged >= STALL_STEPS and not self.events_ahead(pending[i:]):
-                # Nothing the suite will still do can unstick it: running on to the step
-                # limit would only repeat the same finding, thousands of steps long.
-                if not any(f.invariant is Invariant.PROGRESS for f in self.res.findings):
-                    self.fail(
-                        Invariant.PROGRESS,
-                        step,
-                        "step",
-                        "run",
-                        f"stalled: {STALL_STEPS} steps in a row changed nothing",
-                        "progress",
-                        f"{sorted(self.live)} still live",
-                    )
+            if self.stalled(pending[i:], step):
                 return
         self.quiesce(step)
+
+    def arrive(self, pending: list[RequestPlan], i: int, boundary: int, step: int) -> int:
+        """Add the requests arrived by ``boundary`` (``pending[i:]`` in arrival order)
+        and abort those due; the index of the next request still to arrive."""
+        while i < len(pending) and pending[i].arrival <= boundary:
+            self.add(pending[i], step)
+            i += 1
+        for rid in sorted(self.live):
+            p = self.plans[rid]
+            if p.abort_at is not None and p.abort_at <= boundary:
+                self.abort(rid, step)
+        return i
+
+    def stalled(self, pending: list[RequestPlan], step: int) -> bool:
+        """PROGRESS: whether the run ends stalled (:data:`STALL_STEPS` unchanged steps
+        and nothing ahead that could unstick it), reported once."""
+        if self.unchanged < STALL_STEPS or self.events_ahead(pending):
+            return False
+        # Nothing the suite will still do can unstick it: running on to the step
+        # limit would only repeat the same finding, thousands of steps long.
+        if not any(f.invariant is Invariant.PROGRESS for f in self.res.findings):
+            self.fail(
+                Invariant.PROGRESS,
+                step,
+                "step",
+                "run",
+                f"stalled: {STALL_STEPS} steps in a row changed nothing",
+                "progress",
+                f"{sorted(self.live)} still live",
+            )
+        return True
 
     def add(self, r: RequestPlan, step: int) -> None:
         before = self.snapshot(step, "add")
@@ -379,23 +338,8 @@ class _Run:
         proposals = self.propose(before, step) if self.cfg.num_speculative_tokens else {}
         plan = self.call(step, "step", "schedule()", self.a.schedule)
         self.malformed(step, "step", "schedule()", validate.check_step_report(plan))
-        sampled: dict[str, int] = {}
-        accepted: dict[str, int] = {}
-        gained: dict[str, list[int]] = {}
-        for s in plan.scheduled:
-            if not s.samples:
-                continue
-            toks = self.tokens.get(s.request_id)
-            if toks is None:
-                self.fail(
-                    Invariant.TOKEN, step, "step", f"request {s.request_id}", "unknown id scheduled"
-                )
-                continue
-            if s.num_draft_tokens:
-                self.verify(s, proposals, sampled, accepted, gained, step)
-            else:
-                sampled[s.request_id] = self.choose(s.request_id, toks)
-                gained[s.request_id] = [sampled[s.request_id]]
+        out = self.sample(plan, proposals, step)
+        sampled, accepted = out.sampled, out.accepted
         done = self.call(
             step,
             "step",
@@ -425,6 +369,47 @@ class _Run:
             "step",
             lambda: check_step(snap, self.props.lookahead_slots, self.props.same_step_prefix_hits),
         )
+        self.check_order(snap, step)
+        self.steps.append(snap)
+        if self.props.free_queue_order:
+            self.check_free_order(snap, step)
+        bs = self.cfg.block_size
+        self.record(self.memory.write(plan, self.tokens, proposals, bs), step, "step")
+        self.memory.poison_rejected(plan, accepted, self.tokens)
+        for rid, toks in out.gained.items():
+            self.tokens[rid].extend(toks)
+        self.check_stops(plan, done, sampled, after, step)
+        self.record(self.memory.read_back(after, self.tokens), step, "step")
+        self.record(self.memory.read_back_host(after, self.tokens), step, "step")
+        self.observe(before, plan)
+        self.res.trace.append(step_trace(step, before, plan, done, sampled))
+        if accepted:
+            self.res.trace[-1]["accepted"] = dict(accepted)
+
+    def sample(
+        self, plan: StepReport, proposals: Mapping[str, tuple[int, ...]], step: int
+    ) -> _Sampled:
+        """The suite's model: a token for every entry that samples (TOKEN: only for a
+        request it knows), its drafts verified first when it carries some."""
+        out = _Sampled()
+        for s in plan.scheduled:
+            if not s.samples:
+                continue
+            toks = self.tokens.get(s.request_id)
+            if toks is None:
+                self.fail(
+                    Invariant.TOKEN, step, "step", f"request {s.request_id}", "unknown id scheduled"
+                )
+                continue
+            if s.num_draft_tokens:
+                self.verify(s, proposals, out.sampled, out.accepted, out.gained, step)
+            else:
+                out.sampled[s.request_id] = self.choose(s.request_id, toks)
+                out.gained[s.request_id] = [out.sampled[s.request_id]]
+        return out
+
+    def check_order(self, snap: StepSnapshot, step: int) -> None:
+        """ORDER: the declared admission order, when the adapter declares one."""
         declared = self.props.admission_order
         if declared.strict:
             # Head-of-line blocking promises more than the lax order: a strict engine
@@ -443,19 +428,6 @@ class _Run:
                     snap, self.rank, self.props.lookahead_slots, str(declared)
                 ),
             )
-        self.steps.append(snap)
-        if self.props.free_queue_order:
-            self.check_free_order(snap, step)
-        self.write_kv(plan, step, proposals)
-        self.poison_rejected(plan, accepted)
-        for rid, toks in gained.items():
-            self.tokens[rid].extend(toks)
-        self.check_stops(plan, done, sampled, after, step)
-        self.read_back(after, step)
-        self.read_back_host(after, step)
-        self.observe(before, plan, done, sampled, step)
-        if accepted:
-            self.res.trace[-1]["accepted"] = dict(accepted)
 
     def check_free_order(self, snap: StepSnapshot, step: int) -> None:
         """Free blocks are handed out in the order the snapshot's free queue states.
@@ -572,17 +544,6 @@ class _Run:
         sampled[rid] = truth[a]
         gained[rid] = truth[: a + 1]
 
-    def poison_rejected(self, plan: StepReport, accepted: Mapping[str, int]) -> None:
-        """The slots of rejected drafts hold K/V no later step may read (KVLEN)."""
-        for s in plan.scheduled:
-            a = accepted.get(s.request_id)
-            if a is None:
-                continue
-            kept = len(self.tokens[s.request_id]) + a  # before this step's tokens join
-            for pos, slot in zip(s.positions, s.slot_mapping, strict=False):
-                if pos >= kept:
-                    self.kv[slot] = POISONED
-
     def choose(self, rid: str, toks: list[int]) -> int:
         p = self.plans[rid]
         n_out = len(toks) - len(p.prompt) + 1
@@ -590,114 +551,6 @@ class _Run:
         if forced and self.props.eos and self.cfg.eos_token_id is not None:
             return self.cfg.eos_token_id
         return next_token(toks)
-
-    def write_kv(
-        self, plan: StepReport, step: int, proposals: Mapping[str, tuple[int, ...]]
-    ) -> None:
-        bs = self.cfg.block_size
-        # The executor's order: swap-outs, swap-ins, copy-on-write, then the new K/V.
-        for pairs, src_kv, dst_kv in (
-            (plan.swap_out, self.kv, self.host_kv),
-            (plan.swap_in, self.host_kv, self.kv),
-            (plan.block_copies, self.kv, self.kv),
-        ):
-            for src, dst in pairs:
-                for off in range(bs):
-                    v = src_kv.get(src * bs + off)
-                    if v is None:
-                        dst_kv.pop(dst * bs + off, None)
-                    else:
-                        dst_kv[dst * bs + off] = v
-        for s in plan.scheduled:
-            toks = self.tokens.get(s.request_id, [])
-            if s.num_draft_tokens:  # a verification writes its drafts after its tokens
-                toks = [*toks, *proposals.get(s.request_id, ())[: s.num_draft_tokens]]
-            for pos, slot in zip(s.positions, s.slot_mapping, strict=False):
-                if not 0 <= pos < len(toks):
-                    self.fail(
-                        Invariant.POS,
-                        step,
-                        "step",
-                        f"request {s.request_id}",
-                        f"position {pos} has no known token (num_tokens {len(toks)})",
-                    )
-                    break
-                self.kv[slot] = toks[pos]
-
-    def read_back(self, after: EngineSnapshot, step: int) -> None:
-        """Every request reads exactly its own tokens through its block table."""
-        pool = after.pool
-        bs = pool.block_size
-        holders: dict[int, int] = defaultdict(int)
-        for t in pool.tables:
-            for b in t.block_table:
-                holders[b] += 1
-        for t in pool.tables:
-            toks = self.tokens.get(t.request_id)
-            if toks is None:
-                continue
-            r = after.request(t.request_id)
-            cached = r.num_cached_tokens if r is not None else 0
-            for p in range(min(t.num_stored, len(toks))):
-                idx = p // bs
-                if idx >= len(t.block_table):
-                    break  # POS reports the short table
-                b = t.block_table[idx]
-                got = self.kv.get(slot_of(b, p, bs))
-                if got == toks[p]:
-                    continue
-                if got is None:
-                    inv, why = Invariant.POS, "KV at this position was never written"
-                elif got == POISONED:
-                    inv, why = Invariant.KVLEN, "it holds a rejected draft's K/V"
-                elif holders[b] > 1 or p < cached:
-                    inv, why = (
-                        Invariant.PREFIX,
-                        f"shared/cached block {b} holds another request's token",
-                    )
-                else:
-                    inv, why = Invariant.BLOCK, f"block {b} was overwritten by another request"
-                self.res.findings.append(
-                    Finding(
-                        violation(
-                            inv,
-                            f"request {t.request_id}",
-                            f"KV read back at position {p}: {why}",
-                            toks[p],
-                            got,
-                        ),
-                        step,
-                        "step",
-                    )
-                )
-                break
-
-    def read_back_host(self, after: EngineSnapshot, step: int) -> None:
-        """Every host table reads back its request's tokens from the host memory."""
-        if after.host is None:
-            return
-        bs = after.host.block_size
-        for t in after.host.tables:
-            toks = self.tokens.get(t.request_id)
-            if toks is None:
-                continue
-            for p in range(min(t.num_stored, len(toks), len(t.block_table) * bs)):
-                got = self.host_kv.get(slot_of(t.block_table[p // bs], p, bs))
-                if got != toks[p]:
-                    self.res.findings.append(
-                        Finding(
-                            violation(
-                                Invariant.BLOCK,
-                                f"request {t.request_id}",
-                                f"host KV read back at position {p}: swapped-out K/V lost",
-                                toks[p],
-                                got,
-                            ),
-                            step,
-                            "step",
-                        )
-                    )
-                    break
 
     def check_stops(
         self,
@@ -707,62 +560,11 @@ class _Run:
         after: EngineSnapshot,
         step: int,
     ) -> None:
+        """KVLEN: a request stops exactly when a stop says so; PROGRESS: a finished
+        request holds no block."""
         reasons = dict(plan.finished) | dict(done.finished)
-        for rid, tok in sampled.items():
-            p = self.plans.get(rid)
-            if p is None:
-                continue
-            n_tokens = len(self.tokens[rid])
-            n_out = n_tokens - len(p.prompt)
-            # An engine without eos handling is never asked to stop on one (choose()).
-            is_stop = self.props.eos and tok == self.cfg.eos_token_id
-            at_max_tokens = n_out >= p.max_tokens
-            # Declared max_model_len_stop: reaching the max_model_len the request's own
-            # snapshot reports stops it too (reason length), as vLLM's check_stop does.
-            limit = self.reported_max_model_len(after, rid)
-            at_limit = limit is not None and n_tokens >= limit
-            must = is_stop or at_max_tokens or at_limit
-            if must and rid not in reasons:
-                if is_stop:
-                    why = "sampled its eos token"
-                elif at_max_tokens:
-                    why = f"reached max_tokens {p.max_tokens}"
-                else:
-                    why = f"reached its max_model_len {limit} ({n_tokens} tokens)"
-                self.fail(
-                    Invariant.KVLEN, step, "step", f"request {rid}", f"{why} but kept running"
-                )
-            elif at_limit and not (is_stop or at_max_tokens) and reasons[rid] != "length":
-                self.fail(
-                    Invariant.KVLEN,
-                    step,
-                    "step",
-                    f"request {rid}",
-                    f"reached its max_model_len {limit} and finished with reason "
-                    f"{reasons[rid]}, not length",
-                )
-            if not must and rid in reasons and reasons[rid] in ("stop", "length"):
-                hint = ""
-                r = after.request(rid)
-                if (
-                    not self.props.max_model_len_stop
-                    and reasons[rid] == "length"
-                    and r is not None
-                    and r.max_model_len == n_tokens
-                ):
-                    hint = (
-                        f" (it reached the max_model_len {n_tokens} its snapshot reports: "
-                        "an engine that stops there declares "
-                        "EngineProperties(max_model_len_stop=True))"
-                    )
-                self.fail(
-                    Invariant.KVLEN,
-                    step,
-                    "step",
-                    f"request {rid}",
-                    f"finished with reason {reasons[rid]} after {n_out} outputs without a stop"
-                    + hint,
-                )
+        vs = self.stops.violations(sampled, reasons, after, self.tokens, self.plans)
+        self.record(vs, step, "step")
         for rid, reason in reasons.items():
             self.live.discard(rid)
             self.res.observed.finish_reasons[reason] = (
@@ -773,25 +575,9 @@ class _Run:
                     Invariant.PROGRESS, step, "step", f"request {rid}", "finished but holds blocks"
                 )
 
-    def reported_max_model_len(self, after: EngineSnapshot, rid: str) -> int | None:
-        """The ``max_model_len`` the request's snapshot after the commit reports, when the
-        adapter declared ``max_model_len_stop`` (else None: only eos, stop tokens and
-        ``max_tokens`` may stop a request)."""
-        if not self.props.max_model_len_stop:
-            return None
-        r = after.request(rid)
-        if r is None or isinstance(r.max_model_len, bool) or not isinstance(r.max_model_len, int):
-            return None  # a missing or malformed record is reported by the snapshot checks
-        return r.max_model_len
-
-    def observe(
-        self,
-        before: EngineSnapshot,
-        plan: StepReport,
-        done: CommitReport,
-        sampled: Mapping[str, int],
-        step: int,
-    ) -> None:
+    def observe(self, before: EngineSnapshot, plan: StepReport) -> None:
+        """Policy behaviour of one step (never a violation): mixed batches, decodes
+        paused for a prefill, chunked prompts, preemptions, cache hits."""
         o = self.res.observed
         o.steps += 1
         o.preemptions += len(plan.preempted)
@@ -813,28 +599,6 @@ class _Run:
                     o.chunked_prompts += 1
                 if s.samples:
                     self.prefill_steps[s.request_id] = 0
-        self.res.trace.append(
-            {
-                "step": step,
-                "scheduled": [
-                    {
-                        "id": s.request_id,
-                        "n": s.num_new_tokens,
-                        "positions": _span(s.positions),
-                        "slots": list(s.slot_mapping),
-                        "block_table": list(s.block_table),
-                        "samples": s.samples,
-                        "cached": s.num_new_cached_tokens,
-                        "drafts": s.num_draft_tokens,
-                    }
-                    for s in plan.scheduled
-                ],
-                "sampled": dict(sampled),
-                "preempted": list(plan.preempted),
-                "finished": [[r, why] for r, why in (*plan.finished, *done.finished)],
-                "free_blocks": len(before.pool.free_queue),
-            }
-        )
 
     def quiesce(self, step: int) -> None:
         snap = self.snapshot(step, "quiescence")
@@ -883,15 +647,6 @@ class _Run:
 
 def _live(snap: EngineSnapshot) -> EngineSnapshot:
     return EngineSnapshot(tuple(r for r in snap.requests if not r.status.is_done), snap.pool)
-
-
-def _span(positions: tuple[int, ...]) -> list[int]:
-    """Positions as [first, last] (they should be contiguous; the check says if not)."""
-    if not positions:
-        return []
-    if positions == tuple(range(positions[0], positions[-1] + 1)):
-        return [positions[0], positions[-1]]
-    return list(positions)
 
 
 def adapter_traits(
@@ -959,6 +714,7 @@ def run_with(factory: AdapterFactory, workload: Workload) -> RunResult:
 
 __all__ = [
     "EOS",
+    "POISONED",
     "Finding",
     "Observed",
     "RunResult",

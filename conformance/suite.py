@@ -165,7 +165,8 @@ def _policy(infos: Sequence[ScenarioInfo], props: EngineProperties) -> dict[str,
         return sum(int(i.observed.get(key, 0)) for i in fixed)
 
     paused = [i.name for i in fixed if i.observed.get("decodes_paused_for_prefill")]
-    golden = [i for i in infos if i.golden is not None]
+    # An empty golden record is neither a match nor a mismatch.
+    golden = [(i.name, bool(i.golden.get("matches"))) for i in infos if i.golden]
     out: dict[str, Any] = {
         "mixed_prefill_decode_steps": total("mixed_steps"),
         "prefill_first_steps": total("decodes_paused_for_prefill"),
@@ -173,8 +174,8 @@ def _policy(infos: Sequence[ScenarioInfo], props: EngineProperties) -> dict[str,
         "chunked_prompts": total("chunked_prompts"),
         "preemptions": total("preemptions"),
         "prefix_cached_tokens": total("cached_tokens"),
-        "golden_matches": sum(1 for i in golden if i.golden and i.golden.get("matches")),
-        "golden_mismatches": [i.name for i in golden if i.golden and not i.golden.get("matches")],
+        "golden_matches": sum(1 for _, matches in golden if matches),
+        "golden_mismatches": [name for name, matches in golden if not matches],
     }
     declared = props.step_order
     if declared is not StepOrder.UNSPECIFIED:

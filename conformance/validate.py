@@ -222,27 +222,30 @@ def _ints(
     if items is None:
         return None
     bad_type = [i for i, v in enumerate(items) if not _is_int(v)]
-    if bad_type:
-        i = bad_type[0]
-        more = f" (and {len(bad_type) - 1} more)" if len(bad_type) > 1 else ""
-        p.add(f"{where}[{i}]", f"expected int, got {_desc(items[i])}{more}")
+    if _first_of(p, where, bad_type, lambda i: f"expected int, got {_desc(items[i])}"):
         return None
     values = tuple(v for v in items if _is_int(v))
     negative = [i for i, v in enumerate(values) if v < 0]
-    if negative:
-        i = negative[0]
-        more = f" (and {len(negative) - 1} more)" if len(negative) > 1 else ""
-        p.add(f"{where}[{i}]", f"{values[i]} is negative{more}")
+    _first_of(p, where, negative, lambda i: f"{values[i]} is negative")
     if upper is not None:
         high = [i for i, v in enumerate(values) if v >= upper]
-        if high:
-            i = high[0]
-            more = f" (and {len(high) - 1} more)" if len(high) > 1 else ""
-            p.add(
-                f"{where}[{i}]",
-                f"{item} {values[i]} out of range 0..{upper - 1} ({upper_name} {upper}){more}",
-            )
+        _first_of(
+            p,
+            where,
+            high,
+            lambda i: f"{item} {values[i]} out of range 0..{upper - 1} ({upper_name} {upper})",
+        )
     return values
+
+
+def _first_of(p: _Problems, where: str, bad: list[int], message: Callable[[int], str]) -> bool:
+    """Report the first of the offending indices ``bad`` (with a count of the others);
+    whether there was one."""
+    if not bad:
+        return False
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    p.add(f"{where}[{bad[0]}]", message(bad[0]) + more)
+    return True
 
 
 def _tokens(p: _Problems, where: str, x: object) -> tuple[int, ...] | None:

@@ -1,7 +1,7 @@
 """Per-dtype tolerances for comparing a kernel's output with the dense oracle.
 
 Written down once here and used by every test and by the conformance grid
-(``conformance/kernel_grid.py``), as docs/ARCHITECTURE.md ("Kernels") asks.
+(``conformance/kernel_grid/``), as docs/ARCHITECTURE.md ("Kernels") asks.
 
 A result passes when ``max |out - ref| <= atol + rtol * max |ref|``. Both sides see the
 same rounded inputs (the oracle upcasts them to fp32), so the difference comes from

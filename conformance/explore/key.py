@@ -66,7 +66,6 @@ def pool_key(
     ordered_free: bool,
 ) -> Key:
     """The canonical form of one pool (device or host) and of its fake memory."""
-    bs = pool.block_size
     tables = sorted(
         (t for t in pool.tables if t.request_id in rank), key=lambda t: rank[t.request_id]
     )
@@ -79,18 +78,7 @@ def pool_key(
         for t in tables
     )
     entry_key = tuple((e.key, names[e.block_id], e.parent_key) for e in entries)
-    if ordered_free:
-        free: tuple[int | None, ...] = tuple(names.get(b) for b in pool.free_queue)
-    else:
-        free = tuple(sorted(names[b] for b in pool.free_queue if b in names))
-    num_free = len(pool.free_queue)
-    ref = {
-        names[b]: c for b, c in enumerate(pool.ref_cnt) if b in names and 0 <= b < len(pool.ref_cnt)
-    }
-    contents = tuple(
-        tuple(memory.get(b * bs + off) for off in range(bs))
-        for b, _ in sorted(names.items(), key=lambda kv: kv[1])
-    )
+    ref = _ref_counts(pool, names)
     # Blocks counted as held but in no table, cache entry or free slot: a leak the BLOCK
     # check reports; their number is part of the state all the same.
     held = sum(1 for c in pool.ref_cnt if c > 0)
@@ -98,11 +86,34 @@ def pool_key(
         table_key,
         tuple(strays),
         entry_key,
-        free,
-        num_free,
+        _free_key(pool, names, ordered_free),
+        len(pool.free_queue),
         tuple(sorted(ref.items())),
         held - len(ref),
-        contents,
+        _contents(names, memory, pool.block_size),
+    )
+
+
+def _free_key(pool: PoolSnapshot, names: Mapping[int, int], ordered_free: bool) -> Key:
+    """Where the named (held or indexed) blocks sit in the free queue: in hand-out order
+    (unnamed free blocks as None), or as a set for an unordered free list."""
+    if ordered_free:
+        return tuple(names.get(b) for b in pool.free_queue)
+    return tuple(sorted(names[b] for b in pool.free_queue if b in names))
+
+
+def _ref_counts(pool: PoolSnapshot, names: Mapping[int, int]) -> dict[int, int]:
+    """The ref count of every named block, by its name."""
+    return {
+        names[b]: c for b, c in enumerate(pool.ref_cnt) if b in names and 0 <= b < len(pool.ref_cnt)
+    }
+
+
+def _contents(names: Mapping[int, int], memory: Mapping[int, int], bs: int) -> Key:
+    """The fake KV memory of every named block, in name order."""
+    return tuple(
+        tuple(memory.get(b * bs + off) for off in range(bs))
+        for b, _ in sorted(names.items(), key=lambda kv: kv[1])
     )
 
 

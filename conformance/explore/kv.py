@@ -13,7 +13,7 @@ manager: in every reachable state it applies every op the scope allows
   token from the scope's alphabet, and asks for every useful ``num_new_tokens``;
 * ``fork`` (feature ``fork``) into a fresh request, and ``free``;
 
-each op checked by the KV level's own driver (:class:`conformance.kv.machine._KVRun`:
+each op checked by the KV level's own driver (:class:`conformance.kv.run._KVRun`:
 BLOCK, CAP, POS, PREFIX, KVLEN after every op, the fake KV memory read back, ATOMIC and
 CAP on a refusal, PROGRESS on a quiescent pool), so a finding here is a finding of
 ``refserve conformance --kv-adapter``. A state with no live request is the end of a
@@ -39,8 +39,9 @@ from typing import Any
 from conformance.explore.key import Key, pool_key, rename
 from conformance.explore.result import STRATEGIES, Exploration
 from conformance.guard import DEFAULT_CALL_TIMEOUT
-from conformance.kv.machine import KVFinding, KVWorkload, _find, _KVRun, _replay
 from conformance.kv.protocol import KVAdapterFactory, KVConfig, KVFeature
+from conformance.kv.run import _find, _KVRun, _replay
+from conformance.kv.workload import KVFinding, KVWorkload
 from spec.violation import Invariant, violation
 
 Op = Mapping[str, Any]

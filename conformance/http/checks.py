@@ -248,48 +248,60 @@ def check_stream(ctx: Context) -> str | None:
         for stop in ((), (ctx.expected(prompt).text[2:4],)):
             if stop and not stop[0]:
                 continue
-            extra: dict[str, Any] = {"stop": list(stop)} if stop else {}
-            full = ctx.complete(ctx.body(prompt, **extra))
-            body = ctx.body(prompt, stream=True, stream_options={"include_usage": True}, **extra)
-            s = ctx.client.stream("/v1/completions", body)
-            if s.status != 200:
-                raise _fail(f"streaming answered {s.status}", 200, s.status, body)
-            if not s.done:
-                raise _fail(
-                    "the stream did not end with data: [DONE]", "[DONE]", "end of stream", body
-                )
-            parts, reasons, usage = [], [], None
-            for i, event in enumerate(s.events):
-                for _, text, reason in _check_chunk(event, i, body):
-                    parts.append(text)
-                    reasons.append(reason)
-                if isinstance(event, dict) and event.get("usage"):
-                    usage = event["usage"]
-            want_text = _choice_text(full)
-            if "".join(parts) != want_text:
-                raise _fail(
-                    "streamed deltas do not concatenate to the text",
-                    want_text,
-                    "".join(parts),
-                    body,
-                )
-            if not reasons or reasons[-1] != full["choices"][0].get("finish_reason"):
-                raise _fail(
-                    "the last chunk's finish_reason differs",
-                    full["choices"][0].get("finish_reason"),
-                    reasons[-1:],
-                    body,
-                )
-            if any(r is not None for r in reasons[:-1]):
-                raise _fail("a chunk before the last has a finish_reason", None, reasons, body)
-            if usage != full.get("usage"):
-                raise _fail(
-                    "the stream's usage differs from the non-streamed usage",
-                    full.get("usage"),
-                    usage,
-                    body,
-                )
+            _check_one_stream(ctx, prompt, stop)
     return None
+
+
+@dataclass(frozen=True)
+class _Streamed:
+    """What a stream said: the deltas joined, each chunk's finish_reason, the usage."""
+
+    text: str
+    reasons: list[object]
+    usage: object
+
+
+def _check_one_stream(ctx: Context, prompt: str, stop: tuple[str, ...]) -> None:
+    """One streamed completion against the same request not streamed: the deltas make
+    its text, only the last chunk has its finish_reason, and the usage is the same."""
+    extra: dict[str, Any] = {"stop": list(stop)} if stop else {}
+    full = ctx.complete(ctx.body(prompt, **extra))
+    body = ctx.body(prompt, stream=True, stream_options={"include_usage": True}, **extra)
+    got = _read_stream(ctx, body)
+    want_text = _choice_text(full)
+    if got.text != want_text:
+        raise _fail("streamed deltas do not concatenate to the text", want_text, got.text, body)
+    reasons, want_reason = got.reasons, full["choices"][0].get("finish_reason")
+    if not reasons or reasons[-1] != want_reason:
+        raise _fail("the last chunk's finish_reason differs", want_reason, reasons[-1:], body)
+    if any(r is not None for r in reasons[:-1]):
+        raise _fail("a chunk before the last has a finish_reason", None, reasons, body)
+    if got.usage != full.get("usage"):
+        raise _fail(
+            "the stream's usage differs from the non-streamed usage",
+            full.get("usage"),
+            got.usage,
+            body,
+        )
+
+
+def _read_stream(ctx: Context, body: dict[str, Any]) -> _Streamed:
+    """Stream ``body``: a 200 that ends with ``data: [DONE]``, every chunk well formed."""
+    s = ctx.client.stream("/v1/completions", body)
+    if s.status != 200:
+        raise _fail(f"streaming answered {s.status}", 200, s.status, body)
+    if not s.done:
+        raise _fail("the stream did not end with data: [DONE]", "[DONE]", "end of stream", body)
+    parts: list[str] = []
+    reasons: list[object] = []
+    usage = None
+    for i, event in enumerate(s.events):
+        for _, text, reason in _check_chunk(event, i, body):
+            parts.append(text)
+            reasons.append(reason)
+        if isinstance(event, dict) and event.get("usage"):
+            usage = event["usage"]
+    return _Streamed("".join(parts), reasons, usage)
 
 
 def check_batch_invariance(ctx: Context) -> str | None:

@@ -26,11 +26,11 @@ from conformance.explore.kv import kv_key
 from conformance.kv.machine import (
     GENERATED_NAME,
     KVWorkload,
-    _KVRun,
     replay_kv,
     run_kv_suite,
 )
 from conformance.kv.protocol import KVAdapterFactory, KVConfig
+from conformance.kv.run import _KVRun
 
 SMALL = KV_SCOPES["small"]
 TINY = KV_SCOPES["tiny"]

@@ -307,6 +307,18 @@ class OffByOnePosition(RefAdapter):
         return dataclasses.replace(rep, scheduled=tuple(out))
 
 
+class PhantomAfterA(RefAdapter):
+    """Schedules a request 'Z' it was never given after A, its positions off by one."""
+
+    def schedule(self) -> StepReport:
+        rep = super().schedule()
+        if not rep.scheduled:
+            return rep
+        a = rep.scheduled[0]
+        z = dataclasses.replace(a, request_id="Z", positions=tuple(p + 1 for p in a.positions))
+        return dataclasses.replace(rep, scheduled=(*rep.scheduled, z))
+
+
 class RaisingSchedule(RefAdapter):
     def schedule(self) -> StepReport:
         table: dict[str, StepReport] = {}
@@ -433,6 +445,15 @@ def test_self_check_explains_off_by_one_position() -> None:
     assert res.exit_code == 1
     assert _fails(res, "positions are 7, expected 6", "off by one")
     assert "step 1:" in res.lines and "step 2:" not in res.lines  # stops after the bad step
+
+
+def test_self_check_judges_a_by_its_own_entry() -> None:
+    """A request the adapter invented is named; A's own entry is still what is checked
+    (the entry after it, Z's, is not read as A's)."""
+    res = _check(PhantomAfterA)
+    assert res.exit_code == 1
+    assert _fails(res, "schedule() scheduled 'Z', a request that was never added")
+    assert not _fails(res, "positions are")
 
 
 def test_self_check_explains_a_raise() -> None:

@@ -1,0 +1,140 @@
+"""The KV level's records: a workload (a configuration and a plain-data op list, the
+format of :mod:`conformance.kv.machine`), a fixed scenario, and a finding."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from conformance.kv.protocol import KVConfig, KVFeature
+from conformance.report import signature_of
+from spec.violation import Invariant, Violation
+
+
+@dataclass(frozen=True)
+class KVFinding:
+    """A violation and where: ``step`` is the op index (-1: configure, ``len(ops)``: the
+    drain), ``op`` the op kind (``new``, ``grow``, ``fork``, ``free``, ``drain``...)."""
+
+    violation: Violation
+    step: int
+    op: str
+    timed_out: bool = False
+    """An adapter call ran past the time limit (such a finding is not shrunk)."""
+
+    @property
+    def invariant(self) -> Invariant:
+        return self.violation.invariant
+
+    @property
+    def signature(self) -> str:
+        """What makes two findings the same bug (:func:`conformance.report.signature_of`):
+        invariant, first word of the subject (``request``, ``block``, ``pool``,
+        ``adapter``...), message with its numbers blanked."""
+        v = self.violation
+        return signature_of(v.invariant, v.subject, v.message)
+
+    def to_json(self) -> dict[str, Any]:
+        v = self.violation
+        return {
+            "invariant": str(v.invariant),
+            "step": self.step,
+            "op": self.op,
+            "subject": v.subject,
+            "message": v.message,
+            "expected": v.expected,
+            "seen": v.seen,
+        }
+
+    def __str__(self) -> str:
+        return f"op {self.step} ({self.op}): {self.violation}"
+
+
+@dataclass(frozen=True)
+class KVWorkload:
+    """A KV configuration and the op list run on it (module docstring for the op format)."""
+
+    config: KVConfig
+    ops: tuple[Mapping[str, Any], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "kv_config": {
+                "num_blocks": c.num_blocks,
+                "block_size": c.block_size,
+                "enable_prefix_caching": c.enable_prefix_caching,
+            },
+            "ops": [_op_json(o) for o in self.ops],
+        }
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any] | str) -> KVWorkload:
+        """Parse and validate (``ValueError`` on a malformed workload)."""
+        if isinstance(d, str):
+            d = json.loads(d)
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a KV workload is a JSON object, got {type(d).__name__}")
+        c = d.get("kv_config")
+        if not isinstance(c, Mapping):
+            raise ValueError("a KV workload needs a 'kv_config' object")
+        config = KVConfig(
+            _pos_int(c.get("num_blocks"), "num_blocks"),
+            _pos_int(c.get("block_size"), "block_size"),
+            bool(c.get("enable_prefix_caching", True)),
+        )
+        ops = d.get("ops", [])
+        if not isinstance(ops, list):
+            raise ValueError("'ops' must be a list")
+        return KVWorkload(config, tuple(_parse_op(o, i) for i, o in enumerate(ops)))
+
+
+def _pos_int(x: object, what: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+        raise ValueError(f"{what} must be an int >= 1, got {x!r}")
+    return x
+
+
+def _parse_op(o: object, i: int) -> dict[str, Any]:
+    if not isinstance(o, Mapping):
+        raise ValueError(f"op {i} is not an object")
+    kind = o.get("op")
+    spec: dict[str, tuple[str, ...]] = {
+        "new": ("rid", "prompt", "n"),
+        "grow": ("rid", "append", "n"),
+        "fork": ("parent", "child"),
+        "free": ("rid",),
+    }
+    if kind not in spec:
+        raise ValueError(f"op {i}: unknown op {kind!r} (one of {sorted(spec)})")
+    out: dict[str, Any] = {"op": kind}
+    for key in spec[kind]:
+        v = o.get(key)
+        if key in ("rid", "parent", "child"):
+            if not isinstance(v, str):
+                raise ValueError(f"op {i}: {key} must be a string")
+        elif key == "n":
+            v = _pos_int(v, f"op {i}: n")
+        elif not isinstance(v, list) or any(
+            isinstance(t, bool) or not isinstance(t, int) for t in v
+        ):
+            raise ValueError(f"op {i}: {key} must be a list of ints")
+        out[key] = list(v) if isinstance(v, list) else v
+    return out
+
+
+def _op_json(o: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, list | tuple) else v for k, v in o.items()}
+
+
+@dataclass(frozen=True)
+class KVScenario:
+    """A fixed KV workload; ``needs`` are the features without which it is not_supported."""
+
+    name: str
+    description: str
+    workload: KVWorkload
+    needs: frozenset[KVFeature] = frozenset()
+    targets: tuple[str, ...] = ()
