@@ -1,7 +1,7 @@
 """The adapter for refserve itself (``conformance.adapters.ref:make``); it must pass everything.
 
 It drives :class:`ref.core.scheduler.Scheduler` directly: ``schedule`` plans a step and builds
-the executor's real inputs with :func:`ref.core.inputs.build_inputs` (the same tensors the
+the executor's real inputs with :func:`ref.core.inputs.build_inputs` (the same arrays the
 model would get, as :class:`ref.core.engine_core.EngineCore` does when it checks itself), so
 POS checks the slot mapping the executor really receives.
 """

@@ -15,10 +15,10 @@ row whenever the pool reports the table changed (``BlockPool.take_changed``; a
 rollback reports every table). The bulk commit writes both the arrays and the requests.
 The mirror is checked from outside: the differential test runs the per-request
 reference loop beside it and requires identical plans, inputs and snapshots at every
-step, and the POS invariant reads the slot mapping from the tensors this batch builds.
+step, and the POS invariant reads the slot mapping from the arrays this batch builds.
 
-Arrays are numpy (cheap scalar writes for the few rows that change) and reach the
-executor as torch tensors sharing their memory.
+Arrays are numpy (cheap scalar writes for the few rows that change); the step's inputs
+are copies of them, which the model executor wraps as torch tensors sharing that memory.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from ref.errors import InvalidArgument
 
@@ -98,12 +98,14 @@ def fit_step_cost(
         cols.append(kv_read)
     if any(len(c) != n for c in cols):
         raise InvalidArgument("fit_step_cost: every sequence needs one entry per step")
-    x = torch.tensor(list(zip(*cols, strict=True)), dtype=torch.float64)
-    if n < len(cols) or int(torch.linalg.matrix_rank(x)) < len(cols):
+    x = np.array(list(zip(*cols, strict=True)), dtype=np.float64)
+    if n < len(cols) or int(np.linalg.matrix_rank(x)) < len(cols):
         raise InvalidArgument(
             f"fit_step_cost: {n} steps do not determine {len(cols)} coefficients "
             "(vary the prefill tokens and decode counts across steps)"
         )
-    y = torch.tensor(list(durations_ms), dtype=torch.float64).unsqueeze(1)
-    coef = torch.linalg.lstsq(x, y).solution.squeeze(1).clamp(min=0.0).tolist()
+    y = np.array(durations_ms, dtype=np.float64)
+    # Full column rank (checked above), so the minimum-norm solution is the only one.
+    solution = np.linalg.lstsq(x, y, rcond=None)[0]
+    coef = np.maximum(solution, 0.0).tolist()
     return StepCost(coef[0], coef[1], coef[2], coef[3] if kv_read is not None else 0.0)

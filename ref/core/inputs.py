@@ -2,9 +2,14 @@
 
 Layout follows kernels' unified (vLLM-style) API: the tokens of all scheduled requests
 are concatenated; ``query_start_loc[i]`` is where request i's tokens begin, ``seq_lens``
-its KV length including this step's tokens. Positions and slots are computed with tensor
+its KV length including this step's tokens. Positions and slots are computed with array
 ops from per-request starts and counts, not element by element. The invariant harness
-reads the slot mapping from these tensors, so POS checks what the executor really gets.
+reads the slot mapping from these arrays, so POS checks what the executor really gets.
+
+The arrays are numpy, not torch: the core knows no tensor library (docs/ARCHITECTURE.md,
+"Layers"; tests/repo/test_layers.py). The model executor wraps each as a torch tensor
+with ``torch.from_numpy``, which shares the memory, so what POS reads is what the
+forward reads (ref/model/executor.py).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
+import numpy.typing as npt
 
 from ref.core.batch import DecodeRows, PersistentBatch
 from ref.core.plan import StepPlan
@@ -23,17 +28,23 @@ from ref.kv import BlockPool
 from spec.arith import blocks_needed
 from spec.snapshot import ScheduledRequest
 
+I64 = npt.NDArray[np.int64]
+I32 = npt.NDArray[np.int32]
+
 
 @dataclass(frozen=True)
 class ModelInputs:
+    """One step's flattened inputs (module doc). Every array is the step's own: nothing
+    else holds or changes it after it is built."""
+
     request_ids: tuple[str, ...]
-    input_ids: torch.Tensor  # int64 [T]
-    positions: torch.Tensor  # int64 [T]
-    slot_mapping: torch.Tensor  # int64 [T]
-    query_start_loc: torch.Tensor  # int32 [S + 1]
-    seq_lens: torch.Tensor  # int32 [S]
-    block_tables: torch.Tensor  # int32 [S, max_blocks], padded with 0 (never read)
-    sample_rows: torch.Tensor  # int64 [num sampling requests]: token index of each logit
+    input_ids: I64  # [T]
+    positions: I64  # [T]
+    slot_mapping: I64  # [T]
+    query_start_loc: I32  # [S + 1]
+    seq_lens: I32  # [S]
+    block_tables: I32  # [S, max_blocks], padded with 0 (never read)
+    sample_rows: I64  # [num sampling requests]: token index of each logit
     sample_request_ids: tuple[str, ...]
 
 
@@ -45,25 +56,25 @@ def build_inputs(
 ) -> ModelInputs:
     """The executor's inputs for ``plan``. A step of bulk decodes only is read from the
     ``batch`` arrays (:func:`decode_inputs`); any other step from the requests and the
-    pool's tables. Both give equal tensors (tests/scheduler/test_fast_path.py)."""
+    pool's tables. Both give equal arrays (tests/scheduler/test_fast_path.py)."""
     rows = plan.decode_rows
     if batch is not None and rows is not None and len(rows.slots) == len(plan.request_ids):
         return decode_inputs(plan, rows, batch)
     ids = plan.request_ids
     num_seqs = len(ids)
-    starts = torch.from_numpy(np.array(plan.starts, dtype=np.int64))
-    counts = torch.from_numpy(np.array(plan.num_new_tokens, dtype=np.int64))
-    qsl = torch.zeros(num_seqs + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=qsl[1:])
+    starts = np.array(plan.starts, dtype=np.int64)
+    counts = np.array(plan.num_new_tokens, dtype=np.int64)
+    qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(counts, out=qsl[1:])
     total = int(qsl[-1])
     all_decode = total == num_seqs  # the common steady state: one token each
     if all_decode:
-        row = torch.arange(num_seqs)
+        row = np.arange(num_seqs)
         positions = starts
         tokens = [requests[rid].token_ids[st] for rid, st in zip(ids, plan.starts, strict=True)]
     else:
-        row = torch.repeat_interleave(torch.arange(num_seqs), counts)
-        positions = torch.arange(total, dtype=torch.int64) - qsl[row] + starts[row]
+        row = np.repeat(np.arange(num_seqs), counts)
+        positions = np.arange(total, dtype=np.int64) - qsl[row] + starts[row]
         tokens = []
         drafts = plan.drafts
         for rid, st, n in zip(ids, plan.starts, plan.num_new_tokens, strict=True):
@@ -76,21 +87,21 @@ def build_inputs(
     sampling = [i for i, smp in enumerate(plan.samples) if smp]
     return ModelInputs(
         request_ids=ids,
-        input_ids=torch.from_numpy(np.array(tokens, dtype=np.int64)),
+        input_ids=np.array(tokens, dtype=np.int64),
         positions=positions,
         slot_mapping=slots,
-        query_start_loc=qsl.to(torch.int32),
-        seq_lens=(starts + counts).to(torch.int32),
-        block_tables=block_tables.to(torch.int32),
+        query_start_loc=qsl.astype(np.int32),
+        seq_lens=(starts + counts).astype(np.int32),
+        block_tables=block_tables.astype(np.int32),
         sample_rows=qsl[1:][sampling] - 1,
         sample_request_ids=tuple(ids[i] for i in sampling),
     )
 
 
 def decode_inputs(plan: StepPlan, rows: DecodeRows, batch: PersistentBatch) -> ModelInputs:
-    """One token for each bulk decode row, every tensor a vector op over the batch's
+    """One token for each bulk decode row, every array a vector op over the batch's
     arrays: the token is the row's last, its position the KV length, its slot read from
-    the persistent block table (padding zero, never read). Every tensor is a copy: the
+    the persistent block table (padding zero, never read). Every array is a copy: the
     executor gets nothing that the batch changes later."""
     slots, at = rows.slots, rows.at
     k = len(slots)
@@ -102,33 +113,33 @@ def decode_inputs(plan: StepPlan, rows: DecodeRows, batch: PersistentBatch) -> M
     slot_mapping = table[slots, positions // bs] * bs + rows.offsets
     return ModelInputs(
         request_ids=plan.request_ids,
-        input_ids=torch.from_numpy(batch.last_token[at].copy()),
-        positions=torch.from_numpy(positions.copy()),
-        slot_mapping=torch.from_numpy(slot_mapping),
-        query_start_loc=torch.from_numpy(np.arange(k + 1, dtype=np.int32)),
-        seq_lens=torch.from_numpy(np.add(positions, 1, dtype=np.int32, casting="unsafe")),
-        block_tables=torch.from_numpy(table[at, :width].astype(np.int32)),
-        sample_rows=torch.from_numpy(np.arange(k, dtype=np.int64)),
+        input_ids=batch.last_token[at].copy(),
+        positions=positions.copy(),
+        slot_mapping=slot_mapping,
+        query_start_loc=np.arange(k + 1, dtype=np.int32),
+        seq_lens=np.add(positions, 1, dtype=np.int32, casting="unsafe"),
+        block_tables=table[at, :width].astype(np.int32),
+        sample_rows=np.arange(k, dtype=np.int64),
         sample_request_ids=plan.request_ids,
     )
 
 
-def _padded(tables: Sequence[Sequence[int]]) -> torch.Tensor:
+def _padded(tables: Sequence[Sequence[int]]) -> I64:
     """Ragged tables -> ``[S, W]`` int64, zero-padded (padding is never read).
 
     Filling a typed ``array`` and wrapping it is an order of magnitude cheaper than a
-    boolean-mask scatter or ``torch.tensor`` on nested lists (measured: 0.6 vs 8 us per
-    request at 1024 requests of 8 blocks).
+    boolean-mask scatter or building from nested lists (measured with torch: 0.6 vs 8 us
+    per request at 1024 requests of 8 blocks).
     """
     width = max((len(t) for t in tables), default=0)
     if width == 0:
-        return torch.zeros(len(tables), 0, dtype=torch.int64)
+        return np.zeros((len(tables), 0), dtype=np.int64)
     zeros = [0] * width
     flat = array("q")
     for t in tables:
         flat.extend(t)
         flat.extend(zeros[: width - len(t)])
-    return torch.frombuffer(flat, dtype=torch.int64).view(len(tables), width)
+    return np.frombuffer(flat, dtype=np.int64).reshape(len(tables), width)
 
 
 def scheduled_requests(
@@ -136,7 +147,7 @@ def scheduled_requests(
 ) -> tuple[ScheduledRequest, ...]:
     """The plan as spec sees it, read back from the executor's real inputs.
 
-    Positions, slots and block tables come from the tensors the executor gets, not from
+    Positions, slots and block tables come from the arrays the executor gets, not from
     the plan, so the POS/CAP/PREFIX checks verify what is actually executed.
     """
     qsl = inputs.query_start_loc.tolist()

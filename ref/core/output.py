@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from ref.core.plan import StepPlan
 from ref.errors import RefserveError
@@ -26,9 +25,33 @@ class BadExecutorOutput(RefserveError):
     """The executor's output does not match the plan (a sampled token is missing, ...)."""
 
 
-Sampled = Mapping[str, int] | torch.Tensor | npt.NDArray[np.integer[Any]]
+class ArrayLike(Protocol):
+    """Another library's array (a torch tensor): numpy reads it through ``__array__``, so
+    the core takes one without importing that library (docs/ARCHITECTURE.md, "Layers")."""
+
+    def __array__(self) -> npt.NDArray[Any]: ...
+
+
+Sampled = Mapping[str, int] | npt.NDArray[np.integer[Any]] | ArrayLike
 """The executor's sampled tokens: by request id, or in the plan's sampling order."""
-_ARRAY_TYPES = (torch.Tensor, np.ndarray)
+_ARRAY_TYPES = (np.ndarray,)
+
+
+def _host_array(sampled: object) -> object:
+    """``sampled`` as a numpy array if it is or reads as one, else as given (for the
+    caller to refuse, naming its type). A CPU tensor reads through ``__array__`` without
+    a copy; one on a device refuses that (TypeError) and is read through ``tolist``."""
+    if isinstance(sampled, np.ndarray) or not hasattr(sampled, "__array__"):
+        return sampled
+    try:
+        return np.asarray(sampled)
+    except (TypeError, RuntimeError):
+        tolist = getattr(sampled, "tolist", None)
+        if not callable(tolist):
+            return sampled
+        listed = tolist()
+        # An empty list reads as float64: keep it an int array (it names no token).
+        return np.asarray(listed) if listed else np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -100,8 +123,7 @@ def split_output(plan: StepPlan, sampled: Sampled) -> Output:
         rest = {rid: sampled.get(rid) for rid in rest_ids}
         _checked_array(plan, list(rest.values()), rest_ids)
         return Output(bulk, rest)  # type: ignore[arg-type]
-    # force: detach, copy off a device, resolve views, in one call
-    values = sampled.numpy(force=True) if isinstance(sampled, torch.Tensor) else sampled
+    values = _host_array(sampled)
     count = plan.samples.count(True)
     if (
         not isinstance(values, np.ndarray)

@@ -13,8 +13,11 @@
     results = engine.generate(["a", "b"], SamplingParams(max_tokens=4))
 
 A step is :class:`ref.core.engine_core.EngineCore`'s (schedule, build inputs, execute, commit)
-with :class:`ref.model.executor.ModelExecutor` as the executor; this module adds
-tokenization, detokenization, stop strings, ``n > 1`` forks and the outputs. Everything
+with :class:`ref.model.executor.ModelExecutor` as the executor, over the model and
+tokenizer that :func:`ref.model.checkpoint.load_model` reads from the ``model`` and
+``tokenizer`` arguments; this module adds tokenization, detokenization, stop strings,
+``n > 1`` forks and the outputs. Speculative decoding asks any
+:class:`~ref.model.proposers.Proposer` for drafts. Everything
 the executor produced reaches the engine through the step's
 :class:`~ref.core.engine_core.StepRecord` (tokens, logprobs, the first tokens of forks),
 never through state left on the executor. :meth:`LLMEngine.iter_outputs`,
@@ -62,7 +65,6 @@ import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import cast
 
 import torch
@@ -76,11 +78,10 @@ from ref.core.request import FinishReason, Request, StopParams, check_room_for_o
 from ref.core.scheduler import Scheduler
 from ref.core.swap import KVRetention
 from ref.errors import DuplicateRequest, InvalidArgument, RefserveError, UnknownRequest
-from ref.model.attention import make_backend
-from ref.model.config import ModelConfig, tiny_config
+from ref.model.checkpoint import TINY_TRAINED, ModelSource, TokenizerSource, load_model
 from ref.model.executor import ModelExecutor
-from ref.model.llama import HostKVCache, KVCache, LlamaModel
-from ref.model.proposers import DraftModelProposer, NgramProposer
+from ref.model.llama import HostKVCache, KVCache
+from ref.model.proposers import Proposer, check_proposer
 from ref.model.sampler import (
     InvalidSamplingParams,
     SampleSpec,
@@ -89,15 +90,16 @@ from ref.model.sampler import (
     mix64,
     sample_failed,
 )
-from ref.model.tokenizer import ByteTokenizer, HFTokenizer, TextStream, Tokenizer
-from ref.model.weights import LlamaWeights, load_checkpoint, random_weights
+from ref.model.tokenizer import TextStream
 from ref.sim.metrics import RequestMetrics
 from spec.snapshot import RequestStatus
 
 __all__ = [
+    "TINY_TRAINED",
     "GenerationResult",
     "InvalidPrompt",
     "LLMEngine",
+    "Proposer",
     "RequestOutput",
     "SamplingParams",
 ]
@@ -108,10 +110,6 @@ Prompt = str | Sequence[int]
 #: (``"x#2"``); caller-chosen request ids may not contain it, so no caller id can ever
 #: name a sample that another request is about to fork.
 FORK_SEPARATOR = "#"
-
-
-Proposer = NgramProposer | DraftModelProposer
-"""Who drafts tokens for speculative decoding (ref/model/proposers.py)."""
 
 
 class InvalidPrompt(InvalidArgument):
@@ -236,9 +234,9 @@ class LLMEngine:
 
     def __init__(
         self,
-        model: str | Path | tuple[ModelConfig, LlamaWeights] = "tiny",
+        model: ModelSource = "tiny",
         *,
-        tokenizer: Tokenizer | str | Path | None = None,
+        tokenizer: TokenizerSource = None,
         scheduler_config: SchedulerConfig | None = None,
         policy: Policy | None = None,
         attention_backend: str = "torch",
@@ -250,18 +248,26 @@ class LLMEngine:
         clock: Callable[[], float] | None = None,
         proposer: Proposer | None = None,
     ) -> None:
-        checkpoint = _resolve_checkpoint(model, dtype=dtype, device=device, seed=model_seed)
-        cfg = checkpoint.config
+        loaded = load_model(
+            model,
+            tokenizer=tokenizer,
+            attention_backend=attention_backend,
+            dtype=dtype,
+            device=device,
+            seed=model_seed,
+        )
+        cfg = loaded.config
         self.model_config = cfg
-        self.tokenizer = _resolve_tokenizer(tokenizer, checkpoint)
+        self.tokenizer = loaded.tokenizer
+        self.model = loaded.model
         sched_cfg = scheduler_config if scheduler_config is not None else SchedulerConfig()
         if sched_cfg.max_model_len > cfg.max_position_embeddings:
             sched_cfg = replace(sched_cfg, max_model_len=cfg.max_position_embeddings)
         # Speculative decoding (docs/SPECULATIVE.md): the proposer's k bounds the drafts.
-        self.proposer = proposer
-        if proposer is not None:
-            _check_proposer(proposer, cfg.vocab_size)
-            sched_cfg = replace(sched_cfg, num_speculative_tokens=proposer.num_speculative_tokens)
+        self.proposer = None if proposer is None else check_proposer(proposer, cfg)
+        if self.proposer is not None:
+            k = self.proposer.num_speculative_tokens
+            sched_cfg = replace(sched_cfg, num_speculative_tokens=k)
         self.scheduler = Scheduler(sched_cfg, policy)
         self.cache = KVCache(
             cfg, sched_cfg.num_blocks, sched_cfg.block_size, dtype=dtype, device=device
@@ -276,7 +282,6 @@ class LLMEngine:
             )
         # The host side of swap, shaped like the device blocks (empty when swap is off).
         self.host_cache = HostKVCache(self.cache, sched_cfg.num_host_blocks)
-        self.model = LlamaModel(cfg, checkpoint.weights, make_backend(attention_backend))
         self.executor = ModelExecutor(
             self.model, self.cache, self.scheduler.requests, self.host_cache
         )
@@ -544,21 +549,18 @@ class LLMEngine:
 
     def _propose(self, proposer: Proposer) -> None:
         """Drafts for every decoding request's next step (docs/SPECULATIVE.md), no more
-        than it may still emit less one; a draft model's distributions go to the
-        executor for the verification."""
+        than it may still emit less one; the proposer's distributions, when it has
+        them, go to the executor for the verification."""
         sched, executor = self.scheduler, self.executor
         for r in sched.running:
             if r.status is not RequestStatus.DECODING:
                 continue
+            rid = r.request_id
             limit = r.stop.max_tokens - r.num_output_tokens - 1
-            if isinstance(proposer, NgramProposer):
-                drafts = proposer.propose(r.token_ids, limit)
-            else:
-                spec = executor.spec(r.request_id)
-                draft = proposer.propose(r.token_ids, spec, r.num_output_tokens, limit)
-                drafts = draft.tokens
-                executor.draft_probs[r.request_id] = draft.probs
-            sched.propose(r.request_id, drafts)
+            draft = proposer.draft(r.token_ids, executor.spec(rid), r.num_output_tokens, limit)
+            if draft.probs is not None:
+                executor.draft_probs[rid] = draft.probs
+            sched.propose(rid, draft.tokens)
 
     def _append_tokens(self, new_tokens: Mapping[str, int], record: StepRecord) -> list[str]:
         """Each committed token to its sequence (all of a verification's, up to a stop
@@ -1048,23 +1050,6 @@ def _last_logprob(record: StepRecord, sid: str) -> float | None:
     return record.logprobs.get(sid) if v is None else _verified_tokens(record, sid, v)[-1][1]
 
 
-def _check_proposer(proposer: object, vocab_size: int) -> None:
-    """A proposer the engine can use: n-gram lookup, or a draft model that shares the
-    target's vocabulary (its drafts are target token ids)."""
-    if isinstance(proposer, NgramProposer):
-        return
-    if not isinstance(proposer, DraftModelProposer):
-        raise InvalidArgument(
-            f"proposer must be an NgramProposer or a DraftModelProposer, "
-            f"got {type(proposer).__name__}"
-        )
-    if proposer.vocab_size != vocab_size:
-        raise InvalidArgument(
-            f"the draft model's vocabulary ({proposer.vocab_size}) differs from the "
-            f"target's ({vocab_size}): its drafts would be other tokens"
-        )
-
-
 def _spec(sp: SamplingParams, seed: int) -> SampleSpec:
     return SampleSpec(
         temperature=float(sp.temperature),
@@ -1095,58 +1080,3 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int):
         return [prompts]  # type: ignore[list-item]
     return list(prompts)  # type: ignore[arg-type]
-
-
-#: The name of the embedded trained checkpoint (``ref/model/tiny/``); ``"tiny"`` is the
-#: seeded random-weight model the tests use.
-TINY_TRAINED = "tiny-trained"
-
-
-@dataclass(frozen=True)
-class _Checkpoint:
-    """What the ``model`` argument of :class:`LLMEngine` names: a network's config and
-    weights, and the directory they came from (None when built in memory), where a
-    ``tokenizer.json`` may be. :attr:`LLMEngine.model` is the network built from it."""
-
-    config: ModelConfig
-    weights: LlamaWeights
-    directory: Path | None
-
-
-def _resolve_checkpoint(
-    model: str | Path | tuple[ModelConfig, LlamaWeights],
-    *,
-    dtype: torch.dtype,
-    device: str,
-    seed: int,
-) -> _Checkpoint:
-    if isinstance(model, tuple):
-        return _Checkpoint(model[0], model[1], None)
-    if str(model) == "tiny":
-        cfg = tiny_config()
-        return _Checkpoint(cfg, random_weights(cfg, seed, dtype=dtype, device=device), None)
-    if str(model) == TINY_TRAINED:
-        # The shipped checkpoint, read like any other (the byte tokenizer: no tokenizer.json).
-        from ref.model.tiny import TRAINED_DIR
-
-        cfg, weights = load_checkpoint(TRAINED_DIR, dtype=dtype, device=device)
-        return _Checkpoint(cfg, weights, TRAINED_DIR)
-    cfg, weights = load_checkpoint(model, dtype=dtype, device=device)
-    return _Checkpoint(cfg, weights, Path(model))
-
-
-def _resolve_tokenizer(
-    tokenizer: Tokenizer | str | Path | None, checkpoint: _Checkpoint
-) -> Tokenizer:
-    cfg, directory = checkpoint.config, checkpoint.directory
-    if tokenizer is None:
-        if directory is not None and (directory / "tokenizer.json").is_file():
-            return HFTokenizer(
-                directory, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id
-            )
-        return ByteTokenizer()
-    if isinstance(tokenizer, str | Path):
-        if str(tokenizer) == "byte":
-            return ByteTokenizer()
-        return HFTokenizer(tokenizer, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
-    return tokenizer

@@ -27,6 +27,10 @@ the tokens the scheduler commits, their logprobs, and the first tokens of the sa
 left on the executor for the engine to read afterwards, so a failed step leaves nothing
 behind either.
 
+The step's :class:`~ref.core.inputs.ModelInputs` are numpy arrays (the core knows no
+torch); :func:`_tensor` wraps each with ``torch.from_numpy``, sharing its memory (no
+copy on the CPU), before it moves to the model's device.
+
 ``fault_hook`` (tests): called with a point name at ``before_swaps``, ``after_swaps``,
 ``after_forward``, ``in_sampler`` (just before sampling) and ``after_execute``; raising
 from it fails the step there.
@@ -39,6 +43,8 @@ import math
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from ref.core.executor import DrawnToken, StepOutput
@@ -171,8 +177,8 @@ class ModelExecutor:
         blocks = [c.dst for c in plan.swap_in] + [c.dst for c in plan.copies]
         if blocks:
             self._save(dev_key, dev_value, blocks, device)
-        if inputs is not None and inputs.slot_mapping.numel():
-            self._save_slots(inputs.slot_mapping)
+        if inputs is not None and inputs.slot_mapping.size:
+            self._save_slots(_tensor(inputs.slot_mapping))
 
     def _save_slots(self, slot_mapping: torch.Tensor) -> None:
         """Save the K/V at every slot the forward writes, in every layer."""
@@ -239,15 +245,19 @@ class ModelExecutor:
         """One forward over every scheduled token; the hidden state of each."""
         dev = self.model.device
         meta = AttentionMetadata(
-            slot_mapping=inputs.slot_mapping.to(dev),
-            query_start_loc=inputs.query_start_loc.to(dev),
-            seq_lens=inputs.seq_lens.to(dev),
-            block_tables=inputs.block_tables.to(dev),
+            slot_mapping=_tensor(inputs.slot_mapping, dev),
+            query_start_loc=_tensor(inputs.query_start_loc, dev),
+            seq_lens=_tensor(inputs.seq_lens, dev),
+            block_tables=_tensor(inputs.block_tables, dev),
             query_start_loc_host=tuple(inputs.query_start_loc.tolist()),
             seq_lens_host=tuple(inputs.seq_lens.tolist()),
         )
         return self.model.forward(
-            inputs.input_ids.to(dev), inputs.positions.to(dev), meta, self.cache, plan.copies
+            _tensor(inputs.input_ids, dev),
+            _tensor(inputs.positions, dev),
+            meta,
+            self.cache,
+            plan.copies,
         )
 
     def _sample(self, plan: StepPlan, inputs: ModelInputs, hidden: torch.Tensor) -> StepOutput:
@@ -256,7 +266,7 @@ class ModelExecutor:
         samples 1..n-1 from the same row. A request that verifies drafts is verified
         instead, on the logits of all its rows (:meth:`_verify`)."""
         rids = inputs.sample_request_ids
-        logits = self.model.logits(hidden[inputs.sample_rows.to(self.model.device)])
+        logits = self.model.logits(hidden[_tensor(inputs.sample_rows, self.model.device)])
         if self.logits_hook is not None:
             self.logits_hook(rids, logits.detach().cpu())
         draws = self._draws(rids, skip=plan.drafts)
@@ -358,3 +368,12 @@ class ModelExecutor:
             )
         self.swap_out_bytes += host.swap_out(self.cache, plan.swap_out)
         self.swap_in_bytes += host.swap_in(self.cache, plan.swap_in)
+
+
+def _tensor(
+    values: npt.NDArray[np.int64] | npt.NDArray[np.int32], device: torch.device | None = None
+) -> torch.Tensor:
+    """One array of the step's inputs as a torch tensor of its dtype: the same memory on
+    the CPU (``from_numpy`` copies nothing), copied once to another ``device``."""
+    t = torch.from_numpy(values)
+    return t if device is None else t.to(device)

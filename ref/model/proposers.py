@@ -11,23 +11,80 @@ draft. Repetitive text (code, quoted context, lists) is where it pays.
 
 :class:`DraftModelProposer` samples the draft from a smaller model that shares the
 target's vocabulary, and hands :func:`~ref.model.rejection.verify` its distributions.
+
+The engine knows neither: it talks to a :class:`Proposer`, the protocol both implement
+(its number of drafts, a check against the target model, and :meth:`Proposer.draft`), so
+a new proposer needs no edit of the engine (docs/SPECULATIVE.md, "The engine").
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from ref.errors import InvalidArgument
 from ref.model.attention import AttentionMetadata
+from ref.model.config import ModelConfig
 from ref.model.llama import KVCache, LlamaModel
 from ref.model.rejection import target_probs
 from ref.model.sampler import SampleSpec, mix64
 
 # Mixed into the per-index seed: the draft's own draw never reuses the target's.
 _DRAFT_STREAM = 0xD2_AF
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Drafted tokens and the proposer's distribution ``[len(tokens), V]`` at each, which
+    :func:`~ref.model.rejection.verify` needs to keep the target's distribution; ``None``
+    for a proposer whose drafts are point masses (n-gram lookup)."""
+
+    tokens: tuple[int, ...]
+    probs: torch.Tensor | None = None
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """What the engine asks of a draft proposer (docs/SPECULATIVE.md, "The engine").
+
+    A proposer changes how many tokens a step emits, never which (module doc), so the
+    engine checks only the shape of its answer: ``Scheduler.propose`` refuses more than
+    ``num_speculative_tokens`` drafts or a negative one, verification a draft outside
+    the vocabulary, and decides which of the rest are kept.
+    """
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """The most drafts per step: the scheduler's ``num_speculative_tokens``."""
+        ...
+
+    def check_target(self, target: ModelConfig) -> None:
+        """Raise :class:`InvalidArgument` if this proposer cannot draft for ``target``
+        (drafts must be the target's token ids)."""
+        ...
+
+    def draft(
+        self, token_ids: Sequence[int], spec: SampleSpec, output_index: int, limit: int
+    ) -> Draft:
+        """At most ``limit`` drafts after a decoding sequence's ``token_ids``, under its
+        sampling ``spec``; ``output_index`` is the output index of the first draft (the
+        seed's counter, as in :func:`~ref.model.rejection.verify`)."""
+        ...
+
+
+def check_proposer(proposer: object, target: ModelConfig) -> Proposer:
+    """``proposer`` if it implements :class:`Proposer` and accepts ``target``, else
+    :class:`InvalidArgument`."""
+    if not isinstance(proposer, Proposer):
+        raise InvalidArgument(
+            "proposer must implement ref.model.proposers.Proposer (num_speculative_tokens, "
+            f"check_target, draft), such as an NgramProposer; got {type(proposer).__name__}"
+        )
+    proposer.check_target(target)
+    return proposer
 
 
 @dataclass(frozen=True)
@@ -77,13 +134,14 @@ class NgramProposer:
                     return tuple(tokens[j + n : j + n + k])
         return ()
 
+    def check_target(self, target: ModelConfig) -> None:
+        """Any target: the drafts are tokens of the sequence itself."""
 
-@dataclass(frozen=True)
-class Draft:
-    """Drafted tokens and the proposer's distribution ``[len(tokens), V]`` at each."""
-
-    tokens: tuple[int, ...]
-    probs: torch.Tensor
+    def draft(
+        self, token_ids: Sequence[int], spec: SampleSpec, output_index: int, limit: int
+    ) -> Draft:
+        """:meth:`propose`; lookup needs neither the sampling spec nor the index."""
+        return Draft(self.propose(token_ids, limit))
 
 
 class DraftModelProposer:
@@ -120,6 +178,20 @@ class DraftModelProposer:
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
+
+    def check_target(self, target: ModelConfig) -> None:
+        """The draft model must share the target's vocabulary: its drafts are token ids."""
+        if self.vocab_size != target.vocab_size:
+            raise InvalidArgument(
+                f"the draft model's vocabulary ({self.vocab_size}) differs from the "
+                f"target's ({target.vocab_size}): its drafts would be other tokens"
+            )
+
+    def draft(
+        self, token_ids: Sequence[int], spec: SampleSpec, output_index: int, limit: int
+    ) -> Draft:
+        """:meth:`propose`, with its distributions."""
+        return self.propose(token_ids, spec, output_index, limit)
 
     def propose(
         self,

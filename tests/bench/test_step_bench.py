@@ -1,7 +1,7 @@
 """One full CPU step with N running decode requests (block 16, invariant checks off).
 
 Measures ``schedule()``, building the executor inputs (token ids, positions, slot
-mapping, block tables as int tensors) and ``commit()`` together, per running request.
+mapping, block tables as int arrays) and ``commit()`` together, per running request.
 The bulk path runs on the persistent batch (docs/ARCHITECTURE.md, "The persistent
 batch"). The interleaved bulk-vs-reference figures with prefix caching off and on, and
 the memory per request, come from ``conformance.bench.peers --engines ref ref-loop`` and

@@ -12,6 +12,7 @@ draft accepted.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -23,9 +24,10 @@ from ref.core.config import SchedulerConfig
 from ref.engine.llm_engine import LLMEngine
 from ref.errors import InvalidArgument
 from ref.model.attention import TorchAttention
+from ref.model.config import ModelConfig
 from ref.model.llama import LlamaModel
-from ref.model.proposers import DraftModelProposer, NgramProposer
-from ref.model.sampler import SamplingParams
+from ref.model.proposers import Draft, DraftModelProposer, NgramProposer
+from ref.model.sampler import SampleSpec, SamplingParams
 from ref.model.weights import load_checkpoint, random_weights
 
 TINY = Path(__file__).resolve().parents[2] / "ref" / "model" / "tiny"
@@ -111,7 +113,7 @@ def test_a_proposer_the_engine_cannot_use_is_refused(hf: HFOracle) -> None:
     draft = DraftModelProposer(LlamaModel(other, random_weights(other, 0), TorchAttention()), 2)
     with pytest.raises(InvalidArgument, match=r"vocabulary \(321\) differs from the target's"):
         LLMEngine(str(hf.path), proposer=draft)
-    with pytest.raises(InvalidArgument, match="NgramProposer or a DraftModelProposer"):
+    with pytest.raises(InvalidArgument, match=r"must implement ref\.model\.proposers\.Proposer"):
         LLMEngine(str(hf.path), proposer=object())  # type: ignore[arg-type]
 
 
@@ -132,3 +134,29 @@ def test_a_stop_among_accepted_drafts_keeps_each_tokens_logprob() -> None:
     assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
     assert got.logprobs is not None and want.logprobs is not None
     assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+
+
+class _RepeatLast:
+    """A proposer the engine was never told about: it drafts the last token again."""
+
+    num_speculative_tokens = 3
+
+    def check_target(self, target: ModelConfig) -> None:
+        pass
+
+    def draft(
+        self, token_ids: Sequence[int], spec: SampleSpec, output_index: int, limit: int
+    ) -> Draft:
+        return Draft(tuple(token_ids[-1:]) * min(limit, self.num_speculative_tokens))
+
+
+def test_a_new_proposer_needs_only_the_protocol() -> None:
+    # Proposers are chosen by the Proposer protocol, not by type (docs/SPECULATIVE.md,
+    # "The engine"): one the engine never heard of drafts, and no greedy token changes.
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = ["the cat sat on the", "a a a a"]
+    want = [r.outputs[0].token_ids for r in LLMEngine("tiny").generate(prompts, params)]
+    engine = LLMEngine("tiny", proposer=_RepeatLast())
+    got = [r.outputs[0].token_ids for r in engine.generate(prompts, params)]
+    assert got == want
+    assert engine.speculation.num_draft_tokens > 0

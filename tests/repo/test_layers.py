@@ -3,7 +3,9 @@
 Every ``import`` in the source tree is read from the syntax tree, the ones inside functions
 and under ``TYPE_CHECKING`` included (a lazy import is still a dependency), and checked
 against the layer order. ``ref``'s own ``__init__`` is left out: it names the API modules
-as strings for lazy loading, which is not an edge a layer sees.
+as strings for lazy loading, which is not an edge a layer sees. The same reading checks
+that the layers below the model side (``spec``, ``ref.kv``, ``ref.core``) import no torch:
+the scheduler and its step run, and are checked, without a tensor library.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ PACKAGE_MAY_IMPORT: dict[str, set[str]] = {
     "conformance": {"spec", "kernels", "ref"},
 }
 OURS = frozenset(PACKAGE_MAY_IMPORT)
+# Below the model side: no tensor library (docs/ARCHITECTURE.md, "Layers": "No torch").
+TORCH_FREE = ("spec", "ref/kv", "ref/core")
 
 
 def _layer(module: str) -> str:
@@ -54,8 +58,9 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
-    """(line, absolute module) for every import of one of our packages in ``path``."""
+def _imports(path: Path, *, ours: bool = True) -> list[tuple[int, str]]:
+    """(line, absolute module) for every import of one of our packages in ``path``, or
+    of any package with ``ours=False``."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     package = _module_name(path).rsplit(".", 1)[0]
     found: list[tuple[int, str]] = []
@@ -69,7 +74,7 @@ def _imports(path: Path) -> list[tuple[int, str]]:
                 base = ".".join([*anchor, base] if base else anchor)
             # `from ref.core import scheduler` imports ref.core.scheduler.
             found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
-    return [(line, m) for line, m in found if m.split(".")[0] in OURS]
+    return [(line, m) for line, m in found if not ours or m.split(".")[0] in OURS]
 
 
 def _sources() -> list[Path]:
@@ -101,6 +106,54 @@ def violations(path: Path) -> list[str]:
 def test_every_import_follows_the_layer_order() -> None:
     bad = [v for path in _sources() for v in violations(path)]
     assert not bad, "imports against the layer order:\n" + "\n".join(bad)
+
+
+def torch_imports(path: Path) -> list[str]:
+    """Every import of torch in ``path`` (``import torch.nn``, ``from torch import x``,
+    lazy or under ``TYPE_CHECKING`` alike)."""
+    return [
+        f"{path.relative_to(ROOT)}:{line} imports {target}"
+        for line, target in _imports(path, ours=False)
+        if target.split(".")[0] == "torch"
+    ]
+
+
+def test_the_layers_below_the_model_import_no_torch() -> None:
+    paths = sorted(p for d in TORCH_FREE for p in (ROOT / d).rglob("*.py"))
+    assert len(paths) > 30  # the directories are where TORCH_FREE says
+    bad = [v for path in paths for v in torch_imports(path)]
+    assert not bad, "torch below the model side:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch\n",
+        "import numpy as np, torch.nn as nn\n",
+        "from torch import Tensor\n",
+        "def f():\n    from torch.linalg import lstsq\n",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n",
+    ],
+)
+def test_a_torch_import_below_the_model_is_caught(
+    source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "ref" / "core" / "fake.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(source)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    found = torch_imports(path)
+    assert len(found) == 1 and "imports torch" in found[0], found
+
+
+def test_a_module_named_like_torch_is_not_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "spec" / "fake.py"
+    path.parent.mkdir(parents=True)
+    path.write_text("import torchvision_like\nfrom ref.kv import torch_free\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert torch_imports(path) == []
 
 
 def test_every_ref_module_has_a_layer() -> None:

@@ -142,7 +142,7 @@ def test_the_table_rows_follow_a_rollback() -> None:
     s.rollback()
     plan = s.schedule()  # planned again from the rolled-back tables
     inputs = build_inputs(plan, s.requests, s.pool, b)
-    assert torch.equal(inputs.block_tables, build_inputs(plan, s.requests, s.pool).block_tables)
+    assert np.array_equal(inputs.block_tables, build_inputs(plan, s.requests, s.pool).block_tables)
 
 
 def test_bulk_decodes_come_back_as_columns_in_plan_order() -> None:
@@ -209,6 +209,29 @@ def test_an_array_covers_the_sampling_entries_after_the_bulk_decodes_too() -> No
     p = s.requests["p"]
     assert p.output_token_ids == [13] and p.status is S.DECODING
     assert s.batch.decoding[s.batch._slot["p"]]  # its row was reloaded after commit
+
+
+class _DeviceArray:
+    """Stands for a tensor on an accelerator: numpy cannot read it through ``__array__``
+    (torch raises TypeError there), ``tolist`` can; without ``tolist`` nothing can."""
+
+    def __init__(self, values: list[int], *, listable: bool = True) -> None:
+        self.values = values
+        if listable:
+            self.tolist = lambda: list(values)
+
+    def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+        raise TypeError("can't convert cuda:0 device type tensor to numpy")
+
+
+def test_an_array_numpy_cannot_read_is_read_through_tolist() -> None:
+    # The core imports no torch, so a device tensor's own numpy(force=True) is not used.
+    s = decoding(3)
+    plan = s.schedule()
+    assert s.commit(plan, _DeviceArray([4, 5, 6])).new_tokens == {"r0": 4, "r1": 5, "r2": 6}
+    plan = s.schedule()
+    with pytest.raises(BadExecutorOutput, match="gave a _DeviceArray as the sampled tokens"):
+        s.commit(plan, _DeviceArray([4, 5, 6], listable=False))  # type: ignore[arg-type]
 
 
 @pytest.mark.mutation_kill
