@@ -403,7 +403,74 @@ def default_python(spec: EngineSpec) -> str:
     return str(ROOT / spec.venv / "bin" / "python")
 
 
+@dataclass(frozen=True)
+class Options:
+    """A checked command line: what one run measures, on which CPU, and where it writes."""
+
+    engines: tuple[str, ...]
+    """As asked, each once; refserve put first when not asked for (every ratio needs it
+    in the same run)."""
+    pythons: dict[str, str]
+    sizes: tuple[int, ...]
+    rounds: int
+    warmup: int
+    parts: tuple[str, ...]
+    cpu: int | None
+    """The one CPU of every worker (None: the OS places them)."""
+    command: str
+    """The command line, as the JSON and the markdown record it."""
+    json: Path
+    markdown: Path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    opts = parse_options(argv)
+    with pinned(opts.cpu) as on:
+        run = run_peers(
+            opts.engines,
+            opts.pythons,
+            opts.sizes,
+            opts.rounds,
+            opts.warmup,
+            opts.command,
+            parts=opts.parts,
+        )
+    run.pinned_cpu = on
+    _write(run, opts.json, opts.markdown)
+    failed = [c for c in [*run.cells, *run.pool_cells] if c.status == "error"]
+    return 1 if failed else 0
+
+
+def parse_options(argv: Sequence[str] | None) -> Options:
+    """The command line, checked: a bad value exits 2 through argparse, naming it."""
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.warmup < 0 or any(n < 1 for n in args.sizes):
+        p.error("--rounds must be >= 1, --warmup >= 0 and every size >= 1")
+    cpu = None if args.no_pin else args.cpu
+    _check_cpu(p, cpu)
+    pythons = _pythons(p, args.python)
+    engines = list(dict.fromkeys(args.engines))
+    if BASELINE not in engines:
+        engines.insert(0, BASELINE)
+    command = "python -m conformance.bench.peers " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+    )
+    return Options(
+        engines=tuple(engines),
+        pythons=pythons,
+        sizes=tuple(sorted(set(args.sizes))),
+        rounds=args.rounds,
+        warmup=args.warmup,
+        parts=(args.only,) if args.only else ("steps", "pool"),
+        cpu=cpu,
+        command=command,
+        json=args.json,
+        markdown=args.markdown,
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m conformance.bench.peers",
         description="refserve, nano-vllm-fork and vLLM scheduler steps side by side.",
@@ -443,39 +510,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--json", type=Path, default=ROOT / "out" / "bench-peers.json")
     p.add_argument("--markdown", type=Path, default=ROOT / "out" / "bench-peers.md")
-    args = p.parse_args(argv)
-    if args.rounds < 1 or args.warmup < 0 or any(n < 1 for n in args.sizes):
-        p.error("--rounds must be >= 1, --warmup >= 0 and every size >= 1")
-    cpu = None if args.no_pin else args.cpu
+    return p
+
+
+def _check_cpu(p: argparse.ArgumentParser, cpu: int | None) -> None:
+    # Refused here, by name: os.sched_setaffinity in pinned() would only say EINVAL.
     if cpu is not None and hasattr(os, "sched_getaffinity"):
         allowed = sorted(os.sched_getaffinity(0))
         if cpu not in allowed:
             p.error(f"--cpu {cpu}: this process may run on CPUs {allowed} only")
+
+
+def _pythons(p: argparse.ArgumentParser, items: Sequence[str]) -> dict[str, str]:
+    """Every engine's worker interpreter: its venv's, or ``--python ENGINE=PATH``."""
     pythons = {e: default_python(s) for e, s in ENGINES.items()}
-    for item in args.python:
+    for item in items:
         e, sep, path = str(item).partition("=")
         if not sep or e not in ENGINES or not path:
             p.error(f"--python takes ENGINE=PATH with ENGINE one of {sorted(ENGINES)}")
         pythons[e] = path
-    engines = list(dict.fromkeys(args.engines))
-    if BASELINE not in engines:
-        engines.insert(0, BASELINE)  # the ratios need refserve in the same run
-    command = "python -m conformance.bench.peers " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
-    )
-    parts = (args.only,) if args.only else ("steps", "pool")
-    sizes = sorted(set(args.sizes))
-    with pinned(cpu) as on:
-        run = run_peers(engines, pythons, sizes, args.rounds, args.warmup, command, parts=parts)
-    run.pinned_cpu = on
-    for path in (args.json, args.markdown):
+    return pythons
+
+
+def _write(run: Run, json_path: Path, markdown_path: Path) -> None:
+    """The run's JSON and its markdown, which also goes to stdout."""
+    for path in (json_path, markdown_path):
         path.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(run.to_json(), indent=1) + "\n", encoding="utf-8")
+    json_path.write_text(json.dumps(run.to_json(), indent=1) + "\n", encoding="utf-8")
     md = render_markdown(run)
-    args.markdown.write_text(md, encoding="utf-8")
+    markdown_path.write_text(md, encoding="utf-8")
     print(md)
-    failed = [c for c in [*run.cells, *run.pool_cells] if c.status == "error"]
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

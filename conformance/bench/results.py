@@ -243,34 +243,8 @@ class Run:
         the run computed it (``conformance.bench.report`` renders committed JSON so)."""
         if d.get("format") != "refserve-bench-peers":
             raise ValueError(f"not a bench-peers JSON (format {d.get('format')!r})")
-        cells = [
-            Cell(
-                str(c["engine"]),
-                int(c["n"]),
-                bool(c["prefix_caching"]),
-                str(c.get("status", "ok")),
-                str(c.get("reason", "")),
-                float(c.get("setup_s", 0.0)),
-                [list(map(int, t)) for t in c.get("times_ns", [])],
-            )
-            for c in d.get("cells", [])
-        ]
-        pool = dict(d.get("pool") or {})
-        pool_workload = {k: v for k, v in pool.items() if k != "cells"}
-        k = int(pool_workload.get("blocks_per_round", W.POOL_K))
-        pool_cells = [
-            PoolCell(
-                str(c["engine"]),
-                k,
-                bool(c["prefix_caching"]),
-                str(c.get("status", "ok")),
-                str(c.get("reason", "")),
-                float(c.get("setup_s", 0.0)),
-                [[int(t)] for t in c.get("rounds_ns", [])],
-                hashing=str(c.get("hashing", "same")),
-            )
-            for c in pool.get("cells", [])
-        ]
+        cells = [_cell_from_json(c) for c in d.get("cells", [])]
+        pool_workload, pool_cells = _pool_from_json(dict(d.get("pool") or {}))
         pinned = d.get("pinned_cpu")
         return cls(
             command=str(d.get("command", "")),
@@ -290,3 +264,36 @@ class Run:
             workload=dict(d.get("workload") or default_workload()),
             pool_workload=pool_workload or default_pool_workload(),
         )
+
+
+def _cell_from_json(c: dict[str, Any]) -> Cell:
+    return Cell(
+        str(c["engine"]),
+        int(c["n"]),
+        bool(c["prefix_caching"]),
+        str(c.get("status", "ok")),
+        str(c.get("reason", "")),
+        float(c.get("setup_s", 0.0)),
+        [list(map(int, t)) for t in c.get("times_ns", [])],
+    )
+
+
+def _pool_from_json(pool: dict[str, Any]) -> tuple[dict[str, Any], list[PoolCell]]:
+    """The block-pool part of a run's JSON: its workload (every key but ``cells``) and
+    its cells, each round one figure for the whole round (the pool has no phases)."""
+    workload = {k: v for k, v in pool.items() if k != "cells"}
+    k = int(workload.get("blocks_per_round", W.POOL_K))
+    cells = [
+        PoolCell(
+            str(c["engine"]),
+            k,
+            bool(c["prefix_caching"]),
+            str(c.get("status", "ok")),
+            str(c.get("reason", "")),
+            float(c.get("setup_s", 0.0)),
+            [[int(t)] for t in c.get("rounds_ns", [])],
+            hashing=str(c.get("hashing", "same")),
+        )
+        for c in pool.get("cells", [])
+    ]
+    return workload, cells

@@ -1,4 +1,5 @@
-"""``make bench-peers``'s driver (conformance/bench/peers.py) without the third-party venvs.
+"""``make bench-peers``'s driver (conformance/bench/peers.py), its figures (results.py) and
+its table (render.py), without the third-party venvs.
 
 The figures, the ratios and the table are computed from hand-made rounds; the worker
 protocol runs for real with refserve's worker (tiny N, two rounds); a missing venv, an
