@@ -40,18 +40,19 @@ import json
 import os
 import selectors
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from conformance.bench import workload as W
-from conformance.bench.machine import describe, machine_line
+from conformance.bench.machine import describe
+from conformance.bench.render import render_markdown
+from conformance.bench.results import BASELINE, POOL_CONFIGS, Cell, PoolCell, Run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,7 +87,6 @@ ENGINES: dict[str, EngineSpec] = {
         "vllm", "conformance.bench.vllm_worker", ".venv-vllm", "make conformance-vllm"
     ),
 }
-BASELINE = "ref"
 SETUP_TIMEOUT = 600.0
 STEP_TIMEOUT = 120.0
 
@@ -192,447 +192,6 @@ class Worker:
         if self.stderr is not None:
             self.stderr.close()
             self.stderr = None
-
-
-# --------------------------------------------------------------------- the figures
-@dataclass
-class Cell:
-    """One engine on one configuration."""
-
-    engine: str
-    n: int
-    prefix_caching: bool
-    status: str = "ok"
-    """``ok``, ``unsupported`` (the engine has no such configuration) or ``error``."""
-    reason: str = ""
-    setup_s: float = 0.0
-    times_ns: list[list[int]] = field(default_factory=list)
-    """Per round: the step's phases in nanoseconds."""
-
-    @property
-    def key(self) -> str:
-        return W.Shape(self.n, self.prefix_caching).key
-
-
-@dataclass
-class PoolCell(Cell):
-    """One engine's block pool on one configuration; ``n`` is ``POOL_K`` (blocks per
-    round), so :func:`per_request_us` of its rounds is microseconds per block."""
-
-    hashing: str = "same"
-    """``same`` (refserve's block_key in both engines) or ``native`` (vLLM's own)."""
-
-    @property
-    def key(self) -> str:
-        return W.pool_key(self.prefix_caching, self.hashing)
-
-
-POOL_CONFIGS: tuple[tuple[bool, str], ...] = ((False, "same"), (True, "same"), (True, "native"))
-"""(prefix caching, hashing) of each block-pool configuration, in table order."""
-
-
-def pool_figure(
-    cells: Sequence[PoolCell], engine: str, caching: bool, hashing: str
-) -> float | None:
-    """The engine's us per block on that pool configuration (None: not measured)."""
-    for c in cells:
-        if (c.engine, c.prefix_caching, c.hashing) == (engine, caching, hashing):
-            if c.status == "ok" and c.times_ns:
-                return per_request_us(c.times_ns, c.n)
-            return None
-    return None
-
-
-def pool_ratio(cells: Sequence[PoolCell], engine: str, caching: bool, hashing: str) -> float | None:
-    """The engine's figure over refserve's with the same prefix caching (refserve has one
-    hashing, so vLLM's native hashing is set against it too)."""
-    mine = pool_figure(cells, engine, caching, hashing)
-    base = pool_figure(cells, BASELINE, caching, "same")
-    if mine is None or base is None or base <= 0:
-        return None
-    return mine / base
-
-
-def per_request_us(times_ns: Sequence[Sequence[int]], n: int) -> float:
-    """The median over rounds of one step's time (its phases summed) per request, in us."""
-    if not times_ns:
-        raise ValueError("no rounds")
-    return statistics.median(sum(t) for t in times_ns) / n / 1e3
-
-
-def phase_us(times_ns: Sequence[Sequence[int]], n: int) -> list[float]:
-    """Each phase's median over rounds, per request, in us."""
-    if not times_ns:
-        return []
-    return [statistics.median(t[i] for t in times_ns) / n / 1e3 for i in range(len(times_ns[0]))]
-
-
-def figure(cells: Sequence[Cell], engine: str, n: int, caching: bool) -> float | None:
-    """The engine's us per request on that configuration (None: not measured)."""
-    for c in cells:
-        if (c.engine, c.n, c.prefix_caching) == (engine, n, caching):
-            if c.status == "ok" and c.times_ns:
-                return per_request_us(c.times_ns, n)
-            return None
-    return None
-
-
-def ratio(cells: Sequence[Cell], engine: str, n: int, caching: bool) -> float | None:
-    """The engine's figure over refserve's for the same configuration."""
-    mine = figure(cells, engine, n, caching)
-    base = figure(cells, BASELINE, n, caching)
-    if mine is None or base is None or base <= 0:
-        return None
-    return mine / base
-
-
-def growth(cells: Sequence[Cell], engine: str, caching: bool, sizes: Sequence[int]) -> float | None:
-    """The figure at the largest N over the figure at the smallest."""
-    if len(sizes) < 2:
-        return None
-    lo = figure(cells, engine, min(sizes), caching)
-    hi = figure(cells, engine, max(sizes), caching)
-    if lo is None or hi is None or lo <= 0:
-        return None
-    return hi / lo
-
-
-def default_workload() -> dict[str, Any]:
-    """The step workload as the JSON records it (the renderers read it from there, so a
-    committed JSON still renders with the workload it was measured on)."""
-    return {
-        "block_size": W.BLOCK_SIZE,
-        "prompt_tokens": [W.MIN_PROMPT, W.MAX_PROMPT],
-        "blocks_per_request": W.BLOCKS_PER_REQUEST,
-        "max_num_batched_tokens": "max(2048, 2 N)",
-    }
-
-
-def default_pool_workload() -> dict[str, Any]:
-    return {
-        "blocks": W.POOL_BLOCKS,
-        "blocks_per_round": W.POOL_K,
-        "block_size": W.BLOCK_SIZE,
-        "timed_rounds_per_message": W.POOL_REPS,
-    }
-
-
-@dataclass
-class Run:
-    """Everything one ``bench-peers`` run measured."""
-
-    command: str
-    sizes: list[int]
-    rounds: int
-    warmup: int
-    engines: dict[str, dict[str, Any]]
-    """Per engine key: ``name``, ``includes``, ``phases``, ``python``, ``error``."""
-    cells: list[Cell]
-    started: str = ""
-    load_before: list[float] = field(default_factory=list)
-    load_after: list[float] = field(default_factory=list)
-    cpus: int = 0
-    pinned_cpu: int | None = None
-    """The one CPU every worker ran on (:func:`pinned`), or None: the OS placed them."""
-    pool_cells: list[PoolCell] = field(default_factory=list)
-    parts: tuple[str, ...] = ("steps", "pool")
-    machine: dict[str, Any] = field(default_factory=dict)
-    """:func:`conformance.bench.machine.describe` when the run started."""
-    workload: dict[str, Any] = field(default_factory=default_workload)
-    pool_workload: dict[str, Any] = field(default_factory=default_pool_workload)
-
-    def to_json(self) -> dict[str, Any]:
-        out_cells = []
-        for c in self.cells:
-            d: dict[str, Any] = {
-                "engine": c.engine,
-                "n": c.n,
-                "prefix_caching": c.prefix_caching,
-                "status": c.status,
-            }
-            if c.reason:
-                d["reason"] = c.reason
-            if c.status == "ok" and c.times_ns:
-                d["us_per_request"] = round(per_request_us(c.times_ns, c.n), 3)
-                phases = self.engines.get(c.engine, {}).get("phases", [])
-                d["phase_us_per_request"] = dict(
-                    zip(phases, (round(x, 3) for x in phase_us(c.times_ns, c.n)), strict=False)
-                )
-                r = ratio(self.cells, c.engine, c.n, c.prefix_caching)
-                d["ratio_to_refserve"] = None if r is None else round(r, 3)
-                d["setup_s"] = c.setup_s
-                d["times_ns"] = c.times_ns
-            out_cells.append(d)
-        growths = {
-            f"{e}-{'cache' if caching else 'nocache'}": (None if g is None else round(g, 3))
-            for e in self.engines
-            for caching in (False, True)
-            for g in [growth(self.cells, e, caching, self.sizes)]
-        }
-        return {
-            "format": "refserve-bench-peers",
-            "version": 1,
-            "command": self.command,
-            "started": self.started,
-            "load_before": self.load_before,
-            "load_after": self.load_after,
-            "cpus": self.cpus,
-            "pinned_cpu": self.pinned_cpu,
-            "machine": self.machine,
-            "sizes": self.sizes,
-            "rounds": self.rounds,
-            "warmup": self.warmup,
-            "workload": self.workload,
-            "engines": self.engines,
-            "cells": out_cells,
-            "growth_largest_over_smallest_n": growths,
-            "parts": list(self.parts),
-            "pool": self._pool_json(),
-        }
-
-    def _pool_json(self) -> dict[str, Any]:
-        cells = []
-        for c in self.pool_cells:
-            d: dict[str, Any] = {
-                "engine": c.engine,
-                "prefix_caching": c.prefix_caching,
-                "hashing": c.hashing,
-                "status": c.status,
-            }
-            if c.reason:
-                d["reason"] = c.reason
-            if c.status == "ok" and c.times_ns:
-                d["us_per_block"] = round(per_request_us(c.times_ns, c.n), 4)
-                r = pool_ratio(self.pool_cells, c.engine, c.prefix_caching, c.hashing)
-                d["ratio_to_refserve"] = None if r is None else round(r, 3)
-                d["setup_s"] = c.setup_s
-                d["rounds_ns"] = [t[0] for t in c.times_ns]
-            cells.append(d)
-        return {**self.pool_workload, "cells": cells}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Run:
-        """The run a :meth:`to_json` document describes, as far as rendering needs: the
-        per-round times are kept, so every median and ratio is recomputed exactly as
-        the run computed it (``conformance.bench.report`` renders committed JSON so)."""
-        if d.get("format") != "refserve-bench-peers":
-            raise ValueError(f"not a bench-peers JSON (format {d.get('format')!r})")
-        cells = [
-            Cell(
-                str(c["engine"]),
-                int(c["n"]),
-                bool(c["prefix_caching"]),
-                str(c.get("status", "ok")),
-                str(c.get("reason", "")),
-                float(c.get("setup_s", 0.0)),
-                [list(map(int, t)) for t in c.get("times_ns", [])],
-            )
-            for c in d.get("cells", [])
-        ]
-        pool = dict(d.get("pool") or {})
-        pool_workload = {k: v for k, v in pool.items() if k != "cells"}
-        k = int(pool_workload.get("blocks_per_round", W.POOL_K))
-        pool_cells = [
-            PoolCell(
-                str(c["engine"]),
-                k,
-                bool(c["prefix_caching"]),
-                str(c.get("status", "ok")),
-                str(c.get("reason", "")),
-                float(c.get("setup_s", 0.0)),
-                [[int(t)] for t in c.get("rounds_ns", [])],
-                hashing=str(c.get("hashing", "same")),
-            )
-            for c in pool.get("cells", [])
-        ]
-        pinned = d.get("pinned_cpu")
-        return cls(
-            command=str(d.get("command", "")),
-            sizes=[int(n) for n in d.get("sizes", [])],
-            rounds=int(d.get("rounds", 0)),
-            warmup=int(d.get("warmup", 0)),
-            engines={str(e): dict(v) for e, v in dict(d.get("engines") or {}).items()},
-            cells=cells,
-            started=str(d.get("started", "")),
-            load_before=[float(x) for x in d.get("load_before", [])],
-            load_after=[float(x) for x in d.get("load_after", [])],
-            cpus=int(d.get("cpus", 0)),
-            pinned_cpu=None if pinned is None else int(pinned),
-            pool_cells=pool_cells,
-            parts=tuple(str(p) for p in d.get("parts", ("steps", "pool"))),
-            machine=dict(d.get("machine") or {}),
-            workload=dict(d.get("workload") or default_workload()),
-            pool_workload=pool_workload or default_pool_workload(),
-        )
-
-
-def _fmt_us(x: float) -> str:
-    return f"{x:.1f} us" if x >= 1 else f"{x:.2f} us"
-
-
-def render_markdown(run: Run) -> str:
-    """The side-by-side table, what each timed step includes, and the phase breakdown."""
-    load = " / ".join(f"{x:.2f}" for x in run.load_before)
-    load_after = " / ".join(f"{x:.2f}" for x in run.load_after)
-    head = [
-        "# Scheduler step and block pool, side by side (`make bench-peers`)",
-        "",
-        f"Command: `{run.command}`. Started {run.started}; {run.cpus} CPUs; load average "
-        f"(1 / 5 / 15 min) {load} before, {load_after} after. "
-        + (f"{machine_line(run.machine)}. " if run.machine else "")
-        + (
-            f"Every worker pinned to CPU {run.pinned_cpu} (`--cpu`): the rounds run one at "
-            "a time, so they never compete for it."
-            if run.pinned_cpu is not None
-            else "Workers not pinned: the OS placed them (`--no-pin`, or no CPU affinity here)."
-        ),
-        "",
-    ]
-    steps = render_steps(run) if "steps" in run.parts else []
-    pool = render_pool(run) if "pool" in run.parts else []
-    return "\n".join(head + steps + pool) + "\n"
-
-
-def render_pool(run: Run, level: int = 2) -> list[str]:
-    """The block-pool table: us per block, ratio to refserve, what each round includes."""
-    pw = run.pool_workload
-    lines = [
-        "#" * level + " Block pool (allocate + free)",
-        "",
-        f"Each engine's block pool alone, {pw['blocks']} blocks of {pw['block_size']}: a "
-        f"round allocates {pw['blocks_per_round']} fresh blocks for a new request and frees "
-        "them; with prefix caching every free block is cached beforehand, so every pop "
-        "evicts, and each round hashes and indexes its full blocks. Median over all rounds "
-        f"(interleaved, {pw['timed_rounds_per_message']} per message, {run.rounds} messages "
-        f"per engine after {run.warmup} warm-up), per block; in brackets the ratio to "
-        "refserve with the same prefix caching in this run.",
-        "",
-        "| engine | no prefix caching | prefix caching, same hashing | "
-        "prefix caching, engine's own hashing |",
-        "|---|---|---|---|",
-    ]
-    for e, info in run.engines.items():
-        row = [str(info.get("name") or e)]
-        for caching, hashing in POOL_CONFIGS:
-            if e == BASELINE and hashing == "native":
-                row.append("(same as its own)")
-                continue
-            cell = next(
-                (
-                    c
-                    for c in run.pool_cells
-                    if (c.engine, c.prefix_caching, c.hashing) == (e, caching, hashing)
-                ),
-                None,
-            )
-            f = pool_figure(run.pool_cells, e, caching, hashing)
-            if f is None:
-                row.append(f"n/a ({cell.status})" if cell is not None else "n/a")
-                continue
-            r = pool_ratio(run.pool_cells, e, caching, hashing)
-            text = f"{f:.3f} us"
-            if e != BASELINE and r is not None:
-                text += f" ({r:.2f}x)"
-            row.append(text)
-        lines.append("| " + " | ".join(row) + " |")
-    lines += [
-        "",
-        "Hashing: *same* is `spec.hashing.block_key` in both engines, sha256 over the parent "
-        "key (32 bytes) and the block's 16 token ids as int64 (128 bytes); vLLM's *own* is "
-        "`hash_block_tokens(sha256, ...)`, sha256 over the pickle of (parent hash, token "
-        "tuple, None).",
-        "",
-        "What each engine's pool round includes:",
-        "",
-    ]
-    for e, info in run.engines.items():
-        name = str(info.get("name") or e)
-        if info.get("error"):
-            lines.append(f"- {name}: **not measured**: {info['error']}")
-        else:
-            lines.append(f"- {name}: {info.get('pool_includes') or 'no block-pool benchmark'}")
-    lines.append("")
-    return lines
-
-
-def render_steps(run: Run, level: int = 2) -> list[str]:
-    """The scheduler-step table, what each step includes, and the phase breakdown."""
-    sizes = run.sizes
-    lo, hi = (min(sizes), max(sizes)) if sizes else (0, 0)
-    lo_prompt, hi_prompt = run.workload["prompt_tokens"]
-    lines = [
-        "#" * level + " Scheduler step",
-        "",
-        f"Decode-heavy workload: N running requests, block {run.workload['block_size']}, "
-        f"prompts of {lo_prompt}-{hi_prompt} tokens, every request decoding; one step decodes "
-        f"one token for each. Median of {run.rounds} interleaved rounds ({run.warmup} warm-up "
-        "rounds discarded), per running request; in brackets the ratio to refserve on the "
-        "same configuration in this run.",
-        "",
-        "| engine | prefix caching | "
-        + " | ".join(f"N = {n}" for n in sizes)
-        + f" | growth N = {lo} to {hi} |",
-        "|---|---|" + "---|" * len(sizes) + "---|",
-    ]
-    for e, info in run.engines.items():
-        name = str(info.get("name") or e)
-        for caching in (False, True):
-            row = [name, "on" if caching else "off"]
-            for n in sizes:
-                cell = next(
-                    (c for c in run.cells if (c.engine, c.n, c.prefix_caching) == (e, n, caching)),
-                    None,
-                )
-                f = figure(run.cells, e, n, caching)
-                if f is None:
-                    row.append(f"n/a ({cell.status})" if cell is not None else "n/a")
-                    continue
-                r = ratio(run.cells, e, n, caching)
-                text = _fmt_us(f)
-                if e != BASELINE and r is not None:
-                    text += f" ({r:.1f}x)"
-                row.append(text)
-            g = growth(run.cells, e, caching, sizes)
-            row.append("n/a" if g is None else f"{g:.2f}x")
-            lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "What each engine's timed step includes:", ""]
-    for e, info in run.engines.items():
-        name = str(info.get("name") or e)
-        if info.get("error"):
-            lines.append(f"- {name}: **not measured**: {info['error']}")
-        else:
-            lines.append(f"- {name}: {info.get('includes', '')}")
-    missing = {
-        (str(run.engines.get(c.engine, {}).get("name") or c.engine), c.status, c.reason)
-        for c in run.cells
-        if c.status != "ok" and not run.engines.get(c.engine, {}).get("error")
-    }
-    if missing:
-        lines += ["", "Not measured:", ""]
-        lines += [f"- {name} ({status}): {reason}" for name, status, reason in sorted(missing)]
-    lines += [
-        "",
-        "Phases (median of each phase over the rounds, per running request; the medians "
-        "need not add up to the step's):",
-        "",
-        "| engine | prefix caching | N | phases |",
-        "|---|---|---|---|",
-    ]
-    rank = {e: i for i, e in enumerate(run.engines)}
-    for c in sorted(run.cells, key=lambda c: (rank.get(c.engine, 0), c.prefix_caching, c.n)):
-        if c.status != "ok" or not c.times_ns:
-            continue
-        info = run.engines.get(c.engine, {})
-        phases = info.get("phases", [])
-        parts = ", ".join(
-            f"{p} {_fmt_us(x)}" for p, x in zip(phases, phase_us(c.times_ns, c.n), strict=False)
-        )
-        lines.append(
-            f"| {info.get('name') or c.engine} | {'on' if c.prefix_caching else 'off'} | "
-            f"{c.n} | {parts} |"
-        )
-    lines.append("")
-    return lines
 
 
 # --------------------------------------------------------------------- the run
@@ -844,7 +403,74 @@ def default_python(spec: EngineSpec) -> str:
     return str(ROOT / spec.venv / "bin" / "python")
 
 
+@dataclass(frozen=True)
+class Options:
+    """A checked command line: what one run measures, on which CPU, and where it writes."""
+
+    engines: tuple[str, ...]
+    """As asked, each once; refserve put first when not asked for (every ratio needs it
+    in the same run)."""
+    pythons: dict[str, str]
+    sizes: tuple[int, ...]
+    rounds: int
+    warmup: int
+    parts: tuple[str, ...]
+    cpu: int | None
+    """The one CPU of every worker (None: the OS places them)."""
+    command: str
+    """The command line, as the JSON and the markdown record it."""
+    json: Path
+    markdown: Path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    opts = parse_options(argv)
+    with pinned(opts.cpu) as on:
+        run = run_peers(
+            opts.engines,
+            opts.pythons,
+            opts.sizes,
+            opts.rounds,
+            opts.warmup,
+            opts.command,
+            parts=opts.parts,
+        )
+    run.pinned_cpu = on
+    _write(run, opts.json, opts.markdown)
+    failed = [c for c in [*run.cells, *run.pool_cells] if c.status == "error"]
+    return 1 if failed else 0
+
+
+def parse_options(argv: Sequence[str] | None) -> Options:
+    """The command line, checked: a bad value exits 2 through argparse, naming it."""
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.warmup < 0 or any(n < 1 for n in args.sizes):
+        p.error("--rounds must be >= 1, --warmup >= 0 and every size >= 1")
+    cpu = None if args.no_pin else args.cpu
+    _check_cpu(p, cpu)
+    pythons = _pythons(p, args.python)
+    engines = list(dict.fromkeys(args.engines))
+    if BASELINE not in engines:
+        engines.insert(0, BASELINE)
+    command = "python -m conformance.bench.peers " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+    )
+    return Options(
+        engines=tuple(engines),
+        pythons=pythons,
+        sizes=tuple(sorted(set(args.sizes))),
+        rounds=args.rounds,
+        warmup=args.warmup,
+        parts=(args.only,) if args.only else ("steps", "pool"),
+        cpu=cpu,
+        command=command,
+        json=args.json,
+        markdown=args.markdown,
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m conformance.bench.peers",
         description="refserve, nano-vllm-fork and vLLM scheduler steps side by side.",
@@ -884,39 +510,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--json", type=Path, default=ROOT / "out" / "bench-peers.json")
     p.add_argument("--markdown", type=Path, default=ROOT / "out" / "bench-peers.md")
-    args = p.parse_args(argv)
-    if args.rounds < 1 or args.warmup < 0 or any(n < 1 for n in args.sizes):
-        p.error("--rounds must be >= 1, --warmup >= 0 and every size >= 1")
-    cpu = None if args.no_pin else args.cpu
+    return p
+
+
+def _check_cpu(p: argparse.ArgumentParser, cpu: int | None) -> None:
+    # Refused here, by name: os.sched_setaffinity in pinned() would only say EINVAL.
     if cpu is not None and hasattr(os, "sched_getaffinity"):
         allowed = sorted(os.sched_getaffinity(0))
         if cpu not in allowed:
             p.error(f"--cpu {cpu}: this process may run on CPUs {allowed} only")
+
+
+def _pythons(p: argparse.ArgumentParser, items: Sequence[str]) -> dict[str, str]:
+    """Every engine's worker interpreter: its venv's, or ``--python ENGINE=PATH``."""
     pythons = {e: default_python(s) for e, s in ENGINES.items()}
-    for item in args.python:
+    for item in items:
         e, sep, path = str(item).partition("=")
         if not sep or e not in ENGINES or not path:
             p.error(f"--python takes ENGINE=PATH with ENGINE one of {sorted(ENGINES)}")
         pythons[e] = path
-    engines = list(dict.fromkeys(args.engines))
-    if BASELINE not in engines:
-        engines.insert(0, BASELINE)  # the ratios need refserve in the same run
-    command = "python -m conformance.bench.peers " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
-    )
-    parts = (args.only,) if args.only else ("steps", "pool")
-    sizes = sorted(set(args.sizes))
-    with pinned(cpu) as on:
-        run = run_peers(engines, pythons, sizes, args.rounds, args.warmup, command, parts=parts)
-    run.pinned_cpu = on
-    for path in (args.json, args.markdown):
+    return pythons
+
+
+def _write(run: Run, json_path: Path, markdown_path: Path) -> None:
+    """The run's JSON and its markdown, which also goes to stdout."""
+    for path in (json_path, markdown_path):
         path.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(run.to_json(), indent=1) + "\n", encoding="utf-8")
+    json_path.write_text(json.dumps(run.to_json(), indent=1) + "\n", encoding="utf-8")
     md = render_markdown(run)
-    args.markdown.write_text(md, encoding="utf-8")
+    markdown_path.write_text(md, encoding="utf-8")
     print(md)
-    failed = [c for c in [*run.cells, *run.pool_cells] if c.status == "error"]
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -32,8 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conformance.bench import memory, peers
+from conformance.bench import memory
 from conformance.bench.machine import machine_line
+from conformance.bench.render import render_pool, render_steps
+from conformance.bench.results import Run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,7 +78,7 @@ def _provenance(command: str, when: str, machine: dict[str, Any], extra: str = "
 
 
 def _peers_body(doc: dict[str, Any]) -> list[str]:
-    run = peers.Run.from_json(doc)
+    run = Run.from_json(doc)
     load_after = " / ".join(f"{x:.2f}" for x in run.load_after)
     pin = (
         f" Every worker pinned to CPU {run.pinned_cpu} (`--cpu`)."
@@ -86,9 +88,9 @@ def _peers_body(doc: dict[str, Any]) -> list[str]:
     extra = (f" Load average {load_after} at the end." if load_after else "") + pin
     lines = _provenance(run.command, run.started, run.machine, extra)
     if "steps" in run.parts:
-        lines += peers.render_steps(run, level=3)
+        lines += render_steps(run, level=3)
     if "pool" in run.parts:
-        lines += peers.render_pool(run, level=3)
+        lines += render_pool(run, level=3)
     return lines
 
 

@@ -1,4 +1,5 @@
-"""``make bench-peers``'s driver (conformance/bench/peers.py) without the third-party venvs.
+"""``make bench-peers``'s driver (conformance/bench/peers.py), its figures (results.py) and
+its table (render.py), without the third-party venvs.
 
 The figures, the ratios and the table are computed from hand-made rounds; the worker
 protocol runs for real with refserve's worker (tiny N, two rounds); a missing venv, an
@@ -18,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from conformance.bench import memory, peers
-from conformance.bench.peers import Cell, Run, growth, per_request_us, phase_us, ratio
+from conformance.bench.render import render_markdown
+from conformance.bench.results import Cell, PoolCell, Run, growth, per_request_us, phase_us, ratio
 from conformance.bench.worker import Unsupported, handle
 from conformance.bench.workload import Shape, prompt, prompt_len, shapes
 
@@ -76,7 +78,7 @@ def test_the_figures_are_medians_per_request_and_ratios_to_refserve() -> None:
 
 
 def test_the_table_shows_figures_ratios_growth_and_what_was_not_measured() -> None:
-    md = peers.render_markdown(_run(CELLS))
+    md = render_markdown(_run(CELLS))
     assert "| engine | prefix caching | N = 64 | N = 1024 | growth N = 64 to 1024 |" in md
     assert "| refserve | off | 4.0 us | 5.0 us | 1.25x |" in md
     assert "| vLLM 0.33.0 | off | 16.0 us (4.0x) | 20.0 us (4.0x) | 1.25x |" in md
@@ -97,9 +99,9 @@ def test_a_run_renders_the_same_from_its_json() -> None:
     """docs/BENCHMARKS.md renders committed JSON (conformance/bench/report.py): the run
     read back from its JSON must give the table the run itself printed."""
     run = _run(CELLS)
-    run.pool_cells = [peers.PoolCell("ref", 32, False, times_ns=[[3_200], [6_400]])]
+    run.pool_cells = [PoolCell("ref", 32, False, times_ns=[[3_200], [6_400]])]
     back = Run.from_json(json.loads(json.dumps(run.to_json())))
-    assert peers.render_markdown(back) == peers.render_markdown(run)
+    assert render_markdown(back) == render_markdown(run)
     assert back.to_json() == run.to_json()
     with pytest.raises(ValueError, match="not a bench-peers JSON"):
         Run.from_json({"format": "something else"})

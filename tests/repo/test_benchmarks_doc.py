@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from conformance.bench import report
-from conformance.bench.peers import Cell, PoolCell, Run
+from conformance.bench.results import Cell, PoolCell, Run
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "BENCHMARKS.md"

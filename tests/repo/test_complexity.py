@@ -18,10 +18,6 @@ from radon.visitors import Function
 ROOT = Path(__file__).resolve().parents[2]
 MAX_COMPLEXITY = 15
 CHECKED = ("ref", "conformance")
-# Not yet held to the limit: conformance/bench/ is being rewritten on another branch
-# (issue 30). Drop it from here when that lands: the last test below fails once it is
-# under the limit, so this list cannot outlive its reason.
-NOT_YET = ("conformance/bench/",)
 # (file, Class.method): flat validation lists, each branch one independent check.
 FLAT_VALIDATION = {
     ("ref/core/config.py", "SchedulerConfig.__post_init__"),
@@ -69,33 +65,26 @@ def _function_node(source: str, qualname: str) -> ast.FunctionDef:
     raise AssertionError(f"{qualname} not found")
 
 
-def _sources(prefix: str = "") -> list[tuple[str, str]]:
-    """(path from the root, source) of every checked file under ``prefix``."""
+def _sources() -> list[tuple[str, str]]:
+    """(path from the root, source) of every checked file."""
     paths = sorted(p for top in CHECKED for p in (ROOT / top).rglob("*.py"))
-    rel = [(str(p.relative_to(ROOT)), p) for p in paths]
-    return [(r, p.read_text(encoding="utf-8")) for r, p in rel if r.startswith(prefix)]
+    return [(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8")) for p in paths]
 
 
 def test_no_checked_function_is_above_the_limit() -> None:
-    bad = [
-        v
-        for where, source in _sources()
-        if not where.startswith(NOT_YET)
-        for v in over_limit(source, where)
-    ]
+    bad = [v for where, source in _sources() for v in over_limit(source, where)]
     assert not bad, "functions above the complexity limit:\n" + "\n".join(bad)
 
 
 def test_conformance_is_checked() -> None:
     """The walk reads conformance/ as well as ref/, subpackages included."""
     where = {w for w, _ in _sources()}
-    assert {"ref/core/scheduler.py", "conformance/runner.py", "conformance/kv/run.py"} <= where
-
-
-def test_not_yet_checked_paths_still_need_it() -> None:
-    for prefix in NOT_YET:
-        found = [v for where, source in _sources(prefix) for v in over_limit(source, where)]
-        assert found, f"{prefix} is under the limit now: remove it from NOT_YET"
+    assert {
+        "ref/core/scheduler.py",
+        "conformance/runner.py",
+        "conformance/kv/run.py",
+        "conformance/bench/peers.py",
+    } <= where
 
 
 def test_exempt_validation_lists_stay_flat() -> None:
