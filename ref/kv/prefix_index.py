@@ -127,16 +127,17 @@ class PrefixIndex:
         (stored parent key and token ids). Blocks indexed by the open transaction are
         not served: the step that reserved them has not computed their K/V yet."""
         bs = self.block_size
+        index, entries, fresh = self._index, self._entry, self._fresh
         blocks: list[int] = []
         keys: list[bytes] = []
         parent = root_key
         for i in range(max_cacheable_tokens(len(token_ids), bs) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             key = block_key(parent, tokens)
-            b = self._index.get(key)
-            if b is None or b in self._fresh:
+            b = index.get(key)
+            if b is None or b in fresh:
                 break
-            entry = self._entry[b]
+            entry = entries[b]
             if entry is None or entry.parent_key != parent or entry.token_ids != tokens:
                 break
             blocks.append(b)
