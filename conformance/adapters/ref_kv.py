@@ -22,7 +22,7 @@ from conformance.kv.protocol import (
     NoSpace,
 )
 from ref.errors import ExceedsCapacity, OutOfBlocks, RefserveError
-from ref.kv.pool import BlockPool, PrefixHit
+from ref.kv import BlockPool, PrefixHit
 from spec.snapshot import PoolSnapshot
 
 

@@ -112,12 +112,7 @@ class HostPool:
         self._tables[request_id] = HostTable(
             tuple(taken), num_stored, tuple(token_ids[:num_stored])
         )
-
-        def undo() -> None:
-            del self._tables[request_id]
-            self._free.extendleft(reversed(taken))
-
-        self._journal.record(undo)
+        self._journal.record(self._unswap_out, request_id, taken)
         return tuple(BlockCopy(d, h) for d, h in zip(device_blocks, taken, strict=True))
 
     def release(self, request_id: str) -> HostTable:
@@ -129,17 +124,21 @@ class HostPool:
         if t is None:
             raise UnknownRequest(request_id, "release (no host table)")
         if self._journal.active:
-            mark = len(self._released)
+            self._journal.record(self._unrelease, request_id, t, len(self._released))
             self._released.extend(t.block_ids)
-
-            def undo() -> None:
-                del self._released[mark:]
-                self._tables[request_id] = t
-
-            self._journal.record(undo)
         else:
             self._free.extend(t.block_ids)
         return t
+
+    def _unswap_out(self, request_id: str, taken: list[int]) -> None:
+        # Undo of swap_out: the blocks go back to the head, in their old order.
+        del self._tables[request_id]
+        self._free.extendleft(reversed(taken))
+
+    def _unrelease(self, request_id: str, table: HostTable, mark: int) -> None:
+        # Undo of release inside a step: its blocks leave the quarantine.
+        del self._released[mark:]
+        self._tables[request_id] = table
 
     # ------------------------------------------------------------------ snapshot
     def snapshot(self) -> PoolSnapshot:

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import FunctionType, MethodType
 from typing import Any
 
 Undo = Callable[..., object]
 
 
 class Journal:
-    """Undo entries are ``(fn, args)`` tuples: a hot path records one bound method and
-    its arguments instead of building a closure per change (rollback calls
-    ``fn(*args)``). ``record(fn)`` with no arguments is the old zero-argument form."""
+    """Undo entries are records, ``(fn, args)``: a module-level function, a bound method
+    or a builtin, and its arguments (rollback calls ``fn(*args)``), never a closure or a
+    lambda. A closure built per change costs an allocation a record does not, and hides
+    what it captured; :meth:`record` refuses one (an assertion, so ``python -O`` pays
+    nothing; docs/ARCHITECTURE.md, "The persistent batch")."""
 
     def __init__(self) -> None:
         self._undo: list[tuple[Undo, tuple[Any, ...]]] | None = None
@@ -29,6 +32,12 @@ class Journal:
 
     def record(self, undo: Undo, *args: Any) -> None:
         if self._undo is not None:
+            # Nested functions and lambdas are named "<locals>" / "<lambda>" in their
+            # qualified name; a closure is always nested. Builtins pass the type test.
+            fn = undo.__func__ if type(undo) is MethodType else undo
+            assert type(fn) is not FunctionType or (
+                fn.__closure__ is None and "<" not in fn.__qualname__
+            ), f"undo entry {fn!r} is a closure or a lambda, not a record"
             self._undo.append((undo, args))
 
     def begin(self) -> None:

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from conformance.adapter import NotSupported
 from conformance.adapters.ref_kv import RefKVAdapter
 from conformance.kv.protocol import Allocation, KVConfig, KVFeature, NoSpace
-from ref.kv.pool import BlockPool
+from ref.kv import BlockPool
+from ref.kv.prefix_index import Entry
 from spec.arith import blocks_needed
 from spec.hashing import block_key
 from spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
@@ -210,8 +211,8 @@ class NoCopiesKV(RefKVAdapter):
 
 
 class _StalePool(BlockPool):
-    def _evict_reused(self, blocks: Sequence[int]) -> None:
-        pass  # reused without dropping their cache entries
+    def _evict_reused(self, blocks: Sequence[int]) -> list[Entry]:
+        return []  # reused without dropping their cache entries
 
 
 class StaleCacheKV(RefKVAdapter):

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import ref.kv.pool as pool_module
-from ref.kv.pool import BlockPool
+import ref.kv.prefix_index as prefix_index_module
+from ref.kv import BlockPool
 from spec.hashing import DEFAULT_NAMESPACE, Namespace, chain_keys
 
 #: Pairs that shared one root under the NUL-joined encoding.
@@ -91,7 +91,7 @@ def test_a_cached_block_is_no_hit_in_the_colliding_namespace() -> None:
 def test_a_key_collision_in_lookup_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
     # A block key that ignores the parent makes "token 6 after 5" and "token 6 first"
     # collide; lookup's identity check (stored parent key) must refuse the reuse.
-    monkeypatch.setattr(pool_module, "block_key", lambda parent, tokens: bytes(tokens))
+    monkeypatch.setattr(prefix_index_module, "block_key", lambda parent, tokens: bytes(tokens))
     pool = BlockPool(4, 1)
     pool.allocate("a", [5, 6], 2)
     assert pool.lookup([5, 6, 7]).block_ids == (0, 1)

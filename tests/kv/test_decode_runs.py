@@ -1,15 +1,15 @@
 """A pool driven by decode runs equals one driven request by request (ref/kv/pool.py,
 ``DecodeRun``; docs/ARCHITECTURE.md, "The persistent batch").
 
-A decode run keeps its steps' tokens beside its tables and writes them in later (before
-anything reads a table's tokens, every few steps, before a copy-on-write step). Two pools
-take the same random operations: admissions with prefix hits, decode steps (some rolled
-back), single tokens through ``allocate``, frees, forks, a second run over the same
-tables and reads of ``num_stored``; one decodes through
+A decode run is looked up once and kept across steps while the pool says it is current;
+each ``append_decodes`` takes the step's fresh blocks as one run off the free queue and
+indexes the filled blocks in one pass. Two pools take the same random operations:
+admissions with prefix hits, decode steps (some rolled back), single tokens through
+``allocate``, frees, forks and a second run over the same tables; one decodes through
 ``decode_run``/``append_decodes`` with the claims the persistent batch makes, the other
-through ``append_decode_tokens``. After every operation their snapshots are equal and
-``spec.check_pool`` reports nothing, however many steps the run holds back, whether or
-not the caller hands over the tokens of the blocks that fill (``filled``).
+request by request through ``allocate(rid, known, 1)`` (``kv_steps.decode_each``). After
+every operation their snapshots are equal and ``spec.check_pool`` reports nothing,
+whether or not the caller hands over the tokens of the blocks that fill (``filled``).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_steps import decode_each, stored
 
 from ref.errors import ExceedsCapacity, InvalidArgument, OutOfBlocks
 from ref.kv import BlockPool, DecodeRun
-from ref.kv.pool import _MAX_PENDING_STEPS
 from spec import check_pool
 
 TOKENS = st.integers(min_value=0, max_value=2)  # few ids: prefix hits are common
@@ -75,13 +75,13 @@ class _Pair:
             else None
         )
         if self.spare is not None and self.bulk.is_current(self.spare):
-            self.run, self.spare = self.spare, self.run  # the other run's steps go in first
+            self.run, self.spare = self.spare, self.run  # a second run over the same tables
         if self.run is None or not self.bulk.is_current(self.run):
             self.run = self.bulk.decode_run(ids)
         if rolled_back:
             self.ref.begin()
             self.bulk.begin()
-        copies = self.ref.append_decode_tokens(ids, [self.known[rid] for rid in ids])
+        copies = decode_each(self.ref, {rid: self.known[rid] for rid in ids})
         growth = self.bulk.append_decodes(self.run, tokens, needy, filling, filled)
         assert (growth is None) == (copies is None)
         if growth is not None:
@@ -128,11 +128,6 @@ class _Pair:
             self.bulk.fork(parent, child)
             self.known[child] = list(self.known[parent])
 
-    def read_num_stored(self, pick: int) -> None:
-        if self.known:
-            rid = list(self.known)[pick % len(self.known)]
-            assert self.bulk.num_stored(rid) == self.ref.num_stored(rid)
-
 
 SAMPLED = st.lists(TOKENS, min_size=8, max_size=8)
 KEPT = st.tuples(st.just(False), st.booleans())  # (rolled back, claim the filled blocks)
@@ -147,7 +142,6 @@ OPS = st.one_of(
     st.tuples(st.just("spare"), st.none(), st.none()),
     st.tuples(st.just("free"), st.integers(0, 7), st.none()),
     st.tuples(st.just("fork"), st.integers(0, 7), st.none()),
-    st.tuples(st.just("num_stored"), st.integers(0, 7), st.none()),
 )
 
 
@@ -178,40 +172,36 @@ def test_a_pool_decoding_by_runs_equals_one_decoding_request_by_request(
         elif op == "extend":
             assert isinstance(a, int) and isinstance(b, int)
             pair.extend(a, b)
-        elif op == "spare":
-            pair.take_spare_run()
         else:
-            assert isinstance(a, int)
-            pair.read_num_stored(a)
+            assert op == "spare"
+            pair.take_spare_run()
         pair.check()
 
 
-def test_a_run_writes_its_tokens_in_at_its_cap_and_on_a_read_in_order() -> None:
-    """Forty steps of one request, block 4, caching on: a snapshot sees every token at
-    every step and its blocks hashed right, the run never holds more than its cap of
-    steps, and a read of ``num_stored`` writes the rest in."""
+def test_a_run_kept_for_forty_steps_stores_each_token_at_once() -> None:
+    """Forty steps of one request on one run, block 4, caching on: after every step the
+    snapshot holds every token and its filled blocks hashed right, and the run stays
+    current (a step's own growth is reported through DecodeGrowth, not take_changed)."""
     pool = BlockPool(16, 4, enable_prefix_caching=True)
     pool.allocate("a", [7], 1)
     run = pool.decode_run(["a"])
-    stored = [7]
-    held = []
+    known = [7]
     for step in range(40):
-        position = len(stored)
-        token = step % 3
+        position = len(known)
+        known.append(step % 3)
         needy = [0] if position % 4 == 0 else []
         filling = [0] if (position + 1) % 4 == 0 else []
-        assert pool.append_decodes(run, [token], needy, filling) is not None
-        stored.append(token)
+        filled = [known[-4:]] if filling else None
+        growth = pool.append_decodes(run, [known[-1]], needy, filling, filled)
+        assert growth is not None and growth.lengths == ([position // 4 + 1] if needy else [])
         snap = pool.snapshot()
-        assert snap.tables[0].token_ids == tuple(stored) and check_pool(snap) == []
-        held.append(len(run._steps))
-    assert max(held) == _MAX_PENDING_STEPS - 1 and held.count(0) == 40 // _MAX_PENDING_STEPS
-    assert pool.num_stored("a") == len(stored) and run._steps == []
-    assert pool.is_current(run)  # writing tokens in changes no table's blocks
+        assert snap.tables[0].token_ids == tuple(known) and check_pool(snap) == []
+        assert pool.is_current(run)
+    assert len(pool.snapshot().cache_entries) == 41 // 4
 
 
 def _two_decoding() -> tuple[BlockPool, DecodeRun]:
-    """ "a" and "b" (block 4, caching on), each with two decode steps held by the run."""
+    """ "a" and "b" (block 4, caching on), each after two decode steps on one run."""
     pool = BlockPool(16, 4, enable_prefix_caching=True)
     pool.allocate("a", [1, 2], 2)
     pool.allocate("b", [5], 1)
@@ -221,58 +211,67 @@ def _two_decoding() -> tuple[BlockPool, DecodeRun]:
     return pool, run
 
 
-def test_a_second_runs_step_follows_the_first_runs_held_steps() -> None:
+def test_two_runs_over_the_same_tables_append_to_the_same_lists() -> None:
     pool, first = _two_decoding()
     second = pool.decode_run(["a", "b"])
-    assert pool.append_decodes(second, [9, 8], [0], []) is not None  # "a" starts block 1
+    # "a" starts block 1, "b" fills block 0.
+    assert pool.append_decodes(second, [9, 8], [0], [1]) is not None
     assert [t.token_ids for t in pool.snapshot().tables] == [(1, 2, 3, 4, 9), (5, 6, 7, 8)]
-    assert first._steps == [] and pool.num_stored("b") == 4
+    assert pool.is_current(first) and pool.is_current(second)
+    assert pool.append_decodes(first, [5, 0], [1], []) is not None  # "b" starts block 1
+    snap = pool.snapshot()
+    assert [t.token_ids for t in snap.tables] == [(1, 2, 3, 4, 9, 5), (5, 6, 7, 8, 0)]
+    assert len(snap.cache_entries) == 2 and check_pool(snap) == []
 
 
-def test_a_rollback_undoes_the_steps_written_in_inside_it_and_keeps_the_earlier_ones() -> None:
+def test_a_rollback_undoes_the_steps_inside_it_and_keeps_the_earlier_ones() -> None:
     pool, run = _two_decoding()
     before = pool.snapshot()
     pool.begin()
-    assert pool.append_decodes(run, [9, 8], [0], []) is not None
-    assert pool.num_stored("a") == 5  # a read inside the step writes every held step in
+    assert pool.append_decodes(run, [9, 8], [0], [1]) is not None  # "b" fills block 0
+    assert pool.append_decodes(run, [1, 1], [1], []) is not None  # "b" starts block 1
+    inside = pool.snapshot()
+    assert stored(pool, "a") == 6 and len(inside.cache_entries) == 2
+    assert check_pool(inside) == []
     pool.rollback()
     assert pool.snapshot() == before
-    again = pool.decode_run(["a", "b"])  # the rollback made the run stale
+    assert not pool.is_current(run)  # a rollback may shrink any table
+    again = pool.decode_run(["a", "b"])
     assert pool.append_decodes(again, [0, 1], [0], []) is not None
     assert [t.token_ids for t in pool.snapshot().tables] == [(1, 2, 3, 4, 0), (5, 6, 7, 1)]
     assert check_pool(pool.snapshot()) == []
 
 
-def test_a_copy_on_write_step_writes_the_held_steps_in_first() -> None:
-    """The general growth path reads every table's tokens: after a fork, "a" and its
-    child share a partial block, and a step held by the run must be in the lists when
-    the copy-on-write step hashes the block it fills."""
+def test_a_copy_on_write_step_equals_the_request_by_request_path() -> None:
+    """The general growth path: after a fork, "a" and its child share a partial block
+    and both write it in one step; the first copies it, the second then holds it alone,
+    and the block each fills is hashed from its own tokens."""
     pools = [BlockPool(16, 4, enable_prefix_caching=True) for _ in range(2)]
     for pool in pools:
         pool.allocate("a", [1, 2], 2)
     bulk, ref = pools
-    run = bulk.decode_run(["a"])
-    assert bulk.append_decodes(run, [3], [], []) is not None
-    assert ref.append_decode_tokens(["a"], [[1, 2, 3]]) == []
+    assert bulk.append_decodes(bulk.decode_run(["a"]), [3], [], []) is not None
+    assert decode_each(ref, {"a": [1, 2, 3]}) == []
     for pool in pools:
         pool.fork("a", "c")
     run = bulk.decode_run(["a", "c"])
     bulk.begin()
-    assert bulk.append_decodes(run, [4, 5], [0, 1], [0, 1]) is not None
-    held = bulk.snapshot()
+    growth = bulk.append_decodes(run, [4, 5], [0, 1], [0, 1])
+    assert growth is not None
+    inside = bulk.snapshot()
     bulk.commit()
-    assert ref.append_decode_tokens(["a", "c"], [[1, 2, 3, 4], [1, 2, 3, 5]]) is not None
-    assert held == bulk.snapshot() == ref.snapshot()
-    assert check_pool(held) == []
+    copies = decode_each(ref, {"a": [1, 2, 3, 4], "c": [1, 2, 3, 5]})
+    assert copies is not None and len(copies) == 1 and growth.copies == copies
+    assert inside == bulk.snapshot() == ref.snapshot()
+    assert len(inside.cache_entries) == 2 and check_pool(inside) == []
 
 
-def test_allocate_and_its_block_count_see_the_held_steps() -> None:
-    """After two held steps "a" stores 4 tokens (block 0 full): one more token needs a
-    fresh block, and ``allocate`` stores it at position 4, as for a pool decoding request
-    by request."""
+def test_allocate_after_decode_steps_stores_the_next_position() -> None:
+    """After two steps "a" stores 4 tokens (block 0 full): one more token needs a fresh
+    block, and ``allocate`` stores it at position 4, as for a pool decoding request by
+    request."""
     pool, _ = _two_decoding()
     assert pool.blocks_to_allocate("a", 1) == 1 and pool.can_allocate("a", 1)
-    pool, _ = _two_decoding()  # again, without the read before allocate
     alloc = pool.allocate("a", [1, 2, 3, 4, 9], 1)
     assert alloc.start_position == 4 and len(alloc.new_block_ids) == 1
     assert [t.token_ids for t in pool.snapshot().tables] == [(1, 2, 3, 4, 9), (5, 6, 7)]
@@ -291,7 +290,7 @@ def test_a_decode_step_after_the_cache_was_forgotten_fills_and_grows() -> None:
     bulk, ref = pools
     run = bulk.decode_run(["a", "b"])
     assert bulk.append_decodes(run, [9, 8], [0], [1]) is not None
-    assert ref.append_decode_tokens(["a", "b"], [[1, 2, 3, 4, 9], [5, 6, 7, 8]]) == []
+    assert decode_each(ref, {"a": [1, 2, 3, 4, 9], "b": [5, 6, 7, 8]}) == []
     snap = bulk.snapshot()
     assert snap == ref.snapshot() and len(snap.cache_entries) == 1
     assert check_pool(snap) == []

@@ -8,6 +8,7 @@ middle; every change is undone exactly by the journal (docs/ARCHITECTURE.md,
 from __future__ import annotations
 
 import itertools
+from types import MethodType
 
 import pytest
 
@@ -203,20 +204,56 @@ def test_the_journal_replays_compact_entries_newest_first() -> None:
     journal.begin()
     assert _is_open(journal)
     journal.record(log.append, 1)
-    journal.record(lambda: log.append("zero-argument form"))
+    journal.record(log.reverse)  # the zero-argument form
     journal.record(log.extend, (2, 3))
     assert journal.num_entries == 3
     journal.rollback()
-    assert log == [2, 3, "zero-argument form", 1]
+    assert log == [3, 2, 1]
     assert not _is_open(journal) and journal.num_entries == 0
     journal.begin()
     journal.record(log.clear)
     journal.commit()  # a commit drops the entries: nothing is replayed
-    assert log == [2, 3, "zero-argument form", 1] and not _is_open(journal)
+    assert log == [3, 2, 1] and not _is_open(journal)
     with pytest.raises(RuntimeError), journal.transaction():
         journal.record(log.pop)
         raise RuntimeError
-    assert log == [2, 3, "zero-argument form"]
+    assert log == [3, 2]
+
+
+class _Owner:
+    def undo(self, log: list[object]) -> None:
+        log.append("bound method")
+
+
+def _undo(log: list[object]) -> None:
+    log.append("function")
+
+
+def test_the_journal_refuses_a_closure_or_a_lambda_as_an_undo_entry() -> None:
+    """Undo entries are records, a function or method and its arguments
+    (ref/kv/journal.py): a closure, a lambda or a function built per call is refused
+    by an assertion in an open transaction, before it is kept. Records pass."""
+    journal = Journal()
+    log: list[object] = []
+
+    def closure() -> None:
+        log.append("closure")
+
+    def nested(items: list[object]) -> None:  # no free variable, yet built per call
+        items.append("nested")
+
+    journal.record(closure)  # no transaction: nothing is kept, so nothing is checked
+    journal.begin()
+    refused = [closure, lambda: None, nested, MethodType(nested, log)]
+    for bad in refused:
+        with pytest.raises(AssertionError, match="is a closure or a lambda, not a record"):
+            journal.record(bad)
+    assert journal.num_entries == 0
+    journal.record(_undo, log)
+    journal.record(_Owner().undo, log)
+    journal.record(log.append, "builtin")
+    journal.rollback()
+    assert log == ["builtin", "bound method", "function"]
 
 
 def _is_open(journal: Journal) -> bool:

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
+from kv_steps import decode_copies, decode_step, stored
 
-import ref.kv.pool as pool_module
+import ref.kv.prefix_index as prefix_index_module
 from ref.errors import (
     DuplicateRequest,
     ExceedsCapacity,
@@ -43,7 +44,7 @@ def test_seed_000_two_requests_of_17_and_31_tokens() -> None:
     pool.allocate("b", tokens(31, 100), 31)
     assert pool.num_used_blocks == 4
     assert [len(pool.block_table(r)) for r in ("a", "b")] == [2, 2]
-    used_slots = pool.num_stored("a") + pool.num_stored("b")
+    used_slots = stored(pool, "a") + stored(pool, "b")
     assert used_slots == 48
     assert pool.num_used_blocks * pool.block_size - used_slots == 16
     assert_valid(pool)
@@ -58,7 +59,7 @@ def test_seed_001_b_holds_2_3_4_4_blocks() -> None:
         pool.allocate("B", b_tokens, chunk)
         held.append(len(pool.block_table("B")))
         assert_valid(pool)
-    assert pool.num_stored("B") == 14
+    assert stored(pool, "B") == 14
     assert held == [2, 3, 4, 4]
 
 
@@ -99,7 +100,7 @@ def test_seed_003_prefix_hit_only_gains_references() -> None:
     assert {e for e in before.cache_entries if e.block_id in shared} == {
         e for e in after.cache_entries if e.block_id in shared
     }
-    assert pool.num_stored("Q") == 6000 + 1008
+    assert stored(pool, "Q") == 6000 + 1008
 
 
 # ------------------------------------------------------------------ allocate and decode appends
@@ -135,7 +136,7 @@ def test_a_one_off_allocation_takes_any_sequence_and_reports_its_table() -> None
     assert pool.take_changed() == (set(), False)  # both reset by the call
     assert check_pool(pool.snapshot()) == []
     more = pool.allocate("a", [10, 11, 12, 13, 14], 2)  # an existing table grows, not anew
-    assert (more.start_position, pool.num_stored("a")) == (3, 5)
+    assert (more.start_position, stored(pool, "a")) == (3, 5)
     assert check_pool(pool.snapshot()) == []
     assert pool.take_changed() == ({"a"}, False)  # the one-off table knows its request
     cached = BlockPool(4, 2)  # the general path takes any sequence too
@@ -171,7 +172,7 @@ def test_a_copy_on_write_leaves_the_other_holders_their_references() -> None:
     pool.fork("a", "b")
     pool.fork("a", "c")
     shared = pool.block_table("a")[-1]
-    assert pool.append_decode_tokens(["a"], [[1, 2, 3, 4, 5, 6]]) == [
+    assert decode_copies(pool, {"a": [1, 2, 3, 4, 5, 6]}) == [
         BlockCopy(shared, pool.block_table("a")[-1])
     ]
     assert pool.ref_count(shared) == 2
@@ -190,10 +191,10 @@ def test_a_free_that_fails_inside_a_transaction_is_left_to_its_opener() -> None:
     pool.begin()
     pool.allocate("b", [4, 5, 6], 2)
     first = pool.block_table("a")[0]
-    pool._ref[first] = 0  # released last (tail first): its count would go negative
+    pool._blocks._ref[first] = 0  # released last (tail first): its count would go negative
     with pytest.raises(AssertionError, match="would go negative"):
         pool.free("a")
-    pool._ref[first] = 1
+    pool._blocks._ref[first] = 1
     pool.rollback()
     assert pool.snapshot() == before
 
@@ -206,7 +207,7 @@ def test_a_table_truncated_to_nothing_grows_again_inside_a_step() -> None:
     before = pool.snapshot()
     pool.begin()
     pool.allocate("a", [1, 2, 3], 2)
-    assert pool.num_stored("a") == 2
+    assert stored(pool, "a") == 2
     pool.rollback()
     assert pool.snapshot() == before and before.tables[0].block_table == ()
 
@@ -241,8 +242,8 @@ def test_decode_appends_that_fit_need_no_free_block() -> None:
     pool.allocate("b", [5, 6, 7], 3)
     assert pool.num_free_blocks == 0
     # Both last blocks have a free slot and are private: nothing to take from the queue.
-    assert pool.append_decode_tokens(["a", "b"], [[1, 2, 3, 4], [5, 6, 7, 8]]) == []
-    assert pool.num_stored("a") == pool.num_stored("b") == 4
+    assert decode_copies(pool, {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8]}) == []
+    assert stored(pool, "a") == stored(pool, "b") == 4
     assert check_pool(pool.snapshot()) == []
 
 
@@ -253,7 +254,7 @@ def test_decode_appends_count_every_request_that_needs_a_block() -> None:
     pool.allocate("b", [3, 4], 2)
     before = pool.snapshot()
     # Both last blocks are full: two fresh blocks needed, one is free.
-    assert pool.append_decode_tokens(["a", "b"], [[1, 2, 5], [3, 4, 6]]) is None
+    assert decode_copies(pool, {"a": [1, 2, 5], "b": [3, 4, 6]}) is None
     assert pool.snapshot() == before
 
 
@@ -262,16 +263,16 @@ def test_decode_appends_count_every_request_that_needs_a_block() -> None:
 def test_a_block_filled_by_a_decode_append_is_cached_at_once(caching: bool) -> None:
     pool = BlockPool(4, 4, enable_prefix_caching=caching)
     pool.allocate("a", [1, 2, 3], 3)
-    assert pool.append_decode_tokens(["a"], [[1, 2, 3, 4]]) == []
+    assert decode_copies(pool, {"a": [1, 2, 3, 4]}) == []
     entries = pool.snapshot().cache_entries
     assert [(e.block_id, e.token_ids) for e in entries] == ([(0, (1, 2, 3, 4))] if caching else [])
     assert pool.lookup([1, 2, 3, 4, 9]).block_ids == ((0,) if caching else ())
     pool.begin()
-    pool.append_decode_tokens(["a"], [[1, 2, 3, 4, 5]])  # a fresh block 1 (allocate)
-    pool.append_decode_tokens(["a"], [[1, 2, 3, 4, 5, 6]])  # the fast list append
-    assert pool.num_stored("a") == 6 and pool.block_table("a") == (0, 1)
+    assert decode_copies(pool, {"a": [1, 2, 3, 4, 5]}) == []  # a fresh block 1
+    assert decode_copies(pool, {"a": [1, 2, 3, 4, 5, 6]}) == []  # into block 1
+    assert stored(pool, "a") == 6 and pool.block_table("a") == (0, 1)
     pool.rollback()
-    assert pool.num_stored("a") == 4 and pool.block_table("a") == (0,)
+    assert stored(pool, "a") == 4 and pool.block_table("a") == (0,)
     assert pool.snapshot().cache_entries == entries
     assert check_pool(pool.snapshot()) == []
 
@@ -282,7 +283,7 @@ def test_decode_append_into_a_shared_block_needs_a_free_block_for_its_copy() -> 
     pool.allocate("a", [1, 2, 3], 3)
     pool.fork("a", "c")
     before = pool.snapshot()
-    assert pool.append_decode_tokens(["a"], [[1, 2, 3, 4]]) is None  # copy-on-write, 0 free
+    assert decode_copies(pool, {"a": [1, 2, 3, 4]}) is None  # copy-on-write, 0 free
     assert pool.snapshot() == before
 
 
@@ -291,7 +292,7 @@ def test_decode_append_copies_a_shared_block_with_exactly_one_free_block() -> No
     pool = BlockPool(2, 4)
     pool.allocate("a", [1, 2, 3], 3)
     pool.fork("a", "c")
-    assert pool.append_decode_tokens(["a"], [[1, 2, 3, 4]]) == [BlockCopy(0, 1)]
+    assert decode_copies(pool, {"a": [1, 2, 3, 4]}) == [BlockCopy(0, 1)]
     assert pool.block_table("a") == (1,) and pool.block_table("c") == (0,)
     assert check_pool(pool.snapshot()) == []
 
@@ -322,10 +323,10 @@ def test_lru_eviction_order() -> None:
     assert pool.block_table("r3") == (1,)
     assert len(pool.lookup([*tokens(4), 9]).block_ids) == 1  # chain now breaks at block 1
     assert [e.block_id for e in pool.snapshot().cache_entries] == [0, 2, 3]
-    assert pool.evict(2) == 2  # least recently freed cached blocks: 0 then 3
-    assert [e.block_id for e in pool.snapshot().cache_entries] == [2]
-    assert pool.evict(5) == 1
-    assert pool.evict(5) == 0
+    pool.allocate("r4", [8, 8, 8], 3)  # the least recently freed cached blocks: 0 then 3
+    assert pool.block_table("r4") == (0, 3)
+    entries = pool.snapshot().cache_entries
+    assert [(e.block_id, e.token_ids) for e in entries] == [(0, (8, 8)), (2, (10, 11))]
     assert_valid(pool)
 
 
@@ -354,7 +355,7 @@ def test_identity_check_on_hit(monkeypatch: pytest.MonkeyPatch) -> None:
     def colliding(parent: bytes, token_ids: Sequence[int]) -> bytes:
         return b"collision" * 4
 
-    monkeypatch.setattr(pool_module, "block_key", colliding)
+    monkeypatch.setattr(prefix_index_module, "block_key", colliding)
     pool = BlockPool(4, 2)
     pool.allocate("a", [1, 2, 3], 3)
     assert [e.token_ids for e in pool.snapshot().cache_entries] == [(1, 2)]
@@ -442,6 +443,23 @@ def test_two_requests_sharing_a_new_prefix_in_one_step() -> None:
     assert_valid(pool)
 
 
+@pytest.mark.mutation_kill
+def test_blocks_indexed_inside_a_step_are_served_from_the_next_one() -> None:
+    """The step that reserves a block computes its K/V, so a lookup in that same step
+    (the transaction still open) must not serve it; after the commit it is a hit, and
+    after a rollback it was never indexed."""
+    prompt = tokens(5)
+    for end in ("commit", "rollback"):
+        pool = BlockPool(8, 2)
+        pool.begin()
+        pool.allocate("a", prompt, 5)
+        assert len(pool.snapshot().cache_entries) == 2  # indexed, not yet served
+        assert pool.lookup(prompt).block_ids == ()
+        getattr(pool, end)()
+        assert pool.lookup(prompt).block_ids == ((0, 1) if end == "commit" else ())
+        assert_valid(pool)
+
+
 def test_hash_entry_never_left_pointing_at_a_reused_block() -> None:
     pool = BlockPool(2, 2)
     pool.allocate("a", [1, 2, 3, 4], 4)
@@ -487,7 +505,7 @@ def test_prefix_caching_off() -> None:
     pool.allocate("a", tokens(5), 5)
     assert pool.snapshot().cache_entries == ()
     assert pool.lookup(tokens(5)).block_ids == ()
-    assert pool.evict(4) == 0
+    assert pool.forget_cached(range(4)) == 0
 
 
 @pytest.mark.mutation_kill
@@ -509,10 +527,10 @@ def test_transaction_rollback_restores_free_queue_order() -> None:
     pool.allocate("r", tokens(3), 3)
     before = pool.snapshot()
     assert before.free_queue == (3, 4)
-    with pytest.raises(RuntimeError), pool.transaction():
-        pool.allocate("r", tokens(4), 1)  # pops block 3
-        pool.free("r")  # appends 3, 2, 1, 0
-        raise RuntimeError("executor fault")
+    pool.begin()
+    pool.allocate("r", tokens(4), 1)  # pops block 3
+    pool.free("r")  # appends 3, 2, 1, 0
+    pool.rollback()  # an executor fault
     assert pool.snapshot() == before
     assert check_atomic_pool(before, pool.snapshot()) == []
     pool.allocate("s", [1, 2], 2)
@@ -534,16 +552,17 @@ def test_rollback_restores_a_block_swapped_by_copy_on_write() -> None:
     assert check_pool(pool.snapshot()) == []
 
 
-def test_transaction_commits_when_the_body_succeeds() -> None:
+def test_a_committed_transaction_keeps_what_it_did() -> None:
     pool = BlockPool(4, 2)
-    with pool.transaction():
-        pool.allocate("a", tokens(3), 3)
-        pool.fork("a", "b")
+    pool.begin()
+    pool.allocate("a", tokens(3), 3)
+    pool.fork("a", "b")
+    pool.commit()
     assert pool.has_request("a") and pool.has_request("b")
-    with pytest.raises(KeyError), pool.transaction():
-        assert pool.allocate("b", tokens(4), 1).copies == (BlockCopy(1, 2),)
-        pool.free("a")
-        raise KeyError("fault")
+    pool.begin()
+    assert pool.allocate("b", tokens(4), 1).copies == (BlockCopy(1, 2),)
+    pool.free("a")
+    pool.rollback()
     assert pool.block_table("a") == pool.block_table("b") == (0, 1)
     assert_valid(pool)
 
@@ -613,20 +632,6 @@ def test_bad_token_counts(pool: BlockPool, count: object, fragment: str) -> None
     )
 
 
-def test_bad_evict_count(pool: BlockPool) -> None:
-    refused(pool, InvalidArgument, ["num_blocks", "got -1"], lambda: pool.evict(-1))
-    refused(pool, InvalidArgument, ["bool True"], lambda: pool.evict(True))
-
-
-@pytest.mark.mutation_kill
-def test_evict_rejects_a_negative_count_by_name() -> None:
-    pool = BlockPool(4, 2)
-    with pytest.raises(InvalidArgument) as info:
-        pool.evict(-1)
-    assert str(info.value) == "num_blocks must be >= 0, got -1"
-    assert pool.evict(0) == 0
-
-
 def test_free_unknown_or_already_freed(pool: BlockPool) -> None:
     refused(pool, UnknownRequest, ["free", "'ghost'"], lambda: pool.free("ghost"))
     refused(pool, UnknownRequest, ["free", "'b'"], lambda: pool.free("b"))
@@ -642,7 +647,6 @@ def test_fork_missing_or_onto_existing(pool: BlockPool) -> None:
 
 def test_queries_on_unknown_request(pool: BlockPool) -> None:
     refused(pool, UnknownRequest, ["'ghost'"], lambda: pool.block_table("ghost"))
-    refused(pool, UnknownRequest, ["'ghost'"], lambda: pool.num_stored("ghost"))
 
 
 @pytest.mark.mutation_kill
@@ -662,10 +666,9 @@ def test_pool_unknown_request_messages_name_the_operation() -> None:
     pool = BlockPool(4, 2)
     pool.allocate("a", [1, 2, 3], 3)
     cases: dict[str, Callable[[], object]] = {
-        "num_stored": lambda: pool.num_stored("x"),
         "block_table": lambda: pool.block_table("x"),
         "free": lambda: pool.free("x"),
-        "append_decode_tokens": lambda: pool.append_decode_tokens(["a", "x"], [[1], [2]]),
+        "decode_run": lambda: pool.decode_run(["a", "x"]),
         "block_table_views": lambda: pool.block_table_views(["a", "x"]),
         "fork": lambda: pool.fork("x", "c"),
     }
@@ -676,12 +679,6 @@ def test_pool_unknown_request_messages_name_the_operation() -> None:
     with pytest.raises(DuplicateRequest) as dup:
         pool.fork("a", "a")
     assert str(dup.value) == "fork: request id 'a' is already in use"
-    with pytest.raises(InvalidArgument) as bad:
-        pool.append_decode_tokens(["a"], [[1, 2, 3]])
-    assert str(bad.value) == (
-        "append_decode_tokens: a request has 3 known tokens and 3 stored; "
-        "there is no new token to append"
-    )
     views = pool.block_table_views(["a", "a"])
     assert [list(v) for v in views] == [[0, 1], [0, 1]]
 
@@ -761,7 +758,7 @@ def test_stale_prefix_hit(pool: BlockPool) -> None:
     prompt = [*tokens(2, 10), 99]
     hit = pool.lookup(prompt)  # b's freed, still cached block
     assert len(hit.block_ids) == 1
-    assert pool.evict(4) >= 1
+    assert pool.forget_cached(hit.block_ids) == 1
     refused(
         pool,
         InvalidArgument,
@@ -804,7 +801,7 @@ def test_allocate_argument_refusals_are_exact() -> None:
     assert str(again.value) == (
         "allocate: request 'a' already holds blocks; a prefix hit applies only to a new request"
     )
-    assert pool.num_stored("a") == 3
+    assert stored(pool, "a") == 3
 
 
 def test_hit_for_other_token_ids(pool: BlockPool) -> None:
@@ -896,15 +893,19 @@ def test_too_few_token_ids(pool: BlockPool) -> None:
 
 
 @pytest.mark.mutation_kill
-def test_decode_append_with_mismatched_token_lists_is_refused_first() -> None:
-    # A full pool, and "a" needs a fresh block: the length mismatch must be reported
-    # (ValueError) before the "not enough blocks" answer (None).
+def test_a_bad_decode_step_is_refused_before_its_blocks_are_counted() -> None:
+    # A full pool, and "a" needs a fresh block: a token count or a filled block that
+    # does not match must be reported (InvalidArgument) before the "not enough blocks"
+    # answer (None).
     pool = BlockPool(1, 2)
     pool.allocate("a", [1, 2], 2)
     before = pool.snapshot()
-    with pytest.raises(ValueError, match="zip"):
-        pool.append_decode_tokens(["a"], [[1, 2, 3], [4, 5, 6]])
-    assert pool.append_decode_tokens(["a"], [[1, 2, 3]]) is None
+    run = pool.decode_run(["a"])
+    with pytest.raises(InvalidArgument, match="2 tokens for 1 requests"):
+        pool.append_decodes(run, [3, 4], [0], [])
+    with pytest.raises(InvalidArgument, match="1 filled blocks for 0 filling"):
+        pool.append_decodes(run, [3], [0], [], [[2, 3]])
+    assert pool.append_decodes(run, [3], [0], []) is None
     assert pool.snapshot() == before
 
 
@@ -920,7 +921,7 @@ def test_lookup_of_nothing_is_refused_by_name() -> None:
 
 
 def test_rollback_of_fast_decode_restores_chain_keys() -> None:
-    """Regression: undoing append_decode_tokens left the key of a rolled-back full block.
+    """Regression: undoing a decode step left the key of a rolled-back full block.
 
     Later blocks then chained from it, so a lookup for the rolled-back tokens could be
     served a block computed after other tokens.
@@ -929,7 +930,7 @@ def test_rollback_of_fast_decode_restores_chain_keys() -> None:
     pool.allocate("r", [1], 1)
     before = pool.snapshot()
     pool.begin()
-    assert pool.append_decode_tokens(["r"], [[1, 2]]) == []  # fills block 0 and caches it
+    assert decode_copies(pool, {"r": [1, 2]}) == []  # fills block 0 and caches it
     pool.rollback()
     assert pool.snapshot() == before
     pool.allocate("r", [1, 3, 4, 5], 3)  # other tokens this time
@@ -1107,7 +1108,8 @@ def test_a_decode_run_replays_the_order_of_pops_and_fills(order: tuple[str, str]
     pop first, x's block takes the key. The run must end exactly as the loop does."""
     known = {"x": [1, 2, 3, 4], "y": [9, 9, 9]}
     bulk, loop = _evicting_decode_pool(), _evicting_decode_pool()
-    assert bulk.append_decode_tokens(list(order), [known[r] for r in order]) == []
+    growth = decode_step(bulk, {r: known[r] for r in order}, claim_filled=False)
+    assert growth is not None and growth.copies == []
     for rid in order:
         loop.allocate(rid, known[rid], 1)
     assert bulk.snapshot() == loop.snapshot()
@@ -1194,13 +1196,13 @@ def test_a_decode_step_with_a_copy_on_write_and_a_fill_rolls_back_exactly() -> N
     pool.allocate("c", [5], 1)
     before = pool.snapshot()
     pool.begin()
-    copies = pool.append_decode_tokens(["a", "c"], [[1, 2, 3, 4], [5, 6]])
+    copies = decode_copies(pool, {"a": [1, 2, 3, 4], "c": [5, 6]})
     assert copies is not None and len(copies) == 1  # a copies block 1; c fills its block
     assert len(pool.snapshot().cache_entries) == 3  # (1, 2), a's (3, 4), c's (5, 6)
     pool.rollback()
     assert pool.snapshot() == before
     assert_valid(pool)
-    assert pool.append_decode_tokens(["a", "c"], [[1, 2, 3, 9], [5, 8]]) is not None
+    assert decode_copies(pool, {"a": [1, 2, 3, 9], "c": [5, 8]}) is not None
     assert_valid(pool)
     assert pool.lookup([1, 2, 3, 9, 0]).num_tokens == 4  # a's chain: (1, 2) then (3, 9)
     assert pool.lookup([5, 8, 0]).num_tokens == 2
@@ -1220,7 +1222,8 @@ def test_a_decode_run_lets_a_request_take_the_key_its_own_pop_evicted() -> None:
         return pool
 
     bulk, loop = build(), build()
-    assert bulk.append_decode_tokens(["x"], [[1, 2]]) == []
+    growth = decode_step(bulk, {"x": [1, 2]}, claim_filled=False)
+    assert growth is not None and growth.copies == []
     loop.allocate("x", [1, 2], 1)
     assert bulk.snapshot() == loop.snapshot()
     assert bulk.block_table("x") == (2, 1)
@@ -1253,7 +1256,7 @@ def test_a_partial_truncation_is_undone_exactly_by_a_rollback() -> None:
     third = pool.block_table("a")[2]
     pool.begin()
     assert pool.truncate("a", 5) == [third]  # positions 8..9 only: returned
-    assert pool.num_stored("a") == 5 and len(pool.block_table("a")) == 2
+    assert stored(pool, "a") == 5 and len(pool.block_table("a")) == 2
     pool.rollback()
     assert pool.snapshot() == before
     with pytest.raises(UnknownRequest, match=r"^truncate: unknown request id 'ghost'$"):

@@ -28,6 +28,8 @@ from hypothesis.stateful import (
     invariant,
     rule,
 )
+from kv_steps import decode_copies
+from kv_steps import stored as pool_stored
 
 from ref.errors import (
     DuplicateRequest,
@@ -45,10 +47,6 @@ from spec.hashing import Namespace, chain_keys
 NAMESPACES = (Namespace(), Namespace(adapter="lora-1"))
 ALPHABET = st.integers(min_value=0, max_value=2)
 POISONED = -1  # a rejected draft's slot in the fake memory: never a token id
-
-
-class _Rollback(Exception):
-    """Raised on purpose inside ``pool.transaction()``."""
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -364,11 +362,16 @@ class PoolMachine(RuleBasedStateMachine):
             assert self.pool.snapshot() == before
 
     @rule(count=st.integers(0, 3))
-    def evict(self, count: int) -> None:
-        got = self.pool.evict(count)
+    def forget_cached(self, count: int) -> None:
+        """The cache entries of the ``count`` least recently freed cached blocks
+        dropped (the model's ``evict``) through ``forget_cached``, with a block out of
+        range and a repeated one that it skips."""
+        cached = [b for b in self.model.free if self.model.cached_block(b) is not None]
+        victims = cached[:count]
+        got = self.pool.forget_cached([*victims, self.num_blocks, *victims[:1]])
         assert got == self.model.evict(count)
         if got:
-            event("evict rule dropped a cached block")
+            event("forget_cached dropped a cached block")
 
     @rule(data=st.data())
     def allocate_must_fail(self, data: st.DataObject) -> None:
@@ -408,7 +411,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.pool.allocate(rid, self.known[rid], 0)
         with pytest.raises(UnknownRequest, match="truncate"):
             self.pool.truncate("ghost", 0)
-        stored = self.pool.num_stored(rid)
+        stored = len(self.stored[rid])
         with pytest.raises(InvalidArgument, match=f"stores {stored} tokens; it cannot keep"):
             self.pool.truncate(rid, stored + 1)
         with pytest.raises(InvalidArgument, match="num_stored"):
@@ -434,7 +437,7 @@ class PoolMachine(RuleBasedStateMachine):
             n, table = len(self.stored[rid]), self.pool.block_table(rid)
             needy += n % self.bs == 0 or holders[table[-1]] > 1
         before = self.pool.snapshot()
-        copies = self.pool.append_decode_tokens(rids, [self.known[rid] for rid in rids])
+        copies = decode_copies(self.pool, {rid: self.known[rid] for rid in rids})
         if needy > self.num_blocks - len(holders):
             assert copies is None
             assert self.pool.snapshot() == before
@@ -458,19 +461,14 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def rollback(self, data: st.DataObject) -> None:
-        """A few operations in a transaction (context manager or begin/rollback) undone."""
+        """A few operations in a transaction, undone by the rollback."""
         before = self.pool.snapshot()
         live = set(self.stored)
         steps = data.draw(st.integers(1, 4), label="ops")
         did = Counter[str]()
-        if data.draw(st.booleans(), label="begin/rollback"):
-            self.pool.begin()
-            self._tx_ops(data, steps, live, did)
-            self.pool.rollback()
-        else:
-            with pytest.raises(_Rollback), self.pool.transaction():
-                self._tx_ops(data, steps, live, did)
-                raise _Rollback
+        self.pool.begin()
+        self._tx_ops(data, steps, live, did)
+        self.pool.rollback()
         assert self.pool.snapshot() == before
         if sum(did.values()) >= 2:
             event("rollback undid >= 2 operations")
@@ -478,11 +476,11 @@ class PoolMachine(RuleBasedStateMachine):
             event("rollback undid a decode batch")
 
     def _tx_ops(self, data: st.DataObject, steps: int, live: set[str], did: Counter[str]) -> None:
-        ops = ["append", "decode", "new", "fork", "free", "evict", "truncate"]
+        ops = ["append", "decode", "new", "fork", "free", "forget", "truncate"]
         for k in range(steps):
             op = data.draw(st.sampled_from(ops))
-            if op == "evict":
-                self.pool.evict(data.draw(st.integers(0, 2)))
+            if op == "forget":
+                self.pool.forget_cached(data.draw(st.lists(st.integers(0, self.num_blocks - 1))))
                 did[op] += 1
                 continue
             if op == "new":
@@ -500,13 +498,13 @@ class PoolMachine(RuleBasedStateMachine):
             rid = data.draw(st.sampled_from(sorted(live)))
             if op in ("append", "decode"):
                 n = 1 if op == "decode" else data.draw(st.integers(1, self.bs + 1))
-                s = self.pool.num_stored(rid)
+                s = pool_stored(self.pool, rid)
                 toks = [*self.known.get(rid, [])[:s], *([data.draw(ALPHABET)] * n)]
                 toks += [1] * (s + n - len(toks))
                 try:
                     if op == "decode":  # a few decode steps, often filling a block
                         for _ in range(data.draw(st.integers(1, self.bs))):
-                            if self.pool.append_decode_tokens([rid], [toks]) is None:
+                            if decode_copies(self.pool, {rid: toks}) is None:
                                 break
                             toks = [*toks, data.draw(ALPHABET)]
                     else:
@@ -514,7 +512,7 @@ class PoolMachine(RuleBasedStateMachine):
                 except (OutOfBlocks, ExceedsCapacity):
                     continue
             elif op == "truncate":  # a verification that rejected some drafts
-                self.pool.truncate(rid, data.draw(st.integers(0, self.pool.num_stored(rid))))
+                self.pool.truncate(rid, data.draw(st.integers(0, pool_stored(self.pool, rid))))
             elif op == "fork":
                 self.pool.fork(rid, f"tx{k}")
                 live.add(f"tx{k}")
@@ -548,7 +546,7 @@ class PoolMachine(RuleBasedStateMachine):
         for t in snap.tables:
             tokens = self.stored[t.request_id]
             assert list(t.token_ids) == tokens
-            assert t.num_stored == len(tokens) == self.pool.num_stored(t.request_id)
+            assert t.num_stored == len(tokens)
             assert len(t.block_table) == blocks_needed(len(tokens), bs)
             assert t.root_key == self.ns[t.request_id].root_key()
             for i, b in enumerate(t.block_table):
