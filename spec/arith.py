@@ -120,6 +120,18 @@ def chunk_size(
 # "The persistent batch"); they are not second implementations.
 
 
+def full_blocks(num_tokens: int, block_size: int) -> int:
+    """Blocks that ``num_tokens`` tokens fill completely: the blocks a prefix cache may
+    key (PREFIX: only full blocks are cached).
+
+    pre: num_tokens >= 0
+    pre: block_size > 0
+    post: __return__ * block_size <= num_tokens < (__return__ + 1) * block_size
+    post: __return__ <= blocks_needed(num_tokens, block_size) <= __return__ + 1
+    """
+    return num_tokens // block_size
+
+
 def logical_block(position: int, block_size: int) -> int:
     """The index in a block table of the block holding ``position`` (POS:
     ``block_table[logical_block(p)]`` holds the K/V of position ``p``).

@@ -11,7 +11,7 @@ what the step may write, and a failure anywhere before the scheduler commits run
 ``executor.rollback`` and then ``scheduler.rollback``, so every block handed back to its
 owner reads back its own K/V and the prefix cache keeps every entry. Only an executor
 that declares it cannot restore (``transactional_kv`` false, or one without ``begin``)
-costs the cache entries of the blocks the failed step could have written. """
+costs the cache entries of the blocks the failed step could have written."""
 
 from __future__ import annotations
 

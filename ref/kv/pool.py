@@ -42,7 +42,7 @@ from ref.kv.prefix_index import (
     PrefixIndex,
     filled_blocks,
 )
-from spec.arith import block_offset, blocks_needed, new_blocks_needed, starts_block
+from spec.arith import block_offset, blocks_needed, full_blocks, new_blocks_needed, starts_block
 from spec.hashing import DEFAULT_NAMESPACE, Namespace
 from spec.snapshot import PoolSnapshot, TableSnapshot
 
@@ -629,7 +629,7 @@ class BlockPool:
         if num_stored == stored:
             return []
         bs = self.block_size
-        keep_blocks, keep_keys = blocks_needed(num_stored, bs), num_stored // bs
+        keep_blocks, keep_keys = blocks_needed(num_stored, bs), full_blocks(num_stored, bs)
         blocks = table.block_table
         with self._atomic():
             self._prefix.forget(blocks[keep_keys:])

@@ -25,7 +25,7 @@ from typing import NamedTuple, Protocol
 
 from ref.errors import InvalidArgument
 from ref.kv.journal import Journal
-from spec.arith import max_cacheable_tokens
+from spec.arith import full_blocks, max_cacheable_tokens
 from spec.hashing import block_key, packed_block_key, packed_token_ids
 from spec.snapshot import CacheEntry
 
@@ -131,7 +131,7 @@ class PrefixIndex:
         blocks: list[int] = []
         keys: list[bytes] = []
         parent = root_key
-        for i in range(max_cacheable_tokens(len(token_ids), bs) // bs):
+        for i in range(full_blocks(max_cacheable_tokens(len(token_ids), bs), bs)):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             key = block_key(parent, tokens)
             b = index.get(key)
@@ -189,7 +189,7 @@ class PrefixIndex:
         in one step; the first one indexed wins and the other block stays private."""
         keys = table.keys
         first = len(keys)
-        if first == len(table.token_ids) // self.block_size:
+        if first == full_blocks(len(table.token_ids), self.block_size):
             return  # no block filled since the last call (most calls)
         new: list[Entry] = []
         self._chain(table, new, NOTHING_EVICTED, 0)
@@ -256,7 +256,7 @@ class PrefixIndex:
         keys, token_ids, block_table = table.keys, table.token_ids, table.block_table
         index, entries = self._index, self._entry
         parent = keys[-1] if keys else table.root_key
-        for i in range(len(keys), len(token_ids) // bs):
+        for i in range(len(keys), full_blocks(len(token_ids), bs)):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             key = block_key(parent, tokens)
             keys.append(key)
