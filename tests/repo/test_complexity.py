@@ -1,5 +1,6 @@
 """No function in ``ref/`` or ``conformance/`` above cyclomatic complexity 15 (radon's
-count): the engine, and the suite outsiders read most, are held to the same standard.
+count): the engine, and the suite outsiders read most, are held to the same standard
+(docs/ARCHITECTURE.md, "Claims the tests check").
 
 The one exception is a flat list of independent validation checks (a config's
 ``__post_init__``): its branches are parallel ``if ...: raise`` lines, each read on its own,

@@ -1,4 +1,5 @@
-"""No two modules import each other, directly or round a longer circle.
+"""No two modules import each other, directly or round a longer circle
+(docs/ARCHITECTURE.md, "Who imports whom"; listed in "Claims the tests check").
 
 Every ``import`` is read from the syntax tree, the ones inside functions and under
 ``TYPE_CHECKING`` included: a lazy import postpones the circle to the first call, it does

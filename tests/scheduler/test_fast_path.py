@@ -1,11 +1,12 @@
-"""The bulk decode path equals the per-request reference loop (differential test).
+"""The bulk decode path equals the per-request reference loop (differential test;
+docs/ARCHITECTURE.md, "The persistent batch", listed in "Claims the tests check").
 
-Two schedulers, one with ``fast_decode`` (the persistent batch, ref/core/batch.py) and
-one without, get the same workload; every plan, every executor input and every snapshot
-must be identical, under memory pressure (preemption falls back to the reference loop),
-prefix sharing, forks' copy-on-write, aborts and rollbacks alike; and the inputs the
-batch builds equal those built from the requests and the pool's tables.
-"""
+Two schedulers, one on the bulk path (the persistent batch, ref/core/batch.py) and one
+on the per-request path (tests/harness.py ``reference_loop``), get the same workload;
+every plan, every executor input and every snapshot must be identical, under memory
+pressure (preemption falls back to the reference loop), prefix sharing, forks' copy-on-
+write, aborts and rollbacks alike; and the inputs the batch builds equal those built
+from the requests and the pool's tables. """
 
 from __future__ import annotations
 
