@@ -30,6 +30,7 @@ from typing import Any
 from conformance.bench.machine import describe, load_average, machine_line
 
 SIDES = ("base", "new")
+FORMAT = "refserve-bench-ab"
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,20 @@ def run_suite(checkout: Path, tests: list[str], out: Path) -> dict[str, float]:
     return {b["fullname"]: float(b["stats"]["median"]) for b in data["benchmarks"]}
 
 
+def commit_of(checkout: Path) -> str:
+    """The checkout's git commit (``+`` if its tree has changes), or ``unknown``."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", str(checkout), *args], capture_output=True, text=True, check=False
+        )
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    head = git("rev-parse", "--short=12", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return (head + ("+" if dirty else "")) if head else "unknown"
+
+
 def interleave(base: Path, new: Path, tests: list[str], rounds: int) -> list[Figure]:
     per_side: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,7 +96,9 @@ def interleave(base: Path, new: Path, tests: list[str], rounds: int) -> list[Fig
 
 def to_markdown(figures: list[Figure], record: dict[str, Any]) -> str:
     lines = [
-        f"Command: `{record['command']}`  ",
+        f"Command: `{record['command']}`, with BASE a checkout of "
+        f"`{record.get('base_commit', 'unknown')}` and NEW of "
+        f"`{record.get('new_commit', 'unknown')}`.  ",
         f"{machine_line(record['machine'])}; load after: {record['load_after']}",
         "",
         "| benchmark | base median | new median | new / base |",
@@ -107,8 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    # The checkouts are named by commit, not by path: a path means nothing on another
+    # machine, and the commit says exactly which code each side ran.
     record: dict[str, Any] = {
-        "command": " ".join(["python -m conformance.bench.ab", *(argv or sys.argv[1:])])
+        "format": FORMAT,
+        "command": (
+            f"python -m conformance.bench.ab --base BASE --new NEW --rounds {args.rounds} "
+            + " ".join(args.tests)
+        ),
+        "base_commit": commit_of(args.base),
+        "new_commit": commit_of(args.new),
     }
     record["machine"] = describe()
     try:

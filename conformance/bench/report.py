@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conformance.bench import memory
+from conformance.bench import ab, memory
 from conformance.bench.machine import machine_line
 from conformance.bench.render import render_pool, render_steps
 from conformance.bench.results import Run
@@ -65,6 +65,8 @@ def kind_of(doc: object) -> str | None:
         return "step" if engines <= {"ref", "ref-loop"} else "peers"
     if fmt == memory.FORMAT:
         return "memory"
+    if fmt == ab.FORMAT:
+        return "ab"
     if isinstance(doc.get("benchmarks"), list) and isinstance(doc.get("machine_info"), dict):
         return "pytest"
     return None
@@ -113,6 +115,11 @@ def _memory_body(doc: dict[str, Any]) -> list[str]:
         *memory.table(memory.figures_of(doc)),
         "",
     ]
+
+
+def _ab_body(doc: dict[str, Any]) -> list[str]:
+    figures = [ab.Figure(f["name"], tuple(f["base_s"]), tuple(f["new_s"])) for f in doc["figures"]]
+    return [ab.to_markdown(figures, doc), ""]
 
 
 def _seconds(x: float) -> str:
@@ -199,6 +206,15 @@ KINDS: dict[str, Kind] = {
             "The pool's operations at two pool sizes (the work per block must not grow with "
             "the pool), the step, the engine and the simulator's scaling, as far as the "
             "command below ran them.",
+        ),
+        Kind(
+            "ab",
+            "Before and after a change",
+            "python -m conformance.bench.ab",
+            _ab_body,
+            "The pytest-benchmark suites in two checkouts (the code before a change and "
+            "after it), rounds interleaved, the order alternating; the ratio is of the "
+            "medians over rounds of each benchmark's median (above 1: slower after).",
         ),
         Kind(
             "peers",
