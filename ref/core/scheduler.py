@@ -22,7 +22,6 @@ reserve, SLO cap and chunking (ref/core/prefill.py).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
 from itertools import compress
 
 import numpy as np
@@ -455,7 +454,7 @@ class Scheduler:
         )
         if reason is not None:
             done = self._finish_decoded(r, kept, reason, now_ms)
-            return replace(done, num_drafts=len(drafts), num_accepted=accepted)
+            return done._replace(num_drafts=len(drafts), num_accepted=accepted)
         return Outcome(r.request_id, kept, num_drafts=len(drafts), num_accepted=accepted)
 
     def _finish_decoded(
