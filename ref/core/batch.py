@@ -93,7 +93,7 @@ class PersistentBatch:
         self._order_start: int | None = None  # its first slot, if its slots are consecutive
         # The steady step hands these lists out as they are (DecodeRows) instead of
         # copying them; the next change in place copies them first.
-        self._lent = False
+        self._lists_lent = False
         # The pool's tables of every running request, in order, while current.
         self._run: DecodeRun | None = None
         self._slot: dict[str, int] = {}
@@ -183,7 +183,7 @@ class PersistentBatch:
         self._order = list(compress(self._order, keep))
         self._token_lists = list(compress(self._token_lists, keep))
         self._time_lists = list(compress(self._time_lists, keep))
-        self._lent = False  # new lists: the lent ones are left as they were
+        self._lists_lent = False  # new lists: the lent ones are left as they were
         self._order_array = None
         self._run = None
         for rid in request_ids:
@@ -200,13 +200,13 @@ class PersistentBatch:
 
     def _unlend(self) -> None:
         """Copy the order lists before a change in place if DecodeRows hold them."""
-        if self._lent:
+        if self._lists_lent:
             self.requests = list(self.requests)
             self._ids = list(self._ids)
             self._order = list(self._order)
             self._token_lists = list(self._token_lists)
             self._time_lists = list(self._time_lists)
-            self._lent = False
+            self._lists_lent = False
 
     # ------------------------------------------------------------------ rows
     def reload(self, r: Request, pool: BlockPool) -> None:
@@ -287,7 +287,7 @@ class PersistentBatch:
             return None
         start = self._order_start
         if self.all_decoding() and k == len(order):  # the steady state: the lists themselves
-            self._lent = True
+            self._lists_lent = True
             lists = (self.requests, self._ids, self._token_lists, self._time_lists)
             slots = order
         elif self.all_decoding() or self.decoding[order[:k]].all():  # slices, no Python
@@ -339,12 +339,12 @@ class PersistentBatch:
                 self.shared_tail[slot] = False  # the sibling copied away
         return _indices(needs)
 
-    def grew(self, rows: DecodeRows, needy: list[int], growth: DecodeGrowth) -> None:
+    def grew(self, rows: DecodeRows, growing: list[int], growth: DecodeGrowth) -> None:
         """Write back what the pool did to the rows that needed a block: each table's
         new last block (a fresh one, or a private copy) and its length."""
-        if not needy:
+        if not growing:
             return
-        slots = rows.slots[needy]
+        slots = rows.slots[growing]
         lengths = np.array(growth.lengths, dtype=np.int64)
         longest = max(growth.lengths)
         if longest > self.block_table.shape[1]:

@@ -61,7 +61,7 @@ class Planner:
         ``reserve`` the tokens decodes leave to a starving prefill, ``fast`` allows the
         bulk decode path, ``proposals`` are the draft tokens proposed for decodes."""
         cfg = self.config
-        d = StepDraft(
+        draft = StepDraft(
             PlanBuilder(step_index),
             running,
             cfg.max_num_batched_tokens,
@@ -69,105 +69,113 @@ class Planner:
             self._timed_out(now_ms),
         )
         if proposals:
-            d.proposals = proposals
-        self._suspend.move_to_host(d)
+            draft.proposals = proposals
+        self._suspend.move_to_host(draft)
         # Drafts are verified one request at a time: the bulk path plans one token each.
-        bulk = fast and not d.proposals and self._decode_bulk(d)
+        bulk = fast and not draft.proposals and self._decode_bulk(draft)
         if not bulk:
-            self._decode_each(d)
-        cap = prefill_cap(cfg, d.decoded, now_ms, reserve)
+            self._decode_each(draft)
+        cap = prefill_cap(cfg, draft.decoded, now_ms, reserve)
         # Every running request decoding: no running prefill to walk.
-        prefill_left = cap if bulk and self.batch.all_decoding() else self._prefill_running(d, cap)
-        d.budget = min(d.budget, prefill_left)  # admission is prefill too
-        self._admit(d)
-        return d.build()
+        prefill_left = (
+            cap if bulk and self.batch.all_decoding() else self._prefill_running(draft, cap)
+        )
+        draft.budget = min(draft.budget, prefill_left)  # admission is prefill too
+        self._admit(draft)
+        return draft.build()
 
-    def _decode_bulk(self, d: StepDraft) -> bool:
+    def _decode_bulk(self, draft: StepDraft) -> bool:
         """Every running decode in one pool call, when nobody needs preempting: exactly
         what :meth:`_decode_each` would plan. False (nothing planned) otherwise.
 
         The persistent batch (ref/core/batch.py) knows each request's KV length, last
         token and block state, so only the requests that need a block enter Python."""
         batch = self.batch
-        assert len(d.running) == len(batch), "the batch mirrors the running list"
+        assert len(draft.running) == len(batch), "the batch mirrors the running list"
         batch.sync_tables(self.pool)
-        rows = batch.decode_rows(d.budget - d.reserve)
+        rows = batch.decode_rows(draft.budget - draft.reserve)
         if rows is None:
             return False
         slots = rows.slots
         caching = self.pool.enable_prefix_caching
         fills = batch.fills_block(rows) if caching else []
         filled = batch.filled_blocks(rows, fills) if caching else None
-        needy = batch.needs_block(rows, self.pool)
+        growing = batch.needs_block(rows, self.pool)
         tokens = batch.last_token[rows.at].tolist()
         run = batch.decode_run(rows, self.pool)
-        growth = self.pool.append_decodes(run, tokens, needy, fills, filled)
+        growth = self.pool.append_decodes(run, tokens, growing, fills, filled)
         if growth is None:
             return False
-        batch.grew(rows, needy, growth)
-        d.copies.extend(growth.copies)
-        d.plan.add_decodes(rows, rows.positions.tolist())
-        d.bulk_ids = rows.request_ids
-        d.decoded = rows.requests
-        d.budget -= len(slots)
+        batch.grew(rows, growing, growth)
+        draft.copies.extend(growth.copies)
+        draft.plan.add_decodes(rows, rows.positions.tolist())
+        draft.bulk_ids = rows.request_ids
+        draft.decoded = rows.requests
+        draft.budget -= len(slots)
         return True
 
-    def _decode_each(self, d: StepDraft) -> None:
+    def _decode_each(self, draft: StepDraft) -> None:
         """The reference decode path: in admission order, preempting as needed."""
-        decoding = [r for r in d.running if r.status is S.DECODING]
+        decoding = [r for r in draft.running if r.status is S.DECODING]
         for i, r in enumerate(decoding):
-            if r.request_id in d.preempted or d.budget - d.reserve < 1:
+            if r.request_id in draft.preempted or draft.budget - draft.reserve < 1:
                 continue
-            drafts = self._drafts(d, r, len(decoding) - i - 1) if d.proposals else ()
-            if self._place(d, r, 1, is_prefill=False, drafts=drafts):
-                d.decoded.append(r)
+            drafts = self._drafts(draft, r, len(decoding) - i - 1) if draft.proposals else ()
+            if self._place(draft, r, 1, is_prefill=False, drafts=drafts):
+                draft.decoded.append(r)
 
-    def _drafts(self, d: StepDraft, r: Request, later: int) -> tuple[int, ...]:
+    def _drafts(self, draft: StepDraft, r: Request, later: int) -> tuple[int, ...]:
         """The drafts ``r`` verifies this step: its proposal cut to what it may still
         emit (a verification emits up to one token more than its drafts) and to the
         budget left, and dropped unless the free blocks cover their slots and still one
         block for each of the ``later`` decodes: a draft never costs a decode its place
         (docs/SPECULATIVE.md, "Scheduling")."""
-        drafts = d.proposals.get(r.request_id, ())
+        drafts = draft.proposals.get(r.request_id, ())
         room = min(r.stop.max_tokens - r.num_output_tokens, self.config.max_len - r.num_tokens)
-        cut = draft_count(len(drafts), room, d.budget - d.reserve)
+        cut = draft_count(len(drafts), room, draft.budget - draft.reserve)
         if not cut:
             return ()
         need = self.pool.blocks_to_allocate(r.request_id, 1 + cut)
         return drafts[:cut] if need + later <= self.pool.num_free_blocks else ()
 
-    def _prefill_running(self, d: StepDraft, cap: int) -> int:
+    def _prefill_running(self, draft: StepDraft, cap: int) -> int:
         """Running prefills in admission order, at most ``cap`` tokens; the cap left."""
-        for r in list(d.running):
-            if r.status is S.DECODING or r.request_id in d.preempted:
+        for r in list(draft.running):
+            if r.status is S.DECODING or r.request_id in draft.preempted:
                 continue
             computed = r.num_computed_tokens
-            n = chunk(self.config, r.num_tokens - computed, min(d.budget, cap), computed)
-            if n >= 1 and self._place(d, r, n, is_prefill=True):
+            n = chunk(self.config, r.num_tokens - computed, min(draft.budget, cap), computed)
+            if n >= 1 and self._place(draft, r, n, is_prefill=True):
                 cap -= n
         return cap
 
     def _place(
-        self, d: StepDraft, r: Request, n: int, *, is_prefill: bool, drafts: tuple[int, ...] = ()
+        self,
+        draft: StepDraft,
+        r: Request,
+        n: int,
+        *,
+        is_prefill: bool,
+        drafts: tuple[int, ...] = (),
     ) -> bool:
         """Reserve blocks for ``n`` tokens of running ``r`` and its ``drafts`` after them,
         preempting victims if needed; False if it cannot grow now. Alone and still
         unable, it never will in this pool: the plan finishes it (capacity)."""
         rid = r.request_id
         total = n + len(drafts)
-        if not self._make_room(d, r, total):
-            if not d.any_scheduled() and len(d.running) == 1:
+        if not self._make_room(draft, r, total):
+            if not draft.any_scheduled() and len(draft.running) == 1:
                 self.pool.free(rid)
-                d.running.remove(r)
-                d.finished.append(PlannedFinish(rid, FinishReason.CAPACITY))
+                draft.running.remove(r)
+                draft.finished.append(PlannedFinish(rid, FinishReason.CAPACITY))
             return False
         tokens = [*r.token_ids, *drafts] if drafts else r.token_ids
         alloc = self.pool.allocate(rid, tokens, total, namespace=r.namespace)
-        d.copies.extend(alloc.copies)
+        draft.copies.extend(alloc.copies)
         start = alloc.start_position
-        d.plan.add(rid, start, total, start + n == r.num_tokens, is_prefill, drafts=drafts)
-        d.scheduled.add(rid)
-        d.budget -= total
+        draft.plan.add(rid, start, total, start + n == r.num_tokens, is_prefill, drafts=drafts)
+        draft.scheduled.add(rid)
+        draft.budget -= total
         return True
 
     def _timed_out(self, now_ms: float) -> list[PlannedFinish]:
@@ -180,65 +188,65 @@ class Planner:
             for r in self._queue.overdue(now_ms, timeout)
         ]
 
-    def _admit(self, d: StepDraft) -> None:
+    def _admit(self, draft: StepDraft) -> None:
         """Waiting requests in the policy's order while the sequence limit, the budget
         and the free blocks allow; FCFS: later arrivals do not overtake the head of the
         queue when it does not fit."""
-        if not self._queue or not self.policy.admission_open(d.was_running):
+        if not self._queue or not self.policy.admission_open(draft.was_running):
             return
-        timed_out = {f.request_id for f in d.finished}
-        for r in self.policy.waiting_order(self._queue, d.plan.step_index):
-            if r.request_id in timed_out or not self.policy.may_admit(r, d.running):
+        timed_out = {f.request_id for f in draft.finished}
+        for r in self.policy.waiting_order(self._queue, draft.plan.step_index):
+            if r.request_id in timed_out or not self.policy.may_admit(r, draft.running):
                 continue
-            if len(d.running) >= self.config.max_num_seqs or d.budget < 1:
+            if len(draft.running) >= self.config.max_num_seqs or draft.budget < 1:
                 break
-            if not self._admit_one(d, r):
+            if not self._admit_one(draft, r):
                 break
-            d.running.append(r)
-            d.admitted.append(r.request_id)
+            draft.running.append(r)
+            draft.admitted.append(r.request_id)
 
-    def _admit_one(self, d: StepDraft, r: Request) -> bool:
+    def _admit_one(self, draft: StepDraft, r: Request) -> bool:
         """Schedule the first tokens of waiting ``r`` (a swapped one is swapped in, any
         other starts from its prefix-cache hit); False, nothing reserved, if they do not
         fit now."""
         cfg = self.config
         if r.status is S.SWAPPED:
             stored = r.num_computed_tokens
-            n = chunk(cfg, r.num_tokens - stored, d.budget, stored)
-            if n < 1 or not self._admission_fits(d, r, stored + n, None):
+            n = chunk(cfg, r.num_tokens - stored, draft.budget, stored)
+            if n < 1 or not self._admission_fits(draft, r, stored + n, None):
                 return False
-            self._suspend.swap_in(r, n, d)
+            self._suspend.swap_in(r, n, draft)
         else:
             hit = self.pool.lookup(r.token_ids, r.namespace) if cfg.enable_prefix_caching else None
             cached = hit.num_tokens if hit else 0
-            n = chunk(cfg, r.num_tokens - cached, d.budget, cached)
-            if n < 1 or not self._admission_fits(d, r, n, hit):
+            n = chunk(cfg, r.num_tokens - cached, draft.budget, cached)
+            if n < 1 or not self._admission_fits(draft, r, n, hit):
                 return False
             alloc = self.pool.allocate(r.request_id, r.token_ids, n, hit=hit, namespace=r.namespace)
-            d.copies.extend(alloc.copies)
+            draft.copies.extend(alloc.copies)
             start = alloc.start_position
-            d.plan.add(r.request_id, start, n, start + n == r.num_tokens, True, cached)
-        d.budget -= n
+            draft.plan.add(r.request_id, start, n, start + n == r.num_tokens, True, cached)
+        draft.budget -= n
         return True
 
-    def _admission_fits(self, d: StepDraft, r: Request, n: int, hit: PrefixHit | None) -> bool:
+    def _admission_fits(self, draft: StepDraft, r: Request, n: int, hit: PrefixHit | None) -> bool:
         """The admission-fit check (CAP, example 2e): with anything else in the step, the
         blocks ``admission_blocks`` asks must be free above the watermark."""
-        if d.running or d.plan.request_ids:
+        if draft.running or draft.plan.request_ids:
             free = self.pool.num_free_blocks - self.config.watermark_blocks
             return admission_blocks(self.config, self.pool, r, n, hit) <= free
-        return self._fits_alone(r.request_id, n, hit, d)
+        return self._fits_alone(r.request_id, n, hit, draft)
 
-    def _fits_alone(self, request_id: str, n: int, hit: PrefixHit | None, d: StepDraft) -> bool:
+    def _fits_alone(self, request_id: str, n: int, hit: PrefixHit | None, draft: StepDraft) -> bool:
         """Admission when nothing else runs: the watermark and the whole-request rules
         protect running requests' growth, and waiving them here guarantees progress, as
         does reclaiming paused turns' KV when the request still does not fit."""
         while not self.pool.can_allocate(request_id, n, hit):
-            if not self._suspend.reclaim(d):
+            if not self._suspend.reclaim(draft):
                 return False
         return True
 
-    def _make_room(self, d: StepDraft, r: Request, n: int) -> bool:
+    def _make_room(self, draft: StepDraft, r: Request, n: int) -> bool:
         """Preempt victims until ``r`` can get blocks for ``n`` tokens; False if impossible.
 
         Victims are running requests not yet scheduled in this step, chosen by the policy,
@@ -246,15 +254,17 @@ class Planner:
         before failing stay preempted: their blocks are already free.
         """
         while not self.pool.can_allocate(r.request_id, n):
-            if self._suspend.reclaim(d):
+            if self._suspend.reclaim(draft):
                 continue  # idle KV goes before running work is preempted
-            candidates = [v for v in d.running if v is not r and not d.is_scheduled(v.request_id)]
+            candidates = [
+                v for v in draft.running if v is not r and not draft.is_scheduled(v.request_id)
+            ]
             victim = self.policy.pick_victim(candidates)
             if victim is None:
                 return False
-            self._suspend.evict(victim, d)
-            d.running.remove(victim)
-            d.preempted.append(victim.request_id)
+            self._suspend.evict(victim, draft)
+            draft.running.remove(victim)
+            draft.preempted.append(victim.request_id)
         return True
 
 

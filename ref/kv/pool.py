@@ -61,7 +61,7 @@ class BlockCopy:
 class DecodeGrowth:
     """What :meth:`BlockPool.append_decodes` did to the tables that needed a block.
 
-    ``tails[j]`` is the last block of request ``needy[j]``'s table afterwards (a fresh
+    ``tails[j]`` is the last block of request ``growing[j]``'s table afterwards (a fresh
     block, or the private copy of a shared one) and ``lengths[j]`` its block count; the
     caller, which keeps its own copy of the tables, writes them back (these changes are
     not reported by :meth:`BlockPool.take_changed`).
@@ -432,22 +432,22 @@ class BlockPool:
         self,
         run: DecodeRun,
         tokens: Sequence[int],
-        needy: Sequence[int],
+        growing: Sequence[int],
         filling: Sequence[int],
         filled: Sequence[Sequence[int]] | None = None,
     ) -> DecodeGrowth | None:
         """The steady decode step: one more token for each request of ``run``, exactly
         as ``allocate(rid, known, 1)`` for each in turn would store it.
 
-        ``tokens[i]`` is the token of ``run``'s request ``i`` at its KV length, ``needy``
+        ``tokens[i]`` is the token of ``run``'s request ``i`` at its KV length, ``growing``
         the indices whose token starts a block or lands in a shared last block,
         ``filling`` those whose token fills its block, and ``filled[j]`` (optional) the
         token ids of the block that ``filling[j]``'s token fills, hashed from there.
-        Nothing is re-derived per request (only each needy table's fresh block is told
+        Nothing is re-derived per request (only each growing table's fresh block is told
         from a copy-on-write): a wrong claim breaks POS/BLOCK/PREFIX on the next
         snapshot (the persistent batch that makes the claims is differential-tested
         against the per-request path). All-or-nothing: if the free blocks cannot cover
-        every needy request, returns None with nothing changed (the caller decides whom
+        every growing request, returns None with nothing changed (the caller decides whom
         to preempt). A stale ``run`` is refused.
         """
         if run._epoch != self._epoch:
@@ -458,14 +458,14 @@ class BlockPool:
         if len(tokens) != len(run):
             raise InvalidArgument(f"append_decodes: {len(tokens)} tokens for {len(run)} requests")
         blocks = None if filled is None else filled_blocks(filled, len(filling), self.block_size)
-        if len(needy) > self._blocks.num_free:
+        if len(growing) > self._blocks.num_free:
             return None
         journal = self._journal
         outermost = not journal.active
         if outermost:
             journal.begin()
         try:
-            copies = self._decode_step(run, tokens, needy, filling, blocks)
+            copies = self._decode_step(run, tokens, growing, filling, blocks)
         except BaseException:
             if outermost:
                 journal.rollback()
@@ -474,32 +474,32 @@ class BlockPool:
         if outermost:
             journal.commit()
             self._prefix.end_transaction()
-        grown = [run._tables[i].block_table for i in needy]
+        grown = [run._tables[i].block_table for i in growing]
         return DecodeGrowth(copies, [t[-1] for t in grown], list(map(len, grown)))
 
     def _decode_step(
         self,
         run: DecodeRun,
         tokens: Sequence[int],
-        needy: Sequence[int],
+        growing: Sequence[int],
         filling: Sequence[int],
         filled: FilledBlocks | None,
     ) -> list[BlockCopy]:
         """:meth:`append_decodes`' changes, checked (an open transaction); the copies."""
         tables, lists, bs = run._tables, run._token_lists, self.block_size
-        # Every needy token starts a block (none copies a shared one): the step's fresh
+        # Every growing token starts a block (none copies a shared one): the step's fresh
         # blocks come off the free queue as one run. (Read before the tokens go in: each
         # list's length is its token's position; map keeps the per-row calls at C level.)
-        needy_lengths = map(len, [lists[i] for i in needy])
-        fresh_only = all(map(starts_block, map(block_offset, needy_lengths, repeat(bs))))
+        growing_lengths = map(len, [lists[i] for i in growing])
+        fresh_only = all(map(starts_block, map(block_offset, growing_lengths, repeat(bs))))
         # Each table's token in one C-level pass, undone by one entry (recorded first,
         # so undone last: nothing below changes the token lists).
         _consume(map(list.append, lists, tokens))
         self._journal.record(_pop_each, lists)
         fills = filling if self.enable_prefix_caching else ()
         if not fresh_only:
-            return self._grow_in_order(tables, needy, fills)
-        evicted = self._grow_run([tables[i] for i in needy], needy)
+            return self._grow_in_order(tables, growing, fills)
+        evicted = self._grow_run([tables[i] for i in growing], growing)
         if fills:
             self._prefix.cache_filled(tables, fills, evicted, filled)
         return []
@@ -526,14 +526,14 @@ class BlockPool:
         return {e.key: place[e.block_id] for e in dropped}
 
     def _grow_in_order(
-        self, tables: list[_Table], needy: Sequence[int], fills: Sequence[int]
+        self, tables: list[_Table], growing: Sequence[int], fills: Sequence[int]
     ) -> list[BlockCopy]:
         """The general case (some table copies a shared last block): request by request,
         as the per-request path takes them. A sibling earlier in the step may have
         copied away, and a growth may evict a cached free block whose key a later
         request's filled block then takes (or not)."""
         copies: list[BlockCopy] = []
-        grows = set(needy)
+        grows = set(growing)
         fill_set = set(fills)
         for i in sorted(grows | fill_set):
             t = tables[i]
