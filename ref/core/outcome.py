@@ -34,8 +34,10 @@ class Outcome(NamedTuple):
     sample, one for a decode, up to ``num_drafts + 1`` for a verification
     (docs/SPECULATIVE.md: the accepted drafts, then the target's own token, cut at a
     stop). ``finish`` says why it finished in this commit, if it did, and
-    ``blocks_freed`` how many device blocks its table gave back then. ``preempted``: it
-    left the running set to wait again (by recompute or swap).
+    ``blocks_freed`` how many device blocks its table gave back then (a shared block stays
+    held by its other holders). ``preempted``: it left the running set to wait again, by
+    recompute or swap; its blocks were released when the step was planned, inside the
+    step's transaction, so it has none to give back here.
     """
 
     request_id: str
@@ -99,7 +101,3 @@ class StepOutcome:
             if rid == request_id:
                 return Outcome(rid, (token,))
         return None
-
-
-NO_DECODES: tuple[Sequence[str], Ints] = ((), np.zeros(0, dtype=np.int64))
-"""Empty bulk columns, for a step that took no bulk decode."""
