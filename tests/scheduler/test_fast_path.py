@@ -6,7 +6,7 @@ on the per-request path (tests/harness.py ``reference_loop``), get the same work
 every plan, every executor input and every snapshot must be identical, under memory
 pressure (preemption falls back to the reference loop), prefix sharing, forks' copy-on-
 write, aborts and rollbacks alike; and the inputs the batch builds equal those built
-from the requests and the pool's tables. """
+from the requests and the pool's tables."""
 
 from __future__ import annotations
 
