@@ -161,6 +161,48 @@ PLANTS = [
         id="slot_of-off-by-one",
     ),
     pytest.param(
+        "block_offset",
+        "    return position % block_size\n",
+        "    return (position + 1) % block_size\n",
+        id="block_offset-off-by-one",
+    ),
+    pytest.param(
+        "logical_block",
+        "    return position // block_size\n",
+        "    return (position + 1) // block_size\n",
+        id="logical_block-off-by-one",
+    ),
+    pytest.param(
+        "full_blocks",
+        "    return num_tokens // block_size\n",
+        "    return cdiv(num_tokens, block_size)\n",
+        id="full_blocks-counts-a-partial-block",
+    ),
+    pytest.param(
+        "fills_block",
+        "    return offset == block_size - 1\n",
+        "    return offset == block_size\n",
+        id="fills_block-past-the-end",
+    ),
+    pytest.param(
+        "starts_block",
+        "    return offset == 0\n",
+        "    return offset == 1\n",
+        id="starts_block-off-by-one",
+    ),
+    pytest.param(
+        "length_limit",
+        "    return min(num_prompt_tokens + max_tokens, max_len)\n",
+        "    return min(num_prompt_tokens + max_tokens, max_len + 1)\n",
+        id="length_limit-one-past-max-len",
+    ),
+    pytest.param(
+        "reaches_length",
+        "    return num_tokens >= limit\n",
+        "    return num_tokens > limit\n",
+        id="reaches_length-a-token-late",
+    ),
+    pytest.param(
         "chunk_size",
         "        n = max(0, end - num_computed)\n",
         "        n = max(0, end - num_computed - block_size)\n",
