@@ -36,7 +36,9 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     post: __return__ * block_size >= num_tokens
     post: __return__ == 0 or (__return__ - 1) * block_size < num_tokens
     """
-    return cdiv(num_tokens, block_size)
+    # cdiv written out: the per-request path asks this several times per request per
+    # step, and a nested call costs as much as the arithmetic.
+    return -(-num_tokens // block_size)
 
 
 def new_blocks_needed(num_stored: int, num_new_tokens: int, num_held: int, block_size: int) -> int:
@@ -49,7 +51,7 @@ def new_blocks_needed(num_stored: int, num_new_tokens: int, num_held: int, block
     post: __return__ >= 0
     post: (num_held + __return__) * block_size >= num_stored + num_new_tokens
     """
-    return max(0, blocks_needed(num_stored + num_new_tokens, block_size) - num_held)
+    return max(0, -(-(num_stored + num_new_tokens) // block_size) - num_held)  # blocks_needed
 
 
 def slot_of(block_id: int, position: int, block_size: int) -> int:

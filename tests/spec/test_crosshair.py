@@ -144,7 +144,7 @@ def test_crosshair_finds_a_planted_renaming_bug(tmp_path: Path, bad: str) -> Non
 PLANTS = [
     pytest.param(
         "blocks_needed",
-        "    return cdiv(num_tokens, block_size)\n",
+        "    return -(-num_tokens // block_size)\n",
         "    return num_tokens // block_size\n",
         id="blocks_needed-floor",
     ),
