@@ -1084,6 +1084,23 @@ def test_a_token_that_cannot_be_hashed_leaves_a_caching_pool_unchanged() -> None
     assert pool.snapshot() == before and not pool.has_request("b")
 
 
+@pytest.mark.mutation_kill
+def test_a_decode_step_outside_a_step_that_cannot_hash_its_filled_block_changes_nothing() -> None:
+    """``append_decodes`` called outside a step opens its own transaction: "a"'s token
+    fills its block, which is hashed (from the token lists: no ``filled``) after the
+    tokens went in and "b"'s fresh block came off the queue; a token id outside int64
+    fails there, and the rollback leaves the pool as it was (all-or-nothing)."""
+    pool = BlockPool(8, 4, enable_prefix_caching=True)
+    pool.allocate("a", [5, 6, 7], 3)
+    pool.allocate("b", [1, 2, 3, 4], 4)
+    run = pool.decode_run(["a", "b"])
+    before = pool.snapshot()
+    with pytest.raises(Exception, match=r"argument out of range|format requires"):
+        pool.append_decodes(run, [2**63, 9], [1], [0])
+    assert pool.snapshot() == before
+    assert check_pool(pool.snapshot()) == []
+
+
 def _evicting_decode_pool() -> BlockPool:
     """Block 2, caching on: "x" holds [1, 2, 3] (a hit on block 0, key K1) and fills
     its second block with (3, 4) at its next decode, key K2; "y" holds [9, 9] and needs
