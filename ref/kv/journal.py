@@ -35,6 +35,9 @@ class Journal:
             # Nested functions and lambdas are named "<locals>" / "<lambda>" in their
             # qualified name; a closure is always nested. Builtins pass the type test.
             fn = undo.__func__ if type(undo) is MethodType else undo
+            # A decorated function is judged by what it wraps (functools.wraps): mutation
+            # testing replaces each method by such a wrapper (docs/MUTATION.md).
+            fn = getattr(fn, "__wrapped__", fn)
             assert type(fn) is not FunctionType or (
                 fn.__closure__ is None and "<" not in fn.__qualname__
             ), f"undo entry {fn!r} is a closure or a lambda, not a record"

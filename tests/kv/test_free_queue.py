@@ -7,7 +7,9 @@ middle; every change is undone exactly by the journal (docs/ARCHITECTURE.md,
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Callable
 from types import MethodType
 
 import pytest
@@ -254,6 +256,30 @@ def test_the_journal_refuses_a_closure_or_a_lambda_as_an_undo_entry() -> None:
     journal.record(log.append, "builtin")
     journal.rollback()
     assert log == ["builtin", "bound method", "function"]
+
+
+def test_a_wrapped_record_is_judged_by_what_it_wraps() -> None:
+    """A ``functools.wraps`` wrapper (what mutation testing puts around every method,
+    docs/MUTATION.md) is a record when it wraps one, and refused when it wraps a closure."""
+    journal = Journal()
+    log: list[object] = []
+
+    def closure() -> None:
+        log.append("closure")
+
+    def wrap(fn: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(fn)
+        def wrapper(*args: object) -> None:
+            fn(*args)
+
+        return wrapper
+
+    journal.begin()
+    journal.record(wrap(_undo), log)
+    with pytest.raises(AssertionError, match="is a closure or a lambda, not a record"):
+        journal.record(wrap(closure))
+    journal.rollback()
+    assert log == ["function"]
 
 
 def _is_open(journal: Journal) -> bool:
