@@ -235,6 +235,16 @@ def test_an_array_numpy_cannot_read_is_read_through_tolist() -> None:
 
 
 @pytest.mark.mutation_kill
+def test_an_empty_array_numpy_cannot_read_is_refused_as_an_empty_int_array() -> None:
+    """An empty list from ``tolist`` reads as an empty int array: a step that samples
+    three tokens refuses it by its length, as any short array (no other error)."""
+    s = decoding(3)
+    plan = s.schedule()
+    with pytest.raises(BadExecutorOutput, match=r"gave a int64 array of shape \(0,\) "):
+        s.commit(plan, _DeviceArray([]))
+
+
+@pytest.mark.mutation_kill
 def test_after_an_abort_the_next_step_still_takes_the_bulk_path() -> None:
     """Removing a request rebuilds the running order the bulk path reads; a stale order
     would silently send every later step down the reference loop."""
