@@ -323,7 +323,7 @@ class Scheduler:
         """The books after a commit: who left the running set, swap counters, both
         pools' transactions closed, the step counted, the policy told."""
         if outcome.outcomes:
-            left = {o.request_id for o in outcome.outcomes if o.preempted or o.finish}
+            left = {o.request_id for o in outcome.outcomes if o.preempted or o.finish is not None}
             if left:
                 self._batch.remove_many(left)
         self._suspend.commit(plan)
