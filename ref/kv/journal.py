@@ -32,15 +32,8 @@ class Journal:
 
     def record(self, undo: Undo, *args: Any) -> None:
         if self._undo is not None:
-            # Nested functions and lambdas are named "<locals>" / "<lambda>" in their
-            # qualified name; a closure is always nested. Builtins pass the type test.
-            fn = undo.__func__ if type(undo) is MethodType else undo
-            # A decorated function is judged by what it wraps (functools.wraps): mutation
-            # testing replaces each method by such a wrapper (docs/MUTATION.md).
-            fn = getattr(fn, "__wrapped__", fn)
-            assert type(fn) is not FunctionType or (
-                fn.__closure__ is None and "<" not in fn.__qualname__
-            ), f"undo entry {fn!r} is a closure or a lambda, not a record"
+            # The whole check sits inside the assertion: ``python -O`` pays nothing.
+            assert _is_record(undo), f"undo entry {undo!r} is a closure or a lambda, not a record"
             self._undo.append((undo, args))
 
     def begin(self) -> None:
@@ -80,3 +73,14 @@ class Journal:
             self.rollback()
             raise
         self.commit()
+
+
+def _is_record(undo: Undo) -> bool:
+    """``undo`` is a module-level function, a bound method of one or a builtin. Nested
+    functions and lambdas are named "<locals>" / "<lambda>" in their qualified name, and
+    a closure is always nested; builtins pass the type test. A decorated function is
+    judged by what it wraps (functools.wraps): mutation testing replaces each method by
+    such a wrapper (docs/MUTATION.md)."""
+    fn = undo.__func__ if type(undo) is MethodType else undo
+    fn = getattr(fn, "__wrapped__", fn)
+    return type(fn) is not FunctionType or (fn.__closure__ is None and "<" not in fn.__qualname__)
