@@ -529,9 +529,10 @@ class LLMEngine:
         record = self.core.step(self.now_ms())
         self._count(record)
         outcome = record.outcome
-        new_tokens = outcome.new_tokens
+        # A list, not the outcome's id-keyed mapping: it is walked twice, never looked up.
+        new_tokens = list(outcome.last_tokens())
         # The sampler could not sample their row (module doc, "Faults").
-        failed = [sid for sid in new_tokens if sample_failed(_last_logprob(record, sid))]
+        failed = [sid for sid, _ in new_tokens if sample_failed(_last_logprob(record, sid))]
         touched = self._append_tokens(new_tokens, record)
         for parent_id, samples in record.fork_samples.items():
             touched.extend(
@@ -562,12 +563,14 @@ class LLMEngine:
                 executor.draft_probs[rid] = draft.probs
             sched.propose(rid, draft.tokens)
 
-    def _append_tokens(self, new_tokens: Mapping[str, int], record: StepRecord) -> list[str]:
+    def _append_tokens(
+        self, new_tokens: Sequence[tuple[str, int]], record: StepRecord
+    ) -> list[str]:
         """Each committed token to its sequence (all of a verification's, up to a stop
         string); the ids, in commit order."""
         touched: list[str] = []
         verified = record.outcome.verified
-        for sid, token in new_tokens.items():
+        for sid, token in new_tokens:
             seq = self._seqs[sid]
             v = verified.get(sid)
             if v is None:
