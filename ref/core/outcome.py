@@ -73,11 +73,6 @@ class StepOutcome:
                 yield o.request_id, o.tokens[-1]
 
     @cached_property
-    def new_tokens(self) -> Mapping[str, int]:
-        """:meth:`last_tokens` by request id (built on first use)."""
-        return dict(self.last_tokens())
-
-    @cached_property
     def finished(self) -> tuple[str, ...]:
         """The requests that finished, in the order they did."""
         return tuple(o.request_id for o in self.outcomes if o.finish is not None)
@@ -90,14 +85,3 @@ class StepOutcome:
     def verified(self) -> Mapping[str, Outcome]:
         """The requests that verified drafts (docs/SPECULATIVE.md), by id."""
         return {o.request_id: o for o in self.outcomes if o.num_drafts}
-
-    def outcome(self, request_id: str) -> Outcome | None:
-        """The request's outcome (a bulk decode's built on the spot); None if the commit
-        did not change it."""
-        for o in self.outcomes:
-            if o.request_id == request_id:
-                return o
-        for rid, token in zip(self.decoded_ids, self.decoded_tokens.tolist(), strict=True):
-            if rid == request_id:
-                return Outcome(rid, (token,))
-        return None

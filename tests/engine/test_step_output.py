@@ -28,7 +28,7 @@ def test_the_step_record_carries_logprobs_and_fork_samples() -> None:
     assert set(first.logprobs) == {"x"}
     forks = first.fork_samples["x"]
     assert set(first.fork_samples) == {"x"} and len(forks) == 2
-    assert outs[0].token_ids == (first.outcome.new_tokens["x"],)
+    assert outs[0].token_ids == (dict(first.outcome.last_tokens())["x"],)
     assert outs[0].logprobs == (first.logprobs["x"],)
     for i, drawn in enumerate(forks, start=1):
         assert outs[i].token_ids == (drawn.token,)
@@ -50,7 +50,7 @@ def test_a_simulator_step_draws_no_logprobs_or_forks() -> None:
     sched.add_request(Request("a", [1, 2, 3], StopParams(max_tokens=2)))
     core = EngineCore(sched, SimExecutor(StepCost(1.0, 0.0, 0.0), sched.requests))
     record = core.step(0.0)
-    assert set(record.outcome.new_tokens) == {"a"}
+    assert set(dict(record.outcome.last_tokens())) == {"a"}
     assert dict(record.logprobs) == {} and dict(record.fork_samples) == {}
 
 

@@ -153,8 +153,7 @@ def test_bulk_decodes_come_back_as_columns_in_plan_order() -> None:
     assert list(outcome.decoded_ids) == ["r0", "r1", "r2"] and outcome.outcomes == ()
     assert outcome.decoded_tokens.tolist() == [7, 8, 9]
     assert list(outcome.last_tokens()) == [("r0", 7), ("r1", 8), ("r2", 9)]
-    assert outcome.new_tokens == {"r0": 7, "r1": 8, "r2": 9}
-    assert outcome.outcome("r1") == Outcome("r1", (8,)) and outcome.outcome("nope") is None
+    assert dict(outcome.last_tokens()) == {"r0": 7, "r1": 8, "r2": 9}
 
 
 def test_a_bulk_decode_that_finishes_is_one_outcome_not_a_column() -> None:
@@ -166,7 +165,11 @@ def test_a_bulk_decode_that_finishes_is_one_outcome_not_a_column() -> None:
     outcome = s.commit(plan, np.array([7, 8, 9]))
     assert list(outcome.decoded_ids) == ["r0", "r2"] and outcome.decoded_tokens.tolist() == [7, 9]
     assert outcome.outcomes == (Outcome("r1", (8,), FinishReason.STOP, held),)
-    assert outcome.finished == ("r1",) and outcome.new_tokens == {"r0": 7, "r2": 9, "r1": 8}
+    assert outcome.finished == ("r1",) and dict(outcome.last_tokens()) == {
+        "r0": 7,
+        "r2": 9,
+        "r1": 8,
+    }
 
 
 @pytest.mark.parametrize(
@@ -205,7 +208,7 @@ def test_an_array_covers_the_sampling_entries_after_the_bulk_decodes_too() -> No
     plan = s.schedule()  # r0, r1 decode in bulk; p prefills and samples
     assert plan.decode_rows is not None and plan.request_ids == ("r0", "r1", "p")
     events = s.commit(plan, torch.tensor([11, 12, 13]))
-    assert events.new_tokens == {"r0": 11, "r1": 12, "p": 13}
+    assert dict(events.last_tokens()) == {"r0": 11, "r1": 12, "p": 13}
     p = s.requests["p"]
     assert p.output_token_ids == [13] and p.status is S.DECODING
     assert s.batch.decoding[s.batch._slot["p"]]  # its row was reloaded after commit
@@ -228,7 +231,11 @@ def test_an_array_numpy_cannot_read_is_read_through_tolist() -> None:
     # The core imports no torch, so a device tensor's own numpy(force=True) is not used.
     s = decoding(3)
     plan = s.schedule()
-    assert s.commit(plan, _DeviceArray([4, 5, 6])).new_tokens == {"r0": 4, "r1": 5, "r2": 6}
+    assert dict(s.commit(plan, _DeviceArray([4, 5, 6])).last_tokens()) == {
+        "r0": 4,
+        "r1": 5,
+        "r2": 6,
+    }
     plan = s.schedule()
     with pytest.raises(BadExecutorOutput, match="gave a _DeviceArray as the sampled tokens"):
         s.commit(plan, _DeviceArray([4, 5, 6], listable=False))  # type: ignore[arg-type]
@@ -303,7 +310,7 @@ def test_a_sampled_array_of_the_wrong_kind_is_named_in_the_error(
 def test_token_id_zero_is_a_valid_sampled_token_in_an_array() -> None:
     s = decoding(3)
     plan = s.schedule()
-    assert s.commit(plan, np.array([0, 1, 0])).new_tokens == {"r0": 0, "r1": 1, "r2": 0}
+    assert dict(s.commit(plan, np.array([0, 1, 0])).last_tokens()) == {"r0": 0, "r1": 1, "r2": 0}
     assert [r.token_ids[-1] for r in s.running] == [0, 1, 0]
 
 

@@ -29,10 +29,12 @@ def test_commit_stamps_times_from_the_right_clock() -> None:
     a = sched.requests["a"]
     assert a.admitted_ms == 5.0  # the step's start
     assert a.token_times_ms == [9.0]  # the step's end
-    assert events.new_tokens == {"a": 11} and events.finished == () and events.preempted == ()
+    assert (
+        dict(events.last_tokens()) == {"a": 11} and events.finished == () and events.preempted == ()
+    )
     assert sched.step_index == 1 and sched.running == [a]
     _, events = commit_step(sched, 20.0, token=12)
-    assert events.finished == ("a",) and events.new_tokens == {"a": 12}
+    assert events.finished == ("a",) and dict(events.last_tokens()) == {"a": 12}
     assert a.admitted_ms == 5.0 and a.token_times_ms == [9.0, 20.0] and a.finished_ms == 20.0
     assert a.output_token_ids == [11, 12] and a.finish_reason is FinishReason.LENGTH
     assert sched.running == [] and "a" not in sched.requests and sched.retired == [a]
@@ -91,12 +93,12 @@ def test_a_prefill_chunk_that_does_not_sample_keeps_prefilling() -> None:
     a = sched.requests["a"]
     assert plan_entry(plan, "a") == (0, 4, False, True, 0)
     assert a.status is S.PREFILLING and a.num_computed_tokens == 4 and a.num_tokens == 10
-    assert events.new_tokens == {} and a.token_times_ms == []
+    assert dict(events.last_tokens()) == {} and a.token_times_ms == []
     plan, _ = commit_step(sched)
     assert plan_entry(plan, "a") == (4, 4, False, True, 0) and a.status is S.PREFILLING
     plan, events = commit_step(sched)
     assert plan_entry(plan, "a") == (8, 2, True, True, 0) and a.status is S.DECODING
-    assert a.num_computed_tokens == 10 and events.new_tokens == {"a": 7}
+    assert a.num_computed_tokens == 10 and dict(events.last_tokens()) == {"a": 7}
 
 
 @pytest.mark.mutation_kill
@@ -207,7 +209,7 @@ def test_the_new_tokens_of_a_step_hold_the_bulk_decodes_and_the_other_entries() 
     plan = sched.schedule()
     assert plan.decode_rows is not None and plan.admitted == ("c",)  # the bulk path ran
     events = sched.commit(plan, {"a": 7, "b": 8, "c": 9})
-    new = events.new_tokens
+    new = dict(events.last_tokens())
     assert len(new) == 3 and list(new) == ["a", "b", "c"]
     assert list(events.last_tokens()) == [("a", 7), ("b", 8), ("c", 9)]
     assert (new["b"], new["c"]) == (8, 9)

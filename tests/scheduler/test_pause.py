@@ -104,7 +104,7 @@ def test_resume_in_place_continues_as_an_incremental_prefill() -> None:
     # Only the last output (no KV yet) and the three tool tokens are computed.
     assert plan_entry(plan, "a") == (kv, 4, True, True, 0)
     assert plan.admitted == ()
-    assert events.new_tokens == {"a": 9}
+    assert dict(events.last_tokens()) == {"a": 9}
     assert a.prompt_token_ids == [*history, 0, 50, 51]  # sampling did not touch the prompt
     assert a.output_token_ids == [9] and a.status is S.DECODING
     _, events = commit_step(sched, token=10)
