@@ -2,7 +2,7 @@
 
 The timed step is refserve's full CPU step, as ``tests/bench/test_step_bench.py`` times
 it: ``Scheduler.schedule()``, ``build_inputs()`` (token ids, positions, slot mapping and
-block tables as int tensors: what the executor receives) and ``Scheduler.commit()``
+block tables as int arrays: what the executor receives) and ``Scheduler.commit()``
 with the sampled tokens as an int tensor (append them, stop checks, KV bookkeeping,
 prefix-cache indexing of the blocks that fill). The scheduler runs with its defaults
 (the bulk decode path on the persistent batch, invariant checks off);
@@ -45,7 +45,7 @@ class RefBench:
     phases = ("schedule", "build_inputs", "commit")
     includes = (
         "Scheduler.schedule() + build_inputs() (token ids, positions, slot mapping, block "
-        "tables as int tensors, what the executor receives) + Scheduler.commit()"
+        "tables as int arrays, what the executor receives) + Scheduler.commit()"
     )
 
     @property
