@@ -21,8 +21,10 @@ class Journal:
     """Undo entries are records, ``(fn, args)``: a module-level function, a bound method
     or a builtin, and its arguments (rollback calls ``fn(*args)``), never a closure or a
     lambda. A closure built per change costs an allocation a record does not, and hides
-    what it captured; :meth:`record` refuses one (an assertion, so ``python -O`` pays
-    nothing; docs/ARCHITECTURE.md, "The persistent batch")."""
+    what it captured; :meth:`record` refuses one (an assertion; docs/ARCHITECTURE.md,
+    "The persistent batch"). The check is written inline, not as a helper called from
+    the assertion: a call per entry costs a function or method record about 100 ns more
+    (measured: 376 against 476 ns a record), and the step records hundreds."""
 
     def __init__(self) -> None:
         self._undo: list[tuple[Undo, tuple[Any, ...]]] | None = None
@@ -32,8 +34,15 @@ class Journal:
 
     def record(self, undo: Undo, *args: Any) -> None:
         if self._undo is not None:
-            # The whole check sits inside the assertion: ``python -O`` pays nothing.
-            assert _is_record(undo), f"undo entry {undo!r} is a closure or a lambda, not a record"
+            # Nested functions and lambdas are named "<locals>" / "<lambda>" in their
+            # qualified name; a closure is always nested. Builtins pass the type test.
+            fn = undo.__func__ if type(undo) is MethodType else undo
+            # A decorated function is judged by what it wraps (functools.wraps): mutation
+            # testing replaces each method by such a wrapper (docs/MUTATION.md).
+            fn = getattr(fn, "__wrapped__", fn)
+            assert type(fn) is not FunctionType or (
+                fn.__closure__ is None and "<" not in fn.__qualname__
+            ), f"undo entry {fn!r} is a closure or a lambda, not a record"
             self._undo.append((undo, args))
 
     def begin(self) -> None:
@@ -73,14 +82,3 @@ class Journal:
             self.rollback()
             raise
         self.commit()
-
-
-def _is_record(undo: Undo) -> bool:
-    """``undo`` is a module-level function, a bound method of one or a builtin. Nested
-    functions and lambdas are named "<locals>" / "<lambda>" in their qualified name, and
-    a closure is always nested; builtins pass the type test. A decorated function is
-    judged by what it wraps (functools.wraps): mutation testing replaces each method by
-    such a wrapper (docs/MUTATION.md)."""
-    fn = undo.__func__ if type(undo) is MethodType else undo
-    fn = getattr(fn, "__wrapped__", fn)
-    return type(fn) is not FunctionType or (fn.__closure__ is None and "<" not in fn.__qualname__)
