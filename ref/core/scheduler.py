@@ -40,6 +40,7 @@ from ref.core.request import FinishReason, Request, StopParams, check_new_reques
 from ref.core.speculation import Proposals, keep_verified
 from ref.core.suspend import Suspension
 from ref.core.swap import KVRetention
+from ref.core.transit import Departure, Import, departure, release
 from ref.errors import (
     DuplicateRequest,
     ExceedsCapacity,
@@ -85,6 +86,9 @@ class Scheduler:
         self.step_index = 0
         self._seq = 0
         self._pending: StepPlan | None = None
+        # A migration staged here (ref/core/transit.py): its blocks are in an open pool
+        # transaction, so no step may run until it commits or aborts.
+        self._import: Import | None = None
         # Speculative decoding: drafts proposed for the next step.
         self._proposals = Proposals(config.num_speculative_tokens)
         self._plan_start_ms = 0.0
@@ -244,6 +248,44 @@ class Scheduler:
         if r is None:
             raise UnknownRequest(request_id, "propose")
         self._proposals.propose(r, request_id in self._batch, draft_token_ids)
+
+    # ------------------------------------------------------------------ migration
+    def export(self, request_id: str) -> Departure:
+        """A live request's state and the slots of its KV, read at a step boundary;
+        nothing changes (ref/core/transit.py, docs/MIGRATION.md)."""
+        return departure(self, request_id)
+
+    def begin_import(self) -> Import:
+        """Stage migrated requests; no step runs until the import commits or aborts."""
+        imp = Import(self)
+        self._import = imp
+        return imp
+
+    def release(self, request_id: str) -> None:
+        """A migrated request leaves this scheduler after the destination acknowledged:
+        its blocks return to the pools; it is not finished (ref/core/transit.py)."""
+        release(self, request_id)
+
+    def _attach(self, r: Request) -> None:
+        """A migrated request joins, in the place its status says (transit ``_place``)."""
+        rid = r.request_id
+        r.seq = self._seq
+        r.queued_step = self.step_index
+        self._seq += 1
+        self.requests[rid] = r
+        if r.status is S.WAITING_TOOL:
+            self._suspend.paused[rid] = r
+        elif r.num_computed_tokens:
+            self._batch.append(r, self.pool)
+        else:
+            self._queue.add(r)
+        self._backlog.mark(r, self.step_index)
+
+    def _detach(self, r: Request) -> None:
+        """``r`` leaves without finishing (migrated away)."""
+        self._unplace(r)
+        del self.requests[r.request_id]
+        self._backlog.clear(r)
 
     @property
     def waiting(self) -> list[Request]:
@@ -513,6 +555,13 @@ class Scheduler:
         r = self.requests.get(request_id)
         if r is None:
             raise UnknownRequest(request_id, what)
+        self._unplace(r)
+        self._retire(r, status, reason, now_ms)
+
+    def _unplace(self, r: Request) -> None:
+        """``r`` gives back every block it holds and leaves the batch, the queue or the
+        tool wait, whichever holds it (still in ``requests``)."""
+        request_id = r.request_id
         if self.pool.has_request(request_id):
             self.pool.free(request_id)
         self._proposals.drop(request_id)
@@ -521,7 +570,6 @@ class Scheduler:
             self._batch.remove(r)
         elif not was_paused:
             self._queue.remove(r)
-        self._retire(r, status, reason, now_ms)
 
     def _retire(
         self, r: Request, status: RequestStatus, reason: FinishReason, now_ms: float
@@ -538,6 +586,8 @@ class Scheduler:
             raise StepInProgress(
                 f"{what}: a step is in progress (schedule without commit/rollback)"
             )
+        if self._import is not None:
+            raise StepInProgress(f"{what}: a migration import is staged (commit or abort it)")
 
     # ------------------------------------------------------------------ snapshots
     def snapshot(self, extra: Iterable[Request] = ()) -> EngineSnapshot:

@@ -72,11 +72,14 @@ import torch
 from ref.core.config import SchedulerConfig
 from ref.core.engine_core import EngineCore, StepRecord
 from ref.core.executor import DrawnToken
+from ref.core.migration_cost import KVMode, MigrationCost, MigrationDecision
 from ref.core.outcome import Outcome
 from ref.core.policy import Policy
 from ref.core.request import FinishReason, Request, StopParams, check_room_for_output
 from ref.core.scheduler import Scheduler
 from ref.core.swap import KVRetention
+from ref.engine import migration
+from ref.engine.ticket import KVChunk, MigrationTicket, ModelIdentity
 from ref.errors import DuplicateRequest, InvalidArgument, RefserveError, UnknownRequest
 from ref.model.checkpoint import TINY_TRAINED, ModelSource, TokenizerSource, load_model
 from ref.model.executor import ModelExecutor
@@ -227,6 +230,11 @@ class _Group:
     seqs: list[_Seq]
     child_ids: tuple[str, ...]
     turn: int = 0
+    # Samples 1..n-1 were forked off sample 0 (or closed without a token): after that the
+    # group's live samples may be any subset (a migrated group carries only those).
+    forked: bool = False
+    # Each migration of this request: the rule's decision and its inputs (docs/MIGRATION.md).
+    migrations: list[MigrationDecision] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -301,6 +309,11 @@ class LLMEngine:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verifications = 0
+        # Migration (docs/MIGRATION.md): requests moved in and out, ms in transit.
+        self.num_migrations_in = 0
+        self.num_migrations_out = 0
+        self.migration_ms = 0.0
+        self._identity: ModelIdentity | None = None
 
     # ------------------------------------------------------------------ requests
     @property
@@ -502,6 +515,75 @@ class LLMEngine:
         group.prompt_token_ids = prompt
         group.seqs = [seq]
         group.turn = turn
+
+    # ------------------------------------------------------------------ migration
+    def export_request(
+        self,
+        request_id: str,
+        *,
+        kv: KVMode | str = KVMode.AUTO,
+        inline: bool = True,
+        cost: MigrationCost | None = None,
+        hit_tokens: int = 0,
+        idle: float = 1.0,
+    ) -> MigrationTicket:
+        """The portable state of a live request, at a step boundary; nothing changes here
+        (ref/engine/migration.py, docs/MIGRATION.md). ``kv``: transfer the K/V, recompute it
+        on the destination, or ``auto`` (the cost rule, given the destination's
+        ``hit_tokens`` and ``idle`` compute); ``inline=False`` leaves the K/V to be streamed
+        with :meth:`read_kv`. The request keeps running here until
+        :meth:`release_request`."""
+        return migration.export(
+            self, request_id, kv=kv, inline=inline, cost=cost, hit_tokens=hit_tokens, idle=idle
+        )
+
+    def read_kv(self, seq_id: str, start: int, end: int) -> KVChunk:
+        """K/V of positions ``[start, end)`` of a live sample, for a streamed migration."""
+        return migration.read_kv(self, seq_id, start, end)
+
+    def stage_import(
+        self, ticket: MigrationTicket, *, transit_ms: float = 0.0
+    ) -> migration.StagedImport:
+        """Check a ticket and stage its request here, invisible until the staged
+        import's ``commit`` (the protocol of ref/engine/migration.py). Bad tickets raise a
+        typed error and change nothing."""
+        return migration.stage(self, ticket, transit_ms=transit_ms)
+
+    def import_request(self, ticket: MigrationTicket, *, transit_ms: float = 0.0) -> list[str]:
+        """Stage, ack and commit a ticket carrying everything (its K/V inline, or none
+        for a recompute) in one call; returns the sample ids now live here. For a ticket
+        whose source is gone: with a live source use :func:`ref.engine.migration.migrate`,
+        which releases the source between the ack and the commit."""
+        staged = self.stage_import(ticket, transit_ms=transit_ms)
+        try:
+            staged.ack()
+        except BaseException:
+            staged.abort()
+            raise
+        return staged.commit()
+
+    def release_request(self, request_id: str) -> None:
+        """A migrated request leaves this engine after the destination acknowledged it:
+        its blocks are freed and no output of it comes from here any more."""
+        migration.release(self, request_id)
+
+    def prefix_hit_tokens(self, token_ids: Sequence[int], state: object = None) -> int:
+        """How many of ``token_ids`` this engine's prefix cache holds (full blocks)."""
+        if not token_ids:
+            return 0
+        ns = getattr(state, "namespace", None)
+        pool = self.scheduler.pool
+        hit = pool.lookup(token_ids) if ns is None else pool.lookup(token_ids, ns)
+        return hit.num_tokens
+
+    @property
+    def idle_fraction(self) -> float:
+        """The share of the token budget the last step left unused (1.0 before any)."""
+        if not self.steps:
+            return 1.0
+        plan = self.steps[-1].plan
+        used = sum(plan.num_new_tokens) / self.scheduler.config.max_num_batched_tokens
+        return max(0.0, 1.0 - used)
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
@@ -890,6 +972,7 @@ class LLMEngine:
         """
         parent = self._seqs[parent_id]
         group = self._groups[parent.request_id]
+        group.forked = True
         self.executor.forked(parent_id)
         preq = parent.request
         assert preq is not None
@@ -942,8 +1025,9 @@ class LLMEngine:
     def _close_unforked(self, group: _Group, reason: str) -> list[str]:
         """Final outputs for samples 1..n-1 of a request that ended before its first token
         (so before they were forked): each ends like sample 0, with no tokens."""
-        if len(group.seqs) > 1 or not group.child_ids:
+        if group.forked or len(group.seqs) > 1 or not group.child_ids:
             return []  # forked already (forks come with the first token), or n == 1
+        group.forked = True
         parent = group.seqs[0]
         preq = parent.request
         assert preq is not None
@@ -1005,6 +1089,7 @@ class LLMEngine:
     def _metrics(self, seq: _Seq) -> RequestMetrics:
         req = seq.request if seq.request is not None else seq.metrics_from
         assert req is not None
+        group = self._groups.get(seq.request_id)
         # A resumed turn's figures are the turn's: its token times, from its resume.
         first = seq.times_from
         times = tuple(req.token_times_ms[first : first + len(seq.token_ids)])
@@ -1021,6 +1106,7 @@ class LLMEngine:
             num_preemptions=req.num_preemptions,
             num_draft_tokens=seq.num_draft_tokens,
             num_accepted_tokens=seq.num_accepted_tokens,
+            migrations=tuple(group.migrations) if group is not None else (),
         )
 
     def _retire(self, seq: _Seq) -> None:

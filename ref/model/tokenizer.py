@@ -236,6 +236,15 @@ class TextStream:
         """The text handed out by :meth:`take` so far."""
         return self.text[: self._emitted]
 
+    def mark_delivered(self, num_chars: int) -> None:
+        """The first ``num_chars`` characters were handed out elsewhere (a migrated
+        sequence's stream, rebuilt from its tokens: docs/MIGRATION.md)."""
+        if not 0 <= num_chars <= len(self.text):
+            raise InvalidArgument(
+                f"mark_delivered: {num_chars} characters of a {len(self.text)}-character text"
+            )
+        self._emitted = num_chars
+
     def take(self, *, final: bool) -> str:
         end = (
             len(self.text)

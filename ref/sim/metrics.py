@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ref.core.migration_cost import MigrationDecision
 from ref.core.request import Request
 
 
@@ -34,6 +35,9 @@ class RequestMetrics:
     # how many of them the target accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Migration (docs/MIGRATION.md): each move of this request, the rule's decision and
+    # its inputs (transfer or recompute, KV tokens, destination hit, link, idle compute).
+    migrations: tuple[MigrationDecision, ...] = ()
 
     @property
     def queue_ms(self) -> float | None:

@@ -1,0 +1,321 @@
+"""Migration at the scheduler: a request leaves one scheduler and enters another at a
+step boundary, with its KV or without (docs/MIGRATION.md, "The protocol").
+
+Three moves, in this order, each at a step boundary of its scheduler:
+
+1. :func:`departure` (the source): a pure read of the request's state and of the slots
+   that hold its KV (device or host). Nothing changes; the request keeps running on the
+   source until step 3, so a failure anywhere before it leaves the source as it was.
+2. :class:`Import` (the destination): ``stage`` reserves the destination's own blocks
+   inside one pool transaction (its prefix hits are used: only the positions after the
+   hit need K/V) and returns the slots to write; the request is not visible to the
+   destination's scheduler yet. ``abort`` rolls the transaction back (nothing staged is
+   left, not even a prefix-cache entry); ``commit`` makes the request runnable.
+3. :func:`release` (the source, after the destination acknowledged): the request leaves
+   the source; its blocks go back to the source's pool. Not a finish: it is not retired.
+
+The scheduler refuses to step while an import is staged (``StepInProgress``): the
+staged blocks belong to an open transaction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from ref.core.capacity import require_fit
+from ref.core.request import Request, StopParams, check_room_for_output
+from ref.errors import DuplicateRequest, OutOfBlocks, RefserveError
+from spec.arith import logical_block, slot_of
+from spec.hashing import Namespace
+from spec.snapshot import RequestStatus
+
+if TYPE_CHECKING:
+    from ref.core.scheduler import Scheduler
+
+S = RequestStatus
+
+
+class MigrationError(RefserveError):
+    """A migration that cannot proceed; the request stays where it was."""
+
+
+class MigrationRefused(MigrationError):
+    """The destination cannot take the request now (no running slot, too few blocks)."""
+
+
+class KVPlace(StrEnum):
+    """Where a request's KV is at a step boundary."""
+
+    DEVICE = "device"
+    HOST = "host"
+    NONE = "none"
+
+
+#: States that hold a running slot when imported with their KV.
+_RUNNING = frozenset({S.PREFILLING, S.DECODING, S.SWAPPED})
+#: Every live state a request can be exported in.
+_LIVE = frozenset({S.WAITING, S.PREEMPTED, *_RUNNING, S.WAITING_TOOL})
+
+
+@dataclass(frozen=True)
+class RequestState:
+    """One request as the scheduler knows it, detached from any scheduler: what another
+    scheduler needs to continue it exactly. Times are on the source's clock.
+
+    ``num_computed_tokens`` is the KV length on the source; the destination holds the
+    same length after a transfer and 0 after a recompute import (KVLEN)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    stop: StopParams
+    status: RequestStatus
+    num_computed_tokens: int
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    priority: int = 0
+    tenant: str = "default"
+    namespace: Namespace = field(default_factory=Namespace)
+    arrival_ms: float = 0.0
+    admitted_ms: float | None = None
+    token_times_ms: tuple[float, ...] = ()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    def shifted(self, offset_ms: float) -> RequestState:
+        """The same state with every time moved by ``offset_ms`` (onto another clock)."""
+        return replace(
+            self,
+            arrival_ms=self.arrival_ms + offset_ms,
+            admitted_ms=None if self.admitted_ms is None else self.admitted_ms + offset_ms,
+            token_times_ms=tuple(t + offset_ms for t in self.token_times_ms),
+        )
+
+    @staticmethod
+    def of(r: Request) -> RequestState:
+        return RequestState(
+            request_id=r.request_id,
+            prompt_token_ids=tuple(r.prompt_token_ids),
+            token_ids=tuple(r.token_ids),
+            stop=r.stop,
+            status=r.status,
+            num_computed_tokens=r.num_computed_tokens,
+            num_cached_tokens=r.num_cached_tokens,
+            num_preemptions=r.num_preemptions,
+            priority=r.priority,
+            tenant=r.tenant,
+            namespace=r.namespace,
+            arrival_ms=r.arrival_ms,
+            admitted_ms=r.admitted_ms,
+            token_times_ms=tuple(r.token_times_ms),
+        )
+
+
+@dataclass(frozen=True)
+class Departure:
+    """What the source exports for one request: its state and where its KV is.
+
+    ``slots[p]`` is the source slot (device or host memory, by ``kv_place``) holding
+    position ``p``, for ``p`` in ``[0, num_computed_tokens)``; empty when the KV is
+    nowhere (waiting, recompute-preempted, a tool wait that dropped it)."""
+
+    state: RequestState
+    kv_place: KVPlace
+    slots: tuple[int, ...]
+
+    @property
+    def kv_length(self) -> int:
+        return len(self.slots)
+
+
+def departure(sched: Scheduler, request_id: str) -> Departure:
+    """The source's side of step 1 (module doc): a pure read, at a step boundary."""
+    sched._require_boundary("export")
+    r = sched.requests.get(request_id)
+    if r is None:
+        raise MigrationError(f"export: request {request_id!r} is not live on this engine")
+    bs = sched.config.block_size
+    n = r.num_computed_tokens
+    state = RequestState.of(r)
+    if n and sched.pool.has_request(request_id):
+        table = sched.pool.block_table(request_id)
+        return Departure(state, KVPlace.DEVICE, _slots(table, 0, n, bs))
+    if n and sched.host.has_request(request_id):
+        host = sched.host.table(request_id)
+        assert host.num_stored == n, "a swapped request's host KV is its KV length"
+        return Departure(state, KVPlace.HOST, _slots(host.block_ids, 0, n, bs))
+    return Departure(replace(state, num_computed_tokens=0), KVPlace.NONE, ())
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A request staged on the destination (module doc, step 2): ``slots`` are the
+    destination slots of positions ``[num_hit_tokens, kv_length)``, the K/V that must
+    travel; positions before ``num_hit_tokens`` are the destination's own prefix hit."""
+
+    state: RequestState
+    kv_length: int
+    num_hit_tokens: int
+    slots: tuple[int, ...]
+
+
+class Import:
+    """The destination's side of a migration (module doc, step 2): stage one or more
+    requests (the live samples of one ``n > 1`` request move together), then ``commit``
+    or ``abort`` them all."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        sched._require_boundary("import")
+        self._sched = sched
+        self.arrivals: list[Arrival] = []
+        self._open = True
+        self._began = False
+
+    def stage(self, state: RequestState, *, with_kv: bool) -> Arrival:
+        """Reserve blocks for ``state`` (its KV length when ``with_kv``, else none: the
+        destination recomputes). Raises a typed error with nothing staged for this
+        request: :class:`DuplicateRequest`, :class:`MigrationError` (not live, bad
+        tokens, too long), :class:`MigrationRefused` (no running slot, too few blocks)."""
+        assert self._open, "stage after commit or abort"
+        sched = self._sched
+        _check_state(sched, state)
+        rid = state.request_id
+        if rid in sched.requests or any(a.state.request_id == rid for a in self.arrivals):
+            raise DuplicateRequest(rid, "import")
+        n = state.num_computed_tokens if with_kv else 0
+        if n and state.status is not S.WAITING_TOOL:
+            running = len(sched.running) + sum(
+                a.kv_length > 0 and a.state.status is not S.WAITING_TOOL for a in self.arrivals
+            )
+            if running >= sched.config.max_num_seqs:
+                raise MigrationRefused(
+                    f"import: request {rid!r} needs a running slot; all "
+                    f"{sched.config.max_num_seqs} are taken"
+                )
+        if not n:
+            arrival = Arrival(replace(state, num_computed_tokens=0), 0, 0, ())
+            self.arrivals.append(arrival)
+            return arrival
+        pool = sched.pool
+        if not self._began:
+            pool.begin()
+            self._began = True
+        hit = pool.lookup(state.token_ids[:n], state.namespace)
+        try:
+            pool.allocate(
+                rid, state.token_ids, n - hit.num_tokens, hit=hit, namespace=state.namespace
+            )
+        except OutOfBlocks as e:
+            raise MigrationRefused(f"import: request {rid!r}: {e}") from e
+        table = pool.block_table(rid)
+        bs = sched.config.block_size
+        arrival = Arrival(state, n, hit.num_tokens, _slots(table, hit.num_tokens, n, bs))
+        self.arrivals.append(arrival)
+        return arrival
+
+    def abort(self) -> None:
+        """Undo every stage: the destination is exactly as before (ATOMIC)."""
+        assert self._open, "abort after commit or abort"
+        self._open = False
+        if self._began:
+            self._sched.pool.rollback()
+        self._sched._import = None
+
+    def commit(self, offset_ms: float = 0.0) -> list[Request]:
+        """Make every staged request runnable (or paused, for a tool wait); their K/V
+        must be written by now. ``offset_ms`` moves their times onto this scheduler's
+        clock. Cannot fail: every check ran in :meth:`stage`."""
+        assert self._open, "commit after commit or abort"
+        self._open = False
+        sched = self._sched
+        if self._began:
+            sched.pool.commit()
+        sched._import = None
+        return [_place(sched, a, offset_ms) for a in self.arrivals]
+
+
+def release(sched: Scheduler, request_id: str) -> None:
+    """The source's side of step 3: the request leaves this scheduler, every block it
+    held back to the pools, its drafts dropped; not finished, not retired."""
+    sched._require_boundary("release")
+    r = sched.requests.get(request_id)
+    if r is None:
+        raise MigrationError(f"release: request {request_id!r} is not live on this engine")
+    sched._detach(r)
+
+
+def _check_state(sched: Scheduler, state: RequestState) -> None:
+    rid = state.request_id
+    if state.status not in _LIVE:
+        raise MigrationError(f"import: request {rid!r} is {state.status}; only live requests move")
+    if (
+        not state.prompt_token_ids
+        or state.token_ids[: state.num_prompt_tokens] != state.prompt_token_ids
+    ):
+        raise MigrationError(f"import: request {rid!r}: its token ids do not start with its prompt")
+    for t in state.token_ids:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise MigrationError(f"import: request {rid!r} has a bad token id {t!r}")
+    if not 0 <= state.num_computed_tokens < len(state.token_ids):
+        raise MigrationError(
+            f"import: request {rid!r} claims a KV length of {state.num_computed_tokens} for "
+            f"{len(state.token_ids)} tokens"
+        )
+    cfg = sched.config
+    try:
+        check_room_for_output(
+            len(state.token_ids),
+            cfg.max_len,
+            subject=f"import: request {rid!r} has",
+            limit=f"this engine's length limit is {cfg.max_len}",
+        )
+        require_fit(cfg, rid, len(state.token_ids))
+    except RefserveError as e:
+        raise MigrationError(str(e)) from e
+
+
+def _place(sched: Scheduler, a: Arrival, offset_ms: float) -> Request:
+    """A staged request as a live one of the destination (module doc, ``commit``)."""
+    s = a.state.shifted(offset_ms)
+    r = Request(
+        s.request_id,
+        list(s.prompt_token_ids),
+        s.stop,
+        arrival_ms=s.arrival_ms,
+        priority=s.priority,
+        tenant=s.tenant,
+        namespace=s.namespace,
+    )
+    r.token_ids = list(s.token_ids)
+    r.num_computed_tokens = a.kv_length
+    r.num_cached_tokens = s.num_cached_tokens
+    r.num_preemptions = s.num_preemptions
+    r.admitted_ms = s.admitted_ms
+    r.token_times_ms = list(s.token_times_ms)
+    r.status = _status_on_arrival(s, a.kv_length)
+    sched._attach(r)
+    return r
+
+
+def _status_on_arrival(s: RequestState, kv_length: int) -> RequestStatus:
+    """With its KV a request runs on (decoding when only its last token is pending);
+    without, it waits: fresh if it has no output yet, else like a recompute preemption.
+    A tool wait stays one, with or without its KV."""
+    if s.status is S.WAITING_TOOL:
+        return S.WAITING_TOOL
+    if kv_length:
+        decoding = s.num_output_tokens > 0 and kv_length == len(s.token_ids) - 1
+        return S.DECODING if decoding else S.PREFILLING
+    return S.PREEMPTED if s.num_output_tokens else S.WAITING
+
+
+def _slots(table: tuple[int, ...] | list[int], start: int, end: int, bs: int) -> tuple[int, ...]:
+    return tuple(slot_of(table[logical_block(p, bs)], p, bs) for p in range(start, end))

@@ -1,0 +1,567 @@
+"""Migration between engines: move a live request to another :class:`LLMEngine` at any
+step boundary, with its K/V or without (docs/MIGRATION.md).
+
+The protocol, one call each, the source unchanged until its last move:
+
+1. ``ticket = src.export_request(rid)``: a pure read (:func:`export`). The ticket carries
+   the K/V inline, or none (``inline=False``: it is streamed in step 3), or none at all
+   when the rule says recompute (ref/core/migration_cost.py).
+2. ``staged = dst.stage_import(ticket)`` (:class:`StagedImport`): checks the ticket
+   (model, KV layout, duplicate ids, a finished request: typed errors), reserves the
+   destination's own blocks (its prefix hits used: ``staged.needed`` are only the
+   positions after them) and writes the inline K/V through its own slot mapping. Its
+   K/V writes are journaled: ``staged.abort()`` restores every slot and block.
+3. ``staged.write(src.read_kv(seq_id, start, end))`` for each needed range, in chunks.
+4. ``staged.ack()``: every needed position was written. From here the destination owns
+   the request; before here any failure leaves it running on the source as it was.
+5. ``src.release_request(rid)``: the source frees its blocks (only after the ack).
+6. ``staged.commit()``: the request becomes runnable on the destination.
+
+:func:`migrate` runs the six steps with a fault hook at every point of the protocol
+(:data:`FAULT_POINTS`): a fault before the ack aborts the staged import and leaves the
+source as it was; a fault after it rolls forward (the destination holds the only copy).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ref.core.migration_cost import KVMode, MigrationCost, MigrationDecision
+from ref.core.request import Request
+from ref.core.transit import Import, KVPlace, MigrationError, RequestState
+from ref.engine.ticket import (
+    KVChunk,
+    KVLayoutMismatch,
+    MigrationTicket,
+    ModelIdentity,
+    ModelMismatch,
+    SeqTicket,
+    TicketError,
+)
+from ref.errors import DuplicateRequest
+from ref.model.executor import SavedRows
+from ref.model.sampler import SamplingParams
+from ref.model.weights import LayerWeights
+
+if TYPE_CHECKING:
+    from ref.engine.llm_engine import LLMEngine, _Seq
+
+#: Where :func:`migrate` calls its fault hook, in protocol order.
+FAULT_POINTS = ("before_export", "after_stage", "mid_stream", "before_ack", "after_ack")
+#: The points before the ack: a fault there leaves the request on the source.
+_BEFORE_ACK = frozenset(FAULT_POINTS[:4])
+
+FaultHook = Callable[[str], None]
+
+
+class MigrationAborted(MigrationError):
+    """A migration failed before the ack: the request runs on the source as before."""
+
+    def __init__(self, request_id: str, point: str, cause: BaseException) -> None:
+        super().__init__(f"migration of {request_id!r} aborted at {point}: {cause}")
+        self.request_id = request_id
+        self.point = point
+        self.cause = cause
+
+
+# ---------------------------------------------------------------------------- identity
+def model_identity(engine: LLMEngine) -> ModelIdentity:
+    """The engine's network: shape, dtype and a fingerprint of its weights (the first
+    values of every tensor, hashed), so a ticket from another checkpoint is refused."""
+    cached = engine._identity
+    if cached is not None:
+        return cached
+    cfg = engine.model_config
+    h = hashlib.sha256(repr(cfg).encode())
+    w = engine.model.weights
+    tensors = [
+        w.embed,
+        w.norm,
+        w.lm_head,
+        *(t for layer in w.layers for t in _layer_tensors(layer)),
+    ]
+    for t in tensors:
+        h.update(t.detach().flatten()[:64].to(torch.float64).cpu().numpy().tobytes())
+    dtype = str(engine.cache.key[0].dtype).removeprefix("torch.")
+    ident = ModelIdentity(
+        cfg.model_type,
+        cfg.vocab_size,
+        cfg.num_layers,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        dtype,
+        h.hexdigest(),
+    )
+    engine._identity = ident
+    return ident
+
+
+def _layer_tensors(layer: LayerWeights) -> list[torch.Tensor]:
+    return [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+
+
+# ---------------------------------------------------------------------------- export
+def export(
+    engine: LLMEngine,
+    request_id: str,
+    *,
+    kv: KVMode | str = KVMode.AUTO,
+    inline: bool = True,
+    cost: MigrationCost | None = None,
+    hit_tokens: int = 0,
+    idle: float = 1.0,
+) -> MigrationTicket:
+    """Step 1 (module doc): the ticket of every live sample of ``request_id``."""
+    group = engine._groups.get(request_id)
+    if group is None:
+        raise MigrationError(f"export: request {request_id!r} is not live on this engine")
+    live = [s for s in group.seqs if not s.finished]
+    if not live or any(s.seq_id not in engine.scheduler.requests for s in live):
+        raise MigrationError(f"export: request {request_id!r} has finished")
+    departures = [engine.scheduler.export(s.seq_id) for s in live]  # may raise: a step is open
+    rule = cost or default_cost(engine)
+    kv_tokens = max(d.kv_length for d in departures)
+    decision = rule.decide(KVMode(kv), kv_tokens, min(hit_tokens, kv_tokens), idle)
+    seqs = tuple(_seq_ticket(s, d.state, d.kv_place) for s, d in zip(live, departures, strict=True))
+    chunks: tuple[KVChunk, ...] = ()
+    if decision.mode is KVMode.TRANSFER and inline:
+        chunks = tuple(
+            read_kv(engine, d.state.request_id, 0, d.kv_length) for d in departures if d.kv_length
+        )
+    return MigrationTicket(
+        request_id=request_id,
+        model=model_identity(engine),
+        block_size=engine.scheduler.config.block_size,
+        params={k: list(v) if isinstance(v, tuple) else v for k, v in asdict(group.params).items()},
+        seed=group.seed,
+        turn=group.turn,
+        stop=group.stop,
+        prompt_token_ids=group.prompt_token_ids,
+        child_ids=group.child_ids,
+        forked=group.forked,
+        sequences=seqs,
+        kv_mode=decision.mode,
+        clock_ms=engine.now_ms(),
+        decisions=(*group.migrations, decision),
+        chunks=chunks,
+    )
+
+
+def default_cost(engine: LLMEngine) -> MigrationCost:
+    """The rule's defaults (:class:`MigrationCost`) with this model's KV bytes per token."""
+    return MigrationCost(kv_bytes_per_token=engine.cache.bytes_per_token)
+
+
+def _seq_ticket(seq: _Seq, state: RequestState, place: KVPlace) -> SeqTicket:
+    assert seq.pending_stop is None, "a stop string ends its sequence in the same step"
+    return SeqTicket(
+        seq_id=seq.seq_id,
+        index=seq.index,
+        state=state,
+        kv_place=place,
+        token_ids=tuple(seq.token_ids),
+        logprobs=None if seq.logprobs is None else tuple(seq.logprobs),
+        delivered_tokens=seq.delivered_tokens,
+        delivered_chars=len(seq.stream.emitted_text),
+        text=seq.stream.text,
+        paused=seq.paused,
+        times_from=seq.times_from,
+        turn_arrival_ms=seq.turn_arrival_ms,
+        num_draft_tokens=seq.num_draft_tokens,
+        num_accepted_tokens=seq.num_accepted_tokens,
+    )
+
+
+def read_kv(engine: LLMEngine, seq_id: str, start: int, end: int) -> KVChunk:
+    """The K/V of positions ``[start, end)`` of a live sample, from the device or the
+    host pool (a swapped request's), token-major (:class:`KVChunk`)."""
+    d = engine.scheduler.export(seq_id)
+    if not 0 <= start < end <= d.kv_length:
+        raise MigrationError(
+            f"read_kv: {seq_id!r} holds KV for positions [0, {d.kv_length}); asked [{start}, {end})"
+        )
+    cache = engine.host_cache if d.kv_place is KVPlace.HOST else engine.cache
+    index = torch.tensor(d.slots[start:end], dtype=torch.int64, device=cache.key[0].device)
+    rows = [
+        t.view(-1, *t.shape[2:]).index_select(0, index)
+        for layer in range(len(cache.key))
+        for t in (cache.key[layer], cache.value[layer])
+    ]
+    data = torch.stack(rows).contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    return KVChunk(seq_id, start, end, data)
+
+
+# ---------------------------------------------------------------------------- import
+@dataclass
+class StagedImport:
+    """Steps 2-6 on the destination (module doc). ``needed[seq_id]`` is the range of
+    positions whose K/V must still be written; ``hit_tokens[seq_id]`` the destination's
+    own prefix hit."""
+
+    engine: LLMEngine
+    ticket: MigrationTicket
+    transit_ms: float
+    needed: dict[str, tuple[int, int]]
+    hit_tokens: dict[str, int]
+    _import: Import
+    _slots: dict[str, tuple[int, ...]]
+    _offset: dict[str, int]
+    _written: dict[str, int] = field(default_factory=dict)
+    _saved: list[SavedRows] = field(default_factory=list)
+    streamed_bytes: int = 0
+    acked: bool = False
+    done: bool = False
+
+    def write(self, chunk: KVChunk) -> None:
+        """Write one chunk of K/V (positions before the hit are skipped: the
+        destination's cached blocks already hold them)."""
+        assert not self.done, "write after commit or abort"
+        rng = self.needed.get(chunk.seq_id)
+        if rng is None:
+            raise TicketError(f"a chunk for {chunk.seq_id!r}, which this import does not stage")
+        lo, hi = rng
+        start, end = max(chunk.start, lo), min(chunk.end, hi)
+        if chunk.end > hi or chunk.start > self._written.get(chunk.seq_id, lo):
+            raise TicketError(
+                f"chunk {chunk.seq_id!r} [{chunk.start}, {chunk.end}) is out of order; "
+                f"positions up to {self._written.get(chunk.seq_id, lo)} are written of [{lo}, {hi})"
+            )
+        if start >= end:
+            return
+        rows = _rows(self.engine, self.ticket.model, chunk)[
+            :, start - chunk.start : end - chunk.start
+        ]
+        base = self._offset[chunk.seq_id]
+        slots = self._slots[chunk.seq_id][start - base : end - base]
+        cache = self.engine.cache
+        index = torch.tensor(slots, dtype=torch.int64, device=cache.key[0].device)
+        keys = [t.view(-1, *t.shape[2:]) for t in cache.key]
+        values = [t.view(-1, *t.shape[2:]) for t in cache.value]
+        self._saved.append(SavedRows.save(keys, values, index))
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            k.index_copy_(0, index, rows[2 * layer].to(k.device))
+            v.index_copy_(0, index, rows[2 * layer + 1].to(v.device))
+        self._written[chunk.seq_id] = max(self._written.get(chunk.seq_id, lo), end)
+
+    @property
+    def complete(self) -> bool:
+        return all(
+            self._written.get(sid, lo) >= hi for sid, (lo, hi) in self.needed.items() if hi > lo
+        )
+
+    def ack(self) -> None:
+        """Step 4: every needed position is written; the destination now owns it."""
+        if not self.complete:
+            missing = {s: (self._written.get(s, lo), hi) for s, (lo, hi) in self.needed.items()}
+            raise MigrationError(f"ack: K/V still missing for {missing}")
+        self.acked = True
+
+    def abort(self) -> None:
+        """Undo the stage: blocks, prefix-cache entries and every K/V slot written."""
+        assert not self.done and not self.acked, "abort after the ack"
+        self.done = True
+        for saved in reversed(self._saved):
+            saved.restore()
+        self._import.abort()
+
+    def commit(self) -> list[str]:
+        """Step 6: the request is live on the destination; returns its sample ids."""
+        assert self.acked and not self.done, "commit needs the ack, once"
+        self.done = True
+        offset = self.engine.now_ms() - self.transit_ms - self.ticket.clock_ms
+        reqs = self._import.commit(offset)
+        _adopt(self.engine, self.ticket, reqs, self.transit_ms, self.hit_tokens)
+        return [r.request_id for r in reqs]
+
+
+def stage(engine: LLMEngine, ticket: MigrationTicket, *, transit_ms: float = 0.0) -> StagedImport:
+    """Step 2 (module doc): check the ticket, stage its requests, write its inline K/V.
+    Raises a typed error with the destination unchanged."""
+    _check_ticket(engine, ticket)
+    with_kv = ticket.kv_mode is KVMode.TRANSFER
+    imp = engine.scheduler.begin_import()
+    try:
+        arrivals = [imp.stage(s.state, with_kv=with_kv) for s in ticket.sequences]
+    except BaseException:
+        imp.abort()
+        raise
+    staged = StagedImport(
+        engine,
+        ticket,
+        transit_ms,
+        needed={a.state.request_id: (a.num_hit_tokens, a.kv_length) for a in arrivals},
+        hit_tokens={a.state.request_id: a.num_hit_tokens for a in arrivals},
+        _import=imp,
+        _slots={a.state.request_id: a.slots for a in arrivals},
+        _offset={a.state.request_id: a.num_hit_tokens for a in arrivals},
+    )
+    try:
+        for chunk in ticket.chunks:
+            staged.write(chunk)
+    except BaseException:
+        staged.abort()
+        raise
+    return staged
+
+
+def _check_ticket(engine: LLMEngine, t: MigrationTicket) -> None:
+    if not isinstance(t, MigrationTicket):
+        raise TicketError(f"import: expected a MigrationTicket, got {type(t).__name__}")
+    mine, theirs = model_identity(engine), t.model
+    if (theirs.model_type, theirs.vocab_size) != (mine.model_type, mine.vocab_size):
+        raise ModelMismatch(
+            f"import: ticket of {t.request_id!r} is from a {theirs.model_type} model of "
+            f"{theirs.vocab_size} tokens; this engine runs a {mine.model_type} of {mine.vocab_size}"
+        )
+    shape = (theirs.num_layers, theirs.num_kv_heads, theirs.head_dim, theirs.dtype)
+    if shape != (mine.num_layers, mine.num_kv_heads, mine.head_dim, mine.dtype):
+        raise KVLayoutMismatch(
+            f"import: ticket of {t.request_id!r} has K/V of {theirs.num_layers} layers x "
+            f"{theirs.num_kv_heads} heads x {theirs.head_dim} in {theirs.dtype}; this cache is "
+            f"{mine.num_layers} x {mine.num_kv_heads} x {mine.head_dim} in {mine.dtype}"
+        )
+    if theirs.fingerprint != mine.fingerprint:
+        raise ModelMismatch(
+            f"import: ticket of {t.request_id!r} was computed with other weights "
+            f"({theirs.fingerprint[:12]}; this engine's are {mine.fingerprint[:12]})"
+        )
+    if not t.sequences:
+        raise TicketError(f"import: ticket of {t.request_id!r} has no live sample")
+    for s in t.sequences:
+        if s.state.status.is_done:
+            raise MigrationError(f"import: ticket of {t.request_id!r} is for a finished request")
+    rid = t.request_id
+    if rid in engine._groups:
+        raise DuplicateRequest(rid, "import")
+    for s in t.sequences:
+        if s.seq_id in engine._seqs or s.seq_id in engine.scheduler.requests:
+            raise DuplicateRequest(s.seq_id, "import")
+    if any(c.seq_id not in {s.seq_id for s in t.sequences} for c in t.chunks):
+        raise TicketError(f"import: ticket of {rid!r} has K/V for a sample it does not carry")
+    try:
+        SamplingParams.from_dict(t.params)
+    except (TypeError, ValueError) as e:
+        raise TicketError(f"import: ticket of {rid!r} has bad sampling params: {e}") from None
+
+
+def _rows(engine: LLMEngine, model: ModelIdentity, chunk: KVChunk) -> torch.Tensor:
+    """A chunk's bytes as ``[2 * layers, n, H, D]`` rows in the cache's dtype."""
+    n = chunk.end - chunk.start
+    per_token = model.bytes_per_token
+    if len(chunk.data) != n * per_token:
+        raise KVLayoutMismatch(
+            f"chunk {chunk.seq_id!r} [{chunk.start}, {chunk.end}) has {len(chunk.data)} bytes; "
+            f"{n} tokens of this K/V layout take {n * per_token}"
+        )
+    dtype = engine.cache.key[0].dtype
+    flat = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8).view(dtype)
+    return flat.view(2 * model.num_layers, n, model.num_kv_heads, model.head_dim)
+
+
+def _adopt(
+    engine: LLMEngine,
+    t: MigrationTicket,
+    reqs: Sequence[Request],
+    transit_ms: float,
+    hit_tokens: dict[str, int],
+) -> None:
+    """The engine's books for the committed requests: group, samples, specs, streams."""
+    from ref.engine.llm_engine import _Group, _spec
+    from ref.model.sampler import derive_seed
+
+    sp = SamplingParams.from_dict(t.params)
+    by_id = {r.request_id: r for r in reqs}
+    seqs: list[_Seq] = []
+    for s in t.sequences:
+        req = by_id[s.seq_id]
+        seq = engine._new_seq(s.seq_id, t.request_id, s.index, req, sp, t.prompt_token_ids)
+        _replay(seq, s, t.turn)
+        seqs.append(seq)
+        forks = (
+            ()
+            if t.forked or s.index
+            else tuple(_spec(sp, derive_seed(t.seed, i)) for i in range(1, len(t.child_ids) + 1))
+        )
+        engine.executor.register(s.seq_id, _spec(sp, derive_seed(t.seed, s.index)), forks)
+    decisions = list(t.decisions)
+    if decisions:
+        last = decisions[-1]
+        hit = max(hit_tokens.values(), default=0)
+        decisions[-1] = MigrationDecision(
+            last.mode,
+            last.kv_tokens,
+            min(hit, last.kv_tokens),
+            last.transfer_ms,
+            last.recompute_ms,
+            last.link_gb_per_s,
+            last.latency_ms,
+            last.idle,
+        )
+    group = _Group(t.request_id, sp, t.stop, t.prompt_token_ids, t.seed, seqs, t.child_ids, t.turn)
+    group.forked = t.forked
+    group.migrations = decisions
+    engine._groups[t.request_id] = group
+    engine.num_migrations_in += 1
+    engine.migration_ms += transit_ms
+
+
+def _replay(seq: _Seq, s: SeqTicket, turn: int) -> None:
+    """The sample's engine state from its ticket: tokens, logprobs, counters, and its
+    text stream fed the same tokens (detokenization and stop-string holdback are
+    deterministic), then told how much text was already delivered."""
+    for token in s.token_ids:
+        seq.stream.add(token)
+    if s.paused:
+        seq.stream.finish()
+    if seq.stream.text != s.text:
+        raise TicketError(
+            f"import: sample {s.seq_id!r}: its tokens detokenize to {seq.stream.text!r}, the "
+            f"ticket says {s.text!r} (another tokenizer?)"
+        )
+    seq.stream.mark_delivered(s.delivered_chars)
+    seq.token_ids = list(s.token_ids)
+    seq.logprobs = None if s.logprobs is None else list(s.logprobs)
+    seq.delivered_tokens = s.delivered_tokens
+    seq.paused = s.paused
+    seq.turn = turn
+    seq.times_from = s.times_from
+    seq.turn_arrival_ms = s.turn_arrival_ms
+    seq.num_draft_tokens = s.num_draft_tokens
+    seq.num_accepted_tokens = s.num_accepted_tokens
+
+
+# ---------------------------------------------------------------------------- release
+def release(engine: LLMEngine, request_id: str) -> None:
+    """Step 5 (module doc): the request leaves the source, its blocks freed; no output
+    is produced for it here (the destination continues its stream)."""
+    group = engine._groups.get(request_id)
+    if group is None:
+        raise MigrationError(f"release: request {request_id!r} is not live on this engine")
+    for seq in group.seqs:
+        if not seq.finished and seq.seq_id in engine.scheduler.requests:
+            engine.scheduler.release(seq.seq_id)
+        engine._seqs.pop(seq.seq_id, None)
+        engine.executor.unregister(seq.seq_id)
+    del engine._groups[request_id]
+    engine.num_migrations_out += 1
+
+
+# ---------------------------------------------------------------------------- the driver
+@dataclass(frozen=True)
+class MigrationReport:
+    """One :func:`migrate`: what moved, how, and at what cost."""
+
+    request_id: str
+    decision: MigrationDecision
+    kv_bytes: int
+    num_chunks: int
+    elapsed_ms: float
+    fault: str | None = None  # a fault point hit after the ack (rolled forward)
+
+
+def migrate(
+    src: LLMEngine,
+    dst: LLMEngine,
+    request_id: str,
+    *,
+    kv: KVMode | str = KVMode.AUTO,
+    chunk_blocks: int | None = None,
+    cost: MigrationCost | None = None,
+    fault: FaultHook | None = None,
+) -> MigrationReport:
+    """Move ``request_id`` from ``src`` to ``dst`` (module doc). ``chunk_blocks``: stream
+    the K/V in chunks of that many source blocks (None: inline in the ticket). A fault
+    raised by ``fault(point)`` before the ack aborts (:class:`MigrationAborted`, the
+    source unchanged); after the ack the move completes and the report names it."""
+    hook = fault or (lambda point: None)
+    t0 = time.perf_counter()
+    point = "before_export"
+    staged: StagedImport | None = None
+    try:
+        hook(point)
+        probe = src.scheduler.export(_first_live(src, request_id))
+        hit = dst.prefix_hit_tokens(probe.state.token_ids[: probe.kv_length], probe.state)
+        ticket = src.export_request(
+            request_id,
+            kv=kv,
+            inline=chunk_blocks is None,
+            cost=cost,
+            hit_tokens=hit,
+            idle=dst.idle_fraction,
+        )
+        staged = dst.stage_import(ticket)
+        point = "after_stage"
+        hook(point)
+        point = "mid_stream"
+        num_chunks = len(ticket.chunks) + _stream(src, staged, ticket, chunk_blocks, hook)
+        point = "before_ack"
+        hook(point)
+        staged.ack()
+    except BaseException as e:
+        if staged is not None and not staged.done:
+            staged.abort()
+        if isinstance(e, MigrationError) and not isinstance(e, MigrationAborted):
+            raise
+        raise MigrationAborted(request_id, point, e) from e
+    late: str | None = None
+    try:
+        hook("after_ack")
+    except Exception:  # the destination owns it now: roll forward
+        late = "after_ack"
+    src.release_request(request_id)
+    staged.transit_ms = src.now_ms() - ticket.clock_ms
+    staged.commit()
+    decision = dst._groups[request_id].migrations[-1]
+    kv_bytes = ticket.kv_bytes + staged.streamed_bytes
+    return MigrationReport(
+        request_id, decision, kv_bytes, num_chunks, (time.perf_counter() - t0) * 1e3, late
+    )
+
+
+def _first_live(engine: LLMEngine, request_id: str) -> str:
+    group = engine._groups.get(request_id)
+    if group is None:
+        raise MigrationError(f"migrate: request {request_id!r} is not live on this engine")
+    for s in group.seqs:
+        if not s.finished:
+            return s.seq_id
+    raise MigrationError(f"migrate: request {request_id!r} has finished")
+
+
+def _stream(
+    src: LLMEngine,
+    staged: StagedImport,
+    ticket: MigrationTicket,
+    chunk_blocks: int | None,
+    hook: FaultHook,
+) -> int:
+    """Step 3: the needed ranges in chunks of ``chunk_blocks`` source blocks; the source
+    is checked unchanged before each chunk (an abort meanwhile cancels the move)."""
+    if chunk_blocks is None or ticket.kv_mode is not KVMode.TRANSFER:
+        return 0
+    if isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, int) or chunk_blocks < 1:
+        raise MigrationError(f"chunk_blocks must be an int >= 1, got {chunk_blocks!r}")
+    step = chunk_blocks * ticket.block_size
+    count = 0
+    for seq_id, (lo, hi) in staged.needed.items():
+        for start in range(lo, hi, step):
+            _require_unchanged(src, ticket, seq_id)
+            chunk = src.read_kv(seq_id, start, min(start + step, hi))
+            staged.write(chunk)
+            staged.streamed_bytes += len(chunk.data)
+            count += 1
+            hook("mid_stream")
+    return count
+
+
+def _require_unchanged(src: LLMEngine, ticket: MigrationTicket, seq_id: str) -> None:
+    r = src.scheduler.requests.get(seq_id)
+    s = next(s for s in ticket.sequences if s.seq_id == seq_id)
+    if r is None or r.num_tokens != len(s.state.token_ids) or r.status is not s.state.status:
+        raise MigrationError(f"migrate: {seq_id!r} changed on the source during the transfer")

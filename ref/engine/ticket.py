@@ -1,0 +1,380 @@
+"""The migration ticket: a request's portable state, versioned, typed and serialisable
+(docs/MIGRATION.md, "The ticket").
+
+A :class:`MigrationTicket` holds everything another engine needs to continue a request
+exactly: per live sample its scheduler state (:class:`~ref.core.transit.RequestState`:
+token ids, KV length, stop rule, priority, tenant, cache namespace, times), what the
+engine adds (the turn's tokens and logprobs, how many tokens and characters were already
+delivered, tool-wait and speculation counters), the group's sampling parameters and
+seed (the sampler's RNG position is ``(seed, output index)``: carrying the seed and the
+token count carries it), the model it was computed with, and optionally the K/V as
+:class:`KVChunk` rows (token-major, so block sizes may differ on the two sides).
+
+The encoding (:meth:`MigrationTicket.to_bytes`) is stable and never pickle: ``RSMT``,
+the version as a little-endian u16, the header length as a u32, a UTF-8 JSON header, then
+the chunks' bytes in header order. :meth:`MigrationTicket.from_bytes` checks every field
+and raises :class:`TicketError` naming the first one that is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+from ref.core.migration_cost import KVMode, MigrationDecision
+from ref.core.request import StopParams
+from ref.core.transit import KVPlace, MigrationError, RequestState
+from spec.hashing import Namespace
+from spec.snapshot import RequestStatus
+
+TICKET_VERSION = 1
+MAGIC = b"RSMT"
+_HEAD = struct.Struct("<4sHI")
+
+T = TypeVar("T")
+
+
+class TicketError(MigrationError):
+    """A ticket that cannot be read or does not fit this engine (the message says why)."""
+
+
+class ModelMismatch(TicketError):
+    """The ticket was computed with another model (or other weights)."""
+
+
+class KVLayoutMismatch(TicketError):
+    """The ticket's K/V rows are shaped for another cache (layers, heads, dtype)."""
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """Which network computed the KV: its shape and a fingerprint of its weights."""
+
+    model_type: str
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    fingerprint: str
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class KVChunk:
+    """The K/V of positions ``[start, end)`` of sample ``seq_id``: per layer K then V,
+    each ``[end - start, num_kv_heads, head_dim]`` in the model's dtype, as bytes."""
+
+    seq_id: str
+    start: int
+    end: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class SeqTicket:
+    """One live sample of the request."""
+
+    seq_id: str
+    index: int
+    state: RequestState
+    kv_place: KVPlace
+    token_ids: tuple[int, ...]  # the current turn's outputs, as delivered or pending
+    logprobs: tuple[float, ...] | None
+    delivered_tokens: int
+    delivered_chars: int
+    text: str  # the turn's text so far (held-back tail included): checked on import
+    paused: bool = False
+    times_from: int = 0
+    turn_arrival_ms: float | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class MigrationTicket:
+    """A request on its way to another engine (module doc). ``clock_ms`` is the source's
+    clock at export (the times in the states are on it); ``block_size`` the source's."""
+
+    request_id: str
+    model: ModelIdentity
+    block_size: int
+    params: Mapping[str, Any]  # SamplingParams fields
+    seed: int
+    turn: int
+    stop: StopParams
+    prompt_token_ids: tuple[int, ...]
+    child_ids: tuple[str, ...]
+    forked: bool
+    sequences: tuple[SeqTicket, ...]
+    kv_mode: KVMode
+    clock_ms: float
+    decisions: tuple[MigrationDecision, ...] = ()
+    chunks: tuple[KVChunk, ...] = ()
+    version: int = TICKET_VERSION
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(len(c.data) for c in self.chunks)
+
+    def to_bytes(self) -> bytes:
+        header = _encode(self)
+        data = json.dumps(header, separators=(",", ":"), allow_nan=True).encode("utf-8")
+        return b"".join(
+            [_HEAD.pack(MAGIC, self.version, len(data)), data, *(c.data for c in self.chunks)]
+        )
+
+    @staticmethod
+    def from_bytes(blob: bytes) -> MigrationTicket:
+        if not isinstance(blob, bytes | bytearray | memoryview):
+            raise TicketError(f"a ticket is bytes, got {type(blob).__name__}")
+        blob = bytes(blob)
+        if len(blob) < _HEAD.size:
+            raise TicketError(f"a ticket has a {_HEAD.size}-byte head; got {len(blob)} bytes")
+        magic, version, n = _HEAD.unpack_from(blob)
+        if magic != MAGIC:
+            raise TicketError(f"not a migration ticket (magic {magic!r}, expected {MAGIC!r})")
+        if version != TICKET_VERSION:
+            raise TicketError(
+                f"ticket version {version} is not supported (this engine reads {TICKET_VERSION})"
+            )
+        end = _HEAD.size + n
+        if end > len(blob):
+            raise TicketError(
+                f"the ticket header claims {n} bytes; only {len(blob) - _HEAD.size} follow"
+            )
+        try:
+            header = json.loads(blob[_HEAD.size : end].decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise TicketError(f"the ticket header is not JSON: {e}") from None
+        return _decode(header, blob[end:])
+
+
+# ---------------------------------------------------------------------------- encoding
+def _encode(t: MigrationTicket) -> dict[str, Any]:
+    return {
+        "request_id": t.request_id,
+        "model": _plain(t.model),
+        "block_size": t.block_size,
+        "params": dict(t.params),
+        "seed": t.seed,
+        "turn": t.turn,
+        "stop": _plain(t.stop),
+        "prompt_token_ids": list(t.prompt_token_ids),
+        "child_ids": list(t.child_ids),
+        "forked": t.forked,
+        "sequences": [_encode_seq(s) for s in t.sequences],
+        "kv_mode": t.kv_mode.value,
+        "clock_ms": t.clock_ms,
+        "decisions": [_plain(d) for d in t.decisions],
+        "chunks": [[c.seq_id, c.start, c.end, len(c.data)] for c in t.chunks],
+    }
+
+
+def _encode_seq(s: SeqTicket) -> dict[str, Any]:
+    out = _plain(s)
+    st = s.state
+    out["state"] = {**_plain(st), "stop": _plain(st.stop), "namespace": _plain(st.namespace)}
+    return out
+
+
+def _plain(obj: object) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(obj):  # type: ignore[arg-type]
+        v = getattr(obj, f.name)
+        out[f.name] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+# ---------------------------------------------------------------------------- decoding
+class _Fields:
+    """Typed reads out of one JSON object; a wrong or missing field is a TicketError."""
+
+    def __init__(self, obj: object, where: str) -> None:
+        if not isinstance(obj, dict):
+            raise TicketError(f"ticket {where} must be an object, got {type(obj).__name__}")
+        self.obj: dict[str, Any] = obj
+        self.where = where
+
+    def get(self, key: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
+        if key not in self.obj:
+            raise TicketError(f"ticket {self.where} has no field {key!r}")
+        v = self.obj[key]
+        if v is None and optional:
+            return None
+        numeric = kind in (int, float, (int, float))
+        if not isinstance(v, kind) or (isinstance(v, bool) and numeric):
+            raise TicketError(f"ticket {self.where}.{key} has the wrong type: {v!r}")
+        return v
+
+    def nat(self, key: str, minimum: int = 0) -> int:
+        v: int = self.get(key, int)
+        if v < minimum:
+            raise TicketError(f"ticket {self.where}.{key} must be >= {minimum}, got {v}")
+        return v
+
+    def num(self, key: str, *, optional: bool = False) -> Any:
+        v = self.get(key, (int, float), optional=optional)
+        return v if v is None else float(v)
+
+    def ints(self, key: str) -> tuple[int, ...]:
+        v: list[Any] = self.get(key, list)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            raise TicketError(f"ticket {self.where}.{key} must be a list of ints")
+        return tuple(v)
+
+    def enum(self, key: str, kind: Callable[[str], T]) -> T:
+        v: str = self.get(key, str)
+        try:
+            return kind(v)
+        except ValueError:
+            raise TicketError(f"ticket {self.where}.{key} is not a known value: {v!r}") from None
+
+
+def _decode(header: object, data: bytes) -> MigrationTicket:
+    f = _Fields(header, "header")
+    chunks = _decode_chunks(f.get("chunks", list), data)
+    return MigrationTicket(
+        request_id=f.get("request_id", str),
+        model=_decode_model(_Fields(f.obj.get("model"), "model")),
+        block_size=f.nat("block_size", 1),
+        params=f.get("params", dict),
+        seed=f.nat("seed"),
+        turn=f.nat("turn"),
+        stop=_decode_stop(_Fields(f.obj.get("stop"), "stop")),
+        prompt_token_ids=f.ints("prompt_token_ids"),
+        child_ids=tuple(_strs(f, "child_ids")),
+        forked=f.get("forked", bool),
+        sequences=tuple(_decode_seq(_Fields(s, "sequence")) for s in f.get("sequences", list)),
+        kv_mode=f.enum("kv_mode", KVMode),
+        clock_ms=f.num("clock_ms"),
+        decisions=tuple(_decode_decision(_Fields(d, "decision")) for d in f.get("decisions", list)),
+        chunks=chunks,
+    )
+
+
+def _strs(f: _Fields, key: str) -> list[str]:
+    v: list[str] = f.get(key, list)
+    if not all(isinstance(s, str) for s in v):
+        raise TicketError(f"ticket {f.where}.{key} must be a list of str")
+    return v
+
+
+def _decode_chunks(rows: list[Any], data: bytes) -> tuple[KVChunk, ...]:
+    out: list[KVChunk] = []
+    offset = 0
+    for row in rows:
+        ok = isinstance(row, list) and len(row) == 4 and isinstance(row[0], str)
+        ok = ok and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in row[1:])
+        if not ok or row[1] >= row[2]:
+            raise TicketError(f"ticket chunk {row!r} is not [seq id, start, end, length]")
+        seq_id, start, end, n = row
+        if offset + n > len(data):
+            raise TicketError(f"ticket chunk {seq_id!r} [{start}, {end}) runs past the data")
+        out.append(KVChunk(seq_id, start, end, data[offset : offset + n]))
+        offset += n
+    if offset != len(data):
+        raise TicketError(f"the ticket has {len(data) - offset} bytes no chunk claims")
+    return tuple(out)
+
+
+def _decode_model(f: _Fields) -> ModelIdentity:
+    return ModelIdentity(
+        model_type=f.get("model_type", str),
+        vocab_size=f.nat("vocab_size", 1),
+        num_layers=f.nat("num_layers", 1),
+        num_kv_heads=f.nat("num_kv_heads", 1),
+        head_dim=f.nat("head_dim", 1),
+        dtype=f.get("dtype", str),
+        fingerprint=f.get("fingerprint", str),
+    )
+
+
+def _decode_stop(f: _Fields) -> StopParams:
+    eos = f.get("eos_token_id", int, optional=True)
+    try:
+        return StopParams(
+            max_tokens=f.nat("max_tokens", 1),
+            stop_token_ids=f.ints("stop_token_ids"),
+            eos_token_id=eos,
+            ignore_eos=f.get("ignore_eos", bool),
+        )
+    except ValueError as e:
+        raise TicketError(f"ticket {f.where}: {e}") from None
+
+
+def _decode_state(f: _Fields) -> RequestState:
+    ns = _Fields(f.obj.get("namespace"), "namespace")
+    times = f.get("token_times_ms", list)
+    if not all(isinstance(t, int | float) and not isinstance(t, bool) for t in times):
+        raise TicketError("ticket state.token_times_ms must be a list of numbers")
+    return RequestState(
+        request_id=f.get("request_id", str),
+        prompt_token_ids=f.ints("prompt_token_ids"),
+        token_ids=f.ints("token_ids"),
+        stop=_decode_stop(_Fields(f.obj.get("stop"), "state.stop")),
+        status=f.enum("status", RequestStatus),
+        num_computed_tokens=f.nat("num_computed_tokens"),
+        num_cached_tokens=f.nat("num_cached_tokens"),
+        num_preemptions=f.nat("num_preemptions"),
+        priority=f.get("priority", int),
+        tenant=f.get("tenant", str),
+        namespace=Namespace(
+            ns.get("model", str), ns.get("adapter", str), ns.get("cache_salt", str)
+        ),
+        arrival_ms=f.num("arrival_ms"),
+        admitted_ms=f.num("admitted_ms", optional=True),
+        token_times_ms=tuple(float(t) for t in times),
+    )
+
+
+def _decode_seq(f: _Fields) -> SeqTicket:
+    logprobs = f.get("logprobs", list, optional=True)
+    if logprobs is not None and not all(isinstance(x, int | float) for x in logprobs):
+        raise TicketError("ticket sequence.logprobs must be a list of numbers")
+    return SeqTicket(
+        seq_id=f.get("seq_id", str),
+        index=f.nat("index"),
+        state=_decode_state(_Fields(f.obj.get("state"), "state")),
+        kv_place=f.enum("kv_place", KVPlace),
+        token_ids=f.ints("token_ids"),
+        logprobs=None if logprobs is None else tuple(float(x) for x in logprobs),
+        delivered_tokens=f.nat("delivered_tokens"),
+        delivered_chars=f.nat("delivered_chars"),
+        text=f.get("text", str),
+        paused=f.get("paused", bool),
+        times_from=f.nat("times_from"),
+        turn_arrival_ms=f.num("turn_arrival_ms", optional=True),
+        num_draft_tokens=f.nat("num_draft_tokens"),
+        num_accepted_tokens=f.nat("num_accepted_tokens"),
+    )
+
+
+def _decode_decision(f: _Fields) -> MigrationDecision:
+    return MigrationDecision(
+        mode=f.enum("mode", KVMode),
+        kv_tokens=f.nat("kv_tokens"),
+        hit_tokens=f.nat("hit_tokens"),
+        transfer_ms=f.num("transfer_ms"),
+        recompute_ms=f.num("recompute_ms"),
+        link_gb_per_s=f.num("link_gb_per_s"),
+        latency_ms=f.num("latency_ms"),
+        idle=f.num("idle"),
+    )
+
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def _itemsize(dtype: str) -> int:
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        raise TicketError(f"KV dtype {dtype!r} is not one of {sorted(_ITEMSIZE)}")
+    return size
