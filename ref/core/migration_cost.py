@@ -96,7 +96,11 @@ class MigrationCost:
         missing = kv_tokens - hit_tokens
         t_transfer = self.transfer_ms(missing)
         t_recompute = self.recompute_ms(missing, idle)
-        chosen = KVMode(mode)
+        try:
+            chosen = KVMode(mode)
+        except ValueError:
+            allowed = ", ".join(m.value for m in KVMode)
+            raise InvalidArgument(f"kv mode must be one of {allowed}, got {mode!r}") from None
         if chosen is KVMode.AUTO:
             chosen = KVMode.TRANSFER if t_transfer <= t_recompute else KVMode.RECOMPUTE
         return MigrationDecision(
