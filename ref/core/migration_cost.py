@@ -85,7 +85,7 @@ class MigrationCost:
         return self.iteration.b * num_tokens / max(idle, MIN_IDLE)
 
     def decide(
-        self, mode: KVMode, kv_tokens: int, hit_tokens: int = 0, idle: float = 1.0
+        self, mode: KVMode | str, kv_tokens: int, hit_tokens: int = 0, idle: float = 1.0
     ) -> MigrationDecision:
         """The mode for a request with ``kv_tokens`` of KV, ``hit_tokens`` of them cached on
         the destination; ``AUTO`` resolves by the rule, the others are kept as asked."""

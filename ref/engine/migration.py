@@ -127,7 +127,7 @@ def export(
     departures = [engine.scheduler.export(s.seq_id) for s in live]  # may raise: a step is open
     rule = cost or default_cost(engine)
     kv_tokens = max(d.kv_length for d in departures)
-    decision = rule.decide(KVMode(kv), kv_tokens, min(hit_tokens, kv_tokens), idle)
+    decision = rule.decide(kv, kv_tokens, min(hit_tokens, kv_tokens), idle)
     seqs = tuple(_seq_ticket(s, d.state, d.kv_place) for s, d in zip(live, departures, strict=True))
     chunks: tuple[KVChunk, ...] = ()
     if decision.mode is KVMode.TRANSFER and inline:
