@@ -22,6 +22,7 @@ class Invariant(StrEnum):
     PROGRESS = "PROGRESS"
     ATOMIC = "ATOMIC"
     ORDER = "ORDER"
+    EVENTS = "EVENTS"  # replaying the cache events gives the pool's index (spec/events.py)
 
 
 @dataclass(frozen=True)

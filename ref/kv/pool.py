@@ -33,6 +33,7 @@ from ref.errors import (
     UnknownRequest,
 )
 from ref.kv.allocator import BlockAllocator
+from ref.kv.events import CacheEventLog
 from ref.kv.journal import Journal
 from ref.kv.prefix_index import (
     NOTHING_EVICTED,
@@ -134,7 +135,12 @@ class BlockPool:
     """``num_blocks`` blocks of ``block_size`` token slots, shared by all requests."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        cache_events: bool = False,
     ) -> None:
         _require_int(num_blocks, "num_blocks", minimum=1)
         _require_int(block_size, "block_size", minimum=1)
@@ -143,7 +149,9 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         self._journal = Journal()
         self._blocks = BlockAllocator(num_blocks, self._journal)
-        self._prefix = PrefixIndex(num_blocks, block_size, self._journal)
+        # Cache events (ref/kv/events.py) for a router that routes by prefix hits.
+        events = CacheEventLog(self._journal) if cache_events else None
+        self._prefix = PrefixIndex(num_blocks, block_size, self._journal, events)
         # Namespace.root_key() hashes on every call; nearly every request has the default.
         self._default_root = DEFAULT_NAMESPACE.root_key()
         self._tables: dict[str, _Table] = {}
@@ -639,6 +647,17 @@ class BlockPool:
             self._mark_changed(table)
             self._blocks.release(tails[2][::-1])
         return tails[2]
+
+    @property
+    def cache_events(self) -> CacheEventLog | None:
+        """The published cache events (``cache_events=True``), else None."""
+        return self._prefix.events
+
+    def clear_cache(self) -> int:
+        """Drop every prefix-cache entry (blocks held by tables stay held); one
+        ``CacheCleared`` event. Returns how many entries were dropped."""
+        with self._atomic():
+            return self._prefix.clear()
 
     def forget_cached(self, block_ids: Iterable[int]) -> int:
         """Drop the cache entries of these blocks (their K/V can no longer be trusted).

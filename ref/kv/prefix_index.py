@@ -9,8 +9,10 @@ wrong reuse. Only full blocks are indexed, and a block loses its entry before it
 reused for other tokens (PREFIX).
 
 Every change to the index goes through :meth:`PrefixIndex._put` and
-:meth:`PrefixIndex._drop`, each a run of entries with one journal entry whose undo is
-the other (ATOMIC): the one place to observe what the cache gains and loses. Which
+:meth:`PrefixIndex._drop` (and :meth:`PrefixIndex.clear`), each a run of entries with one
+journal entry whose undo (``_unput`` / ``_undrop``) changes the index back and reports
+nothing (ATOMIC): the one place to observe what the cache gains and loses, and where the
+cache events of ref/kv/events.py are reported. Which
 blocks are held, free or in a table is the pool's (ref/kv/pool.py); the index reads a
 table through :class:`Chain`.
 """
@@ -24,6 +26,7 @@ from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
 from ref.errors import InvalidArgument
+from ref.kv.events import CacheEventLog
 from ref.kv.journal import Journal
 from spec.arith import full_blocks, max_cacheable_tokens
 from spec.hashing import block_key, packed_block_key, packed_token_ids
@@ -106,9 +109,16 @@ def filled_blocks(
 class PrefixIndex:
     """Cache entries of the full blocks of ``num_blocks`` blocks of ``block_size``."""
 
-    def __init__(self, num_blocks: int, block_size: int, journal: Journal) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        journal: Journal,
+        events: CacheEventLog | None = None,
+    ) -> None:
         self.block_size = block_size
         self._journal = journal
+        self.events = events  # None: nobody subscribed, nothing is reported
         self._index: dict[bytes, int] = {}
         self._entry: list[Entry | None] = [None] * num_blocks
         # Blocks indexed inside the open transaction: their K/V is computed by the step
@@ -179,9 +189,23 @@ class PrefixIndex:
 
     # ---------------------------------------------------------------- mutations
     def end_transaction(self) -> None:
-        """The step's transaction closed: the blocks it indexed may be served."""
+        """The step's transaction closed: the blocks it indexed may be served, and its
+        cache events are published (after a rollback there are none left)."""
         if self._fresh:
             self._fresh.clear()
+        if self.events is not None:
+            self.events.publish()
+
+    def clear(self) -> int:
+        """Drop every entry (a reset of the cache; the blocks stay where they are held);
+        one cleared event, not one per entry. Returns how many entries were dropped."""
+        block_ids = list(self._index.values())
+        dropped = self._remove(block_ids)
+        if dropped:
+            self._journal.record(self._undrop, dropped)
+        if self.events is not None:
+            self.events.cleared()
+        return len(dropped)
 
     def cache_full_blocks(self, table: Chain) -> None:
         """Key ``table``'s full blocks that have none yet (the keys join ``table.keys``)
@@ -281,13 +305,35 @@ class PrefixIndex:
                 put.append(b)
         if self._journal.active:
             self._fresh.update(put)
-            self._journal.record(self._drop, put)
+            self._journal.record(self._unput, put)
+        if self.events is not None:
+            stored = set(put)
+            self.events.stored([e for e in new if e[1] in stored and entries[e[1]] is e])
 
     def _drop(self, block_ids: list[int]) -> list[Entry]:
         """Drop the entries of ``block_ids`` (each has one), with one journal entry; the
         entries dropped, in order."""
-        if not block_ids:
-            return []
+        dropped = self._remove(block_ids)
+        if dropped:
+            self._journal.record(self._undrop, dropped)
+            if self.events is not None:
+                self.events.removed(dropped)
+        return dropped
+
+    def _unput(self, block_ids: list[int]) -> None:
+        """Undo of :meth:`_put`: its entries leave again; nothing is reported (the
+        step's pending events are taken back with it, ref/kv/events.py)."""
+        self._remove(block_ids)
+
+    def _undrop(self, dropped: list[Entry]) -> None:
+        """Undo of :meth:`_drop` (and :meth:`clear`): the entries come back, unreported."""
+        index, entries = self._index, self._entry
+        for e in dropped:
+            if e[0] not in index:
+                index[e[0]] = e[1]
+                entries[e[1]] = e
+
+    def _remove(self, block_ids: list[int]) -> list[Entry]:
         index, entries = self._index, self._entry
         dropped: list[Entry] = []
         for b in block_ids:
@@ -296,7 +342,6 @@ class PrefixIndex:
             del index[entry[0]]  # its key (see _put)
             entries[b] = None
             dropped.append(entry)
-        self._journal.record(self._put, dropped)
         return dropped
 
 

@@ -42,7 +42,9 @@ from ref.kv import Allocation, BlockPool, PrefixHit
 from spec import check_pool
 from spec.abstract_pool import AbstractPool
 from spec.arith import blocks_needed, max_cacheable_tokens, slot_of
+from spec.events import check_events
 from spec.hashing import Namespace, chain_keys
+from spec.snapshot import CacheEntry
 
 NAMESPACES = (Namespace(), Namespace(adapter="lora-1"))
 ALPHABET = st.integers(min_value=0, max_value=2)
@@ -65,6 +67,10 @@ class PoolMachine(RuleBasedStateMachine):
         self.history: list[list[int]] = []  # token lists ever stored, to make prefixes collide
         self.memory: dict[int, int] = {}  # fake KV memory: slot -> token id
         self.next_id = 0
+        # A subscriber's copy of the cache index, built from the published cache events
+        # alone (spec/events.py, EVENTS), and the sequence number it expects next.
+        self.replica: tuple[CacheEntry, ...] = ()
+        self.next_seq = 0
 
     # ------------------------------------------------------------------ setup
     @initialize(
@@ -74,7 +80,9 @@ class PoolMachine(RuleBasedStateMachine):
     )
     def setup(self, num_blocks: int, block_size: int, caching: bool) -> None:
         self.num_blocks, self.bs, self.caching = num_blocks, block_size, caching
-        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching=caching)
+        self.pool = BlockPool(
+            num_blocks, block_size, enable_prefix_caching=caching, cache_events=True
+        )
         self.model = AbstractPool(num_blocks, block_size, prefix_caching=caching)
 
     # ---------------------------------------------------------------- helpers
@@ -470,6 +478,8 @@ class PoolMachine(RuleBasedStateMachine):
         self._tx_ops(data, steps, live, did)
         self.pool.rollback()
         assert self.pool.snapshot() == before
+        log = self.pool.cache_events
+        assert log is not None and log.drain() == [], "a rolled-back step published events"
         if sum(did.values()) >= 2:
             event("rollback undid >= 2 operations")
         if did["decode"]:
@@ -529,6 +539,21 @@ class PoolMachine(RuleBasedStateMachine):
         snap = self.pool.snapshot()
         assert snap == self.model.snapshot()
         assert check_pool(snap) == []
+
+    @invariant()
+    def events_replay_to_the_index(self) -> None:
+        """EVENTS: the last state's index plus the events published since is this one."""
+        if not hasattr(self, "pool"):
+            return
+        log = self.pool.cache_events
+        assert log is not None
+        events = log.drain()
+        snap = self.pool.snapshot()
+        assert check_events(self.replica, events, self.next_seq, snap) == []
+        if events:
+            event("cache events published")
+        self.replica = snap.cache_entries
+        self.next_seq += len(events)
 
     @invariant()
     def own_accounting(self) -> None:
