@@ -65,7 +65,9 @@ class RequestState:
     scheduler needs to continue it exactly. Times are on the source's clock.
 
     ``num_computed_tokens`` is the KV length on the source; the destination holds the
-    same length after a transfer and 0 after a recompute import (KVLEN)."""
+    same length after a transfer and 0 after a recompute import (KVLEN).
+    ``num_cached_tokens`` is the source's prefix hit, for the record: a hit is counted in
+    its engine's blocks (PREFIX), so the destination counts its own (``_place``)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -296,7 +298,10 @@ def _place(sched: Scheduler, a: Arrival, offset_ms: float) -> Request:
     )
     r.token_ids = list(s.token_ids)
     r.num_computed_tokens = a.kv_length
-    r.num_cached_tokens = s.num_cached_tokens
+    # The hit is this engine's (PREFIX judges it in this engine's blocks): the source's
+    # count, in its own block size, can exceed what a hit may cover here. A recompute
+    # import starts at 0; its admission here records the hit it gets.
+    r.num_cached_tokens = a.num_hit_tokens
     r.num_preemptions = s.num_preemptions
     r.admitted_ms = s.admitted_ms
     r.token_times_ms = list(s.token_times_ms)

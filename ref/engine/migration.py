@@ -47,6 +47,7 @@ from ref.engine.ticket import (
 from ref.errors import DuplicateRequest
 from ref.model.executor import SavedRows
 from ref.model.sampler import SamplingParams
+from ref.model.tokenizer import TextStream
 from ref.model.weights import LayerWeights
 
 if TYPE_CHECKING:
@@ -276,7 +277,7 @@ class StagedImport:
         self.done = True
         offset = self.engine.now_ms() - self.transit_ms - self.ticket.clock_ms
         reqs = self._import.commit(offset)
-        _adopt(self.engine, self.ticket, reqs, self.transit_ms, self.hit_tokens)
+        _adopt(self.engine, self.ticket, reqs, self.transit_ms, self.hit_tokens, offset)
         return [r.request_id for r in reqs]
 
 
@@ -345,9 +346,11 @@ def _check_ticket(engine: LLMEngine, t: MigrationTicket) -> None:
     if any(c.seq_id not in {s.seq_id for s in t.sequences} for c in t.chunks):
         raise TicketError(f"import: ticket of {rid!r} has K/V for a sample it does not carry")
     try:
-        SamplingParams.from_dict(t.params)
+        sp = SamplingParams.from_dict(t.params)
     except (TypeError, ValueError) as e:
         raise TicketError(f"import: ticket of {rid!r} has bad sampling params: {e}") from None
+    for s in t.sequences:
+        _text_stream(engine, sp, t.prompt_token_ids, s)
 
 
 def _rows(engine: LLMEngine, model: ModelIdentity, chunk: KVChunk) -> torch.Tensor:
@@ -370,8 +373,11 @@ def _adopt(
     reqs: Sequence[Request],
     transit_ms: float,
     hit_tokens: dict[str, int],
+    offset_ms: float,
 ) -> None:
-    """The engine's books for the committed requests: group, samples, specs, streams."""
+    """The engine's books for the committed requests: group, samples, specs, streams;
+    ``offset_ms`` moves the sample's own times (a resumed turn's arrival) onto this
+    engine's clock, as :meth:`Import.commit` moved the request's."""
     from ref.engine.llm_engine import _Group, _spec
     from ref.model.sampler import derive_seed
 
@@ -381,7 +387,7 @@ def _adopt(
     for s in t.sequences:
         req = by_id[s.seq_id]
         seq = engine._new_seq(s.seq_id, t.request_id, s.index, req, sp, t.prompt_token_ids)
-        _replay(seq, s, t.turn)
+        _replay(seq, s, _text_stream(engine, sp, t.prompt_token_ids, s), t.turn, offset_ms)
         seqs.append(seq)
         forks = (
             ()
@@ -411,29 +417,56 @@ def _adopt(
     engine.migration_ms += transit_ms
 
 
-def _replay(seq: _Seq, s: SeqTicket, turn: int) -> None:
-    """The sample's engine state from its ticket: tokens, logprobs, counters, and its
-    text stream fed the same tokens (detokenization and stop-string holdback are
-    deterministic), then told how much text was already delivered."""
-    for token in s.token_ids:
-        seq.stream.add(token)
-    if s.paused:
-        seq.stream.finish()
-    if seq.stream.text != s.text:
-        raise TicketError(
-            f"import: sample {s.seq_id!r}: its tokens detokenize to {seq.stream.text!r}, the "
-            f"ticket says {s.text!r} (another tokenizer?)"
-        )
-    seq.stream.mark_delivered(s.delivered_chars)
+def _replay(seq: _Seq, s: SeqTicket, stream: TextStream, turn: int, offset_ms: float) -> None:
+    """The sample's engine state from its ticket: tokens, logprobs, counters, and the
+    text stream :func:`_text_stream` rebuilt."""
+    seq.stream = stream
     seq.token_ids = list(s.token_ids)
     seq.logprobs = None if s.logprobs is None else list(s.logprobs)
     seq.delivered_tokens = s.delivered_tokens
     seq.paused = s.paused
     seq.turn = turn
     seq.times_from = s.times_from
-    seq.turn_arrival_ms = s.turn_arrival_ms
+    arrival = s.turn_arrival_ms
+    seq.turn_arrival_ms = None if arrival is None else arrival + offset_ms
     seq.num_draft_tokens = s.num_draft_tokens
     seq.num_accepted_tokens = s.num_accepted_tokens
+
+
+def _text_stream(
+    engine: LLMEngine, sp: SamplingParams, prompt: Sequence[int], s: SeqTicket
+) -> TextStream:
+    """The sample's text stream, built as ``LLMEngine._new_seq`` builds one and fed the
+    same tokens (detokenization and stop-string holdback are deterministic), then told
+    how much text was already delivered. A ticket whose tokens do not give its text, or
+    whose counts do not fit its tokens, raises :class:`TicketError`: :func:`stage` runs
+    this before anything is staged, so that ``commit`` cannot fail half-way."""
+    stream = TextStream(
+        engine.tokenizer.detokenizer(prompt),
+        sp.stop,
+        include_stop_str_in_output=sp.include_stop_str_in_output,
+    )
+    for token in s.token_ids:
+        stream.add(token)
+    if s.paused:
+        stream.finish()
+    if stream.text != s.text:
+        raise TicketError(
+            f"import: sample {s.seq_id!r}: its tokens detokenize to {stream.text!r}, the "
+            f"ticket says {s.text!r} (another tokenizer?)"
+        )
+    n = len(s.token_ids)
+    if s.delivered_chars > len(stream.text) or s.delivered_tokens > n:
+        raise TicketError(
+            f"import: sample {s.seq_id!r} claims {s.delivered_tokens} tokens and "
+            f"{s.delivered_chars} characters delivered of {n} tokens and {len(s.text)} characters"
+        )
+    if s.logprobs is not None and len(s.logprobs) != n:
+        raise TicketError(
+            f"import: sample {s.seq_id!r} has {len(s.logprobs)} logprobs for {n} tokens"
+        )
+    stream.mark_delivered(s.delivered_chars)
+    return stream
 
 
 # ---------------------------------------------------------------------------- release
@@ -502,6 +535,11 @@ def migrate(
         num_chunks = len(ticket.chunks) + _stream(src, staged, ticket, chunk_blocks, hook)
         point = "before_ack"
         hook(point)
+        # The last look before the destination owns it: the source may have aborted (or
+        # stepped) the request after the last chunk, or with nothing to stream at all;
+        # acking then would release a request the source no longer holds.
+        for s in ticket.sequences:
+            _require_unchanged(src, ticket, s.seq_id)
         staged.ack()
     except BaseException as e:
         if staged is not None and not staged.done:
