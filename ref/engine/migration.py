@@ -20,6 +20,10 @@ The protocol, one call each, the source unchanged until its last move:
 :func:`migrate` runs the six steps with a fault hook at every point of the protocol
 (:data:`FAULT_POINTS`): a fault before the ack aborts the staged import and leaves the
 source as it was; a fault after it rolls forward (the destination holds the only copy).
+A request that steps, finishes or is aborted on the source during the transfer
+(:class:`SourceChanged`) is not moved: the destination drops what it staged, even after
+the ack as long as it has not committed, so an abort finishes the request exactly once,
+on the source.
 """
 
 from __future__ import annotations
@@ -59,6 +63,10 @@ FAULT_POINTS = ("before_export", "after_stage", "mid_stream", "before_ack", "aft
 _BEFORE_ACK = frozenset(FAULT_POINTS[:4])
 
 FaultHook = Callable[[str], None]
+
+
+class SourceChanged(MigrationError):
+    """The request stepped, finished or was aborted on the source during the transfer."""
 
 
 class MigrationAborted(MigrationError):
@@ -264,8 +272,10 @@ class StagedImport:
         self.acked = True
 
     def abort(self) -> None:
-        """Undo the stage: blocks, prefix-cache entries and every K/V slot written."""
-        assert not self.done and not self.acked, "abort after the ack"
+        """Undo the stage: blocks, prefix-cache entries and every K/V slot written. After
+        the ack only when the source finished the request meanwhile (an abort that reached
+        it first: it must finish once, there), never after the commit."""
+        assert not self.done, "abort after commit or abort"
         self.done = True
         for saved in reversed(self._saved):
             saved.restore()
@@ -544,7 +554,7 @@ def migrate(
     except BaseException as e:
         if staged is not None and not staged.done:
             staged.abort()
-        if isinstance(e, MigrationError) and not isinstance(e, MigrationAborted):
+        if isinstance(e, MigrationError) and not isinstance(e, MigrationAborted | SourceChanged):
             raise
         raise MigrationAborted(request_id, point, e) from e
     late: str | None = None
@@ -552,6 +562,15 @@ def migrate(
         hook("after_ack")
     except Exception:  # the destination owns it now: roll forward
         late = "after_ack"
+    try:
+        for s in ticket.sequences:
+            _require_unchanged(src, ticket, s.seq_id)
+    except SourceChanged as e:
+        # An abort reached the source between the ack and the release: it finished the
+        # request there (its final output is the source's), so the destination drops
+        # what it staged and the request ends exactly once.
+        staged.abort()
+        raise MigrationAborted(request_id, "after_ack", e) from e
     src.release_request(request_id)
     staged.transit_ms = src.now_ms() - ticket.clock_ms
     staged.commit()
@@ -602,4 +621,4 @@ def _require_unchanged(src: LLMEngine, ticket: MigrationTicket, seq_id: str) -> 
     r = src.scheduler.requests.get(seq_id)
     s = next(s for s in ticket.sequences if s.seq_id == seq_id)
     if r is None or r.num_tokens != len(s.state.token_ids) or r.status is not s.state.status:
-        raise MigrationError(f"migrate: {seq_id!r} changed on the source during the transfer")
+        raise SourceChanged(f"migrate: {seq_id!r} changed on the source during the transfer")

@@ -41,7 +41,7 @@ from migration_helpers import (
 )
 
 from ref.core.migration_cost import KVMode
-from ref.core.transit import MigrationError, MigrationRefused
+from ref.core.transit import MigrationRefused
 from ref.engine.llm_engine import LLMEngine
 from ref.engine.migration import FAULT_POINTS, MigrationAborted, migrate
 from ref.engine.ticket import KVChunk, KVLayoutMismatch, MigrationTicket, TicketError
@@ -293,6 +293,11 @@ ABORTS = [
     ("after_stage", INLINE),
     ("after_stage", RECOMPUTE),
     ("before_ack", STREAM1),
+    # After the ack, before the source releases it: the source finished it (its final
+    # output is out), so the destination drops what it acked instead of committing.
+    ("after_ack", INLINE),
+    ("after_ack", STREAM1),
+    ("after_ack", RECOMPUTE),
 ]
 
 
@@ -308,7 +313,7 @@ def test_abort_during_the_transfer_finishes_the_request_once(point: str, how: Ho
             aborted.append(p)
             src.abort("r")
 
-    with pytest.raises(MigrationError, match="'r' changed on the source during the transfer"):
+    with pytest.raises(MigrationAborted, match="'r' changed on the source during the transfer"):
         migrate(src, dst, "r", kv=how.kv, chunk_blocks=how.chunk_blocks, fault=hook)
     assert aborted == [point]
     assert dst.scheduler.snapshot() == snap and set(dst._groups) == groups
