@@ -42,6 +42,9 @@ class SchedulerConfig:
     num_blocks: int = 1024
     max_model_len: int = 1 << 20
     enable_prefix_caching: bool = True
+    # Publish the prefix cache's changes (ref/kv/events.py) for a router that routes by
+    # prefix hits (docs/ARCHITECTURE.md, "Cache events"); off, nothing is recorded.
+    cache_events: bool = False
     enable_chunked_prefill: bool = True
     # Chunks that do not finish a prompt end on a block boundary (example 3: 1008 of 1021).
     align_chunks_to_blocks: bool = False

@@ -69,7 +69,10 @@ class Scheduler:
         self.config = config
         self.policy = policy or make_policy(config)
         self.pool = BlockPool(
-            config.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            config.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            cache_events=config.cache_events,
         )
         self.host = HostPool(config.num_host_blocks, config.block_size)
         self.requests: dict[str, Request] = {}  # live: not finished, not aborted

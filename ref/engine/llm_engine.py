@@ -95,6 +95,7 @@ from ref.model.sampler import (
 )
 from ref.model.tokenizer import TextStream
 from ref.sim.metrics import RequestMetrics
+from spec.events import CacheEvent
 from spec.snapshot import RequestStatus
 
 __all__ = [
@@ -575,6 +576,19 @@ class LLMEngine:
         pool = self.scheduler.pool
         hit = pool.lookup(token_ids) if ns is None else pool.lookup(token_ids, ns)
         return hit.num_tokens
+
+    def cache_events(self) -> list[CacheEvent]:
+        """The prefix-cache changes published since the last call, in order
+        (``SchedulerConfig.cache_events``; ref/kv/events.py). Each step's are published
+        when it commits; a step that fails publishes nothing. Raises
+        :class:`InvalidArgument` when the engine was built without them."""
+        log = self.scheduler.pool.cache_events
+        if log is None:
+            raise InvalidArgument(
+                "cache_events: this engine publishes none; build it with "
+                "SchedulerConfig(cache_events=True)"
+            )
+        return log.drain()
 
     @property
     def idle_fraction(self) -> float:
