@@ -88,6 +88,14 @@ class SchedulerConfig:
     # request may have verified in a step (``Scheduler.propose``); 0 turns it off.
     num_speculative_tokens: int = 0
 
+    @property
+    def pool_options(self) -> dict[str, bool]:
+        """The block pool's switches (``BlockPool``'s keyword arguments)."""
+        return {
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "cache_events": self.cache_events,
+        }
+
     def __post_init__(self) -> None:
         for name in (
             "max_num_batched_tokens",

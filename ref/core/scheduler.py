@@ -40,7 +40,6 @@ from ref.core.request import FinishReason, Request, StopParams, check_new_reques
 from ref.core.speculation import Proposals, keep_verified
 from ref.core.suspend import Suspension
 from ref.core.swap import KVRetention
-from ref.core.transit import Departure, Import, departure, release
 from ref.errors import (
     DuplicateRequest,
     ExceedsCapacity,
@@ -53,6 +52,11 @@ from ref.kv.host_pool import HostPool
 from spec.snapshot import EngineSnapshot, RequestStatus
 
 S = RequestStatus
+#: Why a scheduler refuses a change (``_require_boundary``): a step, or a staged import.
+_BUSY = (
+    "a step is in progress (schedule without commit/rollback)",
+    "a migration import is staged (commit or abort it)",
+)
 
 
 class StepInProgress(RefserveError):
@@ -68,12 +72,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, policy: Policy | None = None) -> None:
         self.config = config
         self.policy = policy or make_policy(config)
-        self.pool = BlockPool(
-            config.num_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            cache_events=config.cache_events,
-        )
+        self.pool = BlockPool(config.num_blocks, config.block_size, **config.pool_options)
         self.host = HostPool(config.num_host_blocks, config.block_size)
         self.requests: dict[str, Request] = {}  # live: not finished, not aborted
         # Admission order (the policy's), kept incrementally: a step reads only the head
@@ -89,9 +88,6 @@ class Scheduler:
         self.step_index = 0
         self._seq = 0
         self._pending: StepPlan | None = None
-        # A migration staged here (ref/core/transit.py): its blocks are in an open pool
-        # transaction, so no step may run until it commits or aborts.
-        self._import: Import | None = None
         # Speculative decoding: drafts proposed for the next step.
         self._proposals = Proposals(config.num_speculative_tokens)
         self._plan_start_ms = 0.0
@@ -118,11 +114,6 @@ class Scheduler:
     def paused(self) -> dict[str, Request]:
         """WAITING_TOOL: agent turns waiting for a tool, in pause order."""
         return self._suspend.paused
-
-    @property
-    def _to_host(self) -> list[str]:
-        """Paused turns whose KV the next step moves to the host pool (pause order)."""
-        return self._suspend.to_host
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -251,44 +242,6 @@ class Scheduler:
         if r is None:
             raise UnknownRequest(request_id, "propose")
         self._proposals.propose(r, request_id in self._batch, draft_token_ids)
-
-    # ------------------------------------------------------------------ migration
-    def export(self, request_id: str) -> Departure:
-        """A live request's state and the slots of its KV, read at a step boundary;
-        nothing changes (ref/core/transit.py, docs/MIGRATION.md)."""
-        return departure(self, request_id)
-
-    def begin_import(self) -> Import:
-        """Stage migrated requests; no step runs until the import commits or aborts."""
-        imp = Import(self)
-        self._import = imp
-        return imp
-
-    def release(self, request_id: str) -> None:
-        """A migrated request leaves this scheduler after the destination acknowledged:
-        its blocks return to the pools; it is not finished (ref/core/transit.py)."""
-        release(self, request_id)
-
-    def _attach(self, r: Request) -> None:
-        """A migrated request joins, in the place its status says (transit ``_place``)."""
-        rid = r.request_id
-        r.seq = self._seq
-        r.queued_step = self.step_index
-        self._seq += 1
-        self.requests[rid] = r
-        if r.status is S.WAITING_TOOL:
-            self._suspend.paused[rid] = r
-        elif r.num_computed_tokens:
-            self._batch.append(r, self.pool)
-        else:
-            self._queue.add(r)
-        self._backlog.mark(r, self.step_index)
-
-    def _detach(self, r: Request) -> None:
-        """``r`` leaves without finishing (migrated away)."""
-        self._unplace(r)
-        del self.requests[r.request_id]
-        self._backlog.clear(r)
 
     @property
     def waiting(self) -> list[Request]:
@@ -538,10 +491,10 @@ class Scheduler:
         self.policy.on_commit(granted, self._backlog.tenants)
 
     def _tenant_of(self, request_id: str) -> str:
-        r = self.requests.get(request_id)
-        if r is not None:
-            return r.tenant
-        return next(x.tenant for x in self.retired if x.request_id == request_id)
+        r = self.requests.get(request_id) or next(
+            x for x in self.retired if x.request_id == request_id
+        )
+        return r.tenant
 
     # ------------------------------------------------------------------ helpers
     def _requeue(self, r: Request) -> None:
@@ -563,7 +516,8 @@ class Scheduler:
 
     def _unplace(self, r: Request) -> None:
         """``r`` gives back every block it holds and leaves the batch, the queue or the
-        tool wait, whichever holds it (still in ``requests``)."""
+        tool wait, whichever holds it (still in ``requests``): the first half of an end,
+        and all of a migrated request's leaving (ref/core/transit.py ``release``)."""
         request_id = r.request_id
         if self.pool.has_request(request_id):
             self.pool.free(request_id)
@@ -585,12 +539,10 @@ class Scheduler:
         self.retired.append(r)
 
     def _require_boundary(self, what: str) -> None:
-        if self._pending is not None:
-            raise StepInProgress(
-                f"{what}: a step is in progress (schedule without commit/rollback)"
-            )
-        if self._import is not None:
-            raise StepInProgress(f"{what}: a migration import is staged (commit or abort it)")
+        # The pool's transaction is open from schedule to commit/rollback, and while a
+        # migration is staged here (ref/core/transit.py): no other change may join it.
+        if self.pool.in_transaction:
+            raise StepInProgress(f"{what}: {_BUSY[self._pending is None]}")
 
     # ------------------------------------------------------------------ snapshots
     def snapshot(self, extra: Iterable[Request] = ()) -> EngineSnapshot:

@@ -22,17 +22,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 from ref.core.capacity import require_fit
 from ref.core.request import Request, StopParams, check_room_for_output
+from ref.core.scheduler import Scheduler
 from ref.errors import DuplicateRequest, OutOfBlocks, RefserveError
 from spec.arith import logical_block, slot_of
 from spec.hashing import Namespace
 from spec.snapshot import RequestStatus
-
-if TYPE_CHECKING:
-    from ref.core.scheduler import Scheduler
 
 S = RequestStatus
 
@@ -138,7 +135,7 @@ class Departure:
         return len(self.slots)
 
 
-def departure(sched: Scheduler, request_id: str) -> Departure:
+def export(sched: Scheduler, request_id: str) -> Departure:
     """The source's side of step 1 (module doc): a pure read, at a step boundary."""
     sched._require_boundary("export")
     r = sched.requests.get(request_id)
@@ -179,7 +176,8 @@ class Import:
         self._sched = sched
         self.arrivals: list[Arrival] = []
         self._open = True
-        self._began = False
+        # The scheduler refuses every other change while this transaction is open.
+        sched.pool.begin()
 
     def stage(self, state: RequestState, *, with_kv: bool) -> Arrival:
         """Reserve blocks for ``state`` (its KV length when ``with_kv``, else none: the
@@ -207,9 +205,6 @@ class Import:
             self.arrivals.append(arrival)
             return arrival
         pool = sched.pool
-        if not self._began:
-            pool.begin()
-            self._began = True
         hit = pool.lookup(state.token_ids[:n], state.namespace)
         try:
             pool.allocate(
@@ -227,9 +222,7 @@ class Import:
         """Undo every stage: the destination is exactly as before (ATOMIC)."""
         assert self._open, "abort after commit or abort"
         self._open = False
-        if self._began:
-            self._sched.pool.rollback()
-        self._sched._import = None
+        self._sched.pool.rollback()
 
     def commit(self, offset_ms: float = 0.0) -> list[Request]:
         """Make every staged request runnable (or paused, for a tool wait); their K/V
@@ -238,10 +231,13 @@ class Import:
         assert self._open, "commit after commit or abort"
         self._open = False
         sched = self._sched
-        if self._began:
-            sched.pool.commit()
-        sched._import = None
+        sched.pool.commit()
         return [_place(sched, a, offset_ms) for a in self.arrivals]
+
+
+def begin_import(sched: Scheduler) -> Import:
+    """The destination's side of step 2: stage migrated requests (:class:`Import`)."""
+    return Import(sched)
 
 
 def release(sched: Scheduler, request_id: str) -> None:
@@ -251,7 +247,9 @@ def release(sched: Scheduler, request_id: str) -> None:
     r = sched.requests.get(request_id)
     if r is None:
         raise MigrationError(f"release: request {request_id!r} is not live on this engine")
-    sched._detach(r)
+    sched._unplace(r)
+    del sched.requests[request_id]
+    sched._backlog.clear(r)
 
 
 def _check_state(sched: Scheduler, state: RequestState) -> None:
@@ -306,8 +304,25 @@ def _place(sched: Scheduler, a: Arrival, offset_ms: float) -> Request:
     r.admitted_ms = s.admitted_ms
     r.token_times_ms = list(s.token_times_ms)
     r.status = _status_on_arrival(s, a.kv_length)
-    sched._attach(r)
+    _attach(sched, r)
     return r
+
+
+def _attach(sched: Scheduler, r: Request) -> None:
+    """``r`` joins ``sched`` where its status says: a tool wait, the running batch (it
+    holds KV), or the waiting queue. It arrives now: the next place in arrival order."""
+    rid = r.request_id
+    r.seq = sched._seq
+    r.queued_step = sched.step_index
+    sched._seq += 1
+    sched.requests[rid] = r
+    if r.status is S.WAITING_TOOL:
+        sched._suspend.paused[rid] = r
+    elif r.num_computed_tokens:
+        sched._batch.append(r, sched.pool)
+    else:
+        sched._queue.add(r)
+    sched._backlog.mark(r, sched.step_index)
 
 
 def _status_on_arrival(s: RequestState, kv_length: int) -> RequestStatus:

@@ -64,7 +64,7 @@ import contextlib
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
@@ -72,13 +72,14 @@ import torch
 from ref.core.config import SchedulerConfig
 from ref.core.engine_core import EngineCore, StepRecord
 from ref.core.executor import DrawnToken
-from ref.core.migration_cost import KVMode, MigrationCost, MigrationDecision
+from ref.core.migration_cost import KVMode, MigrationCost
 from ref.core.outcome import Outcome
 from ref.core.policy import Policy
 from ref.core.request import FinishReason, Request, StopParams, check_room_for_output
 from ref.core.scheduler import Scheduler
 from ref.core.swap import KVRetention
 from ref.engine import migration
+from ref.engine.samples import Sample, SampleGroup, sample_spec
 from ref.engine.ticket import KVChunk, MigrationTicket, ModelIdentity
 from ref.errors import DuplicateRequest, InvalidArgument, RefserveError, UnknownRequest
 from ref.model.checkpoint import TINY_TRAINED, ModelSource, TokenizerSource, load_model
@@ -87,7 +88,6 @@ from ref.model.llama import HostKVCache, KVCache
 from ref.model.proposers import Proposer, check_proposer
 from ref.model.sampler import (
     InvalidSamplingParams,
-    SampleSpec,
     SamplingParams,
     derive_seed,
     mix64,
@@ -193,51 +193,6 @@ class SpeculationStats:
         )
 
 
-@dataclass
-class _Seq:
-    """One sampled sequence (the request itself, or a fork of it)."""
-
-    seq_id: str
-    request_id: str
-    index: int
-    request: Request | None  # None for a fork that finished on its first token
-    stream: TextStream
-    logprobs: list[float] | None
-    token_ids: list[int] = field(default_factory=list)
-    delivered_tokens: int = 0
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    pending_stop: str | int | None = None  # a stop the scheduler does not know about
-    metrics_from: Request | None = None  # for a fork without its own request
-    # Agent turns: the turn this sequence is, whether it is paused for a tool, where its
-    # token times start in the request's (which span every turn) and when it arrived.
-    turn: int = 0
-    paused: bool = False
-    times_from: int = 0
-    turn_arrival_ms: float | None = None
-    # Speculative decoding: drafts verified for this sequence, and those accepted.
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-
-@dataclass
-class _Group:
-    request_id: str
-    params: SamplingParams
-    stop: StopParams
-    prompt_token_ids: tuple[int, ...]
-    seed: int
-    seqs: list[_Seq]
-    child_ids: tuple[str, ...]
-    turn: int = 0
-    # Samples 1..n-1 were forked off sample 0 (or closed without a token): after that the
-    # group's live samples may be any subset (a migrated group carries only those).
-    forked: bool = False
-    # Each migration of this request: the rule's decision and its inputs (docs/MIGRATION.md).
-    migrations: list[MigrationDecision] = field(default_factory=list)
-
-
 class LLMEngine:
     """A serving engine over the real model; single-threaded, stepped by the caller."""
 
@@ -298,8 +253,8 @@ class LLMEngine:
         self._rng = random.Random(seed)
         self._t0 = time.perf_counter()
         self._clock = clock
-        self._groups: dict[str, _Group] = {}
-        self._seqs: dict[str, _Seq] = {}
+        self._groups: dict[str, SampleGroup] = {}
+        self._seqs: dict[str, Sample] = {}
         self._inbox: list[RequestOutput] = []
         self._next_id = 0
         self.steps: list[StepRecord] = []
@@ -395,10 +350,12 @@ class LLMEngine:
         req = Request(rid, list(ids), first_stop, arrival_ms=self.now_ms(), priority=priority)
         self.scheduler.add_request(req)  # may raise (e.g. ExceedsCapacity): nothing registered
         self.executor.register(
-            rid, _spec(sp, seed), tuple(_spec(sp, derive_seed(seed, i)) for i in range(1, sp.n))
+            rid,
+            sample_spec(sp, seed),
+            tuple(sample_spec(sp, derive_seed(seed, i)) for i in range(1, sp.n)),
         )
         seq = self._new_seq(rid, rid, 0, req, sp, ids)
-        self._groups[rid] = _Group(rid, sp, stop, tuple(ids), seed, [seq], child_ids)
+        self._groups[rid] = SampleGroup(rid, sp, stop, tuple(ids), seed, [seq], child_ids)
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -506,7 +463,7 @@ class LLMEngine:
         arrival = self.now_ms()
         times_from = len(req.token_times_ms)
         self.scheduler.resume(request_id, tool, stop)  # may raise: nothing changed yet
-        self.executor.register(request_id, _spec(sp, seed))
+        self.executor.register(request_id, sample_spec(sp, seed))
         prompt = tuple(req.prompt_token_ids)  # the conversation plus the tool's tokens
         seq = self._new_seq(request_id, request_id, 0, req, sp, prompt)
         seq.turn = turn
@@ -954,17 +911,17 @@ class LLMEngine:
         req: Request | None,
         sp: SamplingParams,
         prompt_ids: Sequence[int],
-    ) -> _Seq:
+    ) -> Sample:
         stream = TextStream(
             self.tokenizer.detokenizer(prompt_ids),
             sp.stop,
             include_stop_str_in_output=sp.include_stop_str_in_output,
         )
-        seq = _Seq(seq_id, request_id, index, req, stream, [] if sp.logprobs else None)
+        seq = Sample(seq_id, request_id, index, req, stream, [] if sp.logprobs else None)
         self._seqs[seq_id] = seq
         return seq
 
-    def _append(self, seq: _Seq, token: int, logprob: float | None) -> None:
+    def _append(self, seq: Sample, token: int, logprob: float | None) -> None:
         seq.token_ids.append(token)
         if seq.logprobs is not None:
             seq.logprobs.append(float("nan") if logprob is None else logprob)
@@ -1006,7 +963,7 @@ class LLMEngine:
 
     def _forked_sample(
         self,
-        group: _Group,
+        group: SampleGroup,
         index: int,
         parent: Request,
         drawn: DrawnToken,
@@ -1021,7 +978,7 @@ class LLMEngine:
         child_req = None
         if live:
             child_req = self.scheduler.fork(parent.request_id, cid, drawn.token, group.stop)
-            self.executor.register(cid, _spec(group.params, derive_seed(group.seed, index)))
+            self.executor.register(cid, sample_spec(group.params, derive_seed(group.seed, index)))
             self.num_forks += 1
         seq = self._new_seq(
             cid, group.request_id, index, child_req, group.params, group.prompt_token_ids
@@ -1036,7 +993,7 @@ class LLMEngine:
             self._finish(seq, reason.value, drawn.token if is_stop else None)
         return cid
 
-    def _close_unforked(self, group: _Group, reason: str) -> list[str]:
+    def _close_unforked(self, group: SampleGroup, reason: str) -> list[str]:
         """Final outputs for samples 1..n-1 of a request that ended before its first token
         (so before they were forked): each ends like sample 0, with no tokens."""
         if group.forked or len(group.seqs) > 1 or not group.child_ids:
@@ -1051,7 +1008,9 @@ class LLMEngine:
             for i in range(1, len(group.child_ids) + 1)
         ]
 
-    def _tokenless_sample(self, group: _Group, index: int, parent: Request, reason: str) -> str:
+    def _tokenless_sample(
+        self, group: SampleGroup, index: int, parent: Request, reason: str
+    ) -> str:
         """Sample ``index`` (>= 1), never forked, finished with ``reason`` and no tokens;
         its metrics are the parent request's. Returns its id for :meth:`_collect`."""
         cid = group.child_ids[index - 1]
@@ -1063,7 +1022,7 @@ class LLMEngine:
         self._finish(seq, reason, None)
         return cid
 
-    def _finish(self, seq: _Seq, reason: str, stop_reason: str | int | None) -> None:
+    def _finish(self, seq: Sample, reason: str, stop_reason: str | int | None) -> None:
         seq.finished = True
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -1100,7 +1059,7 @@ class LLMEngine:
                 self._retire(seq)
         return outs
 
-    def _metrics(self, seq: _Seq) -> RequestMetrics:
+    def _metrics(self, seq: Sample) -> RequestMetrics:
         req = seq.request if seq.request is not None else seq.metrics_from
         assert req is not None
         group = self._groups.get(seq.request_id)
@@ -1123,7 +1082,7 @@ class LLMEngine:
             migrations=tuple(group.migrations) if group is not None else (),
         )
 
-    def _retire(self, seq: _Seq) -> None:
+    def _retire(self, seq: Sample) -> None:
         del self._seqs[seq.seq_id]
         self.executor.unregister(seq.seq_id)
         group = self._groups.get(seq.request_id)
@@ -1151,16 +1110,6 @@ def _last_logprob(record: StepRecord, sid: str) -> float | None:
     """The logprob of the last token a step gave ``sid`` (NaN: its row failed)."""
     v = record.outcome.verified.get(sid)
     return record.logprobs.get(sid) if v is None else _verified_tokens(record, sid, v)[-1][1]
-
-
-def _spec(sp: SamplingParams, seed: int) -> SampleSpec:
-    return SampleSpec(
-        temperature=float(sp.temperature),
-        top_k=sp.top_k,
-        top_p=float(sp.top_p),
-        seed=seed,
-        logprobs=sp.logprobs,
-    )
 
 
 def _sampling_params(params: SamplingParams | Mapping[str, object] | None) -> SamplingParams:

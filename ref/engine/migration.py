@@ -1,4 +1,4 @@
-"""Migration between engines: move a live request to another :class:`LLMEngine` at any
+"""Migration between engines: move a live request to another engine (``LLMEngine``) at any
 step boundary, with its K/V or without (docs/MIGRATION.md).
 
 The protocol, one call each, the source unchanged until its last move:
@@ -32,13 +32,16 @@ import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from ref.core import transit
 from ref.core.migration_cost import KVMode, MigrationCost, MigrationDecision
 from ref.core.request import Request
+from ref.core.scheduler import Scheduler
 from ref.core.transit import Import, KVPlace, MigrationError, RequestState
+from ref.engine.samples import Sample, SampleGroup, sample_spec
 from ref.engine.ticket import (
     KVChunk,
     KVLayoutMismatch,
@@ -49,13 +52,50 @@ from ref.engine.ticket import (
     TicketError,
 )
 from ref.errors import DuplicateRequest
-from ref.model.executor import SavedRows
+from ref.model.config import ModelConfig
+from ref.model.executor import ModelExecutor, SavedRows
+from ref.model.llama import HostKVCache, KVCache, LlamaModel
 from ref.model.sampler import SamplingParams
-from ref.model.tokenizer import TextStream
+from ref.model.tokenizer import TextStream, Tokenizer
 from ref.model.weights import LayerWeights
 
-if TYPE_CHECKING:
-    from ref.engine.llm_engine import LLMEngine, _Seq
+
+class Engine(Protocol):
+    """What migration reads and writes of an engine (ref/engine/llm_engine.py's
+    ``LLMEngine``, which calls these functions; typed here by shape, so that this module
+    does not import the engine that imports it)."""
+
+    scheduler: Scheduler
+    executor: ModelExecutor
+    cache: KVCache
+    host_cache: HostKVCache
+    model: LlamaModel
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    _groups: dict[str, SampleGroup]
+    _seqs: dict[str, Sample]
+    _identity: ModelIdentity | None
+    num_migrations_in: int
+    num_migrations_out: int
+    migration_ms: float
+
+    def now_ms(self) -> float: ...
+
+    @property
+    def idle_fraction(self) -> float: ...
+
+    def prefix_hit_tokens(self, token_ids: Sequence[int], state: object = None) -> int: ...
+
+    def _new_seq(
+        self,
+        seq_id: str,
+        request_id: str,
+        index: int,
+        req: Request | None,
+        sp: SamplingParams,
+        prompt_ids: Sequence[int],
+    ) -> Sample: ...
+
 
 #: Where :func:`migrate` calls its fault hook, in protocol order.
 FAULT_POINTS = ("before_export", "after_stage", "mid_stream", "before_ack", "after_ack")
@@ -80,7 +120,7 @@ class MigrationAborted(MigrationError):
 
 
 # ---------------------------------------------------------------------------- identity
-def model_identity(engine: LLMEngine) -> ModelIdentity:
+def model_identity(engine: Engine) -> ModelIdentity:
     """The engine's network: shape, dtype and a fingerprint of its weights (the first
     values of every tensor, hashed), so a ticket from another checkpoint is refused."""
     cached = engine._identity
@@ -117,7 +157,7 @@ def _layer_tensors(layer: LayerWeights) -> list[torch.Tensor]:
 
 # ---------------------------------------------------------------------------- export
 def export(
-    engine: LLMEngine,
+    engine: Engine,
     request_id: str,
     *,
     kv: KVMode | str = KVMode.AUTO,
@@ -127,13 +167,8 @@ def export(
     idle: float = 1.0,
 ) -> MigrationTicket:
     """Step 1 (module doc): the ticket of every live sample of ``request_id``."""
-    group = engine._groups.get(request_id)
-    if group is None:
-        raise MigrationError(f"export: request {request_id!r} is not live on this engine")
-    live = [s for s in group.seqs if not s.finished]
-    if not live or any(s.seq_id not in engine.scheduler.requests for s in live):
-        raise MigrationError(f"export: request {request_id!r} has finished")
-    departures = [engine.scheduler.export(s.seq_id) for s in live]  # may raise: a step is open
+    group, live = _live_samples(engine, request_id)
+    departures = [transit.export(engine.scheduler, s.seq_id) for s in live]  # a step open: raises
     rule = cost or default_cost(engine)
     kv_tokens = max(d.kv_length for d in departures)
     decision = rule.decide(kv, kv_tokens, min(hit_tokens, kv_tokens), idle)
@@ -147,7 +182,7 @@ def export(
         request_id=request_id,
         model=model_identity(engine),
         block_size=engine.scheduler.config.block_size,
-        params={k: list(v) if isinstance(v, tuple) else v for k, v in asdict(group.params).items()},
+        params=_plain_params(group.params),
         seed=group.seed,
         turn=group.turn,
         stop=group.stop,
@@ -162,12 +197,28 @@ def export(
     )
 
 
-def default_cost(engine: LLMEngine) -> MigrationCost:
+def _live_samples(engine: Engine, request_id: str) -> tuple[SampleGroup, list[Sample]]:
+    """The request's books and its live samples; a typed error if it has none here."""
+    group = engine._groups.get(request_id)
+    if group is None:
+        raise MigrationError(f"export: request {request_id!r} is not live on this engine")
+    live = [s for s in group.seqs if not s.finished]
+    if not live or any(s.seq_id not in engine.scheduler.requests for s in live):
+        raise MigrationError(f"export: request {request_id!r} has finished")
+    return group, live
+
+
+def _plain_params(sp: SamplingParams) -> dict[str, object]:
+    """The sampling params as JSON values (tuples as lists: what a decoded ticket holds)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(sp).items()}
+
+
+def default_cost(engine: Engine) -> MigrationCost:
     """The rule's defaults (:class:`MigrationCost`) with this model's KV bytes per token."""
     return MigrationCost(kv_bytes_per_token=engine.cache.bytes_per_token)
 
 
-def _seq_ticket(seq: _Seq, state: RequestState, place: KVPlace) -> SeqTicket:
+def _seq_ticket(seq: Sample, state: RequestState, place: KVPlace) -> SeqTicket:
     assert seq.pending_stop is None, "a stop string ends its sequence in the same step"
     return SeqTicket(
         seq_id=seq.seq_id,
@@ -187,10 +238,10 @@ def _seq_ticket(seq: _Seq, state: RequestState, place: KVPlace) -> SeqTicket:
     )
 
 
-def read_kv(engine: LLMEngine, seq_id: str, start: int, end: int) -> KVChunk:
+def read_kv(engine: Engine, seq_id: str, start: int, end: int) -> KVChunk:
     """The K/V of positions ``[start, end)`` of a live sample, from the device or the
     host pool (a swapped request's), token-major (:class:`KVChunk`)."""
-    d = engine.scheduler.export(seq_id)
+    d = transit.export(engine.scheduler, seq_id)
     if not 0 <= start < end <= d.kv_length:
         raise MigrationError(
             f"read_kv: {seq_id!r} holds KV for positions [0, {d.kv_length}); asked [{start}, {end})"
@@ -213,7 +264,7 @@ class StagedImport:
     positions whose K/V must still be written; ``hit_tokens[seq_id]`` the destination's
     own prefix hit."""
 
-    engine: LLMEngine
+    engine: Engine
     ticket: MigrationTicket
     transit_ms: float
     needed: dict[str, tuple[int, int]]
@@ -291,12 +342,12 @@ class StagedImport:
         return [r.request_id for r in reqs]
 
 
-def stage(engine: LLMEngine, ticket: MigrationTicket, *, transit_ms: float = 0.0) -> StagedImport:
+def stage(engine: Engine, ticket: MigrationTicket, *, transit_ms: float = 0.0) -> StagedImport:
     """Step 2 (module doc): check the ticket, stage its requests, write its inline K/V.
     Raises a typed error with the destination unchanged."""
     _check_ticket(engine, ticket)
     with_kv = ticket.kv_mode is KVMode.TRANSFER
-    imp = engine.scheduler.begin_import()
+    imp = transit.begin_import(engine.scheduler)
     try:
         arrivals = [imp.stage(s.state, with_kv=with_kv) for s in ticket.sequences]
     except BaseException:
@@ -321,9 +372,15 @@ def stage(engine: LLMEngine, ticket: MigrationTicket, *, transit_ms: float = 0.0
     return staged
 
 
-def _check_ticket(engine: LLMEngine, t: MigrationTicket) -> None:
+def _check_ticket(engine: Engine, t: MigrationTicket) -> None:
     if not isinstance(t, MigrationTicket):
         raise TicketError(f"import: expected a MigrationTicket, got {type(t).__name__}")
+    _check_model(engine, t)
+    _check_samples(engine, t)
+
+
+def _check_model(engine: Engine, t: MigrationTicket) -> None:
+    """The ticket's K/V was computed by this engine's network, in its cache layout."""
     mine, theirs = model_identity(engine), t.model
     if (theirs.model_type, theirs.vocab_size) != (mine.model_type, mine.vocab_size):
         raise ModelMismatch(
@@ -342,6 +399,10 @@ def _check_ticket(engine: LLMEngine, t: MigrationTicket) -> None:
             f"import: ticket of {t.request_id!r} was computed with other weights "
             f"({theirs.fingerprint[:12]}; this engine's are {mine.fingerprint[:12]})"
         )
+
+
+def _check_samples(engine: Engine, t: MigrationTicket) -> None:
+    """Live samples with free ids here, K/V only for them, params and text that replay."""
     if not t.sequences:
         raise TicketError(f"import: ticket of {t.request_id!r} has no live sample")
     for s in t.sequences:
@@ -363,7 +424,7 @@ def _check_ticket(engine: LLMEngine, t: MigrationTicket) -> None:
         _text_stream(engine, sp, t.prompt_token_ids, s)
 
 
-def _rows(engine: LLMEngine, model: ModelIdentity, chunk: KVChunk) -> torch.Tensor:
+def _rows(engine: Engine, model: ModelIdentity, chunk: KVChunk) -> torch.Tensor:
     """A chunk's bytes as ``[2 * layers, n, H, D]`` rows in the cache's dtype."""
     n = chunk.end - chunk.start
     per_token = model.bytes_per_token
@@ -378,7 +439,7 @@ def _rows(engine: LLMEngine, model: ModelIdentity, chunk: KVChunk) -> torch.Tens
 
 
 def _adopt(
-    engine: LLMEngine,
+    engine: Engine,
     t: MigrationTicket,
     reqs: Sequence[Request],
     transit_ms: float,
@@ -388,12 +449,11 @@ def _adopt(
     """The engine's books for the committed requests: group, samples, specs, streams;
     ``offset_ms`` moves the sample's own times (a resumed turn's arrival) onto this
     engine's clock, as :meth:`Import.commit` moved the request's."""
-    from ref.engine.llm_engine import _Group, _spec
     from ref.model.sampler import derive_seed
 
     sp = SamplingParams.from_dict(t.params)
     by_id = {r.request_id: r for r in reqs}
-    seqs: list[_Seq] = []
+    seqs: list[Sample] = []
     for s in t.sequences:
         req = by_id[s.seq_id]
         seq = engine._new_seq(s.seq_id, t.request_id, s.index, req, sp, t.prompt_token_ids)
@@ -402,9 +462,11 @@ def _adopt(
         forks = (
             ()
             if t.forked or s.index
-            else tuple(_spec(sp, derive_seed(t.seed, i)) for i in range(1, len(t.child_ids) + 1))
+            else tuple(
+                sample_spec(sp, derive_seed(t.seed, i)) for i in range(1, len(t.child_ids) + 1)
+            )
         )
-        engine.executor.register(s.seq_id, _spec(sp, derive_seed(t.seed, s.index)), forks)
+        engine.executor.register(s.seq_id, sample_spec(sp, derive_seed(t.seed, s.index)), forks)
     decisions = list(t.decisions)
     if decisions:
         last = decisions[-1]
@@ -419,7 +481,9 @@ def _adopt(
             last.latency_ms,
             last.idle,
         )
-    group = _Group(t.request_id, sp, t.stop, t.prompt_token_ids, t.seed, seqs, t.child_ids, t.turn)
+    group = SampleGroup(
+        t.request_id, sp, t.stop, t.prompt_token_ids, t.seed, seqs, t.child_ids, t.turn
+    )
     group.forked = t.forked
     group.migrations = decisions
     engine._groups[t.request_id] = group
@@ -427,7 +491,7 @@ def _adopt(
     engine.migration_ms += transit_ms
 
 
-def _replay(seq: _Seq, s: SeqTicket, stream: TextStream, turn: int, offset_ms: float) -> None:
+def _replay(seq: Sample, s: SeqTicket, stream: TextStream, turn: int, offset_ms: float) -> None:
     """The sample's engine state from its ticket: tokens, logprobs, counters, and the
     text stream :func:`_text_stream` rebuilt."""
     seq.stream = stream
@@ -444,9 +508,9 @@ def _replay(seq: _Seq, s: SeqTicket, stream: TextStream, turn: int, offset_ms: f
 
 
 def _text_stream(
-    engine: LLMEngine, sp: SamplingParams, prompt: Sequence[int], s: SeqTicket
+    engine: Engine, sp: SamplingParams, prompt: Sequence[int], s: SeqTicket
 ) -> TextStream:
-    """The sample's text stream, built as ``LLMEngine._new_seq`` builds one and fed the
+    """The sample's text stream, built as ``Engine._new_seq`` builds one and fed the
     same tokens (detokenization and stop-string holdback are deterministic), then told
     how much text was already delivered. A ticket whose tokens do not give its text, or
     whose counts do not fit its tokens, raises :class:`TicketError`: :func:`stage` runs
@@ -480,7 +544,7 @@ def _text_stream(
 
 
 # ---------------------------------------------------------------------------- release
-def release(engine: LLMEngine, request_id: str) -> None:
+def release(engine: Engine, request_id: str) -> None:
     """Step 5 (module doc): the request leaves the source, its blocks freed; no output
     is produced for it here (the destination continues its stream)."""
     group = engine._groups.get(request_id)
@@ -488,7 +552,7 @@ def release(engine: LLMEngine, request_id: str) -> None:
         raise MigrationError(f"release: request {request_id!r} is not live on this engine")
     for seq in group.seqs:
         if not seq.finished and seq.seq_id in engine.scheduler.requests:
-            engine.scheduler.release(seq.seq_id)
+            transit.release(engine.scheduler, seq.seq_id)
         engine._seqs.pop(seq.seq_id, None)
         engine.executor.unregister(seq.seq_id)
     del engine._groups[request_id]
@@ -509,8 +573,8 @@ class MigrationReport:
 
 
 def migrate(
-    src: LLMEngine,
-    dst: LLMEngine,
+    src: Engine,
+    dst: Engine,
     request_id: str,
     *,
     kv: KVMode | str = KVMode.AUTO,
@@ -528,9 +592,10 @@ def migrate(
     staged: StagedImport | None = None
     try:
         hook(point)
-        probe = src.scheduler.export(_first_live(src, request_id))
+        probe = transit.export(src.scheduler, _first_live(src, request_id))
         hit = dst.prefix_hit_tokens(probe.state.token_ids[: probe.kv_length], probe.state)
-        ticket = src.export_request(
+        ticket = export(
+            src,
             request_id,
             kv=kv,
             inline=chunk_blocks is None,
@@ -538,7 +603,7 @@ def migrate(
             hit_tokens=hit,
             idle=dst.idle_fraction,
         )
-        staged = dst.stage_import(ticket)
+        staged = stage(dst, ticket)
         point = "after_stage"
         hook(point)
         point = "mid_stream"
@@ -571,7 +636,7 @@ def migrate(
         # what it staged and the request ends exactly once.
         staged.abort()
         raise MigrationAborted(request_id, "after_ack", e) from e
-    src.release_request(request_id)
+    release(src, request_id)
     staged.transit_ms = src.now_ms() - ticket.clock_ms
     staged.commit()
     decision = dst._groups[request_id].migrations[-1]
@@ -581,7 +646,7 @@ def migrate(
     )
 
 
-def _first_live(engine: LLMEngine, request_id: str) -> str:
+def _first_live(engine: Engine, request_id: str) -> str:
     group = engine._groups.get(request_id)
     if group is None:
         raise MigrationError(f"migrate: request {request_id!r} is not live on this engine")
@@ -592,7 +657,7 @@ def _first_live(engine: LLMEngine, request_id: str) -> str:
 
 
 def _stream(
-    src: LLMEngine,
+    src: Engine,
     staged: StagedImport,
     ticket: MigrationTicket,
     chunk_blocks: int | None,
@@ -609,7 +674,7 @@ def _stream(
     for seq_id, (lo, hi) in staged.needed.items():
         for start in range(lo, hi, step):
             _require_unchanged(src, ticket, seq_id)
-            chunk = src.read_kv(seq_id, start, min(start + step, hi))
+            chunk = read_kv(src, seq_id, start, min(start + step, hi))
             staged.write(chunk)
             staged.streamed_bytes += len(chunk.data)
             count += 1
@@ -617,7 +682,7 @@ def _stream(
     return count
 
 
-def _require_unchanged(src: LLMEngine, ticket: MigrationTicket, seq_id: str) -> None:
+def _require_unchanged(src: Engine, ticket: MigrationTicket, seq_id: str) -> None:
     r = src.scheduler.requests.get(seq_id)
     s = next(s for s in ticket.sequences if s.seq_id == seq_id)
     if r is None or r.num_tokens != len(s.state.token_ids) or r.status is not s.state.status:

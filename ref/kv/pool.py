@@ -230,6 +230,11 @@ class BlockPool:
         return self.blocks_to_allocate(request_id, num_new_tokens, hit) <= self._blocks.num_free
 
     # ------------------------------------------------------------ transactions
+    @property
+    def in_transaction(self) -> bool:
+        """A transaction opened by :meth:`begin` is open (a step, a staged migration)."""
+        return self._journal.active
+
     def begin(self) -> None:
         """Open a transaction spanning calls; :meth:`rollback` returns to this point."""
         self._journal.begin()

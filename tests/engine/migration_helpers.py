@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ref.core import transit
 from ref.core.config import SchedulerConfig
 from ref.core.executor import StepOutput
 from ref.core.inputs import ModelInputs
@@ -188,7 +189,7 @@ def move(
     assert_pool_sound(dst, "destination pool after the move")
     for s in probe.sequences:
         n, hit, data = before[s.seq_id]
-        d = dst.scheduler.export(s.seq_id)
+        d = transit.export(dst.scheduler, s.seq_id)
         assert d.state.token_ids == s.state.token_ids, f"{s.seq_id}: token ids changed"
         if how.kv == "recompute" or not n:
             assert d.kv_length == 0, f"{s.seq_id}: KV without a transfer"

@@ -42,6 +42,7 @@ from migration_helpers import (
 
 from ref.core.migration_cost import KVMode
 from ref.core.transit import MigrationRefused
+from ref.engine import migration
 from ref.engine.llm_engine import LLMEngine
 from ref.engine.migration import FAULT_POINTS, MigrationAborted, migrate
 from ref.engine.ticket import KVChunk, KVLayoutMismatch, MigrationTicket, TicketError
@@ -202,14 +203,14 @@ def test_a_refused_import_leaves_both_engines_as_they_were() -> None:
 def test_planted_source_freeing_before_the_ack_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The source releases the request as soon as its ticket is out: a fault before the
     ack then finds the source changed (the request gone from it)."""
-    real = LLMEngine.export_request
+    real = migration.export
 
-    def export_then_free(self: LLMEngine, request_id: str, **kw: object) -> MigrationTicket:
-        ticket = real(self, request_id, **kw)  # type: ignore[arg-type]
-        self.release_request(request_id)
+    def export_then_free(engine: LLMEngine, request_id: str, **kw: object) -> MigrationTicket:
+        ticket = real(engine, request_id, **kw)  # type: ignore[arg-type]
+        migration.release(engine, request_id)
         return ticket
 
-    monkeypatch.setattr(LLMEngine, "export_request", export_then_free)
+    monkeypatch.setattr(migration, "export", export_then_free)
     with pytest.raises(AssertionError, match="the source changed"):
         check_fault_before_ack("before_ack", INLINE, 7)
     monkeypatch.undo()

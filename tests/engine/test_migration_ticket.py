@@ -181,7 +181,7 @@ def refused(dst: LLMEngine, attempt: Callable[[], object], exc: type[Exception],
     assert_cache_equal(dst, kv)
     assert (set(dst._groups), set(dst._seqs)) == (groups, seqs)
     assert (dst.num_migrations_in, dst.migration_ms) == counters
-    assert dst.scheduler._import is None
+    assert not dst.scheduler.pool.in_transaction
     dst.step()
 
 

@@ -726,7 +726,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             s.step_index,
             sorted(s.requests),
             list(s.paused),
-            list(s._to_host),  # paused turns still to move to the host: order matters
+            list(s._suspend.to_host),  # paused turns still to move to the host: order matters
         )
 
     def _expected_finish(self, rid: str) -> FinishReason | None:
