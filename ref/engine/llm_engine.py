@@ -289,6 +289,13 @@ class LLMEngine:
         return bool(self._inbox) or len(sched.requests) > len(sched.paused)
 
     @property
+    def request_ids(self) -> tuple[str, ...]:
+        """The requests live here, in arrival order: not finished (a paused one
+        counts), not migrated away, not aborted (the cluster's ownership check,
+        ref/cluster/cluster.py)."""
+        return tuple(self._groups)
+
+    @property
     def paused_request_ids(self) -> tuple[str, ...]:
         """Requests waiting for a tool, in pause order."""
         return tuple(self.scheduler.paused)

@@ -28,9 +28,10 @@ REF_LAYERS: dict[str, int] = {
     "ref.model": 4,
     "ref.sim": 4,
     "ref.engine": 5,
-    "ref.serve": 6,
-    "ref.report": 7,
-    "ref.cli": 8,
+    "ref.cluster": 6,
+    "ref.serve": 7,
+    "ref.report": 8,
+    "ref.cli": 9,
 }
 # The top-level packages each may import (besides itself and third-party code).
 PACKAGE_MAY_IMPORT: dict[str, set[str]] = {
@@ -172,6 +173,8 @@ def test_every_ref_module_has_a_layer() -> None:
         ("spec/fake.py", "from ref.kv import BlockPool\n", "spec may not import ref"),
         ("kernels/fake.py", "from ..ref import errors\n", "kernels may not import ref"),
         ("ref/core/fake.py", "from ..report import compare\n", "below ref.report"),
+        ("ref/engine/fake.py", "from ref.cluster.router import Router\n", "below ref.cluster"),
+        ("ref/cluster/fake.py", "from ref.serve import app\n", "below ref.serve"),
     ],
 )
 def test_an_upward_import_is_caught(

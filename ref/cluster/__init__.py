@@ -1,0 +1,40 @@
+"""The cluster: N engine replicas behind one router (docs/CLUSTER.md).
+
+One concept per module: the typed errors (``errors``), the global prefix index fed by
+the replicas' cache events (``index``), the replica interface and its in-process
+transport (``replica``), the routing policies (``router``) and the in-process cluster
+that drives them (``cluster``).
+A layer above ``ref.engine`` and below ``ref.serve`` (docs/ARCHITECTURE.md, "Layers").
+"""
+
+from ref.cluster.cluster import Cluster, ClusterMetrics
+from ref.cluster.errors import (
+    ClusterError,
+    EventGap,
+    EventMismatch,
+    ReplicaMismatch,
+    UnknownPolicy,
+    UnknownReplica,
+)
+from ref.cluster.index import CacheSnapshot, GlobalPrefixIndex
+from ref.cluster.replica import InProcessReplica, LoadFigures, Replica
+from ref.cluster.router import Router, RoutingDecision, RoutingPolicy
+
+__all__ = [
+    "CacheSnapshot",
+    "Cluster",
+    "ClusterError",
+    "ClusterMetrics",
+    "EventGap",
+    "EventMismatch",
+    "GlobalPrefixIndex",
+    "InProcessReplica",
+    "LoadFigures",
+    "Replica",
+    "ReplicaMismatch",
+    "Router",
+    "RoutingDecision",
+    "RoutingPolicy",
+    "UnknownPolicy",
+    "UnknownReplica",
+]

@@ -1,0 +1,322 @@
+"""The in-process cluster: N replicas behind one router (docs/CLUSTER.md, "The
+in-process cluster").
+
+:meth:`Cluster.add_request` routes: the replicas' cache events published so far are
+applied to the global index (ref/cluster/index.py), the index gives every replica's
+cached prefix of the prompt, the router (ref/cluster/router.py) compares those with the
+replicas' load figures, and the request goes to the replica it chose. :meth:`Cluster.step`
+steps every replica that has work and returns their outputs, in replica order.
+:meth:`Cluster.migrate` moves a live request to another replica with the engines'
+migration protocol (ref/engine/migration.py, ``migrate``: the source unchanged by a
+failure before the ack).
+
+Ownership. The cluster maps each live request to the one replica that holds it; after
+every operation the map equals the replicas' own live requests, each on exactly one
+(:meth:`Cluster.ownership_violations` is that rule). A request leaves the map when it is
+aborted, and when the step that finished it returns its final output.
+
+Faults. If a replica's step raises, the outputs the replicas before it produced in that
+call are held and delivered first by the next :meth:`Cluster.step` that returns (each
+once), as a single engine holds its outputs (ref/engine/llm_engine.py, "Faults").
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import cast
+
+from ref.cluster.errors import (
+    ClusterError,
+    EventGap,
+    EventMismatch,
+    ReplicaMismatch,
+    UnknownReplica,
+)
+from ref.cluster.index import GlobalPrefixIndex
+from ref.cluster.replica import InProcessReplica, Replica
+from ref.cluster.router import Router, RoutingDecision
+from ref.core.config import SchedulerConfig
+from ref.core.migration_cost import KVMode, MigrationCost
+from ref.core.transit import MigrationError
+from ref.engine import migration
+from ref.engine.llm_engine import FORK_SEPARATOR, InvalidPrompt, LLMEngine, Prompt, RequestOutput
+from ref.errors import DuplicateRequest, InvalidArgument, UnknownRequest
+from ref.model.sampler import SamplingParams
+
+#: Routing decisions kept for inspection (:attr:`Cluster.decisions`), newest last.
+DECISIONS_KEPT = 4096
+
+
+@dataclass
+class ClusterMetrics:
+    """What the cluster did, over its life (docs/CLUSTER.md, "Metrics")."""
+
+    decisions_by_policy: Counter[str] = field(default_factory=Counter)
+    routed_by_replica: Counter[int] = field(default_factory=Counter)
+    prompt_tokens_routed: int = 0
+    prefix_hit_tokens_at_routing: int = 0  # the chosen replica's cached prefix, summed
+    migrations: int = 0
+    migrations_aborted: int = 0  # aborted or refused: the request stayed where it was
+    migration_bytes: int = 0  # K/V bytes moved (transfer), inline and streamed
+    migration_ms: float = 0.0
+    index_resyncs: int = 0  # the index rebuilt from a replica's snapshot (a gap, a mismatch)
+
+
+class Cluster:
+    """N replicas of one model behind a :class:`Router` (module doc)."""
+
+    def __init__(self, replicas: Sequence[Replica], router: Router | None = None) -> None:
+        reps = list(replicas)
+        if not reps:
+            raise InvalidArgument("Cluster: needs at least one replica")
+        for i, rep in enumerate(reps):
+            if not isinstance(rep, Replica):
+                raise InvalidArgument(
+                    f"Cluster: replica {i} is a {type(rep).__name__}, not a Replica"
+                )
+        model = reps[0].identity
+        for i, rep in enumerate(reps[1:], start=1):
+            if rep.identity != model:
+                raise ReplicaMismatch(
+                    f"Cluster: replica {i} runs {rep.identity}, replica 0 runs {model}"
+                )
+        if router is not None and not isinstance(router, Router):
+            raise InvalidArgument(f"Cluster: router must be a Router, got {type(router).__name__}")
+        self.replicas: tuple[Replica, ...] = tuple(reps)
+        self.router = router or Router()
+        self.index = GlobalPrefixIndex()
+        for i, rep in enumerate(reps):
+            self.index.add_replica(i, rep.block_size, rep.cache_snapshot())
+            rep.drain_cache_events()  # reflected in the snapshot
+        self.metrics = ClusterMetrics()
+        self.decisions: deque[RoutingDecision] = deque(maxlen=DECISIONS_KEPT)
+        self._owner: dict[str, int] = {}
+        self._held: list[RequestOutput] = []
+        self._next_id = 0
+        self._vocab_size = model.vocab_size
+
+    @classmethod
+    def in_process(
+        cls,
+        num_replicas: int,
+        *,
+        model: str = "tiny",
+        scheduler_config: SchedulerConfig | Sequence[SchedulerConfig] | None = None,
+        router: Router | None = None,
+        check_invariants: bool = False,
+    ) -> Cluster:
+        """``num_replicas`` engines of ``model`` in this process, each publishing its
+        cache events; ``scheduler_config`` one for all or one per replica."""
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+            raise InvalidArgument(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+        if scheduler_config is None or isinstance(scheduler_config, SchedulerConfig):
+            configs = [scheduler_config or SchedulerConfig()] * num_replicas
+        else:
+            configs = list(scheduler_config)
+            if len(configs) != num_replicas:
+                raise InvalidArgument(
+                    f"{num_replicas} replicas but {len(configs)} scheduler configs"
+                )
+        replicas: list[Replica] = []
+        for c in configs:
+            cfg = replace(c, cache_events=True)
+            engine = LLMEngine(model, scheduler_config=cfg, check_invariants=check_invariants)
+            replicas.append(InProcessReplica(engine))
+        return cls(replicas, router)
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def has_work(self) -> bool:
+        """A :meth:`step` can make progress on some replica, or outputs are held."""
+        return bool(self._held) or any(rep.has_work for rep in self.replicas)
+
+    def owner(self, request_id: str) -> int:
+        """The replica holding the live request ``request_id``."""
+        r = self._owner.get(request_id)
+        if r is None:
+            raise UnknownRequest(request_id, "owner")
+        return r
+
+    @property
+    def owners(self) -> dict[str, int]:
+        """A copy of the ownership map: live request -> replica."""
+        return dict(self._owner)
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> RoutingDecision:
+        """Route a request and queue it on the chosen replica; the decision says where.
+        Bad input raises a typed error (the replica's own, e.g. ``InvalidSamplingParams``
+        or ``ExceedsCapacity``) and changes nothing: not the router, not the metrics."""
+        rid = self._new_id(request_id)
+        ids = self._token_ids(prompt)
+        self._sync_index()
+        hits = self.index.longest_prefix(ids)
+        loads = {r: rep.load() for r, rep in enumerate(self.replicas)}
+        decision = self.router.route(rid, len(ids), loads, hits)
+        self.replicas[decision.replica].add_request(ids, params or SamplingParams(), rid)
+        self.router.accepted(decision)
+        self._owner[rid] = decision.replica
+        self.decisions.append(decision)
+        m = self.metrics
+        m.decisions_by_policy[decision.policy.value] += 1
+        m.routed_by_replica[decision.replica] += 1
+        m.prompt_tokens_routed += len(ids)
+        m.prefix_hit_tokens_at_routing += decision.prefix_hit_tokens
+        return decision
+
+    def abort(self, request_id: str) -> None:
+        """Abort a live request on its replica; its final outputs come with the next step."""
+        r = self.owner(request_id)
+        self.replicas[r].abort(request_id)
+        del self._owner[request_id]
+
+    def step(self) -> list[RequestOutput]:
+        """Step every replica that has work; the held outputs, then theirs in replica
+        order (module doc, "Faults")."""
+        outputs, self._held = self._held, []
+        try:
+            for r, rep in enumerate(self.replicas):
+                if rep.has_work:
+                    fresh = rep.step()
+                    self._retire(r, rep, fresh)
+                    outputs.extend(fresh)
+        except BaseException:
+            self._held = outputs
+            raise
+        self._sync_index()
+        return outputs
+
+    # ------------------------------------------------------------------ migration
+    def migrate(
+        self,
+        request_id: str,
+        to: int,
+        *,
+        kv: KVMode | str = KVMode.AUTO,
+        chunk_blocks: int | None = None,
+        cost: MigrationCost | None = None,
+        fault: migration.FaultHook | None = None,
+    ) -> migration.MigrationReport:
+        """Move a live request to replica ``to`` (``ref.engine.migration.migrate``;
+        ``kv``, ``chunk_blocks``, ``cost`` and ``fault`` are its). A failure before the
+        ack raises ``MigrationAborted`` with the request where it was; a destination
+        without room refuses (``MigrationRefused``), the request where it was too."""
+        src = self.owner(request_id)
+        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < len(self.replicas):
+            raise UnknownReplica(to, f"migrate of {request_id!r}")
+        if to == src:
+            raise InvalidArgument(f"migrate: request {request_id!r} is already on replica {to}")
+        a, b = self.replicas[src], self.replicas[to]
+        if not isinstance(a, InProcessReplica) or not isinstance(b, InProcessReplica):
+            raise ClusterError(
+                f"migrate: {type(a).__name__} -> {type(b).__name__}: only in-process replicas "
+                'migrate so far (docs/CLUSTER.md, "Not built yet")'
+            )
+        try:
+            report = migration.migrate(
+                a.engine,
+                b.engine,
+                request_id,
+                kv=kv,
+                chunk_blocks=chunk_blocks,
+                cost=cost,
+                fault=fault,
+            )
+        except MigrationError:  # aborted or refused: the request stayed where it was
+            self.metrics.migrations_aborted += 1
+            raise
+        self._owner[request_id] = to
+        m = self.metrics
+        m.migrations += 1
+        m.migration_bytes += report.kv_bytes
+        m.migration_ms += report.elapsed_ms
+        return report
+
+    # ------------------------------------------------------------------ the rule
+    def ownership_violations(self) -> list[str]:
+        """The ownership rule (module doc): every request live on a replica is live on
+        that one alone and mapped to it, and the map holds nothing else. Empty when it
+        holds."""
+        out: list[str] = []
+        seen: dict[str, int] = {}
+        for r, rep in enumerate(self.replicas):
+            for rid in rep.request_ids():
+                if rid in seen:
+                    out.append(f"{rid!r} is live on replicas {seen[rid]} and {r}")
+                seen.setdefault(rid, r)
+                if self._owner.get(rid) != r:
+                    out.append(f"{rid!r} is live on replica {r}, mapped to {self._owner.get(rid)}")
+        for rid, r in self._owner.items():
+            if rid not in seen:
+                out.append(f"{rid!r} is mapped to replica {r}, live on none")
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _retire(self, r: int, rep: Replica, fresh: Sequence[RequestOutput]) -> None:
+        """Requests whose final output ``fresh`` carries and that replica ``r`` no longer
+        holds leave the ownership map (an ``n > 1`` one when its last sample ends)."""
+        done = {o.request_id for o in fresh if o.finished}
+        if not done:
+            return
+        live = set(rep.request_ids())
+        for rid in done - live:
+            if self._owner.get(rid) == r:
+                del self._owner[rid]
+
+    def _sync_index(self) -> None:
+        """Apply every replica's new cache events; resync one from its snapshot when its
+        stream has a gap or does not apply (ref/cluster/index.py, "Gaps")."""
+        for r, rep in enumerate(self.replicas):
+            events = rep.drain_cache_events()
+            try:
+                self.index.apply(r, events)
+            except (EventGap, EventMismatch):
+                self.index.resync(r, rep.cache_snapshot())
+                self.metrics.index_resyncs += 1
+
+    def _new_id(self, request_id: str | None) -> str:
+        if request_id is None:
+            while True:
+                rid = f"req-{self._next_id}"
+                self._next_id += 1
+                if rid not in self._owner:
+                    return rid
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgument(f"request_id must be a non-empty str, got {request_id!r}")
+        if FORK_SEPARATOR in request_id:
+            raise InvalidArgument(
+                f"request_id must not contain {FORK_SEPARATOR!r} (the engines' sample ids), "
+                f"got {request_id!r}"
+            )
+        if request_id in self._owner:
+            raise DuplicateRequest(request_id, "add_request")
+        return request_id
+
+    def _token_ids(self, prompt: Prompt) -> list[int]:
+        """The prompt as token ids, checked before it is hashed and routed (the replica
+        checks it again: the same rules, ``InvalidPrompt``)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidPrompt("prompt is an empty string")
+            return self.replicas[0].encode(prompt)
+        if not isinstance(prompt, Sequence) or isinstance(prompt, bytes | bytearray):
+            raise InvalidPrompt(
+                f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}"
+            )
+        ids = list(cast("Sequence[int]", prompt))  # each element is checked below
+        if not ids:
+            raise InvalidPrompt("prompt has no tokens")
+        vocab = self._vocab_size
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidPrompt(
+                    f"prompt token {i} is {t!r}; token ids must be ints in [0, {vocab})"
+                )
+        return ids

@@ -1,0 +1,228 @@
+"""One replica of the cluster behind one interface, whatever carries the calls
+(docs/CLUSTER.md, "Replicas").
+
+:class:`Replica` is what the router and the cluster need of an engine: add a request,
+step, abort, the outputs, the load figures the policies compare (:class:`LoadFigures`),
+its cost model, its cache events (and a snapshot to resync from), and the three calls of
+a migration (export a ticket, import one, release the source). Everything that crosses
+it is a plain record (token ids, :class:`~ref.model.sampler.SamplingParams`,
+:class:`~ref.engine.llm_engine.RequestOutput`, :class:`LoadFigures`, the
+``spec.events`` records, :class:`~ref.engine.ticket.MigrationTicket`, whose bytes
+encoding is stable), so a transport to an engine in another process (Ray actors: not
+built yet) implements the same protocol. :class:`InProcessReplica`, the default, calls
+an :class:`LLMEngine` in this process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from ref.cluster.index import CacheSnapshot
+from ref.core.cost import StepCost
+from ref.core.migration_cost import KVMode
+from ref.engine import migration
+from ref.engine.llm_engine import LLMEngine, RequestOutput
+from ref.engine.ticket import MigrationTicket, ModelIdentity
+from ref.errors import InvalidArgument
+from ref.model.sampler import SamplingParams
+from spec.events import CacheEvent
+from spec.snapshot import RequestStatus
+
+_QUEUED = frozenset({RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.SWAPPED})
+
+
+@dataclass(frozen=True)
+class LoadFigures:
+    """A replica's load at a step boundary, as the routing policies read it
+    (ref/cluster/router.py).
+
+    ``num_waiting`` counts the queued samples (waiting, preempted, swapped out),
+    ``num_running`` those in the running batch (prefilling or decoding), of which
+    ``num_decoding`` decode; paused ones (a tool wait) count in ``num_paused`` only.
+    ``prefill_backlog_tokens`` are the tokens not yet computed of every sample that is
+    queued or prefilling (its prefix hits not yet subtracted: they are looked up at
+    admission). ``kv_blocks_used`` are the device blocks held by requests (a cached
+    block nobody holds is free: it can be evicted), of ``kv_blocks_total``.
+    """
+
+    num_waiting: int
+    num_running: int
+    num_decoding: int
+    num_paused: int
+    prefill_backlog_tokens: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    max_num_seqs: int
+    token_budget: int
+    block_size: int
+    cost: StepCost
+
+
+@runtime_checkable
+class Replica(Protocol):
+    """An engine replica as the cluster drives it (module doc)."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def identity(self) -> ModelIdentity:
+        """The model it runs (replicas of one cluster must agree)."""
+        ...
+
+    def encode(self, text: str) -> list[int]:
+        """The prompt's token ids as the engine's tokenizer makes them."""
+        ...
+
+    def add_request(
+        self, token_ids: Sequence[int], params: SamplingParams, request_id: str
+    ) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    @property
+    def has_work(self) -> bool:
+        """A step can make progress (runnable requests, or outputs held)."""
+        ...
+
+    def request_ids(self) -> tuple[str, ...]:
+        """The requests live on this replica."""
+        ...
+
+    def load(self) -> LoadFigures: ...
+
+    def prefix_hit_tokens(self, token_ids: Sequence[int]) -> int:
+        """The replica's own prefix-cache lookup (what the global index predicts)."""
+        ...
+
+    def drain_cache_events(self) -> list[CacheEvent]:
+        """The cache events published since the last call, in order."""
+        ...
+
+    def cache_snapshot(self) -> CacheSnapshot:
+        """The cache entries now, and the number of the next event (to resync from)."""
+        ...
+
+    @property
+    def idle_fraction(self) -> float: ...
+
+    def export_request(
+        self, request_id: str, *, kv: KVMode | str, hit_tokens: int, idle: float
+    ) -> MigrationTicket: ...
+
+    def import_request(self, ticket: MigrationTicket) -> list[str]: ...
+
+    def release_request(self, request_id: str) -> None: ...
+
+
+class InProcessReplica:
+    """A :class:`Replica` over an :class:`LLMEngine` in this process (the default).
+
+    The engine must publish its cache events (``SchedulerConfig(cache_events=True)``).
+    Its cost model is ``cost``, else the scheduler's ``step_cost``, else
+    :class:`StepCost`'s defaults (``2 + 0.5P + D``).
+    """
+
+    def __init__(self, engine: LLMEngine, *, cost: StepCost | None = None) -> None:
+        if not isinstance(engine, LLMEngine):
+            raise InvalidArgument(
+                f"InProcessReplica needs an LLMEngine, got {type(engine).__name__}"
+            )
+        config = engine.scheduler.config
+        if not config.cache_events:
+            raise InvalidArgument(
+                "InProcessReplica: the engine publishes no cache events; build it with "
+                "SchedulerConfig(cache_events=True)"
+            )
+        if cost is not None and not isinstance(cost, StepCost):
+            raise InvalidArgument(f"cost must be a StepCost, got {type(cost).__name__}")
+        self.engine = engine
+        self.cost = cost or config.step_cost or StepCost()
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.scheduler.config.block_size
+
+    @property
+    def identity(self) -> ModelIdentity:
+        return migration.model_identity(self.engine)
+
+    def encode(self, text: str) -> list[int]:
+        return self.engine.tokenizer.encode(text, add_special_tokens=True)
+
+    def add_request(
+        self, token_ids: Sequence[int], params: SamplingParams, request_id: str
+    ) -> None:
+        self.engine.add_request(list(token_ids), params, request_id=request_id)
+
+    def step(self) -> list[RequestOutput]:
+        return self.engine.step()
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self.engine.has_runnable
+
+    def request_ids(self) -> tuple[str, ...]:
+        return self.engine.request_ids
+
+    def load(self) -> LoadFigures:
+        sched = self.engine.scheduler
+        config = sched.config
+        waiting = decoding = paused = backlog = 0
+        for r in sched.requests.values():
+            status = r.status
+            if status is RequestStatus.DECODING:
+                decoding += 1
+            elif status is RequestStatus.WAITING_TOOL:
+                paused += 1
+            else:
+                backlog += r.num_tokens - r.num_computed_tokens
+                waiting += status in _QUEUED
+        return LoadFigures(
+            num_waiting=waiting,
+            num_running=len(sched.running),
+            num_decoding=decoding,
+            num_paused=paused,
+            prefill_backlog_tokens=backlog,
+            kv_blocks_used=sched.pool.num_used_blocks,
+            kv_blocks_total=config.num_blocks,
+            max_num_seqs=config.max_num_seqs,
+            token_budget=config.max_num_batched_tokens,
+            block_size=config.block_size,
+            cost=self.cost,
+        )
+
+    def prefix_hit_tokens(self, token_ids: Sequence[int]) -> int:
+        return self.engine.prefix_hit_tokens(token_ids)
+
+    def drain_cache_events(self) -> list[CacheEvent]:
+        return self.engine.cache_events()
+
+    def cache_snapshot(self) -> CacheSnapshot:
+        pool = self.engine.scheduler.pool
+        log = pool.cache_events
+        assert log is not None  # checked at construction
+        entries = tuple((e.key, e.block_id) for e in pool.snapshot().cache_entries)
+        return CacheSnapshot(log.next_seq, entries)
+
+    @property
+    def idle_fraction(self) -> float:
+        return self.engine.idle_fraction
+
+    def export_request(
+        self, request_id: str, *, kv: KVMode | str, hit_tokens: int, idle: float
+    ) -> MigrationTicket:
+        return self.engine.export_request(request_id, kv=kv, hit_tokens=hit_tokens, idle=idle)
+
+    def import_request(self, ticket: MigrationTicket) -> list[str]:
+        return self.engine.import_request(ticket)
+
+    def release_request(self, request_id: str) -> None:
+        self.engine.release_request(request_id)
