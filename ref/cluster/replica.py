@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 from ref.cluster.index import CacheSnapshot
 from ref.core.cost import StepCost
 from ref.core.migration_cost import KVMode
+from ref.core.scheduler import Scheduler
 from ref.engine import migration
 from ref.engine.llm_engine import LLMEngine, RequestOutput
 from ref.engine.ticket import MigrationTicket, ModelIdentity
@@ -119,6 +120,35 @@ class Replica(Protocol):
     def release_request(self, request_id: str) -> None: ...
 
 
+def load_figures(sched: Scheduler, cost: StepCost) -> LoadFigures:
+    """A scheduler's :class:`LoadFigures` at a step boundary (what a replica reports;
+    the cluster simulator, ref/cluster/sim.py, reads its schedulers through this too)."""
+    config = sched.config
+    waiting = decoding = paused = backlog = 0
+    for r in sched.requests.values():
+        status = r.status
+        if status is RequestStatus.DECODING:
+            decoding += 1
+        elif status is RequestStatus.WAITING_TOOL:
+            paused += 1
+        else:
+            backlog += r.num_tokens - r.num_computed_tokens
+            waiting += status in _QUEUED
+    return LoadFigures(
+        num_waiting=waiting,
+        num_running=len(sched.running),
+        num_decoding=decoding,
+        num_paused=paused,
+        prefill_backlog_tokens=backlog,
+        kv_blocks_used=sched.pool.num_used_blocks,
+        kv_blocks_total=config.num_blocks,
+        max_num_seqs=config.max_num_seqs,
+        token_budget=config.max_num_batched_tokens,
+        block_size=config.block_size,
+        cost=cost,
+    )
+
+
 class InProcessReplica:
     """A :class:`Replica` over an :class:`LLMEngine` in this process (the default).
 
@@ -173,31 +203,7 @@ class InProcessReplica:
         return self.engine.request_ids
 
     def load(self) -> LoadFigures:
-        sched = self.engine.scheduler
-        config = sched.config
-        waiting = decoding = paused = backlog = 0
-        for r in sched.requests.values():
-            status = r.status
-            if status is RequestStatus.DECODING:
-                decoding += 1
-            elif status is RequestStatus.WAITING_TOOL:
-                paused += 1
-            else:
-                backlog += r.num_tokens - r.num_computed_tokens
-                waiting += status in _QUEUED
-        return LoadFigures(
-            num_waiting=waiting,
-            num_running=len(sched.running),
-            num_decoding=decoding,
-            num_paused=paused,
-            prefill_backlog_tokens=backlog,
-            kv_blocks_used=sched.pool.num_used_blocks,
-            kv_blocks_total=config.num_blocks,
-            max_num_seqs=config.max_num_seqs,
-            token_budget=config.max_num_batched_tokens,
-            block_size=config.block_size,
-            cost=self.cost,
-        )
+        return load_figures(self.engine.scheduler, self.cost)
 
     def prefix_hit_tokens(self, token_ids: Sequence[int]) -> int:
         return self.engine.prefix_hit_tokens(token_ids)

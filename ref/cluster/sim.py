@@ -1,0 +1,571 @@
+"""The cluster simulator: N cost-model replicas behind the real router, with migration
+over a seeded link (docs/CLUSTER.md, "The cluster simulator").
+
+Each replica is a :class:`~ref.core.scheduler.Scheduler` with cache events on, stepped
+by the single-engine simulator's executor (:class:`~ref.sim.simulator.SimExecutor`,
+the cost model ``a + b*P + c*D``) through an :class:`~ref.core.engine_core.EngineCore`:
+the code that runs one simulated engine. The replicas share one virtual clock; each is
+busy until its current step ends. Routing is the cluster's own: every replica's cache
+events feed one :class:`~ref.cluster.index.GlobalPrefixIndex` after each of its steps,
+and the :class:`~ref.cluster.router.Router` chooses from the same
+:class:`~ref.cluster.replica.LoadFigures` an in-process replica reports
+(:func:`~ref.cluster.replica.load_figures`).
+
+Migration is the scheduler-level protocol of ``ref.core.transit`` (export, then
+``begin_import`` / ``stage`` / ``commit`` on the destination, ``release`` on the source),
+priced by :class:`~ref.core.migration_cost.MigrationCost` (``AUTO``: transfer when the
+link beats recompute on the destination's idle compute). The simulated K/V is a
+snapshot taken at export (the simulator has no K/V memory), so the source releases the
+request when it departs and the request is in flight on the link, owned by it, until it
+lands: :class:`LinkModel` times the transfer (latency + bytes / bandwidth + a seeded
+exponential jitter). It lands at the destination's first step boundary after that;
+if the destination has no room by then, it is staged without its K/V (a recompute,
+counted as a fallback). The transfer's time is a gap between two of the request's
+tokens (a TBT gap), recorded per move.
+
+Every operation keeps one owner per live request (:meth:`ClusterSim.ownership_violations`:
+each live request on exactly one replica or on the link, and the owner map says which);
+with ``check_ownership`` the simulator asserts it after every operation.
+
+Triggers (:class:`MigrationPolicy`):
+
+- ``pressure``: before a replica steps, if requests wait in its queue and its K/V is
+  at least ``high_watermark`` used (it is about to preempt or stall), it moves its
+  youngest running request (the one the scheduler would preempt) to the least-loaded
+  peer with room for it;
+- ``rebalance``: before a replica steps, if requests wait in its queue and a peer has
+  none and a load lower by ``margin``, it moves its youngest waiting request there (no
+  K/V: only the latency travels);
+- ``split_min_tokens``: a prompt at least this long, once half of it is computed and a
+  peer has a load lower by ``margin``, moves mid-prefill with its K/V and continues
+  there (a split at a token boundary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ref.cluster.index import GlobalPrefixIndex
+from ref.cluster.replica import LoadFigures, load_figures
+from ref.cluster.router import Router, RoutingDecision, load_score
+from ref.core import transit
+from ref.core.config import SchedulerConfig
+from ref.core.cost import StepCost
+from ref.core.engine_core import EngineCore
+from ref.core.migration_cost import KVMode, MigrationCost
+from ref.core.request import FinishReason, Request, StopParams
+from ref.core.scheduler import Scheduler
+from ref.errors import InvalidArgument
+from ref.sim.metrics import RequestMetrics
+from ref.sim.simulator import Session, SessionTurn, SimExecutor
+from ref.sim.workloads import Workload, to_requests
+from spec.events import CacheEvent
+from spec.snapshot import RequestStatus
+
+S = RequestStatus
+#: Llama-3-8B's K and V per token (32 layers x 8 KV heads x 128 dims x 2 x bf16), times
+#: the compare experiment's default scale of 16 real tokens per simulated one.
+DEFAULT_KV_BYTES_PER_TOKEN = 131072 * 16
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """The link between replicas: ``latency_ms + bytes / (gb_per_s * 1e6)`` plus a
+    jitter drawn exponential with mean ``jitter_ms`` (seeded by the simulator)."""
+
+    gb_per_s: float = 25.0
+    latency_ms: float = 0.5
+    jitter_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.gb_per_s > 0:
+            raise InvalidArgument(f"link gb_per_s must be > 0, got {self.gb_per_s!r}")
+        if not (self.latency_ms >= 0 and self.jitter_ms >= 0):
+            raise InvalidArgument("link latency_ms and jitter_ms must be >= 0")
+
+    def transfer_ms(self, num_bytes: int, rng: random.Random) -> float:
+        jitter = rng.expovariate(1.0 / self.jitter_ms) if self.jitter_ms else 0.0
+        return self.latency_ms + num_bytes / (self.gb_per_s * 1e6) + jitter
+
+
+@dataclass(frozen=True)
+class MigrationPolicy:
+    """When the simulator migrates (module doc, "Triggers"); all off by default."""
+
+    pressure: bool = False
+    rebalance: bool = False
+    split_min_tokens: int | None = None
+    high_watermark: float = 0.9
+    margin: float = 0.25
+    kv: KVMode = KVMode.AUTO
+
+    @property
+    def enabled(self) -> bool:
+        return self.pressure or self.rebalance or self.split_min_tokens is not None
+
+
+@dataclass(frozen=True)
+class Move:
+    """One migration: which request, from where to where, when it left and landed, how
+    its K/V travelled, and the bytes and tokens moved."""
+
+    request_id: str
+    source: int
+    destination: int
+    reason: str  # pressure | rebalance | split
+    depart_ms: float
+    land_ms: float
+    mode: KVMode
+    kv_tokens: int
+    moved_tokens: int
+    num_bytes: int
+    fallback: bool = False  # landed without room: staged without its K/V
+
+    @property
+    def transfer_ms(self) -> float:
+        return self.land_ms - self.depart_ms
+
+
+@dataclass
+class _Replica:
+    sched: Scheduler
+    core: EngineCore
+    cost: StepCost
+    ready_ms: float = 0.0  # when its current step ends
+    steps: int = 0
+    busy_ms: float = 0.0
+
+
+@dataclass
+class _Job:
+    session: Session
+    next_turn: int = 0
+    previous: Request | None = None
+
+
+@dataclass(order=True)
+class _Event:
+    at_ms: float
+    order: int
+    kind: str = field(compare=False)  # "arrive" | "land"
+    job: _Job | None = field(compare=False, default=None)
+    transit: _Transit | None = field(compare=False, default=None)
+
+
+@dataclass
+class _Transit:
+    state: transit.RequestState
+    with_kv: bool
+    move: Move
+
+
+@dataclass(frozen=True)
+class ClusterResult:
+    """A run: every request's metrics (the final ones, on the replica that finished it),
+    the routing decisions, the moves, and per-replica steps and busy time."""
+
+    requests: tuple[RequestMetrics, ...]
+    decisions: tuple[RoutingDecision, ...]
+    moves: tuple[Move, ...]
+    makespan_ms: float
+    steps: tuple[int, ...]
+    busy_ms: tuple[float, ...]
+    num_preemptions: int
+    routed_hit_tokens: int  # prefix-hit tokens on the chosen replicas at routing
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the replicas served from their prefix caches."""
+        return sum(m.num_cached_tokens for m in self.requests)
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(m.num_bytes for m in self.moves)
+
+
+class ClusterSim:
+    """N simulated replicas, one router, one link (module doc)."""
+
+    def __init__(
+        self,
+        num_replicas: int,
+        config: SchedulerConfig,
+        cost: StepCost,
+        router: Router,
+        *,
+        migration: MigrationPolicy | None = None,
+        link: LinkModel | None = None,
+        kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
+        seed: int = 0,
+        check_ownership: bool = False,
+        keep_decisions: bool = True,
+    ) -> None:
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+            raise InvalidArgument(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+        config = dataclasses.replace(config, cache_events=True)
+        self.cost = cost
+        self.router = router
+        self.migration = migration or MigrationPolicy()
+        self.link = link or LinkModel()
+        self.price = MigrationCost(
+            kv_bytes_per_token,
+            link_gb_per_s=self.link.gb_per_s,
+            latency_ms=self.link.latency_ms,
+            iteration=cost,
+        )
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.check_ownership = check_ownership
+        self.keep_decisions = keep_decisions
+        self._rng = random.Random(f"link:{seed}")
+        self.index = GlobalPrefixIndex()
+        self.replicas: list[_Replica] = []
+        for i in range(num_replicas):
+            sched = Scheduler(config)
+            ex = SimExecutor(cost, sched.requests, block_size=config.block_size)
+            self.replicas.append(_Replica(sched, EngineCore(sched, ex), cost))
+            self.index.add_replica(i, config.block_size)
+        self.owner: dict[str, int] = {}  # live request -> replica; -1: on the link
+        self._events: list[_Event] = []
+        self._order = 0
+        self._final: dict[str, Request] = {}
+        self.decisions: list[RoutingDecision] = []
+        self.moves: list[Move] = []
+        self._in_transit: set[str] = set()
+        self._jobs: dict[str, _Job] = {}  # live request -> the session it is a turn of
+        self._split: set[str] = set()  # requests split once already
+        self._routed_hits = 0
+
+    # ------------------------------------------------------------------ ownership
+    def ownership_violations(self) -> list[str]:
+        """Every live request on exactly one replica or on the link, as the owner map
+        says (docs/CLUSTER.md, "Ownership"); empty when the rule holds."""
+        out: list[str] = []
+        seen: dict[str, int] = {}
+        for i, rep in enumerate(self.replicas):
+            for rid in rep.sched.requests:
+                if rid in seen:
+                    out.append(f"{rid!r} is live on replicas {seen[rid]} and {i}")
+                seen[rid] = i
+        for rid in self._in_transit:
+            if rid in seen:
+                out.append(f"{rid!r} is on the link and live on replica {seen[rid]}")
+            seen[rid] = -1
+        if seen != self.owner:
+            extra = sorted(set(self.owner) ^ set(seen))[:3]
+            wrong = sorted(r for r in set(seen) & set(self.owner) if seen[r] != self.owner[r])
+            out.append(f"owner map disagrees: missing/extra {extra}, wrong owner {wrong[:3]}")
+        return out
+
+    def _check(self, what: str) -> None:
+        if self.check_ownership:
+            bad = self.ownership_violations()
+            assert not bad, f"after {what}: {bad}"
+
+    # ------------------------------------------------------------------ running
+    def run(self, workload: Workload, *, max_steps: int = 10_000_000) -> ClusterResult:
+        """Replay ``workload`` (single requests by arrival time, sessions turn by turn:
+        turn k+1 arrives its tool wait after turn k finished) to the end."""
+        for tr in to_requests(workload.requests):
+            self._push(tr.arrival_ms, "arrive", job=_Job(_single(tr)))
+        for s in workload.sessions:
+            if not s.turns:
+                raise InvalidArgument(f"session {s.session_id!r} has no turns")
+            self._push(s.start_ms, "arrive", job=_Job(s))
+        first = self._events[0].at_ms if self._events else 0.0
+        total_steps = 0
+        while self._events or self.owner:
+            busy = [(rep.ready_ms, i) for i, rep in enumerate(self.replicas) if rep.sched.requests]
+            next_step = min(busy) if busy else None
+            if self._events and (next_step is None or self._events[0].at_ms <= next_step[0]):
+                self._handle(heapq.heappop(self._events))
+                continue
+            assert next_step is not None, "live requests but no replica holds one"
+            t, i = next_step
+            total_steps += 1
+            if total_steps > max_steps:
+                raise InvalidArgument(f"the cluster simulation ran past max_steps={max_steps}")
+            self._step(i, t)
+        return self._result(first)
+
+    def _push(
+        self,
+        at_ms: float,
+        kind: str,
+        *,
+        job: _Job | None = None,
+        move: _Transit | None = None,
+    ) -> None:
+        heapq.heappush(self._events, _Event(at_ms, self._order, kind, job, move))
+        self._order += 1
+
+    def _handle(self, ev: _Event) -> None:
+        if ev.kind == "arrive":
+            assert ev.job is not None
+            self._arrive(ev.job, ev.at_ms)
+        else:
+            assert ev.transit is not None
+            self._land(ev.transit, ev.at_ms)
+
+    def _loads(self) -> dict[int, LoadFigures]:
+        return {i: load_figures(rep.sched, rep.cost) for i, rep in enumerate(self.replicas)}
+
+    def _arrive(self, job: _Job, at_ms: float) -> None:
+        r = _next_request(job, at_ms)
+        hits = self.index.longest_prefix(r.token_ids, r.namespace)
+        decision = self.router.route(r.request_id, r.num_prompt_tokens, self._loads(), hits)
+        rep = self.replicas[decision.replica]
+        rep.sched.add_request(r)
+        self.router.accepted(decision)
+        if self.keep_decisions:
+            self.decisions.append(decision)
+        self._routed_hits += decision.prefix_hit_tokens
+        self.owner[r.request_id] = decision.replica
+        self._final[r.request_id] = r
+        self._jobs[r.request_id] = job
+        rep.ready_ms = max(rep.ready_ms, at_ms)
+        self._check(f"routing {r.request_id!r}")
+
+    def _step(self, i: int, t: float) -> None:
+        rep = self.replicas[i]
+        if self.migration.enabled and len(self.replicas) > 1:
+            self._maybe_migrate(i, t)
+            if not rep.sched.requests:
+                return
+        record = rep.core.step(t)
+        rep.steps += 1
+        rep.busy_ms += record.end_ms - t
+        rep.ready_ms = record.end_ms
+        self.index.apply(i, self._drain(rep))
+        for rid in record.outcome.finished:
+            del self.owner[rid]
+            self._finished(rid, record.end_ms)
+        self._check(f"step {record.step_index} of replica {i}")
+
+    def _drain(self, rep: _Replica) -> list[CacheEvent]:
+        log = rep.sched.pool.cache_events
+        assert log is not None, "the simulator builds its schedulers with cache events"
+        return log.drain()
+
+    def _finished(self, rid: str, at_ms: float) -> None:
+        job = self._jobs.pop(rid)
+        done = self._final[rid]
+        s = job.session
+        if job.next_turn < len(s.turns) and done.finish_reason in (
+            FinishReason.LENGTH,
+            FinishReason.STOP,
+        ):
+            self._push(at_ms + s.turns[job.next_turn].tool_wait_ms, "arrive", job=job)
+
+    # ------------------------------------------------------------------ migration
+    def _maybe_migrate(self, i: int, t: float) -> None:
+        pol = self.migration
+        sched = self.replicas[i].sched
+        loads = self._loads()
+        mine = load_score(loads[i])
+        queued = loads[i].num_waiting > 0
+        f = loads[i]
+        if pol.pressure and queued and f.kv_blocks_used >= pol.high_watermark * f.kv_blocks_total:
+            running = [r for r in sched.running if r.status in (S.DECODING, S.PREFILLING)]
+            if running:
+                victim = max(running, key=lambda r: r.seq)
+                dst = self._peer(i, loads, victim, mine, need_room=True)
+                if dst is not None:
+                    self._depart(i, dst, victim, "pressure", t)
+                    return
+        if pol.rebalance and queued:
+            waiting = [r for r in sched.requests.values() if r.status is S.WAITING]
+            if waiting:
+                r = max(waiting, key=lambda r: r.seq)
+                dst = self._peer(i, loads, r, mine, need_room=False, idle_queue=True)
+                if dst is not None:
+                    self._depart(i, dst, r, "rebalance", t)
+                    return
+        n = pol.split_min_tokens
+        if n is not None:
+            for r in list(sched.running):
+                if (
+                    r.status is S.PREFILLING
+                    and r.num_prompt_tokens >= n
+                    and not r.num_output_tokens
+                    and r.num_computed_tokens * 2 >= r.num_prompt_tokens
+                    and r.request_id not in self._split
+                ):
+                    dst = self._peer(i, loads, r, mine, need_room=True)
+                    if dst is not None:
+                        self._split.add(r.request_id)
+                        self._depart(i, dst, r, "split", t)
+                        return
+
+    def _peer(
+        self,
+        i: int,
+        loads: dict[int, LoadFigures],
+        r: Request,
+        mine: float,
+        *,
+        need_room: bool,
+        idle_queue: bool = False,
+    ) -> int | None:
+        """The least-loaded peer whose load is ``margin`` below replica ``i``'s, with a
+        running seat and the blocks for ``r``'s tokens (``need_room``) or an empty
+        queue (``idle_queue``); None if there is none."""
+        best: tuple[float, int] | None = None
+        for j, f in loads.items():
+            if j == i:
+                continue
+            score = load_score(f)
+            if score > mine - self.migration.margin:
+                continue
+            if idle_queue and f.num_waiting:
+                continue
+            if need_room:
+                blocks = -(-(r.num_tokens + 1) // f.block_size)
+                free = self.replicas[j].sched.pool.num_free_blocks
+                if f.num_running >= f.max_num_seqs or free < blocks:
+                    continue
+            if best is None or (score, j) < best:
+                best = (score, j)
+        return None if best is None else best[1]
+
+    def _depart(self, src: int, dst: int, r: Request, reason: str, t: float) -> None:
+        """Export from ``src`` (a pure read), price the move, release on ``src``: the
+        request is on the link until it lands on ``dst`` (module doc)."""
+        sched = self.replicas[src].sched
+        dep = transit.export(sched, r.request_id)
+        kv = dep.kv_length
+        hit = 0
+        if kv:
+            hit = min(kv, self.index.longest_prefix(dep.state.token_ids[:kv], r.namespace)[dst])
+        idle = _idle(self.replicas[dst])
+        decision = self.price.decide(self.migration.kv, kv, hit, idle)
+        with_kv = kv > 0 and decision.mode is KVMode.TRANSFER
+        moved = kv - hit if with_kv else 0
+        nbytes = moved * self.kv_bytes_per_token
+        land = t + self.link.transfer_ms(nbytes, self._rng)
+        move = Move(r.request_id, src, dst, reason, t, land, decision.mode, kv, moved, nbytes)
+        transit.release(sched, r.request_id)
+        self.index.apply(src, self._drain(self.replicas[src]))
+        self.owner[r.request_id] = -1
+        self._in_transit.add(r.request_id)
+        self._check(f"departure of {r.request_id!r}")
+        self._push(land, "land", move=_Transit(dep.state, with_kv, move))
+
+    def _land(self, tr: _Transit, at_ms: float) -> None:
+        """At the destination's boundary: stage with the K/V (or without, if it has no
+        room now, a fallback), commit, and the request runs there."""
+        move = tr.move
+        rep = self.replicas[move.destination]
+        rid = move.request_id
+        fallback = False
+        imp = transit.begin_import(rep.sched)
+        try:
+            imp.stage(tr.state, with_kv=tr.with_kv)
+        except transit.MigrationRefused:
+            imp.abort()
+            imp = transit.begin_import(rep.sched)
+            imp.stage(tr.state, with_kv=False)
+            fallback = True
+        (arrived,) = imp.commit(0.0)
+        self.index.apply(move.destination, self._drain(rep))
+        self._in_transit.discard(rid)
+        self.owner[rid] = move.destination
+        self._final[rid] = arrived
+        rep.ready_ms = max(rep.ready_ms, at_ms)
+        self.moves.append(dataclasses.replace(move, fallback=fallback))
+        self._check(f"landing of {rid!r}")
+
+    # ------------------------------------------------------------------ result
+    def _result(self, first_ms: float) -> ClusterResult:
+        end = max((rep.ready_ms for rep in self.replicas), default=first_ms)
+        reqs = tuple(RequestMetrics.of(r) for r in sorted(self._final.values(), key=_arrival_key))
+        preemptions = sum(m.num_preemptions for m in reqs)
+        return ClusterResult(
+            reqs,
+            tuple(self.decisions),
+            tuple(self.moves),
+            end - first_ms,
+            tuple(rep.steps for rep in self.replicas),
+            tuple(rep.busy_ms for rep in self.replicas),
+            preemptions,
+            self._routed_hits,
+        )
+
+
+def _arrival_key(r: Request) -> tuple[float, str]:
+    return (r.arrival_ms, r.request_id)
+
+
+def _idle(rep: _Replica) -> float:
+    """The destination's spare compute for a recompute: the share of its token budget
+    its queue does not already claim (1.0 when idle)."""
+    f = load_figures(rep.sched, rep.cost)
+    budget = f.token_budget
+    return max(0.0, min(1.0, 1.0 - (f.prefill_backlog_tokens + f.num_decoding) / budget))
+
+
+def _single(r: Request) -> Session:
+    """A single request as a one-turn session named by its id."""
+    turn = SessionTurn(tuple(r.prompt_token_ids), r.stop.max_tokens)
+    return Session(r.request_id, r.arrival_ms, (turn,), r.priority, r.tenant, turn_ids=False)
+
+
+def _next_request(job: _Job, at_ms: float) -> Request:
+    s, k = job.session, job.next_turn
+    turn = s.turns[k]
+    head = job.previous.token_ids if job.previous is not None else []
+    r = Request(
+        s.turn_id(k),
+        [*head, *turn.new_token_ids],
+        StopParams(max_tokens=turn.output_len, ignore_eos=True),
+        arrival_ms=at_ms,
+        priority=s.priority,
+        tenant=s.tenant,
+    )
+    job.next_turn = k + 1
+    job.previous = r
+    return r
+
+
+def simulate_cluster(
+    workload: Workload,
+    num_replicas: int,
+    config: SchedulerConfig,
+    cost: StepCost,
+    policy: str,
+    *,
+    migration: MigrationPolicy | None = None,
+    link: LinkModel | None = None,
+    seed: int = 0,
+    check_ownership: bool = False,
+) -> ClusterResult:
+    """One run: ``workload`` on ``num_replicas`` replicas routed by ``policy``."""
+    sim = ClusterSim(
+        num_replicas,
+        config,
+        cost,
+        Router(policy),
+        migration=migration,
+        link=link,
+        seed=seed,
+        check_ownership=check_ownership,
+    )
+    return sim.run(workload)
+
+
+def all_finished(result: ClusterResult) -> bool:
+    return all(m.finished_ms is not None for m in result.requests)
+
+
+__all__: Sequence[str] = (
+    "ClusterResult",
+    "ClusterSim",
+    "LinkModel",
+    "MigrationPolicy",
+    "Move",
+    "all_finished",
+    "simulate_cluster",
+)
