@@ -214,8 +214,89 @@ def _check_run_sizes(opts: CompareOptions) -> None:
                 )
 
 
+def _cluster_parser() -> argparse.ArgumentParser:
+    from ref.report.cluster_experiment import POLICIES as CLUSTER_POLICIES
+    from ref.report.cluster_experiment import REPLICA_COUNTS
+    from ref.report.cluster_experiment import TRACES as CLUSTER_TRACES
+
+    p = ArgumentParser(
+        prog="refserve compare --cluster",
+        description="Compare routing and migration policies on 1 to 8 simulated replicas "
+        "(docs/CLUSTER.md, 'The experiment'); writes DIR/cluster.md, DIR/cluster.json and "
+        "PNG plots.",
+    )
+    p.add_argument("--out", type=Path, default=Path("compare-report"), help="output folder")
+    p.add_argument(
+        "--traces", type=_names, help=f"subset of {','.join(t.name for t in CLUSTER_TRACES)}"
+    )
+    p.add_argument(
+        "--policies", type=_names, help=f"subset of {','.join(x.name for x in CLUSTER_POLICIES)}"
+    )
+    p.add_argument(
+        "--replicas",
+        type=_replica_counts,
+        default=REPLICA_COUNTS,
+        help="replica counts, e.g. 1,2,4,8 (default); each at most 64",
+    )
+    p.add_argument("--seed", type=int_at_most((1 << 63) - 1, lo=-(1 << 63)), default=0, help="seed")
+    p.add_argument("--cost", default=DEFAULT_COST, help="step cost in ms, e.g. '2+0.5P+D'")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--quick", action="store_true", help="two loads and two budgets (seconds)")
+    return p
+
+
+MAX_CLUSTER_REPLICAS = 64
+
+
+def _replica_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected counts like 1,2,4; got {text[:60]!r}") from None
+    if not counts or any(not 1 <= n <= MAX_CLUSTER_REPLICAS for n in counts):
+        raise argparse.ArgumentTypeError(
+            f"replica counts must be in [1, {MAX_CLUSTER_REPLICAS}]; got {text[:60]!r}"
+        )
+    return counts
+
+
+def cluster_compare_cli(argv: list[str]) -> int:
+    """``refserve compare --cluster ...`` (ref/report/cluster_report.py)."""
+    from ref.report import cluster_experiment as ce
+    from ref.report.cluster_experiment import POLICIES as CLUSTER_POLICIES
+    from ref.report.cluster_experiment import TRACES as CLUSTER_TRACES
+    from ref.report.cluster_experiment import ClusterOptions
+    from ref.report.cluster_report import run_cluster_compare
+
+    args = _cluster_parser().parse_args(argv)
+    opts = ClusterOptions(
+        loads=ce.QUICK_LOADS if args.quick else ce.LOAD_MULTIPLIERS,
+        budgets=ce.QUICK_BUDGETS if args.quick else ce.BUDGETS,
+        traces=_pick("trace", args.traces, CLUSTER_TRACES, lambda t: t.name),
+        policies=_pick("policy", args.policies, CLUSTER_POLICIES, lambda p: p.name),
+        replicas=args.replicas,
+        cost=StepCost.parse(args.cost),
+        seed=args.seed,
+    )
+    check_output_dir(args.out, "--out")
+    report = run_cluster_compare(opts, args.out, None if args.quiet else sys.stderr)
+    plots = report["plots"]
+    assert isinstance(plots, list)
+    print(f"wrote {shown(args.out / 'cluster.md')} and {shown(args.out / 'cluster.json')}")
+    print(f"  {len(plots)} PNG charts in {shown(args.out)}")
+    knees = report["knees"]
+    assert isinstance(knees, dict)
+    for trace, per in knees.items():
+        text = ", ".join(f"{n} {'none' if k is None else f'{k:g}x'}" for n, k in per.items())
+        print(f"  knee ({trace}, load at 4 replicas): {text}")
+    return 0
+
+
 def compare_cli(argv: list[str]) -> int:
-    """``refserve compare ...``: typed errors propagate to :func:`ref.cli.args.run_cli`."""
+    """``refserve compare ...``: typed errors propagate to :func:`ref.cli.args.run_cli`.
+    With ``--cluster``: :func:`cluster_compare_cli`."""
+    if "--cluster" in argv:
+        return cluster_compare_cli([a for a in argv if a != "--cluster"])
     opts, progress = compare_options(argv)
     report = run_compare(opts, sys.stderr, progress=progress)
     print(f"wrote {shown(opts.out / 'report.md')} and {shown(opts.out / 'report.json')}")

@@ -34,8 +34,9 @@ Triggers (:class:`MigrationPolicy`):
   youngest running request (the one the scheduler would preempt) to the least-loaded
   peer with room for it;
 - ``rebalance``: before a replica steps, if requests wait in its queue and a peer has
-  none and a load lower by ``margin``, it moves its youngest waiting request there (no
-  K/V: only the latency travels);
+  none and a load lower by ``margin`` and caches at least as much of the request's
+  prompt (the index says), it moves its youngest waiting request there (no K/V: only
+  the latency travels);
 - ``split_min_tokens``: a prompt at least this long, once half of it is computed and a
   peer has a load lower by ``margin``, moves mid-prefill with its K/V and continues
   there (a split at a token boundary).
@@ -59,7 +60,7 @@ from ref.core.engine_core import EngineCore
 from ref.core.migration_cost import KVMode, MigrationCost
 from ref.core.request import FinishReason, Request, StopParams
 from ref.core.scheduler import Scheduler
-from ref.errors import InvalidArgument
+from ref.errors import InvalidArgument, RefserveError
 from ref.sim.metrics import RequestMetrics
 from ref.sim.simulator import Session, SessionTurn, SimExecutor
 from ref.sim.workloads import Workload, to_requests
@@ -176,6 +177,7 @@ class ClusterResult:
     busy_ms: tuple[float, ...]
     num_preemptions: int
     routed_hit_tokens: int  # prefix-hit tokens on the chosen replicas at routing
+    rejected: tuple[str, ...] = ()  # requests the chosen replica refused
 
     @property
     def cached_tokens(self) -> int:
@@ -238,6 +240,7 @@ class ClusterSim:
         self._jobs: dict[str, _Job] = {}  # live request -> the session it is a turn of
         self._split: set[str] = set()  # requests split once already
         self._routed_hits = 0
+        self.rejected: list[str] = []  # requests no replica took
 
     # ------------------------------------------------------------------ ownership
     def ownership_violations(self) -> list[str]:
@@ -318,7 +321,14 @@ class ClusterSim:
         hits = self.index.longest_prefix(r.token_ids, r.namespace)
         decision = self.router.route(r.request_id, r.num_prompt_tokens, self._loads(), hits)
         rep = self.replicas[decision.replica]
-        rep.sched.add_request(r)
+        try:
+            rep.sched.add_request(r)
+        except RefserveError:
+            # Refused (too long for a replica's pool, bad params): nothing changed there;
+            # it is kept as a request that never ran, and its session ends.
+            self.rejected.append(r.request_id)
+            self._final[r.request_id] = r
+            return
         self.router.accepted(decision)
         if self.keep_decisions:
             self.decisions.append(decision)
@@ -381,7 +391,9 @@ class ClusterSim:
             if waiting:
                 r = max(waiting, key=lambda r: r.seq)
                 dst = self._peer(i, loads, r, mine, need_room=False, idle_queue=True)
-                if dst is not None:
+                hits = self.index.longest_prefix(r.token_ids, r.namespace)
+                # A move that loses the source's cached prefix recomputes it: not a gain.
+                if dst is not None and hits[dst] >= hits[i]:
                     self._depart(i, dst, r, "rebalance", t)
                     return
         n = pol.split_min_tokens
@@ -492,6 +504,7 @@ class ClusterSim:
             tuple(rep.busy_ms for rep in self.replicas),
             preemptions,
             self._routed_hits,
+            tuple(self.rejected),
         )
 
 
