@@ -64,6 +64,7 @@ from ref.errors import InvalidArgument, RefserveError
 from ref.sim.metrics import RequestMetrics
 from ref.sim.simulator import Session, SessionTurn, SimExecutor
 from ref.sim.workloads import Workload, to_requests
+from spec.arith import blocks_needed
 from spec.events import CacheEvent
 from spec.snapshot import RequestStatus
 
@@ -129,6 +130,11 @@ class Move:
     @property
     def transfer_ms(self) -> float:
         return self.land_ms - self.depart_ms
+
+
+_MOVABLE = frozenset({S.DECODING, S.PREFILLING})
+#: A move the triggers chose: the request, its destination, the trigger's name.
+_Choice = tuple[Request, int, str]
 
 
 @dataclass
@@ -372,52 +378,66 @@ class ClusterSim:
 
     # ------------------------------------------------------------------ migration
     def _maybe_migrate(self, i: int, t: float) -> None:
+        """At most one move off replica ``i`` before its step (module doc, "Triggers")."""
         pol = self.migration
-        sched = self.replicas[i].sched
         loads = self._loads()
-        mine = load_score(loads[i])
-        queued = loads[i].num_waiting > 0
+        choice = None
+        if loads[i].num_waiting and pol.pressure:
+            choice = self._pressure_move(i, loads)
+        if choice is None and loads[i].num_waiting and pol.rebalance:
+            choice = self._rebalance_move(i, loads)
+        if choice is None and pol.split_min_tokens is not None:
+            choice = self._split_move(i, loads, pol.split_min_tokens)
+        if choice is not None:
+            r, dst, reason = choice
+            if reason == "split":
+                self._split.add(r.request_id)
+            self._depart(i, dst, r, reason, t)
+
+    def _pressure_move(self, i: int, loads: dict[int, LoadFigures]) -> _Choice | None:
         f = loads[i]
-        if pol.pressure and queued and f.kv_blocks_used >= pol.high_watermark * f.kv_blocks_total:
-            running = [r for r in sched.running if r.status in (S.DECODING, S.PREFILLING)]
-            if running:
-                victim = max(running, key=lambda r: r.seq)
-                dst = self._peer(i, loads, victim, mine, need_room=True)
+        if f.kv_blocks_used < self.migration.high_watermark * f.kv_blocks_total:
+            return None
+        running = [r for r in self.replicas[i].sched.running if r.status in _MOVABLE]
+        if not running:
+            return None
+        victim = max(running, key=lambda r: r.seq)  # the one the scheduler would preempt
+        dst = self._peer(i, loads, victim, need_room=True)
+        return None if dst is None else (victim, dst, "pressure")
+
+    def _rebalance_move(self, i: int, loads: dict[int, LoadFigures]) -> _Choice | None:
+        sched = self.replicas[i].sched
+        waiting = [r for r in sched.requests.values() if r.status is S.WAITING]
+        if not waiting:
+            return None
+        r = max(waiting, key=lambda r: r.seq)
+        dst = self._peer(i, loads, r, need_room=False, idle_queue=True)
+        if dst is None:
+            return None
+        hits = self.index.longest_prefix(r.token_ids, r.namespace)
+        # A move that loses the source's cached prefix recomputes it: not a gain.
+        return (r, dst, "rebalance") if hits[dst] >= hits[i] else None
+
+    def _split_move(self, i: int, loads: dict[int, LoadFigures], min_tokens: int) -> _Choice | None:
+        for r in self.replicas[i].sched.running:
+            half_done = r.num_computed_tokens * 2 >= r.num_prompt_tokens
+            if (
+                r.status is S.PREFILLING
+                and r.num_prompt_tokens >= min_tokens
+                and not r.num_output_tokens
+                and half_done
+                and r.request_id not in self._split
+            ):
+                dst = self._peer(i, loads, r, need_room=True)
                 if dst is not None:
-                    self._depart(i, dst, victim, "pressure", t)
-                    return
-        if pol.rebalance and queued:
-            waiting = [r for r in sched.requests.values() if r.status is S.WAITING]
-            if waiting:
-                r = max(waiting, key=lambda r: r.seq)
-                dst = self._peer(i, loads, r, mine, need_room=False, idle_queue=True)
-                hits = self.index.longest_prefix(r.token_ids, r.namespace)
-                # A move that loses the source's cached prefix recomputes it: not a gain.
-                if dst is not None and hits[dst] >= hits[i]:
-                    self._depart(i, dst, r, "rebalance", t)
-                    return
-        n = pol.split_min_tokens
-        if n is not None:
-            for r in list(sched.running):
-                if (
-                    r.status is S.PREFILLING
-                    and r.num_prompt_tokens >= n
-                    and not r.num_output_tokens
-                    and r.num_computed_tokens * 2 >= r.num_prompt_tokens
-                    and r.request_id not in self._split
-                ):
-                    dst = self._peer(i, loads, r, mine, need_room=True)
-                    if dst is not None:
-                        self._split.add(r.request_id)
-                        self._depart(i, dst, r, "split", t)
-                        return
+                    return (r, dst, "split")
+        return None
 
     def _peer(
         self,
         i: int,
         loads: dict[int, LoadFigures],
         r: Request,
-        mine: float,
         *,
         need_room: bool,
         idle_queue: bool = False,
@@ -426,6 +446,7 @@ class ClusterSim:
         running seat and the blocks for ``r``'s tokens (``need_room``) or an empty
         queue (``idle_queue``); None if there is none."""
         best: tuple[float, int] | None = None
+        mine = load_score(loads[i])
         for j, f in loads.items():
             if j == i:
                 continue
@@ -435,7 +456,7 @@ class ClusterSim:
             if idle_queue and f.num_waiting:
                 continue
             if need_room:
-                blocks = -(-(r.num_tokens + 1) // f.block_size)
+                blocks = blocks_needed(r.num_tokens + 1, f.block_size)
                 free = self.replicas[j].sched.pool.num_free_blocks
                 if f.num_running >= f.max_num_seqs or free < blocks:
                     continue

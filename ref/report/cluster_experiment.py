@@ -50,6 +50,7 @@ from ref.sim.workloads import (
     merge_records,
     short_chat_records,
 )
+from spec.arith import full_blocks
 
 SCALE = 16.0
 D_REF = 32
@@ -81,7 +82,7 @@ class ClusterSlo:
         decode_step = cost.a + cost.c * D_REF
         tbt = TBT_MULTIPLE * decode_step
         room = (tbt - decode_step) / cost.b if cost.b else float(1 << 20)
-        budget = max(block_size, int(room // block_size) * block_size)
+        budget = max(block_size, full_blocks(int(room), block_size) * block_size)
         return ClusterSlo(tbt, TTFT_PREFILL_MULTIPLE * cost.b, budget)
 
     def ttft_limit_ms(self, num_prompt_tokens: int) -> float:
@@ -231,6 +232,34 @@ class Point:
     wall_s: float
 
 
+def _offered_per_s(reqs: Sequence[RequestMetrics]) -> float:
+    """Requests over the span of their arrivals (a session's turns counted as they came)."""
+    arrivals = [m.arrival_ms for m in reqs]
+    span_s = (max(arrivals) - min(arrivals)) / 1e3 if len(reqs) > 1 else 0.0
+    return len(reqs) / span_s if span_s > 0 else float(len(reqs))
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _transfer_times(res: ClusterResult) -> tuple[list[float], list[float]]:
+    """Per move: the gap it made between two of its request's tokens, or (moved before
+    the first token) its transfer time, which adds to the TTFT."""
+    by_id = {m.request_id: m for m in res.requests}
+    gaps: list[float] = []
+    early: list[float] = []
+    for mv in res.moves:
+        times = by_id[mv.request_id].token_times_ms
+        before = [t for t in times if t <= mv.depart_ms]
+        after = [t for t in times if t >= mv.land_ms]
+        if before and after:
+            gaps.append(after[0] - before[-1])
+        elif not before:
+            early.append(mv.transfer_ms)
+    return gaps, early
+
+
 def summarize(
     res: ClusterResult,
     slo: ClusterSlo,
@@ -244,25 +273,13 @@ def summarize(
     wall_s: float,
 ) -> Point:
     reqs = res.requests
-    arrivals = [m.arrival_ms for m in reqs]
-    span_s = (max(arrivals) - min(arrivals)) / 1e3 if len(reqs) > 1 else 0.0
-    offered = len(reqs) / span_s if span_s > 0 else float(len(reqs))
+    offered = _offered_per_s(reqs)
     good = sum(slo.good(m) for m in reqs)
     attainment = good / len(reqs) if reqs else 1.0
-    ttfts = [t for m in reqs if (t := m.ttft_ms) is not None]
+    ttfts = [m.ttft_ms for m in reqs if m.ttft_ms is not None]
     itls = [x for m in reqs for x in m.itl_ms]
-    queues = [q for m in reqs if (q := m.queue_ms) is not None]
-    by_id = {m.request_id: m for m in reqs}
-    gaps: list[float] = []
-    early: list[float] = []
-    for mv in res.moves:
-        times = by_id[mv.request_id].token_times_ms
-        before = [t for t in times if t <= mv.depart_ms]
-        after = [t for t in times if t >= mv.land_ms]
-        if before and after:
-            gaps.append(after[0] - before[-1])
-        elif not before:
-            early.append(mv.transfer_ms)
+    queues = [m.queue_ms for m in reqs if m.queue_ms is not None]
+    gaps, early = _transfer_times(res)
     return Point(
         trace=trace,
         policy=policy,
@@ -280,7 +297,7 @@ def summarize(
         tbt_p99_ms=percentile(itls, 99),
         ttft_fail=sum(not slo.ttft_met(m) for m in reqs),
         tbt_fail=sum(not slo.tbt_met(m) for m in reqs),
-        queue_mean_ms=sum(queues) / len(queues) if queues else None,
+        queue_mean_ms=_mean(queues),
         preemptions=res.num_preemptions,
         prefix_hit_tokens=res.cached_tokens,
         routed_hit_tokens=res.routed_hit_tokens,
@@ -288,9 +305,9 @@ def summarize(
         bytes_moved=res.bytes_moved,
         transfer_gaps=len(gaps),
         transfer_spikes=sum(g > slo.tbt_ms for g in gaps),
-        transfer_gap_max_ms=max(gaps) if gaps else None,
+        transfer_gap_max_ms=max(gaps, default=None),
         early_transfers=len(early),
-        early_transfer_max_ms=max(early) if early else None,
+        early_transfer_max_ms=max(early, default=None),
         rejected=len(res.rejected),
         wall_s=wall_s,
     )
@@ -367,6 +384,19 @@ def run_point(
     )
 
 
+def _jitter_runs(opts: ClusterOptions, slo: ClusterSlo, replicas: int) -> list[Point]:
+    """Long and mixed at 1.5x load, every migrating policy, the default and the jittery
+    link."""
+    movers = [p for p in opts.policies if p.migration is not None]
+    return [
+        run_point(spec, pol, replicas, 1.5, slo, opts, link=link, link_name=name)
+        for spec in opts.traces
+        if spec.name in ("long", "mixed")
+        for pol in movers
+        for name, link in (("default", None), ("jittery", JITTERY))
+    ]
+
+
 def run_cluster_experiment(opts: ClusterOptions, stream: TextIO | None = None) -> ClusterExperiment:
     """The four parts of the experiment (module doc), in order."""
     started = time.perf_counter()
@@ -386,36 +416,30 @@ def run_cluster_experiment(opts: ClusterOptions, stream: TextIO | None = None) -
             done[key] = run_point(spec, pol, n, load, slo, opts, budget=budget)
         return done[key]
 
-    grid: list[Point] = []
-    for spec in opts.traces:
-        for pol in opts.policies:
-            for n in opts.replicas:
-                grid.append(point(spec, pol, n, 1.0, slo.budget))
-        say(f"grid {spec.name} done")
+    grid = [
+        point(spec, pol, n, 1.0, slo.budget)
+        for spec in opts.traces
+        for pol in opts.policies
+        for n in opts.replicas
+    ]
+    say("grid done")
     knee_n = KNEE_REPLICAS if KNEE_REPLICAS in opts.replicas else max(opts.replicas)
-    knee: list[Point] = []
-    for spec in opts.traces:
-        for pol in opts.policies:
-            for load in opts.loads:
-                knee.append(point(spec, pol, knee_n, load, slo.budget))
-        say(f"load sweep {spec.name} done")
-    budgets: list[Point] = []
+    knee = [
+        point(spec, pol, knee_n, load, slo.budget)
+        for spec in opts.traces
+        for pol in opts.policies
+        for load in opts.loads
+    ]
+    say("load sweep done")
     chosen = [p for p in opts.policies if p.name in ("round_robin", "prefix_aware")]
-    for spec in opts.traces:
-        for pol in chosen or opts.policies[:1]:
-            for b in opts.budgets:
-                budgets.append(point(spec, pol, knee_n, 1.0, b))
+    budgets = [
+        point(spec, pol, knee_n, 1.0, b)
+        for spec in opts.traces
+        for pol in chosen or opts.policies[:1]
+        for b in opts.budgets
+    ]
     say("budget sweep done")
-    jitter: list[Point] = []
-    movers = [p for p in opts.policies if p.migration is not None]
-    for spec in opts.traces:
-        if spec.name not in ("long", "mixed"):
-            continue
-        for pol in movers:
-            for name, link in (("default", None), ("jittery", JITTERY)):
-                jitter.append(
-                    run_point(spec, pol, knee_n, 1.5, slo, opts, link=link, link_name=name)
-                )
+    jitter = _jitter_runs(opts, slo, knee_n)
     say("jittery-link runs done")
     return ClusterExperiment(
         slo,
