@@ -985,6 +985,9 @@ class LLMEngine:
                 out.append(self._forked_sample(group, i, preq, drawn, parent_finished))
         if not parent_finished and not parent_failed:
             preq.stop = group.stop  # the real stop conditions, from the second token on
+            if preq.request_id in self.scheduler.batch:
+                # The bulk decode path reads the stop ids off the request's batch row.
+                self.scheduler.batch.reload(preq, self.scheduler.pool)
             token = parent.token_ids[-1]
             if group.stop.is_stop(token) and parent.pending_stop is None:
                 parent.pending_stop = token
