@@ -296,7 +296,9 @@ def _place(sched: Scheduler, a: Arrival, offset_ms: float) -> Request:
     )
     r.token_ids = list(s.token_ids)
     r.num_computed_tokens = a.kv_length
-    r.num_cached_tokens = s.num_cached_tokens
+    # The count describes this pool's prefix cache (PREFIX judges it by this block size):
+    # the destination's own hit, 0 until admission finds one when the KV is recomputed.
+    r.num_cached_tokens = a.num_hit_tokens
     r.num_preemptions = s.num_preemptions
     r.admitted_ms = s.admitted_ms
     r.token_times_ms = list(s.token_times_ms)
