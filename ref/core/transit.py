@@ -211,7 +211,7 @@ class Import:
                 rid, state.token_ids, n - hit.num_tokens, hit=hit, namespace=state.namespace
             )
         except OutOfBlocks as e:
-            raise MigrationRefused(f"import: request {rid!r}: {e}") from e
+            raise MigrationRefused(f"import: {e}") from e
         table = pool.block_table(rid)
         bs = sched.config.block_size
         arrival = Arrival(state, n, hit.num_tokens, _slots(table, hit.num_tokens, n, bs))
