@@ -397,6 +397,16 @@ MALFORMED: list[tuple[str, Callable[[bytes], object], str]] = [
     ),
     ("header a list", lambda b: _join([1, 2], b""), r"ticket header must be an object, got list"),
     (
+        "namespace a list",
+        _edit(lambda h: h["sequences"][0]["state"].update(namespace=[])),
+        r"ticket namespace must be an object, got list",
+    ),
+    (
+        "decision a str",
+        _edit(lambda h: h.update(decisions=["transfer"])),
+        r"ticket decision must be an object, got str",
+    ),
+    (
         "seed a str",
         _edit(lambda h: h.update(seed="21")),
         r"ticket header.seed has the wrong type: '21'",
