@@ -22,8 +22,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# The demo, then one request moved between two engines every 2 steps, its output checked
+# against the unmigrated run (ref/cli/migrate.py, docs/MIGRATION.md).
 run: $(STAMP)
 	$(VENV)/bin/refserve demo
+	$(VENV)/bin/refserve generate --prompt "Count to four." --max-tokens 24 --migrate-every 2 --check
 
 # The embedded trained model: regenerates ref/model/tiny/{config.json,model.safetensors}
 # from the generated corpus (one CPU thread, seeded; about 5 minutes).
@@ -100,7 +103,9 @@ conformance-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/refserve conformance --adapter conformance.adapters.vllm:make \
 		--report out/vllm.json --markdown out/vllm.md
 
-# The pytest-benchmark suites (out/bench-pytest.json); then refserve's full CPU step, the
+# The pytest-benchmark suites (out/bench-pytest.json); the migration bench, a move with the
+# K/V against a recompute per context length, in a JSON of its own (out/bench-migration.json,
+# its own table); then refserve's full CPU step, the
 # bulk path (persistent batch) against the reference loop, each in its own worker process,
 # rounds interleaved, every worker on one CPU (--no-pin to let the OS move them), prefix
 # caching off and on (out/bench-step.json); then the Python heap per running request
@@ -112,11 +117,14 @@ BENCH_REPORT = $(PY) -m conformance.bench.report --out docs/BENCHMARKS.md docs/b
 bench: $(STAMP)
 	mkdir -p out docs/bench
 	$(PY) -m pytest tests/bench --benchmark-only --benchmark-columns=min,median,mean,rounds \
-		--benchmark-json out/bench-pytest.json -p no:cacheprovider
+		--benchmark-json out/bench-pytest.json -p no:cacheprovider \
+		--ignore=tests/bench/test_migration_bench.py
+	$(PY) -m pytest tests/bench/test_migration_bench.py --benchmark-only \
+		--benchmark-json out/bench-migration.json -p no:cacheprovider
 	$(PY) -m conformance.bench.peers --engines ref ref-loop --only steps \
 		--json out/bench-step.json --markdown out/bench-step.md
 	$(PY) -m conformance.bench.memory --json out/bench-memory.json --markdown out/bench-memory.md
-	cp out/bench-pytest.json out/bench-step.json out/bench-memory.json docs/bench/
+	cp out/bench-pytest.json out/bench-migration.json out/bench-step.json out/bench-memory.json docs/bench/
 	$(BENCH_REPORT)
 
 # refserve, nano-vllm-fork and vLLM scheduler steps side by side through the adapters'

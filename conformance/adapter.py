@@ -47,6 +47,28 @@ Semantics every adapter must follow
   one); ``commit(sampled, accepted)`` then gets, per verifying request, how many drafts
   the suite accepts and the token after them; the engine keeps the accepted drafts and
   that token, and drops the rejected drafts' KV (the suite poisons their slots).
+* Migration (feature ``migration``, methods only such adapters have; docs/ADAPTERS.md,
+  "Migration"): the suite builds several instances of the engine from one factory and
+  moves a live request between two of them at a step boundary of both, playing the
+  link::
+
+      exp = src.export_request(rid)             # MigrationExport: a pure read
+      staged = dst.stage_import(exp, transfer)  # MigrationStaged: blocks reserved
+      # the suite copies the K/V of each staged position from src's slot to dst's
+      src.release(rid)                          # after the ack: the source lets go
+      dst.commit_import()                       # the request runs on dst
+
+  or, when the link fails before the ack, ``dst.abort_import()`` and the request runs
+  on as before on the source. ``export_request`` changes nothing; ``stage_import``
+  reserves the destination's own blocks (its prefix hit used: only the positions after
+  it travel) without making the request visible to its scheduler, and raises
+  :class:`Rejected` with nothing changed when the destination cannot take it now;
+  ``abort_import`` leaves the destination exactly as before the stage; ``release``
+  drops the request from the source (not a finish: it is not listed as finished or
+  aborted) and returns every block it held; ``commit_import`` makes it live on the
+  destination. ``transfer=False`` asks the destination to recompute (no K/V travels);
+  with ``True`` it may still choose to (an engine that always recomputes is correct).
+  The suite checks every phase against the migration rules of spec/cluster.py.
 * ``snapshot`` returns a :class:`spec.EngineSnapshot` at a step boundary: every live
   request, plus the requests that finished or were aborted since the last ``schedule``
   began (status ``finished`` / ``aborted``); the pool with ref counts, the free queue in
@@ -107,6 +129,10 @@ class Feature(StrEnum):
     """``propose(request_id, draft_token_ids)`` before ``schedule``; a step verifies the
     drafts (``ScheduledRequest.num_draft_tokens``) and ``commit(sampled, accepted)``
     takes how many of each request's drafts the suite accepts (docs/SPECULATIVE.md)."""
+    MIGRATION = "migration"
+    """``export_request`` / ``stage_import`` / ``commit_import`` / ``abort_import`` /
+    ``release``: a live request moves between two instances of the engine, with its K/V
+    or without (module docstring; docs/ADAPTERS.md, "Migration")."""
 
 
 ALL_FEATURES = frozenset(Feature)
@@ -301,6 +327,50 @@ class CommitReport:
     """
 
     finished: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class MigrationExport:
+    """What the source engine hands over for one request (feature ``migration``).
+
+    ``kv_slots[p]`` is the slot whose K/V the engine sends as position ``p``, for ``p``
+    in ``[0, len(kv_slots))``: its KV length on the source, as the engine's transfer
+    really reads it (the adapter does not recompute it from the table). Empty when the
+    request has no KV (waiting, preempted by recompute). ``kv_on_host``: the slots are
+    in the host swap pool (a swapped request). ``ticket`` is everything else the
+    destination needs, in the engine's own form; the suite hands it to the destination
+    unchanged and never reads it.
+    """
+
+    request_id: str
+    kv_slots: tuple[int, ...] = ()
+    kv_on_host: bool = False
+    ticket: object = None
+
+
+@dataclass(frozen=True)
+class MigrationStaged:
+    """What the destination reserved for an import (feature ``migration``).
+
+    Positions ``[0, num_hit_tokens)`` are served by the destination's own prefix cache
+    and do not travel; ``kv_slots[i]`` is the destination slot that receives position
+    ``num_hit_tokens + i``. The request's KV length on the destination after the commit
+    is ``num_hit_tokens + len(kv_slots)``: the source's whole KV length (a transfer) or 0
+    (a recompute; the hit is then taken at admission, if at all). Anything in between
+    lands part of the KV, which the migration rules refuse (MOVED).
+    """
+
+    request_id: str
+    num_hit_tokens: int = 0
+    kv_slots: tuple[int, ...] = ()
+
+    @property
+    def kv_length(self) -> int:
+        return self.num_hit_tokens + len(self.kv_slots)
+
+
+MIGRATION_METHODS = ("export_request", "stage_import", "commit_import", "abort_import", "release")
+"""The methods an adapter with feature ``migration`` has besides the protocol's."""
 
 
 class NotSupported(Exception):

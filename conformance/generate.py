@@ -9,6 +9,7 @@ each one apart (:mod:`conformance.shrink`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,10 +20,10 @@ from conformance.adapter import AdapterFactory, EngineConfig, Feature
 from conformance.guard import DEFAULT_CALL_TIMEOUT
 from conformance.runner import RunResult, adapter_traits, build, run_fresh
 from conformance.shrink import distinct, shrink
-from conformance.workload import EOS, RequestPlan, Workload
+from conformance.workload import EOS, MigrationPlan, RequestPlan, Workload
 from spec.violation import Invariant
 
-KINDS = ("mixed", "tiny-pool", "shared-prefix")
+KINDS = ("mixed", "tiny-pool", "shared-prefix", "migration")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class GeneratedScenario:
     name: str
     kind: str
     description: str
+    requires: frozenset[Feature] = frozenset()
+    """Features without which every example of this kind is not supported."""
 
 
 GENERATED = (
@@ -49,6 +52,14 @@ GENERATED = (
         "shared-prefix",
         "Prompts drawn from two shared prefixes over a 3-token alphabet: cache hits, "
         "fully cached and block-aligned prompts, same-step sharing, eviction.",
+    ),
+    GeneratedScenario(
+        "generated-migration",
+        "migration",
+        "The mixed workloads on two or three instances with their own block sizes, pools "
+        "and budgets: moves at random boundaries (by transfer or recompute, some failing "
+        "before the ack or aborted in transit), or disaggregated prefill/decode.",
+        frozenset({Feature.MIGRATION}),
     ),
 )
 
@@ -101,9 +112,78 @@ def workloads(features: frozenset[Feature], kind: str = "mixed") -> st.SearchStr
             enable_prefix_caching=caching,
             eos_token_id=EOS,
         )
-        return Workload(cfg, tuple(reqs), rollback_at=rollback_at)
+        w = Workload(cfg, tuple(reqs), rollback_at=rollback_at)
+        return draw(_moves(w, features)) if kind == "migration" else w
 
     return build()
+
+
+def _moves(w: Workload, features: frozenset[Feature]) -> st.SearchStrategy[Workload]:
+    """``w`` spread over one or two peers of its own limits: moves of its requests at
+    random boundaries, or disaggregated prefill/decode (feature ``migration``)."""
+
+    @st.composite
+    def build(draw: st.DrawFn) -> Workload:
+        need = max(len(r.prompt) + r.max_tokens for r in w.requests)
+        peers = []
+        for _ in range(draw(st.integers(1, 2))):
+            bs = draw(st.integers(1, 4))
+            lo = -(-need // bs)
+            if Feature.CHUNKED_PREFILL in features:
+                budget = draw(st.integers(1, 16))
+            else:
+                budget = draw(st.integers(need, need + 8))
+            peers.append(
+                dataclasses.replace(
+                    w.config,
+                    block_size=bs,
+                    num_blocks=draw(st.integers(max(1, lo - 1), lo + 8)),
+                    max_num_batched_tokens=budget,
+                    max_num_seqs=draw(st.integers(1, 4)),
+                )
+            )
+        if draw(st.integers(0, 3)) == 0:
+            return dataclasses.replace(w, peers=tuple(peers[:1]), disaggregated=True)
+        faults = [None, None, "before_ack"]
+        if Feature.ABORT in features:
+            faults.append("abort_in_transit")
+        ids = [r.request_id for r in w.requests]
+        moves = draw(
+            st.lists(
+                st.builds(
+                    MigrationPlan,
+                    at=st.integers(0, 12),
+                    request_id=st.sampled_from(ids),
+                    to=st.integers(0, len(peers)),
+                    kv=st.booleans(),
+                    fault=st.sampled_from(faults),
+                ),
+                min_size=1,
+                max_size=6,
+            )
+        )
+        return dataclasses.replace(w, peers=tuple(peers), migrations=tuple(moves))
+
+    return build()
+
+
+def _counting_moves(
+    count: Callable[[str, bool], None], then: Callable[[RunResult], None] | None
+) -> Callable[[RunResult], None]:
+    """An example hook that counts the migration paths an example reached, then calls
+    ``then``."""
+
+    def hook(r: RunResult) -> None:
+        moved = [e for e in r.trace if "migrate" in e]
+        count("migration", any("sent" in e and "fault" not in e for e in moved))
+        count("migration_kv", any(e.get("sent") for e in moved))
+        count("migration_hit", any(e.get("hit") for e in moved))
+        count("migration_fault", any("fault" in e for e in moved))
+        count("migration_refused", any("refused" in e for e in moved))
+        if then is not None:
+            then(r)
+
+    return hook
 
 
 @dataclass
@@ -147,6 +227,10 @@ def search(
 
     def run(w: Workload) -> RunResult:
         return run_fresh(factory, w, call_timeout=call_timeout)
+
+    # The moves are counted by the hook, not in ``prop``: derandomized Hypothesis seeds
+    # itself from the test function's source, so editing ``prop`` redraws every example.
+    on_example = _counting_moves(count, on_example)
 
     @settings(
         max_examples=max_examples,

@@ -25,7 +25,7 @@ What a run yields (findings, observed policy, trace) is :mod:`conformance.run_re
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -35,6 +35,7 @@ from conformance.adapter import (
     AdmissionOrder,
     CommitReport,
     EngineAdapter,
+    EngineConfig,
     EngineProperties,
     Feature,
     NotSupported,
@@ -86,24 +87,41 @@ class _Sampled:
 
 
 class _Run:
+    """One engine instance under a workload. Alone it is the whole run (:meth:`run`);
+    in a migration workload (:mod:`conformance.migration`) each instance is one, built
+    with ``config`` (its own limits), ``shared`` (the first instance, whose result,
+    tokens and plans every instance shares: a request's tokens move with it) and
+    ``label`` (its name in findings: ``step on B``)."""
+
     def __init__(
         self,
         adapter: EngineAdapter,
         workload: Workload,
         props: EngineProperties,
         call_timeout: float,
+        *,
+        config: EngineConfig | None = None,
+        shared: _Run | None = None,
+        label: str = "",
     ) -> None:
         self.a = adapter
         self.w = workload
-        self.cfg = workload.config
+        self.cfg = workload.config if config is None else config
         self.props = props
         self.timeout = call_timeout
-        self.res = RunResult(workload)
+        self.label = label
+        self.res: RunResult = RunResult(workload) if shared is None else shared.res
         self.rank: dict[str, tuple[int, ...]] = {}  # place in the declared admission order
         self.unchanged = 0  # consecutive steps that scheduled, retired and changed nothing
-        self.tokens: dict[str, list[int]] = {}
-        self.plans: dict[str, RequestPlan] = {r.request_id: r for r in workload.requests}
+        self.tokens: dict[str, list[int]] = {} if shared is None else shared.tokens
+        self.plans: dict[str, RequestPlan] = (
+            {r.request_id: r for r in workload.requests} if shared is None else shared.plans
+        )
         self.live: set[str] = set()
+        self.latest: EngineSnapshot | None = None
+        """The last snapshot taken (a migration run's cluster snapshot reads it)."""
+        self.last_gained: dict[str, list[int]] = {}
+        """The tokens each request gained in the last step."""
         self.memory = FakeKV()
         self.stops = StopRules(props, self.cfg.eos_token_id)
         self.steps: list[StepSnapshot] = []
@@ -120,6 +138,10 @@ class _Run:
         return self.memory.host
 
     # ------------------------------------------------------------------ helpers
+    def where(self, phase: str) -> str:
+        """``phase``, with the instance named in a run of several (``step on B``)."""
+        return f"{phase} on {self.label}" if self.label else phase
+
     def fail(
         self,
         inv: Invariant,
@@ -130,14 +152,15 @@ class _Run:
         expected: object = "",
         seen: object = "",
     ) -> None:
-        self.res.findings.append(Finding(violation(inv, subject, msg, expected, seen), step, phase))
+        f = Finding(violation(inv, subject, msg, expected, seen), step, self.where(phase))
+        self.res.findings.append(f)
 
     def events_ahead(self, pending: list[RequestPlan]) -> bool:
         """Whether an arrival or an abort is still to come (either can unstick a stall)."""
         return bool(pending) or any(self.plans[rid].abort_at is not None for rid in self.live)
 
     def record(self, vs: list[Violation], step: int, phase: str) -> None:
-        self.res.findings.extend(Finding(v, step, phase) for v in vs)
+        self.res.findings.extend(Finding(v, step, self.where(phase)) for v in vs)
 
     def call(
         self,
@@ -175,6 +198,7 @@ class _Run:
     def snapshot(self, step: int, phase: str) -> EngineSnapshot:
         snap = self.call(step, phase, "snapshot()", self.a.snapshot)
         self.malformed(step, phase, "snapshot()", validate.check_engine_snapshot(snap))
+        self.latest = snap
         return snap
 
     def checked(self, step: int, phase: str, fn: Callable[[], list[Violation]]) -> None:
@@ -251,11 +275,26 @@ class _Run:
         while i < len(pending) and pending[i].arrival <= boundary:
             self.add(pending[i], step)
             i += 1
+        self.abort_due(boundary, step)
+        return i
+
+    def abort_due(self, boundary: int, step: int) -> None:
+        """Abort the live requests whose ``abort_at`` has come, in id order."""
         for rid in sorted(self.live):
             p = self.plans[rid]
             if p.abort_at is not None and p.abort_at <= boundary:
                 self.abort(rid, step)
-        return i
+
+    def join(self, rid: str) -> None:
+        """``rid`` joins this instance (an arrival or an import): it is live here and
+        takes the next place in the declared admission order, as the engine's queue
+        can only know when it joined."""
+        n = len(self.rank)
+        if self.props.admission_order.by_priority:
+            self.rank[rid] = (self.plans[rid].priority, n)
+        else:
+            self.rank[rid] = (n,)
+        self.live.add(rid)
 
     def stalled(self, pending: list[RequestPlan], step: int) -> bool:
         """PROGRESS: whether the run ends stalled (:data:`STALL_STEPS` unchanged steps
@@ -294,13 +333,8 @@ class _Run:
             self.checked(step, "add", lambda: check_atomic(before, after))
             self.res.trace.append({"boundary": step, "rejected": r.request_id, "reason": str(e)})
             return
-        n = len(self.rank)
-        if self.props.admission_order.by_priority:
-            self.rank[r.request_id] = (r.priority, n)
-        else:
-            self.rank[r.request_id] = (n,)
         self.tokens[r.request_id] = list(r.prompt)
-        self.live.add(r.request_id)
+        self.join(r.request_id)
         self.res.trace.append({"boundary": step, "added": r.request_id})
 
     def abort(self, rid: str, step: int) -> None:
@@ -319,7 +353,7 @@ class _Run:
         r = snap.request(rid)
         if r is not None and r.status is not RequestStatus.ABORTED:
             self.fail(Invariant.PROGRESS, step, "abort", f"request {rid}", f"is {r.status}")
-        self.res.trace.append({"boundary": step, "aborted": rid})
+        self.res.trace.append({"boundary": step, "aborted": rid, **self.engine_label()})
 
     def rollback(self, step: int) -> None:
         before = self.snapshot(step, "rollback")
@@ -331,7 +365,7 @@ class _Run:
         # begins (adapter contract), so only live requests are compared.
         after = self.snapshot(step, "rollback")
         self.checked(step, "rollback", lambda: check_atomic(_live(before), _live(after)))
-        self.res.trace.append({"boundary": step, "rolled_back": True})
+        self.res.trace.append({"boundary": step, "rolled_back": True, **self.engine_label()})
 
     def step(self, step: int) -> None:
         before = self.snapshot(step, "step")
@@ -378,13 +412,20 @@ class _Run:
         self.memory.poison_rejected(plan, accepted, self.tokens)
         for rid, toks in out.gained.items():
             self.tokens[rid].extend(toks)
+        self.last_gained = out.gained
         self.check_stops(plan, done, sampled, after, step)
         self.record(self.memory.read_back(after, self.tokens), step, "step")
         self.record(self.memory.read_back_host(after, self.tokens), step, "step")
         self.observe(before, plan)
-        self.res.trace.append(step_trace(step, before, plan, done, sampled))
+        self.res.trace.append(
+            {**step_trace(step, before, plan, done, sampled), **self.engine_label()}
+        )
         if accepted:
             self.res.trace[-1]["accepted"] = dict(accepted)
+
+    def engine_label(self) -> dict[str, str]:
+        """The trace's ``engine`` key in a run of several instances (none alone)."""
+        return {"engine": self.label} if self.label else {}
 
     def sample(
         self, plan: StepReport, proposals: Mapping[str, tuple[int, ...]], step: int
@@ -451,18 +492,14 @@ class _Run:
             taken.update(b for b in s.block_table if b in in_queue)
         head = queue[: len(taken)]
         if set(head) != taken:
-            self.res.findings.append(
-                Finding(
-                    violation(
-                        Invariant.BLOCK,
-                        "free queue",
-                        "new blocks were not taken from the head of the free queue in order",
-                        head,
-                        sorted(taken),
-                    ),
-                    step,
-                    "step",
-                )
+            self.fail(
+                Invariant.BLOCK,
+                step,
+                "step",
+                "free queue",
+                "new blocks were not taken from the head of the free queue in order",
+                head,
+                sorted(taken),
             )
 
     def propose(self, before: EngineSnapshot, step: int) -> dict[str, tuple[int, ...]]:
@@ -673,10 +710,15 @@ def run_workload(
     adapter: EngineAdapter,
     workload: Workload,
     *,
+    peers: Sequence[EngineAdapter] = (),
     call_timeout: float = DEFAULT_CALL_TIMEOUT,
 ) -> RunResult:
     """Run ``workload`` on a freshly configured ``adapter``; never raises for engine bugs
-    (a hang, a raise or a malformed record is a finding of the run)."""
+    (a hang, a raise or a malformed record is a finding of the run).
+
+    A workload of several instances (feature ``migration``) runs on ``adapter`` and
+    ``peers``, fresh adapters of the same engine (:func:`run_fresh` builds them); too
+    few peers for an engine that has the feature is the caller's ValueError."""
     res = RunResult(workload)
     try:
         features, props = adapter_traits(adapter, call_timeout)
@@ -687,6 +729,15 @@ def run_workload(
     if missing:
         res.not_supported = "engine lacks " + ", ".join(sorted(missing))
         return res
+    if workload.instances > 1:
+        if len(peers) < workload.instances - 1:
+            raise ValueError(
+                f"the workload runs on {workload.instances} instances; "
+                f"{len(peers)} peer adapters given"
+            )
+        from conformance.migration import run_instances
+
+        return run_instances([adapter, *peers], workload, call_timeout)
     return _Run(adapter, workload, props, call_timeout).run()
 
 
@@ -698,14 +749,27 @@ def build(factory: AdapterFactory, call_timeout: float = DEFAULT_CALL_TIMEOUT) -
 def run_fresh(
     factory: AdapterFactory, workload: Workload, *, call_timeout: float = DEFAULT_CALL_TIMEOUT
 ) -> RunResult:
-    """Run ``workload`` on a new adapter; a factory that raises or hangs is a finding."""
+    """Run ``workload`` on a new adapter (and, for a workload of several instances, on
+    new peers from the same factory); a factory that raises or hangs is a finding."""
+    res = RunResult(workload)
     try:
         adapter = build(factory, call_timeout)
+        peers: list[EngineAdapter] = []
+        if workload.instances > 1 and _has_migration(adapter, call_timeout):
+            peers = [build(factory, call_timeout) for _ in range(workload.instances - 1)]
     except AdapterCallError as e:
-        res = RunResult(workload)
         res.findings.append(Finding(violation(Invariant.PROGRESS, "adapter", str(e)), -1, "setup"))
         return res
-    return run_workload(adapter, workload, call_timeout=call_timeout)
+    return run_workload(adapter, workload, peers=peers, call_timeout=call_timeout)
+
+
+def _has_migration(adapter: EngineAdapter, call_timeout: float) -> bool:
+    """Whether peers are worth building (unreadable traits: run_workload reports them)."""
+    try:
+        features, _ = adapter_traits(adapter, call_timeout)
+    except AdapterCallError:
+        return False
+    return Feature.MIGRATION in features
 
 
 def run_with(factory: AdapterFactory, workload: Workload) -> RunResult:

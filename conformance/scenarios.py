@@ -13,7 +13,7 @@ The Hypothesis-generated workloads live in :mod:`conformance.generate`.
 from __future__ import annotations
 
 from conformance.adapter import EngineConfig
-from conformance.workload import EOS, RequestPlan, Scenario, Workload, prompt
+from conformance.workload import EOS, MigrationPlan, RequestPlan, Scenario, Workload, prompt
 
 
 def _cfg(
@@ -412,9 +412,147 @@ def _known_bugs() -> list[Scenario]:
     ]
 
 
+def M(
+    at: int, rid: str, to: int = 1, *, kv: bool = True, fault: str | None = None
+) -> MigrationPlan:
+    return MigrationPlan(at, rid, to, kv, fault)
+
+
+def _migrations() -> list[Scenario]:
+    """Feature ``migration``: requests move between instances of the engine (several
+    adapters from one factory) at step boundaries; docs/CONFORMANCE.md, "Migration"."""
+    p8 = prompt(210, 8)
+    return [
+        Scenario(
+            "migration-decode-transfer",
+            "Two decoding requests move with their K/V to a peer with another block size and "
+            "pool, and back: the destination writes through its own tables, takes its own "
+            "prefix hit on the way back, and every request reads back its tokens.",
+            Workload(
+                _cfg(4, 16, 8, 4),
+                (R("A", prompt(211, 9), 6), R("B", prompt(212, 5), 6, 1)),
+                peers=(_cfg(2, 24, 6, 4),),
+                migrations=(M(2, "A"), M(3, "B"), M(5, "A", 0), M(6, "B", 0)),
+            ),
+            ("KVLEN", "POS", "BLOCK"),
+        ),
+        Scenario(
+            "migration-mid-prefill",
+            "A long prompt computed in small chunks moves between them, there and back, with the "
+            "K/V computed so far; a second request decodes beside it on each side.",
+            Workload(
+                _cfg(4, 16, 4, 4),
+                (R("L", prompt(213, 14), 3), R("D", prompt(214, 2), 8)),
+                peers=(_cfg(2, 20, 4, 4),),
+                migrations=(M(1, "L"), M(2, "L", 0), M(3, "L"), M(2, "D")),
+            ),
+            ("POS", "TOKEN"),
+        ),
+        Scenario(
+            "migration-recompute",
+            "Moves without K/V: a decoding request, a waiting one and one mid-prefill; the "
+            "destination recomputes each (its outputs become prompt-like context) and they "
+            "finish with the same tokens.",
+            Workload(
+                _cfg(4, 12, 4, 2),
+                (R("A", prompt(215, 6), 5), R("W", prompt(216, 5), 3), R("P", prompt(217, 10), 3)),
+                peers=(_cfg(4, 12, 6, 4),),
+                migrations=(M(0, "W", kv=False), M(2, "A", kv=False), M(3, "P", kv=False)),
+            ),
+            ("TOKEN", "KVLEN"),
+        ),
+        Scenario(
+            "migration-destination-hit",
+            "W is moved while waiting and computes a shared 8-token prefix on the peer; Q, "
+            "with the same prefix, is prefilled at home and moved with its K/V: the peer "
+            "serves the prefix from its own cache and only the rest travels.",
+            Workload(
+                _cfg(4, 16, 16, 4),
+                (R("W", (*p8, 5), 4), R("Q", (*p8, 6, 7, 8), 4, 1)),
+                peers=(_cfg(4, 16, 16, 4),),
+                migrations=(M(0, "W"), M(3, "Q")),
+            ),
+            ("PREFIX", "BLOCK"),
+        ),
+        Scenario(
+            "migration-link-faults",
+            "The link fails before the destination's ack for two requests mid-prefill: "
+            "the destination must be exactly as before the stage and each request run on "
+            "at home; a client abort in transit finishes a decoding request once; then a "
+            "move succeeds.",
+            Workload(
+                _cfg(4, 16, 4, 4),
+                (R("X", prompt(220, 3), 8), R("A", prompt(218, 6), 7), R("L", prompt(219, 12), 3)),
+                peers=(_cfg(2, 20, 4, 4),),
+                migrations=(
+                    M(2, "A", fault="before_ack"),
+                    M(4, "L", fault="before_ack"),
+                    M(3, "X", fault="abort_in_transit"),
+                    M(4, "A"),
+                ),
+            ),
+            ("ATOMIC", "PROGRESS"),
+        ),
+        Scenario(
+            "migration-refused",
+            "The peer has room for one running request: the second move is refused, must "
+            "leave the peer exactly as it was, and the request runs on at home.",
+            Workload(
+                _cfg(4, 16, 8, 4),
+                (R("A", prompt(221, 5), 5), R("B", prompt(222, 5), 5)),
+                peers=(_cfg(4, 16, 8, 1),),
+                migrations=(M(2, "A"), M(3, "B")),
+            ),
+            ("ATOMIC",),
+        ),
+        Scenario(
+            "migration-under-preemption",
+            "A tiny home pool preempts (or swaps) its requests; they are moved wherever "
+            "they stand, preempted included, to a roomy peer and some of them back.",
+            Workload(
+                _cfg(2, 6, 8, 4),
+                tuple(R(f"S{i}", prompt(223 + i, 3), 8, i % 2) for i in range(3)),
+                peers=(_cfg(2, 16, 8, 4),),
+                migrations=(M(3, "S1"), M(4, "S2"), M(5, "S0"), M(7, "S1", 0)),
+            ),
+            ("BLOCK", "TOKEN", "PROGRESS"),
+        ),
+        Scenario(
+            "migration-three-engines",
+            "One request travels A -> B -> C -> A, by transfer and by recompute, across "
+            "three block sizes, while others stay put.",
+            Workload(
+                _cfg(4, 16, 6, 4),
+                (R("T", prompt(227, 7), 8), R("H", prompt(228, 4), 6)),
+                peers=(_cfg(2, 20, 6, 4), _cfg(1, 40, 6, 4)),
+                migrations=(M(2, "T", 1), M(4, "T", 2), M(6, "T", 0, kv=False), M(3, "H", 2)),
+            ),
+            ("POS", "KVLEN"),
+        ),
+        Scenario(
+            "disaggregation-prefill-decode",
+            "Prefill/decode disaggregation: every request is prefilled on A (a large "
+            "budget) and moved to B with its K/V right after its first token; B decodes. "
+            "Two share a prompt prefix, one is too long for a single prefill step.",
+            Workload(
+                _cfg(4, 24, 12, 4),
+                (
+                    R("A", (*p8, 9, 10), 4),
+                    R("B", (*p8, 11), 3, 1),
+                    R("C", prompt(229, 20), 3, 1),
+                    R("D", prompt(230, 3), 5, 2),
+                ),
+                peers=(_cfg(2, 40, 4, 4),),
+                disaggregated=True,
+            ),
+            ("KVLEN", "POS", "PREFIX"),
+        ),
+    ]
+
+
 def library() -> list[Scenario]:
     """Every fixed scenario, seeds first."""
-    return [*_seeds(), *_known_bugs()]
+    return [*_seeds(), *_known_bugs(), *_migrations()]
 
 
 def by_name() -> dict[str, Scenario]:

@@ -31,7 +31,9 @@ def signature(f: Finding) -> str:
 
 def candidates(w: Workload) -> Iterator[Workload]:
     """Workloads one step smaller than ``w``: a request dropped, a prompt or output
-    shortened, an arrival moved earlier, a rollback dropped, a limit lowered by one."""
+    shortened, an arrival moved earlier, a rollback dropped, a move dropped, made
+    earlier or without its fault, a peer dropped, a limit lowered by one (of any
+    instance)."""
     reqs = w.requests
     for i in range(len(reqs)):
         if len(reqs) > 1:
@@ -58,12 +60,43 @@ def candidates(w: Workload) -> Iterator[Workload]:
             yield put(priority=0)
     for j in range(len(w.rollback_at)):
         yield dataclasses.replace(w, rollback_at=w.rollback_at[:j] + w.rollback_at[j + 1 :])
+    yield from _move_candidates(w)
     c = w.config
-    for name in ("num_blocks", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+    for name in LIMITS:
         if getattr(c, name) > 1:
             yield dataclasses.replace(
                 w, config=dataclasses.replace(c, **{name: getattr(c, name) - 1})
             )
+    for i, peer in enumerate(w.peers):
+        for name in LIMITS:
+            if getattr(peer, name) > 1:
+                lower = dataclasses.replace(peer, **{name: getattr(peer, name) - 1})
+                yield dataclasses.replace(w, peers=(*w.peers[:i], lower, *w.peers[i + 1 :]))
+
+
+LIMITS = ("num_blocks", "max_num_seqs", "max_num_batched_tokens", "block_size")
+"""The limits of an instance the shrinker lowers."""
+
+
+def _move_candidates(w: Workload) -> Iterator[Workload]:
+    """Smaller migration workloads (feature ``migration``): a move dropped, without its
+    fault, by transfer rather than recompute, earlier; the last peer dropped when no
+    move goes to it."""
+    moves = w.migrations
+    for i, m in enumerate(moves):
+        rest = moves[:i] + moves[i + 1 :]
+        yield dataclasses.replace(w, migrations=rest)
+        for change in (
+            {"fault": None} if m.fault is not None else None,
+            {"kv": True} if not m.kv else None,
+            {"at": m.at - 1} if m.at > 0 else None,
+        ):
+            if change is not None:
+                new = dataclasses.replace(m, **change)
+                yield dataclasses.replace(w, migrations=(*moves[:i], new, *moves[i + 1 :]))
+    needed = 1 if w.disaggregated else 0  # the decode instance stays
+    if len(w.peers) > needed and all(m.to < len(w.peers) for m in moves):
+        yield dataclasses.replace(w, peers=w.peers[:-1])
 
 
 def shrink(run: Callable[[Workload], RunResult], first: RunResult, sig: str) -> RunResult:

@@ -17,13 +17,28 @@ from conformance.adapter import AdapterFactory, EngineProperties, Feature, StepO
 from conformance.generate import GENERATED, search
 from conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError
 from conformance.report import Failure, Report, Result, ScenarioInfo, signature_of
-from conformance.runner import RunResult, adapter_traits, build, run_fresh
+from conformance.runner import STEP_INVARIANTS, RunResult, adapter_traits, build, run_fresh
 from conformance.scenarios import library
 from conformance.shrink import distinct, shrink, signature
 from conformance.workload import Scenario
-from spec.violation import Invariant
+from spec.violation import CLUSTER_INVARIANTS, Invariant
 
 ALL_INVARIANTS = tuple(Invariant)
+
+#: What a run on one engine checks (the step invariants, ATOMIC, ORDER when declared).
+ENGINE_CHECKS = tuple(
+    i for i in ALL_INVARIANTS if i in STEP_INVARIANTS or i in (Invariant.ATOMIC, Invariant.ORDER)
+)
+
+
+def invariants_for(needs: frozenset[Feature]) -> tuple[Invariant, ...]:
+    """The invariants a scenario needing ``needs`` would check, what it lists as
+    ``not_supported`` when the engine cannot run it: one engine's, plus the migration
+    rules (spec/cluster.py) when it runs on several instances."""
+    if Feature.MIGRATION in needs:
+        return tuple(i for i in ALL_INVARIANTS if i in ENGINE_CHECKS or i in CLUSTER_INVARIANTS)
+    return ENGINE_CHECKS
+
 
 OnResult = Callable[[list[Result], ScenarioInfo], None]
 """Called once per scenario, in order, with its results (for streaming reports)."""
@@ -123,7 +138,8 @@ def run_fixed(
     )
     if first.not_supported:
         return [
-            Result(sc.name, str(i), "not_supported", first.not_supported) for i in ALL_INVARIANTS
+            Result(sc.name, str(i), "not_supported", first.not_supported)
+            for i in invariants_for(sc.needs())
         ], info
     shrunk = {sig: shrink(run, first, sig) for sig in fresh}
     return _results(sc.name, first.checked, shrunk, features, suppressed), info
@@ -139,6 +155,12 @@ def run_generated(
     known: frozenset[str] = frozenset(),
 ) -> tuple[list[Result], ScenarioInfo]:
     g = next(x for x in GENERATED if x.name == name)
+    missing = g.requires - features
+    if missing:
+        why = "engine lacks " + ", ".join(sorted(missing))
+        info = ScenarioInfo(name, g.description, "generated", (), why, {})
+        rows = [Result(name, str(i), "not_supported", why) for i in invariants_for(g.requires)]
+        return rows, info
     out = search(
         factory,
         g.kind,
@@ -204,6 +226,13 @@ def _notes(features: frozenset[Feature], props: EngineProperties) -> list[str]:
         notes.append(
             "max_model_len_stop: a request stops with reason length at the max_model_len "
             "its snapshot reports (KVLEN checks the stop there)"
+        )
+    if Feature.MIGRATION not in features:
+        notes.append(
+            "migration: not declared, so no request was moved between instances: the "
+            "migration scenarios are not_supported and the migration rules (one owner, "
+            "tokens conserved, the K/V identical after a move, no block leaked on either "
+            "side) are not checked"
         )
     if props.step_order is StepOrder.PREFILL_FIRST:
         notes.append("golden schedules are decode-first: a prefill-first engine differs by design")

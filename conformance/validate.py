@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final, TypeGuard
 
-from conformance.adapter import CommitReport, StepReport
+from conformance.adapter import CommitReport, MigrationExport, MigrationStaged, StepReport
 from spec.snapshot import (
     CacheEntry,
     EngineSnapshot,
@@ -44,6 +44,8 @@ from spec.snapshot import (
 __all__ = [
     "check_commit_report",
     "check_engine_snapshot",
+    "check_migration_export",
+    "check_migration_staged",
     "check_pool_snapshot",
     "check_step_report",
 ]
@@ -452,6 +454,28 @@ def _commit_report(p: _Problems, where: str, rep: object) -> None:
     )
 
 
+def _migration_export(p: _Problems, where: str, exp: object, rid: str) -> None:
+    if not _record(p, where, exp, MigrationExport):
+        return
+    _same_id(p, f"{where}.request_id", _get(exp, "request_id"), rid)
+    _ints(p, f"{where}.kv_slots", _get(exp, "kv_slots"), item="slot")
+    _bool(p, f"{where}.kv_on_host", _get(exp, "kv_on_host"))
+
+
+def _migration_staged(p: _Problems, where: str, staged: object, rid: str) -> None:
+    if not _record(p, where, staged, MigrationStaged):
+        return
+    _same_id(p, f"{where}.request_id", _get(staged, "request_id"), rid)
+    _int(p, f"{where}.num_hit_tokens", _get(staged, "num_hit_tokens"))
+    _ints(p, f"{where}.kv_slots", _get(staged, "kv_slots"), item="slot")
+
+
+def _same_id(p: _Problems, where: str, x: object, rid: str) -> None:
+    got = _str(p, where, x)
+    if got is not None and got != rid:
+        p.add(where, f"{got!r} is not the request asked for ({rid!r})")
+
+
 # --------------------------------------------------------------------------- public API
 def check_engine_snapshot(obj: object, where: str = "snapshot") -> list[str]:
     """Problems in an :class:`spec.snapshot.EngineSnapshot` returned by ``snapshot()``:
@@ -484,3 +508,18 @@ def check_commit_report(obj: object, where: str = "commit_report") -> list[str]:
     ``finished`` is a tuple of (request id, reason) string pairs, each id once. Never
     raises."""
     return _guarded(where, lambda p: _commit_report(p, where, obj))
+
+
+def check_migration_export(obj: object, request_id: str, where: str = "export") -> list[str]:
+    """Problems in a :class:`conformance.adapter.MigrationExport` returned by
+    ``export_request(request_id)``: the id asked for, ``kv_slots`` a tuple of
+    non-negative ints, ``kv_on_host`` a bool (the ticket is the engine's own and is not
+    read). Never raises."""
+    return _guarded(where, lambda p: _migration_export(p, where, obj, request_id))
+
+
+def check_migration_staged(obj: object, request_id: str, where: str = "staged") -> list[str]:
+    """Problems in a :class:`conformance.adapter.MigrationStaged` returned by
+    ``stage_import``: the id asked for, a non-negative ``num_hit_tokens`` and ``kv_slots``
+    a tuple of non-negative ints. Never raises."""
+    return _guarded(where, lambda p: _migration_staged(p, where, obj, request_id))

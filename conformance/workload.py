@@ -47,6 +47,35 @@ class RequestPlan:
         )
 
 
+MIGRATION_FAULTS = ("before_ack", "abort_in_transit")
+"""Where the suite, playing the link, can make a migration fail (feature ``migration``):
+``before_ack``: the transfer breaks after the stage, before the destination acknowledged
+(the destination's import is aborted; the request runs on as before on the source);
+``abort_in_transit``: the client aborts the request while its K/V travels (the import is
+aborted and the source aborts the request: it finishes once, on the source)."""
+
+
+@dataclass(frozen=True)
+class MigrationPlan:
+    """One move of a workload (feature ``migration``): at step boundary ``at`` the suite
+    moves ``request_id`` from the instance that holds it to instance ``to`` (0 is the
+    one requests arrive at), asking for a K/V transfer (``kv``) or a recompute; ``fault``
+    (one of :data:`MIGRATION_FAULTS`) makes the link fail. A move of a request that is
+    not live then, or already on ``to``, is skipped."""
+
+    at: int
+    request_id: str
+    to: int = 1
+    kv: bool = True
+    fault: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.fault is not None and self.fault not in MIGRATION_FAULTS:
+            raise ValueError(f"fault must be one of {MIGRATION_FAULTS}, got {self.fault!r}")
+        if self.to < 0 or self.at < 0:
+            raise ValueError(f"a migration needs at >= 0 and to >= 0, got {self!r}")
+
+
 @dataclass(frozen=True)
 class Workload:
     config: EngineConfig
@@ -61,6 +90,26 @@ class Workload:
     (feature ``speculative_decoding``; the exhaustive explorer records its choices
     here). Steps not listed use the suite's rotating choice."""
     note: str = ""
+    peers: tuple[EngineConfig, ...] = ()
+    """The configurations of the other instances of the engine (feature ``migration``):
+    instance ``i + 1`` runs ``peers[i]``; requests arrive at instance 0 (``config``)."""
+    migrations: tuple[MigrationPlan, ...] = ()
+    """Moves between instances, in the order given at each boundary."""
+    disaggregated: bool = False
+    """Prefill/decode disaggregation: every request is prefilled on instance 0 and moved
+    to instance 1, K/V and all, at the first boundary after its first output token."""
+
+    @property
+    def instances(self) -> int:
+        """How many instances of the engine the workload runs on."""
+        used = max((m.to for m in self.migrations), default=0)
+        return max(1 + len(self.peers), used + 1, 2 if self.disaggregated else 1)
+
+    def config_of(self, instance: int) -> EngineConfig:
+        """Instance ``instance``'s configuration (a peer without one runs ``config``)."""
+        if 1 <= instance <= len(self.peers):
+            return self.peers[instance - 1]
+        return self.config
 
     @property
     def step_limit(self) -> int:
@@ -85,13 +134,18 @@ class Workload:
     def needs(self) -> frozenset[Feature]:
         """Features an engine must have to run this workload."""
         out: set[Feature] = set()
-        cfg = self.config
-        if any(len(r.prompt) + r.max_tokens > cfg.max_num_batched_tokens for r in self.requests):
-            # Without chunking a whole sequence (prompt + outputs, recomputed after a
-            # preemption) must fit in one step's budget.
-            out.add(Feature.CHUNKED_PREFILL)
-        if not cfg.enable_prefix_caching:
-            out.add(Feature.PREFIX_CACHING_OPTIONAL)
+        for cfg in (self.config_of(i) for i in range(self.instances)):
+            budget = cfg.max_num_batched_tokens
+            if any(len(r.prompt) + r.max_tokens > budget for r in self.requests):
+                # Without chunking a whole sequence (prompt + outputs, recomputed after a
+                # preemption) must fit in one step's budget.
+                out.add(Feature.CHUNKED_PREFILL)
+            if not cfg.enable_prefix_caching:
+                out.add(Feature.PREFIX_CACHING_OPTIONAL)
+        if self.instances > 1:
+            out.add(Feature.MIGRATION)
+        if any(m.fault == "abort_in_transit" for m in self.migrations):
+            out.add(Feature.ABORT)
         if any(r.abort_at is not None for r in self.requests):
             out.add(Feature.ABORT)
         if len({r.priority for r in self.requests}) > 1:
@@ -107,6 +161,8 @@ class Workload:
         d["requests"] = [{**asdict(r), "prompt": list(r.prompt)} for r in self.requests]
         d["rollback_at"] = list(self.rollback_at)
         d["drafts_right"] = [list(x) for x in self.drafts_right]
+        d["migrations"] = [asdict(m) for m in self.migrations]
+        d["peers"] = [asdict(c) for c in self.peers]
         return d
 
     @staticmethod
@@ -122,6 +178,9 @@ class Workload:
                 (int(step), str(rid), int(n)) for step, rid, n in d.get("drafts_right", ())
             ),
             note=str(d.get("note", "")),
+            peers=tuple(EngineConfig(**c) for c in d.get("peers", ())),
+            migrations=tuple(MigrationPlan(**m) for m in d.get("migrations", ())),
+            disaggregated=bool(d.get("disaggregated", False)),
         )
 
 

@@ -5,7 +5,8 @@ Nothing here imports the engine: ``ref/`` and ``conformance/`` depend on ``spec`
 the other way round. Each invariant id of docs/CONFORMANCE.md (TOKEN, BLOCK, KVLEN,
 POS, CAP, PREFIX, PROGRESS, ATOMIC, ORDER) has a module with a ``check_*`` function
 returning a list of :class:`~spec.violation.Violation`; an empty list means the
-invariant holds.
+invariant holds. The migration rules of docs/MIGRATION.md (OWNER, CONSERVE, MOVED,
+KVCOPY, LEAK) are checked over a cluster of engines, in spec/cluster.py.
 """
 
 from spec.checks import check_pool, check_step

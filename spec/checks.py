@@ -1,7 +1,8 @@
-"""Run every applicable invariant on a pool or a step.
+"""Run every applicable invariant on a pool, a step or a cluster step.
 
-The checkers are listed once, as data (:data:`POOL_CHECKS`, :data:`STEP_CHECKS`), so what
-reports "checked against N invariant checks" counts the list that actually runs.
+The checkers are listed once, as data (:data:`POOL_CHECKS`, :data:`STEP_CHECKS`,
+:data:`CLUSTER_CHECKS`), so what reports "checked against N invariant checks" counts the
+list that actually runs.
 """
 
 from __future__ import annotations
@@ -10,6 +11,14 @@ from collections.abc import Callable
 
 from spec.block import check_block
 from spec.cap import check_cap, check_cap_step
+from spec.cluster import (
+    ClusterStep,
+    check_conserve,
+    check_kv_copy,
+    check_leak,
+    check_moved,
+    check_owner,
+)
 from spec.host import check_host
 from spec.kvlen import check_kvlen
 from spec.pos import check_pos, check_pos_pool
@@ -23,6 +32,8 @@ from spec.violation import Violation
 PoolCheck = Callable[[PoolSnapshot, int], list[Violation]]
 #: A step checker, given the step, ``lookahead`` and ``same_step_hits``.
 StepCheck = Callable[[StepSnapshot, int, bool], list[Violation]]
+#: A migration rule (spec/cluster.py), given two consecutive cluster snapshots.
+ClusterCheck = Callable[[ClusterStep], list[Violation]]
 
 #: BLOCK, CAP, POS (table coverage, ``lookahead`` slots allowed) and PREFIX, in the order
 #: :func:`check_pool` runs them. Each takes the same arguments, whether it reads them or not,
@@ -66,3 +77,20 @@ def check_step(
     are declared conventions (:func:`spec.pos.check_pos_pool`,
     :func:`spec.prefix.check_prefix_step`)."""
     return [v for check in STEP_CHECKS for v in check(step, lookahead, same_step_hits)]
+
+
+#: The migration rules (docs/MIGRATION.md, "The rules") in the order
+#: :func:`check_cluster` runs them: OWNER and KVCOPY on the later snapshot, CONSERVE, MOVED
+#: and LEAK on the pair.
+CLUSTER_CHECKS: tuple[ClusterCheck, ...] = (
+    lambda step: check_owner(step.after),
+    check_conserve,
+    check_moved,
+    lambda step: check_kv_copy(step.after),
+    check_leak,
+)
+
+
+def check_cluster(step: ClusterStep) -> list[Violation]:
+    """Every check of :data:`CLUSTER_CHECKS` on two consecutive cluster snapshots."""
+    return [v for check in CLUSTER_CHECKS for v in check(step)]

@@ -10,7 +10,9 @@ class Invariant(StrEnum):
     """Invariant ids (docs/CONFORMANCE.md); the conformance report keys results by these.
 
     ORDER is the one policy check: it applies only to an engine that declares its
-    admission order (spec/order.py).
+    admission order (spec/order.py). OWNER, CONSERVE, MOVED, KVCOPY and LEAK are the
+    migration rules (:data:`CLUSTER_INVARIANTS`, spec/cluster.py, docs/MIGRATION.md): they
+    are checked over several engines, never on one engine's steps.
     """
 
     TOKEN = "TOKEN"
@@ -23,6 +25,19 @@ class Invariant(StrEnum):
     ATOMIC = "ATOMIC"
     ORDER = "ORDER"
     EVENTS = "EVENTS"  # replaying the cache events gives the pool's index (spec/events.py)
+    OWNER = "OWNER"
+    CONSERVE = "CONSERVE"
+    MOVED = "MOVED"
+    KVCOPY = "KVCOPY"
+    LEAK = "LEAK"
+
+
+#: The ids of the migration rules, checked on a cluster of engines (spec/cluster.py).
+CLUSTER_INVARIANTS = frozenset(
+    {Invariant.OWNER, Invariant.CONSERVE, Invariant.MOVED, Invariant.KVCOPY, Invariant.LEAK}
+)
+#: The ids checked on one engine (docs/CONFORMANCE.md, "Rules").
+ENGINE_INVARIANTS = tuple(i for i in Invariant if i not in CLUSTER_INVARIANTS)
 
 
 @dataclass(frozen=True)

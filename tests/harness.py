@@ -5,22 +5,31 @@ either through ``EngineCore(check_invariants=True)`` on the simulator (``Stepper
 directly through ``schedule``/``commit`` (``commit_step``) when a test pins down what the
 scheduler itself plans. Every step either way is checked: the engine core runs every
 spec checker (docs/ARCHITECTURE.md, "Invariants"), ``commit_step`` runs ``check_pool``.
+
+For migration (docs/MIGRATION.md) a ``Stepper(memory=True)`` keeps a fake K/V memory
+(slot -> token id, device and host) written as a kernel would, ``MemoryLink`` carries it
+between two of them for a ``ref.core.transit.Move``, and ``cluster_snapshot`` turns
+named steppers and a move in flight into a ``spec.cluster.ClusterSnapshot``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from ref.core.config import SchedulerConfig
 from ref.core.cost import StepCost
 from ref.core.engine_core import EngineCore, StepRecord
+from ref.core.executor import StepOutput
+from ref.core.inputs import ModelInputs
 from ref.core.outcome import StepOutcome
 from ref.core.plan import StepPlan
 from ref.core.request import Request, StopParams
 from ref.core.scheduler import Scheduler
+from ref.core.transit import Arrival, Departure, KVPlace, Move, cluster_node
 from ref.sim.simulator import SimExecutor
 from spec import check_pool
+from spec.cluster import ClusterSnapshot, Delivered
 from spec.snapshot import RequestStatus
 
 # The cost model of docs/ARCHITECTURE.md's worked examples: 2 ms a step, 0.5 ms a
@@ -71,11 +80,18 @@ class Stepper:
     """
 
     def __init__(
-        self, config: SchedulerConfig, cost: StepCost = COST, *, charge_swaps: bool = True
+        self,
+        config: SchedulerConfig,
+        cost: StepCost = COST,
+        *,
+        charge_swaps: bool = True,
+        memory: bool = False,
     ) -> None:
         self.sched = Scheduler(config)
         swap = config.swap_cost if charge_swaps else None
-        executor = SimExecutor(cost, self.sched.requests, swap=swap, block_size=config.block_size)
+        kind = MemorySimExecutor if memory else SimExecutor
+        executor = kind(cost, self.sched.requests, swap=swap, block_size=config.block_size)
+        self.executor = executor
         self.core = EngineCore(self.sched, executor, check_invariants=True)
         self.clock = 0.0
         self.records: list[StepRecord] = []
@@ -85,6 +101,17 @@ class Stepper:
     def of(cls, **config: Any) -> Stepper:
         """A stepper on ``SchedulerConfig(**config)`` at the default cost."""
         return cls(SchedulerConfig(**config))
+
+    @property
+    def memory(self) -> dict[int, int]:
+        """The fake device K/V memory (``memory=True``)."""
+        assert isinstance(self.executor, MemorySimExecutor), "a Stepper(memory=True)"
+        return self.executor.memory
+
+    @property
+    def host_memory(self) -> dict[int, int]:
+        assert isinstance(self.executor, MemorySimExecutor), "a Stepper(memory=True)"
+        return self.executor.host_memory
 
     @property
     def plans(self) -> list[StepPlan]:
@@ -120,6 +147,123 @@ class Stepper:
         """Step until every named request has sampled its first token."""
         reqs = self.sched.requests
         self.until(lambda: all(reqs[r].status is RequestStatus.DECODING for r in rids))
+
+
+# ------------------------------------------------------------------------ migration
+class MemorySimExecutor(SimExecutor):
+    """The simulator with a fake K/V memory (slot -> token id, device and host): each
+    step applies the plan's swap-outs, swap-ins and copies, then writes every scheduled
+    token at its slot, in the order a kernel would (ref/core/plan.py). Its steps must
+    not fail: nothing here is journaled."""
+
+    needs_inputs = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.memory: dict[int, int] = {}
+        self.host_memory: dict[int, int] = {}
+
+    def execute(self, plan: StepPlan, inputs: ModelInputs | None) -> StepOutput:
+        assert inputs is not None
+        bs = self.block_size
+        for mems, copies in (
+            ((self.memory, self.host_memory), plan.swap_out),
+            ((self.host_memory, self.memory), plan.swap_in),
+            ((self.memory, self.memory), plan.copies),
+        ):
+            for cp in copies:
+                for off in range(bs):
+                    copy_slot(mems[0], cp.src * bs + off, mems[1], cp.dst * bs + off)
+        ids = inputs.input_ids.tolist()
+        for slot, tok in zip(inputs.slot_mapping.tolist(), ids, strict=True):
+            self.memory[slot] = tok
+        return super().execute(plan, inputs)
+
+
+def copy_slot(src: dict[int, int], a: int, dst: dict[int, int], b: int) -> None:
+    """``dst[b] = src[a]``; an unwritten slot stays unwritten."""
+    if a in src:
+        dst[b] = src[a]
+    else:
+        dst.pop(b, None)
+
+
+class HasMemory(Protocol):
+    """An engine with fake K/V memories: a ``Stepper(memory=True)``, or a state
+    machine's books."""
+
+    @property
+    def memory(self) -> dict[int, int]: ...
+
+    @property
+    def host_memory(self) -> dict[int, int]: ...
+
+
+class Boom(Exception):
+    """A fault injected on purpose."""
+
+
+class MemoryLink:
+    """A move's K/V link (``ref.core.transit.KVLink``) between two fake memories: each
+    position's token id from the source's slot (device or host) to the destination's,
+    every overwritten slot saved first so ``undo`` restores it. ``fail_after``: raise
+    :class:`Boom` once that many slots are written (a fault inside a chunk)."""
+
+    def __init__(self, src: HasMemory, dst: HasMemory) -> None:
+        self.src, self.dst = src, dst
+        self.saved: dict[int, int | None] = {}
+        self.fail_after: int | None = None
+        self.written = 0
+
+    def copy(self, departure: Departure, arrival: Arrival, start: int, end: int) -> None:
+        host = departure.kv_place is KVPlace.HOST
+        src = self.src.host_memory if host else self.src.memory
+        for p in range(start, end):
+            if self.fail_after is not None and self.written >= self.fail_after:
+                self.fail_after = None
+                raise Boom(f"the link fails after {self.written} slots")
+            slot = arrival.slots[p - arrival.num_hit_tokens]
+            self.saved.setdefault(slot, self.dst.memory.get(slot))
+            copy_slot(src, departure.slots[p], self.dst.memory, slot)
+            self.written += 1
+
+    def undo(self) -> None:
+        for slot, tok in self.saved.items():
+            if tok is None:
+                self.dst.memory.pop(slot, None)
+            else:
+                self.dst.memory[slot] = tok
+        self.saved = {}
+
+
+def cluster_snapshot(
+    engines: Mapping[str, Stepper],
+    move: tuple[Move, str, str] | None = None,
+    finished: Mapping[str, tuple[int, ...]] | None = None,
+    since: ClusterSnapshot | None = None,
+) -> ClusterSnapshot:
+    """The steppers as a cluster (spec/cluster.py), by name, with ``move`` (the move,
+    its source's name, its destination's) in flight. A live request's client has
+    received its outputs so far (what a correct engine delivers); ``finished`` are the
+    outputs of the requests that ended; a client of ``since`` that no engine serves any
+    more keeps what it had (a client does not forget its stream)."""
+    nodes = tuple(
+        cluster_node(name, s.sched, s.memory, s.host_memory) for name, s in engines.items()
+    )
+    transits = () if move is None or move[0].phase is None else (move[0].transit(*move[1:]),)
+    delivered = {} if since is None else {d.request_id: d for d in since.delivered}
+    delivered |= {
+        rid: Delivered(rid, tuple(r.output_token_ids))
+        for s in engines.values()
+        for rid, r in s.sched.requests.items()
+    }
+    if move is not None and move[0].phase is not None and move[0].departure is not None:
+        state = move[0].departure.state
+        outputs = state.token_ids[state.num_prompt_tokens :]
+        delivered[state.request_id] = Delivered(state.request_id, outputs)
+    for rid, toks in (finished or {}).items():
+        delivered[rid] = Delivered(rid, toks, done=True)
+    return ClusterSnapshot(nodes, transits, tuple(delivered[k] for k in sorted(delivered)))
 
 
 # ------------------------------------------------------- stepping without the engine core

@@ -4,6 +4,14 @@ It drives :class:`ref.core.scheduler.Scheduler` directly: ``schedule`` plans a s
 the executor's real inputs with :func:`ref.core.inputs.build_inputs` (the same arrays the
 model would get, as :class:`ref.core.engine_core.EngineCore` does when it checks itself), so
 POS checks the slot mapping the executor really receives.
+
+Migration (feature ``migration``) is :mod:`ref.core.transit` as it is: ``export_request``
+is :func:`ref.core.transit.export` (the ticket is the :class:`~ref.core.transit.Departure`, its
+slots the source slots the engine reads, on the host for a swapped request),
+``stage_import`` one :func:`ref.core.transit.begin_import` with one ``Import.stage``,
+``commit_import`` / ``abort_import`` its ``commit`` / ``abort``, ``release``
+:func:`ref.core.transit.release`. The link (copying the K/V from slot to slot) is the suite's,
+as the executor is.
 """
 
 from __future__ import annotations
@@ -17,17 +25,21 @@ from conformance.adapter import (
     EngineConfig,
     EngineProperties,
     Feature,
+    MigrationExport,
+    MigrationStaged,
     NotSupported,
     Rejected,
     RequestSpec,
     StepOrder,
     StepReport,
 )
+from ref.core import transit
 from ref.core.config import SchedulerConfig
 from ref.core.inputs import build_inputs, scheduled_requests
 from ref.core.plan import StepPlan
 from ref.core.request import Request, StopParams
 from ref.core.scheduler import Scheduler
+from ref.core.transit import Departure, Import, KVPlace
 from ref.errors import RefserveError
 from spec.snapshot import EngineSnapshot
 
@@ -59,6 +71,7 @@ class RefAdapter:
         self._overrides = overrides
         self._sched: Scheduler | None = None
         self._plan: StepPlan | None = None
+        self._import: Import | None = None
 
     @property
     def features(self) -> frozenset[Feature]:
@@ -89,6 +102,7 @@ class RefAdapter:
             raise NotSupported(str(e)) from e
         self._sched = Scheduler(cfg)
         self._plan = None
+        self._import = None
 
     def add_request(self, request: RequestSpec) -> None:
         try:
@@ -152,6 +166,42 @@ class RefAdapter:
     def rollback(self) -> None:
         self.sched.rollback()
         self._plan = None
+
+    # ------------------------------------------------------------------ migration
+    def export_request(self, request_id: str) -> MigrationExport:
+        dep = transit.export(self.sched, request_id)
+        return MigrationExport(
+            request_id, dep.slots, kv_on_host=dep.kv_place is KVPlace.HOST, ticket=dep
+        )
+
+    def stage_import(self, export: MigrationExport, transfer: bool) -> MigrationStaged:
+        dep = export.ticket
+        if not isinstance(dep, Departure):
+            raise Rejected(f"not a refserve ticket: {type(dep).__name__}")
+        imp = transit.begin_import(self.sched)
+        try:
+            arrival = imp.stage(dep.state, with_kv=transfer)
+        except RefserveError as e:
+            imp.abort()
+            raise Rejected(str(e)) from e
+        self._import = imp
+        return MigrationStaged(dep.state.request_id, arrival.num_hit_tokens, arrival.slots)
+
+    def commit_import(self) -> None:
+        self._staged().commit()
+        self._import = None
+
+    def abort_import(self) -> None:
+        self._staged().abort()
+        self._import = None
+
+    def release(self, request_id: str) -> None:
+        transit.release(self.sched, request_id)
+
+    def _staged(self) -> Import:
+        if self._import is None:
+            raise RuntimeError("no import is staged")
+        return self._import
 
     def snapshot(self) -> EngineSnapshot:
         sched = self.sched

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conformance.bench import ab, memory
+from conformance.bench import ab, memory, migration
 from conformance.bench.machine import machine_line
 from conformance.bench.render import render_pool, render_steps
 from conformance.bench.results import Run
@@ -68,6 +68,11 @@ def kind_of(doc: object) -> str | None:
     if fmt == ab.FORMAT:
         return "ab"
     if isinstance(doc.get("benchmarks"), list) and isinstance(doc.get("machine_info"), dict):
+        # The migration bench is a pytest-benchmark run of its own (its own JSON, its
+        # own table): every benchmark in it carries the format in its extra_info.
+        infos = [b.get("extra_info") or {} for b in doc["benchmarks"]]
+        if infos and all(i.get("format") == migration.FORMAT for i in infos):
+            return "migration"
         return "pytest"
     return None
 
@@ -134,7 +139,8 @@ def _extra(info: dict[str, Any]) -> str:
     return "; ".join(f"{k} = {v}" for k, v in info.items()) if info else ""
 
 
-def _pytest_body(doc: dict[str, Any]) -> list[str]:
+def _pytest_provenance(doc: dict[str, Any]) -> list[str]:
+    """The command, time and machine of a pytest-benchmark JSON."""
     ours = doc.get("refserve") or {}
     mi = doc.get("machine_info", {})
     # pytest-benchmark's own record, where the run predates tests/bench/conftest.py's.
@@ -149,7 +155,11 @@ def _pytest_body(doc: dict[str, Any]) -> list[str]:
     extra = f" Load average {load_after} at the end." if load_after else ""
     command = str(ours.get("command") or "python -m pytest (command not recorded)")
     when = str(doc.get("datetime", ""))[:16].replace("T", " ")
-    lines = _provenance(command, f"{when} UTC" if when else "", machine, extra)
+    return _provenance(command, f"{when} UTC" if when else "", machine, extra)
+
+
+def _pytest_body(doc: dict[str, Any]) -> list[str]:
+    lines = _pytest_provenance(doc)
     lines += [
         "pytest-benchmark's statistics of the time per round, per benchmark, with what the "
         "benchmark recorded itself (`extra_info`).",
@@ -173,6 +183,13 @@ def _pytest_body(doc: dict[str, Any]) -> list[str]:
                 f"{_seconds(st['mean'])} | {st['rounds']} | {_extra(b.get('extra_info', {}))} |"
             )
         lines.append("")
+    return lines
+
+
+def _migration_body(doc: dict[str, Any]) -> list[str]:
+    lines = _pytest_provenance(doc)
+    for b in doc["benchmarks"]:
+        lines += migration.table(b["extra_info"])
     return lines
 
 
@@ -206,6 +223,15 @@ KINDS: dict[str, Kind] = {
             "The pool's operations at two pool sizes (the work per block must not grow with "
             "the pool), the step, the engine and the simulator's scaling, as far as the "
             "command below ran them.",
+        ),
+        Kind(
+            "migration",
+            "Migration: sending the K/V against recomputing it",
+            "make bench",
+            _migration_body,
+            "What a move of a request to another engine costs with its K/V, against the "
+            "prefill the destination runs when the K/V stays behind, per context length "
+            '(docs/MIGRATION.md, "The cost rule").',
         ),
         Kind(
             "ab",

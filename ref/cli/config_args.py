@@ -1,6 +1,6 @@
-"""The scheduler's options, shared by ``refserve simulate`` and ``refserve serve``: one
-owner, so the two commands take the same flags with the same limits and neither imports
-the other."""
+"""The scheduler's options, shared by ``refserve simulate``, ``serve`` and ``generate``:
+one owner, so the commands take the same flags with the same limits and none imports
+another."""
 
 from __future__ import annotations
 

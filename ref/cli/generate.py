@@ -5,6 +5,10 @@ runs it standalone under the same error surface (:func:`ref.cli.args.run_cli`). 
 checked before a model is built: the device exists, the attention backend can run there,
 the prompt and stop strings are text that can be encoded (a lone surrogate, which is what
 Python makes of argv bytes that are not UTF-8, cannot), ``--prompt-ids`` are ints.
+
+The scheduler's options are ``simulate``'s and ``serve``'s (:mod:`ref.cli.config_args`);
+``--migrate-every K`` moves the request between two engines as it runs and checks the
+output against an unmigrated run (:mod:`ref.cli.migrate`, docs/MIGRATION.md).
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ref.cli.args import (
+    EXIT_FAILED,
+    MAX_TOKENS,
     add_command,
     add_device_args,
     add_speculative_args,
@@ -23,10 +29,15 @@ from ref.cli.args import (
     int_at_most,
     proposer_from_args,
 )
+from ref.cli.config_args import add_config_args, config_from_args
+from ref.cli.migrate import MIGRATION_BUDGET, add_migration_args, plan_from_args
 from ref.errors import InvalidArgument
 
 if TYPE_CHECKING:  # the engine is imported when a command runs, not at startup
-    from ref.engine.llm_engine import SpeculationStats
+    from ref.cli.migrate import MigratedRun, MigrationPlan
+    from ref.core.config import SchedulerConfig
+    from ref.engine.llm_engine import GenerationResult, LLMEngine, SpeculationStats
+    from ref.model.sampler import SamplingParams
 
 #: Forks of one prompt: each is a sequence object and a scheduler slot.
 MAX_N = 1024
@@ -105,6 +116,17 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     add_device_args(p)
     p.add_argument("--json", action="store_true", help="print ids, finish reason and metrics")
     add_speculative_args(p)
+    add_config_args(p)
+    # The engine's own pool (serve's too); the budget's default depends on --migrate-every.
+    p.set_defaults(num_blocks=1024)
+    for action in p._actions:
+        if action.dest == "max_num_batched_tokens":
+            action.default = None
+            action.help = (
+                "token budget of one step, prompt chunks and decodes together (default "
+                f"2048; {MIGRATION_BUDGET} with --migrate-every; 1 to {MAX_TOKENS:,})"
+            )
+    add_migration_args(p)
 
 
 def _text(value: str, option: str) -> str:
@@ -136,6 +158,10 @@ def _prompt_ids(text: str) -> list[int]:
 
 def run_generate(args: argparse.Namespace) -> int:
     check_device_args(args)
+    plan = plan_from_args(args)
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = 2048 if plan is None else MIGRATION_BUDGET
+    config = config_from_args(args)
     prompt: str | list[int]
     if args.prompt_ids is not None:
         prompt = _prompt_ids(args.prompt_ids)
@@ -157,56 +183,144 @@ def run_generate(args: argparse.Namespace) -> int:
         stop=stop,
     )
     proposer = proposer_from_args(args)
-    engine = LLMEngine(
-        args.model, attention_backend=args.attention_backend, device=args.device, proposer=proposer
-    )
-    if args.max_tokens > engine.max_model_len:
-        raise InvalidArgument(
-            f"--max-tokens {args.max_tokens} is more than the model's max_model_len "
-            f"({engine.max_model_len})"
+
+    def make_engine(cfg: SchedulerConfig) -> LLMEngine:
+        engine = LLMEngine(
+            args.model,
+            scheduler_config=cfg,
+            attention_backend=args.attention_backend,
+            device=args.device,
+            proposer=proposer,
+            check_invariants=args.check,
         )
+        if args.max_tokens > engine.max_model_len:
+            raise InvalidArgument(
+                f"--max-tokens {args.max_tokens} is more than the model's max_model_len "
+                f"({engine.max_model_len})"
+            )
+        return engine
+
     try:
+        if plan is not None:
+            return _run_migrated(args, plan, make_engine, config, prompt, params)
+        engine = make_engine(config)
         (result,) = engine.generate([prompt], params)
     except KernelInputError as e:  # a kernel refusing its inputs: still one typed line
         raise InvalidArgument(f"--attention-backend {args.attention_backend}: {e}") from None
     if args.json:
-        doc = {
-            "model": args.model,
-            "prompt_token_ids": list(result.prompt_token_ids),
-            "outputs": [
-                {
-                    "index": o.index,
-                    "token_ids": list(o.token_ids),
-                    "text": o.text,
-                    "finish_reason": o.finish_reason,
-                    "stop_reason": o.stop_reason,
-                    "metrics": {
-                        "ttft_ms": o.metrics.ttft_ms,
-                        "itl_ms": list(o.metrics.itl_ms),
-                        "e2e_ms": o.metrics.e2e_ms,
-                        "num_prompt_tokens": o.metrics.num_prompt_tokens,
-                        "num_output_tokens": o.metrics.num_output_tokens,
-                        "num_cached_tokens": o.metrics.num_cached_tokens,
-                        "num_preemptions": o.metrics.num_preemptions,
-                        "num_draft_tokens": o.metrics.num_draft_tokens,
-                        "num_accepted_tokens": o.metrics.num_accepted_tokens,
-                    },
-                }
-                for o in result.outputs
-            ],
-        }
+        doc = _json_doc(args.model, result)
         if proposer is not None:
             doc["speculation"] = _speculation(engine.speculation)
         print(json.dumps(doc, indent=2))
         return 0
+    _print_outputs(result)
+    if proposer is not None:
+        print(f"speculation: {engine.speculation}")
+    return 0
+
+
+def _json_doc(model: str, result: GenerationResult) -> dict[str, object]:
+    return {
+        "model": model,
+        "prompt_token_ids": list(result.prompt_token_ids),
+        "outputs": [
+            {
+                "index": o.index,
+                "token_ids": list(o.token_ids),
+                "text": o.text,
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+                "metrics": {
+                    "ttft_ms": o.metrics.ttft_ms,
+                    "itl_ms": list(o.metrics.itl_ms),
+                    "e2e_ms": o.metrics.e2e_ms,
+                    "num_prompt_tokens": o.metrics.num_prompt_tokens,
+                    "num_output_tokens": o.metrics.num_output_tokens,
+                    "num_cached_tokens": o.metrics.num_cached_tokens,
+                    "num_preemptions": o.metrics.num_preemptions,
+                    "num_draft_tokens": o.metrics.num_draft_tokens,
+                    "num_accepted_tokens": o.metrics.num_accepted_tokens,
+                },
+            }
+            for o in result.outputs
+        ],
+    }
+
+
+def _print_outputs(result: GenerationResult) -> None:
     for o in result.outputs:
         tag = f"[{o.index}] " if len(result.outputs) > 1 else ""
         print(f"{tag}tokens: {' '.join(map(str, o.token_ids))}")
         print(f"{tag}text:   {o.text!r}")
         print(f"{tag}finish: {o.finish_reason}")
-    if proposer is not None:
-        print(f"speculation: {engine.speculation}")
-    return 0
+
+
+def _run_migrated(
+    args: argparse.Namespace,
+    plan: MigrationPlan,
+    make_engine: Callable[[SchedulerConfig], LLMEngine],
+    config: SchedulerConfig,
+    prompt: str | list[int],
+    params: SamplingParams,
+) -> int:
+    """``--migrate-every``: the moves as they happen, the output, then the check against
+    the unmigrated run (exit 1 when it differs)."""
+    from ref.cli.migrate import run_migrated
+
+    if not args.json:
+        print(
+            f"engines: A ({config.block_size}-token blocks), B ({plan.peer_block_size}-token "
+            f"blocks), {config.num_blocks} blocks and {config.max_num_batched_tokens} tokens "
+            f"a step each; the request moves every {plan.every} steps, its KV by "
+            f"{plan.kv.value}"
+            + (f" in chunks of {plan.chunk_blocks} blocks" if plan.chunk_blocks else "")
+        )
+    run = run_migrated(
+        make_engine, config, plan, prompt, params, say=(lambda line: None) if args.json else print
+    )
+    mismatch = run.mismatch
+    if args.json:
+        doc = _json_doc(args.model, run.result)
+        doc["migration"] = _migration_json(run, plan, mismatch)
+        print(json.dumps(doc, indent=2))
+    else:
+        _print_outputs(run.result)
+        print(_moves_summary(run))
+        if mismatch is None:
+            print(
+                "identical to the unmigrated run: the same tokens, text and finish reason "
+                f"for every sample ({len(run.result.outputs)})"
+            )
+        else:
+            print(f"NOT identical to the unmigrated run: {mismatch}")
+    return 0 if mismatch is None else EXIT_FAILED
+
+
+def _moves_summary(run: MigratedRun) -> str:
+    if not run.moves:
+        return f"no move: the request finished in {run.steps} steps"
+    sent = [m for m in run.moves if m.kv_mode == "transfer"]
+    total = sum(m.report.kv_bytes for m in sent)
+    return (
+        f"moved {len(run.moves)} times in {run.steps} steps: {len(sent)} by transfer "
+        f"({total:,} bytes of KV sent), {len(run.moves) - len(sent)} by recompute"
+    )
+
+
+def _migration_json(run: MigratedRun, plan: MigrationPlan, mismatch: str | None) -> object:
+    return {
+        "engines": {
+            name: {"block_size": c.block_size, "num_blocks": c.num_blocks}
+            for name, c in run.engines.items()
+        },
+        "every": plan.every,
+        "kv": plan.kv.value,
+        "chunk_blocks": plan.chunk_blocks,
+        "steps": run.steps,
+        "moves": [m.to_json() for m in run.moves],
+        "identical": mismatch is None,
+        "difference": mismatch,
+    }
 
 
 def _speculation(s: SpeculationStats) -> dict[str, object]:

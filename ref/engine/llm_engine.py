@@ -556,8 +556,11 @@ class LLMEngine:
 
     @property
     def idle_fraction(self) -> float:
-        """The share of the token budget the last step left unused (1.0 before any)."""
-        if not self.steps:
+        """The share of the token budget the last step left unused: 1.0 before any step,
+        and 1.0 when nothing is left to run (the last step's load has gone with its
+        requests; reading it would price a recompute on an empty engine as on a full one,
+        docs/MIGRATION.md, "The cost rule")."""
+        if not self.steps or not self.scheduler.has_unfinished:
             return 1.0
         plan = self.steps[-1].plan
         used = sum(plan.num_new_tokens) / self.scheduler.config.max_num_batched_tokens
@@ -963,6 +966,9 @@ class LLMEngine:
                 out.append(self._forked_sample(group, i, preq, drawn, parent_finished))
         if not parent_finished and not parent_failed:
             preq.stop = group.stop  # the real stop conditions, from the second token on
+            if preq.request_id in self.scheduler.batch:
+                # The bulk decode path reads the stop ids off the request's batch row.
+                self.scheduler.batch.reload(preq, self.scheduler.pool)
             token = parent.token_ids[-1]
             if group.stop.is_stop(token) and parent.pending_stop is None:
                 parent.pending_stop = token

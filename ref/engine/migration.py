@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -175,8 +175,14 @@ def export(
     seqs = tuple(_seq_ticket(s, d.state, d.kv_place) for s, d in zip(live, departures, strict=True))
     chunks: tuple[KVChunk, ...] = ()
     if decision.mode is KVMode.TRANSFER and inline:
+        # Only what the destination lacks travels: positions before its hit are cached
+        # there. The hit was probed on one sample; within the prompt, which every sample
+        # shares, it holds for all of them.
+        first = min(decision.hit_tokens, departures[0].state.num_prompt_tokens)
         chunks = tuple(
-            read_kv(engine, d.state.request_id, 0, d.kv_length) for d in departures if d.kv_length
+            read_kv(engine, d.state.request_id, min(first, d.kv_length), d.kv_length)
+            for d in departures
+            if d.kv_length > first
         )
     return MigrationTicket(
         request_id=request_id,
@@ -468,18 +474,12 @@ def _adopt(
         )
         engine.executor.register(s.seq_id, sample_spec(sp, derive_seed(t.seed, s.index)), forks)
     decisions = list(t.decisions)
-    if decisions:
-        last = decisions[-1]
-        hit = max(hit_tokens.values(), default=0)
-        decisions[-1] = MigrationDecision(
-            last.mode,
-            last.kv_tokens,
-            min(hit, last.kv_tokens),
-            last.transfer_ms,
-            last.recompute_ms,
-            last.link_gb_per_s,
-            last.latency_ms,
-            last.idle,
+    if decisions and t.kv_mode is KVMode.TRANSFER:
+        # What the destination really held when it staged (the rule was told the hit the
+        # driver probed): a recompute stages nothing here, so its record keeps the probe.
+        decisions[-1] = replace(
+            decisions[-1],
+            hit_tokens=min(max(hit_tokens.values(), default=0), decisions[-1].kv_tokens),
         )
     group = SampleGroup(
         t.request_id, sp, t.stop, t.prompt_token_ids, t.seed, seqs, t.child_ids, t.turn

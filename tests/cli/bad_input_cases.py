@@ -458,6 +458,62 @@ GENERATE: list[Case] = [
         gen("--speculative", "ngram", "--num-speculative-tokens", "5000"),
         "--num-speculative-tokens",
     ),
+    # The scheduler's options (simulate's and serve's) and --migrate-every (issue 31).
+    Case("gen-block-size-0", gen("--block-size", "0"), "block_size"),
+    Case("gen-block-size-letter", gen("--block-size", "x"), "--block-size"),
+    Case("gen-num-blocks-10e8", gen("--num-blocks", "100000000"), "--num-blocks"),
+    Case("gen-budget-0", gen("--max-num-batched-tokens", "0"), "max_num_batched_tokens"),
+    Case("gen-policy-unknown", gen("--policy", "nope"), "--policy"),
+    Case("gen-migrate-every-0", gen("--migrate-every", "0"), "--migrate-every"),
+    Case("gen-migrate-every-negative", gen("--migrate-every", "-3"), "--migrate-every"),
+    Case("gen-migrate-every-letter", gen("--migrate-every", "k"), "--migrate-every"),
+    Case("gen-migrate-every-10e12", gen("--migrate-every", "1000000000000"), "--migrate-every"),
+    Case("gen-migrate-every-5000-digits", gen("--migrate-every", DIGITS_5000), "--migrate-every"),
+    Case(
+        "gen-migration-kv-unknown",
+        gen("--migrate-every", "2", "--migration-kv", "copy"),
+        "--migration-kv",
+    ),
+    Case("gen-migration-kv-alone", gen("--migration-kv", "transfer"), "--migrate-every"),
+    Case(
+        "gen-migration-chunk-blocks-0",
+        gen("--migrate-every", "2", "--migration-chunk-blocks", "0"),
+        "--migration-chunk-blocks",
+    ),
+    Case(
+        "gen-migration-chunk-blocks-10e8",
+        gen("--migrate-every", "2", "--migration-chunk-blocks", "100000000"),
+        "--migration-chunk-blocks",
+    ),
+    Case(
+        "gen-migration-chunk-blocks-alone", gen("--migration-chunk-blocks", "1"), "--migrate-every"
+    ),
+    Case(
+        "gen-migration-chunk-blocks-with-recompute",
+        gen("--migrate-every", "2", "--migration-kv", "recompute", "--migration-chunk-blocks", "1"),
+        "--migration-chunk-blocks",
+    ),
+    Case(
+        "gen-peer-block-size-0",
+        gen("--migrate-every", "2", "--peer-block-size", "0"),
+        "--peer-block-size",
+    ),
+    Case(
+        "gen-peer-block-size-100000",
+        gen("--migrate-every", "2", "--peer-block-size", "100000"),
+        "--peer-block-size",
+    ),
+    Case("gen-peer-block-size-alone", gen("--peer-block-size", "8"), "--migrate-every"),
+    Case(
+        "gen-migrate-sampled-speculative-recompute",
+        gen("--migrate-every", "2", "--speculative", "ngram", "--temperature", "0.8"),
+        "--migration-kv auto",
+    ),
+    Case(
+        "gen-migrate-pool-too-small",
+        gen("--migrate-every", "2", "--num-blocks", "1", "--block-size", "4", "--max-tokens", "30"),
+        "--num-blocks 1",
+    ),
 ]
 
 CONFIGS: list[Case] = [

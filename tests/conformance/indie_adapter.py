@@ -28,6 +28,10 @@ How the engine maps onto the protocol (the adapters translate; they never fix):
   cache entries are exposed (feature ``cache_index`` off).
 * Not supported (undeclared): prefix caching in the scheduler, priorities, rollback,
   stop token ids, eos (declared ``eos=False``: it stops only at ``max_tokens``).
+* Migration (feature ``migration``, only with ``migration=True``: ``make_migrating``,
+  ``make_migrating_<bug>`` for :data:`indie_engine.MIGRATION_BUGS`, and
+  ``make_recompute``, an engine that never takes K/V) is the engine's export / stage /
+  commit / abort_import / release; the ticket is its :class:`indie_engine.Ticket`.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import Any
 
 from indie_engine import (
     BUGS,
+    MIGRATION_BUGS,
     BlockManager,
     EngineError,
     IndieEngine,
@@ -45,6 +50,7 @@ from indie_engine import (
     Request,
     State,
     StepGen,
+    Ticket,
 )
 
 from conformance.adapter import (
@@ -53,6 +59,8 @@ from conformance.adapter import (
     EngineConfig,
     EngineProperties,
     Feature,
+    MigrationExport,
+    MigrationStaged,
     NotSupported,
     Rejected,
     RequestSpec,
@@ -102,29 +110,39 @@ class IndieAdapter:
     """The indie engine behind ``conformance.adapter.EngineAdapter``."""
 
     def __init__(
-        self, bug: str | None = None, order: AdmissionOrder = AdmissionOrder.FCFS_STRICT
+        self,
+        bug: str | None = None,
+        order: AdmissionOrder = AdmissionOrder.FCFS_STRICT,
+        *,
+        migration: bool = False,
+        recompute: bool = False,
     ) -> None:
         self.bug = bug
         self.properties = replace(PROPERTIES, admission_order=order)
+        self.migration = migration or recompute
+        self.recompute = recompute
         self._eng: IndieEngine | None = None
         self._gen: StepGen | None = None
         self._arrival: dict[str, int] = {}
 
     @property
     def name(self) -> str:
-        return "indie 0.1" + (f" (bug {self.bug})" if self.bug else "")
+        kind = " (recomputes imports)" if self.recompute else ""
+        return "indie 0.1" + kind + (f" (bug {self.bug})" if self.bug else "")
 
     @property
     def features(self) -> frozenset[Feature]:
-        return frozenset(
-            {
-                Feature.CHUNKED_PREFILL,
-                Feature.PREEMPTION,
-                Feature.ABORT,
-                # It never caches, so switching caching off is always honoured.
-                Feature.PREFIX_CACHING_OPTIONAL,
-            }
-        )
+        out = {
+            Feature.CHUNKED_PREFILL,
+            Feature.PREEMPTION,
+            Feature.ABORT,
+            # It never caches for new requests, so switching caching off is always
+            # honoured; an import's hit is off then too.
+            Feature.PREFIX_CACHING_OPTIONAL,
+        }
+        if self.migration:
+            out.add(Feature.MIGRATION)
+        return frozenset(out)
 
     @property
     def eng(self) -> IndieEngine:
@@ -141,6 +159,8 @@ class IndieAdapter:
                 max_seqs=config.max_num_seqs,
                 max_model_len=config.max_model_len,
                 bug=self.bug,
+                import_hits=self.migration and config.enable_prefix_caching,
+                recompute_imports=self.recompute,
             )
         except EngineError as e:
             raise NotSupported(str(e)) from e
@@ -195,6 +215,40 @@ class IndieAdapter:
 
     def rollback(self) -> None:
         raise NotSupported("indie commits its plan as it makes it; a step cannot be undone")
+
+    # ------------------------------------------------------------------ migration
+    def export_request(self, request_id: str) -> MigrationExport:
+        self._migrating()
+        t = self.eng.export(request_id)
+        return MigrationExport(request_id, t.slots, ticket=t)
+
+    def stage_import(self, export: MigrationExport, transfer: bool) -> MigrationStaged:
+        self._migrating()
+        t = export.ticket
+        if not isinstance(t, Ticket):
+            raise Rejected(f"not an indie ticket: {type(t).__name__}")
+        try:
+            landing = self.eng.stage(t, transfer=transfer)
+        except (EngineError, OutOfBlocks) as e:
+            raise Rejected(str(e)) from e
+        return MigrationStaged(t.rid, landing.hit_tokens, landing.slots)
+
+    def commit_import(self) -> None:
+        self._migrating()
+        self.eng.commit()
+
+    def abort_import(self) -> None:
+        self._migrating()
+        self.eng.abort_import()
+
+    def release(self, request_id: str) -> None:
+        self._migrating()
+        self.eng.release(request_id)
+        self._arrival.pop(request_id, None)
+
+    def _migrating(self) -> None:
+        if not self.migration:
+            raise NotSupported("migration is off (make_migrating turns it on)")
 
     def snapshot(self) -> EngineSnapshot:
         eng = self.eng
@@ -293,6 +347,16 @@ def make_lax() -> IndieAdapter:
     return IndieAdapter(order=AdmissionOrder.FCFS)
 
 
+def make_migrating() -> IndieAdapter:
+    """The correct engine with migration: K/V transferred, the destination's hit used."""
+    return IndieAdapter(migration=True)
+
+
+def make_recompute() -> IndieAdapter:
+    """The correct engine with migration that never takes K/V: every import recomputes."""
+    return IndieAdapter(recompute=True)
+
+
 def make_kv() -> IndieKVAdapter:
     """``--kv-adapter indie_adapter:make_kv``: the correct block manager."""
     return IndieKVAdapter()
@@ -300,7 +364,10 @@ def make_kv() -> IndieKVAdapter:
 
 def __getattr__(name: str) -> Callable[[], Any]:
     """``make_<bug>``, ``make_lax_<bug>`` and ``make_kv_<bug>`` for every bug in
-    ``indie_engine.BUGS``."""
+    ``indie_engine.BUGS``; ``make_migrating_<bug>`` for every one in ``MIGRATION_BUGS``."""
+    if name.startswith("make_migrating_") and name[len("make_migrating_") :] in MIGRATION_BUGS:
+        bug = name[len("make_migrating_") :]
+        return lambda: IndieAdapter(bug, migration=True)
     if name.startswith("make_lax_") and name[len("make_lax_") :] in BUGS:
         bug = name[len("make_lax_") :]
         return lambda: IndieAdapter(bug, AdmissionOrder.FCFS)

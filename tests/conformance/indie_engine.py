@@ -9,8 +9,14 @@ Where it differs from refserve on purpose:
   them out again.
 * **Prefix cache**: full blocks are indexed by ``hash((parent hash, tokens))`` and
   :meth:`BlockManager.lookup` trusts the index without re-reading the block, so dropping
-  an entry when its block is reused is what keeps it correct. The engine itself never
-  calls ``lookup`` (no prefix caching in the scheduler); only a KV-level driver does.
+  an entry when its block is reused is what keeps it correct. The scheduler never calls
+  ``lookup`` (no prefix caching for new requests); a KV-level driver does, and so does
+  an import when migration is on (``import_hits``).
+* **Migration** (:meth:`IndieEngine.export`, :meth:`~IndieEngine.stage`, ...): an import
+  checkpoints the whole block manager and restores it on abort (no journal); it takes
+  the destination's own prefix hit; an imported request joins as the latest arrival
+  (end of the waiting queue, or running with its K/V). ``recompute_imports`` makes an
+  engine that never takes K/V: every import recomputes, a correct choice too.
 * **Slots reserved one ahead**: a chunk that reaches the end of the known tokens also
   reserves the slot of the token it will sample, so between steps a sampled request
   holds ``ceil((kv_len + 1) / block_size)`` blocks. A decode therefore needs a new
@@ -54,6 +60,15 @@ BUGS = frozenset(
         "hol_skip",  # a later request that fits is admitted past a head that does not
     }
 )
+
+MIGRATION_BUGS = frozenset(
+    {
+        "wrong_block_sent",  # the export sends every block after the first from the one before
+        "free_before_ack",  # the export frees the request's blocks before the destination's ack
+        "hit_counted_twice",  # an import counts the destination's prefix hit twice in its KV
+    }
+)
+"""Bugs of the migration code (feature ``migration``), planted like :data:`BUGS`."""
 
 
 class EngineError(Exception):
@@ -262,6 +277,20 @@ class BlockManager:
             if self.ref[b] == 0:
                 self.free_stack.append(b)
 
+    def checkpoint(self) -> _Checkpoint:
+        """A copy of every book, for :meth:`restore` (an aborted import)."""
+        tables = {}
+        for rid, t in self.tables.items():
+            c = tables[rid] = _Table()
+            c.blocks, c.tokens, c.hashes = list(t.blocks), list(t.tokens), list(t.hashes)
+        return _Checkpoint(
+            list(self.ref), list(self.free_stack), tables, dict(self.index), dict(self.key_of)
+        )
+
+    def restore(self, cp: _Checkpoint) -> None:
+        self.ref, self.free_stack, self.tables = cp.ref, cp.free_stack, cp.tables
+        self.index, self.key_of = cp.index, cp.key_of
+
     def _pop_free(self) -> int:
         b = self.free_stack.pop()
         if b in self.key_of and self.bug != "stale_prefix_entry":
@@ -347,6 +376,36 @@ class StepOutput:
 StepGen = Generator[Batch, Mapping[str, int], StepOutput]
 
 
+@dataclass(frozen=True)
+class Ticket:
+    """One request as indie hands it to another indie (:meth:`IndieEngine.export`)."""
+
+    rid: str
+    tokens: tuple[int, ...]
+    num_prompt: int
+    max_tokens: int
+    slots: tuple[int, ...]
+    """The source slot sent for each position of the KV: its length is the KV length."""
+
+
+@dataclass(frozen=True)
+class Landing:
+    """What an import reserved (:meth:`IndieEngine.stage`): the prefix hit, and the
+    destination slots of the positions after it, which must be written before commit."""
+
+    hit_tokens: int
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Checkpoint:
+    ref: list[int]
+    free_stack: list[int]
+    tables: dict[str, _Table]
+    index: dict[int, int]
+    key_of: dict[int, int]
+
+
 class IndieEngine:
     """Requests in, batches out: a waiting deque, a running list and a block manager.
 
@@ -363,13 +422,17 @@ class IndieEngine:
         max_seqs: int,
         max_model_len: int = 1 << 20,
         bug: str | None = None,
+        import_hits: bool = False,
+        recompute_imports: bool = False,
     ) -> None:
-        if bug is not None and bug not in BUGS:
+        if bug is not None and bug not in BUGS | MIGRATION_BUGS:
             raise ValueError(f"unknown bug {bug!r}")
         if max_batched_tokens < 1 or max_seqs < 1:
             raise EngineError("the token budget and max_seqs must be >= 1")
-        # The scheduler never looks the cache up, so indexing full blocks would be wasted.
-        self.bm = BlockManager(num_blocks, block_size, prefix_caching=False, bug=bug)
+        # Only an import looks the cache up: without one, indexing would be wasted.
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching=import_hits, bug=bug)
+        self.recompute_imports = recompute_imports
+        self._landing: tuple[Request, _Checkpoint] | None = None
         self.budget = max_batched_tokens
         self.max_seqs = max_seqs
         self.max_model_len = max_model_len
@@ -415,8 +478,108 @@ class IndieEngine:
         return bool(self.requests)
 
     # ------------------------------------------------------------------ the step
+    # ------------------------------------------------------------------ migration
+    def export(self, rid: str) -> Ticket:
+        """A live request as another indie continues it; changes nothing."""
+        r = self._live(rid)
+        bs = self.bm.block_size
+        n = r.computed if r.state in (State.PREFILL, State.DECODE) else 0
+        table = self.bm.table(rid) if n else ()
+
+        def block(p: int) -> int:
+            i = p // bs
+            if self.bug == "wrong_block_sent" and i > 0:
+                i -= 1
+            return table[i]
+
+        slots = tuple(block(p) * bs + p % bs for p in range(n))
+        if self.bug == "free_before_ack" and n:
+            self.bm.free(rid)  # the K/V is "on the wire": the source lets go too early
+        return Ticket(rid, tuple(r.tokens), r.num_prompt, r.max_tokens, slots)
+
+    def stage(self, t: Ticket, *, transfer: bool) -> Landing:
+        """Reserve the import of ``t``: blocks (its own prefix hit first) for the
+        ticket's KV when ``transfer`` (and the engine takes K/V at all), else none. The
+        request is not visible until :meth:`commit`. EngineError / OutOfBlocks: nothing
+        changed."""
+        if self._landing is not None:
+            raise EngineError("an import is already staged")
+        if t.rid in self.requests:
+            raise EngineError(f"import: duplicate request id {t.rid!r}")
+        n = len(t.slots) if transfer and not self.recompute_imports else 0
+        if not 0 < t.num_prompt <= len(t.tokens) or n >= len(t.tokens):
+            raise EngineError(f"import: {t.rid!r}: a ticket with bad lengths")
+        if len(t.tokens) >= self.max_model_len:
+            raise EngineError(f"import: {t.rid!r} leaves no room under max_model_len")
+        bm = self.bm
+        if _cdiv(len(t.tokens) + 1, bm.block_size) > bm.num_blocks:
+            raise EngineError(f"import: {t.rid!r} can never fit the pool")
+        r = Request(t.rid, t.tokens[: t.num_prompt], t.max_tokens, -1)
+        r.tokens = list(t.tokens)
+        cp = bm.checkpoint()
+        if not n:
+            r.state = State.PREEMPTED if r.num_outputs else State.QUEUED
+            self._landing = (r, cp)
+            return Landing(0, ())
+        if len(self.running) >= self.max_seqs:
+            raise OutOfBlocks(f"import: {t.rid!r}: all {self.max_seqs} running slots taken")
+        decoding = r.num_outputs > 0 and n == len(t.tokens) - 1
+        hit = bm.lookup(t.tokens, n // bm.block_size)
+        hit_tokens = len(hit) * bm.block_size
+        res = bm.allocate(t.rid, t.tokens, n - hit_tokens, lookahead=int(decoding), hit=hit)
+        r.computed = n + hit_tokens if self.bug == "hit_counted_twice" else n
+        r.state = State.DECODE if decoding else State.PREFILL
+        bs = bm.block_size
+        slots = tuple(res.table[p // bs] * bs + p % bs for p in range(hit_tokens, n))
+        self._landing = (r, cp)
+        return Landing(hit_tokens, slots)
+
+    def commit(self) -> None:
+        """The staged request joins as the latest arrival: running with its K/V, else at
+        the end of the waiting queue."""
+        r, _ = self._staged()
+        self._landing = None
+        r.arrival = self._arrivals
+        self._arrivals += 1
+        self.requests[r.rid] = r
+        if r.computed:
+            self.running.append(r)
+        else:
+            self.waiting.append(r)
+
+    def abort_import(self) -> None:
+        """Undo the stage: every book as it was."""
+        _, cp = self._staged()
+        self._landing = None
+        self.bm.restore(cp)
+
+    def release(self, rid: str) -> None:
+        """The request left for another engine (after its ack): not a finish."""
+        r = self._live(rid)
+        del self.requests[rid]
+        if r in self.running:
+            self.running.remove(r)
+            if rid in self.bm.tables:  # free_before_ack let go at the export already
+                self.bm.free(rid)
+        else:
+            self.waiting.remove(r)
+
+    def _live(self, rid: str) -> Request:
+        r = self.requests.get(rid)
+        if r is None:
+            raise EngineError(f"request {rid!r} is not live here")
+        return r
+
+    def _staged(self) -> tuple[Request, _Checkpoint]:
+        if self._landing is None:
+            raise EngineError("no import is staged")
+        return self._landing
+
+    # ------------------------------------------------------------------ the step
     def step(self) -> StepGen:
         """Plan, hand the batch to the model (``yield``), then commit its tokens."""
+        if self._landing is not None:
+            raise EngineError("an import is staged: commit or abort it first")
         self.outbox = []
         batch = self._plan()
         sampled = yield batch

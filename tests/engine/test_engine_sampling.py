@@ -92,6 +92,25 @@ def test_n_samples_equal_single_requests_with_derived_seeds() -> None:
     assert len({o.token_ids for o in res.outputs}) > 1
 
 
+def test_n_samples_stop_like_single_requests_after_their_first_token() -> None:
+    """Sample 0 of an n > 1 request samples its first token without stop conditions (the
+    others fork off it); the real ones must reach the bulk decode path after it: its
+    batch row, not only the request, so the stop below is seen on the decode fast path."""
+    single = SamplingParams(max_tokens=10, temperature=1.0, seed=derive_seed(5, 0))
+    (probe,) = _tiny().generate(["fork me"], single)
+    tokens = probe.outputs[0].token_ids
+    at = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+    stop = (tokens[at],)
+    (alone,) = _tiny().generate(
+        ["fork me"], SamplingParams(**{**single.__dict__, "stop_token_ids": stop})
+    )
+    assert alone.outputs[0].token_ids == tokens[: at + 1]
+    sp = SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=5, stop_token_ids=stop)
+    (res,) = _tiny().generate(["fork me"], sp)
+    assert res.outputs[0].token_ids == tokens[: at + 1]
+    assert (res.outputs[0].finish_reason, res.outputs[0].stop_reason) == ("stop", stop[0])
+
+
 def test_n_with_one_token_and_with_an_immediate_stop() -> None:
     engine = _tiny()
     (res,) = engine.generate(["abc"], SamplingParams(n=4, max_tokens=1, temperature=1.0, seed=1))

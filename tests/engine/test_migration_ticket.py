@@ -375,6 +375,12 @@ MALFORMED: list[tuple[str, Callable[[bytes], object], str]] = [
         r"ticket version 2 is not supported \(this engine reads 1\)",
     ),
     ("truncated head", lambda b: b[:7], r"a ticket has a 10-byte head; got 7 bytes"),
+    # The head alone, claiming an empty header: the head is whole, the header is not JSON.
+    (
+        "head alone",
+        lambda b: HEAD.pack(*HEAD.unpack_from(b)[:2], 0),
+        r"the ticket header is not JSON",
+    ),
     (
         "truncated header",
         lambda b: b[: HEAD.size + 20],
@@ -390,6 +396,16 @@ MALFORMED: list[tuple[str, Callable[[bytes], object], str]] = [
         r"the ticket header is not JSON",
     ),
     ("header a list", lambda b: _join([1, 2], b""), r"ticket header must be an object, got list"),
+    (
+        "namespace a list",
+        _edit(lambda h: h["sequences"][0]["state"].update(namespace=[])),
+        r"ticket namespace must be an object, got list",
+    ),
+    (
+        "decision a str",
+        _edit(lambda h: h.update(decisions=["transfer"])),
+        r"ticket decision must be an object, got str",
+    ),
     (
         "seed a str",
         _edit(lambda h: h.update(seed="21")),

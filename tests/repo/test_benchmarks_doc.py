@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from conformance.bench import report
+from conformance.bench import migration, report
 from conformance.bench.results import Cell, PoolCell, Run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,6 +199,57 @@ def test_a_pytest_benchmark_json_without_our_record_still_names_its_machine() ->
     assert "(command not recorded)" in md
 
 
+def _migration_doc() -> dict[str, Any]:
+    """A migration bench JSON: transfer 1 ms + 1 us per token, recompute 0.1 ms + 10 us
+    per token (each the median of three rounds), so the lines cross at 100 tokens."""
+    lengths = (16, 64, 256, 1024)
+    transfer = {n: [1e-3 + n * 1e-6 + d for d in (-1e-5, 0.0, 2e-5)] for n in lengths}
+    recompute = {n: [1e-4 + n * 1e-5 + d for d in (0.0, 3e-5, -1e-5)] for n in lengths}
+    info = migration.summarise(transfer, recompute, block_size=16, kv_bytes_per_token=512)
+    bench = {
+        "group": None,
+        "name": "test_transfer_against_recompute",
+        "fullname": "tests/bench/test_migration_bench.py::test_transfer_against_recompute",
+        "extra_info": info,
+        "stats": {"median": 2.0, "min": 2.0, "mean": 2.0, "rounds": 1},
+    }
+    return {**PYTEST, "benchmarks": [bench]}
+
+
+def test_the_migration_table_and_its_break_even() -> None:
+    doc = _migration_doc()
+    assert report.kind_of(doc) == "migration"
+    md = _rendered(("m.json", doc))
+    assert "## Migration: sending the K/V against recomputing it" in md
+    assert "Blocks of 16 tokens, 512 bytes of K/V per token." in md
+    # 256 tokens: 1.256 ms against 2.66 ms, 16 blocks.
+    assert "| 256 | 16 | 1.26 ms | 78.5 us | 2.66 ms | 0.47 | 3 |" in md
+    assert "| 16 | 1 | 1.02 ms | 1.02 ms | 0.26 ms | 3.91 | 3 |" in md
+    assert "sending is faster from 256 tokens of context on" in md
+    assert "the two medians cross at about 100 tokens" in md
+    # Less the step's fixed cost (0.26 ms at 16 tokens), recompute crosses later.
+    assert "sending is faster from about 128.9 tokens on." in md
+    assert "One block more sent costs 16 us" in md
+    # One migration benchmark among others is the suites' section, not this one.
+    mixed = {**PYTEST, "benchmarks": [*PYTEST["benchmarks"], *doc["benchmarks"]]}
+    assert report.kind_of(mixed) == "pytest"
+
+
+def test_the_break_even_when_sending_never_or_always_wins() -> None:
+    lengths = (16, 64)
+    recompute = {n: [1e-5 * n] for n in lengths}
+    for factor, below, words in (
+        (2.0, False, "sending is slower at every measured length, up to 64 tokens"),
+        (0.5, True, "sending is faster at every measured length, down to 16 tokens"),
+    ):
+        transfer = {n: [factor * 1e-5 * n] for n in lengths}
+        info = migration.summarise(transfer, recompute, block_size=16, kv_bytes_per_token=512)
+        be = info["breakeven"]
+        assert be["measured_tokens"] == (16 if below else None)
+        assert be["interpolated_tokens"] is None and be["below"] is below
+        assert words in "\n".join(migration.table(info))
+
+
 def test_the_header_says_generated_by_what_and_sections_come_in_a_fixed_order() -> None:
     step = _step_run({"ref": "refserve", "ref-loop": "loop"})
     md = report.render([("z/m.json", MEMORY), ("a/b.json", PYTEST), ("y/s.json", step)], "X.md")
@@ -248,7 +299,11 @@ def test_make_bench_and_bench_peers_end_by_regenerating_the_document() -> None:
         "-m conformance.bench.report --out docs/BENCHMARKS.md docs/bench/*.json"
     )
     for target, copied in (
-        ("bench", "out/bench-pytest.json out/bench-step.json out/bench-memory.json"),
+        (
+            "bench",
+            "out/bench-pytest.json out/bench-migration.json out/bench-step.json "
+            "out/bench-memory.json",
+        ),
         ("bench-peers", "out/bench-peers.json"),
     ):
         recipe = re.search(rf"^{target}:.*\n((?:\t.*\n|.*\\\n)+)", make, re.M)
@@ -257,3 +312,7 @@ def test_make_bench_and_bench_peers_end_by_regenerating_the_document() -> None:
         assert lines[-1] == "$(BENCH_REPORT)", target
         assert lines[-2] == f"cp {copied} docs/bench/", target
     assert "--benchmark-json out/bench-pytest.json" in make
+    # The migration bench has a JSON and a table of its own, so the suite run skips it.
+    assert "--ignore=tests/bench/test_migration_bench.py" in make
+    assert "tests/bench/test_migration_bench.py --benchmark-only" in make
+    assert "--benchmark-json out/bench-migration.json" in make

@@ -1,0 +1,46 @@
+"""A moved request's prefix-cache count is the destination's own (ref/core/transit.py).
+
+Found by the cluster state machine (tests/scheduler/test_migration_state_machine.py): a
+request that hit 5 tokens of a block-size-1 cache kept that count when it moved to an
+engine of block size 4, where 5 cached tokens are not whole blocks and cover its last
+known token, and the destination's next step broke PREFIX (``num_cached_tokens`` above
+``max_cacheable_tokens`` of its block size). The count a request carries is the hit of
+the engine it runs on: the destination's prefix hit on a transfer, 0 on a recompute
+until its admission there finds one.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ref.core.config import SchedulerConfig
+from ref.core.request import Request, StopParams
+from ref.core.transit import Move
+from spec.arith import max_cacheable_tokens
+from tests.harness import MemoryLink, Stepper
+
+PROMPT = [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("with_kv", [False, True], ids=["recompute", "transfer"])
+def test_a_hit_counted_in_the_source_block_size_does_not_travel(with_kv: bool) -> None:
+    small = Stepper(
+        SchedulerConfig(max_num_batched_tokens=16, block_size=1, num_blocks=16), memory=True
+    )
+    big = Stepper(
+        SchedulerConfig(max_num_batched_tokens=16, block_size=4, num_blocks=8), memory=True
+    )
+    small.add(Request("p", list(PROMPT), StopParams(1, ignore_eos=True)))
+    small.drain()  # PROMPT's blocks stay cached on the source
+    r = Request("r", list(PROMPT), StopParams(4, ignore_eos=True))
+    small.add(r)
+    small.step()
+    assert r.num_cached_tokens == 5 > max_cacheable_tokens(len(PROMPT) + 2, 4)
+    big.add(Request("q", [1, 2, 3, 4, 9], StopParams(1, ignore_eos=True)))
+    big.drain()  # the destination caches PROMPT's first block
+    move = Move(small.sched, big.sched, "r", with_kv=with_kv, link=MemoryLink(small, big))
+    (moved,) = move.run()
+    assert move.arrival is not None
+    assert moved.num_cached_tokens == move.arrival.num_hit_tokens == (4 if with_kv else 0)
+    big.drain()  # every step checked (EngineCore): PREFIX held
+    assert moved.is_done and moved.num_cached_tokens == 4  # recompute: its own hit
