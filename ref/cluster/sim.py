@@ -24,8 +24,9 @@ counted as a fallback). The transfer's time is a gap between two of the request'
 tokens (a TBT gap), recorded per move.
 
 Every operation keeps one owner per live request (:meth:`ClusterSim.ownership_violations`:
-each live request on exactly one replica or on the link, and the owner map says which);
-with ``check_ownership`` the simulator asserts it after every operation.
+each live request on exactly one replica or on the link, and the owner map says which;
+and spec/cluster.py's OWNER over :meth:`ClusterSim.cluster_snapshot`); with
+``check_ownership`` the simulator asserts both after every operation.
 
 Triggers (:class:`MigrationPolicy`):
 
@@ -65,8 +66,9 @@ from ref.sim.metrics import RequestMetrics
 from ref.sim.simulator import Session, SessionTurn, SimExecutor
 from ref.sim.workloads import Workload, to_requests
 from spec.arith import blocks_needed
+from spec.cluster import ClusterSnapshot, Delivered, Node, Transit, TransitPhase, check_owner
 from spec.events import CacheEvent
-from spec.snapshot import RequestStatus
+from spec.snapshot import RequestSnapshot, RequestStatus
 
 S = RequestStatus
 #: Llama-3-8B's K and V per token (32 layers x 8 KV heads x 128 dims x 2 x bf16), times
@@ -168,6 +170,7 @@ class _Transit:
     state: transit.RequestState
     with_kv: bool
     move: Move
+    request: RequestSnapshot  # the source's record at the export (spec/cluster.py)
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,7 @@ class ClusterSim:
         self._final: dict[str, Request] = {}
         self.decisions: list[RoutingDecision] = []
         self.moves: list[Move] = []
-        self._in_transit: set[str] = set()
+        self._in_transit: dict[str, _Transit] = {}  # on the link, by request id
         self._jobs: dict[str, _Job] = {}  # live request -> the session it is a turn of
         self._split: set[str] = set()  # requests split once already
         self._routed_hits = 0
@@ -269,10 +272,44 @@ class ClusterSim:
             out.append(f"owner map disagrees: missing/extra {extra}, wrong owner {wrong[:3]}")
         return out
 
+    def cluster_snapshot(self) -> ClusterSnapshot:
+        """The cluster as spec/cluster.py sees it: replica ``i`` is the engine named
+        ``r<i>``; a request on the link is a transit in phase RELEASED (the source let
+        go of it, the destination commits when it lands); every live request's client
+        has its outputs so far, not finished."""
+        nodes = tuple(
+            Node(
+                f"r{i}",
+                rep.sched.snapshot(),
+                tuple((rid, tuple(r.token_ids)) for rid, r in rep.sched.requests.items()),
+            )
+            for i, rep in enumerate(self.replicas)
+        )
+        transits = tuple(
+            Transit(
+                request_id=rid,
+                source=f"r{tr.move.source}",
+                destination=f"r{tr.move.destination}",
+                phase=TransitPhase.RELEASED,
+                with_kv=tr.with_kv,
+                request=tr.request,
+                token_ids=tr.state.token_ids,
+                kv_length=tr.state.num_computed_tokens,
+            )
+            for rid, tr in self._in_transit.items()
+        )
+        live = (self._final[rid] for rid in self.owner)
+        delivered = tuple(
+            Delivered(r.request_id, tuple(r.token_ids[r.num_prompt_tokens :])) for r in live
+        )
+        return ClusterSnapshot(nodes, transits, delivered)
+
     def _check(self, what: str) -> None:
         if self.check_ownership:
             bad = self.ownership_violations()
             assert not bad, f"after {what}: {bad}"
+            spec_bad = check_owner(self.cluster_snapshot())
+            assert not spec_bad, f"after {what}: {spec_bad}"
 
     # ------------------------------------------------------------------ running
     def run(self, workload: Workload, *, max_steps: int = 10_000_000) -> ClusterResult:
@@ -480,12 +517,13 @@ class ClusterSim:
         nbytes = moved * self.kv_bytes_per_token
         land = t + self.link.transfer_ms(nbytes, self._rng)
         move = Move(r.request_id, src, dst, reason, t, land, decision.mode, kv, moved, nbytes)
+        record = r.snapshot(sched.config.max_len)
         transit.release(sched, r.request_id)
         self.index.apply(src, self._drain(self.replicas[src]))
         self.owner[r.request_id] = -1
-        self._in_transit.add(r.request_id)
+        self._in_transit[r.request_id] = _Transit(dep.state, with_kv, move, record)
         self._check(f"departure of {r.request_id!r}")
-        self._push(land, "land", move=_Transit(dep.state, with_kv, move))
+        self._push(land, "land", move=self._in_transit[r.request_id])
 
     def _land(self, tr: _Transit, at_ms: float) -> None:
         """At the destination's boundary: stage with the K/V (or without, if it has no
@@ -504,7 +542,7 @@ class ClusterSim:
             fallback = True
         (arrived,) = imp.commit(0.0)
         self.index.apply(move.destination, self._drain(rep))
-        self._in_transit.discard(rid)
+        del self._in_transit[rid]
         self.owner[rid] = move.destination
         self._final[rid] = arrived
         rep.ready_ms = max(rep.ready_ms, at_ms)

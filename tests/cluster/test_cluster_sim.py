@@ -1,6 +1,7 @@
 """The cluster simulator (ref/cluster/sim.py; docs/CLUSTER.md, "The cluster simulator"):
 prefix-aware routing against round robin on agent sessions, migration keeping one owner
-per live request and finishing every request, the link's time as a TBT gap, and
+per live request (the simulator's own map and spec/cluster.py's OWNER, asserted after
+every operation) and finishing every request, the link's time as a TBT gap, and
 determinism."""
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from ref.core.cost import StepCost
 from ref.errors import InvalidArgument
 from ref.sim.metrics import percentile
 from ref.sim.workloads import Workload, agent_sessions, long_prompt, short_chat
+from spec.cluster import check_owner
+from spec.violation import Invariant
 
 COST = StepCost()
 CONFIG = SchedulerConfig(
@@ -89,9 +92,12 @@ def test_ownership_checker_sees_a_corrupted_owner_map() -> None:
     assert any("wrong owner" in v for v in sim.ownership_violations())
     sim.owner[rid] = 1 - sim.owner[rid]
     # Live on two replicas at once.
+    assert check_owner(sim.cluster_snapshot()) == []
     r = sim.replicas[sim.owner[rid]].sched.requests[rid]
     sim.replicas[1 - sim.owner[rid]].sched.requests[rid] = r
     assert any("live on replicas" in v for v in sim.ownership_violations())
+    # spec/cluster.py's OWNER sees it too (the snapshot lists it on both engines).
+    assert [v.invariant for v in check_owner(sim.cluster_snapshot())] == [Invariant.OWNER]
 
 
 def sim_job(w: Workload) -> object:
@@ -127,3 +133,15 @@ def test_link_time_is_latency_plus_bytes_over_bandwidth() -> None:
         LinkModel(gb_per_s=0.0)
     with pytest.raises(InvalidArgument, match="num_replicas"):
         ClusterSim(0, CONFIG, COST, Router())
+
+
+def test_a_move_that_forgets_the_release_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planted bug: the source keeps the request after it departs (no release), so it is
+    live on the source while on the link; the ownership check stops the run."""
+    from ref.cluster import sim as cluster_sim
+
+    monkeypatch.setattr(cluster_sim.transit, "release", lambda sched, rid: None)
+    small = dataclasses.replace(CONFIG, num_blocks=96)
+    with pytest.raises(AssertionError, match="on the link and live on replica"):
+        simulate_cluster(_pressure(), 3, small, COST, "round_robin", migration=MIGRATING,
+                         check_ownership=True)  # fmt: skip
