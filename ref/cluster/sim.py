@@ -242,7 +242,9 @@ class ClusterSim:
         self.owner: dict[str, int] = {}  # live request -> replica; -1: on the link
         self._events: list[_Event] = []
         self._order = 0
-        self._final: dict[str, Request] = {}
+        self._final: dict[str, Request] = {}  # live (or on the link): the request now
+        self._done: dict[str, RequestMetrics] = {}  # finished or refused
+        self._load_cache: dict[int, LoadFigures] = {}
         self.decisions: list[RoutingDecision] = []
         self.moves: list[Move] = []
         self._in_transit: dict[str, _Transit] = {}  # on the link, by request id
@@ -357,7 +359,16 @@ class ClusterSim:
             self._land(ev.transit, ev.at_ms)
 
     def _loads(self) -> dict[int, LoadFigures]:
-        return {i: load_figures(rep.sched, rep.cost) for i, rep in enumerate(self.replicas)}
+        """Every replica's figures; each is recomputed only after that replica changed
+        (:meth:`_changed`), so a routing costs O(replicas), not O(live requests)."""
+        cache = self._load_cache
+        for i, rep in enumerate(self.replicas):
+            if i not in cache:
+                cache[i] = load_figures(rep.sched, rep.cost)
+        return dict(cache)
+
+    def _changed(self, i: int) -> None:
+        self._load_cache.pop(i, None)
 
     def _arrive(self, job: _Job, at_ms: float) -> None:
         r = _next_request(job, at_ms)
@@ -370,7 +381,7 @@ class ClusterSim:
             # Refused (too long for a replica's pool, bad params): nothing changed there;
             # it is kept as a request that never ran, and its session ends.
             self.rejected.append(r.request_id)
-            self._final[r.request_id] = r
+            self._done[r.request_id] = RequestMetrics.of(r)
             return
         self.router.accepted(decision)
         if self.keep_decisions:
@@ -379,6 +390,7 @@ class ClusterSim:
         self.owner[r.request_id] = decision.replica
         self._final[r.request_id] = r
         self._jobs[r.request_id] = job
+        self._changed(decision.replica)
         rep.ready_ms = max(rep.ready_ms, at_ms)
         self._check(f"routing {r.request_id!r}")
 
@@ -389,6 +401,7 @@ class ClusterSim:
             if not rep.sched.requests:
                 return
         record = rep.core.step(t)
+        self._changed(i)
         rep.steps += 1
         rep.busy_ms += record.end_ms - t
         rep.ready_ms = record.end_ms
@@ -396,6 +409,8 @@ class ClusterSim:
         for rid in record.outcome.finished:
             del self.owner[rid]
             self._finished(rid, record.end_ms)
+            # Kept as metrics only: a long run's memory is not every request's tokens.
+            self._done[rid] = RequestMetrics.of(self._final.pop(rid))
         self._check(f"step {record.step_index} of replica {i}")
 
     def _drain(self, rep: _Replica) -> list[CacheEvent]:
@@ -519,6 +534,7 @@ class ClusterSim:
         move = Move(r.request_id, src, dst, reason, t, land, decision.mode, kv, moved, nbytes)
         record = r.snapshot(sched.config.max_len)
         transit.release(sched, r.request_id)
+        self._changed(src)
         self.index.apply(src, self._drain(self.replicas[src]))
         self.owner[r.request_id] = -1
         self._in_transit[r.request_id] = _Transit(dep.state, with_kv, move, record)
@@ -541,6 +557,7 @@ class ClusterSim:
             imp.stage(tr.state, with_kv=False)
             fallback = True
         (arrived,) = imp.commit(0.0)
+        self._changed(move.destination)
         self.index.apply(move.destination, self._drain(rep))
         del self._in_transit[rid]
         self.owner[rid] = move.destination
@@ -552,7 +569,8 @@ class ClusterSim:
     # ------------------------------------------------------------------ result
     def _result(self, first_ms: float) -> ClusterResult:
         end = max((rep.ready_ms for rep in self.replicas), default=first_ms)
-        reqs = tuple(RequestMetrics.of(r) for r in sorted(self._final.values(), key=_arrival_key))
+        left = [RequestMetrics.of(r) for r in self._final.values()]
+        reqs = tuple(sorted([*self._done.values(), *left], key=_arrival_key))
         preemptions = sum(m.num_preemptions for m in reqs)
         return ClusterResult(
             reqs,
@@ -567,7 +585,7 @@ class ClusterSim:
         )
 
 
-def _arrival_key(r: Request) -> tuple[float, str]:
+def _arrival_key(r: RequestMetrics) -> tuple[float, str]:
     return (r.arrival_ms, r.request_id)
 
 
@@ -613,8 +631,10 @@ def simulate_cluster(
     link: LinkModel | None = None,
     seed: int = 0,
     check_ownership: bool = False,
+    keep_decisions: bool = True,
 ) -> ClusterResult:
-    """One run: ``workload`` on ``num_replicas`` replicas routed by ``policy``."""
+    """One run: ``workload`` on ``num_replicas`` replicas routed by ``policy``
+    (``keep_decisions=False``: the routing records are not kept, only their hit sum)."""
     sim = ClusterSim(
         num_replicas,
         config,
@@ -624,6 +644,7 @@ def simulate_cluster(
         link=link,
         seed=seed,
         check_ownership=check_ownership,
+        keep_decisions=keep_decisions,
     )
     return sim.run(workload)
 

@@ -88,7 +88,8 @@ def _knee_lines(exp: ClusterExperiment) -> list[str]:
                 lines.append(f"- {pol}: no knee up to {top:g}x")
                 continue
             at = next(p for p in pts if p.load == k)
-            lines.append(f"- {pol}: knee at {k:g}x ({knee_cause(at)})")
+            lowest = "at or below the sweep's lowest, " if k == min(p.load for p in pts) else ""
+            lines.append(f"- {pol}: knee at {k:g}x ({lowest}{knee_cause(at)})")
         lines.append("")
     return lines
 
@@ -151,9 +152,9 @@ def _gain_lines(exp: ClusterExperiment) -> list[str]:
     behind = _behind_round_robin(exp)
     worse = (
         f"Prefix-aware routing serves less than round robin on {', '.join(behind)}: with "
-        "no prefix to reuse it is least-loaded routing, and the load score counts seats "
-        "and K/V but not the prefill backlog, so long prompts pile onto one replica "
-        "where round robin spreads them evenly. "
+        "no prefix to reuse it is least-loaded routing, and a likely cause is that the "
+        "load score counts seats and K/V but not the prefill backlog, so long prompts "
+        "can pile onto one replica where round robin spreads them evenly. "
         if behind
         else ""
     )
@@ -223,6 +224,29 @@ def _jitter_lines(exp: ClusterExperiment) -> list[str]:
     return lines
 
 
+def _budget_lines(exp: ClusterExperiment) -> list[str]:
+    """Per trace and policy: the budget with the best attainment, and the budgets whose
+    P99 TBT broke the SLO."""
+    lines = [
+        f"At 4 replicas and one replica's load; the TBT SLO is {exp.slo.tbt_ms:g} ms and "
+        f"the derived budget {exp.slo.budget}:",
+        "",
+    ]
+    for spec in exp.options.traces:
+        for pol in dict.fromkeys(p.policy for p in exp.budgets if p.trace == spec.name):
+            pts = [p for p in exp.budgets if p.trace == spec.name and p.policy == pol]
+            best = max(pts, key=lambda p: (p.attainment, -p.budget))
+            broke = [
+                p.budget for p in pts if p.tbt_p99_ms is not None and p.tbt_p99_ms > exp.slo.tbt_ms
+            ]
+            tail = f"; P99 TBT above the SLO at {broke}" if broke else "; P99 TBT within it at all"
+            lines.append(
+                f"- {spec.name}, {pol}: best attainment {best.attainment:.2f} at budget "
+                f"{best.budget}{tail}"
+            )
+    return lines
+
+
 def render_markdown(exp: ClusterExperiment) -> str:
     slo, cost = exp.slo, exp.options.cost
     out = [
@@ -262,6 +286,10 @@ def render_markdown(exp: ClusterExperiment) -> str:
         "### Goodput gains",
         "",
         *_gain_lines(exp),
+        "",
+        "### The token budget",
+        "",
+        *_budget_lines(exp),
         "",
         "### Splitting on a jittery link",
         "",

@@ -141,7 +141,7 @@ def _sim_us_per_request(n: int, replicas: int = 64) -> tuple[float, float]:
     w = spec.build(spec.rate * replicas, n, 0)
     config = dataclasses.replace(BASE, max_num_batched_tokens=ClusterSlo.of(StepCost()).budget)
     started = time.process_time()
-    res = simulate_cluster(w, replicas, config, StepCost(), "prefix_aware")
+    res = simulate_cluster(w, replicas, config, StepCost(), "prefix_aware", keep_decisions=False)
     cpu = time.process_time() - started
     assert len(res.requests) == n and all(m.finished_ms is not None for m in res.requests)
     return cpu / n * 1e6, cpu
