@@ -2,7 +2,8 @@
 
 One concept per module: the typed errors (``errors``), the global prefix index fed by
 the replicas' cache events (``index``), the replica interface and its in-process
-transport (``replica``), the routing policies (``router``) and the in-process cluster
+transport (``replica``), the Ray transport (``ray_replica``: imported on demand, Ray
+is an optional extra), the routing policies (``router``) and the in-process cluster
 that drives them (``cluster``).
 A layer above ``ref.engine`` and below ``ref.serve`` (docs/ARCHITECTURE.md, "Layers").
 """
@@ -12,6 +13,8 @@ from ref.cluster.errors import (
     ClusterError,
     EventGap,
     EventMismatch,
+    NoLiveReplica,
+    ReplicaDead,
     ReplicaMismatch,
     UnknownPolicy,
     UnknownReplica,
@@ -28,9 +31,11 @@ __all__ = [
     "EventGap",
     "EventMismatch",
     "GlobalPrefixIndex",
+    "NoLiveReplica",
     "InProcessReplica",
     "LoadFigures",
     "Replica",
+    "ReplicaDead",
     "ReplicaMismatch",
     "Router",
     "RoutingDecision",
