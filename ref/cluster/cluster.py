@@ -27,9 +27,9 @@ sees it again; the other replicas go on.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Sequence
-import time
 from dataclasses import dataclass, field, replace
 from typing import cast
 
@@ -302,9 +302,7 @@ class Cluster:
             if mode is not KVMode.RECOMPUTE:
                 state = probe.sequences[0].state
                 hit = b.prefix_hit_tokens(state.token_ids)
-                ticket = a.export_request(
-                    request_id, kv=mode, hit_tokens=hit, idle=b.idle_fraction
-                )
+                ticket = a.export_request(request_id, kv=mode, hit_tokens=hit, idle=b.idle_fraction)
             b.import_request(ticket)
         except (MigrationError, ReplicaDead) as e:
             self.metrics.migrations_aborted += 1
