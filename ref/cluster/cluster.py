@@ -141,7 +141,7 @@ class Cluster:
     @property
     def has_work(self) -> bool:
         """A :meth:`step` can make progress on some replica, or outputs are held."""
-        return bool(self._held) or any(rep.has_work for _, rep in self._live())
+        return bool(self._held) or any(self._has_work(r, rep) for r, rep in self._live())
 
     def owner(self, request_id: str) -> int:
         """The replica holding the live request ``request_id``."""
@@ -172,13 +172,17 @@ class Cluster:
             live = self._live()
             if not live:
                 raise NoLiveReplica(f"add_request {rid!r}: every replica is dead")
-            hits = self.index.longest_prefix(ids)
-            loads = {r: rep.load() for r, rep in live}
-            decision = self.router.route(rid, len(ids), loads, hits)
+            r = -1
             try:
-                self.replicas[decision.replica].add_request(ids, params or SamplingParams(), rid)
+                loads = {}
+                for r, rep in live:
+                    loads[r] = rep.load()
+                hits = self.index.longest_prefix(ids)
+                decision = self.router.route(rid, len(ids), loads, hits)
+                r = decision.replica
+                self.replicas[r].add_request(ids, params or SamplingParams(), rid)
             except ReplicaDead as e:
-                self._bury(decision.replica, e)
+                self._bury(r, e)
                 continue
             break
         self.router.accepted(decision)
@@ -213,14 +217,15 @@ class Cluster:
         outputs, self._held = self._held, []
         try:
             for r, rep in self._live():
-                if rep.has_work:
-                    try:
-                        fresh = rep.step()
-                    except ReplicaDead as e:
-                        self._bury(r, e)
+                try:
+                    if not rep.has_work:
                         continue
+                    fresh = rep.step()
                     self._retire(r, rep, fresh)
-                    outputs.extend(fresh)
+                except ReplicaDead as e:
+                    self._bury(r, e)
+                    continue
+                outputs.extend(fresh)
         except BaseException:
             self._held = outputs
             raise
@@ -332,7 +337,12 @@ class Cluster:
         out: list[str] = []
         seen: dict[str, int] = {}
         for r, rep in self._live():
-            for rid in rep.request_ids():
+            try:
+                live = rep.request_ids()
+            except ReplicaDead as e:  # buried: its requests ended (take_failures)
+                self._bury(r, e)
+                continue
+            for rid in live:
                 if rid in seen:
                     out.append(f"{rid!r} is live on replicas {seen[rid]} and {r}")
                 seen.setdefault(rid, r)
@@ -346,6 +356,13 @@ class Cluster:
     # ------------------------------------------------------------------ internals
     def _live(self) -> list[tuple[int, Replica]]:
         return [(r, rep) for r, rep in enumerate(self.replicas) if r not in self.dead]
+
+    def _has_work(self, r: int, rep: Replica) -> bool:
+        try:
+            return rep.has_work
+        except ReplicaDead as e:
+            self._bury(r, e)
+            return False
 
     def _bury(self, r: int, error: ReplicaDead) -> None:
         """Replica ``r`` is gone (module doc, "Faults"): its requests end with ``error``,
@@ -377,16 +394,15 @@ class Cluster:
         """Apply every replica's new cache events; resync one from its snapshot when its
         stream has a gap or does not apply (ref/cluster/index.py, "Gaps")."""
         for r, rep in self._live():
-            events = rep.drain_cache_events()
             try:
-                self.index.apply(r, events)
-            except (EventGap, EventMismatch):
+                events = rep.drain_cache_events()
                 try:
+                    self.index.apply(r, events)
+                except (EventGap, EventMismatch):
                     self.index.resync(r, rep.cache_snapshot())
-                except ReplicaDead as e:
-                    self._bury(r, e)
-                    continue
-                self.metrics.index_resyncs += 1
+                    self.metrics.index_resyncs += 1
+            except ReplicaDead as e:
+                self._bury(r, e)
 
     def _new_id(self, request_id: str | None) -> str:
         if request_id is None:
