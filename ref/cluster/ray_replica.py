@@ -53,13 +53,15 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 
 @dataclass(frozen=True)
 class ReplicaReport:
-    """The replica's state after a call: what :class:`RayReplica` answers locally."""
+    """The replica's state after a call: what :class:`RayReplica` answers locally;
+    ``step_tokens`` are the prefill tokens and decodes of the actor's last step."""
 
     load: LoadFigures
     has_work: bool
     request_ids: tuple[str, ...]
     idle_fraction: float
     events: tuple[CacheEvent, ...]
+    step_tokens: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -114,12 +116,17 @@ class EngineActor:
 
     def _report(self) -> ReplicaReport:
         rep = self._rep
+        # The engine keeps every StepRecord for in-process callers; an actor runs for days.
+        records = rep.engine.steps
+        last = (records[-1].num_prefill_tokens, records[-1].num_decodes) if records else (0, 0)
+        records.clear()
         return ReplicaReport(
             rep.load(),
             rep.has_work,
             rep.request_ids(),
             rep.idle_fraction,
             tuple(rep.drain_cache_events()),
+            last,
         )
 
     def _call(self, fn: Callable[[], T]) -> tuple[T | None, ErrorRecord | None, ReplicaReport]:
@@ -259,6 +266,11 @@ class RayReplica:
     @property
     def dead(self) -> bool:
         return self._dead is not None
+
+    @property
+    def step_tokens(self) -> tuple[int, int]:
+        """The prefill tokens and decodes of the actor's last step (zeros before one)."""
+        return self._last().step_tokens
 
     def kill(self) -> None:
         """Kill the actor (as a crash would: no restart)."""

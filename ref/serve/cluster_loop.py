@@ -48,7 +48,7 @@ import torch
 
 from ref.cluster.errors import EventGap, EventMismatch, NoLiveReplica, ReplicaDead
 from ref.cluster.index import GlobalPrefixIndex
-from ref.cluster.replica import LoadFigures, Replica
+from ref.cluster.replica import InProcessReplica, LoadFigures, Replica
 from ref.cluster.router import Router, RoutingDecision
 from ref.core.config import SchedulerConfig
 from ref.core.migration_cost import KVMode
@@ -114,9 +114,9 @@ class ReplicaLoop:
                 return
             try:
                 fut.set_result(fn())
-            except ReplicaDead as e:
-                fut.set_exception(e)
+            except ReplicaDead as e:  # buried first: a caller that routes again skips it
                 self._died(e)
+                fut.set_exception(e)
             except BaseException as e:  # handed to the awaiting side, never lost
                 fut.set_exception(e)
 
@@ -184,13 +184,14 @@ class ReplicaLoop:
                     self.replica.abort(rid)
             return time.perf_counter()
         end = time.perf_counter()
+        prefill, decodes = _step_tokens(self.replica)
         self.front.timings.append(
             StepTiming(
                 index=next(self.front.step_counter),
                 start_s=start,
                 end_s=end,
-                num_prefill_tokens=0,
-                num_decodes=0,
+                num_prefill_tokens=prefill,
+                num_decodes=decodes,
                 num_outputs=len(outputs),
                 gap_ms=None if prev_end is None else (start - prev_end) * 1e3,
             )
@@ -351,22 +352,19 @@ class ClusterLoop:
         if not self._admitting:
             raise ServerDraining("the server is shutting down")
         ids = list(prompt)
-        decision = self._route(request_id, ids)
-        lp = self.loops[decision.replica]
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         sink = _Sink(loop, q, params.n)
-
-        def add() -> None:
-            if not self._admitting:
-                raise ServerDraining("the server is shutting down")
-            lp.replica.add_request(ids, params, request_id)
-            lp.sinks[request_id] = sink  # before any step: no output can be missed
-            with self._lock:
-                self._owner[request_id] = decision.replica
-                self._prompts[request_id] = ids
-
-        await asyncio.wrap_future(lp.run_sync(add))
+        while True:  # a replica found dead here: routed again among the others
+            decision = self._route(request_id, ids)
+            lp = self.loops[decision.replica]
+            try:
+                await asyncio.wrap_future(
+                    lp.run_sync(self._adder(lp, request_id, ids, params, sink))
+                )
+            except ReplicaDead:
+                continue
+            break
         if self.metrics is not None:
             self.metrics.routed(
                 decision.policy.value,
@@ -375,6 +373,22 @@ class ClusterLoop:
                 decision.prefix_hit_tokens,
             )
         return Submission(request_id, q, params.n)
+
+    def _adder(
+        self, lp: ReplicaLoop, request_id: str, ids: list[int], params: SamplingParams, sink: _Sink
+    ) -> Callable[[], None]:
+        """The command that adds a routed request on ``lp``'s thread."""
+
+        def add() -> None:
+            if not self._admitting:
+                raise ServerDraining("the server is shutting down")
+            lp.replica.add_request(ids, params, request_id)
+            lp.sinks[request_id] = sink  # before any step: no output can be missed
+            with self._lock:
+                self._owner[request_id] = lp.index
+                self._prompts[request_id] = ids
+
+        return add
 
     def _route(self, request_id: str, ids: list[int]) -> RoutingDecision:
         with self._lock:
@@ -508,6 +522,21 @@ class ClusterLoop:
                 self.index.remove_replica(lp.index)
         if self.metrics is not None:
             self.metrics.replica_failed(lp.index, num_requests)
+
+
+def _step_tokens(replica: Replica) -> tuple[int, int]:
+    """The prefill tokens and decodes of the replica's last step, for the step ring
+    (``/debug/steps``, what ``bench-serve --fit`` reads); the in-process engine's record
+    is dropped once read (a server runs for days), a Ray actor drops its own."""
+    if isinstance(replica, InProcessReplica):
+        records = replica.engine.steps
+        last = (records[-1].num_prefill_tokens, records[-1].num_decodes) if records else (0, 0)
+        records.clear()
+        return last
+    figures = getattr(replica, "step_tokens", None)
+    if isinstance(figures, tuple) and len(figures) == 2:
+        return int(figures[0]), int(figures[1])
+    return 0, 0
 
 
 def _abort_each(lp: ReplicaLoop, request_ids: Sequence[str]) -> None:

@@ -30,7 +30,7 @@ from serve_helpers import (
 )
 
 from ref.cli.main import main
-from ref.cluster import InProcessReplica
+from ref.cluster import InProcessReplica, ReplicaDead
 from ref.engine.llm_engine import LLMEngine, RequestOutput
 from ref.model.sampler import SamplingParams
 from ref.serve.server import ServerThread
@@ -206,3 +206,38 @@ def test_the_command_serves_replicas_and_sigterm_drains_them() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+class DeadReplica(InProcessReplica):
+    """A replica whose process is gone: found out at the first call that reaches it."""
+
+    def add_request(self, token_ids: Any, params: SamplingParams, request_id: str) -> None:
+        raise ReplicaDead(0, "the test's replica is gone")
+
+
+def test_a_replica_found_dead_at_admission_is_routed_around() -> None:
+    handle = start_cluster(
+        [DeadReplica(LLMEngine(MODEL, scheduler_config=cluster_config())), _replica()],
+        router="round_robin",
+    )
+    try:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+        url = f"{handle.base_url}/v1/completions"
+        for _ in range(3):  # the first is routed to 0, found dead there, sent to 1
+            r = httpx.post(url, json=body, timeout=TIMEOUT_S)
+            assert r.status_code == 200, r.text
+        assert metric(handle, "refserve:replica_up", model_name=MODEL, replica="0") == 0.0
+        routed = [metric(handle, "refserve:router_decisions_total", model_name=MODEL,
+                         policy="round_robin", replica=r) for r in ("0", "1")]  # fmt: skip
+        assert routed == [0.0, 3.0]  # counted where they were served
+        assert httpx.get(f"{handle.base_url}/health", timeout=TIMEOUT_S).status_code == 200
+    finally:
+        handle.stop()
+    lone = start_cluster([DeadReplica(LLMEngine(MODEL, scheduler_config=cluster_config()))])
+    try:
+        r = httpx.post(f"{lone.base_url}/v1/completions", json=body, timeout=TIMEOUT_S)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert "every replica" in r.json()["error"]["message"]
+        assert httpx.get(f"{lone.base_url}/health", timeout=TIMEOUT_S).status_code == 503
+    finally:
+        lone.stop()

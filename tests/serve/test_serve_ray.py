@@ -5,7 +5,8 @@
 - The same ``Cluster`` code drives two Ray replicas: greedy requests, one migrated by
   ticket bytes between the actors mid-decode, give one in-process engine's tokens, the
   ownership rule holding after every step.
-- A server over two Ray replicas serves concurrent streams, migrates one of them
+- A server over two Ray replicas, built as ``refserve serve --replicas 2 --backend ray``
+  builds it, passes conformance-http, serves concurrent streams, migrates one of them
   mid-stream (its text unchanged), and stops cleanly.
 - A replica's actor killed (SIGKILL) mid-request: that stream ends with a typed error
   event (503 ``service_unavailable`` naming the replica), its delivered text a prefix of
@@ -15,11 +16,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -39,12 +42,15 @@ from serve_helpers import (  # noqa: E402  (after the skip: no Ray, no import)
     stream_completion,
 )
 
+from ref.cli import serve as serve_cli  # noqa: E402
+from ref.cli.main import _parser, main  # noqa: E402
 from ref.cluster import Cluster, ReplicaDead, Router  # noqa: E402
 from ref.cluster.ray_replica import RayReplica, ray_replicas, start_ray, stop_ray  # noqa: E402
 from ref.core.config import SchedulerConfig  # noqa: E402
 from ref.engine.llm_engine import LLMEngine  # noqa: E402
 from ref.model.sampler import SamplingParams  # noqa: E402
-from ref.serve.server import ServerThread  # noqa: E402
+from ref.serve.app import ServeSettings  # noqa: E402
+from ref.serve.server import ServerThread, build_cluster_server  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Hello", "Count to four.", "a" * 40]
 
@@ -117,11 +123,23 @@ def test_cluster_on_ray_migrates_by_ticket_and_matches_one_engine() -> None:
             r.kill()
 
 
-def test_server_on_ray_streams_migrates_and_stops(reference: LLMEngine) -> None:
-    reps = ray_replicas(2, scheduler_config=cluster_config())
-    handle = _server(reps, reference)
+def test_server_on_ray_streams_migrates_and_stops(reference: LLMEngine, tmp_path: Path) -> None:
+    argv = ["serve", "--model", MODEL, "--replicas", "2", "--backend", "ray",
+            "--router", "round_robin", "--block-size", "16", "--num-blocks", "128",
+            "--torch-threads", "2"]  # fmt: skip
+    args = _parser().parse_args(argv)
+    built = serve_cli.cluster_loop(args, serve_cli.config_from_args(args), MODEL)
+    reps = [lp.replica for lp in built.loops]
+    assert all(isinstance(r, RayReplica) for r in reps) and len(reps) == 2
+    server = build_cluster_server(built, ServeSettings(MODEL, drain_timeout_s=5.0))
+    handle = ServerThread(server).start()
     try:
         loop = cluster_loop(handle)
+        out = tmp_path / "conformance.json"
+        code = main(["conformance-http", "--base-url", handle.base_url, "--model", MODEL,
+                     "--json", str(out), "--timeout", "30"])  # fmt: skip
+        doc = json.loads(out.read_text())
+        assert code == 0 and {r["status"] for r in doc["results"]} == {"pass"}, doc
         results: dict[int, dict[str, Any]] = {}
         moved: list[Any] = []
 
@@ -157,6 +175,7 @@ def test_server_on_ray_streams_migrates_and_stops(reference: LLMEngine) -> None:
     assert not any(lp.alive for lp in cluster_loop(handle).loops)  # every replica thread
     assert cluster_loop(handle).num_in_flight == 0
     for r in reps:
+        assert isinstance(r, RayReplica)
         r.kill()
 
 
