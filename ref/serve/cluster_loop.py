@@ -402,8 +402,10 @@ class ClusterLoop:
             self.decisions.append(decision)
             return decision
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request if it is still live (a client went away); non-blocking."""
+    def abort(self, request_id: str, *, follow: int = 2) -> None:
+        """Abort a request if it is still live (a client went away); non-blocking. If it
+        migrated away while the abort waited on its old replica's thread, the abort
+        follows it to the new one (up to ``follow`` times)."""
         with self._lock:
             r = self._owner.get(request_id)
         if r is None:
@@ -411,11 +413,15 @@ class ClusterLoop:
         lp = self.loops[r]
 
         def abort() -> None:
-            with contextlib.suppress(UnknownRequest):
+            try:
                 lp.replica.abort(request_id)
+            except UnknownRequest:
+                with self._lock:
+                    now = self._owner.get(request_id)
+                if now is not None and now != lp.index and follow > 0:
+                    self.abort(request_id, follow=follow - 1)
 
-        with contextlib.suppress(ReplicaDead, ServerDraining):
-            lp.run_sync(abort)
+        lp.run_sync(abort)  # a dead or stopped replica: the future holds the error
 
     # ------------------------------------------------------------------ migration
     def migrate(

@@ -6,6 +6,7 @@ other; SIGTERM drains every replica of the real command."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -154,6 +155,14 @@ def _wait(cond: Any, timeout_s: float = TIMEOUT_S) -> bool:
     return False
 
 
+def _completes(fut: Any, timeout_s: float) -> bool:
+    try:
+        fut.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        return False
+    return True
+
+
 def _serve(*extra: str) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "ref.cli.main", "serve", "--model", MODEL, "--port", "0"]
     return subprocess.Popen(
@@ -241,3 +250,43 @@ def test_a_replica_found_dead_at_admission_is_routed_around() -> None:
         assert httpx.get(f"{lone.base_url}/health", timeout=TIMEOUT_S).status_code == 503
     finally:
         lone.stop()
+
+
+def test_an_abort_that_waited_through_a_migration_follows_the_request(
+    cluster: ServerThread,
+) -> None:
+    """The abort of a client that went away, queued on the source while the request was
+    moving, reaches the destination: the request ends (``abort``), not left running."""
+    loop = cluster_loop(cluster)
+    first = threading.Event()
+    rid: list[str] = []
+    result: dict[str, Any] = {}
+
+    def on_event(e: dict[str, Any]) -> None:
+        if not rid:
+            rid.append(e["id"])
+            first.set()
+
+    streaming = threading.Thread(
+        target=lambda: result.update(stream_completion(cluster.base_url, PROMPT, 400, on_event)),
+        daemon=True,
+    )
+    streaming.start()
+    assert first.wait(TIMEOUT_S)
+    src = loop.owners()[rid[0]]
+    a, b = loop.loops[src], loop.loops[1 - src]
+    gate = threading.Event()
+    b.run_sync(lambda: gate.wait(TIMEOUT_S))  # the destination's thread held
+    moving = threading.Thread(target=lambda: loop.migrate(rid[0], b.index), daemon=True)
+    moving.start()
+    # The source exported and waits for the import (a no-op command there stays queued);
+    # the abort queues behind it.
+    assert _wait(lambda: not _completes(a.run_sync(lambda: None), 0.3))
+    loop.abort(rid[0])
+    gate.set()
+    moving.join(TIMEOUT_S)
+    streaming.join(TIMEOUT_S)
+    assert result["reason"] == "abort", result
+    assert b.run_sync(b.replica.request_ids).result(TIMEOUT_S) == ()
+    assert a.run_sync(a.replica.request_ids).result(TIMEOUT_S) == ()
+    assert loop.owners() == {}
