@@ -8,7 +8,7 @@ CROSSHAIR_MODULES := spec/arith.py spec/hashing.py ref/core/capacity.py ref/core
 	ref/core/planner.py ref/core/swap.py ref/core/policy.py conformance/explore/key.py
 CROSSHAIR_TIMEOUT ?= 5
 
-.PHONY: run train-tiny test lint typecheck pytest crosshair conformance conformance-nanovllm conformance-vllm bench deep clean venv gpu-check gpu-bench
+.PHONY: run train-tiny cluster-deps test lint typecheck pytest crosshair conformance conformance-nanovllm conformance-vllm bench deep clean venv gpu-check gpu-bench
 
 venv: $(STAMP)
 
@@ -44,7 +44,18 @@ typecheck: $(STAMP)
 HYPOTHESIS_PROFILE ?= ci
 export HYPOTHESIS_PROFILE
 
-pytest: $(STAMP)
+# The cluster's Ray transport (docs/CLUSTER.md, "Transports"): the pinned `cluster` extra
+# into $(VENV), stamped like the dev extra. The pytest stage needs it
+# (tests/serve/test_serve_ray.py: two replicas on Ray); the in-process default needs none.
+CLUSTER_STAMP := $(VENV)/.installed-cluster
+
+$(CLUSTER_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e '.[cluster]'
+	touch $(CLUSTER_STAMP)
+
+cluster-deps: $(CLUSTER_STAMP)
+
+pytest: $(STAMP) $(CLUSTER_STAMP)
 	$(PY) -m pytest -p no:cacheprovider
 
 crosshair: $(STAMP)

@@ -50,8 +50,8 @@ from conformance.adapter import (
     Rejected,
 )
 from conformance.guard import AdapterCallError, describe
+from conformance.instance import STALL_STEPS, STEP_INVARIANTS, _Run, _Stop, adapter_traits
 from conformance.run_result import Finding, RunResult
-from conformance.runner import STALL_STEPS, STEP_INVARIANTS, _Run, _Stop, adapter_traits
 from conformance.workload import MigrationPlan, RequestPlan, Workload
 from spec.atomic import check_atomic
 from spec.checks import check_cluster, check_pool
@@ -149,15 +149,7 @@ class _Cluster:
         return self.res
 
     def drive(self) -> None:
-        for r in self.runs:
-            r.call(-1, "configure", "configure()", _configure(r))
-            r.snapshot(-1, "configure")
-        self.res.checked.update(STEP_INVARIANTS)
-        self.res.checked.update(CLUSTER_INVARIANTS)
-        self.res.checked.add(Invariant.ATOMIC)  # every export, refusal and aborted import
-        if any(r.props.admission_order is not AdmissionOrder.UNSPECIFIED for r in self.runs):
-            self.res.checked.add(Invariant.ORDER)
-        self.check_cluster(-1, "configure")
+        self.begin()
         pending = sorted(self.w.requests, key=lambda r: r.arrival)
         limit = self.w.step_limit
         boundary = step = i = j = 0
@@ -170,34 +162,54 @@ class _Cluster:
                     break
                 continue  # idle until the next arrival or move
             if step >= limit:
-                live = sorted(rid for r in self.runs for rid in r.live)
-                self.runs[0].fail(
-                    Invariant.PROGRESS,
-                    step,
-                    "step",
-                    "run",
-                    f"did not quiesce within {limit} steps",
-                    "quiescence",
-                    f"{live} still live",
-                )
+                self.not_quiesced(step, limit)
                 return
-            for r in self.runs:
-                if not r.live:
-                    continue
-                if step in self.w.rollback_at:
-                    r.rollback(step)
-                    self.check_cluster(step, r.where("rollback"))
-                r.step(step)
-                sampled = tuple(
-                    Sample(r.label, rid, tuple(toks)) for rid, toks in sorted(r.last_gained.items())
-                )
-                self.check_cluster(step, r.where("step"), sampled)
+            self.step_all(step)
             step += 1
             if self.stalled(pending[i:], j, step):
                 return
         for r in self.runs:
             r.quiesce(step)
         self.check_cluster(step, "quiescence")
+
+    def begin(self) -> None:
+        """Configure every instance; what the run checks."""
+        for r in self.runs:
+            r.call(-1, "configure", "configure()", _configure(r))
+            r.snapshot(-1, "configure")
+        self.res.checked.update(STEP_INVARIANTS)
+        self.res.checked.update(CLUSTER_INVARIANTS)
+        self.res.checked.add(Invariant.ATOMIC)  # every export, refusal and aborted import
+        if any(r.props.admission_order is not AdmissionOrder.UNSPECIFIED for r in self.runs):
+            self.res.checked.add(Invariant.ORDER)
+        self.check_cluster(-1, "configure")
+
+    def not_quiesced(self, step: int, limit: int) -> None:
+        live = sorted(rid for r in self.runs for rid in r.live)
+        self.runs[0].fail(
+            Invariant.PROGRESS,
+            step,
+            "step",
+            "run",
+            f"did not quiesce within {limit} steps",
+            "quiescence",
+            f"{live} still live",
+        )
+
+    def step_all(self, step: int) -> None:
+        """One step of every instance with live requests (a planned rollback first), each
+        followed by the migration rules."""
+        for r in self.runs:
+            if not r.live:
+                continue
+            if step in self.w.rollback_at:
+                r.rollback(step)
+                self.check_cluster(step, r.where("rollback"))
+            r.step(step)
+            sampled = tuple(
+                Sample(r.label, rid, tuple(toks)) for rid, toks in sorted(r.last_gained.items())
+            )
+            self.check_cluster(step, r.where("step"), sampled)
 
     def arrive(self, pending: list[RequestPlan], i: int, boundary: int, step: int) -> int:
         """The single-engine runner's arrivals (at instance 0) and aborts (wherever the

@@ -61,6 +61,11 @@ def candidates(w: Workload) -> Iterator[Workload]:
     for j in range(len(w.rollback_at)):
         yield dataclasses.replace(w, rollback_at=w.rollback_at[:j] + w.rollback_at[j + 1 :])
     yield from _move_candidates(w)
+    yield from _limit_candidates(w)
+
+
+def _limit_candidates(w: Workload) -> Iterator[Workload]:
+    """A limit lowered by one, of the engine's config or of any peer's."""
     c = w.config
     for name in LIMITS:
         if getattr(c, name) > 1:

@@ -32,7 +32,9 @@ from conformance.explore.result import STRATEGIES, Exploration
 from conformance.explore.scope import Scope
 from conformance.explore.session import Event, Fault, Session, Step, step_variants
 from conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, describe
-from conformance.runner import Finding, _Stop, adapter_traits, build
+from conformance.instance import _Stop, adapter_traits
+from conformance.run_result import Finding
+from conformance.runner import build
 from conformance.shrink import signature
 from conformance.workload import Workload
 from spec.violation import Invariant, violation

@@ -23,7 +23,8 @@ from conformance.adapter import EngineAdapter, EngineProperties, Feature
 from conformance.explore.key import Key, pool_key, rename, request_key
 from conformance.explore.scope import Scope
 from conformance.guard import describe
-from conformance.runner import Finding, _Run, _Stop
+from conformance.instance import _Run, _Stop
+from conformance.run_result import Finding
 from conformance.workload import EOS, RequestPlan, Workload, next_token
 from spec.violation import Invariant, violation
 

@@ -6,6 +6,12 @@ model is built: the options, the API key, the address (bound before the model lo
 a port in use is one error line, not a traceback after a minute of loading). Binds
 127.0.0.1 unless ``--host`` says otherwise. SIGTERM drains and exits 0; Ctrl-C drains
 and exits 130.
+
+``--replicas N`` (N > 1) or ``--backend ray`` serve a cluster instead of one engine
+(docs/CLUSTER.md, "Serving"): N replicas of the model, each with the scheduler options
+given, behind the ``--router`` policy, in this process or one Ray actor each (Ray
+started locally here and shut down at exit). ``--replicas 1 --backend inprocess``, the
+default, is the single-engine server, unchanged.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import argparse
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ref.cli.args import (
     add_command,
@@ -26,11 +32,17 @@ from ref.cli.args import (
     proposer_from_args,
 )
 from ref.cli.config_args import add_config_args, config_from_args
+from ref.core.config import SchedulerConfig
 from ref.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from ref.serve.cluster_loop import ClusterLoop
 
 #: The environment variable read when ``--api-key`` is not given.
 API_KEY_ENV = "REFSERVE_API_KEY"
 MAX_WAITING_DEFAULT = 256
+BACKENDS = ("inprocess", "ray")
+ROUTERS = ("round_robin", "least_loaded", "prefix_aware", "slo_aware")
 
 
 def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
@@ -82,6 +94,25 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         help="torch intra-op threads of the engine (default: one core less than the "
         "machine's, left to the HTTP side: spinning torch workers starve it otherwise)",
     )
+    p.add_argument(
+        "--replicas",
+        type=int_at_most(64, lo=1),
+        default=1,
+        help="engine replicas behind the router (default 1: one engine, no router)",
+    )
+    p.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="prefix_aware",
+        help="routing policy of a cluster (docs/CLUSTER.md; default %(default)s)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="inprocess",
+        help="where the replicas run: threads of this process (default) or one Ray actor "
+        "each (needs the [cluster] extra: make cluster-deps)",
+    )
     add_device_args(p)
     add_speculative_args(p)
     add_config_args(p)
@@ -107,21 +138,23 @@ def run_serve(args: argparse.Namespace) -> int:
     config = replace(config_from_args(args), max_waiting=args.max_waiting)
     name = args.served_model_name or str(args.model)
 
+    cluster = args.replicas > 1 or args.backend != "inprocess"
+    if cluster and args.speculative is not None:
+        raise InvalidArgument("--speculative serves one engine: not with --replicas/--backend")
+    if args.backend == "ray":
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise InvalidArgument(
+                "--backend ray needs Ray: pip install -e '.[cluster]' (or make cluster-deps)"
+            )
     from ref.serve.server import bind
 
     sock = bind(args.host, args.port)  # before the model loads: a busy port fails fast
     from ref.engine.llm_engine import LLMEngine
     from ref.serve.app import ServeSettings
-    from ref.serve.server import build_server, serve_forever
+    from ref.serve.server import Server, build_cluster_server, build_server, serve_forever
 
-    engine = LLMEngine(
-        args.model,
-        scheduler_config=config,
-        attention_backend=args.attention_backend,
-        device=args.device,
-        check_invariants=args.check,
-        proposer=proposer_from_args(args),
-    )
     settings = ServeSettings(
         model_name=name,
         api_key=key,
@@ -129,9 +162,89 @@ def run_serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
     )
     model_dir = Path(args.model) if Path(args.model).is_dir() else None
-    server = build_server(engine, settings, model_dir=model_dir, torch_threads=args.torch_threads)
+    server: Server
+    stop_ray = False
+    if cluster:
+        from ref.cluster.ray_replica import start_ray
+
+        stop_ray = args.backend == "ray" and start_ray()
+        loop = cluster_loop(args, config, name)
+        server = build_cluster_server(loop, settings, model_dir=model_dir)
+    else:
+        engine = LLMEngine(
+            args.model,
+            scheduler_config=config,
+            attention_backend=args.attention_backend,
+            device=args.device,
+            check_invariants=args.check,
+            proposer=proposer_from_args(args),
+        )
+        server = build_server(
+            engine, settings, model_dir=model_dir, torch_threads=args.torch_threads
+        )
     host, port = sock.getsockname()[:2]
-    print(f"refserve: serving {name!r} on http://{host}:{port}/v1", flush=True)
-    serve_forever(server, sock)
+    what = f"{args.replicas} replicas ({args.backend}, {args.router}) of " if cluster else ""
+    print(f"refserve: serving {what}{name!r} on http://{host}:{port}/v1", flush=True)
+    try:
+        serve_forever(server, sock)
+    finally:
+        if stop_ray:
+            from ref.cluster.ray_replica import stop_ray as shutdown_ray
+
+            shutdown_ray()
     print("refserve: drained, exiting", flush=True)
     return 0
+
+
+def cluster_loop(args: argparse.Namespace, config: SchedulerConfig, name: str) -> ClusterLoop:
+    """The replicas of ``--replicas``/``--backend`` behind the ``--router`` policy (Ray
+    already running for ``--backend ray``)."""
+    from ref.cluster import InProcessReplica, Replica, Router
+    from ref.engine.llm_engine import LLMEngine
+    from ref.serve.cluster_loop import ClusterLoop
+    from ref.serve.metrics import ClusterServeMetrics
+
+    cfg = replace(config, cache_events=True)
+    n = args.replicas
+    replicas: list[Replica] = []
+    if args.backend == "ray":
+        from ref.cluster.ray_replica import ray_replicas
+        from ref.model.checkpoint import load_model
+
+        rays = ray_replicas(
+            n,
+            model=str(args.model),
+            scheduler_config=cfg,
+            torch_threads=max(1, args.torch_threads // n),
+            attention_backend=args.attention_backend,
+            device=args.device,
+            check_invariants=args.check,
+        )
+        replicas.extend(rays)
+        # The tokenizer, here: the app tokenizes and detokenizes (loads one model copy).
+        tokenizer = load_model(args.model).tokenizer
+        max_len = rays[0].max_model_len
+        threads = None
+    else:
+        engines = [
+            LLMEngine(
+                args.model,
+                scheduler_config=cfg,
+                attention_backend=args.attention_backend,
+                device=args.device,
+                check_invariants=args.check,
+            )
+            for _ in range(n)
+        ]
+        replicas.extend(InProcessReplica(e) for e in engines)
+        tokenizer, max_len = engines[0].tokenizer, engines[0].max_model_len
+        threads = args.torch_threads
+    return ClusterLoop(
+        replicas,
+        Router(args.router),
+        tokenizer=tokenizer,
+        max_model_len=max_len,
+        scheduler_config=cfg,
+        metrics=ClusterServeMetrics(name),
+        torch_threads=threads,
+    )

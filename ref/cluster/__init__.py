@@ -2,7 +2,8 @@
 
 One concept per module: the typed errors (``errors``), the global prefix index fed by
 the replicas' cache events (``index``), the replica interface and its in-process
-transport (``replica``), the routing policies (``router``) and the in-process cluster
+transport (``replica``), the Ray transport (``ray_replica``: imported on demand, Ray
+is an optional extra), the routing policies (``router``) and the in-process cluster
 that drives them (``cluster``).
 A layer above ``ref.engine`` and below ``ref.serve`` (docs/ARCHITECTURE.md, "Layers").
 """
@@ -12,6 +13,8 @@ from ref.cluster.errors import (
     ClusterError,
     EventGap,
     EventMismatch,
+    NoLiveReplica,
+    ReplicaDead,
     ReplicaMismatch,
     UnknownPolicy,
     UnknownReplica,
@@ -30,7 +33,9 @@ __all__ = [
     "GlobalPrefixIndex",
     "InProcessReplica",
     "LoadFigures",
+    "NoLiveReplica",
     "Replica",
+    "ReplicaDead",
     "ReplicaMismatch",
     "Router",
     "RoutingDecision",

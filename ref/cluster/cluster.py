@@ -17,20 +17,27 @@ aborted, and when the step that finished it returns its final output.
 
 Faults. If a replica's step raises, the outputs the replicas before it produced in that
 call are held and delivered first by the next :meth:`Cluster.step` that returns (each
-once), as a single engine holds its outputs (ref/engine/llm_engine.py, "Faults").
+once), as a single engine holds its outputs (ref/engine/llm_engine.py, "Faults"). A
+replica that is gone (:class:`~ref.cluster.errors.ReplicaDead`, raised by any call to
+it: its Ray actor died) is buried instead: every request it held ends with that error,
+once, in :meth:`Cluster.take_failures` (never restarted, so never duplicated: the
+documented choice, docs/CLUSTER.md "Faults"), it leaves the index, and the router never
+sees it again; the other replicas go on.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import cast
 
 from ref.cluster.errors import (
-    ClusterError,
     EventGap,
     EventMismatch,
+    NoLiveReplica,
+    ReplicaDead,
     ReplicaMismatch,
     UnknownReplica,
 )
@@ -62,6 +69,8 @@ class ClusterMetrics:
     migration_bytes: int = 0  # K/V bytes moved (transfer), inline and streamed
     migration_ms: float = 0.0
     index_resyncs: int = 0  # the index rebuilt from a replica's snapshot (a gap, a mismatch)
+    replicas_dead: int = 0
+    requests_failed: int = 0  # ended with ReplicaDead: their replica died holding them
 
 
 class Cluster:
@@ -94,6 +103,8 @@ class Cluster:
         self.decisions: deque[RoutingDecision] = deque(maxlen=DECISIONS_KEPT)
         self._owner: dict[str, int] = {}
         self._held: list[RequestOutput] = []
+        self.dead: dict[int, ReplicaDead] = {}  # replica -> what killed it
+        self._failures: dict[str, ReplicaDead] = {}
         self._next_id = 0
         self._vocab_size = model.vocab_size
 
@@ -130,7 +141,7 @@ class Cluster:
     @property
     def has_work(self) -> bool:
         """A :meth:`step` can make progress on some replica, or outputs are held."""
-        return bool(self._held) or any(rep.has_work for rep in self.replicas)
+        return bool(self._held) or any(self._has_work(r, rep) for r, rep in self._live())
 
     def owner(self, request_id: str) -> int:
         """The replica holding the live request ``request_id``."""
@@ -156,11 +167,24 @@ class Cluster:
         or ``ExceedsCapacity``) and changes nothing: not the router, not the metrics."""
         rid = self._new_id(request_id)
         ids = self._token_ids(prompt)
-        self._sync_index()
-        hits = self.index.longest_prefix(ids)
-        loads = {r: rep.load() for r, rep in enumerate(self.replicas)}
-        decision = self.router.route(rid, len(ids), loads, hits)
-        self.replicas[decision.replica].add_request(ids, params or SamplingParams(), rid)
+        while True:  # a replica found dead here is buried and the request routed again
+            self._sync_index()
+            live = self._live()
+            if not live:
+                raise NoLiveReplica(f"add_request {rid!r}: every replica is dead")
+            r = -1
+            try:
+                loads = {}
+                for r, rep in live:
+                    loads[r] = rep.load()
+                hits = self.index.longest_prefix(ids)
+                decision = self.router.route(rid, len(ids), loads, hits)
+                r = decision.replica
+                self.replicas[r].add_request(ids, params or SamplingParams(), rid)
+            except ReplicaDead as e:
+                self._bury(r, e)
+                continue
+            break
         self.router.accepted(decision)
         self._owner[rid] = decision.replica
         self.decisions.append(decision)
@@ -174,19 +198,34 @@ class Cluster:
     def abort(self, request_id: str) -> None:
         """Abort a live request on its replica; its final outputs come with the next step."""
         r = self.owner(request_id)
-        self.replicas[r].abort(request_id)
+        try:
+            self.replicas[r].abort(request_id)
+        except ReplicaDead as e:  # it ends with the error instead (take_failures)
+            self._bury(r, e)
+            return
         del self._owner[request_id]
+
+    def take_failures(self) -> dict[str, ReplicaDead]:
+        """The requests that ended because their replica died, since the last call, with
+        the error (module doc, "Faults"): each request once, none of them live anywhere."""
+        out, self._failures = self._failures, {}
+        return out
 
     def step(self) -> list[RequestOutput]:
         """Step every replica that has work; the held outputs, then theirs in replica
         order (module doc, "Faults")."""
         outputs, self._held = self._held, []
         try:
-            for r, rep in enumerate(self.replicas):
-                if rep.has_work:
+            for r, rep in self._live():
+                try:
+                    if not rep.has_work:
+                        continue
                     fresh = rep.step()
                     self._retire(r, rep, fresh)
-                    outputs.extend(fresh)
+                except ReplicaDead as e:
+                    self._bury(r, e)
+                    continue
+                outputs.extend(fresh)
         except BaseException:
             self._held = outputs
             raise
@@ -207,18 +246,25 @@ class Cluster:
         """Move a live request to replica ``to`` (``ref.engine.migration.migrate``;
         ``kv``, ``chunk_blocks``, ``cost`` and ``fault`` are its). A failure before the
         ack raises ``MigrationAborted`` with the request where it was; a destination
-        without room refuses (``MigrationRefused``), the request where it was too."""
+        without room refuses (``MigrationRefused``), the request where it was too.
+        Between replicas that are not both in process (Ray) the move goes by ticket
+        (:meth:`_migrate_by_ticket`): ``chunk_blocks`` and ``fault`` are the in-process
+        protocol's and must be None there."""
         src = self.owner(request_id)
         if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < len(self.replicas):
             raise UnknownReplica(to, f"migrate of {request_id!r}")
         if to == src:
             raise InvalidArgument(f"migrate: request {request_id!r} is already on replica {to}")
+        if to in self.dead:
+            raise self.dead[to]
         a, b = self.replicas[src], self.replicas[to]
         if not isinstance(a, InProcessReplica) or not isinstance(b, InProcessReplica):
-            raise ClusterError(
-                f"migrate: {type(a).__name__} -> {type(b).__name__}: only in-process replicas "
-                'migrate so far (docs/CLUSTER.md, "Not built yet")'
-            )
+            if chunk_blocks is not None or fault is not None:
+                raise InvalidArgument(
+                    "migrate: chunk_blocks and fault are the in-process protocol's; a move "
+                    f"{type(a).__name__} -> {type(b).__name__} goes by ticket (K/V inline)"
+                )
+            return self._migrate_by_ticket(request_id, src, to, kv, cost)
         try:
             report = migration.migrate(
                 a.engine,
@@ -239,6 +285,50 @@ class Cluster:
         m.migration_ms += report.elapsed_ms
         return report
 
+    def _migrate_by_ticket(
+        self, request_id: str, src: int, to: int, kv: KVMode | str, cost: MigrationCost | None
+    ) -> migration.MigrationReport:
+        """Export a ticket at the source (a pure read: the request goes on there), import
+        it at the destination in one call (K/V inline), then release the source. A
+        failure before the import commits leaves the request where it was (aborted, the
+        error raised; ``MigrationError`` or ``ReplicaDead``); once it committed the
+        request is the destination's, even if the release then finds the source dead.
+        The cost rule (``kv="auto"``) sees the destination's prefix hit of the request's
+        tokens, probed with a ticket that carries no K/V. ``cost`` is the source's rule
+        when None (a custom one needs the in-process path)."""
+        if cost is not None:
+            raise InvalidArgument("migrate: a custom cost rule needs in-process replicas")
+        a, b = self.replicas[src], self.replicas[to]
+        t0 = time.perf_counter()
+        try:
+            probe = a.export_request(request_id, kv=KVMode.RECOMPUTE, hit_tokens=0, idle=1.0)
+            mode = KVMode(kv) if isinstance(kv, str) else kv
+            ticket = probe
+            if mode is not KVMode.RECOMPUTE:
+                state = probe.sequences[0].state
+                hit = b.prefix_hit_tokens(state.token_ids)
+                ticket = a.export_request(request_id, kv=mode, hit_tokens=hit, idle=b.idle_fraction)
+            b.import_request(ticket)
+        except (MigrationError, ReplicaDead) as e:
+            self.metrics.migrations_aborted += 1
+            for r in (src, to):
+                if isinstance(e, ReplicaDead) and e.replica == r:
+                    self._bury(r, e)
+            raise
+        self._owner[request_id] = to
+        try:
+            a.release_request(request_id)
+        except ReplicaDead as e:  # the request lives on the destination: roll forward
+            self._bury(src, e)
+        m = self.metrics
+        elapsed = (time.perf_counter() - t0) * 1e3
+        m.migrations += 1
+        m.migration_bytes += ticket.kv_bytes
+        m.migration_ms += elapsed
+        return migration.MigrationReport(
+            request_id, ticket.decisions[-1], ticket.kv_bytes, len(ticket.chunks), elapsed
+        )
+
     # ------------------------------------------------------------------ the rule
     def ownership_violations(self) -> list[str]:
         """The ownership rule (module doc): every request live on a replica is live on
@@ -246,8 +336,13 @@ class Cluster:
         holds."""
         out: list[str] = []
         seen: dict[str, int] = {}
-        for r, rep in enumerate(self.replicas):
-            for rid in rep.request_ids():
+        for r, rep in self._live():
+            try:
+                live = rep.request_ids()
+            except ReplicaDead as e:  # buried: its requests ended (take_failures)
+                self._bury(r, e)
+                continue
+            for rid in live:
                 if rid in seen:
                     out.append(f"{rid!r} is live on replicas {seen[rid]} and {r}")
                 seen.setdefault(rid, r)
@@ -259,6 +354,31 @@ class Cluster:
         return out
 
     # ------------------------------------------------------------------ internals
+    def _live(self) -> list[tuple[int, Replica]]:
+        return [(r, rep) for r, rep in enumerate(self.replicas) if r not in self.dead]
+
+    def _has_work(self, r: int, rep: Replica) -> bool:
+        try:
+            return rep.has_work
+        except ReplicaDead as e:
+            self._bury(r, e)
+            return False
+
+    def _bury(self, r: int, error: ReplicaDead) -> None:
+        """Replica ``r`` is gone (module doc, "Faults"): its requests end with ``error``,
+        it leaves the index and the router's sight."""
+        if r in self.dead:
+            return
+        self.dead[r] = error
+        self.metrics.replicas_dead += 1
+        for rid, owner in list(self._owner.items()):
+            if owner == r:
+                del self._owner[rid]
+                self._failures[rid] = error
+                self.metrics.requests_failed += 1
+        if r in self.index.replicas:
+            self.index.remove_replica(r)
+
     def _retire(self, r: int, rep: Replica, fresh: Sequence[RequestOutput]) -> None:
         """Requests whose final output ``fresh`` carries and that replica ``r`` no longer
         holds leave the ownership map (an ``n > 1`` one when its last sample ends)."""
@@ -273,13 +393,16 @@ class Cluster:
     def _sync_index(self) -> None:
         """Apply every replica's new cache events; resync one from its snapshot when its
         stream has a gap or does not apply (ref/cluster/index.py, "Gaps")."""
-        for r, rep in enumerate(self.replicas):
-            events = rep.drain_cache_events()
+        for r, rep in self._live():
             try:
-                self.index.apply(r, events)
-            except (EventGap, EventMismatch):
-                self.index.resync(r, rep.cache_snapshot())
-                self.metrics.index_resyncs += 1
+                events = rep.drain_cache_events()
+                try:
+                    self.index.apply(r, events)
+                except (EventGap, EventMismatch):
+                    self.index.resync(r, rep.cache_snapshot())
+                    self.metrics.index_resyncs += 1
+            except ReplicaDead as e:
+                self._bury(r, e)
 
     def _new_id(self, request_id: str | None) -> str:
         if request_id is None:

@@ -51,3 +51,18 @@ class ReplicaMismatch(ClusterError, InvalidArgument):
 
 class UnknownPolicy(ClusterError, InvalidArgument):
     """A routing policy name the router does not have; the message lists those it has."""
+
+
+class ReplicaDead(ClusterError):
+    """A replica is gone (its Ray actor died, its process was killed): no call to it can
+    succeed again. The requests it held end with this error, each once; the router no
+    longer routes to it (docs/CLUSTER.md, "Faults")."""
+
+    def __init__(self, replica: object, cause: str) -> None:
+        super().__init__(f"replica {replica} is dead: {cause}")
+        self.replica = replica
+        self.cause = cause
+
+
+class NoLiveReplica(ClusterError):
+    """Every replica of the cluster is dead: there is nowhere to route a request."""

@@ -70,9 +70,9 @@ class RequestState:
     scheduler needs to continue it exactly. Times are on the source's clock.
 
     ``num_computed_tokens`` is the KV length on the source; the destination holds the
-    same length after a transfer and 0 after a recompute import (KVLEN).
-    ``num_cached_tokens`` is the source's prefix hit, for the record: a hit is counted in
-    its engine's blocks (PREFIX), so the destination counts its own (``_place``)."""
+    same length after a transfer and 0 after a recompute import (KVLEN). The source's
+    prefix hit does not travel: a hit is counted in its engine's blocks (PREFIX), so the
+    destination counts its own (``_place``)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -80,7 +80,6 @@ class RequestState:
     stop: StopParams
     status: RequestStatus
     num_computed_tokens: int
-    num_cached_tokens: int = 0
     num_preemptions: int = 0
     priority: int = 0
     tenant: str = "default"
@@ -115,7 +114,6 @@ class RequestState:
             stop=r.stop,
             status=r.status,
             num_computed_tokens=r.num_computed_tokens,
-            num_cached_tokens=r.num_cached_tokens,
             num_preemptions=r.num_preemptions,
             priority=r.priority,
             tenant=r.tenant,

@@ -322,7 +322,6 @@ def _decode_state(f: _Fields) -> RequestState:
         stop=_decode_stop(_Fields(f.obj.get("stop"), "state.stop")),
         status=f.enum("status", RequestStatus),
         num_computed_tokens=f.nat("num_computed_tokens"),
-        num_cached_tokens=f.nat("num_cached_tokens"),
         num_preemptions=f.nat("num_preemptions"),
         priority=f.get("priority", int),
         tenant=f.get("tenant", str),

@@ -37,12 +37,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ref.cluster.errors import NoLiveReplica, ReplicaDead
 from ref.engine.llm_engine import InvalidPrompt, RequestOutput
 from ref.errors import ExceedsCapacity, InvalidArgument, QueueFull, RefserveError
 from ref.model.sampler import InvalidSamplingParams, SamplingParams
 from ref.serve.chat import ChatMessageText, ChatTemplate
-from ref.serve.loop import EngineLoop, ServerDraining, gap_summary
-from ref.serve.metrics import ServerMetrics
+from ref.serve.loop import ServerDraining, ServingLoop, gap_summary
+from ref.serve.metrics import ClusterServeMetrics, ServerMetrics
 from ref.serve.schema import (
     AssistantMessage,
     ChatChoice,
@@ -110,7 +111,7 @@ def engine_error(e: BaseException, prompt_param: str) -> ApiError:
         return _bad(str(e), prompt_param)
     if isinstance(e, QueueFull):
         return ApiError(429, f"server busy: {e}", "rate_limit_error")
-    if isinstance(e, ServerDraining):
+    if isinstance(e, ServerDraining | ReplicaDead | NoLiveReplica):
         return ApiError(503, str(e), "service_unavailable")
     if isinstance(e, InvalidArgument):
         return _bad(str(e), None)
@@ -192,10 +193,10 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 # --------------------------------------------------------------------- the app
 def create_app(
-    loop: EngineLoop,
+    loop: ServingLoop,
     settings: ServeSettings,
     chat_template: ChatTemplate,
-    metrics: ServerMetrics | None = None,
+    metrics: ServerMetrics | ClusterServeMetrics | None = None,
 ) -> Guard:
     """The app over a started or not yet started loop (the lifespan starts it and, on
     shutdown, drains it: stop admitting, let in-flight requests finish, abort the rest)."""
@@ -233,7 +234,7 @@ def create_app(
     @app.get("/v1/models")
     async def models() -> ModelList:
         card = ModelCard(
-            id=settings.model_name, created=api.created, max_model_len=loop.engine.max_model_len
+            id=settings.model_name, created=api.created, max_model_len=loop.max_model_len
         )
         return ModelList(data=[card])
 
@@ -251,7 +252,7 @@ def create_app(
             timings = [t for t in timings if t.index >= since]
         else:
             timings = timings[-max(1, min(last, len(timings) or 1)) :]
-        cfg = loop.engine.scheduler.config
+        cfg = loop.scheduler_config
         return {
             "scheduler": {
                 "max_num_batched_tokens": cfg.max_num_batched_tokens,
@@ -316,9 +317,9 @@ class _Prepared:
 
 
 class _Api:
-    def __init__(self, loop: EngineLoop, settings: ServeSettings, chat: ChatTemplate) -> None:
+    def __init__(self, loop: ServingLoop, settings: ServeSettings, chat: ChatTemplate) -> None:
         self.loop, self.settings, self.template = loop, settings, chat
-        self.tokenizer = loop.engine.tokenizer
+        self.tokenizer = loop.tokenizer
         self.created = int(time.time())
 
     # ---------------------------------------------------------------- endpoints
@@ -436,7 +437,7 @@ class _Api:
         logprobs: bool,
         prefix: str,
     ) -> _Prepared:
-        max_len = self.loop.engine.max_model_len
+        max_len = self.loop.max_model_len
         if len(prompt) >= max_len:
             raise _bad(
                 f"prompt has {len(prompt)} tokens; the model's context (max_model_len) is "
@@ -632,7 +633,7 @@ def _sse(events: AsyncIterator[str]) -> StreamingResponse:
 
 
 async def _outputs(
-    loop: EngineLoop,
+    loop: ServingLoop,
     request_id: str,
     q: asyncio.Queue[RequestOutput | BaseException],
     n: int,
@@ -644,6 +645,8 @@ async def _outputs(
     try:
         while finished < n:
             item = await q.get()
+            if isinstance(item, ReplicaDead):  # its replica died: the request ended there
+                raise ApiError(503, str(item), "service_unavailable")
             if isinstance(item, BaseException):
                 raise ApiError(500, str(item), "internal_error")
             if item.finished:
@@ -655,7 +658,7 @@ async def _outputs(
 
 
 async def _collect(
-    loop: EngineLoop,
+    loop: ServingLoop,
     request_id: str,
     q: asyncio.Queue[RequestOutput | BaseException],
     n: int,

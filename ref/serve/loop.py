@@ -28,13 +28,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
+from ref.core.config import SchedulerConfig
 from ref.engine.llm_engine import LLMEngine, RequestOutput
 from ref.errors import RefserveError, UnknownRequest
 from ref.model.sampler import SamplingParams
+from ref.model.tokenizer import Tokenizer
 from ref.serve.metrics import ServerMetrics
 
 T = TypeVar("T")
@@ -96,6 +98,37 @@ class Submission:
     n: int
 
 
+class ServingLoop(Protocol):
+    """What the app needs of the engine side: :class:`EngineLoop` (one engine) or
+    :class:`~ref.serve.cluster_loop.ClusterLoop` (replicas behind a router)."""
+
+    timings: deque[StepTiming]
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig: ...
+
+    def start(self) -> None: ...
+
+    def stop_admitting(self) -> None: ...
+
+    def shutdown(self, timeout_s: float) -> None: ...
+
+    async def submit(
+        self, prompt: Sequence[int], params: SamplingParams, request_id: str
+    ) -> Submission: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+
 class EngineLoop:
     """Owns an :class:`LLMEngine` in a dedicated thread (module doc)."""
 
@@ -129,6 +162,18 @@ class EngineLoop:
     @property
     def num_in_flight(self) -> int:
         return len(self._sinks)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.engine.scheduler.config
 
     def stop_admitting(self) -> None:
         self._admitting = False

@@ -128,3 +128,129 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ClusterServeMetrics:
+    """``/metrics`` of a cluster server (docs/CLUSTER.md, "Serving"): the per-request and
+    load figures of :class:`ServerMetrics` under the same names with a ``replica`` label,
+    and the router's: routing decisions by policy and replica, prompt and prefix-hit
+    tokens at routing, migrations by outcome, K/V bytes and seconds migrating, replicas
+    up, requests ended by a dead replica. The replica threads and the router update it;
+    prometheus-client's metrics are thread-safe. Not here (they need the engine object,
+    which a Ray replica does not hand over): preemption, prefix-cache, swap and
+    speculation counters."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name", "replica"]
+        self._ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self._itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between output tokens.", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self._e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to finish.", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self._running = Gauge(
+            "vllm:num_requests_running", "Requests in the running batch.", labels, registry=r
+        )
+        self._waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be admitted.", labels, registry=r
+        )
+        self._kv = Gauge(
+            "vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", labels, registry=r
+        )
+        self._prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r
+        )
+        self._gen_tokens = Counter(
+            "vllm:generation_tokens", "Output tokens generated.", labels, registry=r
+        )
+        self._success = Counter(
+            "vllm:request_success", "Finished requests, by finish reason.",
+            [*labels, "finished_reason"], registry=r,
+        )  # fmt: skip
+        self._up = Gauge("refserve:replica_up", "1 while the replica is alive.", labels, registry=r)
+        self._failed = Counter(
+            "refserve:replica_failed_requests", "Requests ended because their replica died.",
+            labels, registry=r,
+        )  # fmt: skip
+        self._decisions = Counter(
+            "refserve:router_decisions", "Requests routed, by policy and replica.",
+            ["model_name", "policy", "replica"], registry=r,
+        )  # fmt: skip
+        self._routed_tokens = Counter(
+            "refserve:router_prompt_tokens", "Prompt tokens routed.", labels, registry=r
+        )
+        self._routed_hits = Counter(
+            "refserve:router_prefix_hit_tokens",
+            "Prompt tokens cached on the chosen replica at routing (the global index).",
+            labels, registry=r,
+        )  # fmt: skip
+        self._migrations = Counter(
+            "refserve:migrations", "Migrations between replicas, by outcome (done, aborted).",
+            ["model_name", "outcome"], registry=r,
+        )  # fmt: skip
+        self._migration_bytes = Counter(
+            "refserve:migration_bytes", "K/V bytes moved between replicas.", ["model_name"],
+            registry=r,
+        )  # fmt: skip
+        self._migration_s = Counter(
+            "refserve:migration_seconds", "Time spent migrating.", ["model_name"], registry=r
+        )
+        self._name = model_name
+
+    def replica_up(self, replica: int, up: bool) -> None:
+        self._up.labels(self._name, str(replica)).set(1 if up else 0)
+
+    def replica_failed(self, replica: int, num_requests: int) -> None:
+        self.replica_up(replica, False)
+        self._failed.labels(self._name, str(replica)).inc(num_requests)
+
+    def routed(self, policy: str, replica: int, prompt_tokens: int, hit_tokens: int) -> None:
+        m, rep = self._name, str(replica)
+        self._decisions.labels(m, policy, rep).inc()
+        self._routed_tokens.labels(m, rep).inc(prompt_tokens)
+        self._routed_hits.labels(m, rep).inc(hit_tokens)
+
+    def migrated(self, done: bool, kv_bytes: int = 0, seconds: float = 0.0) -> None:
+        m = self._name
+        self._migrations.labels(m, "done" if done else "aborted").inc()
+        if done:
+            self._migration_bytes.labels(m).inc(kv_bytes)
+            self._migration_s.labels(m).inc(seconds)
+
+    def after_step(
+        self,
+        replica: int,
+        running: int,
+        waiting: int,
+        kv_usage: float,
+        outputs: Sequence[RequestOutput],
+    ) -> None:
+        """Called on replica ``replica``'s thread after each of its steps."""
+        m, rep = self._name, str(replica)
+        self._running.labels(m, rep).set(running)
+        self._waiting.labels(m, rep).set(waiting)
+        self._kv.labels(m, rep).set(kv_usage)
+        for o in outputs:
+            self._gen_tokens.labels(m, rep).inc(len(o.new_token_ids))
+            if not o.finished:
+                continue
+            mt = o.metrics
+            self._success.labels(m, rep, o.finish_reason or "unknown").inc()
+            if o.index == 0:
+                self._prompt_tokens.labels(m, rep).inc(mt.num_prompt_tokens)
+            if mt.ttft_ms is not None:
+                self._ttft.labels(m, rep).observe(mt.ttft_ms / 1e3)
+            for gap in mt.itl_ms:
+                self._itl.labels(m, rep).observe(gap / 1e3)
+            if mt.e2e_ms is not None:
+                self._e2e.labels(m, rep).observe(mt.e2e_ms / 1e3)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

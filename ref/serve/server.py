@@ -24,16 +24,18 @@ from ref.engine.llm_engine import LLMEngine
 from ref.errors import InvalidArgument
 from ref.serve.app import Guard, ServeSettings, create_app
 from ref.serve.chat import ChatTemplate, load_chat_template
-from ref.serve.loop import EngineLoop
+from ref.serve.cluster_loop import ClusterLoop
+from ref.serve.loop import EngineLoop, ServingLoop
 from ref.serve.metrics import ServerMetrics
 
 
 @dataclass
 class Server:
-    """An app over a loop, and the uvicorn server that will run it."""
+    """An app over a loop, and the uvicorn server that will run it (``engine``: None
+    for a cluster, whose engines are its replicas')."""
 
-    engine: LLMEngine
-    loop: EngineLoop
+    engine: LLMEngine | None
+    loop: ServingLoop
     app: Guard
     settings: ServeSettings
     uvicorn: uvicorn.Server
@@ -66,6 +68,24 @@ def build_server(
     loop = EngineLoop(engine, metrics, torch_threads=torch_threads)
     template = chat_template if chat_template is not None else load_chat_template(model_dir)
     app = create_app(loop, settings, template, metrics)
+    return Server(engine, loop, app, settings, _uvicorn(app, settings))
+
+
+def build_cluster_server(
+    loop: ClusterLoop,
+    settings: ServeSettings,
+    *,
+    model_dir: Path | None = None,
+    chat_template: ChatTemplate | None = None,
+) -> Server:
+    """The same app over a cluster of replicas (ref/serve/cluster_loop.py); ``/metrics``
+    is the loop's :class:`~ref.serve.metrics.ClusterServeMetrics` (empty if it has none)."""
+    template = chat_template if chat_template is not None else load_chat_template(model_dir)
+    app = create_app(loop, settings, template, loop.metrics)
+    return Server(None, loop, app, settings, _uvicorn(app, settings))
+
+
+def _uvicorn(app: Guard, settings: ServeSettings) -> uvicorn.Server:
     config = uvicorn.Config(
         app,
         log_level="warning",
@@ -75,7 +95,7 @@ def build_server(
         # them (their requests are aborted); the lifespan's drain follows.
         timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
     )
-    return Server(engine, loop, app, settings, uvicorn.Server(config))
+    return uvicorn.Server(config)
 
 
 def serve_forever(server: Server, sock: socket.socket) -> None:

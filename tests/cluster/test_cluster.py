@@ -18,7 +18,6 @@ from cluster_helpers import CONFIGS, config, drive, final_tokens, replica
 
 from ref.cluster import (
     Cluster,
-    ClusterError,
     InProcessReplica,
     ReplicaMismatch,
     Router,
@@ -335,11 +334,16 @@ class _Remote:
         return getattr(self._inner, name)
 
 
-def test_migration_needs_two_in_process_replicas() -> None:
+def test_migration_to_another_transport_goes_by_ticket() -> None:
+    """Not both in process: the move goes by ticket (the K/V inline; the Ray transport's
+    path, tests/cluster/test_cluster_faults.py checks its tokens); the in-process
+    protocol's streaming and fault hooks are refused there, changing nothing."""
     cluster = Cluster([replica(CONFIGS[0]), _Remote(replica(CONFIGS[1]))])  # type: ignore[list-item]
     cluster.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=4), request_id="m")
     cluster.step()
-    with pytest.raises(ClusterError, match="only in-process replicas migrate"):
-        cluster.migrate("m", 1)
+    with pytest.raises(InvalidArgument, match="goes by ticket"):
+        cluster.migrate("m", 1, chunk_blocks=1)
     assert cluster.owner("m") == 0 and cluster.metrics.migrations_aborted == 0
+    report = cluster.migrate("m", 1, kv="transfer")
+    assert cluster.owner("m") == 1 and report.kv_bytes > 0 and cluster.metrics.migrations == 1
     assert final_tokens(drive(cluster)).keys() == {"m"}

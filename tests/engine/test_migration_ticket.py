@@ -42,6 +42,7 @@ from migration_helpers import (
 
 from ref.core.swap import KVRetention
 from ref.core.transit import MigrationError
+from ref.engine import migration
 from ref.engine.llm_engine import LLMEngine
 from ref.engine.ticket import (
     KVChunk,
@@ -407,6 +408,11 @@ MALFORMED: list[tuple[str, Callable[[bytes], object], str]] = [
         r"ticket decision must be an object, got str",
     ),
     (
+        "head_dim 0",
+        _edit(lambda h: h["model"].update(head_dim=0)),
+        r"ticket model.head_dim must be >= 1, got 0",
+    ),
+    (
         "seed a str",
         _edit(lambda h: h.update(seed="21")),
         r"ticket header.seed has the wrong type: '21'",
@@ -482,3 +488,19 @@ def test_every_chunk_of_a_ticket_is_read_back_whole() -> None:
         (c.seq_id, c.start, c.end, c.data) for c in t.chunks
     ]
     assert all(isinstance(c, KVChunk) and c.data for c in back.chunks)
+
+
+def test_the_protocol_function_and_the_engine_method_share_their_defaults() -> None:
+    """``migration.export`` with no options is ``LLMEngine.export_request`` with none:
+    the cost rule decides (auto) for an idle destination holding nothing."""
+    src = _source(8)
+    ticket = migration.export(src, "r")
+    (decision,) = ticket.decisions
+    assert (decision.idle, decision.hit_tokens) == (1.0, 0)
+    assert ticket.kv_mode is decision.mode
+    same = src.export_request("r")
+    assert (same.decisions, same.kv_mode, same.chunks) == (
+        ticket.decisions,
+        ticket.kv_mode,
+        ticket.chunks,
+    )

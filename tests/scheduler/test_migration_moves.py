@@ -17,6 +17,7 @@ from ref.core.config import SchedulerConfig
 from ref.core.request import Request, StopParams
 from ref.core.transit import Move
 from spec.arith import max_cacheable_tokens
+from spec.hashing import Namespace
 from tests.harness import MemoryLink, Stepper
 
 PROMPT = [1, 2, 3, 4, 5, 6]
@@ -44,3 +45,24 @@ def test_a_hit_counted_in_the_source_block_size_does_not_travel(with_kv: bool) -
     assert moved.num_cached_tokens == move.arrival.num_hit_tokens == (4 if with_kv else 0)
     big.drain()  # every step checked (EngineCore): PREFIX held
     assert moved.is_done and moved.num_cached_tokens == 4  # recompute: its own hit
+
+
+@pytest.mark.parametrize("with_kv", [False, True], ids=["recompute", "transfer"])
+def test_who_the_request_is_travels_with_it(with_kv: bool) -> None:
+    """Priority, tenant, cache namespace, the stop rule, arrival and token times: the
+    destination's request is the source's in every field the scheduler reads (QoS, the
+    cache's namespace, the finish rule, the metrics)."""
+    cfg = SchedulerConfig(max_num_batched_tokens=16, block_size=2, num_blocks=16)
+    src, dst = Stepper(cfg, memory=True), Stepper(cfg, memory=True)
+    ns = Namespace(model="m", cache_salt="tenant-a")
+    stop = StopParams(5, stop_token_ids=(99,), eos_token_id=98)
+    r = Request("r", list(PROMPT), stop, arrival_ms=3.0, priority=2, tenant="a", namespace=ns)
+    src.add(r)
+    src.step()
+    src.step()
+    (moved,) = Move(src.sched, dst.sched, "r", with_kv=with_kv, link=MemoryLink(src, dst)).run()
+    assert (moved.priority, moved.tenant, moved.namespace, moved.stop) == (2, "a", ns, stop)
+    assert (moved.arrival_ms, moved.admitted_ms) == (r.arrival_ms, r.admitted_ms)
+    assert moved.token_times_ms == r.token_times_ms and moved.token_ids == r.token_ids
+    assert moved.num_preemptions == r.num_preemptions
+    dst.drain()

@@ -1,0 +1,551 @@
+"""The cluster behind the server: one thread per replica, and the router in front
+(docs/CLUSTER.md, "Serving").
+
+:class:`ClusterLoop` offers the app what :class:`~ref.serve.loop.EngineLoop` offers it
+(``submit``, ``abort``, ``shutdown``, the step ring, the tokenizer), over N replicas of
+any transport (:class:`~ref.cluster.replica.Replica`: in process or Ray actors). Each
+replica has a :class:`ReplicaLoop`: a thread that owns the replica outright, as the
+engine loop owns its engine. Every touch of it (adding, aborting, the migration calls)
+is a command run between two of its steps, and it steps on its own, so a slow replica
+delays only its own requests, never the others' (the "slow replica" fault). After each
+step or command the thread publishes the replica's load figures and applies its new
+cache events to the global prefix index, under the front's lock; the router reads those
+and never calls a replica.
+
+Routing (``submit``): under the lock, the index's cached prefix per live replica and
+their last published load go to the :class:`~ref.cluster.router.Router`; the request is
+then added on the chosen replica's thread. Requests routed at the same moment see the
+same figures (the load moves at the next publication): a documented approximation.
+
+Faults: a replica that dies (:class:`~ref.cluster.errors.ReplicaDead`, from a step or a
+command) stops its thread; each of its requests ends with that error, once (the client
+gets an OpenAI error: 503 ``service_unavailable``, or an error event mid-stream), it is
+never restarted elsewhere (no token is delivered twice), and the router no longer sees
+the replica. With every replica dead the server answers 503 and ``/health`` 503.
+
+Migration (:meth:`ClusterLoop.migrate`): the source's thread exports the ticket (the
+K/V inline) and waits; the destination's thread imports it and takes over the request's
+output queue in the same command; then the source releases it. A refusal or a failure
+before the import leaves the request where it was, running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+
+from ref.cluster.errors import EventGap, EventMismatch, NoLiveReplica, ReplicaDead
+from ref.cluster.index import GlobalPrefixIndex
+from ref.cluster.replica import InProcessReplica, LoadFigures, Replica
+from ref.cluster.router import Router, RoutingDecision
+from ref.core.config import SchedulerConfig
+from ref.core.migration_cost import KVMode
+from ref.core.transit import MigrationError
+from ref.engine.llm_engine import RequestOutput
+from ref.engine.migration import MigrationReport
+from ref.engine.ticket import MigrationTicket
+from ref.errors import InvalidArgument, UnknownRequest
+from ref.model.sampler import SamplingParams
+from ref.model.tokenizer import Tokenizer
+from ref.serve.loop import (
+    IDLE_POLL_S,
+    STEP_RING,
+    EngineFailed,
+    ServerDraining,
+    StepTiming,
+    Submission,
+    _Sink,
+)
+from ref.serve.metrics import ClusterServeMetrics
+from spec.events import CacheEvent
+
+T = TypeVar("T")
+
+log = logging.getLogger("refserve.serve")
+
+
+class ReplicaLoop:
+    """One replica in a thread of its own (module doc)."""
+
+    def __init__(self, index: int, replica: Replica, front: ClusterLoop) -> None:
+        self.index = index
+        self.replica = replica
+        self.front = front
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.sinks: dict[str, _Sink] = {}
+        self._stop = threading.Event()
+        self.dead: ReplicaDead | None = None
+        self.load: LoadFigures = replica.load()
+        self.idle_fraction = replica.idle_fraction
+        self._thread = threading.Thread(
+            target=self._run, name=f"refserve-replica-{index}", daemon=True
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+
+    def run_sync(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on this replica's thread between two of its steps."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def command() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn())
+            except ReplicaDead as e:  # buried first: a caller that routes again skips it
+                self._died(e)
+                fut.set_exception(e)
+            except BaseException as e:  # handed to the awaiting side, never lost
+                fut.set_exception(e)
+
+        if self.dead is not None:
+            fut.set_exception(self.dead)
+        elif self._stop.is_set() or not self.alive:
+            fut.set_exception(ServerDraining("the replica loop is stopped"))
+        else:
+            self._commands.put(command)
+        return fut
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        prev_end: float | None = None
+        try:
+            while not self._stop.is_set() and self.dead is None:
+                block = not self.replica.has_work
+                idled = self._run_commands(block=block)
+                if idled:
+                    prev_end = None
+                if self.dead is not None or not self.replica.has_work:
+                    continue
+                prev_end = self._one_step(prev_end)
+        except BaseException as e:  # the loop itself broke: fail its requests loudly
+            log.exception("replica loop %d failed", self.index)
+            self._fail_all(EngineFailed(f"replica {self.index} loop failed: {e}"))
+            raise
+
+    def _run_commands(self, *, block: bool) -> bool:
+        idled = False
+        if block:
+            idled = True
+            try:
+                self._commands.get(timeout=IDLE_POLL_S)()
+            except queue.Empty:
+                return True
+            self._publish(())
+        ran = False
+        while self.dead is None:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            command()
+            ran = True
+        if ran:
+            self._publish(())
+        return idled
+
+    def _one_step(self, prev_end: float | None) -> float:
+        start = time.perf_counter()
+        try:
+            outputs = self.replica.step()
+        except ReplicaDead as e:
+            self._died(e)
+            return time.perf_counter()
+        except Exception as e:
+            # As the engine loop: a failed step was rolled back; its requests end with the
+            # reason and the replica goes on.
+            log.exception("replica %d step failed", self.index)
+            live = list(self.sinks)
+            self._fail_all(EngineFailed(f"replica {self.index} step failed: {e}"))
+            for rid in live:
+                with contextlib.suppress(UnknownRequest, ReplicaDead):
+                    self.replica.abort(rid)
+            return time.perf_counter()
+        end = time.perf_counter()
+        prefill, decodes = _step_tokens(self.replica)
+        self.front.timings.append(
+            StepTiming(
+                index=next(self.front.step_counter),
+                start_s=start,
+                end_s=end,
+                num_prefill_tokens=prefill,
+                num_decodes=decodes,
+                num_outputs=len(outputs),
+                gap_ms=None if prev_end is None else (start - prev_end) * 1e3,
+            )
+        )
+        self._dispatch(outputs)
+        self._publish(outputs)
+        return time.perf_counter()
+
+    def _publish(self, outputs: Sequence[RequestOutput]) -> None:
+        """The replica's figures and new cache events to the front (module doc)."""
+        if self.dead is not None:
+            return
+        try:
+            self.load = load = self.replica.load()
+            self.idle_fraction = self.replica.idle_fraction
+            events = self.replica.drain_cache_events()
+            self.front._published(self, events)
+        except ReplicaDead as e:
+            self._died(e)
+            return
+        metrics = self.front.metrics
+        if metrics is not None:
+            kv = load.kv_blocks_used / max(1, load.kv_blocks_total)
+            metrics.after_step(self.index, load.num_running, load.num_waiting, kv, outputs)
+
+    def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
+        for o in outputs:
+            sink = self.sinks.get(o.request_id)
+            if sink is None:
+                continue
+            sink.put(o)
+            if o.finished:
+                sink.finished += 1
+                if sink.finished >= sink.n:
+                    del self.sinks[o.request_id]
+                    self.front._finished(o.request_id)
+
+    def _died(self, error: ReplicaDead) -> None:
+        if self.dead is not None:
+            return
+        log.error("replica %d died: %s", self.index, error)
+        self.dead = error
+        num = len(self.sinks)
+        self._fail_all(error)
+        self.front._replica_died(self, num)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid, sink in list(self.sinks.items()):
+            sink.put(error)
+            self.front._finished(rid)
+        self.sinks.clear()
+
+
+class ClusterLoop:
+    """The replicas' loops and the router in front (module doc). ``tokenizer``,
+    ``max_model_len`` and ``scheduler_config`` are what the app shows and checks (the
+    replicas run one model; the first replica's configuration is shown)."""
+
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        router: Router,
+        *,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        scheduler_config: SchedulerConfig,
+        metrics: ClusterServeMetrics | None = None,
+        torch_threads: int | None = None,
+    ) -> None:
+        reps = list(replicas)
+        if not reps:
+            raise InvalidArgument("ClusterLoop: needs at least one replica")
+        identity = reps[0].identity
+        for i, rep in enumerate(reps):
+            if rep.identity != identity:
+                raise InvalidArgument(f"ClusterLoop: replica {i} runs another model")
+        self.router = router
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.scheduler_config = scheduler_config
+        self.metrics = metrics
+        self.torch_threads = torch_threads
+        self.timings: deque[StepTiming] = deque(maxlen=STEP_RING)
+        self.step_counter = itertools.count()
+        self._lock = threading.Lock()
+        self._migrating = threading.Lock()
+        self.index = GlobalPrefixIndex()
+        self._owner: dict[str, int] = {}
+        self._prompts: dict[str, list[int]] = {}
+        self.decisions: deque[RoutingDecision] = deque(maxlen=4096)
+        self._admitting = True
+        self._started = False
+        self._threads_before: int | None = None
+        self.loops: list[ReplicaLoop] = []
+        for i, rep in enumerate(reps):
+            self.index.add_replica(i, rep.block_size, rep.cache_snapshot())
+            rep.drain_cache_events()  # reflected in the snapshot
+            self.loops.append(ReplicaLoop(i, rep, self))
+            if metrics is not None:
+                metrics.replica_up(i, True)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self.torch_threads is not None:  # process-wide: put back at shutdown
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(self.torch_threads)
+        for lp in self.loops:
+            lp.start()
+        self._started = True
+
+    @property
+    def alive(self) -> bool:
+        """Some replica serves (``/health``)."""
+        return any(lp.alive and lp.dead is None for lp in self.loops)
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(len(lp.sinks) for lp in self.loops)
+
+    def owners(self) -> dict[str, int]:
+        """A copy of the map: request in flight -> its replica."""
+        with self._lock:
+            return dict(self._owner)
+
+    def stop_admitting(self) -> None:
+        self._admitting = False
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Drain every replica: stop admitting, let in-flight requests finish for up to
+        ``timeout_s``, abort the rest, stop the threads."""
+        self.stop_admitting()
+        deadline = time.monotonic() + timeout_s
+        while self.num_in_flight and self.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pending = []
+        for lp in self.loops:
+            if lp.alive and lp.dead is None:
+                rids = list(lp.sinks)
+                pending.append(lp.run_sync(functools.partial(_abort_each, lp, rids)))
+        for fut in pending:
+            with contextlib.suppress(Exception):
+                fut.result(timeout=5.0)
+        end = time.monotonic() + 2.0
+        while self.num_in_flight and self.alive and time.monotonic() < end:
+            time.sleep(0.01)
+        for lp in self.loops:
+            lp.stop()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
+
+    # ------------------------------------------------------------------ requests
+    async def submit(
+        self, prompt: Sequence[int], params: SamplingParams, request_id: str
+    ) -> Submission:
+        """Route the request and add it on the chosen replica's thread; its typed error
+        if the replica refuses it (nothing else changes)."""
+        if not self._admitting:
+            raise ServerDraining("the server is shutting down")
+        ids = list(prompt)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        sink = _Sink(loop, q, params.n)
+        while True:  # a replica found dead here: routed again among the others
+            decision = self._route(request_id, ids)
+            lp = self.loops[decision.replica]
+            try:
+                await asyncio.wrap_future(
+                    lp.run_sync(self._adder(lp, request_id, ids, params, sink))
+                )
+            except ReplicaDead:
+                continue
+            break
+        if self.metrics is not None:
+            self.metrics.routed(
+                decision.policy.value,
+                decision.replica,
+                decision.num_prompt_tokens,
+                decision.prefix_hit_tokens,
+            )
+        return Submission(request_id, q, params.n)
+
+    def _adder(
+        self, lp: ReplicaLoop, request_id: str, ids: list[int], params: SamplingParams, sink: _Sink
+    ) -> Callable[[], None]:
+        """The command that adds a routed request on ``lp``'s thread."""
+
+        def add() -> None:
+            if not self._admitting:
+                raise ServerDraining("the server is shutting down")
+            lp.replica.add_request(ids, params, request_id)
+            lp.sinks[request_id] = sink  # before any step: no output can be missed
+            with self._lock:
+                self._owner[request_id] = lp.index
+                self._prompts[request_id] = ids
+
+        return add
+
+    def _route(self, request_id: str, ids: list[int]) -> RoutingDecision:
+        with self._lock:
+            live = {lp.index: lp.load for lp in self.loops if lp.dead is None and lp.alive}
+            if not live:
+                raise NoLiveReplica("every replica of the cluster is dead")
+            hits = {r: h for r, h in self.index.longest_prefix(ids).items() if r in live}
+            decision = self.router.route(request_id, len(ids), live, hits)
+            # At routing, not after the add: concurrent submits must see the cursor move.
+            self.router.accepted(decision)
+            self.decisions.append(decision)
+            return decision
+
+    def abort(self, request_id: str, *, follow: int = 2) -> None:
+        """Abort a request if it is still live (a client went away); non-blocking. If it
+        migrated away while the abort waited on its old replica's thread, the abort
+        follows it to the new one (up to ``follow`` times)."""
+        with self._lock:
+            r = self._owner.get(request_id)
+        if r is None:
+            return
+        lp = self.loops[r]
+
+        def abort() -> None:
+            try:
+                lp.replica.abort(request_id)
+            except UnknownRequest:
+                with self._lock:
+                    now = self._owner.get(request_id)
+                if now is not None and now != lp.index and follow > 0:
+                    self.abort(request_id, follow=follow - 1)
+
+        lp.run_sync(abort)  # a dead or stopped replica: the future holds the error
+
+    # ------------------------------------------------------------------ migration
+    def migrate(
+        self, request_id: str, to: int, *, kv: KVMode | str = KVMode.AUTO, timeout_s: float = 30.0
+    ) -> MigrationReport:
+        """Move a request in flight to replica ``to`` (module doc); blocking, from any
+        thread but a replica's. One migration at a time."""
+        with self._migrating:
+            with self._lock:
+                src = self._owner.get(request_id)
+                prompt = self._prompts.get(request_id, [])
+            if src is None:
+                raise UnknownRequest(request_id, "migrate")
+            if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < len(self.loops):
+                raise InvalidArgument(f"migrate: no replica {to!r}")
+            if to == src:
+                raise InvalidArgument(f"migrate: {request_id!r} is already on replica {to}")
+            a, b = self.loops[src], self.loops[to]
+            if b.dead is not None:
+                raise b.dead
+            t0 = time.perf_counter()
+            try:
+                report = self._move(a, b, request_id, prompt, kv, timeout_s)
+            except (MigrationError, ReplicaDead, InvalidArgument):
+                if self.metrics is not None:
+                    self.metrics.migrated(False)
+                raise
+            elapsed = time.perf_counter() - t0
+            if self.metrics is not None:
+                self.metrics.migrated(True, report.kv_bytes, elapsed)
+            return MigrationReport(
+                request_id, report.decision, report.kv_bytes, report.num_chunks, elapsed * 1e3
+            )
+
+    def _move(
+        self,
+        a: ReplicaLoop,
+        b: ReplicaLoop,
+        request_id: str,
+        prompt: list[int],
+        kv: KVMode | str,
+        timeout_s: float,
+    ) -> MigrationReport:
+        with self._lock:
+            hit = self.index.longest_prefix(prompt).get(b.index, 0) if prompt else 0
+        idle = b.idle_fraction
+        exported: concurrent.futures.Future[tuple[MigrationTicket, _Sink]]
+        exported = concurrent.futures.Future()
+        verdict: list[bool] = []
+        decided = threading.Event()
+
+        def hold() -> None:
+            """On the source's thread: export, then wait (no step meanwhile) for the
+            destination's import; release on success."""
+            try:
+                ticket = a.replica.export_request(request_id, kv=kv, hit_tokens=hit, idle=idle)
+                sink = a.sinks[request_id]
+            except BaseException as e:
+                exported.set_exception(e)
+                raise
+            exported.set_result((ticket, sink))
+            if not decided.wait(timeout_s) or not verdict[0]:
+                return
+            # The destination owns it now: its queue leaves first, so a source that dies
+            # in the release fails only its own requests.
+            a.sinks.pop(request_id, None)
+            a.replica.release_request(request_id)
+
+        a.run_sync(hold)
+        ticket, sink = exported.result(timeout=timeout_s)
+
+        def take() -> None:
+            b.replica.import_request(ticket)
+            b.sinks[request_id] = sink  # before b's next step: no output missed
+            with self._lock:
+                self._owner[request_id] = b.index
+
+        try:
+            b.run_sync(take).result(timeout=timeout_s)
+        except BaseException:
+            verdict.append(False)
+            decided.set()
+            raise
+        verdict.append(True)
+        decided.set()
+        return MigrationReport(request_id, ticket.decisions[-1], ticket.kv_bytes, 1, 0.0)
+
+    # ------------------------------------------------------------------ from the threads
+    def _published(self, lp: ReplicaLoop, events: Sequence[CacheEvent]) -> None:
+        with self._lock:
+            try:
+                self.index.apply(lp.index, events)
+            except (EventGap, EventMismatch):
+                self.index.resync(lp.index, lp.replica.cache_snapshot())
+
+    def _finished(self, request_id: str) -> None:
+        with self._lock:
+            self._owner.pop(request_id, None)
+            self._prompts.pop(request_id, None)
+
+    def _replica_died(self, lp: ReplicaLoop, num_requests: int) -> None:
+        with self._lock:
+            if lp.index in self.index.replicas:
+                self.index.remove_replica(lp.index)
+        if self.metrics is not None:
+            self.metrics.replica_failed(lp.index, num_requests)
+
+
+def _step_tokens(replica: Replica) -> tuple[int, int]:
+    """The prefill tokens and decodes of the replica's last step, for the step ring
+    (``/debug/steps``, what ``bench-serve --fit`` reads); the in-process engine's record
+    is dropped once read (a server runs for days), a Ray actor drops its own."""
+    if isinstance(replica, InProcessReplica):
+        records = replica.engine.steps
+        last = (records[-1].num_prefill_tokens, records[-1].num_decodes) if records else (0, 0)
+        records.clear()
+        return last
+    figures = getattr(replica, "step_tokens", None)
+    if isinstance(figures, tuple) and len(figures) == 2:
+        return int(figures[0]), int(figures[1])
+    return 0, 0
+
+
+def _abort_each(lp: ReplicaLoop, request_ids: Sequence[str]) -> None:
+    for rid in request_ids:
+        with contextlib.suppress(UnknownRequest):
+            lp.replica.abort(rid)

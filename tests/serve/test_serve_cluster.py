@@ -1,0 +1,292 @@
+"""``refserve serve --replicas 2`` in process: the same OpenAI API over two replicas
+behind the router (docs/CLUSTER.md, "Serving"). conformance-http passes and a
+bench-serve run completes against it; ``/metrics`` has per-replica and router series; a
+request migrated mid-stream keeps its greedy tokens; a slow replica does not stall the
+other; SIGTERM drains every replica of the real command."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from serve_helpers import (
+    MODEL,
+    TIMEOUT_S,
+    cluster_config,
+    cluster_loop,
+    metric,
+    start_cluster,
+    stream_completion,
+)
+
+from ref.cli.main import main
+from ref.cluster import InProcessReplica, ReplicaDead
+from ref.engine.llm_engine import LLMEngine, RequestOutput
+from ref.model.sampler import SamplingParams
+from ref.serve.server import ServerThread
+
+PROMPT = "The quick brown fox"
+
+
+def _replica() -> InProcessReplica:
+    return InProcessReplica(LLMEngine(MODEL, scheduler_config=cluster_config()))
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[ServerThread]:
+    handle = start_cluster([_replica(), _replica()], router="round_robin")
+    yield handle
+    handle.stop()
+
+
+def _greedy(reference: LLMEngine, prompt: str, max_tokens: int) -> str:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    (result,) = reference.generate([prompt], params)
+    return result.outputs[0].text
+
+
+def test_conformance_http_passes(cluster: ServerThread, tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    argv = ["conformance-http", "--base-url", cluster.base_url, "--model", MODEL]
+    code = main([*argv, "--json", str(out), "--timeout", "30"])
+    doc = json.loads(out.read_text())
+    assert code == 0, doc
+    assert doc["complete"] and {r["status"] for r in doc["results"]} == {"pass"}
+    assert len(doc["results"]) == 11
+
+
+def test_bench_serve_runs_and_metrics_name_both_replicas(
+    cluster: ServerThread, tmp_path: Path
+) -> None:
+    before = [metric(cluster, "refserve:router_decisions_total", model_name=MODEL,
+                     policy="round_robin", replica=str(r)) for r in (0, 1)]  # fmt: skip
+    out = tmp_path / "bench.json"
+    argv = ["bench-serve", "--base-url", cluster.base_url, "--model", MODEL, "--json", str(out)]
+    extra = ["--trace", "chat", "--scale", "64", "--rate", "inf", "--num-requests", "8"]
+    assert main([*argv, "--no-progress", *extra]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["summary"]["num_ok"] == 8 and run["summary"]["num_errors"] == 0
+    after = [metric(cluster, "refserve:router_decisions_total", model_name=MODEL,
+                    policy="round_robin", replica=str(r)) for r in (0, 1)]  # fmt: skip
+    assert [a - b for a, b in zip(after, before, strict=True)] == [4.0, 4.0]  # round robin
+    for r in ("0", "1"):
+        assert metric(cluster, "vllm:generation_tokens_total", model_name=MODEL, replica=r) > 0
+        assert metric(cluster, "refserve:replica_up", model_name=MODEL, replica=r) == 1.0
+    assert cluster_loop(cluster).owners() == {}  # every request left the map
+
+
+def test_a_request_migrated_mid_stream_keeps_its_tokens(cluster: ServerThread) -> None:
+    loop = cluster_loop(cluster)
+    reports: list[Any] = []
+    seen = {"n": 0}
+
+    def on_event(e: dict[str, Any]) -> None:
+        seen["n"] += 1
+        if seen["n"] == 3:  # a few tokens delivered: move it to the other replica
+            rid = e["id"]
+            src = loop.owners()[rid]
+            reports.append(loop.migrate(rid, 1 - src, kv="transfer"))
+            assert loop.owners()[rid] == 1 - src
+
+    before = metric(cluster, "refserve:migrations_total", model_name=MODEL, outcome="done")
+    out = stream_completion(cluster.base_url, PROMPT, 24, on_event)
+    assert len(reports) == 1 and reports[0].kv_bytes > 0
+    assert out["error"] is None and out["reason"] == "length"
+    reference = LLMEngine(MODEL, scheduler_config=cluster_config())
+    assert out["text"] == _greedy(reference, PROMPT, 24)
+    after = metric(cluster, "refserve:migrations_total", model_name=MODEL, outcome="done")
+    assert after == before + 1
+    assert metric(cluster, "refserve:migration_bytes_total", model_name=MODEL) > 0
+
+
+class SlowReplica(InProcessReplica):
+    """A replica whose every step takes ``delay_s`` longer (a slow or overloaded host)."""
+
+    delay_s = 0.15
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(self.delay_s)
+        return super().step()
+
+
+def test_a_slow_replica_does_not_stall_the_other() -> None:
+    slow = SlowReplica(LLMEngine(MODEL, scheduler_config=cluster_config()))
+    handle = start_cluster([slow, _replica()], router="round_robin")
+    try:
+        done: dict[str, float] = {}
+
+        def run(name: str) -> None:
+            t0 = time.monotonic()
+            out = stream_completion(handle.base_url, PROMPT, 16, lambda e: None)
+            assert out["reason"] == "length"
+            done[name] = time.monotonic() - t0
+
+        # Round robin: the first request goes to the slow replica 0, the second to 1.
+        first = threading.Thread(target=run, args=("slow",), daemon=True)
+        first.start()
+        assert _wait(lambda: cluster_loop(handle).num_in_flight == 1)
+        run("fast")
+        first.join(TIMEOUT_S)
+        # 16 tokens take at least 16 * 0.15 s on the slow one; the fast one must not
+        # have waited for those steps.
+        assert done["slow"] >= 16 * SlowReplica.delay_s
+        assert done["fast"] < done["slow"] / 2, done
+    finally:
+        handle.stop()
+
+
+def _wait(cond: Any, timeout_s: float = TIMEOUT_S) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _completes(fut: Any, timeout_s: float) -> bool:
+    try:
+        fut.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        return False
+    return True
+
+
+def _serve(*extra: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "ref.cli.main", "serve", "--model", MODEL, "--port", "0"]
+    return subprocess.Popen(
+        [*cmd, "--num-blocks", "64", "--torch-threads", "1", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def test_the_command_serves_replicas_and_sigterm_drains_them() -> None:
+    """``refserve serve --replicas 2``: streams in flight on both replicas when SIGTERM
+    arrives still finish, then the process exits 0."""
+    proc = _serve("--replicas", "2", "--router", "round_robin", "--drain-timeout", "20")
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "serving 2 replicas (inprocess, round_robin)" in line, line
+        base = line.split(" on ")[1].strip().removesuffix("/v1")
+        results: list[dict[str, Any]] = []
+        started = threading.Semaphore(0)
+
+        def run() -> None:
+            first = [True]
+
+            def on_event(e: dict[str, Any]) -> None:
+                if first[0]:
+                    first[0] = False
+                    started.release()
+
+            results.append(stream_completion(base, PROMPT, 48, on_event))
+
+        threads = [threading.Thread(target=run, daemon=True) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for _ in threads:
+            assert started.acquire(timeout=TIMEOUT_S)
+        metrics = httpx.get(f"{base}/metrics", timeout=TIMEOUT_S).text
+        for r in (0, 1):  # one stream on each replica
+            routed = f'router_decisions_total{{model_name="{MODEL}",policy="round_robin",'
+            assert f'{routed}replica="{r}"}} 1.0' in metrics, metrics
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(TIMEOUT_S)
+        assert proc.wait(timeout=TIMEOUT_S) == 0
+        assert [r["reason"] for r in results] == ["length", "length"]
+        assert "drained" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+class DeadReplica(InProcessReplica):
+    """A replica whose process is gone: found out at the first call that reaches it."""
+
+    def add_request(self, token_ids: Any, params: SamplingParams, request_id: str) -> None:
+        raise ReplicaDead(0, "the test's replica is gone")
+
+
+def test_a_replica_found_dead_at_admission_is_routed_around() -> None:
+    handle = start_cluster(
+        [DeadReplica(LLMEngine(MODEL, scheduler_config=cluster_config())), _replica()],
+        router="round_robin",
+    )
+    try:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+        url = f"{handle.base_url}/v1/completions"
+        for _ in range(3):  # the first is routed to 0, found dead there, sent to 1
+            r = httpx.post(url, json=body, timeout=TIMEOUT_S)
+            assert r.status_code == 200, r.text
+        assert metric(handle, "refserve:replica_up", model_name=MODEL, replica="0") == 0.0
+        routed = [metric(handle, "refserve:router_decisions_total", model_name=MODEL,
+                         policy="round_robin", replica=r) for r in ("0", "1")]  # fmt: skip
+        assert routed == [0.0, 3.0]  # counted where they were served
+        assert httpx.get(f"{handle.base_url}/health", timeout=TIMEOUT_S).status_code == 200
+    finally:
+        handle.stop()
+    lone = start_cluster([DeadReplica(LLMEngine(MODEL, scheduler_config=cluster_config()))])
+    try:
+        r = httpx.post(f"{lone.base_url}/v1/completions", json=body, timeout=TIMEOUT_S)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert "every replica" in r.json()["error"]["message"]
+        assert httpx.get(f"{lone.base_url}/health", timeout=TIMEOUT_S).status_code == 503
+    finally:
+        lone.stop()
+
+
+def test_an_abort_that_waited_through_a_migration_follows_the_request(
+    cluster: ServerThread,
+) -> None:
+    """The abort of a client that went away, queued on the source while the request was
+    moving, reaches the destination: the request ends (``abort``), not left running."""
+    loop = cluster_loop(cluster)
+    first = threading.Event()
+    rid: list[str] = []
+    result: dict[str, Any] = {}
+
+    def on_event(e: dict[str, Any]) -> None:
+        if not rid:
+            rid.append(e["id"])
+            first.set()
+
+    streaming = threading.Thread(
+        target=lambda: result.update(stream_completion(cluster.base_url, PROMPT, 400, on_event)),
+        daemon=True,
+    )
+    streaming.start()
+    assert first.wait(TIMEOUT_S)
+    src = loop.owners()[rid[0]]
+    a, b = loop.loops[src], loop.loops[1 - src]
+    gate = threading.Event()
+    b.run_sync(lambda: gate.wait(TIMEOUT_S))  # the destination's thread held
+    moving = threading.Thread(target=lambda: loop.migrate(rid[0], b.index), daemon=True)
+    moving.start()
+    # The source exported and waits for the import (a no-op command there stays queued);
+    # the abort queues behind it.
+    assert _wait(lambda: not _completes(a.run_sync(lambda: None), 0.3))
+    loop.abort(rid[0])
+    gate.set()
+    moving.join(TIMEOUT_S)
+    streaming.join(TIMEOUT_S)
+    assert result["reason"] == "abort", result
+    assert b.run_sync(b.replica.request_ids).result(TIMEOUT_S) == ()
+    assert a.run_sync(a.replica.request_ids).result(TIMEOUT_S) == ()
+    assert loop.owners() == {}

@@ -1,0 +1,227 @@
+"""The Ray transport (ref/cluster/ray_replica.py), in the cluster and behind the server
+(docs/CLUSTER.md, "Transports", "Serving", "Faults"). Ray starts once for the module
+(locally, 2 CPUs, no dashboard) and is shut down at its end.
+
+- The same ``Cluster`` code drives two Ray replicas: greedy requests, one migrated by
+  ticket bytes between the actors mid-decode, give one in-process engine's tokens, the
+  ownership rule holding after every step.
+- A server over two Ray replicas, built as ``refserve serve --replicas 2 --backend ray``
+  builds it, passes conformance-http, serves concurrent streams, migrates one of them
+  mid-stream (its text unchanged), and stops cleanly.
+- A replica's actor killed (SIGKILL) mid-request: that stream ends with a typed error
+  event (503 ``service_unavailable`` naming the replica), its delivered text a prefix of
+  the right one (nothing lost silently, nothing twice), and every later request goes to
+  the live replica.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ray = pytest.importorskip(
+    "ray", reason="Ray is the optional [cluster] extra: `make cluster-deps` installs it"
+)
+
+from serve_helpers import (  # noqa: E402  (after the skip: no Ray, no import)
+    MODEL,
+    TIMEOUT_S,
+    cluster_config,
+    cluster_loop,
+    metric,
+    start_cluster,
+    stream_completion,
+)
+
+from ref.cli import serve as serve_cli  # noqa: E402
+from ref.cli.main import _parser, main  # noqa: E402
+from ref.cluster import Cluster, ReplicaDead, Router  # noqa: E402
+from ref.cluster.ray_replica import RayReplica, ray_replicas, start_ray, stop_ray  # noqa: E402
+from ref.core.config import SchedulerConfig  # noqa: E402
+from ref.engine.llm_engine import LLMEngine  # noqa: E402
+from ref.model.sampler import SamplingParams  # noqa: E402
+from ref.serve.app import ServeSettings  # noqa: E402
+from ref.serve.server import ServerThread, build_cluster_server  # noqa: E402
+
+PROMPTS = ["The quick brown fox", "Hello", "Count to four.", "a" * 40]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_local() -> Iterator[None]:
+    started = start_ray()
+    yield
+    if started:
+        stop_ray()
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLMEngine:
+    return LLMEngine(MODEL, scheduler_config=cluster_config())
+
+
+def _greedy(reference: LLMEngine, prompt: str, max_tokens: int) -> str:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    (result,) = reference.generate([prompt], params)
+    return result.outputs[0].text
+
+
+def _server(replicas: list[RayReplica], reference: LLMEngine) -> ServerThread:
+    return start_cluster(
+        replicas,
+        router="round_robin",
+        tokenizer=reference.tokenizer,
+        max_model_len=replicas[0].max_model_len,
+    )
+
+
+def test_cluster_on_ray_migrates_by_ticket_and_matches_one_engine() -> None:
+    cfg = SchedulerConfig(
+        num_blocks=64, block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=True
+    )
+    reps = ray_replicas(2, scheduler_config=cfg)
+    try:
+        assert len({r.pid for r in reps}) == 2 and os.getpid() not in {r.pid for r in reps}
+        cluster = Cluster(reps, Router("round_robin"))
+        single = Cluster.in_process(1, scheduler_config=cfg)
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        prompts = [list(range(1 + i, 20 + i)) for i in range(4)]
+        for c in (cluster, single):
+            for i, p in enumerate(prompts):
+                c.add_request(p, params, request_id=f"r{i}")
+        finals: dict[str, tuple[int, ...]] = {}
+        moved = []
+        for step in range(200):
+            if not cluster.has_work:
+                break
+            if step == 4:  # mid-decode (the prompts are prefilled by then)
+                src = cluster.owner("r0")
+                moved.append(cluster.migrate("r0", 1 - src, kv="transfer"))
+                assert cluster.owner("r0") == 1 - src
+            for o in cluster.step():
+                if o.finished:
+                    assert o.request_id not in finals
+                    finals[o.request_id] = o.token_ids
+            assert cluster.ownership_violations() == []
+        want: dict[str, tuple[int, ...]] = {}
+        while single.has_work:
+            want.update({o.request_id: o.token_ids for o in single.step() if o.finished})
+        assert finals == want
+        (report,) = moved
+        assert report.kv_bytes > 0 and cluster.metrics.migrations == 1
+        assert cluster.metrics.migration_bytes == report.kv_bytes
+    finally:
+        for r in reps:
+            r.kill()
+
+
+def test_server_on_ray_streams_migrates_and_stops(reference: LLMEngine, tmp_path: Path) -> None:
+    argv = ["serve", "--model", MODEL, "--replicas", "2", "--backend", "ray",
+            "--router", "round_robin", "--block-size", "16", "--num-blocks", "128",
+            "--torch-threads", "2"]  # fmt: skip
+    args = _parser().parse_args(argv)
+    built = serve_cli.cluster_loop(args, serve_cli.config_from_args(args), MODEL)
+    reps = [lp.replica for lp in built.loops]
+    assert all(isinstance(r, RayReplica) for r in reps) and len(reps) == 2
+    server = build_cluster_server(built, ServeSettings(MODEL, drain_timeout_s=5.0))
+    handle = ServerThread(server).start()
+    try:
+        loop = cluster_loop(handle)
+        out = tmp_path / "conformance.json"
+        code = main(["conformance-http", "--base-url", handle.base_url, "--model", MODEL,
+                     "--json", str(out), "--timeout", "30"])  # fmt: skip
+        doc = json.loads(out.read_text())
+        assert code == 0 and {r["status"] for r in doc["results"]} == {"pass"}, doc
+        results: dict[int, dict[str, Any]] = {}
+        moved: list[Any] = []
+
+        def on_event(i: int) -> Any:
+            seen = [0]
+
+            def hook(e: dict[str, Any]) -> None:
+                seen[0] += 1
+                if i == 0 and seen[0] == 3:
+                    rid = e["id"]
+                    src = loop.owners()[rid]
+                    moved.append(loop.migrate(rid, 1 - src, kv="transfer"))
+
+            return hook
+
+        def run(i: int) -> None:
+            results[i] = stream_completion(handle.base_url, PROMPTS[i], 24, on_event(i))
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT_S)
+        assert len(moved) == 1 and moved[0].kv_bytes > 0
+        for i in range(4):
+            assert results[i]["error"] is None and results[i]["reason"] == "length"
+            assert results[i]["text"] == _greedy(reference, PROMPTS[i], 24), i
+        for r in ("0", "1"):
+            assert metric(handle, "vllm:generation_tokens_total", model_name=MODEL, replica=r) > 0
+        assert metric(handle, "refserve:migrations_total", model_name=MODEL, outcome="done") == 1
+    finally:
+        handle.stop()
+    assert not any(lp.alive for lp in cluster_loop(handle).loops)  # every replica thread
+    assert cluster_loop(handle).num_in_flight == 0
+    for r in reps:
+        assert isinstance(r, RayReplica)
+        r.kill()
+
+
+def test_a_killed_replica_ends_its_requests_with_a_typed_error(reference: LLMEngine) -> None:
+    reps = ray_replicas(2, scheduler_config=cluster_config())
+    handle = _server(reps, reference)
+    try:
+        loop = cluster_loop(handle)
+        killed = threading.Event()
+
+        def kill_after_some_tokens(e: dict[str, Any]) -> None:
+            text = "".join(ch.get("text", "") for ch in e.get("choices", []))
+            if text and not killed.is_set():
+                assert loop.owners()[e["id"]] == 0  # round robin: the first goes to 0
+                os.kill(reps[0].pid, signal.SIGKILL)
+                killed.set()
+
+        out = stream_completion(handle.base_url, PROMPTS[0], 200, kill_after_some_tokens)
+        assert killed.is_set()
+        err = out["error"]
+        assert err is not None and err["type"] == "service_unavailable" and err["code"] == 503
+        assert "replica 0 is dead" in err["message"]
+        assert out["reason"] is None  # never reported finished
+        # What was delivered is the start of the right text: nothing skipped or repeated.
+        assert _greedy(reference, PROMPTS[0], 200).startswith(out["text"]) and out["text"]
+        assert loop.loops[0].dead is not None and loop.owners() == {}
+        assert metric(handle, "refserve:replica_up", model_name=MODEL, replica="0") == 0.0
+        failed = metric(handle, "refserve:replica_failed_requests_total", model_name=MODEL,
+                        replica="0")  # fmt: skip
+        assert failed == 1.0
+        # The router never routes to the dead replica again.
+        before = {r: metric(handle, "refserve:router_decisions_total", model_name=MODEL,
+                            policy="round_robin", replica=r) for r in ("0", "1")}  # fmt: skip
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        for _ in range(3):
+            r = httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=TIMEOUT_S)
+            assert r.status_code == 200, r.text
+        after = {r: metric(handle, "refserve:router_decisions_total", model_name=MODEL,
+                           policy="round_robin", replica=r) for r in ("0", "1")}  # fmt: skip
+        assert after["0"] == before["0"] and after["1"] == before["1"] + 3
+        assert httpx.get(f"{handle.base_url}/health", timeout=TIMEOUT_S).status_code == 200
+        with pytest.raises(ReplicaDead, match="replica 0"):
+            reps[0].step()
+    finally:
+        t0 = time.monotonic()
+        handle.stop()
+        assert time.monotonic() - t0 < 15  # a dead replica does not hold up the drain
+        for r in reps[1:]:
+            r.kill()
