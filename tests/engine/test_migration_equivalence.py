@@ -307,10 +307,12 @@ def _stop_strings() -> tuple[str, str, str]:
     return text, text[j : j + 2], text[j : j + 2] + "\u2603\u2603"
 
 
-def check_stop_string(stop: str, seed: int) -> tuple[list[RequestOutput], Trace]:
+def check_stop_string(
+    stop: str, seed: int, include: bool = False
+) -> tuple[list[RequestOutput], Trace]:
     """Moved at every boundary: the deltas, the final text and reason are the
     unmigrated run's, each token delivered once."""
-    params = SamplingParams(max_tokens=24, stop=(stop,))
+    params = SamplingParams(max_tokens=24, stop=(stop,), include_stop_str_in_output=include)
     ref = _alone(params, "stop here: ")
     trace = _migrated(params, HOWS, seed=seed, p=1.0, prompt="stop here: ")
     mine = trace.of("r")
@@ -331,6 +333,13 @@ def test_stop_string_held_back_at_the_move() -> None:
     assert ref[-1].text == text[: text.index(hit)]
     ref, _ = check_stop_string(miss, seed=2)
     assert ref[-1].finish_reason == "length" and ref[-1].text == text
+
+
+def test_a_stop_string_kept_in_the_output_stays_kept_across_the_move() -> None:
+    """``include_stop_str_in_output`` travels with the stream it shapes."""
+    text, hit, _ = _stop_strings()
+    ref, _ = check_stop_string(hit, seed=3, include=True)
+    assert ref[-1].text == text[: text.index(hit) + len(hit)]
 
 
 # ---------------------------------------------------------------- metrics

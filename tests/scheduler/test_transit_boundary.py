@@ -8,9 +8,12 @@ import pytest
 
 from ref.core import transit
 from ref.core.config import SchedulerConfig
+from ref.core.request import StopParams
 from ref.core.scheduler import Scheduler, StepInProgress
+from ref.core.transit import MigrationError, MigrationRefused, Move, RequestState, cluster_node
 from ref.errors import DuplicateRequest
-from tests.harness import Stepper, make_request
+from spec.snapshot import RequestStatus
+from tests.harness import MemoryLink, Stepper, make_request
 
 CFG = SchedulerConfig(num_blocks=16, block_size=4, max_num_batched_tokens=8)
 
@@ -56,3 +59,51 @@ def test_a_staged_id_already_live_here_is_refused_with_nothing_staged() -> None:
         imp.stage(state, with_kv=False)
     imp.abort()
     assert dst.snapshot() == before
+
+
+def _state(rid: str, kv: int, status: RequestStatus = RequestStatus.PREFILLING) -> RequestState:
+    return RequestState(rid, (1, 2, 3, 4), (1, 2, 3, 4), StopParams(4), status, kv)
+
+
+def test_running_slots_count_every_staged_arrival_holding_kv() -> None:
+    """Two requests staged in one import (the samples of one request move together):
+    the second needs a running slot too, even when the first holds one token of K/V."""
+    dst = Scheduler(SchedulerConfig(num_blocks=8, block_size=2, max_num_seqs=1))
+    imp = transit.begin_import(dst)
+    imp.stage(_state("a", 1), with_kv=True)
+    with pytest.raises(MigrationRefused) as info:
+        imp.stage(_state("b", 1), with_kv=True)
+    assert str(info.value) == "import: request 'b' needs a running slot; all 1 are taken"
+    imp.stage(_state("c", 1), with_kv=False)  # no K/V: it waits, no slot needed
+    imp.abort()
+
+
+def test_a_state_that_is_not_live_is_refused_by_name() -> None:
+    dst = Scheduler(CFG)
+    imp = transit.begin_import(dst)
+    with pytest.raises(MigrationError) as info:
+        imp.stage(_state("r", 0, RequestStatus.FINISHED), with_kv=False)
+    assert str(info.value) == "import: request 'r' is finished; only live requests move"
+    imp.abort()
+
+
+def test_the_move_records_and_guards_of_its_phases() -> None:
+    cfg = SchedulerConfig(num_blocks=16, block_size=2, max_num_batched_tokens=16)
+    src, dst = Stepper(cfg, memory=True), Stepper(cfg, memory=True)
+    src.add(make_request("r", 6))
+    src.step()
+    move = Move(src.sched, dst.sched, "r", with_kv=True, link=MemoryLink(src, dst))
+    move.export()
+    assert move.transit("s", "d").num_hit_tokens == 0  # nothing staged yet
+    node = cluster_node("s", src.sched)
+    assert node.memory is None and node.host_memory is None  # none given: none read
+    a = move.stage()
+    with pytest.raises(MigrationError, match=r"copy of \[0, 0\) out of order"):
+        move.copy(a.num_hit_tokens, a.num_hit_tokens)  # an empty range is no copy
+    for start, end in move.chunks():
+        move.copy(start, end)
+    move.ack()
+    with pytest.raises(AssertionError):
+        move.ack()  # once
+    move.release()
+    move.commit()
