@@ -82,6 +82,7 @@ def test_a_resumed_turn_keeps_its_turn_number_across_the_move() -> None:
     src.resume("r", [5, 6, 7])
     src.step()
     migrate(src, dst, "r", kv="transfer")
+    assert dst.export_request("r").turn == 1  # the destination's books know the turn
     outs = []
     while dst.has_unfinished:
         outs += dst.step()
@@ -96,5 +97,5 @@ def test_a_staged_import_commits_once() -> None:
     staged.ack()
     src.release_request("r")
     assert staged.commit() == ["r"]
-    with pytest.raises(AssertionError, match="commit needs the ack, once"):
+    with pytest.raises(AssertionError, match="^commit needs the ack, once$"):
         staged.commit()
