@@ -176,9 +176,11 @@ def export(
     chunks: tuple[KVChunk, ...] = ()
     if decision.mode is KVMode.TRANSFER and inline:
         # Only what the destination lacks travels: positions before its hit are cached
-        # there. The hit was probed on one sample; within the prompt, which every sample
-        # shares, it holds for all of them.
-        first = min(decision.hit_tokens, departures[0].state.num_prompt_tokens)
+        # there. The hit was probed on one sample; beyond the prompt, which every sample
+        # shares, it holds only for that sample.
+        first = decision.hit_tokens
+        if len(departures) > 1:
+            first = min(first, departures[0].state.num_prompt_tokens)
         chunks = tuple(
             read_kv(engine, d.state.request_id, min(first, d.kv_length), d.kv_length)
             for d in departures
