@@ -199,8 +199,8 @@ def _ray() -> Any:
 
 def start_ray(num_cpus: int = RAY_NUM_CPUS) -> bool:
     """A local Ray instance on this machine, unless one is running; True if started here
-    (the caller then stops it with :func:`stop_ray`). No dashboard; the workers import
-    this repository's ``ref``."""
+    (the caller then stops it with :func:`stop_ray`). No dashboard, on the loopback
+    address; the workers import this repository's ``ref``."""
     ray = _ray()
     if ray.is_initialized():
         return False
@@ -208,6 +208,8 @@ def start_ray(num_cpus: int = RAY_NUM_CPUS) -> bool:
     ray.init(
         num_cpus=num_cpus,
         include_dashboard=False,
+        # Loopback only: this local cluster's services serve nobody off this machine.
+        _node_ip_address="127.0.0.1",
         log_to_driver=False,
         runtime_env={"env_vars": {"PYTHONPATH": path}},
     )
