@@ -3,12 +3,13 @@
 One concept per module: the typed errors (``errors``), the global prefix index fed by
 the replicas' cache events (``index``), the replica interface and its in-process
 transport (``replica``), the Ray transport (``ray_replica``: imported on demand, Ray
-is an optional extra), the routing policies (``router``) and the in-process cluster
+is an optional extra), the routing policies (``router``), the migration triggers the
+cluster and its simulator share (``triggers``) and the in-process cluster
 that drives them (``cluster``).
 A layer above ``ref.engine`` and below ``ref.serve`` (docs/ARCHITECTURE.md, "Layers").
 """
 
-from ref.cluster.cluster import Cluster, ClusterMetrics
+from ref.cluster.cluster import Cluster, ClusterMetrics, PolicyMove
 from ref.cluster.errors import (
     ClusterError,
     EventGap,
@@ -22,6 +23,7 @@ from ref.cluster.errors import (
 from ref.cluster.index import CacheSnapshot, GlobalPrefixIndex
 from ref.cluster.replica import InProcessReplica, LoadFigures, Replica
 from ref.cluster.router import Router, RoutingDecision, RoutingPolicy
+from ref.cluster.triggers import MigrationPolicy
 
 __all__ = [
     "CacheSnapshot",
@@ -33,7 +35,9 @@ __all__ = [
     "GlobalPrefixIndex",
     "InProcessReplica",
     "LoadFigures",
+    "MigrationPolicy",
     "NoLiveReplica",
+    "PolicyMove",
     "Replica",
     "ReplicaDead",
     "ReplicaMismatch",

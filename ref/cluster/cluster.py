@@ -23,6 +23,15 @@ it: its Ray actor died) is buried instead: every request it held ends with that 
 once, in :meth:`Cluster.take_failures` (never restarted, so never duplicated: the
 documented choice, docs/CLUSTER.md "Faults"), it leaves the index, and the router never
 sees it again; the other replicas go on.
+
+Migration policy. With a :class:`~ref.cluster.triggers.MigrationPolicy` (opt-in; off by
+default) the cluster also moves requests by itself, before a replica steps, with the
+simulator's trigger rules (ref/cluster/triggers.py, shared): ``pressure`` moves the
+youngest running request off a replica whose K/V is at the high watermark with a queue
+(instead of the preemption its step would make), ``rebalance`` moves its youngest
+waiting request to a peer with no queue that caches as much of its prompt. Each goes
+through :meth:`Cluster.migrate` (``kv`` the policy's: ``auto`` lets the cost rule pick
+transfer or recompute); a refusal leaves the request where it was and is counted.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import cast
 
+from ref.cluster import triggers
 from ref.cluster.errors import (
     EventGap,
     EventMismatch,
@@ -44,6 +54,7 @@ from ref.cluster.errors import (
 from ref.cluster.index import GlobalPrefixIndex
 from ref.cluster.replica import InProcessReplica, Replica
 from ref.cluster.router import Router, RoutingDecision
+from ref.cluster.triggers import MigrationPolicy
 from ref.core.config import SchedulerConfig
 from ref.core.migration_cost import KVMode, MigrationCost
 from ref.core.transit import MigrationError
@@ -65,6 +76,7 @@ class ClusterMetrics:
     prompt_tokens_routed: int = 0
     prefix_hit_tokens_at_routing: int = 0  # the chosen replica's cached prefix, summed
     migrations: int = 0
+    migrations_by_reason: Counter[str] = field(default_factory=Counter)  # asked|pressure|...
     migrations_aborted: int = 0  # aborted or refused: the request stayed where it was
     migration_bytes: int = 0  # K/V bytes moved (transfer), inline and streamed
     migration_ms: float = 0.0
@@ -73,10 +85,27 @@ class ClusterMetrics:
     requests_failed: int = 0  # ended with ReplicaDead: their replica died holding them
 
 
+@dataclass(frozen=True)
+class PolicyMove:
+    """One move the migration policy made (module doc, "Migration policy")."""
+
+    request_id: str
+    source: int
+    destination: int
+    reason: str  # pressure | rebalance
+    mode: KVMode  # how its K/V travelled (the cost rule's pick under kv="auto")
+
+
 class Cluster:
     """N replicas of one model behind a :class:`Router` (module doc)."""
 
-    def __init__(self, replicas: Sequence[Replica], router: Router | None = None) -> None:
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        router: Router | None = None,
+        *,
+        migration: MigrationPolicy | None = None,
+    ) -> None:
         reps = list(replicas)
         if not reps:
             raise InvalidArgument("Cluster: needs at least one replica")
@@ -93,7 +122,23 @@ class Cluster:
                 )
         if router is not None and not isinstance(router, Router):
             raise InvalidArgument(f"Cluster: router must be a Router, got {type(router).__name__}")
+        if migration is not None:
+            if not isinstance(migration, MigrationPolicy):
+                raise InvalidArgument(
+                    f"Cluster: migration must be a MigrationPolicy, got {type(migration).__name__}"
+                )
+            if migration.split_min_tokens is not None:
+                raise InvalidArgument(
+                    "Cluster: split_min_tokens is the simulator's only (docs/CLUSTER.md)"
+                )
+            if migration.enabled and not all(isinstance(r, InProcessReplica) for r in reps):
+                raise InvalidArgument(
+                    "Cluster: a migration policy reads the replicas' schedulers; it needs "
+                    "in-process replicas"
+                )
         self.replicas: tuple[Replica, ...] = tuple(reps)
+        self.migration = migration or MigrationPolicy()
+        self.moves: deque[PolicyMove] = deque(maxlen=DECISIONS_KEPT)
         self.router = router or Router()
         self.index = GlobalPrefixIndex()
         for i, rep in enumerate(reps):
@@ -117,6 +162,7 @@ class Cluster:
         scheduler_config: SchedulerConfig | Sequence[SchedulerConfig] | None = None,
         router: Router | None = None,
         check_invariants: bool = False,
+        migration: MigrationPolicy | None = None,
     ) -> Cluster:
         """``num_replicas`` engines of ``model`` in this process, each publishing its
         cache events; ``scheduler_config`` one for all or one per replica."""
@@ -135,7 +181,7 @@ class Cluster:
             cfg = replace(c, cache_events=True)
             engine = LLMEngine(model, scheduler_config=cfg, check_invariants=check_invariants)
             replicas.append(InProcessReplica(engine))
-        return cls(replicas, router)
+        return cls(replicas, router, migration=migration)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -220,6 +266,8 @@ class Cluster:
                 try:
                     if not rep.has_work:
                         continue
+                    if self.migration.enabled and not self._maybe_migrate(r):
+                        continue  # its last runnable request moved away
                     fresh = rep.step()
                     self._retire(r, rep, fresh)
                 except ReplicaDead as e:
@@ -242,6 +290,7 @@ class Cluster:
         chunk_blocks: int | None = None,
         cost: MigrationCost | None = None,
         fault: migration.FaultHook | None = None,
+        reason: str = "asked",
     ) -> migration.MigrationReport:
         """Move a live request to replica ``to`` (``ref.engine.migration.migrate``;
         ``kv``, ``chunk_blocks``, ``cost`` and ``fault`` are its). A failure before the
@@ -249,7 +298,8 @@ class Cluster:
         without room refuses (``MigrationRefused``), the request where it was too.
         Between replicas that are not both in process (Ray) the move goes by ticket
         (:meth:`_migrate_by_ticket`): ``chunk_blocks`` and ``fault`` are the in-process
-        protocol's and must be None there."""
+        protocol's and must be None there. ``reason`` labels the move in
+        ``metrics.migrations_by_reason`` (the policy's moves say theirs)."""
         src = self.owner(request_id)
         if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < len(self.replicas):
             raise UnknownReplica(to, f"migrate of {request_id!r}")
@@ -264,7 +314,7 @@ class Cluster:
                     "migrate: chunk_blocks and fault are the in-process protocol's; a move "
                     f"{type(a).__name__} -> {type(b).__name__} goes by ticket (K/V inline)"
                 )
-            return self._migrate_by_ticket(request_id, src, to, kv, cost)
+            return self._migrate_by_ticket(request_id, src, to, kv, cost, reason)
         try:
             report = migration.migrate(
                 a.engine,
@@ -281,12 +331,19 @@ class Cluster:
         self._owner[request_id] = to
         m = self.metrics
         m.migrations += 1
+        m.migrations_by_reason[reason] += 1
         m.migration_bytes += report.kv_bytes
         m.migration_ms += report.elapsed_ms
         return report
 
     def _migrate_by_ticket(
-        self, request_id: str, src: int, to: int, kv: KVMode | str, cost: MigrationCost | None
+        self,
+        request_id: str,
+        src: int,
+        to: int,
+        kv: KVMode | str,
+        cost: MigrationCost | None,
+        reason: str,
     ) -> migration.MigrationReport:
         """Export a ticket at the source (a pure read: the request goes on there), import
         it at the destination in one call (K/V inline), then release the source. A
@@ -323,11 +380,62 @@ class Cluster:
         m = self.metrics
         elapsed = (time.perf_counter() - t0) * 1e3
         m.migrations += 1
+        m.migrations_by_reason[reason] += 1
         m.migration_bytes += ticket.kv_bytes
         m.migration_ms += elapsed
         return migration.MigrationReport(
             request_id, ticket.decisions[-1], ticket.kv_bytes, len(ticket.chunks), elapsed
         )
+
+    def _maybe_migrate(self, i: int) -> bool:
+        """At most one policy move off replica ``i`` before its step (module doc,
+        "Migration policy"; the rules are ref/cluster/triggers.py's, the simulator's).
+        True when replica ``i`` still has work after it."""
+        if len(self._live()) < 2:
+            return True
+        self._policy_move(i)
+        return self.replicas[i].has_work
+
+    def _policy_move(self, i: int) -> None:
+        pol = self.migration
+        engines: dict[int, LLMEngine] = {}
+        for r, rep in self._live():
+            assert isinstance(rep, InProcessReplica)  # checked at construction
+            engines[r] = rep.engine
+        loads = {r: self.replicas[r].load() for r in engines}
+        free = {r: e.scheduler.pool.num_free_blocks for r, e in engines.items()}
+        sched = engines[i].scheduler
+        choice: tuple[str, int, str] | None = None
+        if pol.pressure and triggers.under_pressure(loads[i], pol):
+            victim = triggers.pressure_victim(sched.running)
+            if victim is not None:
+                dst = triggers.pick_peer(i, loads, victim, pol, free_blocks=free, need_room=True)
+                if dst is not None:
+                    choice = (victim.request_id, dst, "pressure")
+        if choice is None and pol.rebalance and loads[i].num_waiting:
+            cand = triggers.rebalance_candidate(sched.requests.values())
+            if cand is not None:
+                dst = triggers.pick_peer(
+                    i, loads, cand, pol, free_blocks=free, need_room=False, idle_queue=True
+                )
+                if dst is not None:
+                    self._sync_index()
+                    hits = self.index.longest_prefix(cand.token_ids, cand.namespace)
+                    if triggers.rebalance_gains(hits, i, dst):
+                        choice = (cand.request_id, dst, "rebalance")
+        if choice is None:
+            return
+        rid, dst, reason = choice
+        # A sample of an n > 1 request moves as its parent does (the engine's unit).
+        parent = rid.split(FORK_SEPARATOR, 1)[0]
+        if parent not in self._owner:
+            return
+        try:
+            report = self.migrate(parent, dst, kv=pol.kv, reason=reason)
+        except MigrationError:  # refused or aborted: it stays, counted in the metrics
+            return
+        self.moves.append(PolicyMove(parent, i, dst, reason, report.decision.mode))
+        self._sync_index()
 
     # ------------------------------------------------------------------ the rule
     def ownership_violations(self) -> list[str]:

@@ -51,9 +51,11 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ref.cluster import triggers
 from ref.cluster.index import GlobalPrefixIndex
 from ref.cluster.replica import LoadFigures, load_figures
-from ref.cluster.router import Router, RoutingDecision, load_score
+from ref.cluster.router import Router, RoutingDecision
+from ref.cluster.triggers import MigrationPolicy
 from ref.core import transit
 from ref.core.config import SchedulerConfig
 from ref.core.cost import StepCost
@@ -65,7 +67,6 @@ from ref.errors import InvalidArgument, RefserveError
 from ref.sim.metrics import RequestMetrics
 from ref.sim.simulator import Session, SessionTurn, SimExecutor
 from ref.sim.workloads import Workload, to_requests
-from spec.arith import blocks_needed
 from spec.cluster import ClusterSnapshot, Delivered, Node, Transit, TransitPhase, check_owner
 from spec.events import CacheEvent
 from spec.snapshot import RequestSnapshot, RequestStatus
@@ -97,22 +98,6 @@ class LinkModel:
 
 
 @dataclass(frozen=True)
-class MigrationPolicy:
-    """When the simulator migrates (module doc, "Triggers"); all off by default."""
-
-    pressure: bool = False
-    rebalance: bool = False
-    split_min_tokens: int | None = None
-    high_watermark: float = 0.9
-    margin: float = 0.25
-    kv: KVMode = KVMode.AUTO
-
-    @property
-    def enabled(self) -> bool:
-        return self.pressure or self.rebalance or self.split_min_tokens is not None
-
-
-@dataclass(frozen=True)
 class Move:
     """One migration: which request, from where to where, when it left and landed, how
     its K/V travelled, and the bytes and tokens moved."""
@@ -134,7 +119,6 @@ class Move:
         return self.land_ms - self.depart_ms
 
 
-_MOVABLE = frozenset({S.DECODING, S.PREFILLING})
 #: A move the triggers chose: the request, its destination, the trigger's name.
 _Choice = tuple[Request, int, str]
 
@@ -447,28 +431,23 @@ class ClusterSim:
             self._depart(i, dst, r, reason, t)
 
     def _pressure_move(self, i: int, loads: dict[int, LoadFigures]) -> _Choice | None:
-        f = loads[i]
-        if f.kv_blocks_used < self.migration.high_watermark * f.kv_blocks_total:
+        if not triggers.under_pressure(loads[i], self.migration):
             return None
-        running = [r for r in self.replicas[i].sched.running if r.status in _MOVABLE]
-        if not running:
+        victim = triggers.pressure_victim(self.replicas[i].sched.running)
+        if victim is None:
             return None
-        victim = max(running, key=lambda r: r.seq)  # the one the scheduler would preempt
         dst = self._peer(i, loads, victim, need_room=True)
         return None if dst is None else (victim, dst, "pressure")
 
     def _rebalance_move(self, i: int, loads: dict[int, LoadFigures]) -> _Choice | None:
-        sched = self.replicas[i].sched
-        waiting = [r for r in sched.requests.values() if r.status is S.WAITING]
-        if not waiting:
+        r = triggers.rebalance_candidate(self.replicas[i].sched.requests.values())
+        if r is None:
             return None
-        r = max(waiting, key=lambda r: r.seq)
         dst = self._peer(i, loads, r, need_room=False, idle_queue=True)
         if dst is None:
             return None
         hits = self.index.longest_prefix(r.token_ids, r.namespace)
-        # A move that loses the source's cached prefix recomputes it: not a gain.
-        return (r, dst, "rebalance") if hits[dst] >= hits[i] else None
+        return (r, dst, "rebalance") if triggers.rebalance_gains(hits, i, dst) else None
 
     def _split_move(self, i: int, loads: dict[int, LoadFigures], min_tokens: int) -> _Choice | None:
         for r in self.replicas[i].sched.running:
@@ -494,27 +473,17 @@ class ClusterSim:
         need_room: bool,
         idle_queue: bool = False,
     ) -> int | None:
-        """The least-loaded peer whose load is ``margin`` below replica ``i``'s, with a
-        running seat and the blocks for ``r``'s tokens (``need_room``) or an empty
-        queue (``idle_queue``); None if there is none."""
-        best: tuple[float, int] | None = None
-        mine = load_score(loads[i])
-        for j, f in loads.items():
-            if j == i:
-                continue
-            score = load_score(f)
-            if score > mine - self.migration.margin:
-                continue
-            if idle_queue and f.num_waiting:
-                continue
-            if need_room:
-                blocks = blocks_needed(r.num_tokens + 1, f.block_size)
-                free = self.replicas[j].sched.pool.num_free_blocks
-                if f.num_running >= f.max_num_seqs or free < blocks:
-                    continue
-            if best is None or (score, j) < best:
-                best = (score, j)
-        return None if best is None else best[1]
+        """``triggers.pick_peer`` over the simulated replicas' free blocks."""
+        free = {j: rep.sched.pool.num_free_blocks for j, rep in enumerate(self.replicas)}
+        return triggers.pick_peer(
+            i,
+            loads,
+            r,
+            self.migration,
+            free_blocks=free,
+            need_room=need_room,
+            idle_queue=idle_queue,
+        )
 
     def _depart(self, src: int, dst: int, r: Request, reason: str, t: float) -> None:
         """Export from ``src`` (a pure read), price the move, release on ``src``: the
