@@ -52,16 +52,33 @@ from ref.cluster.errors import (
     UnknownReplica,
 )
 from ref.cluster.index import GlobalPrefixIndex
-from ref.cluster.replica import InProcessReplica, Replica
+from ref.cluster.replica import InProcessReplica, LoadFigures, Replica
 from ref.cluster.router import Router, RoutingDecision
 from ref.cluster.triggers import MigrationPolicy
 from ref.core.config import SchedulerConfig
 from ref.core.migration_cost import KVMode, MigrationCost
+from ref.core.scheduler import Scheduler
 from ref.core.transit import MigrationError
 from ref.engine import migration
 from ref.engine.llm_engine import FORK_SEPARATOR, InvalidPrompt, LLMEngine, Prompt, RequestOutput
 from ref.errors import DuplicateRequest, InvalidArgument, UnknownRequest
 from ref.model.sampler import SamplingParams
+
+
+def _check_policy(migration: MigrationPolicy, reps: Sequence[Replica]) -> None:
+    """A policy the cluster can run (module doc, "Migration policy")."""
+    if not isinstance(migration, MigrationPolicy):
+        raise InvalidArgument(
+            f"Cluster: migration must be a MigrationPolicy, got {type(migration).__name__}"
+        )
+    if migration.split_min_tokens is not None:
+        raise InvalidArgument("Cluster: split_min_tokens is the simulator's only (docs/CLUSTER.md)")
+    if migration.enabled and not all(isinstance(r, InProcessReplica) for r in reps):
+        raise InvalidArgument(
+            "Cluster: a migration policy reads the replicas' schedulers; it needs "
+            "in-process replicas"
+        )
+
 
 #: Routing decisions kept for inspection (:attr:`Cluster.decisions`), newest last.
 DECISIONS_KEPT = 4096
@@ -123,19 +140,7 @@ class Cluster:
         if router is not None and not isinstance(router, Router):
             raise InvalidArgument(f"Cluster: router must be a Router, got {type(router).__name__}")
         if migration is not None:
-            if not isinstance(migration, MigrationPolicy):
-                raise InvalidArgument(
-                    f"Cluster: migration must be a MigrationPolicy, got {type(migration).__name__}"
-                )
-            if migration.split_min_tokens is not None:
-                raise InvalidArgument(
-                    "Cluster: split_min_tokens is the simulator's only (docs/CLUSTER.md)"
-                )
-            if migration.enabled and not all(isinstance(r, InProcessReplica) for r in reps):
-                raise InvalidArgument(
-                    "Cluster: a migration policy reads the replicas' schedulers; it needs "
-                    "in-process replicas"
-                )
+            _check_policy(migration, reps)
         self.replicas: tuple[Replica, ...] = tuple(reps)
         self.migration = migration or MigrationPolicy()
         self.moves: deque[PolicyMove] = deque(maxlen=DECISIONS_KEPT)
@@ -407,22 +412,9 @@ class Cluster:
         sched = engines[i].scheduler
         choice: tuple[str, int, str] | None = None
         if pol.pressure and triggers.under_pressure(loads[i], pol):
-            victim = triggers.pressure_victim(sched.running)
-            if victim is not None:
-                dst = triggers.pick_peer(i, loads, victim, pol, free_blocks=free, need_room=True)
-                if dst is not None:
-                    choice = (victim.request_id, dst, "pressure")
+            choice = self._pressure_choice(i, sched, loads, free)
         if choice is None and pol.rebalance and loads[i].num_waiting:
-            cand = triggers.rebalance_candidate(sched.requests.values())
-            if cand is not None:
-                dst = triggers.pick_peer(
-                    i, loads, cand, pol, free_blocks=free, need_room=False, idle_queue=True
-                )
-                if dst is not None:
-                    self._sync_index()
-                    hits = self.index.longest_prefix(cand.token_ids, cand.namespace)
-                    if triggers.rebalance_gains(hits, i, dst):
-                        choice = (cand.request_id, dst, "rebalance")
+            choice = self._rebalance_choice(i, sched, loads, free)
         if choice is None:
             return
         rid, dst, reason = choice
@@ -436,6 +428,32 @@ class Cluster:
             return
         self.moves.append(PolicyMove(parent, i, dst, reason, report.decision.mode))
         self._sync_index()
+
+    def _pressure_choice(
+        self, i: int, sched: Scheduler, loads: dict[int, LoadFigures], free: dict[int, int]
+    ) -> tuple[str, int, str] | None:
+        victim = triggers.pressure_victim(sched.running)
+        if victim is None:
+            return None
+        dst = triggers.pick_peer(i, loads, victim, self.migration, free_blocks=free, need_room=True)
+        return None if dst is None else (victim.request_id, dst, "pressure")
+
+    def _rebalance_choice(
+        self, i: int, sched: Scheduler, loads: dict[int, LoadFigures], free: dict[int, int]
+    ) -> tuple[str, int, str] | None:
+        cand = triggers.rebalance_candidate(sched.requests.values())
+        if cand is None:
+            return None
+        dst = triggers.pick_peer(
+            i, loads, cand, self.migration, free_blocks=free, need_room=False, idle_queue=True
+        )
+        if dst is None:
+            return None
+        self._sync_index()
+        hits = self.index.longest_prefix(cand.token_ids, cand.namespace)
+        if not triggers.rebalance_gains(hits, i, dst):
+            return None
+        return (cand.request_id, dst, "rebalance")
 
     # ------------------------------------------------------------------ the rule
     def ownership_violations(self) -> list[str]:

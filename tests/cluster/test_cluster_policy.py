@@ -13,7 +13,7 @@ import random
 from collections.abc import Sequence
 
 import pytest
-from cluster_helpers import config, final_tokens, replica
+from cluster_helpers import config, drive, final_tokens, replica
 
 from ref.cluster import Cluster, InProcessReplica, MigrationPolicy, Router
 from ref.core.config import SchedulerConfig
@@ -149,20 +149,17 @@ def test_rebalance_keeps_a_request_where_its_prefix_is_cached(cached: bool) -> N
     def place(rid: str, prompt: list[int], m: int) -> None:
         # Straight onto replica 0, past the router (the test wants it loaded).
         rep0.add_request(prompt, SamplingParams(max_tokens=m), rid)
-        c._owner[rid] = 0  # noqa: SLF001
+        c._owner[rid] = 0
 
     place("warm", [*shared, 7], 2)
-    while c.has_work:
-        c.step()
+    drive(c)
     assert c.index.longest_prefix([*shared, 9]) == {0: 12, 1: 0}
     c.migration = MigrationPolicy(rebalance=True)
     head = shared if cached else other
     for k in range(6):  # four run, two queue
         place(f"s{k}", [*head, 10 + k], 3)
     assert c.ownership_violations() == []
-    while c.has_work:
-        c.step()
-        assert c.ownership_violations() == []
+    drive(c)  # checks ownership after every step
     if cached:
         assert c.metrics.migrations == 0 and len(c.moves) == 0
     else:
