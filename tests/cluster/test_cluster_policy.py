@@ -16,6 +16,7 @@ import pytest
 from cluster_helpers import config, drive, final_tokens, replica
 
 from ref.cluster import Cluster, InProcessReplica, MigrationPolicy, Router
+from ref.cluster.triggers import MOVABLE
 from ref.core.config import SchedulerConfig
 from ref.core.migration_cost import KVMode
 from ref.engine import migration
@@ -23,6 +24,7 @@ from ref.engine.llm_engine import LLMEngine, RequestOutput
 from ref.errors import InvalidArgument
 from ref.model.sampler import SamplingParams
 from spec.cluster import ClusterSnapshot, Delivered, Node, check_owner
+from spec.snapshot import RequestStatus
 
 # Replica 0 is small (its pool fills: it would preempt; two seats: it queues), replica
 # 1 roomy; round robin gives them the same requests, so replica 0 is the loaded one.
@@ -52,6 +54,17 @@ class _Checked(Cluster):
     delivered: dict[str, Delivered]
 
     def migrate(self, request_id: str, to: int, **kw: object) -> migration.MigrationReport:
+        src = self.replicas[self.owner(request_id)]
+        assert isinstance(src, InProcessReplica)
+        sched = src.engine.scheduler
+        moving = sched.requests[request_id]
+        if kw.get("reason") == "pressure":  # the one its step would preempt: the youngest
+            running = [r for r in sched.running if r.status in MOVABLE]
+            assert moving.seq == max(r.seq for r in running)
+        elif kw.get("reason") == "rebalance":  # queued, never started: the youngest
+            assert moving.status is RequestStatus.WAITING
+            waiting = [r for r in sched.requests.values() if r.status is RequestStatus.WAITING]
+            assert moving.seq == max(r.seq for r in waiting)
         report = super().migrate(request_id, to, **kw)  # type: ignore[arg-type]
         _check(self, f"move of {request_id!r} to {to}")
         return report
