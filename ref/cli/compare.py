@@ -106,24 +106,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ttft-slo-ms",
         type=ms,
-        default=Slo.ttft_base_ms,
+        default=None,
         metavar="MS",
         help="goodput: first token within this plus --ttft-slo-per-token-ms per prompt token "
-        "(default %(default)s)",
+        "(default: the TBT SLO)",
     )
     p.add_argument(
         "--ttft-slo-per-token-ms",
         type=ms,
-        default=Slo.ttft_per_token_ms,
+        default=None,
         metavar="MS",
-        help="the time-to-first-token allowance per prompt token (default %(default)s)",
+        help="the time-to-first-token allowance per prompt token (default: 2 x the cost "
+        "model's prefill time per token)",
     )
     p.add_argument(
         "--tbt-slo-ms",
         type=finite_float(0, MAX_SLO_MS, lo_open=True),
-        default=Slo.tbt_ms,
+        default=None,
         metavar="MS",
-        help="goodput: no gap between two tokens longer than this (default %(default)s)",
+        help="goodput: no gap between two tokens longer than this (default: 3 x the cost "
+        "model's decode-only step of 32 decodes)",
     )
     p.add_argument(
         "--knee",
@@ -135,9 +137,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-num-batched-tokens",
         type=int_at_most(MAX_TOKENS),
-        default=BASE_CONFIG.max_num_batched_tokens,
+        default=None,
         metavar="N",
-        help=f"every policy's token budget per step (default %(default)s; at most {MAX_TOKENS:,})",
+        help="every policy's token budget per step (default: the largest whole number of "
+        "blocks whose step with 32 decodes meets the TBT SLO; at most "
+        f"{MAX_TOKENS:,})",
     )
     p.add_argument(
         "--num-blocks",
@@ -177,6 +181,16 @@ def compare_options(argv: list[str]) -> tuple[CompareOptions, bool]:
     args = _parser().parse_args(argv)
     if args.requests is not None and args.requests < 1:
         raise InvalidArgument(f"--requests must be >= 1, got {args.requests}")
+    # The SLOs and the budget follow the cost model unless given (ref.report.compare, "SLOs").
+    cost = StepCost.parse(args.cost)
+    derived = Slo.of(cost)
+    slo = Slo(
+        derived.ttft_base_ms if args.ttft_slo_ms is None else args.ttft_slo_ms,
+        derived.ttft_per_token_ms
+        if args.ttft_slo_per_token_ms is None
+        else args.ttft_slo_per_token_ms,
+        derived.tbt_ms if args.tbt_slo_ms is None else args.tbt_slo_ms,
+    )
     opts = CompareOptions(
         out=args.out,
         traces=_pick("trace", args.traces, TRACES, lambda t: t.name),
@@ -185,11 +199,15 @@ def compare_options(argv: list[str]) -> tuple[CompareOptions, bool]:
         quick=args.quick,
         scale=args.scale,
         seed=args.seed,
-        cost=StepCost.parse(args.cost),
-        slo=Slo(args.ttft_slo_ms, args.ttft_slo_per_token_ms, args.tbt_slo_ms),
+        cost=cost,
+        slo=slo,
         base=dataclasses.replace(
             BASE_CONFIG,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_batched_tokens=(
+                slo.budget(cost, BASE_CONFIG.block_size)
+                if args.max_num_batched_tokens is None
+                else args.max_num_batched_tokens
+            ),
             num_blocks=args.num_blocks,
         ),
         knee=args.knee,

@@ -15,15 +15,20 @@ engine). Choices, all overridable from the command line:
   simulator's virtual ms on this model.
 - **Scale**: token lengths are divided by ``--scale`` (see :mod:`ref.sim.workloads`); times
   (arrivals, tool waits) are not.
-- **Engine**: token budget 512, block 16, 4096 KV blocks (65,536 simulated tokens, about
-  1M real tokens at scale 16), at most 256 running requests.
-- **SLOs** (per request, both must hold for goodput): TTFT <= ``ttft_base_ms +
-  ttft_per_token_ms * prompt_tokens`` (default 500 ms + 1 ms per prompt token: twice the
-  cost model's prefill time plus half a second, so a long prompt is not failed for being
-  long), and TBT: every gap between two consecutive tokens <= ``tbt_ms`` (default 100 ms,
-  an interactive reading pace of 10 tokens/s). A step with a full 512-token prefill chunk
-  takes ~258 ms, so the TBT SLO binds and ``slo-aware`` (which sizes chunks to it) is
-  exercised; at 300 ms no step came near it and ``slo-aware`` never cut a chunk.
+- **SLOs from the cost model** ``a + b*P + c*D`` (as in :mod:`ref.report.cluster_experiment`;
+  :meth:`~ref.report.policies.Slo.of`): TBT SLO = 3 x the decode-only step of 32 decodes,
+  ``3 * (a + 32c)`` = 102 ms by default (a mixed step may cost up to three decode-only
+  steps); TTFT SLO = the TBT SLO + 2 x the prompt's own prefill time ``b*P`` (a long
+  prompt is not failed for being long). ``--tbt-slo-ms`` and the TTFT options override.
+- **Engine**: the token budget is derived from the TBT SLO: the largest multiple of the
+  block size whose step with 32 decodes, ``a + b*B + 32c``, meets it (128 by default;
+  ``--max-num-batched-tokens`` overrides); block 16, 4096 KV blocks (65,536 simulated
+  tokens, about 1M real tokens at scale 16), at most 256 running requests. The budget is
+  also a policy parameter: ``chunked-4B`` runs chunked prefill at 4 x the budget (512),
+  where a full chunk alone makes a 258 ms step, over the TBT SLO.
+- **Chat** comes from 8 applications, each with its own 2K-token system prompt (128
+  simulated tokens, before a ~64-token question): every prompt needs two chunks, and the
+  prefix cache has a shared prefix per application to reuse.
 - **Goodput**: ``goodput = SLO attainment x offered rate`` (requests/s that meet both SLOs;
   never above the offered rate); also output tokens/s of requests that meet them. For
   agent sessions the offered request rate is measured (turns / span of their arrivals):

@@ -202,8 +202,8 @@ def _notes(outcome: CompareOutcome) -> list[str]:
         "finished `capacity` (could never fit in the pool). Prefix hit: prompt tokens "
         "found in the prefix cache / all prompt tokens. Fairness: Jain's index over the "
         "tenants' SLO attainment (1 = every tenant equally served, 1/n = one tenant gets "
-        "all); mixed has two tenants (chat, long), agent one per session, chat and long "
-        "a single one (-).",
+        "all); chat has one tenant per application, mixed two (chat, long), agent one per "
+        "session, long a single one (-).",
         "",
     ]
 

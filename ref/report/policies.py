@@ -22,13 +22,39 @@ from ref.sim.simulator import SimSpeculation
 SPECULATIVE_TOKENS = 4
 
 
+#: The reference batch of the derived SLOs: a decode-only step of this many decodes.
+D_REF = 32
+#: TBT SLO = this many decode-only steps of the reference batch (issue 32, item 6).
+TBT_MULTIPLE = 3.0
+#: TTFT allowance per prompt token = this many times the cost model's prefill time.
+TTFT_PREFILL_MULTIPLE = 2.0
+
+
 @dataclass(frozen=True)
 class Slo:
-    """Per-request service level: both must hold for a request to count as goodput."""
+    """Per-request service level: both must hold for a request to count as goodput.
 
-    ttft_base_ms: float = 500.0
+    The defaults are :meth:`of` the default cost model ``2 + 0.5P + D``."""
+
+    ttft_base_ms: float = 102.0
     ttft_per_token_ms: float = 1.0
-    tbt_ms: float = 100.0
+    tbt_ms: float = 102.0
+
+    @staticmethod
+    def of(cost: StepCost) -> Slo:
+        """The SLOs derived from the cost model ``a + b*P + c*D`` (ref.report.compare,
+        "SLOs"): TBT = ``TBT_MULTIPLE`` decode-only steps of ``D_REF`` decodes; TTFT =
+        the TBT SLO + ``TTFT_PREFILL_MULTIPLE`` x the prompt's own prefill time."""
+        tbt = TBT_MULTIPLE * (cost.a + cost.c * D_REF)
+        return Slo(tbt, TTFT_PREFILL_MULTIPLE * cost.b, tbt)
+
+    def budget(self, cost: StepCost, block_size: int) -> int:
+        """The largest multiple of ``block_size`` whose mixed step with ``D_REF`` decodes,
+        ``a + b*B + c*D_REF``, stays within the TBT SLO (at least one block)."""
+        room = self.tbt_ms - cost.a - cost.c * D_REF
+        if cost.b <= 0:
+            return 1 << 16
+        return max(block_size, int(max(room, 0.0) / cost.b) // block_size * block_size)
 
     def ttft_limit_ms(self, num_prompt_tokens: int) -> float:
         return self.ttft_base_ms + self.ttft_per_token_ms * num_prompt_tokens
@@ -88,6 +114,20 @@ def _chunked(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> S
     return dataclasses.replace(base, enable_chunked_prefill=True, enable_prefix_caching=False)
 
 
+def _budget_times(
+    factor: int, inner: Callable[[SchedulerConfig, int, Slo, StepCost], SchedulerConfig]
+) -> Callable[[SchedulerConfig, int, Slo, StepCost], SchedulerConfig]:
+    """``inner`` with ``factor`` x the base token budget: the budget as a swept parameter."""
+
+    def configure(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> SchedulerConfig:
+        wide = dataclasses.replace(
+            base, max_num_batched_tokens=base.max_num_batched_tokens * factor
+        )
+        return inner(wide, max_len, slo, cost)
+
+    return configure
+
+
 def _prefix_aware(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> SchedulerConfig:
     return dataclasses.replace(base, enable_chunked_prefill=True, enable_prefix_caching=True)
 
@@ -128,8 +168,15 @@ POLICIES: tuple[NamedPolicy, ...] = (
     ),
     NamedPolicy(
         "chunked",
-        "decode-first with chunked prefill (budget 512), no prefix cache",
+        "decode-first with chunked prefill (the derived budget B: 128 with the default "
+        "cost model), no prefix cache",
         _chunked,
+    ),
+    NamedPolicy(
+        "chunked-4B",
+        "chunked with 4 x the derived budget (512 by default): a full chunk makes a step "
+        "longer than the TBT SLO",
+        _budget_times(4, _chunked),
     ),
     NamedPolicy(
         "prefix-aware",

@@ -35,7 +35,7 @@ DEFAULT_COST = "2+0.5P+D"
 DEFAULT_SCALE = 16.0
 STOP_BELOW = 0.5
 BASE_CONFIG = SchedulerConfig(
-    max_num_batched_tokens=512, max_num_seqs=256, block_size=16, num_blocks=4096
+    max_num_batched_tokens=128, max_num_seqs=256, block_size=16, num_blocks=4096
 )
 
 

@@ -20,7 +20,6 @@ from ref.sim.workloads import (
     long_prompt,
     long_prompt_records,
     merge_records,
-    short_chat,
     short_chat_records,
 )
 
@@ -55,8 +54,31 @@ class TraceSpec:
         return max(self.num, math.ceil(rate * self.min_window_s))
 
 
+#: Chat comes from this many applications, each with its own system prompt (real tokens):
+#: a prefix shared per application, so the prefix cache has something to reuse and, at
+#: scale 16, a prompt (128 + ~64 tokens) is longer than the derived token budget (128).
+CHAT_APPS = 8
+SYSTEM_PROMPT_LEN = 2048
+
+
+def _chat_records(n: int, rate: float, scale: float, seed: int) -> list[dict[str, object]]:
+    out: list[dict[str, object]] = []
+    for g in range(CHAT_APPS):
+        k = n // CHAT_APPS + (1 if g < n % CHAT_APPS else 0)
+        if k:
+            recs = short_chat_records(
+                k,
+                rate / CHAT_APPS,
+                seed=seed * 1000 + g,
+                scale=scale,
+                system_prompt_len=SYSTEM_PROMPT_LEN,
+            )
+            out += [{**r, "tenant": f"app{g}"} for r in recs]
+    return [dict(r) for r in merge_records(out)]
+
+
 def _chat(rate: float, n: int, scale: float, seed: int) -> Workload:
-    return Workload("chat", tuple(short_chat(n, rate, seed=seed, scale=scale)))
+    return Workload("chat", tuple(from_records(_chat_records(n, rate, scale, seed))))
 
 
 def _long(rate: float, n: int, scale: float, seed: int) -> Workload:
@@ -66,10 +88,7 @@ def _long(rate: float, n: int, scale: float, seed: int) -> Workload:
 def _mixed(rate: float, n: int, scale: float, seed: int) -> Workload:
     n_long = max(1, round(n * 0.05))
     # Two tenants, so fairness asks whether the long prompts cost the chat users.
-    chat = [
-        {**r, "tenant": "chat"}
-        for r in short_chat_records(n - n_long, rate * 0.95, seed=seed, scale=scale)
-    ]
+    chat = [{**r, "tenant": "chat"} for r in _chat_records(n - n_long, rate * 0.95, scale, seed)]
     long = [
         {**r, "tenant": "long"}
         for r in long_prompt_records(n_long, rate * 0.05, seed=seed + 1, scale=scale)
@@ -88,7 +107,8 @@ def _agent(rate: float, n: int, scale: float, seed: int) -> Workload:
 TRACES: tuple[TraceSpec, ...] = (
     TraceSpec(
         "chat",
-        "short chat: prompt ~1K (+-50 %), output ~128 (+-50 %), Poisson arrivals",
+        "short chat from 8 applications, each with its own 2K-token system prompt: prompt "
+        "2K + ~1K (+-50 %), output ~128 (+-50 %), Poisson arrivals",
         "req/s",
         200,
         24,

@@ -106,9 +106,9 @@ def test_numbers_are_sane(quick_report: Path) -> None:
         assert p["rejection_rate"] == pytest.approx(p["rejected"] / p["num_requests"])
         assert 0.0 <= p["capacity_rate"] <= p["rejection_rate"]
         assert all(0.0 <= v <= 1.0 for v in p["limits"].values())
-        # Only the traces with several tenants have a fairness figure, and it is a Jain
-        # index: between 1/n and 1.
-        if p["trace"] in ("chat", "long"):
+        # Only the traces with several tenants (chat: one per application) have a
+        # fairness figure, and it is a Jain index: between 1/n and 1.
+        if p["trace"] == "long":
             assert p["num_tenants"] == 1 and p["fairness"] is None
         else:
             assert p["num_tenants"] >= 2
@@ -116,6 +116,9 @@ def test_numbers_are_sane(quick_report: Path) -> None:
     # Agent sessions reuse their prefix: with the cache on, most prompt tokens are hits.
     agent = [p for p in points if p["trace"] == "agent" and p["policy"] == "prefix-aware"]
     assert agent and all(p["prefix_hit_rate"] > 0.5 for p in agent)
+    # Chat shares a 2K system prompt per application (128 of ~192 simulated tokens).
+    chat = [p for p in points if p["trace"] == "chat" and p["policy"] == "prefix-aware"]
+    assert chat and all(p["prefix_hit_rate"] > 0.3 for p in chat)
 
 
 def test_knee_rate_is_the_first_rate_below_the_threshold() -> None:
