@@ -17,6 +17,7 @@ from ref.core.config import PolicyName, SchedulerConfig
 from ref.core.cost import StepCost
 from ref.sim.metrics import RequestMetrics
 from ref.sim.simulator import SimSpeculation
+from spec.arith import full_blocks
 
 #: Drafts per decoding request per step for the speculative policies.
 SPECULATIVE_TOKENS = 4
@@ -54,7 +55,7 @@ class Slo:
         room = self.tbt_ms - cost.a - cost.c * D_REF
         if cost.b <= 0:
             return 1 << 16
-        return max(block_size, int(max(room, 0.0) / cost.b) // block_size * block_size)
+        return max(block_size, full_blocks(int(max(room, 0.0) / cost.b), block_size) * block_size)
 
     def ttft_limit_ms(self, num_prompt_tokens: int) -> float:
         return self.ttft_base_ms + self.ttft_per_token_ms * num_prompt_tokens
