@@ -84,7 +84,7 @@ $(NANO_STAMP): pyproject.toml
 	test -x $(NANO_PY) || $(PYTHON) -m venv $(NANO_VENV)
 	$(NANO_PY) -m pip install -q --upgrade pip
 	$(NANO_PY) -m pip install -q torch==2.13.0
-	$(NANO_PY) -m pip install -q -e '.[conformance]' numpy transformers 'pytest>=8' pytest-benchmark
+	$(NANO_PY) -m pip install -q -e '.[conformance]' numpy 'transformers>=4.48,<5.25' 'pytest>=8' pytest-benchmark
 	$(NANO_PY) -m pip install -q --no-deps nano-vllm-fork==20260210 'xxhash>=3'
 	touch $(NANO_STAMP)
 
@@ -166,15 +166,20 @@ clean:
 gpu-check: $(STAMP)
 	mkdir -p out
 	$(PY) -m pytest -p no:cacheprovider tests/kernels -q
-	$(VENV)/bin/refserve check-kernel kernels:paged_attention --timeout 120 \
+	$(PY) -m ref.cli.main check-kernel kernels:paged_attention --timeout 120 \
 		--json out/gpu_grid.json --jsonl out/gpu_grid.jsonl
 
 # On a CUDA machine: decode and mixed batches at 1k-128k context, fp16/bf16, block 16:
 # achieved HBM bandwidth vs a measured device copy, ratios to SDPA and FlashInfer
 # (if installed), one JSON (docs/KERNELS.md, "GPU benchmark"). Exits 2 without CUDA.
+# The JSON replaces docs/bench/gpu-bench.json and docs/BENCHMARKS.md is rendered again.
+# On a machine whose own python3 holds CUDA torch and Triton (no venv, no network):
+#   make -o $(STAMP) PY=python3 gpu-check gpu-bench
 gpu-bench: $(STAMP)
-	mkdir -p out
+	mkdir -p out docs/bench
 	$(PY) -m kernels.bench --json out/gpu_bench.json
+	cp out/gpu_bench.json docs/bench/gpu-bench.json
+	$(BENCH_REPORT)
 
 # Mutation testing of the block pool and scheduler (mutmut 3, config in pyproject.toml;
 # mutants live in mutants/, the real sources are never touched). Results: docs/MUTATION.md.

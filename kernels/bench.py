@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import platform
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+#: The ``format`` of the JSON this writes (``conformance.bench.report`` renders it).
+FORMAT = "refserve-gpu-bench"
 CONTEXTS = (1024, 4096, 16384, 65536, 131072)
 BLOCK_SIZE = 16
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE = 32, 8, 128
@@ -237,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__)
     parser.add_argument("--json", dest="json_path", default="out/gpu_bench.json")
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
-    args = parser.parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(given)
     if not torch.cuda.is_available():
         print("kernels.bench: needs a CUDA device (no GPU here)", file=sys.stderr)
         return 2
@@ -254,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(asdict(row))
                 torch.cuda.empty_cache()
     report = {
+        "format": FORMAT,
+        "command": shlex.join(["python", "-m", "kernels.bench", *given]),
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,

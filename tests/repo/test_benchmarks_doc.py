@@ -177,6 +177,37 @@ def test_the_memory_table() -> None:
     assert "prompts of 100-128 tokens, 16 blocks of pool per request" in md
 
 
+GPU_ROW = {
+    "kind": "decode", "context": 4096, "batch": 64, "dtype": "float16", "time_us": 489.28,
+    "bytes_moved": 1074790400, "bandwidth_gbs": 2196.7, "fraction_of_copy": 0.531,
+    "sdpa_time_us": 278.88, "ratio_to_sdpa": 1.754, "flashinfer_time_us": None,
+    "ratio_to_flashinfer": None, "max_abs_err_first_seq": 6.1e-05,
+    "note": "flashinfer not installed",
+}  # fmt: skip
+GPU = {
+    "format": "refserve-gpu-bench", "command": "python -m kernels.bench --json g.json",
+    "when": "2026-01-02 03:04 UTC", "device": "Test GPU 9000", "torch": "2.11.0",
+    "triton": "3.6.0", "python": "3.12.3", "copy_bandwidth_gbs": 4134.4, "wall_s": 20.0,
+    "shape": {"num_q_heads": 32, "num_kv_heads": 8, "head_size": 128, "block_size": 16,
+              "chunk": 512},
+    "rows": [GPU_ROW, {**GPU_ROW, "kind": "mixed", "sdpa_time_us": None,
+                       "ratio_to_sdpa": None, "note": None}],
+}  # fmt: skip
+
+
+def test_the_gpu_table_carries_device_command_and_ratio_to_sdpa() -> None:
+    assert report.kind_of(GPU) == "gpu"
+    md = _rendered(("g.json", GPU))
+    assert "## Paged attention on a GPU" in md
+    assert "Command: `python -m kernels.bench --json g.json`, run 2026-01-02 03:04 UTC." in md
+    assert "Device: Test GPU 9000, torch 2.11.0, Triton 3.6.0" in md and "4134.4 GB/s" in md
+    assert "| decode | 4,096 | 64 | float16 | 489 us | 2,197 | 53% | 279 us | [1.75x] |" in md
+    assert "| mixed | 4,096 | 64 | float16 | 489 us | 2,197 | 53% | n/a | n/a |" in md
+    assert "Note: flashinfer not installed." in md and "Provenance" not in md
+    hand = _rendered(("g.json", {**GPU, "provenance_note": "added later"}))
+    assert "Provenance: added later." in hand
+
+
 def test_the_pytest_benchmark_tables_group_by_group_or_module() -> None:
     md = _rendered(("b.json", PYTEST))
     assert "**allocate+free K=32 blocks (no cache)**" in md
