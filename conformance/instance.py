@@ -27,7 +27,7 @@ The entry points (one workload on fresh adapters, one or several instances) are
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -156,6 +156,18 @@ class _Run:
         f = Finding(violation(inv, subject, msg, expected, seen), step, self.where(phase))
         self.res.findings.append(f)
 
+    def not_quiesced(self, step: int, limit: int, live: Iterable[str]) -> None:
+        """PROGRESS: requests still live after the run's step limit."""
+        self.fail(
+            Invariant.PROGRESS,
+            step,
+            "step",
+            "run",
+            f"did not quiesce within {limit} steps",
+            "quiescence",
+            f"{sorted(live)} still live",
+        )
+
     def events_ahead(self, pending: list[RequestPlan]) -> bool:
         """Whether an arrival or an abort is still to come (either can unstick a stall)."""
         return bool(pending) or any(self.plans[rid].abort_at is not None for rid in self.live)
@@ -252,15 +264,7 @@ class _Run:
                     break
                 continue  # idle until the next arrival
             if step >= limit:
-                self.fail(
-                    Invariant.PROGRESS,
-                    step,
-                    "step",
-                    "run",
-                    f"did not quiesce within {limit} steps",
-                    "quiescence",
-                    f"{sorted(self.live)} still live",
-                )
+                self.not_quiesced(step, limit, self.live)
                 return
             if step in self.w.rollback_at:
                 self.rollback(step)

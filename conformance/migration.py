@@ -185,16 +185,7 @@ class _Cluster:
         self.check_cluster(-1, "configure")
 
     def not_quiesced(self, step: int, limit: int) -> None:
-        live = sorted(rid for r in self.runs for rid in r.live)
-        self.runs[0].fail(
-            Invariant.PROGRESS,
-            step,
-            "step",
-            "run",
-            f"did not quiesce within {limit} steps",
-            "quiescence",
-            f"{live} still live",
-        )
+        self.runs[0].not_quiesced(step, limit, [rid for r in self.runs for rid in r.live])
 
     def step_all(self, step: int) -> None:
         """One step of every instance with live requests (a planned rollback first), each

@@ -67,6 +67,8 @@ from ref.serve.loop import (
     StepTiming,
     Submission,
     _Sink,
+    command_for,
+    stop_thread,
 )
 from ref.serve.metrics import ClusterServeMetrics
 from spec.events import CacheEvent
@@ -101,25 +103,11 @@ class ReplicaLoop:
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
+        stop_thread(self._stop, self._thread)
 
     def run_sync(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run ``fn`` on this replica's thread between two of its steps."""
-        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-        def command() -> None:
-            if not fut.set_running_or_notify_cancel():
-                return
-            try:
-                fut.set_result(fn())
-            except ReplicaDead as e:  # buried first: a caller that routes again skips it
-                self._died(e)
-                fut.set_exception(e)
-            except BaseException as e:  # handed to the awaiting side, never lost
-                fut.set_exception(e)
-
+        command, fut = command_for(fn, self._bury_if_dead)
         if self.dead is not None:
             fut.set_exception(self.dead)
         elif self._stop.is_set() or not self.alive:
@@ -228,6 +216,11 @@ class ReplicaLoop:
                 if sink.finished >= sink.n:
                     del self.sinks[o.request_id]
                     self.front._finished(o.request_id)
+
+    def _bury_if_dead(self, error: BaseException) -> None:
+        # Buried before the caller sees the error: a caller that routes again skips it.
+        if isinstance(error, ReplicaDead):
+            self._died(error)
 
     def _died(self, error: ReplicaDead) -> None:
         if self.dead is not None:

@@ -50,6 +50,34 @@ STEP_RING = 20_000
 IDLE_POLL_S = 0.05
 
 
+def command_for(
+    fn: Callable[[], T], on_error: Callable[[BaseException], None] | None = None
+) -> tuple[Callable[[], None], concurrent.futures.Future[T]]:
+    """``fn`` as a command for a loop's thread, and the future of its result: a command
+    whose future was cancelled does not run, and an exception of ``fn`` (after
+    ``on_error`` saw it) goes to the future, never lost."""
+    fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def command() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # handed to the awaiting side
+            if on_error is not None:
+                on_error(e)
+            fut.set_exception(e)
+
+    return command, fut
+
+
+def stop_thread(stop: threading.Event, thread: threading.Thread) -> None:
+    """Ask a loop's thread to stop and wait for it a bounded time (not from itself)."""
+    stop.set()
+    if thread.is_alive() and thread is not threading.current_thread():
+        thread.join(timeout=5.0)
+
+
 class ServerDraining(RefserveError):
     """The server is shutting down and admits no new request."""
 
@@ -193,23 +221,12 @@ class EngineLoop:
             end = time.monotonic() + 2.0
             while self._sinks and self.alive and time.monotonic() < end:
                 time.sleep(0.01)
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
+        stop_thread(self._stop, self._thread)
 
     # ------------------------------------------------------------------ commands
     def run_sync(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run ``fn`` on the engine thread between two steps; its result as a future."""
-        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-        def command() -> None:
-            if not fut.set_running_or_notify_cancel():
-                return
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # handed to the awaiting side, never lost
-                fut.set_exception(e)
-
+        command, fut = command_for(fn)
         if self._stop.is_set() or not self.alive:
             fut.set_exception(ServerDraining("the engine loop is stopped"))
             return fut

@@ -22,47 +22,79 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
+class RequestFigures:
+    """What a server and a cluster server both export: latencies, load and token counts,
+    under vLLM's names, labelled by ``labels`` (the model name, and the replica in a
+    cluster). Each method takes the label values of the series to update."""
+
+    def __init__(self, registry: CollectorRegistry, labels: list[str]) -> None:
+        r = registry
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between output tokens.", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to finish.", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.running = Gauge(
+            "vllm:num_requests_running", "Requests in the running batch.", labels, registry=r
+        )
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be admitted.", labels, registry=r
+        )
+        self.kv = Gauge(
+            "vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", labels, registry=r
+        )
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r
+        )
+        self.gen_tokens = Counter(
+            "vllm:generation_tokens", "Output tokens generated.", labels, registry=r
+        )
+        self.success = Counter(
+            "vllm:request_success", "Finished requests, by finish reason.",
+            [*labels, "finished_reason"], registry=r,
+        )  # fmt: skip
+
+    def load(self, values: tuple[str, ...], running: int, waiting: int, kv_usage: float) -> None:
+        self.running.labels(*values).set(running)
+        self.waiting.labels(*values).set(waiting)
+        self.kv.labels(*values).set(kv_usage)
+
+    def outputs(self, values: tuple[str, ...], outputs: Sequence[RequestOutput]) -> None:
+        """A step's outputs: the tokens they carry, and the figures of those finished."""
+        for o in outputs:
+            self.gen_tokens.labels(*values).inc(len(o.new_token_ids))
+            if not o.finished:
+                continue
+            mt = o.metrics
+            self.success.labels(*values, o.finish_reason or "unknown").inc()
+            if o.index == 0:
+                self.prompt_tokens.labels(*values).inc(mt.num_prompt_tokens)
+            if mt.ttft_ms is not None:
+                self.ttft.labels(*values).observe(mt.ttft_ms / 1e3)
+            for gap in mt.itl_ms:
+                self.itl.labels(*values).observe(gap / 1e3)
+            if mt.e2e_ms is not None:
+                self.e2e.labels(*values).observe(mt.e2e_ms / 1e3)
+
+
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
-        self._ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self._itl = Histogram(
-            "vllm:inter_token_latency_seconds", "Time between output tokens.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self._e2e = Histogram(
-            "vllm:e2e_request_latency_seconds", "Arrival to finish.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self._running = Gauge(
-            "vllm:num_requests_running", "Requests in the running batch.", labels, registry=r
-        )
-        self._waiting = Gauge(
-            "vllm:num_requests_waiting", "Requests waiting to be admitted.", labels, registry=r
-        )
-        self._kv = Gauge(
-            "vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", labels, registry=r
-        )
+        self._requests = RequestFigures(r, labels)
         self._preempt = Counter(
             "vllm:num_preemptions", "Preemptions of running requests.", labels, registry=r
         )
         self._prefix_hits = Counter(
             "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", labels,
             registry=r,
-        )  # fmt: skip
-        self._prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r
-        )
-        self._gen_tokens = Counter(
-            "vllm:generation_tokens", "Output tokens generated.", labels, registry=r
-        )
-        self._success = Counter(
-            "vllm:request_success", "Finished requests, by finish reason.",
-            [*labels, "finished_reason"], registry=r,
         )  # fmt: skip
         self._swap_out = Counter(
             "refserve:swapped_out_bytes", "KV bytes copied device to host.", labels, registry=r
@@ -92,10 +124,9 @@ class ServerMetrics:
         """Called on the engine thread after each step."""
         m = self._name
         sched = engine.scheduler
-        self._running.labels(m).set(len(sched.running))
-        self._waiting.labels(m).set(len(sched.requests) - len(sched.running))
-        pool = sched.pool
-        self._kv.labels(m).set(pool.num_used_blocks / max(1, sched.config.num_blocks))
+        running = len(sched.running)
+        kv_usage = sched.pool.num_used_blocks / max(1, sched.config.num_blocks)
+        self._requests.load((m,), running, len(sched.requests) - running, kv_usage)
         self._bump("preempt", engine.num_preemptions, self._preempt)
         self._bump("prefix", engine.num_prefix_hit_tokens, self._prefix_hits)
         self._bump("out", engine.swap_out_bytes, self._swap_out)
@@ -103,28 +134,13 @@ class ServerMetrics:
         self._bump("drafts", engine.num_verifications, self._spec_drafts)
         self._bump("draft_tokens", engine.num_draft_tokens, self._spec_draft_tokens)
         self._bump("accepted", engine.num_accepted_tokens, self._spec_accepted)
-        for o in outputs:
-            self._gen_tokens.labels(m).inc(len(o.new_token_ids))
-            if o.finished:
-                self._finished(o)
+        self._requests.outputs((m,), outputs)
 
     def _bump(self, key: str, total: int, counter: Counter) -> None:
         delta = total - self._seen[key]
         if delta > 0:
             counter.labels(self._name).inc(delta)
         self._seen[key] = total
-
-    def _finished(self, o: RequestOutput) -> None:
-        m, mt = self._name, o.metrics
-        self._success.labels(m, o.finish_reason or "unknown").inc()
-        if o.index == 0:
-            self._prompt_tokens.labels(m).inc(mt.num_prompt_tokens)
-        if mt.ttft_ms is not None:
-            self._ttft.labels(m).observe(mt.ttft_ms / 1e3)
-        for gap in mt.itl_ms:
-            self._itl.labels(m).observe(gap / 1e3)
-        if mt.e2e_ms is not None:
-            self._e2e.labels(m).observe(mt.e2e_ms / 1e3)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -143,37 +159,7 @@ class ClusterServeMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name", "replica"]
-        self._ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self._itl = Histogram(
-            "vllm:inter_token_latency_seconds", "Time between output tokens.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self._e2e = Histogram(
-            "vllm:e2e_request_latency_seconds", "Arrival to finish.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self._running = Gauge(
-            "vllm:num_requests_running", "Requests in the running batch.", labels, registry=r
-        )
-        self._waiting = Gauge(
-            "vllm:num_requests_waiting", "Requests waiting to be admitted.", labels, registry=r
-        )
-        self._kv = Gauge(
-            "vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", labels, registry=r
-        )
-        self._prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r
-        )
-        self._gen_tokens = Counter(
-            "vllm:generation_tokens", "Output tokens generated.", labels, registry=r
-        )
-        self._success = Counter(
-            "vllm:request_success", "Finished requests, by finish reason.",
-            [*labels, "finished_reason"], registry=r,
-        )  # fmt: skip
+        self._requests = RequestFigures(r, labels)
         self._up = Gauge("refserve:replica_up", "1 while the replica is alive.", labels, registry=r)
         self._failed = Counter(
             "refserve:replica_failed_requests", "Requests ended because their replica died.",
@@ -233,24 +219,9 @@ class ClusterServeMetrics:
         outputs: Sequence[RequestOutput],
     ) -> None:
         """Called on replica ``replica``'s thread after each of its steps."""
-        m, rep = self._name, str(replica)
-        self._running.labels(m, rep).set(running)
-        self._waiting.labels(m, rep).set(waiting)
-        self._kv.labels(m, rep).set(kv_usage)
-        for o in outputs:
-            self._gen_tokens.labels(m, rep).inc(len(o.new_token_ids))
-            if not o.finished:
-                continue
-            mt = o.metrics
-            self._success.labels(m, rep, o.finish_reason or "unknown").inc()
-            if o.index == 0:
-                self._prompt_tokens.labels(m, rep).inc(mt.num_prompt_tokens)
-            if mt.ttft_ms is not None:
-                self._ttft.labels(m, rep).observe(mt.ttft_ms / 1e3)
-            for gap in mt.itl_ms:
-                self._itl.labels(m, rep).observe(gap / 1e3)
-            if mt.e2e_ms is not None:
-                self._e2e.labels(m, rep).observe(mt.e2e_ms / 1e3)
+        values = (self._name, str(replica))
+        self._requests.load(values, running, waiting, kv_usage)
+        self._requests.outputs(values, outputs)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -336,6 +336,20 @@ class Session:
     def turn_id(self, k: int) -> str:
         return f"{self.session_id}/t{k}" if self.turn_ids else self.session_id
 
+    def turn_request(self, k: int, previous: Request | None, at_ms: float) -> Request:
+        """Turn ``k`` as a request arriving at ``at_ms``: the previous turn's whole
+        sequence (prompt and output, when there was one) then the turn's new tokens."""
+        turn = self.turns[k]
+        head = previous.token_ids if previous is not None else []
+        return Request(
+            self.turn_id(k),
+            [*head, *turn.new_token_ids],
+            StopParams(max_tokens=turn.output_len, ignore_eos=True),
+            arrival_ms=at_ms,
+            priority=self.priority,
+            tenant=self.tenant,
+        )
+
 
 @dataclass
 class _Job:
@@ -539,17 +553,8 @@ def _next_request(job: _Job, at_ms: float) -> Request:
         r.arrival_ms = at_ms
         job.previous = r
         return r
-    s, k = job.session, job.next_turn
-    turn = s.turns[k]
-    head = job.previous.token_ids if job.previous is not None else []
-    r = Request(
-        s.turn_id(k),
-        [*head, *turn.new_token_ids],
-        StopParams(max_tokens=turn.output_len, ignore_eos=True),
-        arrival_ms=at_ms,
-        priority=s.priority,
-        tenant=s.tenant,
-    )
+    k = job.next_turn
+    r = job.session.turn_request(k, job.previous, at_ms)
     job.next_turn = k + 1
     job.previous = r
     return r
