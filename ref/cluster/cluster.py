@@ -29,7 +29,9 @@ default) the cluster also moves requests by itself, before a replica steps, with
 simulator's trigger rules (ref/cluster/triggers.py, shared): ``pressure`` moves the
 youngest running request off a replica whose K/V is at the high watermark with a queue
 (instead of the preemption its step would make), ``rebalance`` moves its youngest
-waiting request to a peer with no queue that caches as much of its prompt. Each goes
+waiting request to a peer with no queue that caches as much of its prompt, and
+``split_min_tokens`` moves a long prompt, half prefilled, with its K/V to a less-loaded
+peer that finishes the prefill (a split at a token boundary, once a request). Each goes
 through :meth:`Cluster.migrate` (``kv`` the policy's: ``auto`` lets the cost rule pick
 transfer or recompute); a refusal leaves the request where it was and is counted.
 """
@@ -71,8 +73,6 @@ def _check_policy(migration: MigrationPolicy, reps: Sequence[Replica]) -> None:
         raise InvalidArgument(
             f"Cluster: migration must be a MigrationPolicy, got {type(migration).__name__}"
         )
-    if migration.split_min_tokens is not None:
-        raise InvalidArgument("Cluster: split_min_tokens is the simulator's only (docs/CLUSTER.md)")
     if migration.enabled and not all(isinstance(r, InProcessReplica) for r in reps):
         raise InvalidArgument(
             "Cluster: a migration policy reads the replicas' schedulers; it needs "
@@ -109,7 +109,7 @@ class PolicyMove:
     request_id: str
     source: int
     destination: int
-    reason: str  # pressure | rebalance
+    reason: str  # pressure | rebalance | split
     mode: KVMode  # how its K/V travelled (the cost rule's pick under kv="auto")
 
 
@@ -155,6 +155,7 @@ class Cluster:
         self._held: list[RequestOutput] = []
         self.dead: dict[int, ReplicaDead] = {}  # replica -> what killed it
         self._failures: dict[str, ReplicaDead] = {}
+        self._split: set[str] = set()  # requests a split policy tried to move once
         self._next_id = 0
         self._vocab_size = model.vocab_size
 
@@ -415,6 +416,8 @@ class Cluster:
             choice = self._pressure_choice(i, sched, loads, free)
         if choice is None and pol.rebalance and loads[i].num_waiting:
             choice = self._rebalance_choice(i, sched, loads, free)
+        if choice is None and pol.split_min_tokens is not None:
+            choice = self._split_choice(i, sched, loads, free, pol.split_min_tokens)
         if choice is None:
             return
         rid, dst, reason = choice
@@ -422,6 +425,8 @@ class Cluster:
         parent = rid.split(FORK_SEPARATOR, 1)[0]
         if parent not in self._owner:
             return
+        if reason == "split":  # tried once, moved or refused: never again
+            self._split.add(rid)
         try:
             report = self.migrate(parent, dst, kv=pol.kv, reason=reason)
         except MigrationError:  # refused or aborted: it stays, counted in the metrics
@@ -454,6 +459,20 @@ class Cluster:
         if not triggers.rebalance_gains(hits, i, dst):
             return None
         return (cand.request_id, dst, "rebalance")
+
+    def _split_choice(
+        self,
+        i: int,
+        sched: Scheduler,
+        loads: dict[int, LoadFigures],
+        free: dict[int, int],
+        min_tokens: int,
+    ) -> tuple[str, int, str] | None:
+        for r in triggers.split_candidate(sched.running, min_tokens, self._split):
+            dst = triggers.pick_peer(i, loads, r, self.migration, free_blocks=free, need_room=True)
+            if dst is not None:
+                return (r.request_id, dst, "split")
+        return None
 
     # ------------------------------------------------------------------ the rule
     def ownership_violations(self) -> list[str]:

@@ -61,7 +61,7 @@ from ref.core.config import SchedulerConfig
 from ref.core.cost import StepCost
 from ref.core.engine_core import EngineCore
 from ref.core.migration_cost import KVMode, MigrationCost
-from ref.core.request import FinishReason, Request, StopParams
+from ref.core.request import FinishReason, Request
 from ref.core.scheduler import Scheduler
 from ref.errors import InvalidArgument, RefserveError
 from ref.sim.metrics import RequestMetrics
@@ -450,18 +450,10 @@ class ClusterSim:
         return (r, dst, "rebalance") if triggers.rebalance_gains(hits, i, dst) else None
 
     def _split_move(self, i: int, loads: dict[int, LoadFigures], min_tokens: int) -> _Choice | None:
-        for r in self.replicas[i].sched.running:
-            half_done = r.num_computed_tokens * 2 >= r.num_prompt_tokens
-            if (
-                r.status is S.PREFILLING
-                and r.num_prompt_tokens >= min_tokens
-                and not r.num_output_tokens
-                and half_done
-                and r.request_id not in self._split
-            ):
-                dst = self._peer(i, loads, r, need_room=True)
-                if dst is not None:
-                    return (r, dst, "split")
+        for r in triggers.split_candidate(self.replicas[i].sched.running, min_tokens, self._split):
+            dst = self._peer(i, loads, r, need_room=True)
+            if dst is not None:
+                return (r, dst, "split")
         return None
 
     def _peer(
@@ -573,17 +565,8 @@ def _single(r: Request) -> Session:
 
 
 def _next_request(job: _Job, at_ms: float) -> Request:
-    s, k = job.session, job.next_turn
-    turn = s.turns[k]
-    head = job.previous.token_ids if job.previous is not None else []
-    r = Request(
-        s.turn_id(k),
-        [*head, *turn.new_token_ids],
-        StopParams(max_tokens=turn.output_len, ignore_eos=True),
-        arrival_ms=at_ms,
-        priority=s.priority,
-        tenant=s.tenant,
-    )
+    k = job.next_turn
+    r = job.session.turn_request(k, job.previous, at_ms)
     job.next_turn = k + 1
     job.previous = r
     return r

@@ -34,8 +34,10 @@ class MigrationPolicy:
     ``rebalance``: a replica with a queue moves its youngest waiting request to a peer
     with no queue that caches at least as much of its prompt. A peer qualifies only if
     its load (``router.load_score``) is ``margin`` below the source's. ``kv`` is the
-    migration's K/V mode (``auto``: the cost rule decides). ``split_min_tokens`` (a
-    split at a token boundary mid-prefill) is the simulator's only."""
+    migration's K/V mode (``auto``: the cost rule decides). ``split_min_tokens``: a
+    running prompt at least this long, once half of it is computed, moves mid-prefill
+    with its K/V to a less-loaded peer with room, and finishes its prefill there (a
+    split at a token boundary; each request at most once)."""
 
     pressure: bool = False
     rebalance: bool = False
@@ -76,6 +78,24 @@ def rebalance_candidate(requests: Iterable[Request]) -> Request | None:
     """The youngest waiting request (never started: no K/V travels, only the wait)."""
     waiting = [r for r in requests if r.status is S.WAITING]
     return max(waiting, key=lambda r: r.seq) if waiting else None
+
+
+def split_candidate(
+    running: Iterable[Request], min_tokens: int, already_split: Iterable[str]
+) -> list[Request]:
+    """The running prompts a split may move, in running order: still prefilling (no
+    output yet), at least ``min_tokens`` long, at least half computed, not split before
+    (a request moves once: a second split would only bounce it)."""
+    done = set(already_split)
+    return [
+        r
+        for r in running
+        if r.status is S.PREFILLING
+        and r.num_prompt_tokens >= min_tokens
+        and not r.num_output_tokens
+        and r.num_computed_tokens * 2 >= r.num_prompt_tokens
+        and r.request_id not in done
+    ]
 
 
 def rebalance_gains(hits: Mapping[int, int], src: int, dst: int) -> bool:

@@ -4,8 +4,8 @@ under K/V pressure a replica moves its youngest running request to a peer with r
 instead of preempting it, and a queued request moves to a peer with no queue; the moves
 happen, are counted in ClusterMetrics, keep one owner per live request after every step
 and every move (the cluster's own map and spec/cluster.py's OWNER over a snapshot), and
-greedy outputs equal a single engine's; the policy is off by default and bad policies
-are typed errors."""
+greedy outputs equal a single engine's; a long prompt is split mid-prefill to a peer
+once; the policy is off by default and bad policies are typed errors."""
 
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ class _Checked(Cluster):
     """Checks both ownership rules after every move, the policy's included."""
 
     delivered: dict[str, Delivered]
+    split: list[tuple[str, int]]  # (request, tokens computed on the source) per split
 
     def migrate(self, request_id: str, to: int, **kw: object) -> migration.MigrationReport:
         src = self.replicas[self.owner(request_id)]
@@ -65,6 +66,11 @@ class _Checked(Cluster):
             assert moving.status is RequestStatus.WAITING
             waiting = [r for r in sched.requests.values() if r.status is RequestStatus.WAITING]
             assert moving.seq == max(r.seq for r in waiting)
+        elif kw.get("reason") == "split":  # mid-prefill, at least half of it computed
+            assert moving.status is RequestStatus.PREFILLING and not moving.num_output_tokens
+            assert moving.num_prompt_tokens > moving.num_computed_tokens
+            assert moving.num_computed_tokens * 2 >= moving.num_prompt_tokens
+            self.split.append((request_id, moving.num_computed_tokens))
         report = super().migrate(request_id, to, **kw)  # type: ignore[arg-type]
         _check(self, f"move of {request_id!r} to {to}")
         return report
@@ -86,10 +92,12 @@ def _check(c: _Checked, what: str) -> None:
 
 
 def _run(
-    work: Sequence[tuple[str, list[int], int]], policy: MigrationPolicy | None
+    work: Sequence[tuple[str, list[int], int]],
+    policy: MigrationPolicy | None,
+    configs: tuple[SchedulerConfig, SchedulerConfig] = (SMALL, ROOMY),
 ) -> tuple[_Checked, list[RequestOutput]]:
-    c = _Checked([replica(SMALL), replica(ROOMY)], Router("round_robin"), migration=policy)
-    c.delivered = {}
+    c = _Checked([replica(cfg) for cfg in configs], Router("round_robin"), migration=policy)
+    c.delivered, c.split = {}, []
     for rid, prompt, m in work:
         c.add_request(prompt, SamplingParams(max_tokens=m), request_id=rid)
         c.delivered[rid] = Delivered(rid)
@@ -187,10 +195,37 @@ def test_both_triggers_keep_the_rules() -> None:
     assert final_tokens(out) == ref
 
 
+@pytest.mark.parametrize("kv", [KVMode.TRANSFER, KVMode.RECOMPUTE])
+def test_split_moves_a_long_prompt_mid_prefill_once(kv: KVMode) -> None:
+    """Replica 0 prefills 8 tokens a step, so a 40-token prompt it is given is split
+    half-way (its K/V sent, or recomputed) to replica 1, which finishes it; short
+    prompts stay; outputs equal one engine's."""
+    rng = random.Random(5)
+    work = [
+        (f"q{k}", [rng.randrange(1, 256) for _ in range(40 if k % 2 == 0 else 9)], 6)
+        for k in range(4)
+    ]
+    ref = _reference(work)
+    slow, wide = config(4, 64, 8, max_num_seqs=4), config(4, 64, 48, max_num_seqs=4)
+    base, base_out = _run(work, None, (slow, wide))
+    assert base.metrics.migrations == 0 and final_tokens(base_out) == ref
+    c, out = _run(work, MigrationPolicy(split_min_tokens=32, kv=kv), (slow, wide))
+    # Round robin puts q0 and q2 (the long ones) on replica 0; a split needs a peer
+    # whose load is the policy's margin below, so not both need move, but each at most once.
+    split = [rid for rid, _ in c.split]
+    assert split and set(split) <= {"q0", "q2"} and len(set(split)) == len(split)
+    assert all(20 <= done < 40 for _, done in c.split)
+    assert c.metrics.migrations == c.metrics.migrations_by_reason["split"] == len(c.moves)
+    assert len(c.moves) == len(split)
+    assert all(mv.source == 0 and mv.destination == 1 and mv.mode is kv for mv in c.moves)
+    assert (c.metrics.migration_bytes > 0) is (kv is KVMode.TRANSFER)
+    assert final_tokens(out) == ref
+
+
 def test_bad_policies_are_typed_errors() -> None:
     reps = [replica(SMALL), replica(ROOMY)]
     with pytest.raises(InvalidArgument, match="split_min_tokens"):
-        Cluster(reps, migration=MigrationPolicy(split_min_tokens=64))
+        MigrationPolicy(split_min_tokens=0)
     with pytest.raises(InvalidArgument, match="MigrationPolicy"):
         Cluster(reps, migration="pressure")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="high_watermark"):
