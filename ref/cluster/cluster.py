@@ -255,7 +255,7 @@ class Cluster:
         except ReplicaDead as e:  # it ends with the error instead (take_failures)
             self._bury(r, e)
             return
-        del self._owner[request_id]
+        self._forget(request_id)
 
     def take_failures(self) -> dict[str, ReplicaDead]:
         """The requests that ended because their replica died, since the last call, with
@@ -518,7 +518,7 @@ class Cluster:
         self.metrics.replicas_dead += 1
         for rid, owner in list(self._owner.items()):
             if owner == r:
-                del self._owner[rid]
+                self._forget(rid)
                 self._failures[rid] = error
                 self.metrics.requests_failed += 1
         if r in self.index.replicas:
@@ -533,7 +533,14 @@ class Cluster:
         live = set(rep.request_ids())
         for rid in done - live:
             if self._owner.get(rid) == r:
-                del self._owner[rid]
+                self._forget(rid)
+
+    def _forget(self, request_id: str) -> None:
+        """``request_id`` ended: it leaves the ownership map, and the split policy's memory
+        of it and its samples (so that memory holds live requests only)."""
+        del self._owner[request_id]
+        if self._split:
+            self._split = {s for s in self._split if s.split(FORK_SEPARATOR, 1)[0] != request_id}
 
     def _sync_index(self) -> None:
         """Apply every replica's new cache events; resync one from its snapshot when its

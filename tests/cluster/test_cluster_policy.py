@@ -220,6 +220,7 @@ def test_split_moves_a_long_prompt_mid_prefill_once(kv: KVMode) -> None:
     assert all(mv.source == 0 and mv.destination == 1 and mv.mode is kv for mv in c.moves)
     assert (c.metrics.migration_bytes > 0) is (kv is KVMode.TRANSFER)
     assert final_tokens(out) == ref
+    assert not c._split  # the policy remembers live requests only: all finished
 
 
 def test_bad_policies_are_typed_errors() -> None:
