@@ -17,7 +17,9 @@ changes only through calls made by this handle.
 
 Faults: a call to an actor that died (killed, its process gone) raises
 :class:`~ref.cluster.errors.ReplicaDead`, then and on every later call; the cluster ends
-that replica's requests with it (ref/cluster/cluster.py, "Faults").
+that replica's requests with it (ref/cluster/cluster.py, "Faults"). So does a call the
+actor does not answer within ``call_timeout_s`` (a hung replica): the actor is killed
+first, so a late answer cannot change anything after its requests have ended.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ T = TypeVar("T")
 #: The CPUs a local Ray instance started here is given (the actors reserve none: see
 #: :func:`start_ray`).
 RAY_NUM_CPUS = 2
+#: How long a call waits for its actor's answer before the replica counts as dead
+#: (a step of a real model on a CPU can take seconds; none of the tiny model's, one).
+CALL_TIMEOUT_S = 120.0
 #: The repository root: Ray's worker processes import ``ref`` from here, the same code
 #: as the driver (an installed copy elsewhere would be another version).
 _ROOT = str(Path(__file__).resolve().parents[2])
@@ -227,10 +232,19 @@ class RayReplica:
     """A :class:`~ref.cluster.replica.Replica` whose engine runs in a Ray actor (module
     doc). Make them with :func:`ray_replicas`; ``replica`` is its id in error messages."""
 
-    def __init__(self, handle: Any, replica: int, *, cost: StepCost | None = None) -> None:
+    def __init__(
+        self,
+        handle: Any,
+        replica: int,
+        *,
+        cost: StepCost | None = None,
+        call_timeout_s: float = CALL_TIMEOUT_S,
+    ) -> None:
+        _check_timeout(call_timeout_s)
         self._ray = _ray()
         self.handle = handle
         self.replica = replica
+        self.call_timeout_s = float(call_timeout_s)
         self._dead: ReplicaDead | None = None
         info = self._get(handle.describe.remote())
         self._identity: ModelIdentity = info["identity"]
@@ -248,9 +262,14 @@ class RayReplica:
             raise self._dead
         ray = self._ray
         try:
-            return ray.get(ref)
+            return ray.get(ref, timeout=self.call_timeout_s)
         except ray.exceptions.RayActorError as e:
             self._dead = ReplicaDead(self.replica, f"{type(e).__name__}: {e}".splitlines()[0])
+            raise self._dead from None
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(self.handle, no_restart=True)
+            cause = f"no answer within {self.call_timeout_s:g} s (the actor was killed)"
+            self._dead = ReplicaDead(self.replica, cause)
             raise self._dead from None
 
     def _answer(self, ref: Any) -> Any:
@@ -351,15 +370,18 @@ def ray_replicas(
     model: str = "tiny",
     scheduler_config: SchedulerConfig | None = None,
     torch_threads: int | None = 1,
+    call_timeout_s: float = CALL_TIMEOUT_S,
     **engine_kwargs: Any,
 ) -> list[RayReplica]:
     """``num_replicas`` Ray actors, each with one engine of ``model`` (Ray must be
     running: :func:`start_ray`). The actors reserve no CPU (``num_cpus=0``): on a small
     machine the engines share its cores instead of waiting for a free one, each on
-    ``torch_threads`` threads. ``engine_kwargs`` go to each ``LLMEngine`` (plain values:
-    they are pickled to the actors)."""
+    ``torch_threads`` threads. A replica whose actor leaves a call unanswered for
+    ``call_timeout_s`` is dead (module doc, "Faults"). ``engine_kwargs`` go to each
+    ``LLMEngine`` (plain values: they are pickled to the actors)."""
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
         raise InvalidArgument(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+    _check_timeout(call_timeout_s)
     ray = _ray()
     if not ray.is_initialized():
         raise ClusterError("ray_replicas: Ray is not running (start_ray() first)")
@@ -368,4 +390,11 @@ def ray_replicas(
     handles = [
         actor.remote(str(model), cfg, engine_kwargs, torch_threads) for _ in range(num_replicas)
     ]
-    return [RayReplica(h, i) for i, h in enumerate(handles)]
+    return [RayReplica(h, i, call_timeout_s=call_timeout_s) for i, h in enumerate(handles)]
+
+
+def _check_timeout(call_timeout_s: object) -> None:
+    if isinstance(call_timeout_s, bool) or not isinstance(call_timeout_s, int | float):
+        raise InvalidArgument(f"call_timeout_s must be a number > 0, got {call_timeout_s!r}")
+    if not call_timeout_s > 0:
+        raise InvalidArgument(f"call_timeout_s must be > 0, got {call_timeout_s!r}")

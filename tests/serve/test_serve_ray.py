@@ -8,6 +8,8 @@
 - A server over two Ray replicas, built as ``refserve serve --replicas 2 --backend ray``
   builds it, passes conformance-http, serves concurrent streams, migrates one of them
   mid-stream (its text unchanged), and stops cleanly.
+- A replica that does not answer a call within its timeout is dead: its actor killed,
+  its request ended once with ``ReplicaDead``, the other replica serving on.
 - A replica's actor killed (SIGKILL) mid-request: that stream ends with a typed error
   event (503 ``service_unavailable`` naming the replica), its delivered text a prefix of
   the right one (nothing lost silently, nothing twice), and every later request goes to
@@ -48,6 +50,7 @@ from ref.cluster import Cluster, ReplicaDead, Router  # noqa: E402
 from ref.cluster.ray_replica import RayReplica, ray_replicas, start_ray, stop_ray  # noqa: E402
 from ref.core.config import SchedulerConfig  # noqa: E402
 from ref.engine.llm_engine import LLMEngine  # noqa: E402
+from ref.errors import InvalidArgument  # noqa: E402
 from ref.model.sampler import SamplingParams  # noqa: E402
 from ref.serve.app import ServeSettings  # noqa: E402
 from ref.serve.server import ServerThread, build_cluster_server  # noqa: E402
@@ -177,6 +180,40 @@ def test_server_on_ray_streams_migrates_and_stops(reference: LLMEngine, tmp_path
     for r in reps:
         assert isinstance(r, RayReplica)
         r.kill()
+
+
+def test_a_replica_that_does_not_answer_in_time_is_dead_and_killed() -> None:
+    """A hung replica (here: one given 0.1 ms to answer a step) counts as dead: its
+    actor is killed, its request ends once with ReplicaDead saying why, and the other
+    replica goes on serving."""
+    with pytest.raises(InvalidArgument, match="call_timeout_s"):
+        ray_replicas(1, call_timeout_s=0)  # refused before any actor starts
+    reps = ray_replicas(2, scheduler_config=cluster_config())
+    try:
+        c = Cluster(reps, Router("round_robin"))
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        c.add_request([1, 2, 3, 4, 5], params, request_id="hung")
+        assert c.owner("hung") == 0
+        reps[0].call_timeout_s = 1e-4
+        c.step()
+        failures = c.take_failures()
+        assert list(failures) == ["hung"] and "no answer within 0.0001 s" in str(failures["hung"])
+        assert c.dead.keys() == {0} and c.ownership_violations() == []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # the actor's process goes away
+            try:
+                os.kill(reps[0].pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the hung replica's actor was not killed")
+        c.add_request([1, 2, 3], params, request_id="after")
+        assert c.owner("after") == 1
+        finals = {o.request_id: o for _ in range(50) if c.has_work for o in c.step()}
+        assert finals["after"].finished and len(finals["after"].token_ids) == 4
+    finally:
+        reps[1].kill()
 
 
 def test_a_killed_replica_ends_its_requests_with_a_typed_error(reference: LLMEngine) -> None:
