@@ -339,7 +339,7 @@ def render(inputs: Sequence[tuple[str, dict[str, Any]]], out: str) -> str:
         "<!-- Generated file: do not edit. Regenerate with `make bench` / `make bench-peers`. -->",
         "",
         f"**Generated** by `{command}` from the benchmarks' own JSON; do not edit it by "
-        "hand. `make bench` and `make bench-peers` measure, copy their JSON into "
+        "hand. `make bench`, `make bench-peers` and `make gpu-bench` measure, copy their JSON into "
         "`docs/bench/` and regenerate this file; `tests/repo/test_benchmarks_doc.py` fails "
         "when it differs from what that JSON renders.",
         "",
