@@ -6,6 +6,7 @@ bug shows, and pass the Triton kernel; its inputs must carry the traps it promis
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import os
@@ -394,6 +395,17 @@ def test_tolerance_overrides_are_recorded(
     assert row["worst"]["seq"] in range(4) and row["oracle_fp32_err"] > 0
 
 
+def _plugin_installed() -> bool:
+    eps = importlib.metadata.entry_points(group="pytest11")
+    return any(ep.name == "refserve_kernels" for ep in eps)
+
+
+@pytest.mark.skipif(
+    not _plugin_installed(),
+    reason="refserve is not installed here (a bare GPU image running tests/kernels from the "
+    "checkout): the pytest11 entry point this test drives does not exist; `make test` "
+    "installs refserve, so there it runs",
+)
 def test_pytest_entry_point_runs_the_grid(tmp_path: Path) -> None:
     (tmp_path / "test_nothing.py").write_text("")
     # The plugin comes from the installed pytest11 entry point, as it does for a user.
