@@ -410,14 +410,7 @@ class Cluster:
             engines[r] = rep.engine
         loads = {r: self.replicas[r].load() for r in engines}
         free = {r: e.scheduler.pool.num_free_blocks for r, e in engines.items()}
-        sched = engines[i].scheduler
-        choice: tuple[str, int, str] | None = None
-        if pol.pressure and triggers.under_pressure(loads[i], pol):
-            choice = self._pressure_choice(i, sched, loads, free)
-        if choice is None and pol.rebalance and loads[i].num_waiting:
-            choice = self._rebalance_choice(i, sched, loads, free)
-        if choice is None and pol.split_min_tokens is not None:
-            choice = self._split_choice(i, sched, loads, free, pol.split_min_tokens)
+        choice = self._choose(i, engines[i].scheduler, loads, free)
         if choice is None:
             return
         rid, dst, reason = choice
@@ -433,6 +426,21 @@ class Cluster:
             return
         self.moves.append(PolicyMove(parent, i, dst, reason, report.decision.mode))
         self._sync_index()
+
+    def _choose(
+        self, i: int, sched: Scheduler, loads: dict[int, LoadFigures], free: dict[int, int]
+    ) -> tuple[str, int, str] | None:
+        """The policy's move off replica ``i``, its triggers tried in order (pressure,
+        rebalance, split): (request, destination, reason), or None."""
+        pol = self.migration
+        choice: tuple[str, int, str] | None = None
+        if pol.pressure and triggers.under_pressure(loads[i], pol):
+            choice = self._pressure_choice(i, sched, loads, free)
+        if choice is None and pol.rebalance and loads[i].num_waiting:
+            choice = self._rebalance_choice(i, sched, loads, free)
+        if choice is None and pol.split_min_tokens is not None:
+            choice = self._split_choice(i, sched, loads, free, pol.split_min_tokens)
+        return choice
 
     def _pressure_choice(
         self, i: int, sched: Scheduler, loads: dict[int, LoadFigures], free: dict[int, int]
