@@ -25,6 +25,7 @@ first, so a late answer cannot change anything after its requests have ended.
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -396,5 +397,5 @@ def ray_replicas(
 def _check_timeout(call_timeout_s: object) -> None:
     if isinstance(call_timeout_s, bool) or not isinstance(call_timeout_s, int | float):
         raise InvalidArgument(f"call_timeout_s must be a number > 0, got {call_timeout_s!r}")
-    if not call_timeout_s > 0:
-        raise InvalidArgument(f"call_timeout_s must be > 0, got {call_timeout_s!r}")
+    if not 0 < call_timeout_s < math.inf:
+        raise InvalidArgument(f"call_timeout_s must be finite and > 0, got {call_timeout_s!r}")

@@ -11,6 +11,7 @@ which request to move and to which peer, or None. Acting on it (a simulated link
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from ref.cluster.replica import LoadFigures
@@ -81,12 +82,11 @@ def rebalance_candidate(requests: Iterable[Request]) -> Request | None:
 
 
 def split_candidate(
-    running: Iterable[Request], min_tokens: int, already_split: Iterable[str]
+    running: Iterable[Request], min_tokens: int, already_split: AbstractSet[str]
 ) -> list[Request]:
     """The running prompts a split may move, in running order: still prefilling (no
     output yet), at least ``min_tokens`` long, at least half computed, not split before
     (a request moves once: a second split would only bounce it)."""
-    done = set(already_split)
     return [
         r
         for r in running
@@ -94,7 +94,7 @@ def split_candidate(
         and r.num_prompt_tokens >= min_tokens
         and not r.num_output_tokens
         and r.num_computed_tokens * 2 >= r.num_prompt_tokens
-        and r.request_id not in done
+        and r.request_id not in already_split
     ]
 
 
