@@ -161,9 +161,7 @@ class PersistentBatch:
         self._time_lists.append(r.token_times_ms)
         self._order_array = None
         self._run = None
-        self.block_table[slot] = 0
-        self.num_blocks[slot] = 0
-        self.reload(r, pool)
+        self.reload(r, pool)  # the whole row: a recycled slot keeps nothing of its last
 
     def remove(self, r: Request) -> None:
         """``r`` stops running; its slot is recycled."""

@@ -55,9 +55,6 @@ class StepDraft:
             self._bulk_set = set(self.bulk_ids)
         return self._bulk_set is not None and request_id in self._bulk_set
 
-    def any_scheduled(self) -> bool:
-        return bool(self.scheduled or self.bulk_ids)
-
     def build(self) -> StepPlan:
         return self.plan.build(
             self.preempted,

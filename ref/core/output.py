@@ -74,14 +74,14 @@ def _checked_array(plan: StepPlan, tokens: list[object], ids: Sequence[str]) -> 
     the first request whose token is not an int in ``[0, 2**63)`` (bool excluded)."""
     if set(map(type, tokens)) <= {int}:
         try:
-            array = np.array(tokens, dtype=np.int64) if tokens else np.zeros(0, dtype=np.int64)
+            array = np.array(tokens, dtype=np.int64)
         except OverflowError:
             array = None  # one of them is 2**63 or more: named below
         if array is not None and (not len(array) or array.min() >= 0):
             return array
     for rid, token in zip(ids, tokens, strict=True):
         if type(token) is not int or not 0 <= token < 2**63:
-            limit = " below 2**63" if type(token) is int and token > 0 else ""
+            limit = " below 2**63" if type(token) is int and token >= 2**63 else ""
             raise BadExecutorOutput(
                 f"step {plan.step_index}: executor gave {token!r} as the sampled token of "
                 f"request {rid!r}; expected a non-negative int{limit}"

@@ -164,7 +164,9 @@ class Planner:
         rid = r.request_id
         total = n + len(drafts)
         if not self._make_room(draft, r, total):
-            if not draft.any_scheduled() and len(draft.running) == 1:
+            # Alone: every other running request is a victim by now, and a request
+            # given tokens is never one, so nothing else is scheduled either.
+            if len(draft.running) == 1:
                 self.pool.free(rid)
                 draft.running.remove(r)
                 draft.finished.append(PlannedFinish(rid, FinishReason.CAPACITY))
@@ -232,7 +234,7 @@ class Planner:
     def _admission_fits(self, draft: StepDraft, r: Request, n: int, hit: PrefixHit | None) -> bool:
         """The admission-fit check (CAP, example 2e): with anything else in the step, the
         blocks ``admission_blocks`` asks must be free above the watermark."""
-        if draft.running or draft.plan.request_ids:
+        if draft.running:  # (every request in the plan is running)
             free = self.pool.num_free_blocks - self.config.watermark_blocks
             return admission_blocks(self.config, self.pool, r, n, hit) <= free
         return self._fits_alone(r.request_id, n, hit, draft)

@@ -75,9 +75,9 @@ def prefill_cap(
         return config.max_num_batched_tokens
     last = min(r.token_times_ms[-1] if r.token_times_ms else now_ms for r in decoded)
     slack = last + config.tbt_slo_ms - now_ms
-    kv_read = sum(r.num_computed_tokens + 1 for r in decoded) if model.e else 0
+    kv_read = sum(r.num_computed_tokens + 1 for r in decoded)
     spare = slack - model.step_ms(0, len(decoded), kv_read)
-    return max(reserve, math.floor(spare / model.b) if spare > 0 else 0)
+    return max(reserve, math.floor(spare / model.b))  # no slack: the reserve alone (>= 0)
 
 
 def chunk(config: SchedulerConfig, remaining: int, avail: int, num_computed: int) -> int:

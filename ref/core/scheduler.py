@@ -201,7 +201,6 @@ class Scheduler:
             raise UnknownRequest(request_id, "pause")
         kind = self._suspend.pause(r, retention, expected_wait_ms)
         self._batch.remove(r)
-        self._proposals.drop(request_id)
         return kind
 
     def resume(self, request_id: str, tool_token_ids: Sequence[int], stop: StopParams) -> None:
@@ -521,7 +520,6 @@ class Scheduler:
         request_id = r.request_id
         if self.pool.has_request(request_id):
             self.pool.free(request_id)
-        self._proposals.drop(request_id)
         was_paused = self._suspend.forget(request_id)
         if request_id in self._batch:
             self._batch.remove(r)

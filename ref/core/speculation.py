@@ -19,8 +19,9 @@ from spec.snapshot import RequestStatus
 
 class Proposals:
     """Drafts for decoding requests' next step, by request id, at most ``limit`` each
-    (``num_speculative_tokens``). They hold for one step (:meth:`clear` at commit) or
-    until the request leaves the running batch (:meth:`drop`)."""
+    (``num_speculative_tokens``). They hold for one step (:meth:`clear` at commit); the
+    planner verifies only those of requests decoding in the step, so the drafts of a
+    request that left the running batch (paused, aborted, migrated) go unused."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -47,9 +48,6 @@ class Proposals:
         else:
             self.drafts.pop(rid, None)
 
-    def drop(self, request_id: str) -> None:
-        self.drafts.pop(request_id, None)
-
     def clear(self) -> None:
         if self.drafts:
             self.drafts = {}
@@ -71,7 +69,7 @@ def keep_verified(
     go back to the pool), so the KV covers all but the last token, as after a plain step
     (KVLEN). Returns the tokens kept and why ``r`` finished, if it did."""
     kept: list[int] = []
-    reason = None
+    reason: FinishReason | None  # the loop runs at least once: the target's token
     for t in (*drafts[:accepted], token):
         r.token_ids.append(t)
         r.token_times_ms.append(now_ms)

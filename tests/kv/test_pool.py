@@ -1280,3 +1280,22 @@ def test_a_partial_truncation_is_undone_exactly_by_a_rollback() -> None:
         pool.truncate("ghost", 0)
     with pytest.raises(InvalidArgument, match=r"^num_stored must be >= 0, got -1$"):
         pool.truncate("a", -1)
+
+
+@pytest.mark.mutation_kill
+def test_clearing_the_cache_forgets_every_prefix_and_keeps_the_held_blocks() -> None:
+    pool = BlockPool(8, 4)
+    pool.allocate("a", tokens(8), 8)  # two full blocks, indexed, held
+    pool.allocate("b", tokens(8, 100), 8)
+    pool.free("b")  # its blocks stay indexed, free
+    held = pool.block_table("a")
+    pool.begin()
+    assert pool.clear_cache() == 4
+    pool.rollback()  # the clear is undone with its transaction
+    assert pool.lookup(tokens(9, 100)).num_tokens == 8
+    assert pool.clear_cache() == 4
+    assert pool.lookup(tokens(9)).num_tokens == 0 and pool.lookup(tokens(9, 100)).num_tokens == 0
+    assert pool.block_table("a") == held and pool.num_free_blocks == 6
+    assert pool.snapshot().cache_entries == ()
+    assert pool.clear_cache() == 0
+    assert_valid(pool)

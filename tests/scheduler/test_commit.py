@@ -12,6 +12,7 @@ import pytest
 from harness import SMALL_CONFIG, commit_step, make_request, plan_entry
 
 from ref.core.config import SchedulerConfig
+from ref.core.outcome import Outcome
 from ref.core.output import BadExecutorOutput
 from ref.core.policy import DecodeFirst
 from ref.core.request import FinishReason, Request, StopParams
@@ -53,9 +54,10 @@ def test_commit_stamps_times_from_the_right_clock() -> None:
 def test_commit_stops_on_a_stop_token_or_eos(stop: StopParams, finishes: bool) -> None:
     sched = Scheduler(SMALL_CONFIG)
     sched.add_request(Request("a", [1, 2, 3], stop))
-    _, events = commit_step(sched, token=7)
+    _, events = commit_step(sched, 3.0, token=7)
     a = sched.retired[-1] if finishes else sched.requests["a"]
     assert events.finished == (("a",) if finishes else ())
+    assert a.finished_ms == (3.0 if finishes else None)  # a first token's finish, stamped
     assert a.finish_reason is (FinishReason.STOP if finishes else None)
     assert a.status is (S.FINISHED if finishes else S.DECODING)
     assert sched.pool.has_request("a") is not finishes
@@ -94,6 +96,7 @@ def test_a_prefill_chunk_that_does_not_sample_keeps_prefilling() -> None:
     assert plan_entry(plan, "a") == (0, 4, False, True, 0)
     assert a.status is S.PREFILLING and a.num_computed_tokens == 4 and a.num_tokens == 10
     assert dict(events.last_tokens()) == {} and a.token_times_ms == []
+    assert events.outcomes == (Outcome("a"),)  # the chunk is reported, with nothing kept
     plan, _ = commit_step(sched)
     assert plan_entry(plan, "a") == (4, 4, False, True, 0) and a.status is S.PREFILLING
     plan, events = commit_step(sched)
@@ -138,6 +141,9 @@ def test_commit_refuses_a_plan_that_is_not_pending() -> None:
     sched.commit(plan, {"a": 0})  # now_ms defaults to 0
     assert sched.requests["a"].output_token_ids == [0]
     assert sched.requests["a"].token_times_ms == [0.0]
+    with pytest.raises(AssertionError) as committed:  # a commit leaves nothing pending
+        sched.rollback()
+    assert str(committed.value).splitlines()[0] == "rollback without a pending plan"
 
 
 @pytest.mark.mutation_kill

@@ -160,6 +160,10 @@ def test_a_stop_among_the_accepted_drafts_ends_the_request_there() -> None:
     sched.propose("a", [7, 8, 9])
     events = sched.commit(sched.schedule(), {"a": 42}, 5.0, accepted={"a": 3})
     assert events.finished == ("a",) and events.verified["a"].tokens == (7, 8)
+    # The finished verification still reports its drafts and how many were accepted.
+    assert events.verified["a"] == Outcome(
+        "a", (7, 8), FinishReason.STOP, blocks_freed=2, num_drafts=3, num_accepted=3
+    )
     r = sched.retired[0]
     assert r.output_token_ids == [6, 7, 8] and r.finish_reason is FinishReason.STOP
     assert r.finished_ms == 5.0
@@ -213,6 +217,17 @@ def test_a_bad_accepted_count_is_refused_before_anything_changes(
     validate_output(plan, {"a": 42}, {"a": 2})  # a good count passes
     sched.commit(plan, {"a": 42}, accepted={"a": 2})
     assert sched.requests["a"].output_token_ids == [6, 7, 8, 42]
+
+
+def test_drafts_for_a_running_prefill_are_refused() -> None:
+    # Running is not enough: only a decoding request verifies drafts after its last token.
+    sched = _decoding(max_num_batched_tokens=8)
+    sched.add_request(Request("p", list(range(1, 13)), StopParams(4)))
+    sched.commit(sched.schedule(), {"a": 7})  # "p" is admitted with a first chunk
+    assert "p" in sched.batch and sched.requests["p"].status is S.PREFILLING
+    with pytest.raises(InvalidArgument, match="'p' is not running in decode"):
+        sched.propose("p", [1])
+    assert sched.schedule().drafts == {}
 
 
 def test_drafts_hold_for_one_step() -> None:
