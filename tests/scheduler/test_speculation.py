@@ -219,6 +219,7 @@ def test_a_bad_accepted_count_is_refused_before_anything_changes(
     assert sched.requests["a"].output_token_ids == [6, 7, 8, 42]
 
 
+@pytest.mark.mutation_kill
 def test_drafts_for_a_running_prefill_are_refused() -> None:
     # Running is not enough: only a decoding request verifies drafts after its last token.
     sched = _decoding(max_num_batched_tokens=8)
