@@ -55,8 +55,12 @@ $(CLUSTER_STAMP): $(STAMP) pyproject.toml
 
 cluster-deps: $(CLUSTER_STAMP)
 
+# One worker process per core (pytest-xdist), a test file per worker at a time: module
+# fixtures (a trained checkpoint, a server, a Ray cluster) are built once per file.
+PYTEST_WORKERS ?= 2
+
 pytest: $(STAMP) $(CLUSTER_STAMP)
-	$(PY) -m pytest -p no:cacheprovider
+	$(PY) -m pytest -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile
 
 crosshair: $(STAMP)
 	timeout 300 $(VENV)/bin/crosshair check --per_condition_timeout=$(CROSSHAIR_TIMEOUT) $(CROSSHAIR_MODULES)

@@ -18,6 +18,11 @@ from hypothesis import HealthCheck, Phase, settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under `make pytest` each core runs its own worker (pytest-xdist): torch's intra-op
+# threads would then oversubscribe the cores, each worker's matmuls fighting the other's.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 _CI_PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)
 
 settings.register_profile(

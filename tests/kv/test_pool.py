@@ -129,7 +129,8 @@ def test_a_one_off_allocation_takes_any_sequence_and_reports_its_table() -> None
     any sequence, not only a list or a tuple, and tells the batch its table changed; so
     does the general path."""
     pool = BlockPool(4, 2, enable_prefix_caching=False)
-    pool.take_changed()
+    assert pool.take_changed() == (set(), False)  # a new pool has no table to rewrite
+    assert pool.cache_events is None  # events are published only when asked for
     pool.allocate("a", range(10, 15), 3)
     assert pool.snapshot().tables[0].token_ids == (10, 11, 12)
     assert pool.take_changed() == ({"a"}, False)
