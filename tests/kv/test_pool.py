@@ -124,13 +124,21 @@ def test_allocate_reports_what_it_did() -> None:
 
 
 @pytest.mark.mutation_kill
+def test_a_new_pool_reports_no_changed_table_and_publishes_no_events() -> None:
+    """A new pool has no table for the persistent batch to rewrite, and cache events are
+    published only when asked for (``cache_events=True``; docs/MUTATION.md)."""
+    pool = BlockPool(4, 2)
+    assert pool.take_changed() == (set(), False)
+    assert pool.cache_events is None
+    assert BlockPool(4, 2, cache_events=True).cache_events is not None
+
+
+@pytest.mark.mutation_kill
 def test_a_one_off_allocation_takes_any_sequence_and_reports_its_table() -> None:
     """The one-off path (caching off, a new request, no transaction) stores the tokens of
     any sequence, not only a list or a tuple, and tells the batch its table changed; so
     does the general path."""
     pool = BlockPool(4, 2, enable_prefix_caching=False)
-    assert pool.take_changed() == (set(), False)  # a new pool has no table to rewrite
-    assert pool.cache_events is None  # events are published only when asked for
     pool.allocate("a", range(10, 15), 3)
     assert pool.snapshot().tables[0].token_ids == (10, 11, 12)
     assert pool.take_changed() == ({"a"}, False)
