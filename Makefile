@@ -4,11 +4,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Modules whose pure helpers carry CrossHair contracts (pre/post conditions).
-CROSSHAIR_MODULES := spec/arith.py spec/hashing.py ref/core/capacity.py ref/core/prefill.py \
-	ref/core/planner.py ref/core/swap.py ref/core/policy.py conformance/explore/key.py
+CROSSHAIR_MODULES := refserve.spec.arith refserve.spec.hashing refserve.core.capacity \
+	refserve.core.prefill refserve.core.planner refserve.core.swap refserve.core.policy \
+	refserve.conformance.explore.key
 CROSSHAIR_TIMEOUT ?= 5
 
-.PHONY: run train-tiny cluster-deps test lint typecheck pytest crosshair conformance conformance-nanovllm conformance-vllm bench deep clean venv gpu-check gpu-bench
+.PHONY: run train-tiny cluster-deps test lint typecheck pytest crosshair conformance conformance-nanovllm conformance-vllm bench deep clean venv gpu-check gpu-bench tree wheel test-wheel
 
 venv: $(STAMP)
 
@@ -31,14 +32,45 @@ run: $(STAMP)
 # The embedded trained model: regenerates ref/model/tiny/{config.json,model.safetensors}
 # from the generated corpus (one CPU thread, seeded; about 5 minutes).
 train-tiny: $(STAMP)
-	$(PY) -m ref.model.train_tiny
+	$(PY) -m refserve.model.train_tiny
+
+# One import name, refserve, over four folders (docs/ARCHITECTURE.md, "One import name").
+# Python processes of $(VENV) import it through setuptools' editable finder; tools that run
+# no import hooks (mypy, mutmut) and a machine with nothing installed read it through this
+# link tree instead: the wheel's layout, real folders holding a link to every source file,
+# made anew on each use (it takes well under a second), so added files are never missed.
+TREE := build/tree
+tree:
+	rm -rf $(TREE)/refserve
+	mkdir -p $(TREE)
+	cp -rs $(CURDIR)/ref $(TREE)/refserve
+	cp -rs $(CURDIR)/spec $(TREE)/refserve/spec
+	cp -rs $(CURDIR)/kernels $(TREE)/refserve/kernels
+	cp -rs $(CURDIR)/conformance $(TREE)/refserve/conformance
+	find $(TREE)/refserve -name __pycache__ -prune -exec rm -rf {} +
+
+# The wheel users install (build/wheel/refserve-*.whl): the third-party venvs install
+# it, and test-wheel installs it beside current transformers and Hugging Face's kernels.
+WHEEL_DIR := build/wheel
+wheel:
+	rm -rf $(WHEEL_DIR)
+	$(PYTHON) -m pip wheel -q --no-deps -w $(WHEEL_DIR) .
+WHEEL = $(wildcard $(WHEEL_DIR)/refserve-*.whl)
+# Into a third-party venv, again on every run, so that the venv runs this checkout's code.
+install_wheel = $(1) -m pip install -q --no-deps --force-reinstall $(WHEEL)
+
+# The wheel in a fresh virtualenv beside the newest transformers and Hugging Face's
+# `kernels`, driven from outside the checkout (tests/install/; minutes: torch is installed
+# into that venv). Part of `make test`; a plain `pytest` deselects it (pyproject addopts).
+test-wheel: $(STAMP)
+	$(PY) -m pytest -p no:cacheprovider -m install tests/install
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-typecheck: $(STAMP)
-	$(VENV)/bin/mypy ref spec conformance kernels
+typecheck: $(STAMP) tree
+	$(VENV)/bin/mypy
 
 # The deterministic Hypothesis profile unless the caller picks another (deep, dev).
 HYPOTHESIS_PROFILE ?= ci
@@ -63,19 +95,20 @@ pytest: $(STAMP) $(CLUSTER_STAMP)
 	$(PY) -m pytest -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile
 
 crosshair: $(STAMP)
-	timeout 300 $(VENV)/bin/crosshair check --per_condition_timeout=$(CROSSHAIR_TIMEOUT) $(CROSSHAIR_MODULES)
+	timeout 300 $(VENV)/bin/crosshair check --per_condition_timeout=$(CROSSHAIR_TIMEOUT) \
+		$(CROSSHAIR_MODULES)
 
 # refserve's own adapter must pass the whole conformance suite.
 conformance: $(STAMP)
-	$(VENV)/bin/refserve conformance --adapter conformance.adapters.ref:make --kv-adapter conformance.adapters.ref_kv:make_kv
-	$(VENV)/bin/refserve conformance --adapter conformance.adapters.ref:make_swap
+	$(VENV)/bin/refserve conformance --adapter refserve.conformance.adapters.ref:make --kv-adapter refserve.conformance.adapters.ref_kv:make_kv
+	$(VENV)/bin/refserve conformance --adapter refserve.conformance.adapters.ref:make_swap
 
-test: lint typecheck pytest crosshair conformance
+test: lint typecheck pytest crosshair conformance test-wheel
 
 # The third-party run. nano-vllm-fork lives in its own virtualenv, never in $(VENV) and
 # never in `make test`: torch==2.13.0 first, as for $(VENV) (the CPU wheel on local disk);
-# refserve with its `conformance` extra; what the adapter imports (the `nanovllm` extra:
-# numpy, transformers); pytest and pytest-benchmark (pyproject's addopts) for the adapter's
+# refserve's wheel with its `conformance` extra (as users install it, not editable);
+# what the adapter imports (the `nanovllm` extra: numpy, transformers); pytest and pytest-benchmark (pyproject's addopts) for the adapter's
 # test: $(NANO_VENV)/bin/python -m pytest tests/conformance/test_conformance.py -k nanovllm
 # and last nano-vllm-fork with --no-deps (its own requirements add triton; only its
 # scheduler modules are imported). The run EXITS 1 BY DESIGN: the suite finds nano-vllm's
@@ -84,17 +117,18 @@ NANO_VENV := .venv-nanovllm
 NANO_PY := $(NANO_VENV)/bin/python
 NANO_STAMP := $(NANO_VENV)/.installed
 
-$(NANO_STAMP): pyproject.toml
+$(NANO_STAMP): pyproject.toml | wheel
 	test -x $(NANO_PY) || $(PYTHON) -m venv $(NANO_VENV)
 	$(NANO_PY) -m pip install -q --upgrade pip
 	$(NANO_PY) -m pip install -q torch==2.13.0
-	$(NANO_PY) -m pip install -q -e '.[conformance]' numpy 'transformers>=4.48,<5.25' 'pytest>=8' pytest-benchmark
+	$(NANO_PY) -m pip install -q '$(WHEEL)[conformance]' numpy 'transformers>=4.48' 'pytest>=8' pytest-benchmark
 	$(NANO_PY) -m pip install -q --no-deps nano-vllm-fork==20260210 'xxhash>=3'
 	touch $(NANO_STAMP)
 
-conformance-nanovllm: $(NANO_STAMP)
+conformance-nanovllm: wheel $(NANO_STAMP)
+	$(call install_wheel,$(NANO_PY))
 	mkdir -p out
-	$(NANO_VENV)/bin/refserve conformance --adapter conformance.adapters.nanovllm:make \
+	$(NANO_VENV)/bin/refserve conformance --adapter refserve.conformance.adapters.nanovllm:make \
 		--report out/nanovllm.json --markdown out/nanovllm.md
 
 # vLLM's V1 scheduler and KV cache manager, driven on the CPU by
@@ -106,16 +140,17 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP): pyproject.toml | wheel
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q 'vllm==0.33.0'
-	$(VLLM_PY) -m pip install -q -e '.[conformance]' 'pytest>=8' pytest-benchmark
+	$(VLLM_PY) -m pip install -q '$(WHEEL)[conformance]' 'pytest>=8' pytest-benchmark
 	touch $(VLLM_STAMP)
 
-conformance-vllm: $(VLLM_STAMP)
+conformance-vllm: wheel $(VLLM_STAMP)
+	$(call install_wheel,$(VLLM_PY))
 	mkdir -p out
-	$(VLLM_VENV)/bin/refserve conformance --adapter conformance.adapters.vllm:make \
+	$(VLLM_VENV)/bin/refserve conformance --adapter refserve.conformance.adapters.vllm:make \
 		--report out/vllm.json --markdown out/vllm.md
 
 # The pytest-benchmark suites (out/bench-pytest.json); the migration bench, a move with the
@@ -127,7 +162,7 @@ conformance-vllm: $(VLLM_STAMP)
 # (out/bench-memory.json). Code: conformance/bench/. Last, the fresh JSON replaces the
 # committed inputs in docs/bench/ and docs/BENCHMARKS.md is rendered from them (figures
 # are never typed by hand; tests/repo/test_benchmarks_doc.py keeps the two in step).
-BENCH_REPORT = $(PY) -m conformance.bench.report --out docs/BENCHMARKS.md docs/bench/*.json
+BENCH_REPORT = $(PY) -m refserve.conformance.bench.report --out docs/BENCHMARKS.md docs/bench/*.json
 
 bench: $(STAMP)
 	mkdir -p out docs/bench
@@ -136,9 +171,9 @@ bench: $(STAMP)
 		--ignore=tests/bench/test_migration_bench.py
 	$(PY) -m pytest tests/bench/test_migration_bench.py --benchmark-only \
 		--benchmark-json out/bench-migration.json -p no:cacheprovider
-	$(PY) -m conformance.bench.peers --engines ref ref-loop --only steps \
+	$(PY) -m refserve.conformance.bench.peers --engines ref ref-loop --only steps \
 		--json out/bench-step.json --markdown out/bench-step.md
-	$(PY) -m conformance.bench.memory --json out/bench-memory.json --markdown out/bench-memory.md
+	$(PY) -m refserve.conformance.bench.memory --json out/bench-memory.json --markdown out/bench-memory.md
 	cp out/bench-pytest.json out/bench-migration.json out/bench-step.json out/bench-memory.json docs/bench/
 	$(BENCH_REPORT)
 
@@ -148,9 +183,11 @@ bench: $(STAMP)
 # worker on one CPU. Writes out/bench-peers.json and out/bench-peers.md; exit 1 if an
 # engine could not run, and then docs/bench/ keeps the last complete run.
 .PHONY: bench-peers bench-report
-bench-peers: $(STAMP) $(NANO_STAMP) $(VLLM_STAMP)
+bench-peers: $(STAMP) wheel $(NANO_STAMP) $(VLLM_STAMP)
+	$(call install_wheel,$(NANO_PY))
+	$(call install_wheel,$(VLLM_PY))
 	mkdir -p out docs/bench
-	$(PY) -m conformance.bench.peers --json out/bench-peers.json --markdown out/bench-peers.md
+	$(PY) -m refserve.conformance.bench.peers --json out/bench-peers.json --markdown out/bench-peers.md
 	cp out/bench-peers.json docs/bench/
 	$(BENCH_REPORT)
 
@@ -167,11 +204,13 @@ clean:
 
 # On a CUDA machine: the kernel tests compiled, plus the full grid report (every case in
 # its own worker run, fp32/fp16/bf16; docs/KERNELS.md). With gpu-bench: < 10 min on one GPU.
-gpu-check: $(STAMP)
+# The link tree goes first on PYTHONPATH, so the targets run where refserve is not installed.
+GPU_ENV = PYTHONPATH=$(CURDIR)/$(TREE)$${PYTHONPATH:+:$$PYTHONPATH}
+gpu-check: $(STAMP) tree
 	mkdir -p out
-	$(PY) -m pytest -p no:cacheprovider tests/kernels -q
-	$(PY) -m ref.cli.main check-kernel kernels:paged_attention --timeout 120 \
-		--json out/gpu_grid.json --jsonl out/gpu_grid.jsonl
+	$(GPU_ENV) $(PY) -m pytest -p no:cacheprovider tests/kernels -q
+	$(GPU_ENV) $(PY) -m refserve.cli.main check-kernel refserve.kernels:paged_attention \
+		--timeout 120 --json out/gpu_grid.json --jsonl out/gpu_grid.jsonl
 
 # On a CUDA machine: decode and mixed batches at 1k-128k context, fp16/bf16, block 16:
 # achieved HBM bandwidth vs a measured device copy, ratios to SDPA and FlashInfer
@@ -179,19 +218,23 @@ gpu-check: $(STAMP)
 # The JSON replaces docs/bench/gpu-bench.json and docs/BENCHMARKS.md is rendered again.
 # On a machine whose own python3 holds CUDA torch and Triton (no venv, no network):
 #   make -o $(STAMP) PY=python3 gpu-check gpu-bench
-gpu-bench: $(STAMP)
+gpu-bench: $(STAMP) tree
 	mkdir -p out docs/bench
-	$(PY) -m kernels.bench --json out/gpu_bench.json
+	$(GPU_ENV) $(PY) -m refserve.kernels.bench --json out/gpu_bench.json
 	cp out/gpu_bench.json docs/bench/gpu-bench.json
-	$(BENCH_REPORT)
+	$(GPU_ENV) $(BENCH_REPORT)
 
 # Mutation testing of the block pool and scheduler (mutmut 3, config in pyproject.toml;
-# mutants live in mutants/, the real sources are never touched). Results: docs/MUTATION.md.
+# mutants live in $(TREE)/mutants/, the real sources are never touched). mutmut names a
+# module by its path, so it runs in the link tree, beside links to the tests and the
+# config. Results: docs/MUTATION.md.
 .PHONY: mutation
-mutation: $(STAMP)
+mutation: $(STAMP) tree
 	$(PY) -m pip install -q 'mutmut==3.8.1'
-	HYPOTHESIS_PROFILE=ci $(VENV)/bin/mutmut run --max-children 2
-	$(VENV)/bin/mutmut results
+	ln -sfn $(CURDIR)/tests $(TREE)/tests
+	ln -sf $(CURDIR)/pyproject.toml $(TREE)/pyproject.toml
+	cd $(TREE) && HYPOTHESIS_PROFILE=ci $(CURDIR)/$(VENV)/bin/mutmut run --max-children 2
+	cd $(TREE) && $(CURDIR)/$(VENV)/bin/mutmut results
 
 # The exhaustive explorer through the adapter protocol on the third-party engines (each
 # in its own virtualenv, as for conformance-nanovllm / conformance-vllm; not in
@@ -199,14 +242,16 @@ mutation: $(STAMP)
 # cannot chunk a prompt), replayed from a fresh adapter per state.
 # Exits 1 when a counterexample is found; findings: conformance/FINDINGS_*.md.
 .PHONY: explore-nanovllm explore-vllm
-explore-nanovllm: $(NANO_STAMP)
+explore-nanovllm: wheel $(NANO_STAMP)
+	$(call install_wheel,$(NANO_PY))
 	mkdir -p out/explore-nanovllm
 	$(NANO_VENV)/bin/refserve conformance --exhaustive --scope small-unchunked \
-		--adapter conformance.adapters.nanovllm:make --report out/explore-nanovllm.json \
+		--adapter refserve.conformance.adapters.nanovllm:make --report out/explore-nanovllm.json \
 		--counterexamples out/explore-nanovllm
 
-explore-vllm: $(VLLM_STAMP)
+explore-vllm: wheel $(VLLM_STAMP)
+	$(call install_wheel,$(VLLM_PY))
 	mkdir -p out/explore-vllm
 	$(VLLM_VENV)/bin/refserve conformance --exhaustive --scope small \
-		--adapter conformance.adapters.vllm:make --report out/explore-vllm.json \
+		--adapter refserve.conformance.adapters.vllm:make --report out/explore-vllm.json \
 		--counterexamples out/explore-vllm

@@ -74,7 +74,7 @@ Semantics every adapter must follow
   began (status ``finished`` / ``aborted``); the pool with ref counts, the free queue in
   hand-out order, one :class:`spec.TableSnapshot` per request holding blocks, and (feature
   ``cache_index``) the prefix-cache index as :class:`spec.CacheEntry` records keyed by
-  :func:`spec.hashing.block_key`.
+  :func:`refserve.spec.hashing.block_key`.
 
 Request state mapping: a request not yet scheduled is ``waiting``; one whose prompt is
 partly computed is ``prefilling``; one with KV for all but its last sampled token is
@@ -101,7 +101,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
-from spec.snapshot import EngineSnapshot, ScheduledRequest
+from refserve.spec.snapshot import EngineSnapshot, ScheduledRequest
 
 
 class Feature(StrEnum):
@@ -261,7 +261,7 @@ def properties_of(adapter: object) -> EngineProperties:
         return DEFAULT_PROPERTIES
     if not isinstance(props, EngineProperties):
         raise TypeError(
-            f"adapter.properties must be conformance.adapter.EngineProperties, "
+            f"adapter.properties must be refserve.conformance.adapter.EngineProperties, "
             f"got {type(props).__name__}"
         )
     return props
@@ -464,7 +464,7 @@ def _method_like(v: object) -> bool:
 
 
 def load_factory(spec: str) -> AdapterFactory:
-    """Resolve ``MODULE:FACTORY`` (e.g. ``conformance.adapters.ref:make``)."""
+    """Resolve ``MODULE:FACTORY`` (e.g. ``refserve.conformance.adapters.ref:make``)."""
     import importlib
 
     module_name, sep, attr = spec.partition(":")

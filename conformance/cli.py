@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from conformance.guard import DEFAULT_CALL_TIMEOUT
+from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT
 
 T = TypeVar("T")
 PROG = "refserve conformance"
@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Check an engine's scheduler and KV manager against refserve's spec.",
         exit_on_error=False,
     )
-    p.add_argument("--adapter", help="MODULE:FACTORY, e.g. conformance.adapters.ref:make")
+    p.add_argument("--adapter", help="MODULE:FACTORY, e.g. refserve.conformance.adapters.ref:make")
     p.add_argument(
         "--kv-adapter",
         metavar="MODULE:FACTORY",
@@ -158,7 +158,7 @@ def _main(argv: list[str]) -> int:
         args = _parse(argv)
     except _Exit as e:
         return e.code
-    from conformance.suite import scenario_names
+    from refserve.conformance.suite import scenario_names
 
     if args.list:
         print("\n".join(scenario_names()))
@@ -177,7 +177,7 @@ def _main(argv: list[str]) -> int:
 def _self_check(args: argparse.Namespace) -> int:
     if not args.adapter:
         raise UsageError("--self-check needs --adapter MODULE:FACTORY")
-    from conformance.selfcheck import self_check_main
+    from refserve.conformance.selfcheck import self_check_main
 
     return self_check_main(args.adapter, args.call_timeout)
 
@@ -202,8 +202,8 @@ def _run(
     kv_factory: Any,
     baseline: frozenset[str],
 ) -> int:
-    from conformance.report import Report, Result, ScenarioInfo, to_markdown
-    from conformance.suite import run_suite, scenario_names
+    from refserve.conformance.report import Report, Result, ScenarioInfo, to_markdown
+    from refserve.conformance.suite import run_suite, scenario_names
 
     names = args.scenarios
     if names:
@@ -212,7 +212,7 @@ def _run(
             raise UsageError(f"unknown scenarios: {', '.join(sorted(unknown))}")
     total = (len(names) if names else len(scenario_names())) if factory is not None else 0
     if kv_factory is not None:
-        from conformance.kv.machine import kv_scenario_names
+        from refserve.conformance.kv.machine import kv_scenario_names
 
         total += len(kv_scenario_names())
     state: dict[str, Any] = {"results": [], "infos": [], "current": "setup"}
@@ -244,7 +244,7 @@ def _run(
             partial().dump(args.report)
 
     def on_stuck(what: str) -> int:
-        from conformance.report import Failure, signature_of
+        from refserve.conformance.report import Failure, signature_of
 
         msg = (
             f"{what} did not return within {args.call_timeout:g} s and could not be "
@@ -259,7 +259,7 @@ def _run(
         print(f"\n{PROG}: FAIL {state['current']} PROGRESS: {msg}", file=sys.stderr)
         return EXIT_FINDINGS
 
-    from conformance.guard import Watchdog
+    from refserve.conformance.guard import Watchdog
 
     with Watchdog(grace=max(5.0, args.call_timeout), on_stuck=on_stuck):
         _check_adapters(args, factory, kv_factory)
@@ -283,7 +283,7 @@ def _run(
                 notes=report.notes,
             )
         if kv_factory is not None:
-            from conformance.kv.machine import run_kv_suite
+            from refserve.conformance.kv.machine import run_kv_suite
 
             on_start("kv-*")
             for rs, info in run_kv_suite(
@@ -370,7 +370,7 @@ def _read_json(path: Path, what: str) -> Any:
 
 
 def _load_baseline(path: Path) -> frozenset[str]:
-    from conformance.report import Report
+    from refserve.conformance.report import Report
 
     data = _read_json(path, "--baseline")
     try:
@@ -387,13 +387,13 @@ def _load_with(loader: Callable[[str], Any], spec: str, flag: str) -> Any:
 
 
 def _load(spec: str) -> Any:
-    from conformance.adapter import load_factory
+    from refserve.conformance.adapter import load_factory
 
     return _load_with(load_factory, spec, "--adapter")
 
 
 def _load_kv(spec: str) -> Any:
-    from conformance.kv.machine import load_kv_factory
+    from refserve.conformance.kv.machine import load_kv_factory
 
     return _load_with(load_kv_factory, spec, "--kv-adapter")
 
@@ -440,7 +440,7 @@ def _exhaustive(args: argparse.Namespace) -> int:
 def _watched(args: argparse.Namespace, fn: Callable[[], T]) -> T:
     """``fn`` under the watchdog: an adapter call stuck in native code ends the process
     with a FAIL line instead of hanging it."""
-    from conformance.guard import Watchdog
+    from refserve.conformance.guard import Watchdog
 
     def on_stuck(what: str) -> int:
         print(
@@ -456,7 +456,7 @@ def _watched(args: argparse.Namespace, fn: Callable[[], T]) -> T:
 
 
 def _explore_engine(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
-    from conformance.explore import SCOPES, explore
+    from refserve.conformance.explore import SCOPES, explore
 
     scope = SCOPES.get(args.scope)
     if scope is None:
@@ -482,7 +482,7 @@ def _explore_engine(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]
 
 
 def _explore_kv(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
-    from conformance.explore import KV_SCOPES, explore_kv
+    from refserve.conformance.explore import KV_SCOPES, explore_kv
 
     scope = KV_SCOPES.get(args.scope)
     if scope is None:
@@ -507,8 +507,8 @@ def _check_adapters(args: argparse.Namespace, factory: Any, kv_factory: Any) -> 
     """Refuse, before any scenario runs, a factory whose product is not an adapter at
     all (a usage error: the wrong MODULE:FACTORY). Without this the first attribute the
     suite reads is reported as a finding of an engine that was never there."""
-    from conformance.adapter import ENGINE_ADAPTER_ATTRIBUTES, ENGINE_ADAPTER_METHODS
-    from conformance.kv.protocol import KV_ADAPTER_ATTRIBUTES, KV_ADAPTER_METHODS
+    from refserve.conformance.adapter import ENGINE_ADAPTER_ATTRIBUTES, ENGINE_ADAPTER_METHODS
+    from refserve.conformance.kv.protocol import KV_ADAPTER_ATTRIBUTES, KV_ADAPTER_METHODS
 
     t = args.call_timeout
     if factory is not None:
@@ -531,8 +531,8 @@ def _check_members(
     attributes, methods). A factory that raises or hangs is left to the run, which
     reports it as a finding: that is the engine's fault (a missing extension, say), not
     a wrong name."""
-    from conformance.adapter import missing_members
-    from conformance.guard import AdapterCallError, call
+    from refserve.conformance.adapter import missing_members
+    from refserve.conformance.guard import AdapterCallError, call
 
     try:
         missing = call(
@@ -549,8 +549,8 @@ def _check_members(
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from conformance.runner import run_fresh
-    from conformance.workload import Workload
+    from refserve.conformance.runner import run_fresh
+    from refserve.conformance.workload import Workload
 
     data = _read_json(args.replay, "--replay")
     if isinstance(data, dict) and "workload" in data and "config" not in data:
@@ -558,7 +558,7 @@ def _replay(args: argparse.Namespace) -> int:
     if isinstance(data, dict) and "ops" in data:
         if not args.kv_adapter:
             raise UsageError("--replay of a KV workload (with 'ops') needs --kv-adapter")
-        from conformance.kv.machine import replay_kv
+        from refserve.conformance.kv.machine import replay_kv
 
         kv_factory = _load_kv(args.kv_adapter)
         _check_adapters(args, None, kv_factory)

@@ -15,10 +15,10 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from conformance.adapter import StepReport
-from spec.arith import slot_of
-from spec.snapshot import EngineSnapshot, TableSnapshot
-from spec.violation import Invariant, Violation, violation
+from refserve.conformance.adapter import StepReport
+from refserve.spec.arith import slot_of
+from refserve.spec.snapshot import EngineSnapshot, TableSnapshot
+from refserve.spec.violation import Invariant, Violation, violation
 
 #: A rejected draft's slot in the fake KV memory: never a token id (those are >= 0).
 POISONED = -1

@@ -1,10 +1,10 @@
 """Hypothesis-generated workloads: random arrivals, shared prefixes, aborts, tiny pools.
 
-:func:`workloads` draws a :class:`~conformance.workload.Workload` fitted to an engine's
+:func:`workloads` draws a :class:`~refserve.conformance.workload.Workload` fitted to an engine's
 features (no aborts for an engine without abort, whole sequences within the budget for
 one without chunked prefill), so a generated failure is always a real one. :func:`search`
 spends the whole example budget, collects every distinct finding signature and shrinks
-each one apart (:mod:`conformance.shrink`).
+each one apart (:mod:`refserve.conformance.shrink`).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
 from hypothesis import strategies as st
 
-from conformance.adapter import AdapterFactory, EngineConfig, Feature
-from conformance.guard import DEFAULT_CALL_TIMEOUT
-from conformance.runner import RunResult, adapter_traits, build, run_fresh
-from conformance.shrink import distinct, shrink
-from conformance.workload import EOS, MigrationPlan, RequestPlan, Workload
-from spec.violation import Invariant
+from refserve.conformance.adapter import AdapterFactory, EngineConfig, Feature
+from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT
+from refserve.conformance.runner import RunResult, adapter_traits, build, run_fresh
+from refserve.conformance.shrink import distinct, shrink
+from refserve.conformance.workload import EOS, MigrationPlan, RequestPlan, Workload
+from refserve.spec.violation import Invariant
 
 KINDS = ("mixed", "tiny-pool", "shared-prefix", "migration")
 
@@ -212,7 +212,7 @@ def search(
     """Run exactly ``max_examples`` generated workloads of ``kind``; never stop early.
 
     A finding does not end the search (the next example may hold a different bug): each
-    distinct signature (:func:`conformance.shrink.signature`) keeps the first run that
+    distinct signature (:func:`refserve.conformance.shrink.signature`) keeps the first run that
     showed it, and is shrunk afterwards with the exact signature kept. Signatures in
     ``known`` (a baseline report's) are suppressed, so the search goes on past them.
     """

@@ -1,27 +1,28 @@
 """Drive one workload through an adapter and check every invariant after every step.
 
 Per step the runner builds a :class:`spec.StepSnapshot` from the adapter's snapshots and
-report and runs :func:`spec.check_step`; after each abort it runs :func:`spec.check_pool`;
-on a rejected request or a rolled-back step it runs :func:`spec.atomic.check_atomic`; at
-quiescence :func:`spec.progress.check_quiescent` (the leak check) and
-:func:`spec.progress.check_starvation`. On top of the spec it keeps a fake KV memory
-(a model check that catches sharing bugs, docs/CONFORMANCE.md; :mod:`conformance.fake_kv`):
+report and runs :func:`refserve.spec.check_step`; after each abort it runs
+:func:`refserve.spec.check_pool`; on a rejected request or a rolled-back step it runs
+:func:`refserve.spec.atomic.check_atomic`; at quiescence
+:func:`refserve.spec.progress.check_quiescent` (the leak check) and
+:func:`refserve.spec.progress.check_starvation`. On top of the spec it keeps a fake KV memory
+(a model check that catches sharing bugs, docs/CONFORMANCE.md; :mod:`refserve.conformance.fake_kv`):
 each scheduled slot receives the token id at its position, and after each step every
 request must read back exactly its own tokens through its block table. It samples every
-token itself, so it knows when a request must stop (:mod:`conformance.stops`). An
+token itself, so it knows when a request must stop (:mod:`refserve.conformance.stops`). An
 exception out of the engine is a PROGRESS failure (it must not crash); so is a run that
 does not quiesce within the workload's step limit.
 
-Every adapter call goes through :func:`conformance.guard.call` (a time limit, any
-exception contained) and every value it returns is validated (:mod:`conformance.validate`)
+Every adapter call goes through :func:`refserve.conformance.guard.call` (a time limit, any
+exception contained) and every value it returns is validated (:mod:`refserve.conformance.validate`)
 before a checker reads it: a hang, a raise or a malformed record ends the run with a
 PROGRESS finding naming the call, never a crash of the suite. ``NotSupported`` from any
 call means the engine cannot run the workload (``not_supported``). The adapter's declared
-:class:`~conformance.adapter.EngineProperties` set what is a convention: lookahead slots
+:class:`~refserve.conformance.adapter.EngineProperties` set what is a convention: lookahead slots
 (POS), eos handling (KVLEN), the free-queue order (BLOCK), the admission order (ORDER).
-What a run yields (findings, observed policy, trace) is :mod:`conformance.run_result`.
+What a run yields (findings, observed policy, trace) is :mod:`refserve.conformance.run_result`.
 The entry points (one workload on fresh adapters, one or several instances) are
-:mod:`conformance.runner`.
+:mod:`refserve.conformance.runner`.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from conformance import validate
-from conformance.adapter import (
+from refserve.conformance import validate
+from refserve.conformance.adapter import (
     AdmissionOrder,
     CommitReport,
     EngineAdapter,
@@ -44,17 +45,17 @@ from conformance.adapter import (
     StepReport,
     properties_of,
 )
-from conformance.fake_kv import FakeKV
-from conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, call, describe
-from conformance.run_result import Finding, RunResult, step_trace
-from conformance.stops import StopRules
-from conformance.workload import RequestPlan, Workload, next_token
-from spec.atomic import check_atomic
-from spec.checks import check_pool, check_step
-from spec.order import check_admission_order, check_strict_admission_order
-from spec.progress import check_quiescent, check_starvation
-from spec.snapshot import EngineSnapshot, RequestStatus, ScheduledRequest, StepSnapshot
-from spec.violation import Invariant, Violation, violation
+from refserve.conformance.fake_kv import FakeKV
+from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, call, describe
+from refserve.conformance.run_result import Finding, RunResult, step_trace
+from refserve.conformance.stops import StopRules
+from refserve.conformance.workload import RequestPlan, Workload, next_token
+from refserve.spec.atomic import check_atomic
+from refserve.spec.checks import check_pool, check_step
+from refserve.spec.order import check_admission_order, check_strict_admission_order
+from refserve.spec.progress import check_quiescent, check_starvation
+from refserve.spec.snapshot import EngineSnapshot, RequestStatus, ScheduledRequest, StepSnapshot
+from refserve.spec.violation import Invariant, Violation, violation
 
 T = TypeVar("T")
 
@@ -89,7 +90,7 @@ class _Sampled:
 
 class _Run:
     """One engine instance under a workload. Alone it is the whole run (:meth:`run`);
-    in a migration workload (:mod:`conformance.migration`) each instance is one, built
+    in a migration workload (:mod:`refserve.conformance.migration`) each instance is one, built
     with ``config`` (its own limits), ``shared`` (the first instance, whose result,
     tokens and plans every instance shares: a request's tokens move with it) and
     ``label`` (its name in findings: ``step on B``)."""

@@ -2,7 +2,7 @@
 pytest").
 
 Installing refserve registers it (the ``pytest11`` entry point ``refserve_kernels``); from
-a source tree that is not installed, add ``-p conformance.kernel_pytest_plugin``. Then::
+a source tree that is not installed, add ``-p refserve.conformance.kernel_pytest_plugin``. Then::
 
     pytest --refserve-kernel mypkg.attention:paged_attention [--refserve-kernel-quick]
            [--refserve-kernel-dtype float16 ...]
@@ -54,8 +54,8 @@ class KernelCaseItem(pytest.Item):
     def runtest(self) -> None:
         import torch
 
-        from conformance.kernel_grid import CASES, FAIL, PASS, TIMEOUT, run_case
-        from conformance.kernel_grid.worker import load_function
+        from refserve.conformance.kernel_grid import CASES, FAIL, PASS, TIMEOUT, run_case
+        from refserve.conformance.kernel_grid.worker import load_function
 
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         fn = load_function(self.target)
@@ -82,7 +82,7 @@ def pytest_collection_modifyitems(
         # Triton runs on CPU tensors only in its interpreter, which must be on before the
         # kernel's module is imported (docs/KERNELS.md).
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from conformance.kernel_grid import select_cases
+    from refserve.conformance.kernel_grid import select_cases
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtypes = config.getoption("--refserve-kernel-dtype") or (

@@ -1,11 +1,11 @@
 """Run a workload on several instances of one engine, moving requests between them
 (feature ``migration``; docs/ADAPTERS.md, "Migration"; docs/CONFORMANCE.md, "Migration").
 
-Each instance is a :class:`conformance.runner._Run` with its own configuration, its own
+Each instance is a :class:`refserve.conformance.runner._Run` with its own configuration, its own
 fake KV memory and its own books (live requests, admission ranks, steps); they share the
 run's result and the requests' tokens, which move with them. Requests arrive at instance
 0 (``A``). At every step boundary the suite adds the arrivals, aborts what is due, makes
-the workload's moves (:class:`~conformance.workload.MigrationPlan`; in a disaggregated
+the workload's moves (:class:`~refserve.conformance.workload.MigrationPlan`; in a disaggregated
 workload, every request on ``A`` that has its first output moves to ``B``), then steps
 every instance that has live requests, checking each step as a single-engine run does.
 
@@ -27,9 +27,9 @@ checked as in a single-engine run.
 
 After every operation (an add, an abort, one engine's step or rollback, and each phase
 of a move: exported, staged, acknowledged, released, committed or aborted) the suite
-builds a :class:`spec.cluster.ClusterSnapshot` (every instance's snapshot and fake K/V
+builds a :class:`refserve.spec.cluster.ClusterSnapshot` (every instance's snapshot and fake K/V
 memory, the move in transit, what each client received) and runs the migration rules
-of spec/cluster.py on it and the one before (:func:`spec.checks.check_cluster`: OWNER,
+of spec/cluster.py on it and the one before (:func:`refserve.spec.checks.check_cluster`: OWNER,
 CONSERVE, MOVED, KVCOPY, LEAK). The engines report token counts, not token ids, so a
 node's token ids for a request are the suite's own (it sampled them), cut or padded to
 the count the engine reports: an engine that loses or repeats a token shows as tokens
@@ -41,21 +41,21 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from conformance import validate
-from conformance.adapter import (
+from refserve.conformance import validate
+from refserve.conformance.adapter import (
     AdmissionOrder,
     EngineAdapter,
     MigrationExport,
     MigrationStaged,
     Rejected,
 )
-from conformance.guard import AdapterCallError, describe
-from conformance.instance import STALL_STEPS, STEP_INVARIANTS, _Run, _Stop, adapter_traits
-from conformance.run_result import Finding, RunResult
-from conformance.workload import MigrationPlan, RequestPlan, Workload
-from spec.atomic import check_atomic
-from spec.checks import check_cluster, check_pool
-from spec.cluster import (
+from refserve.conformance.guard import AdapterCallError, describe
+from refserve.conformance.instance import STALL_STEPS, STEP_INVARIANTS, _Run, _Stop, adapter_traits
+from refserve.conformance.run_result import Finding, RunResult
+from refserve.conformance.workload import MigrationPlan, RequestPlan, Workload
+from refserve.spec.atomic import check_atomic
+from refserve.spec.checks import check_cluster, check_pool
+from refserve.spec.cluster import (
     ClusterSnapshot,
     ClusterStep,
     Delivered,
@@ -64,8 +64,8 @@ from spec.cluster import (
     Transit,
     TransitPhase,
 )
-from spec.snapshot import EngineSnapshot
-from spec.violation import CLUSTER_INVARIANTS, Invariant, Violation, violation
+from refserve.spec.snapshot import EngineSnapshot
+from refserve.spec.violation import CLUSTER_INVARIANTS, Invariant, Violation, violation
 
 NAMES = "ABCDEFGH"
 """Instance labels in findings and traces (``step on B``)."""
@@ -224,7 +224,7 @@ class _Cluster:
 
     def stalled(self, pending: list[RequestPlan], j: int, step: int) -> bool:
         """PROGRESS: every instance with live requests changed nothing for
-        :data:`~conformance.runner.STALL_STEPS` steps and nothing ahead (an arrival, an
+        :data:`~refserve.conformance.runner.STALL_STEPS` steps and nothing ahead (an arrival, an
         abort, a move) could unstick them."""
         busy = [r for r in self.runs if r.live]
         if not busy or any(r.unchanged < STALL_STEPS for r in busy):

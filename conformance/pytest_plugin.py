@@ -1,7 +1,7 @@
 """A pytest plugin so an engine's own test suite can include the conformance suite.
 
 Enable it with the ``refserve`` entry point (``pytest11``) or ``-p
-conformance.pytest_plugin``, then::
+refserve.conformance.pytest_plugin``, then::
 
     pytest --refserve-adapter mypkg.adapter:make [--refserve-examples 50]
 
@@ -37,8 +37,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def run_scenario(adapter: str, scenario: str, examples: int) -> None:
     """Run one scenario; ``pytest.fail`` / ``pytest.skip`` with the report's content."""
-    from conformance.adapter import load_factory
-    from conformance.suite import run_suite
+    from refserve.conformance.adapter import load_factory
+    from refserve.conformance.suite import run_suite
 
     report = run_suite(load_factory(adapter), adapter, [scenario], max_examples=examples)
     info = report.scenarios[0]
@@ -76,7 +76,7 @@ def pytest_collection_modifyitems(
     adapter = config.getoption("--refserve-adapter")
     if not adapter:
         return
-    from conformance.suite import scenario_names
+    from refserve.conformance.suite import scenario_names
 
     examples = int(config.getoption("--refserve-examples"))
     for name in scenario_names():

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conformance import REPORT_FORMAT_VERSION
+from refserve.conformance import REPORT_FORMAT_VERSION
 
 FORMAT = "refserve-conformance"
 STATUSES = ("pass", "fail", "not_supported")
@@ -44,7 +44,7 @@ class Failure:
     workload: dict[str, Any]
     trace: list[dict[str, Any]]
     signature: str = ""
-    """What makes two findings the same bug (conformance.suite.signature), as text."""
+    """What makes two findings the same bug (refserve.conformance.suite.signature), as text."""
 
     def to_json(self) -> dict[str, Any]:
         d = {

@@ -7,10 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from conformance.adapter import CommitReport, StepReport
-from conformance.workload import Workload
-from spec.snapshot import EngineSnapshot
-from spec.violation import Invariant, Violation
+from refserve.conformance.adapter import CommitReport, StepReport
+from refserve.conformance.workload import Workload
+from refserve.spec.snapshot import EngineSnapshot
+from refserve.spec.violation import Invariant, Violation
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,21 @@
 """The entry points of a conformance run: one workload on a fresh adapter (and, for a
 workload of several instances, on fresh peers of the same engine), never raising for an
-engine's bug. One instance's run is :mod:`conformance.instance`; several instances
-moving requests between them (feature ``migration``) is :mod:`conformance.migration`.
+engine's bug. One instance's run is :mod:`refserve.conformance.instance`; several instances
+moving requests between them (feature ``migration``) is :mod:`refserve.conformance.migration`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from conformance.adapter import AdapterFactory, EngineAdapter, Feature
-from conformance.fake_kv import POISONED
-from conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, call
-from conformance.instance import STALL_STEPS, STEP_INVARIANTS, _Run, adapter_traits
-from conformance.migration import run_instances
-from conformance.run_result import Finding, Observed, RunResult
-from conformance.workload import EOS, Workload
-from spec.violation import Invariant, violation
+from refserve.conformance.adapter import AdapterFactory, EngineAdapter, Feature
+from refserve.conformance.fake_kv import POISONED
+from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, call
+from refserve.conformance.instance import STALL_STEPS, STEP_INVARIANTS, _Run, adapter_traits
+from refserve.conformance.migration import run_instances
+from refserve.conformance.run_result import Finding, Observed, RunResult
+from refserve.conformance.workload import EOS, Workload
+from refserve.spec.violation import Invariant, violation
 
 
 def run_workload(

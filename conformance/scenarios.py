@@ -3,17 +3,24 @@
 Both are described in docs/ARCHITECTURE.md ("Worked examples", "Known bugs elsewhere");
 scenario names keep the examples' historical ``seedNNN`` prefix (``seed001`` is example 1).
 
-Each :class:`~conformance.workload.Scenario` is a small fixed workload; ``targets`` names
+Each :class:`~refserve.conformance.workload.Scenario` is a small fixed workload; ``targets`` names
 the invariants it is meant to provoke, but every invariant is checked on every step of
 every scenario. Scenarios whose workload needs a feature an engine lacks (chunked
 prefill, abort, priorities, rollback, prefix caching off) are reported ``not_supported``.
-The Hypothesis-generated workloads live in :mod:`conformance.generate`.
+The Hypothesis-generated workloads live in :mod:`refserve.conformance.generate`.
 """
 
 from __future__ import annotations
 
-from conformance.adapter import EngineConfig
-from conformance.workload import EOS, MigrationPlan, RequestPlan, Scenario, Workload, prompt
+from refserve.conformance.adapter import EngineConfig
+from refserve.conformance.workload import (
+    EOS,
+    MigrationPlan,
+    RequestPlan,
+    Scenario,
+    Workload,
+    prompt,
+)
 
 
 def _cfg(

@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from conformance.report import signature_of
-from conformance.runner import Finding, RunResult
-from conformance.workload import Workload
+from refserve.conformance.report import signature_of
+from refserve.conformance.runner import Finding, RunResult
+from refserve.conformance.workload import Workload
 
 MAX_SHRINK_RUNS = 400
 """Workload runs one shrink may spend (each is milliseconds on the engines tried)."""

@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from conformance.adapter import EngineProperties
-from conformance.workload import RequestPlan
-from spec.snapshot import EngineSnapshot
-from spec.violation import Invariant, Violation, violation
+from refserve.conformance.adapter import EngineProperties
+from refserve.conformance.workload import RequestPlan
+from refserve.spec.snapshot import EngineSnapshot
+from refserve.spec.violation import Invariant, Violation, violation
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Run the scenario library and the generated searches on one adapter; build the report.
 
-Every finding is reduced to its signature (:mod:`conformance.shrink`); each distinct
+Every finding is reduced to its signature (:mod:`refserve.conformance.shrink`); each distinct
 signature of a scenario is shrunk apart, keeping that exact signature, and reported with
 its own minimal workload and trace. A generated scenario spends its whole example budget
 whatever it finds. Signatures listed in a baseline report are suppressed (counted, not
@@ -13,15 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from conformance.adapter import AdapterFactory, EngineProperties, Feature, StepOrder
-from conformance.generate import GENERATED, search
-from conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError
-from conformance.report import Failure, Report, Result, ScenarioInfo, signature_of
-from conformance.runner import STEP_INVARIANTS, RunResult, adapter_traits, build, run_fresh
-from conformance.scenarios import library
-from conformance.shrink import distinct, shrink, signature
-from conformance.workload import Scenario
-from spec.violation import CLUSTER_INVARIANTS, Invariant
+from refserve.conformance.adapter import AdapterFactory, EngineProperties, Feature, StepOrder
+from refserve.conformance.generate import GENERATED, search
+from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError
+from refserve.conformance.report import Failure, Report, Result, ScenarioInfo, signature_of
+from refserve.conformance.runner import STEP_INVARIANTS, RunResult, adapter_traits, build, run_fresh
+from refserve.conformance.scenarios import library
+from refserve.conformance.shrink import distinct, shrink, signature
+from refserve.conformance.workload import Scenario
+from refserve.spec.violation import CLUSTER_INVARIANTS, Invariant
 
 ALL_INVARIANTS = tuple(Invariant)
 
@@ -308,7 +308,7 @@ def run_suite(
 
 
 def _engine_name(adapter: object, call_timeout: float) -> str:
-    from conformance.guard import call
+    from refserve.conformance.guard import call
 
     name = call("name", lambda: getattr(adapter, "name", "unnamed"), call_timeout)
     return name if isinstance(name, str) else repr(name)

@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final, TypeGuard
 
-from conformance.adapter import CommitReport, MigrationExport, MigrationStaged, StepReport
-from spec.snapshot import (
+from refserve.conformance.adapter import CommitReport, MigrationExport, MigrationStaged, StepReport
+from refserve.spec.snapshot import (
     CacheEntry,
     EngineSnapshot,
     PoolSnapshot,
@@ -55,7 +55,7 @@ MAX_PROBLEMS: Final = 50
 wrong element type must not produce 100k lines."""
 
 _TOKEN_LIMIT: Final = 1 << 63
-"""Token ids are hashed as signed 64-bit values (spec.hashing.block_key)."""
+"""Token ids are hashed as signed 64-bit values (refserve.spec.hashing.block_key)."""
 
 _STATUSES: Final = ", ".join(s.value for s in RequestStatus)
 _MISSING: Final = object()
@@ -478,7 +478,7 @@ def _same_id(p: _Problems, where: str, x: object, rid: str) -> None:
 
 # --------------------------------------------------------------------------- public API
 def check_engine_snapshot(obj: object, where: str = "snapshot") -> list[str]:
-    """Problems in an :class:`spec.snapshot.EngineSnapshot` returned by ``snapshot()``:
+    """Problems in an :class:`refserve.spec.snapshot.EngineSnapshot` returned by ``snapshot()``:
     its requests (types, a valid ``RequestStatus``, non-negative counters, no id twice),
     its device pool and its optional host pool (:func:`check_pool_snapshot`). Empty when
     well formed; never raises."""
@@ -486,7 +486,7 @@ def check_engine_snapshot(obj: object, where: str = "snapshot") -> list[str]:
 
 
 def check_pool_snapshot(obj: object, where: str = "pool") -> list[str]:
-    """Problems in a :class:`spec.snapshot.PoolSnapshot` (an engine snapshot's ``pool``
+    """Problems in a :class:`refserve.spec.snapshot.PoolSnapshot` (an engine snapshot's ``pool``
     or ``host``, or a KV adapter's ``snapshot()``): ``block_size >= 1``, ``ref_cnt`` one
     non-negative int per block, free-queue, table and cache-entry block ids inside the
     pool, ``len(token_ids) == num_stored`` per table, one table per request id. Never
@@ -495,7 +495,7 @@ def check_pool_snapshot(obj: object, where: str = "pool") -> list[str]:
 
 
 def check_step_report(obj: object, where: str = "step_report") -> list[str]:
-    """Problems in a :class:`conformance.adapter.StepReport` returned by ``schedule()``:
+    """Problems in a :class:`refserve.conformance.adapter.StepReport` returned by ``schedule()``:
     per scheduled request ``len(positions) == num_new_tokens == len(slot_mapping)``,
     non-negative positions/slots/block ids, ``samples`` a bool, each id scheduled once;
     ``preempted`` ids, ``finished`` (id, reason) pairs and (src, dst) block pairs of the
@@ -504,14 +504,14 @@ def check_step_report(obj: object, where: str = "step_report") -> list[str]:
 
 
 def check_commit_report(obj: object, where: str = "commit_report") -> list[str]:
-    """Problems in a :class:`conformance.adapter.CommitReport` returned by ``commit()``:
+    """Problems in a :class:`refserve.conformance.adapter.CommitReport` returned by ``commit()``:
     ``finished`` is a tuple of (request id, reason) string pairs, each id once. Never
     raises."""
     return _guarded(where, lambda p: _commit_report(p, where, obj))
 
 
 def check_migration_export(obj: object, request_id: str, where: str = "export") -> list[str]:
-    """Problems in a :class:`conformance.adapter.MigrationExport` returned by
+    """Problems in a :class:`refserve.conformance.adapter.MigrationExport` returned by
     ``export_request(request_id)``: the id asked for, ``kv_slots`` a tuple of
     non-negative ints, ``kv_on_host`` a bool (the ticket is the engine's own and is not
     read). Never raises."""
@@ -519,7 +519,7 @@ def check_migration_export(obj: object, request_id: str, where: str = "export") 
 
 
 def check_migration_staged(obj: object, request_id: str, where: str = "staged") -> list[str]:
-    """Problems in a :class:`conformance.adapter.MigrationStaged` returned by
+    """Problems in a :class:`refserve.conformance.adapter.MigrationStaged` returned by
     ``stage_import``: the id asked for, a non-negative ``num_hit_tokens`` and ``kv_slots``
     a tuple of non-negative ints. Never raises."""
     return _guarded(where, lambda p: _migration_staged(p, where, obj, request_id))

@@ -13,7 +13,7 @@ import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from conformance.adapter import EngineConfig, Feature, RequestSpec
+from refserve.conformance.adapter import EngineConfig, Feature, RequestSpec
 
 EOS = 1
 """The eos token id of every workload; :func:`next_token` never returns it by chance."""

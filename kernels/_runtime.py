@@ -5,14 +5,14 @@ module is imported* (``@triton.jit`` reads it at decoration time), kernels becom
 ``InterpretedFunction`` objects that run on CPU tensors through numpy; docs/ARCHITECTURE.md
 ("Kernels") records that this is how the CPU tests run. Without it, a CPU tensor reaching a
 compiled kernel fails deep inside Triton, so the entry points check first and raise a
-:class:`~kernels.validation.KernelInputError` that says what to do.
+:class:`~refserve.kernels.validation.KernelInputError` that says what to do.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.validation import KernelInputError
+from refserve.kernels.validation import KernelInputError
 
 
 def is_interpreted(jitted: object) -> bool:

@@ -4,7 +4,7 @@
 """Unified Triton paged attention (docs/ARCHITECTURE.md, "Kernels"; checked against the oracle).
 
 One kernel serves a batch that mixes decode tokens, whole prompts and mid-prompt chunks,
-in the vLLM-style layout described in ``kernels.validation``. Read it with
+in the vLLM-style layout described in ``refserve.kernels.validation``. Read it with
 ``kernels/oracle.py`` open beside it: the math is the same, done tile by tile.
 
 How the work is cut (grid axes):
@@ -45,8 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._runtime import is_interpreted, next_power_of_2, require_runnable
-from kernels.validation import (
+from refserve.kernels._runtime import is_interpreted, next_power_of_2, require_runnable
+from refserve.kernels.validation import (
     AttentionDims,
     KernelInputError,
     validate_paged_attention_inputs,
@@ -233,7 +233,7 @@ def _paged_attention_kernel(
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
             # Probabilities in [0, 1] go to V's dtype to use the fp16/bf16 tensor-core
-            # dot; this rounding is part of the tolerance (kernels.tolerances).
+            # dot; this rounding is part of the tolerance (refserve.kernels.tolerances).
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
@@ -368,7 +368,8 @@ def paged_attention(
     num_kv_splits: int | None = None,
     check_values: bool = True,
 ) -> torch.Tensor:
-    """Causal paged attention in Triton; same contract as ``kernels.oracle.paged_attention``.
+    """Causal paged attention in Triton; same contract as
+    ``refserve.kernels.oracle.paged_attention``.
 
     Extra keyword arguments (not part of the documented signature, all optional):
     ``out`` a ``[T, Hq, D]`` tensor (any strides) to write into instead of allocating;

@@ -2,7 +2,7 @@
 benchmark").
 
 For decode batches and mixed batches (decodes plus one prefill chunk) at 1k-128k context,
-fp16 and bf16, block size 16, it times :func:`kernels.paged_attention` and reports
+fp16 and bf16, block size 16, it times :func:`refserve.kernels.paged_attention` and reports
 
 - achieved HBM bandwidth: the bytes the kernel must move at least (every live K/V slot
   once, the queries, the output) over its time, and that as a fraction of a measured
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-#: The ``format`` of the JSON this writes (``conformance.bench.report`` renders it).
+#: The ``format`` of the JSON this writes (``refserve.conformance.bench.report`` renders it).
 FORMAT = "refserve-gpu-bench"
 CONTEXTS = (1024, 4096, 16384, 65536, 131072)
 BLOCK_SIZE = 16
@@ -188,7 +188,7 @@ def _args(inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
 
 def bench_one(kind: str, context: int, dtype: torch.dtype, copy_gbs: float) -> BenchRow:
     """Time one configuration (see the module docstring)."""
-    from kernels import oracle, paged_attention
+    from refserve.kernels import oracle, paged_attention
 
     device = torch.device("cuda")
     inputs, seqs = _batch(kind, context, dtype, device)
@@ -236,14 +236,14 @@ def bench_one(kind: str, context: int, dtype: torch.dtype, copy_gbs: float) -> B
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kernels.bench --json out/gpu_bench.json [--contexts 1024,4096]``."""
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__)
+    """``python -m refserve.kernels.bench --json out/gpu_bench.json [--contexts 1024,4096]``."""
+    parser = argparse.ArgumentParser(prog="python -m refserve.kernels.bench", description=__doc__)
     parser.add_argument("--json", dest="json_path", default="out/gpu_bench.json")
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     given = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(given)
     if not torch.cuda.is_available():
-        print("kernels.bench: needs a CUDA device (no GPU here)", file=sys.stderr)
+        print("refserve.kernels.bench: needs a CUDA device (no GPU here)", file=sys.stderr)
         return 2
     import triton
 
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
     report = {
         "format": FORMAT,
-        "command": shlex.join(["python", "-m", "kernels.bench", *given]),
+        "command": shlex.join(["python", "-m", "refserve.kernels.bench", *given]),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

@@ -12,7 +12,7 @@ block ``src`` of the source pool is copied to block ``dst`` of the destination p
   Triton program cannot address two devices, so pools on different devices go through
   :func:`copy_blocks_torch` (indexed copies that torch moves between devices).
 
-Checked against ``kernels.oracle.copy_blocks``.
+Checked against ``refserve.kernels.oracle.copy_blocks``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._runtime import is_interpreted
-from kernels.validation import validate_copy_blocks_inputs
+from refserve.kernels._runtime import is_interpreted
+from refserve.kernels.validation import validate_copy_blocks_inputs
 
 __all__ = ["copy_blocks", "copy_blocks_torch"]
 

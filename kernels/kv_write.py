@@ -5,7 +5,7 @@
 ``write_kv(key, value, key_cache, value_cache, slot_mapping)``: token ``t``'s ``[Hkv, D]``
 key and value go to slot ``slot_mapping[t]``, i.e. block ``slot // block_size``, offset
 ``slot % block_size`` (docs/ARCHITECTURE.md, "Vocabulary"); slot ``-1`` skips the token (padding).
-Checked against ``kernels.oracle.write_kv``.
+Checked against ``refserve.kernels.oracle.write_kv``.
 
 One program per (token, group of heads): a row copy with masks for head sizes that are
 not powers of two. On CPU without the Triton interpreter a vectorised torch path does
@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._runtime import is_interpreted, next_power_of_2
-from kernels.validation import validate_write_kv_inputs
+from refserve.kernels._runtime import is_interpreted, next_power_of_2
+from refserve.kernels.validation import validate_write_kv_inputs
 
 __all__ = ["write_kv"]
 

@@ -2,11 +2,12 @@
 
 Everything here is written to be checked by reading, not to be fast: one sequence at a
 time, K/V gathered through the block table into dense tensors, scores materialised in
-fp32, a plain ``softmax``. The Triton kernels (``kernels.attention``, ``kernels.kv_write``,
-``kernels.copy``) are tested against these functions, and ``refserve check-kernel`` runs
+fp32, a plain ``softmax``. The Triton kernels (``refserve.kernels.attention``,
+``refserve.kernels.kv_write``,
+``refserve.kernels.copy``) are tested against these functions, and ``refserve check-kernel`` runs
 other people's kernels against :func:`paged_attention`.
 
-This module needs only torch: ``import kernels.oracle`` works without triton.
+This module needs only torch: ``import refserve.kernels.oracle`` works without triton.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.validation import (
+from refserve.kernels.validation import (
     validate_copy_blocks_inputs,
     validate_paged_attention_inputs,
     validate_write_kv_inputs,
@@ -45,7 +46,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal paged attention over a packed batch, computed densely in fp32.
 
-    Layout (docs/ARCHITECTURE.md "Kernels", checked by ``kernels.validation``): ``query``
+    Layout (docs/ARCHITECTURE.md "Kernels", checked by ``refserve.kernels.validation``): ``query``
     ``[T, Hq, D]``; caches ``[num_blocks, block_size, Hkv, D]``; ``block_table`` int32
     ``[S, max_blocks]``; ``seq_lens`` int32 ``[S]``, the KV length of each sequence
     including this step's tokens (their K/V are already written); ``query_start_loc``

@@ -5,7 +5,7 @@ shown in messages.
 (duplicate keys, nesting and huge numbers refused as typed errors),
 :func:`check_output_file` / :func:`check_output_dir` (run before the work starts) and
 :func:`atomic_write_text` (a temporary name renamed into place, so an interrupted run
-never leaves a half-written file). Below every layer but ``ref.errors``: the model loader,
+never leaves a half-written file). Below every layer but ``refserve.errors``: the model loader,
 the simulator's traces and the reports all read and write through it.
 """
 
@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ref.errors import InputFileError, InvalidArgument, OutputPathError
+from refserve.errors import InputFileError, InvalidArgument, OutputPathError
 
 
 # ------------------------------------------------------------------ showing values

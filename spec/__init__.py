@@ -4,13 +4,13 @@ Pure, typed predicates over plain snapshot data (frozen dataclasses of ints and 
 Nothing here imports the engine: ``ref/`` and ``conformance/`` depend on ``spec``, never
 the other way round. Each invariant id of docs/CONFORMANCE.md (TOKEN, BLOCK, KVLEN,
 POS, CAP, PREFIX, PROGRESS, ATOMIC, ORDER) has a module with a ``check_*`` function
-returning a list of :class:`~spec.violation.Violation`; an empty list means the
+returning a list of :class:`~refserve.spec.violation.Violation`; an empty list means the
 invariant holds. The migration rules of docs/MIGRATION.md (OWNER, CONSERVE, MOVED,
 KVCOPY, LEAK) are checked over a cluster of engines, in spec/cluster.py.
 """
 
-from spec.checks import check_pool, check_step
-from spec.snapshot import (
+from refserve.spec.checks import check_pool, check_step
+from refserve.spec.snapshot import (
     CacheEntry,
     EngineSnapshot,
     PoolSnapshot,
@@ -20,7 +20,7 @@ from spec.snapshot import (
     StepSnapshot,
     TableSnapshot,
 )
-from spec.violation import Invariant, Violation
+from refserve.spec.violation import Invariant, Violation
 
 __all__ = [
     "CacheEntry",

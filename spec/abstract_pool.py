@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from spec.arith import blocks_needed, max_cacheable_tokens
-from spec.hashing import block_key, chain_keys
-from spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
+from refserve.spec.arith import blocks_needed, max_cacheable_tokens
+from refserve.spec.hashing import block_key, chain_keys
+from refserve.spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
 
 
 @dataclass

@@ -8,8 +8,8 @@ check is plain equality of snapshots taken before and after the failed step.
 
 from __future__ import annotations
 
-from spec.snapshot import EngineSnapshot, PoolSnapshot
-from spec.violation import Invariant, Violation, violation
+from refserve.spec.snapshot import EngineSnapshot, PoolSnapshot
+from refserve.spec.violation import Invariant, Violation, violation
 
 A = Invariant.ATOMIC
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from spec.snapshot import PoolSnapshot
-from spec.violation import Invariant, Violation, violation
+from refserve.spec.snapshot import PoolSnapshot
+from refserve.spec.violation import Invariant, Violation, violation
 
 B = Invariant.BLOCK
 

@@ -10,8 +10,8 @@ block its request does not hold writes K/V into somebody else's memory.
 
 from __future__ import annotations
 
-from spec.snapshot import PoolSnapshot, StepSnapshot
-from spec.violation import Invariant, Violation, violation
+from refserve.spec.snapshot import PoolSnapshot, StepSnapshot
+from refserve.spec.violation import Invariant, Violation, violation
 
 C = Invariant.CAP
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from spec.block import check_block
-from spec.cap import check_cap, check_cap_step
-from spec.cluster import (
+from refserve.spec.block import check_block
+from refserve.spec.cap import check_cap, check_cap_step
+from refserve.spec.cluster import (
     ClusterStep,
     check_conserve,
     check_kv_copy,
@@ -19,14 +19,14 @@ from spec.cluster import (
     check_moved,
     check_owner,
 )
-from spec.host import check_host
-from spec.kvlen import check_kvlen
-from spec.pos import check_pos, check_pos_pool
-from spec.prefix import check_prefix, check_prefix_step
-from spec.progress import check_preempted_released, check_progress
-from spec.snapshot import PoolSnapshot, StepSnapshot
-from spec.token import check_token
-from spec.violation import Violation
+from refserve.spec.host import check_host
+from refserve.spec.kvlen import check_kvlen
+from refserve.spec.pos import check_pos, check_pos_pool
+from refserve.spec.prefix import check_prefix, check_prefix_step
+from refserve.spec.progress import check_preempted_released, check_progress
+from refserve.spec.snapshot import PoolSnapshot, StepSnapshot
+from refserve.spec.token import check_token
+from refserve.spec.violation import Violation
 
 #: A pool checker, given the pool and the declared ``lookahead``.
 PoolCheck = Callable[[PoolSnapshot, int], list[Violation]]
@@ -51,7 +51,7 @@ def _on_pool_after(check: PoolCheck) -> StepCheck:
 
 
 #: Everything :func:`check_step` runs, in order: the step-level invariants, every pool
-#: check on the state after the step, and the host pool's (:func:`spec.host.check_host`).
+#: check on the state after the step, and the host pool's (:func:`refserve.spec.host.check_host`).
 STEP_CHECKS: tuple[StepCheck, ...] = (
     lambda step, lookahead, same_step_hits: check_token(step),
     lambda step, lookahead, same_step_hits: check_kvlen(step),
@@ -74,8 +74,8 @@ def check_step(
     step: StepSnapshot, lookahead: int = 0, same_step_hits: bool = False
 ) -> list[Violation]:
     """Every check of :data:`STEP_CHECKS` on a step. ``lookahead`` and ``same_step_hits``
-    are declared conventions (:func:`spec.pos.check_pos_pool`,
-    :func:`spec.prefix.check_prefix_step`)."""
+    are declared conventions (:func:`refserve.spec.pos.check_pos_pool`,
+    :func:`refserve.spec.prefix.check_prefix_step`)."""
     return [v for check in STEP_CHECKS for v in check(step, lookahead, same_step_hits)]
 
 

@@ -1,6 +1,6 @@
 """The migration rules, over a cluster of engines (docs/MIGRATION.md, "The rules").
 
-A :class:`ClusterSnapshot` is every engine's :class:`~spec.snapshot.EngineSnapshot` by
+A :class:`ClusterSnapshot` is every engine's :class:`~refserve.spec.snapshot.EngineSnapshot` by
 name (a :class:`Node`, with the token ids of its live requests and, where the engine
 exposes one, its fake K/V memory), the requests in transit between them
 (:class:`Transit`) and, per request, the output tokens delivered to its client so far
@@ -35,10 +35,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from spec.arith import slot_of
-from spec.block import check_block
-from spec.snapshot import EngineSnapshot, PoolSnapshot, RequestSnapshot, RequestStatus
-from spec.violation import Invariant, Violation, violation
+from refserve.spec.arith import slot_of
+from refserve.spec.block import check_block
+from refserve.spec.snapshot import EngineSnapshot, PoolSnapshot, RequestSnapshot, RequestStatus
+from refserve.spec.violation import Invariant, Violation, violation
 
 OWNER = Invariant.OWNER
 CONSERVE = Invariant.CONSERVE

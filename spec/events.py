@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from spec.snapshot import CacheEntry, PoolSnapshot
-from spec.violation import Invariant, Violation, violation
+from refserve.spec.snapshot import CacheEntry, PoolSnapshot
+from refserve.spec.violation import Invariant, Violation, violation
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from spec.block import check_block
-from spec.pos import check_pos_pool
-from spec.snapshot import EngineSnapshot, RequestSnapshot, RequestStatus
-from spec.violation import Invariant, Violation, violation
+from refserve.spec.block import check_block
+from refserve.spec.pos import check_pos_pool
+from refserve.spec.snapshot import EngineSnapshot, RequestSnapshot, RequestStatus
+from refserve.spec.violation import Invariant, Violation, violation
 
 B = Invariant.BLOCK
 P = Invariant.POS

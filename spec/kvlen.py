@@ -10,8 +10,8 @@ that derive one count from the other drift by one after a preemption or a cache 
 
 from __future__ import annotations
 
-from spec.snapshot import RequestSnapshot, RequestStatus, ScheduledRequest, StepSnapshot
-from spec.violation import Invariant, Violation, violation
+from refserve.spec.snapshot import RequestSnapshot, RequestStatus, ScheduledRequest, StepSnapshot
+from refserve.spec.violation import Invariant, Violation, violation
 
 K = Invariant.KVLEN
 

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from spec.arith import blocks_needed
-from spec.snapshot import RequestStatus, StepSnapshot
-from spec.violation import Invariant, Violation, violation
+from refserve.spec.arith import blocks_needed
+from refserve.spec.snapshot import RequestStatus, StepSnapshot
+from refserve.spec.violation import Invariant, Violation, violation
 
 ORD = Invariant.ORDER
 

@@ -8,9 +8,9 @@ wrong slot writes K/V where attention will not read it (or where someone else wi
 
 from __future__ import annotations
 
-from spec.arith import blocks_needed, slot_of
-from spec.snapshot import PoolSnapshot, RequestStatus, StepSnapshot
-from spec.violation import Invariant, Violation, violation
+from refserve.spec.arith import blocks_needed, slot_of
+from refserve.spec.snapshot import PoolSnapshot, RequestStatus, StepSnapshot
+from refserve.spec.violation import Invariant, Violation, violation
 
 P = Invariant.POS
 # Statuses whose KV lives in the pool (a swapped request's KV is elsewhere).

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from spec.arith import max_cacheable_tokens
-from spec.hashing import block_key, chain_keys
-from spec.snapshot import PoolSnapshot, StepSnapshot, TableSnapshot
-from spec.violation import Invariant, Violation, violation
+from refserve.spec.arith import max_cacheable_tokens
+from refserve.spec.hashing import block_key, chain_keys
+from refserve.spec.snapshot import PoolSnapshot, StepSnapshot, TableSnapshot
+from refserve.spec.violation import Invariant, Violation, violation
 
 X = Invariant.PREFIX
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from spec.arith import blocks_needed
-from spec.snapshot import PoolSnapshot, RequestSnapshot, RequestStatus, StepSnapshot
-from spec.violation import Invariant, Violation, violation
+from refserve.spec.arith import blocks_needed
+from refserve.spec.snapshot import PoolSnapshot, RequestSnapshot, RequestStatus, StepSnapshot
+from refserve.spec.violation import Invariant, Violation, violation
 
 G = Invariant.PROGRESS
 B = Invariant.BLOCK

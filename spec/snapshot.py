@@ -16,7 +16,7 @@ class CacheEntry:
     """One prefix-cache index entry: ``key`` maps to physical block ``block_id``.
 
     ``parent_key`` and ``token_ids`` are what the key was computed from, so a checker can
-    recompute it (spec.hashing.block_key) and compare with the block's live contents.
+    recompute it (refserve.spec.hashing.block_key) and compare with the block's live contents.
     """
 
     key: bytes
@@ -31,7 +31,7 @@ class TableSnapshot:
 
     ``num_stored`` is the KV length the table holds; ``token_ids`` are the token ids whose
     KV sits in positions ``[0, num_stored)`` (len == num_stored); ``root_key`` is the
-    namespace root of its hash chain (spec.hashing.Namespace.root_key).
+    namespace root of its hash chain (refserve.spec.hashing.Namespace.root_key).
     """
 
     request_id: str

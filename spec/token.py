@@ -10,8 +10,8 @@ that advances past ``num_tokens`` is the preemption-storm bug seen in public tra
 
 from __future__ import annotations
 
-from spec.snapshot import RequestSnapshot, RequestStatus, ScheduledRequest, StepSnapshot
-from spec.violation import Invariant, Violation, violation
+from refserve.spec.snapshot import RequestSnapshot, RequestStatus, ScheduledRequest, StepSnapshot
+from refserve.spec.violation import Invariant, Violation, violation
 
 T = Invariant.TOKEN
 

@@ -8,9 +8,34 @@ runs long local searches (``make deep``).
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
-import torch
-from hypothesis import HealthCheck, Phase, settings
+# The checkout's folders keep generic names (kernels/, spec/), and `python -m pytest` puts
+# the working directory first on sys.path, where kernels/ would hide Hugging Face's
+# `kernels` distribution from transformers (which imports it). refserve itself is imported
+# under its one name (docs/ARCHITECTURE.md, "One import name"); the checkout root stays on
+# the path only for `tests.*`, last, so an installed distribution always wins over a folder.
+_CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def _is_checkout(entry: str) -> bool:
+    return Path(entry or ".").resolve() == _CHECKOUT
+
+
+if any(_is_checkout(entry) for entry in sys.path):
+    sys.path[:] = [entry for entry in sys.path if not _is_checkout(entry)] + [str(_CHECKOUT)]
+
+import tests  # noqa: E402
+
+# Last on the path, `tests` would lose to a distribution that ships a top-level `tests`.
+assert Path(next(iter(tests.__path__))).resolve() == _CHECKOUT / "tests", (
+    f"`tests` is imported from {list(tests.__path__)}: an installed distribution ships a "
+    "top-level `tests` package, which hides this checkout's"
+)
+
+import torch  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
 # Triton has no CPU backend: without CUDA its kernels run in the interpreter on CPU
 # tensors. ``@triton.jit`` reads this when a kernel module is imported, so it is set here,

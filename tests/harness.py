@@ -8,8 +8,8 @@ spec checker (docs/ARCHITECTURE.md, "Invariants"), ``commit_step`` runs ``check_
 
 For migration (docs/MIGRATION.md) a ``Stepper(memory=True)`` keeps a fake K/V memory
 (slot -> token id, device and host) written as a kernel would, ``MemoryLink`` carries it
-between two of them for a ``ref.core.transit.Move``, and ``cluster_snapshot`` turns
-named steppers and a move in flight into a ``spec.cluster.ClusterSnapshot``.
+between two of them for a ``refserve.core.transit.Move``, and ``cluster_snapshot`` turns
+named steppers and a move in flight into a ``refserve.spec.cluster.ClusterSnapshot``.
 """
 
 from __future__ import annotations
@@ -17,20 +17,20 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from ref.core.config import SchedulerConfig
-from ref.core.cost import StepCost
-from ref.core.engine_core import EngineCore, StepRecord
-from ref.core.executor import StepOutput
-from ref.core.inputs import ModelInputs
-from ref.core.outcome import StepOutcome
-from ref.core.plan import StepPlan
-from ref.core.request import Request, StopParams
-from ref.core.scheduler import Scheduler
-from ref.core.transit import Arrival, Departure, KVPlace, Move, cluster_node
-from ref.sim.simulator import SimExecutor
-from spec import check_pool
-from spec.cluster import ClusterSnapshot, Delivered
-from spec.snapshot import RequestStatus
+from refserve.core.config import SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.core.engine_core import EngineCore, StepRecord
+from refserve.core.executor import StepOutput
+from refserve.core.inputs import ModelInputs
+from refserve.core.outcome import StepOutcome
+from refserve.core.plan import StepPlan
+from refserve.core.request import Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.core.transit import Arrival, Departure, KVPlace, Move, cluster_node
+from refserve.sim.simulator import SimExecutor
+from refserve.spec import check_pool
+from refserve.spec.cluster import ClusterSnapshot, Delivered
+from refserve.spec.snapshot import RequestStatus
 
 # The cost model of docs/ARCHITECTURE.md's worked examples: 2 ms a step, 0.5 ms a
 # prefill token, 1 ms a decode.
@@ -204,7 +204,7 @@ class Boom(Exception):
 
 
 class MemoryLink:
-    """A move's K/V link (``ref.core.transit.KVLink``) between two fake memories: each
+    """A move's K/V link (``refserve.core.transit.KVLink``) between two fake memories: each
     position's token id from the source's slot (device or host) to the destination's,
     every overwritten slot saved first so ``undo`` restores it. ``fail_after``: raise
     :class:`Boom` once that many slots are written (a fault inside a chunk)."""

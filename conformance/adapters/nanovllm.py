@@ -1,4 +1,5 @@
-"""Adapter for nano-vllm-fork (``conformance.adapters.nanovllm:make``); third-party, optional.
+"""Adapter for nano-vllm-fork (``refserve.conformance.adapters.nanovllm:make``); third-party,
+optional.
 
 Install and run: ``make conformance-nanovllm`` (its own virtualenv ``.venv-nanovllm``,
 never refserve's: nano-vllm-fork installed with ``--no-deps`` next to numpy and
@@ -53,7 +54,7 @@ from importlib import metadata
 from types import SimpleNamespace
 from typing import Any
 
-from conformance.adapter import (
+from refserve.conformance.adapter import (
     AdmissionOrder,
     CommitReport,
     EngineConfig,
@@ -65,8 +66,8 @@ from conformance.adapter import (
     StepOrder,
     StepReport,
 )
-from spec.hashing import DEFAULT_NAMESPACE
-from spec.snapshot import (
+from refserve.spec.hashing import DEFAULT_NAMESPACE
+from refserve.spec.snapshot import (
     EngineSnapshot,
     PoolSnapshot,
     RequestSnapshot,
@@ -369,7 +370,7 @@ class NanoVllmAdapter:
 
 
 def make() -> NanoVllmAdapter:
-    """Factory for ``--adapter conformance.adapters.nanovllm:make``."""
+    """Factory for ``--adapter refserve.conformance.adapters.nanovllm:make``."""
     return NanoVllmAdapter()
 
 

@@ -1,16 +1,18 @@
-"""The adapter for refserve itself (``conformance.adapters.ref:make``); it must pass everything.
+"""The adapter for refserve itself (``refserve.conformance.adapters.ref:make``); it must pass
+everything.
 
-It drives :class:`ref.core.scheduler.Scheduler` directly: ``schedule`` plans a step and builds
-the executor's real inputs with :func:`ref.core.inputs.build_inputs` (the same arrays the
-model would get, as :class:`ref.core.engine_core.EngineCore` does when it checks itself), so
+It drives :class:`refserve.core.scheduler.Scheduler` directly: ``schedule`` plans a step and builds
+the executor's real inputs with :func:`refserve.core.inputs.build_inputs` (the same arrays the
+model would get, as :class:`refserve.core.engine_core.EngineCore` does when it checks itself), so
 POS checks the slot mapping the executor really receives.
 
-Migration (feature ``migration``) is :mod:`ref.core.transit` as it is: ``export_request``
-is :func:`ref.core.transit.export` (the ticket is the :class:`~ref.core.transit.Departure`, its
-slots the source slots the engine reads, on the host for a swapped request),
-``stage_import`` one :func:`ref.core.transit.begin_import` with one ``Import.stage``,
+Migration (feature ``migration``) is :mod:`refserve.core.transit` as it is: ``export_request``
+is :func:`refserve.core.transit.export` (the ticket is the
+:class:`~refserve.core.transit.Departure`, its slots the source slots the engine reads, on the host
+for a swapped request),
+``stage_import`` one :func:`refserve.core.transit.begin_import` with one ``Import.stage``,
 ``commit_import`` / ``abort_import`` its ``commit`` / ``abort``, ``release``
-:func:`ref.core.transit.release`. The link (copying the K/V from slot to slot) is the suite's,
+:func:`refserve.core.transit.release`. The link (copying the K/V from slot to slot) is the suite's,
 as the executor is.
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from conformance.adapter import (
+from refserve.conformance.adapter import (
     ALL_FEATURES,
     AdmissionOrder,
     CommitReport,
@@ -33,15 +35,15 @@ from conformance.adapter import (
     StepOrder,
     StepReport,
 )
-from ref.core import transit
-from ref.core.config import SchedulerConfig
-from ref.core.inputs import build_inputs, scheduled_requests
-from ref.core.plan import StepPlan
-from ref.core.request import Request, StopParams
-from ref.core.scheduler import Scheduler
-from ref.core.transit import Departure, Import, KVPlace
-from ref.errors import RefserveError
-from spec.snapshot import EngineSnapshot
+from refserve.core import transit
+from refserve.core.config import SchedulerConfig
+from refserve.core.inputs import build_inputs, scheduled_requests
+from refserve.core.plan import StepPlan
+from refserve.core.request import Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.core.transit import Departure, Import, KVPlace
+from refserve.errors import RefserveError
+from refserve.spec.snapshot import EngineSnapshot
 
 # refserve's conventions: KV length and table length agree exactly, eos stops a request,
 # the free queue is an LRU queue handed out from its head, decode-first batching, and
@@ -209,12 +211,12 @@ class RefAdapter:
 
 
 def make() -> RefAdapter:
-    """Factory for ``--adapter conformance.adapters.ref:make``."""
+    """Factory for ``--adapter refserve.conformance.adapters.ref:make``."""
     return RefAdapter()
 
 
 def make_swap() -> RefAdapter:
-    """refserve preempting by swap (``--adapter conformance.adapters.ref:make_swap``): a
+    """refserve preempting by swap (``--adapter refserve.conformance.adapters.ref:make_swap``): a
     host pool as large as the device pool, so every preemption victim is swapped out
     and back, and the runner's fake memory follows the copies."""
     return RefAdapter(preemption_mode="swap", num_host_blocks="pool")

@@ -1,10 +1,10 @@
-"""refserve's block pool as a KV adapter (``conformance.adapters.ref_kv:make_kv``).
+"""refserve's block pool as a KV adapter (``refserve.conformance.adapters.ref_kv:make_kv``).
 
-It drives :class:`ref.kv.pool.BlockPool` directly with every KV feature on, and must pass
-the KV level (conformance.kv.machine) with zero findings. The pool takes a prefix hit
+It drives :class:`refserve.kv.pool.BlockPool` directly with every KV feature on, and must pass
+the KV level (refserve.conformance.kv.machine) with zero findings. The pool takes a prefix hit
 from :meth:`BlockPool.lookup` as an argument; the protocol leaves the hit to the
 manager, so this adapter looks it up itself and trims it (module docstring of
-conformance.kv.protocol): at most the full blocks before the ``num_new_tokens`` the
+refserve.conformance.kv.protocol): at most the full blocks before the ``num_new_tokens`` the
 suite asked for, and a shorter one (down to none) when the pool cannot afford to revive
 the cached blocks the longer one would take out of the free queue.
 """
@@ -13,17 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from conformance.adapter import NotSupported
-from conformance.kv.protocol import (
+from refserve.conformance.adapter import NotSupported
+from refserve.conformance.kv.protocol import (
     ALL_KV_FEATURES,
     Allocation,
     KVConfig,
     KVFeature,
     NoSpace,
 )
-from ref.errors import ExceedsCapacity, OutOfBlocks, RefserveError
-from ref.kv import BlockPool, PrefixHit
-from spec.snapshot import PoolSnapshot
+from refserve.errors import ExceedsCapacity, OutOfBlocks, RefserveError
+from refserve.kv import BlockPool, PrefixHit
+from refserve.spec.snapshot import PoolSnapshot
 
 
 class RefKVAdapter:

@@ -14,14 +14,14 @@ Ground rules (docs/ADAPTERS.md, "The protocol"):
   ``abort``.
 * The adapter *translates*, it never *fixes*: report exactly what the engine did, even
   when that is wrong. That is what the suite is there to find.
-* Return the ``spec.snapshot`` records with **tuples, ints, str and bytes only** (no
+* Return the ``refserve.spec.snapshot`` records with **tuples, ints, str and bytes only** (no
   lists, no numpy ints, no enum-like strings): snapshots are compared for equality and
-  hashed. ``conformance.validate`` rejects anything else as a malformed record.
+  hashed. ``refserve.conformance.validate`` rejects anything else as a malformed record.
 * Raise ``NotSupported`` for a configuration or an optional operation the engine does
   not have (listed in ``features``); raise ``Rejected`` when the engine refuses a request
   at submission. Anything else an adapter raises is reported as an engine crash.
 
-State mapping: how an engine's request states map onto ``spec.snapshot.RequestStatus``
+State mapping: how an engine's request states map onto ``refserve.spec.snapshot.RequestStatus``
 (KVLEN checks the counter relations; ``num_tokens = num_prompt_tokens +
 num_output_tokens``):
 
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from conformance.adapter import (
+from refserve.conformance.adapter import (
     AdmissionOrder,
     CommitReport,
     EngineConfig,
@@ -53,7 +53,7 @@ from conformance.adapter import (
     StepOrder,
     StepReport,
 )
-from spec.snapshot import EngineSnapshot
+from refserve.spec.snapshot import EngineSnapshot
 
 __all__ = ["TemplateAdapter", "make"]
 
@@ -139,7 +139,7 @@ class TemplateAdapter:
         """
         # TODO: try: self._engine.add(request.request_id, list(request.prompt_token_ids), ...)
         #       except YourEngineError as e: raise Rejected(str(e)) from e
-        #       (Rejected is conformance.adapter.Rejected)
+        #       (Rejected is refserve.conformance.adapter.Rejected)
         raise NotImplementedError("TODO(template): hand the request to the engine")
 
     def abort(self, request_id: str) -> None:
@@ -157,7 +157,7 @@ class TemplateAdapter:
     def schedule(self) -> StepReport:
         """Run the engine's scheduler once and report what runs in this step.
 
-        For each request given tokens, one ``spec.snapshot.ScheduledRequest``:
+        For each request given tokens, one ``refserve.spec.snapshot.ScheduledRequest``:
 
         * ``num_new_tokens``: tokens computed this step (prompt chunk, or 1 for a decode).
         * ``positions``: their positions, contiguous from the request's KV length
@@ -203,7 +203,7 @@ class TemplateAdapter:
         raise NotSupported("TODO(template): rollback, or leave Feature.ROLLBACK out")
 
     def snapshot(self) -> EngineSnapshot:
-        """The engine's state at a step boundary as ``spec.snapshot`` records.
+        """The engine's state at a step boundary as ``refserve.spec.snapshot`` records.
 
         * ``requests``: one ``RequestSnapshot`` per live request (see the state mapping
           in the module docstring) plus those finished or aborted since the last
@@ -216,7 +216,7 @@ class TemplateAdapter:
           blocks: ``block_table``, ``num_stored`` (the KV length the table holds, equal
           to the request's ``num_computed_tokens``), ``token_ids`` (the token ids at
           positions ``0..num_stored-1``, prompt then outputs) and ``root_key``
-          (``spec.hashing.DEFAULT_NAMESPACE.root_key()`` unless the engine namespaces
+          (``refserve.spec.hashing.DEFAULT_NAMESPACE.root_key()`` unless the engine namespaces
           its cache). ``cache_entries`` only with ``Feature.CACHE_INDEX``.
         * ``host``: the host swap pool (same record) for an engine that swaps, else None.
         """

@@ -1,4 +1,4 @@
-"""Adapter for vLLM 0.33.0's V1 scheduler (``conformance.adapters.vllm:make``); optional.
+"""Adapter for vLLM 0.33.0's V1 scheduler (``refserve.conformance.adapters.vllm:make``); optional.
 
 Install and run: ``make conformance-vllm`` (its own virtualenv ``.venv-vllm``, never
 refserve's). The adapter drives ``vllm.v1.core.sched.scheduler.Scheduler`` and the
@@ -69,7 +69,7 @@ Factories: :func:`make` (fcfs, chunked prefill on, vLLM's defaults otherwise),
 vLLM is imported when this module is imported (it takes about 15 s, too long for the
 suite's per-call timeout), so a missing or different vLLM makes the module import fail
 with :class:`ModuleNotFoundError` / :class:`VllmVersionError` and ``refserve conformance
---adapter conformance.adapters.vllm:make`` exits 2 with that one line.
+--adapter refserve.conformance.adapters.vllm:make`` exits 2 with that one line.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ from importlib import metadata
 from types import SimpleNamespace
 from typing import Any
 
-from conformance.adapter import (
+from refserve.conformance.adapter import (
     AdmissionOrder,
     CommitReport,
     EngineConfig,
@@ -99,8 +99,8 @@ from conformance.adapter import (
     StepOrder,
     StepReport,
 )
-from spec.hashing import DEFAULT_NAMESPACE
-from spec.snapshot import (
+from refserve.spec.hashing import DEFAULT_NAMESPACE
+from refserve.spec.snapshot import (
     EngineSnapshot,
     PoolSnapshot,
     RequestSnapshot,
@@ -132,7 +132,7 @@ def _check_installed() -> None:
         found = "unknown"
     if found != VLLM_VERSION:
         raise VllmVersionError(
-            f"vLLM {found} is installed; conformance.adapters.vllm translates vLLM "
+            f"vLLM {found} is installed; refserve.conformance.adapters.vllm translates vLLM "
             f"{VLLM_VERSION} only (its scheduler's internals change between releases)"
         )
 
@@ -174,8 +174,8 @@ def _import_vllm() -> _Vllm:
     logging.getLogger("vllm").setLevel(logging.ERROR)
     if vllm.__version__ != VLLM_VERSION:
         raise VllmVersionError(
-            f"vllm.__version__ is {vllm.__version__}; conformance.adapters.vllm translates "
-            f"vLLM {VLLM_VERSION} only"
+            f"vllm.__version__ is {vllm.__version__}; refserve.conformance.adapters.vllm "
+            f"translates vLLM {VLLM_VERSION} only"
         )
     config = importlib.import_module("vllm.config")
     sched = importlib.import_module("vllm.v1.core.sched.scheduler")
@@ -669,7 +669,7 @@ class VllmAdapter:
 
 
 def make() -> VllmAdapter:
-    """Factory for ``--adapter conformance.adapters.vllm:make`` (fcfs, chunked prefill)."""
+    """Factory for ``--adapter refserve.conformance.adapters.vllm:make`` (fcfs, chunked prefill)."""
     return VllmAdapter()
 
 

@@ -5,10 +5,13 @@ A figure measured on a shared machine moves with the load more than with most ch
 so a before/after comparison is only worth its ratio when both sides ran in the same
 session, alternating: each round runs the suite once in the base checkout and once in
 the new one (the order alternating between rounds), and the ratio is taken of the
-medians over rounds of each benchmark's own median. Each checkout runs its own code:
-``python -m pytest`` puts the working directory first on ``sys.path``.
+medians over rounds of each benchmark's own median. Each checkout runs its own code: one
+with the one import name (docs/ARCHITECTURE.md, "One import name") through its link tree,
+which its own ``make tree`` writes and ``PYTHONPATH`` puts first; an older one, whose
+folders were the import names, through the working directory that ``python -m pytest``
+puts first.
 
-    python -m conformance.bench.ab --base ../refserve-before --new . --rounds 3 \\
+    python -m refserve.conformance.bench.ab --base ../refserve-before --new . --rounds 3 \\
         --json out/ab.json --markdown out/ab.md -- tests/bench/test_step_bench.py
 
 Exit 0 with both sides measured, 2 when a side could not run (its pytest output is
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import statistics
 import subprocess
 import sys
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conformance.bench.machine import describe, load_average, machine_line
+from refserve.conformance.bench.machine import describe, load_average, machine_line
 
 SIDES = ("base", "new")
 FORMAT = "refserve-bench-ab"
@@ -47,13 +52,29 @@ class Figure:
         return statistics.median(self.new) / statistics.median(self.base)
 
 
-def run_suite(checkout: Path, tests: list[str], out: Path) -> dict[str, float]:
+def own_code(checkout: Path) -> dict[str, str]:
+    """The environment in which ``checkout``'s own code is the one imported (module doc)."""
+    makefile = checkout / "Makefile"
+    env = dict(os.environ)
+    if makefile.is_file() and re.search(r"^tree:", makefile.read_text(encoding="utf-8"), re.M):
+        done = subprocess.run(
+            ["make", "-C", str(checkout), "tree"], capture_output=True, text=True, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{checkout}: make tree exited {done.returncode}\n{done.stderr}")
+        env["PYTHONPATH"] = str(checkout / "build" / "tree")
+    return env
+
+
+def run_suite(
+    checkout: Path, tests: list[str], out: Path, env: dict[str, str] | None = None
+) -> dict[str, float]:
     """Each benchmark's median (s) from one pytest-benchmark run in ``checkout``."""
     cmd = [
         sys.executable, "-m", "pytest", *tests, "--benchmark-only", "-q",
         "-p", "no:cacheprovider", f"--benchmark-json={out}",
     ]  # fmt: skip
-    done = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True, check=False)
+    done = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0 or not out.exists():
         raise RuntimeError(f"{checkout}: pytest exited {done.returncode}\n{done.stdout[-3000:]}")
     data = json.loads(out.read_text(encoding="utf-8"))
@@ -76,13 +97,14 @@ def commit_of(checkout: Path) -> str:
 
 def interleave(base: Path, new: Path, tests: list[str], rounds: int) -> list[Figure]:
     per_side: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
+    envs = {"base": own_code(base), "new": own_code(new)}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(rounds):
             order = SIDES if i % 2 == 0 else SIDES[::-1]
             for side in order:
                 checkout = base if side == "base" else new
                 out = Path(tmp) / f"{side}-{i}.json"
-                per_side[side].append(run_suite(checkout, tests, out))
+                per_side[side].append(run_suite(checkout, tests, out, envs[side]))
     common = sorted(set.intersection(*(set(r) for runs in per_side.values() for r in runs)))
     return [
         Figure(
@@ -112,7 +134,7 @@ def to_markdown(figures: list[Figure], record: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m conformance.bench.ab",
+        prog="python -m refserve.conformance.bench.ab",
         description="A pytest-benchmark suite in two checkouts, rounds interleaved.",
     )
     parser.add_argument("--base", type=Path, required=True, help="the checkout before")
@@ -129,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     record: dict[str, Any] = {
         "format": FORMAT,
         "command": (
-            f"python -m conformance.bench.ab --base BASE --new NEW --rounds {args.rounds} "
+            f"python -m refserve.conformance.bench.ab --base BASE --new NEW --rounds {args.rounds} "
             + " ".join(args.tests)
         ),
         "base_commit": commit_of(args.base),

@@ -6,7 +6,7 @@ the calls a bulk step makes, over N int64 rows, right after a 64 MiB buffer is w
 (cold) and again at once (warm); medians of the rounds, in microseconds.
 docs/ARCHITECTURE.md, "The persistent batch", cites it.
 
-    python -m conformance.bench.cold_ops [--rows 1024] [--rounds 30]
+    python -m refserve.conformance.bench.cold_ops [--rows 1024] [--rounds 30]
 """
 
 from __future__ import annotations

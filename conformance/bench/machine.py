@@ -1,9 +1,9 @@
 """The machine a benchmark ran on, recorded in its JSON at measurement time.
 
 A figure means little without the machine behind it: the project's benchmarks run on
-shared VMs whose speed moves with the load, so every writer (``conformance.bench.peers``,
-``conformance.bench.memory``, the pytest-benchmark hook in ``tests/bench/conftest.py``)
-stores :func:`describe` next to its figures, and ``conformance.bench.report`` prints it
+shared VMs whose speed moves with the load, so every writer (``refserve.conformance.bench.peers``,
+``refserve.conformance.bench.memory``, the pytest-benchmark hook in ``tests/bench/conftest.py``)
+stores :func:`describe` next to its figures, and ``refserve.conformance.bench.report`` prints it
 under each table. Nothing here imports torch: the driver of ``make bench-peers`` runs no
 model, and the version is read from the installed distribution instead.
 """

@@ -2,7 +2,8 @@
 
 Run::
 
-    python -m conformance.bench.memory --json out/bench-memory.json --markdown out/bench-memory.md
+    python -m refserve.conformance.bench.memory --json out/bench-memory.json --markdown
+    out/bench-memory.md
 
 The workload is ``make bench-peers``' (conformance/bench/workload.py: N running decodes,
 block 16, prompts of 100-128 tokens, no preemption; 16 blocks of pool per request here),
@@ -30,12 +31,12 @@ from typing import Any
 
 import torch
 
-from conformance.bench import workload as W
-from conformance.bench.machine import describe, machine_line
-from ref.core.config import SchedulerConfig
-from ref.core.inputs import build_inputs
-from ref.core.request import Request, StopParams
-from ref.core.scheduler import Scheduler
+from refserve.conformance.bench import workload as W
+from refserve.conformance.bench.machine import describe, machine_line
+from refserve.core.config import SchedulerConfig
+from refserve.core.inputs import build_inputs
+from refserve.core.request import Request, StopParams
+from refserve.core.scheduler import Scheduler
 
 SIZES = (1024, 16384)
 BLOCKS_PER_REQUEST = 16  # 256 tokens of pool each: room for the measured steps
@@ -101,7 +102,7 @@ FORMAT = "refserve-bench-memory"
 
 
 def table(figures: list[MemoryFigure]) -> list[str]:
-    """The figures as a markdown table (also what ``conformance.bench.report`` prints)."""
+    """The figures as a markdown table (also what ``refserve.conformance.bench.report`` prints)."""
     lines = [
         "| N | heap held per running request | peak a step allocates, per running request |",
         "|---|---|---|",
@@ -136,7 +137,9 @@ def figures_of(doc: dict[str, Any]) -> list[MemoryFigure]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m conformance.bench.memory", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m refserve.conformance.bench.memory", description=__doc__
+    )
     p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), metavar="N")
     p.add_argument("--json", type=Path)
     p.add_argument("--markdown", type=Path)
@@ -145,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("every size must be >= 1")
     when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     machine = describe()  # before the run: its load average is what the run started on
-    command = "python -m conformance.bench.memory " + " ".join(
+    command = "python -m refserve.conformance.bench.memory " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
     )
     figures = []

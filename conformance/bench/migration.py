@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
-from spec.arith import blocks_needed
+from refserve.spec.arith import blocks_needed
 
 FORMAT = "refserve-bench-migration"
 

@@ -1,7 +1,7 @@
 """nano-vllm-fork's side of ``make bench-peers`` (runs in ``.venv-nanovllm``).
 
 The engine is built as the conformance adapter builds it
-(``conformance.adapters.nanovllm``: its ``Scheduler`` and ``BlockManager`` from a
+(``refserve.conformance.adapters.nanovllm``: its ``Scheduler`` and ``BlockManager`` from a
 hand-made config, a ``Sequence`` subclass carrying block size 16). The timed step is
 ``Scheduler.schedule()`` + ``ModelRunner.prepare_decode()`` + ``Scheduler.postprocess()``.
 
@@ -26,9 +26,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from conformance.adapter import EngineConfig, RequestSpec
-from conformance.bench import workload as W
-from conformance.bench.worker import Unsupported, serve
+from refserve.conformance.adapter import EngineConfig, RequestSpec
+from refserve.conformance.bench import workload as W
+from refserve.conformance.bench.worker import Unsupported, serve
 
 
 class _HostTorch:
@@ -76,7 +76,7 @@ class NanoVllmBench:
     )
 
     def __init__(self) -> None:
-        from conformance.adapters import nanovllm as adapter_module
+        from refserve.conformance.adapters import nanovllm as adapter_module
 
         self._adapter_module: Any = adapter_module
         self._torch: Any = importlib.import_module("torch")

@@ -2,12 +2,13 @@
 
 Run from refserve's venv::
 
-    python -m conformance.bench.peers --json out/bench-peers.json --markdown out/bench-peers.md
+    python -m refserve.conformance.bench.peers --json out/bench-peers.json --markdown
+    out/bench-peers.md
 
 Each engine runs in a worker process started with its own venv's Python (refserve: this
 interpreter; nano-vllm-fork: ``.venv-nanovllm``; vLLM: ``.venv-vllm``), built by
 ``make conformance-nanovllm`` / ``make conformance-vllm``. Every worker first builds
-every configuration of :mod:`conformance.bench.workload` (N requests prefilled and
+every configuration of :mod:`refserve.conformance.bench.workload` (N requests prefilled and
 decoding, prefix caching off and on). Then the rounds interleave the engines: in each
 round, for each configuration, each engine times one decode step, the engines' order
 rotating from round to round, so that a slow phase of the machine hits every engine
@@ -49,10 +50,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from conformance.bench import workload as W
-from conformance.bench.machine import describe
-from conformance.bench.render import render_markdown
-from conformance.bench.results import BASELINE, POOL_CONFIGS, Cell, PoolCell, Run
+from refserve.conformance.bench import workload as W
+from refserve.conformance.bench.machine import describe
+from refserve.conformance.bench.render import render_markdown
+from refserve.conformance.bench.results import BASELINE, POOL_CONFIGS, Cell, PoolCell, Run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,19 +73,23 @@ class EngineSpec:
 
 
 ENGINES: dict[str, EngineSpec] = {
-    "ref": EngineSpec("ref", "conformance.bench.ref_worker", None, "make venv"),
+    "ref": EngineSpec("ref", "refserve.conformance.bench.ref_worker", None, "make venv"),
     # refserve's own baseline: the same worker on the per-request reference loop.
     "ref-loop": EngineSpec(
-        "ref-loop", "conformance.bench.ref_worker", None, "make venv", ("--reference-loop",)
+        "ref-loop",
+        "refserve.conformance.bench.ref_worker",
+        None,
+        "make venv",
+        ("--reference-loop",),
     ),
     "nanovllm": EngineSpec(
         "nanovllm",
-        "conformance.bench.nanovllm_worker",
+        "refserve.conformance.bench.nanovllm_worker",
         ".venv-nanovllm",
         "make conformance-nanovllm",
     ),
     "vllm": EngineSpec(
-        "vllm", "conformance.bench.vllm_worker", ".venv-vllm", "make conformance-vllm"
+        "vllm", "refserve.conformance.bench.vllm_worker", ".venv-vllm", "make conformance-vllm"
     ),
 }
 SETUP_TIMEOUT = 600.0
@@ -96,7 +101,7 @@ class WorkerError(Exception):
 
 
 class Worker:
-    """One engine's worker process and its line protocol (conformance.bench.worker)."""
+    """One engine's worker process and its line protocol (refserve.conformance.bench.worker)."""
 
     def __init__(self, spec: EngineSpec, python: str) -> None:
         self.spec = spec
@@ -111,14 +116,16 @@ class Worker:
                 f"not run: {self.python} not found (build the venv: {self.spec.build})"
             )
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         # Closed by stop(); it outlives this method (the worker writes to it).
         self.stderr = tempfile.TemporaryFile(  # noqa: SIM115
             "w+", encoding="utf-8", errors="replace"
         )
         try:
             self.proc = subprocess.Popen(
-                [self.python, "-m", self.spec.module, *self.spec.args],
+                # -P: the working directory (the checkout, whose kernels/ and spec/ folders
+                # would hide installed distributions of those names) is not put on sys.path;
+                # each venv runs the refserve installed in it (the Makefile installs the wheel).
+                [self.python, "-P", "-m", self.spec.module, *self.spec.args],
                 cwd=ROOT,
                 env=env,
                 stdin=subprocess.PIPE,
@@ -453,7 +460,7 @@ def parse_options(argv: Sequence[str] | None) -> Options:
     engines = list(dict.fromkeys(args.engines))
     if BASELINE not in engines:
         engines.insert(0, BASELINE)
-    command = "python -m conformance.bench.peers " + " ".join(
+    command = "python -m refserve.conformance.bench.peers " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
     )
     return Options(
@@ -472,7 +479,7 @@ def parse_options(argv: Sequence[str] | None) -> Options:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m conformance.bench.peers",
+        prog="python -m refserve.conformance.bench.peers",
         description="refserve, nano-vllm-fork and vLLM scheduler steps side by side.",
     )
     p.add_argument(

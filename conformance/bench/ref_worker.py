@@ -6,13 +6,13 @@ block tables as int arrays: what the executor receives) and ``Scheduler.commit()
 with the sampled tokens as an int tensor (append them, stop checks, KV bookkeeping,
 prefix-cache indexing of the blocks that fill). The scheduler runs with its defaults
 (the bulk decode path on the persistent batch, invariant checks off);
-``python -m conformance.bench.ref_worker --reference-loop`` (the ``ref-loop`` engine of
-``conformance.bench.peers``) forces the per-request reference loop instead, in a
+``python -m refserve.conformance.bench.ref_worker --reference-loop`` (the ``ref-loop`` engine of
+``refserve.conformance.bench.peers``) forces the per-request reference loop instead, in a
 process of its own, so neither path's garbage is collected in the other's time.
 
 The block-pool round is ``BlockPool.allocate`` of a new request's ``POOL_K`` full blocks
 (its token ids stored in its table; with prefix caching each full block hashed with
-``spec.hashing.block_key``, sha256 over the parent key and the block's 16 token ids as
+``refserve.spec.hashing.block_key``, sha256 over the parent key and the block's 16 token ids as
 int64, 160 bytes, and indexed, every pop evicting a cached block) then ``BlockPool.free``,
 outside any step transaction.
 """
@@ -25,13 +25,13 @@ from importlib import metadata
 
 import torch
 
-from conformance.bench import workload as W
-from conformance.bench.worker import Unsupported, serve
-from ref.core.config import SchedulerConfig
-from ref.core.inputs import build_inputs
-from ref.core.request import Request, StopParams
-from ref.core.scheduler import Scheduler
-from ref.kv import BlockPool
+from refserve.conformance.bench import workload as W
+from refserve.conformance.bench.worker import Unsupported, serve
+from refserve.core.config import SchedulerConfig
+from refserve.core.inputs import build_inputs
+from refserve.core.request import Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.kv import BlockPool
 
 
 class _PoolState:
@@ -87,7 +87,7 @@ class RefBench:
     pool_includes = (
         "BlockPool.allocate(new request, POOL_K full blocks: validation, a block table "
         "holding the token ids, with caching sha256 per full block via "
-        "spec.hashing.block_key over 160 bytes, indexing, eviction on pop) + "
+        "refserve.spec.hashing.block_key over 160 bytes, indexing, eviction on pop) + "
         "BlockPool.free"
     )
 

@@ -2,7 +2,7 @@
 table, each with what every engine's timed work includes.
 
 :func:`render_markdown` is the driver's own ``out/bench-peers.md``;
-:mod:`conformance.bench.report` puts :func:`render_steps` and :func:`render_pool` one
+:mod:`refserve.conformance.bench.report` puts :func:`render_steps` and :func:`render_pool` one
 heading level down into docs/BENCHMARKS.md.
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from conformance.bench.machine import machine_line
-from conformance.bench.results import (
+from refserve.conformance.bench.machine import machine_line
+from refserve.conformance.bench.results import (
     BASELINE,
     POOL_CONFIGS,
     Cell,
@@ -126,8 +126,8 @@ def render_pool(run: Run, level: int = 2) -> list[str]:
         "|---|---|---|---|",
         *(_pool_row(run, e) for e in run.engines),
         "",
-        "Hashing: *same* is `spec.hashing.block_key` in both engines, sha256 over the parent "
-        "key (32 bytes) and the block's 16 token ids as int64 (128 bytes); vLLM's *own* is "
+        "Hashing: *same* is `refserve.spec.hashing.block_key` in both engines, sha256 over the "
+        "parent key (32 bytes) and the block's 16 token ids as int64 (128 bytes); vLLM's *own* is "
         "`hash_block_tokens(sha256, ...)`, sha256 over the pickle of (parent hash, token "
         "tuple, None).",
         "",

@@ -2,15 +2,15 @@
 
 Run::
 
-    python -m conformance.bench.report --out docs/BENCHMARKS.md docs/bench/*.json
+    python -m refserve.conformance.bench.report --out docs/BENCHMARKS.md docs/bench/*.json
 
 Every input is one benchmark's JSON as its writer left it: the step bench and the
-side-by-side run (``conformance.bench.peers``, ``out/bench-step.json`` and
-``out/bench-peers.json``), the heap per request (``conformance.bench.memory``,
+side-by-side run (``refserve.conformance.bench.peers``, ``out/bench-step.json`` and
+``out/bench-peers.json``), the heap per request (``refserve.conformance.bench.memory``,
 ``out/bench-memory.json``) and pytest-benchmark's ``--benchmark-json`` (``make bench``,
 ``out/bench-pytest.json``). Each becomes a section with its tables, the command that
 produced it and the machine it ran on (recorded in the JSON when it was measured:
-:mod:`conformance.bench.machine`), and a ratio wherever the run measured a baseline.
+:mod:`refserve.conformance.bench.machine`), and a ratio wherever the run measured a baseline.
 
 Figures are never typed by hand: the Makefile copies fresh JSON into ``docs/bench/``
 and reruns this, and ``tests/repo/test_benchmarks_doc.py`` requires the committed
@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conformance.bench import ab, memory, migration
-from conformance.bench.machine import machine_line
-from conformance.bench.render import render_pool, render_steps
-from conformance.bench.results import Run
-from kernels.bench import FORMAT as GPU_FORMAT
+from refserve.conformance.bench import ab, memory, migration
+from refserve.conformance.bench.machine import machine_line
+from refserve.conformance.bench.render import render_pool, render_steps
+from refserve.conformance.bench.results import Run
+from refserve.kernels.bench import FORMAT as GPU_FORMAT
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -280,7 +280,7 @@ KINDS: dict[str, Kind] = {
             "Paged attention on a GPU",
             "make gpu-bench",
             _gpu_body,
-            "Our Triton paged-attention kernel (`kernels.paged_attention`, compiled) on "
+            "Our Triton paged-attention kernel (`refserve.kernels.paged_attention`, compiled) on "
             "decode and mixed batches from 1k to 128k context, against the practical "
             'bandwidth ceiling and against SDPA (docs/KERNELS.md, "GPU runs and the GPU '
             'benchmark").',
@@ -288,7 +288,7 @@ KINDS: dict[str, Kind] = {
         Kind(
             "ab",
             "Before and after a change",
-            "python -m conformance.bench.ab",
+            "python -m refserve.conformance.bench.ab",
             _ab_body,
             "The pytest-benchmark suites in two checkouts (the code before a change and "
             "after it), rounds interleaved, the order alternating; the ratio is of the "
@@ -330,7 +330,7 @@ def render(inputs: Sequence[tuple[str, dict[str, Any]]], out: str) -> str:
         docs.append((rank[key], name, KINDS[key], doc))
     docs.sort(key=lambda d: (d[0], d[1]))
     names = sorted(name for _, name, _, _ in docs)
-    command = "python -m conformance.bench.report --out " + " ".join(
+    command = "python -m refserve.conformance.bench.report --out " + " ".join(
         shlex.quote(a) for a in (out, *names)
     )
     lines = [
@@ -387,7 +387,7 @@ def load(paths: Sequence[Path], log: Callable[[str], None]) -> list[tuple[str, d
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m conformance.bench.report",
+        prog="python -m refserve.conformance.bench.report",
         description="Render docs/BENCHMARKS.md from the benchmarks' JSON.",
     )
     p.add_argument("--out", type=Path, required=True, help="the markdown file to write")

@@ -4,8 +4,9 @@ A cell is one engine on one configuration, holding the raw per-round times; ever
 figure (the median per running request or per block), ratio to refserve and growth is
 computed from those times on demand, so a run read back from its JSON
 (:meth:`Run.from_json`) gives exactly the figures the run itself printed. The driver
-(:mod:`conformance.bench.peers`) fills a :class:`Run`; :mod:`conformance.bench.render`
-and :mod:`conformance.bench.report` turn one into markdown.
+(:mod:`refserve.conformance.bench.peers`) fills a :class:`Run`;
+:mod:`refserve.conformance.bench.render` and :mod:`refserve.conformance.bench.report` turn one into
+markdown.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from conformance.bench import workload as W
+from refserve.conformance.bench import workload as W
 
 BASELINE = "ref"
 """The engine every ratio is taken against."""
@@ -163,7 +164,7 @@ class Run:
     pool_cells: list[PoolCell] = field(default_factory=list)
     parts: tuple[str, ...] = ("steps", "pool")
     machine: dict[str, Any] = field(default_factory=dict)
-    """:func:`conformance.bench.machine.describe` when the run started."""
+    """:func:`refserve.conformance.bench.machine.describe` when the run started."""
     workload: dict[str, Any] = field(default_factory=default_workload)
     pool_workload: dict[str, Any] = field(default_factory=default_pool_workload)
 
@@ -240,7 +241,7 @@ class Run:
     def from_json(cls, d: dict[str, Any]) -> Run:
         """The run a :meth:`to_json` document describes, as far as rendering needs: the
         per-round times are kept, so every median and ratio is recomputed exactly as
-        the run computed it (``conformance.bench.report`` renders committed JSON so)."""
+        the run computed it (``refserve.conformance.bench.report`` renders committed JSON so)."""
         if d.get("format") != "refserve-bench-peers":
             raise ValueError(f"not a bench-peers JSON (format {d.get('format')!r})")
         cells = [_cell_from_json(c) for c in d.get("cells", [])]

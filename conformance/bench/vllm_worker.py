@@ -1,7 +1,7 @@
 """vLLM's side of ``make bench-peers`` (runs in ``.venv-vllm``).
 
 The engine is built exactly as the conformance adapter builds it
-(``conformance.adapters.vllm.VllmAdapter.configure``: vLLM 0.33.0's synchronous V1
+(``refserve.conformance.adapters.vllm.VllmAdapter.configure``: vLLM 0.33.0's synchronous V1
 ``Scheduler`` and ``KVCacheManager`` from a ``VllmConfig``, fcfs, chunked prefill on,
 prefix caching as configured, with vLLM's block hasher when it is on); requests are
 submitted through the adapter (vLLM's ``Request`` with its ``SamplingParams``).
@@ -18,7 +18,7 @@ The block-pool round is vLLM's ``BlockPool`` alone (``vllm/v1/core/block_pool.py
 ``POOL_BLOCKS`` blocks, events and metrics off): ``get_new_blocks(POOL_K)`` then
 ``free_blocks(reversed(blocks))``, as ``KVCacheManager.free`` orders them. With prefix
 caching the round first hashes each full block, then ``cache_full_blocks`` indexes
-them, every pop evicting a cached block. Hashing ``same``: ``spec.hashing.block_key``,
+them, every pop evicting a cached block. Hashing ``same``: ``refserve.spec.hashing.block_key``,
 refserve's function (sha256 over the parent key and the block's 16 token ids as int64,
 160 bytes), so both engines hash the same bytes; ``native``: vLLM's own
 ``hash_block_tokens(sha256, ...)`` (sha256 over the pickle of (parent hash, token tuple,
@@ -32,9 +32,9 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from conformance.adapter import EngineConfig, RequestSpec
-from conformance.bench import workload as W
-from conformance.bench.worker import Unsupported, serve
+from refserve.conformance.adapter import EngineConfig, RequestSpec
+from refserve.conformance.bench import workload as W
+from refserve.conformance.bench.worker import Unsupported, serve
 
 
 class _PoolState:
@@ -56,7 +56,7 @@ class VllmBench:
     )
 
     def __init__(self) -> None:
-        from conformance.adapters import vllm as adapter_module
+        from refserve.conformance.adapters import vllm as adapter_module
 
         self._mod: Any = adapter_module
         self._v: Any = adapter_module.V
@@ -67,13 +67,13 @@ class VllmBench:
 
     pool_includes = (
         "BlockPool.get_new_blocks(POOL_K) + BlockPool.free_blocks(reversed); with caching "
-        "also the block hashes (sha256 per full block: same = spec.hashing.block_key over "
+        "also the block hashes (sha256 per full block: same = refserve.spec.hashing.block_key over "
         "the same 160 bytes as refserve, native = vLLM's hash_block_tokens(sha256), a "
         "pickle) + BlockPool.cache_full_blocks, eviction on pop"
     )
 
     def pool_setup(self, prefix_caching: bool, hashing: str) -> object:
-        from spec.hashing import DEFAULT_NAMESPACE, block_key
+        from refserve.spec.hashing import DEFAULT_NAMESPACE, block_key
 
         sha256 = importlib.import_module("vllm.utils.hashing").sha256
         kv_cache_utils: Any = importlib.import_module("vllm.v1.core.kv_cache_utils")

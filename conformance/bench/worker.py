@@ -1,6 +1,6 @@
 """The worker side of ``make bench-peers``: one process per engine, in the engine's venv.
 
-The driver (:mod:`conformance.bench.peers`) talks to a worker over JSON lines. The worker
+The driver (:mod:`refserve.conformance.bench.peers`) talks to a worker over JSON lines. The worker
 answers every message with one line on its original stdout; anything an engine prints
 goes to stderr instead (file descriptor 1 is pointed at 2), so it can never corrupt the
 protocol. Messages:
@@ -35,8 +35,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, TextIO
 
-from conformance.bench.workload import Shape, pool_key
-from conformance.guard import describe
+from refserve.conformance.bench.workload import Shape, pool_key
+from refserve.conformance.guard import describe
 
 
 class Unsupported(Exception):

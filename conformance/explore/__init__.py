@@ -9,9 +9,15 @@ every state, stepping alone finishes every request. docs/CONFORMANCE.md, "Exhaus
 exploration", says what is covered and what is not.
 """
 
-from conformance.explore.explorer import ExploreResult, explore
-from conformance.explore.kv import KV_SCOPES, KVCounterexample, KVExploreResult, KVScope, explore_kv
-from conformance.explore.scope import SCOPES, RequestTemplate, Scope
+from refserve.conformance.explore.explorer import ExploreResult, explore
+from refserve.conformance.explore.kv import (
+    KV_SCOPES,
+    KVCounterexample,
+    KVExploreResult,
+    KVScope,
+    explore_kv,
+)
+from refserve.conformance.explore.scope import SCOPES, RequestTemplate, Scope
 
 __all__ = [
     "KV_SCOPES",

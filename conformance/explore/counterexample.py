@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from conformance.adapter import AdapterFactory
-from conformance.explore.scope import Scope
-from conformance.explore.session import Abort, Add, Event, Fault, Session, Step
-from conformance.runner import Finding, adapter_traits, build
-from conformance.workload import Workload
+from refserve.conformance.adapter import AdapterFactory
+from refserve.conformance.explore.scope import Scope
+from refserve.conformance.explore.session import Abort, Add, Event, Fault, Session, Step
+from refserve.conformance.runner import Finding, adapter_traits, build
+from refserve.conformance.workload import Workload
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Breadth-first exploration of every state of an engine up to a scope.
 
 Each state is reached first by a shortest event path (BFS) and deduplicated on its
-canonical key (:mod:`conformance.explore.key`). A state's session is obtained in one of
+canonical key (:mod:`refserve.conformance.explore.key`). A state's session is obtained in one of
 two ways:
 
 * ``replay`` (stateless model checking, any adapter): a fresh adapter replays the
@@ -12,7 +12,7 @@ two ways:
 
 Every transition runs the runner's checks; a transition with a finding is recorded as a
 counterexample (the first, shortest one of each signature) and not expanded. Once the
-graph is complete, liveness is checked on it (:mod:`conformance.explore.liveness`).
+graph is complete, liveness is checked on it (:mod:`refserve.conformance.explore.liveness`).
 """
 
 from __future__ import annotations
@@ -24,20 +24,25 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
-from conformance.adapter import AdapterFactory, EngineProperties, Feature
-from conformance.explore.counterexample import Counterexample, record, step_table, to_workload
-from conformance.explore.key import Key
-from conformance.explore.liveness import Liveness, check_liveness
-from conformance.explore.result import STRATEGIES, Exploration
-from conformance.explore.scope import Scope
-from conformance.explore.session import Event, Fault, Session, Step, step_variants
-from conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, describe
-from conformance.instance import _Stop, adapter_traits
-from conformance.run_result import Finding
-from conformance.runner import build
-from conformance.shrink import signature
-from conformance.workload import Workload
-from spec.violation import Invariant, violation
+from refserve.conformance.adapter import AdapterFactory, EngineProperties, Feature
+from refserve.conformance.explore.counterexample import (
+    Counterexample,
+    record,
+    step_table,
+    to_workload,
+)
+from refserve.conformance.explore.key import Key
+from refserve.conformance.explore.liveness import Liveness, check_liveness
+from refserve.conformance.explore.result import STRATEGIES, Exploration
+from refserve.conformance.explore.scope import Scope
+from refserve.conformance.explore.session import Event, Fault, Session, Step, step_variants
+from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, describe
+from refserve.conformance.instance import _Stop, adapter_traits
+from refserve.conformance.run_result import Finding
+from refserve.conformance.runner import build
+from refserve.conformance.shrink import signature
+from refserve.conformance.workload import Workload
+from refserve.spec.violation import Invariant, violation
 
 
 @dataclass

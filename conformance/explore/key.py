@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 
-from spec.snapshot import EngineSnapshot, PoolSnapshot
+from refserve.spec.snapshot import EngineSnapshot, PoolSnapshot
 
 Key = Hashable
 

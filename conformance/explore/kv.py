@@ -1,9 +1,9 @@
 """Exhaustive exploration of a block manager alone, through the KV adapter protocol.
 
-The engine-level explorer (:mod:`conformance.explore.explorer`) reaches a block manager
+The engine-level explorer (:mod:`refserve.conformance.explore.explorer`) reaches a block manager
 only through its engine's scheduler, which may never fork, never write into a shared
 partial block, never bring a freed prefix back. This module enumerates the KV protocol
-(:mod:`conformance.kv.protocol`) itself, breadth first, from a freshly configured
+(:mod:`refserve.conformance.kv.protocol`) itself, breadth first, from a freshly configured
 manager: in every reachable state it applies every op the scope allows
 
 * ``new``: a request from the scope's catalogue (prompts sharing prefixes, so cache hits
@@ -13,7 +13,7 @@ manager: in every reachable state it applies every op the scope allows
   token from the scope's alphabet, and asks for every useful ``num_new_tokens``;
 * ``fork`` (feature ``fork``) into a fresh request, and ``free``;
 
-each op checked by the KV level's own driver (:class:`conformance.kv.run._KVRun`:
+each op checked by the KV level's own driver (:class:`refserve.conformance.kv.run._KVRun`:
 BLOCK, CAP, POS, PREFIX, KVLEN after every op, the fake KV memory read back, ATOMIC and
 CAP on a refusal, PROGRESS on a quiescent pool), so a finding here is a finding of
 ``refserve conformance --kv-adapter``. A state with no live request is the end of a
@@ -23,7 +23,7 @@ explored too, in every free order.
 States are deduplicated on a canonical key (:func:`kv_key`); the first path that reaches
 a state is a shortest one, so each counterexample is the shortest op list (BFS) that
 shows its finding signature, written in the KV replay format (``{"kv_config": ...,
-"ops": [...]}``) that :func:`conformance.kv.machine.replay_kv` and ``refserve
+"ops": [...]}``) that :func:`refserve.conformance.kv.machine.replay_kv` and ``refserve
 conformance --kv-adapter X --replay file.json`` read. docs/CONFORMANCE.md, "The block
 manager alone: `--kv-adapter`" and "Exhaustive exploration".
 """
@@ -36,16 +36,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from conformance.explore.key import Key, pool_key, rename
-from conformance.explore.result import STRATEGIES, Exploration
-from conformance.guard import DEFAULT_CALL_TIMEOUT
-from conformance.kv.protocol import KVAdapterFactory, KVConfig, KVFeature
-from conformance.kv.run import _find, _KVRun, _replay
-from conformance.kv.workload import KVFinding, KVWorkload
-from spec.violation import Invariant, violation
+from refserve.conformance.explore.key import Key, pool_key, rename
+from refserve.conformance.explore.result import STRATEGIES, Exploration
+from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT
+from refserve.conformance.kv.protocol import KVAdapterFactory, KVConfig, KVFeature
+from refserve.conformance.kv.run import _find, _KVRun, _replay
+from refserve.conformance.kv.workload import KVFinding, KVWorkload
+from refserve.spec.violation import Invariant, violation
 
 Op = Mapping[str, Any]
-"""One op in the KV workload format (conformance.kv.machine's module docstring)."""
+"""One op in the KV workload format (refserve.conformance.kv.machine's module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,7 @@ def kv_key(run: _KVRun) -> Key:
     """The canonical key of a KV state: two states with the same key have the same
     futures under the explored ops (docs/CONFORMANCE.md, "Exhaustive exploration").
 
-    It is :func:`conformance.explore.key.pool_key` (live requests ranked by arrival,
+    It is :func:`refserve.conformance.explore.key.pool_key` (live requests ranked by arrival,
     blocks renamed by first use, the free queue in hand-out order with the blocks no
     table or cache entry names left anonymous, the fake memory of every named block)
     plus the suite's books of each live request (known tokens, KV length, cache hit),
@@ -550,7 +550,7 @@ def explore_kv(
 ) -> KVExploreResult:
     """Explore every KV state of ``scope`` on managers made by ``factory``, breadth first;
     never raises for manager bugs (each distinct finding signature is a counterexample
-    whose workload :func:`conformance.kv.machine.replay_kv` replays to it).
+    whose workload :func:`refserve.conformance.kv.machine.replay_kv` replays to it).
 
     ``strategy``: ``replay`` builds each state's manager afresh and replays its op path
     (any adapter; checks determinism: the same ops reach the same key); ``copy``

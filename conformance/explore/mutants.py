@@ -5,12 +5,12 @@ mutmut 3 writes every mutant of the files ``[tool.mutmut] only_mutate`` names in
 of the tree under ``mutants/``, each function behind a trampoline that calls the mutant
 named by the environment variable ``MUTANT_UNDER_TEST`` (``module.mangled__mutmut_N``)
 and the original otherwise. This driver runs, from that directory, the exhaustive
-explorer (:func:`conformance.explore.explore`, ``copy`` strategy, first counterexample
+explorer (:func:`refserve.conformance.explore.explore`, ``copy`` strategy, first counterexample
 only) in a fresh subprocess per mutant and adapter with the variable set, under a
 wall-clock limit, and writes one JSON line per mutant::
 
-    cd mutants && ../.venv/bin/python -m conformance.explore.mutants \\
-        --names-file ../docs/MUTATION_SURVIVORS.txt --out ../explore-survivors.jsonl
+    cd build/tree/mutants && ../../../.venv/bin/python -m refserve.conformance.explore.mutants \\
+        --names-file ../../../docs/MUTATION_SURVIVORS.txt --out ../../../explore-survivors.jsonl
 
 A counterexample, a timeout, a crash or a scope the mutant made unsupported or
 unexhaustible kills the mutant (as mutmut counts a timeout). ``--reached`` first runs the
@@ -21,7 +21,7 @@ and ``suspend.py``, of functions named for swapping, and of functions that only 
 adapter reaches; every other mutant runs on the recompute adapter alone.
 
 The mutants are generated without mutmut's test pass by ``--generate`` (mutmut's own
-copy and mutation steps, run from the repository root).
+copy and mutation steps, run from the link tree ``build/tree`` that ``make tree`` writes).
 """
 
 from __future__ import annotations
@@ -41,18 +41,18 @@ from typing import Any
 
 ADAPTERS = {"ref": "make", "swap": "make_swap"}
 SUFFIX = re.compile(r"__mutmut_\d+$")
-SWAP_MODULES = ("ref.kv.host_pool.", "ref.core.suspend.")
+SWAP_MODULES = ("refserve.kv.host_pool.", "refserve.core.suspend.")
 
 
 def function_of(mutant: str) -> str:
-    """``ref.core.scheduler.xǁSchedulerǁ_plan__mutmut_91`` -> ``...xǁSchedulerǁ_plan``."""
+    """``refserve.core.scheduler.xǁSchedulerǁ_plan__mutmut_91`` -> ``...xǁSchedulerǁ_plan``."""
     return SUFFIX.sub("", mutant)
 
 
 def all_mutants(root: Path) -> list[str]:
     """Every mutant name mutmut generated under ``root`` (the ``mutants/`` directory)."""
     names: list[str] = []
-    for meta in sorted(root.glob("ref/**/*.py.meta")):
+    for meta in sorted(root.glob("refserve/**/*.py.meta")):
         names.extend(json.loads(meta.read_text(encoding="utf-8"))["exit_code_by_key"])
     return sorted(names)
 
@@ -69,7 +69,7 @@ def read_names(path: Path) -> list[str]:
 
 def generate() -> None:
     """mutmut's generation steps alone (copy the tree, write every mutant): no clean
-    test run, no statistics, no mutant run. Run from the repository root."""
+    test run, no statistics, no mutant run. Run from the link tree (``make tree``)."""
     main: Any = importlib.import_module("mutmut.__main__")
     tramp: Any = importlib.import_module("mutmut.mutation.trampoline")
     files: Any = importlib.import_module("mutmut.utils.file_utils")
@@ -84,8 +84,8 @@ def generate() -> None:
 # ---------------------------------------------------------------- in the child process
 def explore_once(adapter: str, scope: str) -> dict[str, Any]:
     """One exploration on the engine as ``MUTANT_UNDER_TEST`` makes it."""
-    import conformance.adapters.ref as ref_adapters
-    from conformance.explore import SCOPES, explore
+    import refserve.conformance.adapters.ref as ref_adapters
+    from refserve.conformance.explore import SCOPES, explore
 
     factory = getattr(ref_adapters, ADAPTERS[adapter])
     res = explore(factory, SCOPES[scope], strategy="copy", first_only=True)
@@ -121,7 +121,15 @@ def reached(adapter: str, scope: str) -> list[str]:
 
 # ---------------------------------------------------------------- in the parent process
 def child_command(flag: str, adapter: str, scope: str) -> list[str]:
-    return [sys.executable, "-m", "conformance.explore.mutants", flag, adapter, "--scope", scope]
+    return [
+        sys.executable,
+        "-m",
+        "refserve.conformance.explore.mutants",
+        flag,
+        adapter,
+        "--scope",
+        scope,
+    ]
 
 
 def run_child(mutant: str, adapter: str, scope: str, timeout: float) -> dict[str, Any]:
@@ -239,7 +247,7 @@ def select(args: argparse.Namespace, root: Path) -> list[str]:
 
 
 def main(argv: Iterable[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m conformance.explore.mutants")
+    ap = argparse.ArgumentParser(prog="python -m refserve.conformance.explore.mutants")
     ap.add_argument("names", nargs="*", help="mutant names")
     ap.add_argument("--names-file", help="a file of mutant names, one a line (# comments)")
     ap.add_argument("--sample", type=int, default=0, help="a uniform sample of every mutant")
@@ -262,7 +270,7 @@ def main(argv: Iterable[str] | None = None) -> None:
         print(json.dumps(reached(args.child_reached, args.scope)))
         return
     root = Path.cwd()
-    if not (root / "ref").is_dir() or not any(root.glob("ref/**/*.py.meta")):
+    if not (root / "refserve").is_dir() or not any(root.glob("refserve/**/*.py.meta")):
         raise SystemExit("run from mutmut's mutants/ directory (see --generate)")
     names = select(args, root)
     drive(names, Path(args.out), Path(args.hits), args.scope, args.timeout)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conformance.adapter import EngineConfig, Feature
-from conformance.workload import EOS, RequestPlan, Workload
+from refserve.conformance.adapter import EngineConfig, Feature
+from refserve.conformance.workload import EOS, RequestPlan, Workload
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """One path of an exploration: an engine driven event by event, checked after each one.
 
-A :class:`Session` is the conformance runner (:mod:`conformance.runner`) cut into single
+A :class:`Session` is the conformance runner (:mod:`refserve.conformance.runner`) cut into single
 events. The runner drives a whole workload; here every add, abort, step and fault is one
 call of :meth:`Session.apply`, with the same guarded adapter calls, the same fake KV
 memory and the same checkers as a conformance run, so a finding of the explorer is a
 finding of the suite, and a path replays as an ordinary workload
-(:mod:`conformance.explore.counterexample`).
+(:mod:`refserve.conformance.explore.counterexample`).
 
 Events at one step boundary come in the runner's order: adds, then aborts, then the step
 (a fault is the runner's ``rollback_at``: a step scheduled and undone just before the
@@ -19,14 +19,14 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import combinations, product
 
-from conformance.adapter import EngineAdapter, EngineProperties, Feature
-from conformance.explore.key import Key, pool_key, rename, request_key
-from conformance.explore.scope import Scope
-from conformance.guard import describe
-from conformance.instance import _Run, _Stop
-from conformance.run_result import Finding
-from conformance.workload import EOS, RequestPlan, Workload, next_token
-from spec.violation import Invariant, violation
+from refserve.conformance.adapter import EngineAdapter, EngineProperties, Feature
+from refserve.conformance.explore.key import Key, pool_key, rename, request_key
+from refserve.conformance.explore.scope import Scope
+from refserve.conformance.guard import describe
+from refserve.conformance.instance import _Run, _Stop
+from refserve.conformance.run_result import Finding
+from refserve.conformance.workload import EOS, RequestPlan, Workload, next_token
+from refserve.spec.violation import Invariant, violation
 
 
 @dataclass(frozen=True)
@@ -249,7 +249,7 @@ class Session:
             run.quiesce(self.steps)
 
     def key(self) -> Key:
-        """The canonical key of the state (:mod:`conformance.explore.key`); raises
+        """The canonical key of the state (:mod:`refserve.conformance.explore.key`); raises
         ``_Stop`` when the snapshot cannot be read (the finding is recorded)."""
         run = self.run
         snap = run.snapshot(self.steps, "explore")

@@ -1,10 +1,10 @@
 """The checks of ``refserve conformance-http`` (docs/GUIDE.md, "Checking any OpenAI-
 compatible server"). Each takes the :class:`Context` and returns a note (or ``None``)
-when it passes; it raises :class:`~conformance.http.client.Finding` when the server is
+when it passes; it raises :class:`~refserve.conformance.http.client.Finding` when the server is
 wrong, and :class:`NotSupported` when the server refuses a feature the check needs (that
 is not a failure: the report says which).
 
-The reference is refserve's :class:`~ref.engine.llm_engine.LLMEngine` on the same
+The reference is refserve's :class:`~refserve.engine.llm_engine.LLMEngine` on the same
 checkpoint, run in-process: greedy outputs, token counts and stop-string cuts are
 compared with it. Token ids are compared when the server names them in logprobs (vLLM's
 ``return_tokens_as_token_ids``, which refserve serve also implements); text otherwise.
@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from conformance.http.client import Finding, ServerClient, need, quote
-from ref.engine.llm_engine import LLMEngine
-from ref.model.sampler import SamplingParams
+from refserve.conformance.http.client import Finding, ServerClient, need, quote
+from refserve.engine.llm_engine import LLMEngine
+from refserve.model.sampler import SamplingParams
 
 #: Prompts of the greedy checks: short, varied, plain ASCII (any tokenizer has them).
 DEFAULT_PROMPTS = (

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from conformance.http.checks import CHECKS, Context, NotSupported
-from conformance.http.client import Finding
+from refserve.conformance.http.checks import CHECKS, Context, NotSupported
+from refserve.conformance.http.client import Finding
 
 FORMAT = "refserve-conformance-http"
 VERSION = 1

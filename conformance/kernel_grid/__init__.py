@@ -8,7 +8,7 @@ the field use (key tiles of 16/32/64/128 positions, query tiles crossing key til
 sliding-window edges on and off tile edges, split-KV segment counts that do and do not
 divide a sequence, a single key tile, KV length 1). Each :class:`GridCase` names the
 boundary it exercises. A case builds its inputs deterministically from a seed
-(:func:`build_inputs`) in the vLLM-style layout (``kernels.validation``), with traps:
+(:func:`build_inputs`) in the vLLM-style layout (``refserve.kernels.validation``), with traps:
 
 - physical blocks are shuffled (non-contiguous) and the pool holds spare blocks;
 - every cache slot that is not live (past a sequence's length, in spare blocks) is NaN,
@@ -17,8 +17,8 @@ boundary it exercises. A case builds its inputs deterministically from a seed
 - if the function accepts an ``out=`` tensor, it gets a strided view into a larger
   buffer filled with a canary value, and any write outside the view fails the case.
 
-The reference is ``kernels.oracle.paged_attention_f64`` (float64 on the CPU), so the
-tolerance of ``kernels.tolerances`` is spent on the kernel alone; the fp32 oracle's own
+The reference is ``refserve.kernels.oracle.paged_attention_f64`` (float64 on the CPU), so the
+tolerance of ``refserve.kernels.tolerances`` is spent on the kernel alone; the fp32 oracle's own
 error is measured and reported beside it (``oracle_fp32_err``).
 
 A kernel declares what it supports with a ``refserve_capabilities`` attribute
@@ -27,11 +27,11 @@ A kernel declares what it supports with a ``refserve_capabilities`` attribute
 process; :func:`check_kernel_main` (``refserve check-kernel``) runs each case in a
 persistent worker subprocess that is restarted after a crash or a timeout, so a kernel
 that segfaults or hangs fails that case and the run goes on. This package needs torch and
-``kernels.oracle`` only (no triton), so a kernel author's checker never needs our kernels.
+``refserve.kernels.oracle`` only (no triton), so a kernel author's checker never needs our kernels.
 
 Beyond that kernel: ``beyond_design`` cases check features other engines' kernels have
 (fp8 KV, sinks, ALiBi, per-request windows, non-causal, a different V head size, the
-log-sum-exp) against ``kernels.oracle.paged_attention_extended_f64``, and ``--op
+log-sum-exp) against ``refserve.kernels.oracle.paged_attention_extended_f64``, and ``--op
 write_kv`` / ``--op copy_blocks`` run grids of their own (:data:`GRIDS`).
 
 The package, one concept a module: :mod:`.cases` (the grid), :mod:`.inputs` (a case's
@@ -43,14 +43,14 @@ check-kernel``). Everything public is importable from here.
 
 from __future__ import annotations
 
-from conformance.kernel_grid.capabilities import (
+from refserve.conformance.kernel_grid.capabilities import (
     FEATURES,
     GridHarnessError,
     KernelCapabilities,
     capabilities_of,
     unsupported_reason,
 )
-from conformance.kernel_grid.cases import (
+from refserve.conformance.kernel_grid.cases import (
     BOUNDARY_RULES,
     CASES,
     COPY_BLOCKS_GRID,
@@ -63,16 +63,16 @@ from conformance.kernel_grid.cases import (
     select_cases,
 )
 
-# ref.cli.main copies this parser's options behind its own usage errors.
-from conformance.kernel_grid.cli import _parser as _parser
-from conformance.kernel_grid.cli import check_kernel_main
-from conformance.kernel_grid.inputs import (
+# refserve.cli.main copies this parser's options behind its own usage errors.
+from refserve.conformance.kernel_grid.cli import _parser as _parser
+from refserve.conformance.kernel_grid.cli import check_kernel_main
+from refserve.conformance.kernel_grid.inputs import (
     CANARY,
     AttentionInputs,
     PagedAttentionFn,
     build_inputs,
 )
-from conformance.kernel_grid.results import (
+from refserve.conformance.kernel_grid.results import (
     EXIT_FAILED,
     EXIT_PASSED,
     EXIT_USAGE,
@@ -87,7 +87,7 @@ from conformance.kernel_grid.results import (
     run_info,
     summary_line,
 )
-from conformance.kernel_grid.run import run_case, run_grid
+from refserve.conformance.kernel_grid.run import run_case, run_grid
 
 __all__ = [
     "BOUNDARY_RULES",

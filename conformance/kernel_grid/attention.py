@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from conformance.kernel_grid.capabilities import signature_names
-from conformance.kernel_grid.cases import GridCase
-from conformance.kernel_grid.inputs import CANARY, AttentionInputs, build_inputs
-from conformance.kernel_grid.results import FAIL, PASS, CaseResult, Verdict
-from kernels import oracle
-from kernels.tolerances import Tolerance
+from refserve.conformance.kernel_grid.capabilities import signature_names
+from refserve.conformance.kernel_grid.cases import GridCase
+from refserve.conformance.kernel_grid.inputs import CANARY, AttentionInputs, build_inputs
+from refserve.conformance.kernel_grid.results import FAIL, PASS, CaseResult, Verdict
+from refserve.kernels import oracle
+from refserve.kernels.tolerances import Tolerance
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from conformance.kernel_grid.cases import LAYOUTS, GridCase
+from refserve.conformance.kernel_grid.cases import LAYOUTS, GridCase
 
 
 class GridHarnessError(RuntimeError):

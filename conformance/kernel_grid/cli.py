@@ -14,13 +14,13 @@ from typing import IO
 
 import torch
 
-from conformance.kernel_grid.capabilities import (
+from refserve.conformance.kernel_grid.capabilities import (
     GridHarnessError,
     KernelCapabilities,
     capabilities_of,
 )
-from conformance.kernel_grid.cases import CASES, GRIDS, GridCase
-from conformance.kernel_grid.results import (
+from refserve.conformance.kernel_grid.cases import CASES, GRIDS, GridCase
+from refserve.conformance.kernel_grid.results import (
     EXIT_FAILED,
     EXIT_PASSED,
     EXIT_USAGE,
@@ -31,8 +31,8 @@ from conformance.kernel_grid.results import (
     summary_line,
     table_row,
 )
-from conformance.kernel_grid.run import bf16_note, run_grid, undecided_or_verdict
-from conformance.kernel_grid.worker import (
+from refserve.conformance.kernel_grid.run import bf16_note, run_grid, undecided_or_verdict
+from refserve.conformance.kernel_grid.worker import (
     DTYPES,
     Worker,
     load_function,
@@ -40,7 +40,7 @@ from conformance.kernel_grid.worker import (
     worker_argv,
     worker_main,
 )
-from kernels.tolerances import Tolerance
+from refserve.kernels.tolerances import Tolerance
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,7 +51,9 @@ def _parser() -> argparse.ArgumentParser:
         "Exit 0: all passed; 1: a case failed or timed out; 2: usage or harness error.",
     )
     parser.add_argument(
-        "target", nargs="?", help="MODULE:FUNCTION with the signature of kernels.paged_attention"
+        "target",
+        nargs="?",
+        help="MODULE:FUNCTION with the signature of refserve.kernels.paged_attention",
     )
     parser.add_argument("--layout", choices=["vllm"], default="vllm", help="cache layout")
     parser.add_argument(

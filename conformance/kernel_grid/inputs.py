@@ -11,14 +11,14 @@ from typing import Any, Protocol
 
 import torch
 
-from conformance.kernel_grid.cases import GridCase
+from refserve.conformance.kernel_grid.cases import GridCase
 
 #: Value written around the ``out=`` view; a kernel that writes outside it changes it.
 CANARY = 12345.0
 
 
 class PagedAttentionFn(Protocol):
-    """The signature every kernel under test has (that of ``kernels.paged_attention``)."""
+    """The signature every kernel under test has (that of ``refserve.kernels.paged_attention``)."""
 
     def __call__(
         self,
@@ -37,7 +37,7 @@ class PagedAttentionFn(Protocol):
 
 @dataclass(frozen=True)
 class AttentionInputs:
-    """Arguments of one ``paged_attention`` call, in ``kernels.paged_attention``'s order.
+    """Arguments of one ``paged_attention`` call, in ``refserve.kernels.paged_attention``'s order.
 
     ``key_cache``/``value_cache`` are always ``[blocks, block_size, Hkv, D]`` views (what
     the oracle reads); :meth:`call` hands a kernel the ``layout`` it asked for, a view of

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from conformance.kernel_grid.cases import GridCase
-from conformance.kernel_grid.inputs import AttentionInputs, build_inputs, cdiv, empty_cache
-from conformance.kernel_grid.results import PASS, CaseResult, Verdict
-from kernels import oracle
+from refserve.conformance.kernel_grid.cases import GridCase
+from refserve.conformance.kernel_grid.inputs import AttentionInputs, build_inputs, cdiv, empty_cache
+from refserve.conformance.kernel_grid.results import PASS, CaseResult, Verdict
+from refserve.kernels import oracle
 
 #: (oracle's cache, kernel's cache) pairs that must match after the call.
 _Pairs = list[tuple[torch.Tensor, torch.Tensor]]

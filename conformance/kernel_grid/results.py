@@ -129,7 +129,7 @@ def run_info(*, target: str, device: torch.device | str, seed: int) -> dict[str,
         "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "mode": "compiled" if dev.type == "cuda" else "triton-interpreter",
-        "reference": "kernels.oracle.paged_attention_f64 (float64 on the CPU)",
+        "reference": "refserve.kernels.oracle.paged_attention_f64 (float64 on the CPU)",
         "seed": seed,
     }
 

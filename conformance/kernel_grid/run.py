@@ -10,16 +10,16 @@ from dataclasses import replace
 
 import torch
 
-from conformance.kernel_grid.attention import run_attention_case
-from conformance.kernel_grid.capabilities import (
+from refserve.conformance.kernel_grid.attention import run_attention_case
+from refserve.conformance.kernel_grid.capabilities import (
     KernelCapabilities,
     capabilities_of,
     unsupported_reason,
 )
-from conformance.kernel_grid.cases import GridCase, select_cases
-from conformance.kernel_grid.memory import run_memory_case
-from conformance.kernel_grid.results import FAIL, NOT_SUPPORTED, SKIPPED, CaseResult
-from kernels.tolerances import Tolerance, attention_tolerance
+from refserve.conformance.kernel_grid.cases import GridCase, select_cases
+from refserve.conformance.kernel_grid.memory import run_memory_case
+from refserve.conformance.kernel_grid.results import FAIL, NOT_SUPPORTED, SKIPPED, CaseResult
+from refserve.kernels.tolerances import Tolerance, attention_tolerance
 
 
 def run_case(
@@ -37,7 +37,7 @@ def run_case(
 
     Exceptions become FAIL results; a case outside ``capabilities`` (default: what ``fn``
     declares) is NOT_SUPPORTED without calling ``fn``. ``tolerance`` overrides the
-    per-dtype one of ``kernels.tolerances`` (``--atol/--rtol``).
+    per-dtype one of ``refserve.kernels.tolerances`` (``--atol/--rtol``).
     """
     dev = torch.device(device)
     caps = capabilities_of(fn) if capabilities is None else capabilities

@@ -1,5 +1,5 @@
 """The isolated worker (docs/KERNELS.md, "Running the grid"): ``refserve check-kernel``
-runs each (case, dtype) in a persistent subprocess (``python -m conformance.kernel_grid
+runs each (case, dtype) in a persistent subprocess (``python -m refserve.conformance.kernel_grid
 TARGET --worker``), restarted after a crash or a timeout, so a kernel that segfaults or
 hangs fails that case and the run goes on.
 
@@ -30,21 +30,21 @@ from typing import IO, Any
 
 import torch
 
-from conformance.kernel_grid.capabilities import (
+from refserve.conformance.kernel_grid.capabilities import (
     GridHarnessError,
     KernelCapabilities,
     capabilities_of,
 )
-from conformance.kernel_grid.cases import CASES, GridCase
-from conformance.kernel_grid.results import (
+from refserve.conformance.kernel_grid.cases import CASES, GridCase
+from refserve.conformance.kernel_grid.results import (
     EXIT_PASSED,
     EXIT_USAGE,
     FAIL,
     TIMEOUT,
     CaseResult,
 )
-from conformance.kernel_grid.run import run_case
-from kernels.tolerances import Tolerance, attention_tolerance
+from refserve.conformance.kernel_grid.run import run_case
+from refserve.kernels.tolerances import Tolerance, attention_tolerance
 
 #: The dtypes a run may ask for, by name (``--dtype`` and the protocol's ``dtype``).
 DTYPES = MappingProxyType(
@@ -238,7 +238,7 @@ class Worker:
 
 
 def worker_argv(args: argparse.Namespace, device: torch.device) -> list[str]:
-    argv = [sys.executable, "-m", "conformance.kernel_grid", args.target, "--worker",
+    argv = [sys.executable, "-m", "refserve.conformance.kernel_grid", args.target, "--worker",
             "--device", str(device), "--seed", str(args.seed)]  # fmt: skip
     if args.atol is not None:
         argv += ["--atol", repr(args.atol)]

@@ -1,5 +1,5 @@
-"""The KV level's own checks on one op's outcome, beside :mod:`spec.checks` (the
-module docstring of :mod:`conformance.kv.machine` lists them): what a cache hit may be
+"""The KV level's own checks on one op's outcome, beside :mod:`refserve.spec.checks` (the
+module docstring of :mod:`refserve.conformance.kv.machine` lists them): what a cache hit may be
 (PREFIX, KVLEN), whether a refused call really lacked room (CAP), whether each table
 matches the suite's books (KVLEN, PREFIX, PROGRESS, POS), and whether every live request
 reads back its own tokens from the fake KV memory (BLOCK, PREFIX).
@@ -13,10 +13,10 @@ from collections import Counter
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
-from conformance.kv.shape import _short
-from spec.arith import blocks_needed, max_cacheable_tokens, slot_of
-from spec.snapshot import PoolSnapshot, TableSnapshot
-from spec.violation import Invariant, Violation, violation
+from refserve.conformance.kv.shape import _short
+from refserve.spec.arith import blocks_needed, max_cacheable_tokens, slot_of
+from refserve.spec.snapshot import PoolSnapshot, TableSnapshot
+from refserve.spec.violation import Invariant, Violation, violation
 
 
 @dataclass(frozen=True)

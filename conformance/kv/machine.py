@@ -1,7 +1,7 @@
 """KV-manager conformance: a Hypothesis-driven checker for any :class:`KVAdapter`.
 
 The suite plays scheduler and model for a block manager on its own. Each example is a
-*workload*: a :class:`~conformance.kv.protocol.KVConfig` and a plain-data op list (JSON),
+*workload*: a :class:`~refserve.conformance.kv.protocol.KVConfig` and a plain-data op list (JSON),
 replayable with :func:`replay_kv`:
 
 * ``{"op": "new", "rid": "r1", "prompt": [..], "n": 3}``: first allocation of a request
@@ -19,7 +19,7 @@ reported as op ``len(ops)``) and the pool must be quiescent.
 The suite keeps the logical truth per request (its known tokens, how many are stored,
 how many came from the cache) and a fake KV memory (slot -> token id). After EVERY op:
 
-* BLOCK, CAP, POS, PREFIX: :func:`spec.checks.check_pool` on the snapshot;
+* BLOCK, CAP, POS, PREFIX: :func:`refserve.spec.checks.check_pool` on the snapshot;
 * KVLEN: each table's ``num_stored`` is the suite's count (previous + hit + new);
   PREFIX: its ``token_ids`` are the request's own tokens;
 * read-back: every live request reads its own tokens through its table. The suite
@@ -27,7 +27,7 @@ how many came from the cache) and a fake KV memory (slot -> token id). After EVE
   performing the returned copies, so a copy-on-write done but not reported, or a block
   released while still held (ref count too low, double free), shows as a wrong or
   missing token (BLOCK); a wrong token in a shared or cache-hit block (a stale cache
-  entry) is PREFIX, as in conformance.runner's read-back;
+  entry) is PREFIX, as in refserve.conformance.runner's read-back;
 * PREFIX: a write lands only in a block the writer holds alone (copy-on-write); a cache
   hit is whole blocks, only on a first allocation, only with caching on, and leaves the
   last known token to be computed (KVLEN if hit + new tokens exceed the known tokens);
@@ -38,14 +38,14 @@ how many came from the cache) and a fake KV memory (slot -> token id). After EVE
   snapshot shows enough free blocks for the call without any cache hit (plus one for a
   copy-on-write) is a finding;
 * PROGRESS: after the drain no table remains and no block is referenced
-  (:func:`spec.progress.check_quiescent`); an adapter call that raises (other than the
+  (:func:`refserve.spec.progress.check_quiescent`); an adapter call that raises (other than the
   protocol's answers) or runs past the time limit, and a snapshot or Allocation not
   shaped as the protocol says, are findings naming the call, never a crash.
 
 An example stops at the first op with a finding (later state is collateral damage).
 :func:`run_kv_suite` runs the fixed scenarios, then ``max_examples`` generated examples
 without stopping at the first failure, keeps the first workload per finding signature
-(:func:`conformance.report.signature_of`: invariant, first word of the subject, message
+(:func:`refserve.conformance.report.signature_of`: invariant, first word of the subject, message
 with its numbers blanked) and shrinks each one by greedy delta debugging that keeps
 that exact signature. Signatures in a baseline (``known``) are counted, not failed.
 
@@ -58,19 +58,19 @@ The level, one concept a module: :mod:`.workload` (workloads, scenarios, finding
 
 from __future__ import annotations
 
-from conformance.kv.run import KV_INVARIANTS, replay_kv
-from conformance.kv.scenarios import GENERATED_NAME, kv_scenario_names, kv_scenarios
-from conformance.kv.search import MAX_OPS, Found, KVSearchOutcome, search_kv
-from conformance.kv.shape import as_features, normalize_snapshot
-from conformance.kv.shrink import MAX_SHRINK_RUNS, shrink_kv
-from conformance.kv.suite import (
+from refserve.conformance.kv.run import KV_INVARIANTS, replay_kv
+from refserve.conformance.kv.scenarios import GENERATED_NAME, kv_scenario_names, kv_scenarios
+from refserve.conformance.kv.search import MAX_OPS, Found, KVSearchOutcome, search_kv
+from refserve.conformance.kv.shape import as_features, normalize_snapshot
+from refserve.conformance.kv.shrink import MAX_SHRINK_RUNS, shrink_kv
+from refserve.conformance.kv.suite import (
     load_kv_factory,
     probe_features,
     run_kv_fixed,
     run_kv_generated,
     run_kv_suite,
 )
-from conformance.kv.workload import KVFinding, KVScenario, KVWorkload
+from refserve.conformance.kv.workload import KVFinding, KVScenario, KVWorkload
 
 __all__ = [
     "GENERATED_NAME",

@@ -11,7 +11,7 @@ snapshot unchanged (ATOMIC) and is itself a finding when the pool visibly had ro
 Semantics every KV adapter must follow
 --------------------------------------
 * ``configure`` builds a fresh manager: every block free, no request, an empty cache.
-  It raises :class:`conformance.adapter.NotSupported` for a configuration the manager
+  It raises :class:`refserve.conformance.adapter.NotSupported` for a configuration the manager
   cannot take.
 * ``allocate(request_id, token_ids, num_new_tokens)``: ``token_ids`` are all the tokens
   the request knows (prompt plus outputs so far); after the call the request's KV length
@@ -37,17 +37,17 @@ Semantics every KV adapter must follow
   preceded by a copy.
 * ``free(request_id)``: the request's blocks are released (reference counts go down;
   a block reaching zero becomes free, possibly still indexed by the prefix cache).
-* ``snapshot()``: a :class:`spec.snapshot.PoolSnapshot` of the manager: ref counts, the
+* ``snapshot()``: a :class:`refserve.spec.snapshot.PoolSnapshot` of the manager: ref counts, the
   free blocks (in hand-out order if the manager has one; the suite does not check the
-  order at this level), one :class:`spec.snapshot.TableSnapshot` per live request, and
-  (feature ``cache_index``) the prefix-cache entries keyed by :func:`spec.hashing.block_key`
-  chained from the tables' ``root_key`` (``b""`` for a manager without namespaces; the
-  suite uses a single namespace, so every table has the same root).
+  order at this level), one :class:`refserve.spec.snapshot.TableSnapshot` per live request, and
+  (feature ``cache_index``) the prefix-cache entries keyed by
+  :func:`refserve.spec.hashing.block_key` chained from the tables' ``root_key`` (``b""`` for a
+  manager without namespaces; the suite uses a single namespace, so every table has the same root).
 * Which free block is handed out, the free-queue order and when cached blocks are
   evicted are the manager's design choices: the suite never compares them.
 
 Any other exception, or a call that runs past the time limit, is a fault of the adapter
-(a PROGRESS finding naming the call, conformance.guard); so is a snapshot that is not
+(a PROGRESS finding naming the call, refserve.conformance.guard); so is a snapshot that is not
 shaped like a PoolSnapshot.
 """
 
@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
-from spec.snapshot import PoolSnapshot
+from refserve.spec.snapshot import PoolSnapshot
 
 
 class KVFeature(StrEnum):
@@ -128,4 +128,4 @@ KV_ADAPTER_ATTRIBUTES = ("name", "features")
 """The data members of :class:`KVAdapter`."""
 KV_ADAPTER_METHODS = ("configure", "allocate", "fork", "free", "snapshot")
 """The methods of :class:`KVAdapter` (``fork`` too: without feature ``fork`` it raises
-:class:`conformance.adapter.NotSupported`)."""
+:class:`refserve.conformance.adapter.NotSupported`)."""

@@ -1,5 +1,5 @@
 """The KV level's driver: one workload on one fresh adapter, every op checked as the
-module docstring of :mod:`conformance.kv.machine` lists (:class:`_KVRun`), and
+module docstring of :mod:`refserve.conformance.kv.machine` lists (:class:`_KVRun`), and
 :func:`replay_kv`, which runs a workload as a failure's ``workload`` holds it.
 
 The suite keeps the logical truth per request and a fake KV memory (slot -> token id):
@@ -16,17 +16,23 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from conformance.adapter import NotSupported
-from conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, call, describe
-from conformance.kv.checks import (
+from refserve.conformance.adapter import NotSupported
+from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, call, describe
+from refserve.conformance.kv.checks import (
     Books,
     hit_violation,
     read_back_violations,
     room,
     table_violations,
 )
-from conformance.kv.protocol import KVAdapter, KVAdapterFactory, KVConfig, KVFeature, NoSpace
-from conformance.kv.shape import (
+from refserve.conformance.kv.protocol import (
+    KVAdapter,
+    KVAdapterFactory,
+    KVConfig,
+    KVFeature,
+    NoSpace,
+)
+from refserve.conformance.kv.shape import (
     _canon,
     _Malformed,
     _normalize_allocation,
@@ -34,13 +40,13 @@ from conformance.kv.shape import (
     as_features,
     normalize_snapshot,
 )
-from conformance.kv.workload import KVFinding, KVWorkload
-from spec.arith import slot_of
-from spec.atomic import check_atomic_pool
-from spec.checks import check_pool
-from spec.progress import check_quiescent
-from spec.snapshot import PoolSnapshot
-from spec.violation import Invariant, Violation, violation
+from refserve.conformance.kv.workload import KVFinding, KVWorkload
+from refserve.spec.arith import slot_of
+from refserve.spec.atomic import check_atomic_pool
+from refserve.spec.checks import check_pool
+from refserve.spec.progress import check_quiescent
+from refserve.spec.snapshot import PoolSnapshot
+from refserve.spec.violation import Invariant, Violation, violation
 
 T = TypeVar("T")
 
@@ -103,7 +109,7 @@ class _KVRun:
 
     def clone(self) -> _KVRun:
         """An independent copy of this run, adapter included (deep-copied), for the
-        exhaustive explorer's copy strategy (conformance.explore.kv). The suite's books
+        exhaustive explorer's copy strategy (refserve.conformance.explore.kv). The suite's books
         are copied one level deep and the snapshots and ops are shared: they are never
         changed in place, and a generic deep copy of them costs more than the op."""
         new = copy.copy(self)

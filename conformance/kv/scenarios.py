@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from conformance.kv.protocol import KVConfig, KVFeature
-from conformance.kv.workload import KVScenario, KVWorkload
+from refserve.conformance.kv.protocol import KVConfig, KVFeature
+from refserve.conformance.kv.workload import KVScenario, KVWorkload
 
 GENERATED_NAME = "kv-generated"
 

@@ -12,12 +12,12 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import HypothesisException
 
-from conformance.guard import DEFAULT_CALL_TIMEOUT
-from conformance.kv.protocol import KVAdapterFactory, KVConfig, KVFeature
-from conformance.kv.run import _KVRun
-from conformance.kv.workload import KVFinding, KVWorkload
-from spec.arith import max_cacheable_tokens
-from spec.violation import Invariant
+from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT
+from refserve.conformance.kv.protocol import KVAdapterFactory, KVConfig, KVFeature
+from refserve.conformance.kv.run import _KVRun
+from refserve.conformance.kv.workload import KVFinding, KVWorkload
+from refserve.spec.arith import max_cacheable_tokens
+from refserve.spec.violation import Invariant
 
 MAX_OPS = 24
 

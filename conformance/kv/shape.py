@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import cast
 
-from conformance.kv.protocol import KVFeature
-from spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
+from refserve.conformance.kv.protocol import KVFeature
+from refserve.spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
 
 
 class _Malformed(Exception):
@@ -94,7 +94,7 @@ def normalize_snapshot(raw: object) -> PoolSnapshot:
 
 @dataclass(frozen=True)
 class Granted:
-    """A normalized :class:`~conformance.kv.protocol.Allocation`: the request's table
+    """A normalized :class:`~refserve.conformance.kv.protocol.Allocation`: the request's table
     after the call, the tokens served from the cache, the (src, dst) copies to do."""
 
     block_table: tuple[int, ...]

@@ -7,10 +7,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
-from conformance.guard import DEFAULT_CALL_TIMEOUT
-from conformance.kv.protocol import KVAdapterFactory, KVConfig, KVFeature
-from conformance.kv.run import _find, _KVRun, _replay
-from conformance.kv.workload import KVWorkload
+from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT
+from refserve.conformance.kv.protocol import KVAdapterFactory, KVConfig, KVFeature
+from refserve.conformance.kv.run import _find, _KVRun, _replay
+from refserve.conformance.kv.workload import KVWorkload
 
 MAX_SHRINK_RUNS = 300
 

@@ -1,5 +1,5 @@
 """The KV level as a suite: the fixed scenarios, then the generated search, each
-finding shrunk apart and reported as :class:`~conformance.report.Result` records
+finding shrunk apart and reported as :class:`~refserve.conformance.report.Result` records
 (:func:`run_kv_suite`); findings a baseline knows are counted, not failed."""
 
 from __future__ import annotations
@@ -8,16 +8,16 @@ import importlib
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
-from conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, call
-from conformance.kv.protocol import KVAdapterFactory, KVFeature
-from conformance.kv.run import KV_INVARIANTS, _find, _replay
-from conformance.kv.scenarios import GENERATED_NAME, kv_scenario_names, kv_scenarios
-from conformance.kv.search import Found, search_kv
-from conformance.kv.shape import as_features
-from conformance.kv.shrink import shrink_kv
-from conformance.kv.workload import KVScenario
-from conformance.report import Failure, Result, ScenarioInfo
-from spec.violation import Invariant
+from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, call
+from refserve.conformance.kv.protocol import KVAdapterFactory, KVFeature
+from refserve.conformance.kv.run import KV_INVARIANTS, _find, _replay
+from refserve.conformance.kv.scenarios import GENERATED_NAME, kv_scenario_names, kv_scenarios
+from refserve.conformance.kv.search import Found, search_kv
+from refserve.conformance.kv.shape import as_features
+from refserve.conformance.kv.shrink import shrink_kv
+from refserve.conformance.kv.workload import KVScenario
+from refserve.conformance.report import Failure, Result, ScenarioInfo
+from refserve.spec.violation import Invariant
 
 
 def _note(inv: Invariant, features: frozenset[KVFeature]) -> str:
@@ -229,7 +229,7 @@ def run_kv_suite(
 
 
 def load_kv_factory(spec: str) -> KVAdapterFactory:
-    """Resolve ``MODULE:FACTORY`` (e.g. ``conformance.adapters.ref_kv:make_kv``)."""
+    """Resolve ``MODULE:FACTORY`` (e.g. ``refserve.conformance.adapters.ref_kv:make_kv``)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"KV adapter must be MODULE:FACTORY, got {spec!r}")

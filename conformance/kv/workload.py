@@ -1,5 +1,5 @@
 """The KV level's records: a workload (a configuration and a plain-data op list, the
-format of :mod:`conformance.kv.machine`), a fixed scenario, and a finding."""
+format of :mod:`refserve.conformance.kv.machine`), a fixed scenario, and a finding."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from conformance.kv.protocol import KVConfig, KVFeature
-from conformance.report import signature_of
-from spec.violation import Invariant, Violation
+from refserve.conformance.kv.protocol import KVConfig, KVFeature
+from refserve.conformance.report import signature_of
+from refserve.spec.violation import Invariant, Violation
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class KVFinding:
 
     @property
     def signature(self) -> str:
-        """What makes two findings the same bug (:func:`conformance.report.signature_of`):
+        """What makes two findings the same bug (:func:`refserve.conformance.report.signature_of`):
         invariant, first word of the subject (``request``, ``block``, ``pool``,
         ``adapter``...), message with its numbers blanked."""
         v = self.violation

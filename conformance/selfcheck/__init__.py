@@ -10,7 +10,7 @@ and declared properties, configures one small engine, adds ONE request and steps
 its end, and after every call says in plain words what is right and what is not,
 field by field and step by step:
 
-* every record is validated structurally (:mod:`conformance.validate`);
+* every record is validated structurally (:mod:`refserve.conformance.validate`);
 * the request's counters and status are compared with what the protocol implies after
   each step (waiting before its first chunk; prefilling mid-prompt; decoding with
   ``num_computed_tokens == num_tokens - 1`` once its chunk reached the end and sampled;
@@ -26,7 +26,7 @@ field by field and step by step:
   ``free_queue_order=False``) and all are free again at the end (PROGRESS);
 * ``has_unfinished()`` is true exactly while the request is live.
 
-Every adapter call goes through :func:`conformance.guard.call`, so an exception or a
+Every adapter call goes through :func:`refserve.conformance.guard.call`, so an exception or a
 hang is explained (``schedule() raised KeyError: 'x' at engine.py:12``) instead of
 ending the check. Exit status of :func:`self_check_main`: 0 when everything is right,
 1 when something is wrong, 2 when the adapter cannot be loaded or built.
@@ -38,7 +38,7 @@ The package: :mod:`.protocol` (the engine, the request, the result), :mod:`.expl
 
 from __future__ import annotations
 
-from conformance.selfcheck.protocol import CONFIG, REQUEST, SelfCheckResult
-from conformance.selfcheck.walk import self_check, self_check_main
+from refserve.conformance.selfcheck.protocol import CONFIG, REQUEST, SelfCheckResult
+from refserve.conformance.selfcheck.walk import self_check, self_check_main
 
 __all__ = ["CONFIG", "REQUEST", "SelfCheckResult", "self_check", "self_check_main"]

@@ -4,16 +4,16 @@ the pool at the end (PROGRESS), each explained in the terms of the protocol."""
 
 from __future__ import annotations
 
-from conformance.adapter import (
+from refserve.conformance.adapter import (
     DEFAULT_PROPERTIES,
     CommitReport,
     EngineProperties,
     StepReport,
 )
-from conformance.selfcheck.explain import _Report
-from conformance.selfcheck.protocol import CONFIG, REQUEST, _Model, _span, _tup
-from spec.arith import blocks_needed, slot_of
-from spec.snapshot import (
+from refserve.conformance.selfcheck.explain import _Report
+from refserve.conformance.selfcheck.protocol import CONFIG, REQUEST, _Model, _span, _tup
+from refserve.spec.arith import blocks_needed, slot_of
+from refserve.spec.snapshot import (
     EngineSnapshot,
     RequestSnapshot,
     RequestStatus,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from conformance.guard import AdapterCallError, call, describe
-from conformance.selfcheck.protocol import _hint, _Stop
+from refserve.conformance.guard import AdapterCallError, call, describe
+from refserve.conformance.selfcheck.protocol import _hint, _Stop
 
 T = TypeVar("T")
 

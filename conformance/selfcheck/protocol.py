@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conformance.adapter import (
+from refserve.conformance.adapter import (
     ENGINE_ADAPTER_METHODS,
     EngineConfig,
     NotSupported,
     RequestSpec,
     StepReport,
 )
-from conformance.guard import AdapterCallError
-from spec.snapshot import (
+from refserve.conformance.guard import AdapterCallError
+from refserve.spec.snapshot import (
     ScheduledRequest,
 )
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import inspect
 import sys
 
-from conformance import validate
-from conformance.adapter import (
+from refserve.conformance import validate
+from refserve.conformance.adapter import (
     DEFAULT_PROPERTIES,
     AdapterFactory,
     CommitReport,
@@ -17,9 +17,9 @@ from conformance.adapter import (
     load_factory,
     properties_of,
 )
-from conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, call, describe
-from conformance.selfcheck.checks import _Checks
-from conformance.selfcheck.protocol import (
+from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, call, describe
+from refserve.conformance.selfcheck.checks import _Checks
+from refserve.conformance.selfcheck.protocol import (
     CONFIG,
     MAX_STEPS,
     PROTOCOL_METHODS,
@@ -31,7 +31,7 @@ from conformance.selfcheck.protocol import (
     _Stop,
     _tup,
 )
-from spec.snapshot import (
+from refserve.spec.snapshot import (
     EngineSnapshot,
 )
 
@@ -102,8 +102,8 @@ class _SelfCheck(_Checks):
             if isinstance(cause, TypeError):
                 self.fail(
                     f"properties: {cause}; declare `properties = EngineProperties(...)` "
-                    "(conformance.adapter) or leave it out for the defaults. The self-check "
-                    "goes on with the defaults"
+                    "(refserve.conformance.adapter) or leave it out for the defaults. The "
+                    "self-check goes on with the defaults"
                 )
             else:
                 self.fail(f"{e}{_hint(e, 'reading properties')}")
@@ -120,7 +120,7 @@ class _SelfCheck(_Checks):
     def features(self, feats: object) -> None:
         if not isinstance(feats, (frozenset, set)):
             self.fail(
-                f"features must be a frozenset of conformance.adapter.Feature, got "
+                f"features must be a frozenset of refserve.conformance.adapter.Feature, got "
                 f"{type(feats).__name__}"
             )
             return

@@ -1,7 +1,7 @@
 """What every ``refserve`` subcommand shares: the one error surface (:func:`run_cli`), the
 exit statuses, and argparse with one-line usage errors and bounded, typed option values.
 
-The error surface is described in :mod:`ref.cli.main`: a typed error prints one line
+The error surface is described in :mod:`refserve.cli.main`: a typed error prints one line
 ``refserve: error: ...`` and exits 2, Ctrl-C exits 130, any other exception is an internal
 error (one line, exit 2), ``--debug`` adds the traceback; exit 1 is a check that ran and
 failed. Limits of the options: block pools at most ``MAX_BLOCKS`` blocks (a pool is a
@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ref.errors import InvalidArgument, RefserveError, UsageError
+from refserve.errors import InvalidArgument, RefserveError, UsageError
 
 if TYPE_CHECKING:  # the model is imported when a command runs, not at startup
-    from ref.engine.llm_engine import Proposer
+    from refserve.engine.llm_engine import Proposer
 
 #: Drafts per step (``--num-speculative-tokens``): each is a position of the forward.
 MAX_DRAFTS = 64
@@ -232,7 +232,7 @@ def proposer_from_args(args: argparse.Namespace) -> Proposer | None:
     choice, k = args.speculative, args.num_speculative_tokens
     if choice is None:
         return None
-    from ref.model.proposers import DraftModelProposer, NgramProposer
+    from refserve.model.proposers import DraftModelProposer, NgramProposer
 
     if k < 1:
         raise InvalidArgument(f"--num-speculative-tokens must be >= 1, got {k}")
@@ -243,9 +243,9 @@ def proposer_from_args(args: argparse.Namespace) -> Proposer | None:
         raise InvalidArgument(
             f"--speculative: {choice!r}; expected 'ngram' or 'draft:DIR' (a checkpoint dir)"
         )
-    from ref.model.attention import TorchAttention
-    from ref.model.llama import LlamaModel
-    from ref.model.weights import load_checkpoint
+    from refserve.model.attention import TorchAttention
+    from refserve.model.llama import LlamaModel
+    from refserve.model.weights import load_checkpoint
 
     if not os.path.isdir(path):
         raise InvalidArgument(f"--speculative draft:{path}: no such checkpoint directory")

@@ -1,4 +1,4 @@
-"""``refserve bench-serve``: the open-loop HTTP load generator (:mod:`ref.serve.bench`).
+"""``refserve bench-serve``: the open-loop HTTP load generator (:mod:`refserve.serve.bench`).
 
 Loopback by default: a base URL on another host needs ``--allow-remote`` (a load
 generator pointed at the wrong machine is a denial of service). Everything is checked
@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ref.cli.args import EXIT_OK, add_command, finite_float, int_at_most
-from ref.errors import InvalidArgument
+from refserve.cli.args import EXIT_OK, add_command, finite_float, int_at_most
+from refserve.errors import InvalidArgument
 
 MAX_RATE = 1e6
 
@@ -37,7 +37,7 @@ def _rates(text: str) -> list[float]:
 
 
 def add_bench_serve_parser(sub: Any) -> argparse.ArgumentParser:
-    from ref.serve.bench import MAX_REQUESTS, TRACES
+    from refserve.serve.bench import MAX_REQUESTS, TRACES
 
     p = add_command(sub, "bench-serve", "open-loop load generator for any OpenAI-compatible server")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (no /v1)")
@@ -139,7 +139,7 @@ def _check_url(url: str, allow_remote: bool) -> None:
 
 
 def _check_args(args: argparse.Namespace) -> Path | None:
-    from ref.serve.bench import TRACES
+    from refserve.serve.bench import TRACES
 
     _check_url(args.base_url, args.allow_remote)
     if args.num_requests is None and args.duration is None:
@@ -148,7 +148,7 @@ def _check_args(args: argparse.Namespace) -> Path | None:
         raise InvalidArgument(f"--trace {args.trace!r}: not one of {', '.join(TRACES)} nor a file")
     if args.json is None:
         return None
-    from ref.files import check_output_file
+    from refserve.files import check_output_file
 
     return check_output_file(args.json, "--json")
 
@@ -156,7 +156,7 @@ def _check_args(args: argparse.Namespace) -> Path | None:
 def run_bench_serve(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from ref.serve.bench import Slo, Target, plan, report_doc, run_load, summarize
+    from refserve.serve.bench import Slo, Target, plan, report_doc, run_load, summarize
 
     json_path = _check_args(args)
     rates = args.sweep or [args.rate]
@@ -191,11 +191,11 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         run["fit"] = _fit_json(fit)
     _print_summary([s for s, _ in runs], slo, doc["knee_rate"])
     for (summary, _), fit in zip(runs, fits, strict=False):
-        from ref.serve.fit import render
+        from refserve.serve.fit import render
 
         print(f"\nrate {summary.rate:g}: {render(fit)}")
     if json_path is not None:
-        from ref.serve.bench import write_json
+        from refserve.serve.bench import write_json
 
         write_json(json_path, _finite(doc))
         print(f"wrote {args.json}")
@@ -210,14 +210,14 @@ def _client(target: Any) -> Any:
 
 
 def _fit_start(target: Any) -> int:
-    from ref.serve.fit import last_step_index
+    from refserve.serve.fit import last_step_index
 
     with _client(target) as client:
         return last_step_index(client) + 1
 
 
 def _fit(target: Any, since: int, recs: Any) -> Any:
-    from ref.serve.fit import fit_and_replay
+    from refserve.serve.fit import fit_and_replay
 
     with _client(target) as client:
         return fit_and_replay(client, since, recs)
@@ -235,7 +235,7 @@ def _fit_json(fit: Any) -> dict[str, Any]:
 
 
 def _print_summary(summaries: list[Any], slo: Any, knee_rate: float | None) -> None:
-    from ref.serve.bench import table
+    from refserve.serve.bench import table
 
     print(table(summaries))
     print(f"\ngoodput: requests with TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms")

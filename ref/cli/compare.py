@@ -1,5 +1,5 @@
 """``refserve compare``'s command line: parse and check the options, run the comparison
-(:func:`ref.report.compare.run_compare`), print where the report went and each knee.
+(:func:`refserve.report.compare.run_compare`), print where the report went and each knee.
 
 Limits of the options, checked before anything is built: ``--scale`` in
 [``MIN_SCALE``, ``MAX_SCALE``] (scale 1 is example 3's real lengths; below it a session
@@ -17,11 +17,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from ref.cli.args import MAX_BLOCKS, MAX_TOKENS, ArgumentParser, finite_float, int_at_most, run_cli
-from ref.core.cost import StepCost
-from ref.errors import InvalidArgument
-from ref.files import check_output_dir, shown
-from ref.report.compare import (
+from refserve.cli.args import (
+    MAX_BLOCKS,
+    MAX_TOKENS,
+    ArgumentParser,
+    finite_float,
+    int_at_most,
+    run_cli,
+)
+from refserve.core.cost import StepCost
+from refserve.errors import InvalidArgument
+from refserve.files import check_output_dir, shown
+from refserve.report.compare import (
     BASE_CONFIG,
     DEFAULT_COST,
     DEFAULT_SCALE,
@@ -181,7 +188,7 @@ def compare_options(argv: list[str]) -> tuple[CompareOptions, bool]:
     args = _parser().parse_args(argv)
     if args.requests is not None and args.requests < 1:
         raise InvalidArgument(f"--requests must be >= 1, got {args.requests}")
-    # The SLOs and the budget follow the cost model unless given (ref.report.compare, "SLOs").
+    # The SLOs and the budget follow the cost model unless given (refserve.report.compare, "SLOs").
     cost = StepCost.parse(args.cost)
     derived = Slo.of(cost)
     slo = Slo(
@@ -233,9 +240,9 @@ def _check_run_sizes(opts: CompareOptions) -> None:
 
 
 def _cluster_parser() -> argparse.ArgumentParser:
-    from ref.report.cluster_experiment import POLICIES as CLUSTER_POLICIES
-    from ref.report.cluster_experiment import REPLICA_COUNTS
-    from ref.report.cluster_experiment import TRACES as CLUSTER_TRACES
+    from refserve.report.cluster_experiment import POLICIES as CLUSTER_POLICIES
+    from refserve.report.cluster_experiment import REPLICA_COUNTS
+    from refserve.report.cluster_experiment import TRACES as CLUSTER_TRACES
 
     p = ArgumentParser(
         prog="refserve compare --cluster",
@@ -280,11 +287,11 @@ def _replica_counts(text: str) -> tuple[int, ...]:
 
 def cluster_compare_cli(argv: list[str]) -> int:
     """``refserve compare --cluster ...`` (ref/report/cluster_report.py)."""
-    from ref.report import cluster_experiment as ce
-    from ref.report.cluster_experiment import POLICIES as CLUSTER_POLICIES
-    from ref.report.cluster_experiment import TRACES as CLUSTER_TRACES
-    from ref.report.cluster_experiment import ClusterOptions
-    from ref.report.cluster_report import run_cluster_compare
+    from refserve.report import cluster_experiment as ce
+    from refserve.report.cluster_experiment import POLICIES as CLUSTER_POLICIES
+    from refserve.report.cluster_experiment import TRACES as CLUSTER_TRACES
+    from refserve.report.cluster_experiment import ClusterOptions
+    from refserve.report.cluster_report import run_cluster_compare
 
     args = _cluster_parser().parse_args(argv)
     opts = ClusterOptions(
@@ -311,7 +318,7 @@ def cluster_compare_cli(argv: list[str]) -> int:
 
 
 def compare_cli(argv: list[str]) -> int:
-    """``refserve compare ...``: typed errors propagate to :func:`ref.cli.args.run_cli`.
+    """``refserve compare ...``: typed errors propagate to :func:`refserve.cli.args.run_cli`.
     With ``--cluster``: :func:`cluster_compare_cli`."""
     if "--cluster" in argv:
         return cluster_compare_cli([a for a in argv if a != "--cluster"])

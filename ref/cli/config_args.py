@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from ref.cli.args import (
+from refserve.cli.args import (
     MAX_BLOCK_SIZE,
     MAX_BLOCKS,
     MAX_KV_BYTES_PER_TOKEN,
@@ -18,13 +18,13 @@ from ref.cli.args import (
 )
 
 if TYPE_CHECKING:  # the scheduler is imported when a command runs, not at startup
-    from ref.core.config import SchedulerConfig
+    from refserve.core.config import SchedulerConfig
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
     """The options :func:`config_from_args` reads (a ``SchedulerConfig`` and its cost)."""
-    from ref.core.config import Admission, PolicyName
-    from ref.core.swap import PreemptionMode
+    from refserve.core.config import Admission, PolicyName
+    from refserve.core.swap import PreemptionMode
 
     tokens, blocks = int_at_most(MAX_TOKENS), int_at_most(MAX_BLOCKS)
     p.add_argument(
@@ -142,9 +142,9 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     """The ``SchedulerConfig`` the options of :func:`add_config_args` describe."""
-    from ref.core.config import Admission, PolicyName, SchedulerConfig
-    from ref.core.cost import StepCost
-    from ref.core.swap import PreemptionMode, SwapCost
+    from refserve.core.config import Admission, PolicyName, SchedulerConfig
+    from refserve.core.cost import StepCost
+    from refserve.core.swap import PreemptionMode, SwapCost
 
     return SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,

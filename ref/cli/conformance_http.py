@@ -1,5 +1,5 @@
 """``refserve conformance-http``: black-box checks of an OpenAI-compatible server against
-refserve's engine on the same checkpoint (:mod:`conformance.http`).
+refserve's engine on the same checkpoint (:mod:`refserve.conformance.http`).
 
 Exit 0 when nothing failed, 1 when the server has findings, 2 on bad options (one
 ``refserve: error:`` line). A server that hangs or answers garbage is a finding, bounded
@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ref.cli.args import EXIT_FAILED, EXIT_OK, add_command, finite_float, int_at_most
-from ref.errors import InvalidArgument
+from refserve.cli.args import EXIT_FAILED, EXIT_OK, add_command, finite_float, int_at_most
+from refserve.errors import InvalidArgument
 
 
 def add_conformance_http_parser(sub: Any) -> argparse.ArgumentParser:
@@ -74,7 +74,7 @@ def _served_name(client: Any, given: str | None, model: str) -> str:
 
 
 def _check_names(given: list[str] | None) -> list[str]:
-    from conformance.http.checks import CHECKS
+    from refserve.conformance.http.checks import CHECKS
 
     names = list(given or CHECKS)
     unknown = [n for n in names if n not in CHECKS]
@@ -97,12 +97,12 @@ def _print_results(results: list[Any], summary: dict[str, int]) -> None:
 
 def run_conformance_http(args: argparse.Namespace) -> int:
     if args.list:
-        from conformance.http.checks import CHECKS
+        from refserve.conformance.http.checks import CHECKS
 
         print("\n".join(CHECKS))
         return EXIT_OK
     names = _check_names(args.checks)
-    from ref.files import atomic_write_text, check_output_file
+    from refserve.files import atomic_write_text, check_output_file
 
     json_path = check_output_file(args.json, "--json") if args.json else None
     md_path = check_output_file(args.markdown, "--markdown") if args.markdown else None
@@ -113,10 +113,10 @@ def run_conformance_http(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from conformance.http.checks import Context
-    from conformance.http.client import ServerClient
-    from conformance.http.runner import report_json, report_markdown, run_check
-    from ref.engine.llm_engine import LLMEngine
+    from refserve.conformance.http.checks import Context
+    from refserve.conformance.http.client import ServerClient
+    from refserve.conformance.http.runner import report_json, report_markdown, run_check
+    from refserve.engine.llm_engine import LLMEngine
 
     reference = LLMEngine(args.model)
     client = ServerClient(args.base_url, timeout_s=args.timeout, api_key=args.api_key)

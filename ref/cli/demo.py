@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import spec.checks
-from ref.core.config import SchedulerConfig
-from ref.engine.llm_engine import TINY_TRAINED, LLMEngine, Proposer, RequestOutput
-from ref.model.sampler import SamplingParams
-from ref.report.timeline import write_timeline_html, write_timeline_png
-from ref.sim.metrics import RequestMetrics, RunMetrics, percentile
+import refserve.spec.checks as spec_checks
+from refserve.core.config import SchedulerConfig
+from refserve.engine.llm_engine import TINY_TRAINED, LLMEngine, Proposer, RequestOutput
+from refserve.model.sampler import SamplingParams
+from refserve.report.timeline import write_timeline_html, write_timeline_png
+from refserve.sim.metrics import RequestMetrics, RunMetrics, percentile
 
 CONFIG = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, block_size=8, num_blocks=24)
 SYSTEM = "You are a terse assistant. "
@@ -135,8 +135,8 @@ def _print_summary(
         print(f"speculation: {engine.speculation}")
     # The engine checks every step and raises on a violation, so reaching here means none.
     # The list is read now, not at import: it is the one check_step ran.
-    checks = len(spec.checks.STEP_CHECKS)
+    checks = len(spec_checks.STEP_CHECKS)
     print(
         f"checked: all {len(engine.steps)} steps against the {checks} invariant checks of "
-        "spec.check_step, none violated"
+        "refserve.spec.check_step, none violated"
     )

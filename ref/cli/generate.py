@@ -1,14 +1,14 @@
 """``refserve generate``: one prompt through the real engine, tokens and text printed.
 
-Wired into ``ref/cli/main.py`` (``add_generate_parser``); ``python -m ref.cli.generate ...``
-runs it standalone under the same error surface (:func:`ref.cli.args.run_cli`). Everything is
+Wired into ``ref/cli/main.py`` (``add_generate_parser``); ``python -m refserve.cli.generate ...``
+runs it standalone under the same error surface (:func:`refserve.cli.args.run_cli`). Everything is
 checked before a model is built: the device exists, the attention backend can run there,
 the prompt and stop strings are text that can be encoded (a lone surrogate, which is what
 Python makes of argv bytes that are not UTF-8, cannot), ``--prompt-ids`` are ints.
 
-The scheduler's options are ``simulate``'s and ``serve``'s (:mod:`ref.cli.config_args`);
+The scheduler's options are ``simulate``'s and ``serve``'s (:mod:`refserve.cli.config_args`);
 ``--migrate-every K`` moves the request between two engines as it runs and checks the
-output against an unmigrated run (:mod:`ref.cli.migrate`, docs/MIGRATION.md).
+output against an unmigrated run (:mod:`refserve.cli.migrate`, docs/MIGRATION.md).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ref.cli.args import (
+from refserve.cli.args import (
     EXIT_FAILED,
     MAX_TOKENS,
     add_command,
@@ -29,15 +29,15 @@ from ref.cli.args import (
     int_at_most,
     proposer_from_args,
 )
-from ref.cli.config_args import add_config_args, config_from_args
-from ref.cli.migrate import MIGRATION_BUDGET, add_migration_args, plan_from_args
-from ref.errors import InvalidArgument
+from refserve.cli.config_args import add_config_args, config_from_args
+from refserve.cli.migrate import MIGRATION_BUDGET, add_migration_args, plan_from_args
+from refserve.errors import InvalidArgument
 
 if TYPE_CHECKING:  # the engine is imported when a command runs, not at startup
-    from ref.cli.migrate import MigratedRun, MigrationPlan
-    from ref.core.config import SchedulerConfig
-    from ref.engine.llm_engine import GenerationResult, LLMEngine, SpeculationStats
-    from ref.model.sampler import SamplingParams
+    from refserve.cli.migrate import MigratedRun, MigrationPlan
+    from refserve.core.config import SchedulerConfig
+    from refserve.engine.llm_engine import GenerationResult, LLMEngine, SpeculationStats
+    from refserve.model.sampler import SamplingParams
 
 #: Forks of one prompt: each is a sequence object and a scheduler slot.
 MAX_N = 1024
@@ -169,9 +169,9 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt = _text(args.prompt, "--prompt")
     stop = tuple(_text(s, "--stop") for s in args.stop)
 
-    from kernels.validation import KernelInputError
-    from ref.engine.llm_engine import LLMEngine
-    from ref.model.sampler import SamplingParams
+    from refserve.engine.llm_engine import LLMEngine
+    from refserve.kernels.validation import KernelInputError
+    from refserve.model.sampler import SamplingParams
 
     params = SamplingParams(
         n=args.n,
@@ -265,7 +265,7 @@ def _run_migrated(
 ) -> int:
     """``--migrate-every``: the moves as they happen, the output, then the check against
     the unmigrated run (exit 1 when it differs)."""
-    from ref.cli.migrate import run_migrated
+    from refserve.cli.migrate import run_migrated
 
     if not args.json:
         print(
@@ -335,7 +335,7 @@ def _speculation(s: SpeculationStats) -> dict[str, object]:
 
 def generate_main(argv: Sequence[str] | None = None) -> int:
     """``refserve generate`` alone; same options, same error surface."""
-    from ref.cli.args import ArgumentParser, run_cli
+    from refserve.cli.args import ArgumentParser, run_cli
 
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args

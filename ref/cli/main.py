@@ -13,7 +13,7 @@ no half-written file. ``check-kernel``, ``compare`` and ``conformance`` parse th
 command line themselves.
 
 The error surface, the exit statuses, the option types and their limits live in
-:mod:`ref.cli.args`; the scheduler's options in :mod:`ref.cli.config_args`.
+:mod:`refserve.cli.args`; the scheduler's options in :mod:`refserve.cli.config_args`.
 
 Heavy modules (torch, the engine) are imported inside the commands, after the error
 surface is in place, so Ctrl-C during start-up is handled like Ctrl-C during the run.
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from ref.cli.args import (
+from refserve.cli.args import (
     EXIT_OK,
     MAX_STEPS,
     PROG,
@@ -44,13 +44,13 @@ from ref.cli.args import (
     proposer_from_args,
     run_cli,
 )
-from ref.cli.config_args import add_config_args, config_from_args
-from ref.errors import InvalidArgument, UsageError
+from refserve.cli.config_args import add_config_args, config_from_args
+from refserve.errors import InvalidArgument, UsageError
 
 if TYPE_CHECKING:
-    from ref.core.config import SchedulerConfig
-    from ref.core.cost import StepCost
-    from ref.sim.simulator import SimResult
+    from refserve.core.config import SchedulerConfig
+    from refserve.core.cost import StepCost
+    from refserve.sim.simulator import SimResult
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -71,7 +71,7 @@ def _dispatch(args: list[str]) -> int:
     if args[:1] == ["check-kernel"]:
         return _check_kernel_main(args[1:])
     if args[:1] == ["compare"]:
-        from ref.cli.compare import compare_cli
+        from refserve.cli.compare import compare_cli
 
         return compare_cli(args[1:])
     ns = _parser().parse_args(args)
@@ -114,7 +114,7 @@ class _VersionAction(argparse.Action):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ref.sim.trace import BUILTIN
+    from refserve.sim.trace import BUILTIN
 
     p = ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG)
     p.add_argument("--version", action=_VersionAction)
@@ -154,7 +154,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="HTML",
         help="write a timeline picture here (self-contained HTML)",
     )
-    from ref.sim.simulator import DEFAULT_MAX_STEPS
+    from refserve.sim.simulator import DEFAULT_MAX_STEPS
 
     sim.add_argument(
         "--max-steps",
@@ -167,16 +167,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     sim.set_defaults(func=_simulate)
 
-    from ref.cli.generate import add_generate_parser
+    from refserve.cli.generate import add_generate_parser
 
     add_generate_parser(sub)
-    from ref.cli.serve import add_serve_parser
+    from refserve.cli.serve import add_serve_parser
 
     add_serve_parser(sub)
-    from ref.cli.conformance_http import add_conformance_http_parser
+    from refserve.cli.conformance_http import add_conformance_http_parser
 
     add_conformance_http_parser(sub)
-    from ref.cli.bench_serve import add_bench_serve_parser
+    from refserve.cli.bench_serve import add_bench_serve_parser
 
     add_bench_serve_parser(sub)
 
@@ -205,11 +205,11 @@ def _parser() -> argparse.ArgumentParser:
 def _simulate(args: argparse.Namespace) -> int:
     import json
 
-    from ref.core.cost import StepCost
-    from ref.core.scheduler import Scheduler
-    from ref.files import atomic_write_text, check_output_file, shown
-    from ref.sim.simulator import StepLimitReached, simulate
-    from ref.sim.trace import load_trace
+    from refserve.core.cost import StepCost
+    from refserve.core.scheduler import Scheduler
+    from refserve.files import atomic_write_text, check_output_file, shown
+    from refserve.sim.simulator import StepLimitReached, simulate
+    from refserve.sim.trace import load_trace
 
     # Everything is checked before the first step: options, the trace, the output paths.
     config = config_from_args(args)
@@ -240,7 +240,7 @@ def _simulate(args: argparse.Namespace) -> int:
         print()
     print(render_summary(result))
     if timeline_path is not None:
-        from ref.report.timeline import write_timeline_html
+        from refserve.report.timeline import write_timeline_html
 
         write_timeline_html(
             timeline_path,
@@ -282,21 +282,21 @@ def _distinct_files(paths: dict[str, Path | None]) -> None:
 def _demo(args: argparse.Namespace) -> int:
     if args.simulator:
         return _simulator_demo()
-    from ref.files import check_output_file
+    from refserve.files import check_output_file
 
     path = check_output_file(args.timeline, "--timeline")
-    from ref.cli.demo import demo_main
+    from refserve.cli.demo import demo_main
 
     return demo_main(path, proposer_from_args(args))
 
 
 def _simulator_demo() -> int:
-    import spec.checks
-    from ref.core.config import PolicyName, SchedulerConfig
-    from ref.core.cost import StepCost
-    from ref.core.scheduler import Scheduler
-    from ref.sim.simulator import simulate
-    from ref.sim.trace import load_trace
+    import refserve.spec.checks as spec_checks
+    from refserve.core.config import PolicyName, SchedulerConfig
+    from refserve.core.cost import StepCost
+    from refserve.core.scheduler import Scheduler
+    from refserve.sim.simulator import simulate
+    from refserve.sim.trace import load_trace
 
     print("refserve demo: example 2 (docs/ARCHITECTURE.md) on the cost-model simulator")
     print("(cost 2 + 0.5P + D ms, token budget 4, decode first, then FCFS prefill)\n")
@@ -325,19 +325,19 @@ def _simulator_demo() -> int:
         print(f"  {policy.value:>12}: {len(r.steps)} rounds")
         num_steps += r.num_steps
     # check_invariants raises on a violation, so reaching here means none.
-    checks = len(spec.checks.STEP_CHECKS)
+    checks = len(spec_checks.STEP_CHECKS)
     print(
         f"\nchecked: all {num_steps} steps above against the {checks} invariant checks of "
-        "spec.check_step, none violated"
+        "refserve.spec.check_step, none violated"
     )
     return EXIT_OK
 
 
 def _check_kernel_parser() -> argparse.ArgumentParser | None:
-    """``conformance.kernel_grid``'s own options (copied from its parser, so the two never
+    """``refserve.conformance.kernel_grid``'s own options (copied from its parser, so the two never
     drift apart) behind this CLI's one-line usage errors; ``None`` if it has no parser to
     copy, and then its arguments go to it unchecked."""
-    from conformance import kernel_grid
+    from refserve.conformance import kernel_grid
 
     theirs = getattr(kernel_grid, "_parser", None)
     if theirs is None:
@@ -351,7 +351,9 @@ def _check_kernel_main(argv: list[str]) -> int:
     """Check what can be checked before the grid runs (the target's form, the device,
     the numbers, the output paths), then hand the arguments to the grid unchanged but for
     ``--json``, which gets a temporary name renamed into place only when complete."""
-    from conformance.kernel_grid import check_kernel_main  # lazy: the core never imports it
+    from refserve.conformance.kernel_grid import (
+        check_kernel_main,  # lazy: the core never imports it
+    )
 
     parser = _check_kernel_parser()
     if parser is None or {"-h", "--help"} & set(argv):
@@ -365,7 +367,7 @@ def _check_kernel_main(argv: list[str]) -> int:
     if getattr(ns, "device", None) is not None:
         check_device(ns.device)
     _check_kernel_numbers(ns)
-    from ref.files import check_output_file
+    from refserve.files import check_output_file
 
     jsonl = getattr(ns, "jsonl", None)
     if jsonl and jsonl != "-":
@@ -392,8 +394,8 @@ def _check_kernel_numbers(ns: argparse.Namespace) -> None:
 def _check_kernel_to_json(argv: list[str], final: Path) -> int:
     """Run the grid with its ``--json`` report pointed at a temporary name beside
     ``final``, renamed into place only when the grid wrote it."""
-    from conformance.kernel_grid import check_kernel_main
-    from ref.files import temp_name
+    from refserve.conformance.kernel_grid import check_kernel_main
+    from refserve.files import temp_name
 
     # The grid writes its report with a plain open(): hand it a temporary name beside the
     # real one and rename only a finished report, so Ctrl-C leaves nothing half-written.
@@ -435,7 +437,7 @@ def _check_kernel_target(target: str) -> None:
 
 
 def _conformance_main(argv: list[str]) -> int:
-    from conformance.cli import conformance_main  # lazy: the core never imports it
+    from refserve.conformance.cli import conformance_main  # lazy: the core never imports it
 
     return conformance_main(argv)
 
@@ -469,7 +471,7 @@ def _pcts(d: dict[str, float | None]) -> str:
 
 
 def render_summary(result: SimResult) -> str:
-    from ref.sim.metrics import RequestMetrics, RunMetrics
+    from refserve.sim.metrics import RequestMetrics, RunMetrics
 
     reqs = [RequestMetrics.of(r) for r in result.requests]
     run = RunMetrics.of(reqs, result.makespan_ms)
@@ -503,7 +505,7 @@ def render_summary(result: SimResult) -> str:
 def result_json(result: SimResult, config: SchedulerConfig, cost: StepCost) -> dict[str, object]:
     from dataclasses import asdict
 
-    from ref.sim.metrics import RequestMetrics, RunMetrics
+    from refserve.sim.metrics import RequestMetrics, RunMetrics
 
     reqs = [RequestMetrics.of(r) for r in result.requests]
     run = RunMetrics.of(reqs, result.makespan_ms)

@@ -5,7 +5,7 @@
 Engine A takes the scheduler options as given; engine B is the same but for its block
 size (``--peer-block-size``, by default twice A's), so a move re-blocks the K/V instead of
 copying block for block. The request starts on A; after every ``K`` of its steps it moves
-to the other engine with :func:`ref.engine.migration.migrate`, mid-prefill included, its
+to the other engine with :func:`refserve.engine.migration.migrate`, mid-prefill included, its
 K/V sent (inline or in chunks of ``--migration-chunk-blocks`` source blocks) or left to be
 recomputed, as ``--migration-kv`` says. A third engine, configured as A, runs the same
 prompt and parameters without moving it; the command fails (exit 1) unless every sample's
@@ -24,16 +24,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ref.cli.args import MAX_BLOCK_SIZE, MAX_BLOCKS, MAX_STEPS, int_at_most
-from ref.errors import InvalidArgument
+from refserve.cli.args import MAX_BLOCK_SIZE, MAX_BLOCKS, MAX_STEPS, int_at_most
+from refserve.errors import InvalidArgument
 
 if TYPE_CHECKING:  # the engine is imported when the command runs, not at startup
-    from ref.core.config import SchedulerConfig
-    from ref.core.migration_cost import KVMode
-    from ref.core.request import Request
-    from ref.engine.llm_engine import GenerationResult, LLMEngine, RequestOutput
-    from ref.engine.migration import MigrationReport
-    from ref.model.sampler import SamplingParams
+    from refserve.core.config import SchedulerConfig
+    from refserve.core.migration_cost import KVMode
+    from refserve.core.request import Request
+    from refserve.engine.llm_engine import GenerationResult, LLMEngine, RequestOutput
+    from refserve.engine.migration import MigrationReport
+    from refserve.model.sampler import SamplingParams
 
 #: The token budget of both engines when ``--max-num-batched-tokens`` is not given: small
 #: enough that a prompt's prefill spans several steps, so the moves cut it.
@@ -88,7 +88,7 @@ class MigrationPlan:
 def plan_from_args(args: argparse.Namespace) -> MigrationPlan | None:
     """The plan, None without ``--migrate-every``; every check runs before a model is
     built. Raises :class:`InvalidArgument` naming the option."""
-    from ref.core.migration_cost import KVMode
+    from refserve.core.migration_cost import KVMode
 
     if args.migrate_every is None:
         for option, value in (
@@ -235,7 +235,7 @@ def run_migrated(
     """Run ``prompt`` unmigrated on an engine built with ``config``, then on A (that
     config) and B (``plan.peer_block_size``) moving it every ``plan.every`` steps (module
     doc); ``say`` gets one line per move or skipped move."""
-    from ref.engine.llm_engine import MAX_IDLE_STEPS, EngineStalled, GenerationResult
+    from refserve.engine.llm_engine import MAX_IDLE_STEPS, EngineStalled, GenerationResult
 
     configs = {"A": config, "B": replace(config, block_size=plan.peer_block_size)}
     (baseline,) = make_engine(config).generate([prompt], params)
@@ -278,9 +278,9 @@ def _move(
     say: Callable[[str], None],
 ) -> Move | None:
     """Move ``rid`` from ``source`` to ``dest`` (each named), or say why it stays."""
-    from ref.core.migration_cost import KVMode
-    from ref.core.transit import MigrationError, MigrationRefused
-    from ref.engine.migration import migrate
+    from refserve.core.migration_cost import KVMode
+    from refserve.core.transit import MigrationError, MigrationRefused
+    from refserve.engine.migration import migrate
 
     (here, src), (there, dst) = source, dest
     samples = list(src.scheduler.requests.values())
@@ -311,7 +311,7 @@ def _require_room(engines: dict[str, LLMEngine], num_tokens: int) -> None:
     """Both pools hold the request at its longest: on a pool too small for it, a run
     ends at capacity where a run on the other engine goes on, and the two outputs
     differ for a reason that has nothing to do with the moves."""
-    from ref.core.capacity import never_fits
+    from refserve.core.capacity import never_fits
 
     for name, engine in engines.items():
         cfg = engine.scheduler.config
@@ -327,7 +327,7 @@ def _require_room(engines: dict[str, LLMEngine], num_tokens: int) -> None:
 
 def describe(samples: Sequence[Request]) -> str:
     """What a request was doing when it moved, in a few words."""
-    from spec.snapshot import RequestStatus as S
+    from refserve.spec.snapshot import RequestStatus as S
 
     r = samples[0]
     if r.status is S.PREFILLING and r.num_output_tokens == 0:

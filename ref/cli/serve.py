@@ -1,7 +1,7 @@
-"""``refserve serve``: the OpenAI-compatible HTTP server (:mod:`ref.serve`).
+"""``refserve serve``: the OpenAI-compatible HTTP server (:mod:`refserve.serve`).
 
 Wired into ``ref/cli/main.py`` (``add_serve_parser``); the scheduler's options come from
-:mod:`ref.cli.config_args`, as ``simulate``'s do. Everything is checked before the
+:mod:`refserve.cli.config_args`, as ``simulate``'s do. Everything is checked before the
 model is built: the options, the API key, the address (bound before the model loads, so
 a port in use is one error line, not a traceback after a minute of loading). Binds
 127.0.0.1 unless ``--host`` says otherwise. SIGTERM drains and exits 0; Ctrl-C drains
@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ref.cli.args import (
+from refserve.cli.args import (
     add_command,
     add_device_args,
     add_speculative_args,
@@ -31,12 +31,12 @@ from ref.cli.args import (
     int_at_most,
     proposer_from_args,
 )
-from ref.cli.config_args import add_config_args, config_from_args
-from ref.core.config import SchedulerConfig
-from ref.errors import InvalidArgument
+from refserve.cli.config_args import add_config_args, config_from_args
+from refserve.core.config import SchedulerConfig
+from refserve.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from ref.serve.cluster_loop import ClusterLoop
+    from refserve.serve.cluster_loop import ClusterLoop
 
 #: The environment variable read when ``--api-key`` is not given.
 API_KEY_ENV = "REFSERVE_API_KEY"
@@ -148,12 +148,12 @@ def run_serve(args: argparse.Namespace) -> int:
             raise InvalidArgument(
                 "--backend ray needs Ray: pip install -e '.[cluster]' (or make cluster-deps)"
             )
-    from ref.serve.server import bind
+    from refserve.serve.server import bind
 
     sock = bind(args.host, args.port)  # before the model loads: a busy port fails fast
-    from ref.engine.llm_engine import LLMEngine
-    from ref.serve.app import ServeSettings
-    from ref.serve.server import Server, build_cluster_server, build_server, serve_forever
+    from refserve.engine.llm_engine import LLMEngine
+    from refserve.serve.app import ServeSettings
+    from refserve.serve.server import Server, build_cluster_server, build_server, serve_forever
 
     settings = ServeSettings(
         model_name=name,
@@ -165,7 +165,7 @@ def run_serve(args: argparse.Namespace) -> int:
     server: Server
     stop_ray = False
     if cluster:
-        from ref.cluster.ray_replica import start_ray
+        from refserve.cluster.ray_replica import start_ray
 
         stop_ray = args.backend == "ray" and start_ray()
         loop = cluster_loop(args, config, name)
@@ -189,7 +189,7 @@ def run_serve(args: argparse.Namespace) -> int:
         serve_forever(server, sock)
     finally:
         if stop_ray:
-            from ref.cluster.ray_replica import stop_ray as shutdown_ray
+            from refserve.cluster.ray_replica import stop_ray as shutdown_ray
 
             shutdown_ray()
     print("refserve: drained, exiting", flush=True)
@@ -199,17 +199,17 @@ def run_serve(args: argparse.Namespace) -> int:
 def cluster_loop(args: argparse.Namespace, config: SchedulerConfig, name: str) -> ClusterLoop:
     """The replicas of ``--replicas``/``--backend`` behind the ``--router`` policy (Ray
     already running for ``--backend ray``)."""
-    from ref.cluster import InProcessReplica, Replica, Router
-    from ref.engine.llm_engine import LLMEngine
-    from ref.serve.cluster_loop import ClusterLoop
-    from ref.serve.metrics import ClusterServeMetrics
+    from refserve.cluster import InProcessReplica, Replica, Router
+    from refserve.engine.llm_engine import LLMEngine
+    from refserve.serve.cluster_loop import ClusterLoop
+    from refserve.serve.metrics import ClusterServeMetrics
 
     cfg = replace(config, cache_events=True)
     n = args.replicas
     replicas: list[Replica] = []
     if args.backend == "ray":
-        from ref.cluster.ray_replica import ray_replicas
-        from ref.model.checkpoint import load_model
+        from refserve.cluster.ray_replica import ray_replicas
+        from refserve.model.checkpoint import load_model
 
         rays = ray_replicas(
             n,

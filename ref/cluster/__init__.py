@@ -6,11 +6,11 @@ transport (``replica``), the Ray transport (``ray_replica``: imported on demand,
 is an optional extra), the routing policies (``router``), the migration triggers the
 cluster and its simulator share (``triggers``) and the in-process cluster
 that drives them (``cluster``).
-A layer above ``ref.engine`` and below ``ref.serve`` (docs/ARCHITECTURE.md, "Layers").
+A layer above ``refserve.engine`` and below ``refserve.serve`` (docs/ARCHITECTURE.md, "Layers").
 """
 
-from ref.cluster.cluster import Cluster, ClusterMetrics, PolicyMove
-from ref.cluster.errors import (
+from refserve.cluster.cluster import Cluster, ClusterMetrics, PolicyMove
+from refserve.cluster.errors import (
     ClusterError,
     EventGap,
     EventMismatch,
@@ -20,10 +20,10 @@ from ref.cluster.errors import (
     UnknownPolicy,
     UnknownReplica,
 )
-from ref.cluster.index import CacheSnapshot, GlobalPrefixIndex
-from ref.cluster.replica import InProcessReplica, LoadFigures, Replica
-from ref.cluster.router import Router, RoutingDecision, RoutingPolicy
-from ref.cluster.triggers import MigrationPolicy
+from refserve.cluster.index import CacheSnapshot, GlobalPrefixIndex
+from refserve.cluster.replica import InProcessReplica, LoadFigures, Replica
+from refserve.cluster.router import Router, RoutingDecision, RoutingPolicy
+from refserve.cluster.triggers import MigrationPolicy
 
 __all__ = [
     "CacheSnapshot",

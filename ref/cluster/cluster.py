@@ -18,13 +18,13 @@ aborted, and when the step that finished it returns its final output.
 Faults. If a replica's step raises, the outputs the replicas before it produced in that
 call are held and delivered first by the next :meth:`Cluster.step` that returns (each
 once), as a single engine holds its outputs (ref/engine/llm_engine.py, "Faults"). A
-replica that is gone (:class:`~ref.cluster.errors.ReplicaDead`, raised by any call to
+replica that is gone (:class:`~refserve.cluster.errors.ReplicaDead`, raised by any call to
 it: its Ray actor died) is buried instead: every request it held ends with that error,
 once, in :meth:`Cluster.take_failures` (never restarted, so never duplicated: the
 documented choice, docs/CLUSTER.md "Faults"), it leaves the index, and the router never
 sees it again; the other replicas go on.
 
-Migration policy. With a :class:`~ref.cluster.triggers.MigrationPolicy` (opt-in; off by
+Migration policy. With a :class:`~refserve.cluster.triggers.MigrationPolicy` (opt-in; off by
 default) the cluster also moves requests by itself, before a replica steps, with the
 simulator's trigger rules (ref/cluster/triggers.py, shared): ``pressure`` moves the
 youngest running request off a replica whose K/V is at the high watermark with a queue
@@ -44,8 +44,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import cast
 
-from ref.cluster import triggers
-from ref.cluster.errors import (
+from refserve.cluster import triggers
+from refserve.cluster.errors import (
     EventGap,
     EventMismatch,
     NoLiveReplica,
@@ -53,18 +53,24 @@ from ref.cluster.errors import (
     ReplicaMismatch,
     UnknownReplica,
 )
-from ref.cluster.index import GlobalPrefixIndex
-from ref.cluster.replica import InProcessReplica, LoadFigures, Replica
-from ref.cluster.router import Router, RoutingDecision
-from ref.cluster.triggers import MigrationPolicy
-from ref.core.config import SchedulerConfig
-from ref.core.migration_cost import KVMode, MigrationCost
-from ref.core.scheduler import Scheduler
-from ref.core.transit import MigrationError
-from ref.engine import migration
-from ref.engine.llm_engine import FORK_SEPARATOR, InvalidPrompt, LLMEngine, Prompt, RequestOutput
-from ref.errors import DuplicateRequest, InvalidArgument, UnknownRequest
-from ref.model.sampler import SamplingParams
+from refserve.cluster.index import GlobalPrefixIndex
+from refserve.cluster.replica import InProcessReplica, LoadFigures, Replica
+from refserve.cluster.router import Router, RoutingDecision
+from refserve.cluster.triggers import MigrationPolicy
+from refserve.core.config import SchedulerConfig
+from refserve.core.migration_cost import KVMode, MigrationCost
+from refserve.core.scheduler import Scheduler
+from refserve.core.transit import MigrationError
+from refserve.engine import migration
+from refserve.engine.llm_engine import (
+    FORK_SEPARATOR,
+    InvalidPrompt,
+    LLMEngine,
+    Prompt,
+    RequestOutput,
+)
+from refserve.errors import DuplicateRequest, InvalidArgument, UnknownRequest
+from refserve.model.sampler import SamplingParams
 
 
 def _check_policy(migration: MigrationPolicy, reps: Sequence[Replica]) -> None:
@@ -298,7 +304,7 @@ class Cluster:
         fault: migration.FaultHook | None = None,
         reason: str = "asked",
     ) -> migration.MigrationReport:
-        """Move a live request to replica ``to`` (``ref.engine.migration.migrate``;
+        """Move a live request to replica ``to`` (``refserve.engine.migration.migrate``;
         ``kv``, ``chunk_blocks``, ``cost`` and ``fault`` are its). A failure before the
         ack raises ``MigrationAborted`` with the request where it was; a destination
         without room refuses (``MigrationRefused``), the request where it was too.

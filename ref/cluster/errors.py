@@ -3,7 +3,7 @@ the index, the router or the cluster changed."""
 
 from __future__ import annotations
 
-from ref.errors import InvalidArgument, RefserveError
+from refserve.errors import InvalidArgument, RefserveError
 
 
 class ClusterError(RefserveError):

@@ -7,10 +7,10 @@ changes (spec/events.py: ``BlockStored``, ``BlockRemoved``, ``CacheCleared``, nu
 0, 1, 2, ...; ref/kv/events.py); the index applies them and answers
 :meth:`GlobalPrefixIndex.longest_prefix`: for a prompt, the cached prefix tokens on every
 replica. The keys are the spec hash chain from the namespace's root
-(``spec.hashing.block_key``), so hashing the prompt's full blocks from the root with a
+(``refserve.spec.hashing.block_key``), so hashing the prompt's full blocks from the root with a
 replica's block size gives exactly the keys that replica holds, and the answer equals
 the replica's own pool lookup (``LLMEngine.prefix_hit_tokens``), the cap that never
-serves the last prompt token included (``spec.arith.max_cacheable_tokens``). A key is
+serves the last prompt token included (``refserve.spec.arith.max_cacheable_tokens``). A key is
 trusted as the identity of its block (sha256 over the parent key and the token ids);
 the pool, which also compares the stored token ids, is the one that serves the K/V.
 
@@ -36,11 +36,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from ref.cluster.errors import EventGap, EventMismatch, UnknownReplica
-from ref.errors import InvalidArgument
-from spec.arith import full_blocks, max_cacheable_tokens
-from spec.events import BlockRemoved, BlockStored, CacheChange, CacheEvent
-from spec.hashing import DEFAULT_NAMESPACE, Namespace, packed_block_key, packed_token_ids
+from refserve.cluster.errors import EventGap, EventMismatch, UnknownReplica
+from refserve.errors import InvalidArgument
+from refserve.spec.arith import full_blocks, max_cacheable_tokens
+from refserve.spec.events import BlockRemoved, BlockStored, CacheChange, CacheEvent
+from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace, packed_block_key, packed_token_ids
 
 #: Replica ids are bit positions of the holders' masks; this bounds a mask's size.
 MAX_REPLICAS = 1 << 16

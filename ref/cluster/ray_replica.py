@@ -6,7 +6,7 @@ and is imported only when a Ray replica is made, so the default in-process path 
 none of it.
 
 What crosses the process boundary is plain records, never an engine object: token ids,
-:class:`~ref.model.sampler.SamplingParams`, :class:`~ref.engine.llm_engine.RequestOutput`,
+:class:`~refserve.model.sampler.SamplingParams`, :class:`~refserve.engine.llm_engine.RequestOutput`,
 :class:`ReplicaReport` (the load figures, the new cache events, the live request ids),
 a migration ticket as its stable bytes (``MigrationTicket.to_bytes``, the K/V inline), and
 an error as :class:`ErrorRecord` (its class name, ``args`` and attributes), rebuilt here
@@ -16,7 +16,7 @@ with its result, so reading the load, the live ids or the new events costs no ro
 changes only through calls made by this handle.
 
 Faults: a call to an actor that died (killed, its process gone) raises
-:class:`~ref.cluster.errors.ReplicaDead`, then and on every later call; the cluster ends
+:class:`~refserve.cluster.errors.ReplicaDead`, then and on every later call; the cluster ends
 that replica's requests with it (ref/cluster/cluster.py, "Faults"). So does a call the
 actor does not answer within ``call_timeout_s`` (a hung replica): the actor is killed
 first, so a late answer cannot change anything after its requests have ended.
@@ -32,17 +32,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ref.cluster.errors import ClusterError, ReplicaDead
-from ref.cluster.index import CacheSnapshot
-from ref.cluster.replica import InProcessReplica, LoadFigures
-from ref.core.config import SchedulerConfig
-from ref.core.cost import StepCost
-from ref.core.migration_cost import KVMode
-from ref.engine.llm_engine import LLMEngine, RequestOutput
-from ref.engine.ticket import MigrationTicket, ModelIdentity
-from ref.errors import InvalidArgument
-from ref.model.sampler import SamplingParams
-from spec.events import CacheEvent
+from refserve.cluster.errors import ClusterError, ReplicaDead
+from refserve.cluster.index import CacheSnapshot
+from refserve.cluster.replica import InProcessReplica, LoadFigures
+from refserve.core.config import SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.core.migration_cost import KVMode
+from refserve.engine.llm_engine import LLMEngine, RequestOutput
+from refserve.engine.ticket import MigrationTicket, ModelIdentity
+from refserve.errors import InvalidArgument
+from refserve.model.sampler import SamplingParams
+from refserve.spec.events import CacheEvent
 
 T = TypeVar("T")
 
@@ -87,11 +87,11 @@ class ErrorRecord:
         return ErrorRecord(cls.__module__, cls.__qualname__, tuple(e.args), attrs)
 
     def rebuild(self) -> BaseException:
-        """The error as raised, if its class is the project's (``ref``, ``spec``) or a
+        """The error as raised, if its class is the project's (``refserve``) or a
         builtin; else a :class:`ClusterError` naming it (no arbitrary import)."""
         top = self.module.split(".")[0]
         cls: object = None
-        if top in ("ref", "spec", "builtins"):
+        if top in ("refserve", "builtins"):
             cls = getattr(importlib.import_module(self.module), self.name, None)
         if not (isinstance(cls, type) and issubclass(cls, Exception)):
             return ClusterError(f"{self.module}.{self.name}: {self.args}")
@@ -230,7 +230,7 @@ def stop_ray() -> None:
 
 
 class RayReplica:
-    """A :class:`~ref.cluster.replica.Replica` whose engine runs in a Ray actor (module
+    """A :class:`~refserve.cluster.replica.Replica` whose engine runs in a Ray actor (module
     doc). Make them with :func:`ray_replicas`; ``replica`` is its id in error messages."""
 
     def __init__(

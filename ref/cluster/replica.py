@@ -5,9 +5,9 @@
 step, abort, the outputs, the load figures the policies compare (:class:`LoadFigures`),
 its cost model, its cache events (and a snapshot to resync from), and the three calls of
 a migration (export a ticket, import one, release the source). Everything that crosses
-it is a plain record (token ids, :class:`~ref.model.sampler.SamplingParams`,
-:class:`~ref.engine.llm_engine.RequestOutput`, :class:`LoadFigures`, the
-``spec.events`` records, :class:`~ref.engine.ticket.MigrationTicket`, whose bytes
+it is a plain record (token ids, :class:`~refserve.model.sampler.SamplingParams`,
+:class:`~refserve.engine.llm_engine.RequestOutput`, :class:`LoadFigures`, the
+``refserve.spec.events`` records, :class:`~refserve.engine.ticket.MigrationTicket`, whose bytes
 encoding is stable), so a transport to an engine in another process (Ray actors: not
 built yet) implements the same protocol. :class:`InProcessReplica`, the default, calls
 an :class:`LLMEngine` in this process.
@@ -19,17 +19,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from ref.cluster.index import CacheSnapshot
-from ref.core.cost import StepCost
-from ref.core.migration_cost import KVMode
-from ref.core.scheduler import Scheduler
-from ref.engine import migration
-from ref.engine.llm_engine import LLMEngine, RequestOutput
-from ref.engine.ticket import MigrationTicket, ModelIdentity
-from ref.errors import InvalidArgument
-from ref.model.sampler import SamplingParams
-from spec.events import CacheEvent
-from spec.snapshot import RequestStatus
+from refserve.cluster.index import CacheSnapshot
+from refserve.core.cost import StepCost
+from refserve.core.migration_cost import KVMode
+from refserve.core.scheduler import Scheduler
+from refserve.engine import migration
+from refserve.engine.llm_engine import LLMEngine, RequestOutput
+from refserve.engine.ticket import MigrationTicket, ModelIdentity
+from refserve.errors import InvalidArgument
+from refserve.model.sampler import SamplingParams
+from refserve.spec.events import CacheEvent
+from refserve.spec.snapshot import RequestStatus
 
 _QUEUED = frozenset({RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.SWAPPED})
 

@@ -35,9 +35,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from ref.cluster.errors import UnknownPolicy, UnknownReplica
-from ref.cluster.replica import LoadFigures
-from ref.errors import InvalidArgument
+from refserve.cluster.errors import UnknownPolicy, UnknownReplica
+from refserve.cluster.replica import LoadFigures
+from refserve.errors import InvalidArgument
 
 
 class RoutingPolicy(StrEnum):

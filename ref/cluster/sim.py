@@ -1,19 +1,19 @@
 """The cluster simulator: N cost-model replicas behind the real router, with migration
 over a seeded link (docs/CLUSTER.md, "The cluster simulator").
 
-Each replica is a :class:`~ref.core.scheduler.Scheduler` with cache events on, stepped
-by the single-engine simulator's executor (:class:`~ref.sim.simulator.SimExecutor`,
-the cost model ``a + b*P + c*D``) through an :class:`~ref.core.engine_core.EngineCore`:
+Each replica is a :class:`~refserve.core.scheduler.Scheduler` with cache events on, stepped
+by the single-engine simulator's executor (:class:`~refserve.sim.simulator.SimExecutor`,
+the cost model ``a + b*P + c*D``) through an :class:`~refserve.core.engine_core.EngineCore`:
 the code that runs one simulated engine. The replicas share one virtual clock; each is
 busy until its current step ends. Routing is the cluster's own: every replica's cache
-events feed one :class:`~ref.cluster.index.GlobalPrefixIndex` after each of its steps,
-and the :class:`~ref.cluster.router.Router` chooses from the same
-:class:`~ref.cluster.replica.LoadFigures` an in-process replica reports
-(:func:`~ref.cluster.replica.load_figures`).
+events feed one :class:`~refserve.cluster.index.GlobalPrefixIndex` after each of its steps,
+and the :class:`~refserve.cluster.router.Router` chooses from the same
+:class:`~refserve.cluster.replica.LoadFigures` an in-process replica reports
+(:func:`~refserve.cluster.replica.load_figures`).
 
-Migration is the scheduler-level protocol of ``ref.core.transit`` (export, then
+Migration is the scheduler-level protocol of ``refserve.core.transit`` (export, then
 ``begin_import`` / ``stage`` / ``commit`` on the destination, ``release`` on the source),
-priced by :class:`~ref.core.migration_cost.MigrationCost` (``AUTO``: transfer when the
+priced by :class:`~refserve.core.migration_cost.MigrationCost` (``AUTO``: transfer when the
 link beats recompute on the destination's idle compute). The simulated K/V is a
 snapshot taken at export (the simulator has no K/V memory), so the source releases the
 request when it departs and the request is in flight on the link, owned by it, until it
@@ -51,25 +51,32 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ref.cluster import triggers
-from ref.cluster.index import GlobalPrefixIndex
-from ref.cluster.replica import LoadFigures, load_figures
-from ref.cluster.router import Router, RoutingDecision
-from ref.cluster.triggers import MigrationPolicy
-from ref.core import transit
-from ref.core.config import SchedulerConfig
-from ref.core.cost import StepCost
-from ref.core.engine_core import EngineCore
-from ref.core.migration_cost import KVMode, MigrationCost
-from ref.core.request import FinishReason, Request
-from ref.core.scheduler import Scheduler
-from ref.errors import InvalidArgument, RefserveError
-from ref.sim.metrics import RequestMetrics
-from ref.sim.simulator import Session, SessionTurn, SimExecutor
-from ref.sim.workloads import Workload, to_requests
-from spec.cluster import ClusterSnapshot, Delivered, Node, Transit, TransitPhase, check_owner
-from spec.events import CacheEvent
-from spec.snapshot import RequestSnapshot, RequestStatus
+from refserve.cluster import triggers
+from refserve.cluster.index import GlobalPrefixIndex
+from refserve.cluster.replica import LoadFigures, load_figures
+from refserve.cluster.router import Router, RoutingDecision
+from refserve.cluster.triggers import MigrationPolicy
+from refserve.core import transit
+from refserve.core.config import SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.core.engine_core import EngineCore
+from refserve.core.migration_cost import KVMode, MigrationCost
+from refserve.core.request import FinishReason, Request
+from refserve.core.scheduler import Scheduler
+from refserve.errors import InvalidArgument, RefserveError
+from refserve.sim.metrics import RequestMetrics
+from refserve.sim.simulator import Session, SessionTurn, SimExecutor
+from refserve.sim.workloads import Workload, to_requests
+from refserve.spec.cluster import (
+    ClusterSnapshot,
+    Delivered,
+    Node,
+    Transit,
+    TransitPhase,
+    check_owner,
+)
+from refserve.spec.events import CacheEvent
+from refserve.spec.snapshot import RequestSnapshot, RequestStatus
 
 S = RequestStatus
 #: Llama-3-8B's K and V per token (32 layers x 8 KV heads x 128 dims x 2 x bf16), times

@@ -3,9 +3,9 @@ in-process cluster (ref/cluster/cluster.py) share (docs/CLUSTER.md, "Migration
 policy").
 
 Each rule is a pure decision over what a replica reports at a step boundary (its
-:class:`~ref.cluster.replica.LoadFigures`, its scheduler's requests, its free blocks):
+:class:`~refserve.cluster.replica.LoadFigures`, its scheduler's requests, its free blocks):
 which request to move and to which peer, or None. Acting on it (a simulated link, or
-``ref.engine.migration.migrate``) is the caller's.
+``refserve.engine.migration.migrate``) is the caller's.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from ref.cluster.replica import LoadFigures
-from ref.cluster.router import load_score
-from ref.core.migration_cost import KVMode
-from ref.core.request import Request
-from ref.errors import InvalidArgument
-from spec.arith import blocks_needed
-from spec.snapshot import RequestStatus as S
+from refserve.cluster.replica import LoadFigures
+from refserve.cluster.router import load_score
+from refserve.core.migration_cost import KVMode
+from refserve.core.request import Request
+from refserve.errors import InvalidArgument
+from refserve.spec.arith import blocks_needed
+from refserve.spec.snapshot import RequestStatus as S
 
 #: A running request a pressure move may take (a paused one holds no seat to free).
 MOVABLE = frozenset({S.DECODING, S.PREFILLING})

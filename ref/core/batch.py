@@ -8,7 +8,7 @@ operations: Python runs per request only for those that cross a block boundary, 
 a block (prefix caching), share their last block (copy-on-write) or finish. Slots are
 recycled when a request leaves the running set (finish, preemption, pause, abort).
 
-The :class:`~ref.core.request.Request` objects stay the source of truth; the arrays
+The :class:`~refserve.core.request.Request` objects stay the source of truth; the arrays
 mirror them. A row is (re)loaded from its request whenever anything but the bulk path
 changed it (admission, a prefill chunk, the reference decode loop), and its block-table
 row whenever the pool reports the table changed (``BlockPool.take_changed``; a
@@ -32,16 +32,16 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ref.core.request import Request
-from ref.kv import BlockPool, DecodeGrowth, DecodeRun
-from spec.arith import (
+from refserve.core.request import Request
+from refserve.kv import BlockPool, DecodeGrowth, DecodeRun
+from refserve.spec.arith import (
     block_offset_rows,
     fills_block_rows,
     length_limit,
     reaches_length_rows,
     starts_block_rows,
 )
-from spec.snapshot import RequestStatus
+from refserve.spec.snapshot import RequestStatus
 
 S = RequestStatus
 Ints = npt.NDArray[np.int64]
@@ -310,7 +310,7 @@ class PersistentBatch:
         return DecodeRows(slots, at, positions, offsets, *lists)
 
     def decode_run(self, rows: DecodeRows, pool: BlockPool) -> DecodeRun:
-        """The pool's tables of ``rows`` (:class:`~ref.kv.DecodeRun`); for the whole
+        """The pool's tables of ``rows`` (:class:`~refserve.kv.DecodeRun`); for the whole
         running order, kept from step to step while the pool says it is current."""
         whole = rows.request_ids is self._ids
         run = self._run

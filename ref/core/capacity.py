@@ -15,11 +15,11 @@ Their arithmetic is in two pure functions, :func:`exceeds_pool` and
 
 from __future__ import annotations
 
-from ref.core.config import Admission, SchedulerConfig
-from ref.core.request import Request
-from ref.errors import ExceedsCapacity
-from ref.kv import BlockPool, PrefixHit
-from spec.arith import blocks_needed
+from refserve.core.config import Admission, SchedulerConfig
+from refserve.core.request import Request
+from refserve.errors import ExceedsCapacity
+from refserve.kv import BlockPool, PrefixHit
+from refserve.spec.arith import blocks_needed
 
 
 def exceeds_pool(num_tokens: int, block_size: int, num_blocks: int) -> bool:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from ref.core.cost import StepCost
-from ref.core.swap import PreemptionMode, RetentionPolicy, SwapCost
-from ref.errors import InvalidArgument
+from refserve.core.cost import StepCost
+from refserve.core.swap import PreemptionMode, RetentionPolicy, SwapCost
+from refserve.errors import InvalidArgument
 
 
 class Admission(StrEnum):
@@ -174,7 +174,9 @@ class SchedulerConfig:
                 f"preemption_mode {self.preemption_mode.value!r} needs num_host_blocks > 0"
             )
         if self.preemption_mode is PreemptionMode.AUTO and self.swap_cost is None:
-            raise InvalidArgument("preemption_mode 'auto' needs swap_cost (ref.core.swap.SwapCost)")
+            raise InvalidArgument(
+                "preemption_mode 'auto' needs swap_cost (refserve.core.swap.SwapCost)"
+            )
 
     @property
     def max_len(self) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ref.errors import InvalidArgument
+from refserve.errors import InvalidArgument
 
 _TERM = re.compile(r"^(?P<coef>\d+(?:\.\d+)?)?\*?(?P<var>[PDK])?$")
 #: The largest coefficient (ms per step, per prefill token, per decode, per KV token read).

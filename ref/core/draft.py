@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ref.core.plan import PlanBuilder, PlannedFinish, StepPlan
-from ref.core.request import Request
-from ref.kv import BlockCopy
+from refserve.core.plan import PlanBuilder, PlannedFinish, StepPlan
+from refserve.core.request import Request
+from refserve.kv import BlockCopy
 
 
 @dataclass

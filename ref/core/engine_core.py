@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ref.core.executor import (
+from refserve.core.executor import (
     NO_FORKS,
     NO_LOGPROBS,
     NO_VERIFIED,
@@ -29,15 +29,15 @@ from ref.core.executor import (
     NoKVMemory,
     StepExecutor,
 )
-from ref.core.inputs import ModelInputs, build_inputs, scheduled_requests
-from ref.core.outcome import StepOutcome
-from ref.core.output import validate_output
-from ref.core.plan import StepPlan
-from ref.core.scheduler import Scheduler
-from ref.errors import RefserveError
-from spec import EngineSnapshot, StepSnapshot, Violation, check_step
-from spec.arith import blocks_needed, logical_block
-from spec.atomic import check_atomic
+from refserve.core.inputs import ModelInputs, build_inputs, scheduled_requests
+from refserve.core.outcome import StepOutcome
+from refserve.core.output import validate_output
+from refserve.core.plan import StepPlan
+from refserve.core.scheduler import Scheduler
+from refserve.errors import RefserveError
+from refserve.spec import EngineSnapshot, StepSnapshot, Violation, check_step
+from refserve.spec.arith import blocks_needed, logical_block
+from refserve.spec.atomic import check_atomic
 
 
 class KVStateLost(RefserveError):
@@ -70,7 +70,7 @@ class InvariantViolation(RefserveError):
 class StepRecord:
     """What a step did, for tables, traces and metrics, and what the engine reads after
     the commit: ``logprobs`` and ``fork_samples`` are the executor's
-    (:class:`ref.core.executor.StepOutput`), carried here rather than kept on the
+    (:class:`refserve.core.executor.StepOutput`), carried here rather than kept on the
     executor, so a step's results travel with the step (empty for the simulator)."""
 
     step_index: int

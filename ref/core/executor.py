@@ -2,7 +2,7 @@
 
 A step is one transaction over two kinds of state (docs/ARCHITECTURE.md, "Atomic steps"): the
 scheduler's books, which the pool's undo journal restores, and the executor's K/V memory,
-which the executor journals itself. :class:`ref.core.engine_core.EngineCore` calls
+which the executor journals itself. :class:`refserve.core.engine_core.EngineCore` calls
 ``begin(plan, inputs)`` before ``execute`` and then exactly one of ``commit()`` (the step
 committed) or ``rollback()`` (it failed anywhere between ``begin`` and the scheduler's
 commit). After ``rollback`` every slot and block the step could have written holds what
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol, runtime_checkable
 
-from ref.core.inputs import ModelInputs
-from ref.core.plan import StepPlan
+from refserve.core.inputs import ModelInputs
+from refserve.core.plan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class KVTransaction(Protocol):
     def rollback(self) -> None:
         """Put back everything saved by :meth:`begin` and forget it.
 
-        Raising here is fatal to the engine (``ref.core.engine_core.KVStateLost``): the
+        Raising here is fatal to the engine (``refserve.core.engine_core.KVStateLost``): the
         scheduler's books would describe K/V that is no longer there."""
         ...
 

@@ -8,9 +8,9 @@ places it (sharing the parent's blocks, or waiting to recompute); the pool's par
 
 from __future__ import annotations
 
-from ref.core.request import Request, StopParams
-from ref.errors import InvalidArgument
-from spec.snapshot import RequestStatus
+from refserve.core.request import Request, StopParams
+from refserve.errors import InvalidArgument
+from refserve.spec.snapshot import RequestStatus
 
 
 def fork_child(parent: Request, child_id: str, first_token: int, stop: StopParams) -> Request:

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from ref.core.batch import DecodeRows, PersistentBatch
-from ref.core.plan import StepPlan
-from ref.core.request import Request
-from ref.kv import BlockPool
-from spec.arith import blocks_needed, logical_block_rows, slot_of_rows
-from spec.snapshot import ScheduledRequest
+from refserve.core.batch import DecodeRows, PersistentBatch
+from refserve.core.plan import StepPlan
+from refserve.core.request import Request
+from refserve.kv import BlockPool
+from refserve.spec.arith import blocks_needed, logical_block_rows, slot_of_rows
+from refserve.spec.snapshot import ScheduledRequest
 
 I64 = npt.NDArray[np.int64]
 I32 = npt.NDArray[np.int32]

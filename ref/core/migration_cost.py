@@ -23,8 +23,8 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from ref.core.cost import StepCost
-from ref.errors import InvalidArgument
+from refserve.core.cost import StepCost
+from refserve.errors import InvalidArgument
 
 #: The least idle fraction the rule divides by: a saturated destination is priced as
 #: this busy, not infinitely (recompute stays finite and comparable).

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from ref.core.request import FinishReason
+from refserve.core.request import FinishReason
 
 Ints = npt.NDArray[np.int64]
 

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from ref.core.plan import StepPlan
-from ref.errors import RefserveError
+from refserve.core.plan import StepPlan
+from refserve.errors import RefserveError
 
 Ints = npt.NDArray[np.int64]
 

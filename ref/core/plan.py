@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from ref.core.batch import DecodeRows
-from ref.core.request import FinishReason
-from ref.kv import BlockCopy
+from refserve.core.batch import DecodeRows
+from refserve.core.request import FinishReason
+from refserve.kv import BlockCopy
 
 
 @dataclass(frozen=True)

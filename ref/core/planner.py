@@ -14,18 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ref.core.batch import PersistentBatch
-from ref.core.capacity import admission_blocks
-from ref.core.config import SchedulerConfig
-from ref.core.draft import StepDraft
-from ref.core.plan import PlanBuilder, PlannedFinish, StepPlan
-from ref.core.policy import Policy
-from ref.core.prefill import chunk, prefill_cap
-from ref.core.request import FinishReason, Request
-from ref.core.suspend import Suspension
-from ref.core.waiting import WaitingQueue
-from ref.kv import BlockPool, PrefixHit
-from spec.snapshot import RequestStatus
+from refserve.core.batch import PersistentBatch
+from refserve.core.capacity import admission_blocks
+from refserve.core.config import SchedulerConfig
+from refserve.core.draft import StepDraft
+from refserve.core.plan import PlanBuilder, PlannedFinish, StepPlan
+from refserve.core.policy import Policy
+from refserve.core.prefill import chunk, prefill_cap
+from refserve.core.request import FinishReason, Request
+from refserve.core.suspend import Suspension
+from refserve.core.waiting import WaitingQueue
+from refserve.kv import BlockPool, PrefixHit
+from refserve.spec.snapshot import RequestStatus
 
 S = RequestStatus
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Protocol
 
-from ref.core.config import PolicyName, SchedulerConfig
-from ref.core.request import Request
-from ref.core.waiting import WaitingQueue, WaitingReader
+from refserve.core.config import PolicyName, SchedulerConfig
+from refserve.core.request import Request
+from refserve.core.waiting import WaitingQueue, WaitingReader
 
 
 class Policy(Protocol):

@@ -14,9 +14,9 @@ import math
 from collections import Counter, OrderedDict
 from collections.abc import KeysView, Sequence
 
-from ref.core.config import SchedulerConfig
-from ref.core.request import Request
-from spec.arith import chunk_size
+from refserve.core.config import SchedulerConfig
+from refserve.core.request import Request
+from refserve.spec.arith import chunk_size
 
 
 class PrefillBacklog:

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
 
-from ref.errors import InvalidArgument
-from spec.arith import length_limit, reaches_length
-from spec.hashing import DEFAULT_NAMESPACE, Namespace
-from spec.snapshot import RequestSnapshot, RequestStatus
+from refserve.errors import InvalidArgument
+from refserve.spec.arith import length_limit, reaches_length
+from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace
+from refserve.spec.snapshot import RequestSnapshot, RequestStatus
 
 S = RequestStatus
 
@@ -179,7 +179,7 @@ def check_room_for_output(
 
 def finish_reason(r: Request, token: int, max_len: int) -> FinishReason | None:
     """After ``token`` joined ``r``: a stop id (:meth:`StopParams.is_stop`), else the
-    length limit (spec.arith ``length_limit``), else None. The scheduler's commit and a
+    length limit (refserve.spec.arith ``length_limit``), else None. The scheduler's commit and a
     verification ask it; the persistent batch applies the same two rules to its rows
     (ref/core/batch.py, ``commit_decodes``)."""
     if r.stop.is_stop(token):

@@ -26,30 +26,35 @@ from itertools import compress
 
 import numpy as np
 
-from ref.core.batch import Ints, PersistentBatch
-from ref.core.capacity import never_fits, require_fit
-from ref.core.config import SchedulerConfig
-from ref.core.forks import fork_child
-from ref.core.outcome import Outcome, StepOutcome
-from ref.core.output import Sampled, checked_accepted, split_output
-from ref.core.plan import StepPlan
-from ref.core.planner import Planner
-from ref.core.policy import Policy, make_policy
-from ref.core.prefill import PrefillBacklog
-from ref.core.request import FinishReason, Request, StopParams, check_new_request, finish_reason
-from ref.core.speculation import Proposals, keep_verified
-from ref.core.suspend import Suspension
-from ref.core.swap import KVRetention
-from ref.errors import (
+from refserve.core.batch import Ints, PersistentBatch
+from refserve.core.capacity import never_fits, require_fit
+from refserve.core.config import SchedulerConfig
+from refserve.core.forks import fork_child
+from refserve.core.outcome import Outcome, StepOutcome
+from refserve.core.output import Sampled, checked_accepted, split_output
+from refserve.core.plan import StepPlan
+from refserve.core.planner import Planner
+from refserve.core.policy import Policy, make_policy
+from refserve.core.prefill import PrefillBacklog
+from refserve.core.request import (
+    FinishReason,
+    Request,
+    StopParams,
+    check_new_request,
+    finish_reason,
+)
+from refserve.core.speculation import Proposals, keep_verified
+from refserve.core.suspend import Suspension
+from refserve.core.swap import KVRetention
+from refserve.errors import (
     DuplicateRequest,
     ExceedsCapacity,
     QueueFull,
     RefserveError,
     UnknownRequest,
 )
-from ref.kv import BlockPool
-from ref.kv.host_pool import HostPool
-from spec.snapshot import EngineSnapshot, RequestStatus
+from refserve.kv import BlockPool, HostPool
+from refserve.spec.snapshot import EngineSnapshot, RequestStatus
 
 S = RequestStatus
 #: Why a scheduler refuses a change (``_require_boundary``): a step, or a staged import.

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ref.core.request import FinishReason, Request, finish_reason
-from ref.errors import InvalidArgument
-from ref.kv import BlockPool
-from spec.snapshot import RequestStatus
+from refserve.core.request import FinishReason, Request, finish_reason
+from refserve.errors import InvalidArgument
+from refserve.kv import BlockPool
+from refserve.spec.snapshot import RequestStatus
 
 
 class Proposals:
@@ -64,7 +64,7 @@ def keep_verified(
 ) -> tuple[tuple[int, ...], FinishReason | None]:
     """A verification's outcome (docs/SPECULATIVE.md, "Rejected drafts"): the accepted
     drafts and the target's ``token`` join ``r`` one by one, each checked for a stop
-    (:func:`ref.core.request.finish_reason`), as that many plain steps would
+    (:func:`refserve.core.request.finish_reason`), as that many plain steps would
     have; then the K/V of the rejected drafts is dropped (the blocks that held only them
     go back to the pool), so the KV covers all but the last token, as after a plain step
     (KVLEN). Returns the tokens kept and why ``r`` finished, if it did."""

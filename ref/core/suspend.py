@@ -16,16 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ref.core.capacity import never_fits, require_fit
-from ref.core.config import SchedulerConfig
-from ref.core.draft import StepDraft
-from ref.core.plan import StepPlan
-from ref.core.request import Request, StopParams
-from ref.core.swap import KVRetention, preempt_by_swap
-from ref.errors import InvalidArgument, UnknownRequest
-from ref.kv import BlockCopy, BlockPool
-from ref.kv.host_pool import HostPool
-from spec.snapshot import RequestStatus
+from refserve.core.capacity import never_fits, require_fit
+from refserve.core.config import SchedulerConfig
+from refserve.core.draft import StepDraft
+from refserve.core.plan import StepPlan
+from refserve.core.request import Request, StopParams
+from refserve.core.swap import KVRetention, preempt_by_swap
+from refserve.errors import InvalidArgument, UnknownRequest
+from refserve.kv import BlockCopy, BlockPool
+from refserve.kv.host_pool import HostPool
+from refserve.spec.snapshot import RequestStatus
 
 S = RequestStatus
 

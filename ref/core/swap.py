@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from ref.core.cost import StepCost
-from ref.errors import InvalidArgument
+from refserve.core.cost import StepCost
+from refserve.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from ref.core.plan import StepPlan
+    from refserve.core.plan import StepPlan
 
 
 class PreemptionMode(StrEnum):

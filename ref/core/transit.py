@@ -19,7 +19,7 @@ staged blocks belong to an open transaction.
 
 :class:`Move` drives the three moves for one request between two schedulers, with the
 K/V carried by a :class:`KVLink` (the executors' business) and the ack between the copy
-and the release, phase by phase (spec.cluster.TransitPhase), so that each phase can be
+and the release, phase by phase (refserve.spec.cluster.TransitPhase), so that each phase can be
 observed and a fault injected at every point of :data:`MOVE_POINTS`.
 """
 
@@ -30,14 +30,14 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol
 
-from ref.core.capacity import require_fit
-from ref.core.request import Request, StopParams, check_room_for_output
-from ref.core.scheduler import Scheduler
-from ref.errors import DuplicateRequest, OutOfBlocks, RefserveError
-from spec.arith import logical_block, slot_of
-from spec.cluster import Node, Transit, TransitPhase
-from spec.hashing import Namespace
-from spec.snapshot import PoolSnapshot, RequestSnapshot, RequestStatus
+from refserve.core.capacity import require_fit
+from refserve.core.request import Request, StopParams, check_room_for_output
+from refserve.core.scheduler import Scheduler
+from refserve.errors import DuplicateRequest, OutOfBlocks, RefserveError
+from refserve.spec.arith import logical_block, slot_of
+from refserve.spec.cluster import Node, Transit, TransitPhase
+from refserve.spec.hashing import Namespace
+from refserve.spec.snapshot import PoolSnapshot, RequestSnapshot, RequestStatus
 
 S = RequestStatus
 

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ref.core.request import Request
+from refserve.core.request import Request
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 ::
 
-    from ref.engine.llm_engine import LLMEngine, SamplingParams
+    from refserve.engine.llm_engine import LLMEngine, SamplingParams
 
     engine = LLMEngine("tiny")                    # or a local HF checkpoint directory
     rid = engine.add_request("Hello", SamplingParams(max_tokens=8))
@@ -12,14 +12,14 @@
 
     results = engine.generate(["a", "b"], SamplingParams(max_tokens=4))
 
-A step is :class:`ref.core.engine_core.EngineCore`'s (schedule, build inputs, execute, commit)
-with :class:`ref.model.executor.ModelExecutor` as the executor, over the model and
-tokenizer that :func:`ref.model.checkpoint.load_model` reads from the ``model`` and
+A step is :class:`refserve.core.engine_core.EngineCore`'s (schedule, build inputs, execute, commit)
+with :class:`refserve.model.executor.ModelExecutor` as the executor, over the model and
+tokenizer that :func:`refserve.model.checkpoint.load_model` reads from the ``model`` and
 ``tokenizer`` arguments; this module adds tokenization, detokenization, stop strings,
 ``n > 1`` forks and the outputs. Speculative decoding asks any
-:class:`~ref.model.proposers.Proposer` for drafts. Everything
+:class:`~refserve.model.proposers.Proposer` for drafts. Everything
 the executor produced reaches the engine through the step's
-:class:`~ref.core.engine_core.StepRecord` (tokens, logprobs, the first tokens of forks),
+:class:`~refserve.core.engine_core.StepRecord` (tokens, logprobs, the first tokens of forks),
 never through state left on the executor. :meth:`LLMEngine.iter_outputs`,
 :meth:`LLMEngine.stream` and :meth:`LLMEngine.generate` are one drive loop
 (``_drive``) that differs only in which outputs the caller takes and when it stops.
@@ -36,7 +36,7 @@ A request that ends before its first token (abort, queue timeout, capacity) give
 output for every one of its ``n`` samples, each with that finish reason and no tokens.
 
 Preemption by swap (``SchedulerConfig.preemption_mode``) needs a host copy of the KV: the
-engine builds a :class:`~ref.model.llama.HostKVCache` of ``num_host_blocks`` blocks and
+engine builds a :class:`~refserve.model.llama.HostKVCache` of ``num_host_blocks`` blocks and
 the executor applies each step's swap copies before the forward; ``swap_out_bytes`` /
 ``swap_in_bytes`` count the bytes moved.
 
@@ -69,34 +69,34 @@ from typing import cast
 
 import torch
 
-from ref.core.config import SchedulerConfig
-from ref.core.engine_core import EngineCore, StepRecord
-from ref.core.executor import DrawnToken
-from ref.core.migration_cost import KVMode, MigrationCost
-from ref.core.outcome import Outcome
-from ref.core.policy import Policy
-from ref.core.request import FinishReason, Request, StopParams, check_room_for_output
-from ref.core.scheduler import Scheduler
-from ref.core.swap import KVRetention
-from ref.engine import migration
-from ref.engine.samples import Sample, SampleGroup, sample_spec
-from ref.engine.ticket import KVChunk, MigrationTicket, ModelIdentity
-from ref.errors import DuplicateRequest, InvalidArgument, RefserveError, UnknownRequest
-from ref.model.checkpoint import TINY_TRAINED, ModelSource, TokenizerSource, load_model
-from ref.model.executor import ModelExecutor
-from ref.model.llama import HostKVCache, KVCache
-from ref.model.proposers import Proposer, check_proposer
-from ref.model.sampler import (
+from refserve.core.config import SchedulerConfig
+from refserve.core.engine_core import EngineCore, StepRecord
+from refserve.core.executor import DrawnToken
+from refserve.core.migration_cost import KVMode, MigrationCost
+from refserve.core.outcome import Outcome
+from refserve.core.policy import Policy
+from refserve.core.request import FinishReason, Request, StopParams, check_room_for_output
+from refserve.core.scheduler import Scheduler
+from refserve.core.swap import KVRetention
+from refserve.engine import migration
+from refserve.engine.samples import Sample, SampleGroup, sample_spec
+from refserve.engine.ticket import KVChunk, MigrationTicket, ModelIdentity
+from refserve.errors import DuplicateRequest, InvalidArgument, RefserveError, UnknownRequest
+from refserve.model.checkpoint import TINY_TRAINED, ModelSource, TokenizerSource, load_model
+from refserve.model.executor import ModelExecutor
+from refserve.model.llama import HostKVCache, KVCache
+from refserve.model.proposers import Proposer, check_proposer
+from refserve.model.sampler import (
     InvalidSamplingParams,
     SamplingParams,
     derive_seed,
     mix64,
     sample_failed,
 )
-from ref.model.tokenizer import TextStream
-from ref.sim.metrics import RequestMetrics
-from spec.events import CacheEvent
-from spec.snapshot import RequestStatus
+from refserve.model.tokenizer import TextStream
+from refserve.sim.metrics import RequestMetrics
+from refserve.spec.events import CacheEvent
+from refserve.spec.snapshot import RequestStatus
 
 __all__ = [
     "TINY_TRAINED",
@@ -517,7 +517,7 @@ class LLMEngine:
     def import_request(self, ticket: MigrationTicket, *, transit_ms: float = 0.0) -> list[str]:
         """Stage, ack and commit a ticket carrying everything (its K/V inline, or none
         for a recompute) in one call; returns the sample ids now live here. For a ticket
-        whose source is gone: with a live source use :func:`ref.engine.migration.migrate`,
+        whose source is gone: with a live source use :func:`refserve.engine.migration.migrate`,
         which releases the source between the ack and the commit."""
         staged = self.stage_import(ticket, transit_ms=transit_ms)
         try:
@@ -843,7 +843,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ internals
     def _check_room(self, num_tokens: int, subject: str) -> None:
         """A prompt or resumed turn must leave room for an output token under
-        ``max_model_len`` (:func:`ref.core.request.check_room_for_output`); checked here,
+        ``max_model_len`` (:func:`refserve.core.request.check_room_for_output`); checked here,
         before anything is registered, to raise :class:`InvalidPrompt`."""
         check_room_for_output(
             num_tokens,

@@ -36,13 +36,13 @@ from typing import Protocol
 
 import torch
 
-from ref.core import transit
-from ref.core.migration_cost import KVMode, MigrationCost, MigrationDecision
-from ref.core.request import Request
-from ref.core.scheduler import Scheduler
-from ref.core.transit import Import, KVPlace, MigrationError, RequestState
-from ref.engine.samples import Sample, SampleGroup, sample_spec
-from ref.engine.ticket import (
+from refserve.core import transit
+from refserve.core.migration_cost import KVMode, MigrationCost, MigrationDecision
+from refserve.core.request import Request
+from refserve.core.scheduler import Scheduler
+from refserve.core.transit import Import, KVPlace, MigrationError, RequestState
+from refserve.engine.samples import Sample, SampleGroup, sample_spec
+from refserve.engine.ticket import (
     KVChunk,
     KVLayoutMismatch,
     MigrationTicket,
@@ -51,13 +51,13 @@ from ref.engine.ticket import (
     SeqTicket,
     TicketError,
 )
-from ref.errors import DuplicateRequest
-from ref.model.config import ModelConfig
-from ref.model.executor import ModelExecutor, SavedRows
-from ref.model.llama import HostKVCache, KVCache, LlamaModel
-from ref.model.sampler import SamplingParams
-from ref.model.tokenizer import TextStream, Tokenizer
-from ref.model.weights import LayerWeights
+from refserve.errors import DuplicateRequest
+from refserve.model.config import ModelConfig
+from refserve.model.executor import ModelExecutor, SavedRows
+from refserve.model.llama import HostKVCache, KVCache, LlamaModel
+from refserve.model.sampler import SamplingParams
+from refserve.model.tokenizer import TextStream, Tokenizer
+from refserve.model.weights import LayerWeights
 
 
 class Engine(Protocol):
@@ -457,7 +457,7 @@ def _adopt(
     """The engine's books for the committed requests: group, samples, specs, streams;
     ``offset_ms`` moves the sample's own times (a resumed turn's arrival) onto this
     engine's clock, as :meth:`Import.commit` moved the request's."""
-    from ref.model.sampler import derive_seed
+    from refserve.model.sampler import derive_seed
 
     sp = SamplingParams.from_dict(t.params)
     by_id = {r.request_id: r for r in reqs}

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ref.core.migration_cost import MigrationDecision
-from ref.core.request import Request, StopParams
-from ref.model.sampler import SampleSpec, SamplingParams
-from ref.model.tokenizer import TextStream
+from refserve.core.migration_cost import MigrationDecision
+from refserve.core.request import Request, StopParams
+from refserve.model.sampler import SampleSpec, SamplingParams
+from refserve.model.tokenizer import TextStream
 
 
 @dataclass

@@ -2,7 +2,7 @@
 (docs/MIGRATION.md, "The ticket").
 
 A :class:`MigrationTicket` holds everything another engine needs to continue a request
-exactly: per live sample its scheduler state (:class:`~ref.core.transit.RequestState`:
+exactly: per live sample its scheduler state (:class:`~refserve.core.transit.RequestState`:
 token ids, KV length, stop rule, priority, tenant, cache namespace, times), what the
 engine adds (the turn's tokens and logprobs, how many tokens and characters were already
 delivered, tool-wait and speculation counters), the group's sampling parameters and
@@ -24,11 +24,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
-from ref.core.migration_cost import KVMode, MigrationDecision
-from ref.core.request import StopParams
-from ref.core.transit import KVPlace, MigrationError, RequestState
-from spec.hashing import Namespace
-from spec.snapshot import RequestStatus
+from refserve.core.migration_cost import KVMode, MigrationDecision
+from refserve.core.request import StopParams
+from refserve.core.transit import KVPlace, MigrationError, RequestState
+from refserve.spec.hashing import Namespace
+from refserve.spec.snapshot import RequestStatus
 
 TICKET_VERSION = 1
 MAGIC = b"RSMT"

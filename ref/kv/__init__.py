@@ -2,7 +2,16 @@
 counts, free queue) and the prefix index (``prefix_index``), one undo journal, and the
 host pool for swaps."""
 
-from ref.kv.pool import Allocation, BlockCopy, BlockPool, DecodeGrowth, DecodeRun
-from ref.kv.prefix_index import PrefixHit
+from refserve.kv.host_pool import HostPool
+from refserve.kv.pool import Allocation, BlockCopy, BlockPool, DecodeGrowth, DecodeRun
+from refserve.kv.prefix_index import PrefixHit
 
-__all__ = ["Allocation", "BlockCopy", "BlockPool", "DecodeGrowth", "DecodeRun", "PrefixHit"]
+__all__ = [
+    "Allocation",
+    "BlockCopy",
+    "BlockPool",
+    "DecodeGrowth",
+    "DecodeRun",
+    "HostPool",
+    "PrefixHit",
+]

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ref.kv.free_queue import FreeQueue
-from ref.kv.journal import Journal
+from refserve.kv.free_queue import FreeQueue
+from refserve.kv.journal import Journal
 
 
 class BlockAllocator:

@@ -14,7 +14,7 @@ journal): a rolled-back step publishes nothing. When the transaction closes they
 published with consecutive sequence numbers from 0, so a subscriber can tell a gap.
 
 The namespace is in the keys: a chain starts from its namespace's root key
-(``spec.hashing.Namespace.root_key``), so a stored block whose ``parent_key`` is a root
+(``refserve.spec.hashing.Namespace.root_key``), so a stored block whose ``parent_key`` is a root
 begins a prefix of that namespace, and a subscriber that hashes a prompt from the same
 root finds exactly the keys the replica holds.
 """
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ref.kv.journal import Journal
-from spec.events import BlockRemoved, BlockStored, CacheChange, CacheCleared, CacheEvent
+from refserve.kv.journal import Journal
+from refserve.spec.events import BlockRemoved, BlockStored, CacheChange, CacheCleared, CacheEvent
 
 #: An index entry as the prefix index keeps it: key, block id, parent key, token ids.
 EntryFields = tuple[bytes, int, bytes, tuple[int, ...]]

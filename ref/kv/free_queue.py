@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from ref.kv.journal import Journal
+from refserve.kv.journal import Journal
 
 
 class FreeQueue:

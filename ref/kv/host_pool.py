@@ -24,11 +24,11 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ref.errors import DuplicateRequest, InvalidArgument, OutOfBlocks, UnknownRequest
-from ref.kv.journal import Journal
-from ref.kv.pool import BlockCopy
-from spec.arith import blocks_needed
-from spec.snapshot import PoolSnapshot, TableSnapshot
+from refserve.errors import DuplicateRequest, InvalidArgument, OutOfBlocks, UnknownRequest
+from refserve.kv.journal import Journal
+from refserve.kv.pool import BlockCopy
+from refserve.spec.arith import blocks_needed
+from refserve.spec.snapshot import PoolSnapshot, TableSnapshot
 
 
 @dataclass(frozen=True)

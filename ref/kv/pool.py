@@ -2,13 +2,13 @@
 
 docs/ARCHITECTURE.md, "Layers" (KV memory) and "The persistent batch". A request's
 table lists its blocks and the token ids whose K/V they hold. The pool composes the
-three parts of ``ref/kv``: :class:`~ref.kv.allocator.BlockAllocator` (reference
-counts, free queue), :class:`~ref.kv.prefix_index.PrefixIndex` (hash chain, lookup,
+three parts of ``ref/kv``: :class:`~refserve.kv.allocator.BlockAllocator` (reference
+counts, free queue), :class:`~refserve.kv.prefix_index.PrefixIndex` (hash chain, lookup,
 cached full blocks) and the tables here, through allocate, the bulk decode step, fork
 and copy-on-write, free, truncate and snapshot. One journal (ref/kv/journal.py) is
 shared by all three, so a transaction spans them.
 
-Invariants are checked from outside on :meth:`BlockPool.snapshot` (spec.check_pool):
+Invariants are checked from outside on :meth:`BlockPool.snapshot` (refserve.spec.check_pool):
 BLOCK (ref counts equal holders, the free queue is exact), CAP, POS (tables cover
 their KV length exactly) and PREFIX (hash chains, full blocks only, shared blocks
 never written). Every mutating method validates first and mutates after, so a bad
@@ -25,17 +25,17 @@ from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter
 
-from ref.errors import (
+from refserve.errors import (
     DuplicateRequest,
     ExceedsCapacity,
     InvalidArgument,
     OutOfBlocks,
     UnknownRequest,
 )
-from ref.kv.allocator import BlockAllocator
-from ref.kv.events import CacheEventLog
-from ref.kv.journal import Journal
-from ref.kv.prefix_index import (
+from refserve.kv.allocator import BlockAllocator
+from refserve.kv.events import CacheEventLog
+from refserve.kv.journal import Journal
+from refserve.kv.prefix_index import (
     NOTHING_EVICTED,
     Entry,
     FilledBlocks,
@@ -43,9 +43,15 @@ from ref.kv.prefix_index import (
     PrefixIndex,
     filled_blocks,
 )
-from spec.arith import block_offset, blocks_needed, full_blocks, new_blocks_needed, starts_block
-from spec.hashing import DEFAULT_NAMESPACE, Namespace
-from spec.snapshot import PoolSnapshot, TableSnapshot
+from refserve.spec.arith import (
+    block_offset,
+    blocks_needed,
+    full_blocks,
+    new_blocks_needed,
+    starts_block,
+)
+from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace
+from refserve.spec.snapshot import PoolSnapshot, TableSnapshot
 
 __all__ = ["Allocation", "BlockCopy", "BlockPool", "DecodeGrowth", "DecodeRun", "PrefixHit"]
 
@@ -87,7 +93,7 @@ class Allocation:
 
 class _Table:
     """One request's block table and the token ids whose K/V its blocks hold (the
-    :class:`~ref.kv.prefix_index.Chain` the index reads)."""
+    :class:`~refserve.kv.prefix_index.Chain` the index reads)."""
 
     __slots__ = ("block_table", "keys", "request_id", "root_key", "token_ids")
 
@@ -676,7 +682,7 @@ class BlockPool:
 
     # ------------------------------------------------------------------ snapshot
     def snapshot(self) -> PoolSnapshot:
-        """The pool as spec sees it (spec.check_pool: BLOCK, CAP, POS, PREFIX)."""
+        """The pool as spec sees it (refserve.spec.check_pool: BLOCK, CAP, POS, PREFIX)."""
         tables = tuple(
             TableSnapshot(rid, tuple(t.block_table), t.num_stored, tuple(t.token_ids), t.root_key)
             for rid, t in sorted(self._tables.items())

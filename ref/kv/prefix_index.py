@@ -25,12 +25,12 @@ from itertools import chain
 from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
-from ref.errors import InvalidArgument
-from ref.kv.events import CacheEventLog
-from ref.kv.journal import Journal
-from spec.arith import full_blocks, max_cacheable_tokens
-from spec.hashing import block_key, packed_block_key, packed_token_ids
-from spec.snapshot import CacheEntry
+from refserve.errors import InvalidArgument
+from refserve.kv.events import CacheEventLog
+from refserve.kv.journal import Journal
+from refserve.spec.arith import full_blocks, max_cacheable_tokens
+from refserve.spec.hashing import block_key, packed_block_key, packed_token_ids
+from refserve.spec.snapshot import CacheEntry
 
 NOTHING_EVICTED: Mapping[bytes, int] = MappingProxyType({})
 """No key evicted by a later request of the step (see :meth:`PrefixIndex.cache_filled`)."""
@@ -51,7 +51,7 @@ class PrefixHit:
 
 
 class Entry(NamedTuple):
-    """A block's cache entry: the fields of :class:`spec.snapshot.CacheEntry`. A named
+    """A block's cache entry: the fields of :class:`refserve.spec.snapshot.CacheEntry`. A named
     tuple is made in a third of the frozen dataclass's time, once per block that fills
     with prefix caching on."""
 
@@ -77,7 +77,7 @@ class Chain(Protocol):
 @dataclass(frozen=True)
 class FilledBlocks:
     """The token ids of the blocks a decode step fills, one block per filling request,
-    and all of them encoded at once for hashing (``spec.hashing.packed_token_ids``, 8
+    and all of them encoded at once for hashing (``refserve.spec.hashing.packed_token_ids``, 8
     bytes a token id): block ``j`` is the ``j``-th ``8 * block_size`` bytes of ``packed``."""
 
     blocks: Sequence[Sequence[int]]
@@ -133,7 +133,7 @@ class PrefixIndex:
 
     def lookup(self, token_ids: Sequence[int], root_key: bytes) -> PrefixHit:
         """Longest chain of indexed full blocks matching ``token_ids``; never the last
-        token (``spec.arith.max_cacheable_tokens``). Each hit is confirmed by identity
+        token (``refserve.spec.arith.max_cacheable_tokens``). Each hit is confirmed by identity
         (stored parent key and token ids). Blocks indexed by the open transaction are
         not served: the step that reserved them has not computed their K/V yet."""
         bs = self.block_size

@@ -8,7 +8,7 @@ of its KV.
 
 - ``torch``: gathers each sequence's K/V through its block table and runs a masked
   softmax in fp32. Readable, CPU-friendly, the default.
-- ``triton``: ``kernels.paged_attention`` / ``write_kv`` / ``copy_blocks``. Imported only
+- ``triton``: ``refserve.kernels.paged_attention`` / ``write_kv`` / ``copy_blocks``. Imported only
   when selected; a missing triton or kernels package is a :class:`BackendUnavailable`.
 """
 
@@ -20,9 +20,9 @@ from typing import Any, Protocol
 
 import torch
 
-from ref.errors import InvalidArgument, RefserveError
-from ref.kv import BlockCopy
-from spec.arith import blocks_needed
+from refserve.errors import InvalidArgument, RefserveError
+from refserve.kv import BlockCopy
+from refserve.spec.arith import blocks_needed
 
 BACKENDS = ("torch", "triton")
 
@@ -141,7 +141,7 @@ class TritonAttention:
 
     def __init__(self) -> None:
         try:
-            import kernels
+            import refserve.kernels as kernels
 
             self._paged_attention: Any = kernels.paged_attention
             self._write_kv: Any = kernels.write_kv

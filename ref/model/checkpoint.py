@@ -7,7 +7,7 @@ side owns weights and tokenizers).
 
 ``model`` is one of:
 
-- ``"tiny"``: :func:`~ref.model.config.tiny_config` with seeded random weights (the
+- ``"tiny"``: :func:`~refserve.model.config.tiny_config` with seeded random weights (the
   tests' model; ``seed`` picks the weights);
 - :data:`TINY_TRAINED`: the embedded trained checkpoint (``ref/model/tiny/``), read like
   any other directory;
@@ -16,7 +16,7 @@ side owns weights and tokenizers).
 
 ``tokenizer`` is one of: ``None`` (the checkpoint directory's ``tokenizer.json`` if it
 has one, else the byte tokenizer), ``"byte"``, a path to a ``tokenizer.json`` or its
-directory, or a :class:`~ref.model.tokenizer.Tokenizer` used as given.
+directory, or a :class:`~refserve.model.tokenizer.Tokenizer` used as given.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from ref.model.attention import make_backend
-from ref.model.config import ModelConfig, tiny_config
-from ref.model.llama import LlamaModel
-from ref.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from ref.model.weights import LlamaWeights, load_checkpoint, random_weights
+from refserve.model.attention import make_backend
+from refserve.model.config import ModelConfig, tiny_config
+from refserve.model.llama import LlamaModel
+from refserve.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from refserve.model.weights import LlamaWeights, load_checkpoint, random_weights
 
 __all__ = ["TINY_TRAINED", "LoadedModel", "ModelSource", "TokenizerSource", "load_model"]
 
@@ -88,7 +88,7 @@ def _read(
         return cfg, random_weights(cfg, seed, dtype=dtype, device=device), None
     if str(model) == TINY_TRAINED:
         # The shipped checkpoint, read like any other (the byte tokenizer: no tokenizer.json).
-        from ref.model.tiny import TRAINED_DIR
+        from refserve.model.tiny import TRAINED_DIR
 
         cfg, weights = load_checkpoint(TRAINED_DIR, dtype=dtype, device=device)
         return cfg, weights, TRAINED_DIR

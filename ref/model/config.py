@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ref.errors import InvalidArgument, RefserveError
+from refserve.errors import InvalidArgument, RefserveError
 
 #: ``model_type`` values whose checkpoints this loader reads.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -204,7 +204,7 @@ def tiny_config() -> ModelConfig:
     GQA (4 query heads on 2 KV heads), an untied head; small enough that a CPU runs a
     step in about a millisecond.
     """
-    from ref.model.tokenizer import ByteTokenizer
+    from refserve.model.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     return ModelConfig(

@@ -1,6 +1,6 @@
 """The model executor: runs the real model on a step's flattened inputs and samples.
 
-It plugs into :class:`ref.core.engine_core.EngineCore` exactly where the simulator's executor
+It plugs into :class:`refserve.core.engine_core.EngineCore` exactly where the simulator's executor
 does; the scheduler does not know which one it drives. One ``execute`` is: the plan's
 swap-out copies (device -> host), its swap-in copies (host -> device), its copy-on-write
 block copies, one forward over every scheduled token (prefill chunks and decodes mixed),
@@ -22,13 +22,13 @@ that failed after its forward (a preempted victim's block reused, then the sampl
 same tokens. The cost is O(tokens written + blocks copied) gathers per step, never
 O(cache).
 
-Everything a step produced comes back in its :class:`~ref.core.executor.StepOutput`:
+Everything a step produced comes back in its :class:`~refserve.core.executor.StepOutput`:
 the tokens the scheduler commits, their logprobs, and the first tokens of the samples
 1..n-1 of an ``n > 1`` request, which the engine forks off after the commit. Nothing is
 left on the executor for the engine to read afterwards, so a failed step leaves nothing
 behind either.
 
-The step's :class:`~ref.core.inputs.ModelInputs` are numpy arrays (the core knows no
+The step's :class:`~refserve.core.inputs.ModelInputs` are numpy arrays (the core knows no
 torch); :func:`_tensor` wraps each with ``torch.from_numpy``, sharing its memory (no
 copy on the CPU), before it moves to the model's device.
 
@@ -48,15 +48,15 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ref.core.executor import DrawnToken, StepOutput
-from ref.core.inputs import ModelInputs
-from ref.core.plan import StepPlan
-from ref.core.request import Request
-from ref.errors import RefserveError
-from ref.model.attention import AttentionMetadata
-from ref.model.llama import HostKVCache, KVCache, LlamaModel
-from ref.model.rejection import Verification, verify
-from ref.model.sampler import SampleSpec, sample
+from refserve.core.executor import DrawnToken, StepOutput
+from refserve.core.inputs import ModelInputs
+from refserve.core.plan import StepPlan
+from refserve.core.request import Request
+from refserve.errors import RefserveError
+from refserve.model.attention import AttentionMetadata
+from refserve.model.llama import HostKVCache, KVCache, LlamaModel
+from refserve.model.rejection import Verification, verify
+from refserve.model.sampler import SampleSpec, sample
 
 #: ``(request ids, fp32 logits [N, vocab])`` of the rows sampled in a step, for tests.
 LogitsHook = Callable[[tuple[str, ...], torch.Tensor], None]

@@ -22,11 +22,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ref.errors import InvalidArgument
-from ref.kv import BlockCopy
-from ref.model.attention import AttentionBackend, AttentionMetadata, default_scale
-from ref.model.config import ModelConfig
-from ref.model.weights import LayerWeights, LlamaWeights
+from refserve.errors import InvalidArgument
+from refserve.kv import BlockCopy
+from refserve.model.attention import AttentionBackend, AttentionMetadata, default_scale
+from refserve.model.config import ModelConfig
+from refserve.model.weights import LayerWeights, LlamaWeights
 
 
 class KVCache:

@@ -1,7 +1,7 @@
 """Draft proposers for speculative decoding (docs/SPECULATIVE.md, "Proposers").
 
 A proposer looks at a sequence's tokens and drafts up to ``k`` tokens that might come
-next; :func:`ref.model.rejection.verify` then keeps the prefix the target model agrees
+next; :func:`refserve.model.rejection.verify` then keeps the prefix the target model agrees
 with. A proposer can only change how many tokens a step emits, never which (greedy) or
 from what distribution (sampling), so a bad proposer is slow, not wrong.
 
@@ -10,7 +10,7 @@ the sequence occurred before, the tokens that followed that earlier occurrence a
 draft. Repetitive text (code, quoted context, lists) is where it pays.
 
 :class:`DraftModelProposer` samples the draft from a smaller model that shares the
-target's vocabulary, and hands :func:`~ref.model.rejection.verify` its distributions.
+target's vocabulary, and hands :func:`~refserve.model.rejection.verify` its distributions.
 
 The engine knows neither: it talks to a :class:`Proposer`, the protocol both implement
 (its number of drafts, a check against the target model, and :meth:`Proposer.draft`), so
@@ -25,13 +25,13 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ref.errors import InvalidArgument
-from ref.model.attention import AttentionMetadata
-from ref.model.config import ModelConfig
-from ref.model.llama import KVCache, LlamaModel
-from ref.model.rejection import target_probs
-from ref.model.sampler import SampleSpec, mix64
-from spec.arith import blocks_needed
+from refserve.errors import InvalidArgument
+from refserve.model.attention import AttentionMetadata
+from refserve.model.config import ModelConfig
+from refserve.model.llama import KVCache, LlamaModel
+from refserve.model.rejection import target_probs
+from refserve.model.sampler import SampleSpec, mix64
+from refserve.spec.arith import blocks_needed
 
 # Mixed into the per-index seed: the draft's own draw never reuses the target's.
 _DRAFT_STREAM = 0xD2_AF
@@ -40,7 +40,7 @@ _DRAFT_STREAM = 0xD2_AF
 @dataclass(frozen=True)
 class Draft:
     """Drafted tokens and the proposer's distribution ``[len(tokens), V]`` at each, which
-    :func:`~ref.model.rejection.verify` needs to keep the target's distribution; ``None``
+    :func:`~refserve.model.rejection.verify` needs to keep the target's distribution; ``None``
     for a proposer whose drafts are point masses (n-gram lookup)."""
 
     tokens: tuple[int, ...]
@@ -72,7 +72,7 @@ class Proposer(Protocol):
     ) -> Draft:
         """At most ``limit`` drafts after a decoding sequence's ``token_ids``, under its
         sampling ``spec``; ``output_index`` is the output index of the first draft (the
-        seed's counter, as in :func:`~ref.model.rejection.verify`)."""
+        seed's counter, as in :func:`~refserve.model.rejection.verify`)."""
         ...
 
 
@@ -81,7 +81,7 @@ def check_proposer(proposer: object, target: ModelConfig) -> Proposer:
     :class:`InvalidArgument`."""
     if not isinstance(proposer, Proposer):
         raise InvalidArgument(
-            "proposer must implement ref.model.proposers.Proposer (num_speculative_tokens, "
+            "proposer must implement refserve.model.proposers.Proposer (num_speculative_tokens, "
             f"check_target, draft), such as an NgramProposer; got {type(proposer).__name__}"
         )
     proposer.check_target(target)
@@ -203,7 +203,7 @@ class DraftModelProposer:
     ) -> Draft:
         """Up to ``num_speculative_tokens`` (and ``limit``) tokens after ``token_ids``;
         ``output_index`` is the output index of the first (as in
-        :func:`~ref.model.rejection.verify`)."""
+        :func:`~refserve.model.rejection.verify`)."""
         k = (
             self.num_speculative_tokens
             if limit is None

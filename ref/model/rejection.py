@@ -19,7 +19,7 @@ target's own (a correction where a draft was rejected, or the "bonus" token afte
   distribution (n-gram lookup) is the point mass ``q = onehot(x)``: acceptance with
   probability ``p(x)``, residual ``p`` without ``x``.
 
-``p`` is the distribution :mod:`ref.model.sampler` samples from (temperature, then
+``p`` is the distribution :mod:`refserve.model.sampler` samples from (temperature, then
 top-k and top-p), so speculation changes how many forward passes a sequence takes,
 never what it samples from. Randomness follows the sampler's rule: every draw for output
 index ``j`` comes from a generator seeded from ``(seed, j)`` alone (one stream for the
@@ -27,7 +27,7 @@ acceptance test, one for the residual; the bonus token is the sampler's own draw
 index), so the result does not depend on the batch.
 
 A row with a non-finite logit is reported as the sampler reports it
-(:data:`~ref.model.sampler.FAILED_TOKEN`, ``failed``): the tokens accepted before it
+(:data:`~refserve.model.sampler.FAILED_TOKEN`, ``failed``): the tokens accepted before it
 stand, nothing after it is emitted.
 """
 
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ref.errors import InvalidArgument
-from ref.model.sampler import FAILED_TOKEN, SampleSpec, filter_logits, mix64
+from refserve.errors import InvalidArgument
+from refserve.model.sampler import FAILED_TOKEN, SampleSpec, filter_logits, mix64
 
 # Stream tags mixed into the per-index seed, so the acceptance test and the residual
 # draw at one output index never reuse the sampler's own draw there.
@@ -53,7 +53,7 @@ class Verification:
 
     ``tokens`` are the accepted drafts then one token of the target's (``num_accepted + 1``
     tokens); if the row after the accepted drafts could not be sampled (``failed``), that
-    last token is :data:`~ref.model.sampler.FAILED_TOKEN`. ``logprobs`` (if asked) are of
+    last token is :data:`~refserve.model.sampler.FAILED_TOKEN`. ``logprobs`` (if asked) are of
     the raw logits, one per emitted token (NaN for a failed one), as the sampler reports
     them.
     """

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ref.errors import InvalidArgument
+from refserve.errors import InvalidArgument
 
 _MASK64 = (1 << 64) - 1
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from ref.errors import InvalidArgument, RefserveError
+from refserve.errors import InvalidArgument, RefserveError
 
 
 class TokenizerError(RefserveError):

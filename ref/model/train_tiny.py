@@ -1,10 +1,10 @@
 """Train ``tiny-trained``: a small byte-level Llama on the generated corpus, on the CPU.
 
-``make train-tiny`` runs ``python -m ref.model.train_tiny`` and writes ``config.json``
+``make train-tiny`` runs ``python -m refserve.model.train_tiny`` and writes ``config.json``
 and ``model.safetensors`` (Hugging Face Llama names, fp32) into ``ref/model/tiny/``,
 where ``LLMEngine("tiny-trained")`` loads them with the ordinary checkpoint loader.
 
-The model here is a plain-torch training twin of :mod:`ref.model.llama` (RMSNorm,
+The model here is a plain-torch training twin of :mod:`refserve.model.llama` (RMSNorm,
 rotate-half RoPE, GQA, SwiGLU, untied head) in full-sequence form; that refserve and
 Hugging Face ``transformers`` then agree on the trained checkpoint is a test
 (tests/engine/test_tiny_trained.py), so a mismatch here would show there.
@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ref.model.tiny import TRAINED_DIR
-from ref.model.tiny.corpus import documents
-from ref.model.tokenizer import ByteTokenizer
+from refserve.model.tiny import TRAINED_DIR
+from refserve.model.tiny.corpus import documents
+from refserve.model.tokenizer import ByteTokenizer
 
 
 def hf_config(
@@ -236,7 +236,7 @@ def save(out_dir: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]) -
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ref.model.train_tiny", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m refserve.model.train_tiny", description=__doc__)
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)

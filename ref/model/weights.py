@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ref.errors import InvalidArgument, RefserveError
-from ref.files import loads_json, read_text_file, shown
-from ref.model.config import ModelConfig, UnsupportedModel
+from refserve.errors import InvalidArgument, RefserveError
+from refserve.files import loads_json, read_text_file, shown
+from refserve.model.config import ModelConfig, UnsupportedModel
 
 #: The largest ``config.json`` read (real ones are a few KiB).
 MAX_CONFIG_BYTES = 16 << 20

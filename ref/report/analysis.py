@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ref.core.config import SchedulerConfig
-from ref.core.engine_core import StepRecord
-from ref.report.policies import Slo
-from ref.sim.metrics import RequestMetrics, jain_index
+from refserve.core.config import SchedulerConfig
+from refserve.core.engine_core import StepRecord
+from refserve.report.policies import Slo
+from refserve.sim.metrics import RequestMetrics, jain_index
 
 # A step counts as KV-bound when it preempted or ran with at least this share of the
 # pool in use: admission stalls on free blocks before the pool is literally full.

@@ -1,8 +1,8 @@
 """``refserve compare --cluster``: routing and migration policies over N simulated
 replicas (docs/CLUSTER.md, "The experiment"; issue 32, item 6).
 
-Every run is :class:`~ref.cluster.sim.ClusterSim`: the real router, the global prefix
-index fed by cache events, migration through ``ref.core.transit``, a seeded link.
+Every run is :class:`~refserve.cluster.sim.ClusterSim`: the real router, the global prefix
+index fed by cache events, migration through ``refserve.core.transit``, a seeded link.
 
 **SLOs from the cost model** ``a + b*P + c*D`` (default ``2 + 0.5P + D``), with
 ``D_REF = 32`` decodes as the reference batch:
@@ -37,12 +37,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
-from ref.cluster.sim import ClusterResult, LinkModel, MigrationPolicy, simulate_cluster
-from ref.core.config import SchedulerConfig
-from ref.core.cost import StepCost
-from ref.errors import InvalidArgument
-from ref.sim.metrics import RequestMetrics, percentile
-from ref.sim.workloads import (
+from refserve.cluster.sim import ClusterResult, LinkModel, MigrationPolicy, simulate_cluster
+from refserve.core.config import SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.errors import InvalidArgument
+from refserve.sim.metrics import RequestMetrics, percentile
+from refserve.sim.workloads import (
     Workload,
     agent_sessions,
     from_records,
@@ -50,7 +50,7 @@ from ref.sim.workloads import (
     merge_records,
     short_chat_records,
 )
-from spec.arith import full_blocks
+from refserve.spec.arith import full_blocks
 
 SCALE = 16.0
 D_REF = 32

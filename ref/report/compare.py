@@ -13,10 +13,10 @@ engine). Choices, all overridable from the command line:
   31 us per real token: roughly an 8B model on one H100/H200-class GPU. Decode and the
   fixed per-step term are teaching numbers, not a fit; every time in the report is the
   simulator's virtual ms on this model.
-- **Scale**: token lengths are divided by ``--scale`` (see :mod:`ref.sim.workloads`); times
+- **Scale**: token lengths are divided by ``--scale`` (see :mod:`refserve.sim.workloads`); times
   (arrivals, tool waits) are not.
-- **SLOs from the cost model** ``a + b*P + c*D`` (as in :mod:`ref.report.cluster_experiment`;
-  :meth:`~ref.report.policies.Slo.of`): TBT SLO = 3 x the decode-only step of 32 decodes,
+- **SLOs from the cost model** ``a + b*P + c*D`` (as in :mod:`refserve.report.cluster_experiment`;
+  :meth:`~refserve.report.policies.Slo.of`): TBT SLO = 3 x the decode-only step of 32 decodes,
   ``3 * (a + 32c)`` = 102 ms by default (a mixed step may cost up to three decode-only
   steps); TTFT SLO = the TBT SLO + 2 x the prompt's own prefill time ``b*P`` (a long
   prompt is not failed for being long). ``--tbt-slo-ms`` and the TTFT options override.
@@ -37,16 +37,16 @@ engine). Choices, all overridable from the command line:
   below ``--knee`` (0.9).
 
 Policies are a list of :class:`NamedPolicy`; add one by appending to :data:`POLICIES`. A
-policy that needs a :class:`~ref.core.config.SchedulerConfig` field this checkout lacks is
+policy that needs a :class:`~refserve.core.config.SchedulerConfig` field this checkout lacks is
 skipped and named in the report. ``slo-aware`` uses SLO-aware chunk sizing with the
 simulator's cost model as the iteration model.
 
 This module runs the comparison and writes its report, and is the package's public face
-for it; the parts live beside it: :mod:`ref.report.policies` (SLOs and policies),
-:mod:`ref.report.workload_specs` (the traces), :mod:`ref.report.sweep` (the runs),
-:mod:`ref.report.analysis` (limits, fairness, knees), :mod:`ref.report.swap_comparison`,
-:mod:`ref.report.outcome` (``report.json``), :mod:`ref.report.markdown` (``report.md``)
-and :mod:`ref.report.plots` (the PNGs). The command line is :mod:`ref.cli.compare`.
+for it; the parts live beside it: :mod:`refserve.report.policies` (SLOs and policies),
+:mod:`refserve.report.workload_specs` (the traces), :mod:`refserve.report.sweep` (the runs),
+:mod:`refserve.report.analysis` (limits, fairness, knees), :mod:`refserve.report.swap_comparison`,
+:mod:`refserve.report.outcome` (``report.json``), :mod:`refserve.report.markdown` (``report.md``)
+and :mod:`refserve.report.plots` (the PNGs). The command line is :mod:`refserve.cli.compare`.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ import json
 import time
 from typing import TextIO
 
-from ref.files import atomic_write_text, check_output_dir
-from ref.report.analysis import (
+from refserve.files import atomic_write_text, check_output_dir
+from refserve.report.analysis import (
     BOUND_FLOOR,
     KV_FULL,
     NO_LIMIT,
@@ -68,12 +68,12 @@ from ref.report.analysis import (
     limit_fractions,
     tenant_fairness,
 )
-from ref.report.markdown import knee_text, render_markdown
-from ref.report.outcome import CompareOutcome, report_json
-from ref.report.plots import write_compare_plots
-from ref.report.policies import POLICIES, NamedPolicy, Slo
-from ref.report.swap_comparison import SwapResult, run_swap_comparison
-from ref.report.sweep import (
+from refserve.report.markdown import knee_text, render_markdown
+from refserve.report.outcome import CompareOutcome, report_json
+from refserve.report.plots import write_compare_plots
+from refserve.report.policies import POLICIES, NamedPolicy, Slo
+from refserve.report.swap_comparison import SwapResult, run_swap_comparison
+from refserve.report.sweep import (
     BASE_CONFIG,
     DEFAULT_COST,
     DEFAULT_SCALE,
@@ -84,7 +84,7 @@ from ref.report.sweep import (
     run_point,
     run_sweep,
 )
-from ref.report.workload_specs import TRACES, TraceSpec
+from refserve.report.workload_specs import TRACES, TraceSpec
 
 __all__ = [
     "BASE_CONFIG",

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ref.report.analysis import BOUND_FLOOR, KV_FULL, NO_LIMIT, PointResult
-from ref.report.outcome import CompareOutcome
-from ref.report.policies import NamedPolicy
-from ref.report.swap_comparison import (
+from refserve.report.analysis import BOUND_FLOOR, KV_FULL, NO_LIMIT, PointResult
+from refserve.report.outcome import CompareOutcome
+from refserve.report.policies import NamedPolicy
+from refserve.report.swap_comparison import (
     SWAP_CONFIG,
     SWAP_COST,
     SWAP_HOST_BLOCKS,
@@ -17,7 +17,7 @@ from ref.report.swap_comparison import (
     SWAP_TRACE,
     SwapResult,
 )
-from ref.report.sweep import STOP_BELOW, PlannedTrace
+from refserve.report.sweep import STOP_BELOW, PlannedTrace
 
 
 def knee_text(knee: float | None, rates: Sequence[float]) -> str:

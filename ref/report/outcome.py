@@ -1,5 +1,5 @@
 """What a finished ``refserve compare`` found, as one record, and its ``report.json``
-document (docs/ARCHITECTURE.md, example 3); :mod:`ref.report.markdown` renders the same
+document (docs/ARCHITECTURE.md, example 3); :mod:`refserve.report.markdown` renders the same
 record as ``report.md``."""
 
 from __future__ import annotations
@@ -7,15 +7,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ref.report.plots import ChartFiles
-from ref.report.swap_comparison import (
+from refserve.report.plots import ChartFiles
+from refserve.report.swap_comparison import (
     SWAP_CONFIG,
     SWAP_COST,
     SWAP_KV_BYTES_PER_TOKEN,
     SWAP_TRACE,
     SwapResult,
 )
-from ref.report.sweep import CompareOptions, SweepResult
+from refserve.report.sweep import CompareOptions, SweepResult
 
 
 @dataclass(frozen=True)

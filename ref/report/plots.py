@@ -17,18 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ref.errors import OutputPathError
-from ref.files import shown, temp_name
-from ref.report.swap_comparison import SWAP_COST, SWAP_TRACE
+from refserve.errors import OutputPathError
+from refserve.files import shown, temp_name
+from refserve.report.swap_comparison import SWAP_COST, SWAP_TRACE
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from ref.report.analysis import PointResult
-    from ref.report.policies import NamedPolicy
-    from ref.report.swap_comparison import SwapResult
-    from ref.report.sweep import SweepResult
-    from ref.report.workload_specs import TraceSpec
+    from refserve.report.analysis import PointResult
+    from refserve.report.policies import NamedPolicy
+    from refserve.report.swap_comparison import SwapResult
+    from refserve.report.sweep import SweepResult
+    from refserve.report.workload_specs import TraceSpec
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Small enough to commit (a few tens of KB each) and still readable at page width.

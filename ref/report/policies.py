@@ -2,7 +2,7 @@
 them by (docs/ARCHITECTURE.md, example 3).
 
 A policy is a :class:`NamedPolicy`: a name, a description and a function that turns the
-comparison's base :class:`~ref.core.config.SchedulerConfig` into that policy's config.
+comparison's base :class:`~refserve.core.config.SchedulerConfig` into that policy's config.
 Add one by appending to :data:`POLICIES`. A policy that needs a SchedulerConfig field
 this checkout lacks is skipped and named in the report.
 """
@@ -13,11 +13,11 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ref.core.config import PolicyName, SchedulerConfig
-from ref.core.cost import StepCost
-from ref.sim.metrics import RequestMetrics
-from ref.sim.simulator import SimSpeculation
-from spec.arith import full_blocks
+from refserve.core.config import PolicyName, SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.sim.metrics import RequestMetrics
+from refserve.sim.simulator import SimSpeculation
+from refserve.spec.arith import full_blocks
 
 #: Drafts per decoding request per step for the speculative policies.
 SPECULATIVE_TOKENS = 4
@@ -43,7 +43,7 @@ class Slo:
 
     @staticmethod
     def of(cost: StepCost) -> Slo:
-        """The SLOs derived from the cost model ``a + b*P + c*D`` (ref.report.compare,
+        """The SLOs derived from the cost model ``a + b*P + c*D`` (refserve.report.compare,
         "SLOs"): TBT = ``TBT_MULTIPLE`` decode-only steps of ``D_REF`` decodes; TTFT =
         the TBT SLO + ``TTFT_PREFILL_MULTIPLE`` x the prompt's own prefill time."""
         tbt = TBT_MULTIPLE * (cost.a + cost.c * D_REF)
@@ -142,7 +142,7 @@ def _reserve(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> S
 
 def _slo_aware(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> SchedulerConfig:
     # The simulator's own cost model is the iteration model (in the real engine it would
-    # be fitted from recorded steps: ref.core.cost.fit_step_cost).
+    # be fitted from recorded steps: refserve.core.cost.fit_step_cost).
     return dataclasses.replace(
         _prefix_aware(base, max_len, slo, cost), tbt_slo_ms=slo.tbt_ms, step_cost=cost
     )

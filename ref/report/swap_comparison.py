@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ref.core.config import SchedulerConfig
-from ref.core.cost import StepCost
-from ref.core.scheduler import Scheduler
-from ref.core.swap import PreemptionMode, SwapCost
-from ref.sim.metrics import RequestMetrics, RunMetrics, percentile
-from ref.sim.simulator import simulate
-from ref.sim.trace import load_trace
+from refserve.core.config import SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.core.scheduler import Scheduler
+from refserve.core.swap import PreemptionMode, SwapCost
+from refserve.sim.metrics import RequestMetrics, RunMetrics, percentile
+from refserve.sim.simulator import simulate
+from refserve.sim.trace import load_trace
 
 # docs/GUIDE.md's memory-pressure experiment ("Recompute vs swap"): a 7B-like model
 # (512 KiB of KV per token), a pool small enough that 12 long requests preempt each other.

@@ -15,21 +15,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from ref.core.config import SchedulerConfig
-from ref.core.cost import StepCost
-from ref.core.scheduler import Scheduler
-from ref.report.analysis import (
+from refserve.core.config import SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.core.scheduler import Scheduler
+from refserve.report.analysis import (
     PointResult,
     knee_cause,
     knee_rate,
     limit_fractions,
     tenant_fairness,
 )
-from ref.report.policies import NamedPolicy, Slo
-from ref.report.workload_specs import TraceSpec
-from ref.sim.metrics import RequestMetrics, RunMetrics, percentile
-from ref.sim.simulator import SimResult
-from ref.sim.workloads import Workload
+from refserve.report.policies import NamedPolicy, Slo
+from refserve.report.workload_specs import TraceSpec
+from refserve.sim.metrics import RequestMetrics, RunMetrics, percentile
+from refserve.sim.simulator import SimResult
+from refserve.sim.workloads import Workload
 
 DEFAULT_COST = "2+0.5P+D"
 DEFAULT_SCALE = 16.0
@@ -130,7 +130,7 @@ class SweepResult:
         return [x for x in self.points if x.trace == trace and x.policy == policy]
 
     def knees(self, threshold: float) -> dict[str, dict[str, float | None]]:
-        """Trace -> policy -> its knee rate (:func:`~ref.report.analysis.knee_rate`)."""
+        """Trace -> policy -> its knee rate (:func:`~refserve.report.analysis.knee_rate`)."""
         return {
             t.spec.name: {
                 p.name: knee_rate(self.runs_of(t.spec.name, p.name), threshold)
@@ -141,7 +141,7 @@ class SweepResult:
 
     def knee_causes(self, threshold: float) -> dict[str, dict[str, str | None]]:
         """Trace -> policy -> the limit that bound at its knee
-        (:func:`~ref.report.analysis.knee_cause`)."""
+        (:func:`~refserve.report.analysis.knee_cause`)."""
         return {
             t.spec.name: {
                 p.name: knee_cause(self.runs_of(t.spec.name, p.name), threshold)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ref.core.engine_core import StepRecord
-from ref.files import atomic_write_text
+from refserve.core.engine_core import StepRecord
+from refserve.files import atomic_write_text
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -162,7 +162,7 @@ def write_timeline_png(
     solid, decode light), KV blocks in use as a line on the right axis."""
     from matplotlib.ticker import MaxNLocator
 
-    from ref.report.plots import new_figure, write_png
+    from refserve.report.plots import new_figure, write_png
 
     fig = new_figure(8.0, 4.0)
     ax = fig.add_subplot()

@@ -2,7 +2,7 @@
 example 3): short chat, long prompt, chat with a few long prompts mixed in, and agent
 multi-turn sessions.
 
-Token lengths are divided by the comparison's scale (see :mod:`ref.sim.workloads`);
+Token lengths are divided by the comparison's scale (see :mod:`refserve.sim.workloads`);
 times (arrivals, tool waits) are not.
 """
 
@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ref.sim.workloads import (
+from refserve.sim.workloads import (
     Workload,
     agent_sessions,
     from_records,

@@ -1,2 +1,3 @@
 """The OpenAI-compatible HTTP server over the engine (``refserve serve``) and the
-HTTP load generator (``refserve bench-serve``). Above ``ref.engine``, below ``ref.cli``."""
+HTTP load generator (``refserve bench-serve``). Above ``refserve.engine``, below
+``refserve.cli``."""

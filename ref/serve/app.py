@@ -1,5 +1,5 @@
 """The FastAPI app: OpenAI's completions, chat completions and models endpoints over an
-:class:`~ref.serve.loop.EngineLoop`, plus ``/health``, ``/metrics`` and ``/debug/steps``.
+:class:`~refserve.serve.loop.EngineLoop`, plus ``/health``, ``/metrics`` and ``/debug/steps``.
 
 What happens on the asyncio side: parsing and validating the body (pydantic), the chat
 template, tokenizing the prompt, building the response and the server-sent events. What
@@ -37,14 +37,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ref.cluster.errors import NoLiveReplica, ReplicaDead
-from ref.engine.llm_engine import InvalidPrompt, RequestOutput
-from ref.errors import ExceedsCapacity, InvalidArgument, QueueFull, RefserveError
-from ref.model.sampler import InvalidSamplingParams, SamplingParams
-from ref.serve.chat import ChatMessageText, ChatTemplate
-from ref.serve.loop import ServerDraining, ServingLoop, gap_summary
-from ref.serve.metrics import ClusterServeMetrics, ServerMetrics
-from ref.serve.schema import (
+from refserve.cluster.errors import NoLiveReplica, ReplicaDead
+from refserve.engine.llm_engine import InvalidPrompt, RequestOutput
+from refserve.errors import ExceedsCapacity, InvalidArgument, QueueFull, RefserveError
+from refserve.model.sampler import InvalidSamplingParams, SamplingParams
+from refserve.serve.chat import ChatMessageText, ChatTemplate
+from refserve.serve.loop import ServerDraining, ServingLoop, gap_summary
+from refserve.serve.metrics import ClusterServeMetrics, ServerMetrics
+from refserve.serve.schema import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,

@@ -42,10 +42,10 @@ from typing import Any
 
 import httpx
 
-from ref.errors import InvalidArgument
-from ref.sim.metrics import percentile
-from ref.sim.trace import load_trace
-from ref.sim.workloads import (
+from refserve.errors import InvalidArgument
+from refserve.sim.metrics import percentile
+from refserve.sim.trace import load_trace
+from refserve.sim.workloads import (
     AGENT_OUTPUT_LEN,
     AGENT_TURN_LEN,
     arrival_times_ms,
@@ -193,7 +193,7 @@ def plan(
 
 
 def _number(value: object) -> float:
-    # Trace records come from ref.sim (already validated): numbers, never bools.
+    # Trace records come from refserve.sim (already validated): numbers, never bools.
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidArgument(f"trace record: expected a number, got {value!r}")
     return float(value)
@@ -487,6 +487,6 @@ def report_doc(
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
-    from ref.files import atomic_write_text
+    from refserve.files import atomic_write_text
 
     atomic_write_text(path, json.dumps(doc, indent=2, allow_nan=False) + "\n", "--json")

@@ -22,7 +22,7 @@ from pathlib import Path
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ref.errors import InvalidArgument
+from refserve.errors import InvalidArgument
 
 BYTE_TEMPLATE = (
     "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"

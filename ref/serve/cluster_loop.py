@@ -1,9 +1,9 @@
 """The cluster behind the server: one thread per replica, and the router in front
 (docs/CLUSTER.md, "Serving").
 
-:class:`ClusterLoop` offers the app what :class:`~ref.serve.loop.EngineLoop` offers it
+:class:`ClusterLoop` offers the app what :class:`~refserve.serve.loop.EngineLoop` offers it
 (``submit``, ``abort``, ``shutdown``, the step ring, the tokenizer), over N replicas of
-any transport (:class:`~ref.cluster.replica.Replica`: in process or Ray actors). Each
+any transport (:class:`~refserve.cluster.replica.Replica`: in process or Ray actors). Each
 replica has a :class:`ReplicaLoop`: a thread that owns the replica outright, as the
 engine loop owns its engine. Every touch of it (adding, aborting, the migration calls)
 is a command run between two of its steps, and it steps on its own, so a slow replica
@@ -13,11 +13,11 @@ cache events to the global prefix index, under the front's lock; the router read
 and never calls a replica.
 
 Routing (``submit``): under the lock, the index's cached prefix per live replica and
-their last published load go to the :class:`~ref.cluster.router.Router`; the request is
+their last published load go to the :class:`~refserve.cluster.router.Router`; the request is
 then added on the chosen replica's thread. Requests routed at the same moment see the
 same figures (the load moves at the next publication): a documented approximation.
 
-Faults: a replica that dies (:class:`~ref.cluster.errors.ReplicaDead`, from a step or a
+Faults: a replica that dies (:class:`~refserve.cluster.errors.ReplicaDead`, from a step or a
 command) stops its thread; each of its requests ends with that error, once (the client
 gets an OpenAI error: 503 ``service_unavailable``, or an error event mid-stream), it is
 never restarted elsewhere (no token is delivered twice), and the router no longer sees
@@ -46,20 +46,20 @@ from typing import TypeVar
 
 import torch
 
-from ref.cluster.errors import EventGap, EventMismatch, NoLiveReplica, ReplicaDead
-from ref.cluster.index import GlobalPrefixIndex
-from ref.cluster.replica import InProcessReplica, LoadFigures, Replica
-from ref.cluster.router import Router, RoutingDecision
-from ref.core.config import SchedulerConfig
-from ref.core.migration_cost import KVMode
-from ref.core.transit import MigrationError
-from ref.engine.llm_engine import RequestOutput
-from ref.engine.migration import MigrationReport
-from ref.engine.ticket import MigrationTicket
-from ref.errors import InvalidArgument, UnknownRequest
-from ref.model.sampler import SamplingParams
-from ref.model.tokenizer import Tokenizer
-from ref.serve.loop import (
+from refserve.cluster.errors import EventGap, EventMismatch, NoLiveReplica, ReplicaDead
+from refserve.cluster.index import GlobalPrefixIndex
+from refserve.cluster.replica import InProcessReplica, LoadFigures, Replica
+from refserve.cluster.router import Router, RoutingDecision
+from refserve.core.config import SchedulerConfig
+from refserve.core.migration_cost import KVMode
+from refserve.core.transit import MigrationError
+from refserve.engine.llm_engine import RequestOutput
+from refserve.engine.migration import MigrationReport
+from refserve.engine.ticket import MigrationTicket
+from refserve.errors import InvalidArgument, UnknownRequest
+from refserve.model.sampler import SamplingParams
+from refserve.model.tokenizer import Tokenizer
+from refserve.serve.loop import (
     IDLE_POLL_S,
     STEP_RING,
     EngineFailed,
@@ -70,8 +70,8 @@ from ref.serve.loop import (
     command_for,
     stop_thread,
 )
-from ref.serve.metrics import ClusterServeMetrics
-from spec.events import CacheEvent
+from refserve.serve.metrics import ClusterServeMetrics
+from refserve.spec.events import CacheEvent
 
 T = TypeVar("T")
 

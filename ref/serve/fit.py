@@ -1,6 +1,6 @@
 """``refserve bench-serve --fit``: calibrate the simulator from a live server, then check it.
 
-1. The server's own per-step records (``GET /debug/steps?since=K``, :mod:`ref.serve.loop`:
+1. The server's own per-step records (``GET /debug/steps?since=K``, :mod:`refserve.serve.loop`:
    the step's wall time, its prefill tokens ``P`` and decodes ``D``) over the run are fitted
    to the simulator's iteration model ``a + b*P + c*D`` ms by least squares (a coefficient
    that comes out negative is fixed at 0 and the others refitted: the model's cost terms
@@ -25,14 +25,14 @@ from typing import Any
 import httpx
 import torch
 
-from ref.core.config import PolicyName, SchedulerConfig
-from ref.core.cost import StepCost
-from ref.core.request import Request, StopParams
-from ref.core.scheduler import Scheduler
-from ref.errors import InvalidArgument, RefserveError
-from ref.serve.bench import Record
-from ref.sim.metrics import RequestMetrics, percentile
-from ref.sim.simulator import simulate
+from refserve.core.config import PolicyName, SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.core.request import Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.errors import InvalidArgument, RefserveError
+from refserve.serve.bench import Record
+from refserve.sim.metrics import RequestMetrics, percentile
+from refserve.sim.simulator import simulate
 
 
 class FitError(RefserveError):

@@ -32,12 +32,12 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from ref.core.config import SchedulerConfig
-from ref.engine.llm_engine import LLMEngine, RequestOutput
-from ref.errors import RefserveError, UnknownRequest
-from ref.model.sampler import SamplingParams
-from ref.model.tokenizer import Tokenizer
-from ref.serve.metrics import ServerMetrics
+from refserve.core.config import SchedulerConfig
+from refserve.engine.llm_engine import LLMEngine, RequestOutput
+from refserve.errors import RefserveError, UnknownRequest
+from refserve.model.sampler import SamplingParams
+from refserve.model.tokenizer import Tokenizer
+from refserve.serve.metrics import ServerMetrics
 
 T = TypeVar("T")
 
@@ -128,7 +128,7 @@ class Submission:
 
 class ServingLoop(Protocol):
     """What the app needs of the engine side: :class:`EngineLoop` (one engine) or
-    :class:`~ref.serve.cluster_loop.ClusterLoop` (replicas behind a router)."""
+    :class:`~refserve.serve.cluster_loop.ClusterLoop` (replicas behind a router)."""
 
     timings: deque[StepTiming]
 

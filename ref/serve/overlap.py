@@ -11,7 +11,7 @@ workload (``clients`` requests of ``max_tokens`` tokens, greedy, all at once):
 
 The gap is what the engine thread spends between forwards: the loop's commands, handing
 outputs to the event loop, and waiting for the GIL while the HTTP side runs. Run:
-``python -m ref.serve.overlap [--clients 32] [--max-tokens 64] [--model tiny-trained]``.
+``python -m refserve.serve.overlap [--clients 32] [--max-tokens 64] [--model tiny-trained]``.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from typing import Any
 import httpx
 import torch
 
-from ref.core.config import SchedulerConfig
-from ref.engine.llm_engine import LLMEngine
-from ref.model.sampler import SamplingParams
-from ref.serve.app import ServeSettings
-from ref.serve.loop import StepTiming, gap_summary
-from ref.serve.server import ServerThread, build_server
+from refserve.core.config import SchedulerConfig
+from refserve.engine.llm_engine import LLMEngine
+from refserve.model.sampler import SamplingParams
+from refserve.serve.app import ServeSettings
+from refserve.serve.loop import StepTiming, gap_summary
+from refserve.serve.server import ServerThread, build_server
 
 
 def _engine(model: str) -> LLMEngine:
@@ -89,7 +89,7 @@ def served(model: str, clients: int, max_tokens: int, stream: bool) -> dict[str,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ref.serve.overlap", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m refserve.serve.overlap", description=__doc__)
     p.add_argument("--model", default="tiny-trained")
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import uvicorn
 
-from ref.engine.llm_engine import LLMEngine
-from ref.errors import InvalidArgument
-from ref.serve.app import Guard, ServeSettings, create_app
-from ref.serve.chat import ChatTemplate, load_chat_template
-from ref.serve.cluster_loop import ClusterLoop
-from ref.serve.loop import EngineLoop, ServingLoop
-from ref.serve.metrics import ServerMetrics
+from refserve.engine.llm_engine import LLMEngine
+from refserve.errors import InvalidArgument
+from refserve.serve.app import Guard, ServeSettings, create_app
+from refserve.serve.chat import ChatTemplate, load_chat_template
+from refserve.serve.cluster_loop import ClusterLoop
+from refserve.serve.loop import EngineLoop, ServingLoop
+from refserve.serve.metrics import ServerMetrics
 
 
 @dataclass
@@ -79,7 +79,7 @@ def build_cluster_server(
     chat_template: ChatTemplate | None = None,
 ) -> Server:
     """The same app over a cluster of replicas (ref/serve/cluster_loop.py); ``/metrics``
-    is the loop's :class:`~ref.serve.metrics.ClusterServeMetrics` (empty if it has none)."""
+    is the loop's :class:`~refserve.serve.metrics.ClusterServeMetrics` (empty if it has none)."""
     template = chat_template if chat_template is not None else load_chat_template(model_dir)
     app = create_app(loop, settings, template, loop.metrics)
     return Server(None, loop, app, settings, _uvicorn(app, settings))

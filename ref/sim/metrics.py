@@ -14,8 +14,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ref.core.migration_cost import MigrationDecision
-from ref.core.request import Request
+from refserve.core.migration_cost import MigrationDecision
+from refserve.core.request import Request
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,12 @@ distinct prompts, so no prefix hits):
   them (the case a per-step scan or sort of the queue makes quadratic).
 
 Each point runs in a fresh process, so its peak RSS is its own (the baseline, measured
-before the trace is built, is mostly the interpreter and torch, which ``ref.core.inputs``
+before the trace is built, is mostly the interpreter and torch, which ``refserve.core.inputs``
 imports). Rounds are interleaved (every size once, then again) so a load spike on a
 shared machine hits all sizes alike; the table shows medians.
 
-Run: ``python -m ref.sim.simbench`` (sizes 1k-100k) or
-``python -m ref.sim.simbench --sizes 1000,10000,100000,1000000 --rounds 3``.
+Run: ``python -m refserve.sim.simbench`` (sizes 1k-100k) or
+``python -m refserve.sim.simbench --sizes 1000,10000,100000,1000000 --rounds 3``.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from ref.core.config import SchedulerConfig
-from ref.core.cost import StepCost
-from ref.core.request import Request, StopParams
-from ref.core.scheduler import Scheduler
-from ref.sim.simulator import simulate
+from refserve.core.config import SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.core.request import Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.sim.simulator import simulate
 
 SHAPES = ("steady", "burst")
 CONFIG = SchedulerConfig(
@@ -67,7 +67,7 @@ def synthetic_requests(n: int, shape: str, seed: int = 0) -> list[Request]:
 
 @dataclass(frozen=True)
 class Point:
-    """One run: ``n`` requests of ``shape`` replayed by :func:`ref.sim.simulator.simulate`."""
+    """One run: ``n`` requests of ``shape`` replayed by :func:`refserve.sim.simulator.simulate`."""
 
     shape: str
     n: int
@@ -106,7 +106,7 @@ def _rss_mib() -> float:
 def measure_in_subprocess(n: int, shape: str) -> Point:
     """:func:`measure` in a fresh interpreter, so the peak RSS is this point's alone."""
     out = subprocess.run(
-        [sys.executable, "-m", "ref.sim.simbench", "--worker", str(n), shape],
+        [sys.executable, "-m", "refserve.sim.simbench", "--worker", str(n), shape],
         check=True,
         capture_output=True,
         text=True,
@@ -173,7 +173,7 @@ def render(rows: Sequence[Row]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ref.sim.simbench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m refserve.sim.simbench", description=__doc__)
     p.add_argument("--sizes", default="1000,10000,100000", help="comma-separated")
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated")
     p.add_argument("--rounds", type=int, default=3)

@@ -22,16 +22,16 @@ import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ref.core.cost import StepCost
-from ref.core.engine_core import EngineCore, StepRecord
-from ref.core.executor import NoKVMemory, StepOutput
-from ref.core.inputs import ModelInputs
-from ref.core.plan import StepPlan
-from ref.core.request import FinishReason, Request, StopParams
-from ref.core.scheduler import Scheduler
-from ref.core.swap import SwapCost, SwapTraffic
-from ref.errors import InvalidArgument, RefserveError
-from spec.snapshot import RequestStatus
+from refserve.core.cost import StepCost
+from refserve.core.engine_core import EngineCore, StepRecord
+from refserve.core.executor import NoKVMemory, StepOutput
+from refserve.core.inputs import ModelInputs
+from refserve.core.plan import StepPlan
+from refserve.core.request import FinishReason, Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.core.swap import SwapCost, SwapTraffic
+from refserve.errors import InvalidArgument, RefserveError
+from refserve.spec.snapshot import RequestStatus
 
 VOCAB = 32000
 #: The default step cap of every replay (``refserve simulate --max-steps``): a workload

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from ref.core.request import Request, StopParams
-from ref.errors import InvalidArgument
-from ref.files import clip, exists, loads_json, read_text_file, show, shown
+from refserve.core.request import Request, StopParams
+from refserve.errors import InvalidArgument
+from refserve.files import clip, exists, loads_json, read_text_file, show, shown
 
 FIELDS = frozenset(
     {
@@ -76,7 +76,7 @@ class TraceRequest:
 
 
 def builtin_path(name: str) -> Path:
-    return Path(str(resources.files("ref.sim") / "traces" / f"{name}.jsonl"))
+    return Path(str(resources.files("refserve.sim") / "traces" / f"{name}.jsonl"))
 
 
 def load_trace(source: str | Path, *, max_model_len: int | None = None) -> list[TraceRequest]:

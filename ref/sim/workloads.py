@@ -17,12 +17,12 @@ of vLLM's ``benchmark_serving --burstiness``: inter-arrival gaps are Gamma-distr
 with shape ``burstiness`` and mean ``1/rate``; 1 is Poisson, below 1 is burstier (the
 squared coefficient of variation of the gaps is ``1/burstiness``), above 1 more regular.
 
-Single requests are built as trace records in the :mod:`ref.sim.trace` JSONL schema
+Single requests are built as trace records in the :mod:`refserve.sim.trace` JSONL schema
 (``prompt_len``/``output_len``, optionally ``prefix_group``/``prefix_len``) and turned into
-:class:`~ref.sim.trace.TraceRequest` by the trace parser itself, so :func:`write_trace` and
-``load_trace`` round-trip exactly. Agent sessions are :class:`~ref.sim.simulator.Session` objects:
-their turns depend on when the previous turn finished, which a JSONL trace of fixed
-arrival times cannot express; replay them with :func:`ref.sim.simulator.simulate_sessions`.
+:class:`~refserve.sim.trace.TraceRequest` by the trace parser itself, so :func:`write_trace` and
+``load_trace`` round-trip exactly. Agent sessions are :class:`~refserve.sim.simulator.Session`
+objects: their turns depend on when the previous turn finished, which a JSONL trace of fixed
+arrival times cannot express; replay them with :func:`refserve.sim.simulator.simulate_sessions`.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ref.core.cost import StepCost
-from ref.core.request import Request
-from ref.core.scheduler import Scheduler
-from ref.errors import InvalidArgument
-from ref.files import atomic_write_text
-from ref.sim.simulator import (
+from refserve.core.cost import StepCost
+from refserve.core.request import Request
+from refserve.core.scheduler import Scheduler
+from refserve.errors import InvalidArgument
+from refserve.files import atomic_write_text
+from refserve.sim.simulator import (
     Session,
     SessionTurn,
     SimResult,
@@ -48,7 +48,7 @@ from ref.sim.simulator import (
     simulate_closed_loop,
     simulate_sessions,
 )
-from ref.sim.trace import TraceRequest, parse_trace
+from refserve.sim.trace import TraceRequest, parse_trace
 
 TraceRecord = Mapping[str, object]
 
@@ -373,7 +373,7 @@ class Workload:
     """Open-loop single requests and/or agent sessions, replayed on the simulator together.
 
     A workload holds specs, never engine requests, so it can be run any number of times
-    (each run builds fresh :class:`~ref.core.request.Request` objects).
+    (each run builds fresh :class:`~refserve.core.request.Request` objects).
     """
 
     name: str

@@ -3,7 +3,7 @@
 pytest-benchmark records the CPU and Python, but not the command, the load the run
 started under or the torch version, and on the project's shared VMs the load moves the
 figures more than most code changes do. ``make bench`` writes ``out/bench-pytest.json``
-and ``conformance.bench.report`` prints this record under its tables.
+and ``refserve.conformance.bench.report`` prints this record under its tables.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from conformance.bench.machine import describe, load_average
+from refserve.conformance.bench.machine import describe, load_average
 
 # Taken when pytest loads this file, before any benchmark of the session runs.
 _MACHINE_AT_START = describe()

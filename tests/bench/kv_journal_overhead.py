@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from ref.core.config import SchedulerConfig
-from ref.core.inputs import ModelInputs
-from ref.core.plan import StepPlan
-from ref.engine.llm_engine import LLMEngine
-from ref.model.sampler import SamplingParams
+from refserve.core.config import SchedulerConfig
+from refserve.core.inputs import ModelInputs
+from refserve.core.plan import StepPlan
+from refserve.engine.llm_engine import LLMEngine
+from refserve.model.sampler import SamplingParams
 
 STEPS = 200
 

@@ -16,14 +16,14 @@ import tracemalloc
 import pytest
 from pytest_benchmark.fixture import BenchmarkFixture
 
-from ref.cluster.index import GlobalPrefixIndex
-from ref.cluster.replica import LoadFigures
-from ref.cluster.router import Router
-from ref.cluster.sim import simulate_cluster
-from ref.core.cost import StepCost
-from ref.report.cluster_experiment import BASE, TRACES, ClusterSlo
-from spec.events import BlockStored, CacheEvent
-from spec.hashing import DEFAULT_NAMESPACE, block_key
+from refserve.cluster.index import GlobalPrefixIndex
+from refserve.cluster.replica import LoadFigures
+from refserve.cluster.router import Router
+from refserve.cluster.sim import simulate_cluster
+from refserve.core.cost import StepCost
+from refserve.report.cluster_experiment import BASE, TRACES, ClusterSlo
+from refserve.spec.events import BlockStored, CacheEvent
+from refserve.spec.hashing import DEFAULT_NAMESPACE, block_key
 
 BLOCK = 16
 

@@ -15,9 +15,9 @@ import time
 import pytest
 from pytest_benchmark.fixture import BenchmarkFixture
 
-from ref.core.config import PolicyName, SchedulerConfig
-from ref.engine.llm_engine import LLMEngine
-from ref.model.sampler import SamplingParams
+from refserve.core.config import PolicyName, SchedulerConfig
+from refserve.engine.llm_engine import LLMEngine
+from refserve.model.sampler import SamplingParams
 
 MODES = {
     "continuous": {"max_num_seqs": 16, "policy": PolicyName.DECODE_FIRST},

@@ -23,11 +23,11 @@ import time
 import torch
 from pytest_benchmark.fixture import BenchmarkFixture
 
-from conformance.bench.migration import summarise, table
-from ref.core.config import SchedulerConfig
-from ref.engine.llm_engine import LLMEngine
-from ref.engine.migration import migrate
-from ref.model.sampler import SamplingParams
+from refserve.conformance.bench.migration import summarise, table
+from refserve.core.config import SchedulerConfig
+from refserve.engine.llm_engine import LLMEngine
+from refserve.engine.migration import migrate
+from refserve.model.sampler import SamplingParams
 
 LENGTHS = (1, 4, 16, 64, 256, 1024, 4000)  # tokens of context (the tiny model holds 4,096)
 ROUNDS = 15

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from ref.kv import BlockPool
+from refserve.kv import BlockPool
 
 BS = 16
 K = 32  # blocks moved per timed round

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pytest_benchmark.fixture import BenchmarkFixture
 
-from ref.sim.simbench import Row, render, run
+from refserve.sim.simbench import Row, render, run
 
 SIZES = (1000, 10_000, 100_000, 1_000_000)
 

@@ -4,8 +4,8 @@ Measures ``schedule()``, building the executor inputs (token ids, positions, slo
 mapping, block tables as int arrays) and ``commit()`` together, per running request.
 The bulk path runs on the persistent batch (docs/ARCHITECTURE.md, "The persistent
 batch"). The interleaved bulk-vs-reference figures with prefix caching off and on, and
-the memory per request, come from ``conformance.bench.peers --engines ref ref-loop`` and
-``conformance.bench.memory`` (the last part of ``make bench``); side by side with vLLM
+the memory per request, come from ``refserve.conformance.bench.peers --engines ref ref-loop`` and
+``refserve.conformance.bench.memory`` (the last part of ``make bench``); side by side with vLLM
 and nano-vllm-fork: ``make bench-peers``.
 Run: ``make bench`` (or ``pytest tests/bench/test_step_bench.py --benchmark-only``).
 """
@@ -19,10 +19,10 @@ import pytest
 import torch
 from pytest_benchmark.fixture import BenchmarkFixture
 
-from ref.core.config import SchedulerConfig
-from ref.core.inputs import build_inputs
-from ref.core.request import Request, StopParams
-from ref.core.scheduler import Scheduler
+from refserve.core.config import SchedulerConfig
+from refserve.core.inputs import build_inputs
+from refserve.core.request import Request, StopParams
+from refserve.core.scheduler import Scheduler
 from tests.harness import reference_loop
 
 PROMPT_LEN = 100  # ~7 blocks of KV per request when the measurement starts

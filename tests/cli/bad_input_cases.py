@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from ref.model.config import ModelConfig
-from ref.model.weights import random_state_dict
+from refserve.model.config import ModelConfig
+from refserve.model.weights import random_state_dict
 
 OK_LINE = '{"id": "a", "arrival_ms": 0, "prompt_len": 4, "output_len": 2}'
 # Paths no user can write: /proc/1 refuses new files even to root (chmod does not stop
@@ -184,7 +184,7 @@ def cmp(*extra: str) -> tuple[str, ...]:
 
 
 CMP_OUT = ("cmp/report.json", "cmp/report.md")
-KERNEL = "kernels.oracle:paged_attention"
+KERNEL = "refserve.kernels.oracle:paged_attention"
 DEEP = "[" * 200_000 + "]" * 200_000
 DIGITS_5000 = "7" * 5000
 DIGITS_4000 = "7" * 4000
@@ -284,13 +284,13 @@ TRACES: list[Case] = [
         "trace-token-total",
         OK_LINE + "\n" + line(prompt_len=60),
         "prompt tokens",
-        patches=(("ref.sim.trace.MAX_TRACE_TOKENS", 50),),
+        patches=(("refserve.sim.trace.MAX_TRACE_TOKENS", 50),),
     ),
     trace(
         "trace-too-large",
         OK_LINE + "\n" + line(id="c") + "\n",
         "MiB",
-        patches=(("ref.sim.trace.MAX_TRACE_BYTES", 64),),
+        patches=(("refserve.sim.trace.MAX_TRACE_BYTES", 64),),
     ),
     trace("output-len-0", line(output_len=0), "'output_len'"),
     trace("output-len-negative", line(output_len=-2), "'output_len'"),
@@ -640,11 +640,13 @@ COMPARE: list[Case] = [
 CHECK_KERNEL: list[Case] = [
     Case("kernel-no-target", ("check-kernel",), "MODULE:FUNCTION"),
     Case("kernel-no-target-with-options", ("check-kernel", "--quick"), "MODULE:FUNCTION"),
-    Case("kernel-target-no-colon", ("check-kernel", "kernels.oracle"), "MODULE:FUNCTION"),
+    Case("kernel-target-no-colon", ("check-kernel", "refserve.kernels.oracle"), "MODULE:FUNCTION"),
     Case("kernel-target-no-module", ("check-kernel", "no_such_module_xyz:f"), "no_such_module_xyz"),
     Case("kernel-target-relative", ("check-kernel", ".x:f"), "'.x:f'"),
     Case(
-        "kernel-target-bad-function", ("check-kernel", "kernels.oracle:a-b"), "'kernels.oracle:a-b'"
+        "kernel-target-bad-function",
+        ("check-kernel", "refserve.kernels.oracle:a-b"),
+        "'refserve.kernels.oracle:a-b'",
     ),
     Case("kernel-device-bogus", ("check-kernel", KERNEL, "--device", "bogus"), "--device"),
     Case("kernel-device-meta", ("check-kernel", KERNEL, "--device", "meta"), "--device"),
@@ -691,7 +693,7 @@ CONFORMANCE: list[Case] = [
     ),
     Case(
         "conformance-kv-adapter-is-an-engine-adapter",
-        ("conformance", "--kv-adapter", "conformance.adapters.ref:make"),
+        ("conformance", "--kv-adapter", "refserve.conformance.adapters.ref:make"),
         "missing allocate, fork, free",
         message=CONF_ERROR,
     ),

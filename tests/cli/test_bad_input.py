@@ -1,11 +1,11 @@
 """Hostile input at the command line (issue 12): one error surface, a standing table.
 
-Every case in ``bad_input_cases.ALL_CASES`` runs ``ref.cli.main.main(argv)`` in-process under
+Every case in ``bad_input_cases.ALL_CASES`` runs ``refserve.cli.main.main(argv)`` in-process under
 a deadline and must end with: the expected exit code, exactly one line on stderr that
 starts ``refserve: error: `` and names the field, option or file, no ``Traceback``, and
 no output file (nor a temporary one) left behind. Ctrl-C is injected in-process into
 every long command, and sent for real (SIGINT) to one subprocess; one more subprocess is
-a smoke test of ``python -m ref.cli.main``.
+a smoke test of ``python -m refserve.cli.main``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from bad_input_cases import (
     write_checkpoint,
 )
 
-from ref.cli.main import main
+from refserve.cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
 CASE_SECONDS = 20.0
@@ -213,7 +213,7 @@ def test_an_internal_error_is_one_line_too(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr("ref.sim.simulator.simulate", broken)
+    monkeypatch.setattr("refserve.sim.simulator.simulate", broken)
     code, _, err = run_main(["simulate", "seed002", "--quiet"], capsys)
     assert code == 2
     assert_one_line(err, "refserve: error: internal error: ZeroDivisionError", "--debug")
@@ -228,7 +228,7 @@ def test_conformance_still_routes_to_its_own_cli(
         seen.append(argv)
         return 7
 
-    monkeypatch.setattr("conformance.cli.conformance_main", fake)
+    monkeypatch.setattr("refserve.conformance.cli.conformance_main", fake)
     assert main(["conformance", "--list", "--examples", "-5"]) == 7
     assert main(["--debug", "conformance", "--list"]) == 7
     assert seen == [["--list", "--examples", "-5"], ["--list", "--debug"]]
@@ -259,35 +259,35 @@ INTERRUPTS: list[tuple[str, list[str], str, int, list[str]]] = [
     (
         "simulate",
         ["simulate", "seed002", "--json", "{ws}/o/run.json", "--timeline", "{ws}/o/t.html"],
-        "ref.core.engine_core.EngineCore.step",
+        "refserve.core.engine_core.EngineCore.step",
         3,
         ["o/run.json", "o/t.html"],
     ),
     (
         "simulate-during-write",
         ["simulate", "seed002", "--quiet", "--json", "{ws}/o/run.json"],
-        "ref.files.os.replace",
+        "refserve.files.os.replace",
         1,
         ["o/run.json"],
     ),
     (
         "generate",
         ["generate", "--prompt", "Hello", "--max-tokens", "8"],
-        "ref.core.engine_core.EngineCore.step",
+        "refserve.core.engine_core.EngineCore.step",
         3,
         [],
     ),
     (
         "demo",
         ["demo", "--timeline", "{ws}/o/demo.html"],
-        "ref.core.engine_core.EngineCore.step",
+        "refserve.core.engine_core.EngineCore.step",
         3,
         ["o/demo.html", "o/demo.png"],
     ),
     (
         "compare",
         ["compare", "--quick", "--traces", "chat", "--no-progress", "--out", "{ws}/cmp"],
-        "ref.core.engine_core.EngineCore.step",
+        "refserve.core.engine_core.EngineCore.step",
         3,
         ["cmp/report.json", "cmp/report.md", "cmp/goodput_chat.png"],
     ),
@@ -297,7 +297,7 @@ INTERRUPTS: list[tuple[str, list[str], str, int, list[str]]] = [
             *("compare", "--quick", "--traces", "chat", "--policies", "fcfs"),
             *("--no-progress", "--out", "{ws}/cmp"),
         ],
-        "ref.files.os.replace",
+        "refserve.files.os.replace",
         1,
         ["cmp/report.json", "cmp/report.md", "cmp/goodput_chat.png"],
     ),
@@ -343,9 +343,15 @@ def test_ctrl_c_in_check_kernel_leaves_no_report(
         Path(argv[argv.index("--json") + 1]).write_text('{"half": ', encoding="utf-8")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("conformance.kernel_grid.check_kernel_main", grid)
+    monkeypatch.setattr("refserve.conformance.kernel_grid.check_kernel_main", grid)
     report = ws / "o" / "k.json"
-    argv = ["check-kernel", "kernels.oracle:paged_attention", "--quick", "--json", str(report)]
+    argv = [
+        "check-kernel",
+        "refserve.kernels.oracle:paged_attention",
+        "--quick",
+        "--json",
+        str(report),
+    ]
     code, _, err = run_main(argv, capsys)
     assert code == 130
     assert_one_line(err, "refserve: interrupted", "interrupted")
@@ -354,8 +360,8 @@ def test_ctrl_c_in_check_kernel_leaves_no_report(
 
 
 def _resolve(dotted: str) -> Any:
-    """``pkg.mod.Class`` or ``pkg.mod`` (``ref.sim.trace.os``: the os module as ref.sim.trace sees
-    it) to the object."""
+    """``pkg.mod.Class`` or ``pkg.mod`` (``refserve.sim.trace.os``: the os module as
+    refserve.sim.trace sees it) to the object."""
     import importlib
 
     parts = dotted.split(".")
@@ -391,11 +397,11 @@ def test_sigint_mid_simulation_exits_130_without_files(tmp_path: Path) -> None:
     # own SIGINT handler is installed explicitly: a shell starts background jobs (CI)
     # with SIGINT ignored, and Python keeps an inherited "ignore".
     code = (
-        "import signal, sys, ref.cli.main, ref.sim.simulator, ref.core.scheduler\n"
-        "import ref.core.cost, ref.sim.metrics\n"
+        "import signal, sys, refserve.cli.main, refserve.sim.simulator, refserve.core.scheduler\n"
+        "import refserve.core.cost, refserve.sim.metrics\n"
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "print('ready', flush=True)\n"
-        f"sys.exit(ref.cli.main.main(['simulate', *{argv!r}]))\n"
+        f"sys.exit(refserve.cli.main.main(['simulate', *{argv!r}]))\n"
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
@@ -429,7 +435,15 @@ def test_smoke_python_m_ref_cli(tmp_path: Path) -> None:
     )
     for trace, words in ((ws / "adir", "is a directory"), (ws / "nan.jsonl", "'arrival_ms'")):
         proc = subprocess.run(
-            [sys.executable, "-m", "ref.cli.main", "simulate", str(trace), "--json", "o/x.json"],
+            [
+                sys.executable,
+                "-m",
+                "refserve.cli.main",
+                "simulate",
+                str(trace),
+                "--json",
+                "o/x.json",
+            ],
             capture_output=True,
             text=True,
             timeout=120,
@@ -443,10 +457,10 @@ def test_smoke_python_m_ref_cli(tmp_path: Path) -> None:
 
 def test_limits_are_what_the_docs_say() -> None:
     """The bounds the modules document are the ones enforced."""
-    from ref.cli import args as cli
-    from ref.cli import compare
-    from ref.core import cost as cost_model
-    from ref.sim import trace
+    from refserve.cli import args as cli
+    from refserve.cli import compare
+    from refserve.core import cost as cost_model
+    from refserve.sim import trace
 
     assert cli.MAX_BLOCKS == 1 << 22 and cli.MAX_STEPS == 100_000_000
     assert trace.MAX_TRACE_TOKENS == 1 << 24 and trace.MAX_TRACE_BYTES == 64 << 20

@@ -8,9 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from ref.cli.compare import compare_main
-from ref.core.cost import StepCost
-from ref.report.cluster_experiment import D_REF, TBT_MULTIPLE, ClusterSlo, capacity_load, knee_load
+from refserve.cli.compare import compare_main
+from refserve.core.cost import StepCost
+from refserve.report.cluster_experiment import (
+    D_REF,
+    TBT_MULTIPLE,
+    ClusterSlo,
+    capacity_load,
+    knee_load,
+)
 
 
 @pytest.mark.parametrize("cost", ["2+0.5P+D", "5+0.25P+0.5D", "1+1P+2D"])
@@ -55,7 +61,7 @@ def test_compare_cluster_refuses_a_bad_replica_count(tmp_path: Path) -> None:
 
 
 def test_knee_and_capacity_read_the_first_failing_load() -> None:
-    from ref.report.cluster_experiment import Point
+    from refserve.report.cluster_experiment import Point
 
     def at(load: float, att: float) -> Point:
         fields = dict.fromkeys(Point.__dataclass_fields__, 0)

@@ -1,7 +1,7 @@
 """``refserve demo`` says how much was checked, and the numbers it prints are the ones that
-ran: the steps the engine checked, against the checkers spec.check_step runs.
+ran: the steps the engine checked, against the checkers refserve.spec.check_step runs.
 
-A checker planted in ``spec.checks.STEP_CHECKS`` counts its calls: the demo must then
+A checker planted in ``refserve.spec.checks.STEP_CHECKS`` counts its calls: the demo must then
 print one checker more, and as many steps as the planted checker saw.
 """
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-import ref.cli.demo  # noqa: F401  imported first, as in a full run: it must not copy the list
-import spec.checks
-from ref.cli.main import main
-from spec import StepSnapshot, Violation
+import refserve.cli.demo  # noqa: F401  imported first, as in a full run: it must not copy the list
+import refserve.spec.checks as spec_checks
+from refserve.cli.main import main
+from refserve.spec import StepSnapshot, Violation
 
 LINE = re.compile(r"checked: all (\d+) steps (?:above )?against the (\d+) invariant checks")
 
@@ -27,7 +27,7 @@ def _plant_counter(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         seen.append(step.step_index)
         return []
 
-    monkeypatch.setattr(spec.checks, "STEP_CHECKS", (*spec.checks.STEP_CHECKS, count))
+    monkeypatch.setattr(spec_checks, "STEP_CHECKS", (*spec_checks.STEP_CHECKS, count))
     return seen
 
 
@@ -41,7 +41,7 @@ def _checked(out: str) -> tuple[int, int]:
 def test_the_simulator_demo_counts_what_ran(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    real = len(spec.checks.STEP_CHECKS)
+    real = len(spec_checks.STEP_CHECKS)
     seen = _plant_counter(monkeypatch)
     assert main(["demo", "--simulator"]) == 0
     out = capsys.readouterr().out
@@ -56,7 +56,7 @@ def test_the_simulator_demo_counts_what_ran(
 def test_make_run_says_every_step_was_checked(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    real = len(spec.checks.STEP_CHECKS)
+    real = len(spec_checks.STEP_CHECKS)
     seen = _plant_counter(monkeypatch)
     assert main(["demo", "--timeline", str(tmp_path / "t.html")]) == 0
     out = capsys.readouterr().out

@@ -14,9 +14,9 @@ import re
 
 import pytest
 
-import ref.engine.migration
-from ref.cli.main import main
-from ref.engine.ticket import KVChunk
+import refserve.engine.migration as engine_migration
+from refserve.cli.main import main
+from refserve.engine.ticket import KVChunk
 
 PROMPT = ("--prompt", "Count to four.", "--max-tokens", "8")
 MOVE = re.compile(
@@ -83,13 +83,13 @@ def test_recompute_moves_of_a_sampled_n_2_request(capsys: pytest.CaptureFixture[
 def test_the_check_fails_when_the_kv_sent_is_wrong(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = ref.engine.migration.read_kv
+    real = engine_migration.read_kv
 
     def zeroed(*args: object, **kwargs: object) -> KVChunk:
         chunk = real(*args, **kwargs)  # type: ignore[arg-type]
         return KVChunk(chunk.seq_id, chunk.start, chunk.end, bytes(len(chunk.data)))
 
-    monkeypatch.setattr(ref.engine.migration, "read_kv", zeroed)
+    monkeypatch.setattr(engine_migration, "read_kv", zeroed)
     argv = [*PROMPT, "--migrate-every", "2", "--migration-kv", "transfer"]
     code, out = _run(argv, capsys)
     assert code == 1

@@ -16,23 +16,23 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 
-from ref.cli import main as cli_main
+from refserve.cli import main as cli_main
 
 
 def _check_kernel_parser() -> argparse.ArgumentParser:
-    from conformance.kernel_grid import _parser
+    from refserve.conformance.kernel_grid import _parser
 
     return _parser()
 
 
 def _compare_parser() -> argparse.ArgumentParser:
-    from ref.cli.compare import _parser
+    from refserve.cli.compare import _parser
 
     return _parser()
 
 
 def _conformance_parser() -> argparse.ArgumentParser:
-    from conformance.cli import _parser
+    from refserve.conformance.cli import _parser
 
     return _parser()
 

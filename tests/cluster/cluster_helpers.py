@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ref.cluster import Cluster, InProcessReplica
-from ref.core.config import SchedulerConfig
-from ref.engine.llm_engine import LLMEngine, RequestOutput
+from refserve.cluster import Cluster, InProcessReplica
+from refserve.core.config import SchedulerConfig
+from refserve.engine.llm_engine import LLMEngine, RequestOutput
 
 
 def config(block_size: int, num_blocks: int, budget: int, max_num_seqs: int = 4) -> SchedulerConfig:

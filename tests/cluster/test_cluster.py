@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import pytest
 from cluster_helpers import CONFIGS, config, drive, final_tokens, replica
 
-from ref.cluster import (
+from refserve.cluster import (
     Cluster,
     InProcessReplica,
     ReplicaMismatch,
@@ -24,13 +24,13 @@ from ref.cluster import (
     UnknownPolicy,
     UnknownReplica,
 )
-from ref.core.config import SchedulerConfig
-from ref.core.migration_cost import KVMode
-from ref.core.transit import MigrationError
-from ref.engine.llm_engine import InvalidPrompt, LLMEngine, RequestOutput
-from ref.engine.migration import MigrationAborted
-from ref.errors import DuplicateRequest, ExceedsCapacity, InvalidArgument, UnknownRequest
-from ref.model.sampler import InvalidSamplingParams, SamplingParams
+from refserve.core.config import SchedulerConfig
+from refserve.core.migration_cost import KVMode
+from refserve.core.transit import MigrationError
+from refserve.engine.llm_engine import InvalidPrompt, LLMEngine, RequestOutput
+from refserve.engine.migration import MigrationAborted
+from refserve.errors import DuplicateRequest, ExceedsCapacity, InvalidArgument, UnknownRequest
+from refserve.model.sampler import InvalidSamplingParams, SamplingParams
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "slo_aware")
 

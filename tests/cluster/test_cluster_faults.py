@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from cluster_helpers import CONFIGS, final_tokens, replica
 
-from ref.cluster import Cluster, InProcessReplica, NoLiveReplica, ReplicaDead, Router
-from ref.engine.llm_engine import RequestOutput
-from ref.model.sampler import SamplingParams
+from refserve.cluster import Cluster, InProcessReplica, NoLiveReplica, ReplicaDead, Router
+from refserve.engine.llm_engine import RequestOutput
+from refserve.model.sampler import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

@@ -15,16 +15,16 @@ from collections.abc import Sequence
 import pytest
 from cluster_helpers import config, drive, final_tokens, replica
 
-from ref.cluster import Cluster, InProcessReplica, MigrationPolicy, Router
-from ref.cluster.triggers import MOVABLE
-from ref.core.config import SchedulerConfig
-from ref.core.migration_cost import KVMode
-from ref.engine import migration
-from ref.engine.llm_engine import LLMEngine, RequestOutput
-from ref.errors import InvalidArgument
-from ref.model.sampler import SamplingParams
-from spec.cluster import ClusterSnapshot, Delivered, Node, check_owner
-from spec.snapshot import RequestStatus
+from refserve.cluster import Cluster, InProcessReplica, MigrationPolicy, Router
+from refserve.cluster.triggers import MOVABLE
+from refserve.core.config import SchedulerConfig
+from refserve.core.migration_cost import KVMode
+from refserve.engine import migration
+from refserve.engine.llm_engine import LLMEngine, RequestOutput
+from refserve.errors import InvalidArgument
+from refserve.model.sampler import SamplingParams
+from refserve.spec.cluster import ClusterSnapshot, Delivered, Node, check_owner
+from refserve.spec.snapshot import RequestStatus
 
 # Replica 0 is small (its pool fills: it would preempt; two seats: it queues), replica
 # 1 roomy; round robin gives them the same requests, so replica 0 is the loaded one.

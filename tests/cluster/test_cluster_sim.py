@@ -10,15 +10,15 @@ import dataclasses
 
 import pytest
 
-from ref.cluster.router import Router
-from ref.cluster.sim import ClusterSim, LinkModel, MigrationPolicy, simulate_cluster
-from ref.core.config import SchedulerConfig
-from ref.core.cost import StepCost
-from ref.errors import InvalidArgument
-from ref.sim.metrics import percentile
-from ref.sim.workloads import Workload, agent_sessions, long_prompt, short_chat
-from spec.cluster import check_owner
-from spec.violation import Invariant
+from refserve.cluster.router import Router
+from refserve.cluster.sim import ClusterSim, LinkModel, MigrationPolicy, simulate_cluster
+from refserve.core.config import SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.errors import InvalidArgument
+from refserve.sim.metrics import percentile
+from refserve.sim.workloads import Workload, agent_sessions, long_prompt, short_chat
+from refserve.spec.cluster import check_owner
+from refserve.spec.violation import Invariant
 
 COST = StepCost()
 CONFIG = SchedulerConfig(
@@ -101,8 +101,8 @@ def test_ownership_checker_sees_a_corrupted_owner_map() -> None:
 
 
 def sim_job(w: Workload) -> object:
-    from ref.cluster import sim as cs
-    from ref.sim.workloads import to_requests
+    from refserve.cluster import sim as cs
+    from refserve.sim.workloads import to_requests
 
     return cs._Job(cs._single(to_requests(w.requests)[0]))
 
@@ -138,7 +138,7 @@ def test_link_time_is_latency_plus_bytes_over_bandwidth() -> None:
 def test_a_move_that_forgets_the_release_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """A planted bug: the source keeps the request after it departs (no release), so it is
     live on the source while on the link; the ownership check stops the run."""
-    from ref.cluster import sim as cluster_sim
+    from refserve.cluster import sim as cluster_sim
 
     monkeypatch.setattr(cluster_sim.transit, "release", lambda sched, rid: None)
     small = dataclasses.replace(CONFIG, num_blocks=96)

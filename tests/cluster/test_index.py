@@ -16,7 +16,7 @@ from cluster_helpers import config, replica
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ref.cluster import (
+from refserve.cluster import (
     CacheSnapshot,
     EventGap,
     EventMismatch,
@@ -24,10 +24,10 @@ from ref.cluster import (
     InProcessReplica,
     UnknownReplica,
 )
-from ref.errors import InvalidArgument
-from ref.model.sampler import SamplingParams
-from spec.events import BlockRemoved, BlockStored, CacheCleared, CacheEvent, replay
-from spec.hashing import DEFAULT_NAMESPACE, Namespace, chain_keys
+from refserve.errors import InvalidArgument
+from refserve.model.sampler import SamplingParams
+from refserve.spec.events import BlockRemoved, BlockStored, CacheCleared, CacheEvent, replay
+from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace, chain_keys
 
 ROOT = DEFAULT_NAMESPACE.root_key()
 # Pools small enough that blocks are evicted (and requests preempted) on the way.

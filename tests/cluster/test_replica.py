@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from cluster_helpers import config, replica
 
-from ref.cluster import CacheSnapshot, LoadFigures, Replica
-from ref.core.cost import StepCost
-from ref.model.sampler import SamplingParams
-from spec.events import replay
-from spec.snapshot import RequestStatus
+from refserve.cluster import CacheSnapshot, LoadFigures, Replica
+from refserve.core.cost import StepCost
+from refserve.model.sampler import SamplingParams
+from refserve.spec.events import replay
+from refserve.spec.snapshot import RequestStatus
 
 
 def _figures(f: LoadFigures) -> tuple[int, ...]:

@@ -10,10 +10,10 @@ from dataclasses import replace
 
 import pytest
 
-from ref.cluster import LoadFigures, Router, RoutingPolicy, UnknownPolicy, UnknownReplica
-from ref.cluster.router import load_score, predicted_ttft_ms
-from ref.core.cost import StepCost
-from ref.errors import InvalidArgument
+from refserve.cluster import LoadFigures, Router, RoutingPolicy, UnknownPolicy, UnknownReplica
+from refserve.cluster.router import load_score, predicted_ttft_ms
+from refserve.core.cost import StepCost
+from refserve.errors import InvalidArgument
 
 COST = StepCost(2.0, 0.5, 1.0)
 IDLE = LoadFigures(

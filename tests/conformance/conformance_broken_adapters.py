@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from conformance.adapter import CommitReport, StepReport
-from conformance.adapters.ref import RefAdapter
-from spec.snapshot import CacheEntry, EngineSnapshot, PoolSnapshot, RequestSnapshot
+from refserve.conformance.adapter import CommitReport, StepReport
+from refserve.conformance.adapters.ref import RefAdapter
+from refserve.spec.snapshot import CacheEntry, EngineSnapshot, PoolSnapshot, RequestSnapshot
 
 
 class DoubleFree(RefAdapter):

@@ -13,10 +13,10 @@ from __future__ import annotations
 import indie_adapter
 import livelock_engine
 
-from conformance.adapter import AdapterFactory
-from conformance.explore import SCOPES, explore
-from conformance.explore.session import Abort, Add, Step
-from conformance.suite import run_suite
+from refserve.conformance.adapter import AdapterFactory
+from refserve.conformance.explore import SCOPES, explore
+from refserve.conformance.explore.session import Abort, Add, Step
+from refserve.conformance.suite import run_suite
 
 ENGINE_BUGS = (
     "abort_leak",

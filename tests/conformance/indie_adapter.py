@@ -1,8 +1,8 @@
 """Conformance adapters for the indie engine (tests/conformance/indie_engine.py).
 
 ``indie_adapter:make`` drives the whole engine (:class:`IndieAdapter`,
-``conformance.adapter.EngineAdapter``); ``indie_adapter:make_kv`` drives its block manager
-alone (:class:`IndieKVAdapter`, ``conformance.kv.protocol.KVAdapter``). Each planted bug
+``refserve.conformance.adapter.EngineAdapter``); ``indie_adapter:make_kv`` drives its block manager
+alone (:class:`IndieKVAdapter`, ``refserve.conformance.kv.protocol.KVAdapter``). Each planted bug
 of :data:`indie_engine.BUGS` has both factories, ``make_<bug>`` and ``make_kv_<bug>``
 (e.g. ``indie_adapter:make_cow_skipped`` / ``indie_adapter:make_kv_cow_skipped``),
 resolved by the module ``__getattr__`` below; both build the engine or manager with that
@@ -53,7 +53,7 @@ from indie_engine import (
     Ticket,
 )
 
-from conformance.adapter import (
+from refserve.conformance.adapter import (
     AdmissionOrder,
     CommitReport,
     EngineConfig,
@@ -67,8 +67,8 @@ from conformance.adapter import (
     StepOrder,
     StepReport,
 )
-from conformance.kv.protocol import Allocation, KVConfig, KVFeature, NoSpace
-from spec.snapshot import (
+from refserve.conformance.kv.protocol import Allocation, KVConfig, KVFeature, NoSpace
+from refserve.spec.snapshot import (
     EngineSnapshot,
     PoolSnapshot,
     RequestSnapshot,
@@ -107,7 +107,7 @@ def pool_snapshot(bm: BlockManager) -> PoolSnapshot:
 
 
 class IndieAdapter:
-    """The indie engine behind ``conformance.adapter.EngineAdapter``."""
+    """The indie engine behind ``refserve.conformance.adapter.EngineAdapter``."""
 
     def __init__(
         self,
@@ -276,7 +276,7 @@ class IndieAdapter:
 
 
 class IndieKVAdapter:
-    """The indie block manager behind ``conformance.kv.protocol.KVAdapter``.
+    """The indie block manager behind ``refserve.conformance.kv.protocol.KVAdapter``.
 
     A request's first allocation goes through the prefix cache
     (:meth:`BlockManager.allocate_cached`); later ones append. It reserves no slot ahead:

@@ -4,7 +4,7 @@
 refserve's pool (LIFO free stack instead of an LRU queue, optional prefix caching, eager
 or lazy eviction, with or without a cache index in the snapshot): the suite must pass it
 with zero findings, which shows it checks rules, not refserve's choices. Its ``bug``
-switch and the subclasses of :class:`conformance.adapters.ref_kv.RefKVAdapter` below each
+switch and the subclasses of :class:`refserve.conformance.adapters.ref_kv.RefKVAdapter` below each
 break exactly one thing, so a test can assert the invariant that catches it. Importable
 as ``kv_broken_adapters:NAME`` with ``tests/conformance`` on ``sys.path``.
 """
@@ -14,14 +14,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from conformance.adapter import NotSupported
-from conformance.adapters.ref_kv import RefKVAdapter
-from conformance.kv.protocol import Allocation, KVConfig, KVFeature, NoSpace
-from ref.kv import BlockPool
-from ref.kv.prefix_index import Entry
-from spec.arith import blocks_needed
-from spec.hashing import block_key
-from spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
+from refserve.conformance.adapter import NotSupported
+from refserve.conformance.adapters.ref_kv import RefKVAdapter
+from refserve.conformance.kv.protocol import Allocation, KVConfig, KVFeature, NoSpace
+from refserve.kv import BlockPool
+from refserve.kv.prefix_index import Entry
+from refserve.spec.arith import blocks_needed
+from refserve.spec.hashing import block_key
+from refserve.spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
 
 BUGS = ("fork_no_incref", "double_free", "reserve_ahead", "no_cow", "dirty_refusal", "greedy_hit")
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from indie_adapter import IndieAdapter
 from indie_engine import Batch, IndieEngine, Request, State, _by_arrival, _Planner
 
-from conformance.adapter import EngineConfig
+from refserve.conformance.adapter import EngineConfig
 
 
 def _least_progress(r: Request) -> tuple[int, int]:

@@ -18,11 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from conformance.bench import memory, peers
-from conformance.bench.render import render_markdown
-from conformance.bench.results import Cell, PoolCell, Run, growth, per_request_us, phase_us, ratio
-from conformance.bench.worker import Unsupported, handle
-from conformance.bench.workload import Shape, prompt, prompt_len, shapes
+from refserve.conformance.bench import memory, peers
+from refserve.conformance.bench.render import render_markdown
+from refserve.conformance.bench.results import (
+    Cell,
+    PoolCell,
+    Run,
+    growth,
+    per_request_us,
+    phase_us,
+    ratio,
+)
+from refserve.conformance.bench.worker import Unsupported, handle
+from refserve.conformance.bench.workload import Shape, prompt, prompt_len, shapes
 
 
 def _cell(engine: str, n: int, caching: bool, step_ns: list[int]) -> Cell:

@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 from conformance_broken_adapters import BROKEN
 
-from conformance.adapter import EngineAdapter, Feature, StepReport, load_factory
-from conformance.adapters.ref import RefAdapter
-from conformance.adapters.ref import make as make_ref
-from conformance.adapters.ref import make_swap as make_ref_swap
-from conformance.cli import conformance_main
-from conformance.report import Report, to_markdown
-from conformance.runner import run_workload
-from conformance.scenarios import by_name, library
-from conformance.suite import run_suite, scenario_names
-from conformance.workload import Workload
+from refserve.conformance.adapter import EngineAdapter, Feature, StepReport, load_factory
+from refserve.conformance.adapters.ref import RefAdapter
+from refserve.conformance.adapters.ref import make as make_ref
+from refserve.conformance.adapters.ref import make_swap as make_ref_swap
+from refserve.conformance.cli import conformance_main
+from refserve.conformance.report import Report, to_markdown
+from refserve.conformance.runner import run_workload
+from refserve.conformance.scenarios import by_name, library
+from refserve.conformance.suite import run_suite, scenario_names
+from refserve.conformance.workload import Workload
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -28,7 +28,7 @@ ROOT = HERE.parents[1]
 
 @pytest.fixture(scope="module")
 def ref_report() -> Report:
-    return run_suite(make_ref, "conformance.adapters.ref:make", max_examples=60)
+    return run_suite(make_ref, "refserve.conformance.adapters.ref:make", max_examples=60)
 
 
 def test_ref_adapter_is_an_engine_adapter() -> None:
@@ -101,7 +101,7 @@ def test_ref_preempting_by_swap_passes_everything() -> None:
             swapped.append(len(rep.swap_out))
             return rep
 
-    report = run_suite(Counting, "conformance.adapters.ref:make_swap", max_examples=30)
+    report = run_suite(Counting, "refserve.conformance.adapters.ref:make_swap", max_examples=30)
     assert not report.failed, [r.failure for r in report.results if r.failure]
     assert sum(swapped) >= 5, sum(swapped)  # blocks swapped out across the suite (22 here)
     assert isinstance(make_ref_swap(), EngineAdapter)
@@ -144,7 +144,7 @@ def test_cli_exit_codes_and_outputs(tmp_path: Path, capsys: pytest.CaptureFixtur
     ok = conformance_main(
         [
             "--adapter",
-            "conformance.adapters.ref:make",
+            "refserve.conformance.adapters.ref:make",
             "--scenarios",
             "seed001-round-by-round",
             "bug-lone-request-cannot-grow",
@@ -178,7 +178,12 @@ def test_cli_exit_codes_and_outputs(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert replay == 1
     assert conformance_main(["--scenarios", "x"]) == 2
     assert conformance_main(["--adapter", "nope"]) == 2
-    assert conformance_main(["--adapter", "conformance.adapters.ref:make", "--scenarios", "x"]) == 2
+    assert (
+        conformance_main(
+            ["--adapter", "refserve.conformance.adapters.ref:make", "--scenarios", "x"]
+        )
+        == 2
+    )
     assert conformance_main(["--list"]) == 0
     assert "generated-mixed" in capsys.readouterr().out
 
@@ -214,7 +219,7 @@ def test_load_factory_errors() -> None:
     with pytest.raises(ValueError):
         load_factory("no-colon")
     with pytest.raises(ValueError):
-        load_factory("conformance.adapters.ref:missing")
+        load_factory("refserve.conformance.adapters.ref:missing")
 
 
 def test_pytest_plugin_runs_scenarios_as_items() -> None:
@@ -245,7 +250,7 @@ def test_pytest_plugin_runs_scenarios_as_items() -> None:
 # ---------------------------------------------------------------- nano-vllm-fork
 def _nano() -> object:
     return pytest.importorskip(
-        "conformance.adapters.nanovllm",
+        "refserve.conformance.adapters.nanovllm",
         reason="nano-vllm-fork is not installed here: it lives in its own virtualenv "
         "(make conformance-nanovllm, then .venv-nanovllm/bin/python -m pytest "
         "tests/conformance/test_conformance.py -k nanovllm)",
@@ -256,8 +261,13 @@ def _nano() -> object:
 def test_nanovllm_adapter_runs_and_finds_its_known_defects() -> None:
     """The triage of conformance/FINDINGS_nanovllm.md: conventions declared (and kept),
     rule violations found."""
-    from conformance.adapter import AdmissionOrder, EngineConfig, EngineProperties, StepOrder
-    from conformance.workload import RequestPlan
+    from refserve.conformance.adapter import (
+        AdmissionOrder,
+        EngineConfig,
+        EngineProperties,
+        StepOrder,
+    )
+    from refserve.conformance.workload import RequestPlan
 
     mod = _nano()
     factory = mod.make  # type: ignore[attr-defined]
@@ -272,7 +282,7 @@ def test_nanovllm_adapter_runs_and_finds_its_known_defects() -> None:
     )
     report = run_suite(
         factory,
-        "conformance.adapters.nanovllm:make",
+        "refserve.conformance.adapters.nanovllm:make",
         [
             "bug-fully-cached-prompt-concurrent",
             "bug-same-step-new-shared-prefix",

@@ -21,16 +21,16 @@ import livelock_engine
 import pytest
 from explore_vs_suite import ENGINE_BUGS
 
-from conformance.adapters.ref import RefAdapter, make, make_swap
-from conformance.explore import SCOPES, explore
-from conformance.explore.key import pool_key
-from conformance.explore.liveness import check_liveness, find_cycle, longest_drain
-from conformance.runner import run_fresh
-from conformance.shrink import signature
-from conformance.suite import run_suite
-from ref.core.request import Request
-from ref.core.scheduler import Scheduler
-from spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
+from refserve.conformance.adapters.ref import RefAdapter, make, make_swap
+from refserve.conformance.explore import SCOPES, explore
+from refserve.conformance.explore.key import pool_key
+from refserve.conformance.explore.liveness import check_liveness, find_cycle, longest_drain
+from refserve.conformance.runner import run_fresh
+from refserve.conformance.shrink import signature
+from refserve.conformance.suite import run_suite
+from refserve.core.request import Request
+from refserve.core.scheduler import Scheduler
+from refserve.spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
 
 HERE = Path(__file__).parent
 
@@ -152,7 +152,7 @@ def test_liveness_finds_cycles_and_the_longest_drain() -> None:
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.getcwd()])}
     return subprocess.run(
-        [sys.executable, "-m", "ref.cli.main", "conformance", *args],
+        [sys.executable, "-m", "refserve.cli.main", "conformance", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -161,7 +161,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_exhaustive_reports_and_writes_replayable_counterexamples(tmp_path: Path) -> None:
-    ok = _cli("--exhaustive", "--scope", "tiny", "--adapter", "conformance.adapters.ref:make")
+    ok = _cli(
+        "--exhaustive", "--scope", "tiny", "--adapter", "refserve.conformance.adapters.ref:make"
+    )
     assert ok.returncode == 0, ok.stderr
     assert "all invariants hold" in ok.stdout and "exhausted" in ok.stdout
     out = tmp_path / "cx"
@@ -182,7 +184,9 @@ def test_cli_exhaustive_reports_and_writes_replayable_counterexamples(tmp_path: 
         "--adapter", "indie_adapter:make_abort_leak", "--replay", str(out / "counterexample-1.json")
     )
     assert replay.returncode == 1 and "still holds blocks after abort" in replay.stdout
-    wrong = _cli("--exhaustive", "--scope", "huge", "--adapter", "conformance.adapters.ref:make")
+    wrong = _cli(
+        "--exhaustive", "--scope", "huge", "--adapter", "refserve.conformance.adapters.ref:make"
+    )
     assert wrong.returncode == 2 and "--scope must be one of" in wrong.stderr
     assert "Traceback" not in wrong.stderr
 
@@ -253,7 +257,11 @@ def test_a_scope_an_engine_cannot_take_is_not_supported() -> None:
 
 def test_cli_exhaustive_kv_writes_replayable_counterexamples(tmp_path: Path) -> None:
     ok = _cli(
-        "--exhaustive", "--scope", "tiny", "--kv-adapter", "conformance.adapters.ref_kv:make_kv"
+        "--exhaustive",
+        "--scope",
+        "tiny",
+        "--kv-adapter",
+        "refserve.conformance.adapters.ref_kv:make_kv",
     )
     assert ok.returncode == 0, ok.stderr
     assert "all invariants hold" in ok.stdout

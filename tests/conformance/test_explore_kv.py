@@ -1,4 +1,4 @@
-"""The exhaustive KV explorer (conformance.explore.kv).
+"""The exhaustive KV explorer (refserve.conformance.explore.kv).
 
 refserve's pool exhausts the small KV scope with no counterexample, and so do the indie
 block manager and a correct manager with other design choices; every planted block
@@ -20,17 +20,17 @@ import indie_adapter as I
 import kv_broken_adapters as K
 import pytest
 
-from conformance.adapters.ref_kv import make_kv
-from conformance.explore import KV_SCOPES, KVExploreResult, KVScope, explore_kv
-from conformance.explore.kv import kv_key
-from conformance.kv.machine import (
+from refserve.conformance.adapters.ref_kv import make_kv
+from refserve.conformance.explore import KV_SCOPES, KVExploreResult, KVScope, explore_kv
+from refserve.conformance.explore.kv import kv_key
+from refserve.conformance.kv.machine import (
     GENERATED_NAME,
     KVWorkload,
     replay_kv,
     run_kv_suite,
 )
-from conformance.kv.protocol import KVAdapterFactory, KVConfig
-from conformance.kv.run import _KVRun
+from refserve.conformance.kv.protocol import KVAdapterFactory, KVConfig
+from refserve.conformance.kv.run import _KVRun
 
 SMALL = KV_SCOPES["small"]
 TINY = KV_SCOPES["tiny"]

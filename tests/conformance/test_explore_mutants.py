@@ -8,16 +8,16 @@ import json
 import tomllib
 from pathlib import Path
 
-from conformance.explore.mutants import adapters_for, all_mutants, function_of, read_names
+from refserve.conformance.explore.mutants import adapters_for, all_mutants, function_of, read_names
 
 ROOT = Path(__file__).resolve().parents[2]
-SCHED = "ref.core.scheduler.xǁSchedulerǁ"
-HOST = "ref.kv.host_pool.xǁHostPoolǁ"
+SCHED = "refserve.core.scheduler.xǁSchedulerǁ"
+HOST = "refserve.kv.host_pool.xǁHostPoolǁ"
 
 
 def test_a_mutant_name_without_its_number_is_its_function() -> None:
     assert function_of(SCHED + "_plan__mutmut_91") == SCHED + "_plan"
-    assert function_of("ref.kv.pool.x__taken__mutmut_2") == "ref.kv.pool.x__taken"
+    assert function_of("refserve.kv.pool.x__taken__mutmut_2") == "refserve.kv.pool.x__taken"
 
 
 def test_the_listed_survivors_are_mutmut_names_of_the_mutated_files() -> None:
@@ -39,10 +39,10 @@ def test_the_swap_adapter_runs_only_for_swapping_code_or_code_only_it_reaches() 
 
 
 def test_every_mutant_is_read_from_mutmuts_meta_files(tmp_path: Path) -> None:
-    meta = tmp_path / "ref" / "kv" / "journal.py.meta"
+    meta = tmp_path / "refserve" / "kv" / "journal.py.meta"
     meta.parent.mkdir(parents=True)
-    keys = {"ref.kv.journal.xǁJournalǁcommit__mutmut_2": None}
-    keys["ref.kv.journal.xǁJournalǁcommit__mutmut_1"] = 0
+    keys = {"refserve.kv.journal.xǁJournalǁcommit__mutmut_2": None}
+    keys["refserve.kv.journal.xǁJournalǁcommit__mutmut_1"] = 0
     meta.write_text(json.dumps({"exit_code_by_key": keys}), encoding="utf-8")
     assert all_mutants(tmp_path) == sorted(keys)
 

@@ -19,11 +19,17 @@ from pathlib import Path
 
 import pytest
 
-from conformance.adapter import CommitReport, Feature, NotSupported, RequestSpec, StepReport
-from conformance.adapters.ref import RefAdapter
-from conformance.cli import conformance_main
-from conformance.report import Report
-from spec.snapshot import EngineSnapshot
+from refserve.conformance.adapter import (
+    CommitReport,
+    Feature,
+    NotSupported,
+    RequestSpec,
+    StepReport,
+)
+from refserve.conformance.adapters.ref import RefAdapter
+from refserve.conformance.cli import conformance_main
+from refserve.conformance.report import Report
+from refserve.spec.snapshot import EngineSnapshot
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -158,7 +164,10 @@ def _messages(report: Report) -> list[str]:
         ("malformed_snapshot", "snapshot() returned a malformed record: snapshot.requests"),
         ("not_a_snapshot", "snapshot() returned a malformed record"),
         ("factory_raises", "the adapter factory raised ImportError"),
-        ("bad_properties", "adapter.properties must be conformance.adapter.EngineProperties"),
+        (
+            "bad_properties",
+            "adapter.properties must be refserve.conformance.adapter.EngineProperties",
+        ),
     ],
 )
 def test_a_faulty_adapter_is_a_finding_with_a_complete_report(
@@ -193,7 +202,7 @@ def test_not_supported_anywhere_means_not_supported(tmp_path: Path) -> None:
 def test_usage_errors_exit_2_with_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    ref = ["--adapter", "conformance.adapters.ref:make"]
+    ref = ["--adapter", "refserve.conformance.adapters.ref:make"]
     cases = [
         [],
         ["--adapter", "nope"],
@@ -201,8 +210,11 @@ def test_usage_errors_exit_2_with_one_line(
         ["--adapter", "builtins:nothing_here"],
         ["--adapter", "builtins:dict"],  # returns something that is no adapter at all
         ["--kv-adapter", "builtins:dict"],
-        ["--kv-adapter", "conformance.adapters.ref:make"],  # an engine adapter, not a KV one
-        ["--adapter", "conformance.adapters.ref_kv:make_kv"],
+        [
+            "--kv-adapter",
+            "refserve.conformance.adapters.ref:make",
+        ],  # an engine adapter, not a KV one
+        ["--adapter", "refserve.conformance.adapters.ref_kv:make_kv"],
         [*ref, "--scenarios", "no-such-scenario"],
         [*ref, "--examples", "-5"],
         [*ref, "--examples", "zero"],
@@ -235,14 +247,14 @@ def test_a_factory_that_returns_no_adapter_is_a_usage_error_naming_what_is_missi
         "schedule, commit, rollback, snapshot (docs/ADAPTERS.md)"
     ]
     assert not rep.exists()  # refused before the run: no report, not even a partial one
-    argv = ["--kv-adapter", "conformance.adapters.ref:make"]
+    argv = ["--kv-adapter", "refserve.conformance.adapters.ref:make"]
     assert conformance_main(argv) == 2
     assert capsys.readouterr().err.strip() == (
-        "refserve conformance: error: --kv-adapter conformance.adapters.ref:make does not "
+        "refserve conformance: error: --kv-adapter refserve.conformance.adapters.ref:make does not "
         "return a KV adapter: missing allocate, fork, free (docs/ADAPTERS.md)"
     )
     # Replays are checked the same way.
-    from conformance.scenarios import by_name
+    from refserve.conformance.scenarios import by_name
 
     wl = tmp_path / "w.json"
     wl.write_text(json.dumps(by_name()["seed001-round-by-round"].workload.to_json()))
@@ -251,13 +263,17 @@ def test_a_factory_that_returns_no_adapter_is_a_usage_error_naming_what_is_missi
 
 
 def test_the_member_lists_are_the_protocols_and_nothing_of_the_adapter_runs() -> None:
-    from conformance.adapter import (
+    from refserve.conformance.adapter import (
         ENGINE_ADAPTER_ATTRIBUTES,
         ENGINE_ADAPTER_METHODS,
         EngineAdapter,
         missing_members,
     )
-    from conformance.kv.protocol import KV_ADAPTER_ATTRIBUTES, KV_ADAPTER_METHODS, KVAdapter
+    from refserve.conformance.kv.protocol import (
+        KV_ADAPTER_ATTRIBUTES,
+        KV_ADAPTER_METHODS,
+        KVAdapter,
+    )
 
     def shaped(names: tuple[str, ...], drop: str = "") -> object:
         return type("Shaped", (), {n: (lambda self: None) for n in names if n != drop})()
@@ -303,7 +319,7 @@ def test_the_member_lists_are_the_protocols_and_nothing_of_the_adapter_runs() ->
 def test_the_summary_line_counts_scenarios_and_findings_apart(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from conformance.report import Failure, Result, to_markdown
+    from refserve.conformance.report import Failure, Result, to_markdown
 
     def fail(msg: str) -> Failure:
         return Failure(0, "step", "step", msg, "", "", {}, [], f"TOKEN step: {msg}")
@@ -335,7 +351,7 @@ def test_the_summary_line_counts_scenarios_and_findings_apart(
 def test_malformed_replay_and_baseline_files(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    ref = ["--adapter", "conformance.adapters.ref:make"]
+    ref = ["--adapter", "refserve.conformance.adapters.ref:make"]
     bad = tmp_path / "bad.json"
     for text in ("{not json", '{"config": 5}', "[1, 2]", '"x"'):
         bad.write_text(text)
@@ -349,7 +365,7 @@ def test_malformed_replay_and_baseline_files(
 def test_output_directories_are_created(tmp_path: Path) -> None:
     rep = tmp_path / "new" / "dir" / "r.json"
     md = tmp_path / "md" / "r.md"
-    argv = ["--adapter", "conformance.adapters.ref:make", *ONE]
+    argv = ["--adapter", "refserve.conformance.adapters.ref:make", *ONE]
     assert conformance_main([*argv, "--report", str(rep), "--markdown", str(md)]) == 0
     assert Report.load(rep).complete and md.read_text().startswith("# Conformance report")
 
@@ -368,7 +384,7 @@ def test_baseline_suppresses_known_findings_and_the_search_goes_on(tmp_path: Pat
 
 def _subprocess(argv: list[str]) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{ROOT}"}
-    cmd = [sys.executable, "-m", "conformance.cli", *argv]
+    cmd = [sys.executable, "-m", "refserve.conformance.cli", *argv]
     return subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -401,7 +417,9 @@ def test_a_call_stuck_in_native_code_ends_the_run_with_a_partial_report(tmp_path
 
 def test_ctrl_c_exits_130_with_one_line_and_a_valid_partial_report(tmp_path: Path) -> None:
     rep = tmp_path / "r.json"
-    proc = _subprocess(["--adapter", "conformance.adapters.ref:make", "--report", str(rep)])
+    proc = _subprocess(
+        ["--adapter", "refserve.conformance.adapters.ref:make", "--report", str(rep)]
+    )
     deadline = time.monotonic() + 60
     while not rep.exists() and time.monotonic() < deadline:
         time.sleep(0.05)  # the first scenario's results are streamed

@@ -16,9 +16,9 @@ import indie_adapter
 import pytest
 from indie_engine import BUGS, Batch, EngineError, IndieEngine, State
 
-from conformance.adapter import AdmissionOrder, EngineAdapter
-from conformance.cli import conformance_main
-from conformance.kv.protocol import KVAdapter, KVConfig
+from refserve.conformance.adapter import AdmissionOrder, EngineAdapter
+from refserve.conformance.cli import conformance_main
+from refserve.conformance.kv.protocol import KVAdapter, KVConfig
 
 # bug -> (invariant that must fail, level where it shows: "engine" or "kv")
 EXPECTED: dict[str, tuple[str, str]] = {

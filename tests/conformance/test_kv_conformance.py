@@ -1,4 +1,4 @@
-"""The KV-manager level of the conformance suite (conformance.kv.machine).
+"""The KV-manager level of the conformance suite (refserve.conformance.kv.machine).
 
 refserve's pool passes with zero findings, and so does a second correct manager with
 other design choices (LIFO free stack, no prefix caching, eager eviction, no cache
@@ -18,8 +18,8 @@ from typing import Any
 import kv_broken_adapters as K
 import pytest
 
-from conformance.adapters.ref_kv import RefKVAdapter, make_kv
-from conformance.kv.machine import (
+from refserve.conformance.adapters.ref_kv import RefKVAdapter, make_kv
+from refserve.conformance.kv.machine import (
     GENERATED_NAME,
     KVFinding,
     KVWorkload,
@@ -29,11 +29,11 @@ from conformance.kv.machine import (
     replay_kv,
     run_kv_suite,
 )
-from conformance.kv.protocol import ALL_KV_FEATURES, KVAdapter, KVAdapterFactory
-from conformance.report import Failure, Result, ScenarioInfo
-from spec.violation import Invariant, violation
+from refserve.conformance.kv.protocol import ALL_KV_FEATURES, KVAdapter, KVAdapterFactory
+from refserve.conformance.report import Failure, Result, ScenarioInfo
+from refserve.spec.violation import Invariant, violation
 
-REF_SPEC = "conformance.adapters.ref_kv:make_kv"
+REF_SPEC = "refserve.conformance.adapters.ref_kv:make_kv"
 BROKEN_EXAMPLES = 40
 
 Run = tuple[list[Result], list[ScenarioInfo]]
@@ -77,9 +77,9 @@ def test_ref_kv_adapter_is_a_kv_adapter() -> None:
 
 def test_load_kv_factory_rejects_bad_specs() -> None:
     with pytest.raises(ValueError, match="MODULE:FACTORY"):
-        load_kv_factory("conformance.adapters.ref_kv")
+        load_kv_factory("refserve.conformance.adapters.ref_kv")
     with pytest.raises(ValueError, match="no callable"):
-        load_kv_factory("conformance.adapters.ref_kv:nothing_here")
+        load_kv_factory("refserve.conformance.adapters.ref_kv:nothing_here")
 
 
 def test_ref_passes_every_kv_scenario(ref_run: Run) -> None:

@@ -1,4 +1,4 @@
-"""The declared property ``max_model_len_stop`` (conformance.adapter.EngineProperties).
+"""The declared property ``max_model_len_stop`` (refserve.conformance.adapter.EngineProperties).
 
 A request that reaches the ``max_model_len`` its snapshot reports may (and then must)
 finish there with reason ``length`` when the adapter declares it; vLLM does
@@ -14,13 +14,13 @@ from collections.abc import Mapping
 
 import pytest
 
-from conformance.adapter import CommitReport, EngineConfig, EngineProperties
-from conformance.adapters.ref import REF_PROPERTIES, RefAdapter
-from conformance.adapters.ref import make as make_ref
-from conformance.runner import RunResult, run_workload
-from conformance.suite import run_suite
-from conformance.workload import EOS, RequestPlan, Workload
-from spec.snapshot import EngineSnapshot
+from refserve.conformance.adapter import CommitReport, EngineConfig, EngineProperties
+from refserve.conformance.adapters.ref import REF_PROPERTIES, RefAdapter
+from refserve.conformance.adapters.ref import make as make_ref
+from refserve.conformance.runner import RunResult, run_workload
+from refserve.conformance.suite import run_suite
+from refserve.conformance.workload import EOS, RequestPlan, Workload
+from refserve.spec.snapshot import EngineSnapshot
 
 LIMIT = 10
 """The workload's max_model_len: A's 6-token prompt plus 4 outputs, before its 8."""
@@ -125,7 +125,9 @@ def test_the_property_is_validated_and_reported() -> None:
     with pytest.raises(ValueError, match="max_model_len_stop must be a bool, got 1"):
         EngineProperties(max_model_len_stop=1)  # type: ignore[arg-type]
     assert EngineProperties().max_model_len_stop is False
-    report = run_suite(make_ref, "conformance.adapters.ref:make", ["seed001-round-by-round"])
+    report = run_suite(
+        make_ref, "refserve.conformance.adapters.ref:make", ["seed001-round-by-round"]
+    )
     assert report.properties["max_model_len_stop"] is True
     assert any(n.startswith("max_model_len_stop:") for n in report.notes)
     undeclared = run_suite(Undeclared, "x:y", ["seed001-round-by-round"])

@@ -19,24 +19,24 @@ import indie_adapter
 import pytest
 from indie_engine import MIGRATION_BUGS
 
-from conformance.adapter import (
+from refserve.conformance.adapter import (
     EngineAdapter,
     Feature,
     MigrationExport,
     MigrationStaged,
     RequestSpec,
 )
-from conformance.adapters.ref import RefAdapter
-from conformance.adapters.ref import make as make_ref
-from conformance.adapters.ref import make_swap as make_ref_swap
-from conformance.cli import conformance_main
-from conformance.report import Report
-from conformance.runner import RunResult, run_fresh, run_workload
-from conformance.scenarios import _cfg, by_name
-from conformance.shrink import shrink, signature
-from conformance.suite import run_suite, scenario_names
-from conformance.workload import MigrationPlan, RequestPlan, Workload, prompt
-from spec.violation import CLUSTER_INVARIANTS, Invariant
+from refserve.conformance.adapters.ref import RefAdapter
+from refserve.conformance.adapters.ref import make as make_ref
+from refserve.conformance.adapters.ref import make_swap as make_ref_swap
+from refserve.conformance.cli import conformance_main
+from refserve.conformance.report import Report
+from refserve.conformance.runner import RunResult, run_fresh, run_workload
+from refserve.conformance.scenarios import _cfg, by_name
+from refserve.conformance.shrink import shrink, signature
+from refserve.conformance.suite import run_suite, scenario_names
+from refserve.conformance.workload import MigrationPlan, RequestPlan, Workload, prompt
+from refserve.spec.violation import CLUSTER_INVARIANTS, Invariant
 
 MIGRATION_SCENARIOS = [n for n in scenario_names() if n.startswith(("migration-", "disagg"))]
 FIXED = [n for n in MIGRATION_SCENARIOS if n != "generated-migration"]

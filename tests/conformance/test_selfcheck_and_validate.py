@@ -1,4 +1,4 @@
-"""conformance.validate (malformed adapter records) and conformance.selfcheck (the
+"""refserve.conformance.validate (malformed adapter records) and refserve.conformance.selfcheck (the
 explaining walk-through for a new adapter; docs/ADAPTERS.md, "The self-check").
 
 validate must name the field and never raise, whatever it is given; self_check must pass
@@ -15,18 +15,18 @@ from typing import Any
 
 import pytest
 
-from conformance import validate
-from conformance.adapter import (
+from refserve.conformance import validate
+from refserve.conformance.adapter import (
     CommitReport,
     EngineConfig,
     EngineProperties,
     RequestSpec,
     StepReport,
 )
-from conformance.adapters import template
-from conformance.adapters.ref import RefAdapter, make
-from conformance.selfcheck import SelfCheckResult, self_check, self_check_main
-from spec.snapshot import (
+from refserve.conformance.adapters import template
+from refserve.conformance.adapters.ref import RefAdapter, make
+from refserve.conformance.selfcheck import SelfCheckResult, self_check, self_check_main
+from refserve.spec.snapshot import (
     EngineSnapshot,
     PoolSnapshot,
     RequestSnapshot,
@@ -135,16 +135,16 @@ def test_validate_never_raises_on_garbage(obj: object) -> None:
 
 def test_wrong_record_type_is_named() -> None:
     assert validate.check_engine_snapshot({}) == [
-        "snapshot: expected a spec.snapshot.EngineSnapshot, got dict"
+        "snapshot: expected a refserve.spec.snapshot.EngineSnapshot, got dict"
     ]
     assert validate.check_step_report(None) == [
-        "step_report: expected a conformance.adapter.StepReport, got None"
+        "step_report: expected a refserve.conformance.adapter.StepReport, got None"
     ]
     assert validate.check_commit_report(5) == [
-        "commit_report: expected a conformance.adapter.CommitReport, got int 5"
+        "commit_report: expected a refserve.conformance.adapter.CommitReport, got int 5"
     ]
     assert validate.check_pool_snapshot(AFTER, where="kv") == [
-        "kv: expected a spec.snapshot.PoolSnapshot, got EngineSnapshot"
+        "kv: expected a refserve.spec.snapshot.PoolSnapshot, got EngineSnapshot"
     ]
 
 
@@ -280,9 +280,9 @@ def test_self_check_passes_refserve(capsys: pytest.CaptureFixture[str]) -> None:
     assert "reason 'length'" in text
     assert "all 16 blocks free again" in text
     assert res.lines[-1].startswith("verdict: OK")
-    assert self_check_main("conformance.adapters.ref:make", 5.0) == 0
+    assert self_check_main("refserve.conformance.adapters.ref:make", 5.0) == 0
     out = capsys.readouterr().out
-    assert "verdict: OK" in out and "conformance.adapters.ref:make" in out
+    assert "verdict: OK" in out and "refserve.conformance.adapters.ref:make" in out
 
 
 class ListSnapshot(RefAdapter):
@@ -496,7 +496,9 @@ def test_self_check_explains_a_computed_count_off_by_one() -> None:
 def test_self_check_explains_wrong_properties() -> None:
     res = _check(WrongProperties)
     assert res.exit_code == 1
-    assert _fails(res, "properties:", "must be conformance.adapter.EngineProperties, got dict")
+    assert _fails(
+        res, "properties:", "must be refserve.conformance.adapter.EngineProperties, got dict"
+    )
     assert res.lines[-1].startswith("verdict: NOT OK: 1 problem")  # the walk itself is fine
 
 
@@ -528,7 +530,7 @@ def test_self_check_explains_a_vanished_finished_request() -> None:
 def test_self_check_explains_malformed_records_and_stops() -> None:
     res = _check(NoneSnapshot)
     assert res.exit_code == 1
-    assert _fails(res, "snapshot: expected a spec.snapshot.EngineSnapshot, got None")
+    assert _fails(res, "snapshot: expected a refserve.spec.snapshot.EngineSnapshot, got None")
     res = _check(StrTokenCount)
     assert res.exit_code == 1
     assert _fails(res, "step_report.scheduled[0].num_new_tokens: expected int, got str '6'")
@@ -557,7 +559,7 @@ def test_self_check_main_cannot_load(capsys: pytest.CaptureFixture[str]) -> None
     assert self_check_main("nope:nothing", 1.0) == 2
     err = capsys.readouterr().err
     assert err.startswith("refserve conformance: error: ")
-    assert self_check_main("conformance.adapters.ref:nothing", 1.0) == 2
+    assert self_check_main("refserve.conformance.adapters.ref:nothing", 1.0) == 2
     assert self_check_main("no-colon", 1.0) == 2
 
 

@@ -10,12 +10,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from conformance.adapter import StepReport
-from conformance.adapters.ref import RefAdapter
-from conformance.runner import RunResult, run_with
-from conformance.scenarios import by_name
-from ref.core.request import Request
-from ref.core.scheduler import Scheduler
+from refserve.conformance.adapter import StepReport
+from refserve.conformance.adapters.ref import RefAdapter
+from refserve.conformance.runner import RunResult, run_with
+from refserve.conformance.scenarios import by_name
+from refserve.core.request import Request
+from refserve.core.scheduler import Scheduler
 
 SCENARIOS = ("speculation-verify-and-roll-back", "speculation-under-pressure")
 

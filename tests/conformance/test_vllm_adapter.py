@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-CLI = [sys.executable, "-m", "ref.cli.main", "conformance"]
+CLI = [sys.executable, "-m", "refserve.cli.main", "conformance"]
 
 
 def _cli(argv: list[str], pythonpath: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -34,9 +34,9 @@ def _cli(argv: list[str], pythonpath: str | None = None) -> subprocess.Completed
 
 @pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed here: the refusal cannot show")
 def test_without_vllm_the_module_refuses_with_a_typed_error() -> None:
-    sys.modules.pop("conformance.adapters.vllm", None)
+    sys.modules.pop("refserve.conformance.adapters.vllm", None)
     with pytest.raises(ModuleNotFoundError) as e:
-        importlib.import_module("conformance.adapters.vllm")
+        importlib.import_module("refserve.conformance.adapters.vllm")
     assert e.value.name == "vllm"
     assert "make conformance-vllm" in str(e.value)
 
@@ -44,7 +44,7 @@ def test_without_vllm_the_module_refuses_with_a_typed_error() -> None:
 @pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed here: the refusal cannot show")
 @pytest.mark.parametrize("mode", ["--self-check", None])
 def test_without_vllm_the_cli_exits_2_with_one_line(mode: str | None) -> None:
-    argv = ["--adapter", "conformance.adapters.vllm:make"] + ([mode] if mode else [])
+    argv = ["--adapter", "refserve.conformance.adapters.vllm:make"] + ([mode] if mode else [])
     out = _cli(argv)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "Traceback" not in out.stderr
@@ -62,7 +62,7 @@ def test_another_vllm_release_is_refused_by_name(tmp_path: Path) -> None:
     dist = tmp_path / "vllm-0.1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.1.0\n")
-    out = _cli(["--adapter", "conformance.adapters.vllm:make"], pythonpath=str(tmp_path))
+    out = _cli(["--adapter", "refserve.conformance.adapters.vllm:make"], pythonpath=str(tmp_path))
     assert out.returncode == 2, out.stdout + out.stderr
     assert "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
@@ -74,7 +74,7 @@ def test_another_vllm_release_is_refused_by_name(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- with vLLM 0.33.0
 def _vllm() -> object:
     return pytest.importorskip(
-        "conformance.adapters.vllm",
+        "refserve.conformance.adapters.vllm",
         reason="vLLM 0.33.0 is not installed here: it lives in its own virtualenv "
         "(make conformance-vllm, then .venv-vllm/bin/python -m pytest "
         "tests/conformance/test_vllm_adapter.py)",
@@ -105,14 +105,14 @@ TRIAGED = [
 
 def test_vllm_adapter_declares_its_conventions_and_keeps_them() -> None:
     """The triage of conformance/FINDINGS_vllm.md, as a test."""
-    from conformance.adapter import (
+    from refserve.conformance.adapter import (
         AdmissionOrder,
         EngineAdapter,
         EngineProperties,
         Feature,
         StepOrder,
     )
-    from conformance.suite import run_suite
+    from refserve.conformance.suite import run_suite
 
     mod: Any = _vllm()
     assert isinstance(mod.make(), EngineAdapter)
@@ -128,7 +128,7 @@ def test_vllm_adapter_declares_its_conventions_and_keeps_them() -> None:
     assert mod.make_priority().properties.admission_order == AdmissionOrder.PRIORITY_STRICT
     assert Feature.PRIORITIES in mod.make_priority().features
     assert Feature.CHUNKED_PREFILL not in mod.make_unchunked().features
-    report = run_suite(mod.make, "conformance.adapters.vllm:make", TRIAGED, max_examples=1)
+    report = run_suite(mod.make, "refserve.conformance.adapters.vllm:make", TRIAGED, max_examples=1)
     status = {(r.scenario, r.invariant): r.status for r in report.results}
     failed = {
         (r.scenario, r.invariant): [f.message for f in r.failures]
@@ -166,7 +166,7 @@ def test_a_bug_planted_in_vllm_is_found_through_the_adapter(
 ) -> None:
     """The adapter reads vLLM's own objects: a bug planted in vLLM (not in the adapter)
     shows as a finding, so the clean run above is vLLM's, not the adapter's."""
-    from conformance.suite import run_suite
+    from refserve.conformance.suite import run_suite
 
     mod: Any = _vllm()
     manager = importlib.import_module("vllm.v1.core.kv_cache_manager").KVCacheManager
@@ -183,6 +183,8 @@ def test_a_bug_planted_in_vllm_is_found_through_the_adapter(
 
         monkeypatch.setattr(pool, "touch", touch)
         scenario, invariant = "bug-fully-cached-prompt-concurrent", "BLOCK"
-    report = run_suite(mod.make, "conformance.adapters.vllm:make", [scenario], max_examples=1)
+    report = run_suite(
+        mod.make, "refserve.conformance.adapters.vllm:make", [scenario], max_examples=1
+    )
     status = {r.invariant: r.status for r in report.results}
     assert status[invariant] == "fail", status

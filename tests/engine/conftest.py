@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 from hf_oracle import HFOracle, build_hf_checkpoint, hf_llama_config
 
-from ref.model.config import ModelConfig
+from refserve.model.config import ModelConfig
 
 
 @pytest.fixture(scope="session")

@@ -22,8 +22,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from ref.model.config import ModelConfig  # noqa: E402
-from ref.model.weights import random_state_dict  # noqa: E402
+from refserve.model.config import ModelConfig  # noqa: E402
+from refserve.model.weights import random_state_dict  # noqa: E402
 
 VOCAB = 320
 BOS = 1

@@ -1,7 +1,7 @@
 """Drivers and checks shared by the engine-level migration tests (issue 31; the protocol of
 ref/engine/migration.py, docs/MIGRATION.md).
 
-:func:`move` is one :func:`~ref.engine.migration.migrate` with every check a move must
+:func:`move` is one :func:`~refserve.engine.migration.migrate` with every check a move must
 pass, made on the spot: the source holds nothing of the request any more (no group, no
 scheduler request, no device or host block), both pools pass spec's pool checks (BLOCK,
 CAP, POS, PREFIX), the destination holds the source's token ids, and after a transfer
@@ -23,17 +23,17 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ref.core import transit
-from ref.core.config import SchedulerConfig
-from ref.core.executor import StepOutput
-from ref.core.inputs import ModelInputs
-from ref.core.plan import StepPlan
-from ref.engine.llm_engine import LLMEngine, RequestOutput
-from ref.engine.migration import FaultHook, MigrationReport, migrate
-from ref.engine.ticket import MigrationTicket
-from ref.model.checkpoint import ModelSource
-from spec.checks import check_pool
-from spec.snapshot import RequestStatus
+from refserve.core import transit
+from refserve.core.config import SchedulerConfig
+from refserve.core.executor import StepOutput
+from refserve.core.inputs import ModelInputs
+from refserve.core.plan import StepPlan
+from refserve.engine.llm_engine import LLMEngine, RequestOutput
+from refserve.engine.migration import FaultHook, MigrationReport, migrate
+from refserve.engine.ticket import MigrationTicket
+from refserve.model.checkpoint import ModelSource
+from refserve.spec.checks import check_pool
+from refserve.spec.snapshot import RequestStatus
 
 
 def one_torch_thread() -> Iterator[None]:

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from ref.cli.demo import demo_main
-from ref.cli.generate import generate_main
-from ref.core.config import SchedulerConfig
-from ref.engine.llm_engine import InvalidPrompt, LLMEngine, RequestOutput
-from ref.errors import DuplicateRequest, ExceedsCapacity, InvalidArgument, UnknownRequest
-from ref.model.attention import BackendUnavailable, TritonAttention, make_backend
-from ref.model.sampler import InvalidSamplingParams, SamplingParams
-from ref.model.tokenizer import ByteTokenizer
+from refserve.cli.demo import demo_main
+from refserve.cli.generate import generate_main
+from refserve.core.config import SchedulerConfig
+from refserve.engine.llm_engine import InvalidPrompt, LLMEngine, RequestOutput
+from refserve.errors import DuplicateRequest, ExceedsCapacity, InvalidArgument, UnknownRequest
+from refserve.model.attention import BackendUnavailable, TritonAttention, make_backend
+from refserve.model.sampler import InvalidSamplingParams, SamplingParams
+from refserve.model.tokenizer import ByteTokenizer
 
 
 def _engine(**kw: object) -> LLMEngine:
@@ -168,7 +168,9 @@ def test_unknown_attention_backend() -> None:
 
 
 def test_triton_backend_unavailable_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "kernels", None)  # import kernels -> ImportError
+    monkeypatch.setitem(
+        sys.modules, "refserve.kernels", None
+    )  # import refserve.kernels -> ImportError
     with pytest.raises(BackendUnavailable, match="triton"):
         TritonAttention()
 
@@ -177,8 +179,8 @@ def test_triton_backend_unavailable_is_a_clear_error(monkeypatch: pytest.MonkeyP
 def test_triton_backend_matches_torch_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     code = (
-        "from ref.engine.llm_engine import LLMEngine, SamplingParams\n"
-        "from ref.core.config import SchedulerConfig\n"
+        "from refserve.engine.llm_engine import LLMEngine, SamplingParams\n"
+        "from refserve.core.config import SchedulerConfig\n"
         "cfg = SchedulerConfig(max_num_batched_tokens=8, block_size=4, num_blocks=32)\n"
         "sp = SamplingParams(max_tokens=4, n=2)\n"
         "out = {}\n"

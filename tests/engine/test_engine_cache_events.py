@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from ref.core.config import SchedulerConfig
-from ref.engine.llm_engine import LLMEngine, SamplingParams
-from ref.errors import InvalidArgument
-from spec.events import BlockStored, check_events
-from spec.snapshot import CacheEntry
+from refserve.core.config import SchedulerConfig
+from refserve.engine.llm_engine import LLMEngine, SamplingParams
+from refserve.errors import InvalidArgument
+from refserve.spec.events import BlockStored, check_events
+from refserve.spec.snapshot import CacheEntry
 
 CFG = SchedulerConfig(num_blocks=12, block_size=4, max_num_batched_tokens=8, cache_events=True)
 PROMPT = list(range(1, 14))  # 13 tokens: three full blocks of 4

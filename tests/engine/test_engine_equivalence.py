@@ -23,9 +23,9 @@ import pytest
 import torch
 from hf_oracle import HFOracle, random_prompt
 
-from ref.core.config import SchedulerConfig
-from ref.engine.llm_engine import LLMEngine, Proposer, RequestOutput
-from ref.model.sampler import SamplingParams
+from refserve.core.config import SchedulerConfig
+from refserve.engine.llm_engine import LLMEngine, Proposer, RequestOutput
+from refserve.model.sampler import SamplingParams
 
 ATOL = 2e-5
 RTOL = 1e-5

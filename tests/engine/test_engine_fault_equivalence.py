@@ -33,17 +33,17 @@ import pytest
 import torch
 from hf_oracle import HFOracle, random_prompt
 
-from ref.core.config import SchedulerConfig
-from ref.core.cost import StepCost
-from ref.core.engine_core import KVStateLost
-from ref.core.executor import StepOutput
-from ref.core.inputs import ModelInputs
-from ref.core.output import BadExecutorOutput
-from ref.core.plan import StepPlan
-from ref.core.swap import SwapCost
-from ref.engine.llm_engine import LLMEngine
-from ref.model.executor import FAULT_POINTS, ModelExecutor
-from ref.model.sampler import SamplingParams
+from refserve.core.config import SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.core.engine_core import KVStateLost
+from refserve.core.executor import StepOutput
+from refserve.core.inputs import ModelInputs
+from refserve.core.output import BadExecutorOutput
+from refserve.core.plan import StepPlan
+from refserve.core.swap import SwapCost
+from refserve.engine.llm_engine import LLMEngine
+from refserve.model.executor import FAULT_POINTS, ModelExecutor
+from refserve.model.sampler import SamplingParams
 
 BAD_OUTPUT = "bad_output"  # a sampled token validate_output rejects (after the forward)
 

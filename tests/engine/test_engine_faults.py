@@ -17,15 +17,15 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from ref.core.config import SchedulerConfig
-from ref.core.executor import StepOutput
-from ref.core.inputs import ModelInputs
-from ref.core.plan import StepPlan
-from ref.core.request import FinishReason
-from ref.engine.llm_engine import LLMEngine, RequestOutput
-from ref.errors import InvalidArgument
-from ref.model.executor import ExecutorError
-from ref.model.sampler import (
+from refserve.core.config import SchedulerConfig
+from refserve.core.executor import StepOutput
+from refserve.core.inputs import ModelInputs
+from refserve.core.plan import StepPlan
+from refserve.core.request import FinishReason
+from refserve.engine.llm_engine import LLMEngine, RequestOutput
+from refserve.errors import InvalidArgument
+from refserve.model.executor import ExecutorError
+from refserve.model.sampler import (
     FAILED_TOKEN,
     MIN_TEMPERATURE,
     InvalidSamplingParams,
@@ -395,7 +395,7 @@ def test_a_token_outside_the_vocabulary_fails_the_step_not_the_answer(
             return [(10**6, lp) for _, lp in drawn]
         return drawn
 
-    monkeypatch.setattr("ref.model.executor.sample", out_of_vocab)
+    monkeypatch.setattr("refserve.model.executor.sample", out_of_vocab)
     engine.step()
     with pytest.raises(ExecutorError, match="1000000"):
         engine.step()

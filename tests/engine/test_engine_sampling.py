@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ref.core.config import SchedulerConfig
-from ref.engine.llm_engine import LLMEngine
-from ref.model.sampler import (
+from refserve.core.config import SchedulerConfig
+from refserve.engine.llm_engine import LLMEngine
+from refserve.model.sampler import (
     InvalidSamplingParams,
     SampleSpec,
     SamplingParams,

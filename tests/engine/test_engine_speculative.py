@@ -20,15 +20,15 @@ import torch
 from hf_oracle import HFOracle, random_prompt
 from test_engine_equivalence import Job, assert_matches_hf, make_jobs, run_jobs
 
-from ref.core.config import SchedulerConfig
-from ref.engine.llm_engine import LLMEngine
-from ref.errors import InvalidArgument
-from ref.model.attention import TorchAttention
-from ref.model.config import ModelConfig
-from ref.model.llama import LlamaModel
-from ref.model.proposers import Draft, DraftModelProposer, NgramProposer
-from ref.model.sampler import SampleSpec, SamplingParams
-from ref.model.weights import load_checkpoint, random_weights
+from refserve.core.config import SchedulerConfig
+from refserve.engine.llm_engine import LLMEngine
+from refserve.errors import InvalidArgument
+from refserve.model.attention import TorchAttention
+from refserve.model.config import ModelConfig
+from refserve.model.llama import LlamaModel
+from refserve.model.proposers import Draft, DraftModelProposer, NgramProposer
+from refserve.model.sampler import SampleSpec, SamplingParams
+from refserve.model.weights import load_checkpoint, random_weights
 
 TINY = Path(__file__).resolve().parents[2] / "ref" / "model" / "tiny"
 
@@ -113,7 +113,8 @@ def test_a_proposer_the_engine_cannot_use_is_refused(hf: HFOracle) -> None:
     draft = DraftModelProposer(LlamaModel(other, random_weights(other, 0), TorchAttention()), 2)
     with pytest.raises(InvalidArgument, match=r"vocabulary \(321\) differs from the target's"):
         LLMEngine(str(hf.path), proposer=draft)
-    with pytest.raises(InvalidArgument, match=r"must implement ref\.model\.proposers\.Proposer"):
+    proto = r"must implement refserve\.model\.proposers\.Proposer"
+    with pytest.raises(InvalidArgument, match=proto):
         LLMEngine(str(hf.path), proposer=object())  # type: ignore[arg-type]
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ref.model.tokenizer import (
+from refserve.model.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     OffsetDetokenizer,

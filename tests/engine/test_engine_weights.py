@@ -9,11 +9,11 @@ import pytest
 import torch
 from hf_oracle import BOS, HFOracle, build_hf_checkpoint, hf_llama_config, random_prompt
 
-from ref.core.config import SchedulerConfig
-from ref.engine.llm_engine import LLMEngine
-from ref.model.config import ModelConfig, UnsupportedModel, tiny_config
-from ref.model.sampler import SamplingParams
-from ref.model.weights import (
+from refserve.core.config import SchedulerConfig
+from refserve.engine.llm_engine import LLMEngine
+from refserve.model.config import ModelConfig, UnsupportedModel, tiny_config
+from refserve.model.sampler import SamplingParams
+from refserve.model.weights import (
     WeightError,
     WeightMismatch,
     WeightMissing,

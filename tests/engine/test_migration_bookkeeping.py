@@ -11,10 +11,10 @@
 
 from __future__ import annotations
 
-from ref.core.config import SchedulerConfig
-from ref.engine.llm_engine import LLMEngine, RequestOutput
-from ref.engine.migration import migrate
-from ref.model.sampler import SamplingParams
+from refserve.core.config import SchedulerConfig
+from refserve.engine.llm_engine import LLMEngine, RequestOutput
+from refserve.engine.migration import migrate
+from refserve.model.sampler import SamplingParams
 
 PROMPT = list(range(3, 17))  # 14 tokens: 12 cacheable in 4-token blocks
 

@@ -7,11 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from ref.core.cost import StepCost
-from ref.core.migration_cost import KVMode, MigrationCost
-from ref.engine.llm_engine import LLMEngine
-from ref.engine.migration import MigrationAborted, migrate
-from ref.model.sampler import SamplingParams
+from refserve.core.cost import StepCost
+from refserve.core.migration_cost import KVMode, MigrationCost
+from refserve.engine.llm_engine import LLMEngine
+from refserve.engine.migration import MigrationAborted, migrate
+from refserve.model.sampler import SamplingParams
 from tests.engine.migration_helpers import make_engine, one_torch_thread
 
 PROMPT = "a prompt long enough to fill some blocks of K/V"

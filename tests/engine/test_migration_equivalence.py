@@ -52,13 +52,13 @@ from migration_helpers import (
     stream_view,
 )
 
-from ref.core.swap import KVRetention
-from ref.core.transit import Import, KVPlace
-from ref.engine import migration
-from ref.engine.llm_engine import LLMEngine, RequestOutput
-from ref.engine.ticket import KVChunk, MigrationTicket, SeqTicket, TicketError
-from ref.model.sampler import SamplingParams, mix64
-from spec.snapshot import RequestStatus
+from refserve.core.swap import KVRetention
+from refserve.core.transit import Import, KVPlace
+from refserve.engine import migration
+from refserve.engine.llm_engine import LLMEngine, RequestOutput
+from refserve.engine.ticket import KVChunk, MigrationTicket, SeqTicket, TicketError
+from refserve.model.sampler import SamplingParams, mix64
+from refserve.spec.snapshot import RequestStatus
 
 S = RequestStatus
 

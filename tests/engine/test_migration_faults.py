@@ -40,15 +40,15 @@ from migration_helpers import (
     stream_view,
 )
 
-from ref.core.migration_cost import KVMode
-from ref.core.transit import MigrationRefused
-from ref.engine import migration
-from ref.engine.llm_engine import LLMEngine
-from ref.engine.migration import FAULT_POINTS, MigrationAborted, migrate
-from ref.engine.ticket import KVChunk, KVLayoutMismatch, MigrationTicket, TicketError
-from ref.model.executor import SavedRows
-from ref.model.sampler import SamplingParams
-from spec.snapshot import RequestStatus
+from refserve.core.migration_cost import KVMode
+from refserve.core.transit import MigrationRefused
+from refserve.engine import migration
+from refserve.engine.llm_engine import LLMEngine
+from refserve.engine.migration import FAULT_POINTS, MigrationAborted, migrate
+from refserve.engine.ticket import KVChunk, KVLayoutMismatch, MigrationTicket, TicketError
+from refserve.model.executor import SavedRows
+from refserve.model.sampler import SamplingParams
+from refserve.spec.snapshot import RequestStatus
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0.9, seed=99)
 PROMPT = "fault injection: "

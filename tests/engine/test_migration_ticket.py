@@ -40,22 +40,22 @@ from migration_helpers import (
     stream_view,
 )
 
-from ref.core.swap import KVRetention
-from ref.core.transit import MigrationError
-from ref.engine import migration
-from ref.engine.llm_engine import LLMEngine
-from ref.engine.ticket import (
+from refserve.core.swap import KVRetention
+from refserve.core.transit import MigrationError
+from refserve.engine import migration
+from refserve.engine.llm_engine import LLMEngine
+from refserve.engine.ticket import (
     KVChunk,
     KVLayoutMismatch,
     MigrationTicket,
     ModelMismatch,
     TicketError,
 )
-from ref.errors import DuplicateRequest
-from ref.model.config import tiny_config
-from ref.model.sampler import SamplingParams
-from ref.model.weights import random_weights
-from spec.snapshot import RequestStatus
+from refserve.errors import DuplicateRequest
+from refserve.model.config import tiny_config
+from refserve.model.sampler import SamplingParams
+from refserve.model.weights import random_weights
+from refserve.spec.snapshot import RequestStatus
 
 PARAMS = SamplingParams(
     max_tokens=10, temperature=0.9, seed=21, logprobs=True, stop=("zz",), stop_token_ids=(7,)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from ref.core.config import SchedulerConfig
-from ref.engine.llm_engine import EngineStalled, LLMEngine
-from ref.model.sampler import SamplingParams
+from refserve.core.config import SchedulerConfig
+from refserve.engine.llm_engine import EngineStalled, LLMEngine
+from refserve.model.sampler import SamplingParams
 
 
 def _engine() -> LLMEngine:
@@ -40,11 +40,11 @@ def test_the_step_record_carries_logprobs_and_fork_samples() -> None:
 
 
 def test_a_simulator_step_draws_no_logprobs_or_forks() -> None:
-    from ref.core.cost import StepCost
-    from ref.core.engine_core import EngineCore
-    from ref.core.request import Request, StopParams
-    from ref.core.scheduler import Scheduler
-    from ref.sim.simulator import SimExecutor
+    from refserve.core.cost import StepCost
+    from refserve.core.engine_core import EngineCore
+    from refserve.core.request import Request, StopParams
+    from refserve.core.scheduler import Scheduler
+    from refserve.sim.simulator import SimExecutor
 
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, block_size=4, num_blocks=8))
     sched.add_request(Request("a", [1, 2, 3], StopParams(max_tokens=2)))

@@ -26,15 +26,15 @@ import pytest
 import torch
 from hf_oracle import VOCAB, HFOracle, random_prompt
 
-from ref.core.config import SchedulerConfig
-from ref.core.cost import StepCost
-from ref.core.swap import KVRetention, SwapCost
-from ref.engine.llm_engine import InvalidPrompt, LLMEngine, RequestOutput
-from ref.errors import InvalidArgument, UnknownRequest
-from ref.kv import BlockCopy
-from ref.model.llama import HostKVCache, KVCache
-from ref.model.sampler import InvalidSamplingParams, SamplingParams
-from spec.snapshot import RequestStatus
+from refserve.core.config import SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.core.swap import KVRetention, SwapCost
+from refserve.engine.llm_engine import InvalidPrompt, LLMEngine, RequestOutput
+from refserve.errors import InvalidArgument, UnknownRequest
+from refserve.kv import BlockCopy
+from refserve.model.llama import HostKVCache, KVCache
+from refserve.model.sampler import InvalidSamplingParams, SamplingParams
+from refserve.spec.snapshot import RequestStatus
 
 # The logits tolerance of test_engine_equivalence.py (its docstring has the figures).
 ATOL = 2e-5

@@ -15,13 +15,13 @@ import re
 import pytest
 import torch
 
-from ref.engine.llm_engine import LLMEngine
-from ref.model.sampler import SamplingParams
-from ref.model.tiny import TRAINED_DIR
-from ref.model.tiny.corpus import documents
-from ref.model.tokenizer import ByteTokenizer
-from ref.model.train_tiny import hf_config, train
-from ref.model.weights import load_checkpoint
+from refserve.engine.llm_engine import LLMEngine
+from refserve.model.sampler import SamplingParams
+from refserve.model.tiny import TRAINED_DIR
+from refserve.model.tiny.corpus import documents
+from refserve.model.tokenizer import ByteTokenizer
+from refserve.model.train_tiny import hf_config, train
+from refserve.model.weights import load_checkpoint
 
 PROMPTS = ["The cat", "You are a terse assistant. Name a prime.", "One day, the"]
 MAX_TOKENS = 40
@@ -91,7 +91,7 @@ def test_training_is_deterministic() -> None:
 def test_generate_cli_defaults_to_the_trained_model(
     greedy: list[tuple[int, ...]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from ref.cli.generate import generate_main
+    from refserve.cli.generate import generate_main
 
     assert generate_main(["--prompt", PROMPTS[0], "--max-tokens", "24", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

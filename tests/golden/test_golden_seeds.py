@@ -15,13 +15,13 @@ import random
 import pytest
 from harness import COST, Stepper, make_request
 
-from ref.core.config import Admission, PolicyName, SchedulerConfig
-from ref.core.cost import StepCost
-from ref.core.request import Request, StopParams
-from ref.core.scheduler import Scheduler
-from ref.sim.metrics import RequestMetrics, RunMetrics, littles_law_l
-from ref.sim.simulator import simulate
-from ref.sim.trace import load_trace
+from refserve.core.config import Admission, PolicyName, SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.core.request import Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.sim.metrics import RequestMetrics, RunMetrics, littles_law_l
+from refserve.sim.simulator import simulate
+from refserve.sim.trace import load_trace
 
 
 # ------------------------------------------------------------- example 0
@@ -291,7 +291,7 @@ def test_cli_simulate_prints_seed002_numbers(
 ) -> None:
     from pathlib import Path
 
-    from ref.cli.main import main
+    from refserve.cli.main import main
 
     out_json = Path(str(tmp_path)) / "run.json"
     code = main(

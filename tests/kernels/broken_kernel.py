@@ -1,6 +1,6 @@
 """Deliberately wrong paged-attention kernels, for showing that the kernel grid catches bugs.
 
-Each has the documented signature and is a dense computation like ``kernels.oracle``
+Each has the documented signature and is a dense computation like ``refserve.kernels.oracle``
 with one classic paged-attention bug switched on (docs/ARCHITECTURE.md, "Kernels"; issue 5
 item 5):
 

@@ -2,8 +2,8 @@
 
 Triton has no CPU backend: without a CUDA device the kernels run in Triton's interpreter
 on CPU tensors. ``@triton.jit`` reads ``TRITON_INTERPRET`` when a kernel module is
-imported, so it is set here, before any test module imports ``kernels.attention`` (or
-touches ``kernels.paged_attention``); ``test_interpreter_mode_is_on`` proves it took.
+imported, so it is set here, before any test module imports ``refserve.kernels.attention`` (or
+touches ``refserve.kernels.paged_attention``); ``test_interpreter_mode_is_on`` proves it took.
 """
 
 from __future__ import annotations

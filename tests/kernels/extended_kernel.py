@@ -2,7 +2,7 @@
 our kernel"), to check the grid's oracle-only cases end to end.
 
 :func:`reference_extended` declares every feature and computes each case correctly (it
-wraps ``kernels.oracle.paged_attention_extended_f64`` and rounds to the query's dtype);
+wraps ``refserve.kernels.oracle.paged_attention_extended_f64`` and rounds to the query's dtype);
 the others are it with one classic bug: ALiBi with the sign flipped, sinks dropped from
 the denominator, the fp8 scales ignored, and the log-sum-exp returned in base 2.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kernels.oracle import paged_attention_extended_f64
+from refserve.kernels.oracle import paged_attention_extended_f64
 
 ALL_FEATURES = ["non_causal", "alibi", "sinks", "fp8_kv", "v_head_size", "per_request_window",
                 "lse"]  # fmt: skip

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.tolerances import attention_tolerance
+from refserve.kernels.tolerances import attention_tolerance
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -1,7 +1,7 @@
 """Triton paged attention against the dense oracle (docs/ARCHITECTURE.md, "Kernels"; issue 5).
 
 Runs on CUDA when there is one, otherwise in Triton's interpreter on CPU tensors
-(``conftest.py``). Every comparison uses ``kernels.tolerances`` through the grid's
+(``conftest.py``). Every comparison uses ``refserve.kernels.tolerances`` through the grid's
 ``run_case`` or ``assert_attention_close``; every input carries the grid's traps (NaN in
 each dead cache slot, unused block-table entries pointing at an all-NaN block, a canary
 around the ``out=`` view).
@@ -18,11 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_testing import DEVICE, DTYPES, HAS_CUDA, assert_attention_close, needs_cuda
 
-import kernels
-from conformance.kernel_grid import GRID, NOT_SUPPORTED, GridCase, build_inputs, run_case
-from kernels import oracle
-from kernels.attention import _paged_attention_kernel, choose_tiles, paged_attention
-from kernels.validation import AttentionDims, KernelInputError
+from refserve import kernels
+from refserve.conformance.kernel_grid import GRID, NOT_SUPPORTED, GridCase, build_inputs, run_case
+from refserve.kernels import oracle
+from refserve.kernels.attention import _paged_attention_kernel, choose_tiles, paged_attention
+from refserve.kernels.validation import AttentionDims, KernelInputError
 
 
 def _run(case: GridCase, dtype: torch.dtype, seed: int = 0, **kwargs: Any) -> None:
@@ -150,7 +150,7 @@ def test_rejects_bad_extra_arguments(kwargs: dict[str, object], argument: str) -
 
 
 def test_cpu_tensors_without_the_interpreter_get_a_clear_error() -> None:
-    from kernels._runtime import require_runnable
+    from refserve.kernels._runtime import require_runnable
 
     compiled = object()  # stands in for a compiled (not interpreted) kernel
     with pytest.raises(KernelInputError, match="TRITON_INTERPRET=1"):

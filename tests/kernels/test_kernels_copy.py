@@ -1,4 +1,4 @@
-"""``copy_blocks`` (Triton and torch paths) against ``kernels.oracle.copy_blocks``.
+"""``copy_blocks`` (Triton and torch paths) against ``refserve.kernels.oracle.copy_blocks``.
 
 Covers copy-on-write within one pool (invariant PREFIX: a shared block is
 copied before it is written) and swapping between two pools; a GPU<->CPU swap needs
@@ -11,10 +11,10 @@ import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, needs_cuda
 
-import kernels
-from kernels import oracle
-from kernels.copy import copy_blocks, copy_blocks_torch
-from kernels.validation import KernelInputError
+from refserve import kernels
+from refserve.kernels import oracle
+from refserve.kernels.copy import copy_blocks, copy_blocks_torch
+from refserve.kernels.validation import KernelInputError
 
 
 def _pool(

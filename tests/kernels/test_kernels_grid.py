@@ -21,7 +21,7 @@ import pytest
 import torch
 from kernel_testing import DEVICE
 
-from conformance.kernel_grid import (
+from refserve.conformance.kernel_grid import (
     BOUNDARY_RULES,
     CANARY,
     CASES,
@@ -40,8 +40,8 @@ from conformance.kernel_grid import (
     run_grid,
     select_cases,
 )
-from kernels import oracle
-from kernels.tolerances import Tolerance, attention_tolerance
+from refserve.kernels import oracle
+from refserve.kernels.tolerances import Tolerance, attention_tolerance
 
 CPU_CASES = select_cases("cpu")
 
@@ -166,7 +166,7 @@ def test_check_kernel_passes_the_triton_kernel(
     out = tmp_path / "report.json"
     code = check_kernel_main(
         [
-            "kernels.attention:paged_attention",
+            "refserve.kernels.attention:paged_attention",
             "--quick",
             "--dtype",
             "float32",
@@ -219,7 +219,12 @@ def test_check_kernel_fails_the_broken_kernel(
 
 @pytest.mark.parametrize(
     "argv",
-    [["no_such_module_xyz:fn"], ["kernels.oracle:no_such_fn"], ["kernels.oracle"], []],
+    [
+        ["no_such_module_xyz:fn"],
+        ["refserve.kernels.oracle:no_such_fn"],
+        ["refserve.kernels.oracle"],
+        [],
+    ],
     ids=["module", "function", "no_colon", "no_target"],
 )
 def test_check_kernel_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -308,8 +313,8 @@ def test_list_k_and_case_select_cases(capsys: pytest.CaptureFixture[str]) -> Non
     assert code == 0 and out.splitlines()[-1] == f"{3 * len(TILE_SIZES)} cases"
     code, out = _cli(["--list", "--case", "kv_len_1", "--case", "split4_long"], capsys)
     assert code == 0 and out.splitlines()[-1] == "2 cases"
-    assert check_kernel_main(["kernels.oracle:paged_attention", "--case", "nope"]) == 2
-    assert check_kernel_main(["kernels.oracle:paged_attention", "-k", "zzz_none"]) == 2
+    assert check_kernel_main(["refserve.kernels.oracle:paged_attention", "--case", "nope"]) == 2
+    assert check_kernel_main(["refserve.kernels.oracle:paged_attention", "-k", "zzz_none"]) == 2
     capsys.readouterr()
 
 
@@ -384,7 +389,13 @@ def test_tolerance_overrides_are_recorded(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "r.json"
-    argv = ["kernels.oracle:paged_attention", "--case", "extreme_logits", "--dtype", "float32"]
+    argv = [
+        "refserve.kernels.oracle:paged_attention",
+        "--case",
+        "extreme_logits",
+        "--dtype",
+        "float32",
+    ]
     code, _ = _cli([*argv, "--atol", "0", "--rtol", "0", "--in-process", "--json", str(out)],
                    capsys)  # fmt: skip
     report = json.loads(out.read_text())
@@ -444,7 +455,7 @@ def test_a_kernel_declaring_the_extended_surface_passes_it(dtype: torch.dtype) -
 
 
 def test_our_kernel_is_not_supported_on_the_extended_surface() -> None:
-    from kernels.attention import paged_attention
+    from refserve.kernels.attention import paged_attention
 
     results = run_grid(paged_attention, device="cpu", dtypes=[torch.float32], cases=BEYOND)
     assert {r.status for r in results} == {NOT_SUPPORTED}

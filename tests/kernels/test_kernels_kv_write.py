@@ -1,4 +1,5 @@
-"""``write_kv`` (Triton) against ``kernels.oracle.write_kv`` (docs/ARCHITECTURE.md, "Kernels").
+"""``write_kv`` (Triton) against ``refserve.kernels.oracle.write_kv`` (docs/ARCHITECTURE.md,
+"Kernels").
 
 Caches start all-NaN, so a comparison with ``equal_nan`` checks both that the right
 slots got the right values *and* that no other slot was touched.
@@ -12,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_testing import DEVICE, DTYPES
 
-import kernels
-from kernels import oracle
-from kernels.kv_write import write_kv, write_kv_torch
-from kernels.validation import KernelInputError
+from refserve import kernels
+from refserve.kernels import oracle
+from refserve.kernels.kv_write import write_kv, write_kv_torch
+from refserve.kernels.validation import KernelInputError
 
 
 def _setup(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conformance.kernel_grid import (
+from refserve.conformance.kernel_grid import (
     COPY_BLOCKS_GRID,
     FAIL,
     NOT_SUPPORTED,
@@ -20,7 +20,7 @@ from conformance.kernel_grid import (
     check_kernel_main,
     run_grid,
 )
-from kernels import oracle
+from refserve.kernels import oracle
 
 
 def _status(results: list[CaseResult]) -> dict[str, str]:
@@ -36,8 +36,8 @@ def _expected(grid: tuple[object, ...], failing: set[str]) -> dict[str, str]:
 
 
 def test_our_write_kv_and_copy_blocks_pass_their_grids() -> None:
-    from kernels.copy import copy_blocks
-    from kernels.kv_write import write_kv
+    from refserve.kernels.copy import copy_blocks
+    from refserve.kernels.kv_write import write_kv
 
     for fn, grid in ((write_kv, WRITE_KV_GRID), (copy_blocks, COPY_BLOCKS_GRID)):
         results = run_grid(fn, device="cpu", dtypes=[torch.float16], cases=grid)
@@ -82,12 +82,12 @@ def test_check_kernel_op_runs_the_write_kv_grid(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "r.json"
-    argv = ["kernels.kv_write:write_kv", "--op", "write_kv", "--quick", "--device", "cpu",
+    argv = ["refserve.kernels.kv_write:write_kv", "--op", "write_kv", "--quick", "--device", "cpu",
             "--dtype", "float32", "--json", str(out)]  # fmt: skip
     code = check_kernel_main(argv)
     text = capsys.readouterr().out
     assert code == 0, text
     assert "wkv_padding" in text and "2/2 passed" in text
-    assert check_kernel_main(["kernels.kv_write:write_kv", "--op", "write_kv",
+    assert check_kernel_main(["refserve.kernels.kv_write:write_kv", "--op", "write_kv",
                               "--case", "kv_len_1"]) == 2  # fmt: skip
     capsys.readouterr()

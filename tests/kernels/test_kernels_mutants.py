@@ -19,7 +19,7 @@ import pytest
 import torch
 from kernel_testing import DEVICE
 
-from conformance.kernel_grid import (
+from refserve.conformance.kernel_grid import (
     BOUNDARY_RULES,
     CASES,
     FAIL,
@@ -65,7 +65,7 @@ def test_mutant_is_caught_by_the_default_grid(
 
 
 def test_the_unmutated_kernel_passes_the_catching_cases() -> None:
-    from kernels.attention import paged_attention
+    from refserve.kernels.attention import paged_attention
 
     catching = sorted({c for m in mutant_kernels.MUTANTS.values() for c in m.caught_by})
     for case_name in catching:

@@ -1,6 +1,6 @@
 """The dense oracle itself (docs/ARCHITECTURE.md "Kernels"): checked against torch SDPA and by hand.
 
-Everything else in the kernel tests trusts ``kernels.oracle``, so it is checked here
+Everything else in the kernel tests trusts ``refserve.kernels.oracle``, so it is checked here
 against independent computations: ``scaled_dot_product_attention`` on contiguous
 inputs, with masks built from ``tril``/``triu`` rather than the oracle's position
 arithmetic; a closed-form softcap case; and metamorphic properties (block layout does
@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conformance.kernel_grid import GridCase, build_inputs
-from kernels import oracle
-from kernels.validation import KernelInputError
+from refserve.conformance.kernel_grid import GridCase, build_inputs
+from refserve.kernels import oracle
+from refserve.kernels.validation import KernelInputError
 
 
 def _contiguous_batch(

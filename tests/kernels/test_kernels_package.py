@@ -11,11 +11,12 @@ ROOT = Path(__file__).resolve().parents[2]
 _WITHOUT_TRITON = """
 import sys
 sys.modules["triton"] = None  # any `import triton` now raises ImportError
-import kernels, kernels.oracle, kernels.tolerances, kernels.validation
-import conformance.kernel_grid
+import refserve.kernels, refserve.kernels.oracle, refserve.kernels.tolerances
+import refserve.kernels.validation
+import refserve.conformance.kernel_grid
 assert "triton" not in [m.split(".")[0] for m in sys.modules if sys.modules[m] is not None]
 try:
-    kernels.paged_attention
+    refserve.kernels.paged_attention
 except ImportError:
     print("lazy-ok")
 """
@@ -34,13 +35,14 @@ def test_oracle_and_grid_import_without_triton() -> None:
 
 
 def test_lazy_exports_are_the_functions_even_after_submodule_imports() -> None:
-    import kernels.attention
-    import kernels.copy
-    import kernels.kv_write
+    import refserve.kernels.attention
+    import refserve.kernels.copy
+    import refserve.kernels.kv_write
+    from refserve import kernels
 
-    assert kernels.paged_attention is kernels.attention.paged_attention
-    assert kernels.write_kv is kernels.kv_write.write_kv
-    assert kernels.copy_blocks is kernels.copy.copy_blocks
+    assert kernels.paged_attention is refserve.kernels.attention.paged_attention
+    assert kernels.write_kv is refserve.kernels.kv_write.write_kv
+    assert kernels.copy_blocks is refserve.kernels.copy.copy_blocks
     assert {"paged_attention", "write_kv", "copy_blocks"} <= set(dir(kernels))
     try:
         kernels.no_such_name  # noqa: B018

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ref.kv import BlockCopy, BlockPool, DecodeGrowth, DecodeRun
+from refserve.kv import BlockCopy, BlockPool, DecodeGrowth, DecodeRun
 
 
 def stored(pool: BlockPool, request_id: str) -> int:

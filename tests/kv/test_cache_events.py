@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from ref.kv import BlockPool
-from ref.kv.events import CacheEventLog
-from ref.kv.prefix_index import PrefixIndex
-from spec.events import BlockRemoved, BlockStored, CacheCleared, CacheEvent, check_events
-from spec.hashing import DEFAULT_NAMESPACE, Namespace, block_key
-from spec.snapshot import CacheEntry
-from spec.violation import Invariant
+from refserve.kv import BlockPool
+from refserve.kv.events import CacheEventLog
+from refserve.kv.prefix_index import PrefixIndex
+from refserve.spec.events import BlockRemoved, BlockStored, CacheCleared, CacheEvent, check_events
+from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace, block_key
+from refserve.spec.snapshot import CacheEntry
+from refserve.spec.violation import Invariant
 
 BS = 2
 

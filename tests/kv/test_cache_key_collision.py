@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import ref.kv.prefix_index as prefix_index_module
-from ref.kv import BlockPool
-from spec.hashing import DEFAULT_NAMESPACE, Namespace, chain_keys
+import refserve.kv.prefix_index as prefix_index_module
+from refserve.kv import BlockPool
+from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace, chain_keys
 
 #: Pairs that shared one root under the NUL-joined encoding.
 COLLIDED_BEFORE: list[tuple[Namespace, Namespace]] = [

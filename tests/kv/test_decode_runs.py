@@ -8,7 +8,7 @@ admissions with prefix hits, decode steps (some rolled back), single tokens thro
 ``allocate``, frees, forks and a second run over the same tables; one decodes through
 ``decode_run``/``append_decodes`` with the claims the persistent batch makes, the other
 request by request through ``allocate(rid, known, 1)`` (``kv_steps.decode_each``). After
-every operation their snapshots are equal and ``spec.check_pool`` reports nothing,
+every operation their snapshots are equal and ``refserve.spec.check_pool`` reports nothing,
 whether or not the caller hands over the tokens of the blocks that fill (``filled``).
 """
 
@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv_steps import decode_each, stored
 
-from ref.errors import ExceedsCapacity, InvalidArgument, OutOfBlocks
-from ref.kv import BlockPool, DecodeRun
-from spec import check_pool
+from refserve.errors import ExceedsCapacity, InvalidArgument, OutOfBlocks
+from refserve.kv import BlockPool, DecodeRun
+from refserve.spec import check_pool
 
 TOKENS = st.integers(min_value=0, max_value=2)  # few ids: prefix hits are common
 

@@ -14,8 +14,8 @@ from types import MethodType
 
 import pytest
 
-from ref.kv.free_queue import FreeQueue
-from ref.kv.journal import Journal
+from refserve.kv.free_queue import FreeQueue
+from refserve.kv.journal import Journal
 
 
 @pytest.mark.mutation_kill

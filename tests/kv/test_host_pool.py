@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from ref.errors import DuplicateRequest, InvalidArgument, OutOfBlocks, UnknownRequest
-from ref.kv.host_pool import HostPool
-from ref.kv.pool import BlockCopy
-from spec import EngineSnapshot, PoolSnapshot, RequestSnapshot
-from spec.atomic import check_atomic
+from refserve.errors import DuplicateRequest, InvalidArgument, OutOfBlocks, UnknownRequest
+from refserve.kv.host_pool import HostPool
+from refserve.kv.pool import BlockCopy
+from refserve.spec import EngineSnapshot, PoolSnapshot, RequestSnapshot
+from refserve.spec.atomic import check_atomic
 
 
 def _engine(host: PoolSnapshot | None, *requests: RequestSnapshot) -> EngineSnapshot:

@@ -1,7 +1,7 @@
 """BlockPool: worked examples (docs/ARCHITECTURE.md), allocation and decode appends,
 prefix-cache behaviour, transactions, bad input.
 
-Every bad-input test asserts the typed exception from ``ref.errors``, a message naming
+Every bad-input test asserts the typed exception from ``refserve.errors``, a message naming
 the bad value, and that ``pool.snapshot()`` is unchanged (ATOMIC).
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 from kv_steps import decode_copies, decode_step, stored
 
-import ref.kv.prefix_index as prefix_index_module
-from ref.errors import (
+import refserve.kv.prefix_index as prefix_index_module
+from refserve.errors import (
     DuplicateRequest,
     ExceedsCapacity,
     InvalidArgument,
@@ -21,11 +21,11 @@ from ref.errors import (
     RefserveError,
     UnknownRequest,
 )
-from ref.kv import BlockCopy, BlockPool, PrefixHit
-from ref.kv.pool import Allocation
-from spec import check_pool
-from spec.atomic import check_atomic_pool
-from spec.hashing import Namespace
+from refserve.kv import BlockCopy, BlockPool, PrefixHit
+from refserve.kv.pool import Allocation
+from refserve.spec import check_pool
+from refserve.spec.atomic import check_atomic_pool
+from refserve.spec.hashing import Namespace
 
 
 def tokens(n: int, base: int = 0) -> list[int]:

@@ -1,11 +1,11 @@
-"""Hypothesis state machine: ref.kv.BlockPool against the abstract oracle
-(spec.abstract_pool.AbstractPool).
+"""Hypothesis state machine: refserve.kv.BlockPool against the abstract oracle
+(refserve.spec.abstract_pool.AbstractPool).
 
 Both pools receive the same random operations on tiny pools (so exhaustion, eviction and
 copy-on-write happen often). After every rule:
 
 * ``pool.snapshot() == model.snapshot()`` (free-queue order, cache entries, tables);
-* ``spec.check_pool`` reports nothing;
+* ``refserve.spec.check_pool`` reports nothing;
 * the test's own accounting agrees: each request's logical token list (kept here, never
   read back from the pool), ref counts recomputed from the block tables, used + free;
 * a **fake KV memory** (slot -> token id, written by this test on every allocation after
@@ -31,20 +31,20 @@ from hypothesis.stateful import (
 from kv_steps import decode_copies
 from kv_steps import stored as pool_stored
 
-from ref.errors import (
+from refserve.errors import (
     DuplicateRequest,
     ExceedsCapacity,
     InvalidArgument,
     OutOfBlocks,
     UnknownRequest,
 )
-from ref.kv import Allocation, BlockPool, PrefixHit
-from spec import check_pool
-from spec.abstract_pool import AbstractPool
-from spec.arith import blocks_needed, max_cacheable_tokens, slot_of
-from spec.events import check_events
-from spec.hashing import Namespace, chain_keys
-from spec.snapshot import CacheEntry
+from refserve.kv import Allocation, BlockPool, PrefixHit
+from refserve.spec import check_pool
+from refserve.spec.abstract_pool import AbstractPool
+from refserve.spec.arith import blocks_needed, max_cacheable_tokens, slot_of
+from refserve.spec.events import check_events
+from refserve.spec.hashing import Namespace, chain_keys
+from refserve.spec.snapshot import CacheEntry
 
 NAMESPACES = (Namespace(), Namespace(adapter="lora-1"))
 ALPHABET = st.integers(min_value=0, max_value=2)

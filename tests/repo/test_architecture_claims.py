@@ -37,7 +37,7 @@ def _is_block_size(node: ast.expr) -> bool:
 
 
 def _is_ceil_division(node: ast.AST) -> bool:
-    """``-(-a // b)``: ceiling division written out (``spec.arith.cdiv``)."""
+    """``-(-a // b)``: ceiling division written out (``refserve.spec.arith.cdiv``)."""
     return (
         isinstance(node, ast.UnaryOp)
         and isinstance(node.op, ast.USub)
@@ -54,14 +54,18 @@ def inlined_formulas(source: str, where: str) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(source)):
         if _is_ceil_division(node):
-            found.append(f"{where}:{node.lineno}: ceiling division (spec.arith.blocks_needed)")
+            found.append(
+                f"{where}:{node.lineno}: ceiling division (refserve.spec.arith.blocks_needed)"
+            )
         elif (
             isinstance(node, ast.BinOp)
             and isinstance(node.op, ast.FloorDiv | ast.Mod)
             and _is_block_size(node.right)
         ):
             what = "logical_block" if isinstance(node.op, ast.FloorDiv) else "block_offset"
-            found.append(f"{where}:{node.lineno}: division by a block size (spec.arith.{what})")
+            found.append(
+                f"{where}:{node.lineno}: division by a block size (refserve.spec.arith.{what})"
+            )
     return found
 
 

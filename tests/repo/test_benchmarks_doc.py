@@ -1,6 +1,6 @@
 """docs/BENCHMARKS.md is generated from the benchmarks' JSON, never typed (issue 30).
 
-The committed document must equal what ``conformance.bench.report`` renders from the
+The committed document must equal what ``refserve.conformance.bench.report`` renders from the
 committed inputs in docs/bench/ (``make bench`` and ``make bench-peers`` refresh both);
 a hand edit of either side, or a JSON refreshed without regenerating, fails here. The
 renderer itself is checked on small hand-made JSON documents of every kind it reads.
@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from conformance.bench import migration, report
-from conformance.bench.results import Cell, PoolCell, Run
+from refserve.conformance.bench import migration, report
+from refserve.conformance.bench.results import Cell, PoolCell, Run
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "BENCHMARKS.md"
@@ -44,7 +44,7 @@ def test_the_committed_document_is_what_the_committed_json_renders() -> None:
     rendered = report.render(_committed(), "docs/BENCHMARKS.md")
     assert DOC.read_text(encoding="utf-8") == rendered, (
         "docs/BENCHMARKS.md is stale or was edited by hand: run `make bench-report` "
-        "(python -m conformance.bench.report --out docs/BENCHMARKS.md docs/bench/*.json)"
+        "(python -m refserve.conformance.bench.report --out docs/BENCHMARKS.md docs/bench/*.json)"
     )
 
 
@@ -72,7 +72,7 @@ def _step_run(engines: dict[str, str]) -> dict[str, Any]:
         ]
         cells.append(Cell(e, 4, False, times_ns=rounds))
     run = Run(
-        command="python -m conformance.bench.peers --fixture",
+        command="python -m refserve.conformance.bench.peers --fixture",
         sizes=[4],
         rounds=3,
         warmup=1,
@@ -95,7 +95,7 @@ def _step_run(engines: dict[str, str]) -> dict[str, Any]:
 MEMORY = {
     "format": "refserve-bench-memory",
     "version": 1,
-    "command": "python -m conformance.bench.memory --fixture",
+    "command": "python -m refserve.conformance.bench.memory --fixture",
     "when": "2026-01-02 03:05 UTC",
     "machine": MACHINE,
     "load_after": [0.75, 0.3, 0.1],
@@ -147,7 +147,10 @@ def test_the_step_table_carries_figures_ratios_command_and_machine() -> None:
     assert "| refserve, loop | off | 10.0 us (5.0x) | n/a |" in md
     assert "| refserve | off | 4 | a 0.50 us, b 1.5 us |" in md
     assert "| refserve, loop | off | 4 | a 2.5 us, b 7.5 us |" in md
-    assert "Command: `python -m conformance.bench.peers --fixture`, run 2026-01-02 03:04 UTC." in md
+    assert (
+        "Command: `python -m refserve.conformance.bench.peers --fixture`, run 2026-01-02 03:04 UTC."
+        in md
+    )
     assert (
         "Machine: Test CPU 9000, 2 cores, load average (1 / 5 / 15 min) 0.50 / 0.25 / 0.12 "
         "at the start; Linux-test, Python 3.11.7, torch 2.13.0+cpu." in md
@@ -172,7 +175,10 @@ def test_a_run_with_other_engines_is_the_side_by_side_section() -> None:
 def test_the_memory_table() -> None:
     md = _rendered(("m.json", MEMORY))
     assert "| 1024 | 10,168 B | 213 B |" in md and "| 16384 | 10,204 B | 209 B |" in md
-    assert "Command: `python -m conformance.bench.memory --fixture`, run 2026-01-02 03:05" in md
+    assert (
+        "Command: `python -m refserve.conformance.bench.memory --fixture`, run 2026-01-02 03:05"
+        in md
+    )
     assert "Load average 0.75 / 0.30 / 0.10 at the end." in md
     assert "prompts of 100-128 tokens, 16 blocks of pool per request" in md
 
@@ -185,7 +191,7 @@ GPU_ROW = {
     "note": "flashinfer not installed",
 }  # fmt: skip
 GPU = {
-    "format": "refserve-gpu-bench", "command": "python -m kernels.bench --json g.json",
+    "format": "refserve-gpu-bench", "command": "python -m refserve.kernels.bench --json g.json",
     "when": "2026-01-02 03:04 UTC", "device": "Test GPU 9000", "torch": "2.11.0",
     "triton": "3.6.0", "python": "3.12.3", "copy_bandwidth_gbs": 4134.4, "wall_s": 20.0,
     "shape": {"num_q_heads": 32, "num_kv_heads": 8, "head_size": 128, "block_size": 16,
@@ -199,7 +205,9 @@ def test_the_gpu_table_carries_device_command_and_ratio_to_sdpa() -> None:
     assert report.kind_of(GPU) == "gpu"
     md = _rendered(("g.json", GPU))
     assert "## Paged attention on a GPU" in md
-    assert "Command: `python -m kernels.bench --json g.json`, run 2026-01-02 03:04 UTC." in md
+    assert (
+        "Command: `python -m refserve.kernels.bench --json g.json`, run 2026-01-02 03:04 UTC." in md
+    )
     assert "Device: Test GPU 9000, torch 2.11.0, Triton 3.6.0" in md and "4134.4 GB/s" in md
     assert "| decode | 4,096 | 64 | float16 | 489 us | 2,197 | 53% | 279 us | [1.75x] |" in md
     assert "| mixed | 4,096 | 64 | float16 | 489 us | 2,197 | 53% | n/a | n/a |" in md
@@ -286,8 +294,8 @@ def test_the_header_says_generated_by_what_and_sections_come_in_a_fixed_order() 
     md = report.render([("z/m.json", MEMORY), ("a/b.json", PYTEST), ("y/s.json", step)], "X.md")
     assert md.startswith("# Benchmarks\n")
     assert (
-        "**Generated** by `python -m conformance.bench.report --out X.md a/b.json y/s.json "
-        "z/m.json` from the benchmarks' own JSON; do not edit it by hand." in md
+        "**Generated** by `python -m refserve.conformance.bench.report --out X.md a/b.json "
+        "y/s.json z/m.json` from the benchmarks' own JSON; do not edit it by hand." in md
     )
     titles = re.findall(r"^## (.*)$", md, re.M)
     assert titles == [
@@ -327,7 +335,7 @@ def test_make_bench_and_bench_peers_end_by_regenerating_the_document() -> None:
     report_line = re.search(r"^BENCH_REPORT = (.*)$", make, re.M)
     assert report_line is not None
     assert report_line.group(1).endswith(
-        "-m conformance.bench.report --out docs/BENCHMARKS.md docs/bench/*.json"
+        "-m refserve.conformance.bench.report --out docs/BENCHMARKS.md docs/bench/*.json"
     )
     for target, copied in (
         (

@@ -4,9 +4,9 @@
 Every ``import`` is read from the syntax tree, the ones inside functions and under
 ``TYPE_CHECKING`` included: a lazy import postpones the circle to the first call, it does
 not remove it, and a circle is a pair of modules that cannot be understood (or moved) one
-without the other. An import names the module it loads (``from ref.core import scheduler``
-is an edge to ``ref.core.scheduler``; ``from ref.cli.args import PROG`` to
-``ref.cli.args``), not the packages above it, which Python loads first but which do not
+without the other. An import names the module it loads (``from refserve.core import scheduler``
+is an edge to ``refserve.core.scheduler``; ``from refserve.cli.args import PROG`` to
+``refserve.cli.args``), not the packages above it, which Python loads first but which do not
 import back.
 """
 
@@ -14,20 +14,12 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Mapping
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("ref", "spec", "kernels", "conformance")
+from tests.repo.layout import FOLDERS, ROOT, module_name
 
-
-def module_name(path: str) -> str:
-    """``ref/cli/main.py`` -> ``ref.cli.main``; ``ref/cli/__init__.py`` -> ``ref.cli``."""
-    parts = path.removesuffix(".py").split("/")
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+PACKAGES = tuple(FOLDERS)
 
 
 def _imported_names(path: str, source: str) -> list[str]:
@@ -59,7 +51,7 @@ def import_graph(sources: Mapping[str, str]) -> dict[str, set[str]]:
         edges: set[str] = set()
         for name in _imported_names(path, source):
             parts = name.split(".")
-            # The longest prefix that is a module: `from ref.cli.args import PROG`.
+            # The longest prefix that is a module: `from refserve.cli.args import PROG`.
             target = next(
                 (t for i in range(len(parts), 0, -1) if (t := ".".join(parts[:i])) in modules),
                 None,
@@ -127,15 +119,15 @@ def test_no_module_imports_itself_round_a_circle() -> None:
     sources = _repository_sources()
     graph = import_graph(sources)
     # The walk saw the package: a broken reader would find no edges and pass.
-    assert "ref.cli.serve" in graph["ref.cli.main"]
-    assert "ref.cli.config_args" in graph["ref.cli.serve"]
+    assert "refserve.cli.serve" in graph["refserve.cli.main"]
+    assert "refserve.cli.config_args" in graph["refserve.cli.serve"]
     found = cycles(graph)
     assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
 def test_the_cli_commands_import_the_shared_options_not_each_other() -> None:
     graph = import_graph(_repository_sources())
-    assert "ref.cli.main" not in graph["ref.cli.serve"]
+    assert "refserve.cli.main" not in graph["refserve.cli.serve"]
 
 
 # --------------------------------------------------------------------- the checker fails
@@ -144,26 +136,26 @@ def test_the_cli_commands_import_the_shared_options_not_each_other() -> None:
     [
         (  # the circle this test was written for: one side lazy, in a function
             {
-                "ref/cli/main.py": "from ref.cli.serve import add\n",
-                "ref/cli/serve.py": "def add():\n    from ref.cli.main import config\n",
+                "ref/cli/main.py": "from refserve.cli.serve import add\n",
+                "ref/cli/serve.py": "def add():\n    from refserve.cli.main import config\n",
             },
-            ["ref.cli.main", "ref.cli.serve"],
+            ["refserve.cli.main", "refserve.cli.serve"],
         ),
         (  # round three modules, relative and TYPE_CHECKING imports
             {
                 "ref/a.py": "from . import b\n",
                 "ref/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                "    from ref.c import X\n",
-                "ref/c.py": "import ref.a\nimport json\n",
+                "    from refserve.c import X\n",
+                "ref/c.py": "import refserve.a\nimport json\n",
             },
-            ["ref.a", "ref.b", "ref.c"],
+            ["refserve.a", "refserve.b", "refserve.c"],
         ),
         (  # through a package's __init__
             {
-                "ref/kv/__init__.py": "from ref.kv.pool import Pool\n",
-                "ref/kv/pool.py": "from ref.kv import helper\n",
+                "ref/kv/__init__.py": "from refserve.kv.pool import Pool\n",
+                "ref/kv/pool.py": "from refserve.kv import helper\n",
             },
-            ["ref.kv", "ref.kv.pool"],
+            ["refserve.kv", "refserve.kv.pool"],
         ),
     ],
 )
@@ -173,10 +165,18 @@ def test_a_planted_circle_is_found(sources: dict[str, str], circle: list[str]) -
 
 def test_a_one_way_chain_is_no_circle() -> None:
     sources = {
-        "ref/a.py": "from ref.b import f\n",
-        "ref/b.py": "from ref import c\nimport os\n",
-        "ref/c.py": "from ref.c import itself\n",  # a module naming itself is no edge
+        "ref/a.py": "from refserve.b import f\n",
+        "ref/b.py": "from refserve import c\nimport os\n",
+        "ref/c.py": "from refserve.c import itself\n",  # a module naming itself is no edge
+        "spec/d.py": "from . import e\n",  # relative, in a subpackage of its own folder
+        "spec/e.py": "",
     }
     graph = import_graph(sources)
-    assert graph == {"ref.a": {"ref.b"}, "ref.b": {"ref.c"}, "ref.c": set()}
+    assert graph == {
+        "refserve.a": {"refserve.b"},
+        "refserve.b": {"refserve.c"},
+        "refserve.c": set(),
+        "refserve.spec.d": {"refserve.spec.e"},
+        "refserve.spec.e": set(),
+    }
     assert cycles(graph) == []

@@ -2,42 +2,48 @@
 
 Every ``import`` in the source tree is read from the syntax tree, the ones inside functions
 and under ``TYPE_CHECKING`` included (a lazy import is still a dependency), and checked
-against the layer order. ``ref``'s own ``__init__`` is left out: it names the API modules
-as strings for lazy loading, which is not an edge a layer sees. The same reading checks
-that the layers below the model side (``spec``, ``ref.kv``, ``ref.core``) import no torch:
-the scheduler and its step run, and are checked, without a tensor library.
+against the layer order. The package's own ``__init__`` (``ref/__init__.py``) is left out:
+it names the API modules as strings for lazy loading, which is not an edge a layer sees.
+The same reading checks that the layers below the model side (``refserve.spec``,
+``refserve.kv``, ``refserve.core``) import no torch: the scheduler and its step run, and
+are checked, without a tensor library. Modules are named as installed (``refserve.*``,
+tests/repo/layout.py); the rules are stated per folder. Last, the rules hold at import
+time: a fresh interpreter that imports one layer has loaded nothing above it.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.repo import layout
 
-# Inside ref/: a module may import its own layer or any lower one. ref.model and ref.sim
-# share a rank but are siblings: neither imports the other.
+ROOT = layout.ROOT
+
+# Inside ref/: a module may import its own layer or any lower one. refserve.model and
+# refserve.sim share a rank but are siblings: neither imports the other.
 REF_LAYERS: dict[str, int] = {
-    "ref.errors": 0,
-    "ref.files": 1,
-    "ref.kv": 2,
-    "ref.core": 3,
-    "ref.model": 4,
-    "ref.sim": 4,
-    "ref.engine": 5,
-    "ref.cluster": 6,
-    "ref.serve": 7,
-    "ref.report": 8,
-    "ref.cli": 9,
+    "refserve.errors": 0,
+    "refserve.files": 1,
+    "refserve.kv": 2,
+    "refserve.core": 3,
+    "refserve.model": 4,
+    "refserve.sim": 4,
+    "refserve.engine": 5,
+    "refserve.cluster": 6,
+    "refserve.serve": 7,
+    "refserve.report": 8,
+    "refserve.cli": 9,
 }
-# The top-level packages each may import (besides itself and third-party code).
+# The folders whose modules each folder's may import (besides its own and third-party code).
 PACKAGE_MAY_IMPORT: dict[str, set[str]] = {
     "spec": set(),
     "kernels": set(),
-    "ref": {"spec", "kernels"},  # conformance only from ref.cli, checked separately
+    "ref": {"spec", "kernels"},  # conformance only from refserve.cli, checked separately
     "conformance": {"spec", "kernels", "ref"},
 }
 OURS = frozenset(PACKAGE_MAY_IMPORT)
@@ -53,17 +59,19 @@ def _layer(module: str) -> str:
 
 
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+    return layout.module_name(path.relative_to(ROOT).as_posix())
+
+
+def _folder(module: str) -> str | None:
+    return layout.folder_of(module)
 
 
 def _imports(path: Path, *, ours: bool = True) -> list[tuple[int, str]]:
     """(line, absolute module) for every import of one of our packages in ``path``, or
     of any package with ``ours=False``."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    package = _module_name(path).rsplit(".", 1)[0]
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
     found: list[tuple[int, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -73,9 +81,9 @@ def _imports(path: Path, *, ours: bool = True) -> list[tuple[int, str]]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
-            # `from ref.core import scheduler` imports ref.core.scheduler.
+            # `from refserve.core import scheduler` imports refserve.core.scheduler.
             found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
-    return [(line, m) for line, m in found if not ours or m.split(".")[0] in OURS]
+    return [(line, m) for line, m in found if not ours or _folder(m) in OURS]
 
 
 def _sources() -> list[Path]:
@@ -85,16 +93,18 @@ def _sources() -> list[Path]:
 def violations(path: Path) -> list[str]:
     """Every import in ``path`` that goes against the layer order."""
     me = _module_name(path)
-    top = me.split(".")[0]
+    top = _folder(me)
+    assert top is not None, me
     bad = []
     for line, target in _imports(path):
-        other = target.split(".")[0]
+        other = _folder(target)
+        assert other is not None, target
         where = f"{path.relative_to(ROOT)}:{line} imports {target}"
         if other != top and other not in PACKAGE_MAY_IMPORT[top]:
-            if not (top == "ref" and other == "conformance" and _layer(me) == "ref.cli"):
+            if not (top == "ref" and other == "conformance" and _layer(me) == "refserve.cli"):
                 bad.append(f"{where}: {top} may not import {other}")
             continue
-        if top != "ref" or other != "ref" or me == "ref":
+        if top != "ref" or other != "ref" or me == "refserve":
             continue
         mine, theirs = _layer(me), _layer(target)
         if REF_LAYERS[theirs] > REF_LAYERS[mine]:
@@ -152,29 +162,41 @@ def test_a_module_named_like_torch_is_not_torch(
 ) -> None:
     path = tmp_path / "spec" / "fake.py"
     path.parent.mkdir(parents=True)
-    path.write_text("import torchvision_like\nfrom ref.kv import torch_free\n")
+    path.write_text("import torchvision_like\nfrom refserve.kv import torch_free\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert torch_imports(path) == []
 
 
 def test_every_ref_module_has_a_layer() -> None:
     for path in (ROOT / "ref").rglob("*.py"):
-        if _module_name(path) != "ref":
+        if _module_name(path) != "refserve":
             _layer(_module_name(path))
 
 
 @pytest.mark.parametrize(
     ("module", "source", "complaint"),
     [
-        ("ref/core/fake.py", "from ref.sim.trace import load_trace\n", "below ref.sim"),
-        ("ref/sim/fake.py", "import ref.model.llama\n", "siblings"),
-        ("ref/kv/fake.py", "def f():\n    from ref.core import scheduler\n", "below ref.core"),
-        ("ref/engine/fake.py", "from conformance import cli\n", "may not import conformance"),
-        ("spec/fake.py", "from ref.kv import BlockPool\n", "spec may not import ref"),
-        ("kernels/fake.py", "from ..ref import errors\n", "kernels may not import ref"),
-        ("ref/core/fake.py", "from ..report import compare\n", "below ref.report"),
-        ("ref/engine/fake.py", "from ref.cluster.router import Router\n", "below ref.cluster"),
-        ("ref/cluster/fake.py", "from ref.serve import app\n", "below ref.serve"),
+        ("ref/core/fake.py", "from refserve.sim.trace import load_trace\n", "below refserve.sim"),
+        ("ref/sim/fake.py", "import refserve.model.llama\n", "siblings"),
+        (
+            "ref/kv/fake.py",
+            "def f():\n    from refserve.core import scheduler\n",
+            "below refserve.core",
+        ),
+        (
+            "ref/engine/fake.py",
+            "from refserve.conformance import cli\n",
+            "may not import conformance",
+        ),
+        ("spec/fake.py", "from refserve.kv import BlockPool\n", "spec may not import ref"),
+        ("kernels/fake.py", "from .. import errors\n", "kernels may not import ref"),
+        ("ref/core/fake.py", "from ..report import compare\n", "below refserve.report"),
+        (
+            "ref/engine/fake.py",
+            "from refserve.cluster.router import Router\n",
+            "below refserve.cluster",
+        ),
+        ("ref/cluster/fake.py", "from refserve.serve import app\n", "below refserve.serve"),
     ],
 )
 def test_an_upward_import_is_caught(
@@ -192,6 +214,63 @@ def test_an_upward_import_is_caught(
 def test_the_cli_may_import_conformance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "ref" / "cli" / "fake.py"
     path.parent.mkdir(parents=True)
-    path.write_text("from conformance.cli import main\nfrom ref.report import compare\n")
+    path.write_text(
+        "from refserve.conformance.cli import main\nfrom refserve.report import compare\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert violations(path) == []
+
+
+# ------------------------------------------------------------------ at import time
+# What a fresh interpreter has loaded of ours after importing one layer: the source reading
+# above sees every import statement, this sees what the package's __init__ files really pull
+# in (a lazy attribute that is touched, an eager re-export), under the installed names.
+IMPORT_TIME_RULES = [
+    # (what is imported, prefixes of ours that must not be loaded, prefixes allowed anyway)
+    ("refserve.spec", ("refserve",), ("refserve.spec",)),
+    ("refserve.kernels.oracle", ("refserve",), ("refserve.kernels",)),
+    ("refserve.kv", ("refserve.core", "refserve.engine", "refserve.conformance"), ()),
+    (
+        "refserve.core.engine_core",
+        ("refserve.model", "refserve.engine", "refserve.conformance"),
+        (),
+    ),
+    ("refserve.engine", ("refserve.conformance", "refserve.cluster", "refserve.serve"), ()),
+    ("refserve.engine.llm_engine", ("refserve.conformance", "refserve.cli"), ()),
+]
+
+
+def loaded_modules(statement: str) -> list[str]:
+    """The modules of ours loaded after ``statement`` in a fresh interpreter."""
+    code = f"import sys\n{statement}\nprint('\\n'.join(sorted(sys.modules)))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [m for m in proc.stdout.split() if m == "refserve" or m.startswith("refserve.")]
+
+
+def _under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def forbidden(loaded: list[str], banned: tuple[str, ...], allowed: tuple[str, ...]) -> list[str]:
+    """The modules in ``loaded`` under a banned prefix and under no allowed one. The package
+    root ``refserve`` itself, which Python loads before any of its subpackages, is allowed."""
+    return [m for m in loaded if m != "refserve" and _under(m, banned) and not _under(m, allowed)]
+
+
+@pytest.mark.parametrize(("module", "banned", "allowed"), IMPORT_TIME_RULES)
+def test_importing_a_layer_loads_nothing_above_it(
+    module: str, banned: tuple[str, ...], allowed: tuple[str, ...]
+) -> None:
+    loaded = loaded_modules(f"import {module}")
+    assert module in loaded  # the reading saw the import itself
+    bad = forbidden(loaded, banned, allowed)
+    assert not bad, f"importing {module} loaded {bad}"
+
+
+def test_the_import_time_check_fails_on_a_loaded_upper_layer() -> None:
+    loaded = loaded_modules("import refserve.spec\nimport refserve.core.scheduler")
+    assert "refserve.core.scheduler" in forbidden(loaded, ("refserve",), ("refserve.spec",))
+    assert forbidden(["refserve", "refserve.spec.arith"], ("refserve",), ("refserve.spec",)) == []

@@ -17,11 +17,11 @@ from typing import Protocol
 
 from hypothesis import event
 
-from ref.core.executor import StepOutput
-from ref.core.inputs import ModelInputs
-from ref.core.plan import StepPlan
-from spec import PoolSnapshot
-from spec.arith import blocks_needed, slot_of
+from refserve.core.executor import StepOutput
+from refserve.core.inputs import ModelInputs
+from refserve.core.plan import StepPlan
+from refserve.spec import PoolSnapshot
+from refserve.spec.arith import blocks_needed, slot_of
 
 
 class ScriptBooks(Protocol):

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from harness import SMALL_CONFIG, commit_step, decoding_scheduler, make_request, plan_entry
 
-from ref.core.config import Admission, SchedulerConfig
-from ref.core.plan import StepPlan
-from ref.core.request import Request, StopParams
-from ref.core.scheduler import Scheduler
-from spec.snapshot import RequestStatus as S
+from refserve.core.config import Admission, SchedulerConfig
+from refserve.core.plan import StepPlan
+from refserve.core.request import Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.spec.snapshot import RequestStatus as S
 from tests.harness import reference_loop
 
 

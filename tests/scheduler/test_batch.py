@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from ref.core.batch import PersistentBatch
-from ref.core.config import SchedulerConfig
-from ref.core.inputs import build_inputs
-from ref.core.outcome import Outcome
-from ref.core.output import BadExecutorOutput
-from ref.core.request import FinishReason, Request, StopParams
-from ref.core.scheduler import Scheduler
-from ref.kv import BlockPool, DecodeGrowth, DecodeRun
-from spec.snapshot import RequestStatus
+from refserve.core.batch import PersistentBatch
+from refserve.core.config import SchedulerConfig
+from refserve.core.inputs import build_inputs
+from refserve.core.outcome import Outcome
+from refserve.core.output import BadExecutorOutput
+from refserve.core.request import FinishReason, Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.kv import BlockPool, DecodeGrowth, DecodeRun
+from refserve.spec.snapshot import RequestStatus
 from tests.harness import make_request
 
 S = RequestStatus

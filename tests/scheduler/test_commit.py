@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 from harness import SMALL_CONFIG, commit_step, make_request, plan_entry
 
-from ref.core.config import SchedulerConfig
-from ref.core.outcome import Outcome
-from ref.core.output import BadExecutorOutput
-from ref.core.policy import DecodeFirst
-from ref.core.request import FinishReason, Request, StopParams
-from ref.core.scheduler import Scheduler
-from spec.snapshot import RequestStatus as S
+from refserve.core.config import SchedulerConfig
+from refserve.core.outcome import Outcome
+from refserve.core.output import BadExecutorOutput
+from refserve.core.policy import DecodeFirst
+from refserve.core.request import FinishReason, Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.spec.snapshot import RequestStatus as S
 
 
 @pytest.mark.mutation_kill

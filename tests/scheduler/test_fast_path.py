@@ -19,14 +19,14 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from ref.core.batch import DecodeRows, Ints, PersistentBatch
-from ref.core.config import SchedulerConfig
-from ref.core.inputs import ModelInputs, build_inputs
-from ref.core.request import Request, StopParams
-from ref.core.scheduler import Scheduler
-from ref.kv import BlockPool, DecodeRun
-from ref.sim.simulator import fake_token
-from spec.snapshot import RequestStatus
+from refserve.core.batch import DecodeRows, Ints, PersistentBatch
+from refserve.core.config import SchedulerConfig
+from refserve.core.inputs import ModelInputs, build_inputs
+from refserve.core.request import Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.kv import BlockPool, DecodeRun
+from refserve.sim.simulator import fake_token
+from refserve.spec.snapshot import RequestStatus
 from tests.harness import reference_loop
 
 

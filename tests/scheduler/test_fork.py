@@ -11,17 +11,17 @@ from __future__ import annotations
 import pytest
 from harness import SMALL_CONFIG, commit_step, decoding_scheduler, make_request
 
-from ref.core.config import SchedulerConfig
-from ref.core.cost import StepCost
-from ref.core.engine_core import EngineCore
-from ref.core.request import FinishReason, Request, StopParams
-from ref.core.scheduler import Scheduler, StepInProgress
-from ref.core.swap import KVRetention
-from ref.errors import DuplicateRequest, InvalidArgument, UnknownRequest
-from ref.sim.simulator import SimExecutor
-from spec import check_pool
-from spec.hashing import Namespace
-from spec.snapshot import RequestStatus as S
+from refserve.core.config import SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.core.engine_core import EngineCore
+from refserve.core.request import FinishReason, Request, StopParams
+from refserve.core.scheduler import Scheduler, StepInProgress
+from refserve.core.swap import KVRetention
+from refserve.errors import DuplicateRequest, InvalidArgument, UnknownRequest
+from refserve.sim.simulator import SimExecutor
+from refserve.spec import check_pool
+from refserve.spec.hashing import Namespace
+from refserve.spec.snapshot import RequestStatus as S
 
 PARENT_CFG = SchedulerConfig(
     max_num_batched_tokens=16, max_num_seqs=2, block_size=2, num_blocks=8, max_model_len=16

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ref.core.cost import StepCost
-from ref.core.migration_cost import MIN_IDLE, KVMode, MigrationCost
-from ref.errors import InvalidArgument
+from refserve.core.cost import StepCost
+from refserve.core.migration_cost import MIN_IDLE, KVMode, MigrationCost
+from refserve.errors import InvalidArgument
 
 # 1,000 bytes per token over 1 GB/s = 1e6 bytes/ms: 0.001 ms per token on the link,
 # 0.5 ms per token to recompute (b of 2 + 0.5P + D).

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 
-from ref.core.config import SchedulerConfig
-from ref.core.request import Request, StopParams
-from ref.core.transit import Move
-from spec.arith import max_cacheable_tokens
-from spec.hashing import Namespace
+from refserve.core.config import SchedulerConfig
+from refserve.core.request import Request, StopParams
+from refserve.core.transit import Move
+from refserve.spec.arith import max_cacheable_tokens
+from refserve.spec.hashing import Namespace
 from tests.harness import MemoryLink, Stepper
 
 PROMPT = [1, 2, 3, 4, 5, 6]

@@ -20,15 +20,15 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-import ref.core.transit as transit
-from ref.core.config import SchedulerConfig
-from ref.core.request import Request, StopParams
-from ref.core.scheduler import Scheduler
-from ref.core.transit import Arrival, Departure, Import, MigrationError, Move, MoveAborted
-from spec.checks import check_cluster
-from spec.cluster import ClusterSnapshot, ClusterStep, TransitPhase
-from spec.snapshot import RequestStatus
-from spec.violation import Invariant, Violation
+import refserve.core.transit as transit
+from refserve.core.config import SchedulerConfig
+from refserve.core.request import Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.core.transit import Arrival, Departure, Import, MigrationError, Move, MoveAborted
+from refserve.spec.checks import check_cluster
+from refserve.spec.cluster import ClusterSnapshot, ClusterStep, TransitPhase
+from refserve.spec.snapshot import RequestStatus
+from refserve.spec.violation import Invariant, Violation
 from tests.harness import Boom, MemoryLink, Stepper, cluster_snapshot
 from tests.scheduler.test_migration_state_machine import ClusterMachine
 

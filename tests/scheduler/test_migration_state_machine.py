@@ -9,7 +9,7 @@ or swap preemption with a host pool sometimes, its own length limit.
 
 Rules: add a request to an engine, step an engine, abort, pause an agent turn (its KV
 kept on the device, moved to the host, or dropped) and resume it, and migrate a drawn
-live request, in any state, to another engine with ``ref.core.transit.Move``: by
+live request, in any state, to another engine with ``refserve.core.transit.Move``: by
 transfer (in chunks of drawn size) or by recompute, with a fault drawn at a point of
 the protocol (before the export, after the stage, between chunks, inside a chunk's
 copy, before the ack, after the ack) or the client aborting it mid-move. The K/V travels
@@ -18,9 +18,9 @@ saves what it overwrote, so an abort restores the destination's memory.
 
 After every operation, and after every phase of every move, a cluster snapshot is taken
 (spec/cluster.py: the engines' snapshots and memories, the request in transit, what
-each client received) and every migration rule (``spec.checks.check_cluster``: OWNER,
+each client received) and every migration rule (``refserve.spec.checks.check_cluster``: OWNER,
 CONSERVE, MOVED, KVCOPY, LEAK) is checked against the snapshot before it, with every
-engine's pool rules (``spec.check_pool``). ``sampled`` comes from the executors (what
+engine's pool rules (``refserve.spec.check_pool``). ``sampled`` comes from the executors (what
 they sampled) and ``delivered`` from the schedulers' step outcomes (what they reported),
 so the two are independent. A move that fails before the ack must leave both engines'
 snapshots and the destination's memory exactly as before. Teardown resumes or aborts
@@ -34,12 +34,12 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from ref.core.config import SchedulerConfig
-from ref.core.engine_core import EngineCore
-from ref.core.request import Request, StopParams
-from ref.core.scheduler import Scheduler
-from ref.core.swap import KVRetention, PreemptionMode
-from ref.core.transit import (
+from refserve.core.config import SchedulerConfig
+from refserve.core.engine_core import EngineCore
+from refserve.core.request import Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.core.swap import KVRetention, PreemptionMode
+from refserve.core.transit import (
     MOVE_POINTS,
     MigrationError,
     MigrationRefused,
@@ -47,13 +47,13 @@ from ref.core.transit import (
     MoveAborted,
     cluster_node,
 )
-from spec import check_pool
-from spec.arith import blocks_needed
-from spec.checks import check_cluster
-from spec.cluster import ClusterSnapshot, ClusterStep, Delivered, Sample, Transit
-from spec.progress import check_quiescent
-from spec.snapshot import RequestStatus
-from spec.violation import Violation
+from refserve.spec import check_pool
+from refserve.spec.arith import blocks_needed
+from refserve.spec.checks import check_cluster
+from refserve.spec.cluster import ClusterSnapshot, ClusterStep, Delivered, Sample, Transit
+from refserve.spec.progress import check_quiescent
+from refserve.spec.snapshot import RequestStatus
+from refserve.spec.violation import Violation
 from tests.harness import Boom, MemoryLink
 from tests.scheduler.scripted_kv import ScriptedExecutor
 

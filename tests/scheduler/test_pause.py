@@ -21,14 +21,14 @@ from harness import (
     sampled_tokens,
 )
 
-from ref.core.config import SchedulerConfig
-from ref.core.request import FinishReason, StopParams
-from ref.core.scheduler import Scheduler, StepInProgress
-from ref.core.swap import KVRetention, RetentionPolicy
-from ref.errors import ExceedsCapacity, InvalidArgument, UnknownRequest
-from spec import EngineSnapshot, PoolSnapshot, RequestSnapshot
-from spec.progress import check_quiescent
-from spec.snapshot import RequestStatus as S
+from refserve.core.config import SchedulerConfig
+from refserve.core.request import FinishReason, StopParams
+from refserve.core.scheduler import Scheduler, StepInProgress
+from refserve.core.swap import KVRetention, RetentionPolicy
+from refserve.errors import ExceedsCapacity, InvalidArgument, UnknownRequest
+from refserve.spec import EngineSnapshot, PoolSnapshot, RequestSnapshot
+from refserve.spec.progress import check_quiescent
+from refserve.spec.snapshot import RequestStatus as S
 
 
 # ------------------------------------------------------------------ pause / resume
@@ -512,8 +512,8 @@ def test_resume_rejects_a_turn_that_can_never_fit_with_nothing_changed() -> None
 
 
 def test_token_check_on_a_reclaimed_paused_turn() -> None:
-    from spec import StepSnapshot
-    from spec.token import check_token
+    from refserve.spec import StepSnapshot
+    from refserve.spec.token import check_token
 
     device = PoolSnapshot(4, 2, (0, 0, 0, 0), (0, 1, 2, 3), ())
     paused = RequestSnapshot("p", S.WAITING_TOOL, 3, 1, 3, 4)

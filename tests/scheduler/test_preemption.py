@@ -12,14 +12,14 @@ from collections.abc import Sequence
 import pytest
 from harness import commit_step, decoding_scheduler, make_request, plan_entry, sampled_tokens
 
-from ref.core.config import SchedulerConfig
-from ref.core.outcome import StepOutcome
-from ref.core.policy import DecodeFirst
-from ref.core.request import FinishReason, Request, StopParams
-from ref.core.scheduler import Scheduler
-from ref.errors import ExceedsCapacity
-from spec import check_pool
-from spec.snapshot import RequestStatus as S
+from refserve.core.config import SchedulerConfig
+from refserve.core.outcome import StepOutcome
+from refserve.core.policy import DecodeFirst
+from refserve.core.request import FinishReason, Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.errors import ExceedsCapacity
+from refserve.spec import check_pool
+from refserve.spec.snapshot import RequestStatus as S
 
 
 class _KeepsEveryone(DecodeFirst):

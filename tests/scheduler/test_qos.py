@@ -12,14 +12,14 @@ from harness import COST, SMALL_CONFIG, Stepper, commit_step, make_request, plan
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ref.core.config import PolicyName, SchedulerConfig
-from ref.core.cost import StepCost, fit_step_cost
-from ref.core.policy import DecodeFirst, TenantFair
-from ref.core.request import Request, StopParams
-from ref.core.scheduler import Scheduler
-from ref.errors import InvalidArgument, QueueFull
-from ref.sim.metrics import RequestMetrics, per_tenant
-from ref.sim.simulator import simulate
+from refserve.core.config import PolicyName, SchedulerConfig
+from refserve.core.cost import StepCost, fit_step_cost
+from refserve.core.policy import DecodeFirst, TenantFair
+from refserve.core.request import Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.errors import InvalidArgument, QueueFull
+from refserve.sim.metrics import RequestMetrics, per_tenant
+from refserve.sim.simulator import simulate
 from tests.harness import reference_loop
 
 

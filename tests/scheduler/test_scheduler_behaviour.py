@@ -1,7 +1,7 @@
 """Targeted scheduler scenarios: docs/ARCHITECTURE.md, "Known bugs elsewhere" and example 2.
 
 Every step runs through ``EngineCore(check_invariants=True)`` (directly or via
-``ref.sim.simulator.simulate``), so each scenario is also checked against every spec invariant;
+``refserve.sim.simulator.simulate``), so each scenario is also checked against every spec invariant;
 the assertions here state the behaviour the scenario is about. The abort and finish time
 stamps are pinned on ``harness.commit_step`` (schedule and commit, ``check_pool`` after).
 """
@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 from harness import COST, SMALL_CONFIG, STEP_LIMIT, Stepper, decoding_scheduler, make_request
 
-from ref.core.config import Admission, PolicyName, SchedulerConfig
-from ref.core.engine_core import EngineCore, StepRecord
-from ref.core.request import FinishReason, Request, StopParams
-from ref.core.scheduler import Scheduler
-from ref.sim.simulator import SimExecutor, simulate
-from spec.arith import blocks_needed
-from spec.progress import check_quiescent
-from spec.snapshot import RequestStatus as S
+from refserve.core.config import Admission, PolicyName, SchedulerConfig
+from refserve.core.engine_core import EngineCore, StepRecord
+from refserve.core.request import FinishReason, Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.sim.simulator import SimExecutor, simulate
+from refserve.spec.arith import blocks_needed
+from refserve.spec.progress import check_quiescent
+from refserve.spec.snapshot import RequestStatus as S
 
 
 class Run(Stepper):

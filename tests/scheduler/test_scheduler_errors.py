@@ -18,23 +18,23 @@ from pathlib import Path
 
 import pytest
 
-from ref.cli.main import main
-from ref.core.config import Admission, PolicyName, SchedulerConfig
-from ref.core.cost import StepCost
-from ref.core.engine_core import EngineCore
-from ref.core.output import BadExecutorOutput
-from ref.core.request import Request, StopParams
-from ref.core.scheduler import Scheduler, StepInProgress
-from ref.errors import (
+from refserve.cli.main import main
+from refserve.core.config import Admission, PolicyName, SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.core.engine_core import EngineCore
+from refserve.core.output import BadExecutorOutput
+from refserve.core.request import Request, StopParams
+from refserve.core.scheduler import Scheduler, StepInProgress
+from refserve.errors import (
     DuplicateRequest,
     ExceedsCapacity,
     InvalidArgument,
     RefserveError,
     UnknownRequest,
 )
-from ref.sim.simulator import SimExecutor
-from ref.sim.trace import TraceError, load_trace, parse_trace
-from spec.snapshot import RequestStatus as S
+from refserve.sim.simulator import SimExecutor
+from refserve.sim.trace import TraceError, load_trace, parse_trace
+from refserve.spec.snapshot import RequestStatus as S
 
 CONFIG = SchedulerConfig(
     max_num_batched_tokens=6,

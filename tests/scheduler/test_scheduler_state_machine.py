@@ -19,7 +19,7 @@ scheduler's counters:
 * a **fake KV memory** (slot -> token id) and a **fake host memory**: the executor
   applies ``plan.swap_out`` (device -> host), ``plan.swap_in`` (host -> device),
   ``plan.copies``, then writes ``input_ids`` at ``slot_mapping`` (both from
-  ``ref.core.inputs.build_inputs``, i.e. what a kernel would get); every scheduled request
+  ``refserve.core.inputs.build_inputs``, i.e. what a kernel would get); every scheduled request
   (swapped-in ones included) must read back its own tokens through its block table;
   after the step every live block table, every prefix-cache entry and every host table
   must read back the tokens it claims;
@@ -61,21 +61,21 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from ref.core.config import Admission, PolicyName, SchedulerConfig
-from ref.core.cost import StepCost
-from ref.core.engine_core import EngineCore
-from ref.core.executor import StepOutput
-from ref.core.inputs import ModelInputs, scheduled_requests
-from ref.core.output import BadExecutorOutput
-from ref.core.plan import ScheduledChunk, StepPlan
-from ref.core.request import FinishReason, Request, StopParams
-from ref.core.scheduler import Scheduler
-from ref.core.swap import KVRetention, PreemptionMode, SwapCost
-from ref.errors import DuplicateRequest, ExceedsCapacity, InvalidArgument, UnknownRequest
-from spec import EngineSnapshot, StepSnapshot, check_pool
-from spec.arith import blocks_needed, max_cacheable_tokens
-from spec.progress import check_quiescent, check_starvation
-from spec.snapshot import RequestStatus
+from refserve.core.config import Admission, PolicyName, SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.core.engine_core import EngineCore
+from refserve.core.executor import StepOutput
+from refserve.core.inputs import ModelInputs, scheduled_requests
+from refserve.core.output import BadExecutorOutput
+from refserve.core.plan import ScheduledChunk, StepPlan
+from refserve.core.request import FinishReason, Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.core.swap import KVRetention, PreemptionMode, SwapCost
+from refserve.errors import DuplicateRequest, ExceedsCapacity, InvalidArgument, UnknownRequest
+from refserve.spec import EngineSnapshot, StepSnapshot, check_pool
+from refserve.spec.arith import blocks_needed, max_cacheable_tokens
+from refserve.spec.progress import check_quiescent, check_starvation
+from refserve.spec.snapshot import RequestStatus
 from tests.scheduler.scripted_kv import FAIL_POINTS, Boom, ScriptedExecutor, kv_readback_errors
 
 S = RequestStatus

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from ref.core.config import SchedulerConfig
-from ref.core.inputs import build_inputs
-from ref.core.outcome import Outcome
-from ref.core.output import BadExecutorOutput, validate_output
-from ref.core.request import FinishReason, Request, StopParams
-from ref.core.scheduler import Scheduler, StepInProgress
-from ref.errors import InvalidArgument, UnknownRequest
-from spec.snapshot import RequestStatus
+from refserve.core.config import SchedulerConfig
+from refserve.core.inputs import build_inputs
+from refserve.core.outcome import Outcome
+from refserve.core.output import BadExecutorOutput, validate_output
+from refserve.core.request import FinishReason, Request, StopParams
+from refserve.core.scheduler import Scheduler, StepInProgress
+from refserve.errors import InvalidArgument, UnknownRequest
+from refserve.spec.snapshot import RequestStatus
 
 S = RequestStatus
 PROMPT = [1, 2, 3, 4, 5]

@@ -1,6 +1,6 @@
-"""Preemption by swap, swap-in, the recompute-vs-swap rule and ``spec.host`` (issue "QoS
+"""Preemption by swap, swap-in, the recompute-vs-swap rule and ``refserve.spec.host`` (issue "QoS
 and memory pressure", item 5/6). Every engine run here goes through
-EngineCore(check_invariants=True), which checks spec.host on every step. Tool waits are
+EngineCore(check_invariants=True), which checks refserve.spec.host on every step. Tool waits are
 in test_pause.py, the host pool itself in tests/kv/test_host_pool.py."""
 
 from __future__ import annotations
@@ -10,21 +10,27 @@ from dataclasses import replace
 import pytest
 from harness import COST, Stepper, make_request
 
-from ref.core.config import SchedulerConfig
-from ref.core.cost import StepCost
-from ref.core.plan import StepPlan
-from ref.core.request import FinishReason, StopParams
-from ref.core.scheduler import Scheduler
-from ref.core.swap import KVRetention, PreemptionMode, RetentionPolicy, SwapCost
-from ref.errors import InvalidArgument
-from ref.kv.pool import BlockCopy
-from ref.sim.simulator import SimExecutor, simulate
-from spec import EngineSnapshot, PoolSnapshot, RequestSnapshot, RequestStatus, TableSnapshot
-from spec.atomic import check_atomic
-from spec.hashing import Namespace
-from spec.host import check_host
-from spec.progress import check_quiescent
-from spec.violation import Invariant
+from refserve.core.config import SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.core.plan import StepPlan
+from refserve.core.request import FinishReason, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.core.swap import KVRetention, PreemptionMode, RetentionPolicy, SwapCost
+from refserve.errors import InvalidArgument
+from refserve.kv.pool import BlockCopy
+from refserve.sim.simulator import SimExecutor, simulate
+from refserve.spec import (
+    EngineSnapshot,
+    PoolSnapshot,
+    RequestSnapshot,
+    RequestStatus,
+    TableSnapshot,
+)
+from refserve.spec.atomic import check_atomic
+from refserve.spec.hashing import Namespace
+from refserve.spec.host import check_host
+from refserve.spec.progress import check_quiescent
+from refserve.spec.violation import Invariant
 
 S = RequestStatus
 
@@ -277,7 +283,7 @@ def test_auto_matches_the_cheaper_mode_on_the_memory_pressure_trace(
     token), 0.07 ms per prefill token; a 25 GB/s link makes the round trip (0.042
     ms/token) cheaper than recompute, 8 GB/s (0.131 ms/token) dearer. ``auto`` must pick
     the faster mode in both."""
-    from ref.sim.trace import load_trace
+    from refserve.sim.trace import load_trace
 
     cost = StepCost.parse("7+0.07P+0.05D")
     swap = SwapCost(524_288, link_gb_per_s, iteration=cost)
@@ -300,7 +306,7 @@ def test_auto_matches_the_cheaper_mode_on_the_memory_pressure_trace(
     assert makespan[PreemptionMode.AUTO] == pytest.approx(makespan[PreemptionMode(winner)])
 
 
-# ------------------------------------------------------------------ spec.host fails
+# ------------------------------------------------------------------ refserve.spec.host fails
 def _engine(host: PoolSnapshot | None, *requests: RequestSnapshot) -> EngineSnapshot:
     device = PoolSnapshot(4, 2, (0, 0, 0, 0), (0, 1, 2, 3), ())
     return EngineSnapshot(tuple(requests), device, host)
@@ -378,7 +384,7 @@ def test_check_host_fails_when_kv_lives_in_both_pools() -> None:
 
 
 def test_check_host_fails_on_cache_entries_in_the_host_pool() -> None:
-    from spec import CacheEntry
+    from refserve.spec import CacheEntry
 
     host = replace(_host(GOOD), cache_entries=(CacheEntry(b"k", 0, b"", (1, 2)),))
     assert any("prefix-cache" in str(v) for v in check_host(_engine(host, _swapped())))

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 from harness import COST, commit_step, decoding_scheduler, make_request, sampled_tokens
 
-from ref.core.config import SchedulerConfig
-from ref.core.request import FinishReason, StopParams
-from ref.core.scheduler import Scheduler
-from ref.core.swap import KVRetention
-from ref.sim.simulator import simulate
-from spec.snapshot import RequestStatus as S
+from refserve.core.config import SchedulerConfig
+from refserve.core.request import FinishReason, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.core.swap import KVRetention
+from refserve.sim.simulator import simulate
+from refserve.spec.snapshot import RequestStatus as S
 
 
 @pytest.mark.mutation_kill

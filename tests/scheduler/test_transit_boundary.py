@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from ref.core import transit
-from ref.core.config import SchedulerConfig
-from ref.core.request import StopParams
-from ref.core.scheduler import Scheduler, StepInProgress
-from ref.core.transit import MigrationError, MigrationRefused, Move, RequestState, cluster_node
-from ref.errors import DuplicateRequest
-from spec.snapshot import RequestStatus
+from refserve.core import transit
+from refserve.core.config import SchedulerConfig
+from refserve.core.request import StopParams
+from refserve.core.scheduler import Scheduler, StepInProgress
+from refserve.core.transit import MigrationError, MigrationRefused, Move, RequestState, cluster_node
+from refserve.errors import DuplicateRequest
+from refserve.spec.snapshot import RequestStatus
 from tests.harness import MemoryLink, Stepper, make_request
 
 CFG = SchedulerConfig(num_blocks=16, block_size=4, max_num_batched_tokens=8)

@@ -18,11 +18,11 @@ from harness import commit_step, decoding_scheduler, make_request
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ref.core.config import SchedulerConfig
-from ref.core.policy import DecodeFirst, TenantFair
-from ref.core.request import Request, StopParams
-from ref.core.swap import KVRetention
-from ref.core.waiting import WaitingQueue
+from refserve.core.config import SchedulerConfig
+from refserve.core.policy import DecodeFirst, TenantFair
+from refserve.core.request import Request, StopParams
+from refserve.core.swap import KVRetention
+from refserve.core.waiting import WaitingQueue
 
 TENANTS = ("a", "b", "c")
 

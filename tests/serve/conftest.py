@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
 from serve_helpers import MODEL, start
 
-from ref.core.config import SchedulerConfig
-from ref.engine.llm_engine import LLMEngine
-from ref.serve.server import ServerThread, bind
+from refserve.core.config import SchedulerConfig
+from refserve.engine.llm_engine import LLMEngine
+from refserve.serve.server import ServerThread, bind
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -10,14 +10,14 @@ from typing import Any
 import httpx
 import openai
 
-from ref.cluster import InProcessReplica, Replica, Router
-from ref.core.config import SchedulerConfig
-from ref.engine.llm_engine import LLMEngine
-from ref.model.tokenizer import Tokenizer
-from ref.serve.app import ServeSettings
-from ref.serve.cluster_loop import ClusterLoop
-from ref.serve.metrics import ClusterServeMetrics
-from ref.serve.server import ServerThread, build_cluster_server, build_server
+from refserve.cluster import InProcessReplica, Replica, Router
+from refserve.core.config import SchedulerConfig
+from refserve.engine.llm_engine import LLMEngine
+from refserve.model.tokenizer import Tokenizer
+from refserve.serve.app import ServeSettings
+from refserve.serve.cluster_loop import ClusterLoop
+from refserve.serve.metrics import ClusterServeMetrics
+from refserve.serve.server import ServerThread, build_cluster_server, build_server
 
 MODEL = "tiny"
 TIMEOUT_S = 30.0

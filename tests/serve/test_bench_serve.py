@@ -11,9 +11,9 @@ from typing import Any
 
 from serve_helpers import MODEL
 
-from ref.cli.main import main
-from ref.serve.bench import plan
-from ref.serve.server import ServerThread
+from refserve.cli.main import main
+from refserve.serve.bench import plan
+from refserve.serve.server import ServerThread
 
 
 def _bench(base: str, tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any]]:

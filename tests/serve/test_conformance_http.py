@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from serve_helpers import MODEL, start
 
-from ref.cli.main import main
-from ref.serve.server import ServerThread
+from refserve.cli.main import main
+from refserve.serve.server import ServerThread
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

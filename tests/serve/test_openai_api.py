@@ -11,9 +11,9 @@ import httpx
 import pytest
 from serve_helpers import MODEL, PROMPTS, TIMEOUT_S, client, sse_events, start
 
-from ref.engine.llm_engine import LLMEngine
-from ref.model.sampler import SamplingParams
-from ref.serve.server import ServerThread
+from refserve.engine.llm_engine import LLMEngine
+from refserve.model.sampler import SamplingParams
+from refserve.serve.server import ServerThread
 
 MAX_TOKENS = 12
 
@@ -204,7 +204,7 @@ def test_greedy_over_http_equals_transformers(tmp_path: Path) -> None:
     import torch
     from hf_oracle import BOS, HFOracle, build_hf_checkpoint, hf_llama_config, random_prompt
 
-    from ref.model.config import ModelConfig
+    from refserve.model.config import ModelConfig
 
     torch.manual_seed(0)
     hf_config = hf_llama_config(attn_implementation="eager")

@@ -9,8 +9,13 @@ from typing import Any
 
 import pytest
 
-from ref.cli.main import main
-from ref.serve.chat import BYTE_TEMPLATE, ChatMessageText, ChatTemplateError, load_chat_template
+from refserve.cli.main import main
+from refserve.serve.chat import (
+    BYTE_TEMPLATE,
+    ChatMessageText,
+    ChatTemplateError,
+    load_chat_template,
+)
 
 BAD: list[tuple[str, list[str], str]] = [
     ("serve port", ["serve", "--port", "70000"], "--port"),

@@ -30,11 +30,11 @@ from serve_helpers import (
     stream_completion,
 )
 
-from ref.cli.main import main
-from ref.cluster import InProcessReplica, ReplicaDead
-from ref.engine.llm_engine import LLMEngine, RequestOutput
-from ref.model.sampler import SamplingParams
-from ref.serve.server import ServerThread
+from refserve.cli.main import main
+from refserve.cluster import InProcessReplica, ReplicaDead
+from refserve.engine.llm_engine import LLMEngine, RequestOutput
+from refserve.model.sampler import SamplingParams
+from refserve.serve.server import ServerThread
 
 PROMPT = "The quick brown fox"
 
@@ -164,7 +164,7 @@ def _completes(fut: Any, timeout_s: float) -> bool:
 
 
 def _serve(*extra: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "ref.cli.main", "serve", "--model", MODEL, "--port", "0"]
+    cmd = [sys.executable, "-m", "refserve.cli.main", "serve", "--model", MODEL, "--port", "0"]
     return subprocess.Popen(
         [*cmd, "--num-blocks", "64", "--torch-threads", "1", *extra],
         stdout=subprocess.PIPE,

@@ -18,8 +18,8 @@ import httpx
 import pytest
 from serve_helpers import MODEL, TIMEOUT_S, client, sse_events, start
 
-from ref.engine.llm_engine import LLMEngine
-from ref.serve.server import ServerThread
+from refserve.engine.llm_engine import LLMEngine
+from refserve.serve.server import ServerThread
 
 LONG = 300  # output tokens of a request that is still running while the test probes
 
@@ -171,7 +171,7 @@ def test_bad_request_answers_400_naming_the_field(
 def test_bad_requests_leave_a_running_request_untouched(
     server: ServerThread, reference: LLMEngine
 ) -> None:
-    from ref.model.sampler import SamplingParams
+    from refserve.model.sampler import SamplingParams
 
     result: dict[str, Any] = {}
     running = _running_stream(server, result)
@@ -228,7 +228,7 @@ def test_sigterm_drains_and_exits_0() -> None:
     cmd = [
         sys.executable,
         "-m",
-        "ref.cli.main",
+        "refserve.cli.main",
         "--debug",
         "serve",
         "--model",

@@ -44,16 +44,16 @@ from serve_helpers import (  # noqa: E402  (after the skip: no Ray, no import)
     stream_completion,
 )
 
-from ref.cli import serve as serve_cli  # noqa: E402
-from ref.cli.main import _parser, main  # noqa: E402
-from ref.cluster import Cluster, ReplicaDead, Router  # noqa: E402
-from ref.cluster.ray_replica import RayReplica, ray_replicas, start_ray, stop_ray  # noqa: E402
-from ref.core.config import SchedulerConfig  # noqa: E402
-from ref.engine.llm_engine import LLMEngine  # noqa: E402
-from ref.errors import InvalidArgument  # noqa: E402
-from ref.model.sampler import SamplingParams  # noqa: E402
-from ref.serve.app import ServeSettings  # noqa: E402
-from ref.serve.server import ServerThread, build_cluster_server  # noqa: E402
+from refserve.cli import serve as serve_cli  # noqa: E402
+from refserve.cli.main import _parser, main  # noqa: E402
+from refserve.cluster import Cluster, ReplicaDead, Router  # noqa: E402
+from refserve.cluster.ray_replica import RayReplica, ray_replicas, start_ray, stop_ray  # noqa: E402
+from refserve.core.config import SchedulerConfig  # noqa: E402
+from refserve.engine.llm_engine import LLMEngine  # noqa: E402
+from refserve.errors import InvalidArgument  # noqa: E402
+from refserve.model.sampler import SamplingParams  # noqa: E402
+from refserve.serve.app import ServeSettings  # noqa: E402
+from refserve.serve.server import ServerThread, build_cluster_server  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Hello", "Count to four.", "a" * 40]
 

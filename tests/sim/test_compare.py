@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ref.cli.compare import compare_main
-from ref.core.config import SchedulerConfig
-from ref.core.engine_core import StepRecord
-from ref.core.outcome import Outcome, StepOutcome
-from ref.core.plan import StepPlan
-from ref.report.compare import (
+from refserve.cli.compare import compare_main
+from refserve.core.config import SchedulerConfig
+from refserve.core.engine_core import StepRecord
+from refserve.core.outcome import Outcome, StepOutcome
+from refserve.core.plan import StepPlan
+from refserve.report.compare import (
     NO_LIMIT,
     POLICIES,
     TRACES,
@@ -27,8 +27,8 @@ from ref.report.compare import (
     limit_fractions,
     tenant_fairness,
 )
-from ref.report.plots import PNG_MAGIC, BarGroup, grouped_bar_chart_png, line_chart_png
-from ref.sim.metrics import RequestMetrics, jain_index
+from refserve.report.plots import PNG_MAGIC, BarGroup, grouped_bar_chart_png, line_chart_png
+from refserve.sim.metrics import RequestMetrics, jain_index
 
 
 def assert_png(path: Path, min_bytes: int = 5_000, max_bytes: int = 200_000) -> None:
@@ -122,7 +122,7 @@ def test_numbers_are_sane(quick_report: Path) -> None:
 
 
 def test_knee_rate_is_the_first_rate_below_the_threshold() -> None:
-    from ref.report.compare import PointResult
+    from refserve.report.compare import PointResult
 
     def point(rate: float, attainment: float, kv: float = 0.0) -> PointResult:
         return PointResult(
@@ -261,11 +261,11 @@ def test_charts_are_valid_pngs(tmp_path: Path) -> None:
 
 
 def test_timeline_png_from_a_simulated_run(tmp_path: Path) -> None:
-    from ref.core.cost import StepCost
-    from ref.core.scheduler import Scheduler
-    from ref.report.timeline import write_timeline_png
-    from ref.sim.simulator import simulate
-    from ref.sim.trace import load_trace
+    from refserve.core.cost import StepCost
+    from refserve.core.scheduler import Scheduler
+    from refserve.report.timeline import write_timeline_png
+    from refserve.sim.simulator import simulate
+    from refserve.sim.trace import load_trace
 
     cfg = SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=4, block_size=4, num_blocks=16)
     reqs = [t.to_request() for t in load_trace("seed002")]
@@ -279,8 +279,8 @@ def test_core_does_not_import_matplotlib() -> None:
     import sys
 
     code = (
-        "import sys, ref.report.compare, ref.report.timeline, ref.sim.simulator; "
-        "import ref.core.engine_core; "
+        "import sys, refserve.report.compare, refserve.report.timeline, refserve.sim.simulator; "
+        "import refserve.core.engine_core; "
         "assert 'matplotlib' not in sys.modules, 'matplotlib imported eagerly'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

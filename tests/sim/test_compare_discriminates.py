@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from ref.cli.compare import compare_options
-from ref.core.cost import StepCost
-from ref.report.policies import Slo
-from ref.report.sweep import run_sweep
+from refserve.cli.compare import compare_options
+from refserve.core.cost import StepCost
+from refserve.report.policies import Slo
+from refserve.report.sweep import run_sweep
 
 # Two rates per trace around where the policies part (docs/compare/report.md): the
 # first is below every one of these policies' knees but the widest budget's.

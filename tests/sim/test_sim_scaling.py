@@ -15,12 +15,12 @@ import gc
 import time
 from dataclasses import replace
 
-from ref.core.config import PolicyName, SchedulerConfig
-from ref.core.cost import StepCost
-from ref.core.engine_core import EngineCore
-from ref.core.scheduler import Scheduler
-from ref.sim.simbench import CONFIG, COST, synthetic_requests
-from ref.sim.simulator import DEFAULT_MAX_STEPS, SimExecutor, default_max_steps, simulate
+from refserve.core.config import PolicyName, SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.core.engine_core import EngineCore
+from refserve.core.scheduler import Scheduler
+from refserve.sim.simbench import CONFIG, COST, synthetic_requests
+from refserve.sim.simulator import DEFAULT_MAX_STEPS, SimExecutor, default_max_steps, simulate
 
 
 def _step_us(

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from ref.core.config import SchedulerConfig
-from ref.core.cost import StepCost
-from ref.core.request import Request, StopParams
-from ref.core.scheduler import Scheduler
-from ref.errors import InvalidArgument
-from ref.sim.simulator import SimResult, SimSpeculation, simulate
+from refserve.core.config import SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.core.request import Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.errors import InvalidArgument
+from refserve.sim.simulator import SimResult, SimSpeculation, simulate
 
 COST = StepCost(a=2.0, b=0.5, c=1.0)
 

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from ref.core.config import SchedulerConfig
-from ref.core.cost import StepCost
-from ref.core.request import Request
-from ref.core.scheduler import Scheduler
-from ref.errors import InvalidArgument
-from ref.sim.simulator import SimResult, simulate, simulate_closed_loop, simulate_sessions
-from ref.sim.trace import load_trace
-from ref.sim.workloads import (
+from refserve.core.config import SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.core.request import Request
+from refserve.core.scheduler import Scheduler
+from refserve.errors import InvalidArgument
+from refserve.sim.simulator import SimResult, simulate, simulate_closed_loop, simulate_sessions
+from refserve.sim.trace import load_trace
+from refserve.sim.workloads import (
     Workload,
     agent_sessions,
     arrival_times_ms,

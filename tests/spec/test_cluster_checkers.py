@@ -2,7 +2,7 @@
 
 The states are real: two schedulers of different block sizes (tests/harness.py, each
 with a fake K/V memory), a request moved between them phase by phase with
-``ref.core.transit.Move`` (by transfer onto a prefix hit of the destination, by
+``refserve.core.transit.Move`` (by transfer onto a prefix hit of the destination, by
 recompute, from the host pool, aborted halfway) and a real step. Each clean sequence of
 snapshots passes every rule; then one thing is corrupted with ``dataclasses.replace``
 and the test asserts the rule, the subject and the message of the violation it gives.
@@ -15,12 +15,12 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from ref.core.config import SchedulerConfig
-from ref.core.request import Request, StopParams
-from ref.core.swap import KVRetention, PreemptionMode
-from ref.core.transit import KVPlace, Move, MoveAborted
-from spec.checks import CLUSTER_CHECKS, check_cluster
-from spec.cluster import (
+from refserve.core.config import SchedulerConfig
+from refserve.core.request import Request, StopParams
+from refserve.core.swap import KVRetention, PreemptionMode
+from refserve.core.transit import KVPlace, Move, MoveAborted
+from refserve.spec.checks import CLUSTER_CHECKS, check_cluster
+from refserve.spec.cluster import (
     ClusterSnapshot,
     ClusterStep,
     Delivered,
@@ -34,8 +34,8 @@ from spec.cluster import (
     check_moved,
     check_owner,
 )
-from spec.snapshot import RequestStatus, TableSnapshot
-from spec.violation import CLUSTER_INVARIANTS, ENGINE_INVARIANTS, Invariant, Violation
+from refserve.spec.snapshot import RequestStatus, TableSnapshot
+from refserve.spec.violation import CLUSTER_INVARIANTS, ENGINE_INVARIANTS, Invariant, Violation
 from tests.harness import Boom, MemoryLink, Stepper, cluster_snapshot
 
 S = RequestStatus

@@ -18,12 +18,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ref.core.capacity import exceeds_pool, whole_request_blocks
-from ref.core.planner import draft_count
-from ref.core.policy import aged_priority
-from ref.core.prefill import prefill_chunk
-from ref.core.swap import PreemptionMode, preempt_by_swap
-from spec.arith import (
+from refserve.core.capacity import exceeds_pool, whole_request_blocks
+from refserve.core.planner import draft_count
+from refserve.core.policy import aged_priority
+from refserve.core.prefill import prefill_chunk
+from refserve.core.swap import PreemptionMode, preempt_by_swap
+from refserve.spec.arith import (
     blocks_needed,
     cdiv,
     chunk_size,
@@ -31,13 +31,13 @@ from spec.arith import (
     new_blocks_needed,
     slot_of,
 )
-from spec.hashing import DEFAULT_NAMESPACE, Namespace, block_key, chain_keys
+from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace, block_key, chain_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 ARITH = ROOT / "spec" / "arith.py"
 CROSSHAIR = Path(sys.executable).parent / "crosshair"
 # The core modules whose pure functions carry contracts. They are checked in one process
-# (each import of ref.core pays ~3 s for torch); spec/arith.py imports nothing and is
+# (each import of refserve.core pays ~3 s for torch); spec/arith.py imports nothing and is
 # checked alone.
 CORE_MODULES = ["capacity", "prefill", "planner", "swap", "policy"]
 CORE_CONTRACTS = [ROOT / "ref" / "core" / f"{m}.py" for m in CORE_MODULES]
@@ -108,8 +108,9 @@ def test_crosshair_modules_are_the_makefile_list() -> None:
     listed = re.search(r"^CROSSHAIR_MODULES := ((?:.*\\\n)*.*)$", makefile, re.M)
     assert listed is not None
     modules = set(listed.group(1).replace("\\\n", " ").split())
-    core = {f"ref/core/{m}.py" for m in CORE_MODULES}
-    assert modules == {"spec/arith.py", "spec/hashing.py", *core, "conformance/explore/key.py"}
+    core = {f"refserve.core.{m}" for m in CORE_MODULES}
+    spec = {"refserve.spec.arith", "refserve.spec.hashing"}
+    assert modules == {*spec, *core, "refserve.conformance.explore.key"}
 
 
 KEY = ROOT / "conformance" / "explore" / "key.py"

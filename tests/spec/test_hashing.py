@@ -11,7 +11,7 @@ import struct
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spec.hashing import block_key, packed_block_key, packed_token_ids
+from refserve.spec.hashing import block_key, packed_block_key, packed_token_ids
 
 _ids = st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40)
 _parents = st.binary(min_size=32, max_size=32)

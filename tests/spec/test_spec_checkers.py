@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from ref.kv import BlockPool
-from spec import (
+from refserve.kv import BlockPool
+from refserve.spec import (
     EngineSnapshot,
     Invariant,
     PoolSnapshot,
@@ -25,13 +25,13 @@ from spec import (
     check_pool,
     check_step,
 )
-from spec.arith import slot_of
-from spec.atomic import check_atomic, check_atomic_pool
-from spec.cap import check_cap_step
-from spec.hashing import Namespace, block_key
-from spec.order import check_admission_order, check_strict_admission_order
-from spec.prefix import check_prefix_step
-from spec.progress import check_quiescent, check_starvation
+from refserve.spec.arith import slot_of
+from refserve.spec.atomic import check_atomic, check_atomic_pool
+from refserve.spec.cap import check_cap_step
+from refserve.spec.hashing import Namespace, block_key
+from refserve.spec.order import check_admission_order, check_strict_admission_order
+from refserve.spec.prefix import check_prefix_step
+from refserve.spec.progress import check_quiescent, check_starvation
 
 BS = 4
 A6 = (10, 11, 12, 13, 14, 15)

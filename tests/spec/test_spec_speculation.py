@@ -14,8 +14,8 @@ from dataclasses import replace
 
 import pytest
 
-from ref.kv import BlockPool
-from spec import (
+from refserve.kv import BlockPool
+from refserve.spec import (
     EngineSnapshot,
     Invariant,
     RequestSnapshot,
@@ -25,7 +25,7 @@ from spec import (
     Violation,
     check_step,
 )
-from spec.arith import slot_of
+from refserve.spec.arith import slot_of
 
 BS = 4
 KNOWN = (1, 2, 3, 4, 5, 6)  # prompt 1..5, then the last sampled token 6

@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 import torch
 
-from ref.errors import InvalidArgument
-from ref.model.attention import AttentionMetadata, TorchAttention
-from ref.model.config import tiny_config
-from ref.model.llama import KVCache, LlamaModel
-from ref.model.proposers import DraftModelProposer
-from ref.model.rejection import verify
-from ref.model.sampler import SampleSpec
-from ref.model.weights import random_state_dict, random_weights, weights_from_state_dict
+from refserve.errors import InvalidArgument
+from refserve.model.attention import AttentionMetadata, TorchAttention
+from refserve.model.config import tiny_config
+from refserve.model.llama import KVCache, LlamaModel
+from refserve.model.proposers import DraftModelProposer
+from refserve.model.rejection import verify
+from refserve.model.sampler import SampleSpec
+from refserve.model.weights import random_state_dict, random_weights, weights_from_state_dict
 
 PROMPTS = [[1, 72, 101, 108, 108, 111], [1, 40, 40, 40], [1, 200, 7, 99, 13, 13, 58, 2, 77]]
 NEW_TOKENS = 12

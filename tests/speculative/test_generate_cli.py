@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ref.cli.main import main
+from refserve.cli.main import main
 
 TINY = Path(__file__).resolve().parents[2] / "ref" / "model" / "tiny"
 ARGV = ["generate", "--prompt", "the cat sat on the mat, the cat sat on the", "--max-tokens", "24"]

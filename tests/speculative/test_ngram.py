@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ref.errors import InvalidArgument
-from ref.model.proposers import NgramProposer
+from refserve.errors import InvalidArgument
+from refserve.model.proposers import NgramProposer
 
 
 def test_the_tokens_after_an_earlier_occurrence_of_the_suffix_are_the_draft() -> None:

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from ref.cli.main import main
-from ref.engine.llm_engine import LLMEngine
-from ref.model.proposers import NgramProposer
-from ref.model.sampler import SamplingParams
-from ref.serve.metrics import ServerMetrics
+from refserve.cli.main import main
+from refserve.engine.llm_engine import LLMEngine
+from refserve.model.proposers import NgramProposer
+from refserve.model.sampler import SamplingParams
+from refserve.serve.metrics import ServerMetrics
 
 
 def _counter(text: str, name: str) -> float:

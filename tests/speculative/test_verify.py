@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-import ref.model.rejection as rejection
-from ref.errors import InvalidArgument
-from ref.model.rejection import target_probs, verify
-from ref.model.sampler import FAILED_TOKEN, SampleSpec, mix64
+import refserve.model.rejection as rejection
+from refserve.errors import InvalidArgument
+from refserve.model.rejection import target_probs, verify
+from refserve.model.sampler import FAILED_TOKEN, SampleSpec, mix64
 
 V = 6  # a small vocabulary, so every token is drawn often enough for chi-square
 K = 3
