@@ -86,7 +86,23 @@ def _parser() -> argparse.ArgumentParser:
         "--scope",
         default="small",
         help="with --exhaustive: the named scope to exhaust (tiny, small, small-unchunked for an "
-        "engine without chunked prefill, medium; default small)",
+        "engine without chunked prefill, small-spec, medium; default small), or a JSON file "
+        "holding a scope of your own",
+    )
+    p.add_argument(
+        "--scope-set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="with --exhaustive: change one field of the scope (block_size, num_blocks or "
+        "blocks, budget, max_seqs, max_requests, catalogue as '2,3,4:3 7,8:1', ...); "
+        "repeatable",
+    )
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="with --exhaustive: explore the scope at every budget and pool size one below, "
+        "at and one above what one of its requests needs",
     )
     p.add_argument(
         "--strategy",
@@ -171,6 +187,8 @@ def _main(argv: list[str]) -> int:
         return _replay(args)
     if args.exhaustive:
         return _exhaustive(args)
+    if args.sweep or args.scope_set:
+        raise UsageError("--sweep and --scope-set shape an exploration: add --exhaustive")
     return _suite(args)
 
 
@@ -398,14 +416,20 @@ def _load_kv(spec: str) -> Any:
     return _load_with(load_kv_factory, spec, "--kv-adapter")
 
 
-def _exhaustive(args: argparse.Namespace) -> int:
-    """``--exhaustive``: explore every state of a scope (docs/CONFORMANCE.md,
-    "Exhaustive exploration"), the engine with ``--adapter`` or the block manager alone
-    with ``--kv-adapter``."""
+def _check_exploration(args: argparse.Namespace) -> None:
     if bool(args.adapter) == bool(args.kv_adapter):
         raise UsageError(
             "--exhaustive explores one adapter: give --adapter MODULE:FACTORY or --kv-adapter"
         )
+    if args.kv_adapter and (args.sweep or args.scope_set):
+        raise UsageError("--sweep and --scope-set explore an engine: use them with --adapter")
+
+
+def _exhaustive(args: argparse.Namespace) -> int:
+    """``--exhaustive``: explore every state of a scope (docs/CONFORMANCE.md,
+    "Exhaustive exploration"), the engine with ``--adapter`` or the block manager alone
+    with ``--kv-adapter``."""
+    _check_exploration(args)
     for out in (args.report, args.markdown):
         if out is not None:
             _check_writable(out)
@@ -455,29 +479,62 @@ def _watched(args: argparse.Namespace, fn: Callable[[], T]) -> T:
         return fn()
 
 
-def _explore_engine(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
-    from refserve.conformance.explore import SCOPES, explore
+def _engine_scope(args: argparse.Namespace) -> Any:
+    """The scope ``--scope`` names or holds (a JSON file), changed by ``--scope-set``."""
+    from refserve.conformance.explore import SCOPES, ScopeError, user_scope
 
-    scope = SCOPES.get(args.scope)
-    if scope is None:
-        raise UsageError(f"--scope must be one of {', '.join(SCOPES)}, got {args.scope!r}")
+    try:
+        if args.scope in SCOPES:
+            base = SCOPES[args.scope]
+        elif args.scope.endswith(".json") or Path(args.scope).is_file():
+            fields = _read_json(Path(args.scope), "--scope")
+            if not isinstance(fields, dict):
+                raise UsageError(f"--scope {args.scope}: a scope is a JSON object")
+            base = user_scope(fields)
+        else:
+            raise UsageError(
+                f"--scope must be one of {', '.join(SCOPES)} or a JSON file, got {args.scope!r}"
+            )
+        pairs = {}
+        for item in args.scope_set:
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise UsageError(f"--scope-set wants FIELD=VALUE, got {item!r}")
+            pairs[key.strip()] = value.strip()
+        return user_scope(pairs, base) if pairs else base
+    except ScopeError as e:
+        raise UsageError(f"--scope: {e}") from None
+
+
+def _explore_engine(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
+    from refserve.conformance.explore import explore, explore_sweep
+
+    scope = _engine_scope(args)
     factory = _load(args.adapter)
 
     def run() -> Any:
         _check_adapters(args, factory, None)
+        if args.sweep:
+            return explore_sweep(
+                factory, scope, strategy=args.strategy, call_timeout=args.call_timeout
+            )
         return explore(factory, scope, strategy=args.strategy, call_timeout=args.call_timeout)
 
     res = _watched(args, run)
+    if args.sweep:
+        print("\n".join(res.lines()))
+    points = res.points if args.sweep else [res]
     failures = []
-    for c in res.counterexamples:
-        lines = [
-            f"FAIL {c.kind}: {c.finding}",
-            f"  shortest path ({len(c.path)} events): {', '.join(map(str, c.path))}",
-        ]
-        if c.cycle:
-            lines.append(f"  then forever: {', '.join(map(str, c.cycle))}")
-        lines.append(c.table)
-        failures.append(("\n".join(lines), c.workload.to_json()))
+    for point in points:
+        for c in point.counterexamples:
+            lines = [f"FAIL {c.kind}: {c.finding}"]
+            if args.sweep:
+                lines.append(f"  at {point.scope.describe()} ({point.scope.name})")
+            lines.append(f"  shortest path ({len(c.path)} events): {', '.join(map(str, c.path))}")
+            if c.cycle:
+                lines.append(f"  then forever: {', '.join(map(str, c.cycle))}")
+            lines.append(c.table)
+            failures.append(("\n".join(lines), c.workload.to_json()))
     return res, failures
 
 

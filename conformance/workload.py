@@ -136,9 +136,10 @@ class Workload:
         out: set[Feature] = set()
         for cfg in (self.config_of(i) for i in range(self.instances)):
             budget = cfg.max_num_batched_tokens
-            if any(len(r.prompt) + r.max_tokens > budget for r in self.requests):
-                # Without chunking a whole sequence (prompt + outputs, recomputed after a
-                # preemption) must fit in one step's budget.
+            if any(len(r.prompt) + r.max_tokens - 1 > budget for r in self.requests):
+                # Without chunking a whole sequence must fit in one step's budget: the
+                # longest is a recompute after a preemption, the prompt and every output
+                # but the last (a request stops at its last output, never recomputing it).
                 out.add(Feature.CHUNKED_PREFILL)
             if not cfg.enable_prefix_caching:
                 out.add(Feature.PREFIX_CACHING_OPTIONAL)

@@ -17,7 +17,14 @@ from refserve.conformance.explore.kv import (
     KVScope,
     explore_kv,
 )
-from refserve.conformance.explore.scope import SCOPES, RequestTemplate, Scope
+from refserve.conformance.explore.scope import (
+    SCOPES,
+    RequestTemplate,
+    Scope,
+    ScopeError,
+    user_scope,
+)
+from refserve.conformance.explore.sweep import SweepResult, explore_sweep
 
 __all__ = [
     "KV_SCOPES",
@@ -28,6 +35,10 @@ __all__ = [
     "KVScope",
     "RequestTemplate",
     "Scope",
+    "ScopeError",
+    "SweepResult",
     "explore",
     "explore_kv",
+    "explore_sweep",
+    "user_scope",
 ]

@@ -9,10 +9,14 @@ abort, which sampled token is eos, where the executor fails) is enumerated.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from refserve.conformance.adapter import EngineConfig, Feature
 from refserve.conformance.workload import EOS, RequestPlan, Workload
+from refserve.spec.arith import cdiv
 
 
 @dataclass(frozen=True)
@@ -169,3 +173,197 @@ SCOPES: dict[str, Scope] = {
         max_requests=4,
     ),
 }
+
+
+# ------------------------------------------------------------------ a user's own scope
+class ScopeError(ValueError):
+    """A scope given by a user (a JSON file or ``--scope-set``) that cannot be one; the
+    message names the field."""
+
+
+_INT_FIELDS = (
+    "block_size",
+    "num_blocks",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_requests",
+    "max_depth",
+    "max_states",
+    "num_speculative_tokens",
+)
+_BOOL_FIELDS = ("enable_prefix_caching", "faults")
+# Short names a user may write for the fields (as the CLI's engine options read).
+ALIASES = {"budget": "max_num_batched_tokens", "max_seqs": "max_num_seqs", "blocks": "num_blocks"}
+FIELDS = ("name", "catalogue", *_INT_FIELDS, *_BOOL_FIELDS)
+
+
+def parse_catalogue(text: str) -> tuple[RequestTemplate, ...]:
+    """``"2,3,4:3 7,8:1:-1"``: requests separated by spaces or ``;``, each its prompt's
+    token ids, ``:`` its max_tokens and optionally ``:`` its priority."""
+    out = []
+    for entry in text.replace(";", " ").split():
+        parts = entry.split(":")
+        if len(parts) not in (2, 3):
+            raise ScopeError(f"catalogue: {entry!r} is not PROMPT:MAX_TOKENS[:PRIORITY]")
+        try:
+            prompt = tuple(int(x) for x in parts[0].split(","))
+            numbers = [int(x) for x in parts[1:]]
+        except ValueError:
+            raise ScopeError(f"catalogue: {entry!r} holds a value that is not an integer") from None
+        out.append(_template(prompt, *numbers))
+    return tuple(out)
+
+
+def _template(prompt: tuple[int, ...], max_tokens: int, priority: int = 0) -> RequestTemplate:
+    try:
+        return RequestTemplate(prompt, max_tokens, priority)
+    except ValueError as e:
+        raise ScopeError(f"catalogue: {e}") from None
+
+
+def _catalogue(value: Any) -> tuple[RequestTemplate, ...]:
+    if isinstance(value, str):
+        return parse_catalogue(value)
+    if not isinstance(value, list) or not all(isinstance(x, Mapping) for x in value):
+        raise ScopeError("catalogue must be a list of {prompt, max_tokens[, priority]} objects")
+    out = []
+    for i, entry in enumerate(value):
+        unknown = set(entry) - {"prompt", "max_tokens", "priority"}
+        if unknown:
+            raise ScopeError(f"catalogue[{i}]: unknown key(s) {sorted(unknown)}")
+        prompt, max_tokens = entry.get("prompt"), entry.get("max_tokens")
+        priority = entry.get("priority", 0)
+        if not isinstance(prompt, list) or not all(_is_int(x) for x in prompt):
+            raise ScopeError(f"catalogue[{i}].prompt must be a list of integers")
+        if not _is_int(max_tokens) or not _is_int(priority):
+            raise ScopeError(f"catalogue[{i}]: max_tokens and priority must be integers")
+        out.append(_template(tuple(prompt), max_tokens, priority))
+    return tuple(out)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _field_value(name: str, value: Any) -> Any:
+    """One field's value from JSON or from text, checked for its type."""
+    if name == "catalogue":
+        return _catalogue(value)
+    if name == "name":
+        if not isinstance(value, str) or not value.strip():
+            raise ScopeError("name must be a non-empty string")
+        return value
+    if name in _BOOL_FIELDS:
+        if isinstance(value, str) and value.lower() in ("true", "on", "1", "false", "off", "0"):
+            return value.lower() in ("true", "on", "1")
+        if not isinstance(value, bool):
+            raise ScopeError(f"{name} must be true or false, got {value!r}")
+        return value
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            raise ScopeError(f"{name} must be an integer, got {value!r}") from None
+    if not _is_int(value):
+        raise ScopeError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _checked_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Each of a user's fields under its own name, its value checked."""
+    out = {}
+    for key, value in fields.items():
+        name = ALIASES.get(key, key)
+        if name not in FIELDS:
+            raise ScopeError(f"unknown scope field {key!r} (fields: {', '.join(FIELDS)})")
+        out[name] = _field_value(name, value)
+    return out
+
+
+def user_scope(fields: Mapping[str, Any], base: Scope | None = None) -> Scope:
+    """A scope from a user's fields (a JSON object, or ``--scope-set`` pairs as text),
+    over ``base`` when given (its other fields are kept): every field is checked, and
+    an unknown or wrong one raises :class:`ScopeError` naming it."""
+    values: dict[str, Any] = {} if base is None else dataclasses.asdict(base)
+    if base is not None:
+        values["catalogue"] = base.catalogue
+    values.update(_checked_fields(fields))
+    if base is not None and fields and "name" not in fields:
+        values["name"] = f"{base.name}+user"
+    if base is not None and "catalogue" in fields and "max_requests" not in fields:
+        # The base's bound, as far as the new catalogue allows.
+        values["max_requests"] = min(values["max_requests"], len(values["catalogue"]))
+    missing = [f for f in ("catalogue", *_INT_FIELDS[:4]) if f not in values]
+    if missing:
+        raise ScopeError(f"the scope lacks {', '.join(missing)} (and names no base scope)")
+    values.setdefault("name", "user")
+    values.setdefault("max_requests", min(3, len(values["catalogue"]) or 1))
+    try:
+        return Scope(**values)
+    except ValueError as e:
+        raise ScopeError(str(e)) from None
+
+
+# --------------------------------------------------------------- the boundary sweep
+@dataclass(frozen=True)
+class Boundaries:
+    """Where a scope's catalogue sits on the edge of its limits: each budget and pool
+    size one below, at and one above what one of its requests needs."""
+
+    budgets: tuple[int, ...]
+    pools: tuple[int, ...]
+
+
+def sequence_need(t: RequestTemplate) -> int:
+    """The most tokens one step must hold for ``t`` when prompts are not chunked: a
+    recompute after a preemption, its prompt and every output but the last."""
+    return len(t.prompt) + t.max_tokens - 1
+
+
+def block_needs(t: RequestTemplate, block_size: int) -> tuple[int, int]:
+    """The blocks ``t`` holds at its longest: its K/V (prompt and every output but the
+    last), and that plus the slot an engine reserving one ahead takes."""
+    longest = len(t.prompt) + t.max_tokens
+    return cdiv(longest - 1, block_size), cdiv(longest, block_size)
+
+
+def _around(needs: set[int]) -> tuple[int, ...]:
+    return tuple(sorted({n + d for n in needs for d in (-1, 0, 1) if n + d >= 1}))
+
+
+def boundaries(scope: Scope) -> Boundaries:
+    budgets = {sequence_need(t) for t in scope.catalogue}
+    pools = {n for t in scope.catalogue for n in block_needs(t, scope.block_size)}
+    return Boundaries(_around(budgets), _around(pools))
+
+
+def sweep(scope: Scope, *, chunked: bool = True) -> tuple[Scope, ...]:
+    """``scope`` at every (budget, pool size) of :func:`boundaries`, budgets outer.
+
+    For an engine that cannot chunk a prompt (``chunked=False``) a budget below some
+    requests' whole sequence would make the point unsupported; there the point keeps the
+    catalogue's requests that fit it (and no point is made where none does), so the
+    boundary of every request is reached, not only the longest one's."""
+    edges = boundaries(scope)
+    out = []
+    for b in edges.budgets:
+        fits = (
+            scope.catalogue
+            if chunked
+            else tuple(t for t in scope.catalogue if sequence_need(t) <= b)
+        )
+        if not fits:
+            continue
+        kept = "" if len(fits) == len(scope.catalogue) else f",{len(fits)} requests"
+        for n in edges.pools:
+            out.append(
+                dataclasses.replace(
+                    scope,
+                    name=f"{scope.name}@budget={b},blocks={n}{kept}",
+                    max_num_batched_tokens=b,
+                    num_blocks=n,
+                    catalogue=fits,
+                    max_requests=min(scope.max_requests, len(fits)),
+                )
+            )
+    return tuple(out)

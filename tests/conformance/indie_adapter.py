@@ -28,6 +28,9 @@ How the engine maps onto the protocol (the adapters translate; they never fix):
   cache entries are exposed (feature ``cache_index`` off).
 * Not supported (undeclared): prefix caching in the scheduler, priorities, rollback,
   stop token ids, eos (declared ``eos=False``: it stops only at ``max_tokens``).
+* Without chunked prefill (``chunked=False``: ``make_unchunked``, and
+  ``make_unchunked_<bug>`` for :data:`indie_engine.BUGS` and
+  :data:`indie_engine.UNCHUNKED_BUGS`) the feature ``chunked_prefill`` is off.
 * Migration (feature ``migration``, only with ``migration=True``: ``make_migrating``,
   ``make_migrating_<bug>`` for :data:`indie_engine.MIGRATION_BUGS`, and
   ``make_recompute``, an engine that never takes K/V) is the engine's export / stage /
@@ -43,6 +46,7 @@ from typing import Any
 from indie_engine import (
     BUGS,
     MIGRATION_BUGS,
+    UNCHUNKED_BUGS,
     BlockManager,
     EngineError,
     IndieEngine,
@@ -116,8 +120,10 @@ class IndieAdapter:
         *,
         migration: bool = False,
         recompute: bool = False,
+        chunked: bool = True,
     ) -> None:
         self.bug = bug
+        self.chunked = chunked
         self.properties = replace(PROPERTIES, admission_order=order)
         self.migration = migration or recompute
         self.recompute = recompute
@@ -128,12 +134,12 @@ class IndieAdapter:
     @property
     def name(self) -> str:
         kind = " (recomputes imports)" if self.recompute else ""
+        kind += "" if self.chunked else " (unchunked)"
         return "indie 0.1" + kind + (f" (bug {self.bug})" if self.bug else "")
 
     @property
     def features(self) -> frozenset[Feature]:
         out = {
-            Feature.CHUNKED_PREFILL,
             Feature.PREEMPTION,
             Feature.ABORT,
             # It never caches for new requests, so switching caching off is always
@@ -142,6 +148,8 @@ class IndieAdapter:
         }
         if self.migration:
             out.add(Feature.MIGRATION)
+        if self.chunked:
+            out.add(Feature.CHUNKED_PREFILL)
         return frozenset(out)
 
     @property
@@ -161,6 +169,7 @@ class IndieAdapter:
                 bug=self.bug,
                 import_hits=self.migration and config.enable_prefix_caching,
                 recompute_imports=self.recompute,
+                chunked=self.chunked,
             )
         except EngineError as e:
             raise NotSupported(str(e)) from e
@@ -357,6 +366,11 @@ def make_recompute() -> IndieAdapter:
     return IndieAdapter(recompute=True)
 
 
+def make_unchunked() -> IndieAdapter:
+    """The correct engine without chunked prefill: a prompt is prefilled whole."""
+    return IndieAdapter(chunked=False)
+
+
 def make_kv() -> IndieKVAdapter:
     """``--kv-adapter indie_adapter:make_kv``: the correct block manager."""
     return IndieKVAdapter()
@@ -364,10 +378,16 @@ def make_kv() -> IndieKVAdapter:
 
 def __getattr__(name: str) -> Callable[[], Any]:
     """``make_<bug>``, ``make_lax_<bug>`` and ``make_kv_<bug>`` for every bug in
-    ``indie_engine.BUGS``; ``make_migrating_<bug>`` for every one in ``MIGRATION_BUGS``."""
+    ``indie_engine.BUGS``; ``make_migrating_<bug>`` for every one in ``MIGRATION_BUGS``;
+    ``make_unchunked_<bug>`` for every one in ``BUGS`` and ``UNCHUNKED_BUGS``."""
     if name.startswith("make_migrating_") and name[len("make_migrating_") :] in MIGRATION_BUGS:
         bug = name[len("make_migrating_") :]
         return lambda: IndieAdapter(bug, migration=True)
+    if name.startswith("make_unchunked_") and name[len("make_unchunked_") :] in (
+        BUGS | UNCHUNKED_BUGS
+    ):
+        bug = name[len("make_unchunked_") :]
+        return lambda: IndieAdapter(bug, chunked=False)
     if name.startswith("make_lax_") and name[len("make_lax_") :] in BUGS:
         bug = name[len("make_lax_") :]
         return lambda: IndieAdapter(bug, AdmissionOrder.FCFS)

@@ -34,6 +34,10 @@ Where it differs from refserve on purpose:
 * **Admission**: FCFS with head-of-line blocking (declared ``fcfs_strict``); a waiting
   request is admitted when the free blocks cover its first chunk (plus the slot ahead if
   that chunk samples), and a head that does not fit holds back everyone behind it.
+* **Unchunked** (``chunked=False``): a prompt is prefilled whole or waits; admission then
+  also wants the whole sequence (a recomputed one with its outputs) within the budget
+  left in the step, and a sequence longer than the whole budget is finished for
+  ``capacity``, since no step can ever hold it.
 
 ``bug`` plants one realistic mistake (:data:`BUGS`) so tests can check the suite sees it.
 """
@@ -60,6 +64,15 @@ BUGS = frozenset(
         "hol_skip",  # a later request that fits is admitted past a head that does not
     }
 )
+
+UNCHUNKED_BUGS = frozenset(
+    {
+        # Admission wants the whole sequence strictly below the budget left, so a sequence
+        # exactly as long as the whole budget waits forever (and holds the queue).
+        "whole_prompt_off_by_one",
+    }
+)
+"""Bugs of the unchunked engine's admission (``chunked=False``), planted like :data:`BUGS`."""
 
 MIGRATION_BUGS = frozenset(
     {
@@ -424,8 +437,9 @@ class IndieEngine:
         bug: str | None = None,
         import_hits: bool = False,
         recompute_imports: bool = False,
+        chunked: bool = True,
     ) -> None:
-        if bug is not None and bug not in BUGS | MIGRATION_BUGS:
+        if bug is not None and bug not in BUGS | MIGRATION_BUGS | UNCHUNKED_BUGS:
             raise ValueError(f"unknown bug {bug!r}")
         if max_batched_tokens < 1 or max_seqs < 1:
             raise EngineError("the token budget and max_seqs must be >= 1")
@@ -434,6 +448,7 @@ class IndieEngine:
         self.recompute_imports = recompute_imports
         self._landing: tuple[Request, _Checkpoint] | None = None
         self.budget = max_batched_tokens
+        self.chunked = chunked
         self.max_seqs = max_seqs
         self.max_model_len = max_model_len
         self.bug = bug
@@ -694,13 +709,16 @@ class _Planner:
         skipped = 0  # bug hol_skip: heads left in place, at the front of the queue
         while len(eng.waiting) > skipped and self.left > 0 and len(eng.running) < eng.max_seqs:
             r = eng.waiting[skipped]
-            if _cdiv(len(r.tokens) + 1, bm.block_size) > bm.num_blocks:
+            never = not eng.chunked and len(r.tokens) > eng.budget  # no step holds it whole
+            if never or _cdiv(len(r.tokens) + 1, bm.block_size) > bm.num_blocks:
                 # A preempted request whose outputs outgrew the pool cannot recompute.
                 del eng.waiting[skipped]
                 eng._retire(r, "capacity")
                 self.retired.append((r.rid, "capacity"))
                 continue
             n = min(len(r.tokens), self.left)
+            if not eng.chunked and not self.whole_fits(len(r.tokens)):
+                break  # head-of-line, as below: it waits for a step with room for all of it
             if bm.blocks_to_allocate(r.rid, n, self.lookahead(r, n)) > bm.num_free:
                 if eng.bug == "hol_skip":
                     skipped += 1  # looks past a head that does not fit: breaks strict FCFS
@@ -709,6 +727,12 @@ class _Planner:
             del eng.waiting[skipped]
             eng.running.append(r)
             self.schedule(r, n, self.lookahead(r, n), new=True)
+
+    def whole_fits(self, num_tokens: int) -> bool:
+        """Unchunked: does a whole sequence of ``num_tokens`` fit the budget left?"""
+        if self.eng.bug == "whole_prompt_off_by_one":
+            return num_tokens < self.left
+        return num_tokens <= self.left
 
     def schedule(self, r: Request, n: int, la: int, *, new: bool) -> None:
         bm = self.eng.bm
