@@ -108,8 +108,9 @@ test: lint typecheck pytest crosshair conformance test-wheel
 # The third-party run. nano-vllm-fork lives in its own virtualenv, never in $(VENV) and
 # never in `make test`: torch==2.13.0 first, as for $(VENV) (the CPU wheel on local disk);
 # refserve's wheel with its `conformance` extra (as users install it, not editable);
-# what the adapter imports (the `nanovllm` extra: numpy, transformers); pytest and pytest-benchmark (pyproject's addopts) for the adapter's
-# test: $(NANO_VENV)/bin/python -m pytest tests/conformance/test_conformance.py -k nanovllm
+# what the adapter imports (the `nanovllm` extra: numpy, transformers); pytest and
+# pytest-benchmark (pyproject's addopts) for the adapter's test:
+# $(NANO_VENV)/bin/python -m pytest tests/conformance/test_conformance.py -k nanovllm
 # and last nano-vllm-fork with --no-deps (its own requirements add triton; only its
 # scheduler modules are imported). The run EXITS 1 BY DESIGN: the suite finds nano-vllm's
 # bugs (so make reports Error 1). Findings: conformance/FINDINGS_nanovllm.md.
