@@ -482,6 +482,7 @@ def _watched(args: argparse.Namespace, fn: Callable[[], T]) -> T:
 def _engine_scope(args: argparse.Namespace) -> Any:
     """The scope ``--scope`` names or holds (a JSON file), changed by ``--scope-set``."""
     from refserve.conformance.explore import SCOPES, ScopeError, user_scope
+    from refserve.conformance.explore.scope import sweep
 
     try:
         if args.scope in SCOPES:
@@ -501,7 +502,10 @@ def _engine_scope(args: argparse.Namespace) -> Any:
             if not sep or not key.strip():
                 raise UsageError(f"--scope-set wants FIELD=VALUE, got {item!r}")
             pairs[key.strip()] = value.strip()
-        return user_scope(pairs, base) if pairs else base
+        scope = user_scope(pairs, base) if pairs else base
+        if args.sweep:
+            sweep(scope)  # refuses, naming the count, a sweep too large to finish
+        return scope
     except ScopeError as e:
         raise UsageError(f"--scope: {e}") from None
 

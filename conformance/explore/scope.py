@@ -305,6 +305,11 @@ def user_scope(fields: Mapping[str, Any], base: Scope | None = None) -> Scope:
 
 
 # --------------------------------------------------------------- the boundary sweep
+MAX_SWEEP_POINTS = 400
+"""The most points one sweep explores: each is a whole exploration, so a catalogue of
+many lengths would otherwise make a sweep that never ends."""
+
+
 @dataclass(frozen=True)
 class Boundaries:
     """Where a scope's catalogue sits on the edge of its limits: each budget and pool
@@ -345,6 +350,13 @@ def sweep(scope: Scope, *, chunked: bool = True) -> tuple[Scope, ...]:
     catalogue's requests that fit it (and no point is made where none does), so the
     boundary of every request is reached, not only the longest one's."""
     edges = boundaries(scope)
+    points = len(edges.budgets) * len(edges.pools)
+    if points > MAX_SWEEP_POINTS:
+        raise ScopeError(
+            f"the sweep would explore {points} points ({len(edges.budgets)} budgets x "
+            f"{len(edges.pools)} pool sizes), more than {MAX_SWEEP_POINTS}: give a catalogue "
+            "of fewer lengths"
+        )
     out = []
     for b in edges.budgets:
         fits = (

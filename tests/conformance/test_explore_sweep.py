@@ -211,6 +211,18 @@ def test_a_bad_scope_is_a_usage_error(
     assert rc == 2 and message.replace("{tmp}", str(tmp_path)) in err, err
 
 
+def test_a_sweep_too_large_to_finish_is_refused_with_its_size(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    lengths = " ".join(f"{','.join(['2'] * n)}:1" for n in range(1, 41))  # 40 lengths
+    args = ("--exhaustive", "--scope", "tiny", "--scope-set", f"catalogue={lengths}", "--sweep")
+    assert _cli("--adapter", "indie_adapter:make", *args) == 2
+    err = capsys.readouterr().err
+    assert "the sweep would explore" in err and "more than 400" in err, err
+    with pytest.raises(ScopeError, match="more than 400"):
+        sweep(user_scope({"catalogue": lengths}, SCOPES["tiny"]))
+
+
 def test_sweep_and_scope_set_need_an_engine_exploration(capsys: pytest.CaptureFixture[str]) -> None:
     assert _cli("--adapter", "indie_adapter:make", "--sweep") == 2
     assert "add --exhaustive" in capsys.readouterr().err
