@@ -48,14 +48,14 @@ recomputes). Outputs are per turn: a resumed turn's ``token_ids`` / ``text`` are
 turn's alone, ``turn`` counts the turns (0 for the first), and ``finished`` is true only
 when the request is done for good (a pause ends a turn, not the request).
 
-Faults (issue 12, "Faults and hostile input"). A row of logits the sampler cannot sample
-(a non-finite value) ends that request alone with the finish reason ``error``: the step
-commits for every request (the failed sample's placeholder token included, so the step
-stays one transaction), then the request is finished at the step boundary through
+Faults: one request's fault never stalls or loses another's. A row of logits the sampler
+cannot sample (a non-finite value) ends that request alone with the finish reason ``error``:
+the step commits for every request (the failed sample's placeholder token included, so the
+step stays one transaction), then the request is finished at the step boundary through
 :meth:`Scheduler.finish`, the path a stop string takes; the placeholder token is never
-shown. Outputs held for the next :meth:`LLMEngine.step` (an abort's final output, the text
-a pause flushes) stay held if that step raises, and are delivered, once, by the next step
-that returns.
+shown. Outputs held for the next :meth:`LLMEngine.step` (an abort's final output, the text a
+pause flushes) stay held if that step raises, and are delivered, once, by the next step that
+returns.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``refserve compare --cluster``: routing and migration policies over N simulated
-replicas (docs/CLUSTER.md, "The experiment"; issue 32, item 6).
+replicas (docs/CLUSTER.md, "The experiment").
 
 Every run is :class:`~refserve.cluster.sim.ClusterSim`: the real router, the global prefix
 index fed by cache events, migration through ``refserve.core.transit``, a seeded link.

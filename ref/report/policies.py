@@ -25,7 +25,8 @@ SPECULATIVE_TOKENS = 4
 
 #: The reference batch of the derived SLOs: a decode-only step of this many decodes.
 D_REF = 32
-#: TBT SLO = this many decode-only steps of the reference batch (issue 32, item 6).
+#: TBT SLO = this many decode-only steps of the reference batch: a multiple of the cost
+#: model's step, so the SLO follows the model instead of being typed in milliseconds.
 TBT_MULTIPLE = 3.0
 #: TTFT allowance per prompt token = this many times the cost model's prefill time.
 TTFT_PREFILL_MULTIPLE = 2.0

@@ -13,7 +13,7 @@ command queue.
 Per-step timings (:class:`StepTiming`) are kept in a bounded ring: the gap between the
 end of one step and the start of the next, when the engine had work throughout, is the
 loop's overhead (commands, output hand-off, the GIL shared with the HTTP side): the
-overlap figure of issue 15. The ring is also what ``GET /debug/steps`` shows.
+overlap figure (ref/serve/overlap.py). The ring is also what ``GET /debug/steps`` shows.
 """
 
 from __future__ import annotations

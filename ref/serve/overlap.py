@@ -1,4 +1,4 @@
-"""The overlap figure of issue 15: the gap between consecutive engine steps (the end of
+"""The overlap figure: the gap between consecutive engine steps (the end of
 one to the start of the next, while work is waiting) in three set-ups on the same
 workload (``clients`` requests of ``max_tokens`` tokens, greedy, all at once):
 

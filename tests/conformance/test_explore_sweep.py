@@ -10,6 +10,7 @@ read from JSON or ``--scope-set`` pairs, and a wrong field is named.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -54,8 +55,8 @@ def test_without_chunking_the_last_output_is_never_in_a_step() -> None:
     max_tokens - 1 is enough without chunked prefill, one less is not."""
     plan = RequestPlan("r", (2, 3, 4, 5), 3)
     cfg = UNCHUNKED.config()
-    fits = Workload(cfg.__class__(**{**cfg.__dict__, "max_num_batched_tokens": 6}), (plan,))
-    short = Workload(cfg.__class__(**{**cfg.__dict__, "max_num_batched_tokens": 5}), (plan,))
+    fits = Workload(dataclasses.replace(cfg, max_num_batched_tokens=6), (plan,))
+    short = Workload(dataclasses.replace(cfg, max_num_batched_tokens=5), (plan,))
     assert Feature.CHUNKED_PREFILL not in fits.needs()
     assert Feature.CHUNKED_PREFILL in short.needs()
 
