@@ -256,3 +256,113 @@ explore-vllm: wheel $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/refserve conformance --exhaustive --scope small \
 		--adapter refserve.conformance.adapters.vllm:make --report out/explore-vllm.json \
 		--counterexamples out/explore-vllm
+
+# SGLang 0.5.23's radix prefix cache (RadixCache) and its token-to-KV allocator, driven on
+# the CPU through the KV-manager protocol by conformance/adapters/sglang_kv.py (no model,
+# no GPU; findings: conformance/FINDINGS_sglang.md). SGLang pins torch==2.14.1 with CUDA
+# wheels and some eighty packages, so it lives in its own virtualenv, never in $(VENV) and
+# never in `make test`, and is installed with --no-deps: torch==2.13.0 first (the CPU wheel
+# on local disk), refserve's wheel with its `conformance` extra, then only what importing
+# sglang.srt.mem_cache really runs: numpy, triton (module-level `import triton`; its jit
+# decorators need no GPU), transformers and kernels (imported by SGLang's model configs),
+# and small pure-Python packages. Seven modules SGLang imports at module level but its
+# cache never calls (zmq, torchvision, IPython, tvm_ffi, sentencepiece, compressed_tensors,
+# gguf) get stand-ins: SGLANG_STANDINS below, written into the venv's site-packages with a
+# .pth line that installs it. An `import` of one of them gets an empty module whose names
+# are placeholder classes that raise when used; an "is it installed?" probe
+# (importlib.util.find_spec, as transformers makes) gets no, so no library takes a
+# stand-in for the real package. The run exits 1 when the suite finds failures.
+SGLANG_VENV := .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_DEPS := numpy packaging requests tqdm pydantic pillow starlette aiohttp \
+	'transformers==5.19.0' 'kernels>=0.14.1,<0.15' triton orjson psutil pybase64 msgspec dill
+define SGLANG_STANDINS
+"""Stand-ins for modules SGLang imports at module level but its KV cache never calls."""
+import importlib.abc, importlib.machinery, sys, types
+NAMES = {"zmq", "torchvision", "IPython", "tvm_ffi", "sentencepiece", "compressed_tensors", "gguf"}
+class _Meta(type):
+    def __getattr__(cls, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Meta(attr, (_Missing,), {"__module__": cls.__module__})
+class _Missing(metaclass=_Meta):
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError(f"{type(self).__module__}.{type(self).__name__} is a stand-in")
+class _StandIn(types.ModuleType):
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        value = _Meta(attr, (_Missing,), {"__module__": self.__name__})
+        setattr(self, attr, value)
+        return value
+def _probe():
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_filename in ("<frozen importlib.util>",) or f.f_code.co_filename.endswith("importlib/util.py"):
+            return True
+        if f.f_code.co_name == "_find_and_load_unlocked":
+            return False
+        f = f.f_back
+    return False
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in NAMES and not _probe():
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+    def create_module(self, spec):
+        module = _StandIn(spec.name)
+        module.__path__ = []
+        return module
+    def exec_module(self, module):
+        pass
+sys.meta_path.append(_Finder())
+endef
+# Written by the venv's own python: its site-packages, the module, and the .pth line that
+# imports it at start-up.
+SGLANG_WRITE_STANDINS := import os, sysconfig; d = sysconfig.get_paths()['purelib']; \
+	open(os.path.join(d, '_sglang_standins.py'), 'w').write(os.environ['SGLANG_STANDINS'] + '\n'); \
+	open(os.path.join(d, '_sglang_standins.pth'), 'w').write('import _sglang_standins\n')
+export SGLANG_STANDINS SGLANG_WRITE_STANDINS
+
+$(SGLANG_STAMP): pyproject.toml | wheel
+	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q --upgrade pip
+	$(SGLANG_PY) -m pip install -q torch==2.13.0
+	$(SGLANG_PY) -m pip install -q '$(WHEEL)[conformance]' 'pytest>=8' pytest-benchmark
+	$(SGLANG_PY) -m pip install -q --no-deps 'sglang==0.5.23'
+	$(SGLANG_PY) -m pip install -q $(SGLANG_DEPS)
+	$(SGLANG_PY) -c "$$SGLANG_WRITE_STANDINS"
+	touch $(SGLANG_STAMP)
+
+.PHONY: conformance-sglang
+conformance-sglang: wheel $(SGLANG_STAMP)
+	$(call install_wheel,$(SGLANG_PY))
+	mkdir -p out
+	$(SGLANG_VENV)/bin/refserve conformance --kv-adapter refserve.conformance.adapters.sglang_kv:make_kv \
+		--report out/sglang-kv.json --markdown out/sglang-kv.md
+
+# The corpus of real bugs (docs/CORPUS.md; entries: conformance/corpus/catalogue.py). Each
+# engine's entries run in that engine's virtualenv, buggy and clean side, and write one
+# JSON into docs/corpus/; docs/CORPUS.md is then rendered from all of them (never typed:
+# tests/repo/test_corpus_doc.py keeps the two in step). Exits 1 when an entry is not
+# caught or its clean side is not clean, after writing everything.
+CORPUS_REPORT = $(PY) -m refserve.conformance.corpus.report --out docs/CORPUS.md docs/corpus/*.json
+
+.PHONY: corpus corpus-report
+corpus: wheel $(NANO_STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
+	$(call install_wheel,$(NANO_PY))
+	$(call install_wheel,$(VLLM_PY))
+	$(call install_wheel,$(SGLANG_PY))
+	mkdir -p docs/corpus
+	status=0; \
+	$(NANO_VENV)/bin/refserve conformance --corpus --engine nano-vllm \
+		--report docs/corpus/nano-vllm.json || status=1; \
+	$(VLLM_VENV)/bin/refserve conformance --corpus --engine vllm \
+		--report docs/corpus/vllm.json || status=1; \
+	$(SGLANG_VENV)/bin/refserve conformance --corpus --engine sglang \
+		--report docs/corpus/sglang.json || status=1; \
+	$(CORPUS_REPORT) && exit $$status
+
+corpus-report: $(STAMP)
+	$(CORPUS_REPORT)

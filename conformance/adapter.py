@@ -26,6 +26,11 @@ Semantics every adapter must follow
 * ``add_request`` queues a request at the current step boundary. An engine that refuses
   the request (bad input, a prompt that can never fit) raises :class:`Rejected`; the
   suite then checks ATOMIC: the snapshot must be exactly as before the call.
+* Key domains (features ``cache_salt``, ``lora``): ``RequestSpec.cache_salt`` and
+  ``RequestSpec.lora`` change a request's K/V without changing its tokens. An engine
+  with the feature keeps requests of different domains apart in its cache; its adapter
+  reports each table's ``root_key`` as ``RequestSpec.namespace.root_key()``. The suite
+  sends such requests only to engines that declare the feature.
 * ``abort`` (feature ``abort``) removes a live request in any state (waiting, mid-prefill,
   decoding, preempted); its blocks go back to the pool at once.
 * ``schedule`` runs the engine's scheduler once and returns a :class:`StepReport`:
@@ -101,6 +106,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
+from refserve.spec.hashing import Namespace
 from refserve.spec.snapshot import EngineSnapshot, ScheduledRequest
 
 
@@ -129,6 +135,14 @@ class Feature(StrEnum):
     """``propose(request_id, draft_token_ids)`` before ``schedule``; a step verifies the
     drafts (``ScheduledRequest.num_draft_tokens``) and ``commit(sampled, accepted)``
     takes how many of each request's drafts the suite accepts (docs/SPECULATIVE.md)."""
+    CACHE_SALT = "cache_salt"
+    """``RequestSpec.cache_salt`` is honoured: requests with different salts never share
+    K/V, whatever their tokens (PREFIX, rule ``key-domains``)."""
+    LORA = "lora"
+    """``RequestSpec.lora`` names the LoRA adapter a request runs with; its K/V differs
+    from the base model's and every other adapter's, so requests with different adapters
+    never share K/V (PREFIX, rule ``key-domains``). The suite never loads an adapter:
+    only its identity reaches the cache keys."""
     MIGRATION = "migration"
     """``export_request`` / ``stage_import`` / ``commit_import`` / ``abort_import`` /
     ``release``: a live request moves between two instances of the engine, with its K/V
@@ -166,7 +180,8 @@ class AdmissionOrder(StrEnum):
 
 
 class StepOrder(StrEnum):
-    """Whether running decodes or new prefill chunks get the budget first (observed only)."""
+    """Whether running decodes or new prefill chunks get the budget first (observed;
+    ``decode_first`` is also checked as a promise, spec/order.py)."""
 
     DECODE_FIRST = "decode_first"
     PREFILL_FIRST = "prefill_first"
@@ -197,7 +212,9 @@ class EngineProperties:
     """The admission order the suite checks exactly (ORDER); ``unspecified`` is not checked."""
     step_order: StepOrder = StepOrder.UNSPECIFIED
     """Decode-first or prefill-first batching: compared with what the suite observes and
-    used to read the golden schedules (which are decode-first); never a violation."""
+    used to read the golden schedules (which are decode-first). ``decode_first`` is a
+    promise, checked (ORDER, rule ``declared-step-order``): no request is admitted in a
+    step that leaves a decoding request with no token (unless preempted or retired)."""
     same_step_prefix_hits: bool = False
     """Whether a request may take as a cache hit a block that another request fills in
     the same step (blocks are indexed when scheduled). Safe when the executor writes
@@ -297,6 +314,18 @@ class RequestSpec:
     """The step boundary at which the suite submits it (informational)."""
     priority: int = 0
     """Smaller is more important (feature ``priorities``)."""
+    cache_salt: str = ""
+    """The tenant's cache salt (feature ``cache_salt``); ``""``: none."""
+    lora: str = ""
+    """The LoRA adapter's name (feature ``lora``); ``""``: the base model."""
+
+    @property
+    def namespace(self) -> Namespace:
+        """Everything besides the tokens that the request's K/V depends on.
+
+        An adapter reports ``TableSnapshot.root_key`` as ``namespace.root_key()``: the
+        identity the request was submitted with, so PREFIX can tell domains apart."""
+        return Namespace(adapter=self.lora, cache_salt=self.cache_salt)
 
 
 @dataclass(frozen=True)

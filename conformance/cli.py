@@ -10,6 +10,7 @@ Usage::
     refserve conformance --adapter MODULE:FACTORY --exhaustive [--scope small]
         [--strategy replay|copy] [--counterexamples DIR] [--report explore.json]
     refserve conformance --adapter MODULE:FACTORY --self-check
+    refserve conformance --corpus [--engine E] [--report corpus.json]   # docs/CORPUS.md
     refserve conformance --list
 
 Exit status: 0 when nothing failed (``not_supported`` is not a failure), 1 when the
@@ -122,6 +123,17 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run one trivial workload and explain what in the adapter's records is off",
     )
+    p.add_argument(
+        "--corpus",
+        action="store_true",
+        help="run every entry of the corpus of real bugs that this environment reaches "
+        "(docs/CORPUS.md): the buggy code must be caught and the clean code must pass",
+    )
+    p.add_argument(
+        "--engine",
+        metavar="E",
+        help="with --corpus: only this engine's entries (vllm, nano-vllm, sglang)",
+    )
     p.add_argument("--list", action="store_true", help="list the scenario names and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--debug", action="store_true", help="show tracebacks of harness errors")
@@ -179,6 +191,10 @@ def _main(argv: list[str]) -> int:
     if args.list:
         print("\n".join(scenario_names()))
         return EXIT_OK
+    if args.corpus:
+        return _corpus(args, argv)
+    if args.engine:
+        raise UsageError("--engine picks corpus entries: add --corpus")
     if not args.adapter and not args.kv_adapter:
         raise UsageError("--adapter MODULE:FACTORY (or --kv-adapter) is required")
     if args.self_check:
@@ -190,6 +206,48 @@ def _main(argv: list[str]) -> int:
     if args.sweep or args.scope_set:
         raise UsageError("--sweep and --scope-set shape an exploration: add --exhaustive")
     return _suite(args)
+
+
+def _corpus(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run the reachable corpus entries; exit 1 when one is not caught or its clean
+    side is not clean, 0 otherwise (entries this environment cannot reach are listed)."""
+    if args.adapter or args.kv_adapter:
+        raise UsageError("--corpus runs the corpus's own adapters: drop --adapter/--kv-adapter")
+    from refserve.conformance.corpus.catalogue import ENTRIES
+    from refserve.conformance.corpus.report import document, table
+    from refserve.conformance.corpus.run import run_entries
+
+    engines = sorted({e.engine for e in ENTRIES})
+    if args.engine is not None and args.engine not in engines:
+        raise UsageError(f"--engine must be one of {', '.join(engines)}, got {args.engine!r}")
+    if args.report is not None:
+        _check_writable(args.report)
+    chosen = [e for e in ENTRIES if args.engine in (None, e.engine)]
+    results = run_entries(chosen, call_timeout=args.call_timeout)
+    print(table(results))
+    if args.report is not None:
+        doc = document(results, "refserve conformance " + " ".join(argv), _engine_versions())
+        _write_atomic(args.report, json.dumps(doc, indent=2) + "\n")
+    ran = [r for r in results if not r.skipped]
+    bad = [r for r in ran if not r.ok]
+    print(
+        f"{len(ran)} of {len(results)} entries ran here: {len(ran) - len(bad)} caught with a "
+        f"clean fixed side, {len(bad)} not"
+    )
+    return EXIT_FINDINGS if bad else EXIT_OK
+
+
+def _engine_versions() -> dict[str, str]:
+    """The installed versions of the engines the corpus drives (absent ones left out)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str] = {}
+    for dist in ("vllm", "nano-vllm-fork", "sglang"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            continue
+    return out
 
 
 def _self_check(args: argparse.Namespace) -> int:

@@ -1,12 +1,16 @@
 """The fake KV memory the runner keeps beside the spec (docs/CONFORMANCE.md): a model
 check that catches sharing bugs.
 
-Each scheduled slot receives the token id at its position, in the executor's order
-(swap-outs, swap-ins, copy-on-write, then the new K/V); the slots of rejected drafts are
-poisoned; after each step every request must read back exactly its own tokens through
-its block table, on the device and in the host swap pool. A wrong token names the bug
-by what it is: never written (POS), a rejected draft's (KVLEN), another request's in a
-shared or cached block (PREFIX), or in a private one (BLOCK).
+Each scheduled slot receives a :class:`KV` value for its position, in the executor's
+order (swap-outs, swap-ins, copy-on-write, then the new K/V): the token, and what a real
+model's K/V there depends on besides it: every token before it (``context``, a digest)
+and the request's key domain (LoRA adapter, cache salt). The slots of rejected drafts are
+poisoned; after each step every request must read back exactly its own values through
+its block table, on the device and in the host swap pool. A wrong value names the bug by
+what it is: never written (POS), a rejected draft's (KVLEN), another request's in a
+shared or cached block (PREFIX), in a private one (BLOCK), or the right token computed in
+another key domain or behind another prefix (PREFIX, rule ``key-domains``: a cache key
+that leaves out an input of the K/V).
 """
 
 from __future__ import annotations
@@ -14,25 +18,69 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from refserve.conformance.adapter import StepReport
 from refserve.spec.arith import slot_of
+from refserve.spec.prefix import KEY_DOMAINS
 from refserve.spec.snapshot import EngineSnapshot, TableSnapshot
 from refserve.spec.violation import Invariant, Violation, violation
 
-#: A rejected draft's slot in the fake KV memory: never a token id (those are >= 0).
+
+class KV(NamedTuple):
+    """What one slot holds: a token's K/V and everything it was computed from."""
+
+    token: int
+    context: int
+    """A digest of every token before this one (:func:`contexts`)."""
+    domain: str
+    """The request's key domain (``RequestPlan.domain``; ``""``: the default one)."""
+
+
+#: A rejected draft's slot in the fake KV memory: never a :class:`KV`.
 POISONED = -1
+
+#: What a slot of the fake memory holds: a :class:`KV`, or :data:`POISONED`.
+Slot = KV | int
 
 #: The tokens each request knows (prompt, then outputs), by request id.
 Tokens = Mapping[str, Sequence[int]]
 
 
+def contexts(tokens: Sequence[int], upto: int) -> list[int]:
+    """``out[p]``: a digest of ``tokens[:p]`` for ``p < upto`` (Python's hash of a tuple
+    of ints is the same in every process, unlike a string's)."""
+    out = [0] * upto
+    for p in range(1, upto):
+        out[p] = hash((out[p - 1], tokens[p - 1]))
+    return out
+
+
+def expected_values(tokens: Sequence[int], domain: str, upto: int) -> list[KV]:
+    """The :class:`KV` a correct engine holds at positions ``[0, upto)``."""
+    upto = min(upto, len(tokens))
+    return [KV(t, c, domain) for t, c in zip(tokens[:upto], contexts(tokens, upto), strict=True)]
+
+
+def token_of(value: Slot | None) -> int | None:
+    """The token a slot holds (``None``: never written; :data:`POISONED` as is)."""
+    return value.token if isinstance(value, KV) else value
+
+
 @dataclass
 class FakeKV:
-    """Slot -> token id, on the device and in the host swap pool."""
+    """Slot -> :class:`KV`, on the device and in the host swap pool."""
 
-    device: dict[int, int] = field(default_factory=dict)
-    host: dict[int, int] = field(default_factory=dict)
+    domains: Mapping[str, str] = field(default_factory=dict)
+    """Each request's key domain (absent: the default one)."""
+    device: dict[int, Slot] = field(default_factory=dict)
+    host: dict[int, Slot] = field(default_factory=dict)
+
+    def tokens_on(self, where: str) -> tuple[tuple[int, int], ...]:
+        """Slot -> token of the device (``"device"``) or host memory, for the migration
+        rules, which compare tokens (poisoned slots keep their marker)."""
+        memory = self.device if where == "device" else self.host
+        return tuple(sorted((s, v.token if isinstance(v, KV) else v) for s, v in memory.items()))
 
     def write(
         self,
@@ -56,6 +104,8 @@ class FakeKV:
             toks = list(tokens.get(s.request_id, []))
             if s.num_draft_tokens:  # a verification writes its drafts after its tokens
                 toks = [*toks, *proposals.get(s.request_id, ())[: s.num_draft_tokens]]
+            domain = self.domains.get(s.request_id, "")
+            ctx = contexts(toks, min(len(toks), max(s.positions, default=-1) + 1))
             for pos, slot in zip(s.positions, s.slot_mapping, strict=False):
                 if not 0 <= pos < len(toks):
                     out.append(
@@ -66,7 +116,7 @@ class FakeKV:
                         )
                     )
                     break
-                self.device[slot] = toks[pos]
+                self.device[slot] = KV(toks[pos], ctx[pos], domain)
         return out
 
     def poison_rejected(
@@ -108,14 +158,19 @@ class FakeKV:
         holders: Mapping[int, int],
         cached: int,
     ) -> Violation | None:
-        for p in range(min(t.num_stored, len(toks))):
+        want = expected_values(toks, self.domains.get(t.request_id, ""), t.num_stored)
+        for p, w in enumerate(want):
             idx = p // bs
             if idx >= len(t.block_table):
                 return None  # POS reports the short table
             b = t.block_table[idx]
-            got = self.device.get(slot_of(b, p, bs))
-            if got == toks[p]:
+            value = self.device.get(slot_of(b, p, bs))
+            if value == w:
                 continue
+            got = token_of(value)
+            who = f"request {t.request_id}"
+            if isinstance(value, KV) and value.token == w.token:
+                return _crossed(who, p, b, w, value)
             if got is None:
                 inv, why = Invariant.POS, "KV at this position was never written"
             elif got == POISONED:
@@ -127,8 +182,7 @@ class FakeKV:
                 )
             else:
                 inv, why = Invariant.BLOCK, f"block {b} was overwritten by another request"
-            who = f"request {t.request_id}"
-            return violation(inv, who, f"KV read back at position {p}: {why}", toks[p], got)
+            return violation(inv, who, f"KV read back at position {p}: {why}", w.token, got)
         return None
 
     def read_back_host(self, after: EngineSnapshot, tokens: Tokens) -> list[Violation]:
@@ -141,24 +195,48 @@ class FakeKV:
             toks = tokens.get(t.request_id)
             if toks is None:
                 continue
-            for p in range(min(t.num_stored, len(toks), len(t.block_table) * bs)):
+            domain = self.domains.get(t.request_id, "")
+            upto = min(t.num_stored, len(t.block_table) * bs)
+            for p, w in enumerate(expected_values(toks, domain, upto)):
                 got = self.host.get(slot_of(t.block_table[p // bs], p, bs))
-                if got != toks[p]:
+                if got != w:
                     out.append(
                         violation(
                             Invariant.BLOCK,
                             f"request {t.request_id}",
                             f"host KV read back at position {p}: swapped-out K/V lost",
-                            toks[p],
-                            got,
+                            w.token,
+                            token_of(got),
                         )
                     )
                     break
         return out
 
 
+def _crossed(who: str, p: int, b: int, want: KV, got: KV) -> Violation:
+    """The right token, computed from other inputs: a cache key that left one out."""
+    if got.domain != want.domain:
+        why = f"block {b} holds this token's K/V computed in another key domain"
+        expected, seen = _domain(want.domain), _domain(got.domain)
+    else:
+        why = f"block {b} holds this token's K/V computed behind another prefix"
+        expected, seen = "behind this request's tokens", "behind other tokens"
+    return violation(
+        Invariant.PREFIX,
+        who,
+        f"KV read back at position {p}: {why}",
+        f"token {want.token} {expected}",
+        f"token {got.token} {seen}",
+        rule=KEY_DOMAINS,
+    )
+
+
+def _domain(domain: str) -> str:
+    return f"in {domain}" if domain else "in the default domain"
+
+
 def _copy_block(
-    src_kv: dict[int, int], src: int, dst_kv: dict[int, int], dst: int, bs: int
+    src_kv: dict[int, Slot], src: int, dst_kv: dict[int, Slot], dst: int, bs: int
 ) -> None:
     """Block ``src``'s slots onto block ``dst``'s (an unwritten slot stays unwritten)."""
     for off in range(bs):

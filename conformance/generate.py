@@ -90,10 +90,10 @@ def workloads(features: frozenset[Feature], kind: str = "mixed") -> st.SearchStr
             stop_at = draw(st.none() | st.integers(1, max_tokens))
             abort_at = draw(st.none() | st.integers(0, 12)) if Feature.ABORT in features else None
             prio = draw(st.integers(0, 2)) if Feature.PRIORITIES in features else 0
+            arrival = draw(st.integers(0, 8))
+            salt, lora = _domain(draw, features) if kind == "shared-prefix" else ("", "")
             reqs.append(
-                RequestPlan(
-                    f"r{i}", toks, max_tokens, draw(st.integers(0, 8)), prio, stop_at, abort_at
-                )
+                RequestPlan(f"r{i}", toks, max_tokens, arrival, prio, stop_at, abort_at, salt, lora)
             )
         need = max(len(r.prompt) + r.max_tokens for r in reqs)
         if Feature.CHUNKED_PREFILL in features:
@@ -116,6 +116,15 @@ def workloads(features: frozenset[Feature], kind: str = "mixed") -> st.SearchStr
         return draw(_moves(w, features)) if kind == "migration" else w
 
     return build()
+
+
+def _domain(draw: st.DrawFn, features: frozenset[Feature]) -> tuple[str, str]:
+    """A key domain for a request of the shared-prefix search (cache salt, adapter): the
+    shared prefixes then meet requests whose K/V they must not serve. Names overlap on
+    purpose (adapter ``x`` and salt ``x``), as a key of untagged strings confuses them."""
+    salt = draw(st.sampled_from(("", "", "x", "t2"))) if Feature.CACHE_SALT in features else ""
+    lora = draw(st.sampled_from(("", "", "x"))) if Feature.LORA in features else ""
+    return salt, lora
 
 
 def _moves(w: Workload, features: frozenset[Feature]) -> st.SearchStrategy[Workload]:

@@ -42,17 +42,22 @@ from refserve.conformance.adapter import (
     Feature,
     NotSupported,
     Rejected,
+    StepOrder,
     StepReport,
     properties_of,
 )
-from refserve.conformance.fake_kv import FakeKV
+from refserve.conformance.fake_kv import FakeKV, Slot
 from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, call, describe
 from refserve.conformance.run_result import Finding, RunResult, step_trace
 from refserve.conformance.stops import StopRules
 from refserve.conformance.workload import RequestPlan, Workload, next_token
 from refserve.spec.atomic import check_atomic
 from refserve.spec.checks import check_pool, check_step
-from refserve.spec.order import check_admission_order, check_strict_admission_order
+from refserve.spec.order import (
+    check_admission_order,
+    check_decode_first,
+    check_strict_admission_order,
+)
 from refserve.spec.progress import check_quiescent, check_starvation
 from refserve.spec.snapshot import EngineSnapshot, RequestStatus, ScheduledRequest, StepSnapshot
 from refserve.spec.violation import Invariant, Violation, violation
@@ -124,18 +129,18 @@ class _Run:
         """The last snapshot taken (a migration run's cluster snapshot reads it)."""
         self.last_gained: dict[str, list[int]] = {}
         """The tokens each request gained in the last step."""
-        self.memory = FakeKV()
+        self.memory = FakeKV({rid: r.domain for rid, r in self.plans.items() if r.domain})
         self.stops = StopRules(props, self.cfg.eos_token_id)
         self.steps: list[StepSnapshot] = []
         self.prefill_steps: dict[str, int] = defaultdict(int)
 
     @property
-    def kv(self) -> dict[int, int]:
-        """The device's fake KV memory (slot -> token id; the explorer's key reads it)."""
+    def kv(self) -> dict[int, Slot]:
+        """The device's fake KV memory (slot -> value; the explorer's key reads it)."""
         return self.memory.device
 
     @property
-    def host_kv(self) -> dict[int, int]:
+    def host_kv(self) -> dict[int, Slot]:
         """The host swap pool's fake KV memory."""
         return self.memory.host
 
@@ -250,7 +255,10 @@ class _Run:
     def drive(self) -> None:
         self.call(-1, "configure", "configure()", lambda: self.a.configure(self.cfg))
         self.res.checked.update(STEP_INVARIANTS)
-        if self.props.admission_order is not AdmissionOrder.UNSPECIFIED:
+        if (
+            self.props.admission_order is not AdmissionOrder.UNSPECIFIED
+            or self.props.step_order is StepOrder.DECODE_FIRST
+        ):
             self.res.checked.add(Invariant.ORDER)
         pending = sorted(self.w.requests, key=lambda r: r.arrival)
         limit = self.w.step_limit
@@ -456,7 +464,10 @@ class _Run:
         return out
 
     def check_order(self, snap: StepSnapshot, step: int) -> None:
-        """ORDER: the declared admission order, when the adapter declares one."""
+        """ORDER: the declared admission order and the declared decode-first step order,
+        when the adapter declares them."""
+        if self.props.step_order is StepOrder.DECODE_FIRST:
+            self.checked(step, "step", lambda: check_decode_first(snap))
         declared = self.props.admission_order
         if declared.strict:
             # Head-of-line blocking promises more than the lax order: a strict engine

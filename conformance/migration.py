@@ -49,6 +49,7 @@ from refserve.conformance.adapter import (
     MigrationStaged,
     Rejected,
 )
+from refserve.conformance.fake_kv import Slot
 from refserve.conformance.guard import AdapterCallError, describe
 from refserve.conformance.instance import STALL_STEPS, STEP_INVARIANTS, _Run, _Stop, adapter_traits
 from refserve.conformance.run_result import Finding, RunResult
@@ -403,12 +404,12 @@ class _Cluster:
 
     def transfer(
         self, src: _Run, exp: MigrationExport, staged: MigrationStaged
-    ) -> dict[int, int | None]:
-        """What the link carries: destination slot -> the source's K/V (a token id) of
+    ) -> dict[int, Slot | None]:
+        """What the link carries: destination slot -> the source's K/V (a fake value) of
         the position it receives, None where the source has none (never written, or a
         position past what it exported: KVCOPY then names it)."""
         memory = src.memory.host if exp.kv_on_host else src.memory.device
-        out: dict[int, int | None] = {}
+        out: dict[int, Slot | None] = {}
         for i, slot in enumerate(staged.kv_slots):
             p = staged.num_hit_tokens + i
             out[slot] = memory.get(exp.kv_slots[p]) if p < len(exp.kv_slots) else None
@@ -455,8 +456,8 @@ class _Cluster:
                     r.label,
                     snap,
                     ids,
-                    tuple(sorted(r.memory.device.items())),
-                    tuple(sorted(r.memory.host.items())),
+                    r.memory.tokens_on("device"),
+                    r.memory.tokens_on("host"),
                 )
             )
         move = self.move

@@ -45,6 +45,8 @@ class Failure:
     trace: list[dict[str, Any]]
     signature: str = ""
     """What makes two findings the same bug (refserve.conformance.suite.signature), as text."""
+    rule: str = ""
+    """The named rule broken (``Violation.rule``), for the invariants' named rules."""
 
     def to_json(self) -> dict[str, Any]:
         d = {
@@ -59,6 +61,8 @@ class Failure:
         }
         if self.signature:
             d["signature"] = self.signature
+        if self.rule:
+            d["rule"] = self.rule
         return d
 
     @staticmethod
@@ -73,6 +77,7 @@ class Failure:
             dict(d["workload"]),
             list(d.get("trace", [])),
             str(d.get("signature", "")),
+            str(d.get("rule", "")),
         )
 
 

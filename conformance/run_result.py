@@ -36,6 +36,7 @@ class Finding:
             "message": v.message,
             "expected": v.expected,
             "seen": v.seen,
+            **({"rule": v.rule} if v.rule else {}),
         }
 
     def __str__(self) -> str:

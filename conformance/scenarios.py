@@ -46,8 +46,10 @@ def R(
     prio: int = 0,
     stop_at: int | None = None,
     abort_at: int | None = None,
+    salt: str = "",
+    lora: str = "",
 ) -> RequestPlan:
-    return RequestPlan(rid, toks, max_tokens, at, prio, stop_at, abort_at)
+    return RequestPlan(rid, toks, max_tokens, at, prio, stop_at, abort_at, salt, lora)
 
 
 def _seeds() -> list[Scenario]:
@@ -557,9 +559,101 @@ def _migrations() -> list[Scenario]:
     ]
 
 
+def _key_domains() -> list[Scenario]:
+    """Requests whose K/V differs while their tokens do not (PREFIX, rule ``key-domains``).
+
+    A real model's K/V at a position depends on every token before it and on the LoRA
+    adapter; a cache salt asks that two tenants never share it. A cache key that leaves
+    any of these out serves one request another's K/V, and the tokens alone cannot show
+    it: the fake KV memory carries all three (conformance/fake_kv.py)."""
+    p12 = prompt(110, 12)
+    a, b, d, t = prompt(111, 4), prompt(112, 4), prompt(113, 4), prompt(114, 1)
+    return [
+        Scenario(
+            "keys-cache-salt",
+            "One 12-token prompt under no salt, salt t1 and salt t2, at once and after one "
+            "another: only the two t1 requests may share blocks.",
+            Workload(
+                _cfg(4, 24, 32, 4),
+                (
+                    R("A", p12, 2),
+                    R("B", p12, 2, 0, salt="t1"),
+                    R("C", p12, 2, 4, salt="t2"),
+                    R("D", p12, 2, 8, salt="t1"),
+                ),
+            ),
+            ("PREFIX",),
+        ),
+        Scenario(
+            "keys-lora",
+            "One 12-token prompt on the base model, on adapter l1 and on adapter l2, at once "
+            "and after one another: only the two l1 requests may share blocks.",
+            Workload(
+                _cfg(4, 24, 32, 4),
+                (
+                    R("A", p12, 2),
+                    R("B", p12, 2, 0, lora="l1"),
+                    R("C", p12, 2, 4, lora="l2"),
+                    R("D", p12, 2, 8, lora="l1"),
+                ),
+            ),
+            ("PREFIX",),
+        ),
+        Scenario(
+            "keys-salt-named-like-adapter",
+            "A LoRA adapter named x and a cache salt x on the same prompt: two different "
+            "inputs that a key built from untagged strings confuses.",
+            Workload(
+                _cfg(4, 24, 32, 4),
+                (R("A", p12, 2, lora="x"), R("B", p12, 2, 4, salt="x")),
+            ),
+            ("PREFIX",),
+        ),
+        Scenario(
+            "keys-refill-behind-other-prefix",
+            "Blocks freed and refilled with the same tokens behind another prefix: a+b, then "
+            "b+a, then a+b and b+a again, one after another in a pool of three blocks. A "
+            "request may reuse only K/V computed behind its own prefix (the last two decode "
+            "once, so their tables are read back after the hit).",
+            Workload(
+                _cfg(4, 3, 16, 1),
+                (
+                    R("X", (*a, *b), 1),
+                    R("Y", (*b, *a), 1, 3),
+                    R("Z", (*a, *b), 2, 6),
+                    R("V", (*b, *a), 2, 9),
+                ),
+            ),
+            ("PREFIX",),
+        ),
+        Scenario(
+            "keys-refill-reversed",
+            "Freed blocks refilled last block first, with the same tokens behind another "
+            "prefix: a+b+t, then d+b+a, then a+b+t again in a pool of three blocks. An engine "
+            "that frees a table from its end and hands out from the head of its free list "
+            "puts b (behind d) where b behind a was, and a (behind d+b) where a was; Z may "
+            "reuse neither.",
+            Workload(
+                _cfg(4, 3, 16, 1),
+                (
+                    R("X", (*a, *b, *t), 1),
+                    R("Y", (*d, *b, *a), 1, 1),
+                    R("Z", (*a, *b, *t), 2, 2),
+                ),
+            ),
+            ("PREFIX",),
+        ),
+    ]
+
+
+#: The scenarios added with the corpus of real bugs (docs/CORPUS.md): the suite of before
+#: never sent requests that differ only in their key domain.
+KEY_DOMAIN_SCENARIOS = frozenset(s.name for s in _key_domains())
+
+
 def library() -> list[Scenario]:
     """Every fixed scenario, seeds first."""
-    return [*_seeds(), *_known_bugs(), *_migrations()]
+    return [*_seeds(), *_known_bugs(), *_key_domains(), *_migrations()]
 
 
 def by_name() -> dict[str, Scenario]:

@@ -61,6 +61,7 @@ def _failure(run: RunResult, sig: str) -> Failure:
         run.workload.to_json(),
         run.trace,
         sig,
+        v.rule,
     )
 
 

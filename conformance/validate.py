@@ -389,6 +389,8 @@ def _pool(p: _Problems, where: str, pool: object) -> None:
     entries = _seq(p, f"{where}.cache_entries", _get(pool, "cache_entries"), "CacheEntry")
     for i, e in enumerate(entries or ()):
         _entry(p, f"{where}.cache_entries[{i}]", e, upper)
+    if _get(pool, "stated_free") is not None:
+        _int(p, f"{where}.stated_free", _get(pool, "stated_free"))
 
 
 def _engine(p: _Problems, where: str, snap: object) -> None:

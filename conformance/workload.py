@@ -35,6 +35,15 @@ class RequestPlan:
     priority: int = 0
     stop_at: int | None = None
     abort_at: int | None = None
+    cache_salt: str = ""
+    lora: str = ""
+
+    @property
+    def domain(self) -> str:
+        """The key domain the request's K/V belongs to (``""``: the default one)."""
+        if not (self.cache_salt or self.lora):
+            return ""
+        return f"lora={self.lora!r} salt={self.cache_salt!r}"
 
     def spec(self, eos: int | None) -> RequestSpec:
         return RequestSpec(
@@ -44,6 +53,8 @@ class RequestPlan:
             eos_token_id=eos,
             arrival_step=self.arrival,
             priority=self.priority,
+            cache_salt=self.cache_salt,
+            lora=self.lora,
         )
 
 
@@ -135,14 +146,7 @@ class Workload:
         """Features an engine must have to run this workload."""
         out: set[Feature] = set()
         for cfg in (self.config_of(i) for i in range(self.instances)):
-            budget = cfg.max_num_batched_tokens
-            if any(len(r.prompt) + r.max_tokens - 1 > budget for r in self.requests):
-                # Without chunking a whole sequence must fit in one step's budget: the
-                # longest is a recompute after a preemption, the prompt and every output
-                # but the last (a request stops at its last output, never recomputing it).
-                out.add(Feature.CHUNKED_PREFILL)
-            if not cfg.enable_prefix_caching:
-                out.add(Feature.PREFIX_CACHING_OPTIONAL)
+            out |= self._needs_of(cfg)
         if self.instances > 1:
             out.add(Feature.MIGRATION)
         if any(m.fault == "abort_in_transit" for m in self.migrations):
@@ -153,13 +157,30 @@ class Workload:
             out.add(Feature.PRIORITIES)
         if self.rollback_at:
             out.add(Feature.ROLLBACK)
+        if any(r.cache_salt for r in self.requests):
+            out.add(Feature.CACHE_SALT)
+        if any(r.lora for r in self.requests):
+            out.add(Feature.LORA)
+        return frozenset(out)
+
+    def _needs_of(self, cfg: EngineConfig) -> set[Feature]:
+        """What one instance's configuration asks of the engine."""
+        out: set[Feature] = set()
+        budget = cfg.max_num_batched_tokens
+        if any(len(r.prompt) + r.max_tokens - 1 > budget for r in self.requests):
+            # Without chunking a whole sequence must fit in one step's budget: the
+            # longest is a recompute after a preemption, the prompt and every output
+            # but the last (a request stops at its last output, never recomputing it).
+            out.add(Feature.CHUNKED_PREFILL)
+        if not cfg.enable_prefix_caching:
+            out.add(Feature.PREFIX_CACHING_OPTIONAL)
         if cfg.num_speculative_tokens:
             out.add(Feature.SPECULATIVE_DECODING)
-        return frozenset(out)
+        return out
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d["requests"] = [{**asdict(r), "prompt": list(r.prompt)} for r in self.requests]
+        d["requests"] = [_request_json(r) for r in self.requests]
         d["rollback_at"] = list(self.rollback_at)
         d["drafts_right"] = [list(x) for x in self.drafts_right]
         d["migrations"] = [asdict(m) for m in self.migrations]
@@ -183,6 +204,14 @@ class Workload:
             migrations=tuple(MigrationPlan(**m) for m in d.get("migrations", ())),
             disaggregated=bool(d.get("disaggregated", False)),
         )
+
+
+def _request_json(r: RequestPlan) -> dict[str, Any]:
+    d = {**asdict(r), "prompt": list(r.prompt)}
+    for name in ("cache_salt", "lora"):  # absent when unused: older replays read the same
+        if not d[name]:
+            del d[name]
+    return d
 
 
 def next_token(tokens: tuple[int, ...] | list[int]) -> int:

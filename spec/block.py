@@ -6,7 +6,10 @@ is a leak that shrinks the pool until admission stalls. With sharing, a block is
 reclaimable only when reference counts, retention and eviction all agree, so the counts
 must be exact. Known bug elsewhere (docs/ARCHITECTURE.md, "Known bugs elsewhere"): freeing
 a list holding the same block twice, which puts it in the free queue twice and hands it
-to two requests.
+to two requests. A manager that keeps its own count of free and evictable blocks
+(``PoolSnapshot.stated_free``) admits by that count, so it must equal the blocks: SGLang's
+radix cache once counted a page shared by two tree nodes twice in its evictable size, and
+its scheduler's idle check then stopped the server.
 """
 
 from __future__ import annotations
@@ -88,4 +91,15 @@ def check_block(pool: PoolSnapshot) -> list[Violation]:
     free = len(set(pool.free_queue))
     if used + free != n:
         out.append(violation(B, "pool", "used + free != num_blocks", n, f"{used} + {free}"))
+    if pool.stated_free is not None and pool.stated_free != free:
+        out.append(
+            violation(
+                B,
+                "pool",
+                "the manager's own count of free and evictable blocks differs from the blocks",
+                free,
+                pool.stated_free,
+                rule="stated-free",
+            )
+        )
     return out

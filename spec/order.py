@@ -25,6 +25,13 @@ blocks every never-run request behind it in the declared order, whether it fits 
 That is the promise an engine with a small head behind a large one breaks when it lets
 the small one in, which the rule above deliberately allows (docs/CONFORMANCE.md, "The
 declared admission order").
+
+A declared step order is a promise too (rule ``declared-step-order``,
+:func:`check_decode_first`): an engine that says it serves running decodes before it
+admits new work may not admit a request in a step that leaves a decoding request with
+nothing, unless that request was preempted or retired in the step. A chunk of a prompt
+already running is not an admission: how running prefills share the budget with decodes
+is the engine's business.
 """
 
 from __future__ import annotations
@@ -137,3 +144,32 @@ def check_strict_admission_order(
             )
         )
     return out
+
+
+#: The named rule of ORDER for a declared step order.
+DECLARED_STEP_ORDER = "declared-step-order"
+
+_ADMITTED_FROM = frozenset({RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.SWAPPED})
+
+
+def check_decode_first(step: StepSnapshot) -> list[Violation]:
+    """Decode-first, as declared: no admission in a step that passes over a decode."""
+    status = {r.request_id: r.status for r in step.before.requests}
+    admitted = [s.request_id for s in step.scheduled if status.get(s.request_id) in _ADMITTED_FROM]
+    if not admitted:
+        return []
+    served = {s.request_id for s in step.scheduled}
+    excused = served | set(step.preempted) | set(step.finished) | set(step.aborted)
+    return [
+        violation(
+            ORD,
+            f"request {r.request_id}",
+            f"decoding request got no token while request {admitted[0]} was admitted "
+            "(declared decode_first)",
+            ">= 1 token",
+            "0 tokens",
+            rule=DECLARED_STEP_ORDER,
+        )
+        for r in step.before.requests
+        if r.status is RequestStatus.DECODING and r.request_id not in excused
+    ]

@@ -19,6 +19,9 @@ from refserve.spec.snapshot import PoolSnapshot, StepSnapshot, TableSnapshot
 from refserve.spec.violation import Invariant, Violation, violation
 
 X = Invariant.PREFIX
+#: The rule that K/V computed in one key domain (LoRA adapter, cache salt) never serves
+#: another, and equal tokens behind another prefix never share a block.
+KEY_DOMAINS = "key-domains"
 
 
 def check_prefix(pool: PoolSnapshot) -> list[Violation]:
@@ -81,7 +84,7 @@ def check_prefix(pool: PoolSnapshot) -> list[Violation]:
                 out.append(violation(X, who, "shared block at different logical indices", i0, i))
                 continue
             if t.root_key != t0.root_key:
-                out.append(violation(X, who, "block shared across namespaces"))
+                out.append(violation(X, who, "block shared across namespaces", rule=KEY_DOMAINS))
                 continue
             end = min(t.num_stored, t0.num_stored, (i + 1) * bs)
             if t.token_ids[:end] != t0.token_ids[:end]:

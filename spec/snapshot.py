@@ -51,6 +51,11 @@ class PoolSnapshot:
     free_queue: tuple[int, ...]
     tables: tuple[TableSnapshot, ...]
     cache_entries: tuple[CacheEntry, ...] = ()
+    stated_free: int | None = None
+    """The blocks the manager itself says it can hand out now (free plus evictable), for
+    a manager that keeps such a figure and admits by it; ``None`` when it keeps none.
+    BLOCK holds it to ``len(free_queue)``: a figure that drifts from the blocks makes the
+    manager admit what it cannot place, or refuse what it could."""
 
     def table(self, request_id: str) -> TableSnapshot | None:
         for t in self.tables:

@@ -54,6 +54,10 @@ class Violation:
     message: str
     expected: str = ""
     seen: str = ""
+    rule: str = ""
+    """The named rule within the invariant that was broken, for the rules that have one
+    (``key-domains``, ``stated-free``, ...; docs/CONFORMANCE.md, "Rules"); ``""`` for
+    the invariant's original checks."""
 
     def __str__(self) -> str:
         detail = (
@@ -63,7 +67,13 @@ class Violation:
 
 
 def violation(
-    invariant: Invariant, subject: str, message: str, expected: object = "", seen: object = ""
+    invariant: Invariant,
+    subject: str,
+    message: str,
+    expected: object = "",
+    seen: object = "",
+    *,
+    rule: str = "",
 ) -> Violation:
     """Build a :class:`Violation`, rendering expected/seen values with ``repr`` of ints."""
-    return Violation(invariant, subject, message, str(expected), str(seen))
+    return Violation(invariant, subject, message, str(expected), str(seen), rule)

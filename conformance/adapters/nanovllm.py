@@ -77,7 +77,7 @@ from refserve.spec.snapshot import (
 )
 
 
-def _import_engine() -> tuple[Any, Any, Any, Any]:
+def _import_engine() -> tuple[Any, Any, Any, Any, Any]:
     """Import nano-vllm's scheduler modules without running ``nanovllm/__init__.py``.
 
     The package's ``__init__`` imports the model runner, which needs ``flash_attn`` and a
@@ -100,11 +100,18 @@ def _import_engine() -> tuple[Any, Any, Any, Any]:
     sched = importlib.import_module("nanovllm.engine.scheduler")
     seq = importlib.import_module("nanovllm.engine.sequence")
     params = importlib.import_module("nanovllm.sampling_params")
-    return sched.Scheduler, seq.Sequence, seq.SequenceStatus, params.SamplingParams
+    blocks = importlib.import_module("nanovllm.engine.block_manager")
+    return (
+        sched.Scheduler,
+        blocks.BlockManager,
+        seq.Sequence,
+        seq.SequenceStatus,
+        params.SamplingParams,
+    )
 
 
 # nano-vllm-fork ships no type information: its classes are Any here on purpose.
-Scheduler, Sequence, SequenceStatus, SamplingParams = _import_engine()
+Scheduler, BlockManager, Sequence, SequenceStatus, SamplingParams = _import_engine()
 
 S = RequestStatus
 ROOT = DEFAULT_NAMESPACE.root_key()
@@ -193,6 +200,7 @@ class NanoVllmAdapter:
             kvcache_block_size=config.block_size,
         )
         self._sched = Scheduler(hand_made)
+        self._sched.block_manager = self.make_block_manager(config.num_blocks, config.block_size)
         self._seq_cls = (
             Sequence
             if self._native
@@ -207,6 +215,12 @@ class NanoVllmAdapter:
         self._ran.clear()
         self._retired.clear()
         self._pending = []
+
+    def make_block_manager(self, num_blocks: int, block_size: int) -> Any:
+        """The block manager the scheduler runs with: nano-vllm's own, built exactly as
+        ``Scheduler.__init__`` builds it. A hook for the corpus's patch modules, which put
+        a bug back (or a fix in) on the instances they build and nowhere else."""
+        return BlockManager(num_blocks, block_size)
 
     @property
     def cfg(self) -> EngineConfig:

@@ -118,6 +118,7 @@ class RefAdapter:
                 list(request.prompt_token_ids),
                 stop,
                 priority=request.priority,
+                namespace=request.namespace,
             )
             self.sched.add_request(r)
         except RefserveError as e:

@@ -57,6 +57,25 @@ How vLLM's state maps onto the protocol (the adapter translates, it never fixes)
 * **The prefix cache** is keyed by vLLM's own hashes (sha256 over the parent hash, the
   tokens and extra keys), not by the spec's hash chain: ``cache_entries`` stays empty and
   ``cache_index`` is off (PREFIX is checked through sharing, writes and the KV read-back).
+  The hashes come from the block hasher ``EngineCore`` builds
+  (``get_request_block_hasher``), which each ``Request`` runs on its own tokens; the
+  adapter builds it in :meth:`VllmAdapter.make_block_hasher`, the hook a corpus patch
+  overrides (conformance/corpus/patches/vllm_44701.py).
+* **Key domains** (features ``cache_salt`` and ``lora``). ``RequestSpec.cache_salt`` is
+  ``Request(cache_salt=...)`` (``None`` for ``""``, as vLLM's inputs leave it unset).
+  ``RequestSpec.lora`` is ``Request(lora_request=LoRARequest(name, id, path))`` (``None``
+  for ``""``, the base model): the id is a stable int per adapter name within one adapter
+  instance (1, 2, ... in first-seen order; ``LoRARequest`` refuses ids below 1), and the
+  path is made up from the name, :data:`LORA_PATH_ROOT` ``+ "/" + name``, so one name
+  never points at two paths. vLLM's scheduler side only hashes the two:
+  ``generate_block_hash_extra_keys`` puts ``("lora", name, path)`` into every block's
+  extra keys and ``("cache_salt", salt)`` into block 0's. No adapter is ever loaded and
+  vLLM's LoRA config stays off, so neither the ``max_loras`` admission limit of a
+  LoRA-enabled scheduler nor the input processor's ``_validate_lora`` (which refuses a
+  LoRA request without that config; the adapter calls only ``_validate_prompt_len``) is
+  in play. Every table's ``root_key`` is ``RequestSpec.namespace.root_key()``: the
+  identity the request was submitted with (vLLM keeps no root key of its own), so PREFIX
+  can tell the domains of two tables that share a block.
 * Not available in vLLM's scheduler: rollback (``schedule()`` commits its allocations,
   cache entries and counters at once), a per-request eos token id (one eos per model,
   from its generation config), swapping.
@@ -159,6 +178,7 @@ class _Vllm:
     ModelRunnerOutput: Any
     InputProcessor: Any
     ClientError: Any
+    LoRARequest: Any
     get_request_block_hasher: Any
     init_none_hash: Any
     get_hash_fn_by_name: Any
@@ -203,6 +223,7 @@ def _import_vllm() -> _Vllm:
         ModelRunnerOutput=importlib.import_module("vllm.v1.outputs").ModelRunnerOutput,
         InputProcessor=importlib.import_module("vllm.v1.engine.input_processor").InputProcessor,
         ClientError=importlib.import_module("vllm.exceptions").VLLMClientError,
+        LoRARequest=importlib.import_module("vllm.lora.request").LoRARequest,
         get_request_block_hasher=utils.get_request_block_hasher,
         init_none_hash=utils.init_none_hash,
         get_hash_fn_by_name=importlib.import_module("vllm.utils.hashing").get_hash_fn_by_name,
@@ -252,6 +273,10 @@ BASE_MODEL_CONFIG = _base_model_config(V)
 S = RequestStatus
 ROOT = DEFAULT_NAMESPACE.root_key()
 NULL_BLOCKS = 1  # vLLM's BlockPool reserves block 0 as its null block
+LORA_PATH_ROOT = "/nonexistent/refserve-conformance/lora"
+"""Where the made-up ``LoRARequest.lora_path`` of adapter ``name`` points
+(``LORA_PATH_ROOT + "/" + name``): vLLM requires a path and hashes it with the name, and
+the scheduler never loads it."""
 
 
 # vLLM's conventions, read from vllm/v1/core/sched/scheduler.py, kv_cache_manager.py,
@@ -341,6 +366,8 @@ class VllmAdapter:
         self._max_model_len = 0
         self._model_config: Any = None
         self._hasher: Any = None
+        self._lora_ids: dict[str, int] = {}  # adapter name -> LoRARequest.lora_int_id
+        self._roots: dict[str, bytes] = {}  # request id -> the root key it was submitted with
         self._all: dict[str, Any] = {}  # request id -> vLLM Request, every one submitted
         self._live: dict[str, Any] = {}  # request id -> vLLM Request, not finished
         self._max_tokens: dict[str, int] = {}
@@ -371,6 +398,8 @@ class VllmAdapter:
             Feature.PREEMPTION,
             Feature.ABORT,
             Feature.STOP_TOKEN_IDS,
+            Feature.CACHE_SALT,
+            Feature.LORA,
         }
         if self._chunked:
             f.add(Feature.CHUNKED_PREFILL)
@@ -406,6 +435,7 @@ class VllmAdapter:
                 cache_config=cache,
                 scheduler_config=scheduler,
                 device_config=V.DeviceConfig("cpu"),
+                kv_transfer_config=self.kv_transfer_config(config),
             )
         except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
             raise NotSupported(f"vLLM refuses this configuration: {_reason_of(e)}") from e
@@ -431,17 +461,19 @@ class VllmAdapter:
             block_size=sched_bs,
             hash_block_size=hash_bs,
         )
-        # As EngineCore.__init__: a block hasher only when prefix caching is on.
+        # As EngineCore.__init__: a block hasher only when prefix caching is on or a KV
+        # connector is configured (the connector keys its transfers by block hash).
         self._hasher = None
-        if config.enable_prefix_caching:
+        if config.enable_prefix_caching or vllm_config.kv_transfer_config is not None:
             hash_fn = V.get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
             V.init_none_hash(hash_fn)
-            self._hasher = V.get_request_block_hasher(
+            self._hasher = self.make_block_hasher(
                 hash_bs, hash_fn, vllm_config.num_hash_lookahead_tokens
             )
         self._cfg = config
         self._max_model_len = max_model_len
         self._model_config = model_config
+        self._roots.clear()
         self._all.clear()
         self._live.clear()
         self._max_tokens.clear()
@@ -453,6 +485,32 @@ class VllmAdapter:
         self._pending = None
         self._samples = {}
         self._clock = 0
+
+    def kv_transfer_config(self, config: EngineConfig) -> Any:
+        """The ``KVTransferConfig`` the engine runs with: ``None``, no KV connector (a
+        connector mode overrides it: conformance/adapters/vllm_offload.py)."""
+        del config
+        return None
+
+    def runner_output_extras(self, out: Any) -> dict[str, Any]:
+        """Fields of the step's ``ModelRunnerOutput`` besides the sampled tokens (the
+        worker side of a KV connector reports through ``kv_connector_output``); none
+        without a connector."""
+        del out
+        return {}
+
+    def make_block_hasher(
+        self, hash_block_size: int, hash_fn: Any, num_hash_lookahead_tokens: int
+    ) -> Any:
+        """The per-request block hasher, as ``EngineCore.__init__`` builds it."""
+        return V.get_request_block_hasher(hash_block_size, hash_fn, num_hash_lookahead_tokens)
+
+    def _lora_request(self, name: str) -> Any:
+        """vLLM's ``LoRARequest`` for adapter ``name`` (``None``: the base model)."""
+        if not name:
+            return None
+        lora_id = self._lora_ids.setdefault(name, len(self._lora_ids) + 1)
+        return V.LoRARequest(name, lora_id, f"{LORA_PATH_ROOT}/{name}")
 
     @property
     def cfg(self) -> EngineConfig:
@@ -489,6 +547,8 @@ class VllmAdapter:
             pooling_params=None,
             arrival_time=float(self._clock),
             priority=request.priority,
+            lora_request=self._lora_request(request.lora),
+            cache_salt=request.cache_salt or None,
             block_hasher=self._hasher,
         )
         try:
@@ -500,6 +560,7 @@ class VllmAdapter:
         self._live[rid] = req
         self._max_tokens[rid] = request.max_tokens
         self._arrival[rid] = request.arrival_step
+        self._roots[rid] = request.namespace.root_key()
 
     def abort(self, request_id: str) -> None:
         aborted = self._sched.finish_requests(request_id, V.VStatus.FINISHED_ABORTED)
@@ -602,6 +663,7 @@ class VllmAdapter:
             req_ids=ids,
             req_id_to_index={rid: i for i, rid in enumerate(ids)},
             sampled_token_ids=[[int(sampled[rid])] if rid in sampled else [] for rid in ids],
+            **self.runner_output_extras(out),
         )
         self._sched.update_from_output(out, runner_output)
         finished: list[tuple[str, str]] = []
@@ -653,7 +715,11 @@ class VllmAdapter:
             toks = tuple(int(t) for t in req.all_token_ids[:kv]) if req is not None else ()
             tables.append(
                 TableSnapshot(
-                    rid, tuple(int(b.block_id) - NULL_BLOCKS for b in blocks), kv, toks, ROOT
+                    rid,
+                    tuple(int(b.block_id) - NULL_BLOCKS for b in blocks),
+                    kv,
+                    toks,
+                    self._roots.get(rid, ROOT),
                 )
             )
         snap_pool = PoolSnapshot(

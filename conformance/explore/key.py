@@ -62,7 +62,7 @@ def first_use(ids: list[int]) -> list[int]:
 def pool_key(
     pool: PoolSnapshot,
     rank: Mapping[str, int],
-    memory: Mapping[int, int],
+    memory: Mapping[int, object],
     ordered_free: bool,
 ) -> Key:
     """The canonical form of one pool (device or host) and of its fake memory."""
@@ -109,7 +109,7 @@ def _ref_counts(pool: PoolSnapshot, names: Mapping[int, int]) -> dict[int, int]:
     }
 
 
-def _contents(names: Mapping[int, int], memory: Mapping[int, int], bs: int) -> Key:
+def _contents(names: Mapping[int, int], memory: Mapping[int, object], bs: int) -> Key:
     """The fake KV memory of every named block, in name order."""
     return tuple(
         tuple(memory.get(b * bs + off) for off in range(bs))

@@ -89,7 +89,13 @@ def normalize_snapshot(raw: object) -> PoolSnapshot:
         free_queue=_ints(_attr(raw, "free_queue", "snapshot"), "free_queue"),
         tables=tuple(tables),
         cache_entries=tuple(entries),
+        stated_free=_stated_free(raw),
     )
+
+
+def _stated_free(raw: object) -> int | None:
+    value = getattr(raw, "stated_free", None)
+    return None if value is None else _int(value, "stated_free")
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ def _results(
                 workload,
                 trace,
                 signature=sig,
+                rule=v.rule,
             )
         )
     results: list[Result] = []

@@ -29,7 +29,11 @@ from refserve.spec.arith import slot_of
 from refserve.spec.atomic import check_atomic, check_atomic_pool
 from refserve.spec.cap import check_cap_step
 from refserve.spec.hashing import Namespace, block_key
-from refserve.spec.order import check_admission_order, check_strict_admission_order
+from refserve.spec.order import (
+    check_admission_order,
+    check_decode_first,
+    check_strict_admission_order,
+)
 from refserve.spec.prefix import check_prefix_step
 from refserve.spec.progress import check_quiescent, check_starvation
 
@@ -118,6 +122,20 @@ def test_referenced_block_in_free_queue(base: PoolCase) -> None:
     expect(v, "not free", "ref_cnt 1")
     expect(find(vs, Invariant.BLOCK, "pool", "used + free != num_blocks"), 8, "5 + 4")
     assert {x.invariant for x in vs} == {Invariant.BLOCK}
+
+
+def test_stated_free_count_must_equal_the_free_blocks(base: PoolCase) -> None:
+    free = len(base.snap.free_queue)
+    assert check_pool(replace(base.snap, stated_free=free)) == []
+    vs = check_pool(replace(base.snap, stated_free=free + 1))
+    v = find(
+        vs,
+        Invariant.BLOCK,
+        "pool",
+        "the manager's own count of free and evictable blocks differs from the blocks",
+    )
+    expect(v, free, free + 1)
+    assert vs == [v]
 
 
 def test_leaked_block(base: PoolCase) -> None:
@@ -914,6 +932,44 @@ def test_admission_order_passed_over_while_fitting() -> None:
     # Priority order: (priority, rank).
     assert check_admission_order(s, {"X": (1, 0), "Y": (0, 1)}, order="priority") == []
     assert check_admission_order(s, {"X": (0, 0), "Y": (0, 1)}, order="priority") != []
+
+
+def test_declared_decode_first_admits_nobody_past_a_decode() -> None:
+    s = overtaking_step(x_prompt=3)
+    assert check_decode_first(s) == []  # X waits: a decode-first engine may admit Y
+    x_decoding = replace(
+        s,
+        before=replace(
+            s.before,
+            requests=tuple(
+                replace(
+                    r, status=RequestStatus.DECODING, num_output_tokens=1, num_computed_tokens=3
+                )
+                if r.request_id == "X"
+                else r
+                for r in s.before.requests
+            ),
+        ),
+    )
+    vs = check_decode_first(x_decoding)
+    v = find(vs, Invariant.ORDER, "request X", "decoding request got no token while request Y")
+    expect(v, ">= 1 token", "0 tokens")
+    assert v.rule == "declared-step-order" and vs == [v]
+    # Preempted in the step, or retired: not passed over.
+    assert check_decode_first(replace(x_decoding, preempted=("X",))) == []
+    assert check_decode_first(replace(x_decoding, finished=("X",))) == []
+    # Y already running (a chunk of its prompt, not an admission): the engine's business.
+    running_y = replace(
+        x_decoding,
+        before=replace(
+            x_decoding.before,
+            requests=tuple(
+                replace(r, status=RequestStatus.PREFILLING) if r.request_id == "Y" else r
+                for r in x_decoding.before.requests
+            ),
+        ),
+    )
+    assert check_decode_first(running_y) == []
 
 
 def test_admission_order_allows_skipping_what_does_not_fit() -> None:

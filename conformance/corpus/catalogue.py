@@ -1,0 +1,106 @@
+"""The corpus's entries: real bugs from engines' public trackers (docs/CORPUS.md).
+
+Each symptom is said in our words from the thread; the hunks are in the patch modules'
+docstrings, which cite the fixing change. Adding an entry: a patch module (or a
+released version's make target), a detector of existing scenarios (add a scenario to
+the library only when it is generic: a situation any engine meets, not one engine's
+trace), and a row here; then ``make corpus``.
+"""
+
+from __future__ import annotations
+
+from refserve.conformance.corpus.entry import Detector, Entry, Reproduction, Rule
+
+NANO = "refserve.conformance.adapters.nanovllm:make"
+VLLM = "refserve.conformance.adapters.vllm:make"
+SGLANG_KV = "refserve.conformance.adapters.sglang_kv:make_kv"
+PATCHES = "refserve.conformance.corpus.patches"
+
+SGLANG_KV_DLLM = "refserve.conformance.adapters.sglang_kv:make_kv_dllm"
+
+ENTRIES: tuple[Entry, ...] = (
+    Entry(
+        bug="GeeeekExplorer/nano-vllm#163",
+        url="https://github.com/GeeeekExplorer/nano-vllm/issues/163",
+        fix="https://github.com/GeeeekExplorer/nano-vllm/commit/f64d821c2057e2f45d0accccf5b39fd6c1438473",
+        engine="nano-vllm",
+        affected="upstream up to 8d63a98",
+        fixed="upstream f64d821 (the fork 20260210 fixes it in deallocate)",
+        symptom=(
+            "A freed block handed to a new sequence keeps its old entry in the hash-to-block "
+            "map. The lookup compares only the block's own tokens, so a later prompt whose "
+            "block has those tokens behind another prefix is served K/V computed in another "
+            "context."
+        ),
+        rule=Rule.KEY_DOMAINS,
+        reproduction=Reproduction.REAPPLIED,
+        environment="conformance-nanovllm",
+        buggy=f"{PATCHES}.nanovllm_163:make",
+        clean=NANO,
+        detector=Detector(scenarios=("keys-refill-reversed",)),
+        requires="nanovllm",
+    ),
+    Entry(
+        bug="GeeeekExplorer/nano-vllm#144",
+        url="https://github.com/GeeeekExplorer/nano-vllm/issues/144",
+        fix="https://github.com/GeeeekExplorer/nano-vllm/commit/f64d821c2057e2f45d0accccf5b39fd6c1438473",
+        engine="nano-vllm",
+        affected="nano-vllm-fork 20260210; upstream before f64d821",
+        fixed="upstream f64d821 (no release; its hunk applied to the fork)",
+        symptom=(
+            "A block-aligned prompt whose every block is a cache hit is admitted with zero "
+            "tokens to compute: the prefill has no query token, so there is no logit to "
+            "sample from, and the attention call fails on an empty sequence."
+        ),
+        rule=Rule.TOKEN,
+        reproduction=Reproduction.RELEASED,
+        environment="conformance-nanovllm",
+        buggy=NANO,
+        clean=f"{PATCHES}.nanovllm_144_fixed:make",
+        detector=Detector(scenarios=("bug-fully-cached-prompt-concurrent",)),
+        requires="nanovllm",
+    ),
+    Entry(
+        bug="vllm-project/vllm#44701",
+        url="https://github.com/vllm-project/vllm/issues/44701",
+        fix="https://github.com/vllm-project/vllm/pull/44706",
+        engine="vllm",
+        affected="main after vllm#27211 (2025-10) until tagged keys",
+        fixed="0.33.0 (tagged extra keys)",
+        symptom=(
+            "The LoRA adapter's name and the cache salt went into a block's extra keys as bare "
+            "strings, so a request with salt X and a request on an adapter named X produced "
+            "the same key for the first block: one tenant's prefix hit served K/V computed "
+            "with another's adapter."
+        ),
+        rule=Rule.KEY_DOMAINS,
+        reproduction=Reproduction.REAPPLIED,
+        environment="conformance-vllm",
+        buggy=f"{PATCHES}.vllm_44701:make",
+        clean=VLLM,
+        detector=Detector(scenarios=("keys-salt-named-like-adapter",)),
+        requires="vllm",
+    ),
+    Entry(
+        bug="sgl-project/sglang#35270",
+        url="https://github.com/sgl-project/sglang/issues/35270",
+        fix="https://github.com/sgl-project/sglang/pull/35470",
+        engine="sglang",
+        affected="main 2026-08 (dLLM path); 0.5.23's radix cache",
+        fixed="PR 35470 (open): the clean side applies it",
+        symptom=(
+            "A diffusion request's in-flight block was checkpointed into the radix tree while "
+            "its token ids were still placeholders; the next checkpoint keyed the same page "
+            "again, two tree nodes owned one page, the evictable size counted it twice, and "
+            "the idle memory check stopped the server. The radix cache is SGLang's; the "
+            "checkpointing call site, part of its scheduler, is played by the adapter."
+        ),
+        rule=Rule.STATED_FREE,
+        reproduction=Reproduction.REAPPLIED,
+        environment="conformance-sglang",
+        buggy=f"{PATCHES}.sglang_35270:make_kv",
+        clean=SGLANG_KV_DLLM,
+        detector=Detector(kv_scenarios=("kv-prefix-reuse", "kv-no-space")),
+        requires="sglang",
+    ),
+)
