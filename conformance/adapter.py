@@ -83,7 +83,8 @@ Semantics every adapter must follow
 
 Request state mapping: a request not yet scheduled is ``waiting``; one whose prompt is
 partly computed is ``prefilling``; one with KV for all but its last sampled token is
-``decoding``; one that lost its KV to preemption and waits to recompute is ``preempted``.
+``decoding``; one that lost its KV to preemption and waits to recompute is ``preempted``;
+one whose K/V is being loaded from another store (a KV connector) is ``loading``.
 
 Rules and conventions
 ---------------------

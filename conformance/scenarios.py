@@ -559,6 +559,42 @@ def _migrations() -> list[Scenario]:
     ]
 
 
+def _pressure() -> list[Scenario]:
+    """Progress under KV pressure with K/V parked outside the device.
+
+    An engine with a host tier (a KV connector that offloads) keeps a finished request's
+    K/V there after the device evicts it, and a later request that shares the prefix
+    loads it back: it holds blocks while the load is in flight and after it lands. A
+    large request of higher priority then arrives; it can fit only once the others
+    finish, so the engine must keep running them. An engine without a host tier runs
+    the same requests with a recompute and meets the same queue."""
+    shared = tuple(2 + (3 * 7 + i * 13) % 60 for i in range(8))
+
+    def toks(seed: int, n: int) -> tuple[int, ...]:
+        return tuple(2 + (seed * 7 + i * 13) % 60 for i in range(n))
+
+    return [
+        Scenario(
+            "pressure-parked-load-behind-large-head",
+            "P's 8-token prompt is computed and evicted by E (45 tokens, nearly the pool); R "
+            "(priority 0) decodes while L (priority 1) repeats P's prefix, loaded back by an "
+            "engine with a host tier; H (priority 0, 44 tokens: 11 of the 12 blocks) "
+            "arrives and waits ahead of L. Every request must finish.",
+            Workload(
+                _cfg(4, 12, 64, 4),
+                (
+                    R("P", shared, 1, 0, prio=1),
+                    R("E", toks(9, 45), 1, 1, prio=1),
+                    R("R", toks(5, 4), 5, 2, prio=0),
+                    R("L", (*shared, *toks(6, 2)), 4, 2, prio=1),
+                    R("H", toks(8, 44), 1, 3, prio=0),
+                ),
+            ),
+            ("PROGRESS",),
+        ),
+    ]
+
+
 def _key_domains() -> list[Scenario]:
     """Requests whose K/V differs while their tokens do not (PREFIX, rule ``key-domains``).
 
@@ -646,14 +682,14 @@ def _key_domains() -> list[Scenario]:
     ]
 
 
-#: The scenarios added with the corpus of real bugs (docs/CORPUS.md): the suite of before
-#: never sent requests that differ only in their key domain.
-KEY_DOMAIN_SCENARIOS = frozenset(s.name for s in _key_domains())
+#: The scenarios added with the corpus of real bugs (docs/CORPUS.md), which the suite of
+#: before did not have.
+CORPUS_SCENARIOS = frozenset(s.name for s in (*_key_domains(), *_pressure()))
 
 
 def library() -> list[Scenario]:
     """Every fixed scenario, seeds first."""
-    return [*_seeds(), *_known_bugs(), *_key_domains(), *_migrations()]
+    return [*_seeds(), *_known_bugs(), *_key_domains(), *_pressure(), *_migrations()]
 
 
 def by_name() -> dict[str, Scenario]:

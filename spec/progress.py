@@ -21,10 +21,11 @@ B = Invariant.BLOCK
 
 
 def check_progress(step: StepSnapshot, lookahead: int = 0) -> list[Violation]:
-    """A step with runnable work schedules a token or retires someone.
+    """A step with runnable work schedules a token, retires someone or starts a load.
 
-    Retiring counts (a lone request finished with reason ``capacity`` is progress); a
-    preemption alone does not: a step that preempts makes room for someone it then
+    Retiring counts (a lone request finished with reason ``capacity`` is progress), and so
+    does admitting a request into a load of its K/V from another store; a preemption
+    alone does not: a step that preempts makes room for someone it then
     schedules, and a step that only preempts is the first half of a livelock. The
     message names the oldest stuck request and what the step had to offer it, so two
     stalls with different causes never look alike.
@@ -33,6 +34,8 @@ def check_progress(step: StepSnapshot, lookahead: int = 0) -> list[Violation]:
     if not runnable or step.scheduled:
         return []
     if step.finished or step.aborted:
+        return []
+    if _started_loads(step):
         return []
     stuck = min(runnable, key=lambda r: (r.arrival_step, r.request_id))
     return [
@@ -45,6 +48,17 @@ def check_progress(step: StepSnapshot, lookahead: int = 0) -> list[Violation]:
             f"0 tokens for {len(runnable)} runnable requests",
         )
     ]
+
+
+def _started_loads(step: StepSnapshot) -> bool:
+    """Whether the step admitted a request into a load of its K/V (a KV connector): the
+    transfer now carries its work, so the step was not idle; a load that never lands
+    leaves the request loading, and the run's stall limit reports it."""
+    after = {r.request_id: r.status for r in step.after.requests}
+    return any(
+        r.status is not RequestStatus.LOADING and after.get(r.request_id) is RequestStatus.LOADING
+        for r in step.before.requests
+    )
 
 
 def _why_not(r: RequestSnapshot, step: StepSnapshot, lookahead: int) -> str:

@@ -71,6 +71,9 @@ class RequestStatus(StrEnum):
     PREEMPTED = "preempted"
     SWAPPED = "swapped"
     WAITING_TOOL = "waiting_tool"
+    LOADING = "loading"
+    """Its K/V is arriving from another store (a KV connector's load from host memory or a
+    remote engine): not runnable until the load lands, when it is waiting again."""
     FINISHED = "finished"
     ABORTED = "aborted"
 

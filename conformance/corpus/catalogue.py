@@ -17,6 +17,7 @@ SGLANG_KV = "refserve.conformance.adapters.sglang_kv:make_kv"
 PATCHES = "refserve.conformance.corpus.patches"
 
 SGLANG_KV_DLLM = "refserve.conformance.adapters.sglang_kv:make_kv_dllm"
+VLLM_OFFLOAD_PRIORITY = "refserve.conformance.adapters.vllm_offload:make_priority"
 
 ENTRIES: tuple[Entry, ...] = (
     Entry(
@@ -79,6 +80,27 @@ ENTRIES: tuple[Entry, ...] = (
         buggy=f"{PATCHES}.vllm_44701:make",
         clean=VLLM,
         detector=Detector(scenarios=("keys-salt-named-like-adapter",)),
+        requires="vllm",
+    ),
+    Entry(
+        bug="vllm-project/vllm#45388",
+        url="https://github.com/vllm-project/vllm/issues/45388",
+        fix="https://github.com/vllm-project/vllm/pull/57841",
+        engine="vllm",
+        affected="0.21-0.22 with an offloading connector",
+        fixed="0.33.0 (waiting requests that hold blocks get their own queue)",
+        symptom=(
+            "Under KV pressure with the offloading connector, a request admitted as an "
+            "asynchronous load holds its blocks and waits in the one waiting queue; a "
+            "request ahead of it that holds none cannot allocate, and the scan stops there "
+            "every step: Running 0, Waiting N, 0 tokens per second, forever."
+        ),
+        rule=Rule.PROGRESS,
+        reproduction=Reproduction.REAPPLIED,
+        environment="conformance-vllm",
+        buggy=f"{PATCHES}.vllm_45388:make",
+        clean=VLLM_OFFLOAD_PRIORITY,
+        detector=Detector(scenarios=("pressure-parked-load-behind-large-head",)),
         requires="vllm",
     ),
     Entry(

@@ -31,7 +31,7 @@ from refserve.conformance.kv.suite import load_kv_factory
 from refserve.conformance.kv.workload import KVFinding
 from refserve.conformance.run_result import Finding, RunResult
 from refserve.conformance.runner import run_fresh
-from refserve.conformance.scenarios import KEY_DOMAIN_SCENARIOS, by_name
+from refserve.conformance.scenarios import CORPUS_SCENARIOS, by_name
 from refserve.conformance.shrink import shrink, signature
 from refserve.spec.violation import Violation
 
@@ -295,7 +295,7 @@ def _old_findings(spec: str, entry: Entry, call_timeout: float) -> list[Seen]:
         if err:
             return out
         for name, sc in by_name().items():
-            if name in KEY_DOMAIN_SCENARIOS:
+            if name in CORPUS_SCENARIOS:
                 continue
             r = run_fresh(factory, sc.workload, call_timeout=call_timeout)
             out.extend(s for s in _seen(name, r.findings) if s.rule not in new)

@@ -2,7 +2,7 @@
 re-applied vllm#44701 (conformance/corpus/patches/vllm_44701.py) is caught.
 
 vLLM lives in its own virtualenv; run with
-``PYTHONPATH=/tmp/live .venv-vllm/bin/python -m pytest tests/conformance/test_vllm_key_domains.py``
+``.venv-vllm/bin/python -m pytest tests/conformance/test_vllm_key_domains.py``
 or any interpreter where ``vllm`` and this checkout's refserve import.
 """
 

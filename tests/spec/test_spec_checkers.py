@@ -766,6 +766,24 @@ def test_runnable_work_with_nothing_scheduled(step: StepSnapshot) -> None:
     )
 
 
+def test_admitting_a_request_into_a_load_is_progress() -> None:
+    """A KV connector's asynchronous load: the step schedules no token, but the waiting
+    request's K/V is now arriving; staying waiting instead is a stall."""
+    pool = BlockPool(8, BS).snapshot()
+    before = EngineSnapshot((req("W", RequestStatus.WAITING, 8, 0, 0),), pool)
+    loading = EngineSnapshot((req("W", RequestStatus.LOADING, 8, 0, 0),), pool)
+    assert check_step(StepSnapshot(0, 8, 4, before, (), loading)) == []
+    v = find(
+        check_step(StepSnapshot(0, 8, 4, before, (), before)),
+        Invariant.PROGRESS,
+        "step",
+        "waiting request W got nothing",
+    )
+    assert v.seen == "0 tokens for 1 runnable requests"
+    # While it loads it is not runnable: a step that waits on the load is not a stall.
+    assert check_step(StepSnapshot(1, 8, 4, loading, (), loading)) == []
+
+
 def test_progress_message_tells_a_full_pool_from_a_policy_stall() -> None:
     full = PoolSnapshot(1, BS, (1,), (), (TableSnapshot("R", (0,), 4, (1, 2, 3, 4)),))
     reqs = (req("W", RequestStatus.WAITING, 3, 0, 0), req("R", RequestStatus.DECODING, 4, 1, 4))
