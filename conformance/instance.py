@@ -59,7 +59,13 @@ from refserve.spec.order import (
     check_strict_admission_order,
 )
 from refserve.spec.progress import check_quiescent, check_starvation
-from refserve.spec.snapshot import EngineSnapshot, RequestStatus, ScheduledRequest, StepSnapshot
+from refserve.spec.snapshot import (
+    EngineSnapshot,
+    RequestStatus,
+    ScheduledRequest,
+    StepSnapshot,
+    TransferKind,
+)
 from refserve.spec.violation import Invariant, Violation, violation
 
 T = TypeVar("T")
@@ -500,6 +506,7 @@ class _Run:
         hits: set[int] = set()
         for s in snap.scheduled:
             hits.update(s.block_table[: s.num_new_cached_tokens // bs])
+        hits.update(_load_hits(snap))
         queue = [b for b in before.free_queue if b not in hits]
         in_queue = set(queue)
         taken: set[int] = set()
@@ -721,3 +728,17 @@ def adapter_traits(
         return frozenset(Feature(f) for f in feats), properties_of(adapter)
 
     return call("features/properties", read, call_timeout)
+
+
+def _load_hits(snap: StepSnapshot) -> set[int]:
+    """The prefix hit of each load the step started: the blocks its holder took that
+    the load does not write (a hit may come from anywhere in the free queue)."""
+    started = {(x.request_id, x.kind) for x in snap.before.pool.transfers}
+    out: set[int] = set()
+    for x in snap.after.pool.transfers:
+        if x.kind is not TransferKind.LOAD or (x.request_id, x.kind) in started:
+            continue
+        table = snap.after.pool.table(x.holder or x.request_id)
+        if table is not None:
+            out.update(b for b in table.block_table if b not in x.blocks)
+    return out

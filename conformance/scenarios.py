@@ -592,6 +592,47 @@ def _pressure() -> list[Scenario]:
             ),
             ("PROGRESS",),
         ),
+        Scenario(
+            "pressure-loads-back-at-once",
+            "A0 (16 tokens) and B0 (24) are computed; E (56 tokens) evicts them from the "
+            "device (an engine with a host tier keeps their K/V); R decodes. A (A0's prompt + "
+            "28: 11 of the 16 blocks) and B (B0's + 6: 8 blocks) arrive together: each fits "
+            "alone, not both. A load admitted beside another must leave what the first "
+            "still needs. Every request must finish.",
+            Workload(
+                _cfg(4, 16, 64, 4),
+                (
+                    R("A0", toks(21, 16), 1, 0),
+                    R("B0", toks(22, 24), 1, 0),
+                    R("R", toks(5, 4), 10, 0),
+                    R("E", toks(9, 56), 1, 1),
+                    R("A", (*toks(21, 16), *toks(23, 28)), 2, 4),
+                    R("B", (*toks(22, 24), *toks(24, 6)), 2, 4),
+                ),
+            ),
+            ("PROGRESS",),
+        ),
+        Scenario(
+            "pressure-deferred-lookup-ahead-of-load",
+            "A shared prefix p (16 tokens) and a conversation q (24) are computed, then "
+            "evicted by E (a host tier keeps them); R decodes. P (p + 2), H (p + 32: 12 of the "
+            "16 blocks) and L (q + 2) arrive together: P loads p, H shares p and must wait "
+            "for P's load, L loads q. H, holding nothing, fits only after L finishes. Every "
+            "request must finish.",
+            Workload(
+                _cfg(4, 16, 64, 4),
+                (
+                    R("P0", toks(41, 16), 1, 0),
+                    R("Q0", toks(42, 24), 1, 0),
+                    R("R", toks(5, 4), 6, 0),
+                    R("E", toks(9, 56), 1, 1),
+                    R("P", (*toks(41, 16), *toks(43, 2)), 2, 4),
+                    R("H", (*toks(41, 16), *toks(44, 32)), 2, 4),
+                    R("L", (*toks(42, 24), *toks(45, 2)), 3, 4),
+                ),
+            ),
+            ("PROGRESS",),
+        ),
     ]
 
 

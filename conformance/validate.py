@@ -39,6 +39,8 @@ from refserve.spec.snapshot import (
     RequestStatus,
     ScheduledRequest,
     TableSnapshot,
+    Transfer,
+    TransferKind,
 )
 
 __all__ = [
@@ -389,6 +391,17 @@ def _pool(p: _Problems, where: str, pool: object) -> None:
     entries = _seq(p, f"{where}.cache_entries", _get(pool, "cache_entries"), "CacheEntry")
     for i, e in enumerate(entries or ()):
         _entry(p, f"{where}.cache_entries[{i}]", e, upper)
+    transfers = _seq(p, f"{where}.transfers", _get(pool, "transfers"), "Transfer")
+    for i, t in enumerate(transfers or ()):
+        w = f"{where}.transfers[{i}]"
+        if _record(p, w, t, Transfer):
+            _str(p, f"{w}.request_id", _get(t, "request_id"))
+            _ints(p, f"{w}.blocks", _get(t, "blocks"), item="block id")
+            holder = _get(t, "holder")
+            if not isinstance(holder, str):  # "" is the request's own table
+                p.add(f"{w}.holder", f"expected str, got {_desc(holder)}")
+            if not isinstance(_get(t, "kind"), TransferKind):
+                p.add(f"{w}.kind", f"not a TransferKind: {_get(t, 'kind')!r}")
     if _get(pool, "stated_free") is not None:
         _int(p, f"{where}.stated_free", _get(pool, "stated_free"))
 
@@ -420,6 +433,7 @@ def _scheduled(p: _Problems, where: str, s: object) -> str | None:
     _ints(p, f"{where}.block_table", _get(s, "block_table"), item="block id")
     _bool(p, f"{where}.samples", _get(s, "samples"))
     _int(p, f"{where}.num_new_cached_tokens", _get(s, "num_new_cached_tokens"))
+    _int(p, f"{where}.num_new_loaded_tokens", _get(s, "num_new_loaded_tokens"), minimum=0)
     _int(p, f"{where}.num_draft_tokens", _get(s, "num_draft_tokens"))
     # Lengths that disagree (positions vs num_new_tokens vs slot_mapping) are the engine's
     # answer, judged by TOKEN and POS under their own ids, not a shape error.

@@ -26,6 +26,7 @@ from refserve.spec.prefix import check_prefix, check_prefix_step
 from refserve.spec.progress import check_preempted_released, check_progress
 from refserve.spec.snapshot import PoolSnapshot, StepSnapshot
 from refserve.spec.token import check_token
+from refserve.spec.transfer import check_in_flight_step
 from refserve.spec.violation import Violation
 
 #: A pool checker, given the pool and the declared ``lookahead``.
@@ -60,6 +61,7 @@ STEP_CHECKS: tuple[StepCheck, ...] = (
     lambda step, lookahead, same_step_hits: check_prefix_step(step, same_step_hits),
     lambda step, lookahead, same_step_hits: check_progress(step, lookahead),
     lambda step, lookahead, same_step_hits: check_preempted_released(step),
+    lambda step, lookahead, same_step_hits: check_in_flight_step(step),
     *(_on_pool_after(check) for check in POOL_CHECKS),
     lambda step, lookahead, same_step_hits: check_host(step.after, lookahead),
 )

@@ -105,7 +105,13 @@ def _check_chunk(
     rid = s.request_id
     drafts = s.num_draft_tokens
     # The drafts sit beyond the known tokens: the chunk before them must reach the end.
-    end = before.num_computed_tokens + s.num_new_cached_tokens + s.num_new_tokens - drafts
+    end = (
+        before.num_computed_tokens
+        + s.num_new_cached_tokens
+        + s.num_new_loaded_tokens
+        + s.num_new_tokens
+        - drafts
+    )
     reaches_end = end == before.num_tokens
     if s.samples != reaches_end:
         out.append(

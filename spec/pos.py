@@ -63,7 +63,7 @@ def check_pos(step: StepSnapshot) -> list[Violation]:
         who = f"request {s.request_id}"
         before = step.before.request(s.request_id)
         if before is not None:
-            start = before.num_computed_tokens + s.num_new_cached_tokens
+            start = before.num_computed_tokens + s.num_new_cached_tokens + s.num_new_loaded_tokens
             expected = tuple(range(start, start + s.num_new_tokens))
             if s.positions != expected:
                 out.append(

@@ -35,7 +35,10 @@ def check_progress(step: StepSnapshot, lookahead: int = 0) -> list[Violation]:
         return []
     if step.finished or step.aborted:
         return []
-    if _started_loads(step):
+    if _started_loads(step) or step.before.pool.transfers:
+        # Waiting on its own transfer is not a stall: the copy completes outside the
+        # scheduler, and a transfer that never does leaves the run unchanged until the
+        # suite's stall limit reports it.
         return []
     stuck = min(runnable, key=lambda r: (r.arrival_step, r.request_id))
     return [

@@ -41,6 +41,31 @@ class TableSnapshot:
     root_key: bytes = b""
 
 
+class TransferKind(StrEnum):
+    LOAD = "load"
+    """K/V arriving into device blocks from another store (host memory, a remote engine)."""
+    STORE = "store"
+    """K/V copied out of device blocks into another store."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A copy between the pool and another store that is in flight at a step boundary:
+    submitted by the engine (a KV connector), not completed yet.
+
+    Until it completes the blocks belong to the transfer: a load's blocks are held (by
+    ``holder``, the table that keeps them) and read by nobody, and no step writes into
+    the blocks of a load or a store (spec/transfer.py)."""
+
+    request_id: str
+    kind: TransferKind
+    blocks: tuple[int, ...]
+    """The device blocks it writes (a load) or reads (a store)."""
+    holder: str = ""
+    """The table that holds a load's blocks while it is in flight (``""``: the
+    request's own); its other blocks are the request's prefix hit."""
+
+
 @dataclass(frozen=True)
 class PoolSnapshot:
     """The paged KV pool: ``ref_cnt[b]`` per block, the free queue in hand-out order."""
@@ -51,6 +76,8 @@ class PoolSnapshot:
     free_queue: tuple[int, ...]
     tables: tuple[TableSnapshot, ...]
     cache_entries: tuple[CacheEntry, ...] = ()
+    transfers: tuple[Transfer, ...] = ()
+    """Copies to or from another store in flight at this boundary (a KV connector)."""
     stated_free: int | None = None
     """The blocks the manager itself says it can hand out now (free plus evictable), for
     a manager that keeps such a figure and admits by it; ``None`` when it keeps none.
@@ -145,6 +172,12 @@ class ScheduledRequest:
     samples: bool
     num_new_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache when this step admitted the request."""
+    num_new_loaded_tokens: int = 0
+    """Tokens whose K/V a completed load (a KV connector's copy from another store) wrote
+    into the request's own blocks, after its cache hit and before this step's positions,
+    when this step admitted it. TOKEN, POS and KVLEN count them like a hit; they are no
+    prefix-cache hit, so PREFIX's whole-block rules leave them alone (the fake KV memory
+    reads them back)."""
     num_draft_tokens: int = 0
     """Speculative decoding (docs/SPECULATIVE.md): how many of the ``num_new_tokens``
     are draft tokens this step verifies. They come last, after the request's last

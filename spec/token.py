@@ -92,7 +92,11 @@ def check_token(step: StepSnapshot) -> list[Violation]:
                 )
             continue
         sched = scheduled.get(rid)
-        advance = 0 if sched is None else sched.num_new_cached_tokens + sched.num_new_tokens
+        advance = (
+            0
+            if sched is None
+            else sched.num_new_cached_tokens + sched.num_new_loaded_tokens + sched.num_new_tokens
+        )
         rejected = 0 if sched is None else _rejected(sched, before, after)
         expected = before.num_computed_tokens + advance - rejected
         if after.num_computed_tokens != expected:

@@ -28,8 +28,10 @@ completed loads, ``finished_sending`` empty (the offloading worker never sends i
 completion travels in the worker metadata only).
 
 * A **load** created in step ``t`` (the real worker submits it at the start of step
-  ``t``) completes in step ``t + load_steps - 1`` (``load_steps`` >= 1; 1 by default: it
-  lands in the step that submitted it).
+  ``t``) completes in step ``t + load_steps - 1`` (``load_steps`` >= 1; 2 by default: it is in
+  flight at the boundary after ``t``, where the snapshot shows the request ``loading``
+  and the load in ``PoolSnapshot.transfers``; with 1 it lands in the step that
+  submitted it and no boundary sees it).
 * A **store** created in step ``t`` (the real worker defers it to the start of step
   ``t + 1``, after the step's forward wrote the blocks) completes in step
   ``t + store_steps`` (``store_steps`` >= 1; 2 by default), unless a later
@@ -66,12 +68,16 @@ Its blocks are held by the load: the snapshot lists them as a table named ``<id>
 holding ``num_computed_tokens`` tokens (the prefix the blocks will hold), so the pool's
 ref counts stay those of vLLM. No read-back reads that table (the suite knows no request
 of that name); the request's own table appears when vLLM schedules it, and the tokens
-it loaded are then its ``num_new_cached_tokens`` (positions start after them), exactly as
-a prefix-cache hit: the runner reads them back through its table. A request aborted
+it loaded are then its ``num_new_loaded_tokens`` (positions start after them and its
+prefix hit): no cache hit, so a whole block-aligned prompt loaded and stepped back one
+token for a logit is not a partial-block hit; the load's copies are the step's
+``swap_in``, so the runner reads them back through its table. A request aborted
 while its load is in flight keeps its blocks until the load completes (vLLM's
 ``delay_free_blocks``), under the same ``<id>@load`` table.
 
-**Blocks of in-flight stores** are reported as vLLM holds them: the offloading connector
+**Copies in flight** at a boundary are ``PoolSnapshot.transfers``: every job the fake
+worker has not completed, a load's blocks held by the ``<id>@load`` table. **Blocks of
+in-flight stores** are reported as vLLM holds them: the offloading connector
 does not delay frees (``request_finished`` returns ``False``), so a finished request's
 blocks are free (ref count 0, in the free queue) while their stores are in flight; reuse
 is protected by the flush list, not by a reference. A running request's blocks are held
@@ -110,7 +116,14 @@ from refserve.conformance.adapters.vllm import (
     V,
     VllmAdapter,
 )
-from refserve.spec.snapshot import EngineSnapshot, RequestStatus, TableSnapshot
+from refserve.spec.snapshot import (
+    EngineSnapshot,
+    RequestStatus,
+    ScheduledRequest,
+    TableSnapshot,
+    Transfer,
+    TransferKind,
+)
 
 _KVTransferConfig: Any = importlib.import_module("vllm.config").KVTransferConfig
 _KVConnectorOutput: Any = importlib.import_module("vllm.v1.outputs").KVConnectorOutput
@@ -153,7 +166,7 @@ def _ids(spec: Any) -> list[int]:
 class VllmOffloadAdapter(VllmAdapter):
     """vLLM's scheduler with ``OffloadingConnector`` and a fake worker side."""
 
-    def __init__(self, *, policy: str = "fcfs", load_steps: int = 1, store_steps: int = 2) -> None:
+    def __init__(self, *, policy: str = "fcfs", load_steps: int = 2, store_steps: int = 2) -> None:
         if load_steps < 1 or store_steps < 1:
             raise ValueError("a transfer takes at least one step")
         super().__init__(policy=policy)
@@ -162,6 +175,8 @@ class VllmOffloadAdapter(VllmAdapter):
         self._store_steps = store_steps
         self._jobs: dict[int, _Job] = {}
         self._completing: list[_Job] = []
+        self._loaded: Counter[str] = Counter()
+        """Tokens each request's completed loads wrote, until it is scheduled."""
         self._step = 0
         self._host_blocks = 0
         self.transfers: Counter[str] = Counter()
@@ -200,6 +215,7 @@ class VllmOffloadAdapter(VllmAdapter):
             )
         self._jobs = {}
         self._completing = []
+        self._loaded = Counter()
         self._step = 0
         self.transfers = Counter()
 
@@ -233,7 +249,23 @@ class VllmOffloadAdapter(VllmAdapter):
         self._completing = [self._jobs.pop(jid) for jid in due]
         swap_out = tuple(p for j in self._completing if j.is_store for p in j.pairs)
         swap_in = tuple(p for j in self._completing if not j.is_store for p in j.pairs)
-        return replace(report, swap_out=swap_out, swap_in=swap_in)
+        scheduled = tuple(self._split_hit(s) for s in report.scheduled)
+        return replace(report, scheduled=scheduled, swap_out=swap_out, swap_in=swap_in)
+
+    def _split_hit(self, s: ScheduledRequest) -> ScheduledRequest:
+        """vLLM counts a landed load in the request's computed tokens, as it counts its
+        prefix hit; the protocol keeps them apart: the load's tokens are no cache hit
+        (after a whole block-aligned prompt loaded, vLLM steps back one token to compute
+        a logit, so the load is then one token short of its blocks)."""
+        loaded_blocks = self._loaded.pop(s.request_id, 0)
+        if not loaded_blocks:
+            return s
+        # The local hit is whole blocks before the loaded ones; the step back, if any,
+        # comes off the loaded part (the last block).
+        bs = self.cfg.block_size
+        total = s.num_new_cached_tokens
+        hit = max(0, -(-(total - loaded_blocks) // bs) * bs)
+        return replace(s, num_new_cached_tokens=hit, num_new_loaded_tokens=total - hit)
 
     def runner_output_extras(self, out: Any) -> dict[str, Any]:
         del out
@@ -241,6 +273,9 @@ class VllmOffloadAdapter(VllmAdapter):
         self._step += 1
         if not done:
             return {}
+        for job in done:
+            if not job.is_store:
+                self._loaded[job.req_id] += len(job.pairs) * self.cfg.block_size
         counts = _count(done)
         self.transfers.update(counts)
         TOTALS.update(counts)
@@ -255,7 +290,7 @@ class VllmOffloadAdapter(VllmAdapter):
 
     # ------------------------------------------------------------------ snapshots
     def snapshot(self) -> EngineSnapshot:
-        snap = super().snapshot()
+        snap = self._with_transfers(super().snapshot())
         loading = {rid for rid, req in self._live.items() if _holds_loaded_blocks(req)}
         loading |= {job.req_id for job in self._jobs.values() if not job.is_store}
         if not loading:
@@ -278,6 +313,22 @@ class VllmOffloadAdapter(VllmAdapter):
             tables.append(t)
         pool = replace(snap.pool, tables=tuple(tables))
         return replace(snap, requests=tuple(requests), pool=pool)
+
+    def _with_transfers(self, snap: EngineSnapshot) -> EngineSnapshot:
+        """The copies in flight at this boundary: every job the fake worker has not
+        completed (a load's blocks are held by the request's ``@load`` table)."""
+        transfers = tuple(
+            Transfer(
+                job.req_id,
+                TransferKind.STORE if job.is_store else TransferKind.LOAD,
+                tuple(dev for dev, _ in job.pairs)
+                if job.is_store
+                else tuple(dev for _, dev in job.pairs),
+                "" if job.is_store else job.req_id + LOADING_SUFFIX,
+            )
+            for job in sorted(self._jobs.values(), key=lambda j: j.job_id)
+        )
+        return replace(snap, pool=replace(snap.pool, transfers=transfers))
 
 
 def _holds_loaded_blocks(req: Any) -> bool:
@@ -305,8 +356,8 @@ def _count(done: list[_Job]) -> Counter[str]:
 
 
 def make() -> VllmOffloadAdapter:
-    """vLLM (fcfs, chunked prefill) with ``OffloadingConnector``: loads land in one step,
-    stores in two."""
+    """vLLM (fcfs, chunked prefill) with ``OffloadingConnector``: loads and stores land
+    two steps after they start."""
     return VllmOffloadAdapter()
 
 
@@ -316,6 +367,6 @@ def make_priority() -> VllmOffloadAdapter:
 
 
 def make_slow_loads() -> VllmOffloadAdapter:
-    """As :func:`make`, with loads that land two steps after they start (a request is
-    seen waiting for its K/V at a step boundary)."""
-    return VllmOffloadAdapter(load_steps=2)
+    """As :func:`make`, with loads that land three steps after they start (a request is
+    seen loading at two step boundaries)."""
+    return VllmOffloadAdapter(load_steps=3)

@@ -17,6 +17,7 @@ SGLANG_KV = "refserve.conformance.adapters.sglang_kv:make_kv"
 PATCHES = "refserve.conformance.corpus.patches"
 
 SGLANG_KV_DLLM = "refserve.conformance.adapters.sglang_kv:make_kv_dllm"
+VLLM_OFFLOAD = "refserve.conformance.adapters.vllm_offload:make"
 VLLM_OFFLOAD_PRIORITY = "refserve.conformance.adapters.vllm_offload:make_priority"
 
 ENTRIES: tuple[Entry, ...] = (
@@ -101,6 +102,48 @@ ENTRIES: tuple[Entry, ...] = (
         buggy=f"{PATCHES}.vllm_45388:make",
         clean=VLLM_OFFLOAD_PRIORITY,
         detector=Detector(scenarios=("pressure-parked-load-behind-large-head",)),
+        requires="vllm",
+    ),
+    Entry(
+        bug="vllm-project/vllm#44560",
+        url="https://github.com/vllm-project/vllm/pull/44560",
+        fix="https://github.com/vllm-project/vllm/pull/44560",
+        engine="vllm",
+        affected="before the async-load reservation (2026-06)",
+        fixed="0.33.0 (admission reserves what in-flight prefills and loads still need)",
+        symptom=(
+            "Several requests whose prefixes sit on the CPU are admitted as asynchronous "
+            "loads together; each holds part of the pool, the first cannot allocate the rest "
+            "of its prefill while the others hold their blocks, and none is preemptible: "
+            "Running 0 forever."
+        ),
+        rule=Rule.PROGRESS,
+        reproduction=Reproduction.REAPPLIED,
+        environment="conformance-vllm",
+        buggy=f"{PATCHES}.vllm_44560:make",
+        clean=VLLM_OFFLOAD,
+        detector=Detector(scenarios=("pressure-loads-back-at-once",)),
+        requires="vllm",
+    ),
+    Entry(
+        bug="vllm-project/vllm#57841",
+        url="https://github.com/vllm-project/vllm/pull/57841",
+        fix="https://github.com/vllm-project/vllm/pull/57841",
+        engine="vllm",
+        affected="one waiting queue with an offloading connector (fcfs)",
+        fixed="0.33.0 (waiting requests that hold blocks get their own queue)",
+        symptom=(
+            "A request whose lookup the connector defers waits holding no block; an "
+            "asynchronous load admitted behind it holds blocks; the deferred request cannot "
+            "allocate and the scan stops at it every step, so the load is never promoted: "
+            "nothing runs with free blocks in the pool."
+        ),
+        rule=Rule.PROGRESS,
+        reproduction=Reproduction.REAPPLIED,
+        environment="conformance-vllm",
+        buggy=f"{PATCHES}.vllm_57841:make",
+        clean=VLLM_OFFLOAD,
+        detector=Detector(scenarios=("pressure-deferred-lookup-ahead-of-load",)),
         requires="vllm",
     ),
     Entry(

@@ -38,6 +38,10 @@ class Rule(StrEnum):
     never serves another."""
     STATED_FREE = "stated-free"
     """BLOCK: a manager's own count of free and evictable blocks equals the blocks."""
+    IN_FLIGHT = "in-flight"
+    """BLOCK: the blocks of a copy to or from another store belong to it until it lands."""
+    DECLARED_STEP_ORDER = "declared-step-order"
+    """ORDER: an engine that declares decode-first admits nobody past a decode."""
     PREFIX = "PREFIX"
     TOKEN = "TOKEN"
     PROGRESS = "PROGRESS"
@@ -48,7 +52,9 @@ class Rule(StrEnum):
 
 #: The rules added with the corpus: a bug whose findings all come from these (or from
 #: requests only the corpus's scenarios send) was missed by the suite before it.
-NEW_RULES = frozenset({Rule.KEY_DOMAINS, Rule.STATED_FREE})
+NEW_RULES = frozenset(
+    {Rule.KEY_DOMAINS, Rule.STATED_FREE, Rule.IN_FLIGHT, Rule.DECLARED_STEP_ORDER}
+)
 
 
 @dataclass(frozen=True)
