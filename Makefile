@@ -154,6 +154,22 @@ conformance-vllm: wheel $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/refserve conformance --adapter refserve.conformance.adapters.vllm:make \
 		--report out/vllm.json --markdown out/vllm.md
 
+# The same scheduler with its real offloading connector (conformance/adapters/vllm_offload.py:
+# a fake worker side completes each load and store two steps later): the sampled suite,
+# then the small exhaustive scope. Exits 1 by design: the suite finds one vLLM behaviour
+# at block size 1 (conformance/FINDINGS_vllm.md, "vLLM with its offloading connector").
+.PHONY: conformance-vllm-offload
+conformance-vllm-offload: wheel $(VLLM_STAMP)
+	$(call install_wheel,$(VLLM_PY))
+	mkdir -p out
+	status=0; \
+	$(VLLM_VENV)/bin/refserve conformance --adapter refserve.conformance.adapters.vllm_offload:make \
+		--report out/vllm-offload.json --markdown out/vllm-offload.md || status=1; \
+	$(VLLM_VENV)/bin/refserve conformance --exhaustive --scope small \
+		--adapter refserve.conformance.adapters.vllm_offload:make \
+		--report out/explore-vllm-offload.json || status=1; \
+	exit $$status
+
 # The pytest-benchmark suites (out/bench-pytest.json); the migration bench, a move with the
 # K/V against a recompute per context length, in a JSON of its own (out/bench-migration.json,
 # its own table); then refserve's full CPU step, the
