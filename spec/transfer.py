@@ -6,8 +6,8 @@ landed, its blocks hold nothing yet: freeing them, handing them to someone else 
 reading them serves garbage. Until a store has landed, its blocks are the source of the
 copy: writing into them (after handing them to another request) stores the wrong K/V,
 and a later load serves it. Known bugs elsewhere (docs/CORPUS.md): deadlocks where
-parked loads hold blocks a head of the queue needs; a failed store left visible to
-lookups.
+parked loads hold the blocks a head of the queue needs. Not checked yet: a load or store
+that fails (it must leave no cache entry visible).
 
 The rule, on :attr:`PoolSnapshot.transfers` (the copies in flight at a boundary):
 
