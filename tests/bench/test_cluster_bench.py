@@ -1,4 +1,4 @@
-"""The cluster at scale (issue 32, item 7; docs/CLUSTER.md, "Scale"): the router's
+"""The cluster at scale (docs/CLUSTER.md, "Scale"): the router's
 decision cost per request at 8, 64 and 1,024 replicas, the global prefix index's memory
 per cached block, and the cluster simulator at 64 replicas x 100k requests with a flat
 per-request cost. ``make bench`` runs them (``make test`` skips benchmarks); the 100k

@@ -458,7 +458,7 @@ GENERATE: list[Case] = [
         gen("--speculative", "ngram", "--num-speculative-tokens", "5000"),
         "--num-speculative-tokens",
     ),
-    # The scheduler's options (simulate's and serve's) and --migrate-every (issue 31).
+    # The scheduler's options (simulate's and serve's) and --migrate-every.
     Case("gen-block-size-0", gen("--block-size", "0"), "block_size"),
     Case("gen-block-size-letter", gen("--block-size", "x"), "--block-size"),
     Case("gen-num-blocks-10e8", gen("--num-blocks", "100000000"), "--num-blocks"),

@@ -1,4 +1,4 @@
-"""Hostile input at the command line (issue 12): one error surface, a standing table.
+"""Hostile input at the command line: one error surface, a standing table.
 
 Every case in ``bad_input_cases.ALL_CASES`` runs ``refserve.cli.main.main(argv)`` in-process under
 a deadline and must end with: the expected exit code, exactly one line on stderr that

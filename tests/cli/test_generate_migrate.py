@@ -1,4 +1,4 @@
-"""``refserve generate --migrate-every K`` (issue 31; ref/cli/migrate.py, docs/MIGRATION.md):
+"""``refserve generate --migrate-every K`` (ref/cli/migrate.py, docs/MIGRATION.md):
 the request moves between engines A and B every K steps, each move is reported, and the
 command's own check holds the output to an unmigrated run's.
 

@@ -1,4 +1,4 @@
-"""Drivers and checks shared by the engine-level migration tests (issue 31; the protocol of
+"""Drivers and checks shared by the engine-level migration tests (the protocol of
 ref/engine/migration.py, docs/MIGRATION.md).
 
 :func:`move` is one :func:`~refserve.engine.migration.migrate` with every check a move must

@@ -1,4 +1,4 @@
-"""Failed steps change no token (issue 12, item 1): K/V memory is part of the step's
+"""Failed steps change no token: K/V memory is part of the step's
 transaction (ref/core/executor.py, ref/model/executor.py; docs/ARCHITECTURE.md, "Atomic steps").
 
 The executor fails on purpose at a drawn point of a drawn step (``ModelExecutor``'s

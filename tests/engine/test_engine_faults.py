@@ -1,4 +1,4 @@
-"""Faults and hostile input (issue 12): one request's fault never stalls or loses another's.
+"""Faults and hostile input: one request's fault never stalls or loses another's.
 
 - Sampling options that cannot be sampled are rejected at ``add_request`` with a typed
   error naming the field; a row of logits that cannot be sampled ends that request alone

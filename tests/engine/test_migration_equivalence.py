@@ -1,5 +1,5 @@
 """A request migrated between engines any number of times, at drawn step boundaries,
-produces exactly what it produces unmigrated (issue 31, items 1, 2 and 5(b); the
+produces exactly what it produces unmigrated (the
 protocol of ref/engine/migration.py, docs/MIGRATION.md).
 
 Greedy, on the transformers oracle's checkpoint (``hf``, tests/engine/hf_oracle.py): the

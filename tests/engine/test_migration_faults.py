@@ -1,5 +1,5 @@
-"""A failed migration changes nothing; one past the ack completes (issue 31, item 3; the
-protocol and its fault points in ref/engine/migration.py, docs/MIGRATION.md).
+"""A failed migration changes nothing; one past the ack completes (the protocol and its
+fault points in ref/engine/migration.py, docs/MIGRATION.md).
 
 ``migrate(..., fault=hook)`` calls the hook at every point of :data:`FAULT_POINTS`. A
 fault before the ack must leave the source exactly as it was (its scheduler snapshot

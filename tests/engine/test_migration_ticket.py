@@ -1,6 +1,6 @@
 """The migration ticket: its encoding round-trips, and a ticket that does not fit is
-refused with a typed error naming what is wrong, the destination unchanged (issue 31,
-item 1; ref/engine/ticket.py, the checks of ref/engine/migration.py ``stage``).
+refused with a typed error naming what is wrong, the destination unchanged
+(ref/engine/ticket.py, the checks of ref/engine/migration.py ``stage``).
 
 Round trip: tickets of requests in every state a request moves in (waiting, mid-prefill
 and decoding with their K/V inline, streamed or recomputed, ``n > 1`` forked, paused for

@@ -1,5 +1,5 @@
 """Swap preemption and agent tool pauses on the real model, token for token against
-transformers' greedy ``generate`` (issue 7, items 5 and 6).
+transformers' greedy ``generate``.
 
 Every engine here runs with ``check_invariants=True`` (the spec, host pool included,
 checked after every step). The swap copies are audited as they happen: after a

@@ -1,8 +1,7 @@
 """Deliberately wrong paged-attention kernels, for showing that the kernel grid catches bugs.
 
 Each has the documented signature and is a dense computation like ``refserve.kernels.oracle``
-with one classic paged-attention bug switched on (docs/ARCHITECTURE.md, "Kernels"; issue 5
-item 5):
+with one classic paged-attention bug switched on (docs/ARCHITECTURE.md, "Kernels"):
 
 - :func:`ignores_last_partial_block`: reads ``seq_len // block_size`` blocks (floor
   instead of ceil), dropping the keys of a sequence's last, partial block;

@@ -1,4 +1,4 @@
-"""Triton paged attention against the dense oracle (docs/ARCHITECTURE.md, "Kernels"; issue 5).
+"""Triton paged attention against the dense oracle (docs/ARCHITECTURE.md, "Kernels").
 
 Runs on CUDA when there is one, otherwise in Triton's interpreter on CPU tensors
 (``conftest.py``). Every comparison uses ``refserve.kernels.tolerances`` through the grid's

@@ -1,4 +1,4 @@
-"""The kernel grid and ``check_kernel_main`` (docs/ARCHITECTURE.md, "Kernels"; issue 5 item 5).
+"""The kernel grid and ``check_kernel_main`` (docs/ARCHITECTURE.md, "Kernels").
 
 The grid must fail kernels with classic bugs (``broken_kernel.py``) exactly where the
 bug shows, and pass the Triton kernel; its inputs must carry the traps it promises.

@@ -1,4 +1,4 @@
-"""Prefix-cache keys never collide across namespaces (PREFIX invariant, issue 12).
+"""Prefix-cache keys never collide across namespaces (PREFIX invariant).
 
 ``Namespace.root_key`` once joined model, adapter and cache salt with NUL bytes, so model
 ``"a\\0b"`` had the root of model ``"a"`` + adapter ``"b\\0"``: a block cached by one tenant

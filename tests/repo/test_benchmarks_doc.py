@@ -1,4 +1,4 @@
-"""docs/BENCHMARKS.md is generated from the benchmarks' JSON, never typed (issue 30).
+"""docs/BENCHMARKS.md is generated from the benchmarks' JSON, never typed.
 
 The committed document must equal what ``refserve.conformance.bench.report`` renders from the
 committed inputs in docs/bench/ (``make bench`` and ``make bench-peers`` refresh both);

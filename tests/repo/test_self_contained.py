@@ -1,4 +1,4 @@
-"""The repository never points outside itself (issue 13, item 1).
+"""The repository never points outside itself.
 
 Every text file git knows about (tracked, or new and not ignored) is scanned for
 

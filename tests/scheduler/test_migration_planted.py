@@ -1,4 +1,4 @@
-"""Planted migration bugs at the scheduler level (issue 31, 5c), each caught by a named
+"""Planted migration bugs at the scheduler level, each caught by a named
 migration rule (spec/cluster.py, docs/MIGRATION.md "The rules").
 
 Each bug is planted by monkeypatching the real code of ref/core/transit.py (or what the

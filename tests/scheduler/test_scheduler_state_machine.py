@@ -985,7 +985,7 @@ class _PreemptThenFail:
     ids=["journaled", "not-restored", "non-transactional"],
 )
 def test_kv_readback_catches_unrestored_memory(restores: bool, transactional_kv: bool) -> None:
-    """The preempt-and-reuse case (issue 12, item 1): the failing step preempts r1, gives
+    """The preempt-and-reuse case: the failing step preempts r1, gives
     one of its blocks to r0, r0's token is written there, then the step fails. The
     scheduler's rollback gives the block back to r1; unless the executor restores the
     slot, r1's table reads r0's token, and the state machine's read-back check says so.

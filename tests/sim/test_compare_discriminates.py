@@ -1,4 +1,4 @@
-"""``refserve compare`` tells its policies apart on every trace (issue 32, item 6): with the
+"""``refserve compare`` tells its policies apart on every trace: with the
 SLOs and the token budget derived from the cost model and chat sharing a system prompt per
 application, at least two policies have different knees on each trace. The knees are
 measured by running the sweep on two rates per trace, not read from a committed report."""
