@@ -568,11 +568,7 @@ def _pressure() -> list[Scenario]:
     large request of higher priority then arrives; it can fit only once the others
     finish, so the engine must keep running them. An engine without a host tier runs
     the same requests with a recompute and meets the same queue."""
-    shared = tuple(2 + (3 * 7 + i * 13) % 60 for i in range(8))
-
-    def toks(seed: int, n: int) -> tuple[int, ...]:
-        return tuple(2 + (seed * 7 + i * 13) % 60 for i in range(n))
-
+    shared = prompt(3, 8)
     return [
         Scenario(
             "pressure-parked-load-behind-large-head",
@@ -584,10 +580,10 @@ def _pressure() -> list[Scenario]:
                 _cfg(4, 12, 64, 4),
                 (
                     R("P", shared, 1, 0, prio=1),
-                    R("E", toks(9, 45), 1, 1, prio=1),
-                    R("R", toks(5, 4), 5, 2, prio=0),
-                    R("L", (*shared, *toks(6, 2)), 4, 2, prio=1),
-                    R("H", toks(8, 44), 1, 3, prio=0),
+                    R("E", prompt(9, 45), 1, 1, prio=1),
+                    R("R", prompt(5, 4), 5, 2, prio=0),
+                    R("L", (*shared, *prompt(6, 2)), 4, 2, prio=1),
+                    R("H", prompt(8, 44), 1, 3, prio=0),
                 ),
             ),
             ("PROGRESS",),
@@ -602,12 +598,12 @@ def _pressure() -> list[Scenario]:
             Workload(
                 _cfg(4, 16, 64, 4),
                 (
-                    R("A0", toks(21, 16), 1, 0),
-                    R("B0", toks(22, 24), 1, 0),
-                    R("R", toks(5, 4), 10, 0),
-                    R("E", toks(9, 56), 1, 1),
-                    R("A", (*toks(21, 16), *toks(23, 28)), 2, 4),
-                    R("B", (*toks(22, 24), *toks(24, 6)), 2, 4),
+                    R("A0", prompt(21, 16), 1, 0),
+                    R("B0", prompt(22, 24), 1, 0),
+                    R("R", prompt(5, 4), 10, 0),
+                    R("E", prompt(9, 56), 1, 1),
+                    R("A", (*prompt(21, 16), *prompt(23, 28)), 2, 4),
+                    R("B", (*prompt(22, 24), *prompt(24, 6)), 2, 4),
                 ),
             ),
             ("PROGRESS",),
@@ -622,13 +618,13 @@ def _pressure() -> list[Scenario]:
             Workload(
                 _cfg(4, 16, 64, 4),
                 (
-                    R("P0", toks(41, 16), 1, 0),
-                    R("Q0", toks(42, 24), 1, 0),
-                    R("R", toks(5, 4), 6, 0),
-                    R("E", toks(9, 56), 1, 1),
-                    R("P", (*toks(41, 16), *toks(43, 2)), 2, 4),
-                    R("H", (*toks(41, 16), *toks(44, 32)), 2, 4),
-                    R("L", (*toks(42, 24), *toks(45, 2)), 3, 4),
+                    R("P0", prompt(41, 16), 1, 0),
+                    R("Q0", prompt(42, 24), 1, 0),
+                    R("R", prompt(5, 4), 6, 0),
+                    R("E", prompt(9, 56), 1, 1),
+                    R("P", (*prompt(41, 16), *prompt(43, 2)), 2, 4),
+                    R("H", (*prompt(41, 16), *prompt(44, 32)), 2, 4),
+                    R("L", (*prompt(42, 24), *prompt(45, 2)), 3, 4),
                 ),
             ),
             ("PROGRESS",),

@@ -12,6 +12,7 @@ import pytest
 from refserve.conformance.cli import conformance_main
 from refserve.conformance.corpus.catalogue import ENTRIES
 from refserve.conformance.corpus.entry import Detector, Entry, Reproduction, Rule
+from refserve.conformance.corpus.hunk import HunkNotFound, require_lines
 from refserve.conformance.corpus.report import document, table
 from refserve.conformance.corpus.run import run_entry
 
@@ -107,3 +108,19 @@ def test_the_cli_runs_the_corpus_and_refuses_a_bad_engine(
     ran = [e for e in doc["entries"] if not e["skipped"]]
     assert code == (0 if all(e["caught"] and e["clean_passes"] for e in ran) else 1)
     assert f"of {len(ENTRIES)} entries ran here" in text
+
+
+def _engine_function() -> int:
+    total = 0
+    for i in range(3):
+        total += i
+    return total
+
+
+def test_a_patch_refuses_code_it_was_not_written_against() -> None:
+    require_lines("x#1", _engine_function, ("total += i",), absent=("del total",))
+    with pytest.raises(HunkNotFound, match=r"x#1 cannot be applied: .*lacks \['total -= i'\]"):
+        require_lines("x#1", _engine_function, ("total += i", "total -= i"))
+    with pytest.raises(HunkNotFound, match=r"already has \['for i in range'\]"):
+        require_lines("x#1", _engine_function, (), absent=("for i in range",))
+    assert issubclass(HunkNotFound, ImportError)  # the corpus reports it as "did not load"

@@ -73,10 +73,10 @@ hook; nano-vllm's module and class are never touched.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from refserve.conformance.adapters import nanovllm as released
+from refserve.conformance.corpus.hunk import require_lines
 
 BUGGY = "refserve.conformance.adapters.nanovllm:make"
 FIXED = "refserve.conformance.corpus.patches.nanovllm_144_fixed:make"
@@ -88,17 +88,8 @@ _BUGGY_LINES = (
 )
 
 
-def _check_installed_hunk() -> None:
-    """Refuse unless the installed ``allocate`` is the fork's (the code ported below)."""
-    src = inspect.getsource(released.BlockManager.allocate)
-    if not all(line in src for line in _BUGGY_LINES):
-        raise ImportError(
-            "nano-vllm#144 fix cannot be applied: the installed "
-            "nanovllm/engine/block_manager.py is not the fork's 20260210 allocate"
-        )
-
-
-_check_installed_hunk()
+# Refuse unless the installed ``allocate`` is the fork's (the code ported below).
+require_lines("nano-vllm#144's fix", released.BlockManager.allocate, _BUGGY_LINES)
 
 
 class BlockManager144Fixed(released.BlockManager):  # type: ignore[misc]

@@ -75,10 +75,10 @@ the fork's ``deallocate``.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from refserve.conformance.adapters import nanovllm as fixed
+from refserve.conformance.corpus.hunk import require_lines
 
 FIXED = "refserve.conformance.adapters.nanovllm:make"
 BUGGY = "refserve.conformance.corpus.patches.nanovllm_163:make"
@@ -90,20 +90,10 @@ _FIXED_LINES = (
 )
 
 
-def _check_installed_hunk() -> None:
-    """Refuse unless the installed ``deallocate`` has the cleanup this patch removes and
-    ``_allocate_block`` has none (else the patch would not bring the bug back)."""
-    dealloc = inspect.getsource(fixed.BlockManager.deallocate)
-    alloc = inspect.getsource(fixed.BlockManager._allocate_block)
-    if not all(line in dealloc for line in _FIXED_LINES) or "hash_to_block_id" in alloc:
-        raise ImportError(
-            "nano-vllm#163 cannot be re-applied: the installed "
-            "nanovllm/engine/block_manager.py is not the fork's 20260210 code (cleanup in "
-            "BlockManager.deallocate, none in _allocate_block)"
-        )
-
-
-_check_installed_hunk()
+# Refuse unless the installed ``deallocate`` has the cleanup this patch removes and
+# ``_allocate_block`` has none (else the patch would not bring the bug back).
+require_lines("nano-vllm#163", fixed.BlockManager.deallocate, _FIXED_LINES)
+require_lines("nano-vllm#163", fixed.BlockManager._allocate_block, (), absent=("hash_to_block_id",))
 
 
 class BlockManager163(fixed.BlockManager):  # type: ignore[misc]

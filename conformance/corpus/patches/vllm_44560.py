@@ -83,19 +83,20 @@ Patched: both loads are admitted (10 of the 14 free blocks); A heads the queue n
 with 4 free, B holds 6 behind it; once R finishes nothing is scheduled again (PROGRESS,
 "waiting request A got nothing").
 
-:func:`_check_installed_hunk` refuses to build the patched adapter unless the installed
+The module refuses to import (:func:`refserve.conformance.corpus.hunk.require_lines`)
+unless the installed
 code still has the fix's lines, so the patch never lands on other code.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
 from typing import Any
 
 from refserve.conformance.adapter import EngineConfig
 from refserve.conformance.adapters.vllm import V
 from refserve.conformance.adapters.vllm_offload import VllmOffloadAdapter
+from refserve.conformance.corpus.hunk import require_lines
 
 FIXED = "refserve.conformance.adapters.vllm_offload:make"
 BUGGY = "refserve.conformance.corpus.patches.vllm_44560:make"
@@ -111,18 +112,8 @@ _FIXED_MANAGER_LINES = (
     "available_blocks = self.block_pool.get_num_free_blocks() - reserved_blocks",
     "if required_blocks > available_blocks:",
 )
-
-
-def _check_installed_hunk() -> None:
-    sched_src = inspect.getsource(V.Scheduler)
-    manager_src = inspect.getsource(_KVCacheManager.allocate_slots)
-    missing = [line for line in _FIXED_SCHEDULER_LINES if line not in sched_src]
-    missing += [line for line in _FIXED_MANAGER_LINES if line not in manager_src]
-    if missing:
-        raise RuntimeError(
-            f"vLLM {V.version} lacks the in-flight reservation's lines {missing}: "
-            "vllm PR#44560's patch was written against vLLM 0.33.0"
-        )
+require_lines("vllm PR#44560", V.Scheduler, _FIXED_SCHEDULER_LINES)
+require_lines("vllm PR#44560", _KVCacheManager.allocate_slots, _FIXED_MANAGER_LINES)
 
 
 def _no_reservation() -> int:
@@ -149,5 +140,4 @@ class Vllm44560Adapter(VllmOffloadAdapter):
 
 def make() -> Vllm44560Adapter:
     """vLLM (fcfs) with ``OffloadingConnector``, the in-flight reservation undone."""
-    _check_installed_hunk()
     return Vllm44560Adapter()

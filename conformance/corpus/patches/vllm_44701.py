@@ -48,7 +48,8 @@ How it matches the tracker. The installed vLLM 0.33.0 has the fixed form, read f
 * lines 668-670: ``extra_keys: list[Any] = ( lora_extra_keys + mm_extra_keys +
   cache_salt_keys + prompt_embeds_keys )``, the same concatenation the tracker quotes.
 
-:func:`_check_installed_hunk` refuses to build the buggy adapter unless the installed
+The module refuses to import (:func:`refserve.conformance.corpus.hunk.require_lines`)
+unless the installed
 source still has those two fixed lines, so the patch never lands on code it was not
 written against. The tracker's reproduction (a LoRA request with name ``COLLIDE_SALT``,
 then a base request with ``cache_salt="COLLIDE_SALT"`` and the same prompt, which hit the
@@ -92,11 +93,11 @@ installed ones, built by the fixed adapter's ``configure``.
 from __future__ import annotations
 
 import importlib
-import inspect
 import types
 from typing import Any
 
 from refserve.conformance.adapters import vllm as fixed
+from refserve.conformance.corpus.hunk import require_lines
 
 FIXED = "refserve.conformance.adapters.vllm:make"
 BUGGY = "refserve.conformance.corpus.patches.vllm_44701:make"
@@ -107,18 +108,8 @@ _FIXED_LORA_LINE = 'return [("lora", lora_request.lora_name, lora_request.lora_p
 _FIXED_SALT_LINE = '[("cache_salt", request.cache_salt)]'
 
 
-def _check_installed_hunk() -> None:
-    """Refuse unless the installed vLLM has the fixed lines this patch replaces."""
-    lora_src = inspect.getsource(_utils._gen_lora_extra_hash_keys)
-    keys_src = inspect.getsource(_utils.generate_block_hash_extra_keys)
-    if _FIXED_LORA_LINE not in lora_src or _FIXED_SALT_LINE not in keys_src:
-        raise ImportError(
-            "vllm#44701 cannot be re-applied: the installed vllm/v1/core/kv_cache_utils.py "
-            f"does not have the fixed lines {_FIXED_LORA_LINE!r} and {_FIXED_SALT_LINE!r}"
-        )
-
-
-_check_installed_hunk()
+require_lines("vllm#44701", _utils._gen_lora_extra_hash_keys, (_FIXED_LORA_LINE,))
+require_lines("vllm#44701", _utils.generate_block_hash_extra_keys, (_FIXED_SALT_LINE,))
 
 
 def _gen_lora_extra_hash_keys_44701(request: Any) -> list[str]:

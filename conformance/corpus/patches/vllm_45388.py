@@ -64,17 +64,18 @@ next. Fixed: L is promoted from ``kv_holding_waiting``, runs and finishes, then 
 Patched: H heads the one queue, fails, ``break``; L is never promoted; once R finishes
 nothing is scheduled again (PROGRESS).
 
-:func:`_check_installed_hunk` refuses to build the patched adapter unless the installed
+The module refuses to import (:func:`refserve.conformance.corpus.hunk.require_lines`)
+unless the installed
 scheduler still has the split's lines, so the patch never lands on other code.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from refserve.conformance.adapters.vllm import V
 from refserve.conformance.adapters.vllm_offload import VllmOffloadAdapter
+from refserve.conformance.corpus.hunk import require_lines
 
 FIXED = "refserve.conformance.adapters.vllm_offload:make_priority"
 BUGGY = "refserve.conformance.corpus.patches.vllm_45388:make"
@@ -84,16 +85,7 @@ _FIXED_LINES = (
     "if self._holds_kv_blocks(request_to_skip):",
     "or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS",
 )
-
-
-def _check_installed_hunk() -> None:
-    src = inspect.getsource(V.Scheduler)
-    missing = [line for line in _FIXED_LINES if line not in src]
-    if missing:
-        raise RuntimeError(
-            f"vllm/v1/core/sched/scheduler.py (vLLM {V.version}) lacks the queue split's "
-            f"lines {missing}: vllm#45388's patch was written against vLLM 0.33.0"
-        )
+require_lines("vllm#45388", V.Scheduler, _FIXED_LINES)
 
 
 def _holds_no_blocks(request: Any) -> bool:
@@ -120,11 +112,9 @@ class Vllm45388Adapter(VllmOffloadAdapter):
 
 def make() -> Vllm45388Adapter:
     """vLLM (``policy="priority"``) with ``OffloadingConnector``, the queue split undone."""
-    _check_installed_hunk()
     return Vllm45388Adapter(policy="priority")
 
 
 def make_fcfs() -> Vllm45388Adapter:
     """As :func:`make` under ``policy="fcfs"``."""
-    _check_installed_hunk()
     return Vllm45388Adapter()

@@ -96,17 +96,17 @@ the one queue holding nothing, needs 12 blocks with 10 free; L, holding 6 and ne
 is behind it; once P and R finish nothing is scheduled again (PROGRESS, "waiting request H
 got nothing"): the PR's end state in small.
 
-:func:`_check_installed_hunk` refuses to build the patched adapter unless the installed
+The module refuses to import (:func:`refserve.conformance.corpus.hunk.require_lines`)
+unless the installed
 scheduler still has the split's lines.
 """
 
 from __future__ import annotations
 
-import inspect
-
 from refserve.conformance.adapter import EngineConfig
 from refserve.conformance.adapters.vllm import V
 from refserve.conformance.adapters.vllm_offload import VllmOffloadAdapter
+from refserve.conformance.corpus.hunk import require_lines
 from refserve.conformance.corpus.patches.vllm_45388 import undo_queue_split
 
 FIXED = "refserve.conformance.adapters.vllm_offload:make"
@@ -119,16 +119,7 @@ _FIXED_LINES = (
     "or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS",
     "if ext_tokens is None:",
 )
-
-
-def _check_installed_hunk() -> None:
-    src = inspect.getsource(V.Scheduler)
-    missing = [line for line in _FIXED_LINES if line not in src]
-    if missing:
-        raise RuntimeError(
-            f"vllm/v1/core/sched/scheduler.py (vLLM {V.version}) lacks the lines {missing}: "
-            "vllm PR#57841's patch was written against vLLM 0.33.0"
-        )
+require_lines("vllm PR#57841", V.Scheduler, _FIXED_LINES)
 
 
 class Vllm57841Adapter(VllmOffloadAdapter):
@@ -146,5 +137,4 @@ class Vllm57841Adapter(VllmOffloadAdapter):
 
 def make() -> Vllm57841Adapter:
     """vLLM (fcfs) with ``OffloadingConnector``, the queue split undone."""
-    _check_installed_hunk()
     return Vllm57841Adapter()
