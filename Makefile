@@ -361,12 +361,14 @@ conformance-sglang: wheel $(SGLANG_STAMP)
 # The corpus of real bugs (docs/CORPUS.md; entries: conformance/corpus/catalogue.py). Each
 # engine's entries run in that engine's virtualenv, buggy and clean side, and write one
 # JSON into docs/corpus/; docs/CORPUS.md is then rendered from all of them (never typed:
-# tests/repo/test_corpus_doc.py keeps the two in step). Exits 1 when an entry is not
+# tests/repo/test_corpus_doc.py keeps the two in step). The models of bugs in engines
+# that cannot run here (conformance/corpus/models/) need no third-party engine: they run
+# in $(VENV), into docs/corpus/models.json. Exits 1 when an entry is not
 # caught or its clean side is not clean, after writing everything.
 CORPUS_REPORT = $(PY) -m refserve.conformance.corpus.report --out docs/CORPUS.md docs/corpus/*.json
 
 .PHONY: corpus corpus-report
-corpus: wheel $(NANO_STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
+corpus: wheel $(STAMP) $(NANO_STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
 	$(call install_wheel,$(NANO_PY))
 	$(call install_wheel,$(VLLM_PY))
 	$(call install_wheel,$(SGLANG_PY))
@@ -378,6 +380,8 @@ corpus: wheel $(NANO_STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
 		--report docs/corpus/vllm.json || status=1; \
 	$(SGLANG_VENV)/bin/refserve conformance --corpus --engine sglang \
 		--report docs/corpus/sglang.json || status=1; \
+	$(VENV)/bin/refserve conformance --corpus --reproduction model \
+		--report docs/corpus/models.json || status=1; \
 	$(CORPUS_REPORT) && exit $$status
 
 corpus-report: $(STAMP)

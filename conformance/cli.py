@@ -10,7 +10,8 @@ Usage::
     refserve conformance --adapter MODULE:FACTORY --exhaustive [--scope small]
         [--strategy replay|copy] [--counterexamples DIR] [--report explore.json]
     refserve conformance --adapter MODULE:FACTORY --self-check
-    refserve conformance --corpus [--engine E] [--report corpus.json]   # docs/CORPUS.md
+    refserve conformance --corpus [--engine E] [--reproduction R]     # docs/CORPUS.md
+        [--report corpus.json]
     refserve conformance --list
 
 Exit status: 0 when nothing failed (``not_supported`` is not a failure), 1 when the
@@ -30,9 +31,12 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT
+
+if TYPE_CHECKING:
+    from refserve.conformance.corpus.entry import Entry
 
 T = TypeVar("T")
 PROG = "refserve conformance"
@@ -132,7 +136,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine",
         metavar="E",
-        help="with --corpus: only this engine's entries (vllm, nano-vllm, sglang)",
+        help="with --corpus: only this engine's entries (vllm, nano-vllm, sglang; modelled: "
+        "tensorrt-llm, lmcache)",
+    )
+    p.add_argument(
+        "--reproduction",
+        metavar="R",
+        help="with --corpus: only the entries reproduced this way (released, reapplied, "
+        "model; models need no third-party engine)",
     )
     p.add_argument("--list", action="store_true", help="list the scenario names and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -195,6 +206,8 @@ def _main(argv: list[str]) -> int:
         return _corpus(args, argv)
     if args.engine:
         raise UsageError("--engine picks corpus entries: add --corpus")
+    if args.reproduction:
+        raise UsageError("--reproduction picks corpus entries: add --corpus")
     if not args.adapter and not args.kv_adapter:
         raise UsageError("--adapter MODULE:FACTORY (or --kv-adapter) is required")
     if args.self_check:
@@ -213,16 +226,12 @@ def _corpus(args: argparse.Namespace, argv: list[str]) -> int:
     side is not clean, 0 otherwise (entries this environment cannot reach are listed)."""
     if args.adapter or args.kv_adapter:
         raise UsageError("--corpus runs the corpus's own adapters: drop --adapter/--kv-adapter")
-    from refserve.conformance.corpus.catalogue import ENTRIES
     from refserve.conformance.corpus.report import document, table
     from refserve.conformance.corpus.run import run_entries
 
-    engines = sorted({e.engine for e in ENTRIES})
-    if args.engine is not None and args.engine not in engines:
-        raise UsageError(f"--engine must be one of {', '.join(engines)}, got {args.engine!r}")
+    chosen = _corpus_entries(args.engine, args.reproduction)
     if args.report is not None:
         _check_writable(args.report)
-    chosen = [e for e in ENTRIES if args.engine in (None, e.engine)]
     results = run_entries(chosen, call_timeout=args.call_timeout)
     print(table(results))
     if args.report is not None:
@@ -235,6 +244,25 @@ def _corpus(args: argparse.Namespace, argv: list[str]) -> int:
         f"clean fixed side, {len(bad)} not"
     )
     return EXIT_FINDINGS if bad else EXIT_OK
+
+
+def _corpus_entries(engine: str | None, reproduction: str | None) -> list[Entry]:
+    """The catalogue's entries of ``engine`` reproduced as ``reproduction`` (``None``:
+    any); a name the catalogue does not have is a usage error."""
+    from refserve.conformance.corpus.catalogue import ENTRIES
+    from refserve.conformance.corpus.entry import Reproduction
+
+    engines = sorted({e.engine for e in ENTRIES})
+    if engine is not None and engine not in engines:
+        raise UsageError(f"--engine must be one of {', '.join(engines)}, got {engine!r}")
+    kinds = [str(r) for r in Reproduction]
+    if reproduction is not None and reproduction not in kinds:
+        raise UsageError(f"--reproduction must be one of {', '.join(kinds)}, got {reproduction!r}")
+    return [
+        e
+        for e in ENTRIES
+        if engine in (None, e.engine) and reproduction in (None, str(e.reproduction))
+    ]
 
 
 def _engine_versions() -> dict[str, str]:

@@ -19,6 +19,7 @@ PATCHES = "refserve.conformance.corpus.patches"
 SGLANG_KV_DLLM = "refserve.conformance.adapters.sglang_kv:make_kv_dllm"
 VLLM_OFFLOAD = "refserve.conformance.adapters.vllm_offload:make"
 VLLM_OFFLOAD_PRIORITY = "refserve.conformance.adapters.vllm_offload:make_priority"
+MODELS = "refserve.conformance.corpus.models"
 
 ENTRIES: tuple[Entry, ...] = (
     Entry(
@@ -167,5 +168,69 @@ ENTRIES: tuple[Entry, ...] = (
         clean=SGLANG_KV_DLLM,
         detector=Detector(kv_scenarios=("kv-prefix-reuse", "kv-no-space")),
         requires="sglang",
+    ),
+    Entry(
+        bug="LMCache/LMCache#2961",
+        url="https://github.com/LMCache/LMCache/issues/2961",
+        fix="https://github.com/vllm-project/vllm/pull/45549",
+        engine="lmcache",
+        affected="LMCache 0.4.7.dev7 behind vLLM's LMCache MP connector (vLLM 0.22)",
+        fixed="vLLM PR 45549 (open): the fixed model applies it",
+        symptom=(
+            "LMCache keyed a chunk of K/V by its tokens and the cache salt but not by the LoRA "
+            "adapter, so a request on one adapter was served K/V that another adapter had "
+            "computed for the same prompt, with nothing in the output to show it. A model: "
+            "refserve's engine with LMCache's key."
+        ),
+        rule=Rule.KEY_DOMAINS,
+        reproduction=Reproduction.MODEL,
+        environment="",
+        buggy=f"{MODELS}.lmcache_2961:make",
+        clean=f"{MODELS}.lmcache_2961:make_fixed",
+        detector=Detector(scenarios=("keys-lora",)),
+        requires="refserve",
+    ),
+    Entry(
+        bug="NVIDIA/TensorRT-LLM#13793",
+        url="https://github.com/NVIDIA/TensorRT-LLM/pull/13793",
+        fix="https://github.com/NVIDIA/TensorRT-LLM/pull/13793",
+        engine="tensorrt-llm",
+        affected="KVCacheManagerV2 before the salted seed (2026-05)",
+        fixed="PR 13793 (merged 2026-05): the seed mixes in the cache salt",
+        symptom=(
+            "The V2 KV cache manager rooted its reuse tree at the LoRA task alone, so a "
+            "request's cache salt never reached a block key: two tenants with different "
+            "salts and the same prompt shared blocks, the isolation the salt promises (and "
+            "the V1 manager gave) silently gone. A model: refserve's engine with the V2 seed."
+        ),
+        rule=Rule.KEY_DOMAINS,
+        reproduction=Reproduction.MODEL,
+        environment="",
+        buggy=f"{MODELS}.trtllm_13793:make",
+        clean=f"{MODELS}.trtllm_13793:make_fixed",
+        detector=Detector(scenarios=("keys-cache-salt",)),
+        requires="refserve",
+    ),
+    Entry(
+        bug="NVIDIA/TensorRT-LLM#12673",
+        url="https://github.com/NVIDIA/TensorRT-LLM/pull/12673",
+        fix="https://github.com/NVIDIA/TensorRT-LLM/pull/12673",
+        engine="tensorrt-llm",
+        affected="main before 2026-04; release/1.2.1 and 1.3.0rc5.post2 before their cherry-picks",
+        fixed="PR 12673 (merged 2026-04): only materialized tokens are stored",
+        symptom=(
+            "A request leaving in the middle of a chunked prefill had its blocks stored for "
+            "reuse up to its last known token, as if the whole prompt were computed: the "
+            "blocks of the chunks never run went into the reuse tree under the prompt's "
+            "tokens, and the next request with that prompt attended to K/V nobody wrote. A "
+            "model of the block manager's release path."
+        ),
+        rule=Rule.PREFIX,
+        reproduction=Reproduction.MODEL,
+        environment="",
+        buggy=f"{MODELS}.trtllm_12673:make_kv",
+        clean=f"{MODELS}.trtllm_12673:make_kv_fixed",
+        detector=Detector(kv_scenarios=("kv-free-mid-prefill",)),
+        requires="refserve",
     ),
 )

@@ -168,7 +168,8 @@ def _intro() -> list[str]:
         "",
         "Run: `make corpus` (each engine in its own virtualenv), or",
         "`refserve conformance --corpus [--engine E]` for what the current environment can",
-        "reach. Entries are data: `conformance/corpus/catalogue.py`.",
+        "reach (`--reproduction model`: the models, which need no third-party engine).",
+        "Entries are data: `conformance/corpus/catalogue.py`.",
         "",
     ]
 
@@ -176,7 +177,8 @@ def _intro() -> list[str]:
 def _summary(ran: dict[str, tuple[str, dict[str, Any], dict[str, Any]]]) -> list[str]:
     real = [e for e in ENTRIES if e.reproduction is not Reproduction.MODEL]
     engines = sorted({e.bug.split("#")[0] for e in ENTRIES})
-    results = [got[2] for got in ran.values()]
+    model = str(Reproduction.MODEL)
+    results = [got[2] for got in ran.values() if got[2].get("reproduction") != model]
     ok = [r for r in results if r["caught"] and r["clean_passes"]]
     missed = [r for r in ok if r["missed_before"]]
     rules, reached = _why_missed(missed)
@@ -186,12 +188,30 @@ def _summary(ran: dict[str, tuple[str, dict[str, Any], dict[str, Any]]]) -> list
         f"- **{len(ENTRIES)} bugs** from {len(engines)} trackers ({', '.join(engines)}); "
         f"{len(real)} reproduced on the engine's real code, "
         f"{len(ENTRIES) - len(real)} as models.",
-        f"- **{len(ok)} of {len(results)} run** are caught on the buggy code and pass with zero "
-        f"findings on the clean code; {len(ENTRIES) - len(results)} were not run in the "
-        "committed documents.",
+        f"- **{len(ok)} of {len(results)} run** on real code are caught on the buggy code and "
+        f"pass with zero findings on the clean code; {len(real) - len(results)} were not run "
+        "in the committed documents.",
         f"- **{len(missed)} of them the suite of before would have missed**: caught by a rule "
         f"added with the corpus ({rules}), or, {reached} of them, by a rule of before in a "
         "scenario or an engine mode added with it.",
+        *_models_summary(ran),
+    ]
+
+
+def _models_summary(ran: dict[str, tuple[str, dict[str, Any], dict[str, Any]]]) -> list[str]:
+    """The models' own line: how many were run, caught and clean, and missed before."""
+    models = [e for e in ENTRIES if e.reproduction is Reproduction.MODEL]
+    if not models:
+        return []
+    results = [ran[e.bug][2] for e in models if e.bug in ran]
+    ok = [r for r in results if r["caught"] and r["clean_passes"]]
+    missed = sum(1 for r in ok if r["missed_before"])
+    trackers = sorted({e.bug.split("#")[0] for e in models})
+    return [
+        f"- **{len(models)} models** of bugs in engines whose code cannot run here "
+        f"({', '.join(trackers)}), counted apart: {len(ok)} of {len(results)} run are caught "
+        f"on the buggy model and pass with zero findings on the fixed one; the suite of "
+        f"before would have missed {missed} of them.",
     ]
 
 

@@ -26,7 +26,7 @@ from refserve.conformance.adapter import AdapterFactory, NotSupported, load_fact
 from refserve.conformance.corpus.entry import NEW_RULES, Entry
 from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT
 from refserve.conformance.kv.run import replay_kv
-from refserve.conformance.kv.scenarios import kv_scenarios
+from refserve.conformance.kv.scenarios import KV_CORPUS_SCENARIOS, kv_scenarios
 from refserve.conformance.kv.suite import load_kv_factory
 from refserve.conformance.kv.workload import KVFinding
 from refserve.conformance.run_result import Finding, RunResult
@@ -304,6 +304,8 @@ def _old_findings(spec: str, entry: Entry, call_timeout: float) -> list[Seen]:
         if err:
             return out
         for ksc in kv_scenarios():
+            if ksc.name in KV_CORPUS_SCENARIOS:
+                continue
             try:
                 found = replay_kv(kv_factory, ksc.workload.to_json(), call_timeout=call_timeout)
             except NotSupported:

@@ -119,7 +119,36 @@ def kv_scenarios() -> list[KVScenario]:
             frozenset(),
             ("ATOMIC", "CAP"),
         ),
+        *_corpus_kv_scenarios(),
     ]
+
+
+def _corpus_kv_scenarios() -> list[KVScenario]:
+    """KV scenarios added with the corpus of real bugs (docs/CORPUS.md)."""
+    return [
+        KVScenario(
+            "kv-free-mid-prefill",
+            "Block size 2: a 6-token prompt freed after a first chunk of 3 tokens, its "
+            "second block half written; the same prompt again may hit only the block the "
+            "chunk filled (a cache entry for the half-written block serves K/V nobody "
+            "computed).",
+            KVWorkload(
+                KVConfig(6, 2),
+                (
+                    _new("r1", [1, 2, 3, 4, 5, 6], 3),
+                    _free("r1"),
+                    _new("r2", [1, 2, 3, 4, 5, 6], 1),
+                ),
+            ),
+            frozenset(),  # without prefix caching there is no hit, and nothing to catch
+            ("PREFIX",),
+        ),
+    ]
+
+
+#: The KV scenarios added with the corpus of real bugs, which the suite of before did
+#: not have.
+KV_CORPUS_SCENARIOS = frozenset(s.name for s in _corpus_kv_scenarios())
 
 
 def kv_scenario_names() -> list[str]:
