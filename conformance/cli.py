@@ -132,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine",
         metavar="E",
-        help="with --corpus: only this engine's entries (vllm, nano-vllm, sglang)",
+        help="with --corpus: only this engine's entries (vllm, nano-vllm, sglang, lmdeploy)",
     )
     p.add_argument("--list", action="store_true", help="list the scenario names and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -242,7 +242,7 @@ def _engine_versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out: dict[str, str] = {}
-    for dist in ("vllm", "nano-vllm-fork", "sglang"):
+    for dist in ("vllm", "nano-vllm-fork", "sglang", "lmdeploy"):
         try:
             out[dist] = version(dist)
         except PackageNotFoundError:
