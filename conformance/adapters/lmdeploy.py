@@ -66,7 +66,7 @@ import importlib.util
 import sys
 import types
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from typing import Any
 
@@ -224,23 +224,10 @@ class LmdeployAdapter:
 
     def __init__(self, *, prefill_interval: int = 0) -> None:
         self._prefill_interval = prefill_interval
-        self.properties = (
-            LMDEPLOY_PROPERTIES
-            if prefill_interval == 0
-            else EngineProperties(
-                lookahead_slots=1 + prefill_interval,
-                eos=True,
-                admission_order=AdmissionOrder.FCFS_STRICT,
-                step_order=StepOrder.PREFILL_FIRST,
-                same_step_prefix_hits=True,
-                free_queue_order=False,
-                max_model_len_stop=True,
-            )
-        )
+        self.properties = replace(LMDEPLOY_PROPERTIES, lookahead_slots=1 + prefill_interval)
         self._sched: Any = None
         self._cfg: EngineConfig | None = None
         self._reqs: dict[str, _Request] = {}
-        self._by_session: dict[int, str] = {}
         self._running: list[Any] = []  # InputsMaker.running_seqs
         self._pending: list[tuple[str, Any]] = []
         self._pending_prefill = False
@@ -285,7 +272,6 @@ class LmdeployAdapter:
         self._sched = self.make_scheduler(sched_cfg, cache_cfg, config.block_size)
         self._cfg = config
         self._reqs.clear()
-        self._by_session.clear()
         self._running = []
         self._pending = []
         self._pending_prefill = False
@@ -323,7 +309,7 @@ class LmdeployAdapter:
         if request.request_id in self._reqs:
             raise Rejected(f"duplicate request id {request.request_id!r}")
         if not request.prompt_token_ids:
-            raise Rejected("empty prompt")
+            raise Rejected("empty prompt")  # Engine._add_message asserts a non-empty input
         stops = list(request.stop_token_ids)
         eos = request.eos_token_id if request.eos_token_id is not None else self.cfg.eos_token_id
         if eos is not None:
@@ -347,7 +333,6 @@ class LmdeployAdapter:
             adapter_name=request.lora or None,
         )
         self._reqs[request.request_id] = _Request(request, sid, seq)
-        self._by_session[sid] = request.request_id
 
     def abort(self, request_id: str) -> None:
         r = self._reqs.get(request_id)
