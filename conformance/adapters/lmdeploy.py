@@ -444,7 +444,8 @@ class LmdeployAdapter:
 
     # ------------------------------------------------------------------ snapshots
     def _kv_len(self, seq: Any) -> int:
-        return int(seq.num_history_ids) if seq.num_blocks > 0 else 0
+        # As the engine holds it, blocks or not: the model computes from this position.
+        return int(seq.num_history_ids)
 
     def _request(self, rid: str, r: _Request) -> RequestSnapshot:
         seq = r.seq

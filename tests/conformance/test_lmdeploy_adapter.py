@@ -90,8 +90,13 @@ def test_lmdeploy_3589_caught_then_clean_unaffected() -> None:
     workload = by_name()["pressure-victim-recomputes-without-cache"].workload
     res = run_with(lmdeploy_3589.make, workload)
     assert not res.not_supported
-    assert {f.violation.invariant for f in res.findings} == {Invariant.BLOCK}
-    assert "KV read back at position 0" in res.findings[0].violation.message
+    messages = {(f.violation.invariant, f.violation.message) for f in res.findings}
+    # The reclaim leaves the victim a KV length and no blocks; admitted again, it reads
+    # position 0 from a block the other request wrote.
+    assert (Invariant.POS, "running request has KV but no block table in the pool") in messages
+    assert any(
+        inv is Invariant.BLOCK and "KV read back at position 0" in msg for inv, msg in messages
+    )
     # The patch lives on its own scheduler's helper: a clean one built after it keeps
     # lmdeploy's release.
     clean = lmdeploy.make()

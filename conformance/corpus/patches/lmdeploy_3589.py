@@ -36,8 +36,9 @@ a victim when another sequence needs blocks. Before the fix it kept its step: a 
 length with an empty block table, and on re-admission the scheduler allocated blocks for
 every token but the model computed only the tokens after the stale history, reading
 positions ``0..h-1`` from blocks that hold another request's K/V (or none). The suite
-sees the first half at once: a request that holds KV of positions it has no block for
-(BLOCK, KVLEN), then the read-back of the wrong K/V (PREFIX).
+sees both halves: at the reclaim, a request with a KV length and no block table (POS);
+at the re-admission, position 0 read back from a block another request overwrote
+(BLOCK).
 
 The module refuses to import (:func:`refserve.conformance.corpus.hunk.require_lines`)
 unless the installed helper releases through ``release_paging_resources`` and that
