@@ -341,8 +341,8 @@ class LmdeployAdapter:
         self._end(r, S.ABORTED)
 
     def _end(self, r: _Request, status: RequestStatus) -> None:
-        if r.seq in self._running:
-            self._running.remove(r.seq)
+        # By identity: SchedulerSequence is a dataclass whose == compares its fields.
+        self._running = [s for s in self._running if s is not r.seq]
         self._sched.end_session(r.session_id)
         r.done = status
         self._retired.append(r.spec.request_id)
