@@ -358,6 +358,40 @@ conformance-sglang: wheel $(SGLANG_STAMP)
 	$(SGLANG_VENV)/bin/refserve conformance --kv-adapter refserve.conformance.adapters.sglang_kv:make_kv \
 		--report out/sglang-kv.json --markdown out/sglang-kv.md
 
+# lmdeploy 0.18.0's PyTorch-engine paging scheduler (Scheduler, its block manager, block
+# trie and eviction helper), driven on the CPU by conformance/adapters/lmdeploy.py (no
+# model, no GPU). The wheel pins torch<=2.12.1 and some fifty packages for its serving,
+# TurboMind and vision paths, so it lives in its own virtualenv, never in $(VENV) and never
+# in `make test`, and is installed with --no-deps: torch==2.13.0 first (the CPU wheel on
+# local disk; the paging code only uses torch.profiler and Tensor type checks), refserve's
+# wheel with its `conformance` extra, then only what the paging modules import at module
+# level: numpy, pydantic (lmdeploy.messages), transformers (lmdeploy.utils), requests,
+# pillow and pybase64 (lmdeploy.vl, reached through pytorch.multimodal), psutil
+# (lmdeploy.pytorch.utils). The adapter imports them without running lmdeploy/__init__.py
+# (pipeline, serving, mmengine) and with one stand-in module, the model agent: its
+# docstring says why. The run exits 1 when the suite finds failures; findings:
+# conformance/FINDINGS_lmdeploy.md.
+LMDEPLOY_VENV := .venv-lmdeploy
+LMDEPLOY_PY := $(LMDEPLOY_VENV)/bin/python
+LMDEPLOY_STAMP := $(LMDEPLOY_VENV)/.installed
+LMDEPLOY_DEPS := numpy pydantic 'transformers>=4.48' requests pillow pybase64 psutil
+
+$(LMDEPLOY_STAMP): pyproject.toml | wheel
+	test -x $(LMDEPLOY_PY) || $(PYTHON) -m venv $(LMDEPLOY_VENV)
+	$(LMDEPLOY_PY) -m pip install -q --upgrade pip
+	$(LMDEPLOY_PY) -m pip install -q torch==2.13.0
+	$(LMDEPLOY_PY) -m pip install -q '$(WHEEL)[conformance]' 'pytest>=8' pytest-benchmark
+	$(LMDEPLOY_PY) -m pip install -q --no-deps 'lmdeploy==0.18.0'
+	$(LMDEPLOY_PY) -m pip install -q $(LMDEPLOY_DEPS)
+	touch $(LMDEPLOY_STAMP)
+
+.PHONY: conformance-lmdeploy
+conformance-lmdeploy: wheel $(LMDEPLOY_STAMP)
+	$(call install_wheel,$(LMDEPLOY_PY))
+	mkdir -p out
+	$(LMDEPLOY_VENV)/bin/refserve conformance --adapter refserve.conformance.adapters.lmdeploy:make \
+		--report out/lmdeploy.json --markdown out/lmdeploy.md
+
 # The corpus of real bugs (docs/CORPUS.md; entries: conformance/corpus/catalogue.py). Each
 # engine's entries run in that engine's virtualenv, buggy and clean side, and write one
 # JSON into docs/corpus/; docs/CORPUS.md is then rendered from all of them (never typed:
@@ -368,10 +402,11 @@ conformance-sglang: wheel $(SGLANG_STAMP)
 CORPUS_REPORT = $(PY) -m refserve.conformance.corpus.report --out docs/CORPUS.md docs/corpus/*.json
 
 .PHONY: corpus corpus-report
-corpus: wheel $(STAMP) $(NANO_STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
+corpus: wheel $(STAMP) $(NANO_STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(LMDEPLOY_STAMP)
 	$(call install_wheel,$(NANO_PY))
 	$(call install_wheel,$(VLLM_PY))
 	$(call install_wheel,$(SGLANG_PY))
+	$(call install_wheel,$(LMDEPLOY_PY))
 	mkdir -p docs/corpus
 	status=0; \
 	$(NANO_VENV)/bin/refserve conformance --corpus --engine nano-vllm \
@@ -380,6 +415,8 @@ corpus: wheel $(STAMP) $(NANO_STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
 		--report docs/corpus/vllm.json || status=1; \
 	$(SGLANG_VENV)/bin/refserve conformance --corpus --engine sglang \
 		--report docs/corpus/sglang.json || status=1; \
+	$(LMDEPLOY_VENV)/bin/refserve conformance --corpus --engine lmdeploy \
+		--report docs/corpus/lmdeploy.json || status=1; \
 	$(VENV)/bin/refserve conformance --corpus --reproduction model \
 		--report docs/corpus/models.json || status=1; \
 	$(CORPUS_REPORT) && exit $$status

@@ -136,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine",
         metavar="E",
-        help="with --corpus: only this engine's entries (vllm, nano-vllm, sglang; modelled: "
+        help="with --corpus: only this engine's entries (vllm, nano-vllm, sglang, lmdeploy; modelled: "
         "tensorrt-llm, lmcache)",
     )
     p.add_argument(
@@ -270,7 +270,7 @@ def _engine_versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out: dict[str, str] = {}
-    for dist in ("vllm", "nano-vllm-fork", "sglang"):
+    for dist in ("vllm", "nano-vllm-fork", "sglang", "lmdeploy"):
         try:
             out[dist] = version(dist)
         except PackageNotFoundError:

@@ -629,6 +629,18 @@ def _pressure() -> list[Scenario]:
             ),
             ("PROGRESS",),
         ),
+        Scenario(
+            "pressure-victim-recomputes-without-cache",
+            "Prefix caching off: A and B (7 tokens each) decode in a pool of 5 blocks of 4, "
+            "which holds one of them at full length. The one preempted gives its K/V up "
+            "when the other grows into its blocks, and recomputes from its first token; "
+            "both must finish.",
+            Workload(
+                _cfg(4, 5, 16, 2, caching=False),
+                (R("A", prompt(51, 7), 8), R("B", prompt(52, 7), 8)),
+            ),
+            ("PROGRESS", "KVLEN", "BLOCK", "PREFIX"),
+        ),
     ]
 
 

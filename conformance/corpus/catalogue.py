@@ -20,6 +20,7 @@ SGLANG_KV_DLLM = "refserve.conformance.adapters.sglang_kv:make_kv_dllm"
 VLLM_OFFLOAD = "refserve.conformance.adapters.vllm_offload:make"
 VLLM_OFFLOAD_PRIORITY = "refserve.conformance.adapters.vllm_offload:make_priority"
 MODELS = "refserve.conformance.corpus.models"
+LMDEPLOY = "refserve.conformance.adapters.lmdeploy:make"
 
 ENTRIES: tuple[Entry, ...] = (
     Entry(
@@ -232,5 +233,47 @@ ENTRIES: tuple[Entry, ...] = (
         clean=f"{MODELS}.trtllm_12673:make_kv_fixed",
         detector=Detector(kv_scenarios=("kv-free-mid-prefill",)),
         requires="refserve",
+        bug="InternLM/lmdeploy#3589",
+        url="https://github.com/InternLM/lmdeploy/pull/3589",
+        fix="https://github.com/InternLM/lmdeploy/commit/51e5dbf92",
+        engine="lmdeploy",
+        affected="up to 0.8.0 (the recompute eviction helper, since 0.4.2)",
+        fixed="0.9.0",
+        symptom=(
+            "When the eviction helper took a preempted sequence's blocks to make room for "
+            "another, it freed them but left the sequence's step where it was: a KV length "
+            "with an empty block table. Admitted again, the sequence got fresh blocks for "
+            "every token while the model computed only those after the stale length, so "
+            "attention read the first positions from blocks holding another request's K/V."
+        ),
+        rule=Rule.BLOCK,
+        reproduction=Reproduction.REAPPLIED,
+        environment="conformance-lmdeploy",
+        buggy=f"{PATCHES}.lmdeploy_3589:make",
+        clean=LMDEPLOY,
+        detector=Detector(scenarios=("pressure-victim-recomputes-without-cache",)),
+        requires="lmdeploy",
+    ),
+    Entry(
+        bug="InternLM/lmdeploy#4100",
+        url="https://github.com/InternLM/lmdeploy/pull/4100",
+        fix="https://github.com/InternLM/lmdeploy/pull/4110",
+        engine="lmdeploy",
+        affected="main from lmdeploy#4076 (2025-10-30) to 2025-11-07; no release",
+        fixed="0.11.0 (the free-ratio gate removed)",
+        symptom=(
+            "Prefill was refused while fewer than a tenth of the pool's blocks were free, "
+            "and the count left out the blocks only the prefix cache held, which admission "
+            "evicts on demand. Once finished requests left most of the pool cached, a new "
+            "request was never admitted and nothing ran, until the engine's decode of an "
+            "empty batch failed an assertion."
+        ),
+        rule=Rule.PROGRESS,
+        reproduction=Reproduction.REAPPLIED,
+        environment="conformance-lmdeploy",
+        buggy=f"{PATCHES}.lmdeploy_4100:make",
+        clean=LMDEPLOY,
+        detector=Detector(scenarios=("bug-free-list-order",)),
+        requires="lmdeploy",
     ),
 )
