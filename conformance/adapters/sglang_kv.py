@@ -67,7 +67,9 @@ How SGLang's state maps onto the protocol:
   protocol types, grammar backends). The cache reads a handful of its fields, so the
   adapter passes :class:`_Req`, a record with those fields, as SGLang's own regression
   test of this cache does (``_MockDllmReq``, "Minimal Req carrying only what
-  cache_unfinished_req touches"); ``req.kv`` mirrors ``ReqKvInfo``.
+  cache_unfinished_req touches"); ``req.kv`` mirrors ``ReqKvInfo``. (A real ``Req`` is
+  built for each new request, but only to read the key fields its constructor derives:
+  see key namespaces below. Its other state is the scheduler's, which the adapter plays.)
 * **dLLM requests** (:func:`make_kv_dllm`): a diffusion model's request computes its
   trailing block while its token ids are not final (``dllm_incomplete_ids``, mask ids
   until the block resolves), and SGLang checkpoints it while that block is in flight.
