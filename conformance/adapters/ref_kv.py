@@ -6,7 +6,9 @@ from :meth:`BlockPool.lookup` as an argument; the protocol leaves the hit to the
 manager, so this adapter looks it up itself and trims it (module docstring of
 refserve.conformance.kv.protocol): at most the full blocks before the ``num_new_tokens`` the
 suite asked for, and a shorter one (down to none) when the pool cannot afford to revive
-the cached blocks the longer one would take out of the free queue.
+the cached blocks the longer one would take out of the free queue. A request's key
+namespace (feature ``key_domains``) goes to the pool's lookup and first allocation, which
+root its table's hash chain there.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from refserve.conformance.kv.protocol import (
 )
 from refserve.errors import ExceedsCapacity, OutOfBlocks, RefserveError
 from refserve.kv import BlockPool, PrefixHit
+from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace
 from refserve.spec.snapshot import PoolSnapshot
 
 
@@ -33,6 +36,7 @@ class RefKVAdapter:
 
     def __init__(self) -> None:
         self._pool: BlockPool | None = None
+        self._namespaces: dict[str, Namespace] = {}
 
     @property
     def features(self) -> frozenset[KVFeature]:
@@ -57,6 +61,10 @@ class RefKVAdapter:
             self._pool = self.make_pool(config)
         except RefserveError as e:
             raise NotSupported(str(e)) from e
+        self._namespaces = {}
+
+    def set_namespace(self, request_id: str, namespace: Namespace) -> None:
+        self._namespaces[request_id] = namespace
 
     def allocate(
         self, request_id: str, token_ids: Sequence[int], num_new_tokens: int
@@ -68,14 +76,17 @@ class RefKVAdapter:
             except (OutOfBlocks, ExceedsCapacity) as e:
                 raise NoSpace(str(e)) from e
         else:
-            hit = pool.lookup(token_ids)
+            namespace = self._namespaces.get(request_id, DEFAULT_NAMESPACE)
+            hit = pool.lookup(token_ids, namespace)
             bs = pool.block_size
             # The hit may not push the KV length past the known tokens.
             most = max(0, (len(token_ids) - num_new_tokens) // bs)
             for k in range(min(len(hit.block_ids), most), -1, -1):
                 trimmed = PrefixHit(hit.root_key, hit.block_ids[:k], hit.keys[:k], bs)
                 try:
-                    a = pool.allocate(request_id, token_ids, num_new_tokens, hit=trimmed)
+                    a = pool.allocate(
+                        request_id, token_ids, num_new_tokens, hit=trimmed, namespace=namespace
+                    )
                     break
                 except (OutOfBlocks, ExceedsCapacity) as e:
                     # All-or-nothing: the pool is unchanged, so a shorter hit may fit.
@@ -92,6 +103,7 @@ class RefKVAdapter:
 
     def free(self, request_id: str) -> None:
         self.pool.free(request_id)
+        self._namespaces.pop(request_id, None)
 
     def snapshot(self) -> PoolSnapshot:
         return self.pool.snapshot()

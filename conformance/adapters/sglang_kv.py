@@ -67,7 +67,9 @@ How SGLang's state maps onto the protocol:
   protocol types, grammar backends). The cache reads a handful of its fields, so the
   adapter passes :class:`_Req`, a record with those fields, as SGLang's own regression
   test of this cache does (``_MockDllmReq``, "Minimal Req carrying only what
-  cache_unfinished_req touches"); ``req.kv`` mirrors ``ReqKvInfo``.
+  cache_unfinished_req touches"); ``req.kv`` mirrors ``ReqKvInfo``. (A real ``Req`` is
+  built for each new request, but only to read the key fields its constructor derives:
+  see key namespaces below. Its other state is the scheduler's, which the adapter plays.)
 * **dLLM requests** (:func:`make_kv_dllm`): a diffusion model's request computes its
   trailing block while its token ids are not final (``dllm_incomplete_ids``, mask ids
   until the block resolves), and SGLang checkpoints it while that block is in flight.
@@ -77,6 +79,18 @@ How SGLang's state maps onto the protocol:
   checkpoint keys ``_Req.get_cacheable_fill_ids()`` (the settled prefix), as SGLang's fix
   for sglang#35270 does; ``conformance/corpus/patches/sglang_35270.py`` keys
   ``get_fill_ids()`` instead, the bug.
+* **Key namespaces** (feature ``key_domains``). SGLang keys its radix tree by
+  ``RadixKey(token_ids, extra_key=req.extra_key, cache_salt=req.cache_salt)`` (the
+  scheduler's ``_req_radix_key``; child keys ``(extra_key, page)``), with the two fields
+  as SGLang's ``Req.__init__`` leaves them. The adapter builds a real ``Req`` for each
+  new request (:meth:`SglangKVAdapter._radix_namespace`) from the protocol's namespace
+  and passes on its ``extra_key`` and ``cache_salt``; it never composes them itself.
+  The namespace's adapter is the request's ``lora_id`` (in a server, the id SGLang's
+  LoRA registry gives the adapter). Its cache salt is the caller's cache key: SGLang has
+  two, ``extra_key`` ("extra cache key for caller-defined request classification") and
+  ``cache_salt``; :func:`make_kv` passes the salt as ``extra_key``, the field into which
+  SGLang also puts the LoRA identity, and :func:`make_kv_cache_salt` as ``cache_salt``.
+  A table's ``root_key`` is its namespace's ``root_key()`` (``b""`` for the default).
 * Not available: ``fork`` (SGLang shares KV between requests only through the tree);
   switching prefix caching off (SGLang then builds ``UnifiedRadixCache``, another cache);
   cache entries in the spec's hash chain (the tree is keyed by token tuples: feature
@@ -101,6 +115,7 @@ from typing import Any
 
 from refserve.conformance.adapter import NotSupported
 from refserve.conformance.kv.protocol import Allocation, KVConfig, KVFeature, NoSpace
+from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace
 from refserve.spec.snapshot import PoolSnapshot, TableSnapshot
 
 SGLANG_VERSION = "0.5.23"
@@ -154,6 +169,8 @@ class _Sglang:
     alloc_paged_token_slots_extend: Any
     alloc_paged_token_slots_decode: Any
     checkpoint_kv_cache: Any
+    Req: Any
+    SamplingParams: Any
 
 
 def _import_sglang() -> _Sglang:
@@ -168,6 +185,16 @@ def _import_sglang() -> _Sglang:
         allocation = importlib.import_module("sglang.srt.mem_cache.allocation")
         common = importlib.import_module("sglang.srt.mem_cache.common")
         params = importlib.import_module("sglang.srt.mem_cache.cache_init_params")
+        sampling = importlib.import_module("sglang.srt.sampling.sampling_params")
+        try:
+            batch = importlib.import_module("sglang.srt.managers.schedule_batch")
+        except ModuleNotFoundError as e:
+            # Req's module imports the serving stack: the OpenAI types among others.
+            raise ModuleNotFoundError(
+                f"SGLang's request class needs {e.name!r}, missing here (make "
+                "conformance-sglang installs it into .venv-sglang)",
+                name=e.name,
+            ) from e
     logging.getLogger("sglang").setLevel(logging.CRITICAL)
     return _Sglang(
         torch=importlib.import_module("torch"),
@@ -182,6 +209,8 @@ def _import_sglang() -> _Sglang:
         alloc_paged_token_slots_extend=allocation.alloc_paged_token_slots_extend,
         alloc_paged_token_slots_decode=allocation.alloc_paged_token_slots_decode,
         checkpoint_kv_cache=common.checkpoint_kv_cache,
+        Req=batch.Req,
+        SamplingParams=sampling.SamplingParams,
     )
 
 
@@ -220,7 +249,7 @@ class _Req:
     origin_input_ids: array[int]
     full_untruncated_fill_ids: array[int]
     kv: _Kv = field(default_factory=_Kv)
-    extra_key: str | None = None
+    extra_key: Any = None  # a str in SGLang; any hashable keys its tree
     cache_salt: str | None = None
     priority: int | None = None
     skip_radix_cache_insert: bool = False
@@ -246,13 +275,31 @@ class _Req:
         return ids[: len(ids) - n] if n else ids
 
 
+@dataclass(frozen=True)
+class RadixNamespace:
+    """A request's radix-tree namespace: the two key fields of its ``RadixKey``."""
+
+    extra_key: Any
+    cache_salt: Any
+
+
+SALT_FIELDS = ("extra_key", "cache_salt")
+"""The SGLang request fields the protocol's cache salt can be passed as."""
+
+
 class SglangKVAdapter:
     """SGLang's ``RadixCache`` over its token-to-KV allocator."""
 
     name = "sglang-radix-kv"
+    req_class: Any = SG.Req
+    """The SGLang request class whose construction derives a request's namespace."""
 
-    def __init__(self, *, dllm: bool = False) -> None:
+    def __init__(self, *, dllm: bool = False, salt_field: str = "extra_key") -> None:
+        if salt_field not in SALT_FIELDS:
+            raise ValueError(f"salt_field is one of {SALT_FIELDS}, got {salt_field!r}")
         self.dllm = dllm
+        self.salt_field = salt_field
+        self._namespaces: dict[str, Namespace] = {}
         self._reqs: dict[str, _Req] = {}
         self._order: list[str] = []
         self._known: dict[str, list[int]] = {}
@@ -262,7 +309,7 @@ class SglangKVAdapter:
 
     @property
     def features(self) -> frozenset[KVFeature]:
-        return frozenset({KVFeature.PREFIX_CACHING})
+        return frozenset({KVFeature.PREFIX_CACHING, KVFeature.KEY_DOMAINS})
 
     # ------------------------------------------------------------------ setup
     def configure(self, config: KVConfig) -> None:
@@ -297,6 +344,21 @@ class SglangKVAdapter:
         )
         self._ps, self._num_blocks = ps, nb
         self._reqs, self._order, self._known = {}, [], {}
+        self._namespaces = {}
+
+    def set_namespace(self, request_id: str, namespace: Namespace) -> None:
+        self._namespaces[request_id] = namespace
+
+    def _radix_namespace(self, rid: str, ids: array[int], namespace: Namespace) -> RadixNamespace:
+        """The ``extra_key`` and ``cache_salt`` SGLang's own ``Req`` derives for a request
+        on adapter ``namespace.adapter`` (its ``lora_id``) with the namespace's cache
+        salt in :attr:`salt_field` (``""``: none, as SGLang's input normalization makes
+        it)."""
+        caller = {self.salt_field: namespace.cache_salt or None}
+        req = self.req_class(
+            rid, "", ids, SG.SamplingParams(), lora_id=namespace.adapter or None, **caller
+        )
+        return RadixNamespace(req.extra_key, req.cache_salt)
 
     @property
     def cache(self) -> Any:
@@ -354,7 +416,8 @@ class SglangKVAdapter:
         """Match, lock and check room as SGLang's PrefillAdder does; NoSpace (and the
         lock dropped) when even a miss does not fit."""
         ids = array("q", token_ids)
-        req = _Req(rid, ids[:], ids)
+        ns = self._radix_namespace(rid, ids[:], self._namespaces.get(rid, DEFAULT_NAMESPACE))
+        req = _Req(rid, ids[:], ids, extra_key=ns.extra_key, cache_salt=ns.cache_salt)
         cache, ps = self.cache, self._ps
         for limit in (len(ids) - n, 0):
             hit, node = self._match(req, limit)
@@ -465,6 +528,7 @@ class SglangKVAdapter:
         cache.on_release(req, checkpointed=True)
         cache.req_to_token_pool.free(req)
         kv.kv_allocated_len = 0
+        self._namespaces.pop(request_id, None)
 
     # ------------------------------------------------------------------ snapshot
     def _table(self, req: _Req) -> tuple[int, ...]:
@@ -499,7 +563,10 @@ class SglangKVAdapter:
                 if 0 <= b < nb:
                     ref[b] += 1
             stored = req.kv.kv_committed_len
-            tables.append(TableSnapshot(rid, table, stored, tuple(self._known[rid][:stored])))
+            ns = self._namespaces.get(rid, DEFAULT_NAMESPACE)
+            root = b"" if ns == DEFAULT_NAMESPACE else ns.root_key()
+            known = tuple(self._known[rid][:stored])
+            tables.append(TableSnapshot(rid, table, stored, known, root))
         free_pages = [int(p) for p in allocator.get_all_free_pages().tolist()]
         free = [p - 1 for p in free_pages]
         listed = set(free)
@@ -518,6 +585,11 @@ class SglangKVAdapter:
 def make_kv() -> SglangKVAdapter:
     """The ``MODULE:FACTORY`` entry point: ordinary (autoregressive) requests."""
     return SglangKVAdapter()
+
+
+def make_kv_cache_salt() -> SglangKVAdapter:
+    """Ordinary requests whose cache salt is SGLang's ``cache_salt`` field."""
+    return SglangKVAdapter(salt_field="cache_salt")
 
 
 def make_kv_dllm() -> SglangKVAdapter:

@@ -275,5 +275,25 @@ ENTRIES: tuple[Entry, ...] = (
         clean=LMDEPLOY,
         detector=Detector(scenarios=("bug-free-list-order",)),
         requires="lmdeploy",
+        bug="sgl-project/sglang#24638",
+        url="https://github.com/sgl-project/sglang/issues/24638",
+        fix="https://github.com/sgl-project/sglang/pull/25351",
+        engine="sglang",
+        affected="0.5.23; main at 95fb722 (2026-05), the tracker's",
+        fixed="not fixed: PR 25351 closed unmerged; the clean side applies its structure",
+        symptom=(
+            "A request's radix-tree namespace is the caller's extra key and the LoRA "
+            "adapter's id joined end to end, so a base-model request whose key is an "
+            "adapter's id, or two requests whose key and adapter split one string "
+            "differently, share cached pages: K/V computed under one adapter's weights "
+            "serves a request that runs without it."
+        ),
+        rule=Rule.KEY_DOMAINS,
+        reproduction=Reproduction.RELEASED,
+        environment="conformance-sglang",
+        buggy=SGLANG_KV,
+        clean=f"{PATCHES}.sglang_24638_fixed:make_kv",
+        detector=Detector(kv_scenarios=("kv-keys-adapter-named-like-salt", "kv-keys-split-fields")),
+        requires="sglang",
     ),
 )

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from refserve.conformance.kv.shape import _short
+from refserve.conformance.kv.workload import domain_of
 from refserve.spec.arith import blocks_needed, max_cacheable_tokens, slot_of
+from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace
+from refserve.spec.prefix import KEY_DOMAINS
 from refserve.spec.snapshot import PoolSnapshot, TableSnapshot
 from refserve.spec.violation import Invariant, Violation, violation
 
@@ -23,7 +26,8 @@ from refserve.spec.violation import Invariant, Violation, violation
 class Books:
     """The suite's truth about the live requests, never read back from the manager:
     known tokens, tokens stored, tokens that came from the cache, the requests freed,
-    and the fake KV memory (slot -> token id)."""
+    and the fake KV memory (slot -> token id); with feature ``key_domains`` also each
+    request's key namespace and, per slot, the namespace its token was computed in."""
 
     known: Mapping[str, Sequence[int]]
     stored: Mapping[str, int]
@@ -31,6 +35,10 @@ class Books:
     freed: Set[str]
     memory: Mapping[int, int]
     block_size: int
+    namespaces: Mapping[str, Namespace] = field(default_factory=dict)
+    """Each live request's key namespace (absent: the default one)."""
+    writers: Mapping[int, Namespace] = field(default_factory=dict)
+    """Slot -> the namespace of the request that wrote it (absent: the default one)."""
 
 
 def hit_violation(
@@ -162,8 +170,8 @@ def _table_violation(
 def read_back_violations(snap: PoolSnapshot, books: Books) -> list[Violation]:
     """Every live request reads exactly its own tokens through its table (BLOCK: a
     block released or moved while still held; PREFIX: a shared or cache-hit block
-    holding someone else's tokens). One violation per request at most: its first
-    wrong position."""
+    holding someone else's tokens, or its own tokens computed in another key namespace,
+    rule ``key-domains``). One violation per request at most: its first wrong position."""
     holders: Counter[int] = Counter(b for t in snap.tables for b in set(t.block_table))
     out: list[Violation] = []
     done: set[str] = set()
@@ -183,13 +191,26 @@ def _read_back_one(
 ) -> Violation | None:
     rid, bs = t.request_id, books.block_size
     toks = books.known[rid]
+    mine = books.namespaces.get(rid, DEFAULT_NAMESPACE)
     for p in range(min(books.stored[rid], t.num_stored, len(t.block_table) * bs)):
         b = t.block_table[p // bs]
         if not 0 <= b < nb:
             return None  # BLOCK reports the id
-        got = books.memory.get(slot_of(b, p, bs))
+        slot = slot_of(b, p, bs)
+        got = books.memory.get(slot)
         if got == toks[p]:
-            continue
+            theirs = books.writers.get(slot, DEFAULT_NAMESPACE)
+            if theirs == mine:
+                continue
+            return violation(
+                Invariant.PREFIX,
+                f"request {rid}",
+                f"KV read back at position {p}: block {b} holds this token's K/V computed "
+                "in another key domain",
+                f"token {got} in {domain_of(mine)}",
+                f"token {got} in {domain_of(theirs)}",
+                rule=KEY_DOMAINS,
+            )
         if holders[b] > 1 or p < books.cached.get(rid, 0):
             inv = Invariant.PREFIX
             why = f"shared or cached block {b} holds another request's token"

@@ -6,6 +6,8 @@ replayable with :func:`replay_kv`:
 
 * ``{"op": "new", "rid": "r1", "prompt": [..], "n": 3}``: first allocation of a request
   whose known tokens are ``prompt``, for ``n`` new tokens (plus any cache hit);
+  optional ``"lora"`` and ``"cache_salt"`` strings name its key namespace (feature
+  ``key_domains``; an adapter without it skips such an op);
 * ``{"op": "grow", "rid": "r1", "append": [..], "n": 1}``: the request learns the tokens
   ``append`` (decode outputs; ``[]`` for the rest of a chunked prompt) and asks for ``n``
   more (clipped to the tokens it knows and has not stored);
@@ -27,7 +29,9 @@ how many came from the cache) and a fake KV memory (slot -> token id). After EVE
   performing the returned copies, so a copy-on-write done but not reported, or a block
   released while still held (ref count too low, double free), shows as a wrong or
   missing token (BLOCK); a wrong token in a shared or cache-hit block (a stale cache
-  entry) is PREFIX, as in refserve.conformance.runner's read-back;
+  entry) is PREFIX, as in refserve.conformance.runner's read-back; so is the right token
+  computed in another key namespace (feature ``key_domains``: the memory keeps, per
+  slot, the namespace of the request that wrote it; rule ``key-domains``);
 * PREFIX: a write lands only in a block the writer holds alone (copy-on-write); a cache
   hit is whole blocks, only on a first allocation, only with caching on, and leaves the
   last known token to be computed (KVLEN if hit + new tokens exceed the known tokens);

@@ -42,7 +42,17 @@ Semantics every KV adapter must follow
   order at this level), one :class:`refserve.spec.snapshot.TableSnapshot` per live request, and
   (feature ``cache_index``) the prefix-cache entries keyed by
   :func:`refserve.spec.hashing.block_key` chained from the tables' ``root_key`` (``b""`` for a
-  manager without namespaces; the suite uses a single namespace, so every table has the same root).
+  manager without namespaces; without feature ``key_domains`` the suite uses a single
+  namespace, so every table has the same root).
+* ``set_namespace(request_id, namespace)`` (feature ``key_domains``; protocol
+  :class:`KVNamespaces`): the key namespace (:class:`refserve.spec.hashing.Namespace`:
+  LoRA adapter, cache salt) of the request's next first allocation, called before every
+  first allocation; it holds until the request is freed (a fork's child inherits its
+  parent's). Requests of different namespaces must never share K/V, whatever their
+  tokens: the suite records with each written token the namespace it was computed in,
+  and a request reading back a token computed in another one is PREFIX (rule
+  ``key-domains``). An adapter that reports tables' ``root_key`` reports
+  ``namespace.root_key()``.
 * Which free block is handed out, the free-queue order and when cached blocks are
   evicted are the manager's design choices: the suite never compares them.
 
@@ -58,6 +68,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
+from refserve.spec.hashing import Namespace
 from refserve.spec.snapshot import PoolSnapshot
 
 
@@ -70,6 +81,9 @@ class KVFeature(StrEnum):
     """Prefix caching can be switched off by ``KVConfig.enable_prefix_caching``."""
     CACHE_INDEX = "cache_index"
     """The snapshot lists the cache index as spec.CacheEntry records (spec hash chain)."""
+    KEY_DOMAINS = "key_domains"
+    """Requests carry a key namespace (:meth:`KVNamespaces.set_namespace`); the suite's
+    ``new`` ops may name a LoRA adapter and a cache salt."""
 
 
 ALL_KV_FEATURES = frozenset(KVFeature)
@@ -119,6 +133,14 @@ class KVAdapter(Protocol):
     def free(self, request_id: str) -> None: ...
 
     def snapshot(self) -> PoolSnapshot: ...
+
+
+@runtime_checkable
+class KVNamespaces(Protocol):
+    """What an adapter with feature ``key_domains`` adds to :class:`KVAdapter` (a
+    protocol of its own, so adapters without the feature need nothing new)."""
+
+    def set_namespace(self, request_id: str, namespace: Namespace) -> None: ...
 
 
 KVAdapterFactory = Callable[[], KVAdapter]

@@ -40,10 +40,11 @@ from refserve.conformance.kv.shape import (
     as_features,
     normalize_snapshot,
 )
-from refserve.conformance.kv.workload import KVFinding, KVWorkload
+from refserve.conformance.kv.workload import KVFinding, KVWorkload, namespace_of
 from refserve.spec.arith import slot_of
 from refserve.spec.atomic import check_atomic_pool
 from refserve.spec.checks import check_pool
+from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace
 from refserve.spec.progress import check_quiescent
 from refserve.spec.snapshot import PoolSnapshot
 from refserve.spec.violation import Invariant, Violation, violation
@@ -86,6 +87,10 @@ class _KVRun:
         self.cached: dict[str, int] = {}
         self.freed: set[str] = set()
         self.memory: dict[int, int] = {}
+        # Feature key_domains: each live request's namespace, and per slot the namespace
+        # its token was computed in (absent: the default one).
+        self.namespaces: dict[str, Namespace] = {}
+        self.writers: dict[int, Namespace] = {}
         self.ever_held: set[int] = set()
         self.snap: PoolSnapshot | None = None
         self.ops: list[Mapping[str, Any]] = []
@@ -117,6 +122,7 @@ class _KVRun:
         new.known = {rid: list(toks) for rid, toks in self.known.items()}
         new.stored, new.cached = dict(self.stored), dict(self.cached)
         new.memory = dict(self.memory)
+        new.namespaces, new.writers = dict(self.namespaces), dict(self.writers)
         new.freed, new.ever_held = set(self.freed), set(self.ever_held)
         new.checked = set(self.checked)
         new.ops, new.findings, new.trace = list(self.ops), list(self.findings), list(self.trace)
@@ -284,7 +290,12 @@ class _KVRun:
             return self._skip(f"{rid} is live")
         if n < 1:
             return self._skip("empty prompt")
-        return self._allocate(rid, prompt, n, first=True)
+        namespace = namespace_of(op)
+        if KVFeature.KEY_DOMAINS in self.features:
+            self._set_namespace(rid, namespace)
+        elif namespace != DEFAULT_NAMESPACE:
+            return self._skip("no key_domains feature")
+        return self._allocate(rid, prompt, n, first=True, namespace=namespace)
 
     def _op_grow(self, op: Mapping[str, Any]) -> None:
         rid = str(op["rid"])
@@ -311,7 +322,31 @@ class _KVRun:
         return self._free(rid)
 
     # ------------------------------------------------------------------ operations
-    def _allocate(self, rid: str, tokens: list[int], n: int, *, first: bool) -> None:
+    def _set_namespace(self, rid: str, namespace: Namespace) -> None:
+        # KVNamespaces.set_namespace, looked up by name: the run holds a KVAdapter.
+        set_namespace = getattr(self.adapter, "set_namespace", None)
+        if not callable(set_namespace):
+            self._fail(
+                Invariant.PROGRESS,
+                "adapter",
+                "declares feature key_domains but has no set_namespace()",
+            )
+            raise _Stop
+        if namespace != DEFAULT_NAMESPACE:
+            entry = {"op": self.step, "namespace": rid}
+            entry.update(lora=namespace.adapter, cache_salt=namespace.cache_salt)
+            self.trace.append(entry)
+        self._call(f"set_namespace({rid!r})", lambda: set_namespace(rid, namespace))
+
+    def _allocate(
+        self,
+        rid: str,
+        tokens: list[int],
+        n: int,
+        *,
+        first: bool,
+        namespace: Namespace = DEFAULT_NAMESPACE,
+    ) -> None:
         a, before = self.adapter, self.snap
         assert a is not None and before is not None
         self.coverage["allocations"] += 1
@@ -338,6 +373,7 @@ class _KVRun:
         if first:
             self.known[rid] = list(known)
             self.cached[rid] = hit
+            self.namespaces[rid] = namespace
             self.freed.discard(rid)
         self.stored[rid] = end
         entry.update(cached=hit, copies=[list(c) for c in copies], block_table=list(table))
@@ -406,11 +442,17 @@ class _KVRun:
                 raise _Stop
             for off in range(bs):
                 v = self.memory.get(src * bs + off)
+                w = self.writers.get(src * bs + off)
                 if v is None:
                     self.memory.pop(dst * bs + off, None)
                 else:
                     self.memory[dst * bs + off] = v
+                if w is None:
+                    self.writers.pop(dst * bs + off, None)
+                else:
+                    self.writers[dst * bs + off] = w
         written: set[int] = set()
+        mine = self.namespaces.get(rid, DEFAULT_NAMESPACE)
         for p in range(start, end):
             idx = p // bs
             if idx >= len(table):
@@ -433,6 +475,10 @@ class _KVRun:
                 )
                 break
             self.memory[slot_of(b, p, bs)] = known[p]
+            if mine == DEFAULT_NAMESPACE:
+                self.writers.pop(slot_of(b, p, bs), None)
+            else:
+                self.writers[slot_of(b, p, bs)] = mine
             written.add(b)
         for b in sorted(written):
             if after.ref_cnt[b] > 1:
@@ -495,6 +541,8 @@ class _KVRun:
         # The child shares the KV; it samples its own future tokens from here on.
         self.known[child] = self.known[parent][: self.stored[parent]]
         self.cached[child] = self.cached[parent]
+        if parent in self.namespaces:
+            self.namespaces[child] = self.namespaces[parent]
         self.freed.discard(child)
         after = self._snapshot()
         tp, tc = after.table(parent), after.table(child)
@@ -516,6 +564,7 @@ class _KVRun:
         self.coverage["frees"] += 1
         for d in (self.stored, self.known, self.cached):
             d.pop(rid, None)
+        self.namespaces.pop(rid, None)
         self.freed.add(rid)
         self._check_state(self._snapshot())
 
@@ -528,7 +577,16 @@ class _KVRun:
         self._record(read_back_violations(snap, self._books()))
 
     def _books(self) -> Books:
-        return Books(self.known, self.stored, self.cached, self.freed, self.memory, self.bs)
+        return Books(
+            self.known,
+            self.stored,
+            self.cached,
+            self.freed,
+            self.memory,
+            self.bs,
+            self.namespaces,
+            self.writers,
+        )
 
 
 def _find(run: _KVRun, sig: str) -> KVFinding | None:

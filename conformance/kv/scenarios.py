@@ -18,6 +18,16 @@ def _grow(rid: str, append: list[int], n: int = 1) -> dict[str, Any]:
     return {"op": "grow", "rid": rid, "append": append, "n": n}
 
 
+def _new_in(rid: str, prompt: list[int], n: int, lora: str = "", salt: str = "") -> dict[str, Any]:
+    """A ``new`` op in a key namespace (feature ``key_domains``)."""
+    op = _new(rid, prompt, n)
+    if lora:
+        op["lora"] = lora
+    if salt:
+        op["cache_salt"] = salt
+    return op
+
+
 def _fork(parent: str, child: str) -> dict[str, Any]:
     return {"op": "fork", "parent": parent, "child": child}
 
@@ -126,6 +136,43 @@ def kv_scenarios() -> list[KVScenario]:
 def _corpus_kv_scenarios() -> list[KVScenario]:
     """KV scenarios added with the corpus of real bugs (docs/CORPUS.md)."""
     return [
+        KVScenario(
+            "kv-keys-adapter-named-like-salt",
+            "Block size 2: a 6-token prompt on LoRA adapter x, then the same prompt with "
+            "cache salt x while the first runs, then (both freed) on the base model and "
+            "on adapter x again. Only the two adapter-x requests may share K/V: an "
+            "adapter's identity and a salt that are the same string are different inputs.",
+            KVWorkload(
+                KVConfig(8, 2),
+                (
+                    _new_in("r1", [1, 2, 3, 4, 5, 6], 6, lora="x"),
+                    _new_in("r2", [1, 2, 3, 4, 5, 6], 1, salt="x"),
+                    _free("r1"),
+                    _free("r2"),
+                    _new("r3", [1, 2, 3, 4, 5, 6], 1),
+                    _free("r3"),
+                    _new_in("r4", [1, 2, 3, 4, 5, 6], 1, lora="x"),
+                ),
+            ),
+            frozenset({KVFeature.KEY_DOMAINS, KVFeature.PREFIX_CACHING}),
+            ("PREFIX",),
+        ),
+        KVScenario(
+            "kv-keys-split-fields",
+            "Block size 2: a 6-token prompt with salt a on adapter bc, freed, then with "
+            "salt ab on adapter c: two different namespaces whose fields joined end to end "
+            "are the same string; the second may not reuse the first's K/V.",
+            KVWorkload(
+                KVConfig(8, 2),
+                (
+                    _new_in("r1", [1, 2, 3, 4, 5, 6], 6, lora="bc", salt="a"),
+                    _free("r1"),
+                    _new_in("r2", [1, 2, 3, 4, 5, 6], 1, lora="c", salt="ab"),
+                ),
+            ),
+            frozenset({KVFeature.KEY_DOMAINS, KVFeature.PREFIX_CACHING}),
+            ("PREFIX",),
+        ),
         KVScenario(
             "kv-free-mid-prefill",
             "Block size 2: a 6-token prompt freed after a first chunk of 3 tokens, its "

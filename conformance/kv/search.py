@@ -24,6 +24,20 @@ MAX_OPS = 24
 
 _ALPHABET = st.integers(0, 2)  # three token ids, so prompts collide and hits are common
 
+# Feature key_domains: the namespaces a new request is drawn in, mostly the default one.
+# Their strings overlap on purpose (an adapter named like a salt, a salt and an adapter
+# whose concatenation is another's), so a key that joins untagged fields collides.
+_NAMESPACES: tuple[dict[str, str], ...] = (
+    {},
+    {},
+    {},
+    {"lora": "a"},
+    {"cache_salt": "a"},
+    {"lora": "b", "cache_salt": "a"},
+    {"lora": "ab"},
+    {"cache_salt": "ab"},
+)
+
 
 class _SearchStopped(Exception):
     """Ends the generated search early (a call timed out)."""
@@ -110,7 +124,10 @@ class _Gen:
             tail = len(prompt) - max_cacheable_tokens(len(prompt), run.bs)
             n = d.draw(st.sampled_from([tail, tail, 0]), label="n")
             n = n or d.draw(st.integers(1, len(prompt)), label="n_any")
-            return {"op": "new", "rid": self._rid(), "prompt": prompt, "n": n}
+            op: dict[str, Any] = {"op": "new", "rid": self._rid(), "prompt": prompt, "n": n}
+            if KVFeature.KEY_DOMAINS in run.features:
+                op.update(d.draw(st.sampled_from(_NAMESPACES), label="namespace"))
+            return op
         rid = d.draw(st.sampled_from(live), label="rid")
         if kind == "fork":
             return {"op": "fork", "parent": rid, "child": self._rid()}

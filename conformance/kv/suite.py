@@ -135,7 +135,8 @@ def run_kv_generated(
     Findings whose signature is in ``known`` are counted, not failed or shrunk."""
     description = (
         "Hypothesis-generated op lists on pools of 1-12 blocks of 1-4 tokens: new requests "
-        "with shared prefixes (cache hits), chunked and decode growth, forks, frees; "
+        "with shared prefixes (cache hits; in several key namespaces with feature "
+        "key_domains), chunked and decode growth, forks, frees; "
         "every op checked, each distinct finding shrunk."
     )
     targets = tuple(str(i) for i in KV_INVARIANTS)

@@ -10,6 +10,7 @@ from typing import Any
 
 from refserve.conformance.kv.protocol import KVConfig, KVFeature
 from refserve.conformance.report import signature_of
+from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace
 from refserve.spec.violation import Invariant, Violation
 
 
@@ -110,6 +111,13 @@ def _parse_op(o: object, i: int) -> dict[str, Any]:
     if kind not in spec:
         raise ValueError(f"op {i}: unknown op {kind!r} (one of {sorted(spec)})")
     out: dict[str, Any] = {"op": kind}
+    if kind == "new":
+        for key in NAMESPACE_FIELDS:
+            v = o.get(key, "")
+            if not isinstance(v, str):
+                raise ValueError(f"op {i}: {key} must be a string")
+            if v:
+                out[key] = v
     for key in spec[kind]:
         v = o.get(key)
         if key in ("rid", "parent", "child"):
@@ -123,6 +131,26 @@ def _parse_op(o: object, i: int) -> dict[str, Any]:
             raise ValueError(f"op {i}: {key} must be a list of ints")
         out[key] = list(v) if isinstance(v, list) else v
     return out
+
+
+NAMESPACE_FIELDS = ("lora", "cache_salt")
+"""The optional fields of a ``new`` op naming its key namespace (feature ``key_domains``):
+the LoRA adapter and the cache salt; absent or ``""``: none."""
+
+
+def namespace_of(op: Mapping[str, Any]) -> Namespace:
+    """The key namespace a ``new`` op names (:data:`DEFAULT_NAMESPACE` when none)."""
+    lora, salt = str(op.get("lora", "")), str(op.get("cache_salt", ""))
+    if not (lora or salt):
+        return DEFAULT_NAMESPACE
+    return Namespace(adapter=lora, cache_salt=salt)
+
+
+def domain_of(namespace: Namespace) -> str:
+    """A namespace as findings name it."""
+    if not (namespace.adapter or namespace.cache_salt):
+        return "the default domain"
+    return f"lora={namespace.adapter!r} salt={namespace.cache_salt!r}"
 
 
 def _op_json(o: Mapping[str, Any]) -> dict[str, Any]:

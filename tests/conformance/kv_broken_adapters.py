@@ -20,7 +20,7 @@ from refserve.conformance.kv.protocol import Allocation, KVConfig, KVFeature, No
 from refserve.kv import BlockPool
 from refserve.kv.prefix_index import Entry
 from refserve.spec.arith import blocks_needed
-from refserve.spec.hashing import block_key
+from refserve.spec.hashing import Namespace, block_key
 from refserve.spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
 
 BUGS = ("fork_no_incref", "double_free", "reserve_ahead", "no_cow", "dirty_refusal", "greedy_hit")
@@ -281,6 +281,30 @@ class HugeTokenSnapshotKV(RefKVAdapter):
         s = super().snapshot()
         entries = tuple(dataclasses.replace(e, token_ids=(2**70,)) for e in s.cache_entries)
         return dataclasses.replace(s, cache_entries=entries)
+
+
+class UntaggedNamespaceKV(RefKVAdapter):
+    """Keys a request by its salt and adapter joined into one untagged string, so an
+    adapter named like a salt, or two splits of one string, share K/V (PREFIX)."""
+
+    def set_namespace(self, request_id: str, namespace: Namespace) -> None:
+        joined = namespace.cache_salt + namespace.adapter
+        super().set_namespace(request_id, Namespace(cache_salt=joined))
+
+
+class NamespaceIgnoredKV(RefKVAdapter):
+    """Declares key domains and keys every request in the default one (PREFIX)."""
+
+    def set_namespace(self, request_id: str, namespace: Namespace) -> None:
+        pass
+
+
+class NoSetNamespaceKV(TinyKV):
+    """Declares key domains without the method that passes them (PROGRESS)."""
+
+    @property
+    def features(self) -> frozenset[KVFeature]:
+        return super().features | {KVFeature.KEY_DOMAINS}
 
 
 class BadFeaturesKV(RefKVAdapter):

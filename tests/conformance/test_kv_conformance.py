@@ -129,6 +129,9 @@ def test_fixed_scenarios_exercise_what_they_name() -> None:
     assert cov["kv-prefix-reuse"]["revived_hits"] >= 1
     assert cov["kv-double-free"]["cow_copies"] >= 1
     assert cov["kv-no-space"]["no_space"] == 3
+    # The same adapter's second request reuses the first's K/V; no other request may.
+    assert cov["kv-keys-adapter-named-like-salt"]["cache_hits"] == 1
+    assert cov["kv-keys-split-fields"].get("cache_hits", 0) == 0
 
 
 def test_malformed_workload_is_a_value_error() -> None:
@@ -152,8 +155,53 @@ def test_correct_manager_with_other_design_choices_passes(factory: KVAdapterFact
     assert infos[-1].observed["examples"] == 60
     if factory is K.tiny_no_caching:
         unsupported = {r.scenario for r in results if r.status == "not_supported"}
-        assert unsupported == {"kv-prefix-reuse"}
+        assert unsupported == {"kv-prefix-reuse", *KEY_SCENARIOS}
         assert next(i for i in infos if i.name == "kv-prefix-reuse").not_supported
+
+
+KEY_SCENARIOS = ("kv-keys-adapter-named-like-salt", "kv-keys-split-fields")
+
+
+def test_key_scenarios_need_the_key_domains_feature() -> None:
+    """A manager without namespaces is not asked to keep them apart: not_supported,
+    and a replayed namespaced op is skipped, never run in the default namespace."""
+    results, infos = _suite(K.tiny_lifo, "kv_broken_adapters:tiny", names=list(KEY_SCENARIOS))
+    assert {r.status for r in results} == {"not_supported"}
+    assert all("key_domains" in i.not_supported for i in infos)
+    sc = next(s for s in kv_scenarios() if s.name == KEY_SCENARIOS[1])
+    assert replay_kv(K.tiny_lifo, sc.workload.to_json()) == []
+
+
+def test_key_domain_finding_names_the_rule_and_both_domains() -> None:
+    sc = next(s for s in kv_scenarios() if s.name == KEY_SCENARIOS[1])
+    found = replay_kv(K.UntaggedNamespaceKV, sc.workload.to_json())
+    assert [(f.invariant, f.violation.rule, f.op) for f in found] == [
+        (Invariant.PREFIX, "key-domains", "new")
+    ]
+    v = found[0].violation
+    assert "computed in another key domain" in v.message
+    assert v.expected == "token 1 in lora='c' salt='ab'"
+    assert v.seen == "token 1 in lora='bc' salt='a'"
+
+
+def test_key_domains_without_set_namespace_is_a_progress_finding() -> None:
+    results, _ = _suite(K.NoSetNamespaceKV, "x", names=[KEY_SCENARIOS[0]])
+    progress = _failures(results).get("PROGRESS", [])
+    assert [f.message for f in progress] == [
+        "declares feature key_domains but has no set_namespace()"
+    ]
+
+
+def test_namespace_fields_are_validated_and_round_trip() -> None:
+    cfg = {"num_blocks": 2, "block_size": 1}
+    with pytest.raises(ValueError, match="lora must be a string"):
+        KVWorkload.from_json(
+            {"kv_config": cfg, "ops": [{"op": "new", "rid": "r", "prompt": [1], "n": 1, "lora": 3}]}
+        )
+    op = {"op": "new", "rid": "r", "prompt": [1], "n": 1, "lora": "x", "cache_salt": ""}
+    w = KVWorkload.from_json({"kv_config": cfg, "ops": [op]})
+    assert w.ops[0] == {"op": "new", "lora": "x", "rid": "r", "prompt": [1], "n": 1}
+    assert KVWorkload.from_json(w.to_json()) == w
 
 
 # ------------------------------------------------------------------- broken managers
@@ -176,6 +224,7 @@ BROKEN: list[tuple[str, Callable[[], KVAdapter], str, str]] = [
     ("snapshot-garbage", K.GarbageSnapshotKV, "PROGRESS", r"ref_cnt\[0\] is str"),
     ("snapshot-none", K.NoneSnapshotKV, "PROGRESS", "None, not a PoolSnapshot"),
     ("checker-chokes", K.HugeTokenSnapshotKV, "PROGRESS", "cannot read the adapter's snapshot"),
+    ("untagged-namespace", K.UntaggedNamespaceKV, "PREFIX", "computed in another key domain"),
 ]
 
 
@@ -211,6 +260,10 @@ def test_broken_manager_is_caught(factory: KVAdapterFactory, invariant: str, wor
         (K.fork_no_incref, "kv-double-free", "BLOCK"),
         (K.RefusesWithRoomKV, "kv-no-space", "CAP"),
         (K.dirty_refusal, "kv-no-space", "ATOMIC"),
+        (K.UntaggedNamespaceKV, "kv-keys-adapter-named-like-salt", "PREFIX"),
+        (K.UntaggedNamespaceKV, "kv-keys-split-fields", "PREFIX"),
+        (K.NamespaceIgnoredKV, "kv-keys-adapter-named-like-salt", "PREFIX"),
+        (K.NamespaceIgnoredKV, "kv-keys-split-fields", "PREFIX"),
     ],
 )
 def test_fixed_scenario_catches_its_bug(
