@@ -8,6 +8,7 @@ no:cacheprovider tests/conformance/test_vllm_nixl.py``); skipped in refserve's v
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -16,15 +17,17 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM lives in .venv-vllm: make conformance-vllm")
 
 from refserve.conformance.adapter import (
+    CommitReport,
     EngineConfig,
     Feature,
     MigrationExport,
     MigrationStaged,
+    StepReport,
 )
 from refserve.conformance.adapters import vllm_nixl
 from refserve.conformance.runner import RunResult, run_fresh
-from refserve.conformance.scenarios import by_name
-from refserve.conformance.workload import RequestPlan, Workload
+from refserve.conformance.scenarios import M, R, _cfg, by_name
+from refserve.conformance.workload import RequestPlan, Workload, prompt
 from refserve.spec.handoff import HANDOFF
 from refserve.spec.violation import Invariant
 
@@ -136,3 +139,63 @@ def test_a_receive_list_off_the_table_is_caught() -> None:
         "migrate: staged",
     ), str(first)
     assert "receives into other slots than its staged table holds" in first.violation.message
+
+
+def _preempted_then_moved(at: int, rid: str) -> Workload:
+    """Three requests on a home pool of 6 blocks of 2: vLLM preempts and recomputes
+    them; ``rid`` then moves with its K/V to a roomy peer at boundary ``at``."""
+    return Workload(
+        _cfg(2, 6, 8, 4),
+        tuple(R(f"S{i}", prompt(223 + i, 3), 8, i % 2) for i in range(3)),
+        peers=(_cfg(2, 16, 8, 4),),
+        migrations=(M(at, rid),),
+    )
+
+
+class _SendsTheListFromBeforeAPreemption(vllm_nixl.VllmNixlAdapter):
+    """Adapter error planted: the export sends, for the positions it covers, the slot
+    list the request had before vLLM last preempted it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict[str, tuple[int, ...]] = {}
+        self._stale: dict[str, tuple[int, ...]] = {}
+
+    def schedule(self) -> StepReport:
+        rep = super().schedule()
+        for rid in rep.preempted:
+            if self._last.get(rid):
+                self._stale[rid] = self._last[rid]
+        return rep
+
+    def commit(self, sampled: Mapping[str, int]) -> CommitReport:
+        out = super().commit(sampled)
+        running = [r for r, q in self._live.items() if q.status == vllm_nixl.V.VStatus.RUNNING]
+        self._last = {r: super(type(self), self).export_request(r).kv_slots for r in running}
+        return out
+
+    def export_request(self, request_id: str) -> MigrationExport:
+        e = super().export_request(request_id)
+        old = self._stale.get(request_id, ())
+        if not old or not e.kv_slots:
+            return e
+        return replace(e, kv_slots=old[: len(e.kv_slots)] + e.kv_slots[len(old) :])
+
+
+@pytest.mark.parametrize("at", [9, 10])
+def test_vllms_send_list_after_a_preemption_is_its_table_and_a_stale_one_is_caught(
+    at: int,
+) -> None:
+    w = _preempted_then_moved(at, "S1")
+    clean = run_fresh(vllm_nixl.make, w, call_timeout=120)
+    assert clean.ok and not clean.not_supported, [str(f) for f in clean.findings]
+    assert any(e.get("migrate") == "S1" and e.get("sent") for e in clean.trace)
+    assert any(e.get("preempted") for e in clean.trace if e.get("engine") == "A")
+
+    run = run_fresh(_SendsTheListFromBeforeAPreemption, w, call_timeout=120)
+    first = run.findings[0]
+    assert (first.invariant, first.violation.rule, first.phase) == (
+        Invariant.MOVED,
+        HANDOFF,
+        "migrate: exported",
+    ), str(first)
