@@ -40,11 +40,14 @@ producer's ``remote_block_ids``, loaded there asynchronously):
   destination slots are the ``local_block_ids`` of the receive the step hands the worker
   (``NixlConnectorMetadata.reqs_to_recv``); the hit is the blocks it counts as already
   computed (``local_num_computed_blocks``). A request vLLM does not admit (no room) is
-  finished there again (``finish_requests``, aborted): ``Rejected``. Two gates of vLLM's
-  admission read the requests set aside and are stated here instead, before the call:
-  a full batch (``len(running) >= max_num_active_reqs``, ``max_num_seqs`` here: vLLM
-  admits nothing) is ``Rejected``;
-  vLLM's watermark (applied only when other requests run) is 0 in this configuration.
+  finished there again (``finish_requests``, aborted): ``Rejected``. What vLLM's
+  admission reads of the requests set aside is stated here instead, before the call: a
+  full batch (``len(running) >= max_num_active_reqs``, ``max_num_seqs`` here: vLLM admits
+  nothing) and requests waiting in the destination's queue (vLLM admits in arrival
+  order: they would be admitted first, and their blocks taken first) are ``Rejected``;
+  the watermark (applied only when other requests run) is 0 in this configuration.
+  Requests holding blocks in ``kv_holding_waiting`` (loads admitted or landed) do not
+  stand in its way in vLLM either.
 * The link copies the K/V; ``release`` is the producer request's finish on ``S``:
   ``kv_transfer_params={"do_remote_decode": True}`` and ``Scheduler.finish_requests``
   with ``FINISHED_LENGTH_CAPPED`` (the status a producer request finishes with, and the
@@ -355,6 +358,11 @@ class VllmNixlAdapter(VllmAdapter):
         s = self._sched
         if len(s.running) + s.num_waiting_for_streaming_input >= s.max_num_active_reqs:
             raise Rejected("the destination runs max_num_seqs requests: vLLM admits none")
+        if len(s.waiting):
+            raise Rejected(
+                f"{len(s.waiting)} request(s) wait on the destination: vLLM admits in "
+                "arrival order, so it would admit them first"
+            )
         req = self._build(t, t.token_ids[:kv], t.token_ids[kv:])
         req.kv_transfer_params = dict(t.kv_transfer_params)
         _, hit, _ = self._sched.kv_cache_manager.get_computed_blocks(req)
