@@ -30,10 +30,11 @@ of a move: exported, staged, acknowledged, released, committed or aborted) the s
 builds a :class:`refserve.spec.cluster.ClusterSnapshot` (every instance's snapshot and fake K/V
 memory, the move in transit, what each client received) and runs the migration rules
 of spec/cluster.py on it and the one before (:func:`refserve.spec.checks.check_cluster`: OWNER,
-CONSERVE, MOVED, KVCOPY, LEAK). The engines report token counts, not token ids, so a
-node's token ids for a request are the suite's own (it sampled them), cut or padded to
-the count the engine reports: an engine that loses or repeats a token shows as tokens
-changed by other than what the step sampled (CONSERVE).
+CONSERVE, MOVED, KVCOPY, LEAK; MOVED's rule ``handoff``, spec/handoff.py, reads the slot
+lists of the export and the stage recorded in the transit). The engines report token
+counts, not token ids, so a node's token ids for a request are the suite's own (it
+sampled them), cut or padded to the count the engine reports: an engine that loses or
+repeats a token shows as tokens changed by other than what the step sampled (CONSERVE).
 """
 
 from __future__ import annotations
@@ -378,11 +379,13 @@ class _Cluster:
             return None  # the source never listed it: OWNER's finding
         with_kv, hit = move.plan.kv, 0
         blocks: tuple[int, ...] = ()
+        received: tuple[int, ...] | None = None
         if staged is not None:
             rec, held = staged
             with_kv, hit = rec.kv_length > 0, rec.num_hit_tokens
             table = held.pool.table(move.rid)
             blocks = table.block_table if with_kv and table is not None else ()
+            received = tuple(rec.kv_slots)
         return Transit(
             request_id=move.rid,
             source=move.src.label,
@@ -395,6 +398,9 @@ class _Cluster:
             num_hit_tokens=hit,
             staged_blocks=blocks,
             pool_before=dst_before.pool,
+            sent_slots=tuple(exp.kv_slots),
+            sent_on_host=exp.kv_on_host,
+            received_slots=received,
         )
 
     def advance(self, move: _Move, phase: TransitPhase) -> None:

@@ -19,6 +19,7 @@ from refserve.spec.cluster import (
     check_moved,
     check_owner,
 )
+from refserve.spec.handoff import check_handoff
 from refserve.spec.host import check_host
 from refserve.spec.kvlen import check_kvlen
 from refserve.spec.pos import check_pos, check_pos_pool
@@ -83,11 +84,11 @@ def check_step(
 
 #: The migration rules (docs/MIGRATION.md, "The rules") in the order
 #: :func:`check_cluster` runs them: OWNER and KVCOPY on the later snapshot, CONSERVE, MOVED
-#: and LEAK on the pair.
+#: and LEAK on the pair (MOVED with its rule ``handoff``, spec/handoff.py, on the later one).
 CLUSTER_CHECKS: tuple[ClusterCheck, ...] = (
     lambda step: check_owner(step.after),
     check_conserve,
-    check_moved,
+    lambda step: [*check_moved(step), *check_handoff(step.after)],  # rule handoff
     lambda step: check_kv_copy(step.after),
     check_leak,
 )

@@ -98,6 +98,14 @@ class Transit:
     num_hit_tokens: int = 0
     staged_blocks: tuple[int, ...] = ()
     pool_before: PoolSnapshot | None = None
+    sent_slots: tuple[int, ...] | None = None
+    """The slots the source sends, position by position (``MigrationExport.kv_slots``);
+    None: not recorded (rule ``handoff``, spec/handoff.py, is then not checked)."""
+    sent_on_host: bool = False
+    """``sent_slots`` are in the source's host pool (a swapped request)."""
+    received_slots: tuple[int, ...] | None = None
+    """The destination slots that receive positions ``num_hit_tokens ..`` once staged
+    (``MigrationStaged.kv_slots``); None: not staged or not recorded."""
 
     @property
     def moves_kv(self) -> bool:

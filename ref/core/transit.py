@@ -577,6 +577,9 @@ class Move:
             num_hit_tokens=0 if a is None else a.num_hit_tokens,
             staged_blocks=self.staged_blocks,
             pool_before=self.pool_before,
+            sent_slots=d.slots,
+            sent_on_host=d.kv_place is KVPlace.HOST,
+            received_slots=None if a is None else a.slots,
         )
 
     def _require_unchanged(self) -> None:

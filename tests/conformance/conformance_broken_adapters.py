@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from refserve.conformance.adapter import CommitReport, StepReport
+from refserve.conformance.adapter import CommitReport, MigrationExport, StepReport
 from refserve.conformance.adapters.ref import RefAdapter
+from refserve.core import transit
 from refserve.spec.snapshot import CacheEntry, EngineSnapshot, PoolSnapshot, RequestSnapshot
 
 
@@ -168,3 +169,40 @@ BROKEN = {
 
 def double_free() -> DoubleFree:
     return DoubleFree()
+
+
+class StaleExportAfterPreemption(RefAdapter):
+    """Migration: the export sends the slot list a request had before its last
+    preemption (remembered, not re-read), for the positions it covers: after the request
+    recomputed its KV into other blocks, the list names blocks it no longer holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict[str, tuple[int, ...]] = {}  # slots at the last step boundary
+        self._stale: dict[str, tuple[int, ...]] = {}  # slots from before a preemption
+
+    def schedule(self) -> StepReport:
+        rep = super().schedule()
+        for rid in rep.preempted:
+            if self._last.get(rid):
+                self._stale[rid] = self._last[rid]
+        return rep
+
+    def commit(
+        self, sampled: Mapping[str, int], accepted: Mapping[str, int] | None = None
+    ) -> CommitReport:
+        out = super().commit(sampled, accepted)
+        self._last = {rid: transit.export(self.sched, rid).slots for rid in self.sched.requests}
+        return out
+
+    def export_request(self, request_id: str) -> MigrationExport:
+        e = super().export_request(request_id)
+        old = self._stale.get(request_id, ())
+        if not old or not e.kv_slots:
+            return e
+        n = len(e.kv_slots)
+        return dataclasses.replace(e, kv_slots=old[:n] + e.kv_slots[len(old) :])
+
+
+def stale_export_after_preemption() -> StaleExportAfterPreemption:
+    return StaleExportAfterPreemption()

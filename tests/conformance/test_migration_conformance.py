@@ -204,9 +204,17 @@ def test_a_malformed_migration_record_is_a_finding_naming_the_field() -> None:
 
 def test_a_position_the_link_never_carried_is_read_back_as_missing() -> None:
     run = run_fresh(_StagesTooLittle, by_name()["migration-decode-transfer"].workload)
+    # The short receive list is seen at the stage (MOVED, rule handoff) ...
     first = run.findings[0]
-    assert (first.invariant, first.phase) == (Invariant.KVCOPY, "migrate: acknowledged"), first
-    assert first.violation.seen == "None"  # the slot the destination never asked for
+    assert (first.invariant, first.phase, first.violation.rule) == (
+        Invariant.MOVED,
+        "migrate: staged",
+        "handoff",
+    ), first
+    # ... and the position it leaves out reads back as missing once acknowledged.
+    read = next(f for f in run.findings if f.invariant is Invariant.KVCOPY)
+    assert read.phase == "migrate: acknowledged", read
+    assert read.violation.seen == "None"  # the slot the destination never asked for
 
 
 def test_a_migration_workload_round_trips_through_json() -> None:
