@@ -136,8 +136,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine",
         metavar="E",
-        help="with --corpus: only this engine's entries (vllm, nano-vllm, sglang, lmdeploy; modelled: "
-        "tensorrt-llm, lmcache)",
+        help="with --corpus: only this engine's entries (vllm, nano-vllm, sglang, lmdeploy; "
+        "modelled: tensorrt-llm, lmcache)",
     )
     p.add_argument(
         "--reproduction",

@@ -358,27 +358,7 @@ class LmdeployAdapter:
         self._retired = []
         held = {rid for rid, r in self._reqs.items() if r.done is None and r.seq.num_blocks > 0}
         kv_before = {rid: self._kv_len(r.seq) for rid, r in self._reqs.items() if r.done is None}
-        out = self._sched.schedule(is_prefill=True, prealloc_size=self._prefill_interval)
-        batch = list(out.running)
-        if batch:
-            for seq in batch:
-                if seq.kv_token_limit is not None:
-                    raise NotSupported(
-                        "a prompt over max_prefill_token_num is prefilled by lmdeploy's "
-                        "long-context chunker (engine/inputs_maker.py), not played here"
-                    )
-            self._sched.activate_seqs(batch)
-            self._running.extend(batch)
-            self._pending_prefill = True
-        elif self._running:
-            valid = self._sched.schedule_running(
-                self._running, num_required_tokens=1, prealloc_size=self._prefill_interval
-            )
-            invalid = [s for s, ok in zip(self._running, valid, strict=True) if not ok]
-            batch = [s for s, ok in zip(self._running, valid, strict=True) if ok]
-            self._sched.preempt_seqs(invalid)
-            self._running = batch
-            self._pending_prefill = False
+        batch = self._admit() or self._decode()
         ids = {id(r.seq): rid for rid, r in self._reqs.items()}
         self._pending = [(ids[id(s)], s) for s in batch]
         tables = self._sched.get_block_tables(batch)
@@ -392,6 +372,36 @@ class LmdeployAdapter:
         lost = {rid for rid in held if self._reqs[rid].seq.num_blocks == 0}
         preempted = tuple(sorted(lost | again))
         return StepReport(scheduled=tuple(scheduled), preempted=preempted)
+
+    def _admit(self) -> list[Any]:
+        """A prefill batch, as the engine loop runs one when the scheduler admits any."""
+        out = self._sched.schedule(is_prefill=True, prealloc_size=self._prefill_interval)
+        batch = list(out.running)
+        if not batch:
+            return batch
+        if any(seq.kv_token_limit is not None for seq in batch):
+            raise NotSupported(
+                "a prompt over max_prefill_token_num is prefilled by lmdeploy's "
+                "long-context chunker (engine/inputs_maker.py), not played here"
+            )
+        self._sched.activate_seqs(batch)
+        self._running.extend(batch)
+        self._pending_prefill = True
+        return batch
+
+    def _decode(self) -> list[Any]:
+        """Otherwise a decode of the running list; those that cannot grow are preempted."""
+        if not self._running:
+            return []
+        valid = self._sched.schedule_running(
+            self._running, num_required_tokens=1, prealloc_size=self._prefill_interval
+        )
+        invalid = [s for s, ok in zip(self._running, valid, strict=True) if not ok]
+        batch = [s for s, ok in zip(self._running, valid, strict=True) if ok]
+        self._sched.preempt_seqs(invalid)
+        self._running = batch
+        self._pending_prefill = False
+        return batch
 
     def _scheduled(self, rid: str, seq: Any, table: Any, kv_before: int) -> ScheduledRequest:
         self._reqs[rid].ran = True

@@ -233,6 +233,8 @@ ENTRIES: tuple[Entry, ...] = (
         clean=f"{MODELS}.trtllm_12673:make_kv_fixed",
         detector=Detector(kv_scenarios=("kv-free-mid-prefill",)),
         requires="refserve",
+    ),
+    Entry(
         bug="InternLM/lmdeploy#3589",
         url="https://github.com/InternLM/lmdeploy/pull/3589",
         fix="https://github.com/InternLM/lmdeploy/commit/51e5dbf92",
@@ -275,6 +277,8 @@ ENTRIES: tuple[Entry, ...] = (
         clean=LMDEPLOY,
         detector=Detector(scenarios=("bug-free-list-order",)),
         requires="lmdeploy",
+    ),
+    Entry(
         bug="sgl-project/sglang#24638",
         url="https://github.com/sgl-project/sglang/issues/24638",
         fix="https://github.com/sgl-project/sglang/pull/25351",

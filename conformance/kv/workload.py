@@ -98,6 +98,18 @@ def _pos_int(x: object, what: str) -> int:
     return x
 
 
+def _parse_namespace(o: Mapping[str, Any], i: int) -> dict[str, str]:
+    """A ``new`` op's namespace fields that are set (each a string)."""
+    out: dict[str, str] = {}
+    for key in NAMESPACE_FIELDS:
+        v = o.get(key, "")
+        if not isinstance(v, str):
+            raise ValueError(f"op {i}: {key} must be a string")
+        if v:
+            out[key] = v
+    return out
+
+
 def _parse_op(o: object, i: int) -> dict[str, Any]:
     if not isinstance(o, Mapping):
         raise ValueError(f"op {i} is not an object")
@@ -112,12 +124,7 @@ def _parse_op(o: object, i: int) -> dict[str, Any]:
         raise ValueError(f"op {i}: unknown op {kind!r} (one of {sorted(spec)})")
     out: dict[str, Any] = {"op": kind}
     if kind == "new":
-        for key in NAMESPACE_FIELDS:
-            v = o.get(key, "")
-            if not isinstance(v, str):
-                raise ValueError(f"op {i}: {key} must be a string")
-            if v:
-                out[key] = v
+        out.update(_parse_namespace(o, i))
     for key in spec[kind]:
         v = o.get(key)
         if key in ("rid", "parent", "child"):
