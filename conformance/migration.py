@@ -39,7 +39,7 @@ changed by other than what the step sampled (CONSERVE).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from refserve.conformance import validate
 from refserve.conformance.adapter import (
@@ -176,7 +176,7 @@ class _Cluster:
     def begin(self) -> None:
         """Configure every instance; what the run checks."""
         for r in self.runs:
-            r.call(-1, "configure", "configure()", _configure(r))
+            r.configure()
             r.snapshot(-1, "configure")
         self.res.checked.update(STEP_INVARIANTS)
         self.res.checked.update(CLUSTER_INVARIANTS)
@@ -493,10 +493,6 @@ class _Cluster:
                 raise _Stop from None
             self.res.findings.extend(Finding(v, step, phase) for v in vs)
         self.last = now
-
-
-def _configure(r: _Run) -> Callable[[], None]:
-    return lambda: r.a.configure(r.cfg)
 
 
 def _pure_read(before: EngineSnapshot, after: EngineSnapshot) -> list[Violation]:
