@@ -148,11 +148,17 @@ $(VLLM_STAMP): pyproject.toml | wheel
 	$(VLLM_PY) -m pip install -q '$(WHEEL)[conformance]' 'pytest>=8' pytest-benchmark
 	touch $(VLLM_STAMP)
 
+# The default run is vLLM's default policy, fcfs, which ignores RequestSpec.priority; the
+# priority scenarios run in the second report, with policy="priority" (make_priority).
 conformance-vllm: wheel $(VLLM_STAMP)
 	$(call install_wheel,$(VLLM_PY))
 	mkdir -p out
+	status=0; \
 	$(VLLM_VENV)/bin/refserve conformance --adapter refserve.conformance.adapters.vllm:make \
-		--report out/vllm.json --markdown out/vllm.md
+		--report out/vllm.json --markdown out/vllm.md || status=1; \
+	$(VLLM_VENV)/bin/refserve conformance --adapter refserve.conformance.adapters.vllm:make_priority \
+		--report out/vllm-priority.json --markdown out/vllm-priority.md || status=1; \
+	exit $$status
 
 # The same scheduler with its real offloading connector (conformance/adapters/vllm_offload.py:
 # a fake worker side completes each load and store two steps later): the sampled suite,

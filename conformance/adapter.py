@@ -93,7 +93,7 @@ them) and leaves *conventions* to the engine. An adapter declares the convention
 engine follows in an optional ``properties`` attribute (:class:`EngineProperties`; an
 adapter without one gets the documented defaults): blocks reserved ahead of the KV
 length, no eos handling, the admission order, the step order, same-step cache hits, an
-unordered free list and a stop at ``max_model_len``. A correct engine that
+unordered free list, a stop at ``max_model_len`` and placeholder drafts. A correct engine that
 declares any documented choice passes with zero findings; a declared policy (admission
 order) is then checked exactly. The guide for adapter authors is docs/ADAPTERS.md.
 """
@@ -237,6 +237,16 @@ class EngineProperties:
     that step with reason ``length`` (KVLEN); a ``length`` stop anywhere else before
     ``max_tokens`` is still a violation, as is every such stop with ``False``. Going
     past the reported limit is a KVLEN violation either way."""
+    placeholder_drafts: bool = False
+    """Whether a step may verify more drafts than were proposed to the request, the
+    extra ones placeholders the engine makes up and never accepts. vLLM does with a
+    speculative config: it pads a request it admits with one token left to compute to
+    ``1 + k`` tokens with ``-1`` drafts, so that decode batches stay uniform for its CUDA
+    graphs, and its rejection sampler rejects them. With ``True`` the suite takes each
+    draft past those it proposed as such a placeholder (:data:`PLACEHOLDER_DRAFT`): it
+    is written at its position, never accepted, and its K/V is dropped as a rejected
+    draft's; TOKEN still bounds the drafts by ``num_speculative_tokens`` and the budget
+    counts them. With ``False`` such a verification is a TOKEN violation."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.lookahead_slots, int) or self.lookahead_slots < 0:
@@ -251,6 +261,8 @@ class EngineProperties:
             raise ValueError(f"free_queue_order must be a bool, got {self.free_queue_order!r}")
         if not isinstance(self.max_model_len_stop, bool):
             raise ValueError(f"max_model_len_stop must be a bool, got {self.max_model_len_stop!r}")
+        if not isinstance(self.placeholder_drafts, bool):
+            raise ValueError(f"placeholder_drafts must be a bool, got {self.placeholder_drafts!r}")
         object.__setattr__(self, "admission_order", AdmissionOrder(self.admission_order))
         object.__setattr__(self, "step_order", StepOrder(self.step_order))
 
@@ -263,10 +275,15 @@ class EngineProperties:
             "same_step_prefix_hits": self.same_step_prefix_hits,
             "free_queue_order": self.free_queue_order,
             "max_model_len_stop": self.max_model_len_stop,
+            "placeholder_drafts": self.placeholder_drafts,
         }
 
 
 DEFAULT_PROPERTIES = EngineProperties()
+
+PLACEHOLDER_DRAFT = -1
+"""The token the suite writes for a draft an engine made up (``placeholder_drafts``):
+vLLM's own placeholder, never a token the suite samples."""
 
 
 def properties_of(adapter: object) -> EngineProperties:

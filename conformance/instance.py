@@ -34,6 +34,7 @@ from typing import TypeVar
 
 from refserve.conformance import validate
 from refserve.conformance.adapter import (
+    PLACEHOLDER_DRAFT,
     AdmissionOrder,
     CommitReport,
     EngineAdapter,
@@ -258,8 +259,18 @@ class _Run:
             )
         return self.res
 
-    def drive(self) -> None:
+    def configure(self) -> None:
+        """Configure the engine, then read its declared properties again: a convention
+        may follow from the configuration (an engine that keeps the blocks of rejected
+        drafts holds up to its draft count of slots ahead), so the ones checked are
+        those of the engine as configured."""
         self.call(-1, "configure", "configure()", lambda: self.a.configure(self.cfg))
+        props = self.call(-1, "configure", "properties", lambda: properties_of(self.a))
+        self.props = props
+        self.stops = StopRules(props, self.cfg.eos_token_id)
+
+    def drive(self) -> None:
+        self.configure()
         self.res.checked.update(STEP_INVARIANTS)
         if (
             self.props.admission_order is not AdmissionOrder.UNSPECIFIED
@@ -392,6 +403,8 @@ class _Run:
         proposals = self.propose(before, step) if self.cfg.num_speculative_tokens else {}
         plan = self.call(step, "step", "schedule()", self.a.schedule)
         self.malformed(step, "step", "schedule()", validate.check_step_report(plan))
+        if self.props.placeholder_drafts:
+            proposals = with_placeholders(plan, proposals)
         out = self.sample(plan, proposals, step)
         sampled, accepted = out.sampled, out.accepted
         done = self.call(
@@ -704,6 +717,20 @@ class _Run:
         self.checked(
             step, "quiescence", lambda: check_starvation(self.steps, self.w.starvation_bound)
         )
+
+
+def with_placeholders(
+    plan: StepReport, proposals: Mapping[str, tuple[int, ...]]
+) -> dict[str, tuple[int, ...]]:
+    """The drafts each entry verifies (declared ``placeholder_drafts``): those proposed,
+    then a :data:`PLACEHOLDER_DRAFT` for each one the engine added, which no verification
+    accepts (the suite never samples it)."""
+    out = dict(proposals)
+    for s in plan.scheduled:
+        have = proposals.get(s.request_id, ())
+        if s.num_draft_tokens > len(have):
+            out[s.request_id] = (*have, *(PLACEHOLDER_DRAFT,) * (s.num_draft_tokens - len(have)))
+    return out
 
 
 def _live(snap: EngineSnapshot) -> EngineSnapshot:

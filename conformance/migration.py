@@ -40,7 +40,7 @@ repeats a token shows as tokens changed by other than what the step sampled (CON
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from refserve.conformance import validate
 from refserve.conformance.adapter import (
@@ -177,7 +177,7 @@ class _Cluster:
     def begin(self) -> None:
         """Configure every instance; what the run checks."""
         for r in self.runs:
-            r.call(-1, "configure", "configure()", _configure(r))
+            r.configure()
             r.snapshot(-1, "configure")
         self.res.checked.update(STEP_INVARIANTS)
         self.res.checked.update(CLUSTER_INVARIANTS)
@@ -499,10 +499,6 @@ class _Cluster:
                 raise _Stop from None
             self.res.findings.extend(Finding(v, step, phase) for v in vs)
         self.last = now
-
-
-def _configure(r: _Run) -> Callable[[], None]:
-    return lambda: r.a.configure(r.cfg)
 
 
 def _pure_read(before: EngineSnapshot, after: EngineSnapshot) -> list[Violation]:

@@ -641,6 +641,26 @@ def _pressure() -> list[Scenario]:
             ),
             ("PROGRESS", "KVLEN", "BLOCK", "PREFIX"),
         ),
+        Scenario(
+            "pressure-loads-land-with-drafts",
+            "Speculative decoding, 3 drafts: A0 (16 tokens) and B0 (12) are computed and "
+            "evicted by E (27 tokens, the whole pool of 7 blocks; a host tier keeps their "
+            "K/V). A (A0's prompt) and B (B0's) arrive together: loaded back, they fill the "
+            "pool, and A's first step after its load (its last prompt token and the drafts "
+            "after it) needs one block more. A load admitted beside another must leave "
+            "what the first needs for that step. Every request must finish.",
+            Workload(
+                _cfg(4, 7, 32, 4, spec=3),
+                (
+                    R("A0", prompt(51, 16), 1, 0),
+                    R("B0", prompt(52, 12), 1, 0),
+                    R("E", prompt(9, 27), 1, 1),
+                    R("A", prompt(51, 16), 3, 4),
+                    R("B", prompt(52, 12), 3, 4),
+                ),
+            ),
+            ("PROGRESS",),
+        ),
     ]
 
 

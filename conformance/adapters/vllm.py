@@ -76,6 +76,22 @@ How vLLM's state maps onto the protocol (the adapter translates, it never fixes)
   in play. Every table's ``root_key`` is ``RequestSpec.namespace.root_key()``: the
   identity the request was submitted with (vLLM keeps no root key of its own), so PREFIX
   can tell the domains of two tables that share a block.
+* **Speculative decoding** (feature ``speculative_decoding``). A configuration with
+  ``num_speculative_tokens`` k > 0 runs vLLM with ``SpeculativeConfig(method="ngram",
+  num_speculative_tokens=k)``: the scheduler side of a proposer that runs in the
+  worker (no draft model, no lookahead slots, no extra drafting slots in the budget;
+  the worker, which the suite plays, proposes). ``propose`` is what ``EngineCore`` does
+  with the drafter's output: ``Scheduler.update_draft_token_ids``, which sets
+  ``Request.spec_token_ids``. The next ``schedule()`` verifies as many as the budget
+  and ``max_model_len`` allow; ``ScheduledRequest.num_draft_tokens`` is the length of
+  that request's ``SchedulerOutput.scheduled_spec_decode_tokens`` entry (its positions
+  and slots are among the step's, as the runner gets them). ``commit(sampled,
+  accepted)`` gives ``update_from_output`` what the rejection sampler returns: the
+  accepted drafts, then the sampled token, in ``sampled_token_ids``; vLLM lowers
+  ``num_computed_tokens`` by the rejected ones itself and keeps their blocks, so a
+  table may hold up to k slots past its KV length: the adapter declares
+  ``lookahead_slots`` k (plus vLLM's ``num_lookahead_tokens``, 0 for n-gram) for such a
+  configuration, 0 otherwise, in ``properties`` once configured.
 * Not available in vLLM's scheduler: rollback (``schedule()`` commits its allocations,
   cache entries and counters at once), a per-request eos token id (one eos per model,
   from its generation config), swapping.
@@ -94,6 +110,7 @@ with :class:`ModuleNotFoundError` / :class:`VllmVersionError` and ``refserve con
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -167,6 +184,7 @@ class _Vllm:
     SchedulerConfig: Any
     DeviceConfig: Any
     VllmConfig: Any
+    SpeculativeConfig: Any
     Scheduler: Any
     KVCacheConfig: Any
     KVCacheGroupSpec: Any
@@ -176,6 +194,7 @@ class _Vllm:
     VStatus: Any
     SamplingParams: Any
     ModelRunnerOutput: Any
+    DraftTokenIds: Any
     InputProcessor: Any
     ClientError: Any
     LoRARequest: Any
@@ -210,6 +229,7 @@ def _import_vllm() -> _Vllm:
         SchedulerConfig=config.SchedulerConfig,
         DeviceConfig=config.DeviceConfig,
         VllmConfig=config.VllmConfig,
+        SpeculativeConfig=config.SpeculativeConfig,
         Scheduler=sched.Scheduler,
         KVCacheConfig=iface.KVCacheConfig,
         KVCacheGroupSpec=iface.KVCacheGroupSpec,
@@ -221,6 +241,7 @@ def _import_vllm() -> _Vllm:
         VStatus=request.RequestStatus,
         SamplingParams=importlib.import_module("vllm.sampling_params").SamplingParams,
         ModelRunnerOutput=importlib.import_module("vllm.v1.outputs").ModelRunnerOutput,
+        DraftTokenIds=importlib.import_module("vllm.v1.outputs").DraftTokenIds,
         InputProcessor=importlib.import_module("vllm.v1.engine.input_processor").InputProcessor,
         ClientError=importlib.import_module("vllm.exceptions").VLLMClientError,
         LoRARequest=importlib.import_module("vllm.lora.request").LoRARequest,
@@ -283,7 +304,9 @@ the scheduler never loads it."""
 # single_type_kv_cache_manager.py, block_pool.py and kv_cache_utils.py (0.33.0):
 # * lookahead_slots 0: ``allocate_slots`` allocates for ``num_computed_tokens +
 #   num_new_tokens + num_lookahead_tokens`` and ``num_lookahead_tokens`` is 0 without
-#   speculative decoding, so at a step boundary a table holds ceil(kv / bs) blocks.
+#   speculative decoding, so at a step boundary a table holds ceil(kv / bs) blocks
+#   (``configure`` declares the draft count for a speculative configuration: the
+#   blocks of rejected drafts stay, see the module docstring).
 # * eos: ``check_stop`` finishes a request whose last token is ``sampling_params
 #   .eos_token_id`` (set by ``update_from_generation_config`` unless ``ignore_eos``),
 #   or one of ``stop_token_ids``; then ``max_tokens`` / ``max_model_len``.
@@ -355,11 +378,18 @@ class VllmAdapter:
     """vLLM's V1 Scheduler + KVCacheManager behind the conformance protocol."""
 
     def __init__(
-        self, *, policy: str = "fcfs", chunked_prefill: bool = True, reserve_full_isl: bool = True
+        self,
+        *,
+        policy: str = "fcfs",
+        chunked_prefill: bool = True,
+        reserve_full_isl: bool = True,
+        speculation: bool = True,
     ) -> None:
         self._policy = policy
         self._chunked = chunked_prefill
         self._reserve_full_isl = reserve_full_isl
+        self._speculation = speculation
+        self._num_spec_tokens = 0  # the configured engine's num_speculative_tokens
         self.properties = VLLM_PRIORITY_PROPERTIES if policy == "priority" else VLLM_PROPERTIES
         self._sched: Any = None
         self._cfg: EngineConfig | None = None
@@ -405,6 +435,8 @@ class VllmAdapter:
             f.add(Feature.CHUNKED_PREFILL)
         if self._policy == "priority":
             f.add(Feature.PRIORITIES)
+        if self._speculation:
+            f.add(Feature.SPECULATIVE_DECODING)
         return frozenset(f)
 
     # ------------------------------------------------------------------ setup
@@ -414,6 +446,8 @@ class VllmAdapter:
         max_model_len = min(config.max_model_len, n * bs)
         model_config = copy.copy(BASE_MODEL_CONFIG)
         model_config.max_model_len = max_model_len
+        if config.num_speculative_tokens and not self._speculation:
+            raise NotSupported("this adapter runs vLLM without a speculative config")
         try:
             cache = V.CacheConfig(
                 block_size=bs,
@@ -436,6 +470,7 @@ class VllmAdapter:
                 scheduler_config=scheduler,
                 device_config=V.DeviceConfig("cpu"),
                 kv_transfer_config=self.kv_transfer_config(config),
+                speculative_config=self.speculative_config(config),
             )
         except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
             raise NotSupported(f"vLLM refuses this configuration: {_reason_of(e)}") from e
@@ -472,6 +507,25 @@ class VllmAdapter:
             )
         self._cfg = config
         self._max_model_len = max_model_len
+        self._num_spec_tokens = int(vllm_config.num_speculative_tokens)
+        # The slots a table may hold past its KV length: with speculation, the blocks
+        # of rejected drafts stay with the request (update_from_output only lowers
+        # num_computed_tokens), up to num_speculative_tokens of them, plus the
+        # lookahead slots allocate_slots adds for a drafter with its own forward pass.
+        lookahead = (
+            self._num_spec_tokens + int(vllm_config.num_lookahead_tokens)
+            if self._num_spec_tokens
+            else 0
+        )
+        # With drafts, a request admitted with one token left to compute is padded to
+        # 1 + k tokens with placeholder drafts (-1) when no prefill chunk runs in the
+        # step (schedule(): pad_spec_decode, uniform batches for CUDA graphs); the
+        # rejection sampler rejects them.
+        self.properties = dataclasses.replace(
+            self.properties,
+            lookahead_slots=lookahead,
+            placeholder_drafts=bool(self._num_spec_tokens),
+        )
         self._model_config = model_config
         self._roots.clear()
         self._all.clear()
@@ -491,6 +545,20 @@ class VllmAdapter:
         connector mode overrides it: conformance/adapters/vllm_offload.py)."""
         del config
         return None
+
+    def speculative_config(self, config: EngineConfig) -> Any:
+        """The ``SpeculativeConfig`` the engine runs with: ``None`` without drafts, else
+        the n-gram proposer's (``method="ngram"``) with the configuration's
+        ``num_speculative_tokens``. The proposer itself runs in the worker, which the
+        suite plays: it hands vLLM the suite's drafts as ``EngineCore`` hands the
+        drafter's (``Scheduler.update_draft_token_ids``, :meth:`propose`); the n-gram
+        method is the one whose scheduler side adds nothing else (no lookahead slots,
+        no extra drafting slots in the budget)."""
+        if not config.num_speculative_tokens:
+            return None
+        return V.SpeculativeConfig(
+            method="ngram", num_speculative_tokens=config.num_speculative_tokens
+        )
 
     def runner_output_extras(self, out: Any) -> dict[str, Any]:
         """Fields of the step's ``ModelRunnerOutput`` besides the sampled tokens (the
@@ -562,6 +630,15 @@ class VllmAdapter:
         self._arrival[rid] = request.arrival_step
         self._roots[rid] = request.namespace.root_key()
 
+    def propose(self, request_id: str, draft_token_ids: tuple[int, ...]) -> None:
+        """Drafts for the next step, as ``EngineCore`` passes the drafter's:
+        ``Scheduler.update_draft_token_ids`` sets ``Request.spec_token_ids``, which the
+        next ``schedule()`` verifies as far as the budget allows."""
+        if not self._num_spec_tokens:
+            raise NotSupported("vLLM was configured without speculative decoding")
+        drafts = V.DraftTokenIds(req_ids=[request_id], draft_token_ids=[list(draft_token_ids)])
+        self._sched.update_draft_token_ids(drafts)
+
     def abort(self, request_id: str) -> None:
         aborted = self._sched.finish_requests(request_id, V.VStatus.FINISHED_ABORTED)
         if request_id in self._live and any(r.request_id == request_id for r in aborted):
@@ -612,6 +689,7 @@ class VllmAdapter:
         )
         scheduled: list[ScheduledRequest] = []
         self._samples = {}
+        spec = out.scheduled_spec_decode_tokens
         for rid, n in out.num_scheduled_tokens.items():
             req = self._all[rid]
             self._ran.add(rid)
@@ -637,6 +715,7 @@ class VllmAdapter:
                     block_table=tuple(b - NULL_BLOCKS for b in table),
                     samples=samples,
                     num_new_cached_tokens=hit,
+                    num_draft_tokens=len(spec.get(rid, ())),
                 )
             )
         preempted = set(out.preempted_req_ids) | {
@@ -654,15 +733,29 @@ class VllmAdapter:
         name = str(req.status.name)
         return _REASONS.get(name, name.lower())
 
-    def commit(self, sampled: Mapping[str, int]) -> CommitReport:
+    def commit(
+        self, sampled: Mapping[str, int], accepted: Mapping[str, int] | None = None
+    ) -> CommitReport:
+        """The model runner's output: per sampling request the accepted drafts (the
+        first ``accepted[rid]`` of those the step verified) and the sampled token, as
+        the rejection sampler lists them; vLLM rolls the rejected drafts back itself."""
         out, self._pending = self._pending, None
         if out is None:
             return CommitReport(())
         ids = list(out.num_scheduled_tokens)
+        spec = out.scheduled_spec_decode_tokens
+        kept = accepted or {}
+
+        def tokens(rid: str) -> list[int]:
+            if rid not in sampled:
+                return []
+            drafts = [int(t) for t in spec.get(rid, ())][: kept.get(rid, 0)]
+            return [*drafts, int(sampled[rid])]
+
         runner_output = V.ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={rid: i for i, rid in enumerate(ids)},
-            sampled_token_ids=[[int(sampled[rid])] if rid in sampled else [] for rid in ids],
+            sampled_token_ids=[tokens(rid) for rid in ids],
             **self.runner_output_extras(out),
         )
         self._sched.update_from_output(out, runner_output)

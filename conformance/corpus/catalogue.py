@@ -300,4 +300,25 @@ ENTRIES: tuple[Entry, ...] = (
         detector=Detector(kv_scenarios=("kv-keys-adapter-named-like-salt", "kv-keys-split-fields")),
         requires="sglang",
     ),
+    Entry(
+        bug="vllm-project/vllm#57104",
+        url="https://github.com/vllm-project/vllm/pull/57104",
+        fix="https://github.com/vllm-project/vllm/pull/57104",
+        engine="vllm",
+        affected="async-load reservations (PR 44560) before 2026-09-16, with speculative decoding",
+        fixed="0.33.0 (a load's admission also reserves the blocks of the speculative step)",
+        symptom=(
+            "With speculative decoding and a KV connector under KV pressure, two requests "
+            "admitted as asynchronous loads take every free block; the first to land needs "
+            "one more block for its first step with drafts, none is free, the scan stops at "
+            "it, and the second load is never promoted: nothing runs, forever."
+        ),
+        rule=Rule.PROGRESS,
+        reproduction=Reproduction.REAPPLIED,
+        environment="conformance-vllm",
+        buggy=f"{PATCHES}.vllm_57104:make",
+        clean=VLLM_OFFLOAD,
+        detector=Detector(scenarios=("pressure-loads-land-with-drafts",)),
+        requires="vllm",
+    ),
 )

@@ -151,11 +151,7 @@ class Session:
 
     def start(self, features: frozenset[Feature]) -> list[Finding]:
         self.features = features
-        return self._guarded(
-            lambda: self.run.call(
-                -1, "configure", "configure()", lambda: self.run.a.configure(self.run.cfg)
-            )
-        )
+        return self._guarded(self.run.configure)
 
     def live(self) -> list[str]:
         """Live request ids in arrival order (the canonical order of the key)."""

@@ -188,3 +188,153 @@ def test_a_bug_planted_in_vllm_is_found_through_the_adapter(
     )
     status = {r.invariant: r.status for r in report.results}
     assert status[invariant] == "fail", status
+
+
+# ---------------------------------------------------------------- speculative decoding
+SPECULATION = "speculation-verify-and-roll-back"
+
+
+def _spec_config(k: int) -> Any:
+    from refserve.conformance.adapter import EngineConfig
+
+    return EngineConfig(
+        block_size=4,
+        num_blocks=16,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        num_speculative_tokens=k,
+    )
+
+
+def test_vllm_verifies_the_suites_drafts_and_rolls_back_the_rejected() -> None:
+    """The speculation scenario on vLLM's n-gram speculative config: every invariant
+    passes, drafts were verified, some accepted and some rejected, and the tables held
+    the rejected drafts' slots (declared as ``lookahead_slots``, the configured k)."""
+    from refserve.conformance.adapter import Feature
+    from refserve.conformance.runner import run_fresh
+    from refserve.conformance.scenarios import by_name
+    from refserve.conformance.suite import run_suite
+
+    mod: Any = _vllm()
+    adapter = mod.make()
+    assert Feature.SPECULATIVE_DECODING in adapter.features
+    for k in (0, 3):
+        adapter.configure(_spec_config(k))
+        assert adapter.properties.lookahead_slots == k
+    report = run_suite(mod.make, "refserve.conformance.adapters.vllm:make", [SPECULATION])
+    assert {r.invariant: r.status for r in report.results} == {
+        i: "pass" for i in ("TOKEN", "BLOCK", "KVLEN", "POS", "CAP", "PREFIX", "PROGRESS", "ORDER")
+    }
+    res = run_fresh(mod.make, by_name()[SPECULATION].workload)
+    verified = [
+        (s["drafts"], t["accepted"][s["id"]])
+        for t in res.trace
+        if "accepted" in t
+        for s in t["scheduled"]
+        if s["drafts"]
+    ]
+    assert verified, res.trace
+    assert any(a < d for d, a in verified) and any(a == d for d, a in verified), verified
+    ahead: list[int] = []
+
+    class Watched(mod.VllmAdapter):  # type: ignore[misc, name-defined]
+        def snapshot(self) -> Any:
+            snap = super().snapshot()
+            bs = snap.pool.block_size
+            ahead.extend(len(t.block_table) * bs - t.num_stored for t in snap.pool.tables)
+            return snap
+
+    assert not run_fresh(Watched, by_name()[SPECULATION].workload).findings
+    assert max(ahead) >= 4, ahead  # a whole block kept past the KV length somewhere
+
+
+def test_without_the_lookahead_declaration_the_kept_draft_blocks_are_a_pos_finding() -> None:
+    """The declaration is needed: declared 0, the blocks vLLM keeps for rejected
+    drafts are tables longer than their KV (POS)."""
+    from refserve.conformance.suite import run_suite
+
+    mod: Any = _vllm()
+
+    class Undeclared(mod.VllmAdapter):  # type: ignore[misc, name-defined]
+        def configure(self, config: Any) -> None:
+            super().configure(config)
+            self.properties = dataclasses.replace(self.properties, lookahead_slots=0)
+
+    report = run_suite(Undeclared, "x:y", [SPECULATION])
+    failed = {r.invariant for r in report.results if r.status == "fail"}
+    assert "POS" in failed, [(r.invariant, r.status) for r in report.results]
+    messages = [f.message for r in report.results for f in r.failures if r.invariant == "POS"]
+    assert any("does not cover the KV length exactly" in m for m in messages), messages
+
+
+def test_a_planted_missing_rollback_in_vllm_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug planted in vLLM's scheduler (it forgets which drafts a step verified, so it
+    never lowers num_computed_tokens for the rejected ones) is found through the
+    adapter: the clean speculation run is vLLM's."""
+    from refserve.conformance.suite import run_suite
+
+    mod: Any = _vllm()
+    sched = importlib.import_module("vllm.v1.core.sched.scheduler").Scheduler
+    real = sched.update_from_output
+
+    def forgetful(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        scheduler_output.scheduled_spec_decode_tokens = {}
+        return real(self, scheduler_output, model_runner_output)
+
+    monkeypatch.setattr(sched, "update_from_output", forgetful)
+    report = run_suite(mod.make, "x:y", [SPECULATION])
+    failed = {r.invariant for r in report.results if r.status == "fail"}
+    assert "TOKEN" in failed, [(r.invariant, r.status) for r in report.results]
+
+
+def _padded_admission() -> Any:
+    """The explorer's shortest path to vLLM's padded step (scope small-spec): r0 fills
+    block 0 with [2, 3] and stops; r1 = [2, 3, 4] hits that block and is admitted with one
+    token left, which vLLM pads to 1 + 2 tokens with two placeholder drafts."""
+    from refserve.conformance.adapter import EngineConfig
+    from refserve.conformance.workload import EOS, RequestPlan, Workload
+
+    return Workload(
+        config=EngineConfig(
+            block_size=2,
+            num_blocks=4,
+            max_num_batched_tokens=4,
+            max_num_seqs=2,
+            eos_token_id=EOS,
+            num_speculative_tokens=2,
+        ),
+        requests=(
+            RequestPlan("r0", (2, 3, 5, 6), max_tokens=4, stop_at=1),
+            RequestPlan("r1", (2, 3, 4), max_tokens=5),
+        ),
+    )
+
+
+def test_vllms_placeholder_drafts_are_declared_and_rejected() -> None:
+    """vLLM verifies two drafts nobody proposed (its padding); declared
+    (``placeholder_drafts``, set by ``configure`` with drafts) the suite rejects them
+    and the run is clean; undeclared, the same step is the TOKEN finding it would be
+    for an engine inventing drafts."""
+    from refserve.conformance.runner import run_fresh
+
+    mod: Any = _vllm()
+    res = run_fresh(mod.make, _padded_admission())
+    assert not res.findings, [str(f) for f in res.findings]
+    padded = [
+        (s["drafts"], t["accepted"][s["id"]])
+        for t in res.trace
+        if "accepted" in t
+        for s in t["scheduled"]
+        if s["id"] == "r1" and s["cached"]
+    ]
+    assert padded == [(2, 0)], res.trace
+
+    class Undeclared(mod.VllmAdapter):  # type: ignore[misc, name-defined]
+        def configure(self, config: Any) -> None:
+            super().configure(config)
+            self.properties = dataclasses.replace(self.properties, placeholder_drafts=False)
+
+    again = run_fresh(Undeclared, _padded_admission())
+    assert [(f.violation.invariant.name, f.violation.message) for f in again.findings] == [
+        ("TOKEN", "verifies more drafts than the suite proposed")
+    ], [str(f) for f in again.findings]

@@ -168,8 +168,10 @@ class _SendsTheListFromBeforeAPreemption(vllm_nixl.VllmNixlAdapter):
                 self._stale[rid] = self._last[rid]
         return rep
 
-    def commit(self, sampled: Mapping[str, int]) -> CommitReport:
-        out = super().commit(sampled)
+    def commit(
+        self, sampled: Mapping[str, int], accepted: Mapping[str, int] | None = None
+    ) -> CommitReport:
+        out = super().commit(sampled, accepted)
         running = [r for r, q in self._live.items() if q.status == vllm_nixl.V.VStatus.RUNNING]
         self._last = {r: super(type(self), self).export_request(r).kv_slots for r in running}
         return out
