@@ -494,3 +494,9 @@ class VllmNixlAdapter(VllmAdapter):
 def make() -> VllmNixlAdapter:
     """vLLM (fcfs, chunked prefill) with ``NixlConnector``: moves are its P/D hand-off."""
     return VllmNixlAdapter()
+
+
+def make_priority() -> VllmNixlAdapter:
+    """The same with ``policy="priority"``: every feature of vLLM's scheduler this adapter
+    drives (moves, speculative decoding, ``RequestSpec.priority``) in one run."""
+    return VllmNixlAdapter(policy="priority")
