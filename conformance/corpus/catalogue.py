@@ -19,6 +19,7 @@ PATCHES = "refserve.conformance.corpus.patches"
 SGLANG_KV_DLLM = "refserve.conformance.adapters.sglang_kv:make_kv_dllm"
 VLLM_OFFLOAD = "refserve.conformance.adapters.vllm_offload:make"
 VLLM_OFFLOAD_PRIORITY = "refserve.conformance.adapters.vllm_offload:make_priority"
+VLLM_EXAMPLE = "refserve.conformance.adapters.vllm_example:make"
 
 ENTRIES: tuple[Entry, ...] = (
     Entry(
@@ -167,5 +168,26 @@ ENTRIES: tuple[Entry, ...] = (
         clean=SGLANG_KV_DLLM,
         detector=Detector(kv_scenarios=("kv-prefix-reuse", "kv-no-space")),
         requires="sglang",
+    ),
+    Entry(
+        bug="vllm-project/vllm#53495",
+        url="https://github.com/vllm-project/vllm/issues/53495",
+        fix="https://github.com/vllm-project/vllm/pull/53496",
+        engine="vllm",
+        affected="0.33.0 with ExampleConnector (main 2026-08)",
+        fixed="PR 53496 (open, not merged): the clean side applies it",
+        symptom=(
+            "The example KV connector names a stored prefix by its prompt tokens alone; the "
+            "cache salt and the LoRA adapter are left out. A request under another salt or "
+            "adapter, with the same prompt, finds the folder another tenant's request "
+            "wrote and is handed that K/V as its external hit."
+        ),
+        rule=Rule.KEY_DOMAINS,
+        reproduction=Reproduction.RELEASED,
+        environment="conformance-vllm",
+        buggy=VLLM_EXAMPLE,
+        clean=f"{PATCHES}.vllm_53495_fixed:make",
+        detector=Detector(scenarios=("keys-cache-salt", "keys-lora")),
+        requires="vllm",
     ),
 )

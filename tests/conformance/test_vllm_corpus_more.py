@@ -1,0 +1,104 @@
+"""More real vLLM bugs of the corpus, each on vLLM 0.33.0's own code: caught by the suite
+with a named finding, and the fixed code passing the same scenarios with none.
+
+* vllm#53495: ``ExampleConnector`` (shipped as is in 0.33.0) names a stored prefix by its
+  prompt tokens only, so a request under another cache salt or LoRA adapter loads
+  another tenant's K/V; the clean side applies the proposed fix (PR 53496, open).
+
+Runs where vLLM imports (``.venv-vllm/bin/python -m pytest -p no:cacheprovider
+tests/conformance/test_vllm_corpus_more.py``); skipped in refserve's venv.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TypeVar
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM lives in .venv-vllm: make conformance-vllm")
+
+from refserve.conformance.adapters import vllm_example
+from refserve.conformance.corpus.catalogue import ENTRIES
+from refserve.conformance.corpus.patches import vllm_53495_fixed
+from refserve.conformance.run_result import RunResult
+from refserve.conformance.runner import run_with
+from refserve.conformance.scenarios import by_name
+from refserve.conformance.workload import Workload
+from refserve.spec.prefix import KEY_DOMAINS
+from refserve.spec.violation import Invariant
+
+A = TypeVar("A", bound=vllm_example.VllmExampleAdapter)
+
+
+def _run(make: Callable[[], A], workload: Workload) -> tuple[RunResult, A]:
+    built: list[A] = []
+
+    def factory() -> A:
+        built.append(make())
+        return built[-1]
+
+    return run_with(factory, workload), built[-1]
+
+
+def _scenario(name: str, *, caching: bool = True) -> Workload:
+    w = by_name()[name].workload
+    return replace(w, config=replace(w.config, enable_prefix_caching=caching))
+
+
+# ---------------------------------------------------------------- vllm#53495
+
+
+@pytest.mark.parametrize(
+    ("scenario", "expected", "seen"),
+    [
+        ("keys-cache-salt", "salt='t2'", "salt='t1'"),
+        ("keys-lora", "lora='l2'", "lora='l1'"),
+    ],
+)
+def test_example_connector_hands_c_another_domains_kv(
+    scenario: str, expected: str, seen: str
+) -> None:
+    res, adapter = _run(vllm_example.make, _scenario(scenario))
+    assert not res.not_supported
+    assert res.findings
+    first = res.findings[0].violation
+    assert first.invariant is Invariant.PREFIX and first.rule == KEY_DOMAINS
+    assert first.subject == "request C"
+    assert "computed in another key domain" in first.message
+    assert expected in str(first.expected) and seen in str(first.seen)
+    # A and B stored one folder (the same tokens) in step 0; C loaded it.
+    assert adapter.transfers["stores"] == 2
+    assert adapter.transfers["loads"] == 1 and adapter.transfers["blocks_loaded"] == 2
+
+
+@pytest.mark.parametrize("scenario", ["keys-cache-salt", "keys-lora"])
+def test_fix_keeps_the_domains_apart(scenario: str) -> None:
+    res, adapter = _run(vllm_53495_fixed.make, _scenario(scenario))
+    assert not res.not_supported
+    assert res.findings == []
+    # Each domain stores its own folder; D repeats B's domain and hits B's blocks in
+    # the device's prefix cache, so nothing is loaded.
+    assert adapter.transfers["stores"] == 3 and adapter.transfers["loads"] == 0
+    # The patch is on its own connector class: the shipped connector, in the same
+    # process, still confuses the domains.
+    again = run_with(vllm_example.make, _scenario(scenario))
+    assert again.findings
+
+
+def test_fix_still_loads_within_one_domain() -> None:
+    """Without the device's prefix cache, D (salt t1, like B) loads B's folder: the fix
+    keeps the connector's hits, it only stops the ones across domains."""
+    res, adapter = _run(vllm_53495_fixed.make, _scenario("keys-cache-salt", caching=False))
+    assert res.findings == []
+    assert adapter.transfers["loads"] == 1 and adapter.transfers["blocks_loaded"] == 2
+    buggy, shipped = _run(vllm_example.make, _scenario("keys-cache-salt", caching=False))
+    assert buggy.findings and buggy.findings[0].violation.subject == "request C"
+    assert shipped.transfers["loads"] == 2
+
+
+def test_catalogue_row_53495_names_these_sides() -> None:
+    entry = next(e for e in ENTRIES if e.bug == "vllm-project/vllm#53495")
+    assert entry.buggy == vllm_53495_fixed.BUGGY and entry.clean == vllm_53495_fixed.FIXED
+    assert set(entry.detector.scenarios) == {"keys-cache-salt", "keys-lora"}
