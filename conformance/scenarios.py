@@ -629,6 +629,22 @@ def _pressure() -> list[Scenario]:
             ),
             ("PROGRESS",),
         ),
+        Scenario(
+            "pressure-chunked-prompt-again",
+            "P's 14-token prompt is computed in two chunks (budget 8); E (31 tokens, the "
+            "whole pool) evicts it from the device; Q repeats P's prompt. An engine with a "
+            "host tier may load back only what it parked, and must compute the rest. Every "
+            "request must finish.",
+            Workload(
+                _cfg(4, 8, 8, 4),
+                (
+                    R("P", prompt(51, 14), 1, 0),
+                    R("E", prompt(9, 31), 1, 2),
+                    R("Q", prompt(51, 14), 2, 6),
+                ),
+            ),
+            ("PROGRESS",),
+        ),
     ]
 
 

@@ -29,9 +29,11 @@ ids are handed out in order and never reused, so a folder written again gets new
 
 * a **store** planned in step ``t`` is written by the real worker during step ``t``'s
   forward, after the step wrote its K/V. The adapter creates the folder when the step is
-  committed (the connector's own folder function, ``create_folder=True``: what a save
-  leaves for the scheduler side to find; the per-layer tensor files, which only a worker
-  reads, are not written) and reports the copy, ``swap_out`` (device block, host block),
+  committed (the connector's own folder function, ``create_folder=True``), with one file
+  per attention layer, ``<layer>.safetensors``, whose ``kv_cache`` tensor has one row per
+  saved token (zeros: the values live in the fake K/V memory; the scheduler side sees
+  what a save leaves, the folder and the files' shapes), and reports the copy,
+  ``swap_out`` (device block, host block),
   in step ``t + 1``'s report, which the fake K/V memory executes before that step's
   writes: the blocks as step ``t`` left them. A folder written twice holds the last
   write, as a file saved twice does.
@@ -39,9 +41,11 @@ ids are handed out in order and never reused, so a folder written again gets new
   before the step's writes, after any store reported in the same step. The record's
   slots start at position 0, so it writes over the request's locally cached blocks too
   (vLLM's comment on the class: the example "will overwrite the existing prefix-cache in
-  GPU"). A load from a folder the fake memory holds no blocks for, or fewer than the
-  load names, is what the real worker meets as a missing or short file: the adapter
-  raises :class:`ExampleWorkerError` (the suite reports an exception out of the engine).
+  GPU"). A load from a folder that holds fewer blocks than the record's slots (none, or
+  a shorter save) is where vLLM's worker fails: it injects the saved tensor into the
+  slots and the shapes differ. The adapter raises :class:`ExampleWorkerError` (the suite
+  reports an exception out of the engine); :meth:`VllmExampleAdapter.load_pairs` is the
+  hook a fixed worker overrides.
 
 Loads and stores complete within their step: no copy is in flight at a step boundary, so
 ``PoolSnapshot.transfers`` stays empty, and ``EngineSnapshot.host`` stays ``None`` (the
@@ -64,16 +68,18 @@ patch: conformance/corpus/patches/vllm_53495_fixed.py) brings its own.
 from __future__ import annotations
 
 import importlib
+import os
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from refserve.conformance.adapter import CommitReport, EngineConfig, StepReport
-from refserve.conformance.adapters.vllm import NULL_BLOCKS, VllmAdapter
+from refserve.conformance.adapters.vllm import NULL_BLOCKS, V, VllmAdapter
 from refserve.spec.snapshot import ScheduledRequest
 
 _KVTransferConfig: Any = importlib.import_module("vllm.config").KVTransferConfig
+_save_file: Any = importlib.import_module("safetensors.torch").save_file
 
 CONNECTOR = "ExampleConnector"
 
@@ -146,6 +152,21 @@ class VllmExampleAdapter(VllmAdapter):
             )
         )
 
+    def load_pairs(
+        self, folder: str, held: tuple[int, ...], blocks: tuple[int, ...]
+    ) -> list[tuple[int, int]]:
+        """The copies of a load: the folder's host blocks onto the record's device blocks.
+        The worker injects the saved tensor into the record's slots, so a folder holding
+        fewer blocks than the record names fails on the shapes, as vLLM's worker does
+        (``start_load_kv``)."""
+        if len(held) < len(blocks):
+            raise ExampleWorkerError(
+                f"the worker loads {len(blocks)} block(s) of K/V from folder "
+                f"{os.path.basename(folder)}, which holds "
+                f"{len(held)}: the saved tensor does not fit the slots"
+            )
+        return list(zip(held, blocks, strict=False))
+
     def _blocks_of(self, record: Any) -> tuple[int, ...]:
         """The device blocks a record's slots cover (whole blocks: the connector aligns
         its token counts to the block size), in the protocol's ids."""
@@ -167,16 +188,11 @@ class VllmExampleAdapter(VllmAdapter):
                 self._saves.append(_Save(record, blocks))
                 continue
             folder = self.storage_folder(record, create=False)
-            held = self._folders.get(folder)
-            if held is None or len(held) < len(blocks):
-                raise ExampleWorkerError(
-                    f"the worker loads {len(blocks)} block(s) from {folder}, which holds "
-                    f"{0 if held is None else len(held)}"
-                )
-            swap_in.extend(zip(held, blocks, strict=False))
+            pairs = self.load_pairs(folder, self._folders.get(folder, ()), blocks)
+            swap_in.extend(pairs)
             loads.append(blocks)
             self.transfers["loads"] += 1
-            self.transfers["blocks_loaded"] += len(blocks)
+            self.transfers["blocks_loaded"] += len(pairs)
         scheduled = tuple(self._split_hit(s, loads, hashes_before) for s in report.scheduled)
         return replace(
             report, scheduled=scheduled, swap_out=tuple(swap_out), swap_in=tuple(swap_in)
@@ -208,6 +224,7 @@ class VllmExampleAdapter(VllmAdapter):
         # memory with the next step's report, before that step's writes.
         for save in self._saves:
             folder = self.storage_folder(save.record, create=True)
+            self._write_layer_files(folder, len(save.record.slot_mapping))
             host = tuple(range(self._next_host, self._next_host + len(save.blocks)))
             self._next_host += len(save.blocks)
             self._folders[folder] = host
@@ -215,6 +232,16 @@ class VllmExampleAdapter(VllmAdapter):
             self.transfers["stores"] += 1
         self._saves = []
         return report
+
+    def _write_layer_files(self, folder: str, num_tokens: int) -> None:
+        """The files a save leaves: one per attention layer, ``<layer>.safetensors``
+        holding ``kv_cache``, a tensor with one row per saved token. The rows' contents
+        stay in the fake K/V memory; the shape is what a reader of the header sees."""
+        tensor = V.torch.zeros((num_tokens, 1), dtype=V.torch.float32)
+        for group in self._sched.kv_cache_config.kv_cache_groups:
+            for layer in group.layer_names:
+                path = os.path.join(folder, f"{layer}.safetensors")
+                _save_file({"kv_cache": tensor}, path)
 
 
 def make() -> VllmExampleAdapter:

@@ -190,4 +190,25 @@ ENTRIES: tuple[Entry, ...] = (
         detector=Detector(scenarios=("keys-cache-salt", "keys-lora")),
         requires="vllm",
     ),
+    Entry(
+        bug="vllm-project/vllm#16928",
+        url="https://github.com/vllm-project/vllm/issues/16928",
+        fix="https://github.com/vllm-project/vllm/pull/53314",
+        engine="vllm",
+        affected="0.33.0 with ExampleConnector and chunked prefill (since 2025-04)",
+        fixed="PR 53314 (open, not merged): the clean side applies it",
+        symptom=(
+            "Under chunked prefill the example KV connector saves a prompt's K/V in the "
+            "request's first step only, so the save holds the first chunk; a later request "
+            "with that prompt is told the whole prefix is stored, and the worker fails when "
+            "the saved tensor does not fit the slots it was to fill."
+        ),
+        rule=Rule.PROGRESS,
+        reproduction=Reproduction.RELEASED,
+        environment="conformance-vllm",
+        buggy=VLLM_EXAMPLE,
+        clean=f"{PATCHES}.vllm_16928_fixed:make",
+        detector=Detector(scenarios=("pressure-chunked-prompt-again",)),
+        requires="vllm",
+    ),
 )

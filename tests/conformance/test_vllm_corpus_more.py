@@ -4,6 +4,10 @@ with a named finding, and the fixed code passing the same scenarios with none.
 * vllm#53495: ``ExampleConnector`` (shipped as is in 0.33.0) names a stored prefix by its
   prompt tokens only, so a request under another cache salt or LoRA adapter loads
   another tenant's K/V; the clean side applies the proposed fix (PR 53496, open).
+* vllm#16928: the same connector saves a chunked prompt's first chunk only, then claims
+  the whole prefix, and the worker fails on the shapes; the clean side applies the
+  proposed fix (PR 53314, open), which the suite shows is incomplete when the first
+  chunk ends inside a block.
 
 Runs where vLLM imports (``.venv-vllm/bin/python -m pytest -p no:cacheprovider
 tests/conformance/test_vllm_corpus_more.py``); skipped in refserve's venv.
@@ -21,11 +25,11 @@ pytest.importorskip("vllm", reason="vLLM lives in .venv-vllm: make conformance-v
 
 from refserve.conformance.adapters import vllm_example
 from refserve.conformance.corpus.catalogue import ENTRIES
-from refserve.conformance.corpus.patches import vllm_53495_fixed
+from refserve.conformance.corpus.patches import vllm_16928_fixed, vllm_53495_fixed
 from refserve.conformance.run_result import RunResult
 from refserve.conformance.runner import run_with
-from refserve.conformance.scenarios import by_name
-from refserve.conformance.workload import Workload
+from refserve.conformance.scenarios import R, by_name
+from refserve.conformance.workload import Workload, prompt
 from refserve.spec.prefix import KEY_DOMAINS
 from refserve.spec.violation import Invariant
 
@@ -102,3 +106,62 @@ def test_catalogue_row_53495_names_these_sides() -> None:
     entry = next(e for e in ENTRIES if e.bug == "vllm-project/vllm#53495")
     assert entry.buggy == vllm_53495_fixed.BUGGY and entry.clean == vllm_53495_fixed.FIXED
     assert set(entry.detector.scenarios) == {"keys-cache-salt", "keys-lora"}
+
+
+# ---------------------------------------------------------------- vllm#16928
+
+
+def test_example_connector_claims_more_than_the_first_chunk_saved() -> None:
+    res, adapter = _run(vllm_example.make, _scenario("pressure-chunked-prompt-again"))
+    assert not res.not_supported
+    assert len(res.findings) == 1
+    first = res.findings[0].violation
+    assert first.invariant is Invariant.PROGRESS
+    assert "ExampleWorkerError" in first.message
+    assert "loads 3 block(s)" in first.message and "which holds 2" in first.message
+    # P's save was made in its first step: two blocks, the 8 tokens of its first chunk.
+    assert adapter.transfers["stores"] == 2 and adapter.transfers["loads"] == 0
+
+
+def test_fix_loads_what_was_saved_and_computes_the_rest() -> None:
+    res, adapter = _run(vllm_16928_fixed.make, _scenario("pressure-chunked-prompt-again"))
+    assert not res.not_supported
+    assert res.findings == []
+    assert adapter.transfers["loads"] == 1 and adapter.transfers["blocks_loaded"] == 2
+    # Q computes from position 8, after the loaded first chunk.
+    q_steps = [n for step in res.observed.rounds for rid, n in step if rid == "Q"]
+    assert q_steps[0] == 6
+    again = run_with(vllm_example.make, _scenario("pressure-chunked-prompt-again"))
+    assert again.findings
+
+
+def _first_chunk_inside_a_block() -> Workload:
+    """R decodes beside P's first chunk, which gets 7 of the budget's 8 tokens: P's
+    second block is saved with its last position not yet computed."""
+    return Workload(
+        # The detector's pool and budget (pressure-chunked-prompt-again).
+        _scenario("pressure-chunked-prompt-again").config,
+        (
+            R("R", prompt(5, 4), 3, 0),
+            R("P", prompt(51, 14), 1, 1),
+            R("E", prompt(9, 31), 1, 4),
+            R("Q", prompt(51, 14), 2, 9),
+        ),
+    )
+
+
+def test_fix_is_incomplete_when_the_first_chunk_ends_inside_a_block() -> None:
+    """The proposed fix caps the claim at the saved rows, and the last saved block holds a
+    position the first chunk never computed: Q loads it and reads it back unwritten."""
+    res, adapter = _run(vllm_16928_fixed.make, _first_chunk_inside_a_block())
+    assert adapter.transfers["loads"] == 1
+    assert [f.violation.invariant for f in res.findings] == [Invariant.POS]
+    first = res.findings[0].violation
+    assert first.subject == "request Q"
+    assert "position 7" in first.message and "never written" in first.message
+
+
+def test_catalogue_row_16928_names_these_sides() -> None:
+    entry = next(e for e in ENTRIES if e.bug == "vllm-project/vllm#16928")
+    assert entry.buggy == vllm_16928_fixed.BUGGY and entry.clean == vllm_16928_fixed.FIXED
+    assert entry.detector.scenarios == ("pressure-chunked-prompt-again",)
