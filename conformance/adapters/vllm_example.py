@@ -80,6 +80,9 @@ from refserve.spec.snapshot import ScheduledRequest
 
 _KVTransferConfig: Any = importlib.import_module("vllm.config").KVTransferConfig
 _save_file: Any = importlib.import_module("safetensors.torch").save_file
+# Imported here, not at the first configure(): the connector's module pulls in attention
+# code that takes seconds to import, longer than the suite gives one call.
+importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.example_connector")
 
 CONNECTOR = "ExampleConnector"
 
@@ -152,17 +155,16 @@ class VllmExampleAdapter(VllmAdapter):
             )
         )
 
-    def load_pairs(
-        self, folder: str, held: tuple[int, ...], blocks: tuple[int, ...]
-    ) -> list[tuple[int, int]]:
+    def load_pairs(self, held: tuple[int, ...], blocks: tuple[int, ...]) -> list[tuple[int, int]]:
         """The copies of a load: the folder's host blocks onto the record's device blocks.
         The worker injects the saved tensor into the record's slots, so a folder holding
         fewer blocks than the record names fails on the shapes, as vLLM's worker does
         (``start_load_kv``)."""
         if len(held) < len(blocks):
+            # The folder's name (a hash of the tokens) is left out: a finding names the
+            # failure, not the tokens that met it.
             raise ExampleWorkerError(
-                f"the worker loads {len(blocks)} block(s) of K/V from folder "
-                f"{os.path.basename(folder)}, which holds "
+                f"the worker loads {len(blocks)} block(s) of K/V from a folder that holds "
                 f"{len(held)}: the saved tensor does not fit the slots"
             )
         return list(zip(held, blocks, strict=False))
@@ -188,7 +190,7 @@ class VllmExampleAdapter(VllmAdapter):
                 self._saves.append(_Save(record, blocks))
                 continue
             folder = self.storage_folder(record, create=False)
-            pairs = self.load_pairs(folder, self._folders.get(folder, ()), blocks)
+            pairs = self.load_pairs(self._folders.get(folder, ()), blocks)
             swap_in.extend(pairs)
             loads.append(blocks)
             self.transfers["loads"] += 1

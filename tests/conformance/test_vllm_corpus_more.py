@@ -102,6 +102,24 @@ def test_fix_still_loads_within_one_domain() -> None:
     assert shipped.transfers["loads"] == 2
 
 
+def test_a_one_token_prompt_is_told_a_negative_count() -> None:
+    """The issue's third symptom, reached with tokens: a prompt of at most a block saves
+    the empty prefix, and a one-token prompt's lookup (``align_to_block_size(0, bs)``)
+    finds it and is told ``-bs`` tokens are external; vLLM schedules it from ``-bs``."""
+    base = _scenario("keys-cache-salt").config
+    w = Workload(
+        replace(base, block_size=2, num_blocks=2, max_num_batched_tokens=2, max_num_seqs=1),
+        (R("A", (6,), 1), R("B", (3,), 1, 1)),
+    )
+    res, _ = _run(vllm_example.make, w)
+    assert res.findings
+    first = res.findings[0].violation
+    assert first.invariant is Invariant.PROGRESS
+    assert "positions[0]: -2 is negative" in first.message
+    fixed, _ = _run(vllm_53495_fixed.make, w)
+    assert fixed.findings == []
+
+
 def test_catalogue_row_53495_names_these_sides() -> None:
     entry = next(e for e in ENTRIES if e.bug == "vllm-project/vllm#53495")
     assert entry.buggy == vllm_53495_fixed.BUGGY and entry.clean == vllm_53495_fixed.FIXED
@@ -118,7 +136,7 @@ def test_example_connector_claims_more_than_the_first_chunk_saved() -> None:
     first = res.findings[0].violation
     assert first.invariant is Invariant.PROGRESS
     assert "ExampleWorkerError" in first.message
-    assert "loads 3 block(s)" in first.message and "which holds 2" in first.message
+    assert "loads 3 block(s)" in first.message and "that holds 2" in first.message
     # P's save was made in its first step: two blocks, the 8 tokens of its first chunk.
     assert adapter.transfers["stores"] == 2 and adapter.transfers["loads"] == 0
 

@@ -126,9 +126,7 @@ class VllmExample16928FixedAdapter(released.VllmExampleAdapter):
     def name(self) -> str:
         return f"{super().name} [vllm#16928 fix (PR 53314, unmerged) applied]"
 
-    def load_pairs(
-        self, folder: str, held: tuple[int, ...], blocks: tuple[int, ...]
-    ) -> list[tuple[int, int]]:
+    def load_pairs(self, held: tuple[int, ...], blocks: tuple[int, ...]) -> list[tuple[int, int]]:
         """The fix's worker injects no more than the saved tensor holds."""
         n = min(len(held), len(blocks))
         return list(zip(held[:n], blocks[:n], strict=True))
