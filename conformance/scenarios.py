@@ -19,6 +19,7 @@ from refserve.conformance.workload import (
     RequestPlan,
     Scenario,
     Workload,
+    next_token,
     prompt,
 )
 
@@ -559,6 +560,14 @@ def _migrations() -> list[Scenario]:
     ]
 
 
+def _answer(toks: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """The ``n`` tokens the suite's greedy model answers ``toks`` with (no eos)."""
+    out: list[int] = []
+    for _ in range(n):
+        out.append(next_token((*toks, *out)))
+    return tuple(out)
+
+
 def _pressure() -> list[Scenario]:
     """Progress under KV pressure with K/V parked outside the device.
 
@@ -569,6 +578,7 @@ def _pressure() -> list[Scenario]:
     finish, so the engine must keep running them. An engine without a host tier runs
     the same requests with a recompute and meets the same queue."""
     shared = prompt(3, 8)
+    turn = prompt(61, 6)
     return [
         Scenario(
             "pressure-parked-load-behind-large-head",
@@ -644,6 +654,22 @@ def _pressure() -> list[Scenario]:
                 ),
             ),
             ("PROGRESS",),
+        ),
+        Scenario(
+            "pressure-next-turn",
+            "A (6 tokens) answers with 2, ending on a block boundary; E (31 tokens) evicts it "
+            "from the device; B is A's conversation, answer included, plus 2 new tokens. A "
+            "never computed the K/V of its last output (nothing follows it), so no cache, on "
+            "the device or off it, may serve that position to B. Every request must finish.",
+            Workload(
+                _cfg(4, 8, 16, 4),
+                (
+                    R("A", turn, 2, 0),
+                    R("E", prompt(9, 31), 1, 2),
+                    R("B", (*turn, *_answer(turn, 2), *prompt(62, 2)), 2, 5),
+                ),
+            ),
+            ("PREFIX", "POS"),
         ),
     ]
 

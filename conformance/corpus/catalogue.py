@@ -20,6 +20,7 @@ SGLANG_KV_DLLM = "refserve.conformance.adapters.sglang_kv:make_kv_dllm"
 VLLM_OFFLOAD = "refserve.conformance.adapters.vllm_offload:make"
 VLLM_OFFLOAD_PRIORITY = "refserve.conformance.adapters.vllm_offload:make_priority"
 VLLM_EXAMPLE = "refserve.conformance.adapters.vllm_example:make"
+VLLM_OFFLOAD_OUTPUTS = "refserve.conformance.adapters.vllm_offload:make_outputs"
 
 ENTRIES: tuple[Entry, ...] = (
     Entry(
@@ -209,6 +210,28 @@ ENTRIES: tuple[Entry, ...] = (
         buggy=VLLM_EXAMPLE,
         clean=f"{PATCHES}.vllm_16928_fixed:make",
         detector=Detector(scenarios=("pressure-chunked-prompt-again",)),
+        requires="vllm",
+    ),
+    Entry(
+        bug="vllm-project/vllm#54193",
+        url="https://github.com/vllm-project/vllm/issues/54193",
+        fix="https://github.com/vllm-project/vllm/pull/54288",
+        engine="vllm",
+        affected="main before PR 54288 (2026-09), offloading outputs (offload_prompt_only=False)",
+        fixed="0.33.0 (a finished request is stored up to its last computed token)",
+        symptom=(
+            "The offloading connector stored a finished request's blocks up to its last "
+            "sampled token, whose K/V no forward pass writes. An answer ending on a block "
+            "boundary left a full-looking block with one unwritten slot on the CPU, and "
+            "the next turn of the conversation loaded it: its K/V at that position was "
+            "whatever the slot held."
+        ),
+        rule=Rule.POS,
+        reproduction=Reproduction.REAPPLIED,
+        environment="conformance-vllm",
+        buggy=f"{PATCHES}.vllm_54193:make",
+        clean=VLLM_OFFLOAD_OUTPUTS,
+        detector=Detector(scenarios=("pressure-next-turn",)),
         requires="vllm",
     ),
 )

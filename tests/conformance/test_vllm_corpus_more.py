@@ -8,6 +8,9 @@ with a named finding, and the fixed code passing the same scenarios with none.
   the whole prefix, and the worker fails on the shapes; the clean side applies the
   proposed fix (PR 53314, open), which the suite shows is incomplete when the first
   chunk ends inside a block.
+* vllm#54193 (re-applied; 0.33.0 has the fix): the offloading connector stored a finished
+  request's last block up to its last sampled token, whose K/V is never written, and
+  the next turn of the conversation loaded it.
 
 Runs where vLLM imports (``.venv-vllm/bin/python -m pytest -p no:cacheprovider
 tests/conformance/test_vllm_corpus_more.py``); skipped in refserve's venv.
@@ -15,6 +18,8 @@ tests/conformance/test_vllm_corpus_more.py``); skipped in refserve's venv.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TypeVar
@@ -23,9 +28,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM lives in .venv-vllm: make conformance-vllm")
 
-from refserve.conformance.adapters import vllm_example
+from refserve.conformance.adapters import vllm_example, vllm_offload
 from refserve.conformance.corpus.catalogue import ENTRIES
-from refserve.conformance.corpus.patches import vllm_16928_fixed, vllm_53495_fixed
+from refserve.conformance.corpus.patches import vllm_16928_fixed, vllm_53495_fixed, vllm_54193
 from refserve.conformance.run_result import RunResult
 from refserve.conformance.runner import run_with
 from refserve.conformance.scenarios import R, by_name
@@ -183,3 +188,53 @@ def test_catalogue_row_16928_names_these_sides() -> None:
     entry = next(e for e in ENTRIES if e.bug == "vllm-project/vllm#16928")
     assert entry.buggy == vllm_16928_fixed.BUGGY and entry.clean == vllm_16928_fixed.FIXED
     assert entry.detector.scenarios == ("pressure-chunked-prompt-again",)
+
+
+# ---------------------------------------------------------------- vllm#54193
+
+
+def _run_offload(
+    make: Callable[[], vllm_offload.VllmOffloadAdapter], workload: Workload
+) -> tuple[RunResult, vllm_offload.VllmOffloadAdapter]:
+    built: list[vllm_offload.VllmOffloadAdapter] = []
+
+    def factory() -> vllm_offload.VllmOffloadAdapter:
+        built.append(make())
+        return built[-1]
+
+    return run_with(factory, workload), built[-1]
+
+
+def test_54193_next_turn_loads_a_slot_never_written() -> None:
+    res, adapter = _run_offload(vllm_54193.make, _scenario("pressure-next-turn"))
+    assert not res.not_supported
+    assert len(res.findings) == 1
+    first = res.findings[0].violation
+    assert first.invariant is Invariant.POS and first.subject == "request B"
+    assert "position 7" in first.message and "never written" in first.message
+    # A's two blocks went to the CPU (the second at A's finish) and B loaded both.
+    assert adapter.transfers["loads"] == 1 and adapter.transfers["chunks_loaded"] == 2
+    b_steps = [n for step in res.observed.rounds for rid, n in step if rid == "B"]
+    assert b_steps[0] == 2
+
+
+def test_54193_fixed_stores_only_what_was_computed() -> None:
+    res, adapter = _run_offload(vllm_offload.make_outputs, _scenario("pressure-next-turn"))
+    assert not res.not_supported
+    assert res.findings == []
+    assert adapter.transfers["loads"] == 1 and adapter.transfers["chunks_loaded"] == 1
+    b_steps = [n for step in res.observed.rounds for rid, n in step if rid == "B"]
+    assert b_steps[0] == 6
+    # The patch is on one connector scheduler instance: vLLM's class keeps the fix.
+    cls = importlib.import_module(
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
+    ).OffloadingConnectorScheduler
+    assert vllm_54193.FIXED_LINE in inspect.getsource(cls._build_store_jobs)
+    again, _ = _run_offload(vllm_54193.make, _scenario("pressure-next-turn"))
+    assert again.findings
+
+
+def test_catalogue_row_54193_names_these_sides() -> None:
+    entry = next(e for e in ENTRIES if e.bug == "vllm-project/vllm#54193")
+    assert entry.buggy == vllm_54193.BUGGY and entry.clean == vllm_54193.FIXED
+    assert entry.detector.scenarios == ("pressure-next-turn",)
