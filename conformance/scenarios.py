@@ -671,6 +671,21 @@ def _pressure() -> list[Scenario]:
             ),
             ("PREFIX", "POS"),
         ),
+        Scenario(
+            "pressure-aborted-prompt-again",
+            "X (16 tokens) computes a first chunk of 6 (budget 6) and is aborted; E (31 "
+            "tokens) evicts it from the device; Y repeats X's prompt. X computed positions "
+            "0-5 only, so no cache may serve Y a later position. Every request must finish.",
+            Workload(
+                _cfg(4, 8, 6, 4),
+                (
+                    R("X", prompt(71, 16), 2, 0, abort_at=1),
+                    R("E", prompt(9, 31), 1, 2),
+                    R("Y", prompt(71, 16), 2, 9),
+                ),
+            ),
+            ("PREFIX", "POS"),
+        ),
     ]
 
 

@@ -234,4 +234,25 @@ ENTRIES: tuple[Entry, ...] = (
         detector=Detector(scenarios=("pressure-next-turn",)),
         requires="vllm",
     ),
+    Entry(
+        bug="vllm-project/vllm#49285",
+        url="https://github.com/vllm-project/vllm/pull/49285",
+        fix="https://github.com/vllm-project/vllm/pull/49285",
+        engine="vllm",
+        affected="main before PR 49285 (2026-07) with the offloading connector",
+        fixed="0.33.0 (an aborted request is stored up to the tokens it computed)",
+        symptom=(
+            "The offloading connector stored an aborted request's blocks up to its whole "
+            "prompt. Aborted after a first chunk that ended inside a block, it left that "
+            "block on the CPU under the prompt's hash with positions never computed, and a "
+            "later request with the same prompt loaded them."
+        ),
+        rule=Rule.POS,
+        reproduction=Reproduction.REAPPLIED,
+        environment="conformance-vllm",
+        buggy=f"{PATCHES}.vllm_49285:make",
+        clean=VLLM_OFFLOAD,
+        detector=Detector(scenarios=("pressure-aborted-prompt-again",)),
+        requires="vllm",
+    ),
 )

@@ -11,6 +11,9 @@ with a named finding, and the fixed code passing the same scenarios with none.
 * vllm#54193 (re-applied; 0.33.0 has the fix): the offloading connector stored a finished
   request's last block up to its last sampled token, whose K/V is never written, and
   the next turn of the conversation loaded it.
+* vllm PR#49285 (re-applied; 0.33.0 has the fix): the same connector stored an aborted
+  request's blocks up to its whole prompt, a block its first chunk half computed
+  included.
 
 Runs where vLLM imports (``.venv-vllm/bin/python -m pytest -p no:cacheprovider
 tests/conformance/test_vllm_corpus_more.py``); skipped in refserve's venv.
@@ -30,7 +33,13 @@ pytest.importorskip("vllm", reason="vLLM lives in .venv-vllm: make conformance-v
 
 from refserve.conformance.adapters import vllm_example, vllm_offload
 from refserve.conformance.corpus.catalogue import ENTRIES
-from refserve.conformance.corpus.patches import vllm_16928_fixed, vllm_53495_fixed, vllm_54193
+from refserve.conformance.corpus.hunk import HunkNotFound, with_statement_reversed
+from refserve.conformance.corpus.patches import (
+    vllm_16928_fixed,
+    vllm_49285,
+    vllm_53495_fixed,
+    vllm_54193,
+)
 from refserve.conformance.run_result import RunResult
 from refserve.conformance.runner import run_with
 from refserve.conformance.scenarios import R, by_name
@@ -238,3 +247,47 @@ def test_catalogue_row_54193_names_these_sides() -> None:
     entry = next(e for e in ENTRIES if e.bug == "vllm-project/vllm#54193")
     assert entry.buggy == vllm_54193.BUGGY and entry.clean == vllm_54193.FIXED
     assert entry.detector.scenarios == ("pressure-next-turn",)
+
+
+# ---------------------------------------------------------------- vllm PR#49285
+
+
+def test_49285_aborted_prompt_serves_positions_never_computed() -> None:
+    res, adapter = _run_offload(vllm_49285.make, _scenario("pressure-aborted-prompt-again"))
+    assert not res.not_supported
+    assert res.findings
+    first = res.findings[0].violation
+    assert first.invariant is Invariant.POS and first.subject == "request Y"
+    assert "position 6" in first.message and "never written" in first.message
+    # X computed positions 0-5; both blocks of its first chunk were stored and loaded.
+    assert adapter.transfers["chunks_loaded"] == 2
+    assert [n for step in res.observed.rounds for rid, n in step if rid == "X"] == [6]
+
+
+def test_49285_fixed_stores_the_computed_block_only() -> None:
+    res, adapter = _run_offload(vllm_offload.make, _scenario("pressure-aborted-prompt-again"))
+    assert res.findings == []
+    assert adapter.transfers["loads"] == 1 and adapter.transfers["chunks_loaded"] == 1
+    again, _ = _run_offload(vllm_49285.make, _scenario("pressure-aborted-prompt-again"))
+    assert again.findings
+
+
+def test_a_one_statement_hunk_must_be_there_once() -> None:
+    mod = importlib.import_module(
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
+    )
+    method = mod.OffloadingConnectorScheduler._build_store_jobs
+    with pytest.raises(HunkNotFound, match="exactly once"):
+        with_statement_reversed(method, mod, "no such statement", "x = 1")
+    # The running branch's statement starts like the aborted one's: only the aborted
+    # one, with its line break, is a single statement.
+    with pytest.raises(HunkNotFound, match="exactly once"):
+        with_statement_reversed(
+            method, mod, "num_tokens_after_batch = req.num_computed_tokens", "x = 1"
+        )
+
+
+def test_catalogue_row_49285_names_these_sides() -> None:
+    entry = next(e for e in ENTRIES if e.bug == "vllm-project/vllm#49285")
+    assert entry.buggy == vllm_49285.BUGGY and entry.clean == vllm_49285.FIXED
+    assert entry.detector.scenarios == ("pressure-aborted-prompt-again",)

@@ -28,13 +28,14 @@ module runs the "before" side::
 (the "before" line as the issue quotes it; the comment lines are left in place).
 
 How it is re-applied. ``_build_store_jobs`` is a long method (lines 1815-2102) and the
-hunk is one statement in it, so the module does not copy it: it reads the installed
-method's source (``inspect.getsource``), replaces exactly that statement (refusing to
-import, :func:`refserve.conformance.corpus.hunk.require_lines`, unless the installed
-source has it, once), compiles the result and binds the function, with the installed
-module's own globals, to the one ``OffloadingConnectorScheduler`` instance its adapter's
-scheduler builds (an instance attribute; the class and the module are untouched, so the
-fixed adapter in the same process keeps the fix; tested).
+hunk is one statement in it, so the module does not copy it:
+:func:`refserve.conformance.corpus.hunk.with_statement_reversed` recompiles the installed
+method's source with exactly that statement replaced (refusing, like
+:func:`~refserve.conformance.corpus.hunk.require_lines`, unless the installed source has
+it, once), with the installed module's own globals, and the module binds it to the one
+``OffloadingConnectorScheduler`` instance its adapter's scheduler builds (an instance
+attribute; the class and the module are untouched, so the fixed adapter in the same
+process keeps the fix; tested).
 
 How it matches the tracker: the suite's ``pressure-next-turn`` (both sides run the offload
 adapter with ``offload_prompt_only=False``, :func:`refserve.conformance.adapters
@@ -48,13 +49,11 @@ first block is stored, B loads it and computes from position 4.
 from __future__ import annotations
 
 import importlib
-import inspect
-import textwrap
 import types
 from typing import Any
 
 from refserve.conformance.adapters.vllm_offload import VllmOffloadAdapter
-from refserve.conformance.corpus.hunk import require_lines
+from refserve.conformance.corpus.hunk import require_lines, with_statement_reversed
 
 FIXED = "refserve.conformance.adapters.vllm_offload:make_outputs"
 BUGGY = "refserve.conformance.corpus.patches.vllm_54193:make"
@@ -70,24 +69,11 @@ BUGGY_LINE = "num_tokens_after_batch = req.num_tokens"
 require_lines("vllm#54193", _CLASS._build_store_jobs, (FIXED_LINE,))
 
 
-def _build_store_jobs_54193() -> Any:
-    """The installed ``_build_store_jobs`` with the fixed watermark put back to
-    ``req.num_tokens``, resolving its globals in the installed module."""
-    source = textwrap.dedent(inspect.getsource(_CLASS._build_store_jobs))
-    if source.count(FIXED_LINE) != 1:
-        raise ImportError("vllm#54193: the fixed watermark is not one statement of the method")
-    source = source.replace(FIXED_LINE, BUGGY_LINE)
-    filename = inspect.getsourcefile(_CLASS) or "<vllm offloading scheduler>"
-    namespace: dict[str, Any] = dict(vars(_sched_mod))  # the annotations resolve here
-    # vLLM's own installed source, one statement changed (checked above).
-    exec(compile(source, filename, "exec"), namespace)
-    fn = namespace["_build_store_jobs"]
-    return types.FunctionType(
-        fn.__code__, vars(_sched_mod), fn.__name__, fn.__defaults__, fn.__closure__
-    )
-
-
-BUILD_STORE_JOBS_54193: Any = _build_store_jobs_54193()
+BUILD_STORE_JOBS_54193: Any = with_statement_reversed(
+    _CLASS._build_store_jobs, _sched_mod, FIXED_LINE, BUGGY_LINE
+)
+"""The installed ``_build_store_jobs`` with the fixed watermark put back to
+``req.num_tokens``."""
 
 
 def reapply(connector_scheduler: Any) -> None:
