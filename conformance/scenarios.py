@@ -19,6 +19,7 @@ from refserve.conformance.workload import (
     RequestPlan,
     Scenario,
     Workload,
+    next_token,
     prompt,
 )
 
@@ -559,6 +560,14 @@ def _migrations() -> list[Scenario]:
     ]
 
 
+def _answer(toks: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """The ``n`` tokens the suite's greedy model answers ``toks`` with (no eos)."""
+    out: list[int] = []
+    for _ in range(n):
+        out.append(next_token((*toks, *out)))
+    return tuple(out)
+
+
 def _pressure() -> list[Scenario]:
     """Progress under KV pressure with K/V parked outside the device.
 
@@ -569,6 +578,7 @@ def _pressure() -> list[Scenario]:
     finish, so the engine must keep running them. An engine without a host tier runs
     the same requests with a recompute and meets the same queue."""
     shared = prompt(3, 8)
+    turn = prompt(61, 6)
     return [
         Scenario(
             "pressure-parked-load-behind-large-head",
@@ -660,6 +670,53 @@ def _pressure() -> list[Scenario]:
                 ),
             ),
             ("PROGRESS",),
+        ),
+        Scenario(
+            "pressure-chunked-prompt-again",
+            "P's 14-token prompt is computed in two chunks (budget 8); E (31 tokens, the "
+            "whole pool) evicts it from the device; Q repeats P's prompt. An engine with a "
+            "host tier may load back only what it parked, and must compute the rest. Every "
+            "request must finish.",
+            Workload(
+                _cfg(4, 8, 8, 4),
+                (
+                    R("P", prompt(51, 14), 1, 0),
+                    R("E", prompt(9, 31), 1, 2),
+                    R("Q", prompt(51, 14), 2, 6),
+                ),
+            ),
+            ("PROGRESS",),
+        ),
+        Scenario(
+            "pressure-next-turn",
+            "A (6 tokens) answers with 2, ending on a block boundary; E (31 tokens) evicts it "
+            "from the device; B is A's conversation, answer included, plus 2 new tokens. A "
+            "never computed the K/V of its last output (nothing follows it), so no cache, on "
+            "the device or off it, may serve that position to B. Every request must finish.",
+            Workload(
+                _cfg(4, 8, 16, 4),
+                (
+                    R("A", turn, 2, 0),
+                    R("E", prompt(9, 31), 1, 2),
+                    R("B", (*turn, *_answer(turn, 2), *prompt(62, 2)), 2, 5),
+                ),
+            ),
+            ("PREFIX", "POS"),
+        ),
+        Scenario(
+            "pressure-aborted-prompt-again",
+            "X (16 tokens) computes a first chunk of 6 (budget 6) and is aborted; E (31 "
+            "tokens) evicts it from the device; Y repeats X's prompt. X computed positions "
+            "0-5 only, so no cache may serve Y a later position. Every request must finish.",
+            Workload(
+                _cfg(4, 8, 6, 4),
+                (
+                    R("X", prompt(71, 16), 2, 0, abort_at=1),
+                    R("E", prompt(9, 31), 1, 2),
+                    R("Y", prompt(71, 16), 2, 9),
+                ),
+            ),
+            ("PREFIX", "POS"),
         ),
     ]
 

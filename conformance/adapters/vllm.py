@@ -698,8 +698,8 @@ class VllmAdapter:
             table = self._runner_tables.get(rid, [])
             slots = []
             for p in positions:
-                if p // bs >= len(table):
-                    break  # the runner's row has no block for this position
+                if not 0 <= p // bs < len(table):
+                    break  # the runner's row has no block for this position (or p < 0)
                 slots.append(table[p // bs] * bs + p % bs - NULL_BLOCKS * bs)
             samples = first + int(n) >= int(req.num_tokens)
             self._samples[rid] = samples

@@ -166,10 +166,18 @@ def _ids(spec: Any) -> list[int]:
 class VllmOffloadAdapter(VllmAdapter):
     """vLLM's scheduler with ``OffloadingConnector`` and a fake worker side."""
 
-    def __init__(self, *, policy: str = "fcfs", load_steps: int = 2, store_steps: int = 2) -> None:
+    def __init__(
+        self,
+        *,
+        policy: str = "fcfs",
+        load_steps: int = 2,
+        store_steps: int = 2,
+        offload_prompt_only: bool = True,
+    ) -> None:
         if load_steps < 1 or store_steps < 1:
             raise ValueError("a transfer takes at least one step")
         super().__init__(policy=policy)
+        self._offload_prompt_only = offload_prompt_only
         self.properties: EngineProperties = OFFLOAD_PROPERTIES
         self._load_steps = load_steps
         self._store_steps = store_steps
@@ -183,9 +191,10 @@ class VllmOffloadAdapter(VllmAdapter):
 
     @property
     def name(self) -> str:
+        outputs = "" if self._offload_prompt_only else "; outputs offloaded too"
         return (
             f"{super().name} + OffloadingConnector (CPU; loads land after "
-            f"{self._load_steps} step(s), stores after {self._store_steps})"
+            f"{self._load_steps} step(s), stores after {self._store_steps}{outputs})"
         )
 
     # ------------------------------------------------------------------ setup
@@ -202,6 +211,9 @@ class VllmOffloadAdapter(VllmAdapter):
             kv_connector_extra_config={
                 "cpu_bytes_to_use": self._host_blocks * chunk,
                 "block_size": bs,
+                # vLLM's default (True) offloads prompt blocks only; False offloads the
+                # blocks a request's outputs fill too (make_outputs).
+                "offload_prompt_only": self._offload_prompt_only,
             },
         )
 
@@ -370,3 +382,9 @@ def make_slow_loads() -> VllmOffloadAdapter:
     """As :func:`make`, with loads that land three steps after they start (a request is
     seen loading at two step boundaries)."""
     return VllmOffloadAdapter(load_steps=3)
+
+
+def make_outputs() -> VllmOffloadAdapter:
+    """As :func:`make`, with ``offload_prompt_only=False``: the blocks a request's outputs
+    fill are offloaded too, so a later turn of the conversation can load them back."""
+    return VllmOffloadAdapter(offload_prompt_only=False)

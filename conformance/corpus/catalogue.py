@@ -21,6 +21,8 @@ VLLM_OFFLOAD = "refserve.conformance.adapters.vllm_offload:make"
 VLLM_OFFLOAD_PRIORITY = "refserve.conformance.adapters.vllm_offload:make_priority"
 MODELS = "refserve.conformance.corpus.models"
 LMDEPLOY = "refserve.conformance.adapters.lmdeploy:make"
+VLLM_EXAMPLE = "refserve.conformance.adapters.vllm_example:make"
+VLLM_OFFLOAD_OUTPUTS = "refserve.conformance.adapters.vllm_offload:make_outputs"
 
 ENTRIES: tuple[Entry, ...] = (
     Entry(
@@ -319,6 +321,91 @@ ENTRIES: tuple[Entry, ...] = (
         buggy=f"{PATCHES}.vllm_57104:make",
         clean=VLLM_OFFLOAD,
         detector=Detector(scenarios=("pressure-loads-land-with-drafts",)),
+        requires="vllm",
+    ),
+    Entry(
+        bug="vllm-project/vllm#53495",
+        url="https://github.com/vllm-project/vllm/issues/53495",
+        fix="https://github.com/vllm-project/vllm/pull/53496",
+        engine="vllm",
+        affected="0.33.0 with ExampleConnector (main 2026-08)",
+        fixed="PR 53496 (open, not merged): the clean side applies it",
+        symptom=(
+            "The example KV connector names a stored prefix by its prompt tokens alone; the "
+            "cache salt and the LoRA adapter are left out. A request under another salt or "
+            "adapter, with the same prompt, finds the folder another tenant's request "
+            "wrote and is handed that K/V as its external hit."
+        ),
+        rule=Rule.KEY_DOMAINS,
+        reproduction=Reproduction.RELEASED,
+        environment="conformance-vllm",
+        buggy=VLLM_EXAMPLE,
+        clean=f"{PATCHES}.vllm_53495_fixed:make",
+        detector=Detector(scenarios=("keys-cache-salt", "keys-lora")),
+        requires="vllm",
+    ),
+    Entry(
+        bug="vllm-project/vllm#16928",
+        url="https://github.com/vllm-project/vllm/issues/16928",
+        fix="https://github.com/vllm-project/vllm/pull/53314",
+        engine="vllm",
+        affected="0.33.0 with ExampleConnector and chunked prefill (since 2025-04)",
+        fixed="PR 53314 (open, not merged): the clean side applies it",
+        symptom=(
+            "Under chunked prefill the example KV connector saves a prompt's K/V in the "
+            "request's first step only, so the save holds the first chunk; a later request "
+            "with that prompt is told the whole prefix is stored, and the worker fails when "
+            "the saved tensor does not fit the slots it was to fill."
+        ),
+        rule=Rule.PROGRESS,
+        reproduction=Reproduction.RELEASED,
+        environment="conformance-vllm",
+        buggy=VLLM_EXAMPLE,
+        clean=f"{PATCHES}.vllm_16928_fixed:make",
+        detector=Detector(scenarios=("pressure-chunked-prompt-again",)),
+        requires="vllm",
+    ),
+    Entry(
+        bug="vllm-project/vllm#54193",
+        url="https://github.com/vllm-project/vllm/issues/54193",
+        fix="https://github.com/vllm-project/vllm/pull/54288",
+        engine="vllm",
+        affected="main before PR 54288 (2026-09), offloading outputs (offload_prompt_only=False)",
+        fixed="0.33.0 (a finished request is stored up to its last computed token)",
+        symptom=(
+            "The offloading connector stored a finished request's blocks up to its last "
+            "sampled token, whose K/V no forward pass writes. An answer ending on a block "
+            "boundary left a full-looking block with one unwritten slot on the CPU, and "
+            "the next turn of the conversation loaded it: its K/V at that position was "
+            "whatever the slot held."
+        ),
+        rule=Rule.POS,
+        reproduction=Reproduction.REAPPLIED,
+        environment="conformance-vllm",
+        buggy=f"{PATCHES}.vllm_54193:make",
+        clean=VLLM_OFFLOAD_OUTPUTS,
+        detector=Detector(scenarios=("pressure-next-turn",)),
+        requires="vllm",
+    ),
+    Entry(
+        bug="vllm-project/vllm#49285",
+        url="https://github.com/vllm-project/vllm/pull/49285",
+        fix="https://github.com/vllm-project/vllm/pull/49285",
+        engine="vllm",
+        affected="main before PR 49285 (2026-07) with the offloading connector",
+        fixed="0.33.0 (an aborted request is stored up to the tokens it computed)",
+        symptom=(
+            "The offloading connector stored an aborted request's blocks up to its whole "
+            "prompt. Aborted after a first chunk that ended inside a block, it left that "
+            "block on the CPU under the prompt's hash with positions never computed, and a "
+            "later request with the same prompt loaded them."
+        ),
+        rule=Rule.POS,
+        reproduction=Reproduction.REAPPLIED,
+        environment="conformance-vllm",
+        buggy=f"{PATCHES}.vllm_49285:make",
+        clean=VLLM_OFFLOAD,
+        detector=Detector(scenarios=("pressure-aborted-prompt-again",)),
         requires="vllm",
     ),
 )

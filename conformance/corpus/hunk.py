@@ -4,7 +4,10 @@ the code its hunk was read from, or the patch would put back (or fix) something 
 from __future__ import annotations
 
 import inspect
+import textwrap
+import types
 from collections.abc import Sequence
+from typing import Any
 
 
 class HunkNotFound(ImportError):
@@ -28,3 +31,24 @@ def require_lines(bug: str, code: object, lines: Sequence[str], absent: Sequence
             f"{bug} cannot be applied: the installed {name} {' and '.join(what)} "
             "(the patch was written against another release)"
         )
+
+
+def with_statement_reversed(fn: Any, module: types.ModuleType, fixed: str, buggy: str) -> Any:
+    """``fn``, an engine's function or method, recompiled from its installed source with
+    the one statement ``fixed`` replaced by ``buggy``; its globals are ``module``'s own
+    (live: nothing is copied or written into the module). For a hunk of one statement in
+    a function too long to copy; :class:`HunkNotFound` unless ``fixed`` occurs exactly
+    once. The caller binds the result to the objects its factory builds."""
+    source = textwrap.dedent(inspect.getsource(fn))
+    if source.count(fixed) != 1:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise HunkNotFound(f"the installed {name} does not hold {fixed!r} exactly once")
+    filename = inspect.getsourcefile(fn) or f"<{module.__name__}>"
+    # The definition is executed against a copy of the module's globals (its annotations
+    # are evaluated there), then the code is bound to the module's live globals.
+    namespace: dict[str, Any] = dict(vars(module))
+    exec(compile(source.replace(fixed, buggy), filename, "exec"), namespace)
+    built = namespace[fn.__name__]
+    return types.FunctionType(
+        built.__code__, vars(module), built.__name__, built.__defaults__, built.__closure__
+    )

@@ -3,7 +3,9 @@ suite of before misses it, and someone else's broken code is reported, never rai
 
 from __future__ import annotations
 
+import inspect
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 from refserve.conformance.cli import conformance_main
 from refserve.conformance.corpus.catalogue import ENTRIES
 from refserve.conformance.corpus.entry import Detector, Entry, Reproduction, Rule
-from refserve.conformance.corpus.hunk import HunkNotFound, require_lines
+from refserve.conformance.corpus.hunk import HunkNotFound, require_lines, with_statement_reversed
 from refserve.conformance.corpus.report import document, table
 from refserve.conformance.corpus.run import run_entry
 
@@ -124,3 +126,13 @@ def test_a_patch_refuses_code_it_was_not_written_against() -> None:
     with pytest.raises(HunkNotFound, match=r"already has \['for i in range'\]"):
         require_lines("x#1", _engine_function, (), absent=("for i in range",))
     assert issubclass(HunkNotFound, ImportError)  # the corpus reports it as "did not load"
+
+
+def test_a_one_statement_hunk_is_recompiled_against_the_live_module() -> None:
+    module = sys.modules[__name__]
+    buggy = with_statement_reversed(_engine_function, module, "total += i", "total -= i")
+    assert (_engine_function(), buggy()) == (3, -3)
+    assert buggy.__globals__ is vars(module)  # the module's own globals, not a copy
+    assert "total -= i" not in inspect.getsource(_engine_function)  # the original stays
+    with pytest.raises(HunkNotFound, match="exactly once"):
+        with_statement_reversed(_engine_function, module, "total = 0\n    total", "x")
