@@ -220,8 +220,10 @@ class VllmExampleAdapter(VllmAdapter):
             s, num_new_cached_tokens=hit, num_new_loaded_tokens=s.num_new_cached_tokens - hit
         )
 
-    def commit(self, sampled: Mapping[str, int]) -> CommitReport:
-        report = super().commit(sampled)
+    def commit(
+        self, sampled: Mapping[str, int], accepted: Mapping[str, int] | None = None
+    ) -> CommitReport:
+        report = super().commit(sampled, accepted)
         # The step's forward ran: its saves wrote their folders. The copies reach the fake
         # memory with the next step's report, before that step's writes.
         for save in self._saves:
