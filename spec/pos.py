@@ -136,3 +136,49 @@ def _span(positions: tuple[int, ...]) -> str:
     if not positions:
         return "[]"
     return f"[{positions[0]}..{positions[-1]}] ({len(positions)})"
+
+
+#: The named rule of POS for declared lookahead slots kept.
+DECLARED_LOOKAHEAD = "declared-lookahead"
+
+
+def check_declared_lookahead(step: StepSnapshot, lookahead: int) -> list[Violation]:
+    """POS, rule ``declared-lookahead``: the slots an engine declares it reserves ahead
+    of the KV length are reserved.
+
+    :func:`check_pos_pool` holds a table to at most the blocks of its KV plus
+    ``lookahead`` slots (the engine *may* reserve them); this is the other bound: a
+    request that sampled in the step and decodes on after it holds at least
+    ``ceil((num_stored + lookahead) / block_size)`` blocks (where the declaration says it
+    reserves them, it does). An engine that declares slots it never reserves widens the
+    table rule by a block that its own allocation never needs, so a planted block too
+    many would pass, and its admission is judged (ORDER, PROGRESS) against room it does
+    not take. A chunk that stops inside the prompt samples nothing and is not judged:
+    engines reserve the slot of the token they sample, so the promise is about sampling
+    steps.
+    """
+    if lookahead <= 0:
+        return []
+    out: list[Violation] = []
+    bs = step.after.pool.block_size
+    for s in step.scheduled:
+        if not s.samples:
+            continue
+        r = step.after.request(s.request_id)
+        table = step.after.pool.table(s.request_id)
+        if r is None or r.status is not RequestStatus.DECODING or table is None:
+            continue  # finished, preempted or retired in the step: nothing reserved
+        want = blocks_needed(table.num_stored + lookahead, bs)
+        if len(table.block_table) < want:
+            out.append(
+                violation(
+                    P,
+                    f"request {s.request_id}",
+                    f"sampled and decodes on without the {lookahead} slots it declares "
+                    f"reserved ahead of its KV length {table.num_stored}",
+                    f"{want} blocks",
+                    len(table.block_table),
+                    rule=DECLARED_LOOKAHEAD,
+                )
+            )
+    return out
