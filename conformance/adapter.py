@@ -207,9 +207,9 @@ class EngineProperties:
     slot of the token it samples in the same step, k for speculative lookahead. The blocks
     ahead are still owned by the request alone, counted in the pool (BLOCK), written only
     at their own positions (POS) and freed with the request (PROGRESS at quiescence).
-    A promise too: a request that sampled in a step and decodes on after it holds at
-    least ``ceil((num_stored + lookahead_slots) / block_size)`` blocks (POS, rule
-    ``declared-lookahead``)."""
+    The declaration is the range, and POS checks both of its bounds; holding the slots
+    is not promised (k also bounds blocks an engine keeps, such as those of rejected
+    drafts)."""
     eos: bool = True
     """Whether the engine stops a request that samples its eos token. With ``False`` the
     suite still samples eos at a forced stop and never expects a stop: the request must

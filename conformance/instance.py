@@ -59,7 +59,6 @@ from refserve.spec.order import (
     check_prefill_first,
     check_strict_admission_order,
 )
-from refserve.spec.pos import check_declared_lookahead
 from refserve.spec.prefix import check_same_step_hits
 from refserve.spec.progress import check_quiescent, check_starvation
 from refserve.spec.snapshot import (
@@ -504,16 +503,11 @@ class _Run:
             )
 
     def check_promises(self, snap: StepSnapshot, step: int) -> None:
-        """The declared conventions the engine says it follows, held as promises: the
-        table rule and PREFIX let an engine reserve slots ahead and share a block filled
-        in the same step; these hold it to doing so where it declared it does (POS rule
-        ``declared-lookahead``, PREFIX rule ``declared-same-step-hits``; docs/CONFORMANCE.md,
-        "Declarations are promises"). Same-step hits are promised only with prefix
-        caching on: without it no engine hits at all."""
-        if self.props.lookahead_slots:
-            self.checked(
-                step, "step", lambda: check_declared_lookahead(snap, self.props.lookahead_slots)
-            )
+        """A declared convention the engine says it follows, held as a promise: PREFIX
+        lets an engine share a block another request fills in the same step; this holds
+        it to taking such hits where it declared it does (PREFIX rule
+        ``declared-same-step-hits``; docs/CONFORMANCE.md, "Declarations are promises").
+        Promised only with prefix caching on: without it no engine hits at all."""
         if self.props.same_step_prefix_hits and self.cfg.enable_prefix_caching:
             self.checked(step, "step", lambda: check_same_step_hits(snap))
 

@@ -217,8 +217,7 @@ def _notes(features: frozenset[Feature], props: EngineProperties) -> list[str]:
     if props.lookahead_slots:
         notes.append(
             f"lookahead_slots {props.lookahead_slots}: tables may hold the blocks of "
-            f"{props.lookahead_slots} slots ahead of their KV, and a request that sampled "
-            "holds them (POS, rule declared-lookahead)"
+            f"{props.lookahead_slots} slots ahead of their KV (POS)"
         )
     if props.same_step_prefix_hits:
         notes.append(

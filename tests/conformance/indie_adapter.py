@@ -35,9 +35,6 @@ How the engine maps onto the protocol (the adapters translate; they never fix):
   ``make_migrating_<bug>`` for :data:`indie_engine.MIGRATION_BUGS`, and
   ``make_recompute``, an engine that never takes K/V) is the engine's export / stage /
   commit / abort_import / release; the ticket is its :class:`indie_engine.Ticket`.
-* ``make_<bug>`` for :data:`indie_engine.PROMISE_BUGS` builds an engine that breaks only
-  what this adapter declares for it (``lookahead_skipped``: no slot reserved ahead,
-  ``lookahead_slots=1`` still declared).
 """
 
 from __future__ import annotations
@@ -49,7 +46,6 @@ from typing import Any
 from indie_engine import (
     BUGS,
     MIGRATION_BUGS,
-    PROMISE_BUGS,
     UNCHUNKED_BUGS,
     BlockManager,
     EngineError,
@@ -383,8 +379,7 @@ def make_kv() -> IndieKVAdapter:
 def __getattr__(name: str) -> Callable[[], Any]:
     """``make_<bug>``, ``make_lax_<bug>`` and ``make_kv_<bug>`` for every bug in
     ``indie_engine.BUGS``; ``make_migrating_<bug>`` for every one in ``MIGRATION_BUGS``;
-    ``make_unchunked_<bug>`` for every one in ``BUGS`` and ``UNCHUNKED_BUGS``;
-    ``make_<bug>`` for every one in ``PROMISE_BUGS``."""
+    ``make_unchunked_<bug>`` for every one in ``BUGS`` and ``UNCHUNKED_BUGS``."""
     if name.startswith("make_migrating_") and name[len("make_migrating_") :] in MIGRATION_BUGS:
         bug = name[len("make_migrating_") :]
         return lambda: IndieAdapter(bug, migration=True)
@@ -399,7 +394,7 @@ def __getattr__(name: str) -> Callable[[], Any]:
     if name.startswith("make_kv_") and name[len("make_kv_") :] in BUGS:
         bug = name[len("make_kv_") :]
         return lambda: IndieKVAdapter(bug)
-    if name.startswith("make_") and name[len("make_") :] in BUGS | PROMISE_BUGS:
+    if name.startswith("make_") and name[len("make_") :] in BUGS:
         bug = name[len("make_") :]
         return lambda: IndieAdapter(bug)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

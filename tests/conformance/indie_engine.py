@@ -83,16 +83,6 @@ MIGRATION_BUGS = frozenset(
 )
 """Bugs of the migration code (feature ``migration``), planted like :data:`BUGS`."""
 
-PROMISE_BUGS = frozenset(
-    {
-        # The slot of the sampled token is not reserved, while the adapter still declares
-        # lookahead_slots=1: correct memory use, a broken declaration.
-        "lookahead_skipped",
-    }
-)
-"""Bugs that break only what the adapter declares (the suite's declared conventions),
-planted like :data:`BUGS`."""
-
 
 class EngineError(Exception):
     """The engine refuses a request (bad input, or it can never fit)."""
@@ -449,7 +439,7 @@ class IndieEngine:
         recompute_imports: bool = False,
         chunked: bool = True,
     ) -> None:
-        if bug is not None and bug not in BUGS | MIGRATION_BUGS | UNCHUNKED_BUGS | PROMISE_BUGS:
+        if bug is not None and bug not in BUGS | MIGRATION_BUGS | UNCHUNKED_BUGS:
             raise ValueError(f"unknown bug {bug!r}")
         if max_batched_tokens < 1 or max_seqs < 1:
             raise EngineError("the token budget and max_seqs must be >= 1")
@@ -680,8 +670,6 @@ class _Planner:
         self.copies: list[tuple[int, int]] = []
 
     def lookahead(self, r: Request, n: int) -> int:
-        if self.eng.bug == "lookahead_skipped":
-            return 0
         return 1 if r.computed + n == len(r.tokens) else 0
 
     def grow(self, r: Request, n: int) -> None:

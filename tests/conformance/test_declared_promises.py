@@ -6,9 +6,8 @@ Same-step prefix hits (PREFIX, rule ``declared-same-step-hits``): an engine that
 hits blocks another request fills in the same step and then computes the shared prefix
 twice is caught; the engines that keep their declaration (vLLM and nano-vllm in their
 own venvs) or make the other choice (refserve, the indie engine) pass. Lookahead slots
-(POS, rule ``declared-lookahead``): an engine that declares a slot ahead and does not
-reserve it is caught; one that reserves more than it declares was caught before (POS,
-the indie engine's ``blocks_needed_off_by_one``). No eos handling (KVLEN, rule
+declare a range, both of whose bounds POS already checks (a block beyond the declared
+slots: the indie engine's ``blocks_needed_off_by_one``). No eos handling (KVLEN, rule
 ``declared-eos``): the suite samples eos at a forced stop either way, and an engine that
 declares none and stops there is caught. Prefill-first (ORDER, rule
 ``declared-step-order``): a decode-first engine that says it serves new prompts first is
@@ -35,7 +34,6 @@ from refserve.conformance.runner import run_with
 from refserve.conformance.scenarios import by_name
 from refserve.conformance.stops import DECLARED_EOS
 from refserve.conformance.workload import RequestPlan, Workload
-from refserve.spec.pos import DECLARED_LOOKAHEAD
 from refserve.spec.prefix import DECLARED_SAME_STEP_HITS
 from tests.conformance import indie_adapter
 
@@ -73,12 +71,6 @@ def _ref_declaring_nothing() -> RefAdapter:
     return a
 
 
-def _indie_claiming_two_slots_ahead() -> indie_adapter.IndieAdapter:
-    a = indie_adapter.make()
-    a.properties = dataclasses.replace(a.properties, lookahead_slots=2)
-    return a
-
-
 def test_an_engine_declaring_same_step_hits_that_recomputes_the_prefix_is_caught() -> None:
     res = _run(_indie_claiming_same_step_hits, SHARED)
     assert _rules(res) == {DECLARED_SAME_STEP_HITS}, [str(f) for f in res.findings]
@@ -106,17 +98,10 @@ def test_refserve_passes_with_its_declarations_and_without_them() -> None:
             assert res.findings == [], (name, [str(f) for f in res.findings])
 
 
-def test_a_slot_declared_ahead_and_not_reserved_is_caught() -> None:
-    res = _run(indie_adapter.make_lookahead_skipped, "seed001-round-by-round")
-    assert _rules(res) == {DECLARED_LOOKAHEAD}, [str(f) for f in res.findings]
-    assert "without the 1 slots it declares reserved" in res.findings[0].violation.message
-    res = _run(_indie_claiming_two_slots_ahead, "seed001-round-by-round")
-    assert _rules(res) == {DECLARED_LOOKAHEAD}, [str(f) for f in res.findings]
-    assert _run(indie_adapter.make, "seed001-round-by-round").findings == []
-
-
 def test_a_block_reserved_beyond_the_declared_slots_is_caught_as_before() -> None:
-    """The other bound, already a rule: a table holding more than the declared slots."""
+    """The declared lookahead is a range, ``ceil(num_stored / bs)`` to
+    ``ceil((num_stored + k) / bs)`` blocks, and POS checks both of its bounds: here the
+    upper one, a table holding more than the declared slots."""
     res = _run(indie_adapter.make_blocks_needed_off_by_one, "seed001-round-by-round")
     assert "block table does not cover the KV length plus 1 slots" in {
         f.violation.message for f in res.findings

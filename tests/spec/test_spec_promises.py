@@ -7,9 +7,7 @@ from dataclasses import replace
 
 from refserve.kv import BlockPool
 from refserve.spec import EngineSnapshot, Invariant, RequestStatus, StepSnapshot, check_step
-from refserve.spec.arith import slot_of
 from refserve.spec.order import check_decode_first, check_prefill_first
-from refserve.spec.pos import DECLARED_LOOKAHEAD, check_declared_lookahead
 from refserve.spec.prefix import DECLARED_SAME_STEP_HITS, check_same_step_hits
 from tests.spec.test_spec_checkers import BS, expect, find, req, same_step_hit, scheduled
 
@@ -113,55 +111,6 @@ def test_requests_of_other_key_domains_or_running_before_are_not_judged() -> Non
         ),
     )
     assert check_same_step_hits(running) == []
-
-
-# ------------------------------------------------------------ lookahead slots
-def sampled_step(*, reserve: bool) -> StepSnapshot:
-    """A's 4-token prompt is computed and samples; with ``reserve`` its table also holds
-    the block of the slot of the sampled token (position 4)."""
-    pool = BlockPool(4, BS)
-    before = EngineSnapshot((req("A", RequestStatus.WAITING, 4, 0, 0),), pool.snapshot())
-    pool.allocate("A", (1, 2, 3, 4), 4)
-    after_pool = pool.snapshot()
-    if reserve:
-        table = (*after_pool.tables[0].block_table, after_pool.free_queue[0])
-        ref = list(after_pool.ref_cnt)
-        ref[table[-1]] = 1
-        after_pool = replace(
-            after_pool,
-            ref_cnt=tuple(ref),
-            free_queue=after_pool.free_queue[1:],
-            tables=(replace(after_pool.tables[0], block_table=table),),
-        )
-    table = after_pool.tables[0].block_table
-    positions = (0, 1, 2, 3)
-    plan = scheduled(pool, "A", 0, 4, True)
-    plan = replace(
-        plan, block_table=table, slot_mapping=tuple(slot_of(table[0], p, BS) for p in positions)
-    )
-    after = EngineSnapshot((req("A", RequestStatus.DECODING, 4, 1, 4),), after_pool)
-    return StepSnapshot(0, 8, 2, before, (plan,), after)
-
-
-def test_a_declared_slot_ahead_must_be_reserved() -> None:
-    reserved, bare = sampled_step(reserve=True), sampled_step(reserve=False)
-    assert check_step(reserved, lookahead=1) == [] and check_step(bare, lookahead=1) == []
-    assert check_declared_lookahead(reserved, 1) == []
-    v = find(
-        check_declared_lookahead(bare, 1),
-        Invariant.POS,
-        "request A",
-        "sampled and decodes on without the 1 slots it declares reserved",
-    )
-    expect(v, "2 blocks", 1)
-    assert v.rule == DECLARED_LOOKAHEAD
-    # Nothing declared, nothing promised; a finished request reserves nothing.
-    assert check_declared_lookahead(bare, 0) == []
-    done = replace(
-        bare,
-        after=replace(bare.after, requests=(req("A", RequestStatus.FINISHED, 4, 1, 4),)),
-    )
-    assert check_declared_lookahead(done, 1) == []
 
 
 # ------------------------------------------------------------ prefill-first step order
