@@ -95,7 +95,9 @@ adapter without one gets the documented defaults): blocks reserved ahead of the 
 length, no eos handling, the admission order, the step order, same-step cache hits, an
 unordered free list, a stop at ``max_model_len`` and placeholder drafts. A correct engine that
 declares any documented choice passes with zero findings; a declared policy (admission
-order) is then checked exactly. The guide for adapter authors is docs/ADAPTERS.md.
+order) is then checked exactly, and every declared choice is a promise held both ways:
+the engine may make it, and where it says it does, it does (docs/CONFORMANCE.md,
+"Declarations are promises"). The guide for adapter authors is docs/ADAPTERS.md.
 """
 
 from __future__ import annotations
@@ -181,8 +183,8 @@ class AdmissionOrder(StrEnum):
 
 
 class StepOrder(StrEnum):
-    """Whether running decodes or new prefill chunks get the budget first (observed;
-    ``decode_first`` is also checked as a promise, spec/order.py)."""
+    """Whether running decodes or new prefill chunks get the budget first (observed, and
+    either declared order checked as a promise, spec/order.py)."""
 
     DECODE_FIRST = "decode_first"
     PREFILL_FIRST = "prefill_first"
@@ -204,25 +206,34 @@ class EngineProperties:
     ``ceil(num_stored / block_size)``). Typical values: 1 for an engine that reserves the
     slot of the token it samples in the same step, k for speculative lookahead. The blocks
     ahead are still owned by the request alone, counted in the pool (BLOCK), written only
-    at their own positions (POS) and freed with the request (PROGRESS at quiescence)."""
+    at their own positions (POS) and freed with the request (PROGRESS at quiescence).
+    The declaration is the range, and POS checks both of its bounds; holding the slots
+    is not promised (k also bounds blocks an engine keeps, such as those of rejected
+    drafts)."""
     eos: bool = True
     """Whether the engine stops a request that samples its eos token. With ``False`` the
-    suite never samples eos (forced stops become ordinary tokens) and never expects a
-    stop."""
+    suite still samples eos at a forced stop and never expects a stop: the request must
+    keep running (KVLEN, rule ``declared-eos``), so an engine with an eos path does not
+    hide it from the suite by declaring none."""
     admission_order: AdmissionOrder = AdmissionOrder.UNSPECIFIED
     """The admission order the suite checks exactly (ORDER); ``unspecified`` is not checked."""
     step_order: StepOrder = StepOrder.UNSPECIFIED
     """Decode-first or prefill-first batching: compared with what the suite observes and
     used to read the golden schedules (which are decode-first). ``decode_first`` is a
     promise, checked (ORDER, rule ``declared-step-order``): no request is admitted in a
-    step that leaves a decoding request with no token (unless preempted or retired)."""
+    step that leaves a decoding request with no token (unless preempted or retired).
+    ``prefill_first`` is one too (same rule): no decode is served in a step that passes
+    over the first waiting request in the declared order when it visibly fitted."""
     same_step_prefix_hits: bool = False
     """Whether a request may take as a cache hit a block that another request fills in
     the same step (blocks are indexed when scheduled). Safe when the executor writes
     each layer's K/V for the whole batch before that layer's attention reads it, as
     paged engines with a per-layer cache write do; refserve indexes a block only at
     commit. With ``True`` PREFIX allows the first writer's write into such a block when
-    every other holder took it in this very step."""
+    every other holder took it in this very step. A promise too, with prefix caching on:
+    nobody computes a block it took as a hit, and two requests admitted in one step hold
+    each full block of a shared prefix that a hit may cover in one block (PREFIX, rule
+    ``declared-same-step-hits``)."""
     free_queue_order: bool = True
     """Whether ``PoolSnapshot.free_queue`` is the order in which the engine hands out
     free blocks (checked: new blocks come from its head). ``False`` for an engine whose

@@ -57,8 +57,10 @@ from refserve.spec.checks import check_pool, check_step
 from refserve.spec.order import (
     check_admission_order,
     check_decode_first,
+    check_prefill_first,
     check_strict_admission_order,
 )
+from refserve.spec.prefix import check_same_step_hits
 from refserve.spec.progress import check_quiescent, check_starvation
 from refserve.spec.snapshot import (
     EngineSnapshot,
@@ -274,7 +276,7 @@ class _Run:
         self.res.checked.update(STEP_INVARIANTS)
         if (
             self.props.admission_order is not AdmissionOrder.UNSPECIFIED
-            or self.props.step_order is StepOrder.DECODE_FIRST
+            or self.props.step_order is not StepOrder.UNSPECIFIED
         ):
             self.res.checked.add(Invariant.ORDER)
         pending = sorted(self.w.requests, key=lambda r: r.arrival)
@@ -437,6 +439,7 @@ class _Run:
             lambda: check_step(snap, self.props.lookahead_slots, self.props.same_step_prefix_hits),
         )
         self.check_order(snap, step)
+        self.check_promises(snap, step)
         self.steps.append(snap)
         if self.props.free_queue_order:
             self.check_free_order(snap, step)
@@ -483,10 +486,16 @@ class _Run:
         return out
 
     def check_order(self, snap: StepSnapshot, step: int) -> None:
-        """ORDER: the declared admission order and the declared decode-first step order,
-        when the adapter declares them."""
+        """ORDER: the declared admission order and the declared step order (decode-first
+        or prefill-first), when the adapter declares them."""
         if self.props.step_order is StepOrder.DECODE_FIRST:
             self.checked(step, "step", lambda: check_decode_first(snap))
+        elif self.props.step_order is StepOrder.PREFILL_FIRST:
+            self.checked(
+                step,
+                "step",
+                lambda: check_prefill_first(snap, self.rank, self.props.lookahead_slots),
+            )
         declared = self.props.admission_order
         if declared.strict:
             # Head-of-line blocking promises more than the lax order: a strict engine
@@ -505,6 +514,15 @@ class _Run:
                     snap, self.rank, self.props.lookahead_slots, str(declared)
                 ),
             )
+
+    def check_promises(self, snap: StepSnapshot, step: int) -> None:
+        """A declared convention the engine says it follows, held as a promise: PREFIX
+        lets an engine share a block another request fills in the same step; this holds
+        it to taking such hits where it declared it does (PREFIX rule
+        ``declared-same-step-hits``; docs/CONFORMANCE.md, "Declarations are promises").
+        Promised only with prefix caching on: without it no engine hits at all."""
+        if self.props.same_step_prefix_hits and self.cfg.enable_prefix_caching:
+            self.checked(step, "step", lambda: check_same_step_hits(snap))
 
     def check_free_order(self, snap: StepSnapshot, step: int) -> None:
         """Free blocks are handed out in the order the snapshot's free queue states.
@@ -622,7 +640,9 @@ class _Run:
         p = self.plans[rid]
         n_out = len(toks) - len(p.prompt) + 1
         forced = p.stop_at is not None and n_out == p.stop_at
-        if forced and self.props.eos and self.cfg.eos_token_id is not None:
+        # Sampled whether the engine handles eos or not: with eos=False the request must
+        # keep running (conformance/stops.py, rule declared-eos).
+        if forced and self.cfg.eos_token_id is not None:
             return self.cfg.eos_token_id
         return next_token(toks)
 

@@ -813,9 +813,47 @@ def _key_domains() -> list[Scenario]:
 CORPUS_SCENARIOS = frozenset(s.name for s in (*_key_domains(), *_pressure()))
 
 
+def _promises() -> list[Scenario]:
+    """Situations in which a declared convention promises something (docs/CONFORMANCE.md,
+    "Declarations are promises"); every engine runs them, and an engine that declares
+    nothing about them passes whatever it chooses."""
+    p8 = prompt(120, 8)
+    a = (*p8, *prompt(121, 3))
+    b = (*p8, *prompt(122, 2))
+    return [
+        Scenario(
+            "promise-same-step-shared-prefix",
+            "A and B share a new 8-token prefix (two full blocks) and are admitted in the "
+            "same step; D repeats it a step later. An engine declaring same-step prefix "
+            "hits holds the prefix in one pair of blocks: the request planned second hits "
+            "what the first fills (PREFIX, rule declared-same-step-hits).",
+            Workload(
+                _cfg(4, 16, 32, 4),
+                (R("A", a, 3), R("B", b, 3), R("D", (*p8, *prompt(123, 1)), 2, 1)),
+            ),
+            ("PREFIX",),
+        ),
+        Scenario(
+            "promise-same-step-hit-within-budget",
+            "As above with a budget of 12: A takes 11 tokens, leaving 1. A hit costs no "
+            "budget, so an engine declaring same-step hits admits B too, hitting A's two "
+            "blocks and computing one token; one without them may wait or chunk.",
+            Workload(_cfg(4, 16, 12, 4), (R("A", a, 2), R("B", b, 2))),
+            ("PREFIX",),
+        ),
+    ]
+
+
 def library() -> list[Scenario]:
     """Every fixed scenario, seeds first."""
-    return [*_seeds(), *_known_bugs(), *_key_domains(), *_pressure(), *_migrations()]
+    return [
+        *_seeds(),
+        *_known_bugs(),
+        *_key_domains(),
+        *_pressure(),
+        *_migrations(),
+        *_promises(),
+    ]
 
 
 def by_name() -> dict[str, Scenario]:

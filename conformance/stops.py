@@ -13,6 +13,9 @@ from refserve.conformance.workload import RequestPlan
 from refserve.spec.snapshot import EngineSnapshot
 from refserve.spec.violation import Invariant, Violation, violation
 
+#: The named rule of KVLEN for a declared lack of eos handling kept.
+DECLARED_EOS = "declared-eos"
+
 
 @dataclass(frozen=True)
 class MustStop:
@@ -48,8 +51,31 @@ class StopRules:
                 continue
             n_tokens = len(tokens[rid])
             must = self.must_stop(rid, p, tok, n_tokens, after)
-            out += self._wrong_stop(rid, p, must, n_tokens, reasons.get(rid), after)
+            out += self._wrong_stop(rid, p, tok, must, n_tokens, reasons.get(rid), after)
+            out += self._declared_no_eos(rid, tok, must, reasons.get(rid))
         return out
+
+    def _declared_no_eos(
+        self, rid: str, tok: int, must: MustStop | None, reason: str | None
+    ) -> list[Violation]:
+        """KVLEN, rule ``declared-eos``: an engine declared without eos handling
+        (``EngineProperties(eos=False)``) keeps running when it samples the eos token.
+        The suite samples eos at a forced stop either way, so the declaration is held
+        both ways: with ``True`` the request must stop there, with ``False`` it must not
+        (an engine that does stop has an eos path the suite was told not to test)."""
+        if self.props.eos or tok != self.eos_token_id or must is not None or reason != "stop":
+            return []
+        return [
+            violation(
+                Invariant.KVLEN,
+                f"request {rid}",
+                "stopped on its eos token, which the adapter declares the engine does not "
+                "handle (EngineProperties(eos=False))",
+                "running",
+                "finished (stop)",
+                rule=DECLARED_EOS,
+            )
+        ]
 
     def must_stop(
         self, rid: str, p: RequestPlan, tok: int, n_tokens: int, after: EngineSnapshot
@@ -71,6 +97,7 @@ class StopRules:
         self,
         rid: str,
         p: RequestPlan,
+        tok: int,
         must: MustStop | None,
         n_tokens: int,
         reason: str | None,
@@ -91,7 +118,9 @@ class StopRules:
                     f"{reason}, not length",
                 )
             )
-        if must is None and reason in ("stop", "length"):
+        # An eos stop the engine declares it does not make: reported as declared-eos.
+        undeclared_eos = not self.props.eos and reason == "stop" and tok == self.eos_token_id
+        if must is None and reason in ("stop", "length") and not undeclared_eos:
             r = after.request(rid)
             hint = ""
             if (

@@ -219,8 +219,16 @@ def _notes(features: frozenset[Feature], props: EngineProperties) -> list[str]:
             f"lookahead_slots {props.lookahead_slots}: tables may hold the blocks of "
             f"{props.lookahead_slots} slots ahead of their KV (POS)"
         )
+    if props.same_step_prefix_hits:
+        notes.append(
+            "same_step_prefix_hits: a request may hit a block another fills in the same "
+            "step, and with prefix caching on it does (PREFIX, rule declared-same-step-hits)"
+        )
     if not props.eos:
-        notes.append("eos: the engine has no eos handling; the suite never forced a stop")
+        notes.append(
+            "eos: the engine has no eos handling; the eos tokens the suite sampled were "
+            "held to keep requests running (KVLEN, rule declared-eos)"
+        )
     if not props.free_queue_order:
         notes.append("free_queue_order: the free queue is unordered; hand-out order not checked")
     if props.max_model_len_stop:

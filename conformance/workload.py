@@ -25,7 +25,8 @@ class RequestPlan:
     """One request of a workload.
 
     ``stop_at``: the suite samples eos as output number ``stop_at`` (1-based), forcing a
-    stop; ``abort_at``: the suite aborts it at that step boundary if it is still live.
+    stop (an engine declared without eos handling must run on past it); ``abort_at``:
+    the suite aborts it at that step boundary if it is still live.
     """
 
     request_id: str

@@ -31,7 +31,9 @@ A declared step order is a promise too (rule ``declared-step-order``,
 admits new work may not admit a request in a step that leaves a decoding request with
 nothing, unless that request was preempted or retired in the step. A chunk of a prompt
 already running is not an admission: how running prefills share the budget with decodes
-is the engine's business.
+is the engine's business. The dual, :func:`check_prefill_first`, holds an engine that
+says it serves its waiting queue first: no decode is served in a step that passes over
+the first waiting request when it visibly fitted at its turn.
 """
 
 from __future__ import annotations
@@ -172,4 +174,85 @@ def check_decode_first(step: StepSnapshot) -> list[Violation]:
         )
         for r in step.before.requests
         if r.status is RequestStatus.DECODING and r.request_id not in excused
+    ]
+
+
+def check_prefill_first(
+    step: StepSnapshot, keys: Mapping[str, tuple[int, ...]], lookahead: int = 0
+) -> list[Violation]:
+    """Prefill-first, as declared (rule ``declared-step-order``): no decode is served in
+    a step that passes over a waiting request which fitted when the queue was served.
+
+    The dual of :func:`check_decode_first`. A prefill-first engine serves its waiting
+    queue before its decodes, so a step that gives a decoding request a token and admits
+    no never-run request ``X``, the first in ``keys`` not admitted, must have had no
+    room for ``X`` at its turn. ``X`` is judged to have fitted only when it visibly did,
+    whatever the engine's own rule: its whole prompt fits the tokens the decodes took
+    plus the budget left unused; its whole prompt (plus the declared ``lookahead``
+    slots) fits the blocks free before the step less every block the step's prefills and
+    admissions newly took; and a sequence slot was left besides the requests running
+    before the step and those admitted in it. Not judged: a step that preempted (an
+    engine may admit nobody in such a step) and a step with a preempted or swapped
+    request waiting (where a victim re-enters the queue is the engine's convention, so
+    the head of the queue is not known).
+    """
+    status = {r.request_id: r.status for r in step.before.requests}
+    decodes = [s for s in step.scheduled if status.get(s.request_id) is RequestStatus.DECODING]
+    victims = (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
+    if not decodes or step.preempted or any(r.status in victims for r in step.before.requests):
+        return []
+    scheduled = {s.request_id for s in step.scheduled}
+    gone = set(step.finished) | set(step.aborted)
+    queue = sorted(
+        (
+            r
+            for r in step.before.requests
+            if r.status is RequestStatus.WAITING
+            and r.num_computed_tokens == 0
+            and r.request_id in keys
+        ),
+        key=lambda r: keys[r.request_id],
+    )
+    head = next((r for r in queue if r.request_id not in scheduled | gone), None)
+    if head is None:
+        return []
+    bs = step.before.pool.block_size
+    free_before = set(step.before.pool.free_queue)
+    taken: set[int] = set()
+    admitted = 0
+    for s in step.scheduled:
+        if status.get(s.request_id) is RequestStatus.DECODING:
+            continue
+        admitted += status.get(s.request_id) is RequestStatus.WAITING
+        table = step.after.pool.table(s.request_id)
+        held = set(s.block_table) | (set(table.block_table) if table else set())
+        taken |= held & free_before
+    room_blocks = len(free_before) - len(taken)
+    room_tokens = step.token_budget - sum(
+        s.num_new_tokens for s in step.scheduled if s not in decodes
+    )
+    running = sum(
+        1
+        for r in step.before.requests
+        if r.status in (RequestStatus.PREFILLING, RequestStatus.DECODING)
+    )
+    need = blocks_needed(head.num_tokens + lookahead, bs)
+    if (
+        need > room_blocks
+        or head.num_tokens > room_tokens
+        or running + admitted >= step.max_num_seqs
+    ):
+        return []
+    return [
+        violation(
+            ORD,
+            f"request {head.request_id}",
+            f"waiting request passed over while decoding request {decodes[0].request_id} got "
+            f"a token (declared prefill_first), although it fitted (needs {need} blocks and "
+            f"{head.num_tokens} tokens; {room_blocks} blocks and {room_tokens} tokens were "
+            "left when the queue was served)",
+            "admitted",
+            "still waiting",
+            rule=DECLARED_STEP_ORDER,
+        )
     ]

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from refserve.spec.arith import max_cacheable_tokens
+from refserve.spec.arith import full_blocks, max_cacheable_tokens
 from refserve.spec.hashing import block_key, chain_keys
-from refserve.spec.snapshot import PoolSnapshot, StepSnapshot, TableSnapshot
+from refserve.spec.snapshot import PoolSnapshot, RequestStatus, StepSnapshot, TableSnapshot
 from refserve.spec.violation import Invariant, Violation, violation
 
 X = Invariant.PREFIX
@@ -196,4 +196,111 @@ def check_prefix_step(step: StepSnapshot, same_step_hits: bool = False) -> list[
                     r.num_cached_tokens,
                 )
             )
+    return out
+
+
+#: The named rule of PREFIX for declared same-step hits kept.
+DECLARED_SAME_STEP_HITS = "declared-same-step-hits"
+
+_ADMITTABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+def check_same_step_hits(step: StepSnapshot) -> list[Violation]:
+    """PREFIX, rule ``declared-same-step-hits``: an engine that declares same-step hits
+    takes them (where the declaration says it hits, it does), once, in one block.
+
+    The declaration (docs/CONFORMANCE.md) says a full block is indexed as soon as a
+    request is scheduled to fill it, so a request admitted later in the same step takes
+    it as a hit. :func:`check_prefix_step` lets the writer fill such a shared block; this
+    is the other direction:
+
+    * a block is written by one request in a step: a request that shares it took it as
+      a hit and does not compute it again (the hit is taken once);
+    * two requests admitted in the step (never-run or recomputing, no block before it,
+      no K/V loaded from another store) whose tables hold the same full block of tokens
+      behind the same prefix and namespace, in a block that a hit of either may cover
+      (whole blocks, the last known token left to compute), hold it in one block: the
+      one scheduled second hits what the first is filling, whichever that was, so two
+      blocks mean the prefix was computed twice.
+
+    Judged on the tables after the step, so a request that finished in the step (its
+    table gone) is not judged; the order in which the engine planned the two is not
+    needed. Only for an engine that declares the convention, with prefix caching on.
+    """
+    return [*_written_twice(step), *_computed_twice(step)]
+
+
+def _written_twice(step: StepSnapshot) -> list[Violation]:
+    """A block written by several requests in one step: a shared block recomputed."""
+    bs = step.after.pool.block_size
+    writers: dict[int, list[str]] = defaultdict(list)
+    for s in step.scheduled:
+        for b in dict.fromkeys(slot // bs for slot in s.slot_mapping):
+            writers[b].append(s.request_id)
+    return [
+        violation(
+            X,
+            f"block {b}",
+            f"written by {len(rids)} requests in one step ({', '.join(rids)}): with same-step "
+            "hits declared the block is computed once, the others take it as a hit",
+            "1 writer",
+            len(rids),
+            rule=DECLARED_SAME_STEP_HITS,
+        )
+        for b, rids in writers.items()
+        if len(rids) > 1
+    ]
+
+
+def _admitted_hittable(step: StepSnapshot) -> list[tuple[TableSnapshot, int]]:
+    """The tables of the requests the step admitted with no K/V (never run, or
+    recomputing after a preemption; none loaded from another store), each with how many
+    of its leading blocks a hit may cover and it holds full after the step."""
+    bs = step.after.pool.block_size
+    out: list[tuple[TableSnapshot, int]] = []
+    for s in step.scheduled:
+        before = step.before.request(s.request_id)
+        table = step.after.pool.table(s.request_id)
+        if (
+            before is None
+            or table is None
+            or before.status not in _ADMITTABLE
+            or before.num_computed_tokens != 0
+            or s.num_new_loaded_tokens
+            or step.before.pool.table(s.request_id) is not None
+        ):
+            continue
+        hittable = full_blocks(max_cacheable_tokens(max(before.num_tokens, 1), bs), bs)
+        full = full_blocks(table.num_stored, bs)
+        out.append((table, min(hittable, full, len(table.block_table))))
+    return out
+
+
+def _computed_twice(step: StepSnapshot) -> list[Violation]:
+    """Two requests admitted in the step holding one cacheable prefix block in two."""
+    bs = step.after.pool.block_size
+    admitted = _admitted_hittable(step)
+    out: list[Violation] = []
+    for n, (t1, h1) in enumerate(admitted):
+        for t2, h2 in admitted[n + 1 :]:
+            if t1.root_key != t2.root_key:
+                continue
+            for i in range(min(h1, h2)):
+                end = (i + 1) * bs
+                if t1.token_ids[:end] != t2.token_ids[:end]:
+                    break
+                if t1.block_table[i] != t2.block_table[i]:
+                    out.append(
+                        violation(
+                            X,
+                            f"requests {t1.request_id}, {t2.request_id}",
+                            f"both admitted in one step, they hold logical block {i} of one "
+                            "prefix in two blocks: with same-step hits declared the one "
+                            "planned second takes the other's block as a hit",
+                            f"one block ({t1.block_table[i]})",
+                            f"blocks {t1.block_table[i]} and {t2.block_table[i]}",
+                            rule=DECLARED_SAME_STEP_HITS,
+                        )
+                    )
+                    break
     return out
