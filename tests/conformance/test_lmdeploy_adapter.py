@@ -108,9 +108,11 @@ def test_lmdeploy_3589_caught_then_clean_unaffected() -> None:
 def test_lmdeploy_4100_caught_then_clean_unaffected() -> None:
     workload = by_name()["bug-free-list-order"].workload
     res = run_with(lmdeploy_4100.make, workload)
-    first = res.findings[0]
-    assert first.violation.invariant is Invariant.PROGRESS
-    assert "runnable work but nothing scheduled" in first.violation.message
+    # The engine also decodes past a request that fits (ORDER, its declared
+    # prefill-first order) before the stall is long enough to call.
+    stalls = [f for f in res.findings if f.violation.invariant is Invariant.PROGRESS]
+    assert stalls, [str(f) for f in res.findings]
+    assert "runnable work but nothing scheduled" in stalls[0].violation.message
     assert run_with(lmdeploy.make, workload).findings == []
 
 

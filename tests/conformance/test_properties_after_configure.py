@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from refserve.conformance.adapter import EngineConfig
+from refserve.conformance.adapter import EngineConfig, RequestSpec
 from refserve.conformance.adapters.ref import REF_PROPERTIES, RefAdapter
 from refserve.conformance.runner import RunResult, run_workload
 from refserve.conformance.workload import EOS, RequestPlan, Workload
@@ -35,6 +35,10 @@ class EosOffOnceConfigured(RefAdapter):
     def configure(self, config: EngineConfig) -> None:
         super().configure(config)
         self.properties = dataclasses.replace(REF_PROPERTIES, eos=False)
+
+    def add_request(self, request: RequestSpec) -> None:
+        # Keeps the promise it makes once configured: no eos handling at all.
+        super().add_request(dataclasses.replace(request, eos_token_id=None))
 
 
 def _reasons(res: RunResult) -> dict[str, int]:
