@@ -2,6 +2,8 @@
 (docs/CLUSTER.md, "Transports", "Serving", "Faults"). Ray starts once for the module
 (locally, 2 CPUs, no dashboard) and is shut down at its end.
 
+- Every process of the local Ray instance (and this driver) listens on loopback only:
+  the listening sockets of this process and its descendants, found with psutil.
 - The same ``Cluster`` code drives two Ray replicas: greedy requests, one migrated by
   ticket bytes between the actors mid-decode, give one in-process engine's tokens, the
   ownership rule holding after every step.
@@ -18,6 +20,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -30,11 +33,15 @@ from typing import Any
 import httpx
 import pytest
 
-ray = pytest.importorskip(
-    "ray", reason="Ray is the optional [cluster] extra: `make cluster-deps` installs it"
-)
+# Ray itself is imported by start_ray (the module fixture), never here: it must read its
+# loopback switch at import (ref/cluster/ray_replica.py, ``LOOPBACK_ENV``).
+if importlib.util.find_spec("ray") is None:
+    pytest.skip(
+        "Ray is the optional [cluster] extra: `make cluster-deps` installs it",
+        allow_module_level=True,
+    )
 
-from serve_helpers import (  # noqa: E402  (after the skip: no Ray, no import)
+from serve_helpers import (  # after the skip: no Ray, no import
     MODEL,
     TIMEOUT_S,
     cluster_config,
@@ -44,16 +51,16 @@ from serve_helpers import (  # noqa: E402  (after the skip: no Ray, no import)
     stream_completion,
 )
 
-from refserve.cli import serve as serve_cli  # noqa: E402
-from refserve.cli.main import _parser, main  # noqa: E402
-from refserve.cluster import Cluster, ReplicaDead, Router  # noqa: E402
-from refserve.cluster.ray_replica import RayReplica, ray_replicas, start_ray, stop_ray  # noqa: E402
-from refserve.core.config import SchedulerConfig  # noqa: E402
-from refserve.engine.llm_engine import LLMEngine  # noqa: E402
-from refserve.errors import InvalidArgument  # noqa: E402
-from refserve.model.sampler import SamplingParams  # noqa: E402
-from refserve.serve.app import ServeSettings  # noqa: E402
-from refserve.serve.server import ServerThread, build_cluster_server  # noqa: E402
+from refserve.cli import serve as serve_cli
+from refserve.cli.main import _parser, main
+from refserve.cluster import Cluster, ReplicaDead, Router
+from refserve.cluster.ray_replica import RayReplica, ray_replicas, start_ray, stop_ray
+from refserve.core.config import SchedulerConfig
+from refserve.engine.llm_engine import LLMEngine
+from refserve.errors import InvalidArgument
+from refserve.model.sampler import SamplingParams
+from refserve.serve.app import ServeSettings
+from refserve.serve.server import ServerThread, build_cluster_server
 
 PROMPTS = ["The quick brown fox", "Hello", "Count to four.", "a" * 40]
 
@@ -84,6 +91,50 @@ def _server(replicas: list[RayReplica], reference: LLMEngine) -> ServerThread:
         tokenizer=reference.tokenizer,
         max_model_len=replicas[0].max_model_len,
     )
+
+
+#: The loopback addresses: IPv4's, IPv6's, and IPv4's as an IPv6 socket shows it (a
+#: dual-stack socket bound to 127.0.0.1 reads ::ffff:127.0.0.1).
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+def _listening() -> dict[int, tuple[str, list[str]]]:
+    """Every TCP socket listening in this process and its descendants (the Ray processes
+    start_ray started: GCS, raylet, the agents, the workers, the actors), by pid: the
+    process name and the addresses."""
+    import psutil  # Ray's own copy (ray/thirdparty_files), on the path once Ray is imported
+
+    me = psutil.Process()
+    out: dict[int, tuple[str, list[str]]] = {}
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            conns = p.net_connections(kind="tcp")
+            name = p.name()
+        except psutil.NoSuchProcess:  # ended meanwhile (an idle worker): nothing to see
+            continue
+        addrs = [f"{c.laddr.ip} port {c.laddr.port}" for c in conns if c.status == "LISTEN"]
+        if addrs:
+            out[p.pid] = (name, addrs)
+    return out
+
+
+def test_the_local_ray_cluster_listens_on_loopback_only() -> None:
+    """Nothing Ray started here (start_ray, then an actor) listens off loopback: not the
+    GCS, the raylet, the runtime-env agent, a worker, an actor, nor this driver."""
+    (rep,) = ray_replicas(1)
+    try:
+        found = _listening()
+        names = {name for name, _ in found.values()}
+        # The check sees the processes that matter: else it could pass on nothing.
+        assert {"gcs_server", "raylet"} <= names and rep.pid in found, found
+        off = {
+            pid: (name, [a for a in addrs if a.split(" port ")[0] not in LOOPBACK])
+            for pid, (name, addrs) in found.items()
+        }
+        off = {pid: v for pid, v in off.items() if v[1]}
+        assert off == {}, f"listening off loopback: {off}"
+    finally:
+        rep.kill()
 
 
 def test_cluster_on_ray_migrates_by_ticket_and_matches_one_engine() -> None:
