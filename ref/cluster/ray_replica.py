@@ -396,16 +396,20 @@ def ray_replicas(
     scheduler_config: SchedulerConfig | None = None,
     torch_threads: int | None = 1,
     call_timeout_s: float = CALL_TIMEOUT_S,
+    first_id: int = 0,
     **engine_kwargs: Any,
 ) -> list[RayReplica]:
     """``num_replicas`` Ray actors, each with one engine of ``model`` (Ray must be
     running: :func:`start_ray`). The actors reserve no CPU (``num_cpus=0``): on a small
     machine the engines share its cores instead of waiting for a free one, each on
     ``torch_threads`` threads. A replica whose actor leaves a call unanswered for
-    ``call_timeout_s`` is dead (module doc, "Faults"). ``engine_kwargs`` go to each
-    ``LLMEngine`` (plain values: they are pickled to the actors)."""
+    ``call_timeout_s`` is dead (module doc, "Faults"). The replicas are numbered from
+    ``first_id`` (a replacement takes its dead predecessor's number). ``engine_kwargs``
+    go to each ``LLMEngine`` (plain values: they are pickled to the actors)."""
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
         raise InvalidArgument(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+    if isinstance(first_id, bool) or not isinstance(first_id, int) or first_id < 0:
+        raise InvalidArgument(f"first_id must be an int >= 0, got {first_id!r}")
     _check_timeout(call_timeout_s)
     ray = _ray()
     if not ray.is_initialized():
@@ -415,7 +419,10 @@ def ray_replicas(
     handles = [
         actor.remote(str(model), cfg, engine_kwargs, torch_threads) for _ in range(num_replicas)
     ]
-    return [RayReplica(h, i, call_timeout_s=call_timeout_s) for i, h in enumerate(handles)]
+    return [
+        RayReplica(h, i, call_timeout_s=call_timeout_s)
+        for i, h in enumerate(handles, start=first_id)
+    ]
 
 
 def _check_timeout(call_timeout_s: object) -> None:

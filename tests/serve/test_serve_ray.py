@@ -3,7 +3,8 @@
 (locally, 2 CPUs, no dashboard) and is shut down at its end.
 
 - Every process of the local Ray instance (and this driver) listens on loopback only:
-  the listening sockets of this process and its descendants, found with psutil.
+  the listening sockets of this process and its descendants, found with psutil; a Ray
+  imported before its loopback switch was set is refused, before anything starts.
 - The same ``Cluster`` code drives two Ray replicas: greedy requests, one migrated by
   ticket bytes between the actors mid-decode, give one in-process engine's tokens, the
   ownership rule holding after every step.
@@ -14,8 +15,8 @@
   its request ended once with ``ReplicaDead``, the other replica serving on.
 - A replica's actor killed (SIGKILL) mid-request: that stream ends with a typed error
   event (503 ``service_unavailable`` naming the replica), its delivered text a prefix of
-  the right one (nothing lost silently, nothing twice), and every later request goes to
-  the live replica.
+  the right one (nothing lost silently, nothing twice); a fresh actor takes the dead
+  one's place (``replica_up`` 1 again, one restart counted) and serves its share again.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import importlib.util
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -54,7 +57,13 @@ from serve_helpers import (  # after the skip: no Ray, no import
 from refserve.cli import serve as serve_cli
 from refserve.cli.main import _parser, main
 from refserve.cluster import Cluster, ReplicaDead, Router
-from refserve.cluster.ray_replica import RayReplica, ray_replicas, start_ray, stop_ray
+from refserve.cluster.ray_replica import (
+    LOOPBACK_ENV,
+    RayReplica,
+    ray_replicas,
+    start_ray,
+    stop_ray,
+)
 from refserve.core.config import SchedulerConfig
 from refserve.engine.llm_engine import LLMEngine
 from refserve.errors import InvalidArgument
@@ -85,11 +94,14 @@ def _greedy(reference: LLMEngine, prompt: str, max_tokens: int) -> str:
 
 
 def _server(replicas: list[RayReplica], reference: LLMEngine) -> ServerThread:
+    """Round robin over ``replicas``; a dead one replaced once by a fresh actor."""
     return start_cluster(
         replicas,
         router="round_robin",
         tokenizer=reference.tokenizer,
         max_model_len=replicas[0].max_model_len,
+        restart=lambda slot: ray_replicas(1, scheduler_config=cluster_config(), first_id=slot)[0],
+        max_restarts=1,
     )
 
 
@@ -135,6 +147,26 @@ def test_the_local_ray_cluster_listens_on_loopback_only() -> None:
         assert off == {}, f"listening off loopback: {off}"
     finally:
         rep.kill()
+
+
+def test_start_ray_refuses_a_ray_imported_without_its_loopback_switch() -> None:
+    """Ray imported first (it read its switch unset): start_ray refuses, typed, before
+    any Ray process starts (a process of its own: this one's Ray is running)."""
+    code = (
+        "import ray\n"
+        "from refserve.cluster.ray_replica import start_ray\n"
+        "from refserve.cluster.errors import ClusterError\n"
+        "try:\n"
+        "    start_ray()\n"
+        "except ClusterError as e:\n"
+        "    print('refused:', e, ray.is_initialized())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != LOOPBACK_ENV}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "refused: start_ray: Ray was imported before" in out.stdout, out.stderr[-2000:]
+    assert out.stdout.rstrip().endswith("False")  # nothing started
 
 
 def test_cluster_on_ray_migrates_by_ticket_and_matches_one_engine() -> None:
@@ -239,6 +271,8 @@ def test_a_replica_that_does_not_answer_in_time_is_dead_and_killed() -> None:
     replica goes on serving."""
     with pytest.raises(InvalidArgument, match="call_timeout_s"):
         ray_replicas(1, call_timeout_s=0)  # refused before any actor starts
+    with pytest.raises(InvalidArgument, match="first_id"):
+        ray_replicas(1, first_id=-1)
     reps = ray_replicas(2, scheduler_config=cluster_config())
     try:
         c = Cluster(reps, Router("round_robin"))
@@ -289,27 +323,37 @@ def test_a_killed_replica_ends_its_requests_with_a_typed_error(reference: LLMEng
         assert out["reason"] is None  # never reported finished
         # What was delivered is the start of the right text: nothing skipped or repeated.
         assert _greedy(reference, PROMPTS[0], 200).startswith(out["text"]) and out["text"]
-        assert loop.loops[0].dead is not None and loop.owners() == {}
-        assert metric(handle, "refserve:replica_up", model_name=MODEL, replica="0") == 0.0
+        assert metric(handle, "refserve:replica_deaths_total", model_name=MODEL,
+                      replica="0") == 1.0  # fmt: skip
         failed = metric(handle, "refserve:replica_failed_requests_total", model_name=MODEL,
                         replica="0")  # fmt: skip
         assert failed == 1.0
-        # The router never routes to the dead replica again.
+        # A fresh actor takes its place, rejoins from its empty cache, and serves again.
+        deadline = time.monotonic() + 90
+        while metric(handle, "refserve:replica_up", model_name=MODEL, replica="0") != 1.0:
+            assert time.monotonic() < deadline, "replica 0 did not come back"
+            time.sleep(0.2)
+        fresh = loop.loops[0].replica
+        assert isinstance(fresh, RayReplica) and fresh.pid != reps[0].pid
+        assert metric(handle, "refserve:replica_restarts_total", model_name=MODEL,
+                      replica="0") == 1.0  # fmt: skip
+        assert loop.owners() == {}
         before = {r: metric(handle, "refserve:router_decisions_total", model_name=MODEL,
                             policy="round_robin", replica=r) for r in ("0", "1")}  # fmt: skip
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
-        for _ in range(3):
+        for _ in range(4):
             r = httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=TIMEOUT_S)
             assert r.status_code == 200, r.text
         after = {r: metric(handle, "refserve:router_decisions_total", model_name=MODEL,
                            policy="round_robin", replica=r) for r in ("0", "1")}  # fmt: skip
-        assert after["0"] == before["0"] and after["1"] == before["1"] + 3
+        assert after == {r: before[r] + 2 for r in ("0", "1")}  # the fresh one serves
         assert httpx.get(f"{handle.base_url}/health", timeout=TIMEOUT_S).status_code == 200
         with pytest.raises(ReplicaDead, match="replica 0"):
-            reps[0].step()
+            reps[0].step()  # the dead actor's handle stays dead
     finally:
         t0 = time.monotonic()
         handle.stop()
         assert time.monotonic() - t0 < 15  # a dead replica does not hold up the drain
-        for r in reps[1:]:
-            r.kill()
+        for r in [*reps[1:], cluster_loop(handle).loops[0].replica]:
+            if isinstance(r, RayReplica) and r is not reps[0]:
+                r.kill()
