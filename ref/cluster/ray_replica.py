@@ -353,6 +353,10 @@ class RayReplica:
     def request_ids(self) -> tuple[str, ...]:
         return self._last().request_ids
 
+    def ping(self) -> None:
+        """A round trip to the actor (its report, refreshed): ``ReplicaDead`` if it died."""
+        self._answer(self.handle.report.remote())
+
     def load(self) -> LoadFigures:
         return replace(self._last().load, cost=self.cost)
 

@@ -17,8 +17,9 @@ their last published load go to the :class:`~refserve.cluster.router.Router`; th
 then added on the chosen replica's thread. Requests routed at the same moment see the
 same figures (the load moves at the next publication): a documented approximation.
 
-Faults: a replica that dies (:class:`~refserve.cluster.errors.ReplicaDead`, from a step or a
-command) leaves the index and the router's sight. Each of its requests that has
+Faults: a replica that dies (:class:`~refserve.cluster.errors.ReplicaDead`, from a step, a
+command, or the ping an idle one gets every :data:`HEALTH_CHECK_S`) leaves the index and
+the router's sight. Each of its requests that has
 delivered an output ends with that error, once (the client gets an OpenAI error: 503
 ``service_unavailable``, or an error event mid-stream; never restarted, so no token is
 delivered twice); one that has delivered nothing yet is routed again among the live
@@ -83,6 +84,9 @@ T = TypeVar("T")
 
 #: Makes a fresh replica for a slot (its id), to replace a dead one (module doc, "Faults").
 ReplicaFactory = Callable[[int], Replica]
+#: An idle replica is pinged this often, so that its death is found (and it is replaced)
+#: before a request is routed to it; a busy one's shows in its next step.
+HEALTH_CHECK_S = 1.0
 
 log = logging.getLogger("refserve.serve")
 
@@ -98,6 +102,7 @@ class ReplicaLoop:
         self.sinks: dict[str, _Sink] = {}
         self._stop = threading.Event()
         self.dead: ReplicaDead | None = None
+        self._pinged = time.monotonic()
         self.load: LoadFigures = replica.load()
         self.idle_fraction = replica.idle_fraction
         self._thread = threading.Thread(
@@ -139,6 +144,7 @@ class ReplicaLoop:
                 idled = self._run_commands(block=block)
                 if idled:
                     prev_end = None
+                    self._check_health()
                 if self.dead is not None or not self.replica.has_work:
                     continue
                 prev_end = self._one_step(prev_end)
@@ -231,6 +237,17 @@ class ReplicaLoop:
                 if sink.finished >= sink.n:
                     del self.sinks[o.request_id]
                     self.front._finished(o.request_id)
+
+    def _check_health(self) -> None:
+        """Ping the idle replica every :data:`HEALTH_CHECK_S` (module doc, "Faults")."""
+        now = time.monotonic()
+        if now - self._pinged < HEALTH_CHECK_S:
+            return
+        self._pinged = now
+        try:
+            self.replica.ping()
+        except ReplicaDead as e:
+            self._died(e)
 
     def _replace(self) -> bool:
         """The dead replica replaced by a fresh one from the front's factory (module

@@ -16,7 +16,8 @@
 - A replica's actor killed (SIGKILL) mid-request: that stream ends with a typed error
   event (503 ``service_unavailable`` naming the replica), its delivered text a prefix of
   the right one (nothing lost silently, nothing twice); a fresh actor takes the dead
-  one's place (``replica_up`` 1 again, one restart counted) and serves its share again.
+  one's place (``replica_up`` 1 again, one restart counted) and serves its share again;
+  an idle replica killed is found by its ping and replaced too.
 """
 
 from __future__ import annotations
@@ -301,6 +302,18 @@ def test_a_replica_that_does_not_answer_in_time_is_dead_and_killed() -> None:
         reps[1].kill()
 
 
+def _wait_back(handle: ServerThread, replica: str) -> None:
+    """Until ``replica`` died once and came back once (/metrics)."""
+    figures = ("replica_deaths_total", "replica_restarts_total", "replica_up")
+    deadline = time.monotonic() + 90
+    while True:
+        got = [metric(handle, f"refserve:{n}", model_name=MODEL, replica=replica) for n in figures]
+        if got == [1.0, 1.0, 1.0]:
+            return
+        assert time.monotonic() < deadline, f"replica {replica} did not come back: {got}"
+        time.sleep(0.2)
+
+
 def test_a_killed_replica_ends_its_requests_with_a_typed_error(reference: LLMEngine) -> None:
     reps = ray_replicas(2, scheduler_config=cluster_config())
     handle = _server(reps, reference)
@@ -329,15 +342,14 @@ def test_a_killed_replica_ends_its_requests_with_a_typed_error(reference: LLMEng
                         replica="0")  # fmt: skip
         assert failed == 1.0
         # A fresh actor takes its place, rejoins from its empty cache, and serves again.
-        deadline = time.monotonic() + 90
-        while metric(handle, "refserve:replica_up", model_name=MODEL, replica="0") != 1.0:
-            assert time.monotonic() < deadline, "replica 0 did not come back"
-            time.sleep(0.2)
+        _wait_back(handle, "0")
         fresh = loop.loops[0].replica
         assert isinstance(fresh, RayReplica) and fresh.pid != reps[0].pid
-        assert metric(handle, "refserve:replica_restarts_total", model_name=MODEL,
-                      replica="0") == 1.0  # fmt: skip
         assert loop.owners() == {}
+        # An idle replica's death is found by its ping: replica 1 killed with no request.
+        os.kill(reps[1].pid, signal.SIGKILL)
+        _wait_back(handle, "1")
+        assert loop.loops[1].replica is not reps[1]
         before = {r: metric(handle, "refserve:router_decisions_total", model_name=MODEL,
                             policy="round_robin", replica=r) for r in ("0", "1")}  # fmt: skip
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
@@ -354,6 +366,6 @@ def test_a_killed_replica_ends_its_requests_with_a_typed_error(reference: LLMEng
         t0 = time.monotonic()
         handle.stop()
         assert time.monotonic() - t0 < 15  # a dead replica does not hold up the drain
-        for r in [*reps[1:], cluster_loop(handle).loops[0].replica]:
-            if isinstance(r, RayReplica) and r is not reps[0]:
-                r.kill()
+        for r in {*reps, *(lp.replica for lp in cluster_loop(handle).loops)}:
+            assert isinstance(r, RayReplica)
+            r.kill()  # the dead ones too: a no-op
