@@ -112,20 +112,22 @@ LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
 
 def _listening() -> dict[int, tuple[str, list[str]]]:
-    """Every TCP socket listening in this process and its descendants (the Ray processes
-    start_ray started: GCS, raylet, the agents, the workers, the actors), by pid: the
-    process name and the addresses."""
+    """Every TCP socket listening, and UDP socket bound, in this process and its
+    descendants (the Ray processes start_ray started: GCS, raylet, the agents, the
+    workers, the actors), by pid: the process name and the addresses."""
     import psutil  # Ray's own copy (ray/thirdparty_files), on the path once Ray is imported
 
     me = psutil.Process()
     out: dict[int, tuple[str, list[str]]] = {}
     for p in [me, *me.children(recursive=True)]:
         try:
-            conns = p.net_connections(kind="tcp")
+            tcp = p.net_connections(kind="tcp")
+            udp = p.net_connections(kind="udp")  # a bound datagram socket listens too
             name = p.name()
         except psutil.NoSuchProcess:  # ended meanwhile (an idle worker): nothing to see
             continue
-        addrs = [f"{c.laddr.ip} port {c.laddr.port}" for c in conns if c.status == "LISTEN"]
+        addrs = [f"{c.laddr.ip} port {c.laddr.port}" for c in tcp if c.status == "LISTEN"]
+        addrs += [f"{c.laddr.ip} port {c.laddr.port}" for c in udp if c.laddr]
         if addrs:
             out[p.pid] = (name, addrs)
     return out
