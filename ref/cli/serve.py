@@ -36,6 +36,7 @@ from refserve.core.config import SchedulerConfig
 from refserve.errors import InvalidArgument
 
 if TYPE_CHECKING:
+    from refserve.cluster.ray_replica import RayReplica
     from refserve.serve.cluster_loop import ClusterLoop
 
 #: The environment variable read when ``--api-key`` is not given.
@@ -43,6 +44,9 @@ API_KEY_ENV = "REFSERVE_API_KEY"
 MAX_WAITING_DEFAULT = 256
 BACKENDS = ("inprocess", "ray")
 ROUTERS = ("round_robin", "least_loaded", "prefix_aware", "slo_aware")
+#: ``--max-replica-restarts``' default: a replica that keeps dying (a model that crashes
+#: its process) stops being replaced after this many.
+MAX_RESTARTS_DEFAULT = 3
 
 
 def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
@@ -112,6 +116,15 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         default="inprocess",
         help="where the replicas run: threads of this process (default) or one Ray actor "
         "each (needs the [cluster] extra: make cluster-deps)",
+    )
+    p.add_argument(
+        "--max-replica-restarts",
+        type=int_at_most(1000, lo=0),
+        default=MAX_RESTARTS_DEFAULT,
+        metavar="N",
+        help="times each replica of a cluster that dies is replaced by a fresh one "
+        '(docs/CLUSTER.md, "Faults"; 0 to 1000, default %(default)s; 0: a dead replica '
+        "stays dead)",
     )
     add_device_args(p)
     add_speculative_args(p)
@@ -211,34 +224,47 @@ def cluster_loop(args: argparse.Namespace, config: SchedulerConfig, name: str) -
         from refserve.cluster.ray_replica import ray_replicas
         from refserve.model.checkpoint import load_model
 
-        rays = ray_replicas(
-            n,
-            model=str(args.model),
-            scheduler_config=cfg,
-            torch_threads=max(1, args.torch_threads // n),
-            attention_backend=args.attention_backend,
-            device=args.device,
-            check_invariants=args.check,
-        )
-        replicas.extend(rays)
+        def rays(num: int, first: int) -> list[RayReplica]:
+            return ray_replicas(
+                num,
+                model=str(args.model),
+                scheduler_config=cfg,
+                torch_threads=max(1, args.torch_threads // n),
+                first_id=first,
+                attention_backend=args.attention_backend,
+                device=args.device,
+                check_invariants=args.check,
+            )
+
+        made = rays(n, 0)
+        replicas.extend(made)
         # The tokenizer, here: the app tokenizes and detokenizes (loads one model copy).
         tokenizer = load_model(args.model).tokenizer
-        max_len = rays[0].max_model_len
+        max_len = made[0].max_model_len
         threads = None
+
+        def restart(slot: int) -> Replica:  # a fresh actor in the dead one's slot
+            return rays(1, slot)[0]
+
     else:
-        engines = [
-            LLMEngine(
+
+        def engine() -> LLMEngine:
+            return LLMEngine(
                 args.model,
                 scheduler_config=cfg,
                 attention_backend=args.attention_backend,
                 device=args.device,
                 check_invariants=args.check,
             )
-            for _ in range(n)
-        ]
+
+        engines = [engine() for _ in range(n)]
         replicas.extend(InProcessReplica(e) for e in engines)
         tokenizer, max_len = engines[0].tokenizer, engines[0].max_model_len
         threads = args.torch_threads
+
+        def restart(slot: int) -> Replica:
+            return InProcessReplica(engine())
+
     return ClusterLoop(
         replicas,
         Router(args.router),
@@ -247,4 +273,6 @@ def cluster_loop(args: argparse.Namespace, config: SchedulerConfig, name: str) -
         scheduler_config=cfg,
         metrics=ClusterServeMetrics(name),
         torch_threads=threads,
+        restart=restart,
+        max_restarts=args.max_replica_restarts,
     )

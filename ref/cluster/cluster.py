@@ -21,8 +21,11 @@ once), as a single engine holds its outputs (ref/engine/llm_engine.py, "Faults")
 replica that is gone (:class:`~refserve.cluster.errors.ReplicaDead`, raised by any call to
 it: its Ray actor died) is buried instead: every request it held ends with that error,
 once, in :meth:`Cluster.take_failures` (never restarted, so never duplicated: the
-documented choice, docs/CLUSTER.md "Faults"), it leaves the index, and the router never
-sees it again; the other replicas go on.
+documented choice, docs/CLUSTER.md "Faults"), it leaves the index, and the router does
+not see it; the other replicas go on. With a ``restart`` factory, a buried replica is
+replaced at once by a fresh one in its slot, at most ``max_restarts`` times a slot: the
+fresh one joins the index from its own snapshot (an empty cache: a resync, nothing of
+the dead one's replayed) and the router sees it again.
 
 Migration policy. With a :class:`~refserve.cluster.triggers.MigrationPolicy` (opt-in; off by
 default) the cluster also moves requests by itself, before a replica steps, with the
@@ -38,9 +41,10 @@ transfer or recompute); a refusal leaves the request where it was and is counted
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import cast
 
@@ -69,6 +73,7 @@ from refserve.engine.llm_engine import (
     Prompt,
     RequestOutput,
 )
+from refserve.engine.ticket import ModelIdentity
 from refserve.errors import DuplicateRequest, InvalidArgument, UnknownRequest
 from refserve.model.sampler import SamplingParams
 
@@ -85,6 +90,26 @@ def _check_policy(migration: MigrationPolicy, reps: Sequence[Replica]) -> None:
             "in-process replicas"
         )
 
+
+def _check_replacement(fresh: object, model: ModelIdentity) -> None:
+    """A replacement is a replica of the cluster's model (module doc, "Faults")."""
+    if not isinstance(fresh, Replica):
+        raise InvalidArgument(f"Cluster: the restart factory made a {type(fresh).__name__}")
+    if fresh.identity != model:
+        raise ReplicaMismatch(f"Cluster: the restarted replica runs {fresh.identity}, not {model}")
+
+
+def _check_restarts(restart: object, max_restarts: object) -> None:
+    """A restart factory and limit the cluster can use (module doc, "Faults")."""
+    if restart is not None and not callable(restart):
+        raise InvalidArgument(f"Cluster: restart must make a replica for a slot, got {restart!r}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise InvalidArgument(f"Cluster: max_restarts must be an int >= 0, got {max_restarts!r}")
+    if max_restarts and restart is None:
+        raise InvalidArgument("Cluster: max_restarts > 0 needs a restart factory")
+
+
+log = logging.getLogger("refserve.cluster")
 
 #: Routing decisions kept for inspection (:attr:`Cluster.decisions`), newest last.
 DECISIONS_KEPT = 4096
@@ -104,7 +129,8 @@ class ClusterMetrics:
     migration_bytes: int = 0  # K/V bytes moved (transfer), inline and streamed
     migration_ms: float = 0.0
     index_resyncs: int = 0  # the index rebuilt from a replica's snapshot (a gap, a mismatch)
-    replicas_dead: int = 0
+    replicas_dead: int = 0  # deaths: a slot whose replica was replaced can die again
+    replicas_restarted: int = 0  # a fresh replica took a dead one's slot
     requests_failed: int = 0  # ended with ReplicaDead: their replica died holding them
 
 
@@ -128,10 +154,13 @@ class Cluster:
         router: Router | None = None,
         *,
         migration: MigrationPolicy | None = None,
+        restart: Callable[[int], Replica] | None = None,
+        max_restarts: int = 0,
     ) -> None:
         reps = list(replicas)
         if not reps:
             raise InvalidArgument("Cluster: needs at least one replica")
+        _check_restarts(restart, max_restarts)
         for i, rep in enumerate(reps):
             if not isinstance(rep, Replica):
                 raise InvalidArgument(
@@ -162,6 +191,9 @@ class Cluster:
         self.dead: dict[int, ReplicaDead] = {}  # replica -> what killed it
         self._failures: dict[str, ReplicaDead] = {}
         self._split: set[str] = set()  # requests a split policy tried to move once
+        self._restart = restart
+        self.max_restarts = max_restarts
+        self.restarts: list[int] = [0] * len(reps)  # per slot: replacements tried
         self._next_id = 0
         self._vocab_size = model.vocab_size
 
@@ -537,6 +569,30 @@ class Cluster:
                 self.metrics.requests_failed += 1
         if r in self.index.replicas:
             self.index.remove_replica(r)
+        self._replace(r)
+
+    def _replace(self, r: int) -> None:
+        """A fresh replica from the factory in dead slot ``r`` (module doc, "Faults"),
+        tried while the slot has restarts left (a failed try counts)."""
+        while self._restart is not None and self.restarts[r] < self.max_restarts:
+            self.restarts[r] += 1
+            try:
+                fresh = self._restart(r)
+                _check_replacement(fresh, self.replicas[0].identity)
+                if self.migration.enabled:
+                    _check_policy(self.migration, [fresh])
+                snapshot = fresh.cache_snapshot()
+                fresh.drain_cache_events()  # reflected in the snapshot
+            except Exception:  # died before it joined, or never made: the next try
+                log.exception("replica %d: restart %d failed", r, self.restarts[r])
+                continue
+            self.index.add_replica(r, fresh.block_size, snapshot)
+            reps = list(self.replicas)
+            reps[r] = fresh
+            self.replicas = tuple(reps)
+            del self.dead[r]
+            self.metrics.replicas_restarted += 1
+            return
 
     def _retire(self, r: int, rep: Replica, fresh: Sequence[RequestOutput]) -> None:
         """Requests whose final output ``fresh`` carries and that replica ``r`` no longer

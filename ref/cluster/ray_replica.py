@@ -25,8 +25,10 @@ first, so a late answer cannot change anything after its requests have ended.
 from __future__ import annotations
 
 import importlib
+import ipaddress
 import math
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -52,6 +54,14 @@ RAY_NUM_CPUS = 2
 #: How long a call waits for its actor's answer before the replica counts as dead
 #: (a step of a real model on a CPU can take seconds; none of the tiny model's, one).
 CALL_TIMEOUT_S = 120.0
+#: Ray's switch for a node that is no cluster member: "0" makes its node address the
+#: loopback one (what Ray does on macOS and Windows), and every service Ray starts for it
+#: (GCS, raylet, object manager, the agents, each worker's and the driver's gRPC server,
+#: the autoscaler's metrics) binds that address. Ray reads it once, at its import: see
+#: :func:`_ray`. On Linux Ray otherwise takes the machine's external address, even from
+#: ``_node_ip_address="127.0.0.1"`` (it resolves a loopback address to the external one),
+#: and binds its gRPC servers to every interface.
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 #: The repository root: Ray's worker processes import ``ref`` from here, the same code
 #: as the driver (an installed copy elsewhere would be another version).
 _ROOT = str(Path(__file__).resolve().parents[2])
@@ -194,6 +204,10 @@ class EngineActor:
 
 
 def _ray() -> Any:
+    """Ray, imported with its loopback switch set (:data:`LOOPBACK_ENV`) unless someone
+    imported it before (then :func:`start_ray` refuses to start it)."""
+    if "ray" not in sys.modules:
+        os.environ[LOOPBACK_ENV] = "0"
     try:
         import ray
     except ImportError:
@@ -205,20 +219,30 @@ def _ray() -> Any:
 
 def start_ray(num_cpus: int = RAY_NUM_CPUS) -> bool:
     """A local Ray instance on this machine, unless one is running; True if started here
-    (the caller then stops it with :func:`stop_ray`). No dashboard, on the loopback
-    address; the workers import this repository's ``ref``."""
+    (the caller then stops it with :func:`stop_ray`). No dashboard; every process it
+    starts listens on the loopback address only (:data:`LOOPBACK_ENV`; docs/CLUSTER.md,
+    "Transports"), else :class:`ClusterError` before anything starts; the workers import
+    this repository's ``ref``."""
     ray = _ray()
     if ray.is_initialized():
         return False
+    if os.environ.get(LOOPBACK_ENV) != "0":
+        raise ClusterError(
+            f"start_ray: Ray was imported before refserve could set {LOOPBACK_ENV}=0, so "
+            "its services would listen on every interface; set it in the environment "
+            "(or import refserve.cluster.ray_replica's start_ray before Ray)"
+        )
     path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
         num_cpus=num_cpus,
         include_dashboard=False,
-        # Loopback only: this local cluster's services serve nobody off this machine.
-        _node_ip_address="127.0.0.1",
         log_to_driver=False,
         runtime_env={"env_vars": {"PYTHONPATH": path}},
     )
+    node = ray.util.get_node_ip_address()
+    if not ipaddress.ip_address(node).is_loopback:  # the switch was not honoured
+        ray.shutdown()
+        raise ClusterError(f"start_ray: Ray took the node address {node}, not loopback")
     return True
 
 
@@ -329,6 +353,10 @@ class RayReplica:
     def request_ids(self) -> tuple[str, ...]:
         return self._last().request_ids
 
+    def ping(self) -> None:
+        """A round trip to the actor (its report, refreshed): ``ReplicaDead`` if it died."""
+        self._answer(self.handle.report.remote())
+
     def load(self) -> LoadFigures:
         return replace(self._last().load, cost=self.cost)
 
@@ -372,16 +400,20 @@ def ray_replicas(
     scheduler_config: SchedulerConfig | None = None,
     torch_threads: int | None = 1,
     call_timeout_s: float = CALL_TIMEOUT_S,
+    first_id: int = 0,
     **engine_kwargs: Any,
 ) -> list[RayReplica]:
     """``num_replicas`` Ray actors, each with one engine of ``model`` (Ray must be
     running: :func:`start_ray`). The actors reserve no CPU (``num_cpus=0``): on a small
     machine the engines share its cores instead of waiting for a free one, each on
     ``torch_threads`` threads. A replica whose actor leaves a call unanswered for
-    ``call_timeout_s`` is dead (module doc, "Faults"). ``engine_kwargs`` go to each
-    ``LLMEngine`` (plain values: they are pickled to the actors)."""
+    ``call_timeout_s`` is dead (module doc, "Faults"). The replicas are numbered from
+    ``first_id`` (a replacement takes its dead predecessor's number). ``engine_kwargs``
+    go to each ``LLMEngine`` (plain values: they are pickled to the actors)."""
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
         raise InvalidArgument(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+    if isinstance(first_id, bool) or not isinstance(first_id, int) or first_id < 0:
+        raise InvalidArgument(f"first_id must be an int >= 0, got {first_id!r}")
     _check_timeout(call_timeout_s)
     ray = _ray()
     if not ray.is_initialized():
@@ -391,7 +423,10 @@ def ray_replicas(
     handles = [
         actor.remote(str(model), cfg, engine_kwargs, torch_threads) for _ in range(num_replicas)
     ]
-    return [RayReplica(h, i, call_timeout_s=call_timeout_s) for i, h in enumerate(handles)]
+    return [
+        RayReplica(h, i, call_timeout_s=call_timeout_s)
+        for i, h in enumerate(handles, start=first_id)
+    ]
 
 
 def _check_timeout(call_timeout_s: object) -> None:

@@ -94,6 +94,11 @@ class Replica(Protocol):
         """The requests live on this replica."""
         ...
 
+    def ping(self) -> None:
+        """Reach the engine and come back: raises ``ReplicaDead`` if it is gone (how an
+        idle replica's death is found; a busy one's shows in its next step)."""
+        ...
+
     def load(self) -> LoadFigures: ...
 
     def prefix_hit_tokens(self, token_ids: Sequence[int]) -> int:
@@ -201,6 +206,9 @@ class InProcessReplica:
 
     def request_ids(self) -> tuple[str, ...]:
         return self.engine.request_ids
+
+    def ping(self) -> None:
+        """In this process: alive as long as the caller is."""
 
     def load(self) -> LoadFigures:
         return load_figures(self.engine.scheduler, self.cost)

@@ -17,11 +17,18 @@ their last published load go to the :class:`~refserve.cluster.router.Router`; th
 then added on the chosen replica's thread. Requests routed at the same moment see the
 same figures (the load moves at the next publication): a documented approximation.
 
-Faults: a replica that dies (:class:`~refserve.cluster.errors.ReplicaDead`, from a step or a
-command) stops its thread; each of its requests ends with that error, once (the client
-gets an OpenAI error: 503 ``service_unavailable``, or an error event mid-stream), it is
-never restarted elsewhere (no token is delivered twice), and the router no longer sees
-the replica. With every replica dead the server answers 503 and ``/health`` 503.
+Faults: a replica that dies (:class:`~refserve.cluster.errors.ReplicaDead`, from a step, a
+command, or the ping an idle one gets every :data:`HEALTH_CHECK_S`) leaves the index and
+the router's sight. Each of its requests that has
+delivered an output ends with that error, once (the client gets an OpenAI error: 503
+``service_unavailable``, or an error event mid-stream; never restarted, so no token is
+delivered twice); one that has delivered nothing yet is routed again among the live
+replicas and added there, from its prompt (nothing to repeat). Then, if the loop has a
+``restart`` factory and the replica has restarts left (``max_restarts`` each), its
+thread builds a fresh replica in its place: it rejoins the index from its snapshot (an
+empty cache: a resync, never a replay of the dead one's events) and the router sees it
+again; a factory that fails uses up a restart too. With every replica dead the server
+answers 503 and ``/health`` 503.
 
 Migration (:meth:`ClusterLoop.migrate`): the source's thread exports the ticket (the
 K/V inline) and waits; the destination's thread imports it and takes over the request's
@@ -75,6 +82,12 @@ from refserve.spec.events import CacheEvent
 
 T = TypeVar("T")
 
+#: Makes a fresh replica for a slot (its id), to replace a dead one (module doc, "Faults").
+ReplicaFactory = Callable[[int], Replica]
+#: An idle replica is pinged this often, so that its death is found (and it is replaced)
+#: before a request is routed to it; a busy one's shows in its next step.
+HEALTH_CHECK_S = 1.0
+
 log = logging.getLogger("refserve.serve")
 
 
@@ -89,6 +102,7 @@ class ReplicaLoop:
         self.sinks: dict[str, _Sink] = {}
         self._stop = threading.Event()
         self.dead: ReplicaDead | None = None
+        self._pinged = time.monotonic()
         self.load: LoadFigures = replica.load()
         self.idle_fraction = replica.idle_fraction
         self._thread = threading.Thread(
@@ -120,11 +134,17 @@ class ReplicaLoop:
     def _run(self) -> None:
         prev_end: float | None = None
         try:
-            while not self._stop.is_set() and self.dead is None:
+            while not self._stop.is_set():
+                if self.dead is not None:
+                    if not self._replace():
+                        return
+                    prev_end = None
+                    continue
                 block = not self.replica.has_work
                 idled = self._run_commands(block=block)
                 if idled:
                     prev_end = None
+                    self._check_health()
                 if self.dead is not None or not self.replica.has_work:
                     continue
                 prev_end = self._one_step(prev_end)
@@ -211,11 +231,42 @@ class ReplicaLoop:
             if sink is None:
                 continue
             sink.put(o)
+            sink.delivered += 1
             if o.finished:
                 sink.finished += 1
                 if sink.finished >= sink.n:
                     del self.sinks[o.request_id]
                     self.front._finished(o.request_id)
+
+    def _check_health(self) -> None:
+        """Ping the idle replica every :data:`HEALTH_CHECK_S` (module doc, "Faults")."""
+        now = time.monotonic()
+        if now - self._pinged < HEALTH_CHECK_S:
+            return
+        self._pinged = now
+        try:
+            self.replica.ping()
+        except ReplicaDead as e:
+            self._died(e)
+
+    def _replace(self) -> bool:
+        """The dead replica replaced by a fresh one from the front's factory (module
+        doc, "Faults"), tried while it has restarts left; True once it serves again."""
+        while not self._stop.is_set():
+            fresh = self.front._replacement(self.index)
+            if fresh is None:
+                return False
+            if self._stop.is_set():
+                return False
+            try:
+                self.load = fresh.load()
+                self.idle_fraction = fresh.idle_fraction
+                self.front._rejoined(self, fresh)
+            except ReplicaDead as e:  # died again before it served: the next restart
+                log.error("replica %d died while rejoining: %s", self.index, e)
+                continue
+            return True
+        return False
 
     def _bury_if_dead(self, error: BaseException) -> None:
         # Buried before the caller sees the error: a caller that routes again skips it.
@@ -227,9 +278,16 @@ class ReplicaLoop:
             return
         log.error("replica %d died: %s", self.index, error)
         self.dead = error
-        num = len(self.sinks)
+        front = self.front
+        front._replica_died(self)  # out of the router's sight before any reroute
+        fresh = {rid: sink for rid, sink in self.sinks.items() if sink.delivered == 0}
+        for rid in fresh:
+            del self.sinks[rid]
+        if front.metrics is not None:
+            front.metrics.requests_failed(self.index, len(self.sinks))
         self._fail_all(error)
-        self.front._replica_died(self, num)
+        for rid, sink in fresh.items():
+            front._reroute(rid, sink, error, self.index)
 
     def _fail_all(self, error: BaseException) -> None:
         for rid, sink in list(self.sinks.items()):
@@ -241,7 +299,9 @@ class ReplicaLoop:
 class ClusterLoop:
     """The replicas' loops and the router in front (module doc). ``tokenizer``,
     ``max_model_len`` and ``scheduler_config`` are what the app shows and checks (the
-    replicas run one model; the first replica's configuration is shown)."""
+    replicas run one model; the first replica's configuration is shown). ``restart``
+    makes a fresh replica for a slot, to replace a dead one, at most ``max_restarts``
+    times per slot (module doc, "Faults"; 0, the default: a dead replica stays dead)."""
 
     def __init__(
         self,
@@ -253,15 +313,30 @@ class ClusterLoop:
         scheduler_config: SchedulerConfig,
         metrics: ClusterServeMetrics | None = None,
         torch_threads: int | None = None,
+        restart: ReplicaFactory | None = None,
+        max_restarts: int = 0,
     ) -> None:
         reps = list(replicas)
         if not reps:
             raise InvalidArgument("ClusterLoop: needs at least one replica")
+        if restart is not None and not callable(restart):
+            raise InvalidArgument(
+                f"ClusterLoop: restart must make a replica for a slot, got {restart!r}"
+            )
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise InvalidArgument(
+                f"ClusterLoop: max_restarts must be an int >= 0, got {max_restarts!r}"
+            )
+        if max_restarts and restart is None:
+            raise InvalidArgument(
+                "ClusterLoop: max_restarts > 0 needs a restart factory to make the replicas"
+            )
         identity = reps[0].identity
         for i, rep in enumerate(reps):
             if rep.identity != identity:
                 raise InvalidArgument(f"ClusterLoop: replica {i} runs another model")
         self.router = router
+        self.identity = identity
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.scheduler_config = scheduler_config
@@ -274,6 +349,10 @@ class ClusterLoop:
         self.index = GlobalPrefixIndex()
         self._owner: dict[str, int] = {}
         self._prompts: dict[str, list[int]] = {}
+        self._params: dict[str, SamplingParams] = {}  # to add a request again (a reroute)
+        self._restart = restart
+        self.max_restarts = max_restarts
+        self.restarts: list[int] = [0] * len(reps)  # per replica: replacements tried
         self.decisions: deque[RoutingDecision] = deque(maxlen=4096)
         self._admitting = True
         self._started = False
@@ -380,6 +459,7 @@ class ClusterLoop:
             with self._lock:
                 self._owner[request_id] = lp.index
                 self._prompts[request_id] = ids
+                self._params[request_id] = params
 
         return add
 
@@ -514,13 +594,88 @@ class ClusterLoop:
         with self._lock:
             self._owner.pop(request_id, None)
             self._prompts.pop(request_id, None)
+            self._params.pop(request_id, None)
 
-    def _replica_died(self, lp: ReplicaLoop, num_requests: int) -> None:
+    def _replica_died(self, lp: ReplicaLoop) -> None:
         with self._lock:
             if lp.index in self.index.replicas:
                 self.index.remove_replica(lp.index)
         if self.metrics is not None:
-            self.metrics.replica_failed(lp.index, num_requests)
+            self.metrics.replica_died(lp.index)
+
+    def _reroute(self, request_id: str, sink: _Sink, error: ReplicaDead, dead: int) -> None:
+        """A request of the dead replica ``dead`` that delivered nothing: routed again
+        among the live replicas and added there (module doc, "Faults"). Where it cannot
+        go (no live replica, a refusal, a drain) it ends with ``error``, once; it never
+        runs twice (it went with the dead replica's engine)."""
+        with self._lock:
+            ids = self._prompts.get(request_id)
+            params = self._params.get(request_id)
+
+        def fail() -> None:
+            self._end(request_id, sink, error)
+            if self.metrics is not None:
+                self.metrics.requests_failed(dead, 1)
+
+        if ids is None or params is None or not self._admitting:
+            fail()
+            return
+        try:
+            decision = self._route(request_id, ids)
+        except NoLiveReplica:
+            fail()
+            return
+        lp = self.loops[decision.replica]
+        with self._lock:  # an abort from now on queues behind the add there
+            self._owner[request_id] = lp.index
+
+        def added(f: concurrent.futures.Future[None]) -> None:
+            if f.exception() is not None:  # refused there, or that one died too
+                fail()
+            elif self.metrics is not None:
+                self.metrics.request_restarted(dead)
+                self.metrics.routed(
+                    decision.policy.value,
+                    decision.replica,
+                    decision.num_prompt_tokens,
+                    decision.prefix_hit_tokens,
+                )
+
+        lp.run_sync(self._adder(lp, request_id, ids, params, sink)).add_done_callback(added)
+
+    def _end(self, request_id: str, sink: _Sink, error: BaseException) -> None:
+        sink.put(error)
+        self._finished(request_id)
+
+    def _replacement(self, replica: int) -> Replica | None:
+        """A fresh replica for slot ``replica`` from the factory, while it has restarts
+        left (each try counts, a failed one too); None once it has none."""
+        while self._restart is not None and self.restarts[replica] < self.max_restarts:
+            self.restarts[replica] += 1
+            try:
+                fresh = self._restart(replica)
+                if not isinstance(fresh, Replica) or fresh.identity != self.identity:
+                    raise InvalidArgument(f"the factory made {fresh!r}, not a replica of the model")
+            except Exception:  # logged; the next try, if any, is another restart
+                log.exception("replica %d: restart %d failed", replica, self.restarts[replica])
+                continue
+            return fresh
+        return None
+
+    def _rejoined(self, lp: ReplicaLoop, fresh: Replica) -> None:
+        """``fresh`` serves in ``lp``'s slot: in the index from its snapshot (its cache
+        as it is, empty), then in the router's sight."""
+        snapshot = fresh.cache_snapshot()
+        fresh.drain_cache_events()  # reflected in the snapshot
+        with self._lock:
+            self.index.add_replica(lp.index, fresh.block_size, snapshot)
+            lp.replica = fresh
+            lp.dead = None
+        log.warning(
+            "replica %d restarted (%d of %d)", lp.index, self.restarts[lp.index], self.max_restarts
+        )
+        if self.metrics is not None:
+            self.metrics.replica_restarted(lp.index)
 
 
 def _step_tokens(replica: Replica) -> tuple[int, int]:

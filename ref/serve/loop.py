@@ -111,6 +111,7 @@ class _Sink:
     queue: asyncio.Queue[RequestOutput | BaseException]
     n: int
     finished: int = 0
+    delivered: int = 0  # outputs handed to the client so far (a cluster restarts none-yet ones)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # the event loop closed: nobody listens

@@ -151,7 +151,8 @@ class ClusterServeMetrics:
     load figures of :class:`ServerMetrics` under the same names with a ``replica`` label,
     and the router's: routing decisions by policy and replica, prompt and prefix-hit
     tokens at routing, migrations by outcome, K/V bytes and seconds migrating, replicas
-    up, requests ended by a dead replica. The replica threads and the router update it;
+    up, their deaths and restarts, and a dead replica's requests: ended with its error,
+    or added again on a live one. The replica threads and the router update it;
     prometheus-client's metrics are thread-safe. Not here (they need the engine object,
     which a Ray replica does not hand over): preemption, prefix-cache, swap and
     speculation counters."""
@@ -164,6 +165,19 @@ class ClusterServeMetrics:
         self._failed = Counter(
             "refserve:replica_failed_requests", "Requests ended because their replica died.",
             labels, registry=r,
+        )  # fmt: skip
+        self._deaths = Counter(
+            "refserve:replica_deaths", "Times the replica died (its actor or process gone).",
+            labels, registry=r,
+        )  # fmt: skip
+        self._restarts = Counter(
+            "refserve:replica_restarts", "Times a fresh replica took the dead one's place.",
+            labels, registry=r,
+        )  # fmt: skip
+        self._restarted = Counter(
+            "refserve:replica_restarted_requests",
+            "Requests of the replica that died before delivering anything, added again on "
+            "a live one.", labels, registry=r,
         )  # fmt: skip
         self._decisions = Counter(
             "refserve:router_decisions", "Requests routed, by policy and replica.",
@@ -193,9 +207,21 @@ class ClusterServeMetrics:
     def replica_up(self, replica: int, up: bool) -> None:
         self._up.labels(self._name, str(replica)).set(1 if up else 0)
 
-    def replica_failed(self, replica: int, num_requests: int) -> None:
+    def replica_died(self, replica: int) -> None:
         self.replica_up(replica, False)
+        self._deaths.labels(self._name, str(replica)).inc()
+
+    def replica_restarted(self, replica: int) -> None:
+        self._restarts.labels(self._name, str(replica)).inc()
+        self.replica_up(replica, True)
+
+    def requests_failed(self, replica: int, num_requests: int) -> None:
+        """Requests ended with the error of ``replica``'s death."""
         self._failed.labels(self._name, str(replica)).inc(num_requests)
+
+    def request_restarted(self, replica: int) -> None:
+        """A request of ``replica``, dead, added again on a live one."""
+        self._restarted.labels(self._name, str(replica)).inc()
 
     def routed(self, policy: str, replica: int, prompt_tokens: int, hit_tokens: int) -> None:
         m, rep = self._name, str(replica)

@@ -4,7 +4,9 @@ the ticket path of ``Cluster.migrate`` between replicas that are not both in pro
 
 A dead replica (:class:`ReplicaDead` from any call) is buried: each request it held ends
 once with that error in ``take_failures``, none is live anywhere or delivered twice, the
-others run on to the single engine's tokens, and no later request is routed to it."""
+others run on to the single engine's tokens, and no later request is routed to it. With a
+restart factory a fresh replica takes its slot, empty, and serves again, up to the
+limit."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from cluster_helpers import CONFIGS, final_tokens, replica
 
 from refserve.cluster import Cluster, InProcessReplica, NoLiveReplica, ReplicaDead, Router
 from refserve.engine.llm_engine import RequestOutput
+from refserve.errors import InvalidArgument
 from refserve.model.sampler import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -125,3 +128,63 @@ def test_migration_by_ticket_keeps_the_tokens(kv: str) -> None:
         assert all(r.kv_bytes > 0 for r in reports)
     if kv == "recompute":
         assert all(r.kv_bytes == 0 for r in reports)
+
+
+def test_a_dead_replica_is_replaced_and_serves_again() -> None:
+    """With a restart factory (``max_restarts=1``) the dead replica's requests still end
+    once with the error, but a fresh replica takes its slot at once: in the index from
+    its own empty cache (nothing of the dead one's), served by the router, giving the
+    single engine's tokens; dead again past the limit, the slot stays dead."""
+    prompts = _prompts(6)
+    made: list[Proxy] = []
+
+    def restart(slot: int) -> Proxy:
+        made.append(Proxy(replica(CONFIGS[1]), slot))
+        return made[-1]
+
+    dying = Proxy(replica(CONFIGS[1]), 1, die_at=3)
+    cluster = Cluster(
+        [replica(CONFIGS[0]), dying], Router("round_robin"), restart=restart, max_restarts=1
+    )
+    for i, p in enumerate(prompts):
+        cluster.add_request(p, PARAMS, request_id=f"r{i}")
+    outs: list[RequestOutput] = []
+    failures: dict[str, ReplicaDead] = {}
+    cached_before = None
+    while cluster.has_work:
+        outs.extend(cluster.step())
+        if cached_before is None:  # r1 prefilled on replica 1: its first block cached
+            cached_before = cluster.index.longest_prefix(prompts[1]).get(1)
+        for rid, err in cluster.take_failures().items():
+            assert rid not in failures
+            failures[rid] = err
+        assert cluster.ownership_violations() == []
+    assert set(failures) == {"r1", "r3", "r5"} and cached_before == 8
+    want = _single(prompts)
+    assert final_tokens(outs) == {rid: want[rid] for rid in ("r0", "r2", "r4")}
+    assert cluster.dead == {} and cluster.replicas[1] is made[0]
+    m = cluster.metrics
+    assert (m.replicas_dead, m.replicas_restarted, m.requests_failed) == (1, 1, 3)
+    assert cluster.index.longest_prefix(prompts[1]).get(1) == 0  # a resync, not a replay
+    late = [cluster.add_request(prompts[i], PARAMS, request_id=f"late{i}") for i in range(4)]
+    assert [d.replica for d in late] == [0, 1, 0, 1]  # the fresh one is routed to
+    done: list[RequestOutput] = []
+    while cluster.has_work:
+        done.extend(cluster.step())
+        assert cluster.ownership_violations() == []
+    assert final_tokens(done) == {f"late{i}": want[f"r{i}"] for i in range(4)}
+    made[0]._die_at = 0  # past its limit: buried for good, its request routed to 0
+    d = cluster.add_request(prompts[0], PARAMS, request_id="last")
+    assert d.replica == 0 and set(cluster.dead) == {1} and len(made) == 1
+    assert (m.replicas_dead, m.replicas_restarted) == (2, 1)
+
+
+def test_bad_restart_settings_are_typed_errors() -> None:
+    reps = [replica(CONFIGS[0])]
+    for bad in (-1, True, 1.5, "2"):
+        with pytest.raises(InvalidArgument, match="max_restarts"):
+            Cluster(reps, restart=lambda _: replica(CONFIGS[0]), max_restarts=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="needs a restart factory"):
+        Cluster(reps, max_restarts=1)
+    with pytest.raises(InvalidArgument, match="restart must"):
+        Cluster(reps, restart=7, max_restarts=1)  # type: ignore[arg-type]

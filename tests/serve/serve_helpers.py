@@ -15,7 +15,7 @@ from refserve.core.config import SchedulerConfig
 from refserve.engine.llm_engine import LLMEngine
 from refserve.model.tokenizer import Tokenizer
 from refserve.serve.app import ServeSettings
-from refserve.serve.cluster_loop import ClusterLoop
+from refserve.serve.cluster_loop import ClusterLoop, ReplicaFactory
 from refserve.serve.metrics import ClusterServeMetrics
 from refserve.serve.server import ServerThread, build_cluster_server, build_server
 
@@ -93,10 +93,13 @@ def start_cluster(
     name: str = MODEL,
     tokenizer: Tokenizer | None = None,
     max_model_len: int | None = None,
+    restart: ReplicaFactory | None = None,
+    max_restarts: int = 0,
 ) -> ServerThread:
     """A cluster server (ref/serve/cluster_loop.py) over ``replicas`` on a free loopback
     port, started; the caller stops it. The tokenizer and context are the first
-    replica's engine's unless given (a Ray replica has none here)."""
+    replica's engine's unless given (a Ray replica has none here); ``restart`` and
+    ``max_restarts`` are the loop's (a dead replica replaced)."""
     first = replicas[0]
     if tokenizer is None or max_model_len is None:
         assert isinstance(first, InProcessReplica)
@@ -108,6 +111,8 @@ def start_cluster(
         max_model_len=max_model_len,
         scheduler_config=cluster_config(),
         metrics=ClusterServeMetrics(name),
+        restart=restart,
+        max_restarts=max_restarts,
     )
     server = build_cluster_server(loop, ServeSettings(name, drain_timeout_s=5.0))
     return ServerThread(server).start()

@@ -24,6 +24,8 @@ BAD: list[tuple[str, list[str], str]] = [
     ("serve threads", ["serve", "--torch-threads", "0"], "--torch-threads"),
     ("serve api key", ["serve", "--api-key", "has space"], "--api-key"),
     ("serve device", ["serve", "--device", "tpu"], "--device"),
+    ("serve restarts", ["serve", "--max-replica-restarts", "-1"], "--max-replica-restarts"),
+    ("serve restarts type", ["serve", "--max-replica-restarts", "2.5"], "--max-replica-restarts"),
     ("bench rate", ["bench-serve", "--model", "m", "--rate", "nan"], "--rate"),
     ("bench sweep", ["bench-serve", "--model", "m", "--sweep", ","], "--sweep"),
     ("bench trace", ["bench-serve", "--model", "m", "--trace", "nope"], "--trace"),

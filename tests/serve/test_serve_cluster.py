@@ -2,7 +2,8 @@
 behind the router (docs/CLUSTER.md, "Serving"). conformance-http passes and a
 bench-serve run completes against it; ``/metrics`` has per-replica and router series; a
 request migrated mid-stream keeps its greedy tokens; a slow replica does not stall the
-other; SIGTERM drains every replica of the real command."""
+other; SIGTERM drains every replica of the real command; a replica that dies is replaced
+by a fresh one, up to its limit, its requests each ending once."""
 
 from __future__ import annotations
 
@@ -31,9 +32,11 @@ from serve_helpers import (
 )
 
 from refserve.cli.main import main
-from refserve.cluster import InProcessReplica, ReplicaDead
+from refserve.cluster import InProcessReplica, ReplicaDead, Router
 from refserve.engine.llm_engine import LLMEngine, RequestOutput
+from refserve.errors import InvalidArgument
 from refserve.model.sampler import SamplingParams
+from refserve.serve.cluster_loop import ClusterLoop
 from refserve.serve.server import ServerThread
 
 PROMPT = "The quick brown fox"
@@ -290,3 +293,125 @@ def test_an_abort_that_waited_through_a_migration_follows_the_request(
     assert b.run_sync(b.replica.request_ids).result(TIMEOUT_S) == ()
     assert a.run_sync(a.replica.request_ids).result(TIMEOUT_S) == ()
     assert loop.owners() == {}
+
+
+class MortalReplica(InProcessReplica):
+    """An in-process replica that can die as a Ray one does: once ``doomed``, its next
+    step raises :class:`ReplicaDead`, and so does every call after it."""
+
+    def __init__(self, slot: int) -> None:
+        super().__init__(LLMEngine(MODEL, scheduler_config=cluster_config()))
+        self.slot, self.doomed, self.dead = slot, False, False
+
+    def _check(self) -> None:
+        if self.dead:
+            raise ReplicaDead(self.slot, "killed by the test")
+
+    def step(self) -> list[RequestOutput]:
+        self.dead = self.dead or self.doomed
+        self._check()
+        return super().step()
+
+    def add_request(self, token_ids: Any, params: SamplingParams, request_id: str) -> None:
+        self._check()
+        super().add_request(token_ids, params, request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._check()
+        super().abort(request_id)
+
+
+def _post(handle: ServerThread, prompt: str, out: list[httpx.Response] | None = None) -> Any:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    r = httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=TIMEOUT_S)
+    if out is not None:
+        out.append(r)
+    return r
+
+
+def test_a_dead_replica_is_replaced_up_to_its_limit(reference: LLMEngine) -> None:
+    """Replica 0 dies while it streams A (tokens delivered) with B just added (nothing
+    delivered): A ends once with the typed error, B is added on replica 1 and finishes
+    once, and a fresh replica 0 rejoins with an empty cache and serves again. Killed
+    again past ``max_restarts`` (1), it stays dead. /metrics counts it all."""
+    made: list[MortalReplica] = []
+
+    def restart(slot: int) -> MortalReplica:
+        made.append(MortalReplica(slot))
+        return made[-1]
+
+    first = MortalReplica(0)
+    handle = start_cluster([first, _replica()], restart=restart, max_restarts=1)
+    loop = cluster_loop(handle)
+
+    def m(name: str, replica: str = "0") -> float:
+        return metric(handle, f"refserve:{name}", model_name=MODEL, replica=replica)
+
+    try:
+        started = threading.Event()
+        a: dict[str, Any] = {}
+        streaming = threading.Thread(
+            target=lambda: a.update(
+                stream_completion(handle.base_url, PROMPT, 300, lambda e: started.set())
+            ),
+            daemon=True,
+        )
+        streaming.start()  # round robin: A to 0
+        assert started.wait(TIMEOUT_S)
+        assert _post(handle, "Hello").status_code == 200  # to 1
+        gate = threading.Event()
+        loop.loops[0].run_sync(lambda: gate.wait(TIMEOUT_S))  # 0 holds between two steps
+        b: list[httpx.Response] = []
+        sending = threading.Thread(target=_post, args=(handle, "Count to four.", b), daemon=True)
+        sending.start()  # B to 0: its add queues behind the gate, then 0's step dies
+        assert _wait(lambda: len(loop.decisions) == 3)
+        time.sleep(0.2)  # the add is queued right after the routing
+        first.doomed = True
+        gate.set()
+        streaming.join(TIMEOUT_S)
+        sending.join(TIMEOUT_S)
+        err = a["error"]
+        assert err is not None and err["code"] == 503 and "replica 0 is dead" in err["message"]
+        assert a["reason"] is None and _greedy(reference, PROMPT, 300).startswith(a["text"])
+        assert b[0].status_code == 200, b[0].text  # once, on replica 1
+        assert b[0].json()["choices"][0]["text"] == _greedy(reference, "Count to four.", 6)
+        assert _wait(lambda: m("replica_up") == 1.0)
+        assert len(made) == 1 and loop.loops[0].replica is made[0]
+        # Rejoined from its own (empty) cache: A's prompt, cached on the dead one, is not.
+        ids = reference.tokenizer.encode(PROMPT * 8, add_special_tokens=True)
+        assert loop.index.longest_prefix(ids).get(0) == 0
+        figures = {n: m(n) for n in ("replica_deaths_total", "replica_restarts_total",
+                                     "replica_restarted_requests_total",
+                                     "replica_failed_requests_total")}  # fmt: skip
+        assert figures == dict.fromkeys(figures, 1.0), figures
+        before = metric(handle, "refserve:router_decisions_total", model_name=MODEL,
+                        policy="round_robin", replica="0")  # fmt: skip
+        for _ in range(2):  # one of them on the fresh replica 0
+            assert _post(handle, "Hello").status_code == 200
+        after = metric(handle, "refserve:router_decisions_total", model_name=MODEL,
+                       policy="round_robin", replica="0")  # fmt: skip
+        assert after == before + 1
+        # Past its limit: killed again, it stays dead; its request goes to replica 1.
+        made[0].doomed = True
+        for _ in range(2):
+            assert _post(handle, "Hello").status_code == 200
+        assert _wait(lambda: not loop.loops[0].alive)
+        assert m("replica_up") == 0.0 and m("replica_deaths_total") == 2.0
+        assert m("replica_restarts_total") == 1.0 and len(made) == 1
+        assert loop.owners() == {} and loop.num_in_flight == 0
+    finally:
+        handle.stop()
+
+
+def test_bad_restart_settings_are_typed_errors() -> None:
+    rep = _replica()
+    args: dict[str, Any] = {"tokenizer": rep.engine.tokenizer, "max_model_len": 64,
+                            "scheduler_config": cluster_config()}  # fmt: skip
+    for bad in (-1, True, 2.0, "3"):
+        with pytest.raises(InvalidArgument, match="max_restarts"):
+            ClusterLoop([rep], Router(), restart=lambda _: _replica(), max_restarts=bad, **args)
+    with pytest.raises(InvalidArgument, match="needs a restart factory"):
+        ClusterLoop([rep], Router(), max_restarts=2, **args)
+    with pytest.raises(InvalidArgument, match="restart must"):
+        ClusterLoop([rep], Router(), restart=3, max_restarts=1, **args)  # type: ignore[arg-type]

@@ -2,6 +2,9 @@
 (docs/CLUSTER.md, "Transports", "Serving", "Faults"). Ray starts once for the module
 (locally, 2 CPUs, no dashboard) and is shut down at its end.
 
+- Every process of the local Ray instance (and this driver) listens on loopback only:
+  the listening sockets of this process and its descendants, found with psutil; a Ray
+  imported before its loopback switch was set is refused, before anything starts.
 - The same ``Cluster`` code drives two Ray replicas: greedy requests, one migrated by
   ticket bytes between the actors mid-decode, give one in-process engine's tokens, the
   ownership rule holding after every step.
@@ -12,15 +15,19 @@
   its request ended once with ``ReplicaDead``, the other replica serving on.
 - A replica's actor killed (SIGKILL) mid-request: that stream ends with a typed error
   event (503 ``service_unavailable`` naming the replica), its delivered text a prefix of
-  the right one (nothing lost silently, nothing twice), and every later request goes to
-  the live replica.
+  the right one (nothing lost silently, nothing twice); a fresh actor takes the dead
+  one's place (``replica_up`` 1 again, one restart counted) and serves its share again;
+  an idle replica killed is found by its ping and replaced too.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,11 +37,15 @@ from typing import Any
 import httpx
 import pytest
 
-ray = pytest.importorskip(
-    "ray", reason="Ray is the optional [cluster] extra: `make cluster-deps` installs it"
-)
+# Ray itself is imported by start_ray (the module fixture), never here: it must read its
+# loopback switch at import (ref/cluster/ray_replica.py, ``LOOPBACK_ENV``).
+if importlib.util.find_spec("ray") is None:
+    pytest.skip(
+        "Ray is the optional [cluster] extra: `make cluster-deps` installs it",
+        allow_module_level=True,
+    )
 
-from serve_helpers import (  # noqa: E402  (after the skip: no Ray, no import)
+from serve_helpers import (  # after the skip: no Ray, no import
     MODEL,
     TIMEOUT_S,
     cluster_config,
@@ -44,16 +55,22 @@ from serve_helpers import (  # noqa: E402  (after the skip: no Ray, no import)
     stream_completion,
 )
 
-from refserve.cli import serve as serve_cli  # noqa: E402
-from refserve.cli.main import _parser, main  # noqa: E402
-from refserve.cluster import Cluster, ReplicaDead, Router  # noqa: E402
-from refserve.cluster.ray_replica import RayReplica, ray_replicas, start_ray, stop_ray  # noqa: E402
-from refserve.core.config import SchedulerConfig  # noqa: E402
-from refserve.engine.llm_engine import LLMEngine  # noqa: E402
-from refserve.errors import InvalidArgument  # noqa: E402
-from refserve.model.sampler import SamplingParams  # noqa: E402
-from refserve.serve.app import ServeSettings  # noqa: E402
-from refserve.serve.server import ServerThread, build_cluster_server  # noqa: E402
+from refserve.cli import serve as serve_cli
+from refserve.cli.main import _parser, main
+from refserve.cluster import Cluster, ReplicaDead, Router
+from refserve.cluster.ray_replica import (
+    LOOPBACK_ENV,
+    RayReplica,
+    ray_replicas,
+    start_ray,
+    stop_ray,
+)
+from refserve.core.config import SchedulerConfig
+from refserve.engine.llm_engine import LLMEngine
+from refserve.errors import InvalidArgument
+from refserve.model.sampler import SamplingParams
+from refserve.serve.app import ServeSettings
+from refserve.serve.server import ServerThread, build_cluster_server
 
 PROMPTS = ["The quick brown fox", "Hello", "Count to four.", "a" * 40]
 
@@ -78,12 +95,81 @@ def _greedy(reference: LLMEngine, prompt: str, max_tokens: int) -> str:
 
 
 def _server(replicas: list[RayReplica], reference: LLMEngine) -> ServerThread:
+    """Round robin over ``replicas``; a dead one replaced once by a fresh actor."""
     return start_cluster(
         replicas,
         router="round_robin",
         tokenizer=reference.tokenizer,
         max_model_len=replicas[0].max_model_len,
+        restart=lambda slot: ray_replicas(1, scheduler_config=cluster_config(), first_id=slot)[0],
+        max_restarts=1,
     )
+
+
+#: The loopback addresses: IPv4's, IPv6's, and IPv4's as an IPv6 socket shows it (a
+#: dual-stack socket bound to 127.0.0.1 reads ::ffff:127.0.0.1).
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+def _listening() -> dict[int, tuple[str, list[str]]]:
+    """Every TCP socket listening, and UDP socket bound, in this process and its
+    descendants (the Ray processes start_ray started: GCS, raylet, the agents, the
+    workers, the actors), by pid: the process name and the addresses."""
+    import psutil  # Ray's own copy (ray/thirdparty_files), on the path once Ray is imported
+
+    me = psutil.Process()
+    out: dict[int, tuple[str, list[str]]] = {}
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            tcp = p.net_connections(kind="tcp")
+            udp = p.net_connections(kind="udp")  # a bound datagram socket listens too
+            name = p.name()
+        except psutil.NoSuchProcess:  # ended meanwhile (an idle worker): nothing to see
+            continue
+        addrs = [f"{c.laddr.ip} port {c.laddr.port}" for c in tcp if c.status == "LISTEN"]
+        addrs += [f"{c.laddr.ip} port {c.laddr.port}" for c in udp if c.laddr]
+        if addrs:
+            out[p.pid] = (name, addrs)
+    return out
+
+
+def test_the_local_ray_cluster_listens_on_loopback_only() -> None:
+    """Nothing Ray started here (start_ray, then an actor) listens off loopback: not the
+    GCS, the raylet, the runtime-env agent, a worker, an actor, nor this driver."""
+    (rep,) = ray_replicas(1)
+    try:
+        found = _listening()
+        names = {name for name, _ in found.values()}
+        # The check sees the processes that matter: else it could pass on nothing.
+        assert {"gcs_server", "raylet"} <= names and rep.pid in found, found
+        off = {
+            pid: (name, [a for a in addrs if a.split(" port ")[0] not in LOOPBACK])
+            for pid, (name, addrs) in found.items()
+        }
+        off = {pid: v for pid, v in off.items() if v[1]}
+        assert off == {}, f"listening off loopback: {off}"
+    finally:
+        rep.kill()
+
+
+def test_start_ray_refuses_a_ray_imported_without_its_loopback_switch() -> None:
+    """Ray imported first (it read its switch unset): start_ray refuses, typed, before
+    any Ray process starts (a process of its own: this one's Ray is running)."""
+    code = (
+        "import ray\n"
+        "from refserve.cluster.ray_replica import start_ray\n"
+        "from refserve.cluster.errors import ClusterError\n"
+        "try:\n"
+        "    start_ray()\n"
+        "except ClusterError as e:\n"
+        "    print('refused:', e, ray.is_initialized())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != LOOPBACK_ENV}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "refused: start_ray: Ray was imported before" in out.stdout, out.stderr[-2000:]
+    assert out.stdout.rstrip().endswith("False")  # nothing started
 
 
 def test_cluster_on_ray_migrates_by_ticket_and_matches_one_engine() -> None:
@@ -188,6 +274,8 @@ def test_a_replica_that_does_not_answer_in_time_is_dead_and_killed() -> None:
     replica goes on serving."""
     with pytest.raises(InvalidArgument, match="call_timeout_s"):
         ray_replicas(1, call_timeout_s=0)  # refused before any actor starts
+    with pytest.raises(InvalidArgument, match="first_id"):
+        ray_replicas(1, first_id=-1)
     reps = ray_replicas(2, scheduler_config=cluster_config())
     try:
         c = Cluster(reps, Router("round_robin"))
@@ -216,6 +304,18 @@ def test_a_replica_that_does_not_answer_in_time_is_dead_and_killed() -> None:
         reps[1].kill()
 
 
+def _wait_back(handle: ServerThread, replica: str) -> None:
+    """Until ``replica`` died once and came back once (/metrics)."""
+    figures = ("replica_deaths_total", "replica_restarts_total", "replica_up")
+    deadline = time.monotonic() + 90
+    while True:
+        got = [metric(handle, f"refserve:{n}", model_name=MODEL, replica=replica) for n in figures]
+        if got == [1.0, 1.0, 1.0]:
+            return
+        assert time.monotonic() < deadline, f"replica {replica} did not come back: {got}"
+        time.sleep(0.2)
+
+
 def test_a_killed_replica_ends_its_requests_with_a_typed_error(reference: LLMEngine) -> None:
     reps = ray_replicas(2, scheduler_config=cluster_config())
     handle = _server(reps, reference)
@@ -238,27 +338,36 @@ def test_a_killed_replica_ends_its_requests_with_a_typed_error(reference: LLMEng
         assert out["reason"] is None  # never reported finished
         # What was delivered is the start of the right text: nothing skipped or repeated.
         assert _greedy(reference, PROMPTS[0], 200).startswith(out["text"]) and out["text"]
-        assert loop.loops[0].dead is not None and loop.owners() == {}
-        assert metric(handle, "refserve:replica_up", model_name=MODEL, replica="0") == 0.0
+        assert metric(handle, "refserve:replica_deaths_total", model_name=MODEL,
+                      replica="0") == 1.0  # fmt: skip
         failed = metric(handle, "refserve:replica_failed_requests_total", model_name=MODEL,
                         replica="0")  # fmt: skip
         assert failed == 1.0
-        # The router never routes to the dead replica again.
+        # A fresh actor takes its place, rejoins from its empty cache, and serves again.
+        _wait_back(handle, "0")
+        fresh = loop.loops[0].replica
+        assert isinstance(fresh, RayReplica) and fresh.pid != reps[0].pid
+        assert loop.owners() == {}
+        # An idle replica's death is found by its ping: replica 1 killed with no request.
+        os.kill(reps[1].pid, signal.SIGKILL)
+        _wait_back(handle, "1")
+        assert loop.loops[1].replica is not reps[1]
         before = {r: metric(handle, "refserve:router_decisions_total", model_name=MODEL,
                             policy="round_robin", replica=r) for r in ("0", "1")}  # fmt: skip
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
-        for _ in range(3):
+        for _ in range(4):
             r = httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=TIMEOUT_S)
             assert r.status_code == 200, r.text
         after = {r: metric(handle, "refserve:router_decisions_total", model_name=MODEL,
                            policy="round_robin", replica=r) for r in ("0", "1")}  # fmt: skip
-        assert after["0"] == before["0"] and after["1"] == before["1"] + 3
+        assert after == {r: before[r] + 2 for r in ("0", "1")}  # the fresh one serves
         assert httpx.get(f"{handle.base_url}/health", timeout=TIMEOUT_S).status_code == 200
         with pytest.raises(ReplicaDead, match="replica 0"):
-            reps[0].step()
+            reps[0].step()  # the dead actor's handle stays dead
     finally:
         t0 = time.monotonic()
         handle.stop()
         assert time.monotonic() - t0 < 15  # a dead replica does not hold up the drain
-        for r in reps[1:]:
-            r.kill()
+        for r in {*reps, *(lp.replica for lp in cluster_loop(handle).loops)}:
+            assert isinstance(r, RayReplica)
+            r.kill()  # the dead ones too: a no-op
