@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT
+from refserve.errors import OutputPathError
+from refserve.files import check_output_file
 
 if TYPE_CHECKING:
     from refserve.conformance.corpus.entry import Entry
@@ -436,20 +438,13 @@ def _progress(total: int, *, disabled: bool) -> Any:
 
 
 def _check_writable(path: Path) -> None:
-    """Refuse an output path before the run, not after it (parents are created)."""
-    if path.exists() and path.is_dir():
-        raise UsageError(f"{path}: is a directory, not a file")
-    parent = path.parent
+    """Refuse an output path before the run, not after it (parents are created): the
+    checks every refserve command makes, so a report never replaces a directory or a
+    device such as /dev/null by its atomic rename."""
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"{path}: cannot create its directory: {e.strerror or e}") from None
-    probe = parent / f".{path.name}.probe"
-    try:
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise UsageError(f"{path}: not writable: {e.strerror or e}") from None
+        check_output_file(path, "report")
+    except OutputPathError as e:
+        raise UsageError(str(e)) from None
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -36,6 +36,8 @@ from refserve.conformance.bench import ab, memory, migration
 from refserve.conformance.bench.machine import machine_line
 from refserve.conformance.bench.render import render_pool, render_steps
 from refserve.conformance.bench.results import Run
+from refserve.errors import OutputPathError
+from refserve.files import check_output_file
 from refserve.kernels.bench import FORMAT as GPU_FORMAT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -393,6 +395,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="the markdown file to write")
     p.add_argument("inputs", type=Path, nargs="+", metavar="JSON")
     args = p.parse_args(argv)
+    try:
+        # Refused before anything is read: a directory, or a device such as /dev/null
+        # that the atomic rename below would replace.
+        check_output_file(args.out, "--out")
+    except OutputPathError as e:
+        print(f"report: error: {e}", file=sys.stderr)
+        return 2
     try:
         inputs = load(args.inputs, lambda line: print(line, file=sys.stderr))
         if not inputs:

@@ -692,6 +692,30 @@ CONFORMANCE: list[Case] = [
         message=CONF_ERROR,
     ),
     Case(
+        "conformance-report-dev-null",
+        (
+            "conformance",
+            "--adapter",
+            "refserve.conformance.adapters.ref:make",
+            "--report",
+            "/dev/null",
+        ),
+        "/dev/null: exists and is not a regular file",
+        message=CONF_ERROR,
+    ),
+    Case(
+        "conformance-markdown-is-dir",
+        (
+            "conformance",
+            "--adapter",
+            "refserve.conformance.adapters.ref:make",
+            "--markdown",
+            "{ws}/adir",
+        ),
+        "adir",
+        message=CONF_ERROR,
+    ),
+    Case(
         "conformance-kv-adapter-is-an-engine-adapter",
         ("conformance", "--kv-adapter", "refserve.conformance.adapters.ref:make"),
         "missing allocate, fork, free",

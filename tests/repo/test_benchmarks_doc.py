@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -328,6 +329,11 @@ def test_the_command_skips_other_json_and_refuses_nothing_to_render(
     assert report.main(["--out", str(out), str(broken)]) == 2
     assert capsys.readouterr().err.startswith("report: error: ")
     assert out.read_text() == before  # a failed run leaves the old document
+    # A device or a directory is refused before the rename could replace it.
+    assert report.main(["--out", os.devnull, str(mem)]) == 2
+    assert "exists and is not a regular file" in capsys.readouterr().err
+    assert not Path(os.devnull).is_file()
+    assert report.main(["--out", str(tmp_path), str(mem)]) == 2
 
 
 def test_make_bench_and_bench_peers_end_by_regenerating_the_document() -> None:
