@@ -93,6 +93,8 @@ NOISE_QUANTILES = 200
 #: Reweightings of the median fit, and the resampled refits behind a term's std err.
 MEDIAN_ITERATIONS = 40
 BOOTSTRAP_ROUNDS = 30
+#: Resamples behind a measured figure's interval (:class:`Comparison`).
+INTERVAL_ROUNDS = 200
 
 
 @dataclass(frozen=True)
@@ -180,10 +182,17 @@ class ServingModel:
 
 @dataclass(frozen=True)
 class Comparison:
+    """A measured figure against the replay's. ``measured_lo``/``measured_hi``: the
+    measured figure's 90 % bootstrap interval (the run's requests resampled): how far
+    the figure itself moves with which requests happened to be slow, the yardstick of a
+    P99 taken from a few requests."""
+
     metric: str
     measured: float | None
     simulated: float | None
     unit: str = "ms"
+    measured_lo: float | None = None
+    measured_hi: float | None = None
 
     @property
     def error(self) -> float | None:
@@ -594,19 +603,39 @@ def compare(
     """TTFT and TBT P50/P90/P99, and goodput (requests/s within ``slo`` over the run's
     ``duration_s``, both sides over the same span) when the duration is given."""
     ok = [r for r in records if r.ok]
-    ttft = [t for r in ok if (t := r.ttft_ms) is not None]
-    tbt = [g for r in ok for g in r.tbt_ms]
     sim_ttft = [t for m in simulated if (t := m.ttft_ms) is not None]
     sim_tbt = [g for m in simulated for g in m.itl_ms]
+    rng = random.Random("fit-interval")
+    # Resampled by request (a request's token gaps together): which requests were slow.
+    draws = [[ok[rng.randrange(len(ok))] for _ in ok] for _ in range(INTERVAL_ROUNDS)] if ok else []
+
+    def ttfts(rs: Sequence[Record]) -> list[float]:
+        return [t for r in rs if (t := r.ttft_ms) is not None]
+
+    def tbts(rs: Sequence[Record]) -> list[float]:
+        return [g for r in rs for g in r.tbt_ms]
+
     out = []
-    for name, meas, sim in (("TTFT", ttft, sim_ttft), ("TBT", tbt, sim_tbt)):
+    for name, of, sim in (("TTFT", ttfts, sim_ttft), ("TBT", tbts, sim_tbt)):
         for q in (50, 90, 99):
-            out.append(Comparison(f"{name} P{q}", percentile(meas, q), percentile(sim, q)))
+            lo, hi = _interval([percentile(of(d), q) for d in draws])
+            out.append(
+                Comparison(f"{name} P{q}", percentile(of(ok), q), percentile(sim, q), "ms", lo, hi)
+            )
     if duration_s is not None and duration_s > 0:
-        good = sum(_good(r.ttft_ms, r.tpot_ms, slo) for r in ok)
-        sim_good = sum(_good(m.ttft_ms, m.tpot_ms, slo) for m in simulated)
-        out.append(Comparison("goodput", good / duration_s, sim_good / duration_s, "req/s"))
+
+        def goodput(rs: Sequence[Record]) -> float:
+            return sum(_good(r.ttft_ms, r.tpot_ms, slo) for r in rs) / duration_s
+
+        sim_good = sum(_good(m.ttft_ms, m.tpot_ms, slo) for m in simulated) / duration_s
+        lo, hi = _interval([goodput(d) for d in draws])
+        out.append(Comparison("goodput", goodput(ok), sim_good, "req/s", lo, hi))
     return tuple(out)
+
+
+def _interval(values: Sequence[float | None]) -> tuple[float | None, float | None]:
+    xs = [v for v in values if v is not None]
+    return (percentile(xs, 5), percentile(xs, 95)) if xs else (None, None)
 
 
 def fit_and_replay(
@@ -664,13 +693,23 @@ def render(fit: FitResult) -> str:
         )
     if not m.overheads:
         lines += ["", "no per-request records (GET /debug/requests): overheads not modelled"]
-    lines += ["", "| metric | measured | simulated | simulator error |", "|---|---:|---:|---:|"]
-    for cmp in fit.comparisons:
+    lines += ["", *comparison_table(fit.comparisons)]
+    return "\n".join(lines)
+
+
+def comparison_table(comparisons: Sequence[Comparison]) -> list[str]:
+    """The simulator's error per figure, with the measured figure's own interval."""
+    lines = [
+        "| metric | measured | measured, 90 % interval | simulated | simulator error |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for cmp in comparisons:
         err = "-" if cmp.error is None or math.isnan(cmp.error) else f"{cmp.error:+.0%}"
         fmt = ".1f" if cmp.unit == "ms" else ".2f"
         meas, sim = _num(cmp.measured, fmt), _num(cmp.simulated, fmt)
-        lines.append(f"| {cmp.metric} ({cmp.unit}) | {meas} | {sim} | {err} |")
-    return "\n".join(lines)
+        span = f"{_num(cmp.measured_lo, fmt)} - {_num(cmp.measured_hi, fmt)}"
+        lines.append(f"| {cmp.metric} ({cmp.unit}) | {meas} | {span} | {sim} | {err} |")
+    return lines
 
 
 def fit_json(fit: FitResult) -> dict[str, Any]:
