@@ -36,9 +36,10 @@ each part and models it:
    request reaches the scheduler that much later too.
 
 Then the same requests (their send times, their token counts from ``usage``) are
-replayed in the simulator with the server's scheduler settings, on as many replicas as
-the server has behind its router (the cluster simulator, the same router policy), and
-the simulated TTFT and TBT percentiles and goodput are compared with the measured ones.
+replayed (:data:`REPLAYS` times, seeded, pooled) in the simulator with the server's
+scheduler settings, on as many replicas as the server has behind its router (the
+cluster simulator, the same router policy), and the simulated TTFT and TBT
+percentiles and goodput are compared with the measured ones.
 The scheduler itself runs in the replay; only time is modelled.
 
 What is still left out shows as the error: step times whose slowness comes in runs (a
@@ -93,6 +94,8 @@ NOISE_QUANTILES = 200
 #: Reweightings of the median fit, and the resampled refits behind a term's std err.
 MEDIAN_ITERATIONS = 40
 BOOTSTRAP_ROUNDS = 30
+#: Replays pooled into the simulated figures (:func:`replay_pooled`).
+REPLAYS = 8
 #: Resamples behind a measured figure's interval (:class:`Comparison`).
 INTERVAL_ROUNDS = 200
 
@@ -557,10 +560,11 @@ def replay(
         raise FitError("--fit: no request of the run succeeded; nothing to replay")
     cfg = _config(sched)
     step = model.step
+    noise = None if step.noise is None else dataclasses.replace(step.noise, seed=seed)
     try:
         if model.replicas == 1:
             reqs = [t.to_request() for t in trace]
-            result = simulate(Scheduler(cfg), reqs, step.cost, keep_steps=False, noise=step.noise)
+            result = simulate(Scheduler(cfg), reqs, step.cost, keep_steps=False, noise=noise)
             metrics = [RequestMetrics.of(r) for r in result.requests]
         else:
             policy = model.router or RoutingPolicy.PREFIX_AWARE.value
@@ -571,7 +575,7 @@ def replay(
                 step.cost,
                 policy,
                 keep_decisions=False,
-                noise=step.noise,
+                noise=noise,
             )
             metrics = list(cluster.requests)
     except InvalidArgument as e:
@@ -599,9 +603,11 @@ def compare(
     simulated: Sequence[RequestMetrics],
     slo: Slo = DEFAULT_SLO,
     duration_s: float | None = None,
+    replays: int = 1,
 ) -> tuple[Comparison, ...]:
     """TTFT and TBT P50/P90/P99, and goodput (requests/s within ``slo`` over the run's
-    ``duration_s``, both sides over the same span) when the duration is given."""
+    ``duration_s``, both sides over the same span) when the duration is given.
+    ``simulated`` may pool ``replays`` replays of the run (goodput per replay)."""
     ok = [r for r in records if r.ok]
     sim_ttft = [t for m in simulated if (t := m.ttft_ms) is not None]
     sim_tbt = [g for m in simulated for g in m.itl_ms]
@@ -627,7 +633,8 @@ def compare(
         def goodput(rs: Sequence[Record]) -> float:
             return sum(_good(r.ttft_ms, r.tpot_ms, slo) for r in rs) / duration_s
 
-        sim_good = sum(_good(m.ttft_ms, m.tpot_ms, slo) for m in simulated) / duration_s
+        sim_count = sum(_good(m.ttft_ms, m.tpot_ms, slo) for m in simulated)
+        sim_good = sim_count / (duration_s * max(1, replays))
         lo, hi = _interval([goodput(d) for d in draws])
         out.append(Comparison("goodput", goodput(ok), sim_good, "req/s", lo, hi))
     return tuple(out)
@@ -649,8 +656,17 @@ def fit_and_replay(
     samples, sched = read_steps(client, start.step)
     server = read_requests(client, start.request)
     model = model_of(samples, sched, records, server)
-    simulated = replay(records, model, sched)
-    return FitResult(model, compare(records, simulated, slo, duration_s))
+    simulated = replay_pooled(records, model, sched, REPLAYS)
+    return FitResult(model, compare(records, simulated, slo, duration_s, REPLAYS))
+
+
+def replay_pooled(
+    records: Sequence[Record], model: ServingModel, sched: dict[str, Any], replays: int
+) -> list[RequestMetrics]:
+    """``replays`` replays of the run (seeds 0, 1, ...), their requests pooled: the
+    model's prediction is a distribution, and one replay's P90 of a few hundred requests
+    under a long-tailed scatter is one draw of it."""
+    return [m for seed in range(replays) for m in replay(records, model, sched, seed=seed)]
 
 
 # --------------------------------------------------------------------- reporting

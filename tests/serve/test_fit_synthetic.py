@@ -29,11 +29,13 @@ from refserve.serve.fit import (
     fit_steps,
     model_of,
     replay,
+    replay_pooled,
 )
 from refserve.serve.request_timing import RequestTiming
 
 #: How close the replay must come to the synthetic server (relative error).
 TOLERANCE = 0.15
+REPLAYS = 4
 TRUE = {"a": 1.0, "f": 6.0, "b": 0.03, "c": 2.5}
 GAP_MS = (0.2, 1.0)  # uniform
 FRONT_MS, WAKE_MS, HANDOFF_MS, TRANSPORT_MS = (0.05, 0.15), (0.0, 1.0), (0.5, 2.5), (2.0, 8.0)
@@ -148,7 +150,8 @@ def _errors(comparisons: tuple[Comparison, ...]) -> dict[str, float]:
 def _predict(terms: tuple[str, ...] = ("a", "f", "b", "c")) -> dict[str, float]:
     steps, timings, records, span = synthetic_run()
     model = model_of(steps, SCHED, records, timings, terms)
-    return _errors(compare(records, replay(records, model, SCHED), SLO, span))
+    simulated = replay_pooled(records, model, SCHED, REPLAYS)
+    return _errors(compare(records, simulated, SLO, span, REPLAYS))
 
 
 def test_the_fit_recovers_the_known_terms() -> None:
