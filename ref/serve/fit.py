@@ -238,7 +238,8 @@ def fit_start(client: httpx.Client) -> FitStart:
     if isinstance(steps, list) and steps and isinstance(steps[-1], dict):
         got = steps[-1].get("index")
         index = got if isinstance(got, int) else -1
-    reqs = _debug(client, "/debug/requests?since=0", required=False)
+    # A since past every index: only the last index comes back, not the whole ring.
+    reqs = _debug(client, f"/debug/requests?since={1 << 62}", required=False)
     last = reqs.get("last_index") if reqs else None
     return FitStart(index + 1, (last if isinstance(last, int) else -1) + 1)
 
