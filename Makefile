@@ -223,7 +223,7 @@ bench-peers: $(STAMP) wheel $(NANO_STAMP) $(VLLM_STAMP)
 .PHONY: bench-simfit
 bench-simfit: $(STAMP)
 	mkdir -p out docs/bench
-	$(PY) -m refserve.conformance.bench.simfit --json out/bench-simfit.json --replicas 1,2 --rate 4 --duration 60
+	$(PY) -m refserve.conformance.bench.simfit --json out/bench-simfit.json --replicas 1,2 --rate 4 --duration 60 --slo-ttft-ms 100 --slo-tpot-ms 20
 	cp out/bench-simfit.json docs/bench/
 	$(BENCH_REPORT)
 
