@@ -218,6 +218,15 @@ bench-peers: $(STAMP) wheel $(NANO_STAMP) $(VLLM_STAMP)
 	cp out/bench-peers.json docs/bench/
 	$(BENCH_REPORT)
 
+# The simulator against refserve serve (1 and 2 replicas, chat trace below the knee):
+# about two minutes. Writes out/bench-simfit.json, copies it into docs/bench/.
+.PHONY: bench-simfit
+bench-simfit: $(STAMP)
+	mkdir -p out docs/bench
+	$(PY) -m refserve.conformance.bench.simfit --json out/bench-simfit.json --replicas 1,2 --rate 4 --duration 60 --slo-ttft-ms 100 --slo-tpot-ms 20
+	cp out/bench-simfit.json docs/bench/
+	$(BENCH_REPORT)
+
 # docs/BENCHMARKS.md again from the JSON in docs/bench/, measuring nothing.
 bench-report: $(STAMP)
 	$(BENCH_REPORT)

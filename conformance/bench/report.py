@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from refserve.conformance.bench import ab, memory, migration
+from refserve.conformance.bench import ab, memory, migration, simfit
 from refserve.conformance.bench.machine import machine_line
 from refserve.conformance.bench.render import render_pool, render_steps
 from refserve.conformance.bench.results import Run
@@ -72,6 +72,8 @@ def kind_of(doc: object) -> str | None:
         return "ab"
     if fmt == GPU_FORMAT:
         return "gpu"
+    if fmt == simfit.FORMAT:
+        return "simfit"
     if isinstance(doc.get("benchmarks"), list) and isinstance(doc.get("machine_info"), dict):
         # The migration bench is a pytest-benchmark run of its own (its own JSON, its
         # own table): every benchmark in it carries the format in its extra_info.
@@ -124,6 +126,17 @@ def _memory_body(doc: dict[str, Any]) -> list[str]:
         "",
         *memory.table(memory.figures_of(doc)),
         "",
+    ]
+
+
+def _simfit_body(doc: dict[str, Any]) -> list[str]:
+    load_after = " / ".join(f"{x:.2f}" for x in doc.get("load_after", []))
+    extra = f" Load average {load_after} at the end." if load_after else ""
+    return [
+        *_provenance(
+            str(doc.get("command", "")), str(doc.get("when", "")), doc.get("machine", {}), extra
+        ),
+        *simfit.table(doc),
     ]
 
 
@@ -295,6 +308,18 @@ KINDS: dict[str, Kind] = {
             "The pytest-benchmark suites in two checkouts (the code before a change and "
             "after it), rounds interleaved, the order alternating; the ratio is of the "
             "medians over rounds of each benchmark's median (above 1: slower after).",
+        ),
+        Kind(
+            "simfit",
+            "The simulator against the server it was fitted to",
+            "make bench-simfit",
+            _simfit_body,
+            "`refserve serve` with one replica and with two, each loaded by `bench-serve "
+            "--fit`: the fit (the step's terms by median regression, the loop's time "
+            "between steps, the step's scatter, the time around the engine per request; "
+            "ref/serve/fit.py) and the simulator's error on the same requests. A measured "
+            "P99 rests on a few requests: its 90 % interval (the run's requests "
+            "resampled) is the yardstick of its error.",
         ),
         Kind(
             "peers",

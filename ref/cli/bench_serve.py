@@ -113,8 +113,9 @@ def add_bench_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--fit",
         action="store_true",
-        help="fit the simulator's a+b*P+c*D to the server's step records (refserve serve's "
-        "/debug/steps) and report the simulator's TTFT/TBT error on the same requests",
+        help="fit the simulator's step cost, its scatter and the time around the engine to "
+        "the server's records (refserve serve's /debug/steps and /debug/requests), replay "
+        "the same requests and report the simulator's TTFT/TBT/goodput error",
     )
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback server")
     p.add_argument("--json", type=Path, help="write every request's record and the summary")
@@ -176,7 +177,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     runs = []
     fits: list[Any] = []
     for rate, planned in plans.items():
-        since = _fit_start(target) if args.fit else 0
+        since = _fit_start(target) if args.fit else None
         with tqdm(
             total=len(planned), desc=f"rate {rate:g}/s", unit="req", disable=args.no_progress
         ) as bar:
@@ -184,8 +185,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                 run_load(target, planned, functools.partial(bar.update, 1))
             )
         runs.append((summarize(rate, recs, duration, slo), recs))
-        if args.fit:
-            fits.append(_fit(target, since, recs))
+        if since is not None:
+            fits.append(_fit(target, since, recs, slo, duration))
     doc = report_doc(target, args.trace, runs)
     for run, fit in zip(doc["runs"], fits, strict=False):
         run["fit"] = _fit_json(fit)
@@ -209,29 +210,25 @@ def _client(target: Any) -> Any:
     return httpx.Client(base_url=target.base_url.rstrip("/"), headers=headers, timeout=60)
 
 
-def _fit_start(target: Any) -> int:
-    from refserve.serve.fit import last_step_index
+def _fit_start(target: Any) -> Any:
+    from refserve.serve.fit import fit_start
 
     with _client(target) as client:
-        return last_step_index(client) + 1
+        return fit_start(client)
 
 
-def _fit(target: Any, since: int, recs: Any) -> Any:
+def _fit(target: Any, since: Any, recs: Any, slo: Any, duration_s: float) -> Any:
     from refserve.serve.fit import fit_and_replay
 
     with _client(target) as client:
-        return fit_and_replay(client, since, recs)
+        return fit_and_replay(client, since, recs, slo=slo, duration_s=duration_s)
 
 
 def _fit_json(fit: Any) -> dict[str, Any]:
-    from dataclasses import asdict
+    from refserve.serve.fit import fit_json
 
-    return {
-        "cost_ms": asdict(fit.cost),
-        "num_steps": fit.num_steps,
-        "r_squared": fit.r_squared,
-        "comparisons": [{**asdict(c), "error": c.error} for c in fit.comparisons],
-    }
+    result: dict[str, Any] = fit_json(fit)
+    return result
 
 
 def _print_summary(summaries: list[Any], slo: Any, knee_rate: float | None) -> None:

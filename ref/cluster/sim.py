@@ -65,6 +65,7 @@ from refserve.core.request import FinishReason, Request
 from refserve.core.scheduler import Scheduler
 from refserve.errors import InvalidArgument, RefserveError
 from refserve.sim.metrics import RequestMetrics
+from refserve.sim.noise import StepNoise
 from refserve.sim.simulator import Session, SessionTurn, SimExecutor
 from refserve.sim.workloads import Workload, to_requests
 from refserve.spec.cluster import (
@@ -135,7 +136,8 @@ class _Replica:
     sched: Scheduler
     core: EngineCore
     cost: StepCost
-    ready_ms: float = 0.0  # when its current step ends
+    executor: SimExecutor
+    ready_ms: float = 0.0  # when its current step ends (and the loop's time after it)
     steps: int = 0
     busy_ms: float = 0.0
 
@@ -205,6 +207,7 @@ class ClusterSim:
         seed: int = 0,
         check_ownership: bool = False,
         keep_decisions: bool = True,
+        noise: StepNoise | None = None,
     ) -> None:
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
             raise InvalidArgument(f"num_replicas must be an int >= 1, got {num_replicas!r}")
@@ -227,8 +230,14 @@ class ClusterSim:
         self.replicas: list[_Replica] = []
         for i in range(num_replicas):
             sched = Scheduler(config)
-            ex = SimExecutor(cost, sched.requests, block_size=config.block_size)
-            self.replicas.append(_Replica(sched, EngineCore(sched, ex), cost))
+            ex = SimExecutor(
+                cost,
+                sched.requests,
+                block_size=config.block_size,
+                noise=noise,
+                noise_stream=f"replica:{i}",
+            )
+            self.replicas.append(_Replica(sched, EngineCore(sched, ex), cost, ex))
             self.index.add_replica(i, config.block_size)
         self.owner: dict[str, int] = {}  # live request -> replica; -1: on the link
         self._events: list[_Event] = []
@@ -395,7 +404,7 @@ class ClusterSim:
         self._changed(i)
         rep.steps += 1
         rep.busy_ms += record.end_ms - t
-        rep.ready_ms = record.end_ms
+        rep.ready_ms = record.end_ms + rep.executor.after_step_ms()
         self.index.apply(i, self._drain(rep))
         for rid in record.outcome.finished:
             del self.owner[rid]
@@ -591,9 +600,11 @@ def simulate_cluster(
     seed: int = 0,
     check_ownership: bool = False,
     keep_decisions: bool = True,
+    noise: StepNoise | None = None,
 ) -> ClusterResult:
     """One run: ``workload`` on ``num_replicas`` replicas routed by ``policy``
-    (``keep_decisions=False``: the routing records are not kept, only their hit sum)."""
+    (``keep_decisions=False``: the routing records are not kept, only their hit sum;
+    ``noise``: each replica's step times scatter, ref/sim/noise.py)."""
     sim = ClusterSim(
         num_replicas,
         config,
@@ -604,6 +615,7 @@ def simulate_cluster(
         seed=seed,
         check_ownership=check_ownership,
         keep_decisions=keep_decisions,
+        noise=noise,
     )
     return sim.run(workload)
 

@@ -1,7 +1,12 @@
 """The iteration cost model of example 2: a step takes ``a + b*P + c*D (+ e*K)`` ms.
 
 P is the number of prefill tokens in the step, D the number of decode requests and K the
-KV tokens the decodes read (optional). Example 2 (docs/ARCHITECTURE.md) uses
+KV tokens the decodes read (optional). ``f`` (optional, ``bench-serve --fit``'s richer
+model) is a fixed cost more for a step that computes any prefill token: a batch with a
+prefill builds its inputs and attention differently from a decode-only one. ``g``
+(optional) is not the step's: it is the serving loop's time after a step before the
+next one can start (handing the outputs over); the simulators add it to the clock after
+each step, after the step's tokens are stamped. Example 2 (docs/ARCHITECTURE.md) uses
 ``2 + 0.5P + D``. Every coefficient
 is a finite number in [0, 1e6] ms (``MAX_COEFFICIENT_MS``): a 400-digit one would become
 ``inf`` and every time after it ``inf`` or ``NaN``.
@@ -29,9 +34,11 @@ class StepCost:
     b: float = 0.5
     c: float = 1.0
     e: float = 0.0
+    f: float = 0.0
+    g: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("a", "b", "c", "e"):
+        for name in ("a", "b", "c", "e", "f", "g"):
             value = getattr(self, name)
             if value < 0:
                 raise InvalidArgument(f"cost model coefficient {name} must be >= 0, got {value}")
@@ -43,7 +50,8 @@ class StepCost:
                 )
 
     def step_ms(self, num_prefill_tokens: int, num_decodes: int, num_kv_read: int = 0) -> float:
-        return self.a + self.b * num_prefill_tokens + self.c * num_decodes + self.e * num_kv_read
+        ms = self.a + self.b * num_prefill_tokens + self.c * num_decodes + self.e * num_kv_read
+        return ms + self.f if num_prefill_tokens else ms
 
     @classmethod
     def parse(cls, text: str) -> StepCost:
@@ -71,7 +79,9 @@ class StepCost:
 
     def __str__(self) -> str:
         text = f"{self.a:g}+{self.b:g}P+{self.c:g}D"
-        return text + (f"+{self.e:g}K" if self.e else "")
+        text += f"+{self.e:g}K" if self.e else ""
+        text += f" (+{self.f:g} when P>0)" if self.f else ""
+        return text + (f", then {self.g:g} between steps" if self.g else "")
 
 
 def _clip(text: str, limit: int = 40) -> str:

@@ -28,7 +28,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -44,6 +44,7 @@ from refserve.model.sampler import InvalidSamplingParams, SamplingParams
 from refserve.serve.chat import ChatMessageText, ChatTemplate
 from refserve.serve.loop import ServerDraining, ServingLoop, gap_summary
 from refserve.serve.metrics import ClusterServeMetrics, ServerMetrics
+from refserve.serve.request_timing import CLIENT_ID_HEADER, RequestTimings
 from refserve.serve.schema import (
     AssistantMessage,
     ChatChoice,
@@ -191,6 +192,16 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return wrapped
 
 
+def _cluster_shape(loop: ServingLoop) -> dict[str, Any]:
+    """How many replicas the step records come from, and the routing in front of them
+    (what ``bench-serve --fit`` replays): a cluster loop's ``loops`` and ``router``."""
+    from refserve.serve.cluster_loop import ClusterLoop
+
+    if not isinstance(loop, ClusterLoop):
+        return {"replicas": 1, "router": None}
+    return {"replicas": len(loop.loops), "router": loop.router.policy.value}
+
+
 # --------------------------------------------------------------------- the app
 def create_app(
     loop: ServingLoop,
@@ -264,6 +275,7 @@ def create_app(
                 "enable_chunked_prefill": cfg.enable_chunked_prefill,
                 "policy": str(cfg.policy.value),
             },
+            **_cluster_shape(loop),
             "summary": gap_summary(timings),
             "steps": [
                 {
@@ -276,6 +288,15 @@ def create_app(
                 }
                 for t in timings
             ],
+        }
+
+    @app.get("/debug/requests")
+    async def requests(since: int = 0) -> dict[str, Any]:
+        """The streamed requests' checkpoints (ref/serve/request_timing.py), those with
+        index >= ``since``: what ``bench-serve --fit`` models around the engine."""
+        return {
+            "last_index": api.timings.last_index(),
+            "requests": [asdict(t) for t in api.timings.since(since)],
         }
 
     @app.post("/v1/completions", response_model=None)
@@ -316,11 +337,29 @@ class _Prepared:
     token_ids_as_text: bool = False
 
 
+@dataclass
+class _Marks:
+    """A streamed request's checkpoints so far (ref/serve/request_timing.py), and when
+    the handler took each of its outputs with text off the queue."""
+
+    received_s: float
+    queued_s: float
+    submitted_s: float
+    client_id: str | None
+    added_s: float | None
+    taken_s: list[float] = field(default_factory=list)
+
+
+def _client_id(request: Request) -> str | None:
+    return request.headers.get(CLIENT_ID_HEADER)
+
+
 class _Api:
     def __init__(self, loop: ServingLoop, settings: ServeSettings, chat: ChatTemplate) -> None:
         self.loop, self.settings, self.template = loop, settings, chat
         self.tokenizer = loop.tokenizer
         self.created = int(time.time())
+        self.timings = RequestTimings()
 
     # ---------------------------------------------------------------- endpoints
     async def completions(
@@ -334,11 +373,14 @@ class _Api:
                 "refserve reports the sampled token's logprob only: use logprobs=0",
                 "logprobs",
             )
+        received = time.perf_counter()
         prompt = self._completion_prompt(body.prompt)
         prep = self._prepare(body, prompt, body.max_tokens, body.logprobs is not None, "cmpl")
+        queued = time.perf_counter()
         sub = await self._submit(prep, "prompt")
         if body.stream:
-            return _sse(self._completion_stream(prep, sub.queue, sub.n))
+            marks = _Marks(received, queued, time.perf_counter(), _client_id(request), sub.added_s)
+            return _sse(self._completion_stream(prep, sub.queue, sub.n, marks))
         finals = await _collect(self.loop, prep.request_id, sub.queue, sub.n, request)
         choices = [
             CompletionChoice(
@@ -367,6 +409,7 @@ class _Api:
                 "refserve reports the sampled token's logprob only: use top_logprobs=0",
                 "top_logprobs",
             )
+        received = time.perf_counter()
         messages = [ChatMessageText(m.role, _content(m.content)) for m in body.messages]
         try:
             text = self.template.render(messages)
@@ -375,9 +418,11 @@ class _Api:
         prompt = self.tokenizer.encode(text, add_special_tokens=self.template.add_special_tokens)
         limit = body.max_completion_tokens or body.max_tokens
         prep = self._prepare(body, prompt, limit, body.logprobs, "chatcmpl")
+        queued = time.perf_counter()
         sub = await self._submit(prep, "messages")
         if body.stream:
-            return _sse(self._chat_stream(prep, sub.queue, sub.n))
+            marks = _Marks(received, queued, time.perf_counter(), _client_id(request), sub.added_s)
+            return _sse(self._chat_stream(prep, sub.queue, sub.n, marks))
         finals = await _collect(self.loop, prep.request_id, sub.queue, sub.n, request)
         choices = [
             ChatChoice(
@@ -479,8 +524,30 @@ class _Api:
             raise engine_error(e, prompt_param) from None
 
     # ---------------------------------------------------------------- streams
+    def _record(self, marks: _Marks, last: RequestOutput | None) -> None:
+        """The stream ended: record its checkpoints (one sample's; ``last`` its final
+        output, whose metrics hold the engine's token times)."""
+        if last is None or not marks.taken_s or last.metrics.ttft_ms is None:
+            return
+        engine = last.metrics.token_times_ms
+        self.timings.add(
+            marks.received_s,
+            marks.queued_s,
+            marks.submitted_s,
+            marks.taken_s[0],
+            last.metrics.ttft_ms,
+            marks.client_id,
+            tuple(t - engine[0] for t in engine),
+            tuple((t - marks.taken_s[0]) * 1e3 for t in marks.taken_s),
+            marks.added_s,
+        )
+
     async def _completion_stream(
-        self, prep: _Prepared, q: asyncio.Queue[RequestOutput | BaseException], n: int
+        self,
+        prep: _Prepared,
+        q: asyncio.Queue[RequestOutput | BaseException],
+        n: int,
+        marks: _Marks,
     ) -> AsyncIterator[str]:
         finals: list[RequestOutput] = []
 
@@ -496,11 +563,15 @@ class _Api:
                 prep.include_usage,
             )
 
+        last: RequestOutput | None = None
         async for o in _outputs(self.loop, prep.request_id, q, n):
             if o.finished:
                 finals.append(o)
             if not o.new_text and not o.finished:
                 continue
+            marks.taken_s.append(time.perf_counter())
+            if o.finished and o.index == 0:
+                last = o
             lp = self._completion_logprobs(o, prep, new=True) if prep.params.logprobs else None
             yield chunk(
                 [
@@ -513,12 +584,17 @@ class _Api:
                     )
                 ]
             )
+        self._record(marks, last)
         if prep.include_usage:
             yield chunk([], _usage(prep, finals))
         yield "data: [DONE]\n\n"
 
     async def _chat_stream(
-        self, prep: _Prepared, q: asyncio.Queue[RequestOutput | BaseException], n: int
+        self,
+        prep: _Prepared,
+        q: asyncio.Queue[RequestOutput | BaseException],
+        n: int,
+        marks: _Marks,
     ) -> AsyncIterator[str]:
         finals: list[RequestOutput] = []
 
@@ -536,11 +612,15 @@ class _Api:
 
         for i in range(n):  # OpenAI's first chunk of each choice names the role
             yield chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+        last: RequestOutput | None = None
         async for o in _outputs(self.loop, prep.request_id, q, n):
             if o.finished:
                 finals.append(o)
             if not o.new_text and not o.finished:
                 continue
+            marks.taken_s.append(time.perf_counter())
+            if o.finished and o.index == 0:
+                last = o
             lp = self._chat_logprobs(o, prep, new=True) if prep.params.logprobs else None
             delta = Delta(content=o.new_text) if o.new_text else Delta()
             yield chunk(
@@ -550,6 +630,7 @@ class _Api:
                     )
                 ]
             )
+        self._record(marks, last)
         if prep.include_usage:
             yield chunk([], _usage(prep, finals))
         yield "data: [DONE]\n\n"

@@ -269,7 +269,8 @@ async def _send(
     rec.sent_s = time.perf_counter() - t0
     try:
         async with asyncio.timeout(target.timeout_s):
-            async with client.stream("POST", "/v1/completions", json=body) as r:
+            headers = {"X-Request-Id": rec.id}  # the server may report it by this name
+            async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
                 if r.status_code != 200:
                     await r.aread()
                     rec.status = f"http {r.status_code}"

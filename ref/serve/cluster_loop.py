@@ -206,7 +206,9 @@ class ReplicaLoop:
         )
         self._dispatch(outputs)
         self._publish(outputs)
-        return time.perf_counter()
+        # The next gap counts from the step's end: handing its outputs over (and the
+        # figures) is the loop's time between two steps, not the step's.
+        return end
 
     def _publish(self, outputs: Sequence[RequestOutput]) -> None:
         """The replica's figures and new cache events to the front (module doc)."""
@@ -431,7 +433,7 @@ class ClusterLoop:
             decision = self._route(request_id, ids)
             lp = self.loops[decision.replica]
             try:
-                await asyncio.wrap_future(
+                added = await asyncio.wrap_future(
                     lp.run_sync(self._adder(lp, request_id, ids, params, sink))
                 )
             except ReplicaDead:
@@ -444,14 +446,14 @@ class ClusterLoop:
                 decision.num_prompt_tokens,
                 decision.prefix_hit_tokens,
             )
-        return Submission(request_id, q, params.n)
+        return Submission(request_id, q, params.n, added)
 
     def _adder(
         self, lp: ReplicaLoop, request_id: str, ids: list[int], params: SamplingParams, sink: _Sink
-    ) -> Callable[[], None]:
-        """The command that adds a routed request on ``lp``'s thread."""
+    ) -> Callable[[], float]:
+        """The command that adds a routed request on ``lp``'s thread (its result: when)."""
 
-        def add() -> None:
+        def add() -> float:
             if not self._admitting:
                 raise ServerDraining("the server is shutting down")
             lp.replica.add_request(ids, params, request_id)
@@ -460,6 +462,7 @@ class ClusterLoop:
                 self._owner[request_id] = lp.index
                 self._prompts[request_id] = ids
                 self._params[request_id] = params
+            return time.perf_counter()
 
         return add
 
@@ -629,7 +632,7 @@ class ClusterLoop:
         with self._lock:  # an abort from now on queues behind the add there
             self._owner[request_id] = lp.index
 
-        def added(f: concurrent.futures.Future[None]) -> None:
+        def added(f: concurrent.futures.Future[float]) -> None:
             if f.exception() is not None:  # refused there, or that one died too
                 fail()
             elif self.metrics is not None:

@@ -120,11 +120,13 @@ class _Sink:
 
 @dataclass(frozen=True)
 class Submission:
-    """An admitted request: its id and the queue its outputs arrive on."""
+    """An admitted request: its id and the queue its outputs arrive on, and when the
+    engine side added it (``perf_counter`` seconds; None if not known)."""
 
     request_id: str
     queue: asyncio.Queue[RequestOutput | BaseException]
     n: int
+    added_s: float | None = None
 
 
 class ServingLoop(Protocol):
@@ -252,15 +254,15 @@ class EngineLoop:
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         sink = _Sink(loop, q, params.n)
 
-        def add() -> str:
+        def add() -> tuple[str, float]:
             if not self._admitting:
                 raise ServerDraining("the server is shutting down")
             rid = self.engine.add_request(list(prompt), params, request_id=request_id)
             self._sinks[rid] = sink  # before any step: no output can be missed
-            return rid
+            return rid, time.perf_counter()
 
-        rid = await self.call(add)
-        return Submission(rid, q, params.n)
+        rid, added = await self.call(add)
+        return Submission(rid, q, params.n, added)
 
     def abort(self, request_id: str) -> None:
         """Abort a request if it is still live (a client went away); non-blocking."""
@@ -348,7 +350,9 @@ class EngineLoop:
         self._dispatch(outputs)
         if self.metrics is not None:
             self.metrics.after_step(self.engine, outputs)
-        return time.perf_counter()
+        # The next gap counts from the step's end: handing its outputs over (and the
+        # figures) is the loop's time between two steps, not the step's.
+        return end
 
     def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
         for o in outputs:

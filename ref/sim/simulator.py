@@ -31,6 +31,7 @@ from refserve.core.request import FinishReason, Request, StopParams
 from refserve.core.scheduler import Scheduler
 from refserve.core.swap import SwapCost, SwapTraffic
 from refserve.errors import InvalidArgument, RefserveError
+from refserve.sim.noise import StepNoise
 from refserve.spec.snapshot import RequestStatus
 
 VOCAB = 32000
@@ -93,6 +94,9 @@ class SimExecutor(NoKVMemory):
     With ``speculation`` it also stands in for the proposer: when a step commits, it
     proposes the next step's drafts to the ``scheduler`` (:class:`SimSpeculation`), and
     a verification token costs what a prefill token costs (``b``).
+
+    With ``noise`` (ref/sim/noise.py) each step's compute time is multiplied by a factor
+    drawn from it (seeded per ``noise_stream``: each replica of a cluster its own).
     """
 
     needs_inputs = False
@@ -106,6 +110,8 @@ class SimExecutor(NoKVMemory):
         block_size: int = 16,
         speculation: SimSpeculation | None = None,
         scheduler: Scheduler | None = None,
+        noise: StepNoise | None = None,
+        noise_stream: str = "",
     ) -> None:
         if speculation is not None and scheduler is None:
             raise InvalidArgument("SimExecutor: speculation needs the scheduler to propose to")
@@ -115,6 +121,14 @@ class SimExecutor(NoKVMemory):
         self.block_size = block_size
         self.speculation = speculation
         self._scheduler = scheduler
+        self._noise = None if noise is None else noise.sampler(noise_stream)
+        self._gap = None if noise is None else noise.gap_sampler(noise_stream)
+
+    def after_step_ms(self) -> float:
+        """The serving loop's time after a step before the next can start (the cost's
+        ``g``, or a gap drawn from ``noise``): the clock moves on by it, the step's
+        tokens are stamped before it."""
+        return self._gap() if self._gap is not None else self.cost.g
 
     def commit(self) -> None:
         """The step committed: propose the next step's drafts (with ``speculation``)."""
@@ -154,6 +168,8 @@ class SimExecutor(NoKVMemory):
         ms = self.cost.step_ms(
             plan.num_prefill_tokens + verify_tokens, plan.num_decode_requests, kv_read
         )
+        if self._noise is not None:
+            ms *= self._noise(plan.num_prefill_tokens + verify_tokens > 0)
         if self.swap is not None:
             for moved in (plan.swap_out, plan.swap_in):
                 if moved:
@@ -201,7 +217,10 @@ def _result(
 
 
 def _sim_executor(
-    scheduler: Scheduler, cost: StepCost, speculation: SimSpeculation | None = None
+    scheduler: Scheduler,
+    cost: StepCost,
+    speculation: SimSpeculation | None = None,
+    noise: StepNoise | None = None,
 ) -> SimExecutor:
     cfg = scheduler.config
     return SimExecutor(
@@ -211,6 +230,7 @@ def _sim_executor(
         block_size=cfg.block_size,
         speculation=speculation,
         scheduler=scheduler,
+        noise=noise,
     )
 
 
@@ -264,6 +284,7 @@ def simulate(
     max_steps: int | None = None,
     keep_steps: bool = True,
     speculation: SimSpeculation | None = None,
+    noise: StepNoise | None = None,
 ) -> SimResult:
     """Run every request to completion on a virtual clock; return timelines and steps.
 
@@ -281,7 +302,7 @@ def simulate(
         _check_time(r.arrival_ms, f"request {r.request_id!r} arrival_ms")
     pending.sort(key=lambda r: r.arrival_ms)
     everyone = list(pending)
-    executor = _sim_executor(scheduler, cost, speculation)
+    executor = _sim_executor(scheduler, cost, speculation, noise)
     core = EngineCore(scheduler, executor, check_invariants=check_invariants)
     clock = 0.0
     steps = _Steps(keep_steps)
@@ -300,7 +321,7 @@ def simulate(
             raise StepLimitReached(max_steps, _result(scheduler, everyone, steps, clock - start))
         record = core.step(clock)
         steps.add(record)
-        clock = record.end_ms
+        clock = record.end_ms + executor.after_step_ms()
     start = min((r.arrival_ms for r in everyone), default=0.0)
     return _result(scheduler, everyone, steps, clock - start)
 
@@ -462,7 +483,7 @@ def _replay(
             raise StepLimitReached(max_steps, _replay_result(scheduler, everyone, steps, clock))
         record = core.step(clock)
         steps.add(record)
-        clock = record.end_ms
+        clock = record.end_ms + executor.after_step_ms()
         for rid in record.outcome.finished:
             _after_finish(in_flight.pop(rid), rid, clock, releases, waiting)
     return _replay_result(scheduler, everyone, steps, clock)

@@ -361,3 +361,54 @@ def test_make_bench_and_bench_peers_end_by_regenerating_the_document() -> None:
     assert "--ignore=tests/bench/test_migration_bench.py" in make
     assert "tests/bench/test_migration_bench.py --benchmark-only" in make
     assert "--benchmark-json out/bench-migration.json" in make
+
+
+SIMFIT_FIT = {
+    "cost_ms": {"a": 0.5, "b": 0.07, "c": 2.8, "e": 0.0, "f": 9.5, "g": 2.5},
+    "num_steps": 1800, "r_squared": 0.21, "replicas": 1, "router": None,
+    "terms": [
+        {"name": "a", "meaning": "every step", "value_ms": 0.5, "stderr_ms": 0.1,
+         "r2_drop": 0.01},
+        {"name": "gap", "meaning": "the loop after a step", "value_ms": 2.5,
+         "stderr_ms": 0.05, "r2_drop": None},
+    ],
+    "noise_factors": [1.0],
+    "overheads": [{"name": "transport", "meaning": "HTTP", "p50_ms": 5.5, "p90_ms": 20.25,
+                   "num_requests": 240}],
+    "comparisons": [
+        {"metric": "TTFT P50", "measured": 30.0, "simulated": 27.0, "unit": "ms",
+         "measured_lo": 28.0, "measured_hi": 33.0, "error": -0.1},
+        {"metric": "goodput", "measured": 3.9, "simulated": 3.95, "unit": "req/s",
+         "measured_lo": 3.8, "measured_hi": 4.0, "error": 0.0128},
+    ],
+}  # fmt: skip
+SIMFIT = {
+    "format": "refserve-bench-simfit", "version": 1,
+    "command": "python -m refserve.conformance.bench.simfit --json s.json",
+    "when": "2026-01-02 03:04 UTC", "machine": MACHINE, "load_after": [6.5, 6.0, 5.5],
+    "workload": {"model": "tiny-trained", "trace": "chat", "rate": 4.0, "duration_s": 60.0,
+                 "seed": 0, "slo_ttft_ms": 100.0, "slo_tpot_ms": 20.0},
+    "runs": [
+        {"replicas": 1, "summary": {"num_ok": 240, "num_requests": 240, "duration_s": 60.2},
+         "fit": SIMFIT_FIT},
+        {"replicas": 2, "summary": {"num_ok": 239, "num_requests": 240, "duration_s": 60.1},
+         "fit": {**SIMFIT_FIT, "replicas": 2, "router": "prefix_aware"}},
+    ],
+}  # fmt: skip
+
+
+def test_the_simulator_fit_table_per_replica_count() -> None:
+    assert report.kind_of(SIMFIT) == "simfit"
+    md = _rendered(("s.json", SIMFIT))
+    assert "## The simulator against the server it was fitted to" in md
+    assert "Command: `python -m refserve.conformance.bench.simfit --json s.json`" in md
+    assert "Load average 6.50 / 6.00 / 5.50 at the end." in md
+    assert "Trace `chat` at 4 requests/s for 60 s (seed 0)" in md
+    assert "TTFT <= 100 ms and TPOT <= 20 ms" in md
+    row = "| TTFT P50 (ms) | 30.0 (28.0-33.0) / 27.0 / -10% | 30.0 (28.0-33.0) / 27.0 / -10% |"
+    assert row in md
+    assert "| goodput (req/s) | 3.90 (3.80-4.00) / 3.95 / +1% |" in md
+    assert "- 1 replica(s): 240 of 240 requests ok over 60.2 s; 1800 steps fitted" in md
+    assert "a 0.500 ± 0.100 (R1 -0.010 without), gap 2.500 ± 0.050;" in md
+    assert "2 replica(s), router prefix_aware: 239 of 240" in md
+    assert "transport 5.50/20.25." in md

@@ -107,10 +107,33 @@ def test_fit_calibrates_the_simulator(server: ServerThread, tmp_path: Path) -> N
     fit = doc["runs"][0]["fit"]
     assert fit["num_steps"] >= 3
     assert all(v >= 0 for v in fit["cost_ms"].values())
-    assert fit["cost_ms"]["a"] + fit["cost_ms"]["c"] > 0  # a step costs something
+    assert fit["cost_ms"]["a"] + fit["cost_ms"]["c"] + fit["cost_ms"]["f"] > 0  # steps cost
+    assert [t["name"] for t in fit["terms"]] == ["a", "f", "b", "c", "gap"]
+    assert all(t["stderr_ms"] is not None for t in fit["terms"])
+    assert fit["replicas"] == 1 and fit["noise_factors"]
+    # Every request was matched to the server's checkpoints (the bench's X-Request-Id).
+    assert all(o["num_requests"] == 12 for o in fit["overheads"])
     metrics = [c["metric"] for c in fit["comparisons"]]
-    assert metrics == ["TTFT P50", "TTFT P90", "TTFT P99", "TBT P50", "TBT P90", "TBT P99"]
-    assert all(c["simulated_ms"] is not None and c["simulated_ms"] > 0 for c in fit["comparisons"])
+    assert metrics == [
+        "TTFT P50", "TTFT P90", "TTFT P99", "TBT P50", "TBT P90", "TBT P99", "goodput",
+    ]  # fmt: skip
+    assert all(c["simulated"] is not None and c["simulated"] > 0 for c in fit["comparisons"])
+
+
+def test_debug_requests_names_the_clients_requests(server: ServerThread) -> None:
+    import httpx
+
+    base = server.base_url
+    since = httpx.get(f"{base}/debug/requests", timeout=30).json()["last_index"] + 1
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "stream": True}
+    with httpx.stream(
+        "POST", f"{base}/v1/completions", json=body, headers={"X-Request-Id": "mine"}, timeout=30
+    ) as r:
+        r.read()
+    (t,) = httpx.get(f"{base}/debug/requests?since={since}", timeout=30).json()["requests"]
+    assert t["client_id"] == "mine"
+    assert t["received_s"] <= t["queued_s"] <= t["added_s"] <= t["first_output_s"]
+    assert t["engine_ttft_ms"] > 0 and len(t["engine_token_ms"]) == 4
 
 
 def test_fit_needs_the_step_records(hanging: str, tmp_path: Path, capsys: Any) -> None:
