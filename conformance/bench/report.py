@@ -66,14 +66,14 @@ def kind_of(doc: object) -> str | None:
         # reference loop): its ratios are refserve against itself, not against peers.
         engines = set(dict(doc.get("engines") or {}))
         return "step" if engines <= {"ref", "ref-loop"} else "peers"
-    if fmt == memory.FORMAT:
-        return "memory"
-    if fmt == ab.FORMAT:
-        return "ab"
-    if fmt == GPU_FORMAT:
-        return "gpu"
-    if fmt == simfit.FORMAT:
-        return "simfit"
+    by_format = {
+        memory.FORMAT: "memory",
+        ab.FORMAT: "ab",
+        GPU_FORMAT: "gpu",
+        simfit.FORMAT: "simfit",
+    }
+    if fmt in by_format:
+        return by_format[str(fmt)]
     if isinstance(doc.get("benchmarks"), list) and isinstance(doc.get("machine_info"), dict):
         # The migration bench is a pytest-benchmark run of its own (its own JSON, its
         # own table): every benchmark in it carries the format in its extra_info.

@@ -364,25 +364,18 @@ def _gap_quantiles(gaps: Sequence[float]) -> tuple[float, ...]:
     return tuple(xs[min(len(xs) - 1, int((i + 0.5) * len(xs) / n))] for i in range(n))
 
 
-def fit_steps(
-    samples: Sequence[StepSample],
-    terms: Sequence[str] = tuple(STEP_TERMS),
-    *,
-    noise: bool = True,
-    seed: int = 0,
-) -> StepFit:
-    """The step model over ``samples`` (module doc, 1-3) with the regression ``terms``
-    (a subset of :data:`STEP_TERMS`; those left out are 0). Each term's standard error
-    is the spread of its value over :data:`BOOTSTRAP_ROUNDS` refits on resampled steps
-    (seeded); its R^2 lost is what R1 (:func:`_r1`) drops by when it is left out."""
+def _check_terms(terms: Sequence[str], num_samples: int) -> None:
     unknown = [t for t in terms if t not in STEP_TERMS]
     if unknown or not terms or len(set(terms)) != len(terms):
         raise InvalidArgument(f"step terms must be distinct ones of {', '.join(STEP_TERMS)}")
-    if len(samples) < len(terms) + 1:
-        raise FitError(f"--fit: {len(samples)} step records; at least {len(terms) + 1} needed")
-    x = np.array([[_column(t, s) for t in terms] for s in samples], dtype=np.float64)
-    y = np.array([s.duration_ms for s in samples], dtype=np.float64)
-    coef = _median_fit(x, y)
+    if num_samples < len(terms) + 1:
+        raise FitError(f"--fit: {num_samples} step records; at least {len(terms) + 1} needed")
+
+
+def _fitted_terms(
+    terms: Sequence[str], x: np.ndarray, y: np.ndarray, coef: np.ndarray, seed: int
+) -> list[Term]:
+    """Each regression term with its bootstrap standard error and the R1 lost without it."""
     r1 = _r1(y, x @ coef)
     rng = np.random.default_rng(seed)
     boots = np.array(
@@ -394,32 +387,62 @@ def fit_steps(
         rest = _r1(y, x[:, others] @ _median_fit(x[:, others], y)) if others else 0.0
         se = float(boots[:, k].std(ddof=1)) if BOOTSTRAP_ROUNDS > 1 else None
         fitted.append(Term(t, STEP_TERMS[t], float(coef[k]), se, r1 - rest))
+    return fitted
+
+
+def _gap_term(gaps: Sequence[float]) -> Term:
+    """The loop's mean time after a step, with the standard error of that mean."""
+    gap = sum(gaps) / len(gaps)
+    sd = math.sqrt(sum((g - gap) ** 2 for g in gaps) / max(1, len(gaps) - 1))
+    what = "the loop after a step (mean), before the next"
+    return Term(GAP_TERM, what, gap, sd / math.sqrt(len(gaps)), None)
+
+
+def _step_noise(
+    samples: Sequence[StepSample], cost: StepCost, gaps: Sequence[float], seed: int
+) -> StepNoise | None:
+    """The measured over the modelled step time, pooled and for prefill steps apart."""
+    decode: list[float] = []
+    prefill: list[float] = []
+    for s in samples:
+        m = cost.step_ms(s.num_prefill_tokens, s.num_decodes)
+        if m > 0:
+            (prefill if s.num_prefill_tokens else decode).append(s.duration_ms / m)
+    pooled = _quantiles(decode + prefill)
+    if not pooled:
+        return None
+    return StepNoise(pooled, seed, _quantiles(prefill), _gap_quantiles(gaps))
+
+
+def fit_steps(
+    samples: Sequence[StepSample],
+    terms: Sequence[str] = tuple(STEP_TERMS),
+    *,
+    noise: bool = True,
+    seed: int = 0,
+) -> StepFit:
+    """The step model over ``samples`` (module doc, 1-3) with the regression ``terms``
+    (a subset of :data:`STEP_TERMS`; those left out are 0). Each term's standard error
+    is the spread of its value over :data:`BOOTSTRAP_ROUNDS` refits on resampled steps
+    (seeded); its R^2 lost is what R1 (:func:`_r1`) drops by when it is left out."""
+    _check_terms(terms, len(samples))
+    x = np.array([[_column(t, s) for t in terms] for s in samples], dtype=np.float64)
+    y = np.array([s.duration_ms for s in samples], dtype=np.float64)
+    coef = _median_fit(x, y)
+    fitted = _fitted_terms(terms, x, y, coef, seed)
     gaps = [max(0.0, s.gap_ms) for s in samples if s.gap_ms is not None]
-    gap = sum(gaps) / len(gaps) if gaps else 0.0
     if gaps:
-        sd = math.sqrt(sum((g - gap) ** 2 for g in gaps) / max(1, len(gaps) - 1))
-        what = "the loop after a step (mean), before the next"
-        fitted.append(Term(GAP_TERM, what, gap, sd / math.sqrt(len(gaps)), None))
+        fitted.append(_gap_term(gaps))
     values = dict(zip(terms, (max(0.0, float(v)) for v in coef), strict=True))
     cost = StepCost(
         a=values.get("a", 0.0),
         b=values.get("b", 0.0),
         c=values.get("c", 0.0),
         f=values.get("f", 0.0),
-        g=gap,
+        g=sum(gaps) / len(gaps) if gaps else 0.0,
     )
-    step_noise = None
-    if noise:
-        decode: list[float] = []
-        prefill: list[float] = []
-        for s in samples:
-            m = cost.step_ms(s.num_prefill_tokens, s.num_decodes)
-            if m > 0:
-                (prefill if s.num_prefill_tokens else decode).append(s.duration_ms / m)
-        pooled = _quantiles(decode + prefill)
-        if pooled:
-            step_noise = StepNoise(pooled, seed, _quantiles(prefill), _gap_quantiles(gaps))
-    return StepFit(cost, tuple(fitted), r1, len(samples), step_noise)
+    step_noise = _step_noise(samples, cost, gaps, seed) if noise else None
+    return StepFit(cost, tuple(fitted), _r1(y, x @ coef), len(samples), step_noise)
 
 
 @dataclass(frozen=True)
@@ -546,19 +569,7 @@ def replay(
     """The run's requests in the simulator, as the client would see them: sent when they
     were sent, with their own token counts (prompts of distinct token ids: the bench's
     share no prefix), each with a measured overhead drawn for it (module doc)."""
-    rng = random.Random(f"fit-replay:{seed}")
-    usable = [r for r in records if r.ok and r.sent_s is not None]
-    trace: list[TraceRequest] = []
-    shift: dict[str, RequestOverhead] = {}
-    for i, r in enumerate(u for u in usable if u.prompt_tokens and u.completion_tokens):
-        assert r.sent_s is not None and r.prompt_tokens and r.completion_tokens  # filtered
-        o = model.overheads[rng.randrange(len(model.overheads))] if model.overheads else None
-        o = o or RequestOverhead(0.0, 0.0, 0.0)
-        shift[r.id] = o
-        prompt = tuple(1 + (i * 7919 + k) % 30000 for k in range(r.prompt_tokens))
-        trace.append(TraceRequest(r.id, r.sent_s * 1e3 + o.admit_ms, prompt, r.completion_tokens))
-    if not trace:
-        raise FitError("--fit: no request of the run succeeded; nothing to replay")
+    trace, shift = _replay_trace(records, model, seed)
     cfg = _config(sched)
     step = model.step
     noise = None if step.noise is None else dataclasses.replace(step.noise, seed=seed)
@@ -584,6 +595,27 @@ def replay(
     return [_as_client_saw(m, shift[m.request_id]) for m in metrics]
 
 
+def _replay_trace(
+    records: Sequence[Record], model: ServingModel, seed: int
+) -> tuple[list[TraceRequest], dict[str, RequestOverhead]]:
+    """The run's successful requests as a trace, each shifted by a measured overhead
+    drawn for it (seeded), and the overhead each got."""
+    rng = random.Random(f"fit-replay:{seed}")
+    usable = [r for r in records if r.ok and r.sent_s is not None]
+    trace: list[TraceRequest] = []
+    shift: dict[str, RequestOverhead] = {}
+    for i, r in enumerate(u for u in usable if u.prompt_tokens and u.completion_tokens):
+        assert r.sent_s is not None and r.prompt_tokens and r.completion_tokens  # filtered
+        o = model.overheads[rng.randrange(len(model.overheads))] if model.overheads else None
+        o = o or RequestOverhead(0.0, 0.0, 0.0)
+        shift[r.id] = o
+        prompt = tuple(1 + (i * 7919 + k) % 30000 for k in range(r.prompt_tokens))
+        trace.append(TraceRequest(r.id, r.sent_s * 1e3 + o.admit_ms, prompt, r.completion_tokens))
+    if not trace:
+        raise FitError("--fit: no request of the run succeeded; nothing to replay")
+    return trace, shift
+
+
 def _as_client_saw(m: RequestMetrics, o: RequestOverhead) -> RequestMetrics:
     """Times from the client's send to the client holding each token."""
     return dataclasses.replace(
@@ -597,6 +629,14 @@ def _as_client_saw(m: RequestMetrics, o: RequestOverhead) -> RequestMetrics:
 # --------------------------------------------------------------------- comparing
 def _good(ttft: float | None, tpot: float | None, slo: Slo) -> bool:
     return ttft is not None and ttft <= slo.ttft_ms and (tpot is None or tpot <= slo.tpot_ms)
+
+
+def _ttfts(rs: Sequence[Record]) -> list[float]:
+    return [t for r in rs if (t := r.ttft_ms) is not None]
+
+
+def _tbts(rs: Sequence[Record]) -> list[float]:
+    return [g for r in rs for g in r.tbt_ms]
 
 
 def compare(
@@ -615,30 +655,36 @@ def compare(
     rng = random.Random("fit-interval")
     # Resampled by request (a request's token gaps together): which requests were slow.
     draws = [[ok[rng.randrange(len(ok))] for _ in ok] for _ in range(INTERVAL_ROUNDS)] if ok else []
-
-    def ttfts(rs: Sequence[Record]) -> list[float]:
-        return [t for r in rs if (t := r.ttft_ms) is not None]
-
-    def tbts(rs: Sequence[Record]) -> list[float]:
-        return [g for r in rs for g in r.tbt_ms]
-
     out = []
-    for name, of, sim in (("TTFT", ttfts, sim_ttft), ("TBT", tbts, sim_tbt)):
+    for name, of, sim in (("TTFT", _ttfts, sim_ttft), ("TBT", _tbts, sim_tbt)):
         for q in (50, 90, 99):
             lo, hi = _interval([percentile(of(d), q) for d in draws])
             out.append(
                 Comparison(f"{name} P{q}", percentile(of(ok), q), percentile(sim, q), "ms", lo, hi)
             )
     if duration_s is not None and duration_s > 0:
-
-        def goodput(rs: Sequence[Record]) -> float:
-            return sum(_good(r.ttft_ms, r.tpot_ms, slo) for r in rs) / duration_s
-
-        sim_count = sum(_good(m.ttft_ms, m.tpot_ms, slo) for m in simulated)
-        sim_good = sim_count / (duration_s * max(1, replays))
-        lo, hi = _interval([goodput(d) for d in draws])
-        out.append(Comparison("goodput", goodput(ok), sim_good, "req/s", lo, hi))
+        out.append(_goodput(ok, simulated, draws, slo, duration_s, replays))
     return tuple(out)
+
+
+def _goodput(
+    ok: Sequence[Record],
+    simulated: Sequence[RequestMetrics],
+    draws: Sequence[Sequence[Record]],
+    slo: Slo,
+    duration_s: float,
+    replays: int,
+) -> Comparison:
+    """Requests per second within ``slo``, measured (with its interval over ``draws``)
+    and simulated (per replay)."""
+
+    def goodput(rs: Sequence[Record]) -> float:
+        return sum(_good(r.ttft_ms, r.tpot_ms, slo) for r in rs) / duration_s
+
+    sim_count = sum(_good(m.ttft_ms, m.tpot_ms, slo) for m in simulated)
+    sim_good = sim_count / (duration_s * max(1, replays))
+    lo, hi = _interval([goodput(d) for d in draws])
+    return Comparison("goodput", goodput(ok), sim_good, "req/s", lo, hi)
 
 
 def _interval(values: Sequence[float | None]) -> tuple[float | None, float | None]:
