@@ -227,6 +227,20 @@ bench-simfit: $(STAMP)
 	cp out/bench-simfit.json docs/bench/
 	$(BENCH_REPORT)
 
+# The soak (conformance/bench/soak.py; docs/CLUSTER.md, "Soak"; not in `make test`, whose pytest
+# stage runs a 20-second one): `refserve serve --replicas 2 --fault-endpoints` under
+# SOAK_S seconds of open-loop load with replica kills, disconnects, aborts and bad
+# requests; exit 1, and docs/bench/ untouched, if a promise broke. Its JSON replaces
+# docs/bench/soak.json and docs/BENCHMARKS.md is rendered again.
+SOAK_S ?= 600
+SOAK_BACKEND ?= inprocess
+.PHONY: soak
+soak: $(STAMP)
+	mkdir -p out docs/bench
+	$(PY) -m refserve.conformance.bench.soak --duration $(SOAK_S) --backend $(SOAK_BACKEND) --json out/soak.json
+	cp out/soak.json docs/bench/
+	$(BENCH_REPORT)
+
 # docs/BENCHMARKS.md again from the JSON in docs/bench/, measuring nothing.
 bench-report: $(STAMP)
 	$(BENCH_REPORT)

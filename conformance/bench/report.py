@@ -7,10 +7,11 @@ Run::
 Every input is one benchmark's JSON as its writer left it: the step bench and the
 side-by-side run (``refserve.conformance.bench.peers``, ``out/bench-step.json`` and
 ``out/bench-peers.json``), the heap per request (``refserve.conformance.bench.memory``,
-``out/bench-memory.json``) and pytest-benchmark's ``--benchmark-json`` (``make bench``,
-``out/bench-pytest.json``). Each becomes a section with its tables, the command that
-produced it and the machine it ran on (recorded in the JSON when it was measured:
-:mod:`refserve.conformance.bench.machine`), and a ratio wherever the run measured a baseline.
+``out/bench-memory.json``), pytest-benchmark's ``--benchmark-json`` (``make bench``,
+``out/bench-pytest.json``) and the soak's (``make soak``, ``out/soak.json``). Each
+becomes a section with its tables, the command that produced it and the machine it ran
+on (recorded in the JSON when it was measured: :mod:`refserve.conformance.bench.machine`),
+and a ratio wherever the run measured a baseline.
 
 Figures are never typed by hand: the Makefile copies fresh JSON into ``docs/bench/``
 and reruns this, and ``tests/repo/test_benchmarks_doc.py`` requires the committed
@@ -36,6 +37,7 @@ from refserve.conformance.bench import ab, memory, migration, simfit
 from refserve.conformance.bench.machine import machine_line
 from refserve.conformance.bench.render import render_pool, render_steps
 from refserve.conformance.bench.results import Run
+from refserve.conformance.bench.soak import FORMAT as SOAK_FORMAT
 from refserve.errors import OutputPathError
 from refserve.files import check_output_file
 from refserve.kernels.bench import FORMAT as GPU_FORMAT
@@ -71,6 +73,7 @@ def kind_of(doc: object) -> str | None:
         ab.FORMAT: "ab",
         GPU_FORMAT: "gpu",
         simfit.FORMAT: "simfit",
+        SOAK_FORMAT: "soak",
     }
     if fmt in by_format:
         return by_format[str(fmt)]
@@ -250,6 +253,81 @@ def _gpu_body(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _pct(x: float) -> str:
+    return f"{x:.1%}"
+
+
+def _soak_pool(x: dict[str, Any]) -> str:
+    """One replica's pools at the end of a soak."""
+    rep = x["report"]
+    if rep is None:
+        return f"replica {x['replica']}: dead"
+    return (
+        f"replica {x['replica']}: {rep['free_blocks']} of {rep['num_blocks']} blocks free, "
+        f"{rep['tables']} tables, {len(rep['live_requests'])} requests, "
+        f"{len(rep['violations'])} violations"
+    )
+
+
+def _soak_body(doc: dict[str, Any]) -> list[str]:
+    st, sm = doc["settings"], doc["summary"]
+    load_after = " / ".join(f"{x:.2f}" for x in doc.get("load_after", []))
+    extra = f" Load average {load_after} at the end." if load_after else ""
+    note = f" Note: {doc['note']}." if doc.get("note") else ""
+    lines = _provenance(str(doc["command"]), str(doc.get("when", "")), doc["machine"], extra)
+    kinds = ", ".join(f"{n} {k}" for k, n in sm["kinds"].items())
+    lo, hi = st["max_tokens"]
+    lines += [
+        f"{st['replicas']} replicas ({doc['backend']} backend), {st['duration_s']:g} s of "
+        f"open-loop load at {st['rate_rps']:g} requests/s (seed {st['seed']}), {lo}-{hi} "
+        f"output tokens each; a replica kill every {st['kill_every_s']:g} s on average. "
+        f"Requests by kind: {kinds}.{note}",
+        "",
+        f"**{'Passed' if doc['passed'] else 'FAILED'}**"
+        + ("." if doc["passed"] else ": " + "; ".join(doc["failures"])),
+        "",
+    ]
+    ends, srv = sm["ends"], sm["server"]
+    growth = ", ".join(f"{v:g} MiB" for v in sm["rss_growth_mib"].values()) or "no sample"
+    pools = "; ".join(_soak_pool(x) for x in sm["final_pools"])
+    p50, p99 = sm["ok_e2e_p50_s"], sm["ok_e2e_p99_s"]
+    rows = [
+        ("requests ended", f"{sum(ends.values())} of {sm['requests']}"),
+        (
+            "how they ended",
+            f"{ends['ok']} with a result, {ends['error']} with a typed error, {ends['left']} "
+            f"left by their client, {ends['refused']} refused (bad on purpose), "
+            f"{ends['broken']} otherwise",
+        ),
+        ("typed errors", ", ".join(f"{k}: {n}" for k, n in sm["errors"].items()) or "none"),
+        ("throughput", f"{sm['throughput_rps']:g} requests/s, {sm['tokens_per_s']:g} tokens/s"),
+        ("goodput", f"{sm['goodput_rps']:g} requests/s (a result within {st['slo_e2e_s']:g} s)"),
+        ("latency of a result", "n/a" if p50 is None else f"P50 {p50:g} s, P99 {p99:g} s"),
+        (
+            "error budget used",
+            f"{_pct(sm['error_budget_used'])} (errors {_pct(sm['error_rate'])} of the requests "
+            f"kept; budget {_pct(st['error_budget'])})",
+        ),
+        (
+            "faults",
+            f"{sm['kills_sent']} kills; {srv.get('replica_deaths_total', 0):g} deaths, "
+            f"{srv.get('replica_restarts_total', 0):g} restarts, "
+            f"{srv.get('replica_failed_requests_total', 0):g} requests failed with their "
+            f"replica, {srv.get('replica_restarted_requests_total', 0):g} added again "
+            f"elsewhere, {srv.get('aborted_requests', 0):g} aborted by the server",
+        ),
+        (
+            "memory",
+            f"peak RSS {sm['rss_peak_mib']:g} MiB; growth after the warm-up ("
+            f"{_pct(st['warmup_fraction'])} of the run) {growth}, bound "
+            f"{st['rss_bound_mib']:g} MiB",
+        ),
+        ("pools at the end", pools or "no replica"),
+    ]
+    lines += ["| figure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
+    return lines
+
+
 KINDS: dict[str, Kind] = {
     k.key: k
     for k in (
@@ -322,6 +400,18 @@ KINDS: dict[str, Kind] = {
             "resampled) is the yardstick of its error.",
         ),
         Kind(
+            "soak",
+            "Soak: the served cluster under faults",
+            "make soak",
+            _soak_body,
+            "`refserve serve --replicas 2` under open-loop load with replica kills (and "
+            "their restarts), clients that disconnect mid-stream or give up, and bad "
+            "requests, at moments drawn from a seed; it passes when every request ended "
+            "exactly once with a result or a typed error, every surviving replica's pools "
+            "pass the spec's checks with every block free at the end, the resident memory "
+            'stays within its bound and the error budget holds (docs/CLUSTER.md, "Soak").',
+        ),
+        Kind(
             "peers",
             "refserve, nano-vllm-fork and vLLM side by side",
             "make bench-peers",
@@ -366,9 +456,9 @@ def render(inputs: Sequence[tuple[str, dict[str, Any]]], out: str) -> str:
         "<!-- Generated file: do not edit. Regenerate with `make bench` / `make bench-peers`. -->",
         "",
         f"**Generated** by `{command}` from the benchmarks' own JSON; do not edit it by "
-        "hand. `make bench`, `make bench-peers` and `make gpu-bench` measure, copy their JSON into "
-        "`docs/bench/` and regenerate this file; `tests/repo/test_benchmarks_doc.py` fails "
-        "when it differs from what that JSON renders.",
+        "hand. `make bench`, `make bench-peers`, `make gpu-bench` and `make soak` measure, "
+        "copy their JSON into `docs/bench/` and regenerate this file; "
+        "`tests/repo/test_benchmarks_doc.py` fails when it differs from what that JSON renders.",
         "",
         "Each section names the command that measured it and the machine it ran on, as "
         "recorded when it ran. The machines are shared VMs whose speed moves with their "

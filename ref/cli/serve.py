@@ -129,6 +129,12 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     add_device_args(p)
     add_speculative_args(p)
     add_config_args(p)
+    p.add_argument(
+        "--fault-endpoints",
+        action="store_true",
+        help="add POST /debug/replicas/{i}/kill, which kills a replica as a crash would "
+        "(`make soak`: conformance/bench/soak.py); never on a server others use",
+    )
     p.set_defaults(func=run_serve, num_blocks=1024, max_model_len=1 << 20)
     return p
 
@@ -173,6 +179,7 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=key,
         max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
+        fault_endpoints=args.fault_endpoints,
     )
     model_dir = Path(args.model) if Path(args.model).is_dir() else None
     server: Server

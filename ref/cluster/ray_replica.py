@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 from refserve.cluster.errors import ClusterError, ReplicaDead
 from refserve.cluster.index import CacheSnapshot
+from refserve.cluster.pool_check import PoolReport
 from refserve.cluster.replica import InProcessReplica, LoadFigures
 from refserve.core.config import SchedulerConfig
 from refserve.core.cost import StepCost
@@ -201,6 +202,9 @@ class EngineActor:
 
     def release_request(self, request_id: str) -> tuple[None, ErrorRecord | None, ReplicaReport]:
         return self._call(lambda: self._rep.release_request(request_id))
+
+    def pool_report(self) -> PoolReport:
+        return self._rep.pool_report()
 
 
 def _ray() -> Any:
@@ -391,6 +395,11 @@ class RayReplica:
 
     def release_request(self, request_id: str) -> None:
         self._answer(self.handle.release_request.remote(request_id))
+
+    def pool_report(self) -> PoolReport:
+        """The actor's pools held to the spec (``rss_bytes``: the actor's process)."""
+        report: PoolReport = self._get(self.handle.pool_report.remote())
+        return report
 
 
 def ray_replicas(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from refserve.cluster.index import CacheSnapshot
+from refserve.cluster.pool_check import PoolReport, pool_report
 from refserve.core.cost import StepCost
 from refserve.core.migration_cost import KVMode
 from refserve.core.scheduler import Scheduler
@@ -123,6 +124,11 @@ class Replica(Protocol):
     def import_request(self, ticket: MigrationTicket) -> list[str]: ...
 
     def release_request(self, request_id: str) -> None: ...
+
+    def pool_report(self) -> PoolReport:
+        """The engine's pools held to the spec, between two steps
+        (ref/cluster/pool_check.py: ``/debug/pools``, a soak's leak check)."""
+        ...
 
 
 def load_figures(sched: Scheduler, cost: StepCost) -> LoadFigures:
@@ -240,3 +246,6 @@ class InProcessReplica:
 
     def release_request(self, request_id: str) -> None:
         self.engine.release_request(request_id)
+
+    def pool_report(self) -> PoolReport:
+        return pool_report(self.engine)

@@ -1,5 +1,7 @@
 """The FastAPI app: OpenAI's completions, chat completions and models endpoints over an
-:class:`~refserve.serve.loop.EngineLoop`, plus ``/health``, ``/metrics`` and ``/debug/steps``.
+:class:`~refserve.serve.loop.EngineLoop`, plus ``/health``, ``/metrics``, ``/debug/steps``
+and ``/debug/pools`` (and ``POST /debug/replicas/{i}/kill`` with
+``ServeSettings.fault_endpoints``: a soak's faults).
 
 What happens on the asyncio side: parsing and validating the body (pydantic), the chat
 template, tokenizing the prompt, building the response and the server-sent events. What
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import time
@@ -38,11 +41,13 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from refserve.cluster.errors import NoLiveReplica, ReplicaDead
+from refserve.cluster.pool_check import pool_report
 from refserve.engine.llm_engine import InvalidPrompt, RequestOutput
 from refserve.errors import ExceedsCapacity, InvalidArgument, QueueFull, RefserveError
 from refserve.model.sampler import InvalidSamplingParams, SamplingParams
 from refserve.serve.chat import ChatMessageText, ChatTemplate
-from refserve.serve.loop import ServerDraining, ServingLoop, gap_summary
+from refserve.serve.cluster_loop import ClusterLoop, ReplicaPools
+from refserve.serve.loop import EngineLoop, ServerDraining, ServingLoop, gap_summary
 from refserve.serve.metrics import ClusterServeMetrics, ServerMetrics
 from refserve.serve.request_timing import CLIENT_ID_HEADER, RequestTimings
 from refserve.serve.schema import (
@@ -85,6 +90,8 @@ class ServeSettings:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout_s: float = 30.0
+    fault_endpoints: bool = False
+    """``POST /debug/replicas/{i}/kill`` (a soak's replica kills); never in production."""
 
 
 class ApiError(Exception):
@@ -298,6 +305,32 @@ def create_app(
             "last_index": api.timings.last_index(),
             "requests": [asdict(t) for t in api.timings.since(since)],
         }
+
+    @app.get("/debug/pools")
+    async def pools() -> dict[str, Any]:
+        """Each engine's KV pools held to the spec, read on its own thread between two
+        steps (ref/cluster/pool_check.py): a soak's leak check."""
+        if isinstance(loop, ClusterLoop):
+            slots = await asyncio.to_thread(loop.pool_reports)
+        elif isinstance(loop, EngineLoop) and loop.alive:
+            engine = loop.engine
+            one = await loop.call(lambda: pool_report(engine))
+            slots = [ReplicaPools(0, True, 0, one)]
+        else:
+            slots = []
+        return {"replicas": [dataclasses.asdict(s) for s in slots]}
+
+    if settings.fault_endpoints and isinstance(loop, ClusterLoop):
+        cluster = loop
+
+        @app.post("/debug/replicas/{replica}/kill")
+        async def kill(replica: int) -> dict[str, Any]:
+            """Kill a replica as a crash would (``--fault-endpoints``: a soak's fault)."""
+            try:
+                cluster.kill_replica(replica)
+            except InvalidArgument as e:
+                raise ApiError(404, str(e), "not_found_error", "replica") from None
+            return {"killed": replica}
 
     @app.post("/v1/completions", response_model=None)
     async def completions(

@@ -49,12 +49,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
 from refserve.cluster.errors import EventGap, EventMismatch, NoLiveReplica, ReplicaDead
 from refserve.cluster.index import GlobalPrefixIndex
+from refserve.cluster.pool_check import PoolReport
 from refserve.cluster.replica import InProcessReplica, LoadFigures, Replica
 from refserve.cluster.router import Router, RoutingDecision
 from refserve.core.config import SchedulerConfig
@@ -499,6 +501,44 @@ class ClusterLoop:
 
         lp.run_sync(abort)  # a dead or stopped replica: the future holds the error
 
+    # ------------------------------------------------------------------ checks and faults
+    def pool_reports(self, timeout_s: float = 30.0) -> list[ReplicaPools]:
+        """Each replica's pools held to the spec, read on its own thread between two
+        steps (``/debug/pools``); a dead or stopped replica has no report."""
+        pending: list[tuple[ReplicaLoop, concurrent.futures.Future[PoolReport] | None]] = []
+        for lp in self.loops:
+            live = lp.alive and lp.dead is None
+            # The replica read on its thread, not here: a restart may replace it meanwhile.
+            read = functools.partial(_pool_report, lp)
+            pending.append((lp, lp.run_sync(read) if live else None))
+        out = []
+        for lp, fut in pending:
+            report = None
+            if fut is not None:
+                with contextlib.suppress(ReplicaDead, ServerDraining):
+                    report = fut.result(timeout=timeout_s)
+            out.append(ReplicaPools(lp.index, report is not None, self.restarts[lp.index], report))
+        return out
+
+    def kill_replica(self, replica: int) -> None:
+        """Kill replica ``replica`` as a crash would (a soak's fault; ``/debug/replicas/
+        {i}/kill`` with ``--fault-endpoints``): a Ray actor is killed, an in-process
+        engine dropped; its thread finds it dead between two steps and handles it as any
+        death (module doc, "Faults"), a restart included. Non-blocking."""
+        if isinstance(replica, bool) or not isinstance(replica, int):
+            raise InvalidArgument(f"kill_replica: no replica {replica!r}")
+        if not 0 <= replica < len(self.loops):
+            raise InvalidArgument(f"kill_replica: no replica {replica} (of {len(self.loops)})")
+        lp = self.loops[replica]
+
+        def crash() -> None:
+            kill = getattr(lp.replica, "kill", None)  # a Ray actor: killed for real
+            if callable(kill):
+                kill()
+            raise ReplicaDead(replica, "killed on request (a fault injected)")
+
+        lp.run_sync(crash)  # the future holds the error; _bury_if_dead has buried it
+
     # ------------------------------------------------------------------ migration
     def migrate(
         self, request_id: str, to: int, *, kv: KVMode | str = KVMode.AUTO, timeout_s: float = 30.0
@@ -681,6 +721,17 @@ class ClusterLoop:
             self.metrics.replica_restarted(lp.index)
 
 
+@dataclass(frozen=True)
+class ReplicaPools:
+    """One replica slot in :meth:`ClusterLoop.pool_reports`: its pools' report, None
+    when it is dead or stopped; ``restarts``, the replacements tried for the slot."""
+
+    replica: int
+    alive: bool
+    restarts: int
+    report: PoolReport | None
+
+
 def _step_tokens(replica: Replica) -> tuple[int, int]:
     """The prefill tokens and decodes of the replica's last step, for the step ring
     (``/debug/steps``, what ``bench-serve --fit`` reads); the in-process engine's record
@@ -694,6 +745,10 @@ def _step_tokens(replica: Replica) -> tuple[int, int]:
     if isinstance(figures, tuple) and len(figures) == 2:
         return int(figures[0]), int(figures[1])
     return 0, 0
+
+
+def _pool_report(lp: ReplicaLoop) -> PoolReport:
+    return lp.replica.pool_report()
 
 
 def _abort_each(lp: ReplicaLoop, request_ids: Sequence[str]) -> None:

@@ -412,3 +412,58 @@ def test_the_simulator_fit_table_per_replica_count() -> None:
     assert "a 0.500 ± 0.100 (R1 -0.010 without), gap 2.500 ± 0.050;" in md
     assert "2 replica(s), router prefix_aware: 239 of 240" in md
     assert "transport 5.50/20.25." in md
+
+
+SOAK_POOL = {"num_blocks": 64, "free_blocks": 64, "live_requests": [], "tables": 0,
+             "violations": [], "rss_bytes": 300 << 20, "pid": 7}  # fmt: skip
+SOAK = {
+    "format": "refserve-soak", "command": "python -m refserve.conformance.bench.soak --duration 60",
+    "when": "2026-01-02 03:04 UTC", "machine": MACHINE, "load_after": [1.5, 1.0, 0.5],
+    "backend": "inprocess", "note": "a fixture",
+    "settings": {"duration_s": 60.0, "rate_rps": 3.0, "seed": 4, "kill_every_s": 20.0,
+                 "replicas": 2, "max_tokens": [16, 160], "error_budget": 0.05,
+                 "slo_e2e_s": 10.0, "rss_bound_mib": 64.0, "warmup_fraction": 0.25},
+    "summary": {
+        "requests": 180, "kinds": {"stream": 80, "plain": 40, "disconnect": 20, "abort": 20,
+                                   "bad": 20},
+        "ends": {"ok": 130, "error": 4, "left": 26, "refused": 20, "broken": 0},
+        "errors": {"503 service_unavailable": 4}, "wall_s": 60.0, "throughput_rps": 3.0,
+        "tokens_per_s": 150.5, "goodput_rps": 2.1, "ok_e2e_p50_s": 0.7, "ok_e2e_p99_s": 2.5,
+        "error_rate": 0.0299, "error_budget_used": 0.597, "kills_sent": 3,
+        "server": {"replica_deaths_total": 3.0, "replica_restarts_total": 3.0,
+                   "replica_failed_requests_total": 4.0,
+                   "replica_restarted_requests_total": 1.0, "aborted_requests": 25.0},
+        "rss_growth_mib": {"7": 12.5}, "rss_peak_mib": 310.0,
+        "final_pools": [{"replica": 0, "alive": True, "restarts": 2, "report": SOAK_POOL},
+                        {"replica": 1, "alive": False, "restarts": 1, "report": None}],
+    },
+    "failures": [], "passed": True, "rss_samples": [],
+}  # fmt: skip
+
+
+def test_the_soak_section_carries_its_promises_and_figures() -> None:
+    md = _rendered(("docs/bench/soak.json", SOAK))
+    assert "## Soak: the served cluster under faults" in md
+    assert (
+        "Command: `python -m refserve.conformance.bench.soak --duration 60`, run 2026-01-02 03:04"
+        in md
+    )
+    assert "60 s of open-loop load at 3 requests/s (seed 4)" in md and "Note: a fixture." in md
+    assert "**Passed**." in md
+    assert "| goodput | 2.1 requests/s (a result within 10 s) |" in md
+    assert "| error budget used | 59.7% (errors 3.0% of the requests kept; budget 5.0%) |" in md
+    assert "3 kills; 3 deaths, 3 restarts, 4 requests failed with their replica" in md
+    assert "growth after the warm-up (25.0% of the run) 12.5 MiB, bound 64 MiB" in md
+    pools = "replica 0: 64 of 64 blocks free, 0 tables, 0 requests, 0 violations; replica 1: dead"
+    assert pools in md
+    failed = {**SOAK, "passed": False, "failures": ["pools: replica 0: [LEAK] x"]}
+    assert "**FAILED**: pools: replica 0: [LEAK] x" in _rendered(("s.json", failed))
+
+
+def test_make_soak_ends_by_regenerating_the_document() -> None:
+    make = (ROOT / "Makefile").read_text(encoding="utf-8")
+    recipe = re.search(r"^soak:.*\n((?:\t.*\n)+)", make, re.M)
+    assert recipe is not None
+    lines = [ln.strip() for ln in recipe.group(1).splitlines()]
+    assert lines[-2:] == ["cp out/soak.json docs/bench/", "$(BENCH_REPORT)"]
+    assert "-m refserve.conformance.bench.soak --duration $(SOAK_S)" in lines[-3]
