@@ -112,7 +112,12 @@ def workloads(features: frozenset[Feature], kind: str = "mixed") -> st.SearchStr
             enable_prefix_caching=caching,
             eos_token_id=EOS,
         )
-        w = Workload(cfg, tuple(reqs), rollback_at=rollback_at)
+        # An engine whose copies the suite decides gets drawn outcomes per copy and step
+        # (complete, stay in flight, fail); a shrunk failure keeps its seed.
+        seed = None
+        if Feature.TRANSFER_FAULTS in features:
+            seed = draw(st.none() | st.integers(0, 1 << 16))
+        w = Workload(cfg, tuple(reqs), rollback_at=rollback_at, transfer_seed=seed)
         return draw(_moves(w, features)) if kind == "migration" else w
 
     return build()

@@ -34,6 +34,7 @@ from refserve.conformance.adapter import (
     RequestSpec,
     StepOrder,
     StepReport,
+    TransferOutcome,
 )
 from refserve.core import transit
 from refserve.core.config import SchedulerConfig
@@ -169,6 +170,12 @@ class RefAdapter:
     def rollback(self) -> None:
         self.sched.rollback()
         self._plan = None
+
+    def transfer_outcomes(self, outcomes: Mapping[tuple[str, str], TransferOutcome]) -> None:
+        """refserve copies nothing to or from another store (its swaps are part of the
+        step): no copy is ever in flight, so the suite never has an outcome to name."""
+        if outcomes:
+            raise ValueError(f"refserve has no copy in flight: {sorted(outcomes)}")
 
     # ------------------------------------------------------------------ migration
     def export_request(self, request_id: str) -> MigrationExport:

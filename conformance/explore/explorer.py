@@ -278,9 +278,9 @@ class _Explorer:
                 if isinstance(ev, Step):
                     self.unknown.add(nid)
                 continue
-            if isinstance(ev, Step) and not ev.eos and not ev.right:
+            if isinstance(ev, Step) and not ev.eos and not ev.right and not ev.transfers:
                 samplers = child.last_sampled if self.props.eos else ()
-                pending.extend(step_variants(samplers, child.last_proposed))
+                pending.extend(step_variants(samplers, child.last_proposed, child.last_offered))
             if isinstance(ev, Fault):
                 continue  # ATOMIC held: the state is the one before (a self-loop)
             cid = self.add_node(nid, ev, depth, child)
