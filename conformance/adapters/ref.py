@@ -34,7 +34,6 @@ from refserve.conformance.adapter import (
     RequestSpec,
     StepOrder,
     StepReport,
-    TransferOutcome,
 )
 from refserve.core import transit
 from refserve.core.config import SchedulerConfig
@@ -78,7 +77,9 @@ class RefAdapter:
 
     @property
     def features(self) -> frozenset[Feature]:
-        return ALL_FEATURES
+        # refserve copies nothing to or from another store (its swaps are part of the
+        # step): no copy is ever in flight for the suite to decide.
+        return ALL_FEATURES - {Feature.TRANSFER_FAULTS}
 
     @property
     def sched(self) -> Scheduler:
@@ -170,12 +171,6 @@ class RefAdapter:
     def rollback(self) -> None:
         self.sched.rollback()
         self._plan = None
-
-    def transfer_outcomes(self, outcomes: Mapping[tuple[str, str], TransferOutcome]) -> None:
-        """refserve copies nothing to or from another store (its swaps are part of the
-        step): no copy is ever in flight, so the suite never has an outcome to name."""
-        if outcomes:
-            raise ValueError(f"refserve has no copy in flight: {sorted(outcomes)}")
 
     # ------------------------------------------------------------------ migration
     def export_request(self, request_id: str) -> MigrationExport:

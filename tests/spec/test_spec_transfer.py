@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from refserve.conformance.validate import check_pool_snapshot
 from refserve.spec.checks import check_step
 from refserve.spec.pos import check_pos_pool
 from refserve.spec.snapshot import (
@@ -184,3 +185,10 @@ def test_a_holder_may_keep_a_failed_loads_blocks_for_the_recompute() -> None:
     extra = TableSnapshot("L@load", (0, 1, 2, 3), 4, tuple(range(4)))
     (v,) = check_pos_pool(replace(_pool((extra,), ()), failed_transfers=(LOAD,)))
     assert (v.expected, v.seen) == ("1..3", "4")
+
+
+def test_a_malformed_failed_copy_is_reported_by_the_validator() -> None:
+    ok = replace(_pool((HOLDER,), ()), failed_transfers=(LOAD,))
+    assert check_pool_snapshot(ok) == []
+    bad = replace(ok, failed_transfers=(Transfer("L", "load", (1,)),))  # type: ignore[arg-type]
+    assert check_pool_snapshot(bad) == ["pool.failed_transfers[0].kind: not a TransferKind: 'load'"]
