@@ -453,20 +453,6 @@ class VllmOffloadAdapter(VllmAdapter):
             and set(x.blocks) <= set(table.block_table)
         )
 
-    def explore_key(self) -> tuple[object, ...]:
-        """What the explorer's key must tell apart beyond the snapshot (explore/key.py):
-        the CPU tier's chunks still being written, by offload key (a withheld failed
-        store stays so for good, and defers every lookup that reaches it), and the jobs
-        vLLM still waits for per request (its connector defers a request with transfers
-        in flight). The ready chunks and their LRU recency are left out, as before
-        copies could fail: with them the small scope does not finish in 40 minutes.
-        Read from the connector's scheduler side and its manager (vLLM internals)."""
-        side = self._sched.connector.connector_scheduler
-        chunks = getattr(side.manager._policy, "chunks", {})
-        tier = frozenset(key for key, c in chunks.items() if int(c.ref_cnt) < 0)
-        waits = tuple(sorted((st.req_id, bool(st.is_store)) for st in side._jobs.values()))
-        return (tier, waits)
-
     def commit(self, sampled: Mapping[str, int], *rest: Any) -> CommitReport:
         """As vLLM's scheduler reports it, plus the requests it finished without
         scheduling them: a failed load under ``kv_load_failure_policy="fail"`` finishes
