@@ -165,9 +165,11 @@ conformance-vllm: wheel $(VLLM_STAMP)
 	exit $$status
 
 # The same scheduler with its real offloading connector (conformance/adapters/vllm_offload.py:
-# a fake worker side completes each load and store two steps later): the sampled suite,
-# then the small exhaustive scope. Exits 1 by design: the suite finds one vLLM behaviour
-# at block size 1 (conformance/FINDINGS_vllm.md, "vLLM with its offloading connector").
+# a fake worker side completes, delays or fails each load and store as the suite draws or
+# the explorer enumerates): the sampled suite, then the small exhaustive scope under each
+# load-failure policy (fail, recompute). Exits 1 by design: the suite finds two vLLM
+# behaviours, a reload loop at block size 1 and a failed store that blocks every later
+# lookup of its chunks (conformance/FINDINGS_vllm.md).
 .PHONY: conformance-vllm-offload
 conformance-vllm-offload: wheel $(VLLM_STAMP)
 	$(call install_wheel,$(VLLM_PY))
@@ -178,6 +180,9 @@ conformance-vllm-offload: wheel $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/refserve conformance --exhaustive --scope small \
 		--adapter refserve.conformance.adapters.vllm_offload:make \
 		--report out/explore-vllm-offload.json || status=1; \
+	$(VLLM_VENV)/bin/refserve conformance --exhaustive --scope small \
+		--adapter refserve.conformance.adapters.vllm_offload:make_recompute \
+		--report out/explore-vllm-offload-recompute.json || status=1; \
 	exit $$status
 
 # The pytest-benchmark suites (out/bench-pytest.json); the migration bench, a move with the

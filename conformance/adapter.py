@@ -151,6 +151,24 @@ class Feature(StrEnum):
     ``release``: a live request moves between two instances of the engine, with its K/V
     or without (module docstring; docs/ADAPTERS.md, "Migration")."""
 
+    TRANSFER_FAULTS = "transfer_faults"
+    """``transfer_outcomes(outcomes)`` before ``schedule``: the suite decides what each
+    copy in flight at the boundary (``PoolSnapshot.transfers``, by request and
+    :class:`~refserve.spec.snapshot.TransferKind`) does in the step, one
+    :class:`TransferOutcome` each; a copy the step creates follows the adapter's own
+    timing. The adapter plays the copying side (a KV connector's worker)."""
+
+
+class TransferOutcome(StrEnum):
+    """What a copy in flight does in a step (feature ``transfer_faults``)."""
+
+    COMPLETE = "complete"
+    """It lands: its copy is the step's ``swap_in`` / ``swap_out``."""
+    DELAY = "delay"
+    """It stays in flight (an engine that waits for it, flushing a store, completes it)."""
+    FAIL = "fail"
+    """It fails: nothing is copied, and the engine is told (``failed_transfers``)."""
+
 
 ALL_FEATURES = frozenset(Feature)
 

@@ -81,20 +81,7 @@ def workloads(features: frozenset[Feature], kind: str = "mixed") -> st.SearchStr
         n = draw(st.integers(1, 6))
         reqs: list[RequestPlan] = []
         for i in range(n):
-            max_tokens = draw(st.integers(1, min(6, capacity - 1)))
-            plen = draw(st.integers(1, min(14, capacity - max_tokens)))
-            group = draw(st.integers(0, 2 if kind != "shared-prefix" else 1))
-            head = prefixes[group] if group < 2 else ()
-            tail = tuple(draw(st.lists(alphabet, min_size=plen, max_size=plen)))
-            toks = (head + tail)[:plen]
-            stop_at = draw(st.none() | st.integers(1, max_tokens))
-            abort_at = draw(st.none() | st.integers(0, 12)) if Feature.ABORT in features else None
-            prio = draw(st.integers(0, 2)) if Feature.PRIORITIES in features else 0
-            arrival = draw(st.integers(0, 8))
-            salt, lora = _domain(draw, features) if kind == "shared-prefix" else ("", "")
-            reqs.append(
-                RequestPlan(f"r{i}", toks, max_tokens, arrival, prio, stop_at, abort_at, salt, lora)
-            )
+            reqs.append(_request(draw, f"r{i}", features, kind, capacity, alphabet, prefixes))
         need = max(len(r.prompt) + r.max_tokens for r in reqs)
         if Feature.CHUNKED_PREFILL in features:
             budget = draw(st.integers(1, 16))
@@ -112,10 +99,40 @@ def workloads(features: frozenset[Feature], kind: str = "mixed") -> st.SearchStr
             enable_prefix_caching=caching,
             eos_token_id=EOS,
         )
-        w = Workload(cfg, tuple(reqs), rollback_at=rollback_at)
+        # An engine whose copies the suite decides gets drawn outcomes per copy and step
+        # (complete, stay in flight, fail); a shrunk failure keeps its seed.
+        seed = None
+        if Feature.TRANSFER_FAULTS in features:
+            seed = draw(st.none() | st.integers(0, 1 << 16))
+        w = Workload(cfg, tuple(reqs), rollback_at=rollback_at, transfer_seed=seed)
         return draw(_moves(w, features)) if kind == "migration" else w
 
     return build()
+
+
+def _request(
+    draw: st.DrawFn,
+    rid: str,
+    features: frozenset[Feature],
+    kind: str,
+    capacity: int,
+    alphabet: st.SearchStrategy[int],
+    prefixes: list[tuple[int, ...]],
+) -> RequestPlan:
+    """One request of a generated workload: its prompt may start with one of the shared
+    prefixes; it fits the pool's ``capacity`` with its outputs."""
+    max_tokens = draw(st.integers(1, min(6, capacity - 1)))
+    plen = draw(st.integers(1, min(14, capacity - max_tokens)))
+    group = draw(st.integers(0, 2 if kind != "shared-prefix" else 1))
+    head = prefixes[group] if group < 2 else ()
+    tail = tuple(draw(st.lists(alphabet, min_size=plen, max_size=plen)))
+    toks = (head + tail)[:plen]
+    stop_at = draw(st.none() | st.integers(1, max_tokens))
+    abort_at = draw(st.none() | st.integers(0, 12)) if Feature.ABORT in features else None
+    prio = draw(st.integers(0, 2)) if Feature.PRIORITIES in features else 0
+    arrival = draw(st.integers(0, 8))
+    salt, lora = _domain(draw, features) if kind == "shared-prefix" else ("", "")
+    return RequestPlan(rid, toks, max_tokens, arrival, prio, stop_at, abort_at, salt, lora)
 
 
 def _domain(draw: st.DrawFn, features: frozenset[Feature]) -> tuple[str, str]:

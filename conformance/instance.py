@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from refserve.conformance import validate
 from refserve.conformance.adapter import (
@@ -45,13 +45,14 @@ from refserve.conformance.adapter import (
     Rejected,
     StepOrder,
     StepReport,
+    TransferOutcome,
     properties_of,
 )
 from refserve.conformance.fake_kv import FakeKV, Slot
 from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, call, describe
 from refserve.conformance.run_result import Finding, RunResult, step_trace
 from refserve.conformance.stops import StopRules
-from refserve.conformance.workload import RequestPlan, Workload, next_token
+from refserve.conformance.workload import RequestPlan, Workload, drawn_outcome, next_token
 from refserve.spec.atomic import check_atomic
 from refserve.spec.checks import check_pool, check_step
 from refserve.spec.order import (
@@ -72,6 +73,11 @@ from refserve.spec.snapshot import (
 from refserve.spec.violation import Invariant, Violation, violation
 
 T = TypeVar("T")
+
+COMPLETE = TransferOutcome.COMPLETE
+MAX_TRANSFER_DELAYS = 2
+"""Steps in a row a seed may delay one copy group; it then completes (or fails), so a
+drawn run quiesces."""
 
 
 class _Stop(Exception):
@@ -142,6 +148,10 @@ class _Run:
         self.stops = StopRules(props, self.cfg.eos_token_id)
         self.steps: list[StepSnapshot] = []
         self.prefill_steps: dict[str, int] = defaultdict(int)
+        self.transfer_delays: dict[tuple[str, str], int] = {}
+        """Consecutive steps each copy group (request, kind) was drawn a delay."""
+        self.transfer_used: list[tuple[int, str, str, str]] = []
+        """Every outcome named to the adapter (a replay's ``transfer_outcomes``)."""
 
     @property
     def kv(self) -> dict[int, Slot]:
@@ -287,7 +297,7 @@ class _Run:
         while True:
             i = self.arrive(pending, i, boundary, step)
             boundary += 1
-            if not self.live:
+            if not self.live and not self.copies_in_flight():
                 if i >= len(pending):
                     break
                 continue  # idle until the next arrival
@@ -403,6 +413,7 @@ class _Run:
     def step(self, step: int) -> None:
         before = self.snapshot(step, "step")
         proposals = self.propose(before, step) if self.cfg.num_speculative_tokens else {}
+        outcomes = self.decide_transfers(before, step) if self.chooses_transfers else {}
         plan = self.call(step, "step", "schedule()", self.a.schedule)
         self.malformed(step, "step", "schedule()", validate.check_step_report(plan))
         if self.props.placeholder_drafts:
@@ -453,11 +464,22 @@ class _Run:
         self.record(self.memory.read_back(after, self.tokens), step, "step")
         self.record(self.memory.read_back_host(after, self.tokens), step, "step")
         self.observe(before, plan)
-        self.res.trace.append(
-            {**step_trace(step, before, plan, done, sampled), **self.engine_label()}
-        )
+        self.trace_step(step_trace(step, before, plan, done, sampled), accepted, outcomes)
+
+    def trace_step(
+        self,
+        entry: dict[str, Any],
+        accepted: Mapping[str, int],
+        outcomes: Mapping[tuple[str, str], TransferOutcome],
+    ) -> None:
+        """The step's trace entry, with the drafts accepted and the copies' outcomes
+        other than completion, when there are any."""
+        self.res.trace.append({**entry, **self.engine_label()})
         if accepted:
             self.res.trace[-1]["accepted"] = dict(accepted)
+        odd = {f"{rid} {kind}": str(o) for (rid, kind), o in outcomes.items() if o != COMPLETE}
+        if odd:
+            self.res.trace[-1]["transfers"] = odd
 
     def engine_label(self) -> dict[str, str]:
         """The trace's ``engine`` key in a run of several instances (none alone)."""
@@ -577,6 +599,52 @@ class _Run:
             self.call(step, "step", f"propose({rid!r})", lambda: propose(rid, drafts))  # noqa: B023
             out[rid] = drafts
         return out
+
+    def copies_in_flight(self) -> bool:
+        """Whether the last snapshot shows copies in flight: the engine is not quiescent
+        until they land (an aborted request's blocks belong to its load until then), so
+        the run steps on with nothing live."""
+        return self.latest is not None and bool(self.latest.pool.transfers)
+
+    @property
+    def chooses_transfers(self) -> bool:
+        """Whether the suite decides the copies in flight (feature ``transfer_faults``)."""
+        return bool(self.w.transfer_outcomes) or self.w.transfer_seed is not None
+
+    def decide_transfers(
+        self, before: EngineSnapshot, step: int
+    ) -> dict[tuple[str, str], TransferOutcome]:
+        """An outcome for each copy group (request, kind) in flight at the boundary,
+        named to the adapter before the step."""
+        groups = dict.fromkeys((x.request_id, str(x.kind)) for x in before.pool.transfers)
+        outcomes = {g: self.transfer_outcome(g[0], g[1], step) for g in groups}
+        for g in list(self.transfer_delays):
+            if outcomes.get(g) is not TransferOutcome.DELAY:
+                del self.transfer_delays[g]
+        for g, o in outcomes.items():
+            if o is TransferOutcome.DELAY:
+                self.transfer_delays[g] = self.transfer_delays.get(g, 0) + 1
+            self.transfer_used.append((step, g[0], g[1], str(o)))
+        hook = self.a.transfer_outcomes  # type: ignore[attr-defined]  # feature-gated method
+        self.call(step, "step", "transfer_outcomes()", lambda: hook(dict(outcomes)))
+        return outcomes
+
+    def transfer_outcome(self, rid: str, kind: str, step: int) -> TransferOutcome:
+        """The workload's choice for ``rid``'s copies of ``kind`` at ``step`` if it made
+        one, else its seed's draw (a copy drawn :data:`MAX_TRANSFER_DELAYS` delays in a
+        row completes), else completion."""
+        for at, who, k, what in self.w.transfer_outcomes:
+            if (at, who, k) == (step, rid, kind):
+                return TransferOutcome(what)
+        seed = self.w.transfer_seed
+        if seed is None:
+            return COMPLETE
+        drawn = drawn_outcome(seed, step, rid, kind)
+        if drawn is TransferOutcome.DELAY and (
+            self.transfer_delays.get((rid, kind), 0) >= MAX_TRANSFER_DELAYS
+        ):
+            return COMPLETE
+        return drawn
 
     def right_drafts(self, rid: str, n: int, step: int) -> int:
         """How many of the ``n`` drafts proposed to ``rid`` at ``step`` are right: the

@@ -33,7 +33,7 @@ def candidates(w: Workload) -> Iterator[Workload]:
     """Workloads one step smaller than ``w``: a request dropped, a prompt or output
     shortened, an arrival moved earlier, a rollback dropped, a move dropped, made
     earlier or without its fault, a peer dropped, a limit lowered by one (of any
-    instance)."""
+    instance), a copy's drawn or listed outcome dropped."""
     reqs = w.requests
     for i in range(len(reqs)):
         if len(reqs) > 1:
@@ -62,6 +62,17 @@ def candidates(w: Workload) -> Iterator[Workload]:
         yield dataclasses.replace(w, rollback_at=w.rollback_at[:j] + w.rollback_at[j + 1 :])
     yield from _move_candidates(w)
     yield from _limit_candidates(w)
+    yield from _transfer_candidates(w)
+
+
+def _transfer_candidates(w: Workload) -> Iterator[Workload]:
+    """The seed's draws dropped (every copy not listed completes), a listed outcome
+    dropped."""
+    if w.transfer_seed is not None:
+        yield dataclasses.replace(w, transfer_seed=None)
+    xs = w.transfer_outcomes
+    for j in range(len(xs)):
+        yield dataclasses.replace(w, transfer_outcomes=xs[:j] + xs[j + 1 :])
 
 
 def _limit_candidates(w: Workload) -> Iterator[Workload]:

@@ -391,9 +391,16 @@ def _pool(p: _Problems, where: str, pool: object) -> None:
     entries = _seq(p, f"{where}.cache_entries", _get(pool, "cache_entries"), "CacheEntry")
     for i, e in enumerate(entries or ()):
         _entry(p, f"{where}.cache_entries[{i}]", e, upper)
-    transfers = _seq(p, f"{where}.transfers", _get(pool, "transfers"), "Transfer")
+    for name in ("transfers", "failed_transfers"):
+        _transfers(p, f"{where}.{name}", _get(pool, name))
+    if _get(pool, "stated_free") is not None:
+        _int(p, f"{where}.stated_free", _get(pool, "stated_free"))
+
+
+def _transfers(p: _Problems, where: str, value: object) -> None:
+    transfers = _seq(p, where, value, "Transfer")
     for i, t in enumerate(transfers or ()):
-        w = f"{where}.transfers[{i}]"
+        w = f"{where}[{i}]"
         if _record(p, w, t, Transfer):
             _str(p, f"{w}.request_id", _get(t, "request_id"))
             _ints(p, f"{w}.blocks", _get(t, "blocks"), item="block id")
@@ -402,8 +409,6 @@ def _pool(p: _Problems, where: str, pool: object) -> None:
                 p.add(f"{w}.holder", f"expected str, got {_desc(holder)}")
             if not isinstance(_get(t, "kind"), TransferKind):
                 p.add(f"{w}.kind", f"not a TransferKind: {_get(t, 'kind')!r}")
-    if _get(pool, "stated_free") is not None:
-        _int(p, f"{where}.stated_free", _get(pool, "stated_free"))
 
 
 def _engine(p: _Problems, where: str, snap: object) -> None:

@@ -13,7 +13,8 @@ import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from refserve.conformance.adapter import EngineConfig, Feature, RequestSpec
+from refserve.conformance.adapter import EngineConfig, Feature, RequestSpec, TransferOutcome
+from refserve.spec.snapshot import TransferKind
 
 EOS = 1
 """The eos token id of every workload; :func:`next_token` never returns it by chance."""
@@ -110,6 +111,25 @@ class Workload:
     disaggregated: bool = False
     """Prefill/decode disaggregation: every request is prefilled on instance 0 and moved
     to instance 1, K/V and all, at the first boundary after its first output token."""
+    transfer_outcomes: tuple[tuple[int, str, str, str], ...] = ()
+    """(step, request id, kind, outcome): what the request's copies of that
+    :class:`~refserve.spec.snapshot.TransferKind` in flight at that step do in it (a
+    :class:`~refserve.conformance.adapter.TransferOutcome`; feature ``transfer_faults``;
+    the exhaustive explorer records its choices here). With choices or a seed, every
+    copy in flight at a step gets one: listed, else drawn (:func:`drawn_outcome`), else
+    it completes."""
+    transfer_seed: int | None = None
+    """Draws an outcome for each copy in flight at each step not listed in
+    ``transfer_outcomes`` (feature ``transfer_faults``); ``None``: no draws."""
+
+    def __post_init__(self) -> None:
+        for step, rid, kind, what in self.transfer_outcomes:
+            if kind not in tuple(TransferKind) or what not in tuple(TransferOutcome):
+                raise ValueError(
+                    f"transfer_outcomes: ({step}, {rid!r}, {kind!r}, {what!r}) needs a kind in "
+                    f"{[str(k) for k in TransferKind]} and an outcome in "
+                    f"{[str(o) for o in TransferOutcome]}"
+                )
 
     @property
     def instances(self) -> int:
@@ -152,17 +172,24 @@ class Workload:
             out.add(Feature.MIGRATION)
         if any(m.fault == "abort_in_transit" for m in self.migrations):
             out.add(Feature.ABORT)
+        if self.rollback_at:
+            out.add(Feature.ROLLBACK)
+        if self.transfer_outcomes or self.transfer_seed is not None:
+            out.add(Feature.TRANSFER_FAULTS)
+        return frozenset(out | self._needs_of_requests())
+
+    def _needs_of_requests(self) -> set[Feature]:
+        """What the requests themselves ask of the engine."""
+        out: set[Feature] = set()
         if any(r.abort_at is not None for r in self.requests):
             out.add(Feature.ABORT)
         if len({r.priority for r in self.requests}) > 1:
             out.add(Feature.PRIORITIES)
-        if self.rollback_at:
-            out.add(Feature.ROLLBACK)
         if any(r.cache_salt for r in self.requests):
             out.add(Feature.CACHE_SALT)
         if any(r.lora for r in self.requests):
             out.add(Feature.LORA)
-        return frozenset(out)
+        return out
 
     def _needs_of(self, cfg: EngineConfig) -> set[Feature]:
         """What one instance's configuration asks of the engine."""
@@ -186,6 +213,7 @@ class Workload:
         d["drafts_right"] = [list(x) for x in self.drafts_right]
         d["migrations"] = [asdict(m) for m in self.migrations]
         d["peers"] = [asdict(c) for c in self.peers]
+        d["transfer_outcomes"] = [list(x) for x in self.transfer_outcomes]
         return d
 
     @staticmethod
@@ -204,6 +232,11 @@ class Workload:
             peers=tuple(EngineConfig(**c) for c in d.get("peers", ())),
             migrations=tuple(MigrationPlan(**m) for m in d.get("migrations", ())),
             disaggregated=bool(d.get("disaggregated", False)),
+            transfer_outcomes=tuple(
+                (int(step), str(rid), str(kind), str(what))
+                for step, rid, kind, what in d.get("transfer_outcomes", ())
+            ),
+            transfer_seed=None if d.get("transfer_seed") is None else int(d["transfer_seed"]),
         )
 
 
@@ -213,6 +246,22 @@ def _request_json(r: RequestPlan) -> dict[str, Any]:
         if not d[name]:
             del d[name]
     return d
+
+
+TRANSFER_DRAWS = (
+    TransferOutcome.COMPLETE,
+    TransferOutcome.COMPLETE,
+    TransferOutcome.DELAY,
+    TransferOutcome.FAIL,
+)
+"""The outcomes a seed draws from, equally likely: half the copies land at each step."""
+
+
+def drawn_outcome(seed: int, step: int, request_id: str, kind: str) -> TransferOutcome:
+    """The outcome ``seed`` draws for ``request_id``'s copies of ``kind`` at ``step``: a
+    pure function of its arguments, so a run replays."""
+    h = hashlib.blake2b(f"{seed}/{step}/{request_id}/{kind}".encode(), digest_size=4)
+    return TRANSFER_DRAWS[int.from_bytes(h.digest(), "little") % len(TRANSFER_DRAWS)]
 
 
 def next_token(tokens: tuple[int, ...] | list[int]) -> int:

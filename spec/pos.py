@@ -9,7 +9,7 @@ wrong slot writes K/V where attention will not read it (or where someone else wi
 from __future__ import annotations
 
 from refserve.spec.arith import blocks_needed, slot_of
-from refserve.spec.snapshot import PoolSnapshot, RequestStatus, StepSnapshot
+from refserve.spec.snapshot import PoolSnapshot, RequestStatus, StepSnapshot, TransferKind
 from refserve.spec.violation import Invariant, Violation, violation
 
 P = Invariant.POS
@@ -28,9 +28,11 @@ def check_pos_pool(pool: PoolSnapshot, lookahead: int = 0) -> list[Violation]:
     """
     assert lookahead >= 0, lookahead
     out: list[Violation] = []
+    kept = _kept_for_recompute(pool)
     for t in pool.tables:
         need = blocks_needed(t.num_stored, pool.block_size)
         most = blocks_needed(t.num_stored + lookahead, pool.block_size)
+        most += sum(1 for b in t.block_table if b in kept.get(t.request_id, ()))
         if not need <= len(t.block_table) <= most:
             out.append(
                 violation(
@@ -53,6 +55,17 @@ def check_pos_pool(pool: PoolSnapshot, lookahead: int = 0) -> list[Violation]:
                     len(t.token_ids),
                 )
             )
+    return out
+
+
+def _kept_for_recompute(pool: PoolSnapshot) -> dict[str, set[int]]:
+    """The blocks of failed loads their holders keep (``PoolSnapshot.failed_transfers``):
+    no K/V (spec/transfer.py), blocks the request recomputes into, so a table may hold
+    them past its KV length as it holds slots reserved ahead."""
+    out: dict[str, set[int]] = {}
+    for x in pool.failed_transfers:
+        if x.kind is TransferKind.LOAD:
+            out.setdefault(x.holder or x.request_id, set()).update(x.blocks)
     return out
 
 

@@ -83,6 +83,11 @@ class PoolSnapshot:
     a manager that keeps such a figure and admits by it; ``None`` when it keeps none.
     BLOCK holds it to ``len(free_queue)``: a figure that drifts from the blocks makes the
     manager admit what it cannot place, or refuse what it could."""
+    failed_transfers: tuple[Transfer, ...] = ()
+    """Copies that failed: each from the first boundary after it failed, and a load for
+    as long as its holder keeps its blocks (for the recompute). No longer in flight, and
+    what they copied is no K/V anyone may serve (spec/transfer.py); a holder may keep a
+    failed load's blocks past its KV length, as slots reserved ahead (spec/pos.py)."""
 
     def table(self, request_id: str) -> TableSnapshot | None:
         for t in self.tables:

@@ -77,7 +77,9 @@ class RefAdapter:
 
     @property
     def features(self) -> frozenset[Feature]:
-        return ALL_FEATURES
+        # refserve copies nothing to or from another store (its swaps are part of the
+        # step): no copy is ever in flight for the suite to decide.
+        return ALL_FEATURES - {Feature.TRANSFER_FAULTS}
 
     @property
     def sched(self) -> Scheduler:

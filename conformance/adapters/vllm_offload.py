@@ -38,6 +38,30 @@ completion travels in the worker metadata only).
   ``jobs_to_flush`` names it first: the real worker then submits it and waits for it
   before the step's forward (``handle_preemptions``), so a flushed store completes in the
   step that flushes it.
+* **Drawn outcomes** (feature ``transfer_faults``). When the suite decides the copies
+  in flight (a workload's ``transfer_outcomes`` or ``transfer_seed``; the exhaustive
+  explorer), it names, before each step, an outcome for each (request, kind) in flight
+  at the boundary: the jobs complete in the step, stay in flight (a store the step
+  flushes completes all the same: the real worker waits for it), or **fail**. Jobs the
+  step creates keep the timing above. A failed job copies nothing (no ``swap_in`` /
+  ``swap_out``) and is listed in ``PoolSnapshot.failed_transfers`` from the next
+  boundary (a load for as long as its request keeps its blocks for the recompute).
+* **A failed load** is reported the way vLLM's connector API lets a worker report one:
+  the job in ``completed_jobs`` (the connector's scheduler side releases its CPU
+  chunks), the request in ``finished_recving``, its device blocks in
+  ``invalid_block_ids``. The scheduler's ``kv_load_failure_policy`` then decides:
+  ``fail`` (vLLM's default; :func:`make`) finishes the request with ``FINISHED_ERROR``
+  (reason ``error``), ``recompute`` (:func:`make_recompute`) truncates its computed
+  tokens at the first failed block and lets it look up again (the CPU tier still holds
+  the chunks, so it usually loads them again). vLLM's own worker cannot fail a job
+  (``OffloadingConnectorWorker.get_finished`` asserts ``transfer_result.success``).
+* **A failed store** is withheld: never reported. vLLM 0.33.0 has no way to hear of a
+  failed store (``OffloadingWorkerMetadata`` carries completed jobs only, and nothing
+  calls ``complete_store(success=False)``, which would drop the chunks), and reporting
+  it completed would make the chunks loadable with K/V that never arrived. Withheld,
+  the chunks stay write-pending: no load ever reads them, but a lookup that reaches
+  them is deferred until they are ready, which is never (conformance/FINDINGS_vllm.md,
+  "Failed transfers").
 * Completions are reported in job-id order. A job completes at the start of its step:
   the step's ``StepReport`` carries its copy, ``swap_out`` (device block, CPU chunk) for a
   store and ``swap_in`` (CPU chunk, device block) for a load, which the suite's fake KV
@@ -100,15 +124,19 @@ from __future__ import annotations
 
 import importlib
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from refserve.conformance.adapter import (
     AdmissionOrder,
+    CommitReport,
     EngineConfig,
     EngineProperties,
+    Feature,
     NotSupported,
     StepReport,
+    TransferOutcome,
 )
 from refserve.conformance.adapters.vllm import (
     NULL_BLOCKS,
@@ -138,6 +166,9 @@ HOST_BLOCKS_PER_BLOCK = 4
 LOADING_SUFFIX = "@load"
 """The suffix of the table that holds an in-flight load's blocks (``A@load``)."""
 
+LOAD_FAILURE_POLICIES = ("fail", "recompute")
+"""vLLM's ``KVTransferConfig.kv_load_failure_policy`` values (``fail``: its default)."""
+
 OFFLOAD_PROPERTIES = replace(VLLM_PROPERTIES, admission_order=AdmissionOrder.UNSPECIFIED)
 """vLLM's conventions with the connector (module docstring: the admission order)."""
 
@@ -157,6 +188,21 @@ class _Job:
     the protocol's block ids."""
     due: int
     """The step in whose output it completes."""
+    created: int = 0
+    """The step whose metadata created it."""
+    flushed: int = -1
+    """The step whose ``jobs_to_flush`` named it (-1: none)."""
+
+    @property
+    def kind(self) -> TransferKind:
+        return TransferKind.STORE if self.is_store else TransferKind.LOAD
+
+    def transfer(self) -> Transfer:
+        """The copy as the protocol records it (a load's blocks held by ``<id>@load``)."""
+        if self.is_store:
+            return Transfer(self.req_id, self.kind, tuple(dev for dev, _ in self.pairs))
+        blocks = tuple(dev for _, dev in self.pairs)
+        return Transfer(self.req_id, self.kind, blocks, self.req_id + LOADING_SUFFIX)
 
 
 def _ids(spec: Any) -> list[int]:
@@ -173,16 +219,28 @@ class VllmOffloadAdapter(VllmAdapter):
         load_steps: int = 2,
         store_steps: int = 2,
         offload_prompt_only: bool = True,
+        load_failure_policy: str = "fail",
     ) -> None:
         if load_steps < 1 or store_steps < 1:
             raise ValueError("a transfer takes at least one step")
+        if load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"load_failure_policy must be one of {LOAD_FAILURE_POLICIES}, "
+                f"got {load_failure_policy!r}"
+            )
         super().__init__(policy=policy)
         self._offload_prompt_only = offload_prompt_only
         self.properties: EngineProperties = OFFLOAD_PROPERTIES
         self._load_steps = load_steps
         self._store_steps = store_steps
+        self._load_failure_policy = load_failure_policy
         self._jobs: dict[int, _Job] = {}
         self._completing: list[_Job] = []
+        self._failing: list[_Job] = []
+        self._failed: tuple[Transfer, ...] = ()
+        """The copies that failed in the last step (the next boundary's snapshots)."""
+        self._outcomes: dict[tuple[str, str], TransferOutcome] = {}
+        """The suite's outcomes for the copies in flight, for the next schedule()."""
         self._loaded: Counter[str] = Counter()
         """Tokens each request's completed loads wrote, until it is scheduled."""
         self._step = 0
@@ -194,8 +252,19 @@ class VllmOffloadAdapter(VllmAdapter):
         outputs = "" if self._offload_prompt_only else "; outputs offloaded too"
         return (
             f"{super().name} + OffloadingConnector (CPU; loads land after "
-            f"{self._load_steps} step(s), stores after {self._store_steps}{outputs})"
+            f"{self._load_steps} step(s), stores after {self._store_steps}{outputs}; "
+            f"kv_load_failure_policy={self._load_failure_policy})"
         )
+
+    @property
+    def features(self) -> frozenset[Feature]:
+        return super().features | {Feature.TRANSFER_FAULTS}
+
+    def transfer_outcomes(self, outcomes: Mapping[tuple[str, str], TransferOutcome]) -> None:
+        """The suite's outcome for each copy group in flight (module docstring)."""
+        self._outcomes = {
+            (rid, str(kind)): TransferOutcome(o) for (rid, kind), o in outcomes.items()
+        }
 
     # ------------------------------------------------------------------ setup
     def kv_transfer_config(self, config: EngineConfig) -> Any:
@@ -215,6 +284,7 @@ class VllmOffloadAdapter(VllmAdapter):
                 # blocks a request's outputs fill too (make_outputs).
                 "offload_prompt_only": self._offload_prompt_only,
             },
+            kv_load_failure_policy=self._load_failure_policy,
         )
 
     def configure(self, config: EngineConfig) -> None:
@@ -227,6 +297,9 @@ class VllmOffloadAdapter(VllmAdapter):
             )
         self._jobs = {}
         self._completing = []
+        self._failing = []
+        self._failed = ()
+        self._outcomes = {}
         self._loaded = Counter()
         self._step = 0
         self.transfers = Counter()
@@ -238,17 +311,17 @@ class VllmOffloadAdapter(VllmAdapter):
         for jid, job in sorted(meta.load_jobs.items()):
             src, dst = _ids(job.src_spec), _ids(job.dst_spec)
             pairs = tuple((c, b - NULL_BLOCKS) for c, b in zip(src, dst, strict=True))
-            self._jobs[jid] = _Job(jid, False, job.req_id, pairs, t + self._load_steps - 1)
+            self._jobs[jid] = _Job(jid, False, job.req_id, pairs, t + self._load_steps - 1, t)
             self.transfers["loads_admitted"] += 1
             TOTALS["loads_admitted"] += 1
         for jid, job in sorted(meta.store_jobs.items()):
             src, dst = _ids(job.src_spec), _ids(job.dst_spec)
             pairs = tuple((b - NULL_BLOCKS, c) for b, c in zip(src, dst, strict=True))
-            self._jobs[jid] = _Job(jid, True, job.req_id, pairs, t + self._store_steps)
+            self._jobs[jid] = _Job(jid, True, job.req_id, pairs, t + self._store_steps, t)
         for jid in sorted(meta.jobs_to_flush or ()):
             job = self._jobs.get(jid)
             if job is not None and job.is_store and job.due > t:
-                self._jobs[jid] = replace(job, due=t)
+                self._jobs[jid] = replace(job, due=t, flushed=t)
                 self.transfers["stores_flushed"] += 1
                 TOTALS["stores_flushed"] += 1
 
@@ -257,12 +330,45 @@ class VllmOffloadAdapter(VllmAdapter):
         meta = self._pending.kv_connector_metadata
         if meta is not None:
             self._take_jobs(meta)
-        due = sorted(jid for jid, job in self._jobs.items() if job.due <= self._step)
-        self._completing = [self._jobs.pop(jid) for jid in due]
+        self._settle_jobs()
         swap_out = tuple(p for j in self._completing if j.is_store for p in j.pairs)
         swap_in = tuple(p for j in self._completing if not j.is_store for p in j.pairs)
         scheduled = tuple(self._split_hit(s) for s in report.scheduled)
         return replace(report, scheduled=scheduled, swap_out=swap_out, swap_in=swap_in)
+
+    def _settle_jobs(self) -> None:
+        """The jobs that fail and those that complete in this step, out of the jobs in
+        flight."""
+        failing = self._apply_outcomes()
+        self._failing = [self._jobs.pop(jid) for jid in failing]
+        due = sorted(jid for jid, job in self._jobs.items() if job.due <= self._step)
+        self._completing = [self._jobs.pop(jid) for jid in due]
+        # Failed loads whose holder still keeps their blocks stay reported (the
+        # scheduler had them before this step, so it decides after it: snapshot()).
+        self._failed = (
+            *(x for x in self._failed if x.kind is TransferKind.LOAD),
+            *(job.transfer() for job in self._failing),
+        )
+
+    def _apply_outcomes(self) -> list[int]:
+        """The suite's outcomes for the jobs in flight before this step (those the step
+        created keep their timing): each completes now, stays in flight (a store this
+        step flushes completes all the same: the worker waits for it) or fails; returns
+        the failing jobs."""
+        t, outcomes = self._step, self._outcomes
+        self._outcomes = {}
+        failing: list[int] = []
+        for jid, job in sorted(self._jobs.items()):
+            o = outcomes.get((job.req_id, str(job.kind)))
+            if o is None or job.created >= t:
+                continue
+            if o is TransferOutcome.FAIL:
+                failing.append(jid)
+            elif o is TransferOutcome.COMPLETE or job.flushed == t:
+                self._jobs[jid] = replace(job, due=t)
+            else:
+                self._jobs[jid] = replace(job, due=max(job.due, t + 1))
+        return failing
 
     def _split_hit(self, s: ScheduledRequest) -> ScheduledRequest:
         """vLLM counts a landed load in the request's computed tokens, as it counts its
@@ -282,23 +388,36 @@ class VllmOffloadAdapter(VllmAdapter):
     def runner_output_extras(self, out: Any) -> dict[str, Any]:
         del out
         done, self._completing = self._completing, []
+        failed = self._failing  # reported at the boundary after this step: snapshot()
         self._step += 1
-        if not done:
-            return {}
+        counts = _count(done) + _count_failed(failed)
+        self.transfers.update(counts)
+        TOTALS.update(counts)
         for job in done:
             if not job.is_store:
                 self._loaded[job.req_id] += len(job.pairs) * self.cfg.block_size
-        counts = _count(done)
-        self.transfers.update(counts)
-        TOTALS.update(counts)
-        meta = _WorkerMeta(completed_jobs={job.job_id: 1 for job in done})
+        ended = self._reported_ended(done, failed)
+        if not ended:
+            return {}
+        meta = _WorkerMeta(completed_jobs={job.job_id: 1 for job in ended})
         return {
             "kv_connector_output": _KVConnectorOutput(
                 finished_sending=set(),
-                finished_recving={job.req_id for job in done if not job.is_store},
+                finished_recving={job.req_id for job in ended if not job.is_store},
                 kv_connector_worker_meta=meta,
+                invalid_block_ids=self._invalid_blocks(failed),
             )
         }
+
+    def _reported_ended(self, done: list[_Job], failed: list[_Job]) -> list[_Job]:
+        """The jobs the worker reports ended (``completed_jobs``): the completed ones and
+        the failed loads (their failure travels as invalid blocks). A failed store is
+        withheld (module docstring): vLLM has no way to hear of it."""
+        return [*done, *(job for job in failed if not job.is_store)]
+
+    def _invalid_blocks(self, failed: list[_Job]) -> set[int]:
+        """The device blocks of the failed loads, in vLLM's ids (``invalid_block_ids``)."""
+        return {dev + NULL_BLOCKS for job in failed if not job.is_store for _, dev in job.pairs}
 
     # ------------------------------------------------------------------ snapshots
     def snapshot(self) -> EngineSnapshot:
@@ -326,21 +445,57 @@ class VllmOffloadAdapter(VllmAdapter):
         pool = replace(snap.pool, tables=tuple(tables))
         return replace(snap, requests=tuple(requests), pool=pool)
 
+    def _keeps_failed(self, x: Transfer, snap: EngineSnapshot) -> bool:
+        """Whether the request of a failed load still keeps its blocks for the recompute:
+        vLLM has not looked at it since (its id in ``failed_recving_kv_req_ids``), or it
+        kept a valid prefix and waits with the blocks, not scheduled yet and loading
+        nothing else."""
+        rid = x.request_id
+        if rid not in self._live or x.kind is not TransferKind.LOAD:
+            return False
+        if rid in self._sched.failed_recving_kv_req_ids:
+            return True
+        req = self._all[rid]
+        table = snap.pool.table(rid)
+        return (
+            req.status != V.VStatus.WAITING_FOR_REMOTE_KVS
+            and _holds_loaded_blocks(req)
+            and table is not None
+            and set(x.blocks) <= set(table.block_table)
+        )
+
+    def commit(self, sampled: Mapping[str, int], *rest: Any) -> CommitReport:
+        """As vLLM's scheduler reports it, plus the requests it finished without
+        scheduling them: a failed load under ``kv_load_failure_policy="fail"`` finishes
+        its request with ``FINISHED_ERROR`` (reason ``error``)."""
+        report = super().commit(sampled, *rest)
+        done = {rid for rid, _ in report.finished}
+        extra = tuple(
+            (rid, self._reason(self._all[rid]))
+            for rid in list(self._live)
+            if rid not in done and self._all[rid].is_finished()
+        )
+        for rid, _ in extra:
+            self._live.pop(rid)
+            self._retired.append((rid, RequestStatus.FINISHED))
+        return replace(report, finished=report.finished + extra) if extra else report
+
     def _with_transfers(self, snap: EngineSnapshot) -> EngineSnapshot:
         """The copies in flight at this boundary: every job the fake worker has not
-        completed (a load's blocks are held by the request's ``@load`` table)."""
+        completed (a load's blocks are held by the request's ``@load`` table); and those
+        that failed in the last step."""
         transfers = tuple(
-            Transfer(
-                job.req_id,
-                TransferKind.STORE if job.is_store else TransferKind.LOAD,
-                tuple(dev for dev, _ in job.pairs)
-                if job.is_store
-                else tuple(dev for _, dev in job.pairs),
-                "" if job.is_store else job.req_id + LOADING_SUFFIX,
-            )
-            for job in sorted(self._jobs.values(), key=lambda j: j.job_id)
+            job.transfer() for job in sorted(self._jobs.values(), key=lambda j: j.job_id)
         )
-        return replace(snap, pool=replace(snap.pool, transfers=transfers))
+        failing = {(j.req_id, j.kind, j.transfer().blocks) for j in self._failing}
+        failed = tuple(
+            x
+            for x in self._failed
+            if (x.request_id, x.kind, x.blocks) in failing or self._keeps_failed(x, snap)
+        )
+        self._failed = failed
+        pool = replace(snap.pool, transfers=transfers, failed_transfers=failed)
+        return replace(snap, pool=pool)
 
 
 def _holds_loaded_blocks(req: Any) -> bool:
@@ -353,6 +508,10 @@ def _holds_loaded_blocks(req: Any) -> bool:
         return True
     waiting = req.status in (V.VStatus.WAITING, V.VStatus.PREEMPTED)
     return bool(waiting and req.num_computed_tokens > 0)
+
+
+def _count_failed(failed: list[_Job]) -> Counter[str]:
+    return Counter("stores_failed" if job.is_store else "loads_failed" for job in failed)
 
 
 def _count(done: list[_Job]) -> Counter[str]:
@@ -388,3 +547,9 @@ def make_outputs() -> VllmOffloadAdapter:
     """As :func:`make`, with ``offload_prompt_only=False``: the blocks a request's outputs
     fill are offloaded too, so a later turn of the conversation can load them back."""
     return VllmOffloadAdapter(offload_prompt_only=False)
+
+
+def make_recompute() -> VllmOffloadAdapter:
+    """As :func:`make`, with ``kv_load_failure_policy="recompute"``: a request whose load
+    fails recomputes what the load was to bring (vLLM's default fails it)."""
+    return VllmOffloadAdapter(load_failure_policy="recompute")

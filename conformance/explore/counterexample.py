@@ -68,6 +68,7 @@ def to_workload(s: Session, note: str) -> Workload:
         tuple(plans),
         rollback_at=tuple(s.rollbacks),
         drafts_right=tuple(s.run.right_used),
+        transfer_outcomes=tuple(s.run.transfer_used),
         note=note,
     )
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
@@ -278,14 +279,20 @@ class _Explorer:
                 if isinstance(ev, Step):
                     self.unknown.add(nid)
                 continue
-            if isinstance(ev, Step) and not ev.eos and not ev.right:
-                samplers = child.last_sampled if self.props.eos else ()
-                pending.extend(step_variants(samplers, child.last_proposed))
+            pending.extend(self.variants(ev, child))
             if isinstance(ev, Fault):
                 continue  # ATOMIC held: the state is the one before (a self-loop)
             cid = self.add_node(nid, ev, depth, child)
             if cid is not None and isinstance(ev, Step):
                 self.steps.setdefault(nid, set()).add(cid)
+
+    def variants(self, ev: Event, child: Session) -> Iterator[Step]:
+        """After the ordinary step, the other outcomes of that step (its samplers' eos,
+        its drafts right or not, its copies' outcomes) as events of their own."""
+        if not isinstance(ev, Step) or ev.eos or ev.right or ev.transfers:
+            return iter(())
+        samplers = child.last_sampled if self.props.eos else ()
+        return step_variants(samplers, child.last_proposed, child.last_offered)
 
     def cover(self, parent: Session, child: Session) -> None:
         if child.dead:

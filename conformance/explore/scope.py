@@ -59,6 +59,12 @@ class Scope:
     num_speculative_tokens: int = 0
     """Drafts proposed to every decoding request each step (feature
     ``speculative_decoding``); each accepted count is an outcome of the step."""
+    transfer_faults: bool = True
+    """Each copy in flight at a step completes, stays in flight or fails, each an outcome
+    of the step (feature ``transfer_faults``)."""
+    transfer_delays: int = 1
+    """Steps in a row one copy may stay in flight by the explorer's choice (the bound
+    that keeps the outcomes finite)."""
 
     def __post_init__(self) -> None:
         for field in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs"):

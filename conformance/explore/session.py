@@ -19,7 +19,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import combinations, product
 
-from refserve.conformance.adapter import EngineAdapter, EngineProperties, Feature
+from refserve.conformance.adapter import (
+    EngineAdapter,
+    EngineProperties,
+    Feature,
+    TransferOutcome,
+)
 from refserve.conformance.explore.key import Key, pool_key, rename, request_key
 from refserve.conformance.explore.scope import Scope
 from refserve.conformance.guard import describe
@@ -57,6 +62,9 @@ class Step:
 
     eos: tuple[str, ...] = ()
     right: tuple[tuple[str, int], ...] = ()
+    transfers: tuple[tuple[str, str, str], ...] = ()
+    """(request, kind, outcome) for copy groups in flight that do not complete in the
+    step (feature ``transfer_faults``; every other one completes)."""
 
     def __str__(self) -> str:
         parts = []
@@ -64,6 +72,8 @@ class Step:
             parts.append(f"eos: {', '.join(self.eos)}")
         if self.right:
             parts.append("drafts right: " + ", ".join(f"{r} {n}" for r, n in self.right))
+        if self.transfers:
+            parts.append(", ".join(f"{r} {k} {o}" for r, k, o in self.transfers))
         return f"step ({'; '.join(parts)})" if parts else "step"
 
 
@@ -78,19 +88,49 @@ class Fault:
 Event = Add | Abort | Step | Fault
 
 
-def step_variants(sampled: tuple[str, ...], proposed: Mapping[str, int]) -> Iterator[Step]:
-    """Every step outcome besides the ordinary one (no eos, every draft right): each set
-    of samplers that sample eos, with each choice of how many drafts are right."""
+def step_variants(
+    sampled: tuple[str, ...],
+    proposed: Mapping[str, int],
+    offered: Mapping[tuple[str, str], tuple[str, ...]] | None = None,
+) -> Iterator[Step]:
+    """Every step outcome besides the ordinary one (no eos, every draft right, every copy
+    in flight completes): each set of samplers that sample eos, with each choice of how
+    many drafts are right, with each outcome of each copy group ``offered`` (its
+    outcomes other than completion)."""
     eos_sets = [g for n in range(len(sampled) + 1) for g in combinations(sampled, n)]
-    proposers = sorted(proposed)
-    counts = product(*(range(proposed[r] + 1) for r in proposers))
-    rights = [
-        tuple((r, n) for r, n in zip(proposers, c, strict=True) if n < proposed[r]) for c in counts
-    ]
+    rights = _right_counts(proposed)
+    moves = _copy_outcomes(offered or {})
     for eos in eos_sets:
         for right in rights:
-            if eos or right:
-                yield Step(eos, right)
+            for move in moves:
+                if eos or right or move:
+                    yield Step(eos, right, move)
+
+
+def _right_counts(proposed: Mapping[str, int]) -> list[tuple[tuple[str, int], ...]]:
+    """Each choice of how many of each request's drafts are right, as (request, count)
+    for those not all right."""
+    proposers = sorted(proposed)
+    counts = product(*(range(proposed[r] + 1) for r in proposers))
+    return [
+        tuple((r, n) for r, n in zip(proposers, c, strict=True) if n < proposed[r]) for c in counts
+    ]
+
+
+def _copy_outcomes(
+    offered: Mapping[tuple[str, str], tuple[str, ...]],
+) -> list[tuple[tuple[str, str, str], ...]]:
+    """Each choice of outcome per copy group in flight, as (request, kind, outcome) for
+    those that do not complete."""
+    groups = sorted(offered)
+    choices = product(*((str(COMPLETE), *offered[g]) for g in groups))
+    return [
+        tuple((r, k, o) for (r, k), o in zip(groups, c, strict=True) if o != COMPLETE)
+        for c in choices
+    ]
+
+
+COMPLETE = TransferOutcome.COMPLETE
 
 
 class _ExploreRun(_Run):
@@ -103,6 +143,19 @@ class _ExploreRun(_Run):
         self.proposed: dict[str, int] = {}
         """The drafts proposed to each request in the last step, by count."""
         self.right_used: list[tuple[int, str, int]] = []
+        self.transfers_on = False
+        """The explorer decides the copies in flight (feature ``transfer_faults``)."""
+        self.transfers_now: dict[tuple[str, str], TransferOutcome] = {}
+        self.offered: dict[tuple[str, str], int] = {}
+        """The copy groups in flight at the last step, with the delays each had had."""
+
+    @property
+    def chooses_transfers(self) -> bool:
+        return self.transfers_on
+
+    def transfer_outcome(self, rid: str, kind: str, step: int) -> TransferOutcome:
+        self.offered[(rid, kind)] = self.transfer_delays.get((rid, kind), 0)
+        return self.transfers_now.get((rid, kind), COMPLETE)
 
     def choose(self, rid: str, toks: list[int]) -> int:
         if rid in self.eos_now and self.props.eos:
@@ -133,6 +186,9 @@ class Session:
         """Catalogue entry of every request added so far (live or not), by id."""
         self.last_sampled: tuple[str, ...] = ()
         self.last_proposed: dict[str, int] = {}
+        self.last_offered: dict[tuple[str, str], tuple[str, ...]] = {}
+        """The outcomes other than completion each copy group in flight at the last
+        step could have had."""
         self.last_accepted: dict[str, tuple[int, int]] = {}
         self.dead = False
         """A call failed or the engine could not take the scope: nothing follows."""
@@ -151,6 +207,7 @@ class Session:
 
     def start(self, features: frozenset[Feature]) -> list[Finding]:
         self.features = features
+        self.run.transfers_on = self.scope.transfer_faults and Feature.TRANSFER_FAULTS in features
         return self._guarded(self.run.configure)
 
     def live(self) -> list[str]:
@@ -170,11 +227,18 @@ class Session:
         if Feature.ABORT in self.features:
             last = self.last_abort if self.aborting else ""
             out += [Abort(rid) for rid in sorted(live) if rid > last]
+        return out + self._steps(live)
+
+    def _steps(self, live: list[str]) -> list[Event]:
+        """A step, and a fault, when anything is live; a step that drains the copies in
+        flight when nothing is."""
         if live:
-            out.append(Step())
             if self.scope.faults and Feature.ROLLBACK in self.features:
-                out.append(Fault())
-        return out
+                return [Step(), Fault()]
+            return [Step()]
+        if self.entries and self.run.copies_in_flight():
+            return [Step()]  # nothing live, copies in flight: the engine drains them
+        return []
 
     def apply(self, ev: Event) -> list[Finding]:
         """Apply one event with every check of the runner; returns its new findings."""
@@ -216,6 +280,8 @@ class Session:
         run.eos_now = frozenset(ev.eos)
         run.right_now = dict(ev.right)
         run.proposed = {}
+        run.transfers_now = {(r, k): TransferOutcome(o) for r, k, o in ev.transfers}
+        run.offered = {}
         if self.record:
             for rid in ev.eos:
                 self.stops[rid] = len(run.tokens[rid]) - len(run.plans[rid].prompt) + 1
@@ -223,6 +289,13 @@ class Session:
         last = run.res.trace[-1] if run.res.trace else {}
         self.last_sampled = tuple(last.get("sampled", {})) if "step" in last else ()
         self.last_proposed = dict(run.proposed)
+        bound = self.scope.transfer_delays
+        self.last_offered = {
+            g: (str(TransferOutcome.DELAY), str(TransferOutcome.FAIL))
+            if delays < bound
+            else (str(TransferOutcome.FAIL),)
+            for g, delays in run.offered.items()
+        }
         # (accepted, verified) per verification: coverage of every accepted count.
         verified = {c["id"]: c["drafts"] for c in last.get("scheduled", ())}
         self.last_accepted = {
@@ -237,11 +310,12 @@ class Session:
         run = self.run
         if not self.record:
             run.right_used.clear()
+            run.transfer_used.clear()
             # Path-long histories are the runner's reports, not state: a state's checks
             # read only the step in hand, and a copied session stays small.
             run.res.trace.clear()
             run.steps.clear()
-        if not run.live and self.entries:
+        if not run.live and self.entries and not run.copies_in_flight():
             run.quiesce(self.steps)
 
     def key(self) -> Key:
@@ -256,6 +330,15 @@ class Session:
         host = None if snap.host is None else pool_key(snap.host, rank, run.host_kv, True)
         explore_key = getattr(run.a, "explore_key", None)
         extra = rename(explore_key(), rank) if callable(explore_key) else None
+        # Copies in flight, and how long the explorer has held each back (the bound on
+        # its delays): the pool's key leaves them out.
+        copies = rename(
+            (
+                tuple((x.request_id, str(x.kind), len(x.blocks)) for x in snap.pool.transfers),
+                tuple(sorted(run.transfer_delays.items())),
+            ),
+            rank,
+        )
         # At a boundary with aborts made, adds wait and only later ids may be aborted.
         phase = tuple(rank[r] for r in live if r > self.last_abort) if self.aborting else None
         return (
@@ -266,6 +349,7 @@ class Session:
             device,
             host,
             extra,
+            copies,
         )
 
     def _guarded(self, fn: Callable[[], None]) -> list[Finding]:

@@ -21,13 +21,16 @@ import livelock_engine
 import pytest
 from explore_vs_suite import ENGINE_BUGS
 
+from refserve.conformance.adapter import Feature, TransferOutcome
 from refserve.conformance.adapters.ref import RefAdapter, make, make_swap
 from refserve.conformance.explore import SCOPES, explore
 from refserve.conformance.explore.key import pool_key
 from refserve.conformance.explore.liveness import check_liveness, find_cycle, longest_drain
+from refserve.conformance.explore.session import Step, step_variants
 from refserve.conformance.runner import run_fresh
 from refserve.conformance.shrink import signature
 from refserve.conformance.suite import run_suite
+from refserve.conformance.workload import RequestPlan, Workload, drawn_outcome
 from refserve.core.request import Request
 from refserve.core.scheduler import Scheduler
 from refserve.spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
@@ -284,3 +287,33 @@ def test_cli_exhaustive_kv_writes_replayable_counterexamples(tmp_path: Path) -> 
     assert replay.returncode == 1 and "FAIL" in replay.stdout
     both = _cli("--exhaustive", "--adapter", "x:y", "--kv-adapter", "x:y")
     assert both.returncode == 2 and "one adapter" in both.stderr
+
+
+def test_each_outcome_of_each_copy_in_flight_is_a_step_of_its_own() -> None:
+    offered = {("A", "load"): ("delay", "fail"), ("B", "store"): ("fail",)}
+    steps = list(step_variants((), {}, offered))
+    assert len(steps) == 3 * 2 - 1  # every combination but the ordinary step
+    moves = {t for st in steps for t in st.transfers}
+    assert ("A", "load", "delay") in moves and ("B", "store", "fail") in moves
+    assert all(o != "complete" for _, _, o in moves)
+    assert str(Step(transfers=(("A", "load", "fail"),))) == "step (A load fail)"
+
+
+def test_transfer_choices_round_trip_and_are_checked() -> None:
+    w = dataclasses.replace(
+        _tiny(),
+        transfer_outcomes=((3, "r0", "load", "fail"),),
+        transfer_seed=7,
+    )
+    back = Workload.from_json(json.loads(json.dumps(w.to_json())))
+    assert back == w
+    assert Feature.TRANSFER_FAULTS in w.needs()
+    assert Feature.TRANSFER_FAULTS not in _tiny().needs()
+    with pytest.raises(ValueError, match="transfer_outcomes"):
+        dataclasses.replace(w, transfer_outcomes=((3, "r0", "load", "lost"),))
+    assert {drawn_outcome(s, 1, "r0", "load") for s in range(64)} == set(TransferOutcome)
+    assert drawn_outcome(5, 2, "r1", "store") == drawn_outcome(5, 2, "r1", "store")
+
+
+def _tiny() -> Workload:
+    return Workload(SCOPES["small"].config(), (RequestPlan("r0", (2, 3, 4), 2),))

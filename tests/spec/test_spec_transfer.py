@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from refserve.conformance.validate import check_pool_snapshot
 from refserve.spec.checks import check_step
+from refserve.spec.pos import check_pos_pool
 from refserve.spec.snapshot import (
+    CacheEntry,
     EngineSnapshot,
     PoolSnapshot,
     RequestSnapshot,
@@ -113,3 +116,79 @@ def test_waiting_on_ones_own_transfer_is_no_stall() -> None:
     store = (Transfer("S", TransferKind.STORE, (3,)),)
     busy = replace(snap, pool=replace(snap.pool, transfers=store))
     assert check_step(StepSnapshot(0, 8, 4, busy, (), snap)) == []
+
+
+def _failed_step(after_pool: PoolSnapshot, status: RequestStatus = W) -> StepSnapshot:
+    """A step in which L's load of blocks 1 and 2 failed (the boundary after it)."""
+    before = EngineSnapshot((_req("L", RequestStatus.LOADING),), _pool((HOLDER,), (LOAD,)))
+    after = EngineSnapshot((_req("L", status),), after_pool)
+    return StepSnapshot(0, 8, 4, before, (), after)
+
+
+def test_a_failed_load_ends_its_transfer_and_serves_nothing() -> None:
+    # Recompute: the holder keeps its local hit (block 0) and counts nothing after it.
+    kept = TableSnapshot("L@load", (0, 1, 2), 4, tuple(range(4)))
+    ok = replace(_pool((kept,), ()), failed_transfers=(LOAD,))
+    assert check_in_flight_step(_failed_step(ok)) == []
+    # Fail: the request finished, its blocks free.
+    gone = replace(_pool((), ()), failed_transfers=(LOAD,))
+    assert check_in_flight_step(_failed_step(gone, RequestStatus.FINISHED)) == []
+    # Still listed in flight.
+    v = _only(
+        check_in_flight_step(_failed_step(replace(ok, transfers=(LOAD,)))),
+        "still in flight after it failed",
+    )
+    assert v.subject == "load of request L"
+    # Its blocks counted as holding K/V (the holder kept the loaded prefix).
+    counted = replace(_pool((HOLDER,), ()), failed_transfers=(LOAD,))
+    v = _only(
+        check_in_flight_step(_failed_step(counted)),
+        "counted as holding K/V by table L@load after its load failed",
+    )
+    assert v.subject == "block 1 (load of request L)"
+    # Its blocks in the cache index.
+    entry = CacheEntry(b"k", 2, b"", (8, 9, 10, 11))
+    indexed = replace(ok, cache_entries=(entry,))
+    v = _only(
+        check_in_flight_step(_failed_step(indexed)), "in the cache index after its load failed"
+    )
+    assert v.subject == "block 2 (load of request L)"
+    # Left loading with nothing in flight.
+    _only(
+        check_in_flight_step(_failed_step(ok, RequestStatus.LOADING)),
+        "still loading after its load failed, with no load in flight",
+    )
+
+
+def test_a_failed_store_ends_its_transfer() -> None:
+    store = Transfer("S", TransferKind.STORE, (3,))
+    ok = replace(_pool((), ()), failed_transfers=(store,))
+    assert check_in_flight_step(_failed_step(ok, RequestStatus.FINISHED)) == []
+    v = _only(
+        check_in_flight_step(_failed_step(replace(ok, transfers=(store,)), RequestStatus.FINISHED)),
+        "still in flight after it failed",
+    )
+    assert v.subject == "store of request S"
+
+
+def test_a_holder_may_keep_a_failed_loads_blocks_for_the_recompute() -> None:
+    """vLLM keeps the blocks of a failed load with the request that recomputes into them:
+    past its KV length, but reserved, as slots ahead are; any other excess is not."""
+    kept = TableSnapshot("L@load", (0, 1, 2), 4, tuple(range(4)))
+    listed = replace(_pool((kept,), ()), failed_transfers=(LOAD,))
+    assert check_pos_pool(listed) == []
+    assert check_in_flight_step(_failed_step(listed)) == []
+    unlisted = _pool((kept,), ())
+    (v,) = check_pos_pool(unlisted)
+    assert v.message == "block table does not cover the KV length exactly"
+    # Only the failed load's own blocks are excused.
+    extra = TableSnapshot("L@load", (0, 1, 2, 3), 4, tuple(range(4)))
+    (v,) = check_pos_pool(replace(_pool((extra,), ()), failed_transfers=(LOAD,)))
+    assert (v.expected, v.seen) == ("1..3", "4")
+
+
+def test_a_malformed_failed_copy_is_reported_by_the_validator() -> None:
+    ok = replace(_pool((HOLDER,), ()), failed_transfers=(LOAD,))
+    assert check_pool_snapshot(ok) == []
+    bad = replace(ok, failed_transfers=(Transfer("L", "load", (1,)),))  # type: ignore[arg-type]
+    assert check_pool_snapshot(bad) == ["pool.failed_transfers[0].kind: not a TransferKind: 'load'"]
