@@ -133,7 +133,7 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         "--fault-endpoints",
         action="store_true",
         help="add POST /debug/replicas/{i}/kill, which kills a replica as a crash would "
-        "(`make soak`: conformance/bench/soak.py); never on a server others use",
+        "(make soak: conformance/bench/soak.py); never on a server others use",
     )
     p.set_defaults(func=run_serve, num_blocks=1024, max_model_len=1 << 20)
     return p
