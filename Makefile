@@ -279,17 +279,40 @@ gpu-bench: $(STAMP) tree
 	cp out/gpu_bench.json docs/bench/gpu-bench.json
 	$(GPU_ENV) $(BENCH_REPORT)
 
-# Mutation testing of the block pool and scheduler (mutmut 3, config in pyproject.toml;
-# mutants live in $(TREE)/mutants/, the real sources are never touched). mutmut names a
+# Mutation testing (mutmut 3, config in pyproject.toml; docs/MUTATION.md). mutmut names a
 # module by its path, so it runs in the link tree, beside links to the tests and the
-# config. Results: docs/MUTATION.md.
-.PHONY: mutation
-mutation: $(STAMP) tree
+# config; its mutants live in $(TREE)/mutants/ (the real sources are never touched) and
+# its verdicts are cached there, so an interrupted run picks up where it stopped. The
+# run's JSON goes to docs/mutation/ and docs/MUTATION.md is rendered from every run there
+# (figures are never typed by hand: tests/repo/test_mutation_doc.py keeps the two in
+# step). `make mutation` runs every mutant (hours on two cores); `make mutation-sample`
+# a uniform sample of MUTATION_N of the modules MUTATION_MODULES names (all: empty).
+MUTATION_N ?= 150
+MUTATION_SEED ?= 1
+MUTATION_MODULES ?=
+MUTATION_JSON ?= docs/mutation/sample.json
+MUTATION_RUN = cd $(TREE) && HYPOTHESIS_PROFILE=ci $(CURDIR)/$(VENV)/bin/python -m refserve.conformance.mutation.run \
+	--reasons $(CURDIR)/docs/mutation/reasons.txt --max-children 1
+MUTATION_REPORT = $(PY) -m refserve.conformance.mutation.report --out docs/MUTATION.md docs/mutation/*.json
+.PHONY: mutation mutation-sample mutation-report mutation-setup
+mutation-setup: $(STAMP) tree
 	$(PY) -m pip install -q 'mutmut==3.8.1'
 	ln -sfn $(CURDIR)/tests $(TREE)/tests
 	ln -sf $(CURDIR)/pyproject.toml $(TREE)/pyproject.toml
-	cd $(TREE) && HYPOTHESIS_PROFILE=ci $(CURDIR)/$(VENV)/bin/mutmut run --max-children 2
-	cd $(TREE) && $(CURDIR)/$(VENV)/bin/mutmut results
+
+mutation: mutation-setup
+	$(MUTATION_RUN) --out $(CURDIR)/docs/mutation/every.json --title "Every mutant of the scope"
+	$(MUTATION_REPORT)
+
+mutation-sample: mutation-setup
+	$(MUTATION_RUN) --out $(CURDIR)/$(MUTATION_JSON) --sample $(MUTATION_N) \
+		--seed $(MUTATION_SEED) --modules $(MUTATION_MODULES) \
+		--title "A uniform sample of $(MUTATION_N) mutants"
+	$(MUTATION_REPORT)
+
+# docs/MUTATION.md again from the JSON in docs/mutation/, measuring nothing.
+mutation-report: $(STAMP)
+	$(MUTATION_REPORT)
 
 # The exhaustive explorer through the adapter protocol on the third-party engines (each
 # in its own virtualenv, as for conformance-nanovllm / conformance-vllm; not in

@@ -1,5 +1,4 @@
-"""The explorer against mutmut's mutants (docs/MUTATION.md, "The exhaustive explorer
-against the mutants").
+"""The explorer against mutmut's mutants (docs/CONFORMANCE.md, "Against mutants").
 
 mutmut 3 writes every mutant of the files ``[tool.mutmut] only_mutate`` names into a copy
 of the tree under ``mutants/``, each function behind a trampoline that calls the mutant
@@ -10,7 +9,7 @@ only) in a fresh subprocess per mutant and adapter with the variable set, under 
 wall-clock limit, and writes one JSON line per mutant::
 
     cd build/tree/mutants && ../../../.venv/bin/python -m refserve.conformance.explore.mutants \\
-        --names-file ../../../docs/MUTATION_SURVIVORS.txt --out ../../../explore-survivors.jsonl
+        --survivors-of ../../../docs/mutation/*.json --out ../../../explore-survivors.jsonl
 
 A counterexample, a timeout, a crash or a scope the mutant made unsupported or
 unexhaustible kills the mutant (as mutmut counts a timeout). ``--reached`` first runs the
@@ -65,6 +64,15 @@ def read_names(path: Path) -> list[str]:
         if name:
             out.append(name)
     return out
+
+
+def survivors_of(runs: Sequence[Path]) -> list[str]:
+    """The named survivors of mutation runs (docs/mutation/*.json) still surviving: not
+    killed since by a test, nor gone with removed code."""
+    from refserve.conformance.mutation.results import load
+
+    gone = ("killed-since", "removed")
+    return [s.name for _, r in load(runs) for s in r.survivors if s.verdict not in gone]
 
 
 def generate() -> None:
@@ -239,6 +247,8 @@ def select(args: argparse.Namespace, root: Path) -> list[str]:
     names: list[str] = list(args.names)
     if args.names_file:
         names += read_names(Path(args.names_file))
+    if args.survivors_of:
+        names += survivors_of([Path(p) for p in args.survivors_of])
     have = set(existing)
     missing = [n for n in names if n not in have]
     for n in missing:
@@ -250,6 +260,7 @@ def main(argv: Iterable[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m refserve.conformance.explore.mutants")
     ap.add_argument("names", nargs="*", help="mutant names")
     ap.add_argument("--names-file", help="a file of mutant names, one a line (# comments)")
+    ap.add_argument("--survivors-of", nargs="*", help="the survivors of mutation runs' JSON")
     ap.add_argument("--sample", type=int, default=0, help="a uniform sample of every mutant")
     ap.add_argument("--seed", type=int, default=29)
     ap.add_argument("--scope", default="small")

@@ -1,6 +1,6 @@
 """The driver that runs the explorer on mutmut's mutants (conformance/explore/mutants.py,
-docs/MUTATION.md "The exhaustive explorer against the mutants"): names, the list of
-survivors, the choice of adapters. The runs themselves need mutmut's ``mutants/`` tree."""
+docs/CONFORMANCE.md "Against mutants"): names, the survivors of the recorded mutation
+runs, the choice of adapters. The runs themselves need mutmut's ``mutants/`` tree."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import json
 import tomllib
 from pathlib import Path
 
-from refserve.conformance.explore.mutants import adapters_for, all_mutants, function_of, read_names
+from refserve.conformance.explore.mutants import (
+    adapters_for,
+    all_mutants,
+    function_of,
+    read_names,
+    survivors_of,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHED = "refserve.core.scheduler.xǁSchedulerǁ"
@@ -20,9 +26,9 @@ def test_a_mutant_name_without_its_number_is_its_function() -> None:
     assert function_of("refserve.kv.pool.x__taken__mutmut_2") == "refserve.kv.pool.x__taken"
 
 
-def test_the_listed_survivors_are_mutmut_names_of_the_mutated_files() -> None:
-    names = read_names(ROOT / "docs" / "MUTATION_SURVIVORS.txt")
-    assert len(names) == len(set(names)) > 100
+def test_the_recorded_survivors_are_mutmut_names_of_the_mutated_files() -> None:
+    names = survivors_of(sorted((ROOT / "docs" / "mutation").glob("*.json")))
+    assert len(names) == len(set(names)) > 50
     mutated = {p.removesuffix(".py").replace("/", ".") for p in _only_mutate()}
     for n in names:
         assert "__mutmut_" in n and n.split(".x", 1)[0] in mutated, n
@@ -45,6 +51,12 @@ def test_every_mutant_is_read_from_mutmuts_meta_files(tmp_path: Path) -> None:
     keys["refserve.kv.journal.xǁJournalǁcommit__mutmut_1"] = 0
     meta.write_text(json.dumps({"exit_code_by_key": keys}), encoding="utf-8")
     assert all_mutants(tmp_path) == sorted(keys)
+
+
+def test_a_names_file_holds_one_name_a_line_with_comments(tmp_path: Path) -> None:
+    path = tmp_path / "names.txt"
+    path.write_text(f"# survivors\n{SCHED}_plan__mutmut_1  # why\n\n{HOST}commit__mutmut_2\n")
+    assert read_names(path) == [SCHED + "_plan__mutmut_1", HOST + "commit__mutmut_2"]
 
 
 def _only_mutate() -> list[str]:
