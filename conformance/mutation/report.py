@@ -57,13 +57,14 @@ the mutated function, fastest first, and stops at the first failure.
   the draw is itself a uniform sample, so a run cut short can be collected as it stands
   (`--collect-only`).
 - `make mutation-report`: this document from `docs/mutation/*.json`, measuring nothing.
-- Then, from `build/tree`: `python -m mutmut show NAME` shows one survivor's change;
-  after reading it, give it one line in `docs/mutation/reasons.txt` (`NAME VERDICT
-  REASON`) and apply the file to the committed runs (`python -m
-  refserve.conformance.mutation.run --refresh ../../docs/mutation/*.json --reasons
-  ../../docs/mutation/reasons.txt`, then `make mutation-report`). A reason is keyed by
-  the mutant's name, and mutmut numbers a function's mutants anew when the function
-  changes: a survivor of a changed function is read again, not trusted to its old line.
+- Then, from `build/tree`: `python -m mutmut show NAME` shows one survivor's change
+  (a run ends by printing a line for every survivor not read yet); after reading it,
+  give it one line in `docs/mutation/reasons.txt` (`NAME@HASH VERDICT REASON`) and apply
+  the file to the committed runs (`python -m refserve.conformance.mutation.run --refresh
+  ../../docs/mutation/*.json --reasons ../../docs/mutation/reasons.txt`, then `make
+  mutation-report`). `HASH` is mutmut's hash of the mutated function's source: mutmut
+  numbers a changed function's mutants anew, so a reason tied to a hash is not applied
+  to a later run in which the function changed, and that survivor is read again.
 
 Settings, and why:
 

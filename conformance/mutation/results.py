@@ -141,17 +141,23 @@ class FileCounts:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What a person found a surviving mutant to be, in one line."""
+    """What a person found a surviving mutant to be, in one line; ``function_hash``, when
+    given, is mutmut's hash of the mutated function's source when it was read."""
 
     verdict: str
     reason: str
+    function_hash: str = ""
 
 
 @dataclass(frozen=True)
 class Survivor:
+    """A surviving mutant; ``function_hash`` is mutmut's hash of the function's source
+    in the run (empty where a recorded run did not keep it)."""
+
     name: str
     verdict: str = "untriaged"
     reason: str = ""
+    function_hash: str = ""
 
 
 @dataclass(frozen=True)
@@ -264,7 +270,8 @@ def run_from_json(doc: Any, where: str) -> MutationRun:
     survivors = []
     for s in _need(doc, "survivors", list, where):
         verdict, reason = _verdict_of(s, where)
-        survivors.append(Survivor(str(_need(s, "name", str, where)), verdict, reason))
+        name = str(_need(s, "name", str, where))
+        survivors.append(Survivor(name, verdict, reason, str(s.get("function_hash") or "")))
     unnamed = []
     for u in _need(doc, "unnamed_survivors", list, where):
         verdict, reason = _verdict_of(u, where)
@@ -333,7 +340,8 @@ def load(paths: Sequence[Path]) -> list[tuple[str, MutationRun]]:
 # --------------------------------------------------------------------- the reasons file
 def read_reasons(path: Path) -> dict[str, Verdict]:
     """The reasons file: one survivor a line, ``NAME VERDICT REASON``; ``#`` starts a
-    comment line. A name given twice, or an unknown verdict, is refused."""
+    comment line. ``NAME@HASH`` ties the reason to the function's source as mutmut hashed
+    it (:func:`with_reasons`). A name given twice, or an unknown verdict, is refused."""
     out: dict[str, Verdict] = {}
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip() or line.lstrip().startswith("#"):
@@ -343,25 +351,35 @@ def read_reasons(path: Path) -> dict[str, Verdict]:
         if len(parts) < 3:
             raise InputFileError(f"{where}: expected NAME VERDICT REASON")
         name, verdict, reason = parts
+        name, _, function_hash = name.partition("@")
         if verdict not in VERDICTS or verdict == "untriaged":
             raise InputFileError(f"{where}: unknown verdict {verdict!r}")
         if name in out:
             raise InputFileError(f"{where}: {name} is given a reason twice")
-        out[name] = Verdict(verdict, reason.strip())
+        out[name] = Verdict(verdict, reason.strip(), function_hash)
     return out
 
 
+def reason_for(survivor: Survivor, reasons: Mapping[str, Verdict]) -> Verdict:
+    """The reasons file's verdict on ``survivor``, or ``untriaged``: when it names none,
+    or when both sides carry mutmut's hash of the function and they differ (mutmut
+    numbers a changed function's mutants anew, so the same name may be another change)."""
+    given = reasons.get(survivor.name)
+    if given is None:
+        return Verdict("untriaged", "")
+    stale = given.function_hash and survivor.function_hash
+    if stale and given.function_hash != survivor.function_hash:
+        return Verdict("untriaged", "")
+    return given
+
+
 def with_reasons(run: MutationRun, reasons: Mapping[str, Verdict]) -> MutationRun:
-    """``run`` with each named survivor's verdict and reason as the reasons file says
-    (a survivor it does not name is ``untriaged``)."""
-    untriaged = Verdict("untriaged", "")
-    survivors = tuple(
-        Survivor(
-            s.name, reasons.get(s.name, untriaged).verdict, reasons.get(s.name, untriaged).reason
-        )
-        for s in run.survivors
-    )
-    return replace(run, survivors=survivors)
+    """``run`` with each named survivor's verdict and reason as the reasons file says."""
+    survivors = []
+    for s in run.survivors:
+        v = reason_for(s, reasons)
+        survivors.append(replace(s, verdict=v.verdict, reason=v.reason))
+    return replace(run, survivors=tuple(survivors))
 
 
 # --------------------------------------------------------------------- mutmut's side
@@ -401,6 +419,22 @@ def read_mutants(root: Path, files: Sequence[str]) -> dict[str, dict[str, int | 
     return out
 
 
+def read_function_hashes(root: Path, files: Sequence[str]) -> dict[str, str]:
+    """mutmut's hash of each mutated function's source, by the function's full name
+    (a mutant's name less ``__mutmut_N``)."""
+    out: dict[str, str] = {}
+    for f in files:
+        meta = json.loads((root / (f + ".meta")).read_text(encoding="utf-8"))
+        for fn, digest in (meta.get("hash_by_function_name") or {}).items():
+            out[f"{module_of(f)}.{fn}"] = str(digest)
+    return out
+
+
+def function_of(mutant: str) -> str:
+    """``refserve.kv.pool.xǁBlockPoolǁfree__mutmut_3`` -> ``refserve.kv.pool.xǁBlockPoolǁfree``."""
+    return mutant.rsplit("__mutmut_", 1)[0]
+
+
 def in_modules(name: str, modules: Sequence[str]) -> bool:
     """Whether mutant ``name`` lies in one of the module prefixes (none: every one)."""
     return not modules or any(name == m or name.startswith(m + ".") for m in modules)
@@ -422,9 +456,13 @@ def draw(
 
 
 def collect(
-    by_file: Mapping[str, Mapping[str, int | None]], chosen: Sequence[str] | None = None
+    by_file: Mapping[str, Mapping[str, int | None]],
+    chosen: Sequence[str] | None = None,
+    hashes: Mapping[str, str] | None = None,
 ) -> tuple[tuple[FileCounts, ...], tuple[Survivor, ...], tuple[str, ...]]:
-    """Counts per file, survivors and timeouts over ``chosen`` (None: every mutant)."""
+    """Counts per file, survivors (with their function's hash, from ``hashes``) and
+    timeouts over ``chosen`` (None: every mutant)."""
+    hashes = hashes or {}
     pick = None if chosen is None else set(chosen)
     counts, survivors, timeouts = [], [], []
     for f, codes in sorted(by_file.items()):
@@ -435,7 +473,7 @@ def collect(
             b = bucket_of(code)
             column[b] += 1
             if b == "survived":
-                survivors.append(Survivor(name))
+                survivors.append(Survivor(name, function_hash=hashes.get(function_of(name), "")))
             elif b == "timeout":
                 timeouts.append(name)
         counts.append(FileCounts((f,), package_of(f), len(codes), **column))

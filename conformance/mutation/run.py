@@ -98,7 +98,8 @@ def build(args: argparse.Namespace, argv: Sequence[str]) -> results.MutationRun:
         run_mutmut(chosen or [], args.max_children, args.batch)
         by_file = results.read_mutants(Path("mutants"), config.only_mutate)
     wall = None if args.collect_only else round(time.monotonic() - start, 1)
-    counts, survivors, timeouts = results.collect(by_file, chosen)
+    hashes = results.read_function_hashes(Path("mutants"), config.only_mutate)
+    counts, survivors, timeouts = results.collect(by_file, chosen, hashes)
     run = results.MutationRun(
         title=args.title,
         when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -167,6 +168,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     write(run, args.out)
     print(f"run: wrote {args.out}")
+    untriaged = [s for s in run.survivors if s.verdict == "untriaged"]
+    if untriaged:
+        print(f"run: {len(untriaged)} survivor(s) to read (mutmut show NAME), then give each")
+        print("a line in the reasons file and apply it with --refresh:")
+        for s in untriaged:
+            print(f"{s.name}@{s.function_hash} VERDICT REASON")
     return 0
 
 

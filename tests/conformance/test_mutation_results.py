@@ -41,7 +41,9 @@ def _mutants_tree(root: Path) -> None:
     for f, codes in _codes().items():
         meta = root / "mutants" / (f + ".meta")
         meta.parent.mkdir(parents=True, exist_ok=True)
-        meta.write_text(json.dumps({"exit_code_by_key": codes}), encoding="utf-8")
+        fns = {n.removeprefix(results.module_of(f) + ".").rsplit("__mutmut_")[0] for n in codes}
+        meta_doc = {"exit_code_by_key": codes, "hash_by_function_name": dict.fromkeys(fns, "h1")}
+        meta.write_text(json.dumps(meta_doc), encoding="utf-8")
     (root / "pyproject.toml").write_text(
         "[tool.mutmut]\n"
         f"only_mutate = {json.dumps(list(FILES))}\n"
@@ -105,12 +107,14 @@ def test_wilson_interval() -> None:
 def test_reasons_file_lines_and_its_refusals(tmp_path: Path) -> None:
     path = tmp_path / "reasons.txt"
     path.write_text(
-        f"# a comment\n\n{POOL}2 equivalent the same allocation, slower\n"
+        f"# a comment\n\n{POOL}2@abc equivalent the same allocation, slower\n"
         f"{SCHED}4   killed-since   pinned by test_x\n",
         encoding="utf-8",
     )
     reasons = results.read_reasons(path)
-    assert reasons[POOL + "2"] == results.Verdict("equivalent", "the same allocation, slower")
+    assert reasons[POOL + "2"] == results.Verdict(
+        "equivalent", "the same allocation, slower", "abc"
+    )
     assert reasons[SCHED + "4"].reason == "pinned by test_x"
     for bad, msg in (
         (f"{POOL}2 equivalent\n", "expected NAME VERDICT REASON"),
@@ -166,6 +170,17 @@ def test_unnamed_survivors_count_toward_the_survived() -> None:
         results.run_from_json(run_.to_json() | {"survivors": []}, "x")
 
 
+def test_a_reason_written_for_another_version_of_the_function_is_not_applied() -> None:
+    """mutmut numbers a changed function's mutants anew: the same name, another change."""
+    reasons = {POOL + "2": results.Verdict("equivalent", "why", "h1")}
+    same, changed, unknown = (Survivor(POOL + "2", function_hash=h) for h in ("h1", "h2", ""))
+    assert results.reason_for(same, reasons) == reasons[POOL + "2"]
+    assert results.reason_for(changed, reasons).verdict == "untriaged"
+    assert results.reason_for(unknown, reasons).verdict == "equivalent"  # a recorded run
+    untied = {POOL + "2": results.Verdict("equivalent", "why")}
+    assert results.reason_for(changed, untied).verdict == "equivalent"
+
+
 def test_with_reasons_sets_each_named_survivor_and_leaves_the_rest_untriaged() -> None:
     run_ = _run(survivors=(Survivor(POOL + "2"),))
     told = results.with_reasons(run_, {POOL + "2": results.Verdict("left", "needs a GPU")})
@@ -200,13 +215,26 @@ def test_the_driver_collects_a_sample_from_mutmuts_verdicts(
     assert doc.selection == Selection("sample", 3, 6, ("refserve.kv",))
     assert doc.files == FILES and doc.title == "A sample" and doc.wall_s is None
     assert [c.run for c in doc.counts] == [0, 5]  # the one not run is counted apart
-    assert doc.survivors == (Survivor(POOL + "2", "equivalent", "why"),)
+    assert doc.survivors == (Survivor(POOL + "2", "equivalent", "why", "h1"),)
     assert doc.command.startswith("python -m refserve.conformance.mutation.run --collect-only")
     # The reasons file changed: --refresh applies it to the committed run.
     reasons.write_text(f"{POOL}2 killed-since by test_y\n", encoding="utf-8")
     assert run.main(["--refresh", str(out), "--reasons", str(reasons)]) == 0
     refreshed = results.load([out])[0][1]
-    assert refreshed.survivors == (Survivor(POOL + "2", "killed-since", "by test_y"),)
+    assert refreshed.survivors == (Survivor(POOL + "2", "killed-since", "by test_y", "h1"),)
+
+
+def test_the_driver_prints_a_reasons_line_for_every_survivor_not_read_yet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _mutants_tree(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert run.main(["--collect-only", "--out", str(tmp_path / "every.json")]) == 0
+    out = capsys.readouterr().out
+    assert "run: 2 survivor(s) to read" in out
+    assert f"{POOL}2@h1 VERDICT REASON" in out and f"{SCHED}4@h1 VERDICT REASON" in out
+    doc = results.load([tmp_path / "every.json"])[0][1]
+    assert doc.selection == Selection("every") and sum(c.frame for c in doc.counts) == 10
 
 
 def test_the_driver_refuses_a_sample_larger_than_the_frame(

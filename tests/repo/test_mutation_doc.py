@@ -48,7 +48,7 @@ def test_every_named_survivor_carries_the_reason_the_reasons_file_gives_it() -> 
     reasons = results.read_reasons(RUNS / "reasons.txt")
     for name, run in _committed():
         for s in run.survivors:
-            given = reasons.get(s.name, results.Verdict("untriaged", ""))
+            given = results.reason_for(s, reasons)
             assert (s.verdict, s.reason) == (given.verdict, given.reason), (
                 f"{name}: {s.name}: run `python -m refserve.conformance.mutation.run --refresh "
                 "docs/mutation/*.json --reasons docs/mutation/reasons.txt`"
