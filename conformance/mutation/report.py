@@ -52,10 +52,13 @@ the mutated function, fastest first, and stops at the first failure.
   into `docs/mutation/every.json` and this document rendered again.
 - `make mutation-sample MUTATION_N=150 MUTATION_SEED=1 MUTATION_MODULES="refserve.core
   refserve.kv"`: a uniform sample of that many mutants of those modules (every module
-  of the scope when none is named), run by name 25 at a time, into
-  `docs/mutation/sample.json` (`MUTATION_JSON=` names another file). Every prefix of
-  the draw is itself a uniform sample, so a run cut short can be collected as it stands
-  (`--collect-only`).
+  of the scope when none is named), run by name in one `mutmut run` (each run first runs
+  the covering tests once unmutated: minutes), into `docs/mutation/sample.json`
+  (`MUTATION_JSON=` names another file). mutmut saves each verdict as it comes: after an
+  interruption, `--resume` runs only the drawn mutants without one. With `--batch N` the
+  draw runs N at a time in its order, and every prefix of the draw is itself a uniform
+  sample, so a run stopped between batches can be collected as it stands
+  (`--collect-only`, which counts the rest as not run).
 - `make mutation-report`: this document from `docs/mutation/*.json`, measuring nothing.
 - Then, from `build/tree`: `python -m mutmut show NAME` shows one survivor's change
   (a run ends by printing a line for every survivor not read yet); after reading it,

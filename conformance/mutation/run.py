@@ -10,11 +10,17 @@ up: mutmut names a module by its path there), with mutmut installed::
 The scope is what ``[tool.mutmut]`` in pyproject.toml says (``only_mutate``, the test
 selection), so renamed or split modules need no change here. Without ``--sample`` mutmut
 runs every mutant (hours on two cores); with it, ``--sample`` mutants drawn uniformly with
-``--seed`` from the modules ``--modules`` names run by name, ``--batch`` at a time (mutmut
-re-runs a named mutant even when it holds a verdict). Then the verdicts are read back
-from ``mutants/*.meta`` and written, with the reasons file's verdict for each survivor,
-as one JSON document (:mod:`refserve.conformance.mutation.results`).
+``--seed`` from the modules ``--modules`` names run by name (mutmut re-runs a named mutant
+even when it holds a verdict), all in one ``mutmut run`` unless ``--batch`` says how many a
+run: each ``mutmut run`` first runs the tests covering its mutants once unmutated, which
+for most mutants is the whole selection (minutes), and mutmut saves each verdict as it
+comes, so an interrupted run loses nothing (``--collect-only`` reads what it kept).
+Then the verdicts are read back from ``mutants/*.meta`` and written, with the reasons
+file's verdict for each survivor, as one JSON document
+(:mod:`refserve.conformance.mutation.results`).
 
+``--resume`` runs only the drawn mutants that hold no verdict yet (mutmut resets the
+verdicts of a function whose source changed, not those a new test would change).
 ``--collect-only`` runs nothing and writes the JSON from the verdicts mutmut already holds
 (the sample drawn again from its seed); ``--refresh JSON...`` only applies the reasons
 file again to committed runs, after a person has read their survivors.
@@ -64,12 +70,14 @@ def commit_measured() -> str | None:
     return head + (" (with uncommitted changes)" if dirty else "")
 
 
-def run_mutmut(names: Sequence[str], max_children: int, batch: int) -> None:
-    """``mutmut run`` over ``names`` (every mutant when empty), in batches."""
+def run_mutmut(names: Sequence[str] | None, max_children: int, batch: int) -> None:
+    """``mutmut run`` over ``names`` (every mutant: None; nothing: empty), ``batch``
+    names a run (all in one: 0)."""
     base = [sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children)]
-    if not names:
+    if names is None:
         subprocess.run(base, check=False)
         return
+    batch = batch or len(names)
     for i in range(0, len(names), batch):
         print(f"run: mutants {i + 1}-{min(i + batch, len(names))} of {len(names)}", flush=True)
         subprocess.run([*base, *names[i : i + batch]], check=False)
@@ -95,7 +103,11 @@ def build(args: argparse.Namespace, argv: Sequence[str]) -> results.MutationRun:
         selection = results.Selection("sample", args.seed, args.sample, tuple(args.modules))
     start = time.monotonic()
     if not args.collect_only:
-        run_mutmut(chosen or [], args.max_children, args.batch)
+        todo = chosen
+        if args.resume and chosen is not None:
+            codes = {n: c for per in by_file.values() for n, c in per.items()}
+            todo = [n for n in chosen if codes[n] is None]
+        run_mutmut(todo, args.max_children, args.batch)
         by_file = results.read_mutants(Path("mutants"), config.only_mutate)
     wall = None if args.collect_only else round(time.monotonic() - start, 1)
     hashes = results.read_function_hashes(Path("mutants"), config.only_mutate)
@@ -152,8 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="the sample's seed")
     p.add_argument("--modules", nargs="*", default=[], help="module prefixes to sample from")
     p.add_argument("--max-children", type=int, default=1)
-    p.add_argument("--batch", type=int, default=25, help="mutants per mutmut run (sample)")
+    p.add_argument("--batch", type=int, default=0, help="mutants per mutmut run (0: all)")
     p.add_argument("--collect-only", action="store_true", help="run nothing, read verdicts")
+    p.add_argument("--resume", action="store_true", help="run only drawn mutants not run yet")
     p.add_argument("--refresh", nargs="*", type=Path, default=None, help="runs to re-read")
     args = p.parse_args(argv)
     try:

@@ -237,6 +237,32 @@ def test_the_driver_prints_a_reasons_line_for_every_survivor_not_read_yet(
     assert doc.selection == Selection("every") and sum(c.frame for c in doc.counts) == 10
 
 
+def test_the_driver_runs_mutmut_by_name_in_batches_and_resumes_where_it_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _mutants_tree(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    calls: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **_: Any) -> None:
+        if cmd[0] == "git":
+            raise OSError("no git here")
+        calls.append(cmd)
+
+    monkeypatch.setattr(run.subprocess, "run", fake_run)
+    out = str(tmp_path / "s.json")
+    assert run.main(["--sample", "6", "--seed", "3", "--batch", "4", "--out", out]) == 0
+    assert [c[3:6] for c in calls] == [["run", "--max-children", "1"]] * 2
+    ran = [n for c in calls for n in c[6:]]
+    assert ran == results.draw(_codes(), 6, 3) and [len(c) - 6 for c in calls] == [4, 2]
+    calls.clear()
+    assert run.main(["--sample", "6", "--seed", "3", "--resume", "--out", out]) == 0
+    assert calls == [calls[0][:6] + [n for n in ran if n == POOL + "5"]]  # the one not run
+    calls.clear()
+    assert run.main(["--out", out]) == 0
+    assert [c[3:] for c in calls] == [["run", "--max-children", "1"]]  # every mutant
+
+
 def test_the_driver_refuses_a_sample_larger_than_the_frame(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
