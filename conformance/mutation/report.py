@@ -54,8 +54,10 @@ the mutated function, fastest first, and stops at the first failure.
   refserve.kv"`: a uniform sample of that many mutants of those modules (every module
   of the scope when none is named), run by name in one `mutmut run` (each run first runs
   the covering tests once unmutated: minutes), into `docs/mutation/sample.json`
-  (`MUTATION_JSON=` names another file). mutmut saves each verdict as it comes: after an
-  interruption, `--resume` runs only the drawn mutants without one. With `--batch N` the
+  (`MUTATION_JSON=` names another file). Both targets run `python -m
+  refserve.conformance.mutation.run` in `build/tree`, whose flags do the rest. mutmut
+  saves each verdict as it comes: after an interruption, the same command with
+  `--resume` runs only the drawn mutants without one. With `--batch N` the
   draw runs N at a time in its order, and every prefix of the draw is itself a uniform
   sample, so a run stopped between batches can be collected as it stands
   (`--collect-only`, which counts the rest as not run).
