@@ -5,7 +5,6 @@ runs, the choice of adapters. The runs themselves need mutmut's ``mutants/`` tre
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 
 from refserve.conformance.explore.mutants import (
@@ -15,6 +14,7 @@ from refserve.conformance.explore.mutants import (
     read_names,
     survivors_of,
 )
+from refserve.conformance.mutation.results import load, module_of
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHED = "refserve.core.scheduler.xǁSchedulerǁ"
@@ -26,12 +26,16 @@ def test_a_mutant_name_without_its_number_is_its_function() -> None:
     assert function_of("refserve.kv.pool.x__taken__mutmut_2") == "refserve.kv.pool.x__taken"
 
 
-def test_the_recorded_survivors_are_mutmut_names_of_the_mutated_files() -> None:
-    names = survivors_of(sorted((ROOT / "docs" / "mutation").glob("*.json")))
+def test_the_recorded_survivors_are_mutmut_names_of_the_files_their_run_mutated() -> None:
+    """Checked against each run's own scope: a recorded run names the modules of its day."""
+    paths = sorted((ROOT / "docs" / "mutation").glob("*.json"))
+    names = survivors_of(paths)
     assert len(names) == len(set(names)) > 50
-    mutated = {p.removesuffix(".py").replace("/", ".") for p in _only_mutate()}
-    for n in names:
-        assert "__mutmut_" in n and n.split(".x", 1)[0] in mutated, n
+    for _, run in load(paths):
+        mutated = {module_of(f) for f in run.files}
+        for s in run.survivors:
+            assert "__mutmut_" in s.name and s.name.split(".x", 1)[0] in mutated, s.name
+            assert (s.name in names) == (s.verdict not in ("killed-since", "removed")), s.name
 
 
 def test_the_swap_adapter_runs_only_for_swapping_code_or_code_only_it_reaches() -> None:
@@ -57,8 +61,3 @@ def test_a_names_file_holds_one_name_a_line_with_comments(tmp_path: Path) -> Non
     path = tmp_path / "names.txt"
     path.write_text(f"# survivors\n{SCHED}_plan__mutmut_1  # why\n\n{HOST}commit__mutmut_2\n")
     assert read_names(path) == [SCHED + "_plan__mutmut_1", HOST + "commit__mutmut_2"]
-
-
-def _only_mutate() -> list[str]:
-    data = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    return list(data["tool"]["mutmut"]["only_mutate"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -249,7 +250,7 @@ def test_the_driver_runs_mutmut_by_name_in_batches_and_resumes_where_it_stopped(
             raise OSError("no git here")
         calls.append(cmd)
 
-    monkeypatch.setattr(run.subprocess, "run", fake_run)
+    monkeypatch.setattr(subprocess, "run", fake_run)
     out = str(tmp_path / "s.json")
     assert run.main(["--sample", "6", "--seed", "3", "--batch", "4", "--out", out]) == 0
     assert [c[3:6] for c in calls] == [["run", "--max-children", "1"]] * 2
