@@ -72,7 +72,8 @@ def survivors_of(runs: Sequence[Path]) -> list[str]:
     from refserve.conformance.mutation.results import load
 
     gone = ("killed-since", "removed")
-    return [s.name for _, r in load(runs) for s in r.survivors if s.verdict not in gone]
+    names = [s.name for _, r in load(runs) for s in r.survivors if s.verdict not in gone]
+    return list(dict.fromkeys(names))  # a mutant may survive in more than one run
 
 
 def generate() -> None:
