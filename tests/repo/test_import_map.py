@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,6 +137,26 @@ def test_the_graph_has_none_of_the_ruled_out_edges() -> None:
         if b in graph.get(a, {})
     ]
     assert not bad, "ruled-out imports:\n" + "\n".join(bad)
+
+
+def test_the_engine_loads_no_simulator_at_import_time() -> None:
+    """The same rule when the code runs: a fresh interpreter that imports the engine has
+    loaded nothing of the simulator (the package __init__ files included); the control,
+    the simulator's own driver, does load it."""
+    code = "import sys\nimport {}\nprint('\\n'.join(sorted(sys.modules)))"
+    loaded = {}
+    for module in ("refserve.engine.llm_engine", "refserve.sim.simulator"):
+        proc = subprocess.run(
+            [sys.executable, "-c", code.format(module)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+        loaded[module] = [m for m in proc.stdout.split() if m.startswith("refserve.sim")]
+    assert loaded["refserve.engine.llm_engine"] == []
+    assert "refserve.sim.simulator" in loaded["refserve.sim.simulator"]
 
 
 MAP = """### Who imports whom
