@@ -4,9 +4,11 @@ when it passes; it raises :class:`~refserve.conformance.http.client.Finding` whe
 wrong, and :class:`NotSupported` when the server refuses a feature the check needs (that
 is not a failure: the report says which).
 
-The reference is refserve's :class:`~refserve.engine.llm_engine.LLMEngine` on the same
-checkpoint, run in-process: greedy outputs, token counts and stop-string cuts are
-compared with it. Token ids are compared when the server names them in logprobs (vLLM's
+The reference is an engine on the same checkpoint, run in-process, seen through
+:class:`Reference` (its greedy answers and its context length): greedy outputs, token
+counts and stop-string cuts are compared with it. ``refserve conformance-http`` hands in
+refserve's own engine (ref/cli/conformance_http.py); the checks import no engine. Token
+ids are compared when the server names them in logprobs (vLLM's
 ``return_tokens_as_token_ids``, which refserve serve also implements); text otherwise.
 """
 
@@ -15,11 +17,9 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from refserve.conformance.http.client import Finding, ServerClient, need, quote
-from refserve.engine.llm_engine import LLMEngine
-from refserve.model.sampler import SamplingParams
 
 #: Prompts of the greedy checks: short, varied, plain ASCII (any tokenizer has them).
 DEFAULT_PROMPTS = (
@@ -46,11 +46,25 @@ class Expected:
     finish_reason: str
 
 
+class Reference(Protocol):
+    """What the checks need of the reference engine (module doc)."""
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt and output) it takes."""
+        ...
+
+    def greedy(self, prompt: str, max_tokens: int, stop: tuple[str, ...]) -> Expected:
+        """Its greedy answer to ``prompt``: at most ``max_tokens`` tokens, cut at the
+        first of the ``stop`` strings."""
+        ...
+
+
 @dataclass
 class Context:
     client: ServerClient
     model: str
-    reference: LLMEngine
+    reference: Reference
     prompts: tuple[str, ...] = DEFAULT_PROMPTS
     max_tokens: int = 16
     _expected: dict[tuple[str, int, tuple[str, ...]], Expected] = field(default_factory=dict)
@@ -63,11 +77,7 @@ class Context:
         n = self.max_tokens if max_tokens is None else max_tokens
         key = (prompt, n, stop)
         if key not in self._expected:
-            (r,) = self.reference.generate([prompt], SamplingParams(max_tokens=n, stop=stop))
-            o = r.outputs[0]
-            self._expected[key] = Expected(
-                prompt, len(r.prompt_token_ids), o.text, o.token_ids, o.finish_reason or ""
-            )
+            self._expected[key] = self.reference.greedy(prompt, n, stop)
         return self._expected[key]
 
     def body(self, prompt: str, **kw: Any) -> dict[str, Any]:

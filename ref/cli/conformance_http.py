@@ -11,10 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from refserve.cli.args import EXIT_FAILED, EXIT_OK, add_command, finite_float, int_at_most
 from refserve.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from refserve.conformance.http.checks import Expected
+    from refserve.engine.llm_engine import LLMEngine
 
 
 def add_conformance_http_parser(sub: Any) -> argparse.ArgumentParser:
@@ -118,7 +122,7 @@ def run_conformance_http(args: argparse.Namespace) -> int:
     from refserve.conformance.http.runner import report_json, report_markdown, run_check
     from refserve.engine.llm_engine import LLMEngine
 
-    reference = LLMEngine(args.model)
+    reference = EngineReference(LLMEngine(args.model))
     client = ServerClient(args.base_url, timeout_s=args.timeout, api_key=args.api_key)
     try:
         served = _served_name(client, args.served_model_name, str(args.model))
@@ -138,3 +142,25 @@ def run_conformance_http(args: argparse.Namespace) -> int:
     if md_path is not None:
         atomic_write_text(md_path, report_markdown(doc), "--markdown")
     return EXIT_FAILED if doc["summary"]["fail"] else EXIT_OK
+
+
+class EngineReference:
+    """refserve's engine as the checks' reference
+    (:class:`refserve.conformance.http.checks.Reference`): the checks see its greedy
+    answers and its context length, not the engine."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def greedy(self, prompt: str, max_tokens: int, stop: tuple[str, ...]) -> Expected:
+        from refserve.conformance.http.checks import Expected
+        from refserve.model.sampler import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, stop=stop)
+        (r,) = self.engine.generate([prompt], params)
+        o = r.outputs[0]
+        return Expected(prompt, len(r.prompt_token_ids), o.text, o.token_ids, o.finish_reason or "")

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import refserve.spec.checks as spec_checks
 from refserve.core.config import SchedulerConfig
+from refserve.core.request_metrics import RequestMetrics
 from refserve.engine.llm_engine import TINY_TRAINED, LLMEngine, Proposer, RequestOutput
 from refserve.model.sampler import SamplingParams
 from refserve.report.timeline import write_timeline_html, write_timeline_png
-from refserve.sim.metrics import RequestMetrics, RunMetrics, percentile
+from refserve.sim.metrics import RunMetrics, percentile
 
 CONFIG = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, block_size=8, num_blocks=24)
 SYSTEM = "You are a terse assistant. "

@@ -471,7 +471,8 @@ def _pcts(d: dict[str, float | None]) -> str:
 
 
 def render_summary(result: SimResult) -> str:
-    from refserve.sim.metrics import RequestMetrics, RunMetrics
+    from refserve.core.request_metrics import RequestMetrics
+    from refserve.sim.metrics import RunMetrics
 
     reqs = [RequestMetrics.of(r) for r in result.requests]
     run = RunMetrics.of(reqs, result.makespan_ms)
@@ -505,7 +506,8 @@ def render_summary(result: SimResult) -> str:
 def result_json(result: SimResult, config: SchedulerConfig, cost: StepCost) -> dict[str, object]:
     from dataclasses import asdict
 
-    from refserve.sim.metrics import RequestMetrics, RunMetrics
+    from refserve.core.request_metrics import RequestMetrics
+    from refserve.sim.metrics import RunMetrics
 
     reqs = [RequestMetrics.of(r) for r in result.requests]
     run = RunMetrics.of(reqs, result.makespan_ms)

@@ -41,25 +41,24 @@ transfer or recompute); a refusal leaves the request where it was and is counted
 
 from __future__ import annotations
 
-import logging
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import cast
 
 from refserve.cluster import triggers
 from refserve.cluster.errors import (
-    EventGap,
-    EventMismatch,
     NoLiveReplica,
     ReplicaDead,
-    ReplicaMismatch,
     UnknownReplica,
 )
 from refserve.cluster.index import GlobalPrefixIndex
-from refserve.cluster.replica import InProcessReplica, LoadFigures, Replica
+from refserve.cluster.ownership import Ownership
+from refserve.cluster.records import ClusterMetrics, LoadFigures
+from refserve.cluster.replica import InProcessReplica, Replica
 from refserve.cluster.router import Router, RoutingDecision
+from refserve.cluster.supervisor import ReplicaFactory, ReplicaSupervisor, check_replicas
 from refserve.cluster.triggers import MigrationPolicy
 from refserve.core.config import SchedulerConfig
 from refserve.core.migration_cost import KVMode, MigrationCost
@@ -73,8 +72,7 @@ from refserve.engine.llm_engine import (
     Prompt,
     RequestOutput,
 )
-from refserve.engine.ticket import ModelIdentity
-from refserve.errors import DuplicateRequest, InvalidArgument, UnknownRequest
+from refserve.errors import DuplicateRequest, InvalidArgument
 from refserve.model.sampler import SamplingParams
 
 
@@ -91,47 +89,22 @@ def _check_policy(migration: MigrationPolicy, reps: Sequence[Replica]) -> None:
         )
 
 
-def _check_replacement(fresh: object, model: ModelIdentity) -> None:
-    """A replacement is a replica of the cluster's model (module doc, "Faults")."""
-    if not isinstance(fresh, Replica):
-        raise InvalidArgument(f"Cluster: the restart factory made a {type(fresh).__name__}")
-    if fresh.identity != model:
-        raise ReplicaMismatch(f"Cluster: the restarted replica runs {fresh.identity}, not {model}")
+def _configs(
+    num_replicas: int, scheduler_config: SchedulerConfig | Sequence[SchedulerConfig] | None
+) -> list[SchedulerConfig]:
+    """One scheduler configuration per replica: ``scheduler_config`` for all, or one each."""
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+        raise InvalidArgument(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+    if scheduler_config is None or isinstance(scheduler_config, SchedulerConfig):
+        return [scheduler_config or SchedulerConfig()] * num_replicas
+    configs = list(scheduler_config)
+    if len(configs) != num_replicas:
+        raise InvalidArgument(f"{num_replicas} replicas but {len(configs)} scheduler configs")
+    return configs
 
-
-def _check_restarts(restart: object, max_restarts: object) -> None:
-    """A restart factory and limit the cluster can use (module doc, "Faults")."""
-    if restart is not None and not callable(restart):
-        raise InvalidArgument(f"Cluster: restart must make a replica for a slot, got {restart!r}")
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise InvalidArgument(f"Cluster: max_restarts must be an int >= 0, got {max_restarts!r}")
-    if max_restarts and restart is None:
-        raise InvalidArgument("Cluster: max_restarts > 0 needs a restart factory")
-
-
-log = logging.getLogger("refserve.cluster")
 
 #: Routing decisions kept for inspection (:attr:`Cluster.decisions`), newest last.
 DECISIONS_KEPT = 4096
-
-
-@dataclass
-class ClusterMetrics:
-    """What the cluster did, over its life (docs/CLUSTER.md, "Metrics")."""
-
-    decisions_by_policy: Counter[str] = field(default_factory=Counter)
-    routed_by_replica: Counter[int] = field(default_factory=Counter)
-    prompt_tokens_routed: int = 0
-    prefix_hit_tokens_at_routing: int = 0  # the chosen replica's cached prefix, summed
-    migrations: int = 0
-    migrations_by_reason: Counter[str] = field(default_factory=Counter)  # asked|pressure|...
-    migrations_aborted: int = 0  # aborted or refused: the request stayed where it was
-    migration_bytes: int = 0  # K/V bytes moved (transfer), inline and streamed
-    migration_ms: float = 0.0
-    index_resyncs: int = 0  # the index rebuilt from a replica's snapshot (a gap, a mismatch)
-    replicas_dead: int = 0  # deaths: a slot whose replica was replaced can die again
-    replicas_restarted: int = 0  # a fresh replica took a dead one's slot
-    requests_failed: int = 0  # ended with ReplicaDead: their replica died holding them
 
 
 @dataclass(frozen=True)
@@ -154,48 +127,35 @@ class Cluster:
         router: Router | None = None,
         *,
         migration: MigrationPolicy | None = None,
-        restart: Callable[[int], Replica] | None = None,
+        restart: ReplicaFactory | None = None,
         max_restarts: int = 0,
     ) -> None:
-        reps = list(replicas)
-        if not reps:
-            raise InvalidArgument("Cluster: needs at least one replica")
-        _check_restarts(restart, max_restarts)
-        for i, rep in enumerate(reps):
-            if not isinstance(rep, Replica):
-                raise InvalidArgument(
-                    f"Cluster: replica {i} is a {type(rep).__name__}, not a Replica"
-                )
-        model = reps[0].identity
-        for i, rep in enumerate(reps[1:], start=1):
-            if rep.identity != model:
-                raise ReplicaMismatch(
-                    f"Cluster: replica {i} runs {rep.identity}, replica 0 runs {model}"
-                )
+        reps = check_replicas(replicas, restart, max_restarts)
         if router is not None and not isinstance(router, Router):
             raise InvalidArgument(f"Cluster: router must be a Router, got {type(router).__name__}")
         if migration is not None:
             _check_policy(migration, reps)
-        self.replicas: tuple[Replica, ...] = tuple(reps)
         self.migration = migration or MigrationPolicy()
         self.moves: deque[PolicyMove] = deque(maxlen=DECISIONS_KEPT)
         self.router = router or Router()
         self.index = GlobalPrefixIndex()
-        for i, rep in enumerate(reps):
-            self.index.add_replica(i, rep.block_size, rep.cache_snapshot())
-            rep.drain_cache_events()  # reflected in the snapshot
         self.metrics = ClusterMetrics()
         self.decisions: deque[RoutingDecision] = deque(maxlen=DECISIONS_KEPT)
-        self._owner: dict[str, int] = {}
+        self._owner = Ownership()
         self._held: list[RequestOutput] = []
-        self.dead: dict[int, ReplicaDead] = {}  # replica -> what killed it
         self._failures: dict[str, ReplicaDead] = {}
         self._split: set[str] = set()  # requests a split policy tried to move once
-        self._restart = restart
-        self.max_restarts = max_restarts
-        self.restarts: list[int] = [0] * len(reps)  # per slot: replacements tried
+        self.supervisor = ReplicaSupervisor(
+            reps,
+            self.index,
+            self.metrics,
+            on_death=self._on_death,
+            accept=self._accept,
+            restart=restart,
+            max_restarts=max_restarts,
+        )
         self._next_id = 0
-        self._vocab_size = model.vocab_size
+        self._vocab_size = reps[0].identity.vocab_size
 
     @classmethod
     def in_process(
@@ -210,18 +170,8 @@ class Cluster:
     ) -> Cluster:
         """``num_replicas`` engines of ``model`` in this process, each publishing its
         cache events; ``scheduler_config`` one for all or one per replica."""
-        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-            raise InvalidArgument(f"num_replicas must be an int >= 1, got {num_replicas!r}")
-        if scheduler_config is None or isinstance(scheduler_config, SchedulerConfig):
-            configs = [scheduler_config or SchedulerConfig()] * num_replicas
-        else:
-            configs = list(scheduler_config)
-            if len(configs) != num_replicas:
-                raise InvalidArgument(
-                    f"{num_replicas} replicas but {len(configs)} scheduler configs"
-                )
         replicas: list[Replica] = []
-        for c in configs:
+        for c in _configs(num_replicas, scheduler_config):
             cfg = replace(c, cache_events=True)
             engine = LLMEngine(model, scheduler_config=cfg, check_invariants=check_invariants)
             replicas.append(InProcessReplica(engine))
@@ -229,21 +179,28 @@ class Cluster:
 
     # ------------------------------------------------------------------ requests
     @property
+    def replicas(self) -> tuple[Replica, ...]:
+        """The replica in each slot (a restarted slot's is the fresh one)."""
+        return self.supervisor.replicas
+
+    @property
+    def dead(self) -> dict[int, ReplicaDead]:
+        """The dead slots, each with what killed its replica (module doc, "Faults")."""
+        return self.supervisor.dead
+
+    @property
     def has_work(self) -> bool:
         """A :meth:`step` can make progress on some replica, or outputs are held."""
-        return bool(self._held) or any(self._has_work(r, rep) for r, rep in self._live())
+        return bool(self._held) or any(self.supervisor.has_work(r, rep) for r, rep in self._live())
 
     def owner(self, request_id: str) -> int:
         """The replica holding the live request ``request_id``."""
-        r = self._owner.get(request_id)
-        if r is None:
-            raise UnknownRequest(request_id, "owner")
-        return r
+        return self._owner.owner(request_id)
 
     @property
     def owners(self) -> dict[str, int]:
         """A copy of the ownership map: live request -> replica."""
-        return dict(self._owner)
+        return self._owner.copy()
 
     def add_request(
         self,
@@ -278,11 +235,8 @@ class Cluster:
         self.router.accepted(decision)
         self._owner[rid] = decision.replica
         self.decisions.append(decision)
-        m = self.metrics
-        m.decisions_by_policy[decision.policy.value] += 1
-        m.routed_by_replica[decision.replica] += 1
-        m.prompt_tokens_routed += len(ids)
-        m.prefix_hit_tokens_at_routing += decision.prefix_hit_tokens
+        d = decision
+        self.metrics.routed(d.policy.value, d.replica, len(ids), d.prefix_hit_tokens)
         return decision
 
     def abort(self, request_id: str) -> None:
@@ -522,77 +476,30 @@ class Cluster:
 
     # ------------------------------------------------------------------ the rule
     def ownership_violations(self) -> list[str]:
-        """The ownership rule (module doc): every request live on a replica is live on
-        that one alone and mapped to it, and the map holds nothing else. Empty when it
-        holds."""
-        out: list[str] = []
-        seen: dict[str, int] = {}
-        for r, rep in self._live():
-            try:
-                live = rep.request_ids()
-            except ReplicaDead as e:  # buried: its requests ended (take_failures)
-                self._bury(r, e)
-                continue
-            for rid in live:
-                if rid in seen:
-                    out.append(f"{rid!r} is live on replicas {seen[rid]} and {r}")
-                seen.setdefault(rid, r)
-                if self._owner.get(rid) != r:
-                    out.append(f"{rid!r} is live on replica {r}, mapped to {self._owner.get(rid)}")
-        for rid, r in self._owner.items():
-            if rid not in seen:
-                out.append(f"{rid!r} is mapped to replica {r}, live on none")
-        return out
+        """The ownership rule (module doc; ref/cluster/ownership.py): every request live
+        on a replica is live on that one alone and mapped to it, and the map holds
+        nothing else. Empty when it holds."""
+        return self._owner.violations(self.supervisor.request_ids())
 
     # ------------------------------------------------------------------ internals
     def _live(self) -> list[tuple[int, Replica]]:
-        return [(r, rep) for r, rep in enumerate(self.replicas) if r not in self.dead]
-
-    def _has_work(self, r: int, rep: Replica) -> bool:
-        try:
-            return rep.has_work
-        except ReplicaDead as e:
-            self._bury(r, e)
-            return False
+        return self.supervisor.live()
 
     def _bury(self, r: int, error: ReplicaDead) -> None:
-        """Replica ``r`` is gone (module doc, "Faults"): its requests end with ``error``,
-        it leaves the index and the router's sight."""
-        if r in self.dead:
-            return
-        self.dead[r] = error
-        self.metrics.replicas_dead += 1
-        for rid, owner in list(self._owner.items()):
-            if owner == r:
-                self._forget(rid)
-                self._failures[rid] = error
-                self.metrics.requests_failed += 1
-        if r in self.index.replicas:
-            self.index.remove_replica(r)
-        self._replace(r)
+        self.supervisor.bury(r, error)
 
-    def _replace(self, r: int) -> None:
-        """A fresh replica from the factory in dead slot ``r`` (module doc, "Faults"),
-        tried while the slot has restarts left (a failed try counts)."""
-        while self._restart is not None and self.restarts[r] < self.max_restarts:
-            self.restarts[r] += 1
-            try:
-                fresh = self._restart(r)
-                _check_replacement(fresh, self.replicas[0].identity)
-                if self.migration.enabled:
-                    _check_policy(self.migration, [fresh])
-                snapshot = fresh.cache_snapshot()
-                fresh.drain_cache_events()  # reflected in the snapshot
-            except Exception:  # died before it joined, or never made: the next try
-                log.exception("replica %d: restart %d failed", r, self.restarts[r])
-                continue
-            self.index.add_replica(r, fresh.block_size, snapshot)
-            reps = list(self.replicas)
-            reps[r] = fresh
-            self.replicas = tuple(reps)
-            del self.dead[r]
-            self.metrics.replicas_restarted += 1
-            return
+    def _on_death(self, r: int, error: ReplicaDead) -> None:
+        """Replica ``r`` died: every request it held ends with ``error``, once
+        (:meth:`take_failures`; module doc, "Faults")."""
+        for rid in self._owner.held_by(r):
+            self._forget(rid)
+            self._failures[rid] = error
+            self.metrics.requests_failed += 1
+
+    def _accept(self, fresh: Replica) -> None:
+        """A replacement the migration policy can drive (it reads schedulers)."""
+        if self.migration.enabled:
+            _check_policy(self.migration, [fresh])
 
     def _retire(self, r: int, rep: Replica, fresh: Sequence[RequestOutput]) -> None:
         """Requests whose final output ``fresh`` carries and that replica ``r`` no longer
@@ -608,23 +515,12 @@ class Cluster:
     def _forget(self, request_id: str) -> None:
         """``request_id`` ended: it leaves the ownership map, and the split policy's memory
         of it and its samples (so that memory holds live requests only)."""
-        del self._owner[request_id]
+        self._owner.forget(request_id)
         if self._split:
             self._split = {s for s in self._split if s.split(FORK_SEPARATOR, 1)[0] != request_id}
 
     def _sync_index(self) -> None:
-        """Apply every replica's new cache events; resync one from its snapshot when its
-        stream has a gap or does not apply (ref/cluster/index.py, "Gaps")."""
-        for r, rep in self._live():
-            try:
-                events = rep.drain_cache_events()
-                try:
-                    self.index.apply(r, events)
-                except (EventGap, EventMismatch):
-                    self.index.resync(r, rep.cache_snapshot())
-                    self.metrics.index_resyncs += 1
-            except ReplicaDead as e:
-                self._bury(r, e)
+        self.supervisor.sync_index()
 
     def _new_id(self, request_id: str | None) -> str:
         if request_id is None:

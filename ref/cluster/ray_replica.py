@@ -37,7 +37,8 @@ from typing import Any, TypeVar
 from refserve.cluster.errors import ClusterError, ReplicaDead
 from refserve.cluster.index import CacheSnapshot
 from refserve.cluster.pool_check import PoolReport
-from refserve.cluster.replica import InProcessReplica, LoadFigures
+from refserve.cluster.records import LoadFigures
+from refserve.cluster.replica import InProcessReplica
 from refserve.core.config import SchedulerConfig
 from refserve.core.cost import StepCost
 from refserve.core.migration_cost import KVMode

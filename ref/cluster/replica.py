@@ -2,7 +2,8 @@
 (docs/CLUSTER.md, "Replicas").
 
 :class:`Replica` is what the router and the cluster need of an engine: add a request,
-step, abort, the outputs, the load figures the policies compare (:class:`LoadFigures`),
+step, abort, the outputs, the load figures the policies compare
+(:class:`~refserve.cluster.records.LoadFigures`),
 its cost model, its cache events (and a snapshot to resync from), and the three calls of
 a migration (export a ticket, import one, release the source). Everything that crosses
 it is a plain record (token ids, :class:`~refserve.model.sampler.SamplingParams`,
@@ -16,11 +17,11 @@ an :class:`LLMEngine` in this process.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from refserve.cluster.index import CacheSnapshot
 from refserve.cluster.pool_check import PoolReport, pool_report
+from refserve.cluster.records import LoadFigures
 from refserve.core.cost import StepCost
 from refserve.core.migration_cost import KVMode
 from refserve.core.scheduler import Scheduler
@@ -33,33 +34,6 @@ from refserve.spec.events import CacheEvent
 from refserve.spec.snapshot import RequestStatus
 
 _QUEUED = frozenset({RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.SWAPPED})
-
-
-@dataclass(frozen=True)
-class LoadFigures:
-    """A replica's load at a step boundary, as the routing policies read it
-    (ref/cluster/router.py).
-
-    ``num_waiting`` counts the queued samples (waiting, preempted, swapped out),
-    ``num_running`` those in the running batch (prefilling or decoding), of which
-    ``num_decoding`` decode; paused ones (a tool wait) count in ``num_paused`` only.
-    ``prefill_backlog_tokens`` are the tokens not yet computed of every sample that is
-    queued or prefilling (its prefix hits not yet subtracted: they are looked up at
-    admission). ``kv_blocks_used`` are the device blocks held by requests (a cached
-    block nobody holds is free: it can be evicted), of ``kv_blocks_total``.
-    """
-
-    num_waiting: int
-    num_running: int
-    num_decoding: int
-    num_paused: int
-    prefill_backlog_tokens: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    max_num_seqs: int
-    token_budget: int
-    block_size: int
-    cost: StepCost
 
 
 @runtime_checkable

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from refserve.cluster.errors import UnknownPolicy, UnknownReplica
-from refserve.cluster.replica import LoadFigures
+from refserve.cluster.records import LoadFigures
 from refserve.errors import InvalidArgument
 
 

@@ -8,7 +8,7 @@ the code that runs one simulated engine. The replicas share one virtual clock; e
 busy until its current step ends. Routing is the cluster's own: every replica's cache
 events feed one :class:`~refserve.cluster.index.GlobalPrefixIndex` after each of its steps,
 and the :class:`~refserve.cluster.router.Router` chooses from the same
-:class:`~refserve.cluster.replica.LoadFigures` an in-process replica reports
+:class:`~refserve.cluster.records.LoadFigures` an in-process replica reports
 (:func:`~refserve.cluster.replica.load_figures`).
 
 Migration is the scheduler-level protocol of ``refserve.core.transit`` (export, then
@@ -53,7 +53,8 @@ from dataclasses import dataclass, field
 
 from refserve.cluster import triggers
 from refserve.cluster.index import GlobalPrefixIndex
-from refserve.cluster.replica import LoadFigures, load_figures
+from refserve.cluster.records import LoadFigures
+from refserve.cluster.replica import load_figures
 from refserve.cluster.router import Router, RoutingDecision
 from refserve.cluster.triggers import MigrationPolicy
 from refserve.core import transit
@@ -62,9 +63,9 @@ from refserve.core.cost import StepCost
 from refserve.core.engine_core import EngineCore
 from refserve.core.migration_cost import KVMode, MigrationCost
 from refserve.core.request import FinishReason, Request
+from refserve.core.request_metrics import RequestMetrics
 from refserve.core.scheduler import Scheduler
 from refserve.errors import InvalidArgument, RefserveError
-from refserve.sim.metrics import RequestMetrics
 from refserve.sim.noise import StepNoise
 from refserve.sim.simulator import Session, SessionTurn, SimExecutor
 from refserve.sim.workloads import Workload, to_requests

@@ -3,7 +3,7 @@ in-process cluster (ref/cluster/cluster.py) share (docs/CLUSTER.md, "Migration
 policy").
 
 Each rule is a pure decision over what a replica reports at a step boundary (its
-:class:`~refserve.cluster.replica.LoadFigures`, its scheduler's requests, its free blocks):
+:class:`~refserve.cluster.records.LoadFigures`, its scheduler's requests, its free blocks):
 which request to move and to which peer, or None. Acting on it (a simulated link, or
 ``refserve.engine.migration.migrate``) is the caller's.
 """
@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from refserve.cluster.replica import LoadFigures
+from refserve.cluster.records import LoadFigures
 from refserve.cluster.router import load_score
 from refserve.core.migration_cost import KVMode
 from refserve.core.request import Request

@@ -76,6 +76,7 @@ from refserve.core.migration_cost import KVMode, MigrationCost
 from refserve.core.outcome import Outcome
 from refserve.core.policy import Policy
 from refserve.core.request import FinishReason, Request, StopParams, check_room_for_output
+from refserve.core.request_metrics import RequestMetrics
 from refserve.core.scheduler import Scheduler
 from refserve.core.swap import KVRetention
 from refserve.engine import migration
@@ -94,7 +95,6 @@ from refserve.model.sampler import (
     sample_failed,
 )
 from refserve.model.tokenizer import TextStream
-from refserve.sim.metrics import RequestMetrics
 from refserve.spec.events import CacheEvent
 from refserve.spec.snapshot import RequestStatus
 

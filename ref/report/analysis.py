@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from refserve.core.config import SchedulerConfig
 from refserve.core.engine_core import StepRecord
+from refserve.core.request_metrics import RequestMetrics
 from refserve.report.policies import Slo
-from refserve.sim.metrics import RequestMetrics, jain_index
+from refserve.sim.metrics import jain_index
 
 # A step counts as KV-bound when it preempted or ran with at least this share of the
 # pool in use: admission stalls on free blocks before the pool is literally full.

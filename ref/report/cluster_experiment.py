@@ -40,8 +40,9 @@ from typing import TextIO
 from refserve.cluster.sim import ClusterResult, LinkModel, MigrationPolicy, simulate_cluster
 from refserve.core.config import SchedulerConfig
 from refserve.core.cost import StepCost
+from refserve.core.request_metrics import RequestMetrics
 from refserve.errors import InvalidArgument
-from refserve.sim.metrics import RequestMetrics, percentile
+from refserve.sim.metrics import percentile
 from refserve.sim.workloads import (
     Workload,
     agent_sessions,

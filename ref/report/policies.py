@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from refserve.core.config import PolicyName, SchedulerConfig
 from refserve.core.cost import StepCost
-from refserve.sim.metrics import RequestMetrics
+from refserve.core.request_metrics import RequestMetrics
 from refserve.sim.simulator import SimSpeculation
 from refserve.spec.arith import full_blocks
 

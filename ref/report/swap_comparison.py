@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 from refserve.core.config import SchedulerConfig
 from refserve.core.cost import StepCost
+from refserve.core.request_metrics import RequestMetrics
 from refserve.core.scheduler import Scheduler
 from refserve.core.swap import PreemptionMode, SwapCost
-from refserve.sim.metrics import RequestMetrics, RunMetrics, percentile
+from refserve.sim.metrics import RunMetrics, percentile
 from refserve.sim.simulator import simulate
 from refserve.sim.trace import load_trace
 

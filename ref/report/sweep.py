@@ -17,6 +17,7 @@ from typing import TextIO
 
 from refserve.core.config import SchedulerConfig
 from refserve.core.cost import StepCost
+from refserve.core.request_metrics import RequestMetrics
 from refserve.core.scheduler import Scheduler
 from refserve.report.analysis import (
     PointResult,
@@ -27,7 +28,7 @@ from refserve.report.analysis import (
 )
 from refserve.report.policies import NamedPolicy, Slo
 from refserve.report.workload_specs import TraceSpec
-from refserve.sim.metrics import RequestMetrics, RunMetrics, percentile
+from refserve.sim.metrics import RunMetrics, percentile
 from refserve.sim.simulator import SimResult
 from refserve.sim.workloads import Workload
 

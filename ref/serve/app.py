@@ -66,9 +66,9 @@ from refserve.serve.schema import (
     Delta,
     ModelCard,
     ModelList,
+    RequestBody,
     TokenLogprob,
     Usage,
-    _Request,
     error_body,
 )
 
@@ -476,7 +476,7 @@ class _Api:
         )
 
     # ---------------------------------------------------------------- preparing
-    def _check_common(self, body: _Request) -> None:
+    def _check_common(self, body: RequestBody) -> None:
         if body.model != self.settings.model_name:
             raise ApiError(
                 404,
@@ -509,7 +509,7 @@ class _Api:
 
     def _prepare(
         self,
-        body: _Request,
+        body: RequestBody,
         prompt: list[int],
         max_tokens: int | None,
         logprobs: bool,

@@ -57,7 +57,8 @@ import torch
 from refserve.cluster.errors import EventGap, EventMismatch, NoLiveReplica, ReplicaDead
 from refserve.cluster.index import GlobalPrefixIndex
 from refserve.cluster.pool_check import PoolReport
-from refserve.cluster.replica import InProcessReplica, LoadFigures, Replica
+from refserve.cluster.records import LoadFigures
+from refserve.cluster.replica import InProcessReplica, Replica
 from refserve.cluster.router import Router, RoutingDecision
 from refserve.core.config import SchedulerConfig
 from refserve.core.migration_cost import KVMode
@@ -72,10 +73,10 @@ from refserve.serve.loop import (
     IDLE_POLL_S,
     STEP_RING,
     EngineFailed,
+    OutputSink,
     ServerDraining,
     StepTiming,
     Submission,
-    _Sink,
     command_for,
     stop_thread,
 )
@@ -101,7 +102,7 @@ class ReplicaLoop:
         self.replica = replica
         self.front = front
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self.sinks: dict[str, _Sink] = {}
+        self.sinks: dict[str, OutputSink] = {}
         self._stop = threading.Event()
         self.dead: ReplicaDead | None = None
         self._pinged = time.monotonic()
@@ -220,7 +221,7 @@ class ReplicaLoop:
             self.load = load = self.replica.load()
             self.idle_fraction = self.replica.idle_fraction
             events = self.replica.drain_cache_events()
-            self.front._published(self, events)
+            self.front.apply_events(self, events)
         except ReplicaDead as e:
             self._died(e)
             return
@@ -240,7 +241,7 @@ class ReplicaLoop:
                 sink.finished += 1
                 if sink.finished >= sink.n:
                     del self.sinks[o.request_id]
-                    self.front._finished(o.request_id)
+                    self.front.request_ended(o.request_id)
 
     def _check_health(self) -> None:
         """Ping the idle replica every :data:`HEALTH_CHECK_S` (module doc, "Faults")."""
@@ -257,7 +258,7 @@ class ReplicaLoop:
         """The dead replica replaced by a fresh one from the front's factory (module
         doc, "Faults"), tried while it has restarts left; True once it serves again."""
         while not self._stop.is_set():
-            fresh = self.front._replacement(self.index)
+            fresh = self.front.replacement(self.index)
             if fresh is None:
                 return False
             if self._stop.is_set():
@@ -265,7 +266,7 @@ class ReplicaLoop:
             try:
                 self.load = fresh.load()
                 self.idle_fraction = fresh.idle_fraction
-                self.front._rejoined(self, fresh)
+                self.front.rejoin(self, fresh)
             except ReplicaDead as e:  # died again before it served: the next restart
                 log.error("replica %d died while rejoining: %s", self.index, e)
                 continue
@@ -283,7 +284,7 @@ class ReplicaLoop:
         log.error("replica %d died: %s", self.index, error)
         self.dead = error
         front = self.front
-        front._replica_died(self)  # out of the router's sight before any reroute
+        front.replica_died(self)  # out of the router's sight before any reroute
         fresh = {rid: sink for rid, sink in self.sinks.items() if sink.delivered == 0}
         for rid in fresh:
             del self.sinks[rid]
@@ -291,12 +292,12 @@ class ReplicaLoop:
             front.metrics.requests_failed(self.index, len(self.sinks))
         self._fail_all(error)
         for rid, sink in fresh.items():
-            front._reroute(rid, sink, error, self.index)
+            front.reroute(rid, sink, error, self.index)
 
     def _fail_all(self, error: BaseException) -> None:
         for rid, sink in list(self.sinks.items()):
             sink.put(error)
-            self.front._finished(rid)
+            self.front.request_ended(rid)
         self.sinks.clear()
 
 
@@ -430,7 +431,7 @@ class ClusterLoop:
         ids = list(prompt)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        sink = _Sink(loop, q, params.n)
+        sink = OutputSink(loop, q, params.n)
         while True:  # a replica found dead here: routed again among the others
             decision = self._route(request_id, ids)
             lp = self.loops[decision.replica]
@@ -451,7 +452,12 @@ class ClusterLoop:
         return Submission(request_id, q, params.n, added)
 
     def _adder(
-        self, lp: ReplicaLoop, request_id: str, ids: list[int], params: SamplingParams, sink: _Sink
+        self,
+        lp: ReplicaLoop,
+        request_id: str,
+        ids: list[int],
+        params: SamplingParams,
+        sink: OutputSink,
     ) -> Callable[[], float]:
         """The command that adds a routed request on ``lp``'s thread (its result: when)."""
 
@@ -584,7 +590,7 @@ class ClusterLoop:
         with self._lock:
             hit = self.index.longest_prefix(prompt).get(b.index, 0) if prompt else 0
         idle = b.idle_fraction
-        exported: concurrent.futures.Future[tuple[MigrationTicket, _Sink]]
+        exported: concurrent.futures.Future[tuple[MigrationTicket, OutputSink]]
         exported = concurrent.futures.Future()
         verdict: list[bool] = []
         decided = threading.Event()
@@ -626,27 +632,33 @@ class ClusterLoop:
         return MigrationReport(request_id, ticket.decisions[-1], ticket.kv_bytes, 1, 0.0)
 
     # ------------------------------------------------------------------ from the threads
-    def _published(self, lp: ReplicaLoop, events: Sequence[CacheEvent]) -> None:
+    # What a replica's loop tells the front (its cache events, an end, a death, a
+    # restart): the front's state changes only through these, under its lock.
+    def apply_events(self, lp: ReplicaLoop, events: Sequence[CacheEvent]) -> None:
+        """``lp``'s new cache events into the index; a resync from its snapshot when they
+        do not apply (a gap, a mismatch)."""
         with self._lock:
             try:
                 self.index.apply(lp.index, events)
             except (EventGap, EventMismatch):
                 self.index.resync(lp.index, lp.replica.cache_snapshot())
 
-    def _finished(self, request_id: str) -> None:
+    def request_ended(self, request_id: str) -> None:
+        """``request_id`` ended (finished, failed or moved off a dead replica's books)."""
         with self._lock:
             self._owner.pop(request_id, None)
             self._prompts.pop(request_id, None)
             self._params.pop(request_id, None)
 
-    def _replica_died(self, lp: ReplicaLoop) -> None:
+    def replica_died(self, lp: ReplicaLoop) -> None:
+        """``lp``'s replica died: out of the index, so the router no longer sees it."""
         with self._lock:
             if lp.index in self.index.replicas:
                 self.index.remove_replica(lp.index)
         if self.metrics is not None:
             self.metrics.replica_died(lp.index)
 
-    def _reroute(self, request_id: str, sink: _Sink, error: ReplicaDead, dead: int) -> None:
+    def reroute(self, request_id: str, sink: OutputSink, error: ReplicaDead, dead: int) -> None:
         """A request of the dead replica ``dead`` that delivered nothing: routed again
         among the live replicas and added there (module doc, "Faults"). Where it cannot
         go (no live replica, a refusal, a drain) it ends with ``error``, once; it never
@@ -686,11 +698,11 @@ class ClusterLoop:
 
         lp.run_sync(self._adder(lp, request_id, ids, params, sink)).add_done_callback(added)
 
-    def _end(self, request_id: str, sink: _Sink, error: BaseException) -> None:
+    def _end(self, request_id: str, sink: OutputSink, error: BaseException) -> None:
         sink.put(error)
-        self._finished(request_id)
+        self.request_ended(request_id)
 
-    def _replacement(self, replica: int) -> Replica | None:
+    def replacement(self, replica: int) -> Replica | None:
         """A fresh replica for slot ``replica`` from the factory, while it has restarts
         left (each try counts, a failed one too); None once it has none."""
         while self._restart is not None and self.restarts[replica] < self.max_restarts:
@@ -705,7 +717,7 @@ class ClusterLoop:
             return fresh
         return None
 
-    def _rejoined(self, lp: ReplicaLoop, fresh: Replica) -> None:
+    def rejoin(self, lp: ReplicaLoop, fresh: Replica) -> None:
         """``fresh`` serves in ``lp``'s slot: in the index from its snapshot (its cache
         as it is, empty), then in the router's sight."""
         snapshot = fresh.cache_snapshot()

@@ -65,11 +65,12 @@ from refserve.cluster.router import RoutingPolicy
 from refserve.cluster.sim import simulate_cluster
 from refserve.core.config import PolicyName, SchedulerConfig
 from refserve.core.cost import StepCost
+from refserve.core.request_metrics import RequestMetrics
 from refserve.core.scheduler import Scheduler
 from refserve.errors import InvalidArgument, RefserveError
 from refserve.serve.bench import Record, Slo
 from refserve.serve.request_timing import RequestTiming
-from refserve.sim.metrics import RequestMetrics, percentile
+from refserve.sim.metrics import percentile
 from refserve.sim.noise import StepNoise
 from refserve.sim.simulator import simulate
 from refserve.sim.trace import TraceRequest

@@ -104,7 +104,7 @@ class StepTiming:
 
 
 @dataclass
-class _Sink:
+class OutputSink:
     """Where one request's outputs go: its asyncio queue, in the server's event loop."""
 
     loop: asyncio.AbstractEventLoop
@@ -174,7 +174,7 @@ class EngineLoop:
         self.metrics = metrics
         self.torch_threads = torch_threads
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}
+        self._sinks: dict[str, OutputSink] = {}
         self._stop = threading.Event()
         self._admitting = True
         self._thread = threading.Thread(target=self._run, name="refserve-engine", daemon=True)
@@ -252,7 +252,7 @@ class EngineLoop:
             raise ServerDraining("the server is shutting down")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        sink = _Sink(loop, q, params.n)
+        sink = OutputSink(loop, q, params.n)
 
         def add() -> tuple[str, float]:
             if not self._admitting:

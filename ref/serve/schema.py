@@ -27,7 +27,9 @@ MAX_N = 64
 MAX_STOPS = 16
 
 
-class _Request(BaseModel):
+class RequestBody(BaseModel):
+    """The fields the completion and chat bodies share (sampling, stops, streaming)."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str
@@ -61,7 +63,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(RequestBody):
     """``POST /v1/completions``: one prompt (text or token ids)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -84,7 +86,7 @@ class ContentPart(BaseModel):
     text: str
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(RequestBody):
     """``POST /v1/chat/completions``: messages rendered by the chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)

@@ -17,7 +17,7 @@ import pytest
 from pytest_benchmark.fixture import BenchmarkFixture
 
 from refserve.cluster.index import GlobalPrefixIndex
-from refserve.cluster.replica import LoadFigures
+from refserve.cluster.records import LoadFigures
 from refserve.cluster.router import Router
 from refserve.cluster.sim import simulate_cluster
 from refserve.core.cost import StepCost

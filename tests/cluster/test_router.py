@@ -6,6 +6,8 @@ nothing (the round-robin cursor included)."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -134,3 +136,35 @@ def test_bad_input_is_a_typed_error_and_moves_nothing() -> None:
     with pytest.raises(UnknownReplica, match="unknown replica 7"):
         router.route("r", 4, {0: IDLE, 1: IDLE}, {7: 4})
     assert router.route("r", 4, {0: IDLE, 1: IDLE}, {}).replica == 1  # the cursor held
+
+
+def _loaded_after(statement: str) -> set[str]:
+    """The modules a fresh interpreter has loaded after ``statement``."""
+    code = f"import sys\n{statement}\nprint('\\n'.join(sorted(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return set(proc.stdout.split())
+
+
+def _heavy(loaded: set[str]) -> list[str]:
+    """The engine's modules and torch among ``loaded``."""
+    return sorted(
+        m
+        for m in loaded
+        if m.split(".")[0] == "torch" or m == "refserve.engine" or m.startswith("refserve.engine.")
+    )
+
+
+def test_the_router_depends_on_records_only() -> None:
+    """The router is a pure function of records: importing it (the package's
+    ``__init__`` included) loads neither the engine nor torch."""
+    loaded = _loaded_after("import refserve.cluster.router")
+    assert "refserve.cluster.router" in loaded and "refserve.cluster.records" in loaded
+    assert _heavy(loaded) == []
+
+
+def test_the_import_check_sees_the_engine_where_it_is_loaded() -> None:
+    """The same reading finds the engine and torch behind the replica interface (an
+    in-process replica drives an LLMEngine): the check above can fail."""
+    heavy = _heavy(_loaded_after("import refserve.cluster.replica"))
+    assert "refserve.engine.llm_engine" in heavy and "torch" in heavy

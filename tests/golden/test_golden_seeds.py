@@ -18,8 +18,9 @@ from harness import COST, Stepper, make_request
 from refserve.core.config import Admission, PolicyName, SchedulerConfig
 from refserve.core.cost import StepCost
 from refserve.core.request import Request, StopParams
+from refserve.core.request_metrics import RequestMetrics
 from refserve.core.scheduler import Scheduler
-from refserve.sim.metrics import RequestMetrics, RunMetrics, littles_law_l
+from refserve.sim.metrics import RunMetrics, littles_law_l
 from refserve.sim.simulator import simulate
 from refserve.sim.trace import load_trace
 

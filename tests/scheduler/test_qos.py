@@ -16,9 +16,10 @@ from refserve.core.config import PolicyName, SchedulerConfig
 from refserve.core.cost import StepCost, fit_step_cost
 from refserve.core.policy import DecodeFirst, TenantFair
 from refserve.core.request import Request, StopParams
+from refserve.core.request_metrics import RequestMetrics
 from refserve.core.scheduler import Scheduler
 from refserve.errors import InvalidArgument, QueueFull
-from refserve.sim.metrics import RequestMetrics, per_tenant
+from refserve.sim.metrics import per_tenant
 from refserve.sim.simulator import simulate
 from tests.harness import reference_loop
 

@@ -16,6 +16,7 @@ from refserve.core.config import SchedulerConfig
 from refserve.core.engine_core import StepRecord
 from refserve.core.outcome import Outcome, StepOutcome
 from refserve.core.plan import StepPlan
+from refserve.core.request_metrics import RequestMetrics
 from refserve.report.compare import (
     NO_LIMIT,
     POLICIES,
@@ -28,7 +29,7 @@ from refserve.report.compare import (
     tenant_fairness,
 )
 from refserve.report.plots import PNG_MAGIC, BarGroup, grouped_bar_chart_png, line_chart_png
-from refserve.sim.metrics import RequestMetrics, jain_index
+from refserve.sim.metrics import jain_index
 
 
 def assert_png(path: Path, min_bytes: int = 5_000, max_bytes: int = 200_000) -> None:
