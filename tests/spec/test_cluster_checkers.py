@@ -5,7 +5,8 @@ with a fake K/V memory), a request moved between them phase by phase with
 ``PhasedMigration`` (tests/phased_migration.py; by transfer onto a prefix hit of the
 destination, by recompute, from the host pool, aborted halfway) and a real step. Each
 clean sequence of snapshots passes every rule; then one thing is corrupted with
-``dataclasses.replace`` and the test asserts the rule, the subject and the message of the violation it gives.
+``dataclasses.replace`` and the test asserts the rule, the subject and the message of
+the violation it gives.
 """
 
 from __future__ import annotations
