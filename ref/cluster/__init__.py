@@ -9,7 +9,7 @@ that drives them (``cluster``).
 A layer above ``refserve.engine`` and below ``refserve.serve`` (docs/ARCHITECTURE.md, "Layers").
 """
 
-from refserve.cluster.cluster import Cluster, ClusterMetrics, PolicyMove
+from refserve.cluster.cluster import Cluster, ClusterMetrics
 from refserve.cluster.errors import (
     ClusterError,
     EventGap,
@@ -21,6 +21,7 @@ from refserve.cluster.errors import (
     UnknownReplica,
 )
 from refserve.cluster.index import CacheSnapshot, GlobalPrefixIndex
+from refserve.cluster.migration import PolicyMigration
 from refserve.cluster.replica import InProcessReplica, LoadFigures, Replica
 from refserve.cluster.router import Router, RoutingDecision, RoutingPolicy
 from refserve.cluster.triggers import MigrationPolicy
@@ -37,7 +38,7 @@ __all__ = [
     "LoadFigures",
     "MigrationPolicy",
     "NoLiveReplica",
-    "PolicyMove",
+    "PolicyMigration",
     "Replica",
     "ReplicaDead",
     "ReplicaMismatch",

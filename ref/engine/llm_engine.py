@@ -78,8 +78,9 @@ from refserve.core.policy import Policy
 from refserve.core.request import FinishReason, Request, StopParams, check_room_for_output
 from refserve.core.scheduler import Scheduler
 from refserve.core.swap import KVRetention
+from refserve.core.transit import RequestState
 from refserve.engine import migration
-from refserve.engine.samples import Sample, SampleGroup, sample_spec
+from refserve.engine.samples import Sample, SampleBook, SampleGroup, sample_spec
 from refserve.engine.ticket import KVChunk, MigrationTicket, ModelIdentity
 from refserve.errors import DuplicateRequest, InvalidArgument, RefserveError, UnknownRequest
 from refserve.model.checkpoint import TINY_TRAINED, ModelSource, TokenizerSource, load_model
@@ -93,7 +94,6 @@ from refserve.model.sampler import (
     mix64,
     sample_failed,
 )
-from refserve.model.tokenizer import TextStream
 from refserve.sim.metrics import RequestMetrics
 from refserve.spec.events import CacheEvent
 from refserve.spec.snapshot import RequestStatus
@@ -253,8 +253,8 @@ class LLMEngine:
         self._rng = random.Random(seed)
         self._t0 = time.perf_counter()
         self._clock = clock
-        self._groups: dict[str, SampleGroup] = {}
-        self._seqs: dict[str, Sample] = {}
+        # The sample groups of live requests and their samples (ref/engine/samples.py).
+        self.books = SampleBook(self.tokenizer)
         self._inbox: list[RequestOutput] = []
         self._next_id = 0
         self.steps: list[StepRecord] = []
@@ -279,7 +279,7 @@ class LLMEngine:
     @property
     def has_unfinished(self) -> bool:
         """Some request is not finished (a paused one counts) or outputs are held."""
-        return bool(self._groups) or bool(self._inbox)
+        return bool(self.books) or bool(self._inbox)
 
     @property
     def has_runnable(self) -> bool:
@@ -293,7 +293,7 @@ class LLMEngine:
         """The requests live here, in arrival order: not finished (a paused one
         counts), not migrated away, not aborted (the cluster's ownership check,
         ref/cluster/cluster.py)."""
-        return tuple(self._groups)
+        return self.books.request_ids
 
     @property
     def paused_request_ids(self) -> tuple[str, ...]:
@@ -347,7 +347,7 @@ class LLMEngine:
         rid = self._new_id(request_id)
         child_ids = tuple(f"{rid}{FORK_SEPARATOR}{i}" for i in range(1, sp.n))
         for cid in child_ids:
-            if cid in self._seqs or cid in self.scheduler.requests:
+            if self.books.has_sample(cid) or cid in self.scheduler.requests:
                 raise DuplicateRequest(cid, "add_request (n > 1 sample id)")
         stop = self._stop_params(sp)
         # n > 1: the request must survive its first token whatever it is, so the other
@@ -361,8 +361,8 @@ class LLMEngine:
             sample_spec(sp, seed),
             tuple(sample_spec(sp, derive_seed(seed, i)) for i in range(1, sp.n)),
         )
-        seq = self._new_seq(rid, rid, 0, req, sp, ids)
-        self._groups[rid] = SampleGroup(rid, sp, stop, tuple(ids), seed, [seq], child_ids)
+        seq = self.books.new_sample(rid, rid, 0, req, sp, ids)
+        self.books.open(SampleGroup(rid, sp, stop, tuple(ids), seed, [seq], child_ids))
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -371,7 +371,7 @@ class LLMEngine:
         Every sample gets one: an ``n > 1`` request aborted before its first token (its
         samples 1..n-1 not forked yet) gives ``n`` final outputs with reason ``abort``.
         """
-        group = self._groups.get(request_id)
+        group = self.books.group(request_id)
         if group is None:
             raise UnknownRequest(request_id, "abort")
         now = self.now_ms()
@@ -410,7 +410,7 @@ class LLMEngine:
         :class:`UnknownRequest`; ``n > 1``, not decoding, already paused, ``host`` with no
         host pool, a bad retention: :class:`InvalidArgument`) and changes nothing.
         """
-        group = self._groups.get(request_id)
+        group = self.books.group(request_id)
         if group is None:
             raise UnknownRequest(request_id, "pause")
         if group.params.n != 1:
@@ -451,7 +451,7 @@ class LLMEngine:
         fit the device pool: :class:`ExceedsCapacity`; bad params:
         :class:`InvalidSamplingParams`) and changes nothing.
         """
-        group = self._groups.get(request_id)
+        group = self.books.group(request_id)
         if group is None:
             raise UnknownRequest(request_id, "resume")
         req = self.scheduler.paused.get(request_id)
@@ -472,7 +472,7 @@ class LLMEngine:
         self.scheduler.resume(request_id, tool, stop)  # may raise: nothing changed yet
         self.executor.register(request_id, sample_spec(sp, seed))
         prompt = tuple(req.prompt_token_ids)  # the conversation plus the tool's tokens
-        seq = self._new_seq(request_id, request_id, 0, req, sp, prompt)
+        seq = self.books.new_sample(request_id, request_id, 0, req, sp, prompt)
         seq.turn = turn
         seq.times_from = times_from
         seq.turn_arrival_ms = arrival
@@ -526,6 +526,23 @@ class LLMEngine:
             staged.abort()
             raise
         return staged.commit()
+
+    def export_state(self, request_id: str) -> RequestState:
+        """The state of the request's first live sample as :meth:`export_request`
+        carries it; a pure read (what a destination's prefix hit is probed with)."""
+        return migration.export_state(self, request_id)
+
+    def source_changed(self, ticket: MigrationTicket) -> bool:
+        """Whether the request of ``ticket`` (exported here) changed since: a sample
+        gone, stepped or in another status (docs/MIGRATION.md, "The source changed")."""
+        return migration.source_changed(self, ticket)
+
+    @property
+    def identity(self) -> ModelIdentity:
+        """This engine's network (a ticket from another is refused), computed once."""
+        if self._identity is None:
+            self._identity = migration.identify_model(self.model_config, self.model, self.cache)
+        return self._identity
 
     def release_request(self, request_id: str) -> None:
         """A migrated request leaves this engine after the destination acknowledged it:
@@ -634,7 +651,7 @@ class LLMEngine:
         touched: list[str] = []
         verified = record.outcome.verified
         for sid, token in new_tokens:
-            seq = self._seqs[sid]
+            seq = self.books.sample_of(sid)
             v = verified.get(sid)
             if v is None:
                 emitted = [(token, record.logprobs.get(sid))]
@@ -659,13 +676,13 @@ class LLMEngine:
         with its reason; a failed sample ends with ``error`` instead (:meth:`_end_failed`).
         Adds to ``touched`` what now has a final output."""
         for sid in finished:
-            seq = self._seqs[sid]
+            seq = self.books.sample_of(sid)
             if seq.finished or sid in failed:
                 continue
             req = seq.request
             assert req is not None and req.finish_reason is not None
             if seq.index == 0 and not seq.token_ids:  # ended before its first token
-                group = self._groups[seq.request_id]
+                group = self.books.group_of(seq.request_id)
                 touched.extend(self._close_unforked(group, req.finish_reason.value))
             if seq.pending_stop is not None:  # a stop string on the same token wins
                 self._finish(seq, FinishReason.STOP.value, seq.pending_stop)
@@ -685,13 +702,13 @@ class LLMEngine:
         for sid in failed:
             if sid in self.scheduler.requests:
                 self.scheduler.finish(sid, FinishReason.ERROR, now_ms)
-            self._finish(self._seqs[sid], FinishReason.ERROR.value, None)
+            self._finish(self.books.sample_of(sid), FinishReason.ERROR.value, None)
 
     def _end_at_stop_strings(self, touched: Sequence[str], now_ms: float) -> None:
         """End the sequences whose text reached a stop string (the scheduler does not
         know about stop strings: the request is finished from here)."""
         for sid in touched:
-            seq = self._seqs[sid]
+            seq = self.books.sample_of(sid)
             if seq.pending_stop is not None and not seq.finished:
                 if sid in self.scheduler.requests:
                     self.scheduler.finish(sid, FinishReason.STOP, now_ms)
@@ -765,7 +782,7 @@ class LLMEngine:
         rid = self.add_request(prompt, params, request_id=request_id)
 
         def done() -> bool:
-            if rid not in self._groups:
+            if not self.books.has_request(rid):
                 return True
             # Paused for a tool: the stream ends with the turn, once its output is out.
             return rid in self.scheduler.paused and all(o.request_id != rid for o in self._inbox)
@@ -787,12 +804,12 @@ class LLMEngine:
         """
         ids = self._add_batch(_as_prompt_list(prompts), params)
         wanted = set(ids)
-        prompts_of = {rid: self._groups[rid].prompt_token_ids for rid in ids}
+        prompts_of = {rid: self.books.group_of(rid).prompt_token_ids for rid in ids}
         final: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in ids}
         try:
             for o in self._drive(
                 lambda o: o.request_id in wanted,
-                lambda: not any(rid in self._groups for rid in ids),
+                lambda: not any(self.books.has_request(rid) for rid in ids),
                 "generate",
             ):
                 if o.finished:
@@ -834,7 +851,7 @@ class LLMEngine:
         held for :meth:`step` (a :meth:`generate` call that fails takes its own
         requests with it, and only those)."""
         for rid in ids:
-            if rid in self._groups:
+            if self.books.has_request(rid):
                 with contextlib.suppress(RefserveError):  # the first error is the one
                     self.abort(rid)
         gone = set(ids)
@@ -881,7 +898,7 @@ class LLMEngine:
             while True:
                 rid = f"req-{self._next_id}"
                 self._next_id += 1
-                if rid not in self._groups and rid not in self._seqs:
+                if not self.books.has_request(rid) and not self.books.has_sample(rid):
                     return rid
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgument(f"request_id must be a non-empty str, got {request_id!r}")
@@ -893,8 +910,8 @@ class LLMEngine:
                 f"samples 1..n-1, '<id>{FORK_SEPARATOR}<i>'), got {request_id!r}"
             )
         if (
-            request_id in self._groups
-            or request_id in self._seqs
+            self.books.has_request(request_id)
+            or self.books.has_sample(request_id)
             or request_id in self.scheduler.requests
         ):
             raise DuplicateRequest(request_id, "add_request")
@@ -912,24 +929,6 @@ class LLMEngine:
             eos_token_id=eos_ids[0] if eos_ids else None,
             ignore_eos=sp.ignore_eos,
         )
-
-    def _new_seq(
-        self,
-        seq_id: str,
-        request_id: str,
-        index: int,
-        req: Request | None,
-        sp: SamplingParams,
-        prompt_ids: Sequence[int],
-    ) -> Sample:
-        stream = TextStream(
-            self.tokenizer.detokenizer(prompt_ids),
-            sp.stop,
-            include_stop_str_in_output=sp.include_stop_str_in_output,
-        )
-        seq = Sample(seq_id, request_id, index, req, stream, [] if sp.logprobs else None)
-        self._seqs[seq_id] = seq
-        return seq
 
     def _append(self, seq: Sample, token: int, logprob: float | None) -> None:
         seq.token_ids.append(token)
@@ -951,8 +950,8 @@ class LLMEngine:
         parent's own sample failed, so do all of them: they come from the same row of
         logits, and the parent (about to end with ``error``) has nothing to fork from.
         """
-        parent = self._seqs[parent_id]
-        group = self._groups[parent.request_id]
+        parent = self.books.sample_of(parent_id)
+        group = self.books.group_of(parent.request_id)
         group.forked = True
         self.executor.forked(parent_id)
         preq = parent.request
@@ -993,7 +992,7 @@ class LLMEngine:
             child_req = self.scheduler.fork(parent.request_id, cid, drawn.token, group.stop)
             self.executor.register(cid, sample_spec(group.params, derive_seed(group.seed, index)))
             self.num_forks += 1
-        seq = self._new_seq(
+        seq = self.books.new_sample(
             cid, group.request_id, index, child_req, group.params, group.prompt_token_ids
         )
         seq.metrics_from = None if live else parent
@@ -1027,7 +1026,7 @@ class LLMEngine:
         """Sample ``index`` (>= 1), never forked, finished with ``reason`` and no tokens;
         its metrics are the parent request's. Returns its id for :meth:`_collect`."""
         cid = group.child_ids[index - 1]
-        seq = self._new_seq(
+        seq = self.books.new_sample(
             cid, group.request_id, index, None, group.params, group.prompt_token_ids
         )
         seq.metrics_from = parent
@@ -1044,7 +1043,7 @@ class LLMEngine:
     def _collect(self, seq_ids: Sequence[str]) -> list[RequestOutput]:
         outs: list[RequestOutput] = []
         for sid in dict.fromkeys(seq_ids):
-            seq = self._seqs.get(sid)
+            seq = self.books.sample(sid)
             if seq is None:
                 continue
             new_ids = tuple(seq.token_ids[seq.delivered_tokens :])
@@ -1075,7 +1074,7 @@ class LLMEngine:
     def _metrics(self, seq: Sample) -> RequestMetrics:
         req = seq.request if seq.request is not None else seq.metrics_from
         assert req is not None
-        group = self._groups.get(seq.request_id)
+        group = self.books.group(seq.request_id)
         # A resumed turn's figures are the turn's: its token times, from its resume.
         first = seq.times_from
         times = tuple(req.token_times_ms[first : first + len(seq.token_ids)])
@@ -1096,13 +1095,8 @@ class LLMEngine:
         )
 
     def _retire(self, seq: Sample) -> None:
-        del self._seqs[seq.seq_id]
         self.executor.unregister(seq.seq_id)
-        group = self._groups.get(seq.request_id)
-        # Forks happen in the step that samples the first token, before outputs are
-        # collected, so a group whose current samples are all finished is done.
-        if group is not None and all(s.finished for s in group.seqs):
-            del self._groups[seq.request_id]
+        self.books.retire(seq)
 
 
 def _verified_tokens(record: StepRecord, sid: str, v: Outcome) -> list[tuple[int, float | None]]:
