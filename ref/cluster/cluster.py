@@ -45,7 +45,6 @@ import logging
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import cast
 
 from refserve.cluster import triggers
 from refserve.cluster.errors import (
@@ -70,17 +69,16 @@ from refserve.core.config import SchedulerConfig
 from refserve.core.migration_cost import KVMode, MigrationCost
 from refserve.core.scheduler import Scheduler
 from refserve.core.transit import MigrationArgs, MigrationError
-from refserve.engine import migration
+from refserve.engine import intake, migration
 from refserve.engine.llm_engine import (
     FORK_SEPARATOR,
-    InvalidPrompt,
     LLMEngine,
     Prompt,
     RequestOutput,
 )
 from refserve.engine.migration import MigrationAborted
 from refserve.engine.ticket import ModelIdentity
-from refserve.errors import DuplicateRequest, InvalidArgument, UnknownRequest
+from refserve.errors import InvalidArgument, UnknownRequest
 from refserve.model.sampler import SamplingParams
 
 
@@ -574,41 +572,13 @@ class Cluster:
                 self._bury(r, e)
 
     def _new_id(self, request_id: str | None) -> str:
-        if request_id is None:
-            while True:
-                rid = f"req-{self._next_id}"
-                self._next_id += 1
-                if rid not in self._owner:
-                    return rid
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidArgument(f"request_id must be a non-empty str, got {request_id!r}")
-        if FORK_SEPARATOR in request_id:
-            raise InvalidArgument(
-                f"request_id must not contain {FORK_SEPARATOR!r} (the engines' sample ids), "
-                f"got {request_id!r}"
-            )
-        if request_id in self._owner:
-            raise DuplicateRequest(request_id, "add_request")
-        return request_id
+        def draw() -> str:
+            self._next_id += 1
+            return f"req-{self._next_id - 1}"
+
+        return intake.request_id(request_id, lambda rid: rid in self._owner, draw)
 
     def _token_ids(self, prompt: Prompt) -> list[int]:
         """The prompt as token ids, checked before it is hashed and routed (the replica
         checks it again: the same rules, ``InvalidPrompt``)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidPrompt("prompt is an empty string")
-            return self.replicas[0].encode(prompt)
-        if not isinstance(prompt, Sequence) or isinstance(prompt, bytes | bytearray):
-            raise InvalidPrompt(
-                f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}"
-            )
-        ids = list(cast("Sequence[int]", prompt))  # each element is checked below
-        if not ids:
-            raise InvalidPrompt("prompt has no tokens")
-        vocab = self._vocab_size
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidPrompt(
-                    f"prompt token {i} is {t!r}; token ids must be ints in [0, {vocab})"
-                )
-        return ids
+        return intake.prompt_token_ids(prompt, self._vocab_size, self.replicas[0].encode)

@@ -65,7 +65,6 @@ import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import cast
 
 import torch
 
@@ -75,11 +74,12 @@ from refserve.core.executor import DrawnToken
 from refserve.core.migration_cost import KVMode, MigrationCost
 from refserve.core.outcome import Outcome
 from refserve.core.policy import Policy
-from refserve.core.request import FinishReason, Request, StopParams, check_room_for_output
+from refserve.core.request import FinishReason, Request, StopParams
 from refserve.core.scheduler import Scheduler
 from refserve.core.swap import KVRetention
 from refserve.core.transit import RequestState
-from refserve.engine import migration
+from refserve.engine import intake, migration
+from refserve.engine.intake import FORK_SEPARATOR, InvalidPrompt, Prompt
 from refserve.engine.samples import Sample, SampleBook, SampleGroup, sample_spec
 from refserve.engine.ticket import KVChunk, MigrationTicket, ModelIdentity
 from refserve.errors import DuplicateRequest, InvalidArgument, RefserveError, UnknownRequest
@@ -99,25 +99,16 @@ from refserve.spec.events import CacheEvent
 from refserve.spec.snapshot import RequestStatus
 
 __all__ = [
+    "FORK_SEPARATOR",
     "TINY_TRAINED",
     "GenerationResult",
     "InvalidPrompt",
     "LLMEngine",
+    "Prompt",
     "Proposer",
     "RequestOutput",
     "SamplingParams",
 ]
-
-Prompt = str | Sequence[int]
-
-#: Joins a request id and a sample index into the internal id of samples 1..n-1
-#: (``"x#2"``); caller-chosen request ids may not contain it, so no caller id can ever
-#: name a sample that another request is about to fork.
-FORK_SEPARATOR = "#"
-
-
-class InvalidPrompt(InvalidArgument):
-    """The prompt is empty, too long, or has token ids outside the vocabulary."""
 
 
 class EngineStalled(RefserveError):
@@ -859,63 +850,26 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ internals
     def _check_room(self, num_tokens: int, subject: str) -> None:
-        """A prompt or resumed turn must leave room for an output token under
-        ``max_model_len`` (:func:`refserve.core.request.check_room_for_output`); checked here,
-        before anything is registered, to raise :class:`InvalidPrompt`."""
-        check_room_for_output(
-            num_tokens,
-            self.max_model_len,
-            subject=subject,
-            limit=f"max_model_len is {self.max_model_len}",
-            error=InvalidPrompt,
-        )
+        intake.check_room(num_tokens, self.max_model_len, subject)
 
     def _prompt_ids(
         self, prompt: Prompt, *, what: str = "prompt", add_special_tokens: bool = True
     ) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidPrompt(f"{what} is an empty string")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
-            ids = list(cast("Sequence[int]", prompt))  # each element is checked below
-        else:
-            raise InvalidPrompt(
-                f"{what} must be a str or a sequence of token ids, got {type(prompt).__name__}"
-            )
-        if not ids:
-            raise InvalidPrompt(f"{what} has no tokens")
-        vocab = self.model_config.vocab_size
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidPrompt(
-                    f"{what} token {i} is {t!r}; token ids must be ints in [0, {vocab})"
-                )
-        return ids
+        def encode(text: str) -> list[int]:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        return intake.prompt_token_ids(prompt, self.model_config.vocab_size, encode, what=what)
 
     def _new_id(self, request_id: str | None) -> str:
-        if request_id is None:
-            while True:
-                rid = f"req-{self._next_id}"
-                self._next_id += 1
-                if not self.books.has_request(rid) and not self.books.has_sample(rid):
-                    return rid
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidArgument(f"request_id must be a non-empty str, got {request_id!r}")
-        if FORK_SEPARATOR in request_id:
-            # Sample ids "<id>#<i>" are the engine's (module doc): "x#1" taken by a caller
-            # would collide with sample 1 of "x" when it forks, after its step committed.
-            raise InvalidArgument(
-                f"request_id must not contain {FORK_SEPARATOR!r} (reserved for the ids of "
-                f"samples 1..n-1, '<id>{FORK_SEPARATOR}<i>'), got {request_id!r}"
-            )
-        if (
-            self.books.has_request(request_id)
-            or self.books.has_sample(request_id)
-            or request_id in self.scheduler.requests
-        ):
-            raise DuplicateRequest(request_id, "add_request")
-        return request_id
+        def in_use(rid: str) -> bool:
+            books = self.books
+            return books.has_request(rid) or books.has_sample(rid) or rid in self.scheduler.requests
+
+        return intake.request_id(request_id, in_use, self._draw_id)
+
+    def _draw_id(self) -> str:
+        self._next_id += 1
+        return f"req-{self._next_id - 1}"
 
     def _stop_params(self, sp: SamplingParams) -> StopParams:
         eos_ids = self.model_config.eos_token_ids
