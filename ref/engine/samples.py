@@ -40,6 +40,22 @@ class Sample:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
+    def append(self, token: int, logprob: float | None) -> None:
+        """One more token (a missing logprob recorded as NaN); a stop string it
+        completes is noted in ``pending_stop``, for the step boundary to end it."""
+        self.token_ids.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(float("nan") if logprob is None else logprob)
+        if self.stream.add(token) and self.pending_stop is None:
+            self.pending_stop = self.stream.stopped_by
+
+    def finish(self, reason: str, stop_reason: str | int | None) -> None:
+        """The sequence ends with ``reason``; its held-back text is released."""
+        self.finished = True
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.stream.finish()
+
 
 @dataclass
 class SampleGroup:
