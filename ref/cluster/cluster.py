@@ -576,7 +576,7 @@ class Cluster:
             self._next_id += 1
             return f"req-{self._next_id - 1}"
 
-        return intake.request_id(request_id, lambda rid: rid in self._owner, draw)
+        return intake.check_request_id(request_id, lambda rid: rid in self._owner, draw)
 
     def _token_ids(self, prompt: Prompt) -> list[int]:
         """The prompt as token ids, checked before it is hashed and routed (the replica

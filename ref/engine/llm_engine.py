@@ -60,7 +60,6 @@ returns.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -75,24 +74,24 @@ from refserve.core.request import FinishReason, Request, StopParams
 from refserve.core.scheduler import Scheduler
 from refserve.core.swap import KVRetention
 from refserve.core.transit import RequestState
-from refserve.engine import driving, intake, migration
+from refserve.engine import driving, migration
 from refserve.engine.driving import MAX_IDLE_STEPS, EngineStalled
 from refserve.engine.fanout import SampleFanOut
-from refserve.engine.intake import FORK_SEPARATOR, InvalidPrompt, Prompt
+from refserve.engine.intake import FORK_SEPARATOR, Intake, InvalidPrompt, Prompt, sampling_params
 from refserve.engine.outputs import GenerationResult, Outputs, RequestOutput, SpeculationStats
 from refserve.engine.samples import SampleBook, SampleGroup, sample_spec
 from refserve.engine.stepping import Stepper
 from refserve.engine.ticket import KVChunk, MigrationTicket, ModelIdentity
+from refserve.engine.turns import AgentTurns
 from refserve.errors import DuplicateRequest, InvalidArgument, UnknownRequest
 from refserve.model.checkpoint import TINY_TRAINED, ModelSource, TokenizerSource, load_model
+from refserve.model.config import ModelConfig
 from refserve.model.executor import ModelExecutor
 from refserve.model.llama import HostKVCache, KVCache
 from refserve.model.proposers import Proposer, check_proposer
 from refserve.model.sampler import (
-    InvalidSamplingParams,
     SamplingParams,
     derive_seed,
-    mix64,
 )
 from refserve.spec.events import CacheEvent
 
@@ -143,36 +142,23 @@ class LLMEngine:
         self.model_config = cfg
         self.tokenizer = loaded.tokenizer
         self.model = loaded.model
-        sched_cfg = scheduler_config if scheduler_config is not None else SchedulerConfig()
-        if sched_cfg.max_model_len > cfg.max_position_embeddings:
-            sched_cfg = replace(sched_cfg, max_model_len=cfg.max_position_embeddings)
         # Speculative decoding (docs/SPECULATIVE.md): the proposer's k bounds the drafts.
         self.proposer = None if proposer is None else check_proposer(proposer, cfg)
-        if self.proposer is not None:
-            k = self.proposer.num_speculative_tokens
-            sched_cfg = replace(sched_cfg, num_speculative_tokens=k)
+        sched_cfg = _scheduler_config(scheduler_config, cfg, self.proposer)
         self.scheduler = Scheduler(sched_cfg, policy)
         self.cache = KVCache(
             cfg, sched_cfg.num_blocks, sched_cfg.block_size, dtype=dtype, device=device
         )
-        swap_cost = sched_cfg.swap_cost
-        per_token = self.cache.bytes_per_token
-        if swap_cost is not None and swap_cost.kv_bytes_per_token != per_token:
-            # The recompute-vs-swap rule would price copies of a different model.
-            raise InvalidArgument(
-                f"swap_cost.kv_bytes_per_token is {swap_cost.kv_bytes_per_token}, but this "
-                f"model's K and V take {per_token} bytes per token"
-            )
+        _check_swap_cost(sched_cfg, self.cache.bytes_per_token)
         # The host side of swap, shaped like the device blocks (empty when swap is off).
         self.host_cache = HostKVCache(self.cache, sched_cfg.num_host_blocks)
         self.executor = ModelExecutor(
             self.model, self.cache, self.scheduler.requests, self.host_cache
         )
         self.core = EngineCore(self.scheduler, self.executor, check_invariants=check_invariants)
-        self._rng = random.Random(seed)
         self._t0 = time.perf_counter()
         self._clock = clock
-        self._next_id = 0
+        self.intake = Intake(self.tokenizer, cfg, sched_cfg.max_model_len, seed)
         # The engine's parts (module doc): the sample groups of live requests, the forks
         # of n > 1 requests, the outputs (and those held), the step's consequences.
         self.books = SampleBook(self.tokenizer)
@@ -180,6 +166,9 @@ class LLMEngine:
         self.outputs = Outputs(self.books, self.executor)
         self.stepper = Stepper(
             self.core, self.executor, self.books, self.fanout, self.outputs, self.proposer
+        )
+        self.turns = AgentTurns(
+            self.scheduler, self.executor, self.books, self.outputs, self.intake, self.now_ms
         )
         # Migration (docs/MIGRATION.md): requests moved in and out, ms in transit.
         self.num_migrations_in = 0
@@ -285,21 +274,21 @@ class LLMEngine:
         naming the option (``field``), even for a :class:`SamplingParams` altered after
         it was built: it is checked again here.
         """
-        sp = _sampling_params(params)
-        ids = self._prompt_ids(prompt)
-        self._check_room(len(ids), "prompt has")
+        sp = sampling_params(params)
+        ids = self.intake.prompt_ids(prompt)
+        self.intake.check_room(len(ids), "prompt has")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidArgument(f"priority must be an int, got {priority!r}")
-        rid = self._new_id(request_id)
+        rid = self.intake.new_id(request_id, self._in_use)
         child_ids = tuple(f"{rid}{FORK_SEPARATOR}{i}" for i in range(1, sp.n))
         for cid in child_ids:
             if self.books.has_sample(cid) or cid in self.scheduler.requests:
                 raise DuplicateRequest(cid, "add_request (n > 1 sample id)")
-        stop = self._stop_params(sp)
+        stop = self.intake.stop_params(sp)
         # n > 1: the request must survive its first token whatever it is, so the other
         # samples can fork off it; its real stop conditions come back right after.
         first_stop = stop if sp.n == 1 or sp.max_tokens == 1 else StopParams(sp.max_tokens)
-        seed = sp.seed if sp.seed is not None else self._rng.randrange(1 << 62)
+        seed = self.intake.seed(sp.seed)
         req = Request(rid, list(ids), first_stop, arrival_ms=self.now_ms(), priority=priority)
         self.scheduler.add_request(req)  # may raise (e.g. ExceedsCapacity): nothing registered
         self.executor.register(
@@ -338,40 +327,9 @@ class LLMEngine:
         *,
         expected_wait_ms: float = 0.0,
     ) -> KVRetention:
-        """Pause a decoding request for a tool call (an agent turn); return where
-        its KV waits (``KVRetention``: ``device``, ``host`` or ``drop``; ``None`` lets
-        ``SchedulerConfig.retention`` choose from ``expected_wait_ms``).
-
-        The current turn ends here: its text stream is flushed (text held back for a
-        possible stop string is released: the turn ended without one) and one output with
-        no new tokens carries that text, delivered by the next :meth:`step`. A paused
-        request then produces nothing until :meth:`resume`; it is not finished
-        (``has_unfinished`` stays true) but needs no steps (``has_runnable`` ignores it,
-        and :meth:`iter_outputs` returns when only paused requests are left).
-        :meth:`abort` ends it like any live request. With ``host`` the KV moves in the
-        next :meth:`step` (the executor copies it even if that step schedules nothing).
-
-        Only ``n == 1`` requests pause, and only while decoding (a request just preempted
-        waits to be re-admitted first). Bad input raises a typed error (unknown id:
-        :class:`UnknownRequest`; ``n > 1``, not decoding, already paused, ``host`` with no
-        host pool, a bad retention: :class:`InvalidArgument`) and changes nothing.
-        """
-        group = self.books.group(request_id)
-        if group is None:
-            raise UnknownRequest(request_id, "pause")
-        if group.params.n != 1:
-            raise InvalidArgument(
-                f"pause: request {request_id!r} has n={group.params.n}; only n == 1 requests "
-                "pause for a tool"
-            )
-        seq = group.seqs[0]
-        if seq.finished or request_id not in self.scheduler.requests:
-            raise InvalidArgument(f"pause: request {request_id!r} has finished")
-        kind = self.scheduler.pause(request_id, retention, expected_wait_ms=expected_wait_ms)
-        seq.paused = True
-        seq.stream.finish()
-        self.outputs.hold(self.outputs.collect([request_id]))
-        return kind
+        """Pause a decoding request for a tool call; return where its KV waits
+        (ref/engine/turns.py, ``AgentTurns.pause``)."""
+        return self.turns.pause(request_id, retention, expected_wait_ms=expected_wait_ms)
 
     def resume(
         self,
@@ -379,53 +337,9 @@ class LLMEngine:
         tool_output: str | Sequence[int],
         params: SamplingParams | Mapping[str, object] | None = None,
     ) -> None:
-        """The tool answered: append its output to the conversation and generate the next
-        turn (the prompt of the turn is every token so far plus the tool's).
-
-        ``tool_output`` is text (encoded with the engine tokenizer, no special tokens) or
-        token ids. ``params`` are the new turn's sampling params (``None``: the previous
-        turn's; ``n`` must be 1); ``max_tokens`` counts this turn's outputs. The turn's
-        seed is ``params.seed`` mixed with the turn number when a seed is given (turns
-        reproducible, yet not the same random stream), else a fresh engine draw.
-
-        Outputs of the new turn start fresh (``token_ids`` / ``text`` are this turn's,
-        ``turn`` is one more than before; metrics count from the resume: arrival is the
-        resume time, token times are this turn's, ``admitted_ms`` is None). Bad input
-        raises a typed error (unknown id: :class:`UnknownRequest`; not paused:
-        :class:`InvalidArgument`; empty or out-of-vocabulary tool output or a turn that
-        would reach ``max_model_len``: :class:`InvalidPrompt`; a turn whose KV could never
-        fit the device pool: :class:`ExceedsCapacity`; bad params:
-        :class:`InvalidSamplingParams`) and changes nothing.
-        """
-        group = self.books.group(request_id)
-        if group is None:
-            raise UnknownRequest(request_id, "resume")
-        req = self.scheduler.paused.get(request_id)
-        if req is None:
-            raise InvalidArgument(f"resume: request {request_id!r} is not paused for a tool")
-        sp = group.params if params is None else _sampling_params(params)
-        if sp.n != 1:
-            raise InvalidSamplingParams(
-                f"resume: a turn samples one sequence (n=1), got n={sp.n}", field="n"
-            )
-        tool = self._prompt_ids(tool_output, what="tool output", add_special_tokens=False)
-        self._check_room(req.num_tokens + len(tool), f"resume: request {request_id!r} would hold")
-        stop = self._stop_params(sp)
-        turn = group.turn + 1
-        seed = mix64(sp.seed, turn) if sp.seed is not None else self._rng.randrange(1 << 62)
-        arrival = self.now_ms()
-        times_from = len(req.token_times_ms)
-        self.scheduler.resume(request_id, tool, stop)  # may raise: nothing changed yet
-        self.executor.register(request_id, sample_spec(sp, seed))
-        prompt = tuple(req.prompt_token_ids)  # the conversation plus the tool's tokens
-        seq = self.books.new_sample(request_id, request_id, 0, req, sp, prompt)
-        seq.turn = turn
-        seq.times_from = times_from
-        seq.turn_arrival_ms = arrival
-        group.params, group.stop, group.seed = sp, stop, seed
-        group.prompt_token_ids = prompt
-        group.seqs = [seq]
-        group.turn = turn
+        """The tool answered: append its output and generate the next turn
+        (ref/engine/turns.py, ``AgentTurns.resume``)."""
+        self.turns.resume(request_id, tool_output, params)
 
     # ------------------------------------------------------------------ migration
     def export_request(
@@ -635,51 +549,29 @@ class LLMEngine:
         ]
 
     # ------------------------------------------------------------------ internals
-    def _check_room(self, num_tokens: int, subject: str) -> None:
-        intake.check_room(num_tokens, self.max_model_len, subject)
+    def _in_use(self, rid: str) -> bool:
+        books = self.books
+        return books.has_request(rid) or books.has_sample(rid) or rid in self.scheduler.requests
 
-    def _prompt_ids(
-        self, prompt: Prompt, *, what: str = "prompt", add_special_tokens: bool = True
-    ) -> list[int]:
-        def encode(text: str) -> list[int]:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-        return intake.prompt_token_ids(prompt, self.model_config.vocab_size, encode, what=what)
+def _scheduler_config(
+    given: SchedulerConfig | None, cfg: ModelConfig, proposer: Proposer | None
+) -> SchedulerConfig:
+    """The scheduler's config: the given one (or the defaults) held to the model's
+    positions, with the proposer's draft length."""
+    sched_cfg = given if given is not None else SchedulerConfig()
+    if sched_cfg.max_model_len > cfg.max_position_embeddings:
+        sched_cfg = replace(sched_cfg, max_model_len=cfg.max_position_embeddings)
+    if proposer is not None:
+        sched_cfg = replace(sched_cfg, num_speculative_tokens=proposer.num_speculative_tokens)
+    return sched_cfg
 
-    def _new_id(self, request_id: str | None) -> str:
-        def in_use(rid: str) -> bool:
-            books = self.books
-            return books.has_request(rid) or books.has_sample(rid) or rid in self.scheduler.requests
 
-        return intake.request_id(request_id, in_use, self._draw_id)
-
-    def _draw_id(self) -> str:
-        self._next_id += 1
-        return f"req-{self._next_id - 1}"
-
-    def _stop_params(self, sp: SamplingParams) -> StopParams:
-        eos_ids = self.model_config.eos_token_ids
-        tok_eos = self.tokenizer.eos_token_id
-        if not eos_ids and tok_eos is not None:
-            eos_ids = (tok_eos,)
-        extra = () if sp.ignore_eos else eos_ids[1:]
-        return StopParams(
-            max_tokens=sp.max_tokens,
-            stop_token_ids=tuple(dict.fromkeys((*sp.stop_token_ids, *extra))),
-            eos_token_id=eos_ids[0] if eos_ids else None,
-            ignore_eos=sp.ignore_eos,
+def _check_swap_cost(sched_cfg: SchedulerConfig, per_token: int) -> None:
+    """The recompute-vs-swap rule must price this model's copies, not another's."""
+    swap_cost = sched_cfg.swap_cost
+    if swap_cost is not None and swap_cost.kv_bytes_per_token != per_token:
+        raise InvalidArgument(
+            f"swap_cost.kv_bytes_per_token is {swap_cost.kv_bytes_per_token}, but this "
+            f"model's K and V take {per_token} bytes per token"
         )
-
-
-def _sampling_params(params: SamplingParams | Mapping[str, object] | None) -> SamplingParams:
-    if params is None:
-        return SamplingParams()
-    if isinstance(params, SamplingParams):
-        # Built again, so validated again: a frozen dataclass can still be altered with
-        # object.__setattr__, and a value that cannot be sampled must not reach a step.
-        return replace(params)
-    if isinstance(params, Mapping):
-        return SamplingParams.from_dict(params)
-    raise InvalidSamplingParams(
-        f"params must be SamplingParams or a mapping, got {type(params).__name__}"
-    )
