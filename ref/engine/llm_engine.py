@@ -22,7 +22,16 @@ the executor produced reaches the engine through the step's
 :class:`~refserve.core.engine_core.StepRecord` (tokens, logprobs, the first tokens of forks),
 never through state left on the executor. :meth:`LLMEngine.iter_outputs`,
 :meth:`LLMEngine.stream` and :meth:`LLMEngine.generate` are one drive loop
-(``_drive``) that differs only in which outputs the caller takes and when it stops.
+(ref/engine/driving.py) that differs only in which outputs the caller takes and when it
+stops.
+
+The engine is its parts, each owning its state: the intake (ref/engine/intake.py: ids,
+prompts, stop rules, seeds), the books of every request's samples (samples.py), the
+forks of ``n > 1`` requests (fanout.py), what a step means for the sequences
+(stepping.py), the outputs and those held (outputs.py), agent turns (turns.py), and
+migration's side of it (migration.py, through the engine's public surface:
+``books``, ``identity``, ``export_state``, ``source_changed`` and the six calls of
+docs/MIGRATION.md).
 
 ``n > 1``: the request runs its prompt once. Its last prefill step draws all ``n`` first
 tokens from the same logits; sample 0 continues as the request itself and samples
