@@ -81,8 +81,6 @@ class Engine(Protocol):
     executor: ModelExecutor
     cache: KVCache
     host_cache: HostKVCache
-    model: LlamaModel
-    model_config: ModelConfig
     tokenizer: Tokenizer
     books: SampleBook
     num_migrations_in: int
