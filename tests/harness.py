@@ -8,8 +8,8 @@ spec checker (docs/ARCHITECTURE.md, "Invariants"), ``commit_step`` runs ``check_
 
 For migration (docs/MIGRATION.md) a ``Stepper(memory=True)`` keeps a fake K/V memory
 (slot -> token id, device and host) written as a kernel would, ``MemoryLink`` carries it
-between two of them for a ``refserve.core.transit.Move``, and ``cluster_snapshot`` turns
-named steppers and a move in flight into a ``refserve.spec.cluster.ClusterSnapshot``.
+between two of them for a ``PhasedMigration`` (tests/phased_migration.py), and ``cluster_snapshot``
+turns named steppers and a move in flight into a ``refserve.spec.cluster.ClusterSnapshot``.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ from refserve.core.outcome import StepOutcome
 from refserve.core.plan import StepPlan
 from refserve.core.request import Request, StopParams
 from refserve.core.scheduler import Scheduler
-from refserve.core.transit import Arrival, Departure, KVPlace, Move, cluster_node
+from refserve.core.transit import Arrival, Departure, KVPlace
 from refserve.sim.simulator import SimExecutor
 from refserve.spec import check_pool
 from refserve.spec.cluster import ClusterSnapshot, Delivered
 from refserve.spec.snapshot import RequestStatus
+from tests.phased_migration import PhasedMigration, cluster_node
 
 # The cost model of docs/ARCHITECTURE.md's worked examples: 2 ms a step, 0.5 ms a
 # prefill token, 1 ms a decode.
@@ -204,7 +205,7 @@ class Boom(Exception):
 
 
 class MemoryLink:
-    """A move's K/V link (``refserve.core.transit.KVLink``) between two fake memories: each
+    """A move's K/V link (``tests/phased_migration.py ``KVLink````) between two fake memories: each
     position's token id from the source's slot (device or host) to the destination's,
     every overwritten slot saved first so ``undo`` restores it. ``fail_after``: raise
     :class:`Boom` once that many slots are written (a fault inside a chunk)."""
@@ -238,7 +239,7 @@ class MemoryLink:
 
 def cluster_snapshot(
     engines: Mapping[str, Stepper],
-    move: tuple[Move, str, str] | None = None,
+    move: tuple[PhasedMigration, str, str] | None = None,
     finished: Mapping[str, tuple[int, ...]] | None = None,
     since: ClusterSnapshot | None = None,
 ) -> ClusterSnapshot:

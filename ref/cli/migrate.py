@@ -122,7 +122,7 @@ def plan_from_args(args: argparse.Namespace) -> MigrationPlan | None:
 
 # ---------------------------------------------------------------------------- the run
 @dataclass(frozen=True)
-class Move:
+class CliMigration:
     """One move of the request, as reported."""
 
     step: int
@@ -187,7 +187,7 @@ class MigratedRun:
 
     result: GenerationResult
     baseline: GenerationResult
-    moves: tuple[Move, ...]
+    moves: tuple[CliMigration, ...]
     steps: int
     engines: dict[str, SchedulerConfig]
 
@@ -244,7 +244,7 @@ def run_migrated(
     rid = engines["A"].add_request(prompt, params)
     here, there = "A", "B"
     final: dict[int, RequestOutput] = {}
-    moves: list[Move] = []
+    moves: list[CliMigration] = []
     step = idle = 0
     while engines[here].has_unfinished:
         outputs = engines[here].step()
@@ -276,7 +276,7 @@ def _move(
     plan: MigrationPlan,
     furthest: int,
     say: Callable[[str], None],
-) -> Move | None:
+) -> CliMigration | None:
     """Move ``rid`` from ``source`` to ``dest`` (each named), or say why it stays."""
     from refserve.core.migration_cost import KVMode
     from refserve.core.transit import MigrationError, MigrationRefused
@@ -304,7 +304,7 @@ def _move(
         return None
     if report.decision.mode is KVMode.TRANSFER:
         hit = report.decision.hit_tokens  # what the destination's stage found
-    return Move(step, here, there, state, report, hit, plan.chunk_blocks is None)
+    return CliMigration(step, here, there, state, report, hit, plan.chunk_blocks is None)
 
 
 def _require_room(engines: dict[str, LLMEngine], num_tokens: int) -> None:

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from refserve.cluster.cluster import Cluster as Cluster
-    from refserve.cluster.cluster import PolicyMove as PolicyMove
     from refserve.cluster.errors import ClusterError as ClusterError
     from refserve.cluster.errors import EventGap as EventGap
     from refserve.cluster.errors import EventMismatch as EventMismatch
@@ -31,6 +30,7 @@ if TYPE_CHECKING:
     from refserve.cluster.errors import UnknownReplica as UnknownReplica
     from refserve.cluster.index import CacheSnapshot as CacheSnapshot
     from refserve.cluster.index import GlobalPrefixIndex as GlobalPrefixIndex
+    from refserve.cluster.migration import PolicyMigration as PolicyMigration
     from refserve.cluster.records import ClusterMetrics as ClusterMetrics
     from refserve.cluster.records import LoadFigures as LoadFigures
     from refserve.cluster.replica import InProcessReplica as InProcessReplica
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "Cluster": "cluster",
     "ClusterMetrics": "records",
-    "PolicyMove": "cluster",
+    "PolicyMigration": "migration",
     "ClusterError": "errors",
     "EventGap": "errors",
     "EventMismatch": "errors",

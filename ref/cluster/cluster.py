@@ -41,11 +41,9 @@ transfer or recompute); a refusal leaves the request where it was and is counted
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import cast
+from dataclasses import replace
 
 from refserve.cluster import triggers
 from refserve.cluster.errors import (
@@ -54,6 +52,12 @@ from refserve.cluster.errors import (
     UnknownReplica,
 )
 from refserve.cluster.index import GlobalPrefixIndex
+from refserve.cluster.migration import (
+    PolicyMigration,
+    TicketDestination,
+    TicketSource,
+    check_by_ticket,
+)
 from refserve.cluster.ownership import Ownership
 from refserve.cluster.records import ClusterMetrics, LoadFigures
 from refserve.cluster.replica import InProcessReplica, Replica
@@ -63,16 +67,16 @@ from refserve.cluster.triggers import MigrationPolicy
 from refserve.core.config import SchedulerConfig
 from refserve.core.migration_cost import KVMode, MigrationCost
 from refserve.core.scheduler import Scheduler
-from refserve.core.transit import MigrationError
-from refserve.engine import migration
+from refserve.core.transit import MigrationArgs, MigrationError
+from refserve.engine import intake, migration
 from refserve.engine.llm_engine import (
     FORK_SEPARATOR,
-    InvalidPrompt,
     LLMEngine,
     Prompt,
     RequestOutput,
 )
-from refserve.errors import DuplicateRequest, InvalidArgument
+from refserve.engine.migration import MigrationAborted
+from refserve.errors import InvalidArgument
 from refserve.model.sampler import SamplingParams
 
 
@@ -107,17 +111,6 @@ def _configs(
 DECISIONS_KEPT = 4096
 
 
-@dataclass(frozen=True)
-class PolicyMove:
-    """One move the migration policy made (module doc, "Migration policy")."""
-
-    request_id: str
-    source: int
-    destination: int
-    reason: str  # pressure | rebalance | split
-    mode: KVMode  # how its K/V travelled (the cost rule's pick under kv="auto")
-
-
 class Cluster:
     """N replicas of one model behind a :class:`Router` (module doc)."""
 
@@ -136,7 +129,7 @@ class Cluster:
         if migration is not None:
             _check_policy(migration, reps)
         self.migration = migration or MigrationPolicy()
-        self.moves: deque[PolicyMove] = deque(maxlen=DECISIONS_KEPT)
+        self.moves: deque[PolicyMigration] = deque(maxlen=DECISIONS_KEPT)
         self.router = router or Router()
         self.index = GlobalPrefixIndex()
         self.metrics = ClusterMetrics()
@@ -294,10 +287,11 @@ class Cluster:
         ``kv``, ``chunk_blocks``, ``cost`` and ``fault`` are its). A failure before the
         ack raises ``MigrationAborted`` with the request where it was; a destination
         without room refuses (``MigrationRefused``), the request where it was too.
-        Between replicas that are not both in process (Ray) the move goes by ticket
-        (:meth:`_migrate_by_ticket`): ``chunk_blocks`` and ``fault`` are the in-process
-        protocol's and must be None there. ``reason`` labels the move in
+        Between replicas that are not both in process (Ray) the move goes by whole
+        tickets (ref/cluster/migration.py): ``chunk_blocks``, ``fault`` and ``cost`` are
+        the in-process protocol's and must be None there. ``reason`` labels the move in
         ``metrics.migrations_by_reason`` (the policy's moves say theirs)."""
+        MigrationArgs.check(kv, chunk_blocks, cost, fault)
         src = self.owner(request_id)
         if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < len(self.replicas):
             raise UnknownReplica(to, f"migrate of {request_id!r}")
@@ -306,84 +300,35 @@ class Cluster:
         if to in self.dead:
             raise self.dead[to]
         a, b = self.replicas[src], self.replicas[to]
-        if not isinstance(a, InProcessReplica) or not isinstance(b, InProcessReplica):
-            if chunk_blocks is not None or fault is not None:
-                raise InvalidArgument(
-                    "migrate: chunk_blocks and fault are the in-process protocol's; a move "
-                    f"{type(a).__name__} -> {type(b).__name__} goes by ticket (K/V inline)"
-                )
-            return self._migrate_by_ticket(request_id, src, to, kv, cost, reason)
+        source: migration.MigrationSource
+        dest: migration.MigrationDestination
+        if isinstance(a, InProcessReplica) and isinstance(b, InProcessReplica):
+            source, dest = a.engine, b.engine
+        else:
+            check_by_ticket(a, b, chunk_blocks, fault, cost)
+            source, dest = TicketSource(a), TicketDestination(b)
         try:
             report = migration.migrate(
-                a.engine,
-                b.engine,
-                request_id,
-                kv=kv,
-                chunk_blocks=chunk_blocks,
-                cost=cost,
-                fault=fault,
+                source, dest, request_id, kv=kv, chunk_blocks=chunk_blocks, cost=cost, fault=fault
             )
-        except MigrationError:  # aborted or refused: the request stayed where it was
+        except MigrationError as e:  # aborted or refused: the request stayed where it was
             self.metrics.migrations_aborted += 1
+            dead = e.cause if isinstance(e, MigrationAborted) else None
+            if isinstance(dead, ReplicaDead):
+                for r in (src, to):
+                    if dead.replica == r:
+                        self._bury(r, dead)
+                raise dead from e
             raise
         self._owner[request_id] = to
+        if isinstance(source, TicketSource) and source.release_error is not None:
+            self._bury(src, source.release_error)  # the move rolled forward (it is on `to`)
         m = self.metrics
         m.migrations += 1
         m.migrations_by_reason[reason] += 1
         m.migration_bytes += report.kv_bytes
         m.migration_ms += report.elapsed_ms
         return report
-
-    def _migrate_by_ticket(
-        self,
-        request_id: str,
-        src: int,
-        to: int,
-        kv: KVMode | str,
-        cost: MigrationCost | None,
-        reason: str,
-    ) -> migration.MigrationReport:
-        """Export a ticket at the source (a pure read: the request goes on there), import
-        it at the destination in one call (K/V inline), then release the source. A
-        failure before the import commits leaves the request where it was (aborted, the
-        error raised; ``MigrationError`` or ``ReplicaDead``); once it committed the
-        request is the destination's, even if the release then finds the source dead.
-        The cost rule (``kv="auto"``) sees the destination's prefix hit of the request's
-        tokens, probed with a ticket that carries no K/V. ``cost`` is the source's rule
-        when None (a custom one needs the in-process path)."""
-        if cost is not None:
-            raise InvalidArgument("migrate: a custom cost rule needs in-process replicas")
-        a, b = self.replicas[src], self.replicas[to]
-        t0 = time.perf_counter()
-        try:
-            probe = a.export_request(request_id, kv=KVMode.RECOMPUTE, hit_tokens=0, idle=1.0)
-            mode = KVMode(kv) if isinstance(kv, str) else kv
-            ticket = probe
-            if mode is not KVMode.RECOMPUTE:
-                state = probe.sequences[0].state
-                hit = b.prefix_hit_tokens(state.token_ids)
-                ticket = a.export_request(request_id, kv=mode, hit_tokens=hit, idle=b.idle_fraction)
-            b.import_request(ticket)
-        except (MigrationError, ReplicaDead) as e:
-            self.metrics.migrations_aborted += 1
-            for r in (src, to):
-                if isinstance(e, ReplicaDead) and e.replica == r:
-                    self._bury(r, e)
-            raise
-        self._owner[request_id] = to
-        try:
-            a.release_request(request_id)
-        except ReplicaDead as e:  # the request lives on the destination: roll forward
-            self._bury(src, e)
-        m = self.metrics
-        elapsed = (time.perf_counter() - t0) * 1e3
-        m.migrations += 1
-        m.migrations_by_reason[reason] += 1
-        m.migration_bytes += ticket.kv_bytes
-        m.migration_ms += elapsed
-        return migration.MigrationReport(
-            request_id, ticket.decisions[-1], ticket.kv_bytes, len(ticket.chunks), elapsed
-        )
 
     def _maybe_migrate(self, i: int) -> bool:
         """At most one policy move off replica ``i`` before its step (module doc,
@@ -416,7 +361,7 @@ class Cluster:
             report = self.migrate(parent, dst, kv=pol.kv, reason=reason)
         except MigrationError:  # refused or aborted: it stays, counted in the metrics
             return
-        self.moves.append(PolicyMove(parent, i, dst, reason, report.decision.mode))
+        self.moves.append(PolicyMigration(parent, i, dst, reason, report.decision.mode))
         self._sync_index()
 
     def _choose(
@@ -523,41 +468,13 @@ class Cluster:
         self.supervisor.sync_index()
 
     def _new_id(self, request_id: str | None) -> str:
-        if request_id is None:
-            while True:
-                rid = f"req-{self._next_id}"
-                self._next_id += 1
-                if rid not in self._owner:
-                    return rid
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidArgument(f"request_id must be a non-empty str, got {request_id!r}")
-        if FORK_SEPARATOR in request_id:
-            raise InvalidArgument(
-                f"request_id must not contain {FORK_SEPARATOR!r} (the engines' sample ids), "
-                f"got {request_id!r}"
-            )
-        if request_id in self._owner:
-            raise DuplicateRequest(request_id, "add_request")
-        return request_id
+        def draw() -> str:
+            self._next_id += 1
+            return f"req-{self._next_id - 1}"
+
+        return intake.check_request_id(request_id, lambda rid: rid in self._owner, draw)
 
     def _token_ids(self, prompt: Prompt) -> list[int]:
         """The prompt as token ids, checked before it is hashed and routed (the replica
         checks it again: the same rules, ``InvalidPrompt``)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidPrompt("prompt is an empty string")
-            return self.replicas[0].encode(prompt)
-        if not isinstance(prompt, Sequence) or isinstance(prompt, bytes | bytearray):
-            raise InvalidPrompt(
-                f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}"
-            )
-        ids = list(cast("Sequence[int]", prompt))  # each element is checked below
-        if not ids:
-            raise InvalidPrompt("prompt has no tokens")
-        vocab = self._vocab_size
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidPrompt(
-                    f"prompt token {i} is {t!r}; token ids must be ints in [0, {vocab})"
-                )
-        return ids
+        return intake.prompt_token_ids(prompt, self._vocab_size, self.replicas[0].encode)

@@ -107,7 +107,7 @@ class LinkModel:
 
 
 @dataclass(frozen=True)
-class Move:
+class SimMigration:
     """One migration: which request, from where to where, when it left and landed, how
     its K/V travelled, and the bytes and tokens moved."""
 
@@ -163,7 +163,7 @@ class _Event:
 class _Transit:
     state: transit.RequestState
     with_kv: bool
-    move: Move
+    move: SimMigration
     request: RequestSnapshot  # the source's record at the export (spec/cluster.py)
 
 
@@ -174,7 +174,7 @@ class ClusterResult:
 
     requests: tuple[RequestMetrics, ...]
     decisions: tuple[RoutingDecision, ...]
-    moves: tuple[Move, ...]
+    moves: tuple[SimMigration, ...]
     makespan_ms: float
     steps: tuple[int, ...]
     busy_ms: tuple[float, ...]
@@ -247,7 +247,7 @@ class ClusterSim:
         self._done: dict[str, RequestMetrics] = {}  # finished or refused
         self._load_cache: dict[int, LoadFigures] = {}
         self.decisions: list[RoutingDecision] = []
-        self.moves: list[Move] = []
+        self.moves: list[SimMigration] = []
         self._in_transit: dict[str, _Transit] = {}  # on the link, by request id
         self._jobs: dict[str, _Job] = {}  # live request -> the session it is a turn of
         self._split: set[str] = set()  # requests split once already
@@ -509,7 +509,9 @@ class ClusterSim:
         moved = kv - hit if with_kv else 0
         nbytes = moved * self.kv_bytes_per_token
         land = t + self.link.transfer_ms(nbytes, self._rng)
-        move = Move(r.request_id, src, dst, reason, t, land, decision.mode, kv, moved, nbytes)
+        move = SimMigration(
+            r.request_id, src, dst, reason, t, land, decision.mode, kv, moved, nbytes
+        )
         record = r.snapshot(sched.config.max_len)
         transit.release(sched, r.request_id)
         self._changed(src)
@@ -630,7 +632,7 @@ __all__: Sequence[str] = (
     "ClusterSim",
     "LinkModel",
     "MigrationPolicy",
-    "Move",
+    "SimMigration",
     "all_finished",
     "simulate_cluster",
 )

@@ -541,6 +541,36 @@ class Scheduler:
         self._backlog.clear(r)
         self.retired.append(r)
 
+    def require_boundary(self, what: str) -> None:
+        """Raise :class:`StepInProgress` unless the scheduler is at a step boundary."""
+        self._require_boundary(what)
+
+    def join(self, r: Request) -> None:
+        """``r`` joins where its status says: a tool wait, the running batch (it holds
+        KV), or the waiting queue; it arrives now, the next place in arrival order."""
+        rid = r.request_id
+        r.seq = self._seq
+        r.queued_step = self.step_index
+        self._seq += 1
+        self.requests[rid] = r
+        if r.status is RequestStatus.WAITING_TOOL:
+            self._suspend.paused[rid] = r
+        elif r.num_computed_tokens:
+            self._batch.append(r, self.pool)
+        else:
+            self._queue.add(r)
+        self._backlog.mark(r, self.step_index)
+
+    def leave(self, request_id: str) -> Request:
+        """The live request ``request_id`` leaves: its blocks freed, not finished."""
+        r = self.requests.get(request_id)
+        if r is None:
+            raise UnknownRequest(request_id, "leave")
+        self._unplace(r)
+        del self.requests[request_id]
+        self._backlog.clear(r)
+        return r
+
     def _require_boundary(self, what: str) -> None:
         # The pool's transaction is open from schedule to commit/rollback, and while a
         # migration is staged here (ref/core/transit.py): no other change may join it.

@@ -17,27 +17,26 @@ Three moves, in this order, each at a step boundary of its scheduler:
 The scheduler refuses to step while an import is staged (``StepInProgress``): the
 staged blocks belong to an open transaction.
 
-:class:`Move` drives the three moves for one request between two schedulers, with the
-K/V carried by a :class:`KVLink` (the executors' business) and the ack between the copy
-and the release, phase by phase (refserve.spec.cluster.TransitPhase), so that each phase can be
-observed and a fault injected at every point of :data:`MOVE_POINTS`.
+The one driver of these moves between two engines is ref/engine/migration.py's
+``migrate`` (the engine, the cluster and the CLI call it); it calls its fault hook at
+each point of :class:`MigrationFault`, and cancels a move when the source changed
+(:func:`source_changed`: the one meaning of the phrase, docs/MIGRATION.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Protocol
 
 from refserve.core.capacity import require_fit
+from refserve.core.migration_cost import KVMode, MigrationCost
 from refserve.core.request import Request, StopParams, check_room_for_output
 from refserve.core.scheduler import Scheduler
-from refserve.errors import DuplicateRequest, OutOfBlocks, RefserveError
+from refserve.errors import DuplicateRequest, InvalidArgument, OutOfBlocks, RefserveError
 from refserve.spec.arith import logical_block, slot_of
-from refserve.spec.cluster import Node, Transit, TransitPhase
 from refserve.spec.hashing import Namespace
-from refserve.spec.snapshot import PoolSnapshot, RequestSnapshot, RequestStatus
+from refserve.spec.snapshot import RequestStatus
 
 S = RequestStatus
 
@@ -48,6 +47,75 @@ class MigrationError(RefserveError):
 
 class MigrationRefused(MigrationError):
     """The destination cannot take the request now (no running slot, too few blocks)."""
+
+
+class MigrationFault(StrEnum):
+    """Where a migration driver calls its fault hook, in protocol order
+    (docs/MIGRATION.md, "Faults"): before the export, after the destination staged,
+    after each chunk of K/V streamed, before the ack, after the ack. A fault at any but
+    the last aborts the move with the source as it was; after the ack it rolls forward."""
+
+    BEFORE_EXPORT = "before_export"
+    AFTER_STAGE = "after_stage"
+    MID_STREAM = "mid_stream"
+    BEFORE_ACK = "before_ack"
+    AFTER_ACK = "after_ack"
+
+
+#: Every migration fault point, in protocol order.
+MIGRATION_FAULT_POINTS = tuple(MigrationFault)
+
+
+class InvalidMigrationArgument(MigrationError, InvalidArgument):
+    """An argument of a migration that no move can take; ``argument`` names it. Raised
+    before anything is read or staged."""
+
+    def __init__(self, argument: str, message: str) -> None:
+        super().__init__(message)
+        self.argument = argument
+
+
+@dataclass(frozen=True)
+class MigrationArgs:
+    """A migration driver's arguments, checked (:meth:`check`): how the K/V travels
+    (``kv``), in chunks of how many source blocks (``chunk_blocks``; None: at once),
+    the rule that prices it (``cost``; None: the source's) and the fault hook."""
+
+    kv: KVMode
+    chunk_blocks: int | None
+    cost: MigrationCost | None
+    fault: Callable[[str], None] | None
+
+    @staticmethod
+    def check(
+        kv: KVMode | str = KVMode.AUTO,
+        chunk_blocks: int | None = None,
+        cost: MigrationCost | None = None,
+        fault: Callable[[str], None] | None = None,
+    ) -> MigrationArgs:
+        """The one validation of a driver's arguments, whatever path the move takes (a
+        ``chunk_blocks`` of 0 is refused with a recompute too): a bad one raises
+        :class:`InvalidMigrationArgument` naming it."""
+        try:
+            mode = KVMode(kv)
+        except ValueError:
+            modes = ", ".join(m.value for m in KVMode)
+            raise InvalidMigrationArgument("kv", f"kv must be one of {modes}, got {kv!r}") from None
+        if chunk_blocks is not None and (
+            isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, int) or chunk_blocks < 1
+        ):
+            raise InvalidMigrationArgument(
+                "chunk_blocks", f"chunk_blocks must be an int >= 1 or None, got {chunk_blocks!r}"
+            )
+        if cost is not None and not isinstance(cost, MigrationCost):
+            raise InvalidMigrationArgument(
+                "cost", f"cost must be a MigrationCost or None, got {type(cost).__name__}"
+            )
+        if fault is not None and not callable(fault):
+            raise InvalidMigrationArgument(
+                "fault", f"fault must be a callable or None, got {fault!r}"
+            )
+        return MigrationArgs(mode, chunk_blocks, cost, fault)
 
 
 class KVPlace(StrEnum):
@@ -143,7 +211,7 @@ class Departure:
 
 def export(sched: Scheduler, request_id: str) -> Departure:
     """The source's side of step 1 (module doc): a pure read, at a step boundary."""
-    sched._require_boundary("export")
+    sched.require_boundary("export")
     r = sched.requests.get(request_id)
     if r is None:
         raise MigrationError(f"export: request {request_id!r} is not live on this engine")
@@ -178,7 +246,7 @@ class Import:
     or ``abort`` them all."""
 
     def __init__(self, sched: Scheduler) -> None:
-        sched._require_boundary("import")
+        sched.require_boundary("import")
         self._sched = sched
         self.arrivals: list[Arrival] = []
         self._open = True
@@ -249,13 +317,22 @@ def begin_import(sched: Scheduler) -> Import:
 def release(sched: Scheduler, request_id: str) -> None:
     """The source's side of step 3: the request leaves this scheduler, every block it
     held back to the pools, its drafts dropped; not finished, not retired."""
-    sched._require_boundary("release")
-    r = sched.requests.get(request_id)
-    if r is None:
+    sched.require_boundary("release")
+    if request_id not in sched.requests:
         raise MigrationError(f"release: request {request_id!r} is not live on this engine")
-    sched._unplace(r)
-    del sched.requests[request_id]
-    sched._backlog.clear(r)
+    sched.leave(request_id)
+
+
+def source_changed(sched: Scheduler, state: RequestState) -> bool:
+    """Whether the request exported as ``state`` changed on the source ``sched`` since:
+    it is no longer live there, or it holds another number of tokens, or it is in
+    another status (it stepped, was preempted, swapped, paused, finished or aborted).
+    The one meaning of "the source changed" (docs/MIGRATION.md, "The source changed"):
+    a move that finds it is cancelled, since carrying the exported state would lose or
+    repeat tokens. A prefill chunk computed meanwhile is not a change: the exported
+    tokens, and the K/V of the exported length, are still the request's."""
+    r = sched.requests.get(state.request_id)
+    return r is None or r.num_tokens != len(state.token_ids) or r.status is not state.status
 
 
 def _check_state(sched: Scheduler, state: RequestState) -> None:
@@ -310,25 +387,8 @@ def _place(sched: Scheduler, a: Arrival, offset_ms: float) -> Request:
     r.admitted_ms = s.admitted_ms
     r.token_times_ms = list(s.token_times_ms)
     r.status = _status_on_arrival(s, a.kv_length)
-    _attach(sched, r)
+    sched.join(r)
     return r
-
-
-def _attach(sched: Scheduler, r: Request) -> None:
-    """``r`` joins ``sched`` where its status says: a tool wait, the running batch (it
-    holds KV), or the waiting queue. It arrives now: the next place in arrival order."""
-    rid = r.request_id
-    r.seq = sched._seq
-    r.queued_step = sched.step_index
-    sched._seq += 1
-    sched.requests[rid] = r
-    if r.status is S.WAITING_TOOL:
-        sched._suspend.paused[rid] = r
-    elif r.num_computed_tokens:
-        sched._batch.append(r, sched.pool)
-    else:
-        sched._queue.add(r)
-    sched._backlog.mark(r, sched.step_index)
 
 
 def _status_on_arrival(s: RequestState, kv_length: int) -> RequestStatus:
@@ -345,274 +405,3 @@ def _status_on_arrival(s: RequestState, kv_length: int) -> RequestStatus:
 
 def _slots(table: tuple[int, ...] | list[int], start: int, end: int, bs: int) -> tuple[int, ...]:
     return tuple(slot_of(table[logical_block(p, bs)], p, bs) for p in range(start, end))
-
-
-# ---------------------------------------------------------------------------- a move
-#: Where :meth:`Move.run` calls its fault hook, in protocol order: the points of the
-#: engine's driver (ref/engine/migration.py), ``mid_stream`` after each chunk copied.
-MOVE_POINTS = ("before_export", "after_stage", "mid_stream", "before_ack", "after_ack")
-
-
-class MoveAborted(MigrationError):
-    """A move failed before the ack: the request runs on the source as before and the
-    destination is as it was (ATOMIC, docs/MIGRATION.md)."""
-
-    def __init__(self, request_id: str, point: str, cause: BaseException) -> None:
-        super().__init__(f"move of {request_id!r} aborted at {point}: {cause!r}")
-        self.request_id = request_id
-        self.point = point
-        self.cause = cause
-
-
-class KVLink(Protocol):
-    """Carries K/V from the source's slots to the destination's (real K/V in
-    ref/engine/migration.py; a fake memory in the tests)."""
-
-    def copy(self, departure: Departure, arrival: Arrival, start: int, end: int) -> None:
-        """Write positions ``[start, end)``, inside ``[arrival.num_hit_tokens,
-        arrival.kv_length)``: ``departure.slots[p]`` to ``arrival.slots[p - hit]``."""
-
-    def undo(self) -> None:
-        """Put back every destination slot :meth:`copy` wrote (the move aborted)."""
-
-
-MoveHook = Callable[[str], None]
-Observer = Callable[["Move"], None]
-
-
-class Move:
-    """One request moving from ``src`` to ``dst`` (module doc): :meth:`export`,
-    :meth:`stage`, :meth:`copy` per chunk, :meth:`ack`, :meth:`release`, :meth:`commit`,
-    or :meth:`abort` at any point before the ack. :meth:`run` does it all in that order.
-
-    ``with_kv``: transfer the K/V (only what the destination's prefix hit lacks) or let
-    the destination recompute it. ``chunk_blocks``: copy that many source blocks at a
-    time (None: all at once). ``phase`` is None before the export and after the end."""
-
-    def __init__(
-        self,
-        src: Scheduler,
-        dst: Scheduler,
-        request_id: str,
-        *,
-        with_kv: bool,
-        link: KVLink,
-        chunk_blocks: int | None = None,
-    ) -> None:
-        if chunk_blocks is not None and (
-            isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, int) or chunk_blocks < 1
-        ):
-            raise MigrationError(f"chunk_blocks must be an int >= 1 or None, got {chunk_blocks!r}")
-        if src is dst:
-            raise MigrationError(f"move of {request_id!r}: source and destination are one engine")
-        self.src, self.dst, self.request_id = src, dst, request_id
-        self.with_kv, self.link, self.chunk_blocks = with_kv, link, chunk_blocks
-        self.phase: TransitPhase | None = None
-        self.departure: Departure | None = None
-        self.arrival: Arrival | None = None
-        self.request: RequestSnapshot | None = None  # the source's record at the export
-        self.pool_before: PoolSnapshot | None = None  # the destination's, before the stage
-        self.staged_blocks: tuple[int, ...] = ()
-        self.fault: str | None = None  # a fault after the ack, rolled forward
-        self._import: Import | None = None
-        self._copied = False
-        self._next = 0  # the first position not copied yet
-
-    # ------------------------------------------------------------------ the phases
-    def export(self) -> Departure:
-        assert self.phase is None and self.departure is None, "export once, first"
-        d = export(self.src, self.request_id)
-        self.departure = d
-        self.request = self.src.requests[self.request_id].snapshot(self.src.config.max_len)
-        self.pool_before = self.dst.pool.snapshot()
-        self.phase = TransitPhase.EXPORTED
-        return d
-
-    def stage(self) -> Arrival:
-        assert self.phase is TransitPhase.EXPORTED and self.departure is not None
-        imp = begin_import(self.dst)
-        try:
-            a = imp.stage(self.departure.state, with_kv=self.with_kv)
-        except BaseException:
-            imp.abort()
-            raise
-        self._import, self.arrival = imp, a
-        self._next = a.num_hit_tokens
-        if a.kv_length:
-            self.staged_blocks = self.dst.pool.block_table(self.request_id)
-        self.phase = TransitPhase.STAGED
-        return a
-
-    def chunks(self) -> list[tuple[int, int]]:
-        """The position ranges :meth:`copy` is given, in order."""
-        a = self.arrival
-        assert a is not None
-        lo, hi = a.num_hit_tokens, a.kv_length
-        size = (
-            hi - lo if self.chunk_blocks is None else self.chunk_blocks * self.src.config.block_size
-        )
-        return [(s, min(s + size, hi)) for s in range(lo, hi, max(size, 1))]
-
-    def copy(self, start: int, end: int) -> None:
-        """Positions ``[start, end)``, in order: each range starts where the last ended."""
-        a, d = self.arrival, self.departure
-        assert self.phase is TransitPhase.STAGED and a is not None and d is not None
-        if start != self._next or not start < end <= a.kv_length:
-            raise MigrationError(
-                f"move of {self.request_id!r}: copy of [{start}, {end}) out of order; "
-                f"positions [{a.num_hit_tokens}, {self._next}) of [{a.num_hit_tokens}, "
-                f"{a.kv_length}) are written"
-            )
-        self._require_unchanged()
-        self._copied = True
-        self.link.copy(d, a, start, end)
-        self._next = end
-
-    def ack(self) -> None:
-        """Every needed slot is written: from here the destination owns the request."""
-        a = self.arrival
-        assert self.phase is TransitPhase.STAGED and a is not None
-        if self._next != a.kv_length:
-            raise MigrationError(
-                f"move of {self.request_id!r}: ack with K/V of [{self._next}, {a.kv_length}) "
-                "still missing"
-            )
-        self._require_unchanged()
-        self.phase = TransitPhase.ACKED
-
-    def release(self) -> None:
-        assert self.phase is TransitPhase.ACKED, "the source releases only after the ack"
-        release(self.src, self.request_id)
-        self.phase = TransitPhase.RELEASED
-
-    def commit(self, offset_ms: float = 0.0) -> list[Request]:
-        assert self.phase is TransitPhase.RELEASED and self._import is not None
-        reqs = self._import.commit(offset_ms)
-        self.phase = None
-        return reqs
-
-    def abort(self) -> None:
-        """Before the ack: every slot written put back, every staged block returned."""
-        assert self.phase in (TransitPhase.EXPORTED, TransitPhase.STAGED), "abort after the ack"
-        if self._copied:
-            self.link.undo()
-        if self._import is not None:
-            self._import.abort()
-        self.phase = None
-
-    # ------------------------------------------------------------------ the driver
-    def run(
-        self,
-        *,
-        fault: MoveHook | None = None,
-        observe: Observer | None = None,
-        offset_ms: float = 0.0,
-    ) -> list[Request]:
-        """Every phase in order. ``observe(self)`` after each phase and chunk;
-        ``fault(point)`` at each of :data:`MOVE_POINTS`. A :class:`MigrationError` (the
-        destination refused, the source changed meanwhile) is raised as it is, anything
-        else before the ack as :class:`MoveAborted`, both with the move aborted; a fault
-        after the ack is rolled forward and named in :attr:`fault`. An exception of
-        ``observe`` (a broken rule, in a test) aborts the move before the ack and is
-        raised as it is."""
-        hook = fault or _no_fault
-        watch = observe or _no_observer
-        failed: list[BaseException] = []
-
-        def see(m: Move) -> None:
-            try:
-                watch(m)
-            except BaseException as e:
-                failed.append(e)
-                raise
-
-        point = "before_export"
-        try:
-            hook(point)
-            self.export()
-            see(self)
-            self.stage()
-            see(self)
-            point = "after_stage"
-            hook(point)
-            point = "mid_stream"
-            for start, end in self.chunks():
-                self.copy(start, end)
-                see(self)
-                hook(point)
-            point = "before_ack"
-            hook(point)
-            self.ack()
-        except BaseException as e:
-            if self.phase is not None:
-                self.abort()
-            if failed or isinstance(e, MigrationError):
-                raise
-            raise MoveAborted(self.request_id, point, e) from e
-        see(self)
-        try:
-            hook("after_ack")
-        except Exception:  # the destination owns it now: roll forward
-            self.fault = "after_ack"
-        self.release()
-        see(self)
-        return self.commit(offset_ms)
-
-    # ------------------------------------------------------------------ the records
-    def transit(self, source: str, destination: str) -> Transit:
-        """The move as spec/cluster.py sees it, the engines named ``source`` and
-        ``destination``."""
-        d, r = self.departure, self.request
-        assert self.phase is not None and d is not None and r is not None
-        a = self.arrival
-        return Transit(
-            request_id=self.request_id,
-            source=source,
-            destination=destination,
-            phase=self.phase,
-            with_kv=self.with_kv,
-            request=r,
-            token_ids=d.state.token_ids,
-            kv_length=d.kv_length,
-            num_hit_tokens=0 if a is None else a.num_hit_tokens,
-            staged_blocks=self.staged_blocks,
-            pool_before=self.pool_before,
-            sent_slots=d.slots,
-            sent_on_host=d.kv_place is KVPlace.HOST,
-            received_slots=None if a is None else a.slots,
-        )
-
-    def _require_unchanged(self) -> None:
-        """The source still holds the request as exported (an abort or a step there
-        meanwhile cancels the move: the export would lose or repeat tokens)."""
-        if self.request_id not in self.src.requests or (
-            export(self.src, self.request_id) != self.departure
-        ):
-            raise MigrationError(
-                f"move of {self.request_id!r}: it changed on the source during the transfer"
-            )
-
-
-def _no_fault(point: str) -> None:
-    pass
-
-
-def _no_observer(move: Move) -> None:
-    pass
-
-
-def cluster_node(
-    name: str,
-    sched: Scheduler,
-    memory: Mapping[int, int] | None = None,
-    host_memory: Mapping[int, int] | None = None,
-) -> Node:
-    """One scheduler as a node of a cluster snapshot (spec/cluster.py): its snapshot, its
-    live requests' token ids and, when given, its fake K/V memories."""
-    return Node(
-        name,
-        sched.snapshot(),
-        tuple((rid, tuple(r.token_ids)) for rid, r in sorted(sched.requests.items())),
-        None if memory is None else tuple(sorted(memory.items())),
-        None if host_memory is None else tuple(sorted(host_memory.items())),
-    )

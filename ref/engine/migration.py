@@ -17,20 +17,24 @@ The protocol, one call each, the source unchanged until its last move:
 5. ``src.release_request(rid)``: the source frees its blocks (only after the ack).
 6. ``staged.commit()``: the request becomes runnable on the destination.
 
-:func:`migrate` runs the six steps with a fault hook at every point of the protocol
-(:data:`FAULT_POINTS`): a fault before the ack aborts the staged import and leaves the
-source as it was; a fault after it rolls forward (the destination holds the only copy).
-A request that steps, finishes or is aborted on the source during the transfer
-(:class:`SourceChanged`) is not moved: the destination drops what it staged, even after
-the ack as long as it has not committed, so an abort finishes the request exactly once,
-on the source.
+:func:`migrate` is the one driver of these steps (the engine, the cluster and the CLI
+call it): it runs them between any source and destination of the shapes
+:class:`MigrationSource` and :class:`MigrationDestination` (an ``LLMEngine``, or a peer
+reached by whole tickets, ref/cluster/migration.py), with its arguments checked once
+(:class:`~refserve.core.transit.MigrationArgs`) and a fault hook at every point of
+:class:`~refserve.core.transit.MigrationFault`: a fault before the ack aborts the staged
+import and leaves the source as it was; a fault after it rolls forward (the destination
+holds the only copy). A request that changed on the source during the transfer
+(:func:`~refserve.core.transit.source_changed`, :class:`SourceChanged`) is not moved: the
+destination drops what it staged, even after the ack as long as it has not committed, so
+an abort finishes the request exactly once, on the source.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
@@ -40,8 +44,16 @@ from refserve.core import transit
 from refserve.core.migration_cost import KVMode, MigrationCost, MigrationDecision
 from refserve.core.request import Request
 from refserve.core.scheduler import Scheduler
-from refserve.core.transit import Import, KVPlace, MigrationError, RequestState
-from refserve.engine.samples import Sample, SampleGroup, sample_spec
+from refserve.core.transit import (
+    Import,
+    InvalidMigrationArgument,
+    KVPlace,
+    MigrationArgs,
+    MigrationError,
+    MigrationFault,
+    RequestState,
+)
+from refserve.engine.samples import Sample, SampleBook, SampleGroup, sample_spec
 from refserve.engine.ticket import (
     KVChunk,
     KVLayoutMismatch,
@@ -61,74 +73,41 @@ from refserve.model.weights import LayerWeights
 
 
 class Engine(Protocol):
-    """What migration reads and writes of an engine (ref/engine/llm_engine.py's
-    ``LLMEngine``, which calls these functions; typed here by shape, so that this module
-    does not import the engine that imports it)."""
+    """What migration reads and writes of an engine: ref/engine/llm_engine.py's
+    ``LLMEngine`` public surface (typed here by shape, so that this module does not
+    import the engine that imports it)."""
 
     scheduler: Scheduler
     executor: ModelExecutor
     cache: KVCache
     host_cache: HostKVCache
-    model: LlamaModel
-    model_config: ModelConfig
     tokenizer: Tokenizer
-    _groups: dict[str, SampleGroup]
-    _seqs: dict[str, Sample]
-    _identity: ModelIdentity | None
+    books: SampleBook
     num_migrations_in: int
     num_migrations_out: int
     migration_ms: float
 
+    @property
+    def identity(self) -> ModelIdentity: ...
+
     def now_ms(self) -> float: ...
 
-    @property
-    def idle_fraction(self) -> float: ...
-
-    def prefix_hit_tokens(self, token_ids: Sequence[int], state: object = None) -> int: ...
-
-    def _new_seq(
-        self,
-        seq_id: str,
-        request_id: str,
-        index: int,
-        req: Request | None,
-        sp: SamplingParams,
-        prompt_ids: Sequence[int],
-    ) -> Sample: ...
-
-
-#: Where :func:`migrate` calls its fault hook, in protocol order.
-FAULT_POINTS = ("before_export", "after_stage", "mid_stream", "before_ack", "after_ack")
-#: The points before the ack: a fault there leaves the request on the source.
-_BEFORE_ACK = frozenset(FAULT_POINTS[:4])
 
 FaultHook = Callable[[str], None]
 
 
-class SourceChanged(MigrationError):
-    """The request stepped, finished or was aborted on the source during the transfer."""
-
-
-class MigrationAborted(MigrationError):
-    """A migration failed before the ack: the request runs on the source as before."""
-
-    def __init__(self, request_id: str, point: str, cause: BaseException) -> None:
-        super().__init__(f"migration of {request_id!r} aborted at {point}: {cause}")
-        self.request_id = request_id
-        self.point = point
-        self.cause = cause
-
-
 # ---------------------------------------------------------------------------- identity
 def model_identity(engine: Engine) -> ModelIdentity:
-    """The engine's network: shape, dtype and a fingerprint of its weights (the first
-    values of every tensor, hashed), so a ticket from another checkpoint is refused."""
-    cached = engine._identity
-    if cached is not None:
-        return cached
-    cfg = engine.model_config
+    """The engine's network (``LLMEngine.identity``, computed once by
+    :func:`identify_model`)."""
+    return engine.identity
+
+
+def identify_model(cfg: ModelConfig, model: LlamaModel, cache: KVCache) -> ModelIdentity:
+    """A network: shape, dtype and a fingerprint of its weights (the first values of
+    every tensor, hashed), so a ticket from another checkpoint is refused."""
     h = hashlib.sha256(repr(cfg).encode())
-    w = engine.model.weights
+    w = model.weights
     tensors = [
         w.embed,
         w.norm,
@@ -137,8 +116,8 @@ def model_identity(engine: Engine) -> ModelIdentity:
     ]
     for t in tensors:
         h.update(t.detach().flatten()[:64].to(torch.float64).cpu().numpy().tobytes())
-    dtype = str(engine.cache.key[0].dtype).removeprefix("torch.")
-    ident = ModelIdentity(
+    dtype = str(cache.key[0].dtype).removeprefix("torch.")
+    return ModelIdentity(
         cfg.model_type,
         cfg.vocab_size,
         cfg.num_layers,
@@ -147,8 +126,6 @@ def model_identity(engine: Engine) -> ModelIdentity:
         dtype,
         h.hexdigest(),
     )
-    engine._identity = ident
-    return ident
 
 
 def _layer_tensors(layer: LayerWeights) -> list[torch.Tensor]:
@@ -207,7 +184,7 @@ def export(
 
 def _live_samples(engine: Engine, request_id: str) -> tuple[SampleGroup, list[Sample]]:
     """The request's books and its live samples; a typed error if it has none here."""
-    group = engine._groups.get(request_id)
+    group = engine.books.group(request_id)
     if group is None:
         raise MigrationError(f"export: request {request_id!r} is not live on this engine")
     live = [s for s in group.seqs if not s.finished]
@@ -282,7 +259,6 @@ class StagedImport:
     _offset: dict[str, int]
     _written: dict[str, int] = field(default_factory=dict)
     _saved: list[SavedRows] = field(default_factory=list)
-    streamed_bytes: int = 0
     acked: bool = False
     done: bool = False
 
@@ -340,13 +316,34 @@ class StagedImport:
             saved.restore()
         self._import.abort()
 
-    def commit(self) -> list[str]:
-        """Step 6: the request is live on the destination; returns its sample ids."""
+    @property
+    def decisions(self) -> list[MigrationDecision]:
+        """The request's migrations, this one last as the destination staged it: the
+        hit it really held (the rule was told the hit the driver probed; a recompute
+        stages nothing here, so its record keeps the probe)."""
+        decisions = list(self.ticket.decisions)
+        if decisions and self.ticket.kv_mode is KVMode.TRANSFER:
+            decisions[-1] = replace(
+                decisions[-1],
+                hit_tokens=min(max(self.hit_tokens.values(), default=0), decisions[-1].kv_tokens),
+            )
+        return decisions
+
+    @property
+    def decision(self) -> MigrationDecision:
+        """This migration's decision (:attr:`decisions`)."""
+        return self.decisions[-1]
+
+    def commit(self, transit_ms: float | None = None) -> list[str]:
+        """Step 6: the request is live on the destination; returns its sample ids.
+        ``transit_ms``: how long it travelled (None: as staged)."""
         assert self.acked and not self.done, "commit needs the ack, once"
         self.done = True
+        if transit_ms is not None:
+            self.transit_ms = transit_ms
         offset = self.engine.now_ms() - self.transit_ms - self.ticket.clock_ms
         reqs = self._import.commit(offset)
-        _adopt(self.engine, self.ticket, reqs, self.transit_ms, self.hit_tokens, offset)
+        _adopt(self, reqs, offset)
         return [r.request_id for r in reqs]
 
 
@@ -417,10 +414,10 @@ def _check_samples(engine: Engine, t: MigrationTicket) -> None:
         if s.state.status.is_done:
             raise MigrationError(f"import: ticket of {t.request_id!r} is for a finished request")
     rid = t.request_id
-    if rid in engine._groups:
+    if engine.books.has_request(rid):
         raise DuplicateRequest(rid, "import")
     for s in t.sequences:
-        if s.seq_id in engine._seqs or s.seq_id in engine.scheduler.requests:
+        if engine.books.has_sample(s.seq_id) or s.seq_id in engine.scheduler.requests:
             raise DuplicateRequest(s.seq_id, "import")
     if any(c.seq_id not in {s.seq_id for s in t.sequences} for c in t.chunks):
         raise TicketError(f"import: ticket of {rid!r} has K/V for a sample it does not carry")
@@ -446,25 +443,19 @@ def _rows(engine: Engine, model: ModelIdentity, chunk: KVChunk) -> torch.Tensor:
     return flat.view(2 * model.num_layers, n, model.num_kv_heads, model.head_dim)
 
 
-def _adopt(
-    engine: Engine,
-    t: MigrationTicket,
-    reqs: Sequence[Request],
-    transit_ms: float,
-    hit_tokens: dict[str, int],
-    offset_ms: float,
-) -> None:
+def _adopt(staged: StagedImport, reqs: Sequence[Request], offset_ms: float) -> None:
     """The engine's books for the committed requests: group, samples, specs, streams;
     ``offset_ms`` moves the sample's own times (a resumed turn's arrival) onto this
     engine's clock, as :meth:`Import.commit` moved the request's."""
     from refserve.model.sampler import derive_seed
 
+    engine, t = staged.engine, staged.ticket
     sp = SamplingParams.from_dict(t.params)
     by_id = {r.request_id: r for r in reqs}
     seqs: list[Sample] = []
     for s in t.sequences:
         req = by_id[s.seq_id]
-        seq = engine._new_seq(s.seq_id, t.request_id, s.index, req, sp, t.prompt_token_ids)
+        seq = engine.books.new_sample(s.seq_id, t.request_id, s.index, req, sp, t.prompt_token_ids)
         _replay(seq, s, _text_stream(engine, sp, t.prompt_token_ids, s), t.turn, offset_ms)
         seqs.append(seq)
         forks = (
@@ -475,22 +466,14 @@ def _adopt(
             )
         )
         engine.executor.register(s.seq_id, sample_spec(sp, derive_seed(t.seed, s.index)), forks)
-    decisions = list(t.decisions)
-    if decisions and t.kv_mode is KVMode.TRANSFER:
-        # What the destination really held when it staged (the rule was told the hit the
-        # driver probed): a recompute stages nothing here, so its record keeps the probe.
-        decisions[-1] = replace(
-            decisions[-1],
-            hit_tokens=min(max(hit_tokens.values(), default=0), decisions[-1].kv_tokens),
-        )
     group = SampleGroup(
         t.request_id, sp, t.stop, t.prompt_token_ids, t.seed, seqs, t.child_ids, t.turn
     )
     group.forked = t.forked
-    group.migrations = decisions
-    engine._groups[t.request_id] = group
+    group.migrations = staged.decisions
+    engine.books.open(group)
     engine.num_migrations_in += 1
-    engine.migration_ms += transit_ms
+    engine.migration_ms += staged.transit_ms
 
 
 def _replay(seq: Sample, s: SeqTicket, stream: TextStream, turn: int, offset_ms: float) -> None:
@@ -549,19 +532,110 @@ def _text_stream(
 def release(engine: Engine, request_id: str) -> None:
     """Step 5 (module doc): the request leaves the source, its blocks freed; no output
     is produced for it here (the destination continues its stream)."""
-    group = engine._groups.get(request_id)
+    group = engine.books.group(request_id)
     if group is None:
         raise MigrationError(f"release: request {request_id!r} is not live on this engine")
     for seq in group.seqs:
         if not seq.finished and seq.seq_id in engine.scheduler.requests:
             transit.release(engine.scheduler, seq.seq_id)
-        engine._seqs.pop(seq.seq_id, None)
         engine.executor.unregister(seq.seq_id)
-    del engine._groups[request_id]
+    engine.books.close(request_id)
     engine.num_migrations_out += 1
 
 
+def export_state(engine: Engine, request_id: str) -> RequestState:
+    """The state of the request's first live sample as an export carries it (its KV
+    length 0 where its KV is nowhere); a pure read."""
+    group = engine.books.group(request_id)
+    if group is None:
+        raise MigrationError(f"migrate: request {request_id!r} is not live on this engine")
+    for s in group.seqs:
+        if not s.finished:
+            return transit.export(engine.scheduler, s.seq_id).state
+    raise MigrationError(f"migrate: request {request_id!r} has finished")
+
+
+def source_changed(engine: Engine, ticket: MigrationTicket) -> bool:
+    """Whether a sample of ``ticket``'s request changed here since it was exported
+    (:func:`refserve.core.transit.source_changed`, the one meaning)."""
+    return any(transit.source_changed(engine.scheduler, s.state) for s in ticket.sequences)
+
+
 # ---------------------------------------------------------------------------- the driver
+class StagedMigration(Protocol):
+    """A destination's staged import, as the driver uses it (:class:`StagedImport`
+    here; a whole-ticket import for a peer in another process)."""
+
+    @property
+    def needed(self) -> Mapping[str, tuple[int, int]]: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def decision(self) -> MigrationDecision: ...
+
+    def write(self, chunk: KVChunk) -> None: ...
+
+    def ack(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+    def commit(self, transit_ms: float | None = None) -> list[str]: ...
+
+
+class MigrationSource(Protocol):
+    """Where a migration starts (``LLMEngine`` has this shape)."""
+
+    def export_request(
+        self,
+        request_id: str,
+        *,
+        kv: KVMode | str = KVMode.AUTO,
+        inline: bool = True,
+        cost: MigrationCost | None = None,
+        hit_tokens: int = 0,
+        idle: float = 1.0,
+    ) -> MigrationTicket: ...
+
+    def export_state(self, request_id: str) -> RequestState: ...
+
+    def read_kv(self, seq_id: str, start: int, end: int) -> KVChunk: ...
+
+    def source_changed(self, ticket: MigrationTicket) -> bool: ...
+
+    def release_request(self, request_id: str) -> None: ...
+
+    def now_ms(self) -> float: ...
+
+
+class MigrationDestination(Protocol):
+    """Where a migration lands (``LLMEngine`` has this shape)."""
+
+    @property
+    def idle_fraction(self) -> float: ...
+
+    def prefix_hit_tokens(self, token_ids: Sequence[int], state: object = None) -> int: ...
+
+    def stage_import(
+        self, ticket: MigrationTicket, *, transit_ms: float = 0.0
+    ) -> StagedMigration: ...
+
+
+class SourceChanged(MigrationError):
+    """The request stepped, finished or was aborted on the source during the transfer."""
+
+
+class MigrationAborted(MigrationError):
+    """A migration failed before the ack: the request runs on the source as before."""
+
+    def __init__(self, request_id: str, point: str, cause: BaseException) -> None:
+        super().__init__(f"migration of {request_id!r} aborted at {point}: {cause}")
+        self.request_id = request_id
+        self.point = point
+        self.cause = cause
+
+
 @dataclass(frozen=True)
 class MigrationReport:
     """One :func:`migrate`: what moved, how, and at what cost."""
@@ -575,8 +649,8 @@ class MigrationReport:
 
 
 def migrate(
-    src: Engine,
-    dst: Engine,
+    src: MigrationSource,
+    dst: MigrationDestination,
     request_id: str,
     *,
     kv: KVMode | str = KVMode.AUTO,
@@ -585,38 +659,34 @@ def migrate(
     fault: FaultHook | None = None,
 ) -> MigrationReport:
     """Move ``request_id`` from ``src`` to ``dst`` (module doc). ``chunk_blocks``: stream
-    the K/V in chunks of that many source blocks (None: inline in the ticket). A fault
-    raised by ``fault(point)`` before the ack aborts (:class:`MigrationAborted`, the
-    source unchanged); after the ack the move completes and the report names it."""
-    hook = fault or (lambda point: None)
+    the K/V in chunks of that many source blocks (None: inline in the ticket). Bad
+    arguments raise :class:`~refserve.core.transit.InvalidMigrationArgument` before
+    anything is read. A fault raised by ``fault(point)`` before the ack aborts
+    (:class:`MigrationAborted`, the source unchanged); after the ack the move completes
+    and the report names it."""
+    args = MigrationArgs.check(kv, chunk_blocks, cost, fault)
+    if src is dst:  # type: ignore[comparison-overlap]
+        raise InvalidMigrationArgument(
+            "dst", f"migration of {request_id!r}: source and destination are one engine"
+        )
+    hook = args.fault or _no_fault
     t0 = time.perf_counter()
-    point = "before_export"
-    staged: StagedImport | None = None
+    point: str = MigrationFault.BEFORE_EXPORT
+    staged: StagedMigration | None = None
     try:
         hook(point)
-        probe = transit.export(src.scheduler, _first_live(src, request_id))
-        hit = dst.prefix_hit_tokens(probe.state.token_ids[: probe.kv_length], probe.state)
-        ticket = export(
-            src,
-            request_id,
-            kv=kv,
-            inline=chunk_blocks is None,
-            cost=cost,
-            hit_tokens=hit,
-            idle=dst.idle_fraction,
-        )
-        staged = stage(dst, ticket)
-        point = "after_stage"
+        ticket = _export(src, dst, request_id, args)
+        staged = dst.stage_import(ticket)
+        point = MigrationFault.AFTER_STAGE
         hook(point)
-        point = "mid_stream"
-        num_chunks = len(ticket.chunks) + _stream(src, staged, ticket, chunk_blocks, hook)
-        point = "before_ack"
+        point = MigrationFault.MID_STREAM
+        streamed = _stream(src, staged, ticket, args.chunk_blocks, hook)
+        point = MigrationFault.BEFORE_ACK
         hook(point)
         # The last look before the destination owns it: the source may have aborted (or
         # stepped) the request after the last chunk, or with nothing to stream at all;
         # acking then would release a request the source no longer holds.
-        for s in ticket.sequences:
-            _require_unchanged(src, ticket, s.seq_id)
+        _require_unchanged(src, ticket)
         staged.ack()
     except BaseException as e:
         if staged is not None and not staged.done:
@@ -626,66 +696,83 @@ def migrate(
         raise MigrationAborted(request_id, point, e) from e
     late: str | None = None
     try:
-        hook("after_ack")
+        hook(MigrationFault.AFTER_ACK)
     except Exception:  # the destination owns it now: roll forward
-        late = "after_ack"
+        late = MigrationFault.AFTER_ACK
     try:
-        for s in ticket.sequences:
-            _require_unchanged(src, ticket, s.seq_id)
+        _require_unchanged(src, ticket)
     except SourceChanged as e:
         # An abort reached the source between the ack and the release: it finished the
         # request there (its final output is the source's), so the destination drops
         # what it staged and the request ends exactly once.
         staged.abort()
-        raise MigrationAborted(request_id, "after_ack", e) from e
-    release(src, request_id)
-    staged.transit_ms = src.now_ms() - ticket.clock_ms
-    staged.commit()
-    decision = dst._groups[request_id].migrations[-1]
-    kv_bytes = ticket.kv_bytes + staged.streamed_bytes
+        raise MigrationAborted(request_id, MigrationFault.AFTER_ACK, e) from e
+    src.release_request(request_id)
+    staged.commit(src.now_ms() - ticket.clock_ms)
     return MigrationReport(
-        request_id, decision, kv_bytes, num_chunks, (time.perf_counter() - t0) * 1e3, late
+        request_id,
+        staged.decision,
+        ticket.kv_bytes + streamed.kv_bytes,
+        len(ticket.chunks) + streamed.num_chunks,
+        (time.perf_counter() - t0) * 1e3,
+        late,
     )
 
 
-def _first_live(engine: Engine, request_id: str) -> str:
-    group = engine._groups.get(request_id)
-    if group is None:
-        raise MigrationError(f"migrate: request {request_id!r} is not live on this engine")
-    for s in group.seqs:
-        if not s.finished:
-            return s.seq_id
-    raise MigrationError(f"migrate: request {request_id!r} has finished")
+def _no_fault(point: str) -> None:
+    pass
+
+
+def _export(
+    src: MigrationSource, dst: MigrationDestination, request_id: str, args: MigrationArgs
+) -> MigrationTicket:
+    """Step 1 with the cost rule told the destination's prefix hit of the request's
+    K/V (probed with its state, a pure read) and the destination's idle compute."""
+    state = src.export_state(request_id)
+    hit = dst.prefix_hit_tokens(state.token_ids[: state.num_computed_tokens], state)
+    return src.export_request(
+        request_id,
+        kv=args.kv,
+        inline=args.chunk_blocks is None,
+        cost=args.cost,
+        hit_tokens=hit,
+        idle=dst.idle_fraction,
+    )
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """What step 3 sent: how many chunks, how many bytes of K/V."""
+
+    num_chunks: int = 0
+    kv_bytes: int = 0
 
 
 def _stream(
-    src: Engine,
-    staged: StagedImport,
+    src: MigrationSource,
+    staged: StagedMigration,
     ticket: MigrationTicket,
     chunk_blocks: int | None,
     hook: FaultHook,
-) -> int:
+) -> Streamed:
     """Step 3: the needed ranges in chunks of ``chunk_blocks`` source blocks; the source
     is checked unchanged before each chunk (an abort meanwhile cancels the move)."""
     if chunk_blocks is None or ticket.kv_mode is not KVMode.TRANSFER:
-        return 0
-    if isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, int) or chunk_blocks < 1:
-        raise MigrationError(f"chunk_blocks must be an int >= 1, got {chunk_blocks!r}")
+        return Streamed()
     step = chunk_blocks * ticket.block_size
-    count = 0
+    count = nbytes = 0
     for seq_id, (lo, hi) in staged.needed.items():
         for start in range(lo, hi, step):
-            _require_unchanged(src, ticket, seq_id)
-            chunk = read_kv(src, seq_id, start, min(start + step, hi))
+            _require_unchanged(src, ticket)
+            chunk = src.read_kv(seq_id, start, min(start + step, hi))
             staged.write(chunk)
-            staged.streamed_bytes += len(chunk.data)
+            nbytes += len(chunk.data)
             count += 1
-            hook("mid_stream")
-    return count
+            hook(MigrationFault.MID_STREAM)
+    return Streamed(count, nbytes)
 
 
-def _require_unchanged(src: Engine, ticket: MigrationTicket, seq_id: str) -> None:
-    r = src.scheduler.requests.get(seq_id)
-    s = next(s for s in ticket.sequences if s.seq_id == seq_id)
-    if r is None or r.num_tokens != len(s.state.token_ids) or r.status is not s.state.status:
-        raise SourceChanged(f"migrate: {seq_id!r} changed on the source during the transfer")
+def _require_unchanged(src: MigrationSource, ticket: MigrationTicket) -> None:
+    if src.source_changed(ticket):
+        changed = ", ".join(repr(s.seq_id) for s in ticket.sequences)
+        raise SourceChanged(f"migrate: {changed} changed on the source during the transfer")

@@ -26,7 +26,7 @@ from refserve.cluster import (
 )
 from refserve.core.config import SchedulerConfig
 from refserve.core.migration_cost import KVMode
-from refserve.core.transit import MigrationError
+from refserve.core.transit import InvalidMigrationArgument, MigrationError
 from refserve.engine.llm_engine import InvalidPrompt, LLMEngine, RequestOutput
 from refserve.engine.migration import MigrationAborted
 from refserve.errors import DuplicateRequest, ExceedsCapacity, InvalidArgument, UnknownRequest
@@ -347,3 +347,22 @@ def test_migration_to_another_transport_goes_by_ticket() -> None:
     report = cluster.migrate("m", 1, kv="transfer")
     assert cluster.owner("m") == 1 and report.kv_bytes > 0 and cluster.metrics.migrations == 1
     assert final_tokens(drive(cluster)).keys() == {"m"}
+
+
+def test_bad_migration_arguments_are_refused_on_both_paths() -> None:
+    """One check of the driver's arguments (``MigrationArgs.check``) on the in-process
+    path and the by-ticket one: a typed error naming the argument, nothing moved, no
+    migration counted as aborted."""
+    cluster = Cluster([replica(CONFIGS[0]), replica(CONFIGS[1]), _Remote(replica(CONFIGS[2]))])  # type: ignore[list-item]
+    cluster.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=4), request_id="m")
+    cluster.step()
+    src = cluster.owner("m")
+    for to in (r for r in range(3) if r != src):
+        for kw, argument in (
+            ({"chunk_blocks": 0, "kv": "recompute"}, "chunk_blocks"),
+            ({"kv": "x"}, "kv"),
+        ):
+            with pytest.raises(InvalidMigrationArgument) as err:
+                cluster.migrate("m", to, **kw)  # type: ignore[arg-type]
+            assert err.value.argument == argument
+    assert cluster.owner("m") == src and cluster.metrics.migrations_aborted == 0

@@ -119,7 +119,7 @@ HOWS = (INLINE, STREAM1, STREAM2, RECOMPUTE)
 
 
 @dataclass(frozen=True)
-class Move:
+class SeenMigration:
     """One move as :func:`move` saw it, at the step boundary it happened."""
 
     request_id: str
@@ -158,7 +158,7 @@ def assert_pool_sound(engine: LLMEngine, what: str) -> None:
 
 def assert_holds_nothing_of(engine: LLMEngine, rid: str, seq_ids: Sequence[str]) -> None:
     sched = engine.scheduler
-    assert rid not in engine._groups, f"{rid!r} still has a group on the source"
+    assert not engine.books.has_request(rid), f"{rid!r} still has a group on the source"
     for sid in seq_ids:
         assert sid not in sched.requests, f"{sid!r} still in the source's scheduler"
         assert not sched.pool.has_request(sid), f"{sid!r} still holds source blocks"
@@ -172,7 +172,7 @@ def move(
     how: How,
     *,
     fault: FaultHook | None = None,
-) -> Move:
+) -> SeenMigration:
     """Migrate ``rid`` from ``src`` to ``dst`` and check the move (module doc)."""
     probe = src.export_request(rid, kv=how.kv, inline=False)  # a pure read
     before: dict[str, tuple[int, int, bytes]] = {}
@@ -200,7 +200,7 @@ def move(
             want = kv_rows(src, data, n)[:, hit:]
             assert torch.equal(got, want), f"{s.seq_id}: K/V of [{hit}, {n}) differs"
     first = probe.sequences[0]
-    return Move(
+    return SeenMigration(
         rid,
         how,
         first.state.status,
@@ -216,7 +216,7 @@ class Trace:
     """Every output of every request, in delivery order over all engines, and the moves."""
 
     outputs: list[RequestOutput] = field(default_factory=list)
-    moves: list[Move] = field(default_factory=list)
+    moves: list[SeenMigration] = field(default_factory=list)
     owner: int = 0
 
     def of(self, rid: str, index: int | None = None) -> list[RequestOutput]:
@@ -239,7 +239,7 @@ Plan = Callable[[int], How | None]
 
 
 def random_plan(seed: int, hows: Sequence[How], p: float = 0.5, always: Sequence[int] = ()) -> Plan:
-    """Move with probability ``p`` at each boundary (and at the ticks ``always``), each
+    """Migrate with probability ``p`` at each boundary (and at the ticks ``always``), each
     move drawn from ``hows``; seeded, so a failure replays."""
     rng = random.Random(seed)
 
@@ -275,7 +275,7 @@ def drive(
             return tr
         how = plan(k)
         src = engines[tr.owner]
-        if how is not None and len(engines) > 1 and rid in src._groups:
+        if how is not None and len(engines) > 1 and src.books.has_request(rid):
             nxt = (tr.owner + 1) % len(engines)
             tr.moves.append(move(src, engines[nxt], rid, how))
             tr.owner = nxt

@@ -138,7 +138,7 @@ def test_bad_input_is_rejected_and_running_requests_are_unaffected() -> None:
     for name, call, exc in BAD:
         with pytest.raises(exc):
             call(engine)
-        assert set(engine._groups) == {"keep"}, name
+        assert set(engine.books.request_ids) == {"keep"}, name
         assert set(engine.scheduler.requests) == {"keep"}, name
         outs.extend(engine.step())
     outs.extend(engine.iter_outputs())
@@ -158,7 +158,7 @@ def test_generate_rejects_a_bad_prompt_and_leaves_nothing_behind() -> None:
     keep = engine.add_request("running", SamplingParams(max_tokens=4))
     with pytest.raises(InvalidPrompt):
         engine.generate(["fine", ""], SamplingParams(max_tokens=3))
-    assert set(engine._groups) == {keep}
+    assert set(engine.books.request_ids) == {keep}
     assert [o.request_id for o in engine.iter_outputs()] == [keep] * 4
 
 

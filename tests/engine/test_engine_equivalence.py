@@ -77,7 +77,7 @@ def run_jobs(
                 j.prompt, SamplingParams(max_tokens=j.max_tokens, n=j.n), request_id=j.rid
             )
         for rid, at in list(aborts.items()):
-            if at == step and rid in engine._groups:
+            if at == step and engine.books.has_request(rid):
                 engine.abort(rid)
                 del aborts[rid]
         for out in engine.step():

@@ -1,7 +1,7 @@
 """A failed migration changes nothing; one past the ack completes (the protocol and its
 fault points in ref/engine/migration.py, docs/MIGRATION.md).
 
-``migrate(..., fault=hook)`` calls the hook at every point of :data:`FAULT_POINTS`. A
+``migrate(..., fault=hook)`` calls the hook at every point of :class:`MigrationFault`. A
 fault before the ack must leave the source exactly as it was (its scheduler snapshot
 equal, the request still running there and finishing with the tokens of a run that never
 tried to move it) and the destination too (snapshot and K/V tensors equal: no block
@@ -41,10 +41,10 @@ from migration_helpers import (
 )
 
 from refserve.core.migration_cost import KVMode
-from refserve.core.transit import MigrationRefused
+from refserve.core.transit import MIGRATION_FAULT_POINTS, MigrationFault, MigrationRefused
 from refserve.engine import migration
 from refserve.engine.llm_engine import LLMEngine
-from refserve.engine.migration import FAULT_POINTS, MigrationAborted, migrate
+from refserve.engine.migration import MigrationAborted, migrate
 from refserve.engine.ticket import KVChunk, KVLayoutMismatch, MigrationTicket, TicketError
 from refserve.model.executor import SavedRows
 from refserve.model.sampler import SamplingParams
@@ -52,7 +52,7 @@ from refserve.spec.snapshot import RequestStatus
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0.9, seed=99)
 PROMPT = "fault injection: "
-BEFORE_ACK = FAULT_POINTS[: FAULT_POINTS.index("after_ack")]
+BEFORE_ACK = MIGRATION_FAULT_POINTS[: MIGRATION_FAULT_POINTS.index(MigrationFault.AFTER_ACK)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -149,7 +149,7 @@ def check_fault_before_ack(point: str, how: How, at: int) -> None:
     src, dst, trace = _advance(at)
     snaps = (src.scheduler.snapshot(), dst.scheduler.snapshot())
     kv = (cache_state(src), cache_state(dst))
-    groups = (set(src._groups), set(dst._groups))
+    groups = (set(src.books.request_ids), set(dst.books.request_ids))
     with pytest.raises(MigrationAborted, match=f"aborted at {point}") as info:
         migrate(src, dst, "r", kv=how.kv, chunk_blocks=how.chunk_blocks, fault=fault_at(point))
     assert info.value.point == point and isinstance(info.value.cause, Injected)
@@ -157,7 +157,7 @@ def check_fault_before_ack(point: str, how: How, at: int) -> None:
     assert dst.scheduler.snapshot() == snaps[1], "the destination changed"
     assert_cache_equal(src, kv[0])
     assert_cache_equal(dst, kv[1])
-    assert (set(src._groups), set(dst._groups)) == groups
+    assert (set(src.books.request_ids), set(dst.books.request_ids)) == groups
     assert (src.num_migrations_out, dst.num_migrations_in) == (0, 0)
     _assert_all_as_unmigrated(src, dst, trace)
 
@@ -178,7 +178,7 @@ def test_fault_after_the_ack_completes_the_move(how: How) -> None:
     )
     assert report.fault == "after_ack"
     assert_holds_nothing_of(src, "r", ["r"])
-    assert "r" in dst._groups and dst.num_migrations_in == 1 and src.num_migrations_out == 1
+    assert dst.books.has_request("r") and dst.num_migrations_in == 1 and src.num_migrations_out == 1
     _assert_all_as_unmigrated(src, dst, trace)
 
 
@@ -254,13 +254,13 @@ def check_bad_chunk_restores(
     good, rest = src.read_kv("r", 0, half), src.read_kv("r", half, n)
     # The slots the import writes hold stale K/V of earlier requests or zeros: either way
     # not what the good chunk writes, so a missing restore shows.
-    snap, kv, groups = dst.scheduler.snapshot(), cache_state(dst), set(dst._groups)
+    snap, kv, groups = dst.scheduler.snapshot(), cache_state(dst), set(dst.books.request_ids)
     bad = replace(ticket, kv_mode=KVMode.TRANSFER, chunks=(good, make_bad(rest, n)))
     with pytest.raises(exc, match=msg):
         dst.import_request(bad)
     assert dst.scheduler.snapshot() == snap, "the destination's books changed"
     assert_cache_equal(dst, kv)
-    assert set(dst._groups) == groups
+    assert set(dst.books.request_ids) == groups
     # Nothing is stuck: the whole ticket imports, the source lets go, and the request
     # finishes on the destination as if it had never moved.
     dst.import_request(replace(ticket, kv_mode=KVMode.TRANSFER, chunks=(good, rest)))
@@ -306,7 +306,7 @@ ABORTS = [
 def test_abort_during_the_transfer_finishes_the_request_once(point: str, how: How) -> None:
     src, dst, _ = _advance(7)
     src_outs, dst_outs = Trace(), Trace()
-    snap, kv, groups = dst.scheduler.snapshot(), cache_state(dst), set(dst._groups)
+    snap, kv, groups = dst.scheduler.snapshot(), cache_state(dst), set(dst.books.request_ids)
     aborted: list[str] = []
 
     def hook(p: str) -> None:
@@ -317,7 +317,7 @@ def test_abort_during_the_transfer_finishes_the_request_once(point: str, how: Ho
     with pytest.raises(MigrationAborted, match="'r' changed on the source during the transfer"):
         migrate(src, dst, "r", kv=how.kv, chunk_blocks=how.chunk_blocks, fault=hook)
     assert aborted == [point]
-    assert dst.scheduler.snapshot() == snap and set(dst._groups) == groups
+    assert dst.scheduler.snapshot() == snap and set(dst.books.request_ids) == groups
     assert_cache_equal(dst, kv)
     while src.has_unfinished or dst.has_unfinished:
         step_all([src], src_outs)

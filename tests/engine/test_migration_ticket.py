@@ -173,14 +173,14 @@ def refused(dst: LLMEngine, attempt: Callable[[], object], exc: type[Exception],
     """``attempt`` raises exactly ``exc`` matching ``msg``; ``dst`` is as it was and can
     go on (no import left staged)."""
     snap, kv = dst.scheduler.snapshot(), cache_state(dst)
-    groups, seqs = set(dst._groups), set(dst._seqs)
+    groups, seqs = set(dst.books.request_ids), set(dst.books.sample_ids)
     counters = (dst.num_migrations_in, dst.migration_ms)
     with pytest.raises(exc, match=msg) as info:
         attempt()
     assert type(info.value) is exc, f"{type(info.value).__name__} is not {exc.__name__}"
     assert dst.scheduler.snapshot() == snap
     assert_cache_equal(dst, kv)
-    assert (set(dst._groups), set(dst._seqs)) == (groups, seqs)
+    assert (set(dst.books.request_ids), set(dst.books.sample_ids)) == (groups, seqs)
     assert (dst.num_migrations_in, dst.migration_ms) == counters
     assert not dst.scheduler.pool.in_transaction
     dst.step()

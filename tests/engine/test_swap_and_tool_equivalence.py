@@ -466,11 +466,11 @@ def test_bad_pause_and_resume_are_typed_errors_and_change_nothing() -> None:
         engine.pause("keep", "host")
     for name, call, exc in BAD:
         before = engine.scheduler.snapshot()
-        groups = set(engine._groups)
+        groups = set(engine.books.request_ids)
         with pytest.raises(exc):
             call(engine)
         assert engine.scheduler.snapshot() == before, name
-        assert set(engine._groups) == groups, name
+        assert set(engine.books.request_ids) == groups, name
         assert engine.paused_request_ids == ("tool",), name
         outs.extend(engine.step())
     engine.abort("tool")

@@ -15,10 +15,10 @@ import pytest
 
 from refserve.core.config import SchedulerConfig
 from refserve.core.request import Request, StopParams
-from refserve.core.transit import Move
 from refserve.spec.arith import max_cacheable_tokens
 from refserve.spec.hashing import Namespace
 from tests.harness import MemoryLink, Stepper
+from tests.phased_migration import PhasedMigration
 
 PROMPT = [1, 2, 3, 4, 5, 6]
 
@@ -39,7 +39,9 @@ def test_a_hit_counted_in_the_source_block_size_does_not_travel(with_kv: bool) -
     assert r.num_cached_tokens == 5 > max_cacheable_tokens(len(PROMPT) + 2, 4)
     big.add(Request("q", [1, 2, 3, 4, 9], StopParams(1, ignore_eos=True)))
     big.drain()  # the destination caches PROMPT's first block
-    move = Move(small.sched, big.sched, "r", with_kv=with_kv, link=MemoryLink(small, big))
+    move = PhasedMigration(
+        small.sched, big.sched, "r", with_kv=with_kv, link=MemoryLink(small, big)
+    )
     (moved,) = move.run()
     assert move.arrival is not None
     assert moved.num_cached_tokens == move.arrival.num_hit_tokens == (4 if with_kv else 0)
@@ -60,7 +62,9 @@ def test_who_the_request_is_travels_with_it(with_kv: bool) -> None:
     src.add(r)
     src.step()
     src.step()
-    (moved,) = Move(src.sched, dst.sched, "r", with_kv=with_kv, link=MemoryLink(src, dst)).run()
+    (moved,) = PhasedMigration(
+        src.sched, dst.sched, "r", with_kv=with_kv, link=MemoryLink(src, dst)
+    ).run()
     assert (moved.priority, moved.tenant, moved.namespace, moved.stop) == (2, "a", ns, stop)
     assert (moved.arrival_ms, moved.admitted_ms) == (r.arrival_ms, r.admitted_ms)
     assert moved.token_times_ms == r.token_times_ms and moved.token_ids == r.token_ids

@@ -24,12 +24,13 @@ import refserve.core.transit as transit
 from refserve.core.config import SchedulerConfig
 from refserve.core.request import Request, StopParams
 from refserve.core.scheduler import Scheduler
-from refserve.core.transit import Arrival, Departure, Import, MigrationError, Move, MoveAborted
+from refserve.core.transit import Arrival, Departure, Import, MigrationError
 from refserve.spec.checks import check_cluster
 from refserve.spec.cluster import ClusterSnapshot, ClusterStep, TransitPhase
 from refserve.spec.snapshot import RequestStatus
 from refserve.spec.violation import Invariant, Violation
 from tests.harness import Boom, MemoryLink, Stepper, cluster_snapshot
+from tests.phased_migration import PhasedMigration, PhasedMigrationAborted
 from tests.scheduler.test_migration_state_machine import ClusterMachine
 
 PROMPT = list(range(10, 22))  # 12 distinct tokens: three blocks of 4
@@ -49,20 +50,20 @@ def wrong_position(mp: pytest.MonkeyPatch) -> None:
             d, slots=tuple(d.slots[p - bs if p >= bs else p] for p in range(len(d.slots)))
         )
 
-    # Move exports and re-reads through the module's name.
+    # PhasedMigration exports and re-reads through the module's name.
     mp.setattr(transit, "export", shifted)
 
 
 def release_before_ack(mp: pytest.MonkeyPatch) -> None:
     """The source frees the request as soon as the destination staged it."""
-    real = Move.stage
+    real = PhasedMigration.stage
 
-    def stage(self: Move) -> Arrival:
+    def stage(self: PhasedMigration) -> Arrival:
         a = real(self)
         transit.release(self.src, self.request_id)
         return a
 
-    mp.setattr(Move, "stage", stage)
+    mp.setattr(PhasedMigration, "stage", stage)
 
 
 def hit_referenced_twice(mp: pytest.MonkeyPatch) -> None:
@@ -119,10 +120,12 @@ def move_with_hit(fault: str | None = None) -> Observed:
     e["a"].decoding("r")
     e["a"].step()
     seen = Observed(["start"], [cluster_snapshot(e, finished=done)])
-    move = Move(e["a"].sched, e["b"].sched, "r", with_kv=True, link=MemoryLink(e["a"], e["b"]))
+    move = PhasedMigration(
+        e["a"].sched, e["b"].sched, "r", with_kv=True, link=MemoryLink(e["a"], e["b"])
+    )
     move.chunk_blocks = 1
 
-    def observe(m: Move) -> None:
+    def observe(m: PhasedMigration) -> None:
         seen.labels.append(str(m.phase))
         seen.snaps.append(cluster_snapshot(e, (m, "a", "b"), done, seen.snaps[-1]))
 
@@ -133,7 +136,7 @@ def move_with_hit(fault: str | None = None) -> Observed:
     try:
         move.run(fault=hook, observe=observe)
         seen.labels.append("committed")
-    except (MoveAborted, MigrationError) as err:
+    except (PhasedMigrationAborted, MigrationError) as err:
         seen.error = err
         seen.labels.append("aborted")
     seen.snaps.append(cluster_snapshot(e, finished=done, since=seen.snaps[-1]))
@@ -187,7 +190,7 @@ def test_source_frees_before_the_ack(planted: bool, monkeypatch: pytest.MonkeyPa
     if not planted:
         found = seen.violations()
         assert all(v == [] for v in found.values()), found
-        assert isinstance(seen.error, MoveAborted) and seen.error.point == "before_ack"
+        assert isinstance(seen.error, PhasedMigrationAborted) and seen.error.point == "before_ack"
         assert seen.snaps[-1].holders("r") == ["a"]  # the fault left it on the source
         return
     found = seen.violations()
@@ -237,7 +240,7 @@ def test_ack_refuses_a_copy_that_is_not_complete() -> None:
     a.add(Request("r", list(PROMPT), StopParams(4, ignore_eos=True)))
     a.decoding("r")
     before = (a.sched.snapshot(), b.sched.snapshot())
-    move = Move(a.sched, b.sched, "r", with_kv=True, link=MemoryLink(a, b))
+    move = PhasedMigration(a.sched, b.sched, "r", with_kv=True, link=MemoryLink(a, b))
     move.export()
     move.stage()
     with pytest.raises(MigrationError, match="still missing"):
@@ -249,9 +252,9 @@ def test_ack_refuses_a_copy_that_is_not_complete() -> None:
     assert (a.sched.snapshot(), b.sched.snapshot()) == before
     assert a.sched.requests["r"].status is RequestStatus.DECODING
     with pytest.raises(MigrationError, match="chunk_blocks"):
-        Move(a.sched, b.sched, "r", with_kv=True, link=MemoryLink(a, b), chunk_blocks=0)
+        PhasedMigration(a.sched, b.sched, "r", with_kv=True, link=MemoryLink(a, b), chunk_blocks=0)
     with pytest.raises(MigrationError, match="one engine"):
-        Move(a.sched, a.sched, "r", with_kv=True, link=MemoryLink(a, a))
+        PhasedMigration(a.sched, a.sched, "r", with_kv=True, link=MemoryLink(a, a))
 
 
 # ------------------------------------------------------ caught by the state machine
@@ -280,16 +283,18 @@ def test_the_state_machine_catches(bug: Plant, rule: str, monkeypatch: pytest.Mo
 
 
 def test_a_failing_observer_aborts_the_move_and_is_raised_as_it_is() -> None:
-    """A broken rule seen mid-move is the finding itself: ``Move.run`` aborts (both
-    engines as before) and raises it unwrapped, not as a ``MoveAborted``."""
+    """A broken rule seen mid-move is the finding itself: ``PhasedMigration.run`` aborts (both
+    engines as before) and raises it unwrapped, not as a ``PhasedMigrationAborted``."""
     cfg = SchedulerConfig(max_num_batched_tokens=16, block_size=4, num_blocks=12)
     a, b = Stepper(cfg, memory=True), Stepper(cfg, memory=True)
     a.add(Request("r", list(PROMPT), StopParams(4, ignore_eos=True)))
     a.decoding("r")
     before = (a.sched.snapshot(), b.sched.snapshot(), dict(b.memory))
-    move = Move(a.sched, b.sched, "r", with_kv=True, link=MemoryLink(a, b), chunk_blocks=1)
+    move = PhasedMigration(
+        a.sched, b.sched, "r", with_kv=True, link=MemoryLink(a, b), chunk_blocks=1
+    )
 
-    def observe(m: Move) -> None:
+    def observe(m: PhasedMigration) -> None:
         if m.phase is TransitPhase.STAGED and b.memory != before[2]:
             raise AssertionError("a rule broke mid-copy")
 

@@ -9,10 +9,11 @@ or swap preemption with a host pool sometimes, its own length limit.
 
 Rules: add a request to an engine, step an engine, abort, pause an agent turn (its KV
 kept on the device, moved to the host, or dropped) and resume it, and migrate a drawn
-live request, in any state, to another engine with ``refserve.core.transit.Move``: by
-transfer (in chunks of drawn size) or by recompute, with a fault drawn at a point of
-the protocol (before the export, after the stage, between chunks, inside a chunk's
-copy, before the ack, after the ack) or the client aborting it mid-move. The K/V travels
+live request, in any state, to another engine with ``PhasedMigration``
+(tests/phased_migration.py): by transfer (in chunks of drawn size) or by recompute,
+with a fault drawn at a point of the protocol (before the export, after the stage,
+between chunks, inside a chunk's copy, before the ack, after the ack) or the client
+aborting it mid-move. The K/V travels
 through ``tests.harness.MemoryLink``, which copies the fake memory slot by slot and
 saves what it overwrote, so an abort restores the destination's memory.
 
@@ -39,14 +40,7 @@ from refserve.core.engine_core import EngineCore
 from refserve.core.request import Request, StopParams
 from refserve.core.scheduler import Scheduler
 from refserve.core.swap import KVRetention, PreemptionMode
-from refserve.core.transit import (
-    MOVE_POINTS,
-    MigrationError,
-    MigrationRefused,
-    Move,
-    MoveAborted,
-    cluster_node,
-)
+from refserve.core.transit import MIGRATION_FAULT_POINTS, MigrationError, MigrationRefused
 from refserve.spec import check_pool
 from refserve.spec.arith import blocks_needed
 from refserve.spec.checks import check_cluster
@@ -55,6 +49,7 @@ from refserve.spec.progress import check_quiescent
 from refserve.spec.snapshot import RequestStatus
 from refserve.spec.violation import Violation
 from tests.harness import Boom, MemoryLink
+from tests.phased_migration import PhasedMigration, PhasedMigrationAborted, cluster_node
 from tests.scheduler.scripted_kv import ScriptedExecutor
 
 S = RequestStatus
@@ -62,7 +57,7 @@ PROMPT_TOKEN = st.integers(0, 2)  # tiny alphabet: prefixes repeat, prefix hits 
 MAX_LIVE = 8
 #: What goes wrong during a move: a fault at a protocol point, inside a chunk's copy,
 #: or the client aborting the request on its source before the ack.
-FAULTS = (*MOVE_POINTS, "mid_copy", "client_abort")
+FAULTS = (*MIGRATION_FAULT_POINTS, "mid_copy", "client_abort")
 BEFORE_ACK = ("after_stage", "mid_stream", "before_ack")
 _RARE = (S.PREFILLING, S.PREEMPTED, S.SWAPPED, S.DECODING)
 
@@ -292,7 +287,9 @@ class ClusterMachine(RuleBasedStateMachine):
         link = MemoryLink(src, dst)
         if fault == "mid_copy":
             link.fail_after = d(st.integers(0, 3), label="slots before the link fails")
-        move = Move(src.sched, dst.sched, rid, with_kv=with_kv, link=link, chunk_blocks=chunk)
+        move = PhasedMigration(
+            src.sched, dst.sched, rid, with_kv=with_kv, link=link, chunk_blocks=chunk
+        )
 
         def hook(point: str) -> None:
             if point == fault:
@@ -302,13 +299,13 @@ class ClusterMachine(RuleBasedStateMachine):
                 self._retire(rid)
                 event(f"client abort mid-move at {point}")
 
-        def observe(m: Move) -> None:
+        def observe(m: PhasedMigration) -> None:
             self._observe(transit=m.transit(src.name, dst.name) if m.phase else None)
 
         before = (src.sched.snapshot(), dst.sched.snapshot(), dict(dst.memory))
         try:
             move.run(fault=hook, observe=observe)
-        except (MoveAborted, MigrationError) as e:
+        except (PhasedMigrationAborted, MigrationError) as e:
             self._moved_nothing(rid, src, dst, before, e)
         else:
             if fault not in (None, "after_ack"):
@@ -330,7 +327,7 @@ class ClusterMachine(RuleBasedStateMachine):
     ) -> None:
         """A move that ended before the ack: both engines as before, the destination's
         memory too (ATOMIC); only a client abort changed the source."""
-        if isinstance(e, MoveAborted):
+        if isinstance(e, PhasedMigrationAborted):
             assert isinstance(e.cause, Boom), e
             event(f"move aborted: {e.point}" + (" inside a copy" if "link" in str(e) else ""))
         elif isinstance(e, MigrationRefused):

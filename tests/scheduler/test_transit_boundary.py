@@ -10,10 +10,11 @@ from refserve.core import transit
 from refserve.core.config import SchedulerConfig
 from refserve.core.request import StopParams
 from refserve.core.scheduler import Scheduler, StepInProgress
-from refserve.core.transit import MigrationError, MigrationRefused, Move, RequestState, cluster_node
+from refserve.core.transit import MigrationError, MigrationRefused, RequestState
 from refserve.errors import DuplicateRequest
 from refserve.spec.snapshot import RequestStatus
 from tests.harness import MemoryLink, Stepper, make_request
+from tests.phased_migration import PhasedMigration, cluster_node
 
 CFG = SchedulerConfig(num_blocks=16, block_size=4, max_num_batched_tokens=8)
 
@@ -92,7 +93,7 @@ def test_the_move_records_and_guards_of_its_phases() -> None:
     src, dst = Stepper(cfg, memory=True), Stepper(cfg, memory=True)
     src.add(make_request("r", 6))
     src.step()
-    move = Move(src.sched, dst.sched, "r", with_kv=True, link=MemoryLink(src, dst))
+    move = PhasedMigration(src.sched, dst.sched, "r", with_kv=True, link=MemoryLink(src, dst))
     move.export()
     assert move.transit("s", "d").num_hit_tokens == 0  # nothing staged yet
     node = cluster_node("s", src.sched)

@@ -2,10 +2,11 @@
 
 The states are real: two schedulers of different block sizes (tests/harness.py, each
 with a fake K/V memory), a request moved between them phase by phase with
-``refserve.core.transit.Move`` (by transfer onto a prefix hit of the destination, by
-recompute, from the host pool, aborted halfway) and a real step. Each clean sequence of
-snapshots passes every rule; then one thing is corrupted with ``dataclasses.replace``
-and the test asserts the rule, the subject and the message of the violation it gives.
+``PhasedMigration`` (tests/phased_migration.py; by transfer onto a prefix hit of the
+destination, by recompute, from the host pool, aborted halfway) and a real step. Each
+clean sequence of snapshots passes every rule; then one thing is corrupted with
+``dataclasses.replace`` and the test asserts the rule, the subject and the message of
+the violation it gives.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 from refserve.core.config import SchedulerConfig
 from refserve.core.request import Request, StopParams
 from refserve.core.swap import KVRetention, PreemptionMode
-from refserve.core.transit import KVPlace, Move, MoveAborted
+from refserve.core.transit import KVPlace
 from refserve.spec.checks import CLUSTER_CHECKS, check_cluster
 from refserve.spec.cluster import (
     ClusterSnapshot,
@@ -37,6 +38,7 @@ from refserve.spec.cluster import (
 from refserve.spec.snapshot import RequestStatus, TableSnapshot
 from refserve.spec.violation import CLUSTER_INVARIANTS, ENGINE_INVARIANTS, Invariant, Violation
 from tests.harness import Boom, MemoryLink, Stepper, cluster_snapshot
+from tests.phased_migration import PhasedMigration, PhasedMigrationAborted
 
 S = RequestStatus
 PROMPT = tuple(range(10, 20))  # 10 distinct tokens
@@ -79,7 +81,7 @@ class Scenario:
     """A move observed phase by phase: ``snaps[i]`` after ``labels[i]``."""
 
     engines: dict[str, Stepper]
-    move: Move
+    move: PhasedMigration
     labels: list[str]
     snaps: list[ClusterSnapshot]
 
@@ -123,8 +125,8 @@ def observe_move(
     fault: str | None = None,
     finished: dict[str, tuple[int, ...]] | None = None,
 ) -> Scenario:
-    """Move ``rid`` from ``a`` to ``b`` and snapshot the cluster after every phase."""
-    move = Move(
+    """PhasedMigration ``rid`` from ``a`` to ``b`` and snapshot the cluster after every phase."""
+    move = PhasedMigration(
         e["a"].sched,
         e["b"].sched,
         rid,
@@ -134,7 +136,7 @@ def observe_move(
     )
     scenario = Scenario(e, move, ["start"], [cluster_snapshot(e, finished=finished)])
 
-    def observe(m: Move) -> None:
+    def observe(m: PhasedMigration) -> None:
         copied = m.phase is TransitPhase.STAGED and scenario.labels[-1] in ("staged", "chunk")
         scenario.labels.append("chunk" if copied else str(m.phase))
         scenario.snaps.append(cluster_snapshot(e, (m, "a", "b"), finished))
@@ -145,7 +147,7 @@ def observe_move(
 
     try:
         move.run(fault=hook, observe=observe)
-    except MoveAborted:
+    except PhasedMigrationAborted:
         scenario.labels.append("aborted")
     else:
         scenario.labels.append("committed")

@@ -1,8 +1,8 @@
 """MOVED, rule ``handoff`` (spec/handoff.py): the slot lists of a move are its tables'.
 
-Real states (tests/harness.py, refserve's own ``Move`` between two schedulers of
-different block sizes, observed phase by phase): every clean move passes at every
-phase, from the device and from the host pool; then one list is corrupted with
+Real states (tests/harness.py, ``PhasedMigration`` of tests/phased_migration.py between
+two schedulers of different block sizes, observed phase by phase): every clean move
+passes at every phase, from the device and from the host pool; then one list is corrupted with
 ``dataclasses.replace`` and the rule names what is wrong. ``check_cluster`` runs it.
 """
 
