@@ -78,6 +78,7 @@ from refserve.engine.llm_engine import (
 from refserve.engine.migration import MigrationAborted
 from refserve.errors import InvalidArgument
 from refserve.model.sampler import SamplingParams
+from refserve.values import is_int
 
 
 def _check_policy(migration: MigrationPolicy, reps: Sequence[Replica]) -> None:
@@ -97,7 +98,7 @@ def _configs(
     num_replicas: int, scheduler_config: SchedulerConfig | Sequence[SchedulerConfig] | None
 ) -> list[SchedulerConfig]:
     """One scheduler configuration per replica: ``scheduler_config`` for all, or one each."""
-    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+    if not is_int(num_replicas) or num_replicas < 1:
         raise InvalidArgument(f"num_replicas must be an int >= 1, got {num_replicas!r}")
     if scheduler_config is None or isinstance(scheduler_config, SchedulerConfig):
         return [scheduler_config or SchedulerConfig()] * num_replicas
@@ -293,7 +294,7 @@ class Cluster:
         ``metrics.migrations_by_reason`` (the policy's moves say theirs)."""
         MigrationArgs.check(kv, chunk_blocks, cost, fault)
         src = self.owner(request_id)
-        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < len(self.replicas):
+        if not is_int(to) or not 0 <= to < len(self.replicas):
             raise UnknownReplica(to, f"migrate of {request_id!r}")
         if to == src:
             raise InvalidArgument(f"migrate: request {request_id!r} is already on replica {to}")

@@ -41,6 +41,7 @@ from refserve.errors import InvalidArgument
 from refserve.spec.arith import full_blocks, max_cacheable_tokens
 from refserve.spec.events import BlockRemoved, BlockStored, CacheChange, CacheEvent
 from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace, packed_block_key, packed_token_ids
+from refserve.values import is_int
 
 #: Replica ids are bit positions of the holders' masks; this bounds a mask's size.
 MAX_REPLICAS = 1 << 16
@@ -80,7 +81,7 @@ class GlobalPrefixIndex:
         _check_replica_id(replica)
         if replica in self._books:
             raise InvalidArgument(f"add_replica: replica {replica} is already in the index")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        if not is_int(block_size) or block_size < 1:
             raise InvalidArgument(
                 f"add_replica: block_size must be an int >= 1, got {block_size!r}"
             )
@@ -263,7 +264,7 @@ def _bits(mask: int) -> Iterator[int]:
 
 
 def _check_replica_id(replica: object) -> None:
-    if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < MAX_REPLICAS:
+    if not is_int(replica) or not 0 <= replica < MAX_REPLICAS:
         raise InvalidArgument(f"replica ids are ints in [0, {MAX_REPLICAS}), got {replica!r}")
 
 
@@ -271,7 +272,7 @@ def _snapshot_entries(snapshot: CacheSnapshot) -> dict[bytes, int]:
     if not isinstance(snapshot, CacheSnapshot):
         raise InvalidArgument(f"expected a CacheSnapshot, got {type(snapshot).__name__}")
     seq = snapshot.next_seq
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+    if not is_int(seq) or seq < 0:
         raise InvalidArgument(f"snapshot next_seq must be an int >= 0, got {seq!r}")
     entries: dict[bytes, int] = {}
     for key, block in snapshot.entries:

@@ -47,6 +47,7 @@ from refserve.engine.ticket import MigrationTicket, ModelIdentity
 from refserve.errors import InvalidArgument
 from refserve.model.sampler import SamplingParams
 from refserve.spec.events import CacheEvent
+from refserve.values import is_int, is_number
 
 T = TypeVar("T")
 
@@ -420,9 +421,9 @@ def ray_replicas(
     ``call_timeout_s`` is dead (module doc, "Faults"). The replicas are numbered from
     ``first_id`` (a replacement takes its dead predecessor's number). ``engine_kwargs``
     go to each ``LLMEngine`` (plain values: they are pickled to the actors)."""
-    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+    if not is_int(num_replicas) or num_replicas < 1:
         raise InvalidArgument(f"num_replicas must be an int >= 1, got {num_replicas!r}")
-    if isinstance(first_id, bool) or not isinstance(first_id, int) or first_id < 0:
+    if not is_int(first_id) or first_id < 0:
         raise InvalidArgument(f"first_id must be an int >= 0, got {first_id!r}")
     _check_timeout(call_timeout_s)
     ray = _ray()
@@ -440,7 +441,7 @@ def ray_replicas(
 
 
 def _check_timeout(call_timeout_s: object) -> None:
-    if isinstance(call_timeout_s, bool) or not isinstance(call_timeout_s, int | float):
+    if not is_number(call_timeout_s):
         raise InvalidArgument(f"call_timeout_s must be a number > 0, got {call_timeout_s!r}")
     if not 0 < call_timeout_s < math.inf:
         raise InvalidArgument(f"call_timeout_s must be finite and > 0, got {call_timeout_s!r}")

@@ -38,6 +38,7 @@ from enum import StrEnum
 from refserve.cluster.errors import UnknownPolicy, UnknownReplica
 from refserve.cluster.records import LoadFigures
 from refserve.errors import InvalidArgument
+from refserve.values import is_int, is_number
 
 
 class RoutingPolicy(StrEnum):
@@ -119,7 +120,7 @@ class Router:
     ) -> None:
         self.policy = RoutingPolicy.parse(policy)
         m = balance_margin
-        if isinstance(m, bool) or not isinstance(m, int | float) or not 0 <= m < math.inf:
+        if not is_number(m) or not 0 <= m < math.inf:
             raise InvalidArgument(f"balance_margin must be a finite number >= 0, got {m!r}")
         self.balance_margin = float(m)
         self._last: int | None = None  # round robin: the replica chosen last
@@ -136,7 +137,7 @@ class Router:
         round-robin cursor moves only at :meth:`accepted`."""
         if not loads:
             raise InvalidArgument("route: there is no replica to route to")
-        if isinstance(num_prompt_tokens, bool) or not isinstance(num_prompt_tokens, int):
+        if not is_int(num_prompt_tokens):
             raise InvalidArgument(
                 f"route: num_prompt_tokens must be an int, got {num_prompt_tokens!r}"
             )

@@ -79,6 +79,7 @@ from refserve.spec.cluster import (
 )
 from refserve.spec.events import CacheEvent
 from refserve.spec.snapshot import RequestSnapshot, RequestStatus
+from refserve.values import is_int
 
 S = RequestStatus
 #: Llama-3-8B's K and V per token (32 layers x 8 KV heads x 128 dims x 2 x bf16), times
@@ -210,7 +211,7 @@ class ClusterSim:
         keep_decisions: bool = True,
         noise: StepNoise | None = None,
     ) -> None:
-        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+        if not is_int(num_replicas) or num_replicas < 1:
             raise InvalidArgument(f"num_replicas must be an int >= 1, got {num_replicas!r}")
         config = dataclasses.replace(config, cache_events=True)
         self.cost = cost

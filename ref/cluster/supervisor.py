@@ -22,6 +22,7 @@ from refserve.cluster.records import ClusterMetrics
 from refserve.cluster.replica import Replica
 from refserve.engine.ticket import ModelIdentity
 from refserve.errors import InvalidArgument
+from refserve.values import is_int
 
 log = logging.getLogger("refserve.cluster")
 
@@ -38,7 +39,7 @@ def check_replicas(
         raise InvalidArgument("Cluster: needs at least one replica")
     if restart is not None and not callable(restart):
         raise InvalidArgument(f"Cluster: restart must make a replica for a slot, got {restart!r}")
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+    if not is_int(max_restarts) or max_restarts < 0:
         raise InvalidArgument(f"Cluster: max_restarts must be an int >= 0, got {max_restarts!r}")
     if max_restarts and restart is None:
         raise InvalidArgument("Cluster: max_restarts > 0 needs a restart factory")

@@ -25,6 +25,7 @@ from enum import StrEnum
 
 from refserve.core.cost import StepCost
 from refserve.errors import InvalidArgument
+from refserve.values import is_int
 
 #: The least idle fraction the rule divides by: a saturated destination is priced as
 #: this busy, not infinitely (recompute stays finite and comparable).
@@ -69,7 +70,7 @@ class MigrationCost:
 
     def __post_init__(self) -> None:
         n = self.kv_bytes_per_token
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if not is_int(n) or n < 1:
             raise InvalidArgument(f"kv_bytes_per_token must be a positive int, got {n!r}")
         if not (self.link_gb_per_s > 0 and math.isfinite(self.link_gb_per_s)):
             raise InvalidArgument(f"link_gb_per_s must be > 0, got {self.link_gb_per_s!r}")

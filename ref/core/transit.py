@@ -37,6 +37,7 @@ from refserve.errors import DuplicateRequest, InvalidArgument, OutOfBlocks, Refs
 from refserve.spec.arith import logical_block, slot_of
 from refserve.spec.hashing import Namespace
 from refserve.spec.snapshot import RequestStatus
+from refserve.values import is_int
 
 S = RequestStatus
 
@@ -101,9 +102,7 @@ class MigrationArgs:
         except ValueError:
             modes = ", ".join(m.value for m in KVMode)
             raise InvalidMigrationArgument("kv", f"kv must be one of {modes}, got {kv!r}") from None
-        if chunk_blocks is not None and (
-            isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, int) or chunk_blocks < 1
-        ):
+        if chunk_blocks is not None and (not is_int(chunk_blocks) or chunk_blocks < 1):
             raise InvalidMigrationArgument(
                 "chunk_blocks", f"chunk_blocks must be an int >= 1 or None, got {chunk_blocks!r}"
             )
@@ -345,7 +344,7 @@ def _check_state(sched: Scheduler, state: RequestState) -> None:
     ):
         raise MigrationError(f"import: request {rid!r}: its token ids do not start with its prompt")
     for t in state.token_ids:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+        if not is_int(t) or t < 0:
             raise MigrationError(f"import: request {rid!r} has a bad token id {t!r}")
     if not 0 <= state.num_computed_tokens < len(state.token_ids):
         raise MigrationError(

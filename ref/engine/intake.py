@@ -14,6 +14,7 @@ from refserve.errors import DuplicateRequest, InvalidArgument
 from refserve.model.config import ModelConfig
 from refserve.model.sampler import InvalidSamplingParams, SamplingParams
 from refserve.model.tokenizer import Tokenizer
+from refserve.values import is_int
 
 Prompt = str | Sequence[int]
 
@@ -72,7 +73,7 @@ def prompt_token_ids(
     if not ids:
         raise InvalidPrompt(f"{what} has no tokens")
     for i, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+        if not is_int(t) or not 0 <= t < vocab_size:
             raise InvalidPrompt(
                 f"{what} token {i} is {t!r}; token ids must be ints in [0, {vocab_size})"
             )

@@ -103,6 +103,7 @@ from refserve.model.sampler import (
     derive_seed,
 )
 from refserve.spec.events import CacheEvent
+from refserve.values import is_int
 
 __all__ = [
     "FORK_SEPARATOR",
@@ -286,7 +287,7 @@ class LLMEngine:
         sp = sampling_params(params)
         ids = self.intake.prompt_ids(prompt)
         self.intake.check_room(len(ids), "prompt has")
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        if not is_int(priority):
             raise InvalidArgument(f"priority must be an int, got {priority!r}")
         rid = self.intake.new_id(request_id, self._in_use)
         child_ids = tuple(f"{rid}{FORK_SEPARATOR}{i}" for i in range(1, sp.n))

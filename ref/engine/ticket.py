@@ -29,6 +29,7 @@ from refserve.core.request import StopParams
 from refserve.core.transit import KVPlace, MigrationError, RequestState
 from refserve.spec.hashing import Namespace
 from refserve.spec.snapshot import RequestStatus
+from refserve.values import is_int, is_number
 
 TICKET_VERSION = 1
 MAGIC = b"RSMT"
@@ -226,7 +227,7 @@ class _Fields:
 
     def ints(self, key: str) -> tuple[int, ...]:
         v: list[Any] = self.get(key, list)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        if not all(is_int(t) for t in v):
             raise TicketError(f"ticket {self.where}.{key} must be a list of ints")
         return tuple(v)
 
@@ -272,7 +273,7 @@ def _decode_chunks(rows: list[Any], data: bytes) -> tuple[KVChunk, ...]:
     offset = 0
     for row in rows:
         ok = isinstance(row, list) and len(row) == 4 and isinstance(row[0], str)
-        ok = ok and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in row[1:])
+        ok = ok and all(is_int(x) and x >= 0 for x in row[1:])
         if not ok or row[1] >= row[2]:
             raise TicketError(f"ticket chunk {row!r} is not [seq id, start, end, length]")
         seq_id, start, end, n = row
@@ -313,7 +314,7 @@ def _decode_stop(f: _Fields) -> StopParams:
 def _decode_state(f: _Fields) -> RequestState:
     ns = _Fields(f.obj.get("namespace"), "namespace")
     times = f.get("token_times_ms", list)
-    if not all(isinstance(t, int | float) and not isinstance(t, bool) for t in times):
+    if not all(is_number(t) for t in times):
         raise TicketError("ticket state.token_times_ms must be a list of numbers")
     return RequestState(
         request_id=f.get("request_id", str),

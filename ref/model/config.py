@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from refserve.errors import InvalidArgument, RefserveError
+from refserve.values import is_int, is_number
 
 #: ``model_type`` values whose checkpoints this loader reads.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -56,7 +57,7 @@ class ModelConfig:
             "max_position_embeddings",
         ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise InvalidArgument(f"model config: {name} must be a positive int, got {value!r}")
             if value > MAX_DIM:
                 raise InvalidArgument(f"model config: {name} is {value}; at most {MAX_DIM}")
@@ -82,7 +83,7 @@ class ModelConfig:
         named_ids = [("bos_token_id", t) for t in bos]
         named_ids += [("eos_token_id", t) for t in self.eos_token_ids]
         for name, t in named_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+            if not is_int(t) or not 0 <= t < self.vocab_size:
                 raise InvalidArgument(
                     f"model config: {name} {t!r} is outside the vocabulary [0, {self.vocab_size})"
                 )
@@ -188,7 +189,7 @@ def _eos_ids(cfg: Mapping[str, object]) -> list[int]:
     """``eos_token_id``: an int, a list of ints, or null (none)."""
     eos = cfg.get("eos_token_id")
     if isinstance(eos, list):
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in eos):
+        if not all(is_int(x) for x in eos):
             raise UnsupportedModel(
                 f"config.json: eos_token_id must be an int or a list of ints, got {_show(eos)}"
             )
@@ -234,7 +235,7 @@ def _int(cfg: Mapping[str, object], key: str, default: int | None = None) -> int
     value = cfg.get(key)
     if value is None and default is not None:  # absent or null: not set
         return default
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise UnsupportedModel(f"config.json: {key} must be an int, got {_show(value)}")
     return value
 
@@ -247,11 +248,7 @@ def _float(
         return default
     # An int too large for a float would overflow float(); NaN and Infinity (which Python's
     # JSON reader accepts) fail the finiteness check.
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not -MAX_FLOAT <= value <= MAX_FLOAT
-    ):
+    if not is_number(value) or not -MAX_FLOAT <= value <= MAX_FLOAT:
         raise UnsupportedModel(f"{where}{key} must be a finite number, got {_show(value)}")
     return float(value)
 

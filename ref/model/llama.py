@@ -27,6 +27,7 @@ from refserve.kv import BlockCopy
 from refserve.model.attention import AttentionBackend, AttentionMetadata, default_scale
 from refserve.model.config import ModelConfig
 from refserve.model.weights import LayerWeights, LlamaWeights
+from refserve.values import is_int
 
 
 class KVCache:
@@ -74,7 +75,7 @@ class HostKVCache:
     """
 
     def __init__(self, device_cache: KVCache, num_blocks: int) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+        if not is_int(num_blocks) or num_blocks < 0:
             raise InvalidArgument(f"num_host_blocks must be an int >= 0, got {num_blocks!r}")
         ref = device_cache.key[0] if device_cache.key else None
         per_block: tuple[int, ...] = tuple(ref.shape[1:]) if ref is not None else ()

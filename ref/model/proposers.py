@@ -32,6 +32,7 @@ from refserve.model.llama import KVCache, LlamaModel
 from refserve.model.rejection import target_probs
 from refserve.model.sampler import SampleSpec, mix64
 from refserve.spec.arith import blocks_needed
+from refserve.values import is_int
 
 # Mixed into the per-index seed: the draft's own draw never reuses the target's.
 _DRAFT_STREAM = 0xD2_AF
@@ -106,7 +107,7 @@ class NgramProposer:
     def __post_init__(self) -> None:
         for name, low in (("num_speculative_tokens", 1), ("min_n", 1), ("max_n", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_int(value) or value < low:
                 raise InvalidArgument(
                     f"NgramProposer: {name} must be an int >= {low}, got {value!r}"
                 )
@@ -168,7 +169,7 @@ class DraftModelProposer:
             ("num_speculative_tokens", num_speculative_tokens),
             ("block_size", block_size),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise InvalidArgument(
                     f"DraftModelProposer: {name} must be an int >= 1, got {value!r}"
                 )

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from refserve.errors import InvalidArgument
+from refserve.values import is_int, is_number
 
 _MASK64 = (1 << 64) - 1
 
@@ -82,8 +83,7 @@ class SamplingParams:
         _int_at_least("top_k", self.top_k, -1)
         t = self.temperature
         if (
-            isinstance(t, bool)
-            or not isinstance(t, int | float)
+            not is_number(t)
             or not (t == 0 or MIN_TEMPERATURE <= t < math.inf)  # also false for NaN
         ):
             raise InvalidSamplingParams(
@@ -92,7 +92,7 @@ class SamplingParams:
                 field="temperature",
             )
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1:
+        if not is_number(p) or not 0 < p <= 1:
             raise InvalidSamplingParams(f"top_p must be in (0, 1], got {p!r}", field="top_p")
         if self.seed is not None:
             _int_at_least("seed", self.seed, 0)
@@ -137,7 +137,7 @@ class SamplingParams:
 
 
 def _int_at_least(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise InvalidSamplingParams(
             f"{name} must be an int >= {minimum}, got {value!r}", field=name.removesuffix("[]")
         )

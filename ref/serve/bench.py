@@ -54,6 +54,7 @@ from refserve.sim.workloads import (
     scaled,
     short_chat_records,
 )
+from refserve.values import is_number
 
 TRACES = ("chat", "long", "mixed", "agent")
 #: The knee: the highest rate whose goodput is at least this fraction of the offered rate.
@@ -194,7 +195,7 @@ def plan(
 
 def _number(value: object) -> float:
     # Trace records come from refserve.sim (already validated): numbers, never bools.
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if not is_number(value):
         raise InvalidArgument(f"trace record: expected a number, got {value!r}")
     return float(value)
 

@@ -82,6 +82,7 @@ from refserve.serve.loop import (
 )
 from refserve.serve.metrics import ClusterServeMetrics
 from refserve.spec.events import CacheEvent
+from refserve.values import is_int
 
 T = TypeVar("T")
 
@@ -328,7 +329,7 @@ class ClusterLoop:
             raise InvalidArgument(
                 f"ClusterLoop: restart must make a replica for a slot, got {restart!r}"
             )
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        if not is_int(max_restarts) or max_restarts < 0:
             raise InvalidArgument(
                 f"ClusterLoop: max_restarts must be an int >= 0, got {max_restarts!r}"
             )
@@ -531,7 +532,7 @@ class ClusterLoop:
         {i}/kill`` with ``--fault-endpoints``): a Ray actor is killed, an in-process
         engine dropped; its thread finds it dead between two steps and handles it as any
         death (module doc, "Faults"), a restart included. Non-blocking."""
-        if isinstance(replica, bool) or not isinstance(replica, int):
+        if not is_int(replica):
             raise InvalidArgument(f"kill_replica: no replica {replica!r}")
         if not 0 <= replica < len(self.loops):
             raise InvalidArgument(f"kill_replica: no replica {replica} (of {len(self.loops)})")
@@ -557,7 +558,7 @@ class ClusterLoop:
                 prompt = self._prompts.get(request_id, [])
             if src is None:
                 raise UnknownRequest(request_id, "migrate")
-            if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < len(self.loops):
+            if not is_int(to) or not 0 <= to < len(self.loops):
                 raise InvalidArgument(f"migrate: no replica {to!r}")
             if to == src:
                 raise InvalidArgument(f"migrate: {request_id!r} is already on replica {to}")

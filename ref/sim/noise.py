@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from refserve.errors import InvalidArgument
+from refserve.values import is_number
 
 #: The most factors a noise model holds (a fit keeps quantiles, not every step).
 MAX_FACTORS = 10_000
@@ -45,12 +46,12 @@ class StepNoise:
                     f"StepNoise needs {least} to {MAX_FACTORS} {name}, got {len(f)}"
                 )
             for x in f:
-                if isinstance(x, bool) or not isinstance(x, int | float) or not 0 < x < math.inf:
+                if not is_number(x) or not 0 < x < math.inf:
                     raise InvalidArgument(f"a step-noise factor must be a number > 0, got {x!r}")
         if len(self.gaps_ms) > MAX_FACTORS:
             raise InvalidArgument(f"StepNoise holds at most {MAX_FACTORS} gaps")
         for x in self.gaps_ms:
-            if isinstance(x, bool) or not isinstance(x, int | float) or not 0 <= x < math.inf:
+            if not is_number(x) or not 0 <= x < math.inf:
                 raise InvalidArgument(f"a loop gap must be a number >= 0 ms, got {x!r}")
 
     @property

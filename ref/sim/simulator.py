@@ -33,6 +33,7 @@ from refserve.core.swap import SwapCost, SwapTraffic
 from refserve.errors import InvalidArgument, RefserveError
 from refserve.sim.noise import StepNoise
 from refserve.spec.snapshot import RequestStatus
+from refserve.values import is_int, is_number
 
 VOCAB = 32000
 #: The default step cap of every replay (``refserve simulate --max-steps``): a workload
@@ -72,7 +73,7 @@ class SimSpeculation:
 
     def __post_init__(self) -> None:
         rate = self.acceptance_rate
-        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
+        if not is_number(rate) or not 0 <= rate <= 1:
             raise InvalidArgument(f"acceptance_rate must be a number in [0, 1], got {rate!r}")
 
     def accepted(self, request_seq: int, position: int, num_drafts: int) -> int:
@@ -264,7 +265,7 @@ class StepLimitReached(RefserveError):
 
 
 def _check_max_steps(max_steps: int) -> None:
-    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+    if not is_int(max_steps) or max_steps < 1:
         raise InvalidArgument(f"max_steps must be an int >= 1, got {max_steps!r}")
 
 

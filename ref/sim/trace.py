@@ -23,6 +23,7 @@ from pathlib import Path
 from refserve.core.request import Request, StopParams
 from refserve.errors import InvalidArgument
 from refserve.files import clip, exists, loads_json, read_text_file, show, shown
+from refserve.values import is_int, is_number
 
 FIELDS = frozenset(
     {
@@ -140,11 +141,7 @@ class _TraceParser:
     def _arrival(self, obj: dict[str, object], where: str) -> int | float:
         arrival = obj.get("arrival_ms", 0.0)
         # Compare before float(): an int of 400 digits would overflow it; NaN fails both.
-        if (
-            isinstance(arrival, bool)
-            or not isinstance(arrival, int | float)
-            or not 0 <= arrival <= MAX_ARRIVAL_MS
-        ):
+        if not is_number(arrival) or not 0 <= arrival <= MAX_ARRIVAL_MS:
             raise TraceError(
                 f"{where}: 'arrival_ms' must be a finite number in [0, {MAX_ARRIVAL_MS:g}], "
                 f"got {show(arrival)}"
@@ -191,7 +188,7 @@ def _fields(line: str, where: str) -> dict[str, object]:
 def _priority(obj: dict[str, object], where: str) -> int:
     priority = obj.get("priority", 0)
     lo, hi = PRIORITY_RANGE
-    if isinstance(priority, bool) or not isinstance(priority, int) or not lo <= priority <= hi:
+    if not is_int(priority) or not lo <= priority <= hi:
         raise TraceError(
             f"{where}: 'priority' must be an int in [{lo}, {hi}], got {show(priority)}"
         )
@@ -228,7 +225,7 @@ def _prompt(
         raise TraceError(f"{where}: 'prefix_len' needs 'prefix_group'")
     group = None if group_value is None else _name(group_value, "prefix_group", where)
     plen = obj.get("prefix_len", n // 2)
-    if isinstance(plen, bool) or not isinstance(plen, int) or not 0 <= plen <= n:
+    if not is_int(plen) or not 0 <= plen <= n:
         raise TraceError(f"{where}: 'prefix_len' must be an int in 0..{n}, got {show(plen)}")
     # Synthetic tokens, deterministic per request id; a prefix group shares its head.
     rng = random.Random(rid)
@@ -242,7 +239,7 @@ def _given_tokens(ids: object, where: str) -> tuple[int, ...]:
     """``prompt_token_ids`` (a non-empty list, length checked by :func:`_prompt_len`)."""
     assert isinstance(ids, list)
     for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
+        if not is_int(t) or not 0 <= t <= MAX_TOKEN_ID:
             raise TraceError(f"{where}: 'prompt_token_ids' holds a bad token id {show(t)}")
     return tuple(ids)
 
@@ -259,7 +256,7 @@ def _group_head(groups: dict[str, list[int]], group: str, n: int, plen: int) -> 
 
 
 def _positive_int(value: object, field: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise TraceError(f"{where}: '{field}' must be an int >= 1, got {show(value)}")
     if value > MAX_REQUEST_TOKENS:
         raise TraceError(

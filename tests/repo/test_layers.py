@@ -28,6 +28,7 @@ ROOT = layout.ROOT
 # refserve.sim share a rank but are siblings: neither imports the other.
 REF_LAYERS: dict[str, int] = {
     "refserve.errors": 0,
+    "refserve.values": 0,
     "refserve.files": 1,
     "refserve.kv": 2,
     "refserve.core": 3,
