@@ -25,6 +25,7 @@ from refserve.conformance.kv.protocol import (
 )
 from refserve.errors import ExceedsCapacity, OutOfBlocks, RefserveError
 from refserve.kv import BlockPool, PrefixHit
+from refserve.kv.fork import fork
 from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace
 from refserve.spec.snapshot import PoolSnapshot
 
@@ -99,7 +100,7 @@ class RefKVAdapter:
         )
 
     def fork(self, parent: str, child: str) -> None:
-        self.pool.fork(parent, child)
+        fork(self.pool, parent, child)
 
     def free(self, request_id: str) -> None:
         self.pool.free(request_id)

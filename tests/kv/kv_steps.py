@@ -3,7 +3,7 @@
 ``decode_step`` is one steady decode step as the persistent batch takes it
 (``PersistentBatch.needs_block``, ``fills_block``, ``filled_blocks``; docs/ARCHITECTURE.md,
 "The persistent batch"): its claims are derived here from the pool's tables, and the
-step goes through ``BlockPool.decode_run`` and ``BlockPool.append_decodes``.
+step goes through a ``DecodeRun`` and ``DecodeRun.append_decodes``.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def decode_step(
         else None
     )
     tokens = [known[rid][n] for rid, n in zip(ids, lengths, strict=True)]
-    run = pool.decode_run(ids) if run is None else run
-    return pool.append_decodes(run, tokens, needy, filling, filled)
+    run = DecodeRun(pool, ids) if run is None else run
+    return run.append_decodes(tokens, needy, filling, filled)
 
 
 def decode_copies(pool: BlockPool, known: Mapping[str, Sequence[int]]) -> list[BlockCopy] | None:

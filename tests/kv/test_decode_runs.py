@@ -1,12 +1,12 @@
-"""A pool driven by decode runs equals one driven request by request (ref/kv/pool.py,
-``DecodeRun``; docs/ARCHITECTURE.md, "The persistent batch").
+"""A pool driven by decode runs equals one driven request by request
+(ref/kv/decode_runs.py, ``DecodeRun``; docs/ARCHITECTURE.md, "The persistent batch").
 
 A decode run is looked up once and kept across steps while the pool says it is current;
 each ``append_decodes`` takes the step's fresh blocks as one run off the free queue and
 indexes the filled blocks in one pass. Two pools take the same random operations:
 admissions with prefix hits, decode steps (some rolled back), single tokens through
 ``allocate``, frees, forks and a second run over the same tables; one decodes through
-``decode_run``/``append_decodes`` with the claims the persistent batch makes, the other
+``DecodeRun``/``append_decodes`` with the claims the persistent batch makes, the other
 request by request through ``allocate(rid, known, 1)`` (``kv_steps.decode_each``). After
 every operation their snapshots are equal and ``refserve.spec.check_pool`` reports nothing,
 whether or not the caller hands over the tokens of the blocks that fill (``filled``).
@@ -21,6 +21,7 @@ from kv_steps import decode_each, stored
 
 from refserve.errors import ExceedsCapacity, InvalidArgument, OutOfBlocks
 from refserve.kv import BlockPool, DecodeRun
+from refserve.kv.fork import fork
 from refserve.spec import check_pool
 
 TOKENS = st.integers(min_value=0, max_value=2)  # few ids: prefix hits are common
@@ -74,15 +75,15 @@ class _Pair:
             if claim_filled
             else None
         )
-        if self.spare is not None and self.bulk.is_current(self.spare):
+        if self.spare is not None and self.spare.is_current():
             self.run, self.spare = self.spare, self.run  # a second run over the same tables
-        if self.run is None or not self.bulk.is_current(self.run):
-            self.run = self.bulk.decode_run(ids)
+        if self.run is None or not self.run.is_current():
+            self.run = DecodeRun(self.bulk, ids)
         if rolled_back:
             self.ref.begin()
             self.bulk.begin()
         copies = decode_each(self.ref, {rid: self.known[rid] for rid in ids})
-        growth = self.bulk.append_decodes(self.run, tokens, needy, filling, filled)
+        growth = self.run.append_decodes(tokens, needy, filling, filled)
         assert (growth is None) == (copies is None)
         if growth is not None:
             assert growth.copies == copies
@@ -95,7 +96,7 @@ class _Pair:
 
     def take_spare_run(self) -> None:
         if self.known:
-            self.spare = self.bulk.decode_run(list(self.known))
+            self.spare = DecodeRun(self.bulk, list(self.known))
 
     def extend(self, pick: int, sampled: int) -> None:
         """One token through ``allocate``, as the reference decode loop stores it."""
@@ -124,8 +125,8 @@ class _Pair:
             parent = list(self.known)[pick % len(self.known)]
             child = f"r{self.next_id}"
             self.next_id += 1
-            self.ref.fork(parent, child)
-            self.bulk.fork(parent, child)
+            fork(self.ref, parent, child)
+            fork(self.bulk, parent, child)
             self.known[child] = list(self.known[parent])
 
 
@@ -184,7 +185,7 @@ def test_a_run_kept_for_forty_steps_stores_each_token_at_once() -> None:
     current (a step's own growth is reported through DecodeGrowth, not take_changed)."""
     pool = BlockPool(16, 4, enable_prefix_caching=True)
     pool.allocate("a", [7], 1)
-    run = pool.decode_run(["a"])
+    run = DecodeRun(pool, ["a"])
     known = [7]
     for step in range(40):
         position = len(known)
@@ -192,11 +193,11 @@ def test_a_run_kept_for_forty_steps_stores_each_token_at_once() -> None:
         needy = [0] if position % 4 == 0 else []
         filling = [0] if (position + 1) % 4 == 0 else []
         filled = [known[-4:]] if filling else None
-        growth = pool.append_decodes(run, [known[-1]], needy, filling, filled)
+        growth = run.append_decodes([known[-1]], needy, filling, filled)
         assert growth is not None and growth.lengths == ([position // 4 + 1] if needy else [])
         snap = pool.snapshot()
         assert snap.tables[0].token_ids == tuple(known) and check_pool(snap) == []
-        assert pool.is_current(run)
+        assert run.is_current()
     assert len(pool.snapshot().cache_entries) == 41 // 4
 
 
@@ -205,20 +206,20 @@ def _two_decoding() -> tuple[BlockPool, DecodeRun]:
     pool = BlockPool(16, 4, enable_prefix_caching=True)
     pool.allocate("a", [1, 2], 2)
     pool.allocate("b", [5], 1)
-    run = pool.decode_run(["a", "b"])
-    assert pool.append_decodes(run, [3, 6], [], []) is not None
-    assert pool.append_decodes(run, [4, 7], [], [0]) is not None  # "a" fills block 0
+    run = DecodeRun(pool, ["a", "b"])
+    assert run.append_decodes([3, 6], [], []) is not None
+    assert run.append_decodes([4, 7], [], [0]) is not None  # "a" fills block 0
     return pool, run
 
 
 def test_two_runs_over_the_same_tables_append_to_the_same_lists() -> None:
     pool, first = _two_decoding()
-    second = pool.decode_run(["a", "b"])
+    second = DecodeRun(pool, ["a", "b"])
     # "a" starts block 1, "b" fills block 0.
-    assert pool.append_decodes(second, [9, 8], [0], [1]) is not None
+    assert second.append_decodes([9, 8], [0], [1]) is not None
     assert [t.token_ids for t in pool.snapshot().tables] == [(1, 2, 3, 4, 9), (5, 6, 7, 8)]
-    assert pool.is_current(first) and pool.is_current(second)
-    assert pool.append_decodes(first, [5, 0], [1], []) is not None  # "b" starts block 1
+    assert first.is_current() and second.is_current()
+    assert first.append_decodes([5, 0], [1], []) is not None  # "b" starts block 1
     snap = pool.snapshot()
     assert [t.token_ids for t in snap.tables] == [(1, 2, 3, 4, 9, 5), (5, 6, 7, 8, 0)]
     assert len(snap.cache_entries) == 2 and check_pool(snap) == []
@@ -228,16 +229,16 @@ def test_a_rollback_undoes_the_steps_inside_it_and_keeps_the_earlier_ones() -> N
     pool, run = _two_decoding()
     before = pool.snapshot()
     pool.begin()
-    assert pool.append_decodes(run, [9, 8], [0], [1]) is not None  # "b" fills block 0
-    assert pool.append_decodes(run, [1, 1], [1], []) is not None  # "b" starts block 1
+    assert run.append_decodes([9, 8], [0], [1]) is not None  # "b" fills block 0
+    assert run.append_decodes([1, 1], [1], []) is not None  # "b" starts block 1
     inside = pool.snapshot()
     assert stored(pool, "a") == 6 and len(inside.cache_entries) == 2
     assert check_pool(inside) == []
     pool.rollback()
     assert pool.snapshot() == before
-    assert not pool.is_current(run)  # a rollback may shrink any table
-    again = pool.decode_run(["a", "b"])
-    assert pool.append_decodes(again, [0, 1], [0], []) is not None
+    assert not run.is_current()  # a rollback may shrink any table
+    again = DecodeRun(pool, ["a", "b"])
+    assert again.append_decodes([0, 1], [0], []) is not None
     assert [t.token_ids for t in pool.snapshot().tables] == [(1, 2, 3, 4, 0), (5, 6, 7, 1)]
     assert check_pool(pool.snapshot()) == []
 
@@ -250,13 +251,13 @@ def test_a_copy_on_write_step_equals_the_request_by_request_path() -> None:
     for pool in pools:
         pool.allocate("a", [1, 2], 2)
     bulk, ref = pools
-    assert bulk.append_decodes(bulk.decode_run(["a"]), [3], [], []) is not None
+    assert DecodeRun(bulk, ["a"]).append_decodes([3], [], []) is not None
     assert decode_each(ref, {"a": [1, 2, 3]}) == []
     for pool in pools:
-        pool.fork("a", "c")
-    run = bulk.decode_run(["a", "c"])
+        fork(pool, "a", "c")
+    run = DecodeRun(bulk, ["a", "c"])
     bulk.begin()
-    growth = bulk.append_decodes(run, [4, 5], [0, 1], [0, 1])
+    growth = run.append_decodes([4, 5], [0, 1], [0, 1])
     assert growth is not None
     inside = bulk.snapshot()
     bulk.commit()
@@ -288,8 +289,8 @@ def test_a_decode_step_after_the_cache_was_forgotten_fills_and_grows() -> None:
         pool.allocate("b", [5, 6, 7], 3)
         assert pool.forget_cached(range(16)) == 1
     bulk, ref = pools
-    run = bulk.decode_run(["a", "b"])
-    assert bulk.append_decodes(run, [9, 8], [0], [1]) is not None
+    run = DecodeRun(bulk, ["a", "b"])
+    assert run.append_decodes([9, 8], [0], [1]) is not None
     assert decode_each(ref, {"a": [1, 2, 3, 4, 9], "b": [5, 6, 7, 8]}) == []
     snap = bulk.snapshot()
     assert snap == ref.snapshot() and len(snap.cache_entries) == 1
@@ -303,17 +304,17 @@ def test_the_tokens_of_a_filled_block_are_the_callers_claim() -> None:
     before anything changes."""
     pool = BlockPool(8, 4, enable_prefix_caching=True)
     pool.allocate("a", [5, 6, 7], 3)
-    run = pool.decode_run(["a"])
+    run = DecodeRun(pool, ["a"])
     before = pool.snapshot()
     with pytest.raises(InvalidArgument, match="2 filled blocks for 1 filling"):
-        pool.append_decodes(run, [8], [], [0], [[5, 6, 7, 8], [5, 6, 7, 8]])
+        run.append_decodes([8], [], [0], [[5, 6, 7, 8], [5, 6, 7, 8]])
     assert pool.snapshot() == before
     with pytest.raises(InvalidArgument, match="a filled block holds 3 token ids, not the block"):
-        pool.append_decodes(run, [8], [], [0], [[6, 7, 8]])
+        run.append_decodes([8], [], [0], [[6, 7, 8]])
     with pytest.raises(InvalidArgument, match="a filled block holds a bad token id"):
-        pool.append_decodes(run, [8], [], [0], [[5, 6, 7, 2**63]])
+        run.append_decodes([8], [], [0], [[5, 6, 7, 2**63]])
     assert pool.snapshot() == before
-    assert pool.append_decodes(run, [8], [], [0], [[5, 6, 7, 9]]) is not None
+    assert run.append_decodes([8], [], [0], [[5, 6, 7, 9]]) is not None
     violations = check_pool(pool.snapshot())
     assert [v.invariant.name for v in violations] == ["PREFIX"]
     assert "cache entry points at a block now holding other tokens" in str(violations[0])

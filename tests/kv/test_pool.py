@@ -21,8 +21,10 @@ from refserve.errors import (
     RefserveError,
     UnknownRequest,
 )
-from refserve.kv import BlockCopy, BlockPool, PrefixHit
+from refserve.kv import BlockCopy, BlockPool, DecodeRun, PrefixHit
+from refserve.kv.fork import fork
 from refserve.kv.pool import Allocation
+from refserve.kv.truncate import truncate
 from refserve.spec import check_pool
 from refserve.spec.atomic import check_atomic_pool
 from refserve.spec.hashing import Namespace
@@ -116,7 +118,7 @@ def test_allocate_reports_what_it_did() -> None:
     assert hit.block_ids == (0, 1)
     shared = pool.allocate("b", [1, 2, 3, 4, 9, 9], 1, hit=hit)
     assert shared == Allocation("b", 4, 1, 4, (3,), ())
-    pool.fork("b", "c")
+    fork(pool, "b", "c")
     cow = pool.allocate("b", [1, 2, 3, 4, 9, 9], 1)
     assert cow.copies == (BlockCopy(3, 4),) and cow.new_block_ids == ()
     assert (cow.start_position, cow.num_new_tokens, cow.num_cached_tokens) == (5, 1, 0)
@@ -159,17 +161,17 @@ def test_a_decode_run_is_stale_after_a_one_off_allocation_or_a_free() -> None:
     stale and is reported to ``take_changed`` by its request id."""
     pool = BlockPool(8, 2, enable_prefix_caching=False)
     pool.allocate("a", [1, 2, 3], 3)
-    run = pool.decode_run(["a"])
+    run = DecodeRun(pool, ["a"])
     pool.take_changed()
     pool.allocate("b", [4, 5], 2)
-    assert not pool.is_current(run)
+    assert not run.is_current()
     assert pool.take_changed() == ({"b"}, False)
-    run = pool.decode_run(["a"])
+    run = DecodeRun(pool, ["a"])
     pool.free("b")
-    assert not pool.is_current(run)
+    assert not run.is_current()
     assert pool.take_changed() == ({"b"}, False)
     pool.allocate("c", [6, 7], 2)  # a free then an allocation: never back to the run's epoch
-    assert not pool.is_current(run)
+    assert not run.is_current()
 
 
 @pytest.mark.mutation_kill
@@ -178,8 +180,8 @@ def test_a_copy_on_write_leaves_the_other_holders_their_references() -> None:
     copy and the shared block keeps the other two references."""
     pool = BlockPool(8, 4, enable_prefix_caching=False)
     pool.allocate("a", [1, 2, 3, 4, 5], 5)
-    pool.fork("a", "b")
-    pool.fork("a", "c")
+    fork(pool, "a", "b")
+    fork(pool, "a", "c")
     shared = pool.block_table("a")[-1]
     assert decode_copies(pool, {"a": [1, 2, 3, 4, 5, 6]}) == [
         BlockCopy(shared, pool.block_table("a")[-1])
@@ -212,7 +214,7 @@ def test_a_free_that_fails_inside_a_transaction_is_left_to_its_opener() -> None:
 def test_a_table_truncated_to_nothing_grows_again_inside_a_step() -> None:
     pool = BlockPool(4, 2, enable_prefix_caching=False)
     pool.allocate("a", [1, 2, 3], 3)
-    assert pool.truncate("a", 0) == [0, 1]  # every block held only rejected positions
+    assert truncate(pool, "a", 0) == [0, 1]  # every block held only rejected positions
     before = pool.snapshot()
     pool.begin()
     pool.allocate("a", [1, 2, 3], 2)
@@ -238,7 +240,7 @@ def test_allocate_takes_exactly_the_free_blocks_and_the_whole_pool() -> None:
 def test_no_new_tokens_need_no_blocks() -> None:
     pool = BlockPool(4, 2)
     pool.allocate("a", [1, 2, 3], 3)
-    pool.fork("a", "c")  # a's last block is partial and shared
+    fork(pool, "a", "c")  # a's last block is partial and shared
     assert pool.blocks_to_allocate("a", 0) == 0
     assert pool.blocks_to_allocate("new", 0) == 0
     assert pool.blocks_to_allocate("a", 1) == 1  # the copy-on-write
@@ -290,7 +292,7 @@ def test_a_block_filled_by_a_decode_append_is_cached_at_once(caching: bool) -> N
 def test_decode_append_into_a_shared_block_needs_a_free_block_for_its_copy() -> None:
     pool = BlockPool(1, 4)
     pool.allocate("a", [1, 2, 3], 3)
-    pool.fork("a", "c")
+    fork(pool, "a", "c")
     before = pool.snapshot()
     assert decode_copies(pool, {"a": [1, 2, 3, 4]}) is None  # copy-on-write, 0 free
     assert pool.snapshot() == before
@@ -300,7 +302,7 @@ def test_decode_append_into_a_shared_block_needs_a_free_block_for_its_copy() -> 
 def test_decode_append_copies_a_shared_block_with_exactly_one_free_block() -> None:
     pool = BlockPool(2, 4)
     pool.allocate("a", [1, 2, 3], 3)
-    pool.fork("a", "c")
+    fork(pool, "a", "c")
     assert decode_copies(pool, {"a": [1, 2, 3, 4]}) == [BlockCopy(0, 1)]
     assert pool.block_table("a") == (1,) and pool.block_table("c") == (0,)
     assert check_pool(pool.snapshot()) == []
@@ -350,7 +352,7 @@ def test_free_releases_in_reverse_order() -> None:
 def test_free_keeps_blocks_shared_with_a_fork() -> None:
     pool = BlockPool(6, 2)
     pool.allocate("a", tokens(3), 3)
-    pool.fork("a", "b")
+    fork(pool, "a", "b")
     pool.free("a")
     assert pool.snapshot().ref_cnt[:2] == (1, 1)
     assert pool.snapshot().free_queue == (2, 3, 4, 5)
@@ -393,7 +395,7 @@ def test_fork_and_copy_on_write() -> None:
     pool = BlockPool(6, 4)
     parent_tokens = tokens(6)
     pool.allocate("p", parent_tokens, 6)  # blocks 0 (full), 1 (2 of 4)
-    pool.fork("p", "c")
+    fork(pool, "p", "c")
     assert pool.block_table("c") == (0, 1)
     assert pool.snapshot().ref_cnt[:2] == (2, 2)
     alloc = pool.allocate("c", [*parent_tokens, 100], 1)
@@ -413,7 +415,7 @@ def test_fork_and_copy_on_write() -> None:
 def test_fork_of_a_full_last_block_needs_no_copy() -> None:
     pool = BlockPool(6, 4)
     pool.allocate("p", tokens(8), 8)
-    pool.fork("p", "c")
+    fork(pool, "p", "c")
     alloc = pool.allocate("c", [*tokens(8), 5], 1)
     assert alloc.copies == ()
     assert alloc.new_block_ids == (2,)
@@ -423,12 +425,12 @@ def test_fork_of_a_full_last_block_needs_no_copy() -> None:
 def test_copy_on_write_counts_against_free_blocks() -> None:
     pool = BlockPool(2, 4)
     pool.allocate("p", tokens(6), 6)
-    pool.fork("p", "c")
+    fork(pool, "p", "c")
     assert pool.blocks_to_allocate("c", 1) == 1
     pool2 = BlockPool(3, 4)
     pool2.allocate("p", tokens(6), 6)
     pool2.allocate("x", [1], 1)
-    pool2.fork("p", "c")
+    fork(pool2, "p", "c")
     before = pool2.snapshot()
     with pytest.raises(OutOfBlocks, match="needs 1 free KV blocks, 0 are free"):
         pool2.allocate("c", [*tokens(6), 1], 1)
@@ -550,7 +552,7 @@ def test_transaction_rollback_restores_free_queue_order() -> None:
 def test_rollback_restores_a_block_swapped_by_copy_on_write() -> None:
     pool = BlockPool(4, 4)
     pool.allocate("a", [1, 2, 3], 3)
-    pool.fork("a", "c")
+    fork(pool, "a", "c")
     before = pool.snapshot()
     pool.begin()
     alloc = pool.allocate("a", [1, 2, 3, 4], 1)
@@ -565,7 +567,7 @@ def test_a_committed_transaction_keeps_what_it_did() -> None:
     pool = BlockPool(4, 2)
     pool.begin()
     pool.allocate("a", tokens(3), 3)
-    pool.fork("a", "b")
+    fork(pool, "a", "b")
     pool.commit()
     assert pool.has_request("a") and pool.has_request("b")
     pool.begin()
@@ -647,11 +649,11 @@ def test_free_unknown_or_already_freed(pool: BlockPool) -> None:
 
 
 def test_fork_missing_or_onto_existing(pool: BlockPool) -> None:
-    refused(pool, UnknownRequest, ["fork", "'ghost'"], lambda: pool.fork("ghost", "c"))
-    refused(pool, UnknownRequest, ["fork", "'b'"], lambda: pool.fork("b", "c"))  # freed
+    refused(pool, UnknownRequest, ["fork", "'ghost'"], lambda: fork(pool, "ghost", "c"))
+    refused(pool, UnknownRequest, ["fork", "'b'"], lambda: fork(pool, "b", "c"))  # freed
     pool.allocate("c", [1], 1)
-    refused(pool, DuplicateRequest, ["fork", "'c'", "already in use"], lambda: pool.fork("a", "c"))
-    refused(pool, DuplicateRequest, ["'a'"], lambda: pool.fork("a", "a"))
+    refused(pool, DuplicateRequest, ["fork", "'c'", "already in use"], lambda: fork(pool, "a", "c"))
+    refused(pool, DuplicateRequest, ["'a'"], lambda: fork(pool, "a", "a"))
 
 
 def test_queries_on_unknown_request(pool: BlockPool) -> None:
@@ -677,16 +679,16 @@ def test_pool_unknown_request_messages_name_the_operation() -> None:
     cases: dict[str, Callable[[], object]] = {
         "block_table": lambda: pool.block_table("x"),
         "free": lambda: pool.free("x"),
-        "decode_run": lambda: pool.decode_run(["a", "x"]),
+        "decode_run": lambda: DecodeRun(pool, ["a", "x"]),
         "block_table_views": lambda: pool.block_table_views(["a", "x"]),
-        "fork": lambda: pool.fork("x", "c"),
+        "fork": lambda: fork(pool, "x", "c"),
     }
     for what, call in cases.items():
         with pytest.raises(UnknownRequest) as info:
             call()
         assert str(info.value) == f"{what}: unknown request id 'x'"
     with pytest.raises(DuplicateRequest) as dup:
-        pool.fork("a", "a")
+        fork(pool, "a", "a")
     assert str(dup.value) == "fork: request id 'a' is already in use"
     views = pool.block_table_views(["a", "a"])
     assert [list(v) for v in views] == [[0, 1], [0, 1]]
@@ -737,7 +739,7 @@ def test_allocation_beyond_free_blocks(pool: BlockPool) -> None:
     )
     # A fork of a shares its partial last block: growing it to 4 blocks needs 2 new
     # blocks plus the copy-on-write of the shared one.
-    pool.fork("a", "c")
+    fork(pool, "a", "c")
     refused(
         pool,
         OutOfBlocks,
@@ -909,12 +911,12 @@ def test_a_bad_decode_step_is_refused_before_its_blocks_are_counted() -> None:
     pool = BlockPool(1, 2)
     pool.allocate("a", [1, 2], 2)
     before = pool.snapshot()
-    run = pool.decode_run(["a"])
+    run = DecodeRun(pool, ["a"])
     with pytest.raises(InvalidArgument, match="2 tokens for 1 requests"):
-        pool.append_decodes(run, [3, 4], [0], [])
+        run.append_decodes([3, 4], [0], [])
     with pytest.raises(InvalidArgument, match="1 filled blocks for 0 filling"):
-        pool.append_decodes(run, [3], [0], [], [[2, 3]])
-    assert pool.append_decodes(run, [3], [0], []) is None
+        run.append_decodes([3], [0], [], [[2, 3]])
+    assert run.append_decodes([3], [0], []) is None
     assert pool.snapshot() == before
 
 
@@ -978,7 +980,7 @@ def test_allocate_and_free_outside_and_inside_a_transaction_agree(caching: bool)
 def test_a_rolled_back_step_of_runs_restores_the_pool_exactly(caching: bool) -> None:
     pool = BlockPool(64, 4, enable_prefix_caching=caching)
     pool.allocate("a", list(range(100, 130)), 30)
-    pool.fork("a", "b")
+    fork(pool, "a", "b")
     _round_trip(pool, "warm", 20, 4)  # with caching: cached free blocks, evicted on pop
     before = pool.snapshot()
     pool.begin()
@@ -1000,9 +1002,9 @@ def test_a_run_of_blocks_costs_a_constant_number_of_undo_records() -> None:
         pool = BlockPool(64, 4, enable_prefix_caching=False)
         pool.begin()
         pool.allocate("r", list(range(k * 4)), k * 4)
-        allocated = pool._journal.num_entries
+        allocated = pool.journal.num_entries
         pool.free("r")
-        counts.append((allocated, pool._journal.num_entries))
+        counts.append((allocated, pool.journal.num_entries))
         pool.rollback()
         assert pool.num_free_blocks == 64
     assert counts[0] == counts[1]
@@ -1033,25 +1035,25 @@ def test_append_decodes_refuses_an_unknown_request_a_token_count_mismatch_and_a_
     pool.allocate("a", [1, 2], 2)
     before = pool.snapshot()
     with pytest.raises(UnknownRequest, match=r"^decode_run: unknown request id 'ghost'$"):
-        pool.decode_run(["a", "ghost"])
+        DecodeRun(pool, ["a", "ghost"])
     assert pool.snapshot() == before
-    stale = pool.decode_run(["a"])
+    stale = DecodeRun(pool, ["a"])
     pool.allocate("b", [5], 1)  # a table added: the run taken before is stale
     with_b = pool.snapshot()
-    assert not pool.is_current(stale)
+    assert not stale.is_current()
     with pytest.raises(
         InvalidArgument,
         match=r"^append_decodes: the decode run is stale \(a table changed since decode_run\); "
         r"take a new one$",
     ):
-        pool.append_decodes(stale, [3], [], [])
-    run = pool.decode_run(["a", "b"])
-    assert pool.is_current(run)
+        stale.append_decodes([3], [], [])
+    run = DecodeRun(pool, ["a", "b"])
+    assert run.is_current()
     with pytest.raises(InvalidArgument, match=r"^append_decodes: 1 tokens for 2 requests$"):
-        pool.append_decodes(run, [3], [], [])
+        run.append_decodes([3], [], [])
     assert pool.snapshot() == with_b
-    growth = pool.append_decodes(run, [3, 6], [], [])  # each appends into its own block
-    assert growth is not None and growth.tails == [] and pool.is_current(run)
+    growth = run.append_decodes([3, 6], [], [])  # each appends into its own block
+    assert growth is not None and growth.tails == [] and run.is_current()
     assert [t.token_ids for t in pool.snapshot().tables] == [(1, 2, 3), (5, 6)]
 
 
@@ -1060,7 +1062,7 @@ def test_append_decodes_refuses_an_unknown_request_a_token_count_mismatch_and_a_
     [
         lambda p: p.allocate("a", [1, 2, 3, 4, 5], 3),  # a second block
         lambda p: p.free("a"),
-        lambda p: p.fork("a", "c"),
+        lambda p: fork(p, "a", "c"),
         lambda p: p.allocate("c", [9], 1),
         lambda p: (p.begin(), p.allocate("c", [9], 1), p.rollback()),
         lambda p: (p.begin(), p.allocate("a", [1, 2, 3, 4, 5], 3), p.rollback()),
@@ -1077,9 +1079,9 @@ def test_a_table_added_freed_forked_or_grown_or_a_rollback_makes_a_run_stale(
     pool = BlockPool(8, 4)
     pool.allocate("a", [1, 2], 2)
     pool.allocate("b", [5], 1)
-    run = pool.decode_run(["a", "b"])
+    run = DecodeRun(pool, ["a", "b"])
     change(pool)
-    assert not pool.is_current(run)
+    assert not run.is_current()
 
 
 def test_a_token_that_cannot_be_hashed_leaves_a_caching_pool_unchanged() -> None:
@@ -1102,10 +1104,10 @@ def test_a_decode_step_outside_a_step_that_cannot_hash_its_filled_block_changes_
     pool = BlockPool(8, 4, enable_prefix_caching=True)
     pool.allocate("a", [5, 6, 7], 3)
     pool.allocate("b", [1, 2, 3, 4], 4)
-    run = pool.decode_run(["a", "b"])
+    run = DecodeRun(pool, ["a", "b"])
     before = pool.snapshot()
     with pytest.raises(Exception, match=r"argument out of range|format requires"):
-        pool.append_decodes(run, [2**63, 9], [1], [0])
+        run.append_decodes([2**63, 9], [1], [0])
     assert pool.snapshot() == before
     assert check_pool(pool.snapshot()) == []
 
@@ -1153,10 +1155,10 @@ def test_a_claimed_fill_replays_the_order_of_pops_and_fills(order: tuple[str, st
     a later request's pop evicts taken, exactly as the loop does."""
     known = {"x": [1, 2, 3, 4], "y": [9, 9, 9]}
     bulk, loop = _evicting_decode_pool(), _evicting_decode_pool()
-    run = bulk.decode_run(list(order))
+    run = DecodeRun(bulk, list(order))
     x, y = order.index("x"), order.index("y")
     tokens = [known[r][-1] for r in order]
-    assert bulk.append_decodes(run, tokens, [y], [x], [[3, 4]]) is not None
+    assert run.append_decodes(tokens, [y], [x], [[3, 4]]) is not None
     for rid in order:
         loop.allocate(rid, known[rid], 1)
     assert bulk.snapshot() == loop.snapshot()
@@ -1178,7 +1180,7 @@ def test_a_claimed_fill_takes_the_key_its_own_pop_evicted() -> None:
         return pool
 
     bulk, loop = build(), build()
-    assert bulk.append_decodes(bulk.decode_run(["a"]), [6], [0], [0], [[6]]) is not None
+    assert DecodeRun(bulk, ["a"]).append_decodes([6], [0], [0], [[6]]) is not None
     loop.allocate("a", [5, 6], 1)
     assert bulk.snapshot() == loop.snapshot()
     assert bulk.block_table("a")[1] in {e.block_id for e in bulk.snapshot().cache_entries}
@@ -1202,8 +1204,8 @@ def test_a_claimed_fill_after_an_earlier_pop_takes_the_key_it_evicted() -> None:
 
     known = {"z": [7, 7], "y": [9, 9, 9], "x": [1, 2, 3, 4]}
     bulk, loop = build(), build()
-    run = bulk.decode_run(["z", "y", "x"])
-    assert bulk.append_decodes(run, [7, 9, 4], [1], [0, 2], [[7, 7], [3, 4]]) is not None
+    run = DecodeRun(bulk, ["z", "y", "x"])
+    assert run.append_decodes([7, 9, 4], [1], [0, 2], [[7, 7], [3, 4]]) is not None
     for rid in ("z", "y", "x"):
         loop.allocate(rid, known[rid], 1)
     assert bulk.snapshot() == loop.snapshot()
@@ -1218,7 +1220,7 @@ def test_a_decode_step_with_a_copy_on_write_and_a_fill_rolls_back_exactly() -> N
     the next steps chain their keys from the right blocks."""
     pool = BlockPool(8, 2)
     pool.allocate("a", [1, 2, 3], 3)  # block 1 holds token 3, partial
-    pool.fork("a", "b")  # block 1 shared
+    fork(pool, "a", "b")  # block 1 shared
     pool.allocate("c", [5], 1)
     before = pool.snapshot()
     pool.begin()
@@ -1264,12 +1266,12 @@ def test_a_run_stays_stale_whatever_rollbacks_follow() -> None:
     pool.allocate("a", [1, 2], 2)
     pool.begin()
     pool.rollback()  # nothing to undo; the run below is taken after a rollback
-    run = pool.decode_run(["a"])
+    run = DecodeRun(pool, ["a"])
     pool.free("a")
-    for _ in range(pool._epoch + 2):  # past any epoch the run could be mistaken for
+    for _ in range(pool.tables.epoch + 2):  # past any epoch the run could be mistaken for
         pool.begin()
         pool.rollback()
-        assert not pool.is_current(run)
+        assert not run.is_current()
 
 
 @pytest.mark.mutation_kill
@@ -1281,14 +1283,14 @@ def test_a_partial_truncation_is_undone_exactly_by_a_rollback() -> None:
     before = pool.snapshot()
     third = pool.block_table("a")[2]
     pool.begin()
-    assert pool.truncate("a", 5) == [third]  # positions 8..9 only: returned
+    assert truncate(pool, "a", 5) == [third]  # positions 8..9 only: returned
     assert stored(pool, "a") == 5 and len(pool.block_table("a")) == 2
     pool.rollback()
     assert pool.snapshot() == before
     with pytest.raises(UnknownRequest, match=r"^truncate: unknown request id 'ghost'$"):
-        pool.truncate("ghost", 0)
+        truncate(pool, "ghost", 0)
     with pytest.raises(InvalidArgument, match=r"^num_stored must be >= 0, got -1$"):
-        pool.truncate("a", -1)
+        truncate(pool, "a", -1)
 
 
 @pytest.mark.mutation_kill
