@@ -24,8 +24,7 @@ from refserve.conformance.kv.protocol import (
     NoSpace,
 )
 from refserve.errors import ExceedsCapacity, OutOfBlocks, RefserveError
-from refserve.kv import BlockPool, PrefixHit
-from refserve.kv.fork import fork
+from refserve.kv import BlockPool, PrefixHit, fork
 from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace
 from refserve.spec.snapshot import PoolSnapshot
 

@@ -53,8 +53,7 @@ from refserve.errors import (
     RefserveError,
     UnknownRequest,
 )
-from refserve.kv import BlockPool, HostPool
-from refserve.kv.fork import fork
+from refserve.kv import BlockPool, HostPool, fork
 from refserve.spec.snapshot import EngineSnapshot, RequestStatus
 
 S = RequestStatus

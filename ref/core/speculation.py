@@ -13,8 +13,7 @@ from collections.abc import Sequence
 
 from refserve.core.request import FinishReason, Request, finish_reason
 from refserve.errors import InvalidArgument
-from refserve.kv import BlockPool
-from refserve.kv.truncate import truncate
+from refserve.kv import BlockPool, truncate
 from refserve.spec.snapshot import RequestStatus
 
 

@@ -10,8 +10,8 @@ copy-on-write that keeps a shared block unwritten), free, the transactions, snap
 
 The features are attachments in modules of their own that use the pool through its
 public surface (its parts, :meth:`BlockPool.atomic`, :meth:`BlockPool.acquire`) and are
-unknown to it: the bulk decode step (``decode_runs.py``), n > 1 forks (``fork.py``),
-dropping rejected drafts (``truncate.py``), the host pool for swaps (``host_pool.py``)
+unknown to it: the bulk decode step (``decode_runs.py``), n > 1 forks (``forks.py``),
+dropping rejected drafts (``truncation.py``), the host pool for swaps (``host_pool.py``)
 and the cache events the prefix index reports (``events.py``, switched on here).
 
 Invariants are checked from outside on :meth:`BlockPool.snapshot` (refserve.spec.check_pool):

@@ -23,8 +23,7 @@ from typing import Any
 
 import pytest
 
-from refserve.kv import BlockPool
-from refserve.kv.fork import fork
+from refserve.kv import BlockPool, fork
 
 BS = 16
 K = 32  # blocks moved per timed round

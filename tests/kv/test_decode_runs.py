@@ -21,7 +21,7 @@ from kv_steps import decode_each, stored
 
 from refserve.errors import ExceedsCapacity, InvalidArgument, OutOfBlocks
 from refserve.kv import BlockPool, DecodeRun
-from refserve.kv.fork import fork
+from refserve.kv.forks import fork
 from refserve.spec import check_pool
 
 TOKENS = st.integers(min_value=0, max_value=2)  # few ids: prefix hits are common

@@ -22,9 +22,9 @@ from refserve.errors import (
     UnknownRequest,
 )
 from refserve.kv import BlockCopy, BlockPool, DecodeRun, PrefixHit
-from refserve.kv.fork import fork
+from refserve.kv.forks import fork
 from refserve.kv.pool import Allocation
-from refserve.kv.truncate import truncate
+from refserve.kv.truncation import truncate
 from refserve.spec import check_pool
 from refserve.spec.atomic import check_atomic_pool
 from refserve.spec.hashing import Namespace

@@ -39,8 +39,8 @@ from refserve.errors import (
     UnknownRequest,
 )
 from refserve.kv import Allocation, BlockPool, PrefixHit
-from refserve.kv.fork import fork
-from refserve.kv.truncate import truncate
+from refserve.kv.forks import fork
+from refserve.kv.truncation import truncate
 from refserve.spec import check_pool
 from refserve.spec.abstract_pool import AbstractPool
 from refserve.spec.arith import blocks_needed, max_cacheable_tokens, slot_of

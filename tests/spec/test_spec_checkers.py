@@ -11,8 +11,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from refserve.kv import BlockPool
-from refserve.kv.fork import fork
+from refserve.kv import BlockPool, fork
 from refserve.spec import (
     EngineSnapshot,
     Invariant,
