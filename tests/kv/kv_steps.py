@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from refserve.kv import BlockCopy, BlockPool, DecodeGrowth, DecodeRun
+from refserve.spec import check_pool
 
 
 def stored(pool: BlockPool, request_id: str) -> int:
@@ -69,3 +70,11 @@ def decode_each(pool: BlockPool, known: Mapping[str, Sequence[int]]) -> list[Blo
     if needy > pool.num_free_blocks:
         return None
     return [c for rid, tokens in known.items() for c in pool.allocate(rid, tokens, 1).copies]
+
+
+def tokens(n: int, base: int = 0) -> list[int]:
+    return list(range(base, base + n))
+
+
+def assert_valid(pool: BlockPool) -> None:
+    assert check_pool(pool.snapshot()) == []
