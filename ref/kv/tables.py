@@ -16,7 +16,7 @@ only keeps the tables and their books.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from refserve.errors import UnknownRequest
 from refserve.kv.journal import Journal
@@ -48,9 +48,6 @@ class BlockTables:
     def __init__(self, journal: Journal) -> None:
         self._journal = journal
         self._by_id: dict[str, BlockTable] = {}
-        #: The table of a request id, or None: the dict's own ``get``, so the hot
-        #: lookups of allocate and free cost no Python call of their own.
-        self.get: Callable[[str], BlockTable | None] = self._by_id.get
         # Requests whose block table changed (or whose last block's sharing did) since
         # the last take_changed(): the persistent batch (ref/core/batch.py) rewrites only
         # their rows. A rollback may shrink any table, so it marks every table changed.
@@ -66,6 +63,11 @@ class BlockTables:
     @property
     def epoch(self) -> int:
         return self._epoch
+
+    def get(self, request_id: str) -> BlockTable | None:
+        # Not the dict's bound ``get`` kept as an attribute: a deep copy of the tables
+        # (the KV explorer copies whole pools) would keep reading the original dict.
+        return self._by_id.get(request_id)
 
     def table(self, request_id: str, what: str) -> BlockTable:
         """The table of ``request_id``; :class:`UnknownRequest` naming ``what`` if none."""
