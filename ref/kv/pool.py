@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from operator import attrgetter
 
 from refserve.errors import ExceedsCapacity, InvalidArgument, OutOfBlocks, UnknownRequest
 from refserve.kv.allocator import BlockAllocator
@@ -45,8 +44,6 @@ from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace
 from refserve.spec.snapshot import PoolSnapshot, TableSnapshot
 
 __all__ = ["Allocation", "BlockCopy", "BlockPool", "PrefixHit", "require_int"]
-
-_BLOCK_TABLE = attrgetter("block_table")
 
 
 @dataclass(frozen=True)
@@ -131,7 +128,7 @@ class BlockPool:
 
     def block_table_views(self, request_ids: Sequence[str]) -> list[Sequence[int]]:
         """Live tables of several requests at once (read-only by convention)."""
-        return list(map(_BLOCK_TABLE, self._tables.tables(request_ids, "block_table_views")))
+        return self._tables.block_tables(request_ids, "block_table_views")
 
     def ref_count(self, block_id: int) -> int:
         """How many tables hold ``block_id``."""
@@ -428,10 +425,9 @@ class BlockPool:
         table = tables.get(request_id)
         if table is None:
             raise UnknownRequest(request_id, "free")
-        tables.mark_changed(request_id)
         # Tail first (reversed), one run; release either completes or fails with
-        # everything put back, and nothing after it can fail, so outside a transaction
-        # no undo is recorded.
+        # everything put back (nothing changed, nothing to report), and nothing after it
+        # can fail, so outside a transaction no undo is recorded.
         if not self._journal.active:
             self._blocks.release(table.block_table[::-1])
             tables.remove(request_id)

@@ -83,6 +83,14 @@ class BlockTables:
         except KeyError as e:
             raise UnknownRequest(str(e.args[0]), what) from None
 
+    def block_tables(self, request_ids: Sequence[str], what: str) -> list[Sequence[int]]:
+        """The block lists of ``request_ids``' tables, in order (hot: one pass)."""
+        by_id = self._by_id
+        try:
+            return [by_id[rid].block_table for rid in request_ids]
+        except KeyError as e:
+            raise UnknownRequest(str(e.args[0]), what) from None
+
     def by_request(self) -> list[tuple[str, BlockTable]]:
         """Every table with its request id, by request id (for snapshots)."""
         return sorted(self._by_id.items())
@@ -100,11 +108,14 @@ class BlockTables:
         """Hold ``table`` with no undo entry: the caller is outside every transaction and
         nothing after this can fail (the pool's one-off allocation)."""
         self._by_id[table.request_id] = table
-        self.mark_changed(table.request_id)
+        self._changed.add(table.request_id)  # mark_changed, inlined (hot)
+        self._epoch += 1
 
     def remove(self, request_id: str) -> None:
-        """Drop the table of ``request_id`` (held); journaled inside a transaction. The
-        caller has marked the change (before anything that can fail)."""
+        """Drop the table of ``request_id`` (held), marked changed; journaled inside a
+        transaction."""
+        self._changed.add(request_id)  # mark_changed, inlined (hot)
+        self._epoch += 1
         table = self._by_id.pop(request_id)
         if self._journal.active:
             self._journal.record(self._by_id.__setitem__, request_id, table)
