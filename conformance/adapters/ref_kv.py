@@ -24,7 +24,7 @@ from refserve.conformance.kv.protocol import (
     NoSpace,
 )
 from refserve.errors import ExceedsCapacity, OutOfBlocks, RefserveError
-from refserve.kv import BlockPool, PrefixHit
+from refserve.kv import BlockPool, PrefixHit, fork
 from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace
 from refserve.spec.snapshot import PoolSnapshot
 
@@ -99,7 +99,7 @@ class RefKVAdapter:
         )
 
     def fork(self, parent: str, child: str) -> None:
-        self.pool.fork(parent, child)
+        fork(self.pool, parent, child)
 
     def free(self, request_id: str) -> None:
         self.pool.free(request_id)

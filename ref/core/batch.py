@@ -314,9 +314,9 @@ class PersistentBatch:
         running order, kept from step to step while the pool says it is current."""
         whole = rows.request_ids is self._ids
         run = self._run
-        if whole and run is not None and pool.is_current(run):
+        if whole and run is not None and run.is_current():
             return run
-        run = pool.decode_run(rows.request_ids)
+        run = DecodeRun(pool, rows.request_ids)
         if whole:
             self._run = run
         return run
@@ -362,7 +362,7 @@ class PersistentBatch:
         """The tokens of the blocks that ``fills`` (indices into ``rows``) complete: each
         such row's last ``block_size`` tokens. A decoding request's token list ends with
         the token this step writes at its KV length (KVLEN), and that token ends its
-        block. (The pool hashes the blocks from these, ``BlockPool.append_decodes``: a
+        block. (The pool hashes the blocks from these, ``DecodeRun.append_decodes``: a
         slice per filling row, nothing written per row.)"""
         bs = self.block_size
         lists = rows.token_lists

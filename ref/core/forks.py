@@ -3,7 +3,7 @@
 
 An extension of the core: ``Scheduler.fork`` asks :func:`fork_child` for the child and
 places it (sharing the parent's blocks, or waiting to recompute); the pool's part is
-``BlockPool.fork`` and copy-on-write. Nothing else in the core knows about forks.
+``refserve.kv.forks.fork`` and copy-on-write. Nothing else in the core knows about forks.
 """
 
 from __future__ import annotations

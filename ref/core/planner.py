@@ -103,7 +103,7 @@ class Planner:
         growing = batch.needs_block(rows, self.pool)
         tokens = batch.last_token[rows.at].tolist()
         run = batch.decode_run(rows, self.pool)
-        growth = self.pool.append_decodes(run, tokens, growing, fills, filled)
+        growth = run.append_decodes(tokens, growing, fills, filled)
         if growth is None:
             return False
         batch.grew(rows, growing, growth)

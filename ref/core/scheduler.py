@@ -53,7 +53,7 @@ from refserve.errors import (
     RefserveError,
     UnknownRequest,
 )
-from refserve.kv import BlockPool, HostPool
+from refserve.kv import BlockPool, HostPool, fork
 from refserve.spec.snapshot import EngineSnapshot, RequestStatus
 
 S = RequestStatus
@@ -170,7 +170,7 @@ class Scheduler:
         child = fork_child(parent, child_id, first_token, stop)
         self.requests[child_id] = child
         if len(self.running) < self.config.max_num_seqs:
-            self.pool.fork(parent_id, child_id)
+            fork(self.pool, parent_id, child_id)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             self._batch.append(child, self.pool)

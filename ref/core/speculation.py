@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from refserve.core.request import FinishReason, Request, finish_reason
 from refserve.errors import InvalidArgument
-from refserve.kv import BlockPool
+from refserve.kv import BlockPool, truncate
 from refserve.spec.snapshot import RequestStatus
 
 
@@ -80,5 +80,5 @@ def keep_verified(
     r.num_computed_tokens = r.num_tokens - 1
     # Even for a request that stops here: a freed block keeps its cache entry, and none
     # may cover a rejected draft.
-    pool.truncate(r.request_id, r.num_computed_tokens)
+    truncate(pool, r.request_id, r.num_computed_tokens)
     return tuple(kept), reason

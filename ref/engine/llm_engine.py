@@ -35,7 +35,7 @@ docs/MIGRATION.md).
 
 ``n > 1``: the request runs its prompt once. Its last prefill step draws all ``n`` first
 tokens from the same logits; sample 0 continues as the request itself and samples
-1..n-1 are forked off it (:meth:`BlockPool.fork`: every block shared, the partial last
+1..n-1 are forked off it (:func:`refserve.kv.forks.fork`: every block shared, the partial last
 block copied on the first write), so the prompt's K/V is never recomputed. The fork
 happens at a step boundary through :meth:`Scheduler.fork`: the child enters as a running
 request in decode or, when ``max_num_seqs`` is reached, waits like a preempted request.

@@ -1,10 +1,16 @@
-"""The paged KV cache: the block pool (``pool``) over the allocator (``allocator``: ref
-counts, free queue) and the prefix index (``prefix_index``), one undo journal, and the
-host pool for swaps."""
+"""The paged KV cache. The spine: the block pool (``pool``) over the allocator
+(``allocator``: ref counts, free queue), the prefix index (``prefix_index``), the block
+tables (``tables``) and one undo journal (``journal``). The attachments, each over the
+pool's public surface: the bulk decode step (``decode_runs``), forks (``forks``),
+rejected drafts given back (``truncation``), the host pool for swaps (``host_pool``) and
+cache events (``events``)."""
 
+from refserve.kv.decode_runs import DecodeGrowth, DecodeRun
+from refserve.kv.forks import fork
 from refserve.kv.host_pool import HostPool
-from refserve.kv.pool import Allocation, BlockCopy, BlockPool, DecodeGrowth, DecodeRun
+from refserve.kv.pool import Allocation, BlockCopy, BlockPool
 from refserve.kv.prefix_index import PrefixHit
+from refserve.kv.truncation import truncate
 
 __all__ = [
     "Allocation",
@@ -14,4 +20,6 @@ __all__ = [
     "DecodeRun",
     "HostPool",
     "PrefixHit",
+    "fork",
+    "truncate",
 ]

@@ -29,6 +29,7 @@ from refserve.kv.journal import Journal
 from refserve.kv.pool import BlockCopy
 from refserve.spec.arith import blocks_needed
 from refserve.spec.snapshot import PoolSnapshot, TableSnapshot
+from refserve.values import is_int
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class HostTable:
 
 class HostPool:
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+        if not is_int(num_blocks) or num_blocks < 0:
             raise InvalidArgument(f"num_host_blocks must be an int >= 0, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size

@@ -2,11 +2,11 @@
 
 One concept (docs/ARCHITECTURE.md, "Layers", KV memory): a full block's key is
 ``block_key(parent key, its token ids)``, chained from a namespace's root
-(spec/hashing.py), so one key names a whole prefix. The index maps a key to the block
-holding it and keeps, per block, what its key was computed from; a lookup confirms
-every hit by that identity, so a stale or colliding key can only cost a miss, never a
-wrong reuse. Only full blocks are indexed, and a block loses its entry before it is
-reused for other tokens (PREFIX).
+(spec/hashing.py; :meth:`PrefixIndex.root_key`), so one key names a whole prefix. The
+index maps a key to the block holding it and keeps, per block, what its key was
+computed from; a lookup confirms every hit by that identity, so a stale or colliding
+key can only cost a miss, never a wrong reuse. Only full blocks are indexed, and a
+block loses its entry before it is reused for other tokens (PREFIX).
 
 Every change to the index goes through :meth:`PrefixIndex._put` and
 :meth:`PrefixIndex._drop` (and :meth:`PrefixIndex.clear`), each a run of entries with one
@@ -14,7 +14,7 @@ journal entry whose undo (``_unput`` / ``_undrop``) changes the index back and r
 nothing (ATOMIC): the one place to observe what the cache gains and loses, and where the
 cache events of ref/kv/events.py are reported. Which
 blocks are held, free or in a table is the pool's (ref/kv/pool.py); the index reads a
-table through :class:`Chain`.
+table (ref/kv/tables.py) through :class:`Chain`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,13 @@ from refserve.errors import InvalidArgument
 from refserve.kv.events import CacheEventLog
 from refserve.kv.journal import Journal
 from refserve.spec.arith import full_blocks, max_cacheable_tokens
-from refserve.spec.hashing import block_key, packed_block_key, packed_token_ids
+from refserve.spec.hashing import (
+    DEFAULT_NAMESPACE,
+    Namespace,
+    block_key,
+    packed_block_key,
+    packed_token_ids,
+)
 from refserve.spec.snapshot import CacheEntry
 
 NOTHING_EVICTED: Mapping[bytes, int] = MappingProxyType({})
@@ -66,7 +72,7 @@ _new_entry = tuple.__new__
 
 class Chain(Protocol):
     """What the index reads of a block table, and extends: ``keys`` are the chain keys
-    of its first full blocks, from ``root_key`` (the pool's ``_Table``)."""
+    of its first full blocks, from ``root_key`` (a :class:`~refserve.kv.tables.BlockTable`)."""
 
     root_key: bytes
     keys: list[bytes]
@@ -124,8 +130,14 @@ class PrefixIndex:
         # Blocks indexed inside the open transaction: their K/V is computed by the step
         # that reserved them, so a lookup in that same step must not serve them.
         self._fresh: set[int] = set()
+        # Namespace.root_key() hashes on every call; nearly every request has the default.
+        self._default_root = DEFAULT_NAMESPACE.root_key()
 
     # ------------------------------------------------------------------ queries
+    def root_key(self, namespace: Namespace) -> bytes:
+        """The root of ``namespace``'s chains: keys of two namespaces never meet."""
+        return self._default_root if namespace is DEFAULT_NAMESPACE else namespace.root_key()
+
     def entries(self) -> list[CacheEntry]:
         """Every entry, by block id (for the pool's snapshot)."""
         found = [CacheEntry(*e) for b in self._index.values() if (e := self._entry[b]) is not None]

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from refserve.kv import BlockPool
+from refserve.kv import BlockPool, fork
 
 BS = 16
 K = 32  # blocks moved per timed round
@@ -94,7 +94,7 @@ def test_fork(benchmark: Benchmark, num_blocks: int) -> None:
     _per_block(benchmark, num_blocks, f"fork+free K={K} blocks")
 
     def round_() -> None:
-        pool.fork("parent", "child")
+        fork(pool, "parent", "child")
         pool.free("child")
 
     benchmark(round_)

@@ -211,7 +211,7 @@ class NoCopiesKV(RefKVAdapter):
 
 
 class _StalePool(BlockPool):
-    def _evict_reused(self, blocks: Sequence[int]) -> list[Entry]:
+    def evict_reused(self, blocks: Sequence[int]) -> list[Entry]:
         return []  # reused without dropping their cache entries
 
 

@@ -3,7 +3,7 @@
 ``decode_step`` is one steady decode step as the persistent batch takes it
 (``PersistentBatch.needs_block``, ``fills_block``, ``filled_blocks``; docs/ARCHITECTURE.md,
 "The persistent batch"): its claims are derived here from the pool's tables, and the
-step goes through ``BlockPool.decode_run`` and ``BlockPool.append_decodes``.
+step goes through a ``DecodeRun`` and ``DecodeRun.append_decodes``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from refserve.kv import BlockCopy, BlockPool, DecodeGrowth, DecodeRun
+from refserve.spec import check_pool
 
 
 def stored(pool: BlockPool, request_id: str) -> int:
@@ -47,8 +48,8 @@ def decode_step(
         else None
     )
     tokens = [known[rid][n] for rid, n in zip(ids, lengths, strict=True)]
-    run = pool.decode_run(ids) if run is None else run
-    return pool.append_decodes(run, tokens, needy, filling, filled)
+    run = DecodeRun(pool, ids) if run is None else run
+    return run.append_decodes(tokens, needy, filling, filled)
 
 
 def decode_copies(pool: BlockPool, known: Mapping[str, Sequence[int]]) -> list[BlockCopy] | None:
@@ -69,3 +70,11 @@ def decode_each(pool: BlockPool, known: Mapping[str, Sequence[int]]) -> list[Blo
     if needy > pool.num_free_blocks:
         return None
     return [c for rid, tokens in known.items() for c in pool.allocate(rid, tokens, 1).copies]
+
+
+def tokens(n: int, base: int = 0) -> list[int]:
+    return list(range(base, base + n))
+
+
+def assert_valid(pool: BlockPool) -> None:
+    assert check_pool(pool.snapshot()) == []

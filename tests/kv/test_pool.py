@@ -1,5 +1,6 @@
-"""BlockPool: worked examples (docs/ARCHITECTURE.md), allocation and decode appends,
-prefix-cache behaviour, transactions, bad input.
+"""BlockPool, the spine: worked examples (docs/ARCHITECTURE.md), allocation and its
+copy-on-write, prefix-cache behaviour, transactions, bad input. The attachments have
+their own files: test_decode_runs.py, test_forks.py, test_truncation.py.
 
 Every bad-input test asserts the typed exception from ``refserve.errors``, a message naming
 the bad value, and that ``pool.snapshot()`` is unchanged (ATOMIC).
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
-from kv_steps import decode_copies, decode_step, stored
+from kv_steps import assert_valid, stored, tokens
 
 import refserve.kv.prefix_index as prefix_index_module
 from refserve.errors import (
@@ -21,19 +22,11 @@ from refserve.errors import (
     RefserveError,
     UnknownRequest,
 )
-from refserve.kv import BlockCopy, BlockPool, PrefixHit
+from refserve.kv import BlockCopy, BlockPool, DecodeRun, PrefixHit, fork
 from refserve.kv.pool import Allocation
 from refserve.spec import check_pool
 from refserve.spec.atomic import check_atomic_pool
 from refserve.spec.hashing import Namespace
-
-
-def tokens(n: int, base: int = 0) -> list[int]:
-    return list(range(base, base + n))
-
-
-def assert_valid(pool: BlockPool) -> None:
-    assert check_pool(pool.snapshot()) == []
 
 
 # ----------------------------------------------------------------- golden seeds
@@ -116,7 +109,7 @@ def test_allocate_reports_what_it_did() -> None:
     assert hit.block_ids == (0, 1)
     shared = pool.allocate("b", [1, 2, 3, 4, 9, 9], 1, hit=hit)
     assert shared == Allocation("b", 4, 1, 4, (3,), ())
-    pool.fork("b", "c")
+    fork(pool, "b", "c")
     cow = pool.allocate("b", [1, 2, 3, 4, 9, 9], 1)
     assert cow.copies == (BlockCopy(3, 4),) and cow.new_block_ids == ()
     assert (cow.start_position, cow.num_new_tokens, cow.num_cached_tokens) == (5, 1, 0)
@@ -154,41 +147,6 @@ def test_a_one_off_allocation_takes_any_sequence_and_reports_its_table() -> None
 
 
 @pytest.mark.mutation_kill
-def test_a_decode_run_is_stale_after_a_one_off_allocation_or_a_free() -> None:
-    """Each table added or freed outside a step, caching off, makes an earlier decode run
-    stale and is reported to ``take_changed`` by its request id."""
-    pool = BlockPool(8, 2, enable_prefix_caching=False)
-    pool.allocate("a", [1, 2, 3], 3)
-    run = pool.decode_run(["a"])
-    pool.take_changed()
-    pool.allocate("b", [4, 5], 2)
-    assert not pool.is_current(run)
-    assert pool.take_changed() == ({"b"}, False)
-    run = pool.decode_run(["a"])
-    pool.free("b")
-    assert not pool.is_current(run)
-    assert pool.take_changed() == ({"b"}, False)
-    pool.allocate("c", [6, 7], 2)  # a free then an allocation: never back to the run's epoch
-    assert not pool.is_current(run)
-
-
-@pytest.mark.mutation_kill
-def test_a_copy_on_write_leaves_the_other_holders_their_references() -> None:
-    """Three requests share a partial last block; the one that writes gets a private
-    copy and the shared block keeps the other two references."""
-    pool = BlockPool(8, 4, enable_prefix_caching=False)
-    pool.allocate("a", [1, 2, 3, 4, 5], 5)
-    pool.fork("a", "b")
-    pool.fork("a", "c")
-    shared = pool.block_table("a")[-1]
-    assert decode_copies(pool, {"a": [1, 2, 3, 4, 5, 6]}) == [
-        BlockCopy(shared, pool.block_table("a")[-1])
-    ]
-    assert pool.ref_count(shared) == 2
-    assert check_pool(pool.snapshot()) == []
-
-
-@pytest.mark.mutation_kill
 def test_a_free_that_fails_inside_a_transaction_is_left_to_its_opener() -> None:
     """A free that fails inside an open transaction (here on a reference count
     corrupted on purpose) undoes nothing itself: the opener's rollback undoes the whole
@@ -209,19 +167,6 @@ def test_a_free_that_fails_inside_a_transaction_is_left_to_its_opener() -> None:
 
 
 @pytest.mark.mutation_kill
-def test_a_table_truncated_to_nothing_grows_again_inside_a_step() -> None:
-    pool = BlockPool(4, 2, enable_prefix_caching=False)
-    pool.allocate("a", [1, 2, 3], 3)
-    assert pool.truncate("a", 0) == [0, 1]  # every block held only rejected positions
-    before = pool.snapshot()
-    pool.begin()
-    pool.allocate("a", [1, 2, 3], 2)
-    assert stored(pool, "a") == 2
-    pool.rollback()
-    assert pool.snapshot() == before and before.tables[0].block_table == ()
-
-
-@pytest.mark.mutation_kill
 def test_allocate_takes_exactly_the_free_blocks_and_the_whole_pool() -> None:
     pool = BlockPool(2, 4)
     assert pool.allocate("a", list(range(8)), 8).new_block_ids == (0, 1)  # all of it
@@ -238,72 +183,10 @@ def test_allocate_takes_exactly_the_free_blocks_and_the_whole_pool() -> None:
 def test_no_new_tokens_need_no_blocks() -> None:
     pool = BlockPool(4, 2)
     pool.allocate("a", [1, 2, 3], 3)
-    pool.fork("a", "c")  # a's last block is partial and shared
+    fork(pool, "a", "c")  # a's last block is partial and shared
     assert pool.blocks_to_allocate("a", 0) == 0
     assert pool.blocks_to_allocate("new", 0) == 0
     assert pool.blocks_to_allocate("a", 1) == 1  # the copy-on-write
-
-
-@pytest.mark.mutation_kill
-def test_decode_appends_that_fit_need_no_free_block() -> None:
-    pool = BlockPool(2, 4)
-    pool.allocate("a", [1, 2, 3], 3)
-    pool.allocate("b", [5, 6, 7], 3)
-    assert pool.num_free_blocks == 0
-    # Both last blocks have a free slot and are private: nothing to take from the queue.
-    assert decode_copies(pool, {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8]}) == []
-    assert stored(pool, "a") == stored(pool, "b") == 4
-    assert check_pool(pool.snapshot()) == []
-
-
-@pytest.mark.mutation_kill
-def test_decode_appends_count_every_request_that_needs_a_block() -> None:
-    pool = BlockPool(3, 2)
-    pool.allocate("a", [1, 2], 2)
-    pool.allocate("b", [3, 4], 2)
-    before = pool.snapshot()
-    # Both last blocks are full: two fresh blocks needed, one is free.
-    assert decode_copies(pool, {"a": [1, 2, 5], "b": [3, 4, 6]}) is None
-    assert pool.snapshot() == before
-
-
-@pytest.mark.mutation_kill
-@pytest.mark.parametrize("caching", [True, False])
-def test_a_block_filled_by_a_decode_append_is_cached_at_once(caching: bool) -> None:
-    pool = BlockPool(4, 4, enable_prefix_caching=caching)
-    pool.allocate("a", [1, 2, 3], 3)
-    assert decode_copies(pool, {"a": [1, 2, 3, 4]}) == []
-    entries = pool.snapshot().cache_entries
-    assert [(e.block_id, e.token_ids) for e in entries] == ([(0, (1, 2, 3, 4))] if caching else [])
-    assert pool.lookup([1, 2, 3, 4, 9]).block_ids == ((0,) if caching else ())
-    pool.begin()
-    assert decode_copies(pool, {"a": [1, 2, 3, 4, 5]}) == []  # a fresh block 1
-    assert decode_copies(pool, {"a": [1, 2, 3, 4, 5, 6]}) == []  # into block 1
-    assert stored(pool, "a") == 6 and pool.block_table("a") == (0, 1)
-    pool.rollback()
-    assert stored(pool, "a") == 4 and pool.block_table("a") == (0,)
-    assert pool.snapshot().cache_entries == entries
-    assert check_pool(pool.snapshot()) == []
-
-
-@pytest.mark.mutation_kill
-def test_decode_append_into_a_shared_block_needs_a_free_block_for_its_copy() -> None:
-    pool = BlockPool(1, 4)
-    pool.allocate("a", [1, 2, 3], 3)
-    pool.fork("a", "c")
-    before = pool.snapshot()
-    assert decode_copies(pool, {"a": [1, 2, 3, 4]}) is None  # copy-on-write, 0 free
-    assert pool.snapshot() == before
-
-
-@pytest.mark.mutation_kill
-def test_decode_append_copies_a_shared_block_with_exactly_one_free_block() -> None:
-    pool = BlockPool(2, 4)
-    pool.allocate("a", [1, 2, 3], 3)
-    pool.fork("a", "c")
-    assert decode_copies(pool, {"a": [1, 2, 3, 4]}) == [BlockCopy(0, 1)]
-    assert pool.block_table("a") == (1,) and pool.block_table("c") == (0,)
-    assert check_pool(pool.snapshot()) == []
 
 
 # ------------------------------------------------------------- prefix caching
@@ -347,17 +230,6 @@ def test_free_releases_in_reverse_order() -> None:
     assert pool.snapshot().free_queue == (3, 4, 5, 2, 1, 0)
 
 
-def test_free_keeps_blocks_shared_with_a_fork() -> None:
-    pool = BlockPool(6, 2)
-    pool.allocate("a", tokens(3), 3)
-    pool.fork("a", "b")
-    pool.free("a")
-    assert pool.snapshot().ref_cnt[:2] == (1, 1)
-    assert pool.snapshot().free_queue == (2, 3, 4, 5)
-    pool.free("b")
-    assert pool.snapshot().free_queue == (2, 3, 4, 5, 1, 0)
-
-
 def test_identity_check_on_hit(monkeypatch: pytest.MonkeyPatch) -> None:
     """With a hash that collides on everything, a lookup must still miss on other tokens."""
 
@@ -387,52 +259,6 @@ def test_namespaces_isolate() -> None:
     pool.allocate("b", tokens(5), 1, hit=hit, namespace=lora)
     assert pool.block_table("b")[:2] == (0, 1)
     assert_valid(pool)
-
-
-def test_fork_and_copy_on_write() -> None:
-    pool = BlockPool(6, 4)
-    parent_tokens = tokens(6)
-    pool.allocate("p", parent_tokens, 6)  # blocks 0 (full), 1 (2 of 4)
-    pool.fork("p", "c")
-    assert pool.block_table("c") == (0, 1)
-    assert pool.snapshot().ref_cnt[:2] == (2, 2)
-    alloc = pool.allocate("c", [*parent_tokens, 100], 1)
-    assert alloc.copies == (BlockCopy(src=1, dst=2),)
-    assert alloc.new_block_ids == ()
-    assert pool.block_table("p") == (0, 1)  # the parent's blocks are untouched
-    assert pool.block_table("c") == (0, 2)
-    snap = pool.snapshot()
-    assert snap.ref_cnt[:3] == (2, 1, 1)
-    p_table = snap.table("p")
-    assert p_table is not None and p_table.token_ids == tuple(parent_tokens)
-    # The parent now owns its partial block alone: it writes without a copy.
-    assert pool.allocate("p", [*parent_tokens, 200], 1).copies == ()
-    assert_valid(pool)
-
-
-def test_fork_of_a_full_last_block_needs_no_copy() -> None:
-    pool = BlockPool(6, 4)
-    pool.allocate("p", tokens(8), 8)
-    pool.fork("p", "c")
-    alloc = pool.allocate("c", [*tokens(8), 5], 1)
-    assert alloc.copies == ()
-    assert alloc.new_block_ids == (2,)
-    assert_valid(pool)
-
-
-def test_copy_on_write_counts_against_free_blocks() -> None:
-    pool = BlockPool(2, 4)
-    pool.allocate("p", tokens(6), 6)
-    pool.fork("p", "c")
-    assert pool.blocks_to_allocate("c", 1) == 1
-    pool2 = BlockPool(3, 4)
-    pool2.allocate("p", tokens(6), 6)
-    pool2.allocate("x", [1], 1)
-    pool2.fork("p", "c")
-    before = pool2.snapshot()
-    with pytest.raises(OutOfBlocks, match="needs 1 free KV blocks, 0 are free"):
-        pool2.allocate("c", [*tokens(6), 1], 1)
-    assert pool2.snapshot() == before
 
 
 def test_two_requests_sharing_a_new_prefix_in_one_step() -> None:
@@ -550,7 +376,7 @@ def test_transaction_rollback_restores_free_queue_order() -> None:
 def test_rollback_restores_a_block_swapped_by_copy_on_write() -> None:
     pool = BlockPool(4, 4)
     pool.allocate("a", [1, 2, 3], 3)
-    pool.fork("a", "c")
+    fork(pool, "a", "c")
     before = pool.snapshot()
     pool.begin()
     alloc = pool.allocate("a", [1, 2, 3, 4], 1)
@@ -565,7 +391,7 @@ def test_a_committed_transaction_keeps_what_it_did() -> None:
     pool = BlockPool(4, 2)
     pool.begin()
     pool.allocate("a", tokens(3), 3)
-    pool.fork("a", "b")
+    fork(pool, "a", "b")
     pool.commit()
     assert pool.has_request("a") and pool.has_request("b")
     pool.begin()
@@ -647,11 +473,11 @@ def test_free_unknown_or_already_freed(pool: BlockPool) -> None:
 
 
 def test_fork_missing_or_onto_existing(pool: BlockPool) -> None:
-    refused(pool, UnknownRequest, ["fork", "'ghost'"], lambda: pool.fork("ghost", "c"))
-    refused(pool, UnknownRequest, ["fork", "'b'"], lambda: pool.fork("b", "c"))  # freed
+    refused(pool, UnknownRequest, ["fork", "'ghost'"], lambda: fork(pool, "ghost", "c"))
+    refused(pool, UnknownRequest, ["fork", "'b'"], lambda: fork(pool, "b", "c"))  # freed
     pool.allocate("c", [1], 1)
-    refused(pool, DuplicateRequest, ["fork", "'c'", "already in use"], lambda: pool.fork("a", "c"))
-    refused(pool, DuplicateRequest, ["'a'"], lambda: pool.fork("a", "a"))
+    refused(pool, DuplicateRequest, ["fork", "'c'", "already in use"], lambda: fork(pool, "a", "c"))
+    refused(pool, DuplicateRequest, ["'a'"], lambda: fork(pool, "a", "a"))
 
 
 def test_queries_on_unknown_request(pool: BlockPool) -> None:
@@ -677,16 +503,16 @@ def test_pool_unknown_request_messages_name_the_operation() -> None:
     cases: dict[str, Callable[[], object]] = {
         "block_table": lambda: pool.block_table("x"),
         "free": lambda: pool.free("x"),
-        "decode_run": lambda: pool.decode_run(["a", "x"]),
+        "decode_run": lambda: DecodeRun(pool, ["a", "x"]),
         "block_table_views": lambda: pool.block_table_views(["a", "x"]),
-        "fork": lambda: pool.fork("x", "c"),
+        "fork": lambda: fork(pool, "x", "c"),
     }
     for what, call in cases.items():
         with pytest.raises(UnknownRequest) as info:
             call()
         assert str(info.value) == f"{what}: unknown request id 'x'"
     with pytest.raises(DuplicateRequest) as dup:
-        pool.fork("a", "a")
+        fork(pool, "a", "a")
     assert str(dup.value) == "fork: request id 'a' is already in use"
     views = pool.block_table_views(["a", "a"])
     assert [list(v) for v in views] == [[0, 1], [0, 1]]
@@ -737,7 +563,7 @@ def test_allocation_beyond_free_blocks(pool: BlockPool) -> None:
     )
     # A fork of a shares its partial last block: growing it to 4 blocks needs 2 new
     # blocks plus the copy-on-write of the shared one.
-    pool.fork("a", "c")
+    fork(pool, "a", "c")
     refused(
         pool,
         OutOfBlocks,
@@ -901,23 +727,6 @@ def test_too_few_token_ids(pool: BlockPool) -> None:
     )
 
 
-@pytest.mark.mutation_kill
-def test_a_bad_decode_step_is_refused_before_its_blocks_are_counted() -> None:
-    # A full pool, and "a" needs a fresh block: a token count or a filled block that
-    # does not match must be reported (InvalidArgument) before the "not enough blocks"
-    # answer (None).
-    pool = BlockPool(1, 2)
-    pool.allocate("a", [1, 2], 2)
-    before = pool.snapshot()
-    run = pool.decode_run(["a"])
-    with pytest.raises(InvalidArgument, match="2 tokens for 1 requests"):
-        pool.append_decodes(run, [3, 4], [0], [])
-    with pytest.raises(InvalidArgument, match="1 filled blocks for 0 filling"):
-        pool.append_decodes(run, [3], [0], [], [[2, 3]])
-    assert pool.append_decodes(run, [3], [0], []) is None
-    assert pool.snapshot() == before
-
-
 def test_empty_lookup(pool: BlockPool) -> None:
     refused(pool, InvalidArgument, ["token_ids is empty"], lambda: pool.lookup([]))
 
@@ -927,26 +736,6 @@ def test_lookup_of_nothing_is_refused_by_name() -> None:
     with pytest.raises(InvalidArgument) as info:
         BlockPool(2, 1).lookup([])
     assert str(info.value) == "lookup: token_ids is empty; a request needs at least one token"
-
-
-def test_rollback_of_fast_decode_restores_chain_keys() -> None:
-    """Regression: undoing a decode step left the key of a rolled-back full block.
-
-    Later blocks then chained from it, so a lookup for the rolled-back tokens could be
-    served a block computed after other tokens.
-    """
-    pool = BlockPool(4, 2)
-    pool.allocate("r", [1], 1)
-    before = pool.snapshot()
-    pool.begin()
-    assert decode_copies(pool, {"r": [1, 2]}) == []  # fills block 0 and caches it
-    pool.rollback()
-    assert pool.snapshot() == before
-    pool.allocate("r", [1, 3, 4, 5], 3)  # other tokens this time
-    assert_valid(pool)
-    pool.allocate("s", [1, 2, 7], 3)  # indexes the key of (1, 2)
-    assert pool.lookup([1, 2, 4, 5, 9]).block_ids == pool.block_table("s")[:1]
-    assert_valid(pool)
 
 
 def _round_trip(pool: BlockPool, tag: str, k: int, bs: int) -> Allocation:
@@ -978,7 +767,7 @@ def test_allocate_and_free_outside_and_inside_a_transaction_agree(caching: bool)
 def test_a_rolled_back_step_of_runs_restores_the_pool_exactly(caching: bool) -> None:
     pool = BlockPool(64, 4, enable_prefix_caching=caching)
     pool.allocate("a", list(range(100, 130)), 30)
-    pool.fork("a", "b")
+    fork(pool, "a", "b")
     _round_trip(pool, "warm", 20, 4)  # with caching: cached free blocks, evicted on pop
     before = pool.snapshot()
     pool.begin()
@@ -1000,9 +789,9 @@ def test_a_run_of_blocks_costs_a_constant_number_of_undo_records() -> None:
         pool = BlockPool(64, 4, enable_prefix_caching=False)
         pool.begin()
         pool.allocate("r", list(range(k * 4)), k * 4)
-        allocated = pool._journal.num_entries
+        allocated = pool.journal.num_entries
         pool.free("r")
-        counts.append((allocated, pool._journal.num_entries))
+        counts.append((allocated, pool.journal.num_entries))
         pool.rollback()
         assert pool.num_free_blocks == 64
     assert counts[0] == counts[1]
@@ -1028,60 +817,6 @@ def test_the_unjournaled_allocate_still_raises_typed_errors_with_nothing_changed
     assert pool.snapshot().tables[0].token_ids == (5, 6, 7)
 
 
-def test_append_decodes_refuses_an_unknown_request_a_token_count_mismatch_and_a_stale_run() -> None:
-    pool = BlockPool(8, 4)
-    pool.allocate("a", [1, 2], 2)
-    before = pool.snapshot()
-    with pytest.raises(UnknownRequest, match=r"^decode_run: unknown request id 'ghost'$"):
-        pool.decode_run(["a", "ghost"])
-    assert pool.snapshot() == before
-    stale = pool.decode_run(["a"])
-    pool.allocate("b", [5], 1)  # a table added: the run taken before is stale
-    with_b = pool.snapshot()
-    assert not pool.is_current(stale)
-    with pytest.raises(
-        InvalidArgument,
-        match=r"^append_decodes: the decode run is stale \(a table changed since decode_run\); "
-        r"take a new one$",
-    ):
-        pool.append_decodes(stale, [3], [], [])
-    run = pool.decode_run(["a", "b"])
-    assert pool.is_current(run)
-    with pytest.raises(InvalidArgument, match=r"^append_decodes: 1 tokens for 2 requests$"):
-        pool.append_decodes(run, [3], [], [])
-    assert pool.snapshot() == with_b
-    growth = pool.append_decodes(run, [3, 6], [], [])  # each appends into its own block
-    assert growth is not None and growth.tails == [] and pool.is_current(run)
-    assert [t.token_ids for t in pool.snapshot().tables] == [(1, 2, 3), (5, 6)]
-
-
-@pytest.mark.parametrize(
-    "change",
-    [
-        lambda p: p.allocate("a", [1, 2, 3, 4, 5], 3),  # a second block
-        lambda p: p.free("a"),
-        lambda p: p.fork("a", "c"),
-        lambda p: p.allocate("c", [9], 1),
-        lambda p: (p.begin(), p.allocate("c", [9], 1), p.rollback()),
-        lambda p: (p.begin(), p.allocate("a", [1, 2, 3, 4, 5], 3), p.rollback()),
-        lambda p: (p.begin(), p.free("b"), p.rollback()),
-    ],
-    ids=["grow", "free", "fork", "add", "rollback", "rolled-back-grow", "rolled-back-free"],
-)
-def test_a_table_added_freed_forked_or_grown_or_a_rollback_makes_a_run_stale(
-    change: Callable[[BlockPool], object],
-) -> None:
-    """A run holds table objects and their token lists: after a table is freed or
-    replaced (or a rollback, which may have done either) it must not be appended to.
-    Any change the pool reports to take_changed also ends it, conservatively."""
-    pool = BlockPool(8, 4)
-    pool.allocate("a", [1, 2], 2)
-    pool.allocate("b", [5], 1)
-    run = pool.decode_run(["a", "b"])
-    change(pool)
-    assert not pool.is_current(run)
-
-
 def test_a_token_that_cannot_be_hashed_leaves_a_caching_pool_unchanged() -> None:
     """With prefix caching, allocate hashes the blocks it fills after changing the table;
     a token id outside int64 fails there, and the pool's own transaction undoes it."""
@@ -1091,204 +826,6 @@ def test_a_token_that_cannot_be_hashed_leaves_a_caching_pool_unchanged() -> None
     with pytest.raises(Exception, match=r"argument out of range|format requires"):
         pool.allocate("b", [7, 7, 7, 2**64], 4)
     assert pool.snapshot() == before and not pool.has_request("b")
-
-
-@pytest.mark.mutation_kill
-def test_a_decode_step_outside_a_step_that_cannot_hash_its_filled_block_changes_nothing() -> None:
-    """``append_decodes`` called outside a step opens its own transaction: "a"'s token
-    fills its block, which is hashed (from the token lists: no ``filled``) after the
-    tokens went in and "b"'s fresh block came off the queue; a token id outside int64
-    fails there, and the rollback leaves the pool as it was (all-or-nothing)."""
-    pool = BlockPool(8, 4, enable_prefix_caching=True)
-    pool.allocate("a", [5, 6, 7], 3)
-    pool.allocate("b", [1, 2, 3, 4], 4)
-    run = pool.decode_run(["a", "b"])
-    before = pool.snapshot()
-    with pytest.raises(Exception, match=r"argument out of range|format requires"):
-        pool.append_decodes(run, [2**63, 9], [1], [0])
-    assert pool.snapshot() == before
-    assert check_pool(pool.snapshot()) == []
-
-
-def _evicting_decode_pool() -> BlockPool:
-    """Block 2, caching on: "x" holds [1, 2, 3] (a hit on block 0, key K1) and fills
-    its second block with (3, 4) at its next decode, key K2; "y" holds [9, 9] and needs
-    a fresh block at its next decode. The one free block is the freed "old"'s block
-    indexed as K2, so y's pop evicts the very key x's fill computes."""
-    pool = BlockPool(4, 2, enable_prefix_caching=True)
-    pool.allocate("old", [1, 2, 3, 4], 4)  # blocks 0 (K1) and 1 (K2), both indexed
-    hit = pool.lookup([1, 2, 3])
-    assert pool.allocate("x", [1, 2, 3], 1, hit=hit).num_cached_tokens == 2  # block 0 shared
-    pool.allocate("y", [9, 9], 2)
-    pool.free("old")  # block 1 (K2) is the only free block, still indexed
-    assert pool.num_free_blocks == 1
-    return pool
-
-
-@pytest.mark.parametrize("order", [("x", "y"), ("y", "x")], ids=["fill-first", "pop-first"])
-def test_a_decode_run_replays_the_order_of_pops_and_fills(order: tuple[str, str]) -> None:
-    """The bulk decode takes its fresh blocks off the free queue as one run, before any
-    filled block is indexed; the per-request path alternates in request order. When a
-    pop evicts the key that another request's fill computes, only the order decides:
-    fill first, the key is still taken (x's block stays private, then the key is gone);
-    pop first, x's block takes the key. The run must end exactly as the loop does."""
-    known = {"x": [1, 2, 3, 4], "y": [9, 9, 9]}
-    bulk, loop = _evicting_decode_pool(), _evicting_decode_pool()
-    growth = decode_step(bulk, {r: known[r] for r in order}, claim_filled=False)
-    assert growth is not None and growth.copies == []
-    for rid in order:
-        loop.allocate(rid, known[rid], 1)
-    assert bulk.snapshot() == loop.snapshot()
-    assert_valid(bulk)
-    indexed = {e.block_id for e in bulk.snapshot().cache_entries}
-    x_block = bulk.block_table("x")[1]
-    assert (x_block in indexed) == (order == ("y", "x"))
-
-
-@pytest.mark.mutation_kill
-@pytest.mark.parametrize("order", [("x", "y"), ("y", "x")], ids=["fill-first", "pop-first"])
-def test_a_claimed_fill_replays_the_order_of_pops_and_fills(order: tuple[str, str]) -> None:
-    """The same two orders with the filled block's tokens claimed (``filled``, as the
-    persistent batch passes them): the inline hashing of a claimed block keeps a key that
-    a later request's pop evicts taken, exactly as the loop does."""
-    known = {"x": [1, 2, 3, 4], "y": [9, 9, 9]}
-    bulk, loop = _evicting_decode_pool(), _evicting_decode_pool()
-    run = bulk.decode_run(list(order))
-    x, y = order.index("x"), order.index("y")
-    tokens = [known[r][-1] for r in order]
-    assert bulk.append_decodes(run, tokens, [y], [x], [[3, 4]]) is not None
-    for rid in order:
-        loop.allocate(rid, known[rid], 1)
-    assert bulk.snapshot() == loop.snapshot()
-    indexed = {e.block_id for e in bulk.snapshot().cache_entries}
-    assert (bulk.block_table("x")[1] in indexed) == (order == ("y", "x"))
-
-
-@pytest.mark.mutation_kill
-def test_a_claimed_fill_takes_the_key_its_own_pop_evicted() -> None:
-    """Blocks of one token: a decode both needs a block and fills it. "a"'s pop evicts
-    the cached block keyed as (5, 6), the very key its own filled block computes; the
-    pop comes first, so a's new block takes the key, as request by request."""
-
-    def build() -> BlockPool:
-        pool = BlockPool(3, 1, enable_prefix_caching=True)
-        pool.allocate("a", [5], 1)  # block 0, K5
-        pool.allocate("old", [5, 6], 2)  # block 1 private (K5 is taken), block 2 K56
-        pool.free("old")  # block 2 (K56, still indexed) heads the free queue
-        return pool
-
-    bulk, loop = build(), build()
-    assert bulk.append_decodes(bulk.decode_run(["a"]), [6], [0], [0], [[6]]) is not None
-    loop.allocate("a", [5, 6], 1)
-    assert bulk.snapshot() == loop.snapshot()
-    assert bulk.block_table("a")[1] in {e.block_id for e in bulk.snapshot().cache_entries}
-
-
-@pytest.mark.mutation_kill
-def test_a_claimed_fill_after_an_earlier_pop_takes_the_key_it_evicted() -> None:
-    """As above with a third request first and the filled blocks' tokens claimed
-    (``filled``, as the persistent batch passes them): "y" (second) pops the block
-    indexed as K2, then "x" (third) fills a block with key K2. In request order the
-    key is free again when x fills, so x's block takes it."""
-
-    def build() -> BlockPool:
-        pool = BlockPool(5, 2, enable_prefix_caching=True)
-        pool.allocate("old", [1, 2, 3, 4], 4)  # blocks 0 (K1) and 1 (K2)
-        pool.allocate("x", [1, 2, 3], 1, hit=pool.lookup([1, 2, 3]))
-        pool.allocate("y", [9, 9], 2)
-        pool.allocate("z", [7], 1)
-        pool.free("old")  # block 1 (K2) is the only free block, still indexed
-        return pool
-
-    known = {"z": [7, 7], "y": [9, 9, 9], "x": [1, 2, 3, 4]}
-    bulk, loop = build(), build()
-    run = bulk.decode_run(["z", "y", "x"])
-    assert bulk.append_decodes(run, [7, 9, 4], [1], [0, 2], [[7, 7], [3, 4]]) is not None
-    for rid in ("z", "y", "x"):
-        loop.allocate(rid, known[rid], 1)
-    assert bulk.snapshot() == loop.snapshot()
-    assert_valid(bulk)
-    indexed = {e.block_id for e in bulk.snapshot().cache_entries}
-    assert bulk.block_table("x")[1] in indexed
-
-
-def test_a_decode_step_with_a_copy_on_write_and_a_fill_rolls_back_exactly() -> None:
-    """A shared last block sends the step request by request (copy-on-write); a block
-    that fills in the same step is indexed there. The rollback restores the pool, and
-    the next steps chain their keys from the right blocks."""
-    pool = BlockPool(8, 2)
-    pool.allocate("a", [1, 2, 3], 3)  # block 1 holds token 3, partial
-    pool.fork("a", "b")  # block 1 shared
-    pool.allocate("c", [5], 1)
-    before = pool.snapshot()
-    pool.begin()
-    copies = decode_copies(pool, {"a": [1, 2, 3, 4], "c": [5, 6]})
-    assert copies is not None and len(copies) == 1  # a copies block 1; c fills its block
-    assert len(pool.snapshot().cache_entries) == 3  # (1, 2), a's (3, 4), c's (5, 6)
-    pool.rollback()
-    assert pool.snapshot() == before
-    assert_valid(pool)
-    assert decode_copies(pool, {"a": [1, 2, 3, 9], "c": [5, 8]}) is not None
-    assert_valid(pool)
-    assert pool.lookup([1, 2, 3, 9, 0]).num_tokens == 4  # a's chain: (1, 2) then (3, 9)
-    assert pool.lookup([5, 8, 0]).num_tokens == 2
-
-
-def test_a_decode_run_lets_a_request_take_the_key_its_own_pop_evicted() -> None:
-    """Block 1: x's next token needs a fresh block and fills it. The block it pops is
-    the freed "old"'s block indexed under the very key x's block then computes. The loop
-    pops before it fills (its own growth first), so the key is free again and x's block
-    takes it; the run must do the same."""
-
-    def build() -> BlockPool:
-        pool = BlockPool(3, 1, enable_prefix_caching=True)
-        pool.allocate("old", [1, 2], 2)  # blocks 0 (key of (1)), 1 (key of (1, 2))
-        pool.allocate("x", [1], 1)  # block 2; its key is taken by block 0
-        pool.free("old")  # the queue: block 1 then block 0, both still indexed
-        return pool
-
-    bulk, loop = build(), build()
-    growth = decode_step(bulk, {"x": [1, 2]}, claim_filled=False)
-    assert growth is not None and growth.copies == []
-    loop.allocate("x", [1, 2], 1)
-    assert bulk.snapshot() == loop.snapshot()
-    assert bulk.block_table("x") == (2, 1)
-    assert bulk.lookup([1, 2, 3]).block_ids == (0, 1)  # x's new block holds the key now
-
-
-@pytest.mark.mutation_kill
-def test_a_run_stays_stale_whatever_rollbacks_follow() -> None:
-    """Staleness is for good: after a table of the run is freed, no later rollback (of
-    another step) may make the run look current again."""
-    pool = BlockPool(8, 4)
-    pool.allocate("a", [1, 2], 2)
-    pool.begin()
-    pool.rollback()  # nothing to undo; the run below is taken after a rollback
-    run = pool.decode_run(["a"])
-    pool.free("a")
-    for _ in range(pool._epoch + 2):  # past any epoch the run could be mistaken for
-        pool.begin()
-        pool.rollback()
-        assert not pool.is_current(run)
-
-
-@pytest.mark.mutation_kill
-def test_a_partial_truncation_is_undone_exactly_by_a_rollback() -> None:
-    # A verification's rejected drafts dropped, then the step fails: the table gets its
-    # tokens, keys and blocks back, and the cache its entries (docs/SPECULATIVE.md).
-    pool = BlockPool(8, 4)
-    pool.allocate("a", list(range(1, 11)), 10)
-    before = pool.snapshot()
-    third = pool.block_table("a")[2]
-    pool.begin()
-    assert pool.truncate("a", 5) == [third]  # positions 8..9 only: returned
-    assert stored(pool, "a") == 5 and len(pool.block_table("a")) == 2
-    pool.rollback()
-    assert pool.snapshot() == before
-    with pytest.raises(UnknownRequest, match=r"^truncate: unknown request id 'ghost'$"):
-        pool.truncate("ghost", 0)
-    with pytest.raises(InvalidArgument, match=r"^num_stored must be >= 0, got -1$"):
-        pool.truncate("a", -1)
 
 
 @pytest.mark.mutation_kill

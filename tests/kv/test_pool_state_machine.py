@@ -39,6 +39,8 @@ from refserve.errors import (
     UnknownRequest,
 )
 from refserve.kv import Allocation, BlockPool, PrefixHit
+from refserve.kv.forks import fork
+from refserve.kv.truncation import truncate
 from refserve.spec import check_pool
 from refserve.spec.abstract_pool import AbstractPool
 from refserve.spec.arith import blocks_needed, max_cacheable_tokens, slot_of
@@ -260,7 +262,7 @@ class PoolMachine(RuleBasedStateMachine):
         accepted = data.draw(st.integers(0, d), label="accepted")
         keep = start + 1 + accepted
         event(f"verify: {'all' if accepted == d else 'some' if accepted else 'no'} drafts kept")
-        returned = self.pool.truncate(rid, keep)
+        returned = truncate(self.pool, rid, keep)
         assert self.model.truncate(rid, keep)
         assert returned == list(table[blocks_needed(keep, self.bs) :])
         if returned:
@@ -279,7 +281,7 @@ class PoolMachine(RuleBasedStateMachine):
     def _fork(self, parent: str) -> str:
         child = self._new_id()
         before = self.pool.snapshot()
-        self.pool.fork(parent, child)
+        fork(self.pool, parent, child)
         assert self.model.fork(parent, child)
         self.stored[child] = list(self.stored[parent])
         self.known[child] = list(self.stored[parent])  # the child samples its own future
@@ -412,18 +414,18 @@ class PoolMachine(RuleBasedStateMachine):
         with pytest.raises(UnknownRequest):
             self.pool.free("ghost")
         with pytest.raises(UnknownRequest):
-            self.pool.fork("ghost", "child")
+            fork(self.pool, "ghost", "child")
         with pytest.raises(DuplicateRequest):
-            self.pool.fork(rid, rid)
+            fork(self.pool, rid, rid)
         with pytest.raises(InvalidArgument):
             self.pool.allocate(rid, self.known[rid], 0)
         with pytest.raises(UnknownRequest, match="truncate"):
-            self.pool.truncate("ghost", 0)
+            truncate(self.pool, "ghost", 0)
         stored = len(self.stored[rid])
         with pytest.raises(InvalidArgument, match=f"stores {stored} tokens; it cannot keep"):
-            self.pool.truncate(rid, stored + 1)
+            truncate(self.pool, rid, stored + 1)
         with pytest.raises(InvalidArgument, match="num_stored"):
-            self.pool.truncate(rid, -1)
+            truncate(self.pool, rid, -1)
         assert self.pool.snapshot() == before
 
     @rule(data=st.data())
@@ -522,9 +524,9 @@ class PoolMachine(RuleBasedStateMachine):
                 except (OutOfBlocks, ExceedsCapacity):
                     continue
             elif op == "truncate":  # a verification that rejected some drafts
-                self.pool.truncate(rid, data.draw(st.integers(0, pool_stored(self.pool, rid))))
+                truncate(self.pool, rid, data.draw(st.integers(0, pool_stored(self.pool, rid))))
             elif op == "fork":
-                self.pool.fork(rid, f"tx{k}")
+                fork(self.pool, rid, f"tx{k}")
                 live.add(f"tx{k}")
             else:
                 self.pool.free(rid)
@@ -593,7 +595,7 @@ class PoolMachine(RuleBasedStateMachine):
         # White-box: the chain keys a table keeps for its full blocks (not in the snapshot,
         # so a rollback that forgets them passes snapshot equality) match its tokens.
         for rid, tokens in self.stored.items():
-            keys = self.pool._tables[rid].keys
+            keys = self.pool.tables.table(rid, "keys").keys
             full = len(tokens) // bs if self.caching else 0  # kept only with caching on
             want = chain_keys(self.ns[rid].root_key(), tokens, bs, full)
             assert keys == want, f"request {rid}: stale chain keys"

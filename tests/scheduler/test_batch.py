@@ -252,19 +252,21 @@ def test_an_empty_array_numpy_cannot_read_is_refused_as_an_empty_int_array() -> 
 
 
 @pytest.mark.mutation_kill
-def test_after_an_abort_the_next_step_still_takes_the_bulk_path() -> None:
+def test_after_an_abort_the_next_step_still_takes_the_bulk_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Removing a request rebuilds the running order the bulk path reads; a stale order
     would silently send every later step down the reference loop."""
     s = decoding(4)
     s.abort("r2")
     calls: list[list[str]] = []
-    bulk = s.pool.append_decodes
+    bulk = DecodeRun.append_decodes
 
     def spy(run: DecodeRun, *args: list[int]) -> object:
         calls.append(list(run.request_ids))
         return bulk(run, *args)
 
-    s.pool.append_decodes = spy  # type: ignore[assignment, method-assign]
+    monkeypatch.setattr(DecodeRun, "append_decodes", spy)
     plan = s.schedule()
     assert calls == [["r0", "r1", "r3"]] and plan.decode_rows is not None
     s.commit(plan, torch.tensor([1, 2, 3]))
@@ -315,18 +317,18 @@ def test_token_id_zero_is_a_valid_sampled_token_in_an_array() -> None:
 
 
 @pytest.mark.mutation_kill
-def test_steady_steps_look_up_the_pool_tables_once() -> None:
+def test_steady_steps_look_up_the_pool_tables_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """While nobody joins or leaves and no table changes outside the bulk path, the
     batch keeps its DecodeRun: the steady step looks no request up in the pool."""
     s = decoding(3)
     lookups: list[list[str]] = []
-    decode_run = s.pool.decode_run
+    look_up = DecodeRun.__init__
 
-    def spy(ids: list[str]) -> DecodeRun:
+    def spy(run: DecodeRun, pool: BlockPool, ids: list[str]) -> None:
         lookups.append(list(ids))
-        return decode_run(ids)
+        look_up(run, pool, ids)
 
-    s.pool.decode_run = spy  # type: ignore[method-assign]
+    monkeypatch.setattr(DecodeRun, "__init__", spy)
     for _ in range(6):  # block 4: two of these steps start a block, all stay in bulk
         plan = s.schedule()
         assert plan.decode_rows is not None
@@ -609,11 +611,13 @@ def test_the_bulk_step_widens_the_block_table_by_doubling_only_past_its_width() 
 
 
 @pytest.mark.mutation_kill
-def test_a_row_whose_sibling_copied_away_is_not_claimed_to_need_a_block() -> None:
+def test_a_row_whose_sibling_copied_away_is_not_claimed_to_need_a_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A forked row whose last block is private again, with room, claims no new block."""
     s = _fork_whose_sibling_copied_away()
     claims: list[list[int]] = []
-    append_decodes = s.pool.append_decodes
+    append_decodes = DecodeRun.append_decodes
 
     def spy(
         run: DecodeRun, tokens: Sequence[int], needy: Sequence[int], *rest: Any
@@ -621,7 +625,7 @@ def test_a_row_whose_sibling_copied_away_is_not_claimed_to_need_a_block() -> Non
         claims.append(list(needy))
         return append_decodes(run, tokens, needy, *rest)
 
-    s.pool.append_decodes = spy  # type: ignore[assignment, method-assign]
+    monkeypatch.setattr(DecodeRun, "append_decodes", spy)
     step = s.schedule()  # r0 writes position 2 and c0 position 1 of private blocks
     assert step.decode_rows is not None and step.request_ids == ("r0", "c0")
     assert claims == [[]] and step.copies == ()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -77,6 +78,18 @@ def test_fast_decode_path_matches_reference_loop(work: Work) -> None:
     run_side_by_side(work, on_bulk=event)
 
 
+class _CountedRun:
+    """A decode run whose every bulk call is told to ``on_bulk`` (taken or refused)."""
+
+    def __init__(self, run: DecodeRun, on_bulk: Callable[[str], None]) -> None:
+        self.run, self.on_bulk = run, on_bulk
+
+    def append_decodes(self, *args: Any) -> object:
+        out = self.run.append_decodes(*args)
+        self.on_bulk("bulk decode path" if out is not None else "fell back to the reference loop")
+        return out
+
+
 def run_side_by_side(work: Work, on_bulk: Callable[[str], None] | None = None) -> None:
     """Drive a fast and a reference scheduler through ``work``; AssertionError at the
     first step where plans, inputs, snapshots or running orders differ."""
@@ -84,14 +97,12 @@ def run_side_by_side(work: Work, on_bulk: Callable[[str], None] | None = None) -
     forked: set[str] = set()
     fast, slow = Scheduler(cfg), reference_loop(Scheduler(cfg))
     if on_bulk is not None:
-        bulk = fast.pool.append_decodes
+        decode_run = fast.batch.decode_run
 
-        def counted(*args: object) -> object:
-            out = bulk(*args)  # type: ignore[arg-type]
-            on_bulk("bulk decode path" if out is not None else "fell back to the reference loop")
-            return out
+        def counted(*args: Any) -> _CountedRun:
+            return _CountedRun(decode_run(*args), on_bulk)
 
-        fast.pool.append_decodes = counted  # type: ignore[assignment, method-assign]
+        fast.batch.decode_run = counted  # type: ignore[assignment, method-assign]
     for step in range(200):
         for s in (fast, slow):
             for i, (arrival, prompt, max_tokens) in enumerate(reqs):
@@ -224,13 +235,13 @@ def test_the_differential_test_catches_a_planted_batch_bug(
 
 
 @pytest.mark.mutation_kill
-def test_steady_decodes_take_the_bulk_path() -> None:
+def test_steady_decodes_take_the_bulk_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """With room for everyone, each step's decodes go through one bulk pool call that
     covers every decoding request: the fast path is taken, not silently skipped (the
     differential test above cannot tell a skipped fast path from a taken one)."""
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, block_size=4, num_blocks=64)
     s = Scheduler(cfg)
-    bulk = s.pool.append_decodes
+    bulk = DecodeRun.append_decodes
     calls: list[tuple[list[str], bool]] = []
 
     def spy(run: DecodeRun, *args: list[int]) -> object:
@@ -238,7 +249,7 @@ def test_steady_decodes_take_the_bulk_path() -> None:
         calls.append((list(run.request_ids), out is not None))
         return out
 
-    s.pool.append_decodes = spy  # type: ignore[assignment, method-assign]
+    monkeypatch.setattr(DecodeRun, "append_decodes", spy)
     for i in range(4):
         s.add_request(Request(f"r{i}", [1, 2, 3], StopParams(max_tokens=6, ignore_eos=True)))
     decode_steps = 0

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from refserve.kv import BlockPool
+from refserve.kv import BlockPool, fork
 from refserve.spec import (
     EngineSnapshot,
     Invariant,
@@ -70,7 +70,7 @@ def base() -> PoolCase:
     """a: 6 tokens (blocks 0, 1), forked into c; b: 9 tokens (2, 3, 4); x freed (block 5)."""
     pool = BlockPool(8, BS)
     pool.allocate("a", A6, 6)
-    pool.fork("a", "c")
+    fork(pool, "a", "c")
     pool.allocate("b", B9, 9)
     pool.allocate("x", X4, 4)
     pool.free("x")
@@ -699,7 +699,7 @@ def fork_step(copy_on_write: bool) -> StepSnapshot:
     prompt = (1, 2, 3, 4, 5, 6)
     pool = BlockPool(6, BS)
     pool.allocate("P", (*prompt, 7), 6)
-    pool.fork("P", "Q")
+    fork(pool, "P", "Q")
     before = EngineSnapshot(
         (
             req("P", RequestStatus.DECODING, 6, 1, 6),
@@ -1095,7 +1095,7 @@ def same_step_hit(b_held_before: bool) -> StepSnapshot:
             (req("A", RequestStatus.WAITING, 6, 0, 0), req("B", RequestStatus.PREFILLING, 5, 0, 4)),
             pool.snapshot(),
         )
-        pool.fork("B", "A")  # an engine that hands A a block B already reads
+        fork(pool, "B", "A")  # an engine that hands A a block B already reads
         pool.allocate("A", a_toks, 2)
         pool.allocate("B", b_toks, 1)
         a_plan = scheduled(pool, "A", 0, 6, True)

@@ -1,0 +1,39 @@
+"""n > 1 sampling's side of the pool: a child request that shares its parent's blocks.
+
+:func:`fork` gives a new table every block of its parent, each gaining a reference; no
+K/V is copied. The first write into the shared partial last block, by either side,
+copies it: that copy-on-write is the pool's own (``BlockPool.allocate``, and the bulk
+decode step of ref/kv/decode_runs.py), because a shared block is never written whoever
+shares it (PREFIX).
+
+It is an attachment, separate from the pool (ref/kv/pool.py), because only parallel
+sampling needs it: it uses the pool's public parts (the tables, the allocator, the
+journal through ``BlockPool.atomic``), and the pool does not know it.
+"""
+
+from __future__ import annotations
+
+from refserve.errors import DuplicateRequest
+from refserve.kv.pool import BlockPool
+
+__all__ = ["fork"]
+
+
+def fork(pool: BlockPool, parent_id: str, child_id: str) -> None:
+    """Share every block of ``parent_id`` with a new ``child_id`` in ``pool``.
+
+    No block is copied now; the first write into the shared partial last block by
+    either side copies it (``allocate`` returns the :class:`~refserve.kv.pool.BlockCopy`).
+    Inside a step the changes join its transaction; outside one they are all or nothing.
+    """
+    tables = pool.tables
+    parent = tables.table(parent_id, "fork")
+    if child_id in tables:
+        raise DuplicateRequest(child_id, "fork")
+    with pool.atomic():
+        child = tables.add(child_id, parent.root_key)
+        tables.mark_changed(parent_id)  # its last block is shared now
+        pool.allocator.share(parent.block_table)
+        child.block_table.extend(parent.block_table)
+        child.keys.extend(parent.keys)
+        child.token_ids.extend(parent.token_ids)
