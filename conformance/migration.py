@@ -1,13 +1,14 @@
 """Run a workload on several instances of one engine, moving requests between them
 (feature ``migration``; docs/ADAPTERS.md, "Migration"; docs/CONFORMANCE.md, "Migration").
 
-Each instance is a :class:`refserve.conformance.runner._Run` with its own configuration, its own
-fake KV memory and its own books (live requests, admission ranks, steps); they share the
-run's result and the requests' tokens, which move with them. Requests arrive at instance
-0 (``A``). At every step boundary the suite adds the arrivals, aborts what is due, makes
-the workload's moves (:class:`~refserve.conformance.workload.MigrationPlan`; in a disaggregated
-workload, every request on ``A`` that has its first output moves to ``B``), then steps
-every instance that has live requests, checking each step as a single-engine run does.
+Each instance is a :class:`refserve.conformance.instance.InstanceRun` with its own
+configuration, its own fake KV memory and its own books (live requests, admission ranks,
+steps); they share the run's result and the requests' tokens, which move with them.
+Requests arrive at instance 0 (``A``). At every step boundary the suite adds the
+arrivals, aborts what is due, makes the workload's moves
+(:class:`~refserve.conformance.workload.MigrationPlan`; in a disaggregated workload,
+every request on ``A`` that has its first output moves to ``B``), then steps every
+instance that has live requests, checking each step as a single-engine run does.
 
 The suite plays the link. One move of ``rid`` from ``src`` to ``dst``::
 
@@ -52,7 +53,13 @@ from refserve.conformance.adapter import (
 )
 from refserve.conformance.fake_kv import Slot
 from refserve.conformance.guard import AdapterCallError, describe
-from refserve.conformance.instance import STALL_STEPS, STEP_INVARIANTS, _Run, _Stop, adapter_traits
+from refserve.conformance.instance import (
+    STALL_STEPS,
+    STEP_INVARIANTS,
+    InstanceRun,
+    adapter_traits,
+)
+from refserve.conformance.probe import RunStopped
 from refserve.conformance.run_result import Finding, RunResult
 from refserve.conformance.workload import MigrationPlan, RequestPlan, Workload
 from refserve.spec.atomic import check_atomic
@@ -90,10 +97,10 @@ def run_instances(
     return cluster.run()
 
 
-class _Move:
+class MigrationInTransit:
     """The move in transit, as the suite (the link) knows it."""
 
-    def __init__(self, rid: str, src: _Run, dst: _Run, plan: MigrationPlan) -> None:
+    def __init__(self, rid: str, src: InstanceRun, dst: InstanceRun, plan: MigrationPlan) -> None:
         self.rid, self.src, self.dst, self.plan = rid, src, dst, plan
         self.phase = TransitPhase.EXPORTED
         self.transit: Transit | None = None
@@ -109,11 +116,11 @@ class _Cluster:
         if len(adapters) < n or n > len(NAMES):
             raise ValueError(f"{n} instances need {n} adapters (at most {len(NAMES)})")
         props = [adapter_traits(a, call_timeout)[1] for a in adapters[:n]]
-        head = _Run(adapters[0], workload, props[0], call_timeout, label=NAMES[0])
+        head = InstanceRun(adapters[0], workload, props[0], call_timeout, label=NAMES[0])
         self.runs = [head]
         for i in range(1, n):
             self.runs.append(
-                _Run(
+                InstanceRun(
                     adapters[i],
                     workload,
                     props[i],
@@ -127,14 +134,14 @@ class _Cluster:
         self.moves = sorted(workload.migrations, key=lambda m: m.at)
         self.added: list[str] = []
         """Requests the suite submitted and the engine took, in order (their clients)."""
-        self.move: _Move | None = None
+        self.move: MigrationInTransit | None = None
         self.last: ClusterSnapshot | None = None
 
     # ------------------------------------------------------------------ the run
     def run(self) -> RunResult:
         try:
             self.drive()
-        except _Stop:
+        except RunStopped:
             pass
         except Exception as e:  # the suite's own bookkeeping tripped on the adapters' data
             self.res.findings.append(
@@ -178,7 +185,7 @@ class _Cluster:
         """Configure every instance; what the run checks."""
         for r in self.runs:
             r.configure()
-            r.snapshot(-1, "configure")
+            r.probe.snapshot(-1, "configure")
         self.res.checked.update(STEP_INVARIANTS)
         self.res.checked.update(CLUSTER_INVARIANTS)
         self.res.checked.add(Invariant.ATOMIC)  # every export, refusal and aborted import
@@ -187,7 +194,7 @@ class _Cluster:
         self.check_cluster(-1, "configure")
 
     def not_quiesced(self, step: int, limit: int) -> None:
-        self.runs[0].not_quiesced(step, limit, [rid for r in self.runs for rid in r.live])
+        self.runs[0].probe.not_quiesced(step, limit, [rid for r in self.runs for rid in r.live])
 
     def step_all(self, step: int) -> None:
         """One step of every instance with live requests (a planned rollback first), each
@@ -197,12 +204,13 @@ class _Cluster:
                 continue
             if step in self.w.rollback_at:
                 r.rollback(step)
-                self.check_cluster(step, r.where("rollback"))
+                self.check_cluster(step, r.probe.where("rollback"))
             r.step(step)
             sampled = tuple(
-                Sample(r.label, rid, tuple(toks)) for rid, toks in sorted(r.last_gained.items())
+                Sample(r.probe.label, rid, tuple(toks))
+                for rid, toks in sorted(r.last_gained.items())
             )
-            self.check_cluster(step, r.where("step"), sampled)
+            self.check_cluster(step, r.probe.where("step"), sampled)
 
     def arrive(self, pending: list[RequestPlan], i: int, boundary: int, step: int) -> int:
         """The single-engine runner's arrivals (at instance 0) and aborts (wherever the
@@ -214,14 +222,14 @@ class _Cluster:
             i += 1
             if rid in head.live:
                 self.added.append(rid)
-            head.snapshot(step, "add")
-            self.check_cluster(step, head.where("add"))
+            head.probe.snapshot(step, "add")
+            self.check_cluster(step, head.probe.where("add"))
         for r in self.runs:
             for rid in sorted(r.live):
                 p = r.plans[rid]
                 if p.abort_at is not None and p.abort_at <= boundary:
                     r.abort(rid, step)
-                    self.check_cluster(step, r.where("abort"))
+                    self.check_cluster(step, r.probe.where("abort"))
         return i
 
     def stalled(self, pending: list[RequestPlan], j: int, step: int) -> bool:
@@ -235,7 +243,7 @@ class _Cluster:
             return False
         if not any(f.invariant is Invariant.PROGRESS for f in self.res.findings):
             live = sorted(rid for r in busy for rid in r.live)
-            busy[0].fail(
+            busy[0].probe.fail(
                 Invariant.PROGRESS,
                 step,
                 "step",
@@ -251,7 +259,7 @@ class _Cluster:
         return any(m.request_id in live for m in self.moves[j:])
 
     # ------------------------------------------------------------------ moves
-    def holder(self, rid: str) -> _Run | None:
+    def holder(self, rid: str) -> InstanceRun | None:
         return next((r for r in self.runs if rid in r.live), None)
 
     def make_moves(self, j: int, boundary: int, step: int) -> int:
@@ -271,21 +279,21 @@ class _Cluster:
                     self.migrate(head, decode, MigrationPlan(boundary, rid, 1), step)
         return j
 
-    def migrate(self, src: _Run, dst: _Run, m: MigrationPlan, step: int) -> None:
+    def migrate(self, src: InstanceRun, dst: InstanceRun, m: MigrationPlan, step: int) -> None:
         """One move, every operation checked (module docstring)."""
         rid = m.request_id
         phase = "migrate"
         entry: dict[str, object] = {
             "boundary": step,
             "migrate": rid,
-            "from": src.label,
-            "to": dst.label,
+            "from": src.probe.label,
+            "to": dst.probe.label,
             "kv": m.kv,
         }
         self.res.trace.append(entry)
-        src_before = src.snapshot(step, phase)
-        dst_before = dst.snapshot(step, phase)
-        move = self.move = _Move(rid, src, dst, m)
+        src_before = src.probe.snapshot(step, phase)
+        dst_before = dst.probe.snapshot(step, phase)
+        move = self.move = MigrationInTransit(rid, src, dst, m)
         try:
             self._migrate(move, entry, src_before, dst_before, step)
         finally:
@@ -293,7 +301,7 @@ class _Cluster:
 
     def _migrate(
         self,
-        move: _Move,
+        move: MigrationInTransit,
         entry: dict[str, object],
         src_before: EngineSnapshot,
         dst_before: EngineSnapshot,
@@ -301,39 +309,43 @@ class _Cluster:
     ) -> None:
         rid, src, dst, m = move.rid, move.src, move.dst, move.plan
         phase = "migrate"
-        exp: MigrationExport = src.call(
+        exp: MigrationExport = src.probe.call(
             step,
             phase,
             f"export_request({rid!r})",
-            lambda: src.a.export_request(rid),  # type: ignore[attr-defined]  # feature-gated
+            lambda: src.probe.a.export_request(rid),  # type: ignore[attr-defined]  # feature-gated
         )
-        src.malformed(step, phase, "export_request()", validate.check_migration_export(exp, rid))
+        src.probe.malformed(
+            step, phase, "export_request()", validate.check_migration_export(exp, rid)
+        )
         entry["kv_length"] = len(exp.kv_slots)
         entry["host"] = exp.kv_on_host
-        exported = src.snapshot(step, phase)
-        src.checked(step, phase, lambda: _pure_read(src_before, exported))
+        exported = src.probe.snapshot(step, phase)
+        src.probe.checked(step, phase, lambda: _pure_read(src_before, exported))
         move.transit = self.transit_of(move, src_before, dst_before, exp, None)
         self.check_cluster(step, "migrate: exported")
         try:
-            staged: MigrationStaged = dst.call(
+            staged: MigrationStaged = dst.probe.call(
                 step,
                 phase,
                 f"stage_import({rid!r})",
-                lambda: dst.a.stage_import(exp, m.kv),  # type: ignore[attr-defined]
+                lambda: dst.probe.a.stage_import(exp, m.kv),  # type: ignore[attr-defined]
                 (Rejected,),
             )
         except Rejected as e:
-            refused = dst.snapshot(step, phase)
-            dst.checked(step, phase, lambda: check_atomic(dst_before, refused))
+            refused = dst.probe.snapshot(step, phase)
+            dst.probe.checked(step, phase, lambda: check_atomic(dst_before, refused))
             entry["refused"] = str(e)
             self.move = None
             self.check_cluster(step, "migrate: refused")
             return
-        dst.malformed(step, phase, "stage_import()", validate.check_migration_staged(staged, rid))
+        dst.probe.malformed(
+            step, phase, "stage_import()", validate.check_migration_staged(staged, rid)
+        )
         entry["hit"] = staged.num_hit_tokens
         entry["sent"] = len(staged.kv_slots)
-        held = dst.snapshot(step, phase)
-        dst.checked(step, phase, lambda: check_pool(held.pool, dst.props.lookahead_slots))
+        held = dst.probe.snapshot(step, phase)
+        dst.probe.checked(step, phase, lambda: check_pool(held.pool, dst.props.lookahead_slots))
         move.phase = TransitPhase.STAGED
         move.transit = self.transit_of(move, src_before, dst_before, exp, (staged, held))
         self.check_cluster(step, "migrate: staged")
@@ -349,22 +361,22 @@ class _Cluster:
                 dst.memory.device[slot] = value
         self.advance(move, TransitPhase.ACKED)
         self.check_cluster(step, "migrate: acknowledged")
-        src.call(step, phase, f"release({rid!r})", lambda: src.a.release(rid))  # type: ignore[attr-defined]
+        src.probe.call(step, phase, f"release({rid!r})", lambda: src.probe.a.release(rid))  # type: ignore[attr-defined]
         src.live.discard(rid)
-        released = src.snapshot(step, phase)
-        src.checked(step, phase, lambda: check_pool(released.pool, src.props.lookahead_slots))
+        released = src.probe.snapshot(step, phase)
+        src.probe.checked(step, phase, lambda: check_pool(released.pool, src.props.lookahead_slots))
         self.advance(move, TransitPhase.RELEASED)
         self.check_cluster(step, "migrate: released")
-        dst.call(step, phase, "commit_import()", lambda: dst.a.commit_import())  # type: ignore[attr-defined]
+        dst.probe.call(step, phase, "commit_import()", lambda: dst.probe.a.commit_import())  # type: ignore[attr-defined]
         dst.join(rid)
-        after = dst.snapshot(step, phase)
-        dst.checked(step, phase, lambda: check_pool(after.pool, dst.props.lookahead_slots))
+        after = dst.probe.snapshot(step, phase)
+        dst.probe.checked(step, phase, lambda: check_pool(after.pool, dst.props.lookahead_slots))
         self.move = None
         self.check_cluster(step, "migrate: committed")
 
     def transit_of(
         self,
-        move: _Move,
+        move: MigrationInTransit,
         src_before: EngineSnapshot,
         dst_before: EngineSnapshot,
         exp: MigrationExport,
@@ -388,8 +400,8 @@ class _Cluster:
             received = tuple(rec.kv_slots)
         return Transit(
             request_id=move.rid,
-            source=move.src.label,
-            destination=move.dst.label,
+            source=move.src.probe.label,
+            destination=move.dst.probe.label,
             phase=move.phase,
             with_kv=with_kv,
             request=r,
@@ -403,13 +415,13 @@ class _Cluster:
             received_slots=received,
         )
 
-    def advance(self, move: _Move, phase: TransitPhase) -> None:
+    def advance(self, move: MigrationInTransit, phase: TransitPhase) -> None:
         move.phase = phase
         if move.transit is not None:
             move.transit = dataclasses.replace(move.transit, phase=phase)
 
     def transfer(
-        self, src: _Run, exp: MigrationExport, staged: MigrationStaged
+        self, src: InstanceRun, exp: MigrationExport, staged: MigrationStaged
     ) -> dict[int, Slot | None]:
         """What the link carries: destination slot -> the source's K/V (a fake value) of
         the position it receives, None where the source has none (never written, or a
@@ -422,26 +434,30 @@ class _Cluster:
         return out
 
     def fail_link(
-        self, move: _Move, src_before: EngineSnapshot, dst_before: EngineSnapshot, step: int
+        self,
+        move: MigrationInTransit,
+        src_before: EngineSnapshot,
+        dst_before: EngineSnapshot,
+        step: int,
     ) -> None:
         """The link fails before the ack: the destination aborts its import and must be
         as before the stage; the source still owns the request, unchanged, and (for
         ``abort_in_transit``) aborts it for its client."""
         rid, src, dst = move.rid, move.src, move.dst
         phase = "migrate"
-        dst.call(step, phase, "abort_import()", lambda: dst.a.abort_import())  # type: ignore[attr-defined]
-        undone = dst.snapshot(step, phase)
-        dst.checked(step, phase, lambda: check_atomic(dst_before, undone))
-        kept = src.snapshot(step, phase)
-        src.checked(step, phase, lambda: _pure_read(src_before, kept))
+        dst.probe.call(step, phase, "abort_import()", lambda: dst.probe.a.abort_import())  # type: ignore[attr-defined]
+        undone = dst.probe.snapshot(step, phase)
+        dst.probe.checked(step, phase, lambda: check_atomic(dst_before, undone))
+        kept = src.probe.snapshot(step, phase)
+        src.probe.checked(step, phase, lambda: _pure_read(src_before, kept))
         self.move = None
         self.check_cluster(step, "migrate: aborted")
         if move.plan.fault == "abort_in_transit":
             src.abort(rid, step)
-            self.check_cluster(step, src.where("abort"))
+            self.check_cluster(step, src.probe.where("abort"))
 
     # ------------------------------------------------------------------ the rules
-    def node_tokens(self, r: _Run, rid: str, count: int) -> tuple[int, ...]:
+    def node_tokens(self, r: InstanceRun, rid: str, count: int) -> tuple[int, ...]:
         """The request's token ids on an engine that reports ``count`` of them: the
         suite's own, cut or padded with :data:`UNKNOWN_TOKEN` (module docstring)."""
         known = r.tokens.get(rid, [])
@@ -450,7 +466,7 @@ class _Cluster:
     def cluster_now(self) -> ClusterSnapshot:
         nodes = []
         for r in self.runs:
-            snap = r.latest
+            snap = r.probe.latest
             assert snap is not None, "every instance is snapshotted after configure"
             ids = tuple(
                 (x.request_id, self.node_tokens(r, x.request_id, x.num_tokens))
@@ -459,7 +475,7 @@ class _Cluster:
             )
             nodes.append(
                 Node(
-                    r.label,
+                    r.probe.label,
                     snap,
                     ids,
                     r.memory.tokens_on("device"),
@@ -489,14 +505,14 @@ class _Cluster:
             try:
                 vs = check_cluster(ClusterStep(last, now, sampled))
             except Exception as e:
-                self.runs[0].fail(
+                self.runs[0].probe.fail(
                     Invariant.PROGRESS,
                     step,
                     phase,
                     "adapter",
                     f"the migration rules could not read the adapters' records: {describe(e)}",
                 )
-                raise _Stop from None
+                raise RunStopped from None
             self.res.findings.extend(Finding(v, step, phase) for v in vs)
         self.last = now
 

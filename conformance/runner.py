@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from refserve.conformance.adapter import AdapterFactory, EngineAdapter, Feature
 from refserve.conformance.fake_kv import POISONED
 from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, call
-from refserve.conformance.instance import STALL_STEPS, STEP_INVARIANTS, _Run, adapter_traits
+from refserve.conformance.instance import STALL_STEPS, STEP_INVARIANTS, InstanceRun, adapter_traits
 from refserve.conformance.migration import run_instances
 from refserve.conformance.run_result import Finding, Observed, RunResult
 from refserve.conformance.workload import EOS, Workload
@@ -48,7 +48,7 @@ def run_workload(
                 f"{len(peers)} peer adapters given"
             )
         return run_instances([adapter, *peers], workload, call_timeout)
-    return _Run(adapter, workload, props, call_timeout).run()
+    return InstanceRun(adapter, workload, props, call_timeout).run()
 
 
 def build(factory: AdapterFactory, call_timeout: float = DEFAULT_CALL_TIMEOUT) -> EngineAdapter:

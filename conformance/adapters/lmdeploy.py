@@ -513,8 +513,11 @@ class LmdeployAdapter:
             count = int(alloc.get_ref_count(logical))
             ref[phys] = count - (1 if logical in trie_owned else 0)
         gpu = alloc.get_phy_allocator("gpu")
-        num_used = int(gpu._num_blocks) - int(gpu._free_count)
-        free = [int(b) for b in gpu._free_blocks[num_used:]]
+        # The free list's order has no public read: its array holds every block, the
+        # used ones first, so the free ones are its tail.
+        free_list = gpu._free_blocks
+        num_used = len(free_list) - int(gpu.get_num_free_blocks())
+        free = [int(b) for b in free_list[num_used:]]
         evictable = sorted(
             int(alloc.get_physical_blocks(b))
             for b in trie_owned

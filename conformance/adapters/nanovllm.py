@@ -256,6 +256,11 @@ class NanoVllmAdapter:
     def has_unfinished(self) -> bool:
         return not self._sched.is_finished()
 
+    @property
+    def scheduler(self) -> Any:
+        """The nano-vllm Scheduler this adapter drives (the bench times it directly)."""
+        return self._sched
+
     # ------------------------------------------------------------------ the step
     def schedule(self) -> StepReport:
         self._retired = []

@@ -117,7 +117,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from types import SimpleNamespace
@@ -374,6 +374,90 @@ def _reason_of(e: Exception) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+@dataclass(frozen=True)
+class SchedulerChoices:
+    """How the adapter runs vLLM's scheduler, besides the EngineConfig."""
+
+    policy: str
+    chunked_prefill: bool
+    reserve_full_isl: bool
+
+
+@dataclass(frozen=True)
+class BuiltScheduler:
+    """vLLM's scheduler for one EngineConfig, with the configs it was built from."""
+
+    scheduler: Any
+    vllm_config: Any
+    model_config: Any
+    max_model_len: int
+    hash_block_size: int
+
+
+def build_scheduler(
+    config: EngineConfig,
+    choices: SchedulerChoices,
+    kv_transfer_config: Callable[[], Any],
+    speculative_config: Callable[[], Any],
+) -> BuiltScheduler:
+    """vLLM's configs for ``config`` and the scheduler built on them, as the engine core
+    builds them after profiling (``NotSupported`` when vLLM refuses the configuration)."""
+    bs, n = config.block_size, config.num_blocks
+    # vLLM's auto-fit (max_model_len=-1): the longest sequence the pool can hold.
+    max_model_len = min(config.max_model_len, n * bs)
+    model_config = copy.copy(BASE_MODEL_CONFIG)
+    model_config.max_model_len = max_model_len
+    try:
+        cache = V.CacheConfig(
+            block_size=bs,
+            num_gpu_blocks_override=n + NULL_BLOCKS,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        scheduler = V.SchedulerConfig(
+            max_model_len=max_model_len,
+            is_encoder_decoder=False,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            enable_chunked_prefill=choices.chunked_prefill,
+            policy=choices.policy,
+            async_scheduling=False,
+            scheduler_reserve_full_isl=choices.reserve_full_isl,
+        )
+        vllm_config = V.VllmConfig(
+            model_config=model_config,
+            cache_config=cache,
+            scheduler_config=scheduler,
+            device_config=V.DeviceConfig("cpu"),
+            kv_transfer_config=kv_transfer_config(),
+            speculative_config=speculative_config(),
+        )
+    except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
+        raise NotSupported(f"vLLM refuses this configuration: {_reason_of(e)}") from e
+    # What the engine core does after profiling: the pool size it settled on.
+    vllm_config.cache_config.num_gpu_blocks = n + NULL_BLOCKS
+    kv_cache_config = V.KVCacheConfig(
+        num_blocks=n + NULL_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            V.KVCacheGroupSpec(
+                ["model.layers.0.self_attn.attn"],
+                V.FullAttentionSpec(
+                    block_size=bs, num_kv_heads=1, head_size=32, dtype=V.torch.float32
+                ),
+            )
+        ],
+    )
+    sched_bs, hash_bs = V.resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    sched = V.Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=V.StructuredOutputManager(vllm_config),
+        block_size=sched_bs,
+        hash_block_size=hash_bs,
+    )
+    return BuiltScheduler(sched, vllm_config, model_config, max_model_len, hash_bs)
+
+
 class VllmAdapter:
     """vLLM's V1 Scheduler + KVCacheManager behind the conformance protocol."""
 
@@ -441,61 +525,15 @@ class VllmAdapter:
 
     # ------------------------------------------------------------------ setup
     def configure(self, config: EngineConfig) -> None:
-        bs, n = config.block_size, config.num_blocks
-        # vLLM's auto-fit (max_model_len=-1): the longest sequence the pool can hold.
-        max_model_len = min(config.max_model_len, n * bs)
-        model_config = copy.copy(BASE_MODEL_CONFIG)
-        model_config.max_model_len = max_model_len
         if config.num_speculative_tokens and not self._speculation:
             raise NotSupported("this adapter runs vLLM without a speculative config")
-        try:
-            cache = V.CacheConfig(
-                block_size=bs,
-                num_gpu_blocks_override=n + NULL_BLOCKS,
-                enable_prefix_caching=config.enable_prefix_caching,
-            )
-            scheduler = V.SchedulerConfig(
-                max_model_len=max_model_len,
-                is_encoder_decoder=False,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
-                enable_chunked_prefill=self._chunked,
-                policy=self._policy,
-                async_scheduling=False,
-                scheduler_reserve_full_isl=self._reserve_full_isl,
-            )
-            vllm_config = V.VllmConfig(
-                model_config=model_config,
-                cache_config=cache,
-                scheduler_config=scheduler,
-                device_config=V.DeviceConfig("cpu"),
-                kv_transfer_config=self.kv_transfer_config(config),
-                speculative_config=self.speculative_config(config),
-            )
-        except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
-            raise NotSupported(f"vLLM refuses this configuration: {_reason_of(e)}") from e
-        # What the engine core does after profiling: the pool size it settled on.
-        vllm_config.cache_config.num_gpu_blocks = n + NULL_BLOCKS
-        kv_cache_config = V.KVCacheConfig(
-            num_blocks=n + NULL_BLOCKS,
-            kv_cache_tensors=[],
-            kv_cache_groups=[
-                V.KVCacheGroupSpec(
-                    ["model.layers.0.self_attn.attn"],
-                    V.FullAttentionSpec(
-                        block_size=bs, num_kv_heads=1, head_size=32, dtype=V.torch.float32
-                    ),
-                )
-            ],
+        built = build_scheduler(
+            config,
+            SchedulerChoices(self._policy, self._chunked, self._reserve_full_isl),
+            lambda: self.kv_transfer_config(config),
+            lambda: self.speculative_config(config),
         )
-        sched_bs, hash_bs = V.resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-        self._sched = V.Scheduler(
-            vllm_config=vllm_config,
-            kv_cache_config=kv_cache_config,
-            structured_output_manager=V.StructuredOutputManager(vllm_config),
-            block_size=sched_bs,
-            hash_block_size=hash_bs,
-        )
+        self._sched, vllm_config = built.scheduler, built.vllm_config
         # As EngineCore.__init__: a block hasher only when prefix caching is on or a KV
         # connector is configured (the connector keys its transfers by block hash).
         self._hasher = None
@@ -503,10 +541,10 @@ class VllmAdapter:
             hash_fn = V.get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
             V.init_none_hash(hash_fn)
             self._hasher = self.make_block_hasher(
-                hash_bs, hash_fn, vllm_config.num_hash_lookahead_tokens
+                built.hash_block_size, hash_fn, vllm_config.num_hash_lookahead_tokens
             )
         self._cfg = config
-        self._max_model_len = max_model_len
+        self._max_model_len = built.max_model_len
         self._num_spec_tokens = int(vllm_config.num_speculative_tokens)
         # The slots a table may hold past its KV length: with speculation, the blocks
         # of rejected drafts stay with the request (update_from_output only lowers
@@ -526,7 +564,7 @@ class VllmAdapter:
             lookahead_slots=lookahead,
             placeholder_drafts=bool(self._num_spec_tokens),
         )
-        self._model_config = model_config
+        self._model_config = built.model_config
         self._roots.clear()
         self._all.clear()
         self._live.clear()
@@ -579,6 +617,11 @@ class VllmAdapter:
             return None
         lora_id = self._lora_ids.setdefault(name, len(self._lora_ids) + 1)
         return V.LoRARequest(name, lora_id, f"{LORA_PATH_ROOT}/{name}")
+
+    @property
+    def scheduler(self) -> Any:
+        """The vLLM Scheduler this adapter drives (the bench times it directly)."""
+        return self._sched
 
     @property
     def cfg(self) -> EngineConfig:

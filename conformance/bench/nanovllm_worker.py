@@ -103,7 +103,7 @@ class NanoVllmBench:
         )
         for i in range(shape.n):
             adapter.add_request(RequestSpec(W.request_id(i), tuple(W.prompt(i)), W.MAX_TOKENS))
-        sched = adapter._sched
+        sched = adapter.scheduler
         while sched.waiting or any(s.num_completion_tokens == 0 for s in sched.running):
             seqs, _ = sched.schedule()
             sched.postprocess(seqs, [W.PREFILL_TOKEN] * len(seqs))

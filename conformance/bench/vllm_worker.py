@@ -141,7 +141,7 @@ class VllmBench:
         )
         for i in range(shape.n):
             adapter.add_request(RequestSpec(W.request_id(i), tuple(W.prompt(i)), W.MAX_TOKENS))
-        sched = adapter._sched
+        sched = adapter.scheduler
         reqs = sched.requests
         while any(r.num_output_tokens == 0 for r in reqs.values()):
             out = sched.schedule()

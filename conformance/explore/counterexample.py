@@ -67,8 +67,8 @@ def to_workload(s: Session, note: str) -> Workload:
         s.scope.config(),
         tuple(plans),
         rollback_at=tuple(s.rollbacks),
-        drafts_right=tuple(s.run.right_used),
-        transfer_outcomes=tuple(s.run.transfer_used),
+        drafts_right=tuple(s.choices.right_used),
+        transfer_outcomes=tuple(s.run.copies.used),
         note=note,
     )
 

@@ -19,40 +19,31 @@ from __future__ import annotations
 
 import copy
 import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
 from refserve.conformance.adapter import AdapterFactory, EngineProperties, Feature
+from refserve.conformance.explore.bfs import BreadthFirst, FirstFound, Unreachable
 from refserve.conformance.explore.counterexample import (
     Counterexample,
     record,
     step_table,
     to_workload,
 )
-from refserve.conformance.explore.key import Key
 from refserve.conformance.explore.liveness import Liveness, check_liveness
-from refserve.conformance.explore.result import STRATEGIES, Exploration
+from refserve.conformance.explore.result import Exploration
 from refserve.conformance.explore.scope import Scope
 from refserve.conformance.explore.session import Event, Fault, Session, Step, step_variants
 from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, describe
-from refserve.conformance.instance import _Stop, adapter_traits
+from refserve.conformance.instance import adapter_traits
+from refserve.conformance.probe import RunStopped
 from refserve.conformance.run_result import Finding
 from refserve.conformance.runner import build
 from refserve.conformance.shrink import signature
 from refserve.conformance.workload import Workload
 from refserve.spec.violation import Invariant, violation
-
-
-@dataclass
-class _Node:
-    parent: int
-    event: Event | None
-    depth: int
-    key: Key
-    live: bool
 
 
 @dataclass
@@ -114,21 +105,20 @@ class _Explorer:
         timeout: float,
         first_only: bool,
     ) -> None:
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        self.graph: BreadthFirst[Event, bool, Session] = BreadthFirst(
+            strategy, scope.max_states, scope.max_depth
+        )
+        """The states reached; each one's info: whether it has live requests."""
         self.factory = factory
         self.scope = scope
         self.strategy = strategy
         self.timeout = timeout
         self.first_only = first_only
-        self.nodes: list[_Node] = []
-        self.index: dict[Key, int] = {}
-        self.sessions: dict[int, Session] = {}
-        self.queue: deque[int] = deque()
         self.steps: dict[int, set[int]] = {}
         self.unknown: set[int] = set()
-        """Nodes whose step outcomes were not all explored (a failing or cut step)."""
-        self.found: dict[str, tuple[Finding, tuple[Event, ...]]] = {}
+        """Nodes whose step outcomes were not all explored (a failing step; the graph's
+        cut adds those a limit left)."""
+        self.found: FirstFound[Finding, tuple[Event, ...]] = FirstFound()
         self.features: frozenset[Feature] = frozenset()
         self.props = EngineProperties()
         self.res = ExploreResult(strategy=strategy, scope=scope)
@@ -139,42 +129,22 @@ class _Explorer:
         s = Session(adapter, self.scope, self.props, self.timeout)
         found = s.start(self.features)
         if found:
-            raise _Failed(found[0])
+            raise Unreachable(found[0], "")
         return s
-
-    def path(self, nid: int) -> tuple[Event, ...]:
-        out: list[Event] = []
-        while nid > 0:
-            n = self.nodes[nid]
-            assert n.event is not None
-            out.append(n.event)
-            nid = n.parent
-        return tuple(reversed(out))
 
     def at(self, nid: int) -> Session:
         """A new session in state ``nid``: with ``copy`` a copy of the stored one, with
         ``replay`` the state's path replayed on a fresh adapter (checking determinism)."""
         if self.strategy == "copy":
             try:
-                return copy.deepcopy(self.sessions[nid])
+                return copy.deepcopy(self.graph.sessions[nid])
             except Exception as e:  # a lock, a generator, a native handle in the engine
                 raise _NotCopyable(describe(e)) from None
         s = self.fresh()
-        for ev in self.path(nid):
-            found = s.apply(ev)
-            if found or s.dead:
-                raise _Failed(found[0] if found else _finding("replaying an explored path failed"))
         try:
-            same = s.key() == self.nodes[nid].key
-        except _Stop:
-            raise _Failed(s.findings[-1]) from None
-        if not same:
-            raise _Failed(
-                _finding(
-                    "nondeterministic: replaying the same events on a fresh engine reached "
-                    "a different state (the explorer needs a deterministic engine)"
-                )
-            )
+            self.graph.replay(nid, s, "events", "engine")
+        except RunStopped:  # the key's snapshot could not be read
+            raise Unreachable(s.findings[-1], "") from None
         return s
 
     # ------------------------------------------------------------------ search
@@ -183,11 +153,12 @@ class _Explorer:
         try:
             self.begin()
         except AdapterCallError as e:
-            self.found.setdefault("setup", (_finding(str(e), "setup"), ()))
+            self.found.record("setup", _finding(str(e), "setup"), tuple)
         except _NotCopyable as e:
             self.res.not_supported = (
                 f"the adapter cannot be deep-copied ({e}): explore it with strategy replay"
             )
+        self.res.depth = self.graph.deepest
         if not self.res.not_supported:
             self.finish()
         self.res.seconds = time.perf_counter() - start
@@ -207,62 +178,37 @@ class _Explorer:
         if root.run.res.not_supported:
             res.not_supported = root.run.res.not_supported
         elif found:
-            self.found[signature(found[0])] = (found[0], ())
+            self.found.record(signature(found[0]), found[0], tuple)
         else:
             self.search(root)
 
-    def add_node(self, parent: int, ev: Event | None, depth: int, s: Session) -> int | None:
+    def add_node(self, parent: int, ev: Event | None, s: Session) -> int | None:
         """The node of ``s``'s state (a new one is queued); None if the key is unreadable."""
         try:
             k = s.key()
-        except _Stop:
+        except RunStopped:
             self.record_finding(s.findings[-1:], parent, ev)
             return None
-        nid = self.index.get(k)
-        if nid is not None:
-            return nid
-        nid = len(self.nodes)
-        self.index[k] = nid
-        self.nodes.append(_Node(parent, ev, depth, k, bool(s.live())))
-        self.res.depth = max(self.res.depth, depth)
-        if self.strategy == "copy":
-            self.sessions[nid] = s
-        self.queue.append(nid)
-        return nid
+        return self.graph.visit(parent, ev, k, bool(s.live()), s)
 
     def search(self, root: Session) -> None:
-        scope, res = self.scope, self.res
-        first = self.add_node(-1, None, 0, root)
+        first = self.add_node(-1, None, root)
         assert first == 0
-        queue = self.queue
-        res.exhausted = True
-        while queue:
-            if self.first_only and self.found:
-                res.exhausted = False
-                return
-            nid = queue.popleft()
-            node = self.nodes[nid]
-            if scope.max_depth and node.depth >= scope.max_depth:
-                res.exhausted = False
-                self.unknown.add(nid)
-                self.sessions.pop(nid, None)
-                continue
-            if len(self.nodes) >= scope.max_states:
-                res.exhausted = False
-                self.unknown.update(queue)
-                self.unknown.add(nid)
-                return
-            try:
-                self.expand(nid)
-            except _Failed as e:
-                self.record_finding([e.finding], nid, None)
-                self.unknown.add(nid)
-            self.sessions.pop(nid, None)
+        self.res.exhausted = self.graph.search(
+            self.expand_or_record, lambda: self.first_only and bool(self.found)
+        )
+
+    def expand_or_record(self, nid: int) -> None:
+        try:
+            self.expand(nid)
+        except Unreachable as e:
+            found = e.finding if isinstance(e.finding, Finding) else _finding(e.message)
+            self.record_finding([found], nid, None)
+            self.unknown.add(nid)
 
     def expand(self, nid: int) -> None:
-        parent = self.sessions[nid] if self.strategy == "copy" else self.at(nid)
+        parent = self.graph.sessions[nid] if self.strategy == "copy" else self.at(nid)
         pending: list[Event] = parent.enabled()
-        depth = self.nodes[nid].depth + 1
         for ev in pending:
             child = self.at(nid)
             found = child.apply(ev)
@@ -282,7 +228,7 @@ class _Explorer:
             pending.extend(self.variants(ev, child))
             if isinstance(ev, Fault):
                 continue  # ATOMIC held: the state is the one before (a self-loop)
-            cid = self.add_node(nid, ev, depth, child)
+            cid = self.add_node(nid, ev, child)
             if cid is not None and isinstance(ev, Step):
                 self.steps.setdefault(nid, set()).add(cid)
 
@@ -318,28 +264,26 @@ class _Explorer:
     def record_finding(self, found: list[Finding], nid: int, ev: Event | None) -> None:
         if not found:
             return
-        sig = signature(found[0])
-        if sig not in self.found:
-            path = self.path(nid) + ((ev,) if ev is not None else ())
-            self.found[sig] = (found[0], path)
+        self.found.record(signature(found[0]), found[0], lambda: self.graph.path(nid, ev))
 
     # ------------------------------------------------------------------ results
     def finish(self) -> None:
         res = self.res
-        res.states = len(self.nodes)
-        for n in self.nodes:
+        res.states = len(self.graph)
+        for n in self.graph:
             for status in {r[1] for r in n.key[3]}:  # type: ignore[index]  # request_key
                 res.coverage[f"state {status}"] = res.coverage.get(f"state {status}", 0) + 1
         for f, path in self.found.values():
             res.counterexamples.append(self.counterexample(f, path, "safety"))
-        if not self.nodes:
+        if not len(self.graph):
             return
-        live = {i for i, n in enumerate(self.nodes) if n.live and i not in self.unknown}
-        lv = check_liveness(self.steps, live, res.exhausted and not self.unknown)
+        unknown = self.unknown | self.graph.cut
+        live = {i for i, n in enumerate(self.graph) if n.info and i not in unknown}
+        lv = check_liveness(self.steps, live, res.exhausted and not unknown)
         res.liveness = lv
         if lv.cycle:
             entry, loop = lv.cycle[0], lv.cycle
-            path = self.path(entry)
+            path = self.graph.path(entry)
             cycle = tuple(self._edge_event(a, b) for a, b in pairwise(loop))
             steps = len(cycle)
             f = Finding(
@@ -357,9 +301,9 @@ class _Explorer:
             res.counterexamples.append(self.counterexample(f, path, "liveness", cycle))
 
     def _edge_event(self, a: int, b: int) -> Event:
-        n = self.nodes[b]
-        if n.parent == a and n.event is not None:
-            return n.event
+        n = self.graph[b]
+        if n.parent == a and n.edge is not None:
+            return n.edge
         return Step()  # a cycle's steps sample nothing, so they are ordinary steps
 
     def counterexample(
@@ -379,12 +323,6 @@ class _Explorer:
 class _NotCopyable(Exception):
     """``copy.deepcopy`` failed on a session (strategy ``copy`` on an adapter that
     cannot be copied)."""
-
-
-class _Failed(Exception):
-    def __init__(self, finding: Finding) -> None:
-        super().__init__(str(finding))
-        self.finding = finding
 
 
 def _finding(message: str, phase: str = "explore") -> Finding:

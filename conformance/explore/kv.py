@@ -13,7 +13,7 @@ manager: in every reachable state it applies every op the scope allows
   token from the scope's alphabet, and asks for every useful ``num_new_tokens``;
 * ``fork`` (feature ``fork``) into a fresh request, and ``free``;
 
-each op checked by the KV level's own driver (:class:`refserve.conformance.kv.run._KVRun`:
+each op checked by the KV level's own driver (:class:`refserve.conformance.kv.run.KVRun`:
 BLOCK, CAP, POS, PREFIX, KVLEN after every op, the fake KV memory read back, ATOMIC and
 CAP on a refusal, PROGRESS on a quiescent pool), so a finding here is a finding of
 ``refserve conformance --kv-adapter``. A state with no live request is the end of a
@@ -31,16 +31,18 @@ manager alone: `--kv-adapter`" and "Exhaustive exploration".
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
+from refserve.conformance.explore.bfs import BreadthFirst, FirstFound, Unreachable
 from refserve.conformance.explore.key import Key, pool_key, rename
-from refserve.conformance.explore.result import STRATEGIES, Exploration
+from refserve.conformance.explore.result import Exploration
 from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT
 from refserve.conformance.kv.protocol import KVAdapterFactory, KVConfig, KVFeature
-from refserve.conformance.kv.run import _find, _KVRun, _replay
+from refserve.conformance.kv.run import KVRun, find_signature, replay_workload
 from refserve.conformance.kv.workload import KVFinding, KVWorkload
 from refserve.spec.violation import Invariant, violation
 
@@ -178,7 +180,7 @@ KV_SCOPES: dict[str, KVScope] = {
 class _Session:
     """A KV run at the end of one op path: the machine's driver plus the next fresh id."""
 
-    def __init__(self, run: _KVRun, scope: KVScope) -> None:
+    def __init__(self, run: KVRun, scope: KVScope) -> None:
         self.run = run
         self.scope = scope
         self.next_id = 0
@@ -188,6 +190,10 @@ class _Session:
     @property
     def findings(self) -> list[KVFinding]:
         return self.run.findings
+
+    @property
+    def dead(self) -> bool:
+        return self.run.dead
 
     def clone(self) -> _Session:
         s = _Session(self.run.clone(), self.scope)
@@ -248,7 +254,7 @@ class _Session:
         return (self.run.config.num_blocks, self.next_id, kv_key(self.run))
 
 
-def kv_key(run: _KVRun) -> Key:
+def kv_key(run: KVRun) -> Key:
     """The canonical key of a KV state: two states with the same key have the same
     futures under the explored ops (docs/CONFORMANCE.md, "Exhaustive exploration").
 
@@ -273,12 +279,12 @@ def kv_key(run: _KVRun) -> Key:
     hidden = None
     if KVFeature.CACHE_INDEX not in run.features:
         hidden = tuple(
-            tuple(run.memory.get(b * bs + off) for off in range(bs)) for b in snap.free_queue
+            tuple(run.kv.slots.get(b * bs + off) for off in range(bs)) for b in snap.free_queue
         )
     extra = getattr(run.adapter, "explore_key", None)
     return (
         books,
-        pool_key(snap, rank, run.memory, True),
+        pool_key(snap, rank, run.kv.slots, True),
         hidden,
         rename(extra(), rank) if callable(extra) else None,
     )
@@ -342,22 +348,6 @@ class KVExploreResult(Exploration):
 
 
 # ---------------------------------------------------------------------------- the search
-@dataclass
-class _Node:
-    parent: int
-    """-1 for a root (a freshly configured manager, one per pool size)."""
-    op: Op | None
-    depth: int
-    key: Key
-    config: KVConfig
-
-
-class _Failed(Exception):
-    def __init__(self, finding: KVFinding) -> None:
-        super().__init__(str(finding))
-        self.finding = finding
-
-
 class _KVExplorer:
     def __init__(
         self,
@@ -367,56 +357,34 @@ class _KVExplorer:
         timeout: float,
         first_only: bool,
     ) -> None:
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        self.graph: BreadthFirst[Op, KVConfig, _Session] = BreadthFirst(
+            strategy, scope.max_states, scope.max_depth
+        )
+        """The states reached, with a root per pool size; each one's info: its root's
+        configuration."""
         self.factory = factory
         self.scope = scope
         self.strategy = strategy
         self.timeout = timeout
         self.first_only = first_only
-        self.nodes: list[_Node] = []
-        self.index: dict[Key, int] = {}
-        self.sessions: dict[int, _Session] = {}
-        self.queue: deque[int] = deque()
-        self.found: dict[str, tuple[KVFinding, KVWorkload]] = {}
+        self.found: FirstFound[KVFinding, KVWorkload] = FirstFound()
         self.res = KVExploreResult(strategy=strategy, scope=scope)
 
     # ------------------------------------------------------------------ sessions
     def fresh(self, config: KVConfig) -> _Session:
-        run = _KVRun(self.factory, config, self.timeout)
+        run = KVRun(self.factory, config, self.timeout)
         run.start()
         return _Session(run, self.scope)
-
-    def path(self, nid: int) -> tuple[Op, ...]:
-        out: list[Op] = []
-        while self.nodes[nid].parent >= 0:
-            n = self.nodes[nid]
-            assert n.op is not None
-            out.append(n.op)
-            nid = n.parent
-        return tuple(reversed(out))
 
     def at(self, nid: int) -> _Session:
         """A session in state ``nid`` that the caller may change."""
         if self.strategy == "copy":
-            return self.sessions[nid].clone()
-        node = self.nodes[nid]
-        s = self.fresh(node.config)
+            return self.graph.sessions[nid].clone()
+        s = self.fresh(self.graph[nid].info)
         if s.run.dead:
-            raise _Failed(
-                s.findings[0] if s.findings else _finding("a fresh manager refused its pool")
-            )
-        for op in self.path(nid):
-            found = s.apply(op)
-            if found or s.run.dead:
-                raise _Failed(found[0] if found else _finding("replaying an explored path failed"))
-        if s.key() != node.key:
-            raise _Failed(
-                _finding(
-                    "nondeterministic: replaying the same ops on a fresh manager reached a "
-                    "different state (the explorer needs a deterministic manager)"
-                )
-            )
+            first = s.findings[0] if s.findings else None
+            raise Unreachable(first, "a fresh manager refused its pool")
+        self.graph.replay(nid, s, "ops", "manager")
         return s
 
     # ------------------------------------------------------------------ search
@@ -433,16 +401,17 @@ class _KVExplorer:
                 if run.not_supported:
                     refused.append(f"{config.num_blocks} blocks: {run.not_supported}")
                 elif run.findings:
-                    self.record(run.findings, KVWorkload(config))
+                    self.record(run.findings, partial(KVWorkload, config))
                 else:
-                    self.add(-1, None, 0, root)
-            if refused and not self.nodes and not self.found:
+                    self.add(-1, None, root)
+            if refused and not len(self.graph) and not self.found:
                 res.not_supported = "; ".join(refused)
-            elif self.nodes:
+            elif len(self.graph):
                 self.search()
         finally:
             res.seconds = time.perf_counter() - start
-        res.states = len(self.nodes)
+        res.states = len(self.graph)
+        res.depth = self.graph.deepest
         for f, w in self.found.values():
             if not f.timed_out:
                 f, w = self.trim(f, w)
@@ -450,45 +419,30 @@ class _KVExplorer:
         res.seconds = time.perf_counter() - start
         return res
 
-    def add(self, parent: int, op: Op | None, depth: int, s: _Session) -> None:
-        k = s.key()
-        if k in self.index:
-            return
-        nid = len(self.nodes)
-        self.index[k] = nid
-        self.nodes.append(_Node(parent, op, depth, k, s.run.config))
-        self.res.depth = max(self.res.depth, depth)
-        if self.strategy == "copy":
-            self.sessions[nid] = s
-        self.queue.append(nid)
+    def add(self, parent: int, op: Op | None, s: _Session) -> None:
+        self.graph.visit(parent, op, s.key(), s.run.config, s)
 
     def search(self) -> None:
-        scope, res, queue = self.scope, self.res, self.queue
-        res.exhausted = True
-        while queue:
-            if (self.first_only and self.found) or res.stopped:
-                break
-            nid = queue.popleft()
-            if scope.max_depth and self.nodes[nid].depth >= scope.max_depth:
-                res.exhausted = False
-                self.sessions.pop(nid, None)
-                continue
-            if len(self.nodes) >= scope.max_states:
-                res.exhausted = False
-                res.stopped = f"state cap {scope.max_states} reached"
-                break
-            try:
-                self.expand(nid)
-            except _Failed as e:
-                self.record([e.finding], self.workload(nid))
-            self.sessions.pop(nid, None)
+        res = self.res
+        res.exhausted = self.graph.search(
+            self.expand_or_record,
+            lambda: (self.first_only and bool(self.found)) or bool(res.stopped),
+        )
+        if self.graph.capped:
+            res.stopped = f"state cap {self.scope.max_states} reached"
         if res.stopped or (self.first_only and self.found):
             res.exhausted = False  # states left in the queue, or ops left untried
 
+    def expand_or_record(self, nid: int) -> None:
+        try:
+            self.expand(nid)
+        except Unreachable as e:
+            found = e.finding if isinstance(e.finding, KVFinding) else _finding(e.message)
+            self.record([found], lambda: self.workload(nid))
+
     def expand(self, nid: int) -> None:
-        parent = self.sessions[nid] if self.strategy == "copy" else self.at(nid)
+        parent = self.graph.sessions[nid] if self.strategy == "copy" else self.at(nid)
         ops = parent.enabled()
-        depth = self.nodes[nid].depth + 1
         before = Counter(parent.run.coverage)
         for i, op in enumerate(ops):
             # The parent itself takes the last op: one copy or replay fewer per state.
@@ -497,7 +451,7 @@ class _KVExplorer:
             self.res.transitions += 1
             self.cover(before, child.run.coverage)
             if found:
-                self.record(found, self.workload(nid, op))
+                self.record(found, partial(self.workload, nid, op))
                 if any(f.timed_out for f in found):
                     # Every further call into a hanging manager costs a whole time limit.
                     self.res.stopped = f"an adapter call timed out: {found[0].violation.message}"
@@ -505,11 +459,10 @@ class _KVExplorer:
                 if self.first_only:
                     return
                 continue
-            self.add(nid, op, depth, child)
+            self.add(nid, op, child)
 
     def workload(self, nid: int, op: Op | None = None) -> KVWorkload:
-        ops = self.path(nid) + ((op,) if op is not None else ())
-        return KVWorkload(self.nodes[nid].config, ops)
+        return KVWorkload(self.graph[nid].info, self.graph.path(nid, op))
 
     def cover(self, before: Counter[str], after: Counter[str]) -> None:
         cov = self.res.coverage
@@ -517,11 +470,10 @@ class _KVExplorer:
             if n > before.get(name, 0):
                 cov[name] = cov.get(name, 0) + 1
 
-    def record(self, found: list[KVFinding], w: KVWorkload) -> None:
+    def record(self, found: list[KVFinding], w: Callable[[], KVWorkload]) -> None:
         """The first finding of each signature with its path (BFS: a shortest one)."""
         f = found[0]  # later findings of the same op are collateral damage
-        if f.signature not in self.found:
-            self.found[f.signature] = (f, w)
+        self.found.record(f.signature, f, w)
 
     def trim(self, f: KVFinding, w: KVWorkload) -> tuple[KVFinding, KVWorkload]:
         """Drop trailing frees that the replay's drain does anyway (it frees every live
@@ -529,7 +481,9 @@ class _KVExplorer:
         workload format's op count is what the Hypothesis machine's shrinker minimises."""
         while w.ops and w.ops[-1]["op"] == "free":
             shorter = replace(w, ops=w.ops[:-1])
-            again = _find(_replay(self.factory, shorter, self.timeout), f.signature)
+            again = find_signature(
+                replay_workload(self.factory, shorter, self.timeout), f.signature
+            )
             if again is None:
                 break
             f, w = again, shorter

@@ -28,8 +28,10 @@ from refserve.conformance.adapter import (
 from refserve.conformance.explore.key import Key, pool_key, rename, request_key
 from refserve.conformance.explore.scope import Scope
 from refserve.conformance.guard import describe
-from refserve.conformance.instance import _Run, _Stop
+from refserve.conformance.instance import InstanceRun
+from refserve.conformance.probe import RunStopped
 from refserve.conformance.run_result import Finding
+from refserve.conformance.sampling import Choices
 from refserve.conformance.workload import EOS, RequestPlan, Workload, next_token
 from refserve.spec.violation import Invariant, violation
 
@@ -133,11 +135,12 @@ def _copy_outcomes(
 COMPLETE = TransferOutcome.COMPLETE
 
 
-class _ExploreRun(_Run):
-    """The runner with the sampled token chosen by the explorer, not by the workload."""
+class ExplorerChoices(Choices):
+    """The outside world's choices made by the explorer's event, not by the workload:
+    which requests sample eos, how many drafts are right, how each copy group ends."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, workload: Workload, eos_token_id: int | None) -> None:
+        super().__init__(workload, eos_token_id)
         self.eos_now: frozenset[str] = frozenset()
         self.right_now: dict[str, int] = {}
         self.proposed: dict[str, int] = {}
@@ -153,16 +156,16 @@ class _ExploreRun(_Run):
     def chooses_transfers(self) -> bool:
         return self.transfers_on
 
-    def transfer_outcome(self, rid: str, kind: str, step: int) -> TransferOutcome:
-        self.offered[(rid, kind)] = self.transfer_delays.get((rid, kind), 0)
+    def transfer_outcome(self, rid: str, kind: str, step: int, delays: int) -> TransferOutcome:
+        self.offered[(rid, kind)] = delays
         return self.transfers_now.get((rid, kind), COMPLETE)
 
-    def choose(self, rid: str, toks: list[int]) -> int:
-        if rid in self.eos_now and self.props.eos:
+    def token(self, plan: RequestPlan, toks: list[int], eos_declared: bool) -> int:
+        if plan.request_id in self.eos_now and eos_declared:
             return EOS
         return next_token(toks)
 
-    def right_drafts(self, rid: str, n: int, step: int) -> int:
+    def right_drafts(self, rid: str, n: int, step: int, known: int) -> int:
         right = min(self.right_now.get(rid, n), n)
         self.proposed[rid] = n
         self.right_used.append((step, rid, right))
@@ -176,7 +179,9 @@ class Session:
         self, adapter: EngineAdapter, scope: Scope, props: EngineProperties, timeout: float
     ) -> None:
         self.scope = scope
-        self.run = _ExploreRun(adapter, Workload(scope.config(), ()), props, timeout)
+        workload = Workload(scope.config(), ())
+        self.choices = ExplorerChoices(workload, workload.config.eos_token_id)
+        self.run = InstanceRun(adapter, workload, props, timeout, choices=self.choices)
         self.features: frozenset[Feature] = frozenset()
         self.boundary = 0
         self.steps = 0
@@ -207,7 +212,9 @@ class Session:
 
     def start(self, features: frozenset[Feature]) -> list[Finding]:
         self.features = features
-        self.run.transfers_on = self.scope.transfer_faults and Feature.TRANSFER_FAULTS in features
+        self.choices.transfers_on = (
+            self.scope.transfer_faults and Feature.TRANSFER_FAULTS in features
+        )
         return self._guarded(self.run.configure)
 
     def live(self) -> list[str]:
@@ -276,25 +283,25 @@ class Session:
         self._after()
 
     def _step(self, ev: Step) -> None:
-        run = self.run
-        run.eos_now = frozenset(ev.eos)
-        run.right_now = dict(ev.right)
-        run.proposed = {}
-        run.transfers_now = {(r, k): TransferOutcome(o) for r, k, o in ev.transfers}
-        run.offered = {}
+        run, choices = self.run, self.choices
+        choices.eos_now = frozenset(ev.eos)
+        choices.right_now = dict(ev.right)
+        choices.proposed = {}
+        choices.transfers_now = {(r, k): TransferOutcome(o) for r, k, o in ev.transfers}
+        choices.offered = {}
         if self.record:
             for rid in ev.eos:
                 self.stops[rid] = len(run.tokens[rid]) - len(run.plans[rid].prompt) + 1
         run.step(self.steps)
         last = run.res.trace[-1] if run.res.trace else {}
         self.last_sampled = tuple(last.get("sampled", {})) if "step" in last else ()
-        self.last_proposed = dict(run.proposed)
+        self.last_proposed = dict(choices.proposed)
         bound = self.scope.transfer_delays
         self.last_offered = {
             g: (str(TransferOutcome.DELAY), str(TransferOutcome.FAIL))
             if delays < bound
             else (str(TransferOutcome.FAIL),)
-            for g, delays in run.offered.items()
+            for g, delays in choices.offered.items()
         }
         # (accepted, verified) per verification: coverage of every accepted count.
         verified = {c["id"]: c["drafts"] for c in last.get("scheduled", ())}
@@ -309,8 +316,8 @@ class Session:
     def _after(self) -> None:
         run = self.run
         if not self.record:
-            run.right_used.clear()
-            run.transfer_used.clear()
+            self.choices.right_used.clear()
+            run.copies.used.clear()
             # Path-long histories are the runner's reports, not state: a state's checks
             # read only the step in hand, and a copied session stays small.
             run.res.trace.clear()
@@ -320,22 +327,22 @@ class Session:
 
     def key(self) -> Key:
         """The canonical key of the state (:mod:`refserve.conformance.explore.key`); raises
-        ``_Stop`` when the snapshot cannot be read (the finding is recorded)."""
+        ``RunStopped`` when the snapshot cannot be read (the finding is recorded)."""
         run = self.run
-        snap = run.snapshot(self.steps, "explore")
+        snap = run.probe.snapshot(self.steps, "explore")
         live = self.live()
         rank = {rid: i for i, rid in enumerate(live)}
         books = tuple((self.entries[rid], tuple(run.tokens[rid])) for rid in live)
         device = pool_key(snap.pool, rank, run.kv, run.props.free_queue_order)
         host = None if snap.host is None else pool_key(snap.host, rank, run.host_kv, True)
-        explore_key = getattr(run.a, "explore_key", None)
+        explore_key = getattr(run.probe.a, "explore_key", None)
         extra = rename(explore_key(), rank) if callable(explore_key) else None
         # Copies in flight, and how long the explorer has held each back (the bound on
         # its delays): the pool's key leaves them out.
         copies = rename(
             (
                 tuple((x.request_id, str(x.kind), len(x.blocks)) for x in snap.pool.transfers),
-                tuple(sorted(run.transfer_delays.items())),
+                tuple(sorted(run.copies.delays.items())),
             ),
             rank,
         )
@@ -356,7 +363,7 @@ class Session:
         mark = len(self.findings)
         try:
             fn()
-        except _Stop:
+        except RunStopped:
             self.dead = True
         except Exception as e:  # the runner's books tripped on the adapter's data
             self.findings.append(

@@ -43,7 +43,7 @@ from refserve.conformance.kernel_grid.worker import (
 from refserve.kernels.tolerances import Tolerance
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="refserve check-kernel",
         description="Check a paged-attention kernel against the float64 oracle over the "
@@ -159,7 +159,7 @@ def check_kernel_main(argv: list[str]) -> int:
     did, 2 on a usage or harness error.
     """
     try:
-        args = _parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
     except SystemExit as exc:  # argparse exits on --help and on usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if args.worker:

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
-from refserve.conformance.kv.shape import _short
+from refserve.conformance.kv.shape import short
 from refserve.conformance.kv.workload import domain_of
 from refserve.spec.arith import blocks_needed, max_cacheable_tokens, slot_of
 from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace
@@ -161,8 +161,8 @@ def _table_violation(
             Invariant.PREFIX,
             who,
             "stored token ids differ from the request's tokens",
-            _short(truth),
-            _short(t.token_ids),
+            short(truth),
+            short(t.token_ids),
         )
     return None
 

@@ -1,11 +1,11 @@
 """The KV level's driver: one workload on one fresh adapter, every op checked as the
-module docstring of :mod:`refserve.conformance.kv.machine` lists (:class:`_KVRun`), and
+module docstring of :mod:`refserve.conformance.kv.machine` lists (:class:`KVRun`), and
 :func:`replay_kv`, which runs a workload as a failure's ``workload`` holds it.
 
-The suite keeps the logical truth per request and a fake KV memory (slot -> token id):
-it performs the returned copies, then writes each new position's token at its slot
-through the *returned* table, so a copy-on-write done but not reported, or a block
-released while still held, shows on read-back.
+The suite keeps the logical truth per request and a fake KV memory
+(:mod:`refserve.conformance.kv.memory`): it performs the returned copies, then writes
+each new position's token at its slot through the *returned* table, so a copy-on-write
+done but not reported, or a block released while still held, shows on read-back.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from refserve.conformance.kv.checks import (
     room,
     table_violations,
 )
+from refserve.conformance.kv.memory import FakeKVMemory
 from refserve.conformance.kv.protocol import (
     KVAdapter,
     KVAdapterFactory,
@@ -33,15 +34,14 @@ from refserve.conformance.kv.protocol import (
     NoSpace,
 )
 from refserve.conformance.kv.shape import (
-    _canon,
-    _Malformed,
-    _normalize_allocation,
-    _short,
+    Malformed,
     as_features,
+    canonical,
+    normalize_allocation,
     normalize_snapshot,
+    short,
 )
 from refserve.conformance.kv.workload import KVFinding, KVWorkload, namespace_of
-from refserve.spec.arith import slot_of
 from refserve.spec.atomic import check_atomic_pool
 from refserve.spec.checks import check_pool
 from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace
@@ -71,7 +71,7 @@ class _Stop(Exception):
     """The run cannot go on: a fault was recorded as a finding."""
 
 
-class _KVRun:
+class KVRun:
     """One workload on one fresh adapter, checked after every op."""
 
     def __init__(self, factory: KVAdapterFactory, config: KVConfig, timeout: float) -> None:
@@ -86,11 +86,9 @@ class _KVRun:
         self.stored: dict[str, int] = {}
         self.cached: dict[str, int] = {}
         self.freed: set[str] = set()
-        self.memory: dict[int, int] = {}
-        # Feature key_domains: each live request's namespace, and per slot the namespace
-        # its token was computed in (absent: the default one).
+        self.kv = FakeKVMemory(self.bs)
+        # Feature key_domains: each live request's namespace (absent: the default one).
         self.namespaces: dict[str, Namespace] = {}
-        self.writers: dict[int, Namespace] = {}
         self.ever_held: set[int] = set()
         self.snap: PoolSnapshot | None = None
         self.ops: list[Mapping[str, Any]] = []
@@ -112,7 +110,7 @@ class _KVRun:
         ops = self.ops if upto is None else self.ops[: max(0, upto + 1)]
         return KVWorkload(self.config, tuple(ops))
 
-    def clone(self) -> _KVRun:
+    def clone(self) -> KVRun:
         """An independent copy of this run, adapter included (deep-copied), for the
         exhaustive explorer's copy strategy (refserve.conformance.explore.kv). The suite's books
         are copied one level deep and the snapshots and ops are shared: they are never
@@ -121,8 +119,8 @@ class _KVRun:
         new.adapter = copy.deepcopy(self.adapter)
         new.known = {rid: list(toks) for rid, toks in self.known.items()}
         new.stored, new.cached = dict(self.stored), dict(self.cached)
-        new.memory = dict(self.memory)
-        new.namespaces, new.writers = dict(self.namespaces), dict(self.writers)
+        new.kv = self.kv.clone()
+        new.namespaces = dict(self.namespaces)
         new.freed, new.ever_held = set(self.freed), set(self.ever_held)
         new.checked = set(self.checked)
         new.ops, new.findings, new.trace = list(self.ops), list(self.findings), list(self.trace)
@@ -151,11 +149,11 @@ class _KVRun:
     ) -> T:
         """A guarded adapter call; a fault becomes a PROGRESS finding and ends the run."""
         try:
-            return call(what, fn, self.timeout, (*passthrough, _Malformed))
+            return call(what, fn, self.timeout, (*passthrough, Malformed))
         except AdapterCallError as e:
             self._fail(Invariant.PROGRESS, "adapter", f"{what} {e.detail}", timed_out=e.timed_out)
             raise _Stop from None
-        except _Malformed as e:
+        except Malformed as e:
             self._fail(Invariant.PROGRESS, "adapter", f"{what} returned a malformed value: {e}")
             raise _Stop from None
 
@@ -356,7 +354,7 @@ class _KVRun:
         try:
             alloc = self._call(
                 f"allocate({rid!r}, n={n})",
-                lambda: _normalize_allocation(a.allocate(rid, known, n)),
+                lambda: normalize_allocation(a.allocate(rid, known, n)),
                 (NoSpace,),
             )
         except NoSpace:
@@ -384,10 +382,14 @@ class _KVRun:
                 Invariant.POS,
                 f"request {rid}",
                 "returned block table differs from the snapshot's",
-                _short(t.block_table),
-                _short(table),
+                short(t.block_table),
+                short(table),
             )
-        self._execute(rid, known, table, copies, start, end, after)
+        mine = self.namespaces.get(rid, DEFAULT_NAMESPACE)
+        done = self.kv.execute(rid, known, table, copies, range(start, end), after, mine)
+        self._record(done.violations)
+        if done.stop:
+            raise _Stop
         self._observe(before, after, table, hit, copies)
         self._check_state(after)
 
@@ -400,7 +402,7 @@ class _KVRun:
         after = self._snapshot()
         self._record(
             self._checker(
-                "check_atomic_pool", lambda: check_atomic_pool(_canon(before), _canon(after))
+                "check_atomic_pool", lambda: check_atomic_pool(canonical(before), canonical(after))
             )
         )
         r = room(before, rid, 0 if first else self.stored[rid], n, first=first, bs=self.bs)
@@ -415,81 +417,6 @@ class _KVRun:
                 f"NoSpace with {free} free blocks",
             )
         self._check_state(after)
-
-    def _execute(
-        self,
-        rid: str,
-        known: tuple[int, ...],
-        table: tuple[int, ...],
-        copies: tuple[tuple[int, int], ...],
-        start: int,
-        end: int,
-        after: PoolSnapshot,
-    ) -> None:
-        """The executor: the returned copies, then each new token at its slot through the
-        returned table (POS: the table covers the positions; PREFIX: written blocks are
-        private to the writer, i.e. copy-on-write happened)."""
-        bs, nb, who = self.bs, after.num_blocks, f"request {rid}"
-        for src, dst in copies:
-            if not (0 <= src < nb and 0 <= dst < nb):
-                self._fail(
-                    Invariant.BLOCK,
-                    who,
-                    "copy names a block out of range",
-                    f"0..{nb - 1}",
-                    (src, dst),
-                )
-                raise _Stop
-            for off in range(bs):
-                v = self.memory.get(src * bs + off)
-                w = self.writers.get(src * bs + off)
-                if v is None:
-                    self.memory.pop(dst * bs + off, None)
-                else:
-                    self.memory[dst * bs + off] = v
-                if w is None:
-                    self.writers.pop(dst * bs + off, None)
-                else:
-                    self.writers[dst * bs + off] = w
-        written: set[int] = set()
-        mine = self.namespaces.get(rid, DEFAULT_NAMESPACE)
-        for p in range(start, end):
-            idx = p // bs
-            if idx >= len(table):
-                self._fail(
-                    Invariant.POS,
-                    who,
-                    f"position {p} lies beyond the returned block table",
-                    f"< {len(table) * bs}",
-                    p,
-                )
-                break
-            b = table[idx]
-            if not 0 <= b < nb:
-                self._fail(
-                    Invariant.BLOCK,
-                    who,
-                    "returned block table names a block out of range",
-                    f"0..{nb - 1}",
-                    b,
-                )
-                break
-            self.memory[slot_of(b, p, bs)] = known[p]
-            if mine == DEFAULT_NAMESPACE:
-                self.writers.pop(slot_of(b, p, bs), None)
-            else:
-                self.writers[slot_of(b, p, bs)] = mine
-            written.add(b)
-        for b in sorted(written):
-            if after.ref_cnt[b] > 1:
-                self._fail(
-                    Invariant.PREFIX,
-                    who,
-                    f"writes into block {b} shared by several requests",
-                    "ref_cnt 1 (copy-on-write)",
-                    after.ref_cnt[b],
-                )
-                break
 
     def _observe(
         self,
@@ -525,7 +452,8 @@ class _KVRun:
             after = self._snapshot()
             self._record(
                 self._checker(
-                    "check_atomic_pool", lambda: check_atomic_pool(_canon(before), _canon(after))
+                    "check_atomic_pool",
+                    lambda: check_atomic_pool(canonical(before), canonical(after)),
                 )
             )
             self._fail(
@@ -551,8 +479,8 @@ class _KVRun:
                 Invariant.BLOCK,
                 f"request {child}",
                 "fork did not share the parent's blocks",
-                _short(tp.block_table),
-                _short(tc.block_table),
+                short(tp.block_table),
+                short(tc.block_table),
             )
         self._check_state(after)
 
@@ -582,20 +510,20 @@ class _KVRun:
             self.stored,
             self.cached,
             self.freed,
-            self.memory,
+            self.kv.slots,
             self.bs,
             self.namespaces,
-            self.writers,
+            self.kv.writers,
         )
 
 
-def _find(run: _KVRun, sig: str) -> KVFinding | None:
+def find_signature(run: KVRun, sig: str) -> KVFinding | None:
     """The run's first finding with signature ``sig``."""
     return next((f for f in run.findings if f.signature == sig), None)
 
 
-def _replay(factory: KVAdapterFactory, w: KVWorkload, timeout: float) -> _KVRun:
-    run = _KVRun(factory, w.config, timeout)
+def replay_workload(factory: KVAdapterFactory, w: KVWorkload, timeout: float) -> KVRun:
+    run = KVRun(factory, w.config, timeout)
     if run.start():
         for op in w.ops:
             run.apply(op)
@@ -617,7 +545,7 @@ def replay_kv(
     Raises ``ValueError`` on a malformed workload and :class:`NotSupported` when the
     adapter does not take the configuration.
     """
-    run = _replay(factory, KVWorkload.from_json(workload), call_timeout)
+    run = replay_workload(factory, KVWorkload.from_json(workload), call_timeout)
     if run.not_supported:
         raise NotSupported(run.not_supported)
     return list(run.findings)

@@ -1,5 +1,5 @@
 """Reading what a KV adapter returns: a snapshot or an Allocation duck-typed into plain
-ints, bytes and tuples, or :class:`_Malformed` naming the field that is not (PROGRESS:
+ints, bytes and tuples, or :class:`Malformed` naming the field that is not (PROGRESS:
 a malformed answer is a finding, never a crash of the suite)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from refserve.conformance.kv.protocol import KVFeature
 from refserve.spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
 
 
-class _Malformed(Exception):
+class Malformed(Exception):
     """The adapter returned something not shaped as the protocol says."""
 
 
@@ -22,45 +22,45 @@ def _kind(x: object) -> str:
 
 def _int(x: object, what: str) -> int:
     if isinstance(x, bool) or not isinstance(x, int):
-        raise _Malformed(f"{what} is {_kind(x)}, not an int")
+        raise Malformed(f"{what} is {_kind(x)}, not an int")
     return int(x)
 
 
 def _ints(x: object, what: str) -> tuple[int, ...]:
     if not isinstance(x, tuple | list):
-        raise _Malformed(f"{what} is {_kind(x)}, not a tuple of ints")
+        raise Malformed(f"{what} is {_kind(x)}, not a tuple of ints")
     return tuple(_int(v, f"{what}[{i}]") for i, v in enumerate(x))
 
 
 def _bytes(x: object, what: str) -> bytes:
     if not isinstance(x, bytes):
-        raise _Malformed(f"{what} is {_kind(x)}, not bytes")
+        raise Malformed(f"{what} is {_kind(x)}, not bytes")
     return x
 
 
 def _seq(x: object, what: str) -> tuple[object, ...]:
     if not isinstance(x, tuple | list):
-        raise _Malformed(f"{what} is {_kind(x)}, not a tuple")
+        raise Malformed(f"{what} is {_kind(x)}, not a tuple")
     return tuple(x)
 
 
 def _attr(obj: object, name: str, what: str) -> object:
     if not hasattr(obj, name):
-        raise _Malformed(f"{what} ({type(obj).__name__}) has no {name!r}")
+        raise Malformed(f"{what} ({type(obj).__name__}) has no {name!r}")
     return cast(object, getattr(obj, name))
 
 
 def normalize_snapshot(raw: object) -> PoolSnapshot:
     """A plain :class:`PoolSnapshot` of ints, bytes and tuples from whatever the adapter
-    returned (duck-typed), or :class:`_Malformed` saying which field is wrong."""
+    returned (duck-typed), or :class:`Malformed` saying which field is wrong."""
     if raw is None:
-        raise _Malformed("None, not a PoolSnapshot")
+        raise Malformed("None, not a PoolSnapshot")
     tables: list[TableSnapshot] = []
     for i, t in enumerate(_seq(_attr(raw, "tables", "snapshot"), "tables")):
         w = f"tables[{i}]"
         rid = _attr(t, "request_id", w)
         if not isinstance(rid, str):
-            raise _Malformed(f"{w}.request_id is {_kind(rid)}, not a str")
+            raise Malformed(f"{w}.request_id is {_kind(rid)}, not a str")
         tables.append(
             TableSnapshot(
                 rid,
@@ -108,17 +108,17 @@ class Granted:
     copies: tuple[tuple[int, int], ...]
 
 
-def _normalize_allocation(raw: object) -> Granted:
-    """The Allocation the adapter returned, or :class:`_Malformed` naming the field."""
+def normalize_allocation(raw: object) -> Granted:
+    """The Allocation the adapter returned, or :class:`Malformed` naming the field."""
     if raw is None:
-        raise _Malformed("None, not an Allocation")
+        raise Malformed("None, not an Allocation")
     table = _ints(_attr(raw, "block_table", "Allocation"), "block_table")
     hit = _int(_attr(raw, "num_cached_tokens", "Allocation"), "num_cached_tokens")
     copies: list[tuple[int, int]] = []
     for i, c in enumerate(_seq(_attr(raw, "copies", "Allocation"), "copies")):
         pair = _ints(c, f"copies[{i}]")
         if len(pair) != 2:
-            raise _Malformed(f"copies[{i}] is not a (src, dst) pair")
+            raise Malformed(f"copies[{i}] is not a (src, dst) pair")
         copies.append((pair[0], pair[1]))
     return Granted(table, hit, tuple(copies))
 
@@ -135,7 +135,7 @@ def as_features(raw: object) -> frozenset[KVFeature]:
     return frozenset(out)
 
 
-def _canon(s: PoolSnapshot) -> PoolSnapshot:
+def canonical(s: PoolSnapshot) -> PoolSnapshot:
     """The snapshot with the manager's design-choice orders removed (free-queue order,
     cache-entry order), so ATOMIC compares what a failed call may not change."""
     return replace(
@@ -146,6 +146,6 @@ def _canon(s: PoolSnapshot) -> PoolSnapshot:
     )
 
 
-def _short(value: object, limit: int = 120) -> str:
+def short(value: object, limit: int = 120) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

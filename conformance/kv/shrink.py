@@ -9,7 +9,7 @@ from typing import Any
 
 from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT
 from refserve.conformance.kv.protocol import KVAdapterFactory, KVConfig, KVFeature
-from refserve.conformance.kv.run import _find, _KVRun, _replay
+from refserve.conformance.kv.run import KVRun, find_signature, replay_workload
 from refserve.conformance.kv.workload import KVWorkload
 
 MAX_SHRINK_RUNS = 300
@@ -61,7 +61,7 @@ class _Shrinker:
         self.timeout, self.max_runs = timeout, max_runs
         self.runs = 0
         self.best = KVWorkload(KVConfig(1, 1))
-        self.best_run: _KVRun | None = None
+        self.best_run: KVRun | None = None
 
     @property
     def spent(self) -> bool:
@@ -71,8 +71,8 @@ class _Shrinker:
         if self.spent:
             return False
         self.runs += 1
-        r = _replay(self.factory, cand, self.timeout)
-        f = _find(r, self.sig)
+        r = replay_workload(self.factory, cand, self.timeout)
+        f = find_signature(r, self.sig)
         if f is not None:
             self.best, self.best_run = r.workload(f.step), r
             return True
@@ -136,7 +136,7 @@ def shrink_kv(
     features: frozenset[KVFeature],
     call_timeout: float = DEFAULT_CALL_TIMEOUT,
     max_runs: int = MAX_SHRINK_RUNS,
-) -> tuple[KVWorkload, _KVRun]:
+) -> tuple[KVWorkload, KVRun]:
     """Greedy delta debugging: the smallest workload found that still produces a finding
     with exactly ``sig``, in passes (drop op chunks from the end, halves first; shrink
     each op's tokens and count; shrink the pool, the block size, switch caching off;
@@ -144,8 +144,8 @@ def shrink_kv(
     nothing or ``max_runs`` replays are spent. A candidate that
     times out ends the search: each further try of a hanging adapter would cost a whole
     time limit."""
-    first = _replay(factory, w, call_timeout)
-    if _find(first, sig) is None:
+    first = replay_workload(factory, w, call_timeout)
+    if find_signature(first, sig) is None:
         return w, first  # not reproducible (a nondeterministic adapter): keep it as found
     s = _Shrinker(factory, sig, features, call_timeout, max_runs)
     s.best, s.best_run = w, first

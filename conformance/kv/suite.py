@@ -10,7 +10,7 @@ from typing import Any, cast
 
 from refserve.conformance.guard import DEFAULT_CALL_TIMEOUT, AdapterCallError, call
 from refserve.conformance.kv.protocol import KVAdapterFactory, KVFeature
-from refserve.conformance.kv.run import KV_INVARIANTS, _find, _replay
+from refserve.conformance.kv.run import KV_INVARIANTS, find_signature, replay_workload
 from refserve.conformance.kv.scenarios import GENERATED_NAME, kv_scenario_names, kv_scenarios
 from refserve.conformance.kv.search import Found, search_kv
 from refserve.conformance.kv.shape import as_features
@@ -49,7 +49,7 @@ def _results(
         best, f, trace = first.workload, first.finding, list(first.trace)
         if not f.timed_out:  # replaying a hang costs a whole time limit per try
             best, run = shrink_kv(factory, best, sig, features=features, call_timeout=call_timeout)
-            f, trace = _find(run, sig) or f, run.trace
+            f, trace = find_signature(run, sig) or f, run.trace
         v = f.violation
         workload = {"kv_adapter": adapter_spec, **best.to_json()}
         failures.setdefault(f.invariant, []).append(
@@ -102,7 +102,7 @@ def run_kv_fixed(
     if missing:
         why = f"needs KV feature(s) {', '.join(missing)}"
         return _not_supported(sc.name, sc.description, "fixed", sc.targets, why)
-    run = _replay(factory, sc.workload, call_timeout)
+    run = replay_workload(factory, sc.workload, call_timeout)
     if run.not_supported:
         return _not_supported(sc.name, sc.description, "fixed", sc.targets, run.not_supported)
     found: dict[str, Found] = {}

@@ -7,12 +7,12 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from refserve.conformance.guard import AdapterCallError, call, describe
-from refserve.conformance.selfcheck.protocol import _hint, _Stop
+from refserve.conformance.selfcheck.protocol import WalkStopped, hint
 
 T = TypeVar("T")
 
 
-class _Report:
+class Report:
     """The self-check's words: ``ok``, ``note`` and ``FAIL`` lines, indented under the
     step they belong to, and the guarded adapter calls that explain a raise or a hang
     instead of ending the check."""
@@ -48,8 +48,8 @@ class _Report:
         try:
             return call(what, fn, self.timeout)
         except AdapterCallError as e:
-            self.fail(f"{e}{_hint(e, what)}")
-            raise _Stop from None
+            self.fail(f"{e}{hint(e, what)}")
+            raise WalkStopped from None
 
     def shape(self, what: str, problems: list[str]) -> None:
         """Structural problems of a returned record, each explained once (the same
@@ -68,14 +68,14 @@ class _Report:
         self.shape(what, problems)
         if problems:
             self.note(f"stopped: the suite ends a scenario at a malformed {what} record too")
-            raise _Stop
+            raise WalkStopped
 
     def safely(self, what: str, fn: Callable[[], None]) -> None:
         """Run one group of semantic checks; a record too malformed to read is already
         explained by :meth:`shape`, so a failure here only notes what was skipped."""
         try:
             fn()
-        except _Stop:
+        except WalkStopped:
             raise
         except Exception as e:
             self.note(f"could not check {what}: {describe(e)} (see the malformed fields above)")

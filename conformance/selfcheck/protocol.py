@@ -1,5 +1,5 @@
 """What the self-check walks through: one small engine, ONE request, the protocol's
-expected state of it (:class:`_Model`), and the result a walk yields."""
+expected state of it (:class:`ExpectedState`), and the result a walk yields."""
 
 from __future__ import annotations
 
@@ -64,12 +64,12 @@ class SelfCheckResult:
         return "\n".join(self.lines)
 
 
-class _Stop(Exception):
+class WalkStopped(Exception):
     """Nothing sensible can follow (a call failed, or the step left broken state)."""
 
 
 @dataclass
-class _Model:
+class ExpectedState:
     """What the protocol says A's state is (the self-check's own oracle, never read back
     from the adapter, so one wrong snapshot does not shift every later expectation)."""
 
@@ -80,7 +80,7 @@ class _Model:
     next_token: int = 2
 
 
-def _span(xs: tuple[int, ...] | list[int]) -> str:
+def span_text(xs: tuple[int, ...] | list[int]) -> str:
     if not xs:
         return "()"
     if len(xs) > 2 and list(xs) == list(range(xs[0], xs[0] + len(xs))):
@@ -88,11 +88,11 @@ def _span(xs: tuple[int, ...] | list[int]) -> str:
     return ", ".join(str(x) for x in xs)
 
 
-def _tup(xs: tuple[int, ...] | list[int]) -> str:
+def tuple_text(xs: tuple[int, ...] | list[int]) -> str:
     return "(" + ", ".join(str(x) for x in xs) + ("," if len(xs) == 1 else "") + ")"
 
 
-def _entry_of(rep: StepReport) -> ScheduledRequest | None:
+def entry_of(rep: StepReport) -> ScheduledRequest | None:
     """The request's entry in a validated report (each id is there at most once)."""
     for s in rep.scheduled:
         if s.request_id == REQUEST.request_id:
@@ -100,7 +100,7 @@ def _entry_of(rep: StepReport) -> ScheduledRequest | None:
     return None
 
 
-def _hint(e: AdapterCallError, what: str) -> str:
+def hint(e: AdapterCallError, what: str) -> str:
     """Why a failed call matters, in the terms an adapter author acts on."""
     cause = e.__cause__
     if e.timed_out:

@@ -20,9 +20,9 @@ from refserve.cli import main as cli_main
 
 
 def _check_kernel_parser() -> argparse.ArgumentParser:
-    from refserve.conformance.kernel_grid import _parser
+    from refserve.conformance.kernel_grid import build_parser
 
-    return _parser()
+    return build_parser()
 
 
 def _compare_parser() -> argparse.ArgumentParser:

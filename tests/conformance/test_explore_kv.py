@@ -30,7 +30,7 @@ from refserve.conformance.kv.machine import (
     run_kv_suite,
 )
 from refserve.conformance.kv.protocol import KVAdapterFactory, KVConfig
-from refserve.conformance.kv.run import _KVRun
+from refserve.conformance.kv.run import KVRun
 
 SMALL = KV_SCOPES["small"]
 TINY = KV_SCOPES["tiny"]
@@ -204,8 +204,8 @@ def test_replay_reports_a_nondeterministic_manager() -> None:
 
 
 # ------------------------------------------------------------------ key and scope
-def _run(ops: list[dict[str, Any]]) -> _KVRun:
-    run = _KVRun(make_kv, KVConfig(3, 2), 5.0)
+def _run(ops: list[dict[str, Any]]) -> KVRun:
+    run = KVRun(make_kv, KVConfig(3, 2), 5.0)
     assert run.start()
     for op in ops:
         run.apply(op)
