@@ -12,6 +12,7 @@ from refserve.conformance.adapter import EngineProperties
 from refserve.conformance.workload import RequestPlan
 from refserve.spec.snapshot import EngineSnapshot
 from refserve.spec.violation import Invariant, Violation, violation
+from refserve.values import is_int
 
 #: The named rule of KVLEN for a declared lack of eos handling kept.
 DECLARED_EOS = "declared-eos"
@@ -151,6 +152,6 @@ class StopRules:
         if not self.props.max_model_len_stop:
             return None
         r = after.request(rid)
-        if r is None or isinstance(r.max_model_len, bool) or not isinstance(r.max_model_len, int):
+        if r is None or not is_int(r.max_model_len):
             return None  # a missing or malformed record is reported by the snapshot checks
         return r.max_model_len

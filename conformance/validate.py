@@ -28,7 +28,7 @@ lengths that disagree (``token_ids`` vs ``num_stored`` and ``slot_mapping`` vs
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Final, TypeGuard
+from typing import Final
 
 from refserve.conformance.adapter import CommitReport, MigrationExport, MigrationStaged, StepReport
 from refserve.spec.snapshot import (
@@ -42,6 +42,7 @@ from refserve.spec.snapshot import (
     Transfer,
     TransferKind,
 )
+from refserve.values import is_int
 
 __all__ = [
     "check_commit_report",
@@ -143,11 +144,6 @@ def _get(obj: object, name: str) -> object:
         return _Raised(e)
 
 
-def _is_int(x: object) -> TypeGuard[int]:
-    # bool is an int subclass, but True as a count is a bug in the adapter, not a 1.
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _record(p: _Problems, where: str, x: object, cls: type) -> bool:
     if x is _MISSING:
         p.add(where, "missing")
@@ -163,7 +159,7 @@ def _int(p: _Problems, where: str, x: object, *, minimum: int = 0) -> int | None
     if x is _MISSING:
         p.add(where, "missing")
         return None
-    if not _is_int(x):
+    if not is_int(x):
         p.add(where, f"expected int, got {_desc(x)}")
         return None
     if x < minimum:
@@ -225,10 +221,10 @@ def _ints(
     items = _seq(p, where, x, "int")
     if items is None:
         return None
-    bad_type = [i for i, v in enumerate(items) if not _is_int(v)]
+    bad_type = [i for i, v in enumerate(items) if not is_int(v)]
     if _first_of(p, where, bad_type, lambda i: f"expected int, got {_desc(items[i])}"):
         return None
-    values = tuple(v for v in items if _is_int(v))
+    values = tuple(v for v in items if is_int(v))
     negative = [i for i, v in enumerate(values) if v < 0]
     _first_of(p, where, negative, lambda i: f"{values[i]} is negative")
     if upper is not None:

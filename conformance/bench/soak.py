@@ -58,6 +58,7 @@ from typing import Any
 import httpx
 
 from refserve.errors import InvalidArgument
+from refserve.values import is_number
 
 FORMAT = "refserve-soak"
 MODEL = "tiny-trained"
@@ -118,7 +119,7 @@ class SoakSettings:
     def __post_init__(self) -> None:
         for name in ("duration_s", "rate_rps", "request_timeout_s", "rss_every_s"):
             v = getattr(self, name)
-            if not isinstance(v, int | float) or isinstance(v, bool) or not v > 0:
+            if not is_number(v) or not v > 0:
                 raise InvalidArgument(f"soak: {name} must be > 0, got {v!r}")
         if self.kill_every_s < 0 or self.settle_s < 0 or self.rss_bound_mib < 0:
             raise InvalidArgument("soak: kill_every_s, settle_s and rss_bound_mib are >= 0")

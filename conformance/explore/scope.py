@@ -17,6 +17,7 @@ from typing import Any
 from refserve.conformance.adapter import EngineConfig, Feature
 from refserve.conformance.workload import EOS, RequestPlan, Workload
 from refserve.spec.arith import cdiv
+from refserve.values import is_int
 
 
 @dataclass(frozen=True)
@@ -239,16 +240,12 @@ def _catalogue(value: Any) -> tuple[RequestTemplate, ...]:
             raise ScopeError(f"catalogue[{i}]: unknown key(s) {sorted(unknown)}")
         prompt, max_tokens = entry.get("prompt"), entry.get("max_tokens")
         priority = entry.get("priority", 0)
-        if not isinstance(prompt, list) or not all(_is_int(x) for x in prompt):
+        if not isinstance(prompt, list) or not all(is_int(x) for x in prompt):
             raise ScopeError(f"catalogue[{i}].prompt must be a list of integers")
-        if not _is_int(max_tokens) or not _is_int(priority):
+        if not is_int(max_tokens) or not is_int(priority):
             raise ScopeError(f"catalogue[{i}]: max_tokens and priority must be integers")
         out.append(_template(tuple(prompt), max_tokens, priority))
     return tuple(out)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _field_value(name: str, value: Any) -> Any:
@@ -270,7 +267,7 @@ def _field_value(name: str, value: Any) -> Any:
             value = int(value)
         except ValueError:
             raise ScopeError(f"{name} must be an integer, got {value!r}") from None
-    if not _is_int(value):
+    if not is_int(value):
         raise ScopeError(f"{name} must be an integer, got {value!r}")
     return value
 

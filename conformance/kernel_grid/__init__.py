@@ -88,9 +88,6 @@ from refserve.conformance.kernel_grid.results import (
 )
 from refserve.conformance.kernel_grid.run import run_case, run_grid
 
-_parser = build_parser
-"""The name refserve.cli.main still looks the parser up by (with ``getattr``)."""
-
 __all__ = [
     "BOUNDARY_RULES",
     "CANARY",

@@ -9,6 +9,7 @@ from typing import cast
 
 from refserve.conformance.kv.protocol import KVFeature
 from refserve.spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
+from refserve.values import is_int
 
 
 class Malformed(Exception):
@@ -21,7 +22,7 @@ def _kind(x: object) -> str:
 
 
 def _int(x: object, what: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
+    if not is_int(x):
         raise Malformed(f"{what} is {_kind(x)}, not an int")
     return int(x)
 

@@ -12,6 +12,7 @@ from refserve.conformance.kv.protocol import KVConfig, KVFeature
 from refserve.conformance.report import signature_of
 from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace
 from refserve.spec.violation import Invariant, Violation
+from refserve.values import is_int
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class KVWorkload:
 
 
 def _pos_int(x: object, what: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+    if not is_int(x) or x < 1:
         raise ValueError(f"{what} must be an int >= 1, got {x!r}")
     return x
 
@@ -132,9 +133,7 @@ def _parse_op(o: object, i: int) -> dict[str, Any]:
                 raise ValueError(f"op {i}: {key} must be a string")
         elif key == "n":
             v = _pos_int(v, f"op {i}: n")
-        elif not isinstance(v, list) or any(
-            isinstance(t, bool) or not isinstance(t, int) for t in v
-        ):
+        elif not isinstance(v, list) or any(not is_int(t) for t in v):
             raise ValueError(f"op {i}: {key} must be a list of ints")
         out[key] = list(v) if isinstance(v, list) else v
     return out

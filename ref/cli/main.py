@@ -333,17 +333,13 @@ def _simulator_demo() -> int:
     return EXIT_OK
 
 
-def _check_kernel_parser() -> argparse.ArgumentParser | None:
-    """``refserve.conformance.kernel_grid``'s own options (copied from its parser, so the two never
-    drift apart) behind this CLI's one-line usage errors; ``None`` if it has no parser to
-    copy, and then its arguments go to it unchecked."""
-    from refserve.conformance import kernel_grid
+def _check_kernel_parser() -> argparse.ArgumentParser:
+    """``refserve.conformance.kernel_grid``'s own options (copied from its parser, so the two
+    never drift apart) behind this CLI's one-line usage errors."""
+    from refserve.conformance.kernel_grid import build_parser
 
-    theirs = getattr(kernel_grid, "_parser", None)
-    if theirs is None:
-        return None
     return ArgumentParser(
-        prog=f"{PROG} check-kernel", parents=[theirs()], conflict_handler="resolve"
+        prog=f"{PROG} check-kernel", parents=[build_parser()], conflict_handler="resolve"
     )
 
 
@@ -356,7 +352,7 @@ def _check_kernel_main(argv: list[str]) -> int:
     )
 
     parser = _check_kernel_parser()
-    if parser is None or {"-h", "--help"} & set(argv):
+    if {"-h", "--help"} & set(argv):
         return check_kernel_main(argv)
     ns = parser.parse_args(argv)
     if getattr(ns, "worker", False) or getattr(ns, "list", False):
