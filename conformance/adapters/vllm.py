@@ -481,7 +481,7 @@ class VllmAdapter:
         self._model_config: Any = None
         self._hasher: Any = None
         self._lora_ids: dict[str, int] = {}  # adapter name -> LoRARequest.lora_int_id
-        self._roots: dict[str, bytes] = {}  # request id -> the root key it was submitted with
+        self._root_keys: dict[str, bytes] = {}  # request id -> the root key it was submitted with
         self._all: dict[str, Any] = {}  # request id -> vLLM Request, every one submitted
         self._live: dict[str, Any] = {}  # request id -> vLLM Request, not finished
         self._max_tokens: dict[str, int] = {}
@@ -565,7 +565,7 @@ class VllmAdapter:
             placeholder_drafts=bool(self._num_spec_tokens),
         )
         self._model_config = built.model_config
-        self._roots.clear()
+        self._root_keys.clear()
         self._all.clear()
         self._live.clear()
         self._max_tokens.clear()
@@ -671,7 +671,7 @@ class VllmAdapter:
         self._live[rid] = req
         self._max_tokens[rid] = request.max_tokens
         self._arrival[rid] = request.arrival_step
-        self._roots[rid] = request.namespace.root_key()
+        self._root_keys[rid] = request.namespace.root_key()
 
     def propose(self, request_id: str, draft_token_ids: tuple[int, ...]) -> None:
         """Drafts for the next step, as ``EngineCore`` passes the drafter's:
@@ -855,7 +855,7 @@ class VllmAdapter:
                     tuple(int(b.block_id) - NULL_BLOCKS for b in blocks),
                     kv,
                     toks,
-                    self._roots.get(rid, ROOT),
+                    self._root_keys.get(rid, ROOT),
                 )
             )
         snap_pool = PoolSnapshot(

@@ -260,7 +260,7 @@ class VllmNixlAdapter(VllmAdapter):
             cache_salt=req.cache_salt,
             lora_name="" if lora is None else str(lora.lora_name),
             arrival_step=self._arrival.get(request_id, 0),
-            root_key=self._roots[request_id],
+            root_key=self._root_keys[request_id],
             kv_transfer_params=params,
         )
         return MigrationExport(request_id, self._slots(blocks, 0, kv), ticket=ticket)
@@ -377,7 +377,7 @@ class VllmNixlAdapter(VllmAdapter):
             self._sched.finish_requests(rid, V.VStatus.FINISHED_ABORTED)
             raise Rejected("vLLM did not admit the load now (no room for its blocks)")
         self._all[rid] = req
-        self._roots[rid] = t.root_key
+        self._root_keys[rid] = t.root_key
         bs = self.cfg.block_size
         (local,) = meta.local_block_ids
         hit_tokens = sum(meta.local_num_computed_blocks) * bs
@@ -434,7 +434,7 @@ class VllmNixlAdapter(VllmAdapter):
             self._sched.add_request(req)
         self._all[rid] = req
         self._live[rid] = req
-        self._roots[rid] = t.root_key
+        self._root_keys[rid] = t.root_key
         self._folded[rid] = st.folded if st.loading else len(t.token_ids) - t.num_prompt_tokens
         self._max_tokens[rid] = t.max_tokens
         self._arrival[rid] = t.arrival_step
