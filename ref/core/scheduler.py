@@ -57,7 +57,7 @@ from refserve.kv import BlockPool, HostPool
 from refserve.spec.snapshot import EngineSnapshot, RequestStatus
 
 S = RequestStatus
-#: Why a scheduler refuses a change (``_require_boundary``): a step, or a staged import.
+#: Why a scheduler refuses a change (``require_boundary``): a step, or a staged import.
 _BUSY = (
     "a step is in progress (schedule without commit/rollback)",
     "a migration import is staged (commit or abort it)",
@@ -123,7 +123,7 @@ class Scheduler:
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
         """Queue a request. Bad input raises a typed error and queues nothing."""
-        self._require_boundary("add_request")
+        self.require_boundary("add_request")
         check_new_request(request, self.config.max_len, self.config.max_model_len)
         rid = request.request_id
         if rid in self.requests:
@@ -153,6 +153,36 @@ class Scheduler:
         detokenizer matched a stop string): like abort, but recorded as finished."""
         self._end(request_id, S.FINISHED, reason, now_ms, "finish")
 
+    def join(self, r: Request) -> None:
+        """``r`` (a migrated request, already checked) joins this scheduler where its
+        status says: the tool wait, the running batch (it holds KV: its blocks are
+        already in the pool), or the waiting queue. It arrives now: the next place in
+        arrival order. The caller checks the step boundary."""
+        r.seq = self._seq
+        r.queued_step = self.step_index
+        self._seq += 1
+        self.requests[r.request_id] = r
+        if r.status is S.WAITING_TOOL:
+            self._suspend.paused[r.request_id] = r
+        elif r.num_computed_tokens:
+            self._batch.append(r, self.pool)
+        else:
+            self._queue.add(r)
+        self._backlog.mark(r, self.step_index)
+
+    def leave(self, request_id: str) -> Request:
+        """The request leaves this scheduler at a step boundary (a migration's source
+        releasing it): every block it held goes back to the pools and it leaves the
+        batch, the queue or the tool wait. Not a finish: it is not retired."""
+        self.require_boundary("leave")
+        r = self.requests.get(request_id)
+        if r is None:
+            raise UnknownRequest(request_id, "leave")
+        self._unplace(r)
+        del self.requests[request_id]
+        self._backlog.clear(r)
+        return r
+
     def fork(self, parent_id: str, child_id: str, first_token: int, stop: StopParams) -> Request:
         """n > 1 sampling (ref/core/forks.py): a sibling of a parent that has just
         sampled its first token. While ``max_num_seqs`` leaves room it shares every KV
@@ -161,7 +191,7 @@ class Scheduler:
         the state of a recompute-preempted request and is admitted later like one, the
         prompt's full blocks coming from the prefix cache.
         """
-        self._require_boundary("fork")
+        self.require_boundary("fork")
         parent = self.requests.get(parent_id)
         if parent is None:
             raise UnknownRequest(parent_id, "fork")
@@ -200,7 +230,7 @@ class Scheduler:
         evicted meanwhile). ``None`` lets ``config.retention`` choose from
         ``expected_wait_ms``. Returns the retention applied.
         """
-        self._require_boundary("pause")
+        self.require_boundary("pause")
         r = self.requests.get(request_id)
         if r is None:
             raise UnknownRequest(request_id, "pause")
@@ -218,7 +248,7 @@ class Scheduler:
         with its KV on the host it queues as SWAPPED (admission swaps it in); otherwise
         it queues in its arrival place and recomputes through the prefix cache.
         """
-        self._require_boundary("resume")
+        self.require_boundary("resume")
         r = self._suspend.resume(request_id, tool_token_ids, stop)
         in_place = (
             len(self.running) < self.config.max_num_seqs
@@ -241,7 +271,7 @@ class Scheduler:
         docs/SPECULATIVE.md): that step verifies them after its last token, within
         ``num_speculative_tokens``; the planner may verify fewer (budget, blocks, the
         tokens the request may still emit). An empty sequence withdraws them."""
-        self._require_boundary("propose")
+        self.require_boundary("propose")
         r = self.requests.get(request_id)
         if r is None:
             raise UnknownRequest(request_id, "propose")
@@ -260,7 +290,7 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
     def schedule(self, now_ms: float = 0.0) -> StepPlan:
         """Plan one step and reserve its KV blocks (undone by :meth:`rollback`)."""
-        self._require_boundary("schedule")
+        self.require_boundary("schedule")
         self.retired = []
         self._plan_start_ms = now_ms
         self.pool.begin()
@@ -511,7 +541,7 @@ class Scheduler:
     def _end(
         self, request_id: str, status: RequestStatus, reason: FinishReason, now_ms: float, what: str
     ) -> None:
-        self._require_boundary(what)
+        self.require_boundary(what)
         r = self.requests.get(request_id)
         if r is None:
             raise UnknownRequest(request_id, what)
@@ -521,7 +551,7 @@ class Scheduler:
     def _unplace(self, r: Request) -> None:
         """``r`` gives back every block it holds and leaves the batch, the queue or the
         tool wait, whichever holds it (still in ``requests``): the first half of an end,
-        and all of a migrated request's leaving (ref/core/transit.py ``release``)."""
+        and all of a migrated request's leaving (:meth:`leave`)."""
         request_id = r.request_id
         if self.pool.has_request(request_id):
             self.pool.free(request_id)
@@ -541,9 +571,10 @@ class Scheduler:
         self._backlog.clear(r)
         self.retired.append(r)
 
-    def _require_boundary(self, what: str) -> None:
-        # The pool's transaction is open from schedule to commit/rollback, and while a
-        # migration is staged here (ref/core/transit.py): no other change may join it.
+    def require_boundary(self, what: str) -> None:
+        """Raise :class:`StepInProgress` unless this is a step boundary: the pool's
+        transaction is open from schedule to commit/rollback, and while a migration is
+        staged here (ref/core/transit.py); no other change may join it."""
         if self.pool.in_transaction:
             raise StepInProgress(f"{what}: {_BUSY[self._pending is None]}")
 

@@ -143,7 +143,7 @@ class Departure:
 
 def export(sched: Scheduler, request_id: str) -> Departure:
     """The source's side of step 1 (module doc): a pure read, at a step boundary."""
-    sched._require_boundary("export")
+    sched.require_boundary("export")
     r = sched.requests.get(request_id)
     if r is None:
         raise MigrationError(f"export: request {request_id!r} is not live on this engine")
@@ -178,7 +178,7 @@ class Import:
     or ``abort`` them all."""
 
     def __init__(self, sched: Scheduler) -> None:
-        sched._require_boundary("import")
+        sched.require_boundary("import")
         self._sched = sched
         self.arrivals: list[Arrival] = []
         self._open = True
@@ -249,13 +249,10 @@ def begin_import(sched: Scheduler) -> Import:
 def release(sched: Scheduler, request_id: str) -> None:
     """The source's side of step 3: the request leaves this scheduler, every block it
     held back to the pools, its drafts dropped; not finished, not retired."""
-    sched._require_boundary("release")
-    r = sched.requests.get(request_id)
-    if r is None:
+    sched.require_boundary("release")
+    if request_id not in sched.requests:
         raise MigrationError(f"release: request {request_id!r} is not live on this engine")
-    sched._unplace(r)
-    del sched.requests[request_id]
-    sched._backlog.clear(r)
+    sched.leave(request_id)
 
 
 def _check_state(sched: Scheduler, state: RequestState) -> None:
@@ -310,25 +307,8 @@ def _place(sched: Scheduler, a: Arrival, offset_ms: float) -> Request:
     r.admitted_ms = s.admitted_ms
     r.token_times_ms = list(s.token_times_ms)
     r.status = _status_on_arrival(s, a.kv_length)
-    _attach(sched, r)
+    sched.join(r)
     return r
-
-
-def _attach(sched: Scheduler, r: Request) -> None:
-    """``r`` joins ``sched`` where its status says: a tool wait, the running batch (it
-    holds KV), or the waiting queue. It arrives now: the next place in arrival order."""
-    rid = r.request_id
-    r.seq = sched._seq
-    r.queued_step = sched.step_index
-    sched._seq += 1
-    sched.requests[rid] = r
-    if r.status is S.WAITING_TOOL:
-        sched._suspend.paused[rid] = r
-    elif r.num_computed_tokens:
-        sched._batch.append(r, sched.pool)
-    else:
-        sched._queue.add(r)
-    sched._backlog.mark(r, sched.step_index)
 
 
 def _status_on_arrival(s: RequestState, kv_length: int) -> RequestStatus:
