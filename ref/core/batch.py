@@ -43,7 +43,6 @@ from refserve.spec.arith import (
 )
 from refserve.spec.snapshot import RequestStatus
 
-S = RequestStatus
 Ints = npt.NDArray[np.int64]
 AnyArray = TypeVar("AnyArray", bound=np.generic)
 
@@ -216,7 +215,7 @@ class PersistentBatch:
         # reaches the limit when its KV length reaches the limit less one.
         limit = length_limit(r.num_prompt_tokens, r.stop.max_tokens, self.max_len)
         self.kv_limit[slot] = limit - 1
-        self.decoding[slot] = r.status is S.DECODING
+        self.decoding[slot] = r.status is RequestStatus.DECODING
         self._all_decoding = None
         ids = r.stop.stopping_ids
         if len(ids) > self.stop_ids.shape[1]:

@@ -19,21 +19,62 @@ from refserve.spec.arith import length_limit, reaches_length
 from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace
 from refserve.spec.snapshot import RequestSnapshot, RequestStatus
 
-S = RequestStatus
-
 LEGAL_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
-    S.WAITING: frozenset({S.PREFILLING, S.DECODING, S.FINISHED, S.ABORTED}),
-    S.PREFILLING: frozenset(
-        {S.PREFILLING, S.DECODING, S.PREEMPTED, S.SWAPPED, S.FINISHED, S.ABORTED}
+    RequestStatus.WAITING: frozenset(
+        {
+            RequestStatus.PREFILLING,
+            RequestStatus.DECODING,
+            RequestStatus.FINISHED,
+            RequestStatus.ABORTED,
+        }
     ),
-    S.DECODING: frozenset(
-        {S.DECODING, S.PREEMPTED, S.SWAPPED, S.WAITING_TOOL, S.FINISHED, S.ABORTED}
+    RequestStatus.PREFILLING: frozenset(
+        {
+            RequestStatus.PREFILLING,
+            RequestStatus.DECODING,
+            RequestStatus.PREEMPTED,
+            RequestStatus.SWAPPED,
+            RequestStatus.FINISHED,
+            RequestStatus.ABORTED,
+        }
     ),
-    S.PREEMPTED: frozenset({S.PREFILLING, S.DECODING, S.FINISHED, S.ABORTED}),
-    S.SWAPPED: frozenset({S.DECODING, S.PREFILLING, S.ABORTED, S.FINISHED}),
-    S.WAITING_TOOL: frozenset({S.PREFILLING, S.WAITING, S.SWAPPED, S.FINISHED, S.ABORTED}),
-    S.FINISHED: frozenset(),
-    S.ABORTED: frozenset(),
+    RequestStatus.DECODING: frozenset(
+        {
+            RequestStatus.DECODING,
+            RequestStatus.PREEMPTED,
+            RequestStatus.SWAPPED,
+            RequestStatus.WAITING_TOOL,
+            RequestStatus.FINISHED,
+            RequestStatus.ABORTED,
+        }
+    ),
+    RequestStatus.PREEMPTED: frozenset(
+        {
+            RequestStatus.PREFILLING,
+            RequestStatus.DECODING,
+            RequestStatus.FINISHED,
+            RequestStatus.ABORTED,
+        }
+    ),
+    RequestStatus.SWAPPED: frozenset(
+        {
+            RequestStatus.DECODING,
+            RequestStatus.PREFILLING,
+            RequestStatus.ABORTED,
+            RequestStatus.FINISHED,
+        }
+    ),
+    RequestStatus.WAITING_TOOL: frozenset(
+        {
+            RequestStatus.PREFILLING,
+            RequestStatus.WAITING,
+            RequestStatus.SWAPPED,
+            RequestStatus.FINISHED,
+            RequestStatus.ABORTED,
+        }
+    ),
+    RequestStatus.FINISHED: frozenset(),
+    RequestStatus.ABORTED: frozenset(),
 }
 
 
@@ -198,7 +239,11 @@ def check_new_request(request: Request, max_len: int, max_model_len: int) -> Non
     rid = request.request_id
     if not isinstance(rid, str) or not rid:
         raise InvalidArgument(f"add_request: request id must be a non-empty str, got {rid!r}")
-    if request.status is not S.WAITING or request.num_computed_tokens or request.num_output_tokens:
+    if (
+        request.status is not RequestStatus.WAITING
+        or request.num_computed_tokens
+        or request.num_output_tokens
+    ):
         raise InvalidArgument(
             f"add_request: request {rid!r} is not fresh (status {request.status})"
         )

@@ -18,9 +18,9 @@ import torch
 
 from refserve.core.batch import PersistentBatch
 from refserve.core.config import SchedulerConfig
+from refserve.core.executor_output import BadExecutorOutput
 from refserve.core.inputs import build_inputs
 from refserve.core.outcome import Outcome
-from refserve.core.output import BadExecutorOutput
 from refserve.core.request import FinishReason, Request, StopParams
 from refserve.core.scheduler import Scheduler
 from refserve.kv import BlockPool, DecodeGrowth, DecodeRun
