@@ -28,6 +28,7 @@ from refserve.core.plan import StepPlan
 from refserve.core.request import FinishReason, Request
 from refserve.core.step_build import StepBuild
 from refserve.kv import BlockPool
+from refserve.spec.snapshot import PoolSnapshot
 
 
 class SuspensionManager(Protocol):
@@ -61,6 +62,18 @@ class SuspensionManager(Protocol):
 
     def commit(self, plan: StepPlan) -> None:
         """The manager's books catch up with a committed plan."""
+
+    def begin(self) -> None:
+        """The step's transaction opens: the manager's own pool (the host's) joins it."""
+
+    def rollback(self) -> None:
+        """The step's transaction is undone."""
+
+    def close(self) -> None:
+        """The step's transaction is committed."""
+
+    def snapshot(self) -> PoolSnapshot | None:
+        """The manager's pool for the invariant checks (None: it has none)."""
 
 
 class ProposalSource(Protocol):
@@ -149,6 +162,18 @@ class NoSuspension:
         return False
 
     def commit(self, plan: StepPlan) -> None:
+        return None
+
+    def begin(self) -> None:
+        return None
+
+    def rollback(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def snapshot(self) -> PoolSnapshot | None:
         return None
 
 

@@ -50,7 +50,7 @@ from refserve.errors import (
     RefserveError,
     UnknownRequest,
 )
-from refserve.kv import BlockPool, HostPool
+from refserve.kv import BlockPool
 from refserve.spec.snapshot import EngineSnapshot, RequestStatus
 
 #: Why a scheduler refuses a change (``require_boundary``): a step, or a staged import.
@@ -74,7 +74,6 @@ class SchedulerLoop:
         self.config = config
         self.policy = policy or make_policy(config)
         self.pool = BlockPool(config.num_blocks, config.block_size, **config.pool_options)
-        self.host = HostPool(config.num_host_blocks, config.block_size)
         self.requests: dict[str, Request] = {}  # live: not finished, not aborted
         # Admission order (the policy's), kept incrementally: a step reads only the head
         # it admits from (ref/core/waiting.py). Preempted requests keep their arrival place.
@@ -210,7 +209,7 @@ class SchedulerLoop:
         self.retired = []
         self._plan_start_ms = now_ms
         self.pool.begin()
-        self.host.begin()
+        self.suspension.begin()
         try:
             reserve = self._backlog.reserve(self.config, self.step_index)
             plan = self._planner.plan(
@@ -222,7 +221,7 @@ class SchedulerLoop:
             )
         except BaseException:
             self.pool.rollback()
-            self.host.rollback()
+            self.suspension.rollback()
             raise
         self._pending = plan
         return plan
@@ -231,7 +230,7 @@ class SchedulerLoop:
         """Undo the pending plan's reservations: the state is exactly as before schedule."""
         assert self._pending is not None, "rollback without a pending plan"
         self.pool.rollback()
-        self.host.rollback()
+        self.suspension.rollback()
         self._pending = None
 
     def commit(
@@ -268,14 +267,15 @@ class SchedulerLoop:
 
     def _close(self, plan: StepPlan, outcome: StepOutcome) -> None:
         """The books after a commit: who left the running set, the suspension manager's
-        books, both pools' transactions closed, the step counted, the policy told."""
+        books, the step's transaction closed (the pool's and the manager's), the step
+        counted, the policy told."""
         if outcome.outcomes:
             left = {o.request_id for o in outcome.outcomes if o.preempted or o.finish is not None}
             if left:
                 self._batch.remove_many(left)
         self.suspension.commit(plan)
         self.pool.commit()
-        self.host.commit()
+        self.suspension.close()
         self._pending = None
         self.proposals.clear()  # drafts hold for one step
         self.step_index += 1
@@ -493,5 +493,5 @@ class SchedulerLoop:
         return EngineSnapshot(
             tuple(r.snapshot(self.config.max_len) for r in live),
             self.pool.snapshot(),
-            self.host.snapshot() if self.host.num_blocks else None,
+            self.suspension.snapshot(),
         )

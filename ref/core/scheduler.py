@@ -28,6 +28,7 @@ from refserve.core.speculation import Proposals
 from refserve.core.suspend import Suspension
 from refserve.core.swap import KVRetention
 from refserve.errors import UnknownRequest
+from refserve.kv import HostPool
 
 __all__ = ["Scheduler", "StepInProgress"]
 
@@ -37,6 +38,8 @@ class Scheduler(SchedulerLoop):
 
     def __init__(self, config: SchedulerConfig, policy: Policy | None = None) -> None:
         super().__init__(config, policy)
+        # The host-side pool that swapped and paused KV waits in (ref/kv/host_pool.py).
+        self.host = HostPool(config.num_host_blocks, config.block_size)
         self._suspension = Suspension(config, self.pool, self.host)  # swaps and tool waits
         self._proposals = Proposals(config.num_speculative_tokens, self.pool, config.max_len)
         self.plug(

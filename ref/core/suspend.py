@@ -28,7 +28,7 @@ from refserve.core.swap import KVRetention, preempt_by_swap
 from refserve.errors import InvalidArgument, UnknownRequest
 from refserve.kv import BlockCopy, BlockPool
 from refserve.kv.host_pool import HostPool
-from refserve.spec.snapshot import RequestStatus
+from refserve.spec.snapshot import PoolSnapshot, RequestStatus
 
 
 class Suspension:
@@ -218,6 +218,20 @@ class Suspension:
         # A swapped decode has one token left (the last sampled one); anything longer
         # is a resumed agent turn's incremental prefill.
         step.plan.add(rid, stored, n, stored + n == r.num_tokens, r.num_tokens - stored > 1)
+
+    # ------------------------------------------------------------------ the transaction
+    def begin(self) -> None:
+        self.host.begin()
+
+    def rollback(self) -> None:
+        self.host.rollback()
+
+    def close(self) -> None:
+        self.host.commit()
+
+    def snapshot(self) -> PoolSnapshot | None:
+        """The host pool, when there is one (num_host_blocks > 0)."""
+        return self.host.snapshot() if self.host.num_blocks else None
 
     # ------------------------------------------------------------------ at commit
     def commit(self, plan: StepPlan) -> None:
