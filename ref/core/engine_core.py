@@ -195,7 +195,7 @@ class EngineCore:
         if not (self.executor.needs_inputs or self.check_invariants):
             return None
         sched = self.scheduler
-        return build_inputs(plan, sched.requests, sched.pool, sched.batch)
+        return build_inputs(plan, sched.requests, sched.pool, sched.decodes)
 
     def _check(self, plan: StepPlan, inputs: ModelInputs, before: EngineSnapshot) -> None:
         sched = self.scheduler

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 from refserve.core.batch import Ints
+from refserve.core.inputs import ModelInputs
 from refserve.core.outcome import Outcome
 from refserve.core.plan import StepPlan
 from refserve.core.request import FinishReason, Request
@@ -110,6 +111,12 @@ class DecodeStrategy(Protocol):
     def plan_decodes(self, step: StepBuild) -> bool:
         """Plan every running decode at once; False (nothing planned) when it cannot,
         and the loop plans them one by one."""
+
+    def all_decoding(self) -> bool:
+        """After :meth:`plan_decodes` planned: no running request has prefill left."""
+
+    def inputs(self, plan: StepPlan) -> ModelInputs | None:
+        """The executor's inputs of a step of these decodes only (None for another)."""
 
     def commit_decodes(
         self,

@@ -70,7 +70,13 @@ class SchedulerLoop:
     off (tests/harness.py ``reference_loop``), for the differential test of the bulk
     path against the per-request one (docs/ARCHITECTURE.md, "The persistent batch")."""
 
-    def __init__(self, config: SchedulerConfig, policy: Policy | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        policy: Policy | None = None,
+        *,
+        batch: PersistentBatch | None = None,
+    ) -> None:
         self.config = config
         self.policy = policy or make_policy(config)
         self.pool = BlockPool(config.num_blocks, config.block_size, **config.pool_options)
@@ -79,8 +85,8 @@ class SchedulerLoop:
         # it admits from (ref/core/waiting.py). Preempted requests keep their arrival place.
         self._queue = self.policy.waiting_queue(track_arrivals=config.queue_timeout_ms is not None)
         # The running requests, in admission order, with their per-step state in arrays
-        # (ref/core/batch.py): the bulk decode path plans and commits from those.
-        self._batch = PersistentBatch(config.block_size, config.max_len)
+        # (ref/core/batch.py); a decode strategy may bring its own (ref/core/bulk.py).
+        self._batch = PersistentBatch(config.block_size, config.max_len) if batch is None else batch
         # The named points (ref/core/hooks.py), null until an attachment plugs in.
         self.suspension: SuspensionManager = NoSuspension(self.pool)
         self.proposals: ProposalSource = NoProposals()
@@ -90,7 +96,6 @@ class SchedulerLoop:
             self.policy,
             self.pool,
             self._queue,
-            self._batch,
             self.suspension,
             self.proposals,
         )

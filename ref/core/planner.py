@@ -16,7 +16,6 @@ plugged in, for every decode at once.
 
 from __future__ import annotations
 
-from refserve.core.batch import PersistentBatch
 from refserve.core.capacity import admission_blocks
 from refserve.core.config import SchedulerConfig
 from refserve.core.hooks import DecodeStrategy, ProposalSource, SuspensionManager
@@ -37,12 +36,10 @@ class Planner:
         policy: Policy,
         pool: BlockPool,
         queue: WaitingQueue,
-        batch: PersistentBatch,
         suspension: SuspensionManager,
         proposals: ProposalSource,
     ) -> None:
         self.config = config
-        self.batch = batch  # the running requests
         self.policy = policy
         self.pool = pool
         self.suspension = suspension
@@ -72,14 +69,14 @@ class Planner:
         self.suspension.move_to_host(step)
         # Drafts are verified one request at a time: a strategy plans one token each.
         drafting = self.proposals.any()
-        bulk = decodes is not None and not drafting and decodes.plan_decodes(step)
+        strategy = None if drafting else decodes
+        bulk = strategy is not None and strategy.plan_decodes(step)
         if not bulk:
             self._decode_each(step, drafting=drafting)
         cap = prefill_cap(cfg, step.decoded, now_ms, reserve)
         # Every running request decoding: no running prefill to walk.
-        prefill_left = (
-            cap if bulk and self.batch.all_decoding() else self._prefill_running(step, cap)
-        )
+        only_decodes = bulk and strategy is not None and strategy.all_decoding()
+        prefill_left = cap if only_decodes else self._prefill_running(step, cap)
         step.budget = min(step.budget, prefill_left)  # admission is prefill too
         self._admit(step)
         return step.build()

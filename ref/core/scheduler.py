@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from refserve.core import forks, suspend
-from refserve.core.bulk import BulkDecodes
+from refserve.core.bulk import BulkBatch, BulkDecodes
 from refserve.core.config import SchedulerConfig
 from refserve.core.loop import SchedulerLoop, StepInProgress
 from refserve.core.policy import Policy
@@ -37,7 +37,8 @@ class Scheduler(SchedulerLoop):
     """The loop with swaps, tool waits, speculative drafts, forks and the bulk path."""
 
     def __init__(self, config: SchedulerConfig, policy: Policy | None = None) -> None:
-        super().__init__(config, policy)
+        self._bulk = BulkBatch(config.block_size, config.max_len)
+        super().__init__(config, policy, batch=self._bulk)
         # The host-side pool that swapped and paused KV waits in (ref/kv/host_pool.py).
         self.host = HostPool(config.num_host_blocks, config.block_size)
         self._suspension = Suspension(config, self.pool, self.host)  # swaps and tool waits
@@ -45,8 +46,13 @@ class Scheduler(SchedulerLoop):
         self.plug(
             suspension=self._suspension,
             proposals=self._proposals,
-            decodes=BulkDecodes(self.batch, self.pool, config.max_len),
+            decodes=BulkDecodes(self._bulk, self.pool, config.max_len),
         )
+
+    @property
+    def batch(self) -> BulkBatch:
+        """The running requests' arrays, with the bulk step's operations."""
+        return self._bulk
 
     @property
     def paused(self) -> dict[str, Request]:

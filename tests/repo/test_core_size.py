@@ -37,7 +37,7 @@ PARTS = (
     Part("request and settings", _core("__init__", "request", "config", "cost"), 440),
     Part("the rules", _core("capacity", "prefill", "policy", "waiting"), 480),
     Part("planning", _core("hooks", "step_build", "plan", "planner"), 460),
-    Part("scheduler loop", _core("loop", "batch"), 680),
+    Part("scheduler loop", _core("loop", "batch"), 560),
     Part(
         "transactional step",
         _core("inputs", "executor", "executor_output", "outcome", "engine_core"),
@@ -49,7 +49,7 @@ PARTS = (
         550,
     ),
 )
-WHOLE = Part("whole spine", tuple(m for p in PARTS for m in p.modules), 3_100)
+WHOLE = Part("whole spine", tuple(m for p in PARTS for m in p.modules), 2_900)
 
 
 @dataclass(frozen=True)
