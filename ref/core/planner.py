@@ -87,9 +87,11 @@ class Planner:
         for i, r in enumerate(decoding):
             if r.request_id in step.preempted or step.budget - step.reserve < 1:
                 continue
-            later = len(decoding) - i - 1
-            budget_left = step.budget - step.reserve
-            drafts = self.proposals.drafts_for(r, budget_left, later) if drafting else ()
+            drafts = (
+                self.proposals.drafts_for(r, step.budget - step.reserve, len(decoding) - i - 1)
+                if drafting
+                else ()
+            )
             if self._place(step, r, 1, is_prefill=False, drafts=drafts):
                 step.decoded.append(r)
 
