@@ -8,6 +8,10 @@ operations: Python runs per request only for those that cross a block boundary, 
 a block (prefix caching), share their last block (copy-on-write) or finish. Slots are
 recycled when a request leaves the running set (finish, preemption, pause, abort).
 
+This module keeps the rows (the spine's running list and its mirror); the bulk step's
+operations over them, and the inputs of a step of bulk decodes, are the bulk decode
+path's, ``BulkBatch`` in ref/core/bulk.py.
+
 The :class:`~refserve.core.request.Request` objects stay the source of truth; the arrays
 mirror them. A row is (re)loaded from its request whenever anything but the bulk path
 changed it (admission, a prefill chunk, the reference decode loop), and its block-table
@@ -23,27 +27,20 @@ are copies of them, which the model executor wraps as torch tensors sharing that
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import compress, repeat
+from itertools import compress
 from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from refserve.core.request import Request
-from refserve.kv import BlockPool, DecodeGrowth, DecodeRun
+from refserve.kv import BlockPool, DecodeRun
 from refserve.spec.arith import (
-    block_offset_rows,
-    fills_block_rows,
     length_limit,
-    reaches_length_rows,
-    starts_block_rows,
 )
 from refserve.spec.snapshot import RequestStatus
 
-S = RequestStatus
 Ints = npt.NDArray[np.int64]
 AnyArray = TypeVar("AnyArray", bound=np.generic)
 
@@ -216,7 +213,7 @@ class PersistentBatch:
         # reaches the limit when its KV length reaches the limit less one.
         limit = length_limit(r.num_prompt_tokens, r.stop.max_tokens, self.max_len)
         self.kv_limit[slot] = limit - 1
-        self.decoding[slot] = r.status is S.DECODING
+        self.decoding[slot] = r.status is RequestStatus.DECODING
         self._all_decoding = None
         ids = r.stop.stopping_ids
         if len(ids) > self.stop_ids.shape[1]:
@@ -243,156 +240,3 @@ class PersistentBatch:
         self.shared_tail[slot] = shared
         self._may_share = self._may_share or shared
         self._width = None
-
-    def sync_tables(self, pool: BlockPool) -> None:
-        """Rewrite the block-table rows the pool changed since the last sync (every row
-        after a rollback, which may have shrunk any table)."""
-        changed, everything = pool.take_changed()
-        slots = self._slot
-        for rid in slots if everything else changed:
-            slot = slots.get(rid)
-            if slot is not None:
-                self._load_table(slot, rid, pool)
-
-    # ------------------------------------------------------------------ the bulk step
-    @property
-    def order(self) -> Ints:
-        """Slots in running order."""
-        if self._order_array is None:
-            order = self._order_array = np.array(self._order, dtype=np.int64)
-            n = len(order)
-            consecutive = n > 0 and bool((order == np.arange(order[0], order[0] + n)).all())
-            self._order_start = int(order[0]) if consecutive else None
-        return self._order_array
-
-    def all_decoding(self) -> bool:
-        if self._all_decoding is None:
-            self._all_decoding = bool(self.decoding[self.order].all())
-        return self._all_decoding
-
-    def width(self) -> int:
-        """Blocks in the longest running table (the executor's block-table width)."""
-        if self._width is None:
-            order = self.order
-            self._width = int(self.num_blocks[order].max()) if len(order) else 0
-        return self._width
-
-    def decode_rows(self, limit: int) -> DecodeRows | None:
-        """The first ``limit`` decoding requests in running order (None if none)."""
-        order = self.order
-        k = min(limit, len(order))
-        if k <= 0:
-            return None
-        start = self._order_start
-        if self.all_decoding() and k == len(order):  # the steady state: the lists themselves
-            self._lists_lent = True
-            lists = (self.requests, self._ids, self._token_lists, self._time_lists)
-            slots = order
-        elif self.all_decoding() or self.decoding[order[:k]].all():  # slices, no Python
-            lists = (self.requests[:k], self._ids[:k], self._token_lists[:k], self._time_lists[:k])
-            slots = order[:k]
-        else:
-            found = np.flatnonzero(self.decoding[order])[:limit]
-            if not len(found):
-                return None
-            pos = found.tolist()
-            lists = (
-                [self.requests[i] for i in pos],
-                [self._ids[i] for i in pos],
-                [self._token_lists[i] for i in pos],
-                [self._time_lists[i] for i in pos],
-            )
-            slots = order[found]
-            start = None
-        at: Ints | slice = slots if start is None else slice(start, start + len(slots))
-        positions = self.num_computed[at].copy()  # a slice alone would be a view
-        offsets = block_offset_rows(positions, self.block_size)
-        return DecodeRows(slots, at, positions, offsets, *lists)
-
-    def decode_run(self, rows: DecodeRows, pool: BlockPool) -> DecodeRun:
-        """The pool's tables of ``rows`` (:class:`~refserve.kv.DecodeRun`); for the whole
-        running order, kept from step to step while the pool says it is current."""
-        whole = rows.request_ids is self._ids
-        run = self._run
-        if whole and run is not None and run.is_current():
-            return run
-        run = DecodeRun(pool, rows.request_ids)
-        if whole:
-            self._run = run
-        return run
-
-    def needs_block(self, rows: DecodeRows, pool: BlockPool) -> list[int]:
-        """Indices into ``rows`` whose next token starts a new block or lands in a shared
-        last block (copy-on-write); the others append to a private block with room."""
-        needs = starts_block_rows(rows.offsets)
-        if not self._may_share:  # no fork shares a last block: the usual case
-            return _indices(needs)
-        tail = self.shared_tail[rows.at]
-        for i in _indices(tail & ~needs):
-            slot = int(rows.slots[i])
-            last = int(self.block_table[slot, self.num_blocks[slot] - 1])
-            if pool.ref_count(last) > 1:
-                needs[i] = True
-            else:
-                self.shared_tail[slot] = False  # the sibling copied away
-        return _indices(needs)
-
-    def grew(self, rows: DecodeRows, growing: list[int], growth: DecodeGrowth) -> None:
-        """Write back what the pool did to the rows that needed a block: each table's
-        new last block (a fresh one, or a private copy) and its length."""
-        if not growing:
-            return
-        slots = rows.slots[growing]
-        lengths = np.array(growth.lengths, dtype=np.int64)
-        longest = max(growth.lengths)
-        if longest > self.block_table.shape[1]:
-            self._grow(len(self.num_computed), max(2 * self.block_table.shape[1], longest))
-        self.block_table[slots, lengths - 1] = growth.tails
-        self.num_blocks[slots] = lengths
-        if self._may_share:
-            self.shared_tail[slots] = False  # a fresh block or a private copy
-        if self._width is not None:
-            self._width = max(self._width, longest)
-
-    def fills_block(self, rows: DecodeRows) -> list[int]:
-        """Indices into ``rows`` whose next token fills its block (prefix caching)."""
-        return _indices(fills_block_rows(rows.offsets, self.block_size))
-
-    def filled_blocks(self, rows: DecodeRows, fills: list[int]) -> list[list[int]]:
-        """The tokens of the blocks that ``fills`` (indices into ``rows``) complete: each
-        such row's last ``block_size`` tokens. A decoding request's token list ends with
-        the token this step writes at its KV length (KVLEN), and that token ends its
-        block. (The pool hashes the blocks from these, ``DecodeRun.append_decodes``: a
-        slice per filling row, nothing written per row.)"""
-        bs = self.block_size
-        lists = rows.token_lists
-        return [lists[j][-bs:] for j in fills]
-
-    def commit_decodes(self, rows: DecodeRows, tokens: Ints, now_ms: float) -> list[int]:
-        """Append one sampled token to each row's request, KV length + 1 (KVLEN); return
-        the indices into ``rows`` that finish: a stop id, or the length limit."""
-        at = rows.at
-        computed = rows.positions + 1  # KV lengths are unchanged since the plan
-        self.num_computed[at] = computed
-        self.last_token[at] = tokens
-        _consume(map(list.append, rows.token_lists, tokens.tolist()))
-        _consume(map(list.append, rows.time_lists, repeat(now_ms)))
-        _consume(map(setattr, rows.requests, repeat("num_computed_tokens"), computed.tolist()))
-        stop_ids = self.stop_ids
-        if stop_ids.shape[1] == 1:  # one stop id or none per request: no broadcast
-            stopped = stop_ids[at, 0] == tokens
-        else:
-            stopped = (stop_ids[at] == tokens[:, None]).any(axis=1)
-        return _indices(stopped | reaches_length_rows(computed, self.kv_limit[at]))
-
-
-def _indices(mask: npt.NDArray[np.bool_]) -> list[int]:
-    """The indices where a 1-D ``mask`` is true. (``np.flatnonzero`` goes through three
-    Python-level wrappers: a few microseconds per call when the caches are cold.)"""
-    found: list[int] = mask.nonzero()[0].tolist()
-    return found
-
-
-def _consume(calls: Iterator[object]) -> None:
-    """Run a ``map`` of calls for their effect, at C speed (a deque that keeps nothing)."""
-    deque(calls, maxlen=0)

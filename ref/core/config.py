@@ -13,6 +13,7 @@ from enum import StrEnum
 from refserve.core.cost import StepCost
 from refserve.core.swap import PreemptionMode, RetentionPolicy, SwapCost
 from refserve.errors import InvalidArgument
+from refserve.values import is_int, is_number
 
 
 class Admission(StrEnum):
@@ -136,9 +137,7 @@ class SchedulerConfig:
             _positive("max_waiting", self.max_waiting)
         for name in ("tbt_slo_ms", "queue_timeout_ms"):
             value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
-            ):
+            if value is not None and (not is_number(value) or not value > 0):
                 raise InvalidArgument(f"{name} must be a positive number of ms, got {value!r}")
         if (self.tbt_slo_ms is None) != (self.step_cost is None):
             raise InvalidArgument(
@@ -192,10 +191,10 @@ class SchedulerConfig:
 
 
 def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
 
 
 def _non_negative(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_int(value) or value < 0:
         raise InvalidArgument(f"{name} must be a non-negative int, got {value!r}")

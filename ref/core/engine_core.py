@@ -29,11 +29,11 @@ from refserve.core.executor import (
     NoKVMemory,
     StepExecutor,
 )
+from refserve.core.executor_output import validate_output
 from refserve.core.inputs import ModelInputs, build_inputs, scheduled_requests
+from refserve.core.loop import SchedulerLoop
 from refserve.core.outcome import StepOutcome
-from refserve.core.output import validate_output
 from refserve.core.plan import StepPlan
-from refserve.core.scheduler import Scheduler
 from refserve.errors import RefserveError
 from refserve.spec import EngineSnapshot, StepSnapshot, Violation, check_step
 from refserve.spec.arith import blocks_needed, logical_block
@@ -91,7 +91,7 @@ class StepRecord:
 class EngineCore:
     def __init__(
         self,
-        scheduler: Scheduler,
+        scheduler: SchedulerLoop,
         executor: Executor | StepExecutor,
         *,
         check_invariants: bool = False,
@@ -195,7 +195,7 @@ class EngineCore:
         if not (self.executor.needs_inputs or self.check_invariants):
             return None
         sched = self.scheduler
-        return build_inputs(plan, sched.requests, sched.pool, sched.batch)
+        return build_inputs(plan, sched.requests, sched.pool, sched.decodes)
 
     def _check(self, plan: StepPlan, inputs: ModelInputs, before: EngineSnapshot) -> None:
         sched = self.scheduler

@@ -1,15 +1,19 @@
 """n > 1 sampling by fork: a sibling of a request that has just sampled its first token
 (docs/ARCHITECTURE.md, "Vocabulary": fork).
 
-An extension of the core: ``Scheduler.fork`` asks :func:`fork_child` for the child and
-places it (sharing the parent's blocks, or waiting to recompute); the pool's part is
-``refserve.kv.forks.fork`` and copy-on-write. Nothing else in the core knows about forks.
+An attachment: ``Scheduler.fork`` (ref/core/scheduler.py) calls :func:`fork`, which asks
+:func:`fork_child` for the child and places it through the loop's public surface
+(sharing the parent's blocks, or waiting to recompute); the pool's part is
+``refserve.kv.forks.fork`` and copy-on-write. The spine knows nothing about forks.
 """
 
 from __future__ import annotations
 
-from refserve.core.request import Request, StopParams
-from refserve.errors import InvalidArgument
+from refserve.core.capacity import never_fits
+from refserve.core.loop import SchedulerLoop
+from refserve.core.request import FinishReason, Request, StopParams
+from refserve.errors import DuplicateRequest, InvalidArgument, UnknownRequest
+from refserve.kv import fork as fork_blocks
 from refserve.spec.snapshot import RequestStatus
 
 
@@ -39,4 +43,32 @@ def fork_child(parent: Request, child_id: str, first_token: int, stop: StopParam
     child.admitted_ms = parent.admitted_ms
     child.token_times_ms = list(parent.token_times_ms)
     child.transition(RequestStatus.DECODING)
+    return child
+
+
+def fork(
+    sched: SchedulerLoop, parent_id: str, child_id: str, first_token: int, stop: StopParams
+) -> Request:
+    """``Scheduler.fork`` (ref/core/scheduler.py has the contract): the child joins the
+    running batch sharing the parent's blocks, or waits like a recompute victim."""
+    sched.require_boundary("fork")
+    parent = sched.requests.get(parent_id)
+    if parent is None:
+        raise UnknownRequest(parent_id, "fork")
+    if child_id in sched.requests:
+        raise DuplicateRequest(child_id, "fork")
+    child = fork_child(parent, child_id, first_token, stop)
+    sched.requests[child_id] = child
+    if len(sched.running) < sched.config.max_num_seqs:
+        fork_blocks(sched.pool, parent_id, child_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        sched.enter_batch(child, prefilling=False)
+        return child
+    child.transition(RequestStatus.PREEMPTED)
+    if never_fits(sched.config, child.num_tokens):
+        # Waiting means recomputing all its tokens later, and they can never fit.
+        sched.retire(child, RequestStatus.FINISHED, FinishReason.CAPACITY, sched.plan_start_ms)
+    else:
+        sched.requeue(child)
     return child

@@ -17,11 +17,11 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from refserve.core.batch import DecodeRows, PersistentBatch
 from refserve.core.plan import StepPlan
 from refserve.core.request import Request
 from refserve.kv import BlockPool
@@ -48,18 +48,25 @@ class ModelInputs:
     sample_request_ids: tuple[str, ...]
 
 
+class FastInputs(Protocol):
+    """A faster way to build some steps' inputs (the bulk decode path's, ref/core/bulk.py)."""
+
+    def inputs(self, plan: StepPlan) -> ModelInputs | None:
+        """The inputs of ``plan``, or None when this way does not apply to it."""
+
+
 def build_inputs(
     plan: StepPlan,
     requests: Mapping[str, Request],
     pool: BlockPool,
-    batch: PersistentBatch | None = None,
+    fast: FastInputs | None = None,
 ) -> ModelInputs:
-    """The executor's inputs for ``plan``. A step of bulk decodes only is read from the
-    ``batch`` arrays (:func:`decode_inputs`); any other step from the requests and the
-    pool's tables. Both give equal arrays (tests/scheduler/test_fast_path.py)."""
-    rows = plan.decode_rows
-    if batch is not None and rows is not None and len(rows.slots) == len(plan.request_ids):
-        return decode_inputs(plan, rows, batch)
+    """The executor's inputs for ``plan``, from the requests and the pool's tables,
+    unless ``fast`` builds them (a step of bulk decodes only, read from the batch's
+    arrays). Both give equal arrays (tests/scheduler/test_fast_path.py)."""
+    built = None if fast is None else fast.inputs(plan)
+    if built is not None:
+        return built
     ids = plan.request_ids
     num_seqs = len(ids)
     starts = np.array(plan.starts, dtype=np.int64)
@@ -95,32 +102,6 @@ def build_inputs(
         block_tables=block_tables.astype(np.int32),
         sample_rows=qsl[1:][sampling] - 1,
         sample_request_ids=tuple(ids[i] for i in sampling),
-    )
-
-
-def decode_inputs(plan: StepPlan, rows: DecodeRows, batch: PersistentBatch) -> ModelInputs:
-    """One token for each bulk decode row, every array a vector op over the batch's
-    arrays: the token is the row's last, its position the KV length, its slot read from
-    the persistent block table (padding zero, never read). Every array is a copy: the
-    executor gets nothing that the batch changes later."""
-    slots, at = rows.slots, rows.at
-    k = len(slots)
-    positions = rows.positions
-    table = batch.block_table
-    # Whole rows: the longest running table; a prefix of them: the longest among it.
-    width = batch.width() if k == len(batch) else int(batch.num_blocks[at].max())
-    bs = batch.block_size
-    slot_mapping = slot_of_rows(table[slots, logical_block_rows(positions, bs)], positions, bs)
-    return ModelInputs(
-        request_ids=plan.request_ids,
-        input_ids=batch.last_token[at].copy(),
-        positions=positions.copy(),
-        slot_mapping=slot_mapping,
-        query_start_loc=np.arange(k + 1, dtype=np.int32),
-        seq_lens=np.add(positions, 1, dtype=np.int32, casting="unsafe"),
-        block_tables=table[at, :width].astype(np.int32),
-        sample_rows=np.arange(k, dtype=np.int64),
-        sample_request_ids=plan.request_ids,
     )
 
 

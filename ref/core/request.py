@@ -18,22 +18,64 @@ from refserve.errors import InvalidArgument
 from refserve.spec.arith import length_limit, reaches_length
 from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace
 from refserve.spec.snapshot import RequestSnapshot, RequestStatus
-
-S = RequestStatus
+from refserve.values import is_int
 
 LEGAL_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
-    S.WAITING: frozenset({S.PREFILLING, S.DECODING, S.FINISHED, S.ABORTED}),
-    S.PREFILLING: frozenset(
-        {S.PREFILLING, S.DECODING, S.PREEMPTED, S.SWAPPED, S.FINISHED, S.ABORTED}
+    RequestStatus.WAITING: frozenset(
+        {
+            RequestStatus.PREFILLING,
+            RequestStatus.DECODING,
+            RequestStatus.FINISHED,
+            RequestStatus.ABORTED,
+        }
     ),
-    S.DECODING: frozenset(
-        {S.DECODING, S.PREEMPTED, S.SWAPPED, S.WAITING_TOOL, S.FINISHED, S.ABORTED}
+    RequestStatus.PREFILLING: frozenset(
+        {
+            RequestStatus.PREFILLING,
+            RequestStatus.DECODING,
+            RequestStatus.PREEMPTED,
+            RequestStatus.SWAPPED,
+            RequestStatus.FINISHED,
+            RequestStatus.ABORTED,
+        }
     ),
-    S.PREEMPTED: frozenset({S.PREFILLING, S.DECODING, S.FINISHED, S.ABORTED}),
-    S.SWAPPED: frozenset({S.DECODING, S.PREFILLING, S.ABORTED, S.FINISHED}),
-    S.WAITING_TOOL: frozenset({S.PREFILLING, S.WAITING, S.SWAPPED, S.FINISHED, S.ABORTED}),
-    S.FINISHED: frozenset(),
-    S.ABORTED: frozenset(),
+    RequestStatus.DECODING: frozenset(
+        {
+            RequestStatus.DECODING,
+            RequestStatus.PREEMPTED,
+            RequestStatus.SWAPPED,
+            RequestStatus.WAITING_TOOL,
+            RequestStatus.FINISHED,
+            RequestStatus.ABORTED,
+        }
+    ),
+    RequestStatus.PREEMPTED: frozenset(
+        {
+            RequestStatus.PREFILLING,
+            RequestStatus.DECODING,
+            RequestStatus.FINISHED,
+            RequestStatus.ABORTED,
+        }
+    ),
+    RequestStatus.SWAPPED: frozenset(
+        {
+            RequestStatus.DECODING,
+            RequestStatus.PREFILLING,
+            RequestStatus.ABORTED,
+            RequestStatus.FINISHED,
+        }
+    ),
+    RequestStatus.WAITING_TOOL: frozenset(
+        {
+            RequestStatus.PREFILLING,
+            RequestStatus.WAITING,
+            RequestStatus.SWAPPED,
+            RequestStatus.FINISHED,
+            RequestStatus.ABORTED,
+        }
+    ),
+    RequestStatus.FINISHED: frozenset(),
+    RequestStatus.ABORTED: frozenset(),
 }
 
 
@@ -63,7 +105,7 @@ class StopParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+        if not is_int(self.max_tokens):
             raise InvalidArgument(f"max_tokens must be an int, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
@@ -198,14 +240,18 @@ def check_new_request(request: Request, max_len: int, max_model_len: int) -> Non
     rid = request.request_id
     if not isinstance(rid, str) or not rid:
         raise InvalidArgument(f"add_request: request id must be a non-empty str, got {rid!r}")
-    if request.status is not S.WAITING or request.num_computed_tokens or request.num_output_tokens:
+    if (
+        request.status is not RequestStatus.WAITING
+        or request.num_computed_tokens
+        or request.num_output_tokens
+    ):
         raise InvalidArgument(
             f"add_request: request {rid!r} is not fresh (status {request.status})"
         )
     if request.num_prompt_tokens < 1:
         raise InvalidArgument(f"add_request: request {rid!r} has an empty prompt")
     for t in request.prompt_token_ids:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+        if not is_int(t) or t < 0:
             raise InvalidArgument(f"add_request: request {rid!r} has a bad token id {t!r}")
     check_room_for_output(
         request.num_prompt_tokens,

@@ -1,157 +1,73 @@
-"""The iteration-level scheduler: one ``schedule()`` per step, one ``commit()`` after it.
+"""The scheduler refserve runs: the reference loop (ref/core/loop.py, the spine) with every
+attachment plugged in at its named point (ref/core/hooks.py). Not spine: a newcomer reads
+the loop first, then whichever attachment they need.
 
-Read aloud, a step is: decodes first, then running prefills, then admission of waiting
-requests, under three separate limits (token budget, max_num_seqs, free KV blocks). When a
-running request cannot get a block, the policy's victim is preempted by recompute. The
-plan reserves blocks inside a pool transaction; ``commit`` applies the request changes
-and closes it, ``rollback`` undoes the reservation (ATOMIC invariant): until commit, no
-request field has changed.
+- swaps and tool waits: ref/core/suspend.py (the suspension manager; the rules in
+  ref/core/swap.py), with :meth:`Scheduler.pause` and :meth:`Scheduler.resume`;
+- speculative decoding: ref/core/speculation.py (the proposal source), with
+  :meth:`Scheduler.propose`;
+- n > 1 forks: ref/core/forks.py, with :meth:`Scheduler.fork`;
+- the bulk decode path: ref/core/bulk.py (the decode strategy);
+- migration: ref/core/transit.py, through the loop's transfer point (``require_boundary``,
+  ``join``, ``leave``).
 
-Preemption by swap (``preemption_mode``) copies the victim's KV to the host pool instead
-of dropping it (ref/core/swap.py has the rule); a swapped request waits in its arrival place
-and is admitted later by a swap-in that restores its blocks before its next tokens run.
-The host pool joins the step's transaction.
-
-This module keeps the books (requests, queue, running list) and applies a plan; the
-parts it delegates each have a module: the planning of a step (ref/core/planner.py,
-filling one ref/core/draft.py ``StepDraft``), swaps and tool waits
-(ref/core/suspend.py), the block rules of CAP (ref/core/capacity.py) and the prefill
-reserve, SLO cap and chunking (ref/core/prefill.py).
+Deleting an attachment means deleting its module, its tests and its lines here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from itertools import compress
+from collections.abc import Sequence
 
-import numpy as np
-
-from refserve.core.batch import Ints, PersistentBatch
-from refserve.core.capacity import never_fits, require_fit
+from refserve.core import forks, suspend
+from refserve.core.bulk import BulkBatch, BulkDecodes
 from refserve.core.config import SchedulerConfig
-from refserve.core.forks import fork_child
-from refserve.core.outcome import Outcome, StepOutcome
-from refserve.core.output import Sampled, checked_accepted, split_output
-from refserve.core.plan import StepPlan
-from refserve.core.planner import Planner
-from refserve.core.policy import Policy, make_policy
-from refserve.core.prefill import PrefillBacklog
-from refserve.core.request import (
-    FinishReason,
-    Request,
-    StopParams,
-    check_new_request,
-    finish_reason,
-)
-from refserve.core.speculation import Proposals, keep_verified
+from refserve.core.loop import SchedulerLoop, StepInProgress
+from refserve.core.policy import Policy
+from refserve.core.request import Request, StopParams
+from refserve.core.speculation import Proposals
 from refserve.core.suspend import Suspension
 from refserve.core.swap import KVRetention
-from refserve.errors import (
-    DuplicateRequest,
-    ExceedsCapacity,
-    QueueFull,
-    RefserveError,
-    UnknownRequest,
-)
-from refserve.kv import BlockPool, HostPool, fork
-from refserve.spec.snapshot import EngineSnapshot, RequestStatus
+from refserve.errors import UnknownRequest
+from refserve.kv import HostPool
 
-S = RequestStatus
-#: Why a scheduler refuses a change (``_require_boundary``): a step, or a staged import.
-_BUSY = (
-    "a step is in progress (schedule without commit/rollback)",
-    "a migration import is staged (commit or abort it)",
-)
+__all__ = ["Scheduler", "StepInProgress"]
 
 
-class StepInProgress(RefserveError):
-    """An operation that needs a step boundary was called between schedule and commit."""
-
-
-class Scheduler:
-    fast_decode = True
-    """The bulk decode path. Only the test harness turns it off (tests/harness.py
-    ``reference_loop``), for the differential test of the bulk path against the
-    per-request one (docs/ARCHITECTURE.md, "The persistent batch")."""
+class Scheduler(SchedulerLoop):
+    """The loop with swaps, tool waits, speculative drafts, forks and the bulk path."""
 
     def __init__(self, config: SchedulerConfig, policy: Policy | None = None) -> None:
-        self.config = config
-        self.policy = policy or make_policy(config)
-        self.pool = BlockPool(config.num_blocks, config.block_size, **config.pool_options)
+        self._bulk = BulkBatch(config.block_size, config.max_len)
+        super().__init__(config, policy, batch=self._bulk)
+        # The host-side pool that swapped and paused KV waits in (ref/kv/host_pool.py).
         self.host = HostPool(config.num_host_blocks, config.block_size)
-        self.requests: dict[str, Request] = {}  # live: not finished, not aborted
-        # Admission order (the policy's), kept incrementally: a step reads only the head
-        # it admits from (ref/core/waiting.py). Preempted requests keep their arrival place.
-        self._queue = self.policy.waiting_queue(track_arrivals=config.queue_timeout_ms is not None)
-        # The running requests, in admission order, with their per-step state in arrays
-        # (ref/core/batch.py): the bulk decode path plans and commits from those.
-        self._batch = PersistentBatch(config.block_size, config.max_len)
-        self._suspend = Suspension(config, self.pool, self.host)  # swaps and tool waits
-        self._planner = Planner(
-            config, self.policy, self.pool, self._suspend, self._queue, self._batch
+        self._suspension = Suspension(config, self.pool, self.host)  # swaps and tool waits
+        self._proposals = Proposals(config.num_speculative_tokens, self.pool, config.max_len)
+        self.plug(
+            suspension=self._suspension,
+            proposals=self._proposals,
+            decodes=BulkDecodes(self._bulk, self.pool, config.max_len),
         )
-        self.step_index = 0
-        self._seq = 0
-        self._pending: StepPlan | None = None
-        # Speculative decoding: drafts proposed for the next step.
-        self._proposals = Proposals(config.num_speculative_tokens)
-        self._plan_start_ms = 0.0
-        # Prefill work left, for the reserve that bounds starvation (ref/core/prefill.py).
-        self._backlog = PrefillBacklog()
-        self.retired: list[Request] = []  # finished or aborted since the last commit
-        # Admission control counters (rejected at add_request; timed out while waiting).
-        self.num_rejected = 0
-        self.num_timeouts = 0
-        # Swap traffic, in blocks (bytes = blocks x the KV bytes of one block).
-        self.num_swapped_out_blocks = 0
-        self.num_swapped_in_blocks = 0
 
     @property
-    def running(self) -> list[Request]:
-        """The running requests in admission order (read-only: the batch keeps it)."""
-        return self._batch.requests
-
-    @property
-    def batch(self) -> PersistentBatch:
-        return self._batch
+    def batch(self) -> BulkBatch:
+        """The running requests' arrays, with the bulk step's operations."""
+        return self._bulk
 
     @property
     def paused(self) -> dict[str, Request]:
         """WAITING_TOOL: agent turns waiting for a tool, in pause order."""
-        return self._suspend.paused
+        return self._suspension.paused
 
-    # ------------------------------------------------------------------ requests
-    def add_request(self, request: Request) -> None:
-        """Queue a request. Bad input raises a typed error and queues nothing."""
-        self._require_boundary("add_request")
-        check_new_request(request, self.config.max_len, self.config.max_model_len)
-        rid = request.request_id
-        if rid in self.requests:
-            raise DuplicateRequest(rid, "add_request")
-        try:
-            require_fit(self.config, rid, request.num_prompt_tokens)
-        except ExceedsCapacity:
-            self.num_rejected += 1
-            raise
-        limit = self.config.max_waiting
-        if limit is not None and len(self._queue) >= limit:
-            self.num_rejected += 1
-            raise QueueFull(f"add_request: request {rid!r} rejected: {limit} requests already wait")
-        request.seq = self._seq
-        request.queued_step = self.step_index
-        self._seq += 1
-        self.requests[rid] = request
-        self._queue.add(request)
-        self._backlog.mark(request, self.step_index)
+    @property
+    def num_swapped_out_blocks(self) -> int:
+        """Swap traffic out, in blocks (bytes = blocks x the KV bytes of one block)."""
+        return self._suspension.num_swapped_out_blocks
 
-    def abort(self, request_id: str, now_ms: float = 0.0) -> None:
-        """Abort in any live state; every block the request held returns to the pool."""
-        self._end(request_id, S.ABORTED, FinishReason.ABORT, now_ms, "abort")
-
-    def finish(self, request_id: str, reason: FinishReason, now_ms: float = 0.0) -> None:
-        """Finish a live request from outside the scheduler at a step boundary (e.g. the
-        detokenizer matched a stop string): like abort, but recorded as finished."""
-        self._end(request_id, S.FINISHED, reason, now_ms, "finish")
+    @property
+    def num_swapped_in_blocks(self) -> int:
+        """Swap traffic in, in blocks."""
+        return self._suspension.num_swapped_in_blocks
 
     def fork(self, parent_id: str, child_id: str, first_token: int, stop: StopParams) -> Request:
         """n > 1 sampling (ref/core/forks.py): a sibling of a parent that has just
@@ -161,27 +77,7 @@ class Scheduler:
         the state of a recompute-preempted request and is admitted later like one, the
         prompt's full blocks coming from the prefix cache.
         """
-        self._require_boundary("fork")
-        parent = self.requests.get(parent_id)
-        if parent is None:
-            raise UnknownRequest(parent_id, "fork")
-        if child_id in self.requests:
-            raise DuplicateRequest(child_id, "fork")
-        child = fork_child(parent, child_id, first_token, stop)
-        self.requests[child_id] = child
-        if len(self.running) < self.config.max_num_seqs:
-            fork(self.pool, parent_id, child_id)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            self._batch.append(child, self.pool)
-            return child
-        child.transition(S.PREEMPTED)
-        if never_fits(self.config, child.num_tokens):
-            # Waiting means recomputing all its tokens later, and they can never fit.
-            self._retire(child, S.FINISHED, FinishReason.CAPACITY, self._plan_start_ms)
-        else:
-            self._requeue(child)
-        return child
+        return forks.fork(self, parent_id, child_id, first_token, stop)
 
     def pause(
         self,
@@ -200,13 +96,7 @@ class Scheduler:
         evicted meanwhile). ``None`` lets ``config.retention`` choose from
         ``expected_wait_ms``. Returns the retention applied.
         """
-        self._require_boundary("pause")
-        r = self.requests.get(request_id)
-        if r is None:
-            raise UnknownRequest(request_id, "pause")
-        kind = self._suspend.pause(r, retention, expected_wait_ms)
-        self._batch.remove(r)
-        return kind
+        return suspend.pause(self, self._suspension, request_id, retention, expected_wait_ms)
 
     def resume(self, request_id: str, tool_token_ids: Sequence[int], stop: StopParams) -> None:
         """The tool answered: the conversation so far plus ``tool_token_ids`` becomes the
@@ -218,370 +108,15 @@ class Scheduler:
         with its KV on the host it queues as SWAPPED (admission swaps it in); otherwise
         it queues in its arrival place and recomputes through the prefix cache.
         """
-        self._require_boundary("resume")
-        r = self._suspend.resume(request_id, tool_token_ids, stop)
-        in_place = (
-            len(self.running) < self.config.max_num_seqs
-            and self.policy.admission_open(len(self.running))
-            and self.policy.may_admit(r, self.running)
-        )
-        if self.pool.has_request(request_id) and in_place:
-            r.transition(S.PREFILLING)
-            self._batch.append(r, self.pool)
-            self._backlog.mark(r, self.step_index)
-            return
-        if self.pool.has_request(request_id):  # it may not run now: give the blocks back
-            self.pool.free(request_id)
-            r.num_computed_tokens = 0
-        r.transition(S.SWAPPED if self.host.has_request(request_id) else S.WAITING)
-        self._requeue(r)
+        suspend.resume(self, self._suspension, request_id, tool_token_ids, stop)
 
     def propose(self, request_id: str, draft_token_ids: Sequence[int]) -> None:
         """Draft tokens for a decoding request's next step (ref/core/speculation.py,
         docs/SPECULATIVE.md): that step verifies them after its last token, within
         ``num_speculative_tokens``; the planner may verify fewer (budget, blocks, the
         tokens the request may still emit). An empty sequence withdraws them."""
-        self._require_boundary("propose")
+        self.require_boundary("propose")
         r = self.requests.get(request_id)
         if r is None:
             raise UnknownRequest(request_id, "propose")
-        self._proposals.propose(r, request_id in self._batch, draft_token_ids)
-
-    @property
-    def waiting(self) -> list[Request]:
-        """The waiting requests in arrival order (seq), preempted ones in their arrival
-        place. A copy, O(n log n): for inspection, never used by a step."""
-        return list(self._queue)
-
-    @property
-    def has_unfinished(self) -> bool:
-        return bool(self.requests)
-
-    # ------------------------------------------------------------------ the step
-    def schedule(self, now_ms: float = 0.0) -> StepPlan:
-        """Plan one step and reserve its KV blocks (undone by :meth:`rollback`)."""
-        self._require_boundary("schedule")
-        self.retired = []
-        self._plan_start_ms = now_ms
-        self.pool.begin()
-        self.host.begin()
-        try:
-            reserve = self._backlog.reserve(self.config, self.step_index)
-            plan = self._planner.plan(
-                self.step_index,
-                list(self.running),
-                reserve,
-                now_ms,
-                fast=self.fast_decode,
-                proposals=self._proposals.drafts,
-            )
-        except BaseException:
-            self.pool.rollback()
-            self.host.rollback()
-            raise
-        self._pending = plan
-        return plan
-
-    def rollback(self) -> None:
-        """Undo the pending plan's reservations: the state is exactly as before schedule."""
-        assert self._pending is not None, "rollback without a pending plan"
-        self.pool.rollback()
-        self.host.rollback()
-        self._pending = None
-
-    def commit(
-        self,
-        plan: StepPlan,
-        sampled: Sampled,
-        now_ms: float = 0.0,
-        accepted: Mapping[str, int] | None = None,
-    ) -> StepOutcome:
-        """Apply a step's results: counters, sampled tokens, stops, preemptions, admissions.
-
-        ``sampled``: the token of each sampling request, by request id, or as an int
-        array (numpy or torch) in the plan's order of sampling entries (what
-        ``ModelInputs.sample_request_ids`` lists); for a request that verified drafts,
-        the target's own token after the accepted ones. ``accepted``: how many of its
-        drafts each such request had accepted (docs/SPECULATIVE.md). In phases, each a
-        method returning the outcomes it made (ref/core/outcome.py): the victims leave,
-        the admitted join, the bulk decodes advance, the other entries advance and
-        sample, the planned finishes retire; then the books close.
-        """
-        assert plan is self._pending, "commit of a plan that is not pending"
-        tokens = split_output(plan, sampled)
-        counts = checked_accepted(plan, accepted)
-        preempted = self._commit_preempted(plan, now_ms)
-        self._commit_admitted(plan)
-        decoded_ids, decoded_tokens, decode_finishes = self._commit_bulk(plan, tokens.bulk, now_ms)
-        entries = self._commit_entries(plan, tokens.rest, counts, now_ms)
-        finishes = self._commit_finishes(plan, now_ms)
-        outcome = StepOutcome(
-            decoded_ids, decoded_tokens, (*preempted, *decode_finishes, *entries, *finishes)
-        )
-        self._close(plan, outcome)
-        return outcome
-
-    def _close(self, plan: StepPlan, outcome: StepOutcome) -> None:
-        """The books after a commit: who left the running set, swap counters, both
-        pools' transactions closed, the step counted, the policy told."""
-        if outcome.outcomes:
-            left = {o.request_id for o in outcome.outcomes if o.preempted or o.finish is not None}
-            if left:
-                self._batch.remove_many(left)
-        self._suspend.commit(plan)
-        self.num_swapped_out_blocks += len(plan.swap_out)
-        self.num_swapped_in_blocks += len(plan.swap_in)
-        self.pool.commit()
-        self.host.commit()
-        self._pending = None
-        self._proposals.clear()  # drafts hold for one step
-        self.step_index += 1
-        self._tell_policy(plan)
-
-    def _commit_preempted(self, plan: StepPlan, now_ms: float) -> list[Outcome]:
-        """Victims wait again in their arrival place: swapped with their KV on the host,
-        or preempted to recompute, unless their tokens can never fit again (capacity)."""
-        outcomes: list[Outcome] = []
-        swapped = set(plan.swapped_out)
-        for rid in plan.preempted:
-            r = self.requests[rid]
-            r.num_preemptions += 1
-            if rid in swapped:  # its KV waits on the host; num_computed_tokens stays
-                r.transition(S.SWAPPED)
-            else:
-                r.transition(S.PREEMPTED)
-                r.num_computed_tokens = 0
-                if never_fits(self.config, r.num_tokens):
-                    # Its known tokens outgrew the pool: recomputing them can never fit.
-                    self._retire(r, S.FINISHED, FinishReason.CAPACITY, now_ms)
-                    outcomes.append(Outcome(rid, finish=FinishReason.CAPACITY, preempted=True))
-                    continue
-            self._requeue(r)
-            outcomes.append(Outcome(rid, preempted=True))
-        return outcomes
-
-    def _commit_admitted(self, plan: StepPlan) -> None:
-        for rid in plan.admitted:
-            r = self.requests[rid]
-            self._queue.remove(r)
-            self._batch.append(r, self.pool)
-            if r.admitted_ms is None:
-                r.admitted_ms = self._plan_start_ms
-
-    def _commit_bulk(
-        self, plan: StepPlan, tokens: Ints, now_ms: float
-    ) -> tuple[Sequence[str], Ints, list[Outcome]]:
-        """The bulk decodes, in one vector pass of the persistent batch that enters Python
-        only for those that finish (their reason from the same rules,
-        :func:`finish_reason`): the ids and tokens of those that run on, and the
-        outcomes of those that finished."""
-        rows = plan.decode_rows
-        if rows is None:
-            return (), tokens, []
-        ending = self._batch.commit_decodes(rows, tokens, now_ms)
-        if not ending:
-            return rows.request_ids, tokens, []
-        outcomes = []
-        for i in ending:
-            r = rows.requests[i]
-            token = int(tokens[i])
-            reason = finish_reason(r, token, self.config.max_len)
-            assert reason is not None, f"the batch finished {r.request_id!r} without cause"
-            outcomes.append(self._finish_decoded(r, (token,), reason, now_ms))
-        running_on = np.ones(len(tokens), dtype=np.bool_)
-        running_on[ending] = False
-        return list(compress(rows.request_ids, running_on.tolist())), tokens[running_on], outcomes
-
-    def _commit_entries(
-        self,
-        plan: StepPlan,
-        tokens: Mapping[str, int],
-        accepted: Mapping[str, int],
-        now_ms: float,
-    ) -> list[Outcome]:
-        """The plan's entries after the bulk decodes (prefill chunks, the per-request
-        decode path, verifications), one by one: each advances its KV length (KVLEN),
-        and a sampling one keeps its token and stops by :func:`finish_reason`. Their
-        batch rows are reloaded after."""
-        outcomes: list[Outcome] = []
-        k = 0 if plan.decode_rows is None else len(plan.decode_rows.slots)
-        by_id = self.requests
-        for rid, start, n, samples, cached in zip(
-            plan.request_ids[k:],
-            plan.starts[k:],
-            plan.num_new_tokens[k:],
-            plan.samples[k:],
-            plan.num_new_cached_tokens[k:],
-            strict=True,
-        ):
-            r = by_id[rid]
-            if cached:
-                r.num_cached_tokens = cached
-            r.num_computed_tokens = start + n
-            if not samples:
-                r.transition(S.PREFILLING)
-                self._backlog.mark(r, self.step_index)
-                outcomes.append(Outcome(rid))
-            elif rid in plan.drafts:
-                drafts = plan.drafts[rid]
-                outcomes.append(
-                    self._commit_verified(r, drafts, accepted[rid], tokens[rid], now_ms)
-                )
-            else:
-                outcomes.append(self._commit_token(r, tokens[rid], now_ms))
-        for rid in plan.request_ids[k:]:
-            live = by_id.get(rid)  # finished ones leave the batch in _close
-            if live is not None and rid in self._batch:
-                self._batch.reload(live, self.pool)
-        return outcomes
-
-    def _commit_token(self, r: Request, token: int, now_ms: float) -> Outcome:
-        """One sampled token kept, then the stop and length rules."""
-        r.token_ids.append(token)
-        r.token_times_ms.append(now_ms)
-        reason = finish_reason(r, token, self.config.max_len)
-        if reason is not None:
-            return self._finish_decoded(r, (token,), reason, now_ms)
-        if r.status is not S.DECODING:
-            r.transition(S.DECODING)
-            self._backlog.clear(r)
-        return Outcome(r.request_id, (token,))
-
-    def _commit_verified(
-        self, r: Request, drafts: tuple[int, ...], accepted: int, token: int, now_ms: float
-    ) -> Outcome:
-        """A verification (ref/core/speculation.py): the tokens it keeps, then a finish."""
-        kept, reason = keep_verified(
-            r, drafts, accepted, token, now_ms, self.pool, self.config.max_len
-        )
-        if reason is not None:
-            done = self._finish_decoded(r, kept, reason, now_ms)
-            return done._replace(num_drafts=len(drafts), num_accepted=accepted)
-        return Outcome(r.request_id, kept, num_drafts=len(drafts), num_accepted=accepted)
-
-    def _finish_decoded(
-        self, r: Request, kept: tuple[int, ...], reason: FinishReason, now_ms: float
-    ) -> Outcome:
-        """``r`` finished on a token it kept: its blocks go back to the pool."""
-        freed = len(self.pool.block_table_view(r.request_id))
-        self.pool.free(r.request_id)
-        self._retire(r, S.FINISHED, reason, now_ms)
-        return Outcome(r.request_id, kept, reason, freed)
-
-    def _commit_finishes(self, plan: StepPlan, now_ms: float) -> list[Outcome]:
-        """The plan's finishes without computing: timed out in the queue, or capacity."""
-        outcomes: list[Outcome] = []
-        for planned in plan.finished:
-            r = self.requests[planned.request_id]
-            if r in self._queue:  # timed out while waiting
-                self._queue.remove(r)
-            self._retire(r, S.FINISHED, planned.reason, now_ms)
-            outcomes.append(Outcome(planned.request_id, finish=planned.reason))
-            if planned.reason is FinishReason.TIMEOUT:
-                self.num_timeouts += 1
-        return outcomes
-
-    def _tell_policy(self, plan: StepPlan) -> None:
-        granted: dict[str, int] = {}
-        # The steady decode step has no prefill entries: skip the per-entry walk.
-        if any(plan.is_prefill):
-            for rid, n, is_prefill in zip(
-                plan.request_ids, plan.num_new_tokens, plan.is_prefill, strict=True
-            ):
-                if is_prefill:
-                    tenant = self._tenant_of(rid)
-                    granted[tenant] = granted.get(tenant, 0) + n
-        # A live view, valid for the call: O(1) however many requests are backlogged.
-        self.policy.on_commit(granted, self._backlog.tenants)
-
-    def _tenant_of(self, request_id: str) -> str:
-        r = self.requests.get(request_id) or next(
-            x for x in self.retired if x.request_id == request_id
-        )
-        return r.tenant
-
-    # ------------------------------------------------------------------ helpers
-    def _requeue(self, r: Request) -> None:
-        # The queue keeps arrival order (seq), so a preempted request is not overtaken
-        # by later arrivals; aging counts from now.
-        r.queued_step = self.step_index
-        self._queue.add(r)
-        self._backlog.mark(r, self.step_index)
-
-    def _end(
-        self, request_id: str, status: RequestStatus, reason: FinishReason, now_ms: float, what: str
-    ) -> None:
-        self._require_boundary(what)
-        r = self.requests.get(request_id)
-        if r is None:
-            raise UnknownRequest(request_id, what)
-        self._unplace(r)
-        self._retire(r, status, reason, now_ms)
-
-    def _unplace(self, r: Request) -> None:
-        """``r`` gives back every block it holds and leaves the batch, the queue or the
-        tool wait, whichever holds it (still in ``requests``): the first half of an end,
-        and all of a migrated request's leaving (ref/core/transit.py ``release``)."""
-        request_id = r.request_id
-        if self.pool.has_request(request_id):
-            self.pool.free(request_id)
-        was_paused = self._suspend.forget(request_id)
-        if request_id in self._batch:
-            self._batch.remove(r)
-        elif not was_paused:
-            self._queue.remove(r)
-
-    def _retire(
-        self, r: Request, status: RequestStatus, reason: FinishReason, now_ms: float
-    ) -> None:
-        r.transition(status)
-        r.finish_reason = reason
-        r.finished_ms = now_ms
-        del self.requests[r.request_id]
-        self._backlog.clear(r)
-        self.retired.append(r)
-
-    def require_boundary(self, what: str) -> None:
-        """Raise :class:`StepInProgress` unless the scheduler is at a step boundary."""
-        self._require_boundary(what)
-
-    def join(self, r: Request) -> None:
-        """``r`` joins where its status says: a tool wait, the running batch (it holds
-        KV), or the waiting queue; it arrives now, the next place in arrival order."""
-        rid = r.request_id
-        r.seq = self._seq
-        r.queued_step = self.step_index
-        self._seq += 1
-        self.requests[rid] = r
-        if r.status is RequestStatus.WAITING_TOOL:
-            self._suspend.paused[rid] = r
-        elif r.num_computed_tokens:
-            self._batch.append(r, self.pool)
-        else:
-            self._queue.add(r)
-        self._backlog.mark(r, self.step_index)
-
-    def leave(self, request_id: str) -> Request:
-        """The live request ``request_id`` leaves: its blocks freed, not finished."""
-        r = self.requests.get(request_id)
-        if r is None:
-            raise UnknownRequest(request_id, "leave")
-        self._unplace(r)
-        del self.requests[request_id]
-        self._backlog.clear(r)
-        return r
-
-    def _require_boundary(self, what: str) -> None:
-        # The pool's transaction is open from schedule to commit/rollback, and while a
-        # migration is staged here (ref/core/transit.py): no other change may join it.
-        if self.pool.in_transaction:
-            raise StepInProgress(f"{what}: {_BUSY[self._pending is None]}")
-
-    # ------------------------------------------------------------------ snapshots
-    def snapshot(self, extra: Iterable[Request] = ()) -> EngineSnapshot:
-        live = sorted([*self.requests.values(), *extra], key=lambda r: r.request_id)
-        return EngineSnapshot(
-            tuple(r.snapshot(self.config.max_len) for r in live),
-            self.pool.snapshot(),
-            self.host.snapshot() if self.host.num_blocks else None,
-        )
+        self._proposals.propose(r, request_id in self.batch, draft_token_ids)

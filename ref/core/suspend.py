@@ -1,7 +1,8 @@
 """Requests whose KV leaves the device: swapped preemption victims and paused agent turns.
 
 The rules live in ref/core/swap.py (recompute or swap, where a tool wait keeps its KV);
-this module is their mechanics, which the scheduler delegates to:
+this module is their mechanics: an attachment, the spine's suspension manager
+(ref/core/hooks.py ``SuspensionManager``), plugged in by ref/core/scheduler.py:
 
 - **tool waits**: ``pause`` moves a decoding turn to WAITING_TOOL with its KV on the
   device, bound for the host (moved at the start of the next step) or dropped;
@@ -14,20 +15,21 @@ this module is their mechanics, which the scheduler delegates to:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from refserve.core.capacity import never_fits, require_fit
 from refserve.core.config import SchedulerConfig
-from refserve.core.draft import StepDraft
+from refserve.core.loop import SchedulerLoop
 from refserve.core.plan import StepPlan
+from refserve.core.prefill import chunk
 from refserve.core.request import Request, StopParams
+from refserve.core.step_build import StepBuild
 from refserve.core.swap import KVRetention, preempt_by_swap
 from refserve.errors import InvalidArgument, UnknownRequest
 from refserve.kv import BlockCopy, BlockPool
 from refserve.kv.host_pool import HostPool
-from refserve.spec.snapshot import RequestStatus
-
-S = RequestStatus
+from refserve.spec.snapshot import PoolSnapshot, RequestStatus
+from refserve.values import is_number
 
 
 class Suspension:
@@ -38,6 +40,9 @@ class Suspension:
         self.paused: dict[str, Request] = {}  # WAITING_TOOL: agent turns waiting for a tool
         # Paused turns whose KV the next step moves to the host pool (pause order).
         self.to_host: list[str] = []
+        # Swap traffic, in blocks (bytes = blocks x the KV bytes of one block).
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
 
     # ------------------------------------------------------------------ tool waits
     def pause(
@@ -45,7 +50,7 @@ class Suspension:
     ) -> KVRetention:
         """``Scheduler.pause`` without the running list: see its docstring."""
         rid = r.request_id
-        if r.status is not S.DECODING:
+        if r.status is not RequestStatus.DECODING:
             raise InvalidArgument(f"pause: request {rid!r} must be decoding (it is {r.status})")
         kind = self._retention(r, retention, expected_wait_ms)
         if kind is KVRetention.HOST and not self.host.num_blocks:
@@ -57,7 +62,7 @@ class Suspension:
             r.num_computed_tokens = 0
         elif kind is KVRetention.HOST:
             self.to_host.append(rid)
-        r.transition(S.WAITING_TOOL)
+        r.transition(RequestStatus.WAITING_TOOL)
         self.paused[rid] = r
         return kind
 
@@ -65,7 +70,7 @@ class Suspension:
         self, r: Request, retention: KVRetention | str | None, expected_wait_ms: float
     ) -> KVRetention:
         if retention is None:
-            if isinstance(expected_wait_ms, bool) or not isinstance(expected_wait_ms, int | float):
+            if not is_number(expected_wait_ms):
                 raise InvalidArgument(
                     f"pause: expected_wait_ms must be a number, got {expected_wait_ms!r}"
                 )
@@ -115,17 +120,17 @@ class Suspension:
         return self.paused.pop(request_id, None) is not None
 
     # ------------------------------------------------------------------ within a step
-    def move_to_host(self, draft: StepDraft) -> None:
+    def move_to_host(self, step: StepBuild) -> None:
         """Paused turns retained on the host leave the device at the start of a step,
         so this step can already use their blocks (the swap-out copies run first)."""
         for rid in self.to_host:
             r = self.paused[rid]
             if self.host.can_hold(r.num_computed_tokens):
-                self._swap_out(r, draft)
+                self._swap_out(r, step)
             # else: the host pool is full; the KV stays on the device and the move is
             # retried next step.
 
-    def reclaim(self, draft: StepDraft) -> bool:
+    def reclaim(self, step: StepBuild) -> bool:
         """Free the device blocks of one paused turn (the longest paused): to the host
         if it has room, else dropped. False if no paused turn holds device blocks.
 
@@ -136,17 +141,17 @@ class Suspension:
             if not self.pool.has_request(rid):
                 continue  # its KV is on the host already, or was dropped
             if r.num_computed_tokens and self.host.can_hold(r.num_computed_tokens):
-                self._swap_out(r, draft)
+                self._swap_out(r, step)
             else:
                 self.pool.free(rid)
-                draft.dropped.append(rid)
+                step.dropped.append(rid)
             return True
         return False
 
-    def evict(self, victim: Request, draft: StepDraft) -> None:
+    def evict(self, victim: Request, step: StepBuild) -> None:
         """Free a preemption victim's device blocks: swapped out, or dropped for recompute."""
         if self._should_swap(victim):
-            self._swap_out(victim, draft)
+            self._swap_out(victim, step)
         else:
             self.pool.free(victim.request_id)
 
@@ -166,14 +171,39 @@ class Suspension:
             swap_is_cheaper=cost is not None and cost.prefers_swap(stored),
         )
 
-    def _swap_out(self, r: Request, draft: StepDraft) -> None:
+    def _swap_out(self, r: Request, step: StepBuild) -> None:
         rid = r.request_id
         device = self.pool.block_table_view(rid)
-        draft.swap_out.extend(self.host.swap_out(rid, device, r.num_computed_tokens, r.token_ids))
-        draft.swapped_out.append(rid)
+        step.swap_out.extend(self.host.swap_out(rid, device, r.num_computed_tokens, r.token_ids))
+        step.swapped_out.append(rid)
         self.pool.free(rid)
 
-    def swap_in(self, r: Request, n: int, draft: StepDraft) -> None:
+    def readmit(self, r: Request, step: StepBuild, fits: Callable[[int], bool]) -> bool | None:
+        """A swapped request's admission: its next tokens, if ``fits`` says their blocks
+        are free, are swapped in with its KV; None for any other request."""
+        if r.status is not RequestStatus.SWAPPED:
+            return None
+        stored = r.num_computed_tokens
+        n = chunk(self.config, r.num_tokens - stored, step.budget, stored)
+        if n < 1 or not fits(stored + n):
+            return False
+        self.swap_in(r, n, step)
+        step.budget -= n
+        return True
+
+    def kept(self, r: Request, plan: StepPlan) -> bool:
+        """A victim swapped out by ``plan`` waits as SWAPPED, its KV on the host (its
+        ``num_computed_tokens`` stays)."""
+        if r.request_id not in plan.swapped_out:
+            return False
+        r.transition(RequestStatus.SWAPPED)
+        return True
+
+    def hold(self, r: Request) -> None:
+        """A tool wait arriving from elsewhere (a migration) waits here."""
+        self.paused[r.request_id] = r
+
+    def swap_in(self, r: Request, n: int, step: StepBuild) -> None:
         """Admit a swapped request whose ``n`` next tokens fit: restore its KV from the
         host and schedule them in the same step (the swap-in copies run before the
         forward)."""
@@ -182,17 +212,33 @@ class Suspension:
         self.pool.allocate(rid, r.token_ids, stored, namespace=r.namespace)
         host = self.host.release(rid)
         device = self.pool.block_table_view(rid)
-        draft.swap_in.extend(BlockCopy(h, v) for h, v in zip(host.block_ids, device, strict=True))
-        draft.swapped_in.append(rid)
+        step.swap_in.extend(BlockCopy(h, v) for h, v in zip(host.block_ids, device, strict=True))
+        step.swapped_in.append(rid)
         alloc = self.pool.allocate(rid, r.token_ids, n, namespace=r.namespace)
         assert not alloc.copies, "a swapped-in request shares no block"
         # A swapped decode has one token left (the last sampled one); anything longer
         # is a resumed agent turn's incremental prefill.
-        draft.plan.add(rid, stored, n, stored + n == r.num_tokens, r.num_tokens - stored > 1)
+        step.plan.add(rid, stored, n, stored + n == r.num_tokens, r.num_tokens - stored > 1)
+
+    # ------------------------------------------------------------------ the transaction
+    def begin(self) -> None:
+        self.host.begin()
+
+    def rollback(self) -> None:
+        self.host.rollback()
+
+    def close(self) -> None:
+        self.host.commit()
+
+    def snapshot(self) -> PoolSnapshot | None:
+        """The host pool, when there is one (num_host_blocks > 0)."""
+        return self.host.snapshot() if self.host.num_blocks else None
 
     # ------------------------------------------------------------------ at commit
     def commit(self, plan: StepPlan) -> None:
-        """Paused turns whose KV the plan moved to the host or released."""
+        """Paused turns whose KV the plan moved to the host or released; the traffic."""
+        self.num_swapped_out_blocks += len(plan.swap_out)
+        self.num_swapped_in_blocks += len(plan.swap_in)
         if plan.swapped_out:
             swapped = set(plan.swapped_out)
             self.to_host = [rid for rid in self.to_host if rid not in swapped]
@@ -200,3 +246,51 @@ class Suspension:
             self.paused[rid].num_computed_tokens = 0
             if rid in self.to_host:
                 self.to_host.remove(rid)
+
+
+# ---------------------------------------------------------------------- at the scheduler
+def pause(
+    sched: SchedulerLoop,
+    suspension: Suspension,
+    request_id: str,
+    retention: KVRetention | str | None,
+    expected_wait_ms: float,
+) -> KVRetention:
+    """``Scheduler.pause`` (ref/core/scheduler.py has the contract): the turn leaves the
+    running batch for the tool wait."""
+    sched.require_boundary("pause")
+    r = sched.requests.get(request_id)
+    if r is None:
+        raise UnknownRequest(request_id, "pause")
+    kind = suspension.pause(r, retention, expected_wait_ms)
+    sched.batch.remove(r)
+    return kind
+
+
+def resume(
+    sched: SchedulerLoop,
+    suspension: Suspension,
+    request_id: str,
+    tool_token_ids: Sequence[int],
+    stop: StopParams,
+) -> None:
+    """``Scheduler.resume`` (ref/core/scheduler.py has the contract): the next turn runs
+    in place, queues as SWAPPED, or queues to recompute."""
+    sched.require_boundary("resume")
+    r = suspension.resume(request_id, tool_token_ids, stop)
+    running = sched.running
+    in_place = (
+        len(running) < sched.config.max_num_seqs
+        and sched.policy.admission_open(len(running))
+        and sched.policy.may_admit(r, running)
+    )
+    if sched.pool.has_request(request_id) and in_place:
+        r.transition(RequestStatus.PREFILLING)
+        sched.enter_batch(r, prefilling=True)
+        return
+    if sched.pool.has_request(request_id):  # it may not run now: give the blocks back
+        sched.pool.free(request_id)
+        r.num_computed_tokens = 0
+    swapped = suspension.host.has_request(request_id)
+    r.transition(RequestStatus.SWAPPED if swapped else RequestStatus.WAITING)
+    sched.requeue(r)

@@ -101,6 +101,11 @@ class WaitingQueue:
     def __bool__(self) -> bool:
         return bool(self._live)
 
+    @property
+    def version(self) -> tuple[int, int]:
+        """Changes when the queue does (queueings so far, length): a reader's check."""
+        return self._counter, len(self._live)
+
     def __contains__(self, r: object) -> bool:
         if not isinstance(r, Request):
             return False
@@ -154,7 +159,8 @@ class WaitingQueue:
             self._arrivals_stale += 1
             self._tidy_arrivals()
 
-    def _is_live(self, request: Request, recency: int) -> bool:
+    def is_live(self, request: Request, recency: int) -> bool:
+        """True if the heap entry of ``request`` with ``recency`` is its current one."""
         live = self._live.get(request.request_id)
         return live is not None and live.recency == recency
 
@@ -162,11 +168,11 @@ class WaitingQueue:
         # Stale entries at the top go now (admission removes the head, so that is where
         # they usually are); elsewhere they wait until they are half the heap.
         entries = heap.entries
-        while entries and not self._is_live(entries[0].request, entries[0].recency):
+        while entries and not self.is_live(entries[0].request, entries[0].recency):
             heapq.heappop(entries)
             heap.stale -= 1
         if heap.stale * 2 > len(entries):
-            entries[:] = [e for e in entries if self._is_live(e.request, e.recency)]
+            entries[:] = [e for e in entries if self.is_live(e.request, e.recency)]
             heapq.heapify(entries)
             heap.stale = 0
         assert heap.stale >= 0
@@ -174,11 +180,11 @@ class WaitingQueue:
     def _tidy_arrivals(self) -> None:
         arrivals = self._arrivals
         assert arrivals is not None
-        while arrivals and not self._is_live(arrivals[0].request, arrivals[0].recency):
+        while arrivals and not self.is_live(arrivals[0].request, arrivals[0].recency):
             heapq.heappop(arrivals)
             self._arrivals_stale -= 1
         if self._arrivals_stale * 2 > len(arrivals):
-            arrivals[:] = [a for a in arrivals if self._is_live(a.request, a.recency)]
+            arrivals[:] = [a for a in arrivals if self.is_live(a.request, a.recency)]
             heapq.heapify(arrivals)
             self._arrivals_stale = 0
         assert self._arrivals_stale >= 0
@@ -222,7 +228,7 @@ class WaitingQueue:
             if not now_ms - arrival_ms > timeout_ms:
                 break
             a = arrivals[i]
-            if self._is_live(a.request, a.recency) and a.request.admitted_ms is None:
+            if self.is_live(a.request, a.recency) and a.request.admitted_ms is None:
                 found.append(a)
             for c in (2 * i + 1, 2 * i + 2):
                 if c < len(arrivals):
@@ -256,7 +262,7 @@ class WaitingReader:
     def __init__(self, queue: WaitingQueue, frontier: list[_Frontier]) -> None:
         self._queue = queue
         self._frontier = frontier
-        self._version = queue._counter, len(queue)
+        self._version = queue.version
         self._skipped: set[str] = set()
 
     def __iter__(self) -> WaitingReader:
@@ -266,7 +272,7 @@ class WaitingReader:
         queue, frontier = self._queue, self._frontier
         while frontier:
             # A change under a reader would walk a heap whose positions moved.
-            assert (queue._counter, len(queue)) == self._version, "queue changed while read"
+            assert queue.version == self._version, "queue changed while read"
             f = heapq.heappop(frontier)
             if f.tenant in self._skipped:
                 continue  # nor its children: the whole tenant is left out
@@ -288,7 +294,7 @@ class WaitingReader:
                         ),
                     )
             e = entries[i]
-            if queue._is_live(e.request, f.recency):
+            if queue.is_live(e.request, f.recency):
                 return e.request
         raise StopIteration
 

@@ -175,7 +175,13 @@ class LLMEngine:
         self.fanout = SampleFanOut(self.scheduler, self.executor, self.books)
         self.outputs = Outputs(self.books, self.executor)
         self.stepper = Stepper(
-            self.core, self.executor, self.books, self.fanout, self.outputs, self.proposer
+            self.core,
+            self.scheduler,
+            self.executor,
+            self.books,
+            self.fanout,
+            self.outputs,
+            self.proposer,
         )
         self.turns = AgentTurns(
             self.scheduler, self.executor, self.books, self.outputs, self.intake, self.now_ms

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from refserve.core.engine_core import EngineCore, StepRecord
 from refserve.core.outcome import Outcome
 from refserve.core.request import FinishReason
+from refserve.core.scheduler import Scheduler
 from refserve.engine.fanout import SampleFanOut
 from refserve.engine.outputs import Outputs, RequestOutput
 from refserve.engine.samples import SampleBook
@@ -28,6 +29,7 @@ class Stepper:
     def __init__(
         self,
         core: EngineCore,
+        scheduler: Scheduler,
         executor: ModelExecutor,
         books: SampleBook,
         fanout: SampleFanOut,
@@ -35,7 +37,10 @@ class Stepper:
         proposer: Proposer | None,
     ) -> None:
         self.core = core
-        self.scheduler = core.scheduler
+        # The core steps the spine's loop; proposals and finishes need the assembled
+        # scheduler (ref/core/scheduler.py) the core was built with.
+        assert scheduler is core.scheduler
+        self.scheduler = scheduler
         self.executor = executor
         self.books = books
         self.fanout = fanout

@@ -31,6 +31,7 @@ from refserve.conformance.runner import run_fresh
 from refserve.conformance.shrink import signature
 from refserve.conformance.suite import run_suite
 from refserve.conformance.workload import RequestPlan, Workload, drawn_outcome
+from refserve.core import speculation
 from refserve.core.request import Request
 from refserve.core.scheduler import Scheduler
 from refserve.spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
@@ -224,7 +225,7 @@ def test_a_planted_verification_bug_is_found_and_replays(
 
     def planted(self: Scheduler, r: Request, *args: object) -> object:
         if bug == "keeps rejected KV":
-            monkeypatch.setattr(self.pool, "truncate", lambda *_: [])
+            monkeypatch.setattr(speculation, "truncate", lambda *_: [])
         out = original(self, r, *args)  # type: ignore[arg-type]
         if bug == "counts the target's token" and not r.is_done:
             r.num_computed_tokens += 1

@@ -14,6 +14,7 @@ from refserve.conformance.adapter import StepReport
 from refserve.conformance.adapters.ref import RefAdapter
 from refserve.conformance.runner import RunResult, run_with
 from refserve.conformance.scenarios import by_name
+from refserve.core import speculation
 from refserve.core.request import Request
 from refserve.core.scheduler import Scheduler
 
@@ -56,7 +57,7 @@ def plant(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]]:
 
         def planted(self: Scheduler, r: Request, *args: object) -> object:
             if bug == "keeps rejected KV":
-                monkeypatch.setattr(self.pool, "truncate", lambda *_: [])
+                monkeypatch.setattr(speculation, "truncate", lambda *_: [])
             out = original(self, r, *args)  # type: ignore[arg-type]
             if bug == "counts the target's token" and not r.is_done:
                 r.num_computed_tokens += 1

@@ -37,8 +37,8 @@ from refserve.core.config import SchedulerConfig
 from refserve.core.cost import StepCost
 from refserve.core.engine_core import KVStateLost
 from refserve.core.executor import StepOutput
+from refserve.core.executor_output import BadExecutorOutput
 from refserve.core.inputs import ModelInputs
-from refserve.core.output import BadExecutorOutput
 from refserve.core.plan import StepPlan
 from refserve.core.swap import SwapCost
 from refserve.engine.llm_engine import LLMEngine

@@ -1,7 +1,7 @@
 """Pool tests' shared steps over the real API (no test-only pool methods).
 
 ``decode_step`` is one steady decode step as the persistent batch takes it
-(``PersistentBatch.needs_block``, ``fills_block``, ``filled_blocks``; docs/ARCHITECTURE.md,
+(``BulkBatch.needs_block``, ``fills_block``, ``filled_blocks``; docs/ARCHITECTURE.md,
 "The persistent batch"): its claims are derived here from the pool's tables, and the
 step goes through a ``DecodeRun`` and ``DecodeRun.append_decodes``.
 """

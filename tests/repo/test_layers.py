@@ -275,3 +275,91 @@ def test_the_import_time_check_fails_on_a_loaded_upper_layer() -> None:
     loaded = loaded_modules("import refserve.spec\nimport refserve.core.scheduler")
     assert "refserve.core.scheduler" in forbidden(loaded, ("refserve",), ("refserve.spec",))
     assert forbidden(["refserve", "refserve.spec.arith"], ("refserve",), ("refserve.spec",)) == []
+
+
+# The spine (docs/ARCHITECTURE.md, "The core and what attaches to it"): the reference loop
+# a newcomer reads end to end. No spine module imports an attachment; each attachment
+# plugs in at a named point of ref/core/hooks.py and can be deleted with its tests and
+# its lines in ref/core/scheduler.py, the composition, without touching the spine.
+SPINE = tuple(
+    f"ref/core/{m}.py"
+    for m in (
+        "__init__",
+        "request",
+        "config",
+        "cost",
+        "capacity",
+        "prefill",
+        "policy",
+        "waiting",
+        "plan",
+        "step_build",
+        "hooks",
+        "planner",
+        "loop",
+        "batch",
+        "inputs",
+        "executor",
+        "executor_output",
+        "outcome",
+        "engine_core",
+    )
+)
+ATTACHMENTS = tuple(
+    f"ref/core/{m}.py"
+    for m in (
+        "scheduler",  # the composition: the loop with every attachment plugged in
+        "suspend",
+        "swap",
+        "speculation",
+        "forks",
+        "bulk",
+        "transit",
+        "migration_cost",
+    )
+)
+# One edge the rule allows, with its reason: the configuration validates every setting
+# in one place, the swap's (preemption mode, swap cost, tool-wait retention) included,
+# and those setting types live with the swap rule that reads them.
+SETTINGS_EDGES = frozenset({("refserve.core.config", "refserve.core.swap")})
+
+
+def spine_violations(root: Path, spine: tuple[str, ...], attachments: tuple[str, ...]) -> list[str]:
+    """Every import of an attachment module by a spine module."""
+    attached = {layout.module_name(m) for m in attachments}
+    bad = []
+    for rel in spine:
+        path = root / rel
+        me = layout.module_name(rel)
+        for line, target in _imports(path):
+            # `from a.b import c` reads as a.b.c: c may be a name or a module.
+            hit = next((m for m in attached if target == m or target.startswith(m + ".")), None)
+            if hit is not None and (me, hit) not in SETTINGS_EDGES:
+                bad.append(f"{rel}:{line} imports the attachment {hit}")
+    return bad
+
+
+def test_the_spine_imports_no_attachment() -> None:
+    bad = spine_violations(ROOT, SPINE, ATTACHMENTS)
+    assert not bad, "the spine imports an attachment:\n" + "\n".join(bad)
+
+
+def test_every_core_module_is_spine_or_attachment() -> None:
+    core = {p.relative_to(ROOT).as_posix() for p in (ROOT / "ref" / "core").glob("*.py")}
+    assert not set(SPINE) & set(ATTACHMENTS)
+    assert core == set(SPINE) | set(ATTACHMENTS), (
+        "classify each ref/core module as spine or attachment: "
+        f"{sorted(core ^ (set(SPINE) | set(ATTACHMENTS)))}"
+    )
+
+
+def test_a_spine_import_of_an_attachment_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rule itself fails on a planted edge (a spine module importing an attachment)."""
+    planted = tmp_path / "ref" / "core" / "loop.py"
+    planted.parent.mkdir(parents=True)
+    planted.write_text("from refserve.core.speculation import Proposals\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    found = spine_violations(tmp_path, ("ref/core/loop.py",), ATTACHMENTS)
+    assert found == ["ref/core/loop.py:1 imports the attachment refserve.core.speculation"]

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from refserve.core.batch import PersistentBatch
+from refserve.core.bulk import BulkBatch
 from refserve.core.config import SchedulerConfig
+from refserve.core.executor_output import BadExecutorOutput
 from refserve.core.inputs import build_inputs
 from refserve.core.outcome import Outcome
-from refserve.core.output import BadExecutorOutput
 from refserve.core.request import FinishReason, Request, StopParams
 from refserve.core.scheduler import Scheduler
 from refserve.kv import BlockPool, DecodeGrowth, DecodeRun
@@ -518,7 +518,7 @@ def test_a_commit_that_finishes_rows_leaves_the_new_running_list_unlent() -> Non
 @pytest.mark.mutation_kill
 def test_a_new_batch_has_an_empty_order_no_width_and_no_decode_rows() -> None:
     """Empty int64 order, width 0, all (none) decoding, and no decode rows for any limit."""
-    b = PersistentBatch(block_size=4, max_len=64)
+    b = BulkBatch(block_size=4, max_len=64)
     assert b.order.dtype == np.int64 and b.order.shape == (0,)
     assert b.width() == 0
     assert b.all_decoding() is True
@@ -550,7 +550,7 @@ def test_a_limit_of_zero_gives_no_decode_rows() -> None:
 def test_a_request_the_pool_holds_no_table_for_loads_an_empty_row() -> None:
     """No table in the pool: an all-zero row (recycled slot too), no blocks, no shared tail."""
     pool = BlockPool(64, 4)
-    b = PersistentBatch(block_size=4, max_len=64)
+    b = BulkBatch(block_size=4, max_len=64)
     a = make_request("a", 6, 5)
     pool.allocate("a", a.token_ids, 6)
     b.append(a, pool)
@@ -569,7 +569,7 @@ def test_a_request_the_pool_holds_no_table_for_loads_an_empty_row() -> None:
 def test_a_loaded_table_widens_the_block_table_by_doubling_only_past_its_width() -> None:
     """Width 8 holds a table of 8 blocks as it is; one of 9 doubles it to 16, rows kept."""
     pool = BlockPool(64, 1)
-    b = PersistentBatch(block_size=1, max_len=64)
+    b = BulkBatch(block_size=1, max_len=64)
     a = make_request("a", 8, 5)
     pool.allocate("a", a.token_ids, 8)
     b.append(a, pool)

@@ -12,8 +12,8 @@ import pytest
 from harness import SMALL_CONFIG, commit_step, make_request, plan_entry
 
 from refserve.core.config import SchedulerConfig
+from refserve.core.executor_output import BadExecutorOutput
 from refserve.core.outcome import Outcome
-from refserve.core.output import BadExecutorOutput
 from refserve.core.policy import DecodeFirst
 from refserve.core.request import FinishReason, Request, StopParams
 from refserve.core.scheduler import Scheduler

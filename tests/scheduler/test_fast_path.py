@@ -20,7 +20,8 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from refserve.core.batch import DecodeRows, Ints, PersistentBatch
+from refserve.core.batch import DecodeRows, Ints
+from refserve.core.bulk import BulkBatch
 from refserve.core.config import SchedulerConfig
 from refserve.core.inputs import ModelInputs, build_inputs
 from refserve.core.request import Request, StopParams
@@ -196,24 +197,24 @@ def test_the_planted_workload_passes_unplanted() -> None:
     run_side_by_side(PLANTED)
 
 
-_NEEDS_BLOCK = PersistentBatch.needs_block
-_COMMIT_DECODES = PersistentBatch.commit_decodes
+_NEEDS_BLOCK = BulkBatch.needs_block
+_COMMIT_DECODES = BulkBatch.commit_decodes
 
 
-def _drop_last_needy(self: PersistentBatch, rows: DecodeRows, pool: BlockPool) -> list[int]:
+def _drop_last_needy(self: BulkBatch, rows: DecodeRows, pool: BlockPool) -> list[int]:
     return _NEEDS_BLOCK(self, rows, pool)[:-1]
 
 
-def _forget_growth(self: PersistentBatch, rows: DecodeRows, needy: list[int], g: object) -> None:
+def _forget_growth(self: BulkBatch, rows: DecodeRows, needy: list[int], g: object) -> None:
     return None  # the rows keep their old tables
 
 
-def _miss_length(self: PersistentBatch, rows: DecodeRows, tokens: Ints, now_ms: float) -> list[int]:
+def _miss_length(self: BulkBatch, rows: DecodeRows, tokens: Ints, now_ms: float) -> list[int]:
     self.kv_limit[rows.slots] += 1  # finishes one token late
     return _COMMIT_DECODES(self, rows, tokens, now_ms)
 
 
-def _ignore_rollback(self: PersistentBatch, pool: BlockPool) -> None:
+def _ignore_rollback(self: BulkBatch, pool: BlockPool) -> None:
     pool.take_changed()  # drops the "every table" mark of a rollback
 
 
@@ -229,7 +230,7 @@ def _ignore_rollback(self: PersistentBatch, pool: BlockPool) -> None:
 def test_the_differential_test_catches_a_planted_batch_bug(
     monkeypatch: pytest.MonkeyPatch, method: str, planted: Callable[..., object]
 ) -> None:
-    monkeypatch.setattr(PersistentBatch, method, planted)
+    monkeypatch.setattr(BulkBatch, method, planted)
     with pytest.raises(AssertionError):
         run_side_by_side(PLANTED)
 

@@ -22,7 +22,7 @@ from refserve.cli.main import main
 from refserve.core.config import Admission, PolicyName, SchedulerConfig
 from refserve.core.cost import StepCost
 from refserve.core.engine_core import EngineCore
-from refserve.core.output import BadExecutorOutput
+from refserve.core.executor_output import BadExecutorOutput
 from refserve.core.request import Request, StopParams
 from refserve.core.scheduler import Scheduler, StepInProgress
 from refserve.errors import (

@@ -65,8 +65,8 @@ from refserve.core.config import Admission, PolicyName, SchedulerConfig
 from refserve.core.cost import StepCost
 from refserve.core.engine_core import EngineCore
 from refserve.core.executor import StepOutput
+from refserve.core.executor_output import BadExecutorOutput
 from refserve.core.inputs import ModelInputs, scheduled_requests
-from refserve.core.output import BadExecutorOutput
 from refserve.core.plan import ScheduledChunk, StepPlan
 from refserve.core.request import FinishReason, Request, StopParams
 from refserve.core.scheduler import Scheduler
@@ -592,7 +592,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             s.step_index,
             sorted(s.requests),
             list(s.paused),
-            list(s._suspend.to_host),  # paused turns still to move to the host: order matters
+            list(s.suspension.to_host),  # paused turns still to move to the host: order matters
         )
 
     def _expected_finish(self, rid: str) -> FinishReason | None:

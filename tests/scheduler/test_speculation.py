@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from refserve.core.config import SchedulerConfig
+from refserve.core.executor_output import BadExecutorOutput, validate_output
 from refserve.core.inputs import build_inputs
 from refserve.core.outcome import Outcome
-from refserve.core.output import BadExecutorOutput, validate_output
 from refserve.core.request import FinishReason, Request, StopParams
 from refserve.core.scheduler import Scheduler, StepInProgress
 from refserve.errors import InvalidArgument, UnknownRequest

@@ -19,9 +19,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from refserve.core.capacity import exceeds_pool, whole_request_blocks
-from refserve.core.planner import draft_count
 from refserve.core.policy import aged_priority
 from refserve.core.prefill import prefill_chunk
+from refserve.core.speculation import draft_count
 from refserve.core.swap import PreemptionMode, preempt_by_swap
 from refserve.spec.arith import (
     blocks_needed,
@@ -39,7 +39,7 @@ CROSSHAIR = Path(sys.executable).parent / "crosshair"
 # The core modules whose pure functions carry contracts. They are checked in one process
 # (each import of refserve.core pays ~3 s for torch); spec/arith.py imports nothing and is
 # checked alone.
-CORE_MODULES = ["capacity", "prefill", "planner", "swap", "policy"]
+CORE_MODULES = ["capacity", "prefill", "speculation", "swap", "policy"]
 CORE_CONTRACTS = [ROOT / "ref" / "core" / f"{m}.py" for m in CORE_MODULES]
 
 
@@ -260,7 +260,7 @@ CORE_PLANTS = [
     ),
     CorePlant(
         "draft_count-forgets-the-bonus-token",
-        "planner",
+        "speculation",
         "draft_count",
         "    return max(min(num_proposed, room - 1, budget_left - 1), 0)\n",
         "    return max(min(num_proposed, room, budget_left - 1), 0)\n",

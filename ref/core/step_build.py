@@ -1,6 +1,6 @@
 """What the planning of one step accumulates before it becomes a :class:`StepPlan`.
 
-``Scheduler.schedule`` starts one :class:`StepDraft` per step and its stages (decodes,
+``SchedulerLoop.schedule`` starts one :class:`StepBuild` per step and its stages (decodes,
 running prefills, admission; docs/ARCHITECTURE.md, "One step") fill it in turn: the
 token budget left, the requests running and those already given tokens, the victims,
 the finishes, and the block copies the executor applies before the forward. It lives
@@ -9,7 +9,6 @@ for one ``schedule()`` call; no request field changes while it is filled (ATOMIC
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from refserve.core.plan import PlanBuilder, PlannedFinish, StepPlan
@@ -18,7 +17,7 @@ from refserve.kv import BlockCopy
 
 
 @dataclass
-class StepDraft:
+class StepBuild:
     plan: PlanBuilder
     # The running requests as this step leaves them: victims removed, admissions added.
     running: list[Request]
@@ -39,8 +38,6 @@ class StepDraft:
     swapped_out: list[str] = field(default_factory=list)
     swapped_in: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)  # paused turns whose KV was released
-    # Speculative decoding: the drafts proposed for this step, by request id.
-    proposals: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     _bulk_set: set[str] | None = field(default=None, init=False)
 

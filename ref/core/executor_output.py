@@ -55,7 +55,7 @@ def _host_array(sampled: object) -> object:
 
 
 @dataclass(frozen=True)
-class Output:
+class SplitTokens:
     """The sampled tokens of a step, checked: ``bulk`` for the bulk decode rows (in plan
     order), ``rest`` by request id for the plan's other sampling entries."""
 
@@ -110,7 +110,7 @@ def checked_accepted(plan: StepPlan, accepted: Mapping[str, int] | None) -> Mapp
     return given
 
 
-def split_output(plan: StepPlan, sampled: Sampled) -> Output:
+def split_output(plan: StepPlan, sampled: Sampled) -> SplitTokens:
     """The sampled tokens checked (non-negative ints, one per sampling entry) and
     split: an array for the bulk decodes, a mapping for the other entries."""
     rows = plan.decode_rows
@@ -122,7 +122,7 @@ def split_output(plan: StepPlan, sampled: Sampled) -> Output:
         rest_ids = _sampling_ids(plan, num_bulk)
         rest = {rid: sampled.get(rid) for rid in rest_ids}
         _checked_array(plan, list(rest.values()), rest_ids)
-        return Output(bulk, rest)  # type: ignore[arg-type]
+        return SplitTokens(bulk, rest)  # type: ignore[arg-type]
     values = _host_array(sampled)
     count = plan.samples.count(True)
     if (
@@ -154,8 +154,8 @@ def split_output(plan: StepPlan, sampled: Sampled) -> Output:
             f"token of request {ids[bad]!r}; expected a non-negative int below 2**63"
         )
     if num_bulk == count:  # bulk decodes only: the usual step
-        return Output(checked, {})
-    return Output(
+        return SplitTokens(checked, {})
+    return SplitTokens(
         checked[:num_bulk], dict(zip(ids[num_bulk:], checked[num_bulk:].tolist(), strict=True))
     )
 
