@@ -45,7 +45,6 @@ CONSERVE = Invariant.CONSERVE
 MOVED = Invariant.MOVED
 KVCOPY = Invariant.KVCOPY
 LEAK = Invariant.LEAK
-S = RequestStatus
 
 
 class TransitPhase(StrEnum):
@@ -514,14 +513,14 @@ def _check_landed(t: Transit, dst: Node, r: RequestSnapshot) -> list[Violation]:
 
 def _check_landed_status(t: Transit, dst: Node, r: RequestSnapshot, kv: int) -> list[Violation]:
     """A tool wait stays one; otherwise a request with KV runs and one without waits."""
-    if t.request.status is S.WAITING_TOOL or r.status is S.WAITING_TOOL:
+    if t.request.status is RequestStatus.WAITING_TOOL or r.status is RequestStatus.WAITING_TOOL:
         ok = t.request.status is r.status
-        want: object = S.WAITING_TOOL
+        want: object = RequestStatus.WAITING_TOOL
     elif kv:
-        ok = r.status in (S.PREFILLING, S.DECODING)
+        ok = r.status in (RequestStatus.PREFILLING, RequestStatus.DECODING)
         want = "prefilling or decoding"
     else:
-        ok = r.status in (S.WAITING, S.PREEMPTED)
+        ok = r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         want = "waiting or preempted"
     if ok:
         return []

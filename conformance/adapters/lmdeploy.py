@@ -92,8 +92,6 @@ from refserve.spec.snapshot import (
     TableSnapshot,
 )
 
-S = RequestStatus
-
 
 @dataclass(frozen=True)
 class LmdeployModules:
@@ -338,7 +336,7 @@ class LmdeployAdapter:
         r = self._reqs.get(request_id)
         if r is None or r.done is not None:
             raise Rejected(f"no live request {request_id!r}")
-        self._end(r, S.ABORTED)
+        self._end(r, RequestStatus.ABORTED)
 
     def _end(self, r: _Request, status: RequestStatus) -> None:
         # By identity: SchedulerSequence is a dataclass whose == compares its fields.
@@ -437,7 +435,7 @@ class LmdeployAdapter:
                 seq.update_token_ids([], mode=mode)
                 seq.finish()
                 finished.append((rid, "length"))
-                self._end(self._reqs[rid], S.FINISHED)
+                self._end(self._reqs[rid], RequestStatus.FINISHED)
                 continue
             token = sampled[rid]
             seq.update_token_ids([token], mode=mode)
@@ -449,7 +447,7 @@ class LmdeployAdapter:
                 continue
             seq.finish()
             finished.append((rid, reason))
-            self._end(self._reqs[rid], S.FINISHED)
+            self._end(self._reqs[rid], RequestStatus.FINISHED)
         return CommitReport(tuple(finished))
 
     # ------------------------------------------------------------------ snapshots
@@ -463,11 +461,11 @@ class LmdeployAdapter:
         if r.done is not None:
             status = r.done
         elif seq.status in (M.RUNNING, M.READY):
-            status = S.DECODING
+            status = RequestStatus.DECODING
         elif kv > 0:
-            status = S.PREFILLING  # preempted softly: WAITING with its KV
+            status = RequestStatus.PREFILLING  # preempted softly: WAITING with its KV
         else:
-            status = S.PREEMPTED if r.ran else S.WAITING
+            status = RequestStatus.PREEMPTED if r.ran else RequestStatus.WAITING
         prompt = len(r.spec.prompt_token_ids)
         return RequestSnapshot(
             request_id=rid,

@@ -113,7 +113,6 @@ def _import_engine() -> tuple[Any, Any, Any, Any, Any]:
 # nano-vllm-fork ships no type information: its classes are Any here on purpose.
 Scheduler, BlockManager, Sequence, SequenceStatus, SamplingParams = _import_engine()
 
-S = RequestStatus
 ROOT = DEFAULT_NAMESPACE.root_key()
 
 
@@ -317,7 +316,7 @@ class NanoVllmAdapter:
                 reason = "stop" if eos is not None and seq.last_token == eos else "length"
                 finished.append((rid, reason))
                 self._seqs.pop(rid, None)
-                self._retired.append((seq, S.FINISHED))
+                self._retired.append((seq, RequestStatus.FINISHED))
         return CommitReport(tuple(finished))
 
     # ------------------------------------------------------------------ snapshots
@@ -330,11 +329,11 @@ class NanoVllmAdapter:
         kv = self._kv_len(seq)
         if status is None:
             if seq.status == SequenceStatus.RUNNING:
-                status = S.DECODING
+                status = RequestStatus.DECODING
             elif seq.status == SequenceStatus.FINISHED:
-                status = S.FINISHED
+                status = RequestStatus.FINISHED
             else:
-                status = S.PREEMPTED if rid in self._ran else S.WAITING
+                status = RequestStatus.PREEMPTED if rid in self._ran else RequestStatus.WAITING
         return RequestSnapshot(
             request_id=rid,
             status=status,

@@ -291,7 +291,6 @@ def _base_model_config(v: _Vllm) -> Any:
 V = _import_vllm()
 BASE_MODEL_CONFIG = _base_model_config(V)
 
-S = RequestStatus
 ROOT = DEFAULT_NAMESPACE.root_key()
 NULL_BLOCKS = 1  # vLLM's BlockPool reserves block 0 as its null block
 LORA_PATH_ROOT = "/nonexistent/refserve-conformance/lora"
@@ -686,7 +685,7 @@ class VllmAdapter:
         aborted = self._sched.finish_requests(request_id, V.VStatus.FINISHED_ABORTED)
         if request_id in self._live and any(r.request_id == request_id for r in aborted):
             self._live.pop(request_id)
-            self._retired.append((request_id, S.ABORTED))
+            self._retired.append((request_id, RequestStatus.ABORTED))
 
     def rollback(self) -> None:
         raise NotSupported(
@@ -808,19 +807,23 @@ class VllmAdapter:
             if rid in self._live and req.is_finished():
                 finished.append((rid, self._reason(req)))
                 self._live.pop(rid)
-                self._retired.append((rid, S.FINISHED))
+                self._retired.append((rid, RequestStatus.FINISHED))
         return CommitReport(tuple(finished))
 
     # ------------------------------------------------------------------ snapshots
     def _status(self, rid: str, req: Any) -> RequestStatus:
         st = req.status
         if st == V.VStatus.RUNNING:
-            return S.DECODING if req.num_computed_tokens == req.num_tokens - 1 else S.PREFILLING
+            return (
+                RequestStatus.DECODING
+                if req.num_computed_tokens == req.num_tokens - 1
+                else RequestStatus.PREFILLING
+            )
         if st == V.VStatus.PREEMPTED:
-            return S.PREEMPTED
+            return RequestStatus.PREEMPTED
         if req.is_finished():
-            return S.FINISHED
-        return S.PREEMPTED if rid in self._ran else S.WAITING
+            return RequestStatus.FINISHED
+        return RequestStatus.PREEMPTED if rid in self._ran else RequestStatus.WAITING
 
     def _request(self, rid: str, status: RequestStatus | None = None) -> RequestSnapshot:
         req = self._all[rid]

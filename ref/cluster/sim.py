@@ -78,10 +78,9 @@ from refserve.spec.cluster import (
     check_owner,
 )
 from refserve.spec.events import CacheEvent
-from refserve.spec.snapshot import RequestSnapshot, RequestStatus
+from refserve.spec.snapshot import RequestSnapshot
 from refserve.values import is_int
 
-S = RequestStatus
 #: Llama-3-8B's K and V per token (32 layers x 8 KV heads x 128 dims x 2 x bf16), times
 #: the compare experiment's default scale of 16 real tokens per simulated one.
 DEFAULT_KV_BYTES_PER_TOKEN = 131072 * 16

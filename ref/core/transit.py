@@ -39,8 +39,6 @@ from refserve.spec.hashing import Namespace
 from refserve.spec.snapshot import RequestStatus
 from refserve.values import is_int
 
-S = RequestStatus
-
 
 class MigrationError(RefserveError):
     """A migration that cannot proceed; the request stays where it was."""
@@ -126,9 +124,11 @@ class KVPlace(StrEnum):
 
 
 #: States that hold a running slot when imported with their KV.
-_RUNNING = frozenset({S.PREFILLING, S.DECODING, S.SWAPPED})
+_RUNNING = frozenset({RequestStatus.PREFILLING, RequestStatus.DECODING, RequestStatus.SWAPPED})
 #: Every live state a request can be exported in.
-_LIVE = frozenset({S.WAITING, S.PREEMPTED, *_RUNNING, S.WAITING_TOOL})
+_LIVE = frozenset(
+    {RequestStatus.WAITING, RequestStatus.PREEMPTED, *_RUNNING, RequestStatus.WAITING_TOOL}
+)
 
 
 @dataclass(frozen=True)
@@ -264,9 +264,10 @@ class Import:
         if rid in sched.requests or any(a.state.request_id == rid for a in self.arrivals):
             raise DuplicateRequest(rid, "import")
         n = state.num_computed_tokens if with_kv else 0
-        if n and state.status is not S.WAITING_TOOL:
+        if n and state.status is not RequestStatus.WAITING_TOOL:
             running = len(sched.running) + sum(
-                a.kv_length > 0 and a.state.status is not S.WAITING_TOOL for a in self.arrivals
+                a.kv_length > 0 and a.state.status is not RequestStatus.WAITING_TOOL
+                for a in self.arrivals
             )
             if running >= sched.config.max_num_seqs:
                 raise MigrationRefused(
@@ -394,12 +395,12 @@ def _status_on_arrival(s: RequestState, kv_length: int) -> RequestStatus:
     """With its KV a request runs on (decoding when only its last token is pending);
     without, it waits: fresh if it has no output yet, else like a recompute preemption.
     A tool wait stays one, with or without its KV."""
-    if s.status is S.WAITING_TOOL:
-        return S.WAITING_TOOL
+    if s.status is RequestStatus.WAITING_TOOL:
+        return RequestStatus.WAITING_TOOL
     if kv_length:
         decoding = s.num_output_tokens > 0 and kv_length == len(s.token_ids) - 1
-        return S.DECODING if decoding else S.PREFILLING
-    return S.PREEMPTED if s.num_output_tokens else S.WAITING
+        return RequestStatus.DECODING if decoding else RequestStatus.PREFILLING
+    return RequestStatus.PREEMPTED if s.num_output_tokens else RequestStatus.WAITING
 
 
 def _slots(table: tuple[int, ...] | list[int], start: int, end: int, bs: int) -> tuple[int, ...]:
