@@ -153,6 +153,7 @@ def check_fault_before_ack(point: str, how: How, at: int) -> None:
     with pytest.raises(MigrationAborted, match=f"aborted at {point}") as info:
         migrate(src, dst, "r", kv=how.kv, chunk_blocks=how.chunk_blocks, fault=fault_at(point))
     assert info.value.point == point and isinstance(info.value.cause, Injected)
+    assert info.value.request_id == "r", "the error names the request that stayed"
     assert src.scheduler.snapshot() == snaps[0], "the source changed"
     assert dst.scheduler.snapshot() == snaps[1], "the destination changed"
     assert_cache_equal(src, kv[0])

@@ -48,6 +48,7 @@ from refserve.engine.ticket import (
     KVChunk,
     KVLayoutMismatch,
     MigrationTicket,
+    ModelIdentity,
     ModelMismatch,
     TicketError,
 )
@@ -504,3 +505,17 @@ def test_the_protocol_function_and_the_engine_method_share_their_defaults() -> N
         ticket.kv_mode,
         ticket.chunks,
     )
+
+
+def test_an_identity_with_an_unknown_kv_dtype_names_it_and_the_known_ones() -> None:
+    identity = ModelIdentity(
+        model_type="llama",
+        vocab_size=8,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=2,
+        dtype="int3",
+        fingerprint="x",
+    )
+    with pytest.raises(TicketError, match=r"KV dtype 'int3' is not one of \['bfloat16'"):
+        _ = identity.bytes_per_token

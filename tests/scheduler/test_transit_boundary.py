@@ -88,6 +88,24 @@ def test_a_state_that_is_not_live_is_refused_by_name() -> None:
     imp.abort()
 
 
+@pytest.mark.parametrize(
+    ("prompt", "tokens"),
+    [((1, 2), (1, 3, 4)), ((), (1, 2))],
+    ids=["tokens that do not start with the prompt", "no prompt"],
+)
+def test_a_state_whose_tokens_do_not_start_with_its_prompt_is_refused(
+    prompt: tuple[int, ...], tokens: tuple[int, ...]
+) -> None:
+    dst = Scheduler(CFG)
+    before = dst.snapshot()
+    imp = transit.begin_import(dst)
+    state = RequestState("r", prompt, tokens, StopParams(4), RequestStatus.WAITING, 0)
+    with pytest.raises(MigrationError, match="its token ids do not start with its prompt"):
+        imp.stage(state, with_kv=False)
+    imp.abort()
+    assert dst.snapshot() == before
+
+
 def test_the_move_records_and_guards_of_its_phases() -> None:
     cfg = SchedulerConfig(num_blocks=16, block_size=2, max_num_batched_tokens=16)
     src, dst = Stepper(cfg, memory=True), Stepper(cfg, memory=True)
