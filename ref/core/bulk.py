@@ -155,7 +155,7 @@ class BulkBatch(PersistentBatch):
         """The tokens of the blocks that ``fills`` (indices into ``rows``) complete: each
         such row's last ``block_size`` tokens. A decoding request's token list ends with
         the token this step writes at its KV length (KVLEN), and that token ends its
-        block. (The pool hashes the blocks from these, ``BlockPool.append_decodes``: a
+        block. (The pool hashes the blocks from these, ``DecodeRun.append_decodes``: a
         slice per filling row, nothing written per row.)"""
         bs = self.block_size
         lists = rows.token_lists

@@ -47,8 +47,8 @@ policies, the three preemption modes with host pools of 0..12 blocks.
 Rare paths are labelled with ``event()``; run with ``--hypothesis-show-statistics``.
 
 Copy-on-write is unreachable through the scheduler: only full blocks are ever shared
-(prefix hits), and a shared *partial* block needs ``BlockPool.fork``, which the scheduler
-never calls. The event is kept so a future fork/beam path shows up in the statistics.
+(prefix hits), and a shared *partial* block needs ``refserve.kv.fork``, which this state machine
+never drives. The event is kept so a future fork/beam path shows up in the statistics.
 """
 
 from __future__ import annotations
