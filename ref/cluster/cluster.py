@@ -76,6 +76,7 @@ from refserve.engine.llm_engine import (
     RequestOutput,
 )
 from refserve.engine.migration import MigrationAborted
+from refserve.engine.ticket import MigrationTicket
 from refserve.errors import InvalidArgument
 from refserve.model.sampler import SamplingParams
 from refserve.values import is_int
@@ -301,8 +302,8 @@ class Cluster:
         if to in self.dead:
             raise self.dead[to]
         a, b = self.replicas[src], self.replicas[to]
-        source: migration.MigrationSource
-        dest: migration.MigrationDestination
+        source: migration.MigrationSource[MigrationTicket]
+        dest: migration.MigrationDestination[MigrationTicket]
         if isinstance(a, InProcessReplica) and isinstance(b, InProcessReplica):
             source, dest = a.engine, b.engine
         else:

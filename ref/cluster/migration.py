@@ -133,7 +133,7 @@ class TicketImport:
         self.ticket = ticket
         self.needed: dict[str, tuple[int, int]] = {}  # every position travels inline
         self.done = False
-        self._imported: list[str] | None = None
+        self.imported: list[str] | None = None  # the sample ids, once imported (the ack)
 
     @property
     def decision(self) -> MigrationDecision:
@@ -143,16 +143,16 @@ class TicketImport:
         raise MigrationError(f"a chunk of {chunk.seq_id!r}: the ticket carries its K/V inline")
 
     def ack(self) -> None:
-        self._imported = self.replica.import_request(self.ticket)
+        self.imported = self.replica.import_request(self.ticket)
 
     def abort(self) -> None:
-        if self._imported is not None:
+        if self.imported is not None:
             raise MigrationError(
                 f"abort of {self.ticket.request_id!r}: imported by another process already"
             )
         self.done = True
 
     def commit(self, transit_ms: float | None = None) -> list[str]:
-        assert self._imported is not None and not self.done, "commit needs the ack, once"
+        assert self.imported is not None and not self.done, "commit needs the ack, once"
         self.done = True
-        return self._imported
+        return self.imported

@@ -11,17 +11,18 @@ and the :class:`~refserve.cluster.router.Router` chooses from the same
 :class:`~refserve.cluster.records.LoadFigures` an in-process replica reports
 (:func:`~refserve.cluster.replica.load_figures`).
 
-Migration is the scheduler-level protocol of ``refserve.core.transit`` (export, then
-``begin_import`` / ``stage`` / ``commit`` on the destination, ``release`` on the source),
-priced by :class:`~refserve.core.migration_cost.MigrationCost` (``AUTO``: transfer when the
-link beats recompute on the destination's idle compute). The simulated K/V is a
-snapshot taken at export (the simulator has no K/V memory), so the source releases the
-request when it departs and the request is in flight on the link, owned by it, until it
-lands: :class:`LinkModel` times the transfer (latency + bytes / bandwidth + a seeded
-exponential jitter). It lands at the destination's first step boundary after that;
-if the destination has no room by then, it is staged without its K/V (a recompute,
-counted as a fallback). The transfer's time is a gap between two of the request's
-tokens (a TBT gap), recorded per move.
+Migration is the one driver's (``refserve.engine.migration.migrate``) with the
+simulator's ends (ref/cluster/sim_migration.py): a replica's scheduler as the source,
+the link towards the peer as the destination; priced by
+:class:`~refserve.core.migration_cost.MigrationCost` (``AUTO``: transfer when the link
+beats recompute on the destination's idle compute). The simulated K/V is a size taken at
+export (the simulator has no K/V memory), so the source releases the request when it
+departs and the request is in flight on the link, owned by it, until it lands:
+:class:`LinkModel` times the transfer (latency + bytes / bandwidth + a seeded
+exponential jitter). It lands at the destination's first step boundary after that; if
+the destination has no room by then, it is staged without its K/V (a recompute, counted
+as a fallback). The transfer's time is a gap between two of the request's tokens (a TBT
+gap), recorded per move.
 
 Every operation keeps one owner per live request (:meth:`ClusterSim.ownership_violations`:
 each live request on exactly one replica or on the link, and the owner map says which;
@@ -56,8 +57,8 @@ from refserve.cluster.index import GlobalPrefixIndex
 from refserve.cluster.records import LoadFigures
 from refserve.cluster.replica import load_figures
 from refserve.cluster.router import Router, RoutingDecision
+from refserve.cluster.sim_migration import LinkDestination, ReplicaSource, SimTicket, land
 from refserve.cluster.triggers import MigrationPolicy
-from refserve.core import transit
 from refserve.core.config import SchedulerConfig
 from refserve.core.cost import StepCost
 from refserve.core.engine_core import EngineCore
@@ -65,6 +66,7 @@ from refserve.core.migration_cost import KVMode, MigrationCost
 from refserve.core.request import FinishReason, Request
 from refserve.core.request_metrics import RequestMetrics
 from refserve.core.scheduler import Scheduler
+from refserve.engine.migration import migrate
 from refserve.errors import InvalidArgument, RefserveError
 from refserve.sim.noise import StepNoise
 from refserve.sim.simulator import Session, SessionTurn, SimExecutor
@@ -78,7 +80,6 @@ from refserve.spec.cluster import (
     check_owner,
 )
 from refserve.spec.events import CacheEvent
-from refserve.spec.snapshot import RequestSnapshot
 from refserve.values import is_int
 
 #: Llama-3-8B's K and V per token (32 layers x 8 KV heads x 128 dims x 2 x bf16), times
@@ -161,10 +162,8 @@ class _Event:
 
 @dataclass
 class _Transit:
-    state: transit.RequestState
-    with_kv: bool
+    ticket: SimTicket
     move: SimMigration
-    request: RequestSnapshot  # the source's record at the export (spec/cluster.py)
 
 
 @dataclass(frozen=True)
@@ -294,10 +293,10 @@ class ClusterSim:
                 source=f"r{tr.move.source}",
                 destination=f"r{tr.move.destination}",
                 phase=TransitPhase.RELEASED,
-                with_kv=tr.with_kv,
-                request=tr.request,
-                token_ids=tr.state.token_ids,
-                kv_length=tr.state.num_computed_tokens,
+                with_kv=tr.ticket.with_kv,
+                request=tr.ticket.record,
+                token_ids=tr.ticket.state.token_ids,
+                kv_length=tr.ticket.state.num_computed_tokens,
             )
             for rid, tr in self._in_transit.items()
         )
@@ -495,55 +494,48 @@ class ClusterSim:
         )
 
     def _depart(self, src: int, dst: int, r: Request, reason: str, t: float) -> None:
-        """Export from ``src`` (a pure read), price the move, release on ``src``: the
-        request is on the link until it lands on ``dst`` (module doc)."""
-        sched = self.replicas[src].sched
-        dep = transit.export(sched, r.request_id)
-        kv = dep.kv_length
-        hit = 0
-        if kv:
-            hit = min(kv, self.index.longest_prefix(dep.state.token_ids[:kv], r.namespace)[dst])
-        idle = _idle(self.replicas[dst])
-        decision = self.price.decide(self.migration.kv, kv, hit, idle)
-        with_kv = kv > 0 and decision.mode is KVMode.TRANSFER
-        moved = kv - hit if with_kv else 0
-        nbytes = moved * self.kv_bytes_per_token
-        land = t + self.link.transfer_ms(nbytes, self._rng)
+        """The one migration driver moves ``r`` off ``src`` onto the link towards ``dst``
+        (ref/cluster/sim_migration.py): priced, released on ``src``, in flight until it
+        lands (module doc)."""
+        rid = r.request_id
+        source = ReplicaSource(self.replicas[src].sched, t, self.price)
+        dest = LinkDestination(self.index, dst, _idle(self.replicas[dst]))
+        migrate(source, dest, rid, kv=self.migration.kv, cost=self.price)
+        ticket = dest.committed()
+        landing_ms = t + self.link.transfer_ms(ticket.kv_bytes, self._rng)
         move = SimMigration(
-            r.request_id, src, dst, reason, t, land, decision.mode, kv, moved, nbytes
+            rid,
+            src,
+            dst,
+            reason,
+            t,
+            landing_ms,
+            ticket.kv_mode,
+            ticket.kv_tokens,
+            ticket.moved_tokens,
+            ticket.kv_bytes,
         )
-        record = r.snapshot(sched.config.max_len)
-        transit.release(sched, r.request_id)
         self._changed(src)
         self.index.apply(src, self._drain(self.replicas[src]))
-        self.owner[r.request_id] = -1
-        self._in_transit[r.request_id] = _Transit(dep.state, with_kv, move, record)
-        self._check(f"departure of {r.request_id!r}")
-        self._push(land, "land", move=self._in_transit[r.request_id])
+        self.owner[rid] = -1
+        self._in_transit[rid] = _Transit(ticket, move)
+        self._check(f"departure of {rid!r}")
+        self._push(landing_ms, "land", move=self._in_transit[rid])
 
     def _land(self, tr: _Transit, at_ms: float) -> None:
-        """At the destination's boundary: stage with the K/V (or without, if it has no
-        room now, a fallback), commit, and the request runs there."""
+        """At the destination's boundary the request lands (``sim_migration.land``) and
+        runs there."""
         move = tr.move
         rep = self.replicas[move.destination]
         rid = move.request_id
-        fallback = False
-        imp = transit.begin_import(rep.sched)
-        try:
-            imp.stage(tr.state, with_kv=tr.with_kv)
-        except transit.MigrationRefused:
-            imp.abort()
-            imp = transit.begin_import(rep.sched)
-            imp.stage(tr.state, with_kv=False)
-            fallback = True
-        (arrived,) = imp.commit(0.0)
+        landing = land(rep.sched, tr.ticket)
         self._changed(move.destination)
         self.index.apply(move.destination, self._drain(rep))
         del self._in_transit[rid]
         self.owner[rid] = move.destination
-        self._final[rid] = arrived
+        self._final[rid] = landing.request
         rep.ready_ms = max(rep.ready_ms, at_ms)
-        self.moves.append(dataclasses.replace(move, fallback=fallback))
+        self.moves.append(dataclasses.replace(move, fallback=landing.fallback))
         self._check(f"landing of {rid!r}")
 
     # ------------------------------------------------------------------ result

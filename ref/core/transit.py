@@ -17,9 +17,9 @@ Three moves, in this order, each at a step boundary of its scheduler:
 The scheduler refuses to step while an import is staged (``StepInProgress``): the
 staged blocks belong to an open transaction.
 
-The one driver of these moves between two engines is ref/engine/migration.py's
-``migrate`` (the engine, the cluster and the CLI call it); it calls its fault hook at
-each point of :class:`MigrationFault`, and cancels a move when the source changed
+The one driver of these moves is ref/engine/migration.py's ``migrate`` (the engine,
+the clusters, the simulator and the CLI call it); it calls its fault hook at each
+point of :class:`MigrationFault`, and cancels a move when the source changed
 (:func:`source_changed`: the one meaning of the phrase, docs/MIGRATION.md).
 """
 

@@ -17,10 +17,13 @@ The protocol, one call each, the source unchanged until its last move:
 5. ``src.release_request(rid)``: the source frees its blocks (only after the ack).
 6. ``staged.commit()``: the request becomes runnable on the destination.
 
-:func:`migrate` is the one driver of these steps (the engine, the cluster and the CLI
-call it): it runs them between any source and destination of the shapes
-:class:`MigrationSource` and :class:`MigrationDestination` (an ``LLMEngine``, or a peer
-reached by whole tickets, ref/cluster/migration.py), with its arguments checked once
+:func:`migrate` is the one driver of these steps (the engine, the cluster, the served
+cluster, the cluster simulator and the CLI call it; tests/repo/test_one_migration_driver.py
+holds every release of a source to it): it runs them between any source and destination
+of the shapes :class:`MigrationSource` and :class:`MigrationDestination` (an
+``LLMEngine``; a peer reached by whole tickets, ref/cluster/migration.py; a replica
+thread of the served cluster, ref/serve/cluster_migration.py; a simulated replica and
+its link, ref/cluster/sim_migration.py), with its arguments checked once
 (:class:`~refserve.core.transit.MigrationArgs`) and a fault hook at every point of
 :class:`~refserve.core.transit.MigrationFault`: a fault before the ack aborts the staged
 import and leaves the source as it was; a fault after it rolls forward (the destination
@@ -36,7 +39,7 @@ import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -562,9 +565,38 @@ def source_changed(engine: Engine, ticket: MigrationTicket) -> bool:
 
 
 # ---------------------------------------------------------------------------- the driver
+class Ticket(Protocol):
+    """What the driver reads of a ticket: :class:`~refserve.engine.ticket.MigrationTicket`
+    between engines; the cluster simulator's own ticket between simulated replicas
+    (ref/cluster/sim_ends.py), whose K/V is a size, not bytes."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def kv_mode(self) -> KVMode: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def clock_ms(self) -> float: ...
+
+    @property
+    def kv_bytes(self) -> int: ...
+
+    @property
+    def num_chunks(self) -> int: ...
+
+
+T = TypeVar("T", bound=Ticket)
+T_contra = TypeVar("T_contra", bound=Ticket, contravariant=True)
+
+
 class StagedMigration(Protocol):
     """A destination's staged import, as the driver uses it (:class:`StagedImport`
-    here; a whole-ticket import for a peer in another process)."""
+    here; a whole-ticket import for a peer in another process; a request put on the
+    simulated link)."""
 
     @property
     def needed(self) -> Mapping[str, tuple[int, int]]: ...
@@ -584,8 +616,9 @@ class StagedMigration(Protocol):
     def commit(self, transit_ms: float | None = None) -> list[str]: ...
 
 
-class MigrationSource(Protocol):
-    """Where a migration starts (``LLMEngine`` has this shape)."""
+class MigrationSource(Protocol[T]):
+    """Where a migration starts (``LLMEngine`` has this shape, with tickets of
+    :class:`~refserve.engine.ticket.MigrationTicket`)."""
 
     def export_request(
         self,
@@ -596,20 +629,20 @@ class MigrationSource(Protocol):
         cost: MigrationCost | None = None,
         hit_tokens: int = 0,
         idle: float = 1.0,
-    ) -> MigrationTicket: ...
+    ) -> T: ...
 
     def export_state(self, request_id: str) -> RequestState: ...
 
     def read_kv(self, seq_id: str, start: int, end: int) -> KVChunk: ...
 
-    def source_changed(self, ticket: MigrationTicket) -> bool: ...
+    def source_changed(self, ticket: T) -> bool: ...
 
     def release_request(self, request_id: str) -> None: ...
 
     def now_ms(self) -> float: ...
 
 
-class MigrationDestination(Protocol):
+class MigrationDestination(Protocol[T_contra]):
     """Where a migration lands (``LLMEngine`` has this shape)."""
 
     @property
@@ -617,9 +650,7 @@ class MigrationDestination(Protocol):
 
     def prefix_hit_tokens(self, token_ids: Sequence[int], state: object = None) -> int: ...
 
-    def stage_import(
-        self, ticket: MigrationTicket, *, transit_ms: float = 0.0
-    ) -> StagedMigration: ...
+    def stage_import(self, ticket: T_contra, *, transit_ms: float = 0.0) -> StagedMigration: ...
 
 
 class SourceChanged(MigrationError):
@@ -649,8 +680,8 @@ class MigrationReport:
 
 
 def migrate(
-    src: MigrationSource,
-    dst: MigrationDestination,
+    src: MigrationSource[T],
+    dst: MigrationDestination[T],
     request_id: str,
     *,
     kv: KVMode | str = KVMode.AUTO,
@@ -713,7 +744,7 @@ def migrate(
         request_id,
         staged.decision,
         ticket.kv_bytes + streamed.kv_bytes,
-        len(ticket.chunks) + streamed.num_chunks,
+        ticket.num_chunks + streamed.num_chunks,
         (time.perf_counter() - t0) * 1e3,
         late,
     )
@@ -724,8 +755,8 @@ def _no_fault(point: str) -> None:
 
 
 def _export(
-    src: MigrationSource, dst: MigrationDestination, request_id: str, args: MigrationArgs
-) -> MigrationTicket:
+    src: MigrationSource[T], dst: MigrationDestination[T], request_id: str, args: MigrationArgs
+) -> T:
     """Step 1 with the cost rule told the destination's prefix hit of the request's
     K/V (probed with its state, a pure read) and the destination's idle compute."""
     state = src.export_state(request_id)
@@ -749,9 +780,9 @@ class Streamed:
 
 
 def _stream(
-    src: MigrationSource,
+    src: MigrationSource[T],
     staged: StagedMigration,
-    ticket: MigrationTicket,
+    ticket: T,
     chunk_blocks: int | None,
     hook: FaultHook,
 ) -> Streamed:
@@ -772,7 +803,8 @@ def _stream(
     return Streamed(count, nbytes)
 
 
-def _require_unchanged(src: MigrationSource, ticket: MigrationTicket) -> None:
+def _require_unchanged(src: MigrationSource[T], ticket: T) -> None:
     if src.source_changed(ticket):
-        changed = ", ".join(repr(s.seq_id) for s in ticket.sequences)
-        raise SourceChanged(f"migrate: {changed} changed on the source during the transfer")
+        raise SourceChanged(
+            f"migrate: {ticket.request_id!r} changed on the source during the transfer"
+        )

@@ -125,6 +125,10 @@ class MigrationTicket:
     def kv_bytes(self) -> int:
         return sum(len(c.data) for c in self.chunks)
 
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
     def to_bytes(self) -> bytes:
         header = _encode(self)
         data = json.dumps(header, separators=(",", ":"), allow_nan=True).encode("utf-8")

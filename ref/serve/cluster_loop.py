@@ -30,10 +30,11 @@ empty cache: a resync, never a replay of the dead one's events) and the router s
 again; a factory that fails uses up a restart too. With every replica dead the server
 answers 503 and ``/health`` 503.
 
-Migration (:meth:`ClusterLoop.migrate`): the source's thread exports the ticket (the
-K/V inline) and waits; the destination's thread imports it and takes over the request's
-output queue in the same command; then the source releases it. A refusal or a failure
-before the import leaves the request where it was, running.
+Migration (:meth:`ClusterLoop.migrate`) is the one driver's (ref/serve/cluster_migration.py):
+the source's thread parks between two steps for the whole move; the driver exports the
+ticket (the K/V inline), the destination's thread imports it and takes over the
+request's output queue in the same command (the ack); then the source releases it. A
+refusal or a failure before the import leaves the request where it was, running.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import torch
@@ -64,11 +65,11 @@ from refserve.core.config import SchedulerConfig
 from refserve.core.migration_cost import KVMode
 from refserve.core.transit import MigrationError
 from refserve.engine.llm_engine import RequestOutput
-from refserve.engine.migration import MigrationReport
-from refserve.engine.ticket import MigrationTicket
+from refserve.engine.migration import MigrationAborted, MigrationReport
 from refserve.errors import InvalidArgument, UnknownRequest
 from refserve.model.sampler import SamplingParams
 from refserve.model.tokenizer import Tokenizer
+from refserve.serve.cluster_migration import move
 from refserve.serve.loop import (
     IDLE_POLL_S,
     STEP_RING,
@@ -82,6 +83,7 @@ from refserve.serve.loop import (
 )
 from refserve.serve.metrics import ClusterServeMetrics
 from refserve.spec.events import CacheEvent
+from refserve.spec.hashing import Namespace
 from refserve.values import is_int
 
 T = TypeVar("T")
@@ -555,7 +557,6 @@ class ClusterLoop:
         with self._migrating:
             with self._lock:
                 src = self._owner.get(request_id)
-                prompt = self._prompts.get(request_id, [])
             if src is None:
                 raise UnknownRequest(request_id, "migrate")
             if not is_int(to) or not 0 <= to < len(self.loops):
@@ -567,70 +568,33 @@ class ClusterLoop:
                 raise b.dead
             t0 = time.perf_counter()
             try:
-                report = self._move(a, b, request_id, prompt, kv, timeout_s)
-            except (MigrationError, ReplicaDead, InvalidArgument):
+                report = move(
+                    a,
+                    b,
+                    request_id,
+                    kv=kv,
+                    hit=functools.partial(self._prefix_hit, b.index),
+                    adopted=functools.partial(self._adopted, request_id, b.index),
+                    timeout_s=timeout_s,
+                )
+            except (MigrationError, ReplicaDead, InvalidArgument) as e:
                 if self.metrics is not None:
                     self.metrics.migrated(False)
+                if isinstance(e, MigrationAborted) and isinstance(e.cause, ReplicaDead):
+                    raise e.cause from e
                 raise
             elapsed = time.perf_counter() - t0
             if self.metrics is not None:
                 self.metrics.migrated(True, report.kv_bytes, elapsed)
-            return MigrationReport(
-                request_id, report.decision, report.kv_bytes, report.num_chunks, elapsed * 1e3
-            )
+            return replace(report, elapsed_ms=elapsed * 1e3)
 
-    def _move(
-        self,
-        a: ReplicaLoop,
-        b: ReplicaLoop,
-        request_id: str,
-        prompt: list[int],
-        kv: KVMode | str,
-        timeout_s: float,
-    ) -> MigrationReport:
+    def _prefix_hit(self, replica: int, token_ids: Sequence[int], namespace: Namespace) -> int:
         with self._lock:
-            hit = self.index.longest_prefix(prompt).get(b.index, 0) if prompt else 0
-        idle = b.idle_fraction
-        exported: concurrent.futures.Future[tuple[MigrationTicket, OutputSink]]
-        exported = concurrent.futures.Future()
-        verdict: list[bool] = []
-        decided = threading.Event()
+            return self.index.longest_prefix(token_ids, namespace).get(replica, 0)
 
-        def hold() -> None:
-            """On the source's thread: export, then wait (no step meanwhile) for the
-            destination's import; release on success."""
-            try:
-                ticket = a.replica.export_request(request_id, kv=kv, hit_tokens=hit, idle=idle)
-                sink = a.sinks[request_id]
-            except BaseException as e:
-                exported.set_exception(e)
-                raise
-            exported.set_result((ticket, sink))
-            if not decided.wait(timeout_s) or not verdict[0]:
-                return
-            # The destination owns it now: its queue leaves first, so a source that dies
-            # in the release fails only its own requests.
-            a.sinks.pop(request_id, None)
-            a.replica.release_request(request_id)
-
-        a.run_sync(hold)
-        ticket, sink = exported.result(timeout=timeout_s)
-
-        def take() -> None:
-            b.replica.import_request(ticket)
-            b.sinks[request_id] = sink  # before b's next step: no output missed
-            with self._lock:
-                self._owner[request_id] = b.index
-
-        try:
-            b.run_sync(take).result(timeout=timeout_s)
-        except BaseException:
-            verdict.append(False)
-            decided.set()
-            raise
-        verdict.append(True)
-        decided.set()
-        return MigrationReport(request_id, ticket.decisions[-1], ticket.kv_bytes, 1, 0.0)
+    def _adopted(self, request_id: str, replica: int) -> None:
+        with self._lock:
+            self._owner[request_id] = replica
 
     # ------------------------------------------------------------------ from the threads
     # What a replica's loop tells the front (its cache events, an end, a death, a

@@ -7,6 +7,7 @@ determinism."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -138,10 +139,32 @@ def test_link_time_is_latency_plus_bytes_over_bandwidth() -> None:
 def test_a_move_that_forgets_the_release_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """A planted bug: the source keeps the request after it departs (no release), so it is
     live on the source while on the link; the ownership check stops the run."""
-    from refserve.cluster import sim as cluster_sim
+    from refserve.cluster.sim_migration import ReplicaSource
 
-    monkeypatch.setattr(cluster_sim.transit, "release", lambda sched, rid: None)
+    monkeypatch.setattr(ReplicaSource, "release_request", lambda self, rid: None)
     small = dataclasses.replace(CONFIG, num_blocks=96)
     with pytest.raises(AssertionError, match="on the link and live on replica"):
         simulate_cluster(_pressure(), 3, small, COST, "round_robin", migration=MIGRATING,
                          check_ownership=True)  # fmt: skip
+
+
+def test_every_simulated_move_goes_through_the_one_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulator prices and hands off each move with ``engine.migration.migrate`` (its
+    ends are ref/cluster/sim_migration.py): one driver call per move, each reporting the
+    decision and bytes the move records."""
+    from refserve.cluster import sim as cluster_sim
+    from refserve.engine.migration import MigrationReport, migrate
+
+    reports: list[MigrationReport] = []
+
+    def spy(*args: Any, **kwargs: Any) -> MigrationReport:
+        reports.append(migrate(*args, **kwargs))
+        return reports[-1]
+
+    monkeypatch.setattr(cluster_sim, "migrate", spy)
+    small = dataclasses.replace(CONFIG, num_blocks=96)
+    res = simulate_cluster(_pressure(), 3, small, COST, "round_robin", migration=MIGRATING,
+                           check_ownership=True)  # fmt: skip
+    assert res.moves
+    reported = sorted((r.request_id, r.decision.mode, r.kv_bytes) for r in reports)
+    assert reported == sorted((m.request_id, m.mode, m.num_bytes) for m in res.moves)

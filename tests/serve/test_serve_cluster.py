@@ -33,6 +33,7 @@ from serve_helpers import (
 
 from refserve.cli.main import main
 from refserve.cluster import InProcessReplica, ReplicaDead, Router
+from refserve.core.transit import MigrationError
 from refserve.engine.llm_engine import LLMEngine, RequestOutput
 from refserve.errors import InvalidArgument
 from refserve.model.sampler import SamplingParams
@@ -293,6 +294,47 @@ def test_an_abort_that_waited_through_a_migration_follows_the_request(
     assert b.run_sync(b.replica.request_ids).result(TIMEOUT_S) == ()
     assert a.run_sync(a.replica.request_ids).result(TIMEOUT_S) == ()
     assert loop.owners() == {}
+
+
+def test_a_destination_that_does_not_import_in_time_leaves_the_request_running(
+    cluster: ServerThread,
+) -> None:
+    """The destination's thread is held past the move's timeout: the move fails with a
+    typed error naming it, the import it was sent is dropped when the thread comes back
+    (never run late: the request would live twice), and the request finishes on the
+    source with the greedy text, its stream unbroken."""
+    loop = cluster_loop(cluster)
+    first = threading.Event()
+    rid: list[str] = []
+    result: dict[str, Any] = {}
+
+    def on_event(e: dict[str, Any]) -> None:
+        if not rid:
+            rid.append(e["id"])
+            first.set()
+
+    streaming = threading.Thread(
+        target=lambda: result.update(stream_completion(cluster.base_url, PROMPT, 48, on_event)),
+        daemon=True,
+    )
+    streaming.start()
+    assert first.wait(TIMEOUT_S)
+    src = loop.owners()[rid[0]]
+    b = loop.loops[1 - src]
+    gate = threading.Event()
+    b.run_sync(lambda: gate.wait(TIMEOUT_S))  # the destination's thread held
+    before = metric(cluster, "refserve:migrations_total", model_name=MODEL, outcome="aborted")
+    with pytest.raises(MigrationError, match=f"replica {b.index} did not import"):
+        loop.migrate(rid[0], b.index, kv="transfer", timeout_s=0.5)
+    assert loop.owners()[rid[0]] == src
+    gate.set()
+    streaming.join(TIMEOUT_S)
+    assert result["error"] is None and result["reason"] == "length", result
+    reference = LLMEngine(MODEL, scheduler_config=cluster_config())
+    assert result["text"] == _greedy(reference, PROMPT, 48)
+    assert b.run_sync(b.replica.request_ids).result(TIMEOUT_S) == ()
+    after = metric(cluster, "refserve:migrations_total", model_name=MODEL, outcome="aborted")
+    assert after == before + 1
 
 
 class MortalReplica(InProcessReplica):
