@@ -34,6 +34,15 @@ each part and models it:
    requests that found no step running (the step in progress is the simulator's to
    model; the time an idle thread takes to wake on a busy machine is not): a replayed
    request reaches the scheduler that much later too.
+5. **The delivery of each later token** (the server's per-request token times, engine
+   side and handler side): the handler does not hold every token as soon as its step
+   ends (the engine thread and the event loop share the GIL; a token that completes no
+   character waits for the next in the text stream). Each output after the first is
+   measured as its delay from its token's step end to the handler, and a replayed
+   token after the first reaches the client one such delay, drawn from all of them
+   (seeded), plus half the transport after its step, never before the token before it.
+   Without it every simulated token gap is a step gap, and the TBT P90 comes out
+   15-20 % below the clients'.
 
 Then the same requests (their send times, their token counts from ``usage``) are
 replayed (:data:`REPLAYS` times, seeded, pooled) in the simulator with the server's
@@ -43,8 +52,8 @@ percentiles and goodput are compared with the measured ones.
 The scheduler itself runs in the replay; only time is modelled.
 
 What is still left out shows as the error: step times whose slowness comes in runs (a
-busy machine slows many steps in a row, the noise draws them independently), and the
-delivery of tokens after the first (modelled as the first one's).
+busy machine slows many steps in a row, the noise draws them independently), and
+deliveries that come in runs too (they are drawn independently per token).
 The fit needs refserve's debug endpoints; another server gives a clear error.
 """
 
@@ -139,6 +148,8 @@ class RequestOverhead:
     handoff_ms: float
     transport_ms: float
     wake_ms: float = 0.0
+    #: Each later output's delay from its token's step end to the handler (module doc, 5).
+    delivery_ms: tuple[float, ...] = ()
 
     @property
     def admit_ms(self) -> float:
@@ -171,16 +182,29 @@ class ServingModel:
     router: str | None = None
 
     @property
+    def deliveries(self) -> tuple[float, ...]:
+        """Every measured delivery of a later output (module doc, 5), pooled."""
+        return tuple(d for o in self.overheads for d in o.delivery_ms)
+
+    @property
     def overhead_terms(self) -> tuple[OverheadTerm, ...]:
         o = self.overheads
+        n = len(o)
         rows = (
-            ("front", "handler before the engine (parse, tokenize)", [x.front_ms for x in o]),
-            ("wake", "engine thread idle to the request added", [x.wake_ms for x in o]),
-            ("handoff", "first token's step end to the handler", [x.handoff_ms for x in o]),
-            ("transport", "HTTP outside the handler, both ways", [x.transport_ms for x in o]),
+            ("front", "handler before the engine (parse, tokenize)", [x.front_ms for x in o], n),
+            ("wake", "engine thread idle to the request added", [x.wake_ms for x in o], n),
+            ("handoff", "first token's step end to the handler", [x.handoff_ms for x in o], n),
+            (
+                "delivery",
+                "a later token's step end to the handler",
+                list(self.deliveries),
+                sum(1 for x in o if x.delivery_ms),
+            ),
+            ("transport", "HTTP outside the handler, both ways", [x.transport_ms for x in o], n),
         )
         return tuple(
-            OverheadTerm(n, m, percentile(xs, 50), percentile(xs, 90), len(xs)) for n, m, xs in rows
+            OverheadTerm(name, what, percentile(xs, 50), percentile(xs, 90), num)
+            for name, what, xs, num in rows
         )
 
 
@@ -520,9 +544,20 @@ def overheads_of(
                 max(0.0, handoff),
                 max(0.0, ttft - t.server_ttft_ms),
                 wake,
+                _deliveries(t, max(0.0, handoff)),
             )
         )
     return tuple(out)
+
+
+def _deliveries(t: RequestTiming, handoff_ms: float) -> tuple[float, ...]:
+    """The delay of each output after the first, from its token's step end to the
+    handler (module doc, 5): the handler's time of its i-th output less the engine's
+    time of the i-th token (each from its first), plus the first one's handoff; at
+    least 0. Where the text stream held a token back (it completed no character) the
+    i-th output is a later token's, and the delay spans the steps it waited."""
+    e, h = t.engine_token_ms, t.handler_token_ms
+    return tuple(max(0.0, handoff_ms + h[i] - e[i]) for i in range(1, min(len(e), len(h))))
 
 
 # --------------------------------------------------------------------- replaying
@@ -571,6 +606,8 @@ def replay(
     were sent, with their own token counts (prompts of distinct token ids: the bench's
     share no prefix), each with a measured overhead drawn for it (module doc)."""
     trace, shift = _replay_trace(records, model, seed)
+    deliveries = model.deliveries
+    delivery_rng = random.Random(f"fit-delivery:{seed}")
     cfg = _config(sched)
     step = model.step
     noise = None if step.noise is None else dataclasses.replace(step.noise, seed=seed)
@@ -593,7 +630,18 @@ def replay(
             metrics = list(cluster.requests)
     except InvalidArgument as e:
         raise FitError(f"--fit: the simulator refused the replay: {e}") from None
-    return [_as_client_saw(m, shift[m.request_id]) for m in metrics]
+    return [
+        _as_client_saw(m, shift[m.request_id], _draw(deliveries, delivery_rng, m.num_output_tokens))
+        for m in metrics
+    ]
+
+
+def _draw(pool: Sequence[float], rng: random.Random, num_tokens: int) -> tuple[float, ...]:
+    """One measured delivery per output after the first (none when nothing was measured:
+    each then arrives as the first did)."""
+    if not pool:
+        return ()
+    return tuple(pool[rng.randrange(len(pool))] for _ in range(max(0, num_tokens - 1)))
 
 
 def _replay_trace(
@@ -617,13 +665,25 @@ def _replay_trace(
     return trace, shift
 
 
-def _as_client_saw(m: RequestMetrics, o: RequestOverhead) -> RequestMetrics:
-    """Times from the client's send to the client holding each token."""
+def _as_client_saw(
+    m: RequestMetrics, o: RequestOverhead, deliveries: Sequence[float] = ()
+) -> RequestMetrics:
+    """Times from the client's send to the client holding each token: the first after
+    the request's handoff, each later one after its own drawn delivery (``deliveries``;
+    the handoff when none), never before the one before it (a stream is in order)."""
+    times: list[float] = []
+    for i, t in enumerate(m.token_times_ms):
+        delay = deliveries[i - 1] if 0 < i <= len(deliveries) else o.handoff_ms
+        at = t + delay + o.transport_ms / 2
+        times.append(max(at, times[-1]) if times else at)
+    finished = None if m.finished_ms is None else m.finished_ms + o.deliver_ms
+    if finished is not None and times:
+        finished = max(finished, times[-1])
     return dataclasses.replace(
         m,
         arrival_ms=m.arrival_ms - o.admit_ms,
-        token_times_ms=tuple(t + o.deliver_ms for t in m.token_times_ms),
-        finished_ms=None if m.finished_ms is None else m.finished_ms + o.deliver_ms,
+        token_times_ms=tuple(times),
+        finished_ms=finished,
     )
 
 

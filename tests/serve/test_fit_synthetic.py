@@ -3,8 +3,9 @@
 The synthetic server below is a small discrete-event model written here, apart from the
 simulator: continuous batching (every running request decodes each step; the prompts
 added before a step are prefilled whole in it), a step of ``a + f*[P>0] + b*P + c*D``
-ms times a seeded scatter factor (median 1), the loop's gap after each step, and per
-request a known front, wake, handoff and HTTP transport. It writes what a real run
+ms times a seeded scatter factor (median 1), the loop's gap after each step, per
+request a known front, wake, handoff and HTTP transport, and per later token a known
+delivery to the handler (in order). It writes what a real run
 leaves: the server's step records and per-request checkpoints, and the client's
 records. The fit must recover the terms and the overheads, and its replay (refserve's
 scheduler on the simulator) must predict the synthetic server's TTFT and TBT P50/P90
@@ -36,9 +37,12 @@ from refserve.serve.request_timing import RequestTiming
 #: How close the replay must come to the synthetic server (relative error).
 TOLERANCE = 0.15
 REPLAYS = 4
-TRUE = {"a": 1.0, "f": 6.0, "b": 0.03, "c": 2.5}
+TRUE = {"a": 1.0, "f": 6.0, "b": 0.03, "c": 3.0}
 GAP_MS = (0.2, 1.0)  # uniform
 FRONT_MS, WAKE_MS, HANDOFF_MS, TRANSPORT_MS = (0.05, 0.15), (0.0, 1.0), (0.5, 2.5), (2.0, 8.0)
+#: Each later token, from its step end to the handler: mostly at once, one in
+#: :data:`STALL_P` after a stall (a server's event loop waiting on the GIL).
+DELIVERY_MS, STALL_MS, STALL_P = (0.0, 0.5), (4.0, 20.0), 0.2
 SLO = Slo(ttft_ms=30.0, tpot_ms=6.0)  # binding for part of the requests
 SCHED: dict[str, Any] = {
     "max_num_batched_tokens": 8192,
@@ -59,9 +63,20 @@ class _Live:
     rec: Record
     added_ms: float
     left: int  # tokens still to produce
-    deliver_ms: float
+    transport_ms: float
     handoff_ms: float
     timing: dict[str, float] = field(default_factory=dict)
+    ends: list[float] = field(default_factory=list)  # the steps of its tokens
+    handler: list[float] = field(default_factory=list)  # the handler holding each
+
+    def deliver(self, end: float, delay: float) -> None:
+        """A token of the step ending at ``end`` reaches the handler ``delay`` later, and
+        the client half the transport after that; never before the token before it."""
+        at = end + delay
+        self.ends.append(end)
+        self.handler.append(max(at, self.handler[-1]) if self.handler else at)
+        self.rec.chunk_times_s.append((self.handler[-1] + self.transport_ms / 2) / 1e3)
+        self.left -= 1
 
 
 def _step_ms(p: int, d: int, rng: random.Random) -> float:
@@ -83,7 +98,7 @@ def synthetic_run(
         tr, front = rng.uniform(*TRANSPORT_MS), rng.uniform(*FRONT_MS)
         handoff = rng.uniform(*HANDOFF_MS)
         rec = Record(f"r{i}", t / 1e3, sent_s=t / 1e3, prompt_tokens=prompt, completion_tokens=out)
-        live = _Live(rec, 0.0, out, handoff + tr / 2, handoff)
+        live = _Live(rec, 0.0, out, tr, handoff)
         live.timing = {"received": t + tr / 2, "queued": t + tr / 2 + front}
         pending.append((live.timing["queued"], live, prompt))
     steps: list[StepSample] = []
@@ -110,31 +125,32 @@ def synthetic_run(
         gap = None if last_end is None else start - last_end
         steps.append(StepSample(ms, p, d, gap, start / 1e3))
         for live in running:
-            live.rec.chunk_times_s.append((end + live.deliver_ms) / 1e3)
-            live.left -= 1
+            stalled = rng.random() < STALL_P
+            live.deliver(end, rng.uniform(*(STALL_MS if stalled else DELIVERY_MS)))
         for live, _ in joining:
-            first = end + live.deliver_ms
-            live.rec.first_token_s = first / 1e3
-            live.rec.chunk_times_s.append(first / 1e3)
-            live.left -= 1
+            live.deliver(end, live.handoff_ms)
+            live.rec.first_token_s = live.rec.chunk_times_s[0]
+            running.append(live)
+        for live in [x for x in running if x.left == 0]:
+            running.remove(live)
+            live.rec.status = "ok"
+            live.rec.finish_s = live.rec.chunk_times_s[-1]
             tm = live.timing
+            e0, h0 = live.ends[0], live.handler[0]
             timings.append(
                 RequestTiming(
                     len(timings),
                     tm["received"] / 1e3,
                     tm["queued"] / 1e3,
                     live.added_ms / 1e3,
-                    (end + live.handoff_ms) / 1e3,
-                    end - live.added_ms,
+                    h0 / 1e3,
+                    e0 - live.added_ms,
                     live.rec.id,
+                    engine_token_ms=tuple(t - e0 for t in live.ends),
+                    handler_token_ms=tuple(t - h0 for t in live.handler),
                     added_s=live.added_ms / 1e3,
                 )
             )
-            running.append(live)
-        for live in [x for x in running if x.left == 0]:
-            running.remove(live)
-            live.rec.status = "ok"
-            live.rec.finish_s = live.rec.chunk_times_s[-1]
         last_end = end
         clock = end + rng.uniform(*GAP_MS)
     records = [x[1].rec for x in pending]
@@ -171,6 +187,13 @@ def test_the_fit_recovers_the_known_terms() -> None:
     mid = {"front": FRONT_MS, "wake": WAKE_MS, "handoff": HANDOFF_MS, "transport": TRANSPORT_MS}
     for name, (lo, hi) in mid.items():
         assert medians[name] == pytest.approx((lo + hi) / 2, rel=0.2, abs=0.05), name
+    # The delivery's true median and P90 (the mixture's), a little above where a stall
+    # also holds the token after it back.
+    (delivery,) = (o for o in model.overhead_terms if o.name == "delivery")
+    true_p50 = DELIVERY_MS[1] * 0.5 / (1 - STALL_P)
+    true_p90 = STALL_MS[0] + (STALL_MS[1] - STALL_MS[0]) * (0.9 - (1 - STALL_P)) / STALL_P
+    assert delivery.p50_ms == pytest.approx(true_p50, rel=0.3)
+    assert delivery.p90_ms == pytest.approx(true_p90, rel=0.15)
 
 
 def test_the_replay_predicts_the_synthetic_server() -> None:
@@ -193,3 +216,16 @@ def test_the_replay_without_the_overheads_is_caught() -> None:
     model = dataclasses.replace(model_of(steps, SCHED, records, timings), overheads=())
     errors = _errors(compare(records, replay(records, model, SCHED), SLO, span))
     assert errors["TTFT P50"] < -TOLERANCE, errors
+
+
+def test_the_replay_without_each_tokens_delivery_is_caught() -> None:
+    """Every later token delivered as the first one was (the fit before it measured
+    each): the simulated token gaps are the bare step gaps, and the TBT P90 falls short."""
+    steps, timings, records, span = synthetic_run()
+    model = model_of(steps, SCHED, records, timings)
+    assert len(model.deliveries) > len(records)  # measured per token, not per request
+    bare = dataclasses.replace(
+        model, overheads=tuple(dataclasses.replace(o, delivery_ms=()) for o in model.overheads)
+    )
+    errors = _errors(compare(records, replay_pooled(records, bare, SCHED, REPLAYS), SLO, span))
+    assert errors["TBT P90"] < -TOLERANCE, errors
