@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from refserve.conformance.bench.machine import describe, load_average, machine_line
+from refserve.conformance.bench.machine import Provenance, machine_line
 
 SIDES = ("base", "new")
 FORMAT = "refserve-bench-ab"
@@ -148,22 +148,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be >= 1")
     # The checkouts are named by commit, not by path: a path means nothing on another
     # machine, and the commit says exactly which code each side ran.
-    record: dict[str, Any] = {
-        "format": FORMAT,
-        "command": (
-            f"python -m refserve.conformance.bench.ab --base BASE --new NEW --rounds {args.rounds} "
-            + " ".join(args.tests)
-        ),
-        "base_commit": commit_of(args.base),
-        "new_commit": commit_of(args.new),
-    }
-    record["machine"] = describe()
+    provenance = Provenance.start(
+        f"python -m refserve.conformance.bench.ab --base BASE --new NEW --rounds {args.rounds} "
+        + " ".join(args.tests)
+    )
+    commits = {"base_commit": commit_of(args.base), "new_commit": commit_of(args.new)}
     try:
         figures = interleave(args.base.resolve(), args.new.resolve(), args.tests, args.rounds)
     except RuntimeError as e:
         print(f"ab: {e}", file=sys.stderr)
         return 2
-    record["load_after"] = load_average()
+    record: dict[str, Any] = {**provenance.header(FORMAT), **commits}
     record["figures"] = [
         {"name": f.name, "base_s": list(f.base), "new_s": list(f.new), "ratio": f.ratio}
         for f in figures

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import platform
+import time
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -65,3 +67,32 @@ def machine_line(m: dict[str, Any]) -> str:
         f"average (1 / 5 / 15 min) {load} at the start; {m.get('platform', 'unknown OS')}, "
         f"Python {m.get('python', '?')}, torch {m.get('torch') or 'not installed'}"
     )
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """How a benchmark ran, as the head of its JSON records it: the command that reruns
+    it, when it started and the machine then (:func:`describe`: its load average is
+    what the run started on); the load average after is read when the head is written,
+    at the end. One head for every writer, so the renderer reads them alike."""
+
+    command: str
+    when: str
+    machine: dict[str, Any]
+
+    @staticmethod
+    def start(command: str) -> Provenance:
+        """Recorded before the run."""
+        return Provenance(command, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), describe())
+
+    def header(self, fmt: str, version: int = 1) -> dict[str, Any]:
+        """The JSON's first keys: ``format``, ``version``, ``command``, ``when``,
+        ``machine``, ``load_after``."""
+        return {
+            "format": fmt,
+            "version": version,
+            "command": self.command,
+            "when": self.when,
+            "machine": self.machine,
+            "load_after": load_average(),
+        }

@@ -18,7 +18,6 @@ per-step lists, all freed again when the step's objects go.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import json
 import shlex
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 
 from refserve.conformance.bench import workload as W
-from refserve.conformance.bench.machine import describe, machine_line
+from refserve.conformance.bench.machine import Provenance, machine_line
 from refserve.core.config import SchedulerConfig
 from refserve.core.inputs import build_inputs
 from refserve.core.request import Request, StopParams
@@ -146,10 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if any(n < 1 for n in args.sizes):
         p.error("every size must be >= 1")
-    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    machine = describe()  # before the run: its load average is what the run started on
-    command = "python -m refserve.conformance.bench.memory " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+    provenance = Provenance.start(
+        "python -m refserve.conformance.bench.memory "
+        + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     )
     figures = []
     for n in args.sizes:
@@ -161,12 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     doc = {
-        "format": FORMAT,
-        "version": 1,
-        "command": command,
-        "when": when,
-        "machine": machine,
-        "load_after": describe()["load_average"],
+        **provenance.header(FORMAT),
         "workload": {
             "block_size": W.BLOCK_SIZE,
             "prompt_tokens": [W.MIN_PROMPT, W.MAX_PROMPT],
@@ -177,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for path, text in (
         (args.json, json.dumps(doc, indent=2)),
-        (args.markdown, markdown(figures, when, machine)),
+        (args.markdown, markdown(figures, provenance.when, provenance.machine)),
     ):
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import json
 import shlex
 import signal
@@ -34,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from refserve.conformance.bench.machine import describe
+from refserve.conformance.bench.machine import Provenance
 
 FORMAT = "refserve-bench-simfit"
 #: The figures the target holds to (relative error of the simulator).
@@ -174,10 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--replicas: comma-separated counts, got {args.replicas!r}")
     if not counts or any(n < 1 for n in counts):
         p.error("--replicas: every count must be >= 1")
-    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    machine = describe()  # before the run: its load average is what the run started on
-    command = "python -m refserve.conformance.bench.simfit " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+    provenance = Provenance.start(
+        "python -m refserve.conformance.bench.simfit "
+        + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     )
     runs = []
     for n in counts:
@@ -187,12 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"simfit: {n} replica(s): {e}", file=sys.stderr)
             return 1
     doc = {
-        "format": FORMAT,
-        "version": 1,
-        "command": command,
-        "when": when,
-        "machine": machine,
-        "load_after": describe()["load_average"],
+        **provenance.header(FORMAT),
         "workload": {
             "model": args.model,
             "trace": args.trace,

@@ -57,6 +57,7 @@ from typing import Any
 
 import httpx
 
+from refserve.conformance.bench.machine import Provenance
 from refserve.errors import InvalidArgument
 from refserve.values import is_number
 
@@ -638,19 +639,11 @@ def summary(soak: Soak) -> dict[str, Any]:
     }
 
 
-def report_doc(
-    soak: Soak, command: str, backend: str, machine: dict[str, Any], when: str, note: str = ""
-) -> dict[str, Any]:
-    """The JSON of a run; ``machine`` and ``when`` as recorded when it started."""
-    from refserve.conformance.bench.machine import load_average
-
+def report_doc(soak: Soak, provenance: Provenance, backend: str, note: str = "") -> dict[str, Any]:
+    """The JSON of a run; its provenance as recorded when it started."""
     settings = asdict(soak.settings)
     return {
-        "format": FORMAT,
-        "command": command,
-        "when": when,
-        "machine": machine,
-        "load_after": load_average(),
+        **provenance.header(FORMAT),
         "backend": backend,
         "note": note,
         "settings": settings,
@@ -704,9 +697,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     s = SoakSettings(duration_s=args.duration, rate_rps=args.rate, seed=args.seed,
                      kill_every_s=args.kill_every, rss_bound_mib=args.rss_bound_mib)  # fmt: skip
-    from refserve.conformance.bench.machine import describe
-
-    machine, when = describe(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    # What reruns it (the note, which changes no figure, left out).
+    command = shlex.join(
+        ["python", "-m", "refserve.conformance.bench.soak", "--duration", f"{s.duration_s:g}",
+         "--rate", f"{s.rate_rps:g}", "--seed", str(s.seed), "--kill-every",
+         f"{s.kill_every_s:g}", "--backend", args.backend, "--model", args.model,
+         "--rss-bound-mib", f"{s.rss_bound_mib:g}", "--json", str(args.json)]
+    )  # fmt: skip
+    provenance = Provenance.start(command)
     log = args.json.with_suffix(".server.log")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     proc, url = start_server(s, args.backend, args.model, log)
@@ -721,14 +719,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rc = -9
     if rc != 0:
         soak.failures.append(f"server: exit status {rc} after SIGTERM (want 0: drained)")
-    # What reruns it (the note, which changes no figure, left out).
-    command = shlex.join(
-        ["python", "-m", "refserve.conformance.bench.soak", "--duration", f"{s.duration_s:g}",
-         "--rate", f"{s.rate_rps:g}", "--seed", str(s.seed), "--kill-every",
-         f"{s.kill_every_s:g}", "--backend", args.backend, "--model", args.model,
-         "--rss-bound-mib", f"{s.rss_bound_mib:g}", "--json", str(args.json)]
-    )  # fmt: skip
-    doc = report_doc(soak, command, args.backend, machine, when, args.note)
+    doc = report_doc(soak, provenance, args.backend, args.note)
     args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     sm = doc["summary"]
     restarts = sm["server"].get("replica_restarts_total")
