@@ -140,7 +140,25 @@ def _sum(label: str, counts: Sequence[FileCounts]) -> FileCounts:
 
 
 def _labels(run: MutationRun) -> list[str]:
-    return list(dict.fromkeys(c.label for c in run.counts))
+    return list(dict.fromkeys(c.label for c in _framed(run)))
+
+
+def _framed(run: MutationRun) -> list[FileCounts]:
+    """The files a run drew from: every file of the scope, or those of the modules a
+    sample was limited to (the other files' mutants could not be drawn)."""
+    modules = run.selection.modules
+    if run.selection.kind == "every" or not modules:
+        return list(run.counts)
+    return [
+        c
+        for c in run.counts
+        if any(
+            m == mod or m.startswith(mod + ".")
+            for f in c.files
+            for m in [f.removesuffix(".py").replace("/", ".")]
+            for mod in modules
+        )
+    ]
 
 
 def _score_row(run: MutationRun, c: FileCounts, since: int) -> str:
@@ -172,7 +190,7 @@ def _scores(runs: Sequence[MutationRun]) -> list[str]:
     ]
     for run in runs:
         for label in _labels(run):
-            c = _sum(label, [x for x in run.counts if x.label == label])
+            c = _sum(label, [x for x in _framed(run) if x.label == label])
             lines.append(_score_row(run, c, _killed_since(run, label)))
     return [*lines, ""]
 
@@ -181,7 +199,7 @@ def _selection(run: MutationRun) -> str:
     s = run.selection
     if s.kind == "every":
         return "every mutant of the scope"
-    frame = sum(c.frame for c in run.counts)
+    frame = sum(c.frame for c in _framed(run))
     within = f" of {', '.join(f'`{m}`' for m in s.modules)}" if s.modules else ""
     return (
         f"a uniform sample of {s.size:,} of the {frame:,} mutants{within}, drawn with "

@@ -568,7 +568,7 @@ def source_changed(engine: Engine, ticket: MigrationTicket) -> bool:
 class Ticket(Protocol):
     """What the driver reads of a ticket: :class:`~refserve.engine.ticket.MigrationTicket`
     between engines; the cluster simulator's own ticket between simulated replicas
-    (ref/cluster/sim_ends.py), whose K/V is a size, not bytes."""
+    (ref/cluster/sim_migration.py), whose K/V is a size, not bytes."""
 
     @property
     def request_id(self) -> str: ...

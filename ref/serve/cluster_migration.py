@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
+from refserve.cluster.errors import ReplicaDead
 from refserve.cluster.migration import TicketDestination, TicketImport, TicketSource
 from refserve.cluster.replica import Replica
 from refserve.core.migration_cost import KVMode, MigrationCost
@@ -72,8 +73,8 @@ def move(
     def hold() -> None:
         parked.set()
         resume.wait()
-        if source.release_error is not None:  # died in the release: the loop buries it
-            raise source.release_error
+        if source.death is not None:  # it died during the move: its loop buries it
+            raise source.death
 
     held = a.run_sync(hold)
     try:
@@ -99,6 +100,17 @@ class ParkedSource(TicketSource):
         super().__init__(loop.replica)
         self.loop = loop
         self.sink: OutputSink | None = None
+        self.death: ReplicaDead | None = None  # seen by a call to it during the move
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except ReplicaDead as e:
+            self.death = e
+            raise
+
+    def export_state(self, request_id: str) -> RequestState:
+        return self._call(lambda: super(ParkedSource, self).export_state(request_id))
 
     def export_request(
         self,
@@ -110,8 +122,10 @@ class ParkedSource(TicketSource):
         hit_tokens: int = 0,
         idle: float = 1.0,
     ) -> MigrationTicket:
-        ticket = super().export_request(
-            request_id, kv=kv, inline=inline, cost=cost, hit_tokens=hit_tokens, idle=idle
+        ticket = self._call(
+            lambda: super(ParkedSource, self).export_request(
+                request_id, kv=kv, inline=inline, cost=cost, hit_tokens=hit_tokens, idle=idle
+            )
         )
         self.sink = self.loop.sinks.get(request_id)
         if self.sink is None:
@@ -125,6 +139,7 @@ class ParkedSource(TicketSource):
         # source dying in the release fails only its own requests.
         self.loop.sinks.pop(request_id, None)
         super().release_request(request_id)
+        self.death = self.death or self.release_error
 
 
 class LoopDestination(TicketDestination):

@@ -278,3 +278,20 @@ def test_a_path_inside_the_checkout_is_recorded_relative_to_it() -> None:
     inside = run.ROOT / "docs" / "mutation" / "reasons.txt"
     assert run.shown(str(inside)) == "docs/mutation/reasons.txt"
     assert run.shown("--seed") == "--seed" and run.shown("/elsewhere/x") == "/elsewhere/x"
+
+
+def test_a_sample_limited_to_modules_reports_their_frame_only() -> None:
+    """The scope's other files could not be drawn: neither their mutants (the frame a
+    sample is "N of") nor their packages (a row of n/a) belong to the run's report."""
+    from refserve.conformance.mutation import report
+
+    counts = (
+        FileCounts(FILES[:1], "refserve.kv", 40, killed=8, timeout=1, survived=1),
+        FileCounts(FILES[1:], "refserve.core", 300),
+    )
+    text = report.render([("x.json", _run(counts=counts))])
+    assert "a uniform sample of 10 of the 40 mutants of `refserve.kv`" in text
+    assert "| refserve.kv | 2026-01-02 03:04 UTC | 10 of 40 |" in text
+    assert "| refserve.core | 2026-01-02" not in text
+    every = _run(counts=counts, selection=Selection("every", None, None, ()))
+    assert "| refserve.core | 2026-01-02 03:04 UTC | 0 |" in report.render([("x.json", every)])

@@ -337,6 +337,46 @@ def test_a_destination_that_does_not_import_in_time_leaves_the_request_running(
     assert after == before + 1
 
 
+class DiesAtExport(InProcessReplica):
+    """A replica found dead when a move reads it (its actor gone between two steps)."""
+
+    def export_request(self, *args: Any, **kwargs: Any) -> Any:
+        raise ReplicaDead(0, "gone at the export (planted)")
+
+
+def test_a_source_found_dead_by_a_move_is_buried() -> None:
+    """The driver reads the source from the caller's thread while the source's thread is
+    parked; a death it meets there is the loop's to handle as any other: the move fails
+    with it, the replica is buried, and its request ends once with the typed error."""
+    engines = [LLMEngine(MODEL, scheduler_config=cluster_config()) for _ in range(2)]
+    handle = start_cluster([DiesAtExport(e) for e in engines], router="round_robin")
+    try:
+        loop = cluster_loop(handle)
+        first = threading.Event()
+        rid: list[str] = []
+        result: dict[str, Any] = {}
+
+        def on_event(e: dict[str, Any]) -> None:
+            if not rid:
+                rid.append(e["id"])
+                first.set()
+
+        streaming = threading.Thread(
+            target=lambda: result.update(stream_completion(handle.base_url, PROMPT, 400, on_event)),
+            daemon=True,
+        )
+        streaming.start()
+        assert first.wait(TIMEOUT_S)
+        src = loop.owners()[rid[0]]
+        with pytest.raises(ReplicaDead, match="gone at the export"):
+            loop.migrate(rid[0], 1 - src)
+        assert _wait(lambda: loop.loops[src].dead is not None)
+        streaming.join(TIMEOUT_S)
+        assert result["error"] is not None and rid[0] not in loop.owners(), result
+    finally:
+        handle.stop()
+
+
 class MortalReplica(InProcessReplica):
     """An in-process replica that can die as a Ray one does: once ``doomed``, its next
     step raises :class:`ReplicaDead`, and so does every call after it."""
