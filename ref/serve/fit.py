@@ -42,7 +42,7 @@ each part and models it:
    token after the first reaches the client one such delay, drawn from all of them
    (seeded), plus half the transport after its step, never before the token before it.
    Without it every simulated token gap is a step gap, and the TBT P90 comes out
-   15-20 % below the clients'.
+   12-17 % below the clients' (measured).
 
 Then the same requests (their send times, their token counts from ``usage``) are
 replayed (:data:`REPLAYS` times, seeded, pooled) in the simulator with the server's
