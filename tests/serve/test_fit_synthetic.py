@@ -70,11 +70,10 @@ class _Live:
     handler: list[float] = field(default_factory=list)  # the handler holding each
 
     def deliver(self, end: float, delay: float) -> None:
-        """A token of the step ending at ``end`` reaches the handler ``delay`` later, and
-        the client half the transport after that; never before the token before it."""
-        at = end + delay
+        """The handler takes up a token of the step ending at ``end`` once it handled the
+        token before, and holds it ``delay`` later; the client half the transport after."""
         self.ends.append(end)
-        self.handler.append(max(at, self.handler[-1]) if self.handler else at)
+        self.handler.append(max(end, self.handler[-1] if self.handler else end) + delay)
         self.rec.chunk_times_s.append((self.handler[-1] + self.transport_ms / 2) / 1e3)
         self.left -= 1
 
