@@ -394,8 +394,9 @@ KINDS: dict[str, Kind] = {
             _simfit_body,
             "`refserve serve` with one replica and with two, each loaded by `bench-serve "
             "--fit`: the fit (the step's terms by median regression, the loop's time "
-            "between steps, the step's scatter, the time around the engine per request; "
-            "ref/serve/fit.py) and the simulator's error on the same requests. A measured "
+            "between steps, the step's scatter, the time around the engine per request, "
+            "each later token's delivery to the handler; ref/serve/fit.py) and the "
+            "simulator's error on the same requests. A measured "
             "P99 rests on a few requests: its 90 % interval (the run's requests "
             "resampled) is the yardstick of its error.",
         ),
