@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -256,41 +257,57 @@ def test_a_replica_found_dead_at_admission_is_routed_around() -> None:
         lone.stop()
 
 
+@dataclass
+class _Stream:
+    """A greedy streamed completion read in a thread of its own, started and seen to
+    deliver its first event (so it is live on a replica): its request id, and what
+    ``stream_completion`` returns once the thread ends."""
+
+    thread: threading.Thread
+    request_id: str
+    result: dict[str, Any]
+
+    @staticmethod
+    def start(base_url: str, max_tokens: int) -> _Stream:
+        first = threading.Event()
+        rid: list[str] = []
+        result: dict[str, Any] = {}
+
+        def on_event(e: dict[str, Any]) -> None:
+            if not rid:
+                rid.append(e["id"])
+                first.set()
+
+        thread = threading.Thread(
+            target=lambda: result.update(stream_completion(base_url, PROMPT, max_tokens, on_event)),
+            daemon=True,
+        )
+        thread.start()
+        assert first.wait(TIMEOUT_S)
+        return _Stream(thread, rid[0], result)
+
+
 def test_an_abort_that_waited_through_a_migration_follows_the_request(
     cluster: ServerThread,
 ) -> None:
     """The abort of a client that went away, queued on the source while the request was
     moving, reaches the destination: the request ends (``abort``), not left running."""
     loop = cluster_loop(cluster)
-    first = threading.Event()
-    rid: list[str] = []
-    result: dict[str, Any] = {}
-
-    def on_event(e: dict[str, Any]) -> None:
-        if not rid:
-            rid.append(e["id"])
-            first.set()
-
-    streaming = threading.Thread(
-        target=lambda: result.update(stream_completion(cluster.base_url, PROMPT, 400, on_event)),
-        daemon=True,
-    )
-    streaming.start()
-    assert first.wait(TIMEOUT_S)
-    src = loop.owners()[rid[0]]
+    stream = _Stream.start(cluster.base_url, 400)
+    src = loop.owners()[stream.request_id]
     a, b = loop.loops[src], loop.loops[1 - src]
     gate = threading.Event()
     b.run_sync(lambda: gate.wait(TIMEOUT_S))  # the destination's thread held
-    moving = threading.Thread(target=lambda: loop.migrate(rid[0], b.index), daemon=True)
+    moving = threading.Thread(target=lambda: loop.migrate(stream.request_id, b.index), daemon=True)
     moving.start()
     # The source exported and waits for the import (a no-op command there stays queued);
     # the abort queues behind it.
     assert _wait(lambda: not _completes(a.run_sync(lambda: None), 0.3))
-    loop.abort(rid[0])
+    loop.abort(stream.request_id)
     gate.set()
     moving.join(TIMEOUT_S)
-    streaming.join(TIMEOUT_S)
-    assert result["reason"] == "abort", result
+    stream.thread.join(TIMEOUT_S)
+    assert stream.result["reason"] == "abort", stream.result
     assert b.run_sync(b.replica.request_ids).result(TIMEOUT_S) == ()
     assert a.run_sync(a.replica.request_ids).result(TIMEOUT_S) == ()
     assert loop.owners() == {}
@@ -304,34 +321,20 @@ def test_a_destination_that_does_not_import_in_time_leaves_the_request_running(
     (never run late: the request would live twice), and the request finishes on the
     source with the greedy text, its stream unbroken."""
     loop = cluster_loop(cluster)
-    first = threading.Event()
-    rid: list[str] = []
-    result: dict[str, Any] = {}
-
-    def on_event(e: dict[str, Any]) -> None:
-        if not rid:
-            rid.append(e["id"])
-            first.set()
-
-    streaming = threading.Thread(
-        target=lambda: result.update(stream_completion(cluster.base_url, PROMPT, 48, on_event)),
-        daemon=True,
-    )
-    streaming.start()
-    assert first.wait(TIMEOUT_S)
-    src = loop.owners()[rid[0]]
+    stream = _Stream.start(cluster.base_url, 48)
+    src = loop.owners()[stream.request_id]
     b = loop.loops[1 - src]
     gate = threading.Event()
     b.run_sync(lambda: gate.wait(TIMEOUT_S))  # the destination's thread held
     before = metric(cluster, "refserve:migrations_total", model_name=MODEL, outcome="aborted")
     with pytest.raises(MigrationError, match=f"replica {b.index} did not import"):
-        loop.migrate(rid[0], b.index, kv="transfer", timeout_s=0.5)
-    assert loop.owners()[rid[0]] == src
+        loop.migrate(stream.request_id, b.index, kv="transfer", timeout_s=0.5)
+    assert loop.owners()[stream.request_id] == src
     gate.set()
-    streaming.join(TIMEOUT_S)
-    assert result["error"] is None and result["reason"] == "length", result
+    stream.thread.join(TIMEOUT_S)
+    assert stream.result["error"] is None and stream.result["reason"] == "length", stream.result
     reference = LLMEngine(MODEL, scheduler_config=cluster_config())
-    assert result["text"] == _greedy(reference, PROMPT, 48)
+    assert stream.result["text"] == _greedy(reference, PROMPT, 48)
     assert b.run_sync(b.replica.request_ids).result(TIMEOUT_S) == ()
     after = metric(cluster, "refserve:migrations_total", model_name=MODEL, outcome="aborted")
     assert after == before + 1
@@ -352,27 +355,14 @@ def test_a_source_found_dead_by_a_move_is_buried() -> None:
     handle = start_cluster([DiesAtExport(e) for e in engines], router="round_robin")
     try:
         loop = cluster_loop(handle)
-        first = threading.Event()
-        rid: list[str] = []
-        result: dict[str, Any] = {}
-
-        def on_event(e: dict[str, Any]) -> None:
-            if not rid:
-                rid.append(e["id"])
-                first.set()
-
-        streaming = threading.Thread(
-            target=lambda: result.update(stream_completion(handle.base_url, PROMPT, 400, on_event)),
-            daemon=True,
-        )
-        streaming.start()
-        assert first.wait(TIMEOUT_S)
-        src = loop.owners()[rid[0]]
+        stream = _Stream.start(handle.base_url, 400)
+        src = loop.owners()[stream.request_id]
         with pytest.raises(ReplicaDead, match="gone at the export"):
-            loop.migrate(rid[0], 1 - src)
+            loop.migrate(stream.request_id, 1 - src)
         assert _wait(lambda: loop.loops[src].dead is not None)
-        streaming.join(TIMEOUT_S)
-        assert result["error"] is not None and rid[0] not in loop.owners(), result
+        stream.thread.join(TIMEOUT_S)
+        assert stream.result["error"] is not None, stream.result
+        assert stream.request_id not in loop.owners()
     finally:
         handle.stop()
 
