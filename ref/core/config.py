@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from refserve.core.cost import StepCost
+from refserve.core.mlfq_settings import MlfqSettings
 from refserve.core.swap import PreemptionMode, RetentionPolicy, SwapCost
+
+__all__ = ["Admission", "MlfqSettings", "PolicyName", "SchedulerConfig"]
 from refserve.errors import InvalidArgument
 from refserve.values import is_int, is_number
 
@@ -33,6 +36,7 @@ class PolicyName(StrEnum):
     DECODE_FIRST = "decode-first"
     STATIC = "static"
     TENANT_FAIR = "tenant-fair"
+    MLFQ = "mlfq"
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,8 @@ class SchedulerConfig:
     # Speculative decoding (docs/SPECULATIVE.md): the most draft tokens one decoding
     # request may have verified in a step (``Scheduler.propose``); 0 turns it off.
     num_speculative_tokens: int = 0
+    # The skip-join multi-level feedback queue's knobs (policy "mlfq"; ref/core/mlfq.py).
+    mlfq: MlfqSettings = field(default_factory=MlfqSettings)
 
     @property
     def pool_options(self) -> dict[str, bool]:
@@ -168,6 +174,8 @@ class SchedulerConfig:
                 allowed = ", ".join(m.value for m in kind)
                 raise InvalidArgument(f"{name} must be one of {allowed}, got {value!r}") from None
             object.__setattr__(self, name, member)
+        if not isinstance(self.mlfq, MlfqSettings):
+            raise InvalidArgument(f"mlfq must be MlfqSettings, got {self.mlfq!r}")
         if self.preemption_mode is not PreemptionMode.RECOMPUTE and not self.num_host_blocks:
             raise InvalidArgument(
                 f"preemption_mode {self.preemption_mode.value!r} needs num_host_blocks > 0"

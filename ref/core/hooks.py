@@ -45,6 +45,13 @@ class SuspensionManager(Protocol):
     def evict(self, victim: Request, step: StepBuild) -> None:
         """Free a preemption victim's device blocks (the spine drops them)."""
 
+    def park(self, victim: Request, step: StepBuild) -> None:
+        """Free the device blocks of a victim the policy expects back soon: its KV goes
+        to the host when the host pool can hold it, else it is dropped (recompute)."""
+
+    def host_room(self) -> int:
+        """Free blocks of the host pool (0: there is none)."""
+
     def readmit(self, r: Request, step: StepBuild, fits: Callable[[int], bool]) -> bool | None:
         """Admission of a waiting ``r`` whose KV this manager holds: True if its next
         tokens were scheduled, False if they do not fit now (``fits(n)``: the blocks for
@@ -155,6 +162,12 @@ class NoSuspension:
 
     def evict(self, victim: Request, step: StepBuild) -> None:
         self.pool.free(victim.request_id)
+
+    def park(self, victim: Request, step: StepBuild) -> None:
+        self.pool.free(victim.request_id)
+
+    def host_room(self) -> int:
+        return 0
 
     def readmit(self, r: Request, step: StepBuild, fits: Callable[[int], bool]) -> bool | None:
         return None

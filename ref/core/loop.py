@@ -195,6 +195,7 @@ class SchedulerLoop:
         self._unplace(r)
         del self.requests[request_id]
         self._backlog.clear(r)
+        self.policy.forget(request_id)
         return r
 
     @property
@@ -423,6 +424,7 @@ class SchedulerLoop:
                     granted[tenant] = granted.get(tenant, 0) + n
         # A live view, valid for the call: O(1) however many requests are backlogged.
         self.policy.on_commit(granted, self._backlog.tenants)
+        self.policy.on_step(plan, plan.step_index)
 
     def _tenant_of(self, request_id: str) -> str:
         r = self.requests.get(request_id) or next(
@@ -483,6 +485,7 @@ class SchedulerLoop:
         r.finished_ms = now_ms
         del self.requests[r.request_id]
         self._backlog.clear(r)
+        self.policy.forget(r.request_id)
         self.retired.append(r)
 
     def require_boundary(self, what: str) -> None:

@@ -20,7 +20,7 @@ from refserve.core.capacity import admission_blocks
 from refserve.core.config import SchedulerConfig
 from refserve.core.hooks import DecodeStrategy, ProposalSource, SuspensionManager
 from refserve.core.plan import PlanBuilder, PlannedFinish, StepPlan
-from refserve.core.policy import Policy
+from refserve.core.policy import Policy, Room
 from refserve.core.prefill import chunk, prefill_cap
 from refserve.core.request import FinishReason, Request
 from refserve.core.step_build import StepBuild
@@ -67,9 +67,11 @@ class Planner:
             self._timed_out(now_ms),
         )
         self.suspension.move_to_host(step)
+        self._displace(step)
         # Drafts are verified one request at a time: a strategy plans one token each.
         drafting = self.proposals.any()
-        strategy = None if drafting else decodes
+        # A displacement took requests out of the batch the strategy mirrors.
+        strategy = None if drafting or step.preempted else decodes
         bulk = strategy is not None and strategy.plan_decodes(step)
         if not bulk:
             self._decode_each(step, drafting=drafting)
@@ -80,6 +82,22 @@ class Planner:
         step.budget = min(step.budget, prefill_left)  # admission is prefill too
         self._admit(step)
         return step.build()
+
+    def _displace(self, step: StepBuild) -> None:
+        """Running requests the policy sets aside for waiting work it ranks higher
+        (a preemptive policy's; the others name none), before anything is planned."""
+        if not step.running:
+            return
+        room = Room(
+            self.pool.num_free_blocks,
+            self.config.max_num_seqs - len(step.running),
+            self.suspension.host_room(),
+            step.budget,
+        )
+        for d in self.policy.displace(step.running, room, step.plan.step_index):
+            self.suspension.park(d.request, step)
+            step.running.remove(d.request)
+            step.preempted.append(d.request.request_id)
 
     def _decode_each(self, step: StepBuild, *, drafting: bool) -> None:
         """The reference decode path: in admission order, preempting as needed."""

@@ -7,11 +7,34 @@ chunking) to itself, so the QoS policies can replace this one without touching i
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence, Set
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from refserve.core.config import PolicyName, SchedulerConfig
+from refserve.core.plan import StepPlan
 from refserve.core.request import Request
 from refserve.core.waiting import WaitingQueue, WaitingReader
+from refserve.errors import InvalidArgument
+
+
+class Room(NamedTuple):
+    """What a step starts with, for a policy that preempts for waiting work: free
+    device blocks, free running seats (``max_num_seqs`` less the running), free host
+    blocks (0: no host pool) and the token budget."""
+
+    free_blocks: int
+    free_seats: int
+    free_host_blocks: int
+    budget: int
+
+
+class Displacement(NamedTuple):
+    """A running request a policy preempts at the start of a step, and why: ``seat`` or
+    ``blocks`` for ``for_request``, the waiting request it ranks higher; ``headroom``
+    when the running requests' own next tokens would run short of blocks."""
+
+    request: Request
+    reason: str
+    for_request: str | None
 
 
 class Policy(Protocol):
@@ -45,6 +68,22 @@ class Policy(Protocol):
     def on_commit(self, prefill_tokens: Mapping[str, int], backlogged: Set[str]) -> None:
         """Told after each committed step: prefill tokens granted per tenant, and the
         tenants that still have prefill work queued or running."""
+        ...
+
+    def displace(
+        self, running: Sequence[Request], room: Room, step_index: int
+    ) -> Sequence[Displacement]:
+        """At the start of a step, the running requests to preempt for waiting work the
+        policy ranks above them (none: only a request short of a block preempts). Must
+        change nothing: the plan may be rolled back."""
+        ...
+
+    def on_step(self, plan: StepPlan, step_index: int) -> None:
+        """Told each committed plan (``step_index``: the step it was)."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """The request left the scheduler (finished, aborted or migrated away)."""
         ...
 
 
@@ -113,6 +152,17 @@ class DecodeFirst:
         return True
 
     def on_commit(self, prefill_tokens: Mapping[str, int], backlogged: Set[str]) -> None:
+        return None
+
+    def displace(
+        self, running: Sequence[Request], room: Room, step_index: int
+    ) -> Sequence[Displacement]:
+        return ()
+
+    def on_step(self, plan: StepPlan, step_index: int) -> None:
+        return None
+
+    def forget(self, request_id: str) -> None:
         return None
 
 
@@ -199,6 +249,9 @@ class TenantFair(DecodeFirst):
 
 def make_policy(config: SchedulerConfig) -> Policy:
     aging = config.aging_steps
+    if config.policy is PolicyName.MLFQ:
+        # An attachment (ref/core/mlfq.py): the spine's loop alone cannot run it.
+        raise InvalidArgument("policy 'mlfq' is an attachment: build a Scheduler, not the loop")
     if config.policy is PolicyName.STATIC:
         return Static(aging)
     if config.policy is PolicyName.TENANT_FAIR:

@@ -8,6 +8,8 @@ the loop first, then whichever attachment they need.
   :meth:`Scheduler.propose`;
 - n > 1 forks: ref/core/forks.py, with :meth:`Scheduler.fork`;
 - the bulk decode path: ref/core/bulk.py (the decode strategy);
+- the skip-join multi-level feedback queue (``policy="mlfq"``): ref/core/mlfq.py, a policy
+  object that also displaces running requests at the named point ``Policy.displace``;
 - migration: ref/core/transit.py, through the loop's transfer point (``require_boundary``,
   ``join``, ``leave``).
 
@@ -20,8 +22,9 @@ from collections.abc import Sequence
 
 from refserve.core import forks, suspend
 from refserve.core.bulk import BulkBatch, BulkDecodes
-from refserve.core.config import SchedulerConfig
+from refserve.core.config import PolicyName, SchedulerConfig
 from refserve.core.loop import SchedulerLoop, StepInProgress
+from refserve.core.mlfq import SkipJoinMlfq
 from refserve.core.policy import Policy
 from refserve.core.request import Request, StopParams
 from refserve.core.speculation import Proposals
@@ -38,6 +41,8 @@ class Scheduler(SchedulerLoop):
 
     def __init__(self, config: SchedulerConfig, policy: Policy | None = None) -> None:
         self._bulk = BulkBatch(config.block_size, config.max_len)
+        if policy is None and config.policy is PolicyName.MLFQ:
+            policy = SkipJoinMlfq(config)
         super().__init__(config, policy, batch=self._bulk)
         # The host-side pool that swapped and paused KV waits in (ref/kv/host_pool.py).
         self.host = HostPool(config.num_host_blocks, config.block_size)

@@ -155,6 +155,19 @@ class Suspension:
         else:
             self.pool.free(victim.request_id)
 
+    def park(self, victim: Request, step: StepBuild) -> None:
+        """A victim expected back soon (the multi-level queue's): swapped out whenever
+        the host pool can hold it and it could fit the device again, whatever the
+        preemption mode; else dropped for recompute."""
+        stored = victim.num_computed_tokens
+        if stored and self.host.can_hold(stored) and not never_fits(self.config, victim.num_tokens):
+            self._swap_out(victim, step)
+        else:
+            self.pool.free(victim.request_id)
+
+    def host_room(self) -> int:
+        return self.host.num_free_blocks if self.host.num_blocks else 0
+
     def _should_swap(self, victim: Request) -> bool:
         """Recompute or swap a preemption victim (ref/core/swap.py documents the rule)."""
         cfg = self.config

@@ -82,11 +82,21 @@ class WaitingQueue:
     """Waiting requests in admission order; see the module docstring for the design."""
 
     def __init__(
-        self, aging_steps: int = 0, *, by_tenant: bool = False, track_arrivals: bool = False
+        self,
+        aging_steps: int = 0,
+        *,
+        by_tenant: bool = False,
+        track_arrivals: bool = False,
+        group: Callable[[Request], str] | None = None,
     ) -> None:
+        """``by_tenant`` splits the queue by tenant, ``group`` by any key a policy gives
+        each request when it is queued (the multi-level queue's level): either way the
+        order reads the split's rank first (:meth:`ordered`'s ``tenant_rank``)."""
         assert aging_steps >= 0
+        assert not (by_tenant and group), "one split: by tenant or by group"
         self.aging_steps = aging_steps
-        self.by_tenant = by_tenant
+        self.by_tenant = by_tenant or group is not None
+        self._group = group
         self._heaps: dict[_HeapKey, _Heap] = {}
         self._live: dict[str, _Entry] = {}  # request id -> its current entry
         self._counter = 0  # queueings so far; also what ordered() checks for changes
@@ -129,7 +139,8 @@ class WaitingQueue:
             levels, phase = divmod(r.queued_step, self.aging_steps)
         else:
             levels, phase = 0, 0
-        key = _HeapKey(r.tenant if self.by_tenant else "", phase)
+        tenant = r.tenant if self.by_tenant else ""
+        key = _HeapKey(self._group(r) if self._group is not None else tenant, phase)
         # A NaN arrival never times out (every comparison is false) and would break the
         # heap's order, so it is not tracked.
         timed = (

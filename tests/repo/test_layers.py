@@ -316,6 +316,8 @@ ATTACHMENTS = tuple(
         "bulk",
         "transit",
         "migration_cost",
+        "mlfq",
+        "mlfq_settings",
     )
 )
 # Neither spine nor attachment: records other layers share that no scheduler code uses
@@ -341,10 +343,15 @@ KV_SPINE = tuple(
 KV_ATTACHMENTS = tuple(
     f"ref/kv/{m}.py" for m in ("decode_runs", "forks", "truncation", "host_pool")
 )
-# One edge the rule allows, with its reason: the configuration validates every setting
-# in one place, the swap's (preemption mode, swap cost, tool-wait retention) included,
-# and those setting types live with the swap rule that reads them.
-SETTINGS_EDGES = frozenset({("refserve.core.config", "refserve.core.swap")})
+# Two edges the rule allows, with their reason: the configuration validates every setting
+# in one place, the swap's (preemption mode, swap cost, tool-wait retention) and the
+# multi-level queue's included, and those setting types live with their attachment.
+SETTINGS_EDGES = frozenset(
+    {
+        ("refserve.core.config", "refserve.core.swap"),
+        ("refserve.core.config", "refserve.core.mlfq_settings"),
+    }
+)
 
 
 def spine_violations(root: Path, spine: tuple[str, ...], attachments: tuple[str, ...]) -> list[str]:
