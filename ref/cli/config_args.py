@@ -133,6 +133,50 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
         metavar="GBPS",
         help="host link bandwidth in GB/s, with --kv-bytes-per-token (default %(default)s)",
     )
+    mlfq = p.add_argument_group(
+        "skip-join MLFQ (--policy mlfq)",
+        "levels of growing quanta, service priced by --cost (ref/core/mlfq.py)",
+    )
+    mlfq.add_argument(
+        "--mlfq-queues",
+        type=int_at_most(16),
+        default=4,
+        metavar="K",
+        help="number of levels (default %(default)s; 1 to 16)",
+    )
+    mlfq.add_argument(
+        "--mlfq-quantum-ms",
+        type=finite_float(0, 1e6, lo_open=True),
+        default=8.0,
+        metavar="MS",
+        help="level 0's quantum of service in ms (default %(default)s)",
+    )
+    mlfq.add_argument(
+        "--mlfq-growth",
+        type=finite_float(1, 16),
+        default=2.0,
+        metavar="X",
+        help="each level's quantum is X times the one above (default %(default)s; 1 to 16)",
+    )
+    mlfq.add_argument(
+        "--mlfq-starvation-steps",
+        type=int_at_most(1 << 30),
+        default=256,
+        metavar="N",
+        help="a request waiting N steps below level 0 is promoted to it (default %(default)s)",
+    )
+    mlfq.add_argument(
+        "--mlfq-no-skip-join",
+        action="store_true",
+        help="every new request joins level 0 (the classic MLFQ) instead of the highest "
+        "level whose quantum covers its first chunk",
+    )
+    mlfq.add_argument(
+        "--mlfq-no-proactive-swap",
+        action="store_true",
+        help="displaced requests recompute instead of keeping their K/V on the host, and "
+        "no running request moves to the host ahead of a block shortage",
+    )
     p.add_argument(
         "--check",
         action="store_true",
@@ -144,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     """The ``SchedulerConfig`` the options of :func:`add_config_args` describe."""
     from refserve.core.config import Admission, PolicyName, SchedulerConfig
     from refserve.core.cost import StepCost
+    from refserve.core.mlfq_settings import MlfqSettings
     from refserve.core.swap import PreemptionMode, SwapCost
 
     return SchedulerConfig(
@@ -168,5 +213,14 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
             )
             if args.kv_bytes_per_token is not None
             else None
+        ),
+        mlfq=MlfqSettings(
+            num_queues=args.mlfq_queues,
+            base_quantum_ms=args.mlfq_quantum_ms,
+            quantum_growth=args.mlfq_growth,
+            starvation_steps=args.mlfq_starvation_steps,
+            skip_join=not args.mlfq_no_skip_join,
+            proactive_swap=not args.mlfq_no_proactive_swap,
+            cost=StepCost.parse(args.cost),
         ),
     )

@@ -272,7 +272,10 @@ class SkipJoinMlfq:
             b = served
             ms = cost.step_ms(n, 0) if is_prefill else cost.step_ms(n - 1, 1)
             b.served_ms += ms
-            b.resumed_ms += ms
+            if not is_prefill:
+                # Protection counts decoding only: a (re)joined request's prefill, or its
+                # recompute, is the price of joining, not the quantum it was let in for.
+                b.resumed_ms += ms
             if b.served_ms >= self.quantum_ms(b.level) and b.level < last:
                 b.level += 1
                 b.served_ms = 0.0
