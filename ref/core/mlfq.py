@@ -306,6 +306,11 @@ class SkipJoinMlfq:
         self.books.pop(request_id, None)
         self._below_top.pop(request_id, None)
 
+    @property
+    def last_displaced(self) -> tuple[DisplacedRecord, ...]:
+        """The displacements of the last committed step."""
+        return self._last
+
     # ------------------------------------------------------------------ the spec's view
     def snapshot(
         self, requests: Mapping[str, Request], running: Sequence[Request], step_index: int
