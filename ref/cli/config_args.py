@@ -174,8 +174,9 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     mlfq.add_argument(
         "--mlfq-no-proactive-swap",
         action="store_true",
-        help="displaced requests recompute instead of keeping their K/V on the host, and "
-        "no running request moves to the host ahead of a block shortage",
+        help="displaced requests are preempted by --preemption-mode (recompute by default) "
+        "instead of keeping their K/V on the host, and no running request moves to the "
+        "host ahead of a block shortage",
     )
     p.add_argument(
         "--check",

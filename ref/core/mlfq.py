@@ -25,11 +25,14 @@ second by moving the K/V of those it sets aside to the host pool.
   higher level than some running request and lacks a seat or the blocks of its first
   chunk, the lowest running request (lowest level, then latest arrival) is preempted
   (:meth:`SkipJoinMlfq.displace`). A request that has just (re)joined the batch is not
-  displaced until it has been served its quantum (no thrash); a request short of a block
+  displaced until it has been served its quantum (no thrash; at the last level, whose
+  quantum is unbounded, the one above it: else a request there, a long prompt's place,
+  would hold its seat to the end); a request short of a block
   still preempts through the spine, the policy picking the victim the same way.
 - **Proactive K/V movement** (``proactive_swap``). A displaced request is expected back,
   so its K/V goes to the host pool when the pool has room (else it recomputes, the
-  fallback); and when the running requests' own next tokens would need more blocks than
+  fallback; with ``proactive_swap=False`` it is preempted by the preemption mode, like
+  any victim); and when the running requests' own next tokens would need more blocks than
   are free, the lowest running request moves to the host at the start of the step
   (``headroom``), before the planner meets the shortage and has to drop a victim.
   Swapped requests come back through admission at their turn, their copy-in run before
@@ -192,7 +195,9 @@ class SkipJoinMlfq:
                     break
                 lowest.pop(0)
                 reason = "seat" if free_seats < 1 else "blocks"
-                self._pending.append(Displacement(victim, reason, head.request_id))
+                self._pending.append(
+                    Displacement(victim, reason, head.request_id, self.settings.proactive_swap)
+                )
                 free_seats += 1
                 free_blocks += blocks_needed(victim.num_computed_tokens, bs)
             if free_seats < 1 or free_blocks < need:
@@ -260,7 +265,7 @@ class SkipJoinMlfq:
             if joined is not None:
                 joined.queued_step = None
                 joined.resumed_ms = 0.0
-                joined.protected_ms = self.quantum_ms(joined.level)
+                joined.protected_ms = self.settings.protection_ms(joined.level)
         cost = self.settings.cost
         last = self.settings.num_queues - 1
         for rid, n, is_prefill in zip(

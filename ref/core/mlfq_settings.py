@@ -24,7 +24,8 @@ class MlfqSettings:
     promoted to level 0. ``proactive_swap``: a request the policy displaces keeps its K/V
     on the host when the host pool has room (else it recomputes), and the running
     requests of the lowest levels go to the host before the next step runs short of
-    blocks.
+    blocks; off, a displaced request is preempted by the preemption mode like any other
+    victim (recompute by default).
     """
 
     num_queues: int = 4
@@ -63,3 +64,11 @@ class MlfqSettings:
         if level >= self.num_queues - 1:
             return float("inf")
         return float(self.base_quantum_ms * self.quantum_growth**level)
+
+    def protection_ms(self, level: int) -> float:
+        """The decode service a request that joined the running batch at ``level`` is
+        guaranteed before it may be displaced: its level's quantum, the last level's
+        (unbounded) counted as the one above it, so a request there is protected for a
+        finite time and not to its end."""
+        top = max(self.num_queues - 2, 0)
+        return float(self.base_quantum_ms * self.quantum_growth ** min(level, top))

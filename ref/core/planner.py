@@ -95,7 +95,10 @@ class Planner:
             step.budget,
         )
         for d in self.policy.displace(step.running, room, step.plan.step_index):
-            self.suspension.park(d.request, step)
+            if d.park:
+                self.suspension.park(d.request, step)
+            else:
+                self.suspension.evict(d.request, step)
             step.running.remove(d.request)
             step.preempted.append(d.request.request_id)
 

@@ -30,11 +30,14 @@ class Room(NamedTuple):
 class Displacement(NamedTuple):
     """A running request a policy preempts at the start of a step, and why: ``seat`` or
     ``blocks`` for ``for_request``, the waiting request it ranks higher; ``headroom``
-    when the running requests' own next tokens would run short of blocks."""
+    when the running requests' own next tokens would run short of blocks. ``park``: its
+    K/V goes to the host whenever the host pool can hold it (the policy expects it back
+    soon); else it is preempted like any victim, by the preemption mode."""
 
     request: Request
     reason: str
     for_request: str | None
+    park: bool = True
 
 
 class Policy(Protocol):

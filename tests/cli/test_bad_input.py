@@ -159,6 +159,63 @@ def test_the_tiny_checkpoint_itself_generates(
     assert "tokens:" in out
 
 
+MLFQ_TRACE = "\n".join(
+    json.dumps({"id": rid, "arrival_ms": at, "prompt_len": n, "output_len": m})
+    for rid, at, n, m in [("l1", 0, 40, 20), ("l2", 0, 30, 20), ("s1", 30, 3, 4), ("s2", 60, 2, 4)]
+)
+MLFQ_KNOBS = (
+    "--policy",
+    "mlfq",
+    "--mlfq-queues",
+    "3",
+    "--mlfq-quantum-ms",
+    "4",
+    "--mlfq-growth",
+    "2",
+    "--mlfq-starvation-steps",
+    "30",
+)
+
+
+@pytest.mark.parametrize("proactive_swap", [True, False], ids=["swap", "recompute"])
+def test_simulate_runs_the_mlfq_policy_with_its_knobs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], proactive_swap: bool
+) -> None:
+    """Two long requests hold both seats when short ones arrive: each short one displaces
+    a long one (to the host, or dropped with --mlfq-no-proactive-swap), every spec
+    invariant checked."""
+    ws = workspace(tmp_path)
+    (ws / "t.jsonl").write_text(MLFQ_TRACE + "\n", encoding="utf-8")
+    out_json = ws / "run.json"
+    argv = ["simulate", str(ws / "t.jsonl"), "--quiet", "--check", "--json", str(out_json)]
+    argv += ["--max-num-seqs", "2", "--block-size", "4", "--max-num-batched-tokens", "16"]
+    argv += ["--num-host-blocks", "32", *MLFQ_KNOBS]
+    if not proactive_swap:
+        argv.append("--mlfq-no-proactive-swap")
+    code, _, err = run_main(argv, capsys)
+    assert code == 0, err
+    doc = json.loads(out_json.read_text(encoding="utf-8"))
+    assert doc["complete"] is True and doc["config"]["policy"] == "mlfq"
+    assert "'num_queues': 3" in doc["config"]["mlfq"]
+    assert f"'proactive_swap': {proactive_swap}" in doc["config"]["mlfq"]
+    assert doc["summary"]["num_finished"] == 4
+    assert doc["summary"]["num_preemptions"] == 2
+    swapped = doc["swap"]["num_swapped_out"]
+    assert swapped == (2 if proactive_swap else 0)
+
+
+def test_generate_under_mlfq_gives_the_default_policys_greedy_tokens(
+    tmp_path: Path, weights_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt", {}, weights_file=weights_file)
+    argv = ["generate", "--model", str(ckpt), "--prompt-ids", "1,5,9", "--max-tokens", "6"]
+    code, plain, err = run_main(argv, capsys)
+    assert code == 0, err
+    code, mlfq, err = run_main([*argv, *MLFQ_KNOBS, "--mlfq-no-skip-join"], capsys)
+    assert code == 0, err
+    assert "tokens:" in mlfq and mlfq == plain
+
+
 def test_max_steps_ends_typed_and_writes_the_partial_result(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
