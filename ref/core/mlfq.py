@@ -189,21 +189,25 @@ class SkipJoinMlfq:
         for head in self.waiting_order(self._queue, step_index):
             need = self._first_chunk_blocks(head, room.budget)
             level = self.level_of(head)
-            while (free_seats < 1 or free_blocks < need) and lowest:
-                victim = lowest[0]
+            taken: list[Displacement] = []
+            seats, blocks = free_seats, free_blocks
+            while (seats < 1 or blocks < need) and lowest[len(taken) :]:
+                victim = lowest[len(taken)]
                 if self.level_of(victim) <= level:
                     break
-                lowest.pop(0)
-                reason = "seat" if free_seats < 1 else "blocks"
-                self._pending.append(
+                reason = "seat" if seats < 1 else "blocks"
+                taken.append(
                     Displacement(victim, reason, head.request_id, self.settings.proactive_swap)
                 )
-                free_seats += 1
-                free_blocks += blocks_needed(victim.num_computed_tokens, bs)
-            if free_seats < 1 or free_blocks < need:
-                break  # arrival order within the order: nobody overtakes the head
-            free_seats -= 1
-            free_blocks -= need
+                seats += 1
+                blocks += blocks_needed(victim.num_computed_tokens, bs)
+            if seats < 1 or blocks < need:
+                # Nobody overtakes the head, so victims that would not make it fit would
+                # be preempted for nothing: none are taken.
+                break
+            self._pending.extend(taken)
+            del lowest[: len(taken)]
+            free_seats, free_blocks = seats - 1, blocks - need
         return free_blocks
 
     def _for_headroom(
