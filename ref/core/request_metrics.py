@@ -59,6 +59,11 @@ class RequestMetrics:
     def e2e_ms(self) -> float | None:
         return self.token_times_ms[-1] - self.arrival_ms if self.token_times_ms else None
 
+    @property
+    def jct_ms(self) -> float | None:
+        """Job completion time: arrival to finish (None while unfinished)."""
+        return None if self.finished_ms is None else self.finished_ms - self.arrival_ms
+
     @classmethod
     def of(cls, r: Request) -> RequestMetrics:
         return cls(

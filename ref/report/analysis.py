@@ -116,6 +116,9 @@ class PointResult:
     # limit bound, these say whether queueing (TTFT) or long steps (TBT) broke the SLO.
     ttft_miss_rate: float = 0.0
     tbt_miss_rate: float = 0.0
+    # Job completion time (arrival to finish) of the requests that finished.
+    jct_p50_ms: float | None = None
+    jct_p95_ms: float | None = None
 
     def cause(self) -> str:
         """The limit that bound in this run; failing that, the SLO missed most."""

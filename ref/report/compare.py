@@ -1,9 +1,11 @@
 """``refserve compare``: scheduler policies over example 3's traces and a request-rate sweep.
 
 The experiment of docs/ARCHITECTURE.md, example 3: the same traces (short chat, long prompt,
-agent multi-turn, plus a chat stream with a few long prompts mixed in), a fixed request-rate
-sweep, and several scheduling policies; report P50/P95/P99 TTFT, P99 TBT, tokens/s, goodput,
-rejections and preemptions, and find where goodput bends as the rate rises.
+agent multi-turn, plus a chat stream with a few long prompts mixed in, and a trace of
+heavy-tailed output lengths), a fixed request-rate sweep, and several scheduling policies
+(among them the skip-join MLFQ and two ablations of it); report P50/P95/P99 TTFT, P99 TBT,
+job completion time P50/P95, tokens/s, goodput, rejections and preemptions, and find where
+goodput bends as the rate rises.
 
 Everything runs on the cost-model simulator (same scheduler and engine core as the real
 engine). Choices, all overridable from the command line:
@@ -44,7 +46,8 @@ simulator's cost model as the iteration model.
 This module runs the comparison and writes its report, and is the package's public face
 for it; the parts live beside it: :mod:`refserve.report.policies` (SLOs and policies),
 :mod:`refserve.report.workload_specs` (the traces), :mod:`refserve.report.sweep` (the runs),
-:mod:`refserve.report.analysis` (limits, fairness, knees), :mod:`refserve.report.swap_comparison`,
+:mod:`refserve.report.analysis` (limits, fairness, knees), :mod:`refserve.report.jct` and
+:mod:`refserve.report.jct_markdown` (job completion time), :mod:`refserve.report.swap_comparison`,
 :mod:`refserve.report.outcome` (``report.json``), :mod:`refserve.report.markdown` (``report.md``)
 and :mod:`refserve.report.plots` (the PNGs). The command line is :mod:`refserve.cli.compare`.
 """

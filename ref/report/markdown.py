@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from refserve.report.analysis import BOUND_FLOOR, KV_FULL, NO_LIMIT, PointResult
+from refserve.report.jct_markdown import jct_markdown
 from refserve.report.outcome import CompareOutcome
 from refserve.report.policies import NamedPolicy
 from refserve.report.swap_comparison import (
@@ -42,6 +43,7 @@ def render_markdown(outcome: CompareOutcome) -> str:
     lines += _summary(outcome)
     for planned in outcome.sweep.plan:
         lines += _trace_section(outcome, planned)
+    lines += jct_markdown(outcome.sweep, outcome.jct)
     lines += _notes(outcome)
     lines += _swap_markdown(outcome.swap, outcome.plots)
     return "\n".join(lines)
@@ -166,9 +168,10 @@ def _trace_section(outcome: CompareOutcome, planned: PlannedTrace) -> list[str]:
         f"![P99 TTFT vs rate, {spec.name}]({charts['ttft_p99']})",
         "",
         f"| policy | rate ({spec.rate_unit}) | offered req/s | TTFT p50 | p95 | p99 ms | "
-        "TBT p99 ms | out tok/s | SLO met | goodput req/s | fairness | rejected | OOM | "
+        "TBT p99 ms | JCT p50 | p95 ms | out tok/s | SLO met | goodput req/s | fairness | "
+        "rejected | OOM | "
         "preempted | prefix hit | steps at budget / max seqs / KV full |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for pol in outcome.sweep.policies:
         runs = sorted(outcome.sweep.runs_of(spec.name, pol.name), key=lambda x: x.rate)
@@ -180,6 +183,7 @@ def _run_row(r: PointResult) -> str:
     return (
         f"| {r.policy} | {r.rate:g} | {r.offered_rps:.2f} | {_f(r.ttft_p50_ms)} | "
         f"{_f(r.ttft_p95_ms)} | {_f(r.ttft_p99_ms)} | {_f(r.tbt_p99_ms)} | "
+        f"{_f(r.jct_p50_ms)} | {_f(r.jct_p95_ms)} | "
         f"{r.output_tokens_per_s:,.0f} | {100 * r.slo_attainment:.0f} % | "
         f"{r.goodput_rps:.2f} | {_f(r.fairness, 2)} | {r.rejected} | "
         f"{_pct(r.capacity_rate)} | {r.preemptions} | "

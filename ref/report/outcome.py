@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from refserve.report.jct import JctFindings, jct_findings
 from refserve.report.plots import ChartFiles
 from refserve.report.swap_comparison import (
     SWAP_CONFIG,
@@ -29,6 +30,7 @@ class CompareOutcome:
     wall_s: float  # the sweep and the swap runs, wall clock
     knees: dict[str, dict[str, float | None]]  # trace -> policy -> knee rate
     causes: dict[str, dict[str, str | None]]  # trace -> policy -> what bound at the knee
+    jct: JctFindings | None = None  # MLFQ's job completion time findings (None: not run)
 
     @classmethod
     def of(
@@ -47,6 +49,7 @@ class CompareOutcome:
             wall_s,
             knees=sweep.knees(opts.knee),
             causes=sweep.knee_causes(opts.knee),
+            jct=jct_findings(sweep),
         )
 
 
@@ -74,6 +77,7 @@ def report_json(outcome: CompareOutcome) -> dict[str, object]:
         "stopped_early": sweep.stopped,
         "plots": outcome.plots,
         "points": [dataclasses.asdict(p) for p in sweep.points],
+        "jct": None if outcome.jct is None else dataclasses.asdict(outcome.jct),
         "swap_vs_recompute": {
             "trace": SWAP_TRACE,
             "cost_model": SWAP_COST,

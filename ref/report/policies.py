@@ -15,13 +15,20 @@ from dataclasses import dataclass
 
 from refserve.core.config import PolicyName, SchedulerConfig
 from refserve.core.cost import StepCost
+from refserve.core.mlfq_settings import MlfqSettings
 from refserve.core.request_metrics import RequestMetrics
+from refserve.core.swap import SwapCost
 from refserve.sim.simulator import SimSpeculation
 from refserve.spec.arith import full_blocks
 
 #: Drafts per decoding request per step for the speculative policies.
 SPECULATIVE_TOKENS = 4
 
+
+#: K and V of one real token of a 7B fp16 model (32 layers x 32 heads x 128 x 2 x 2 bytes),
+#: and the host link the MLFQ policies swap over (PCIe 4 x16-like).
+MLFQ_KV_BYTES_PER_TOKEN = 524_288
+MLFQ_LINK_GB_PER_S = 25.0
 
 #: The reference batch of the derived SLOs: a decode-only step of this many decodes.
 D_REF = 32
@@ -75,18 +82,33 @@ class Slo:
 
 
 @dataclass(frozen=True)
+class PolicyContext:
+    """What a policy's configuration may depend on besides the base config: the longest
+    sequence of the workload (``max_len`` tokens), the SLOs, the simulator's step cost,
+    and the comparison's scale (one simulated token stands for ``scale`` real ones)."""
+
+    max_len: int
+    slo: Slo
+    cost: StepCost
+    scale: float = 1.0
+
+
+Configure = Callable[[SchedulerConfig, PolicyContext], SchedulerConfig]
+
+
+@dataclass(frozen=True)
 class NamedPolicy:
     """A scheduler configuration under a name.
 
-    ``configure(base, max_len, slo, cost)`` returns the config for a workload whose
-    longest sequence is ``max_len`` tokens on a simulator with step cost ``cost``.
+    ``configure(base, ctx)`` returns the config for the workload and simulator that
+    ``ctx`` describes (:class:`PolicyContext`).
     ``requires`` names SchedulerConfig fields the policy needs; without them it is
     skipped (and the report says so).
     """
 
     name: str
     description: str
-    configure: Callable[[SchedulerConfig, int, Slo, StepCost], SchedulerConfig]
+    configure: Configure
     requires: tuple[str, ...] = ()
     # Speculative decoding's acceptance model on the simulator, for a policy that sets
     # num_speculative_tokens (docs/SPECULATIVE.md, "Simulator").
@@ -97,62 +119,89 @@ class NamedPolicy:
         return all(r in have for r in self.requires)
 
 
-def _fcfs(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> SchedulerConfig:
+def _fcfs(base: SchedulerConfig, ctx: PolicyContext) -> SchedulerConfig:
     # Without chunking a prompt must fit in one step: the budget grows to the longest
     # sequence, as vLLM sets max_num_batched_tokens = max_model_len without chunking.
     return dataclasses.replace(
         base,
         enable_chunked_prefill=False,
         enable_prefix_caching=False,
-        max_num_batched_tokens=max(base.max_num_batched_tokens, max_len + 1),
+        max_num_batched_tokens=max(base.max_num_batched_tokens, ctx.max_len + 1),
     )
 
 
-def _static(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> SchedulerConfig:
-    return dataclasses.replace(_fcfs(base, max_len, slo, cost), policy=PolicyName.STATIC)
+def _static(base: SchedulerConfig, ctx: PolicyContext) -> SchedulerConfig:
+    return dataclasses.replace(_fcfs(base, ctx), policy=PolicyName.STATIC)
 
 
-def _chunked(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> SchedulerConfig:
+def _chunked(base: SchedulerConfig, ctx: PolicyContext) -> SchedulerConfig:
     return dataclasses.replace(base, enable_chunked_prefill=True, enable_prefix_caching=False)
 
 
-def _budget_times(
-    factor: int, inner: Callable[[SchedulerConfig, int, Slo, StepCost], SchedulerConfig]
-) -> Callable[[SchedulerConfig, int, Slo, StepCost], SchedulerConfig]:
+def _budget_times(factor: int, inner: Configure) -> Configure:
     """``inner`` with ``factor`` x the base token budget: the budget as a swept parameter."""
 
-    def configure(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> SchedulerConfig:
+    def configure(base: SchedulerConfig, ctx: PolicyContext) -> SchedulerConfig:
         wide = dataclasses.replace(
             base, max_num_batched_tokens=base.max_num_batched_tokens * factor
         )
-        return inner(wide, max_len, slo, cost)
+        return inner(wide, ctx)
 
     return configure
 
 
-def _prefix_aware(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> SchedulerConfig:
+def _prefix_aware(base: SchedulerConfig, ctx: PolicyContext) -> SchedulerConfig:
     return dataclasses.replace(base, enable_chunked_prefill=True, enable_prefix_caching=True)
 
 
-def _reserve(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> SchedulerConfig:
+def _reserve(base: SchedulerConfig, ctx: PolicyContext) -> SchedulerConfig:
     return dataclasses.replace(
-        _prefix_aware(base, max_len, slo, cost),
+        _prefix_aware(base, ctx),
         prefill_reserve_tokens=max(1, base.max_num_batched_tokens // 8),
     )
 
 
-def _slo_aware(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> SchedulerConfig:
+def _slo_aware(base: SchedulerConfig, ctx: PolicyContext) -> SchedulerConfig:
     # The simulator's own cost model is the iteration model (in the real engine it would
     # be fitted from recorded steps: refserve.core.cost.fit_step_cost).
     return dataclasses.replace(
-        _prefix_aware(base, max_len, slo, cost), tbt_slo_ms=slo.tbt_ms, step_cost=cost
+        _prefix_aware(base, ctx), tbt_slo_ms=ctx.slo.tbt_ms, step_cost=ctx.cost
     )
 
 
-def _speculative(base: SchedulerConfig, max_len: int, slo: Slo, cost: StepCost) -> SchedulerConfig:
-    return dataclasses.replace(
-        _prefix_aware(base, max_len, slo, cost), num_speculative_tokens=SPECULATIVE_TOKENS
-    )
+def _speculative(base: SchedulerConfig, ctx: PolicyContext) -> SchedulerConfig:
+    return dataclasses.replace(_prefix_aware(base, ctx), num_speculative_tokens=SPECULATIVE_TOKENS)
+
+
+def _mlfq_with(
+    *, skip_join: bool = True, proactive_swap: bool = True, host: bool = True
+) -> Configure:
+    """prefix-aware under the skip-join MLFQ (ref/core/mlfq.py): :class:`MlfqSettings`'
+    defaults but for the two knobs its ablations turn off.
+
+    Service is priced by the simulator's own cost model. The host pool is as large as
+    the device pool, so a displaced request's K/V always has room there; swaps are
+    priced (the simulator adds each step's copies to its time) at
+    ``MLFQ_KV_BYTES_PER_TOKEN`` per real token, i.e. ``scale`` times that per simulated
+    token: at the default scale 16 a round trip (0.67 ms per simulated token) costs more
+    than recomputing it (0.5 ms). ``preemption_mode`` stays recompute: the policy's own
+    displacements go to the host whenever it has room, the spine's block-shortage
+    victims recompute. ``host=False`` leaves the host pool out, so every displaced
+    request recomputes: the policy's displacement parks a victim on the host whenever it
+    has room, whatever ``proactive_swap`` says, so the recompute ablation needs no pool.
+    """
+
+    def configure(base: SchedulerConfig, ctx: PolicyContext) -> SchedulerConfig:
+        kv_bytes = max(1, round(MLFQ_KV_BYTES_PER_TOKEN * ctx.scale))
+        return dataclasses.replace(
+            _prefix_aware(base, ctx),
+            policy=PolicyName.MLFQ,
+            mlfq=MlfqSettings(skip_join=skip_join, proactive_swap=proactive_swap, cost=ctx.cost),
+            num_host_blocks=base.num_blocks if host else 0,
+            swap_cost=SwapCost(kv_bytes, MLFQ_LINK_GB_PER_S, iteration=ctx.cost),
+        )
+
+    return configure
 
 
 POLICIES: tuple[NamedPolicy, ...] = (
@@ -213,5 +262,29 @@ POLICIES: tuple[NamedPolicy, ...] = (
         _speculative,
         requires=("num_speculative_tokens",),
         speculation=SimSpeculation(0.5),
+    ),
+    NamedPolicy(
+        "mlfq",
+        "prefix-aware under the skip-join multi-level feedback queue: levels of growing "
+        "quanta by attained service (priced by the cost model), a new request joins the "
+        "level its first chunk fits, displaced requests' K/V go to a host pool as large as "
+        f"the device's ({MLFQ_KV_BYTES_PER_TOKEN // 1024} KiB per real token over "
+        f"{MLFQ_LINK_GB_PER_S:g} GB/s, copies priced into the step)",
+        _mlfq_with(),
+        requires=("mlfq", "swap_cost"),
+    ),
+    NamedPolicy(
+        "mlfq-no-skip-join",
+        "mlfq without the skip-join: every new request joins the top level (the classic "
+        "MLFQ; ablation)",
+        _mlfq_with(skip_join=False),
+        requires=("mlfq", "swap_cost"),
+    ),
+    NamedPolicy(
+        "mlfq-recompute",
+        "mlfq without the proactive swap and without a host pool: displaced requests drop "
+        "their K/V and recompute it (ablation)",
+        _mlfq_with(host=False, proactive_swap=False),
+        requires=("mlfq", "swap_cost"),
     ),
 )

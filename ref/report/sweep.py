@@ -26,7 +26,7 @@ from refserve.report.analysis import (
     limit_fractions,
     tenant_fairness,
 )
-from refserve.report.policies import NamedPolicy, Slo
+from refserve.report.policies import NamedPolicy, PolicyContext, Slo
 from refserve.report.workload_specs import TraceSpec
 from refserve.sim.metrics import RunMetrics, percentile
 from refserve.sim.simulator import SimResult
@@ -211,6 +211,11 @@ def _finished_normally(m: RequestMetrics) -> bool:
     return m.finish_reason in ("stop", "length")
 
 
+def _jcts(reqs: Sequence[RequestMetrics]) -> list[float]:
+    """Job completion times (arrival to finish) of the requests that finished normally."""
+    return [j for m in reqs if _finished_normally(m) and (j := m.jct_ms) is not None]
+
+
 def _share(count: int, total: int) -> float:
     """``count / total``, 0 for an empty run."""
     return count / total if total else 0.0
@@ -231,7 +236,9 @@ def run_point(opts: CompareOptions, at: SweepPoint) -> PointResult:
     """Run one workload under one policy and summarize it."""
     started = time.perf_counter()
     slo = opts.slo
-    config = at.policy.configure(opts.base, at.workload.max_len, slo, opts.cost)
+    config = at.policy.configure(
+        opts.base, PolicyContext(at.workload.max_len, slo, opts.cost, opts.scale)
+    )
     # Steps are kept: which limit bound is read from them (then they are dropped).
     result = at.workload.run(
         Scheduler(config), opts.cost, keep_steps=True, speculation=at.policy.speculation
@@ -245,6 +252,7 @@ def run_point(opts: CompareOptions, at: SweepPoint) -> PointResult:
     secs = result.makespan_ms / 1e3 if result.makespan_ms > 0 else math.inf
     prompt_tokens = sum(m.num_prompt_tokens for m in reqs)
     finished = sum(map(_finished_normally, reqs))
+    jcts = _jcts(reqs)
     return PointResult(
         trace=at.spec.name,
         policy=at.policy.name,
@@ -276,4 +284,6 @@ def run_point(opts: CompareOptions, at: SweepPoint) -> PointResult:
         limits=limit_fractions(result.steps, config),
         ttft_miss_rate=_share(sum(not slo.ttft_met(m) for m in reqs), n),
         tbt_miss_rate=_share(sum(not slo.tbt_met(m) for m in reqs), n),
+        jct_p50_ms=percentile(jcts, 50),
+        jct_p95_ms=percentile(jcts, 95),
     )

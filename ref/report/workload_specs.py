@@ -1,6 +1,6 @@
 """The workload families ``refserve compare`` sweeps over rates (docs/ARCHITECTURE.md,
-example 3): short chat, long prompt, chat with a few long prompts mixed in, and agent
-multi-turn sessions.
+example 3): short chat, long prompt, chat with a few long prompts mixed in, agent
+multi-turn sessions, and moderate prompts with heavy-tailed output lengths.
 
 Token lengths are divided by the comparison's scale (see :mod:`refserve.sim.workloads`);
 times (arrivals, tool waits) are not.
@@ -17,6 +17,7 @@ from refserve.sim.workloads import (
     Workload,
     agent_sessions,
     from_records,
+    heavy_tail_records,
     long_prompt,
     long_prompt_records,
     merge_records,
@@ -104,6 +105,11 @@ def _agent(rate: float, n: int, scale: float, seed: int) -> Workload:
     )
 
 
+def _heavy(rate: float, n: int, scale: float, seed: int) -> Workload:
+    records = heavy_tail_records(n, rate, seed=seed, scale=scale)
+    return Workload("heavy", tuple(from_records(records)))
+
+
 TRACES: tuple[TraceSpec, ...] = (
     TraceSpec(
         "chat",
@@ -147,5 +153,17 @@ TRACES: tuple[TraceSpec, ...] = (
         (0.1, 2),
         _agent,
         min_window_s=20.0,
+    ),
+    TraceSpec(
+        "heavy",
+        "heavy-tailed outputs: prompt ~512 (+-50 %), output 32 x Pareto(1.2) capped at 16K "
+        "(median ~57, P99 ~1.5K), Poisson arrivals",
+        "req/s",
+        300,
+        24,
+        (8, 16, 24, 28, 32, 36, 40),
+        (8, 32),
+        _heavy,
+        min_window_s=15.0,
     ),
 )

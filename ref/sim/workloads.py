@@ -7,6 +7,10 @@ The experiment of docs/ARCHITECTURE.md, example 3, uses three traces of one mode
 - agent multi-turn: an ~80K prefix, +1K tokens per turn, tool waits of 0.1-10 s between
   turns (:func:`agent_sessions`).
 
+and, beyond example 3, a trace whose output lengths are heavy-tailed (Pareto: most
+requests short, a few very long; :func:`heavy_tail_records`), the case a scheduler that
+orders by attained service (the skip-join MLFQ) is built for.
+
 Everything is deterministic from ``seed``. ``scale`` divides every token length (prompts,
 prefixes, per-turn increments, outputs; at least 1 token each) so that tests and the
 ``refserve compare`` sweep run in seconds: ``scale=16`` turns the 64K prompt into 4K.
@@ -61,6 +65,11 @@ AGENT_PREFIX_LEN = 81920
 AGENT_TURN_LEN = 1024
 AGENT_OUTPUT_LEN = 128
 AGENT_TOOL_WAIT_S = (0.1, 10.0)
+# The heavy-tailed trace: moderate prompts, Pareto outputs (most short, a few very long).
+HEAVY_PROMPT_LEN = 512
+HEAVY_OUTPUT_MIN = 64
+HEAVY_OUTPUT_ALPHA = 1.1
+HEAVY_OUTPUT_MAX = 32768
 
 
 def scaled(num_tokens: int, scale: float) -> int:
@@ -234,6 +243,57 @@ def long_prompt(
             n, rate_per_s, seed=seed, scale=scale, burstiness=burstiness, spread=spread
         )
     )
+
+
+def heavy_tail_records(
+    n: int,
+    rate_per_s: float,
+    *,
+    seed: int = 0,
+    scale: float = 1.0,
+    burstiness: float = 1.0,
+    prompt_len: int = HEAVY_PROMPT_LEN,
+    spread: float = 0.5,
+    output_min: int = HEAVY_OUTPUT_MIN,
+    alpha: float = HEAVY_OUTPUT_ALPHA,
+    output_max: int = HEAVY_OUTPUT_MAX,
+) -> list[dict[str, object]]:
+    """Heavy-tailed output lengths as trace records: prompt ~``prompt_len`` (+-``spread``),
+    output ``output_min`` times a Pareto(``alpha``) draw, capped at ``output_max`` (real
+    tokens, then divided by ``scale``).
+
+    With the defaults (32, alpha 1.2, cap 16K) the median output is ~57 tokens, the 95th
+    percentile ~390, the 99th ~1.5K and the longest of a few thousand requests near the
+    cap: most requests are short and a few hold the server for a long time, the case a
+    scheduler that knows nothing of output lengths can get badly wrong (a long request
+    in front of short ones, or every request sharing the steps equally).
+    """
+    if not 0 <= spread < 1:
+        raise InvalidArgument(f"spread must be in [0, 1), got {spread!r}")
+    if not (alpha > 0 and math.isfinite(alpha)):
+        raise InvalidArgument(f"alpha must be a finite number > 0, got {alpha!r}")
+    if not 1 <= output_min <= output_max:
+        raise InvalidArgument(
+            f"output lengths need 1 <= output_min <= output_max, got {output_min}, {output_max}"
+        )
+    if prompt_len < 1:
+        raise InvalidArgument(f"prompt_len must be >= 1, got {prompt_len}")
+    rng = random.Random(f"heavy:{seed}")
+    times = arrival_times_ms(n, rate_per_s, seed=seed, burstiness=burstiness)
+    prompt = scaled(prompt_len, scale)
+    out: list[dict[str, object]] = []
+    for i, t in enumerate(times):
+        p = _around(rng, prompt, spread)
+        real = min(output_max, round(output_min * rng.paretovariate(alpha)))
+        out.append(
+            {
+                "id": f"heavy-{seed}-{i}",
+                "arrival_ms": t,
+                "prompt_len": p,
+                "output_len": scaled(real, scale),
+            }
+        )
+    return out
 
 
 def merge_records(*traces: Sequence[TraceRecord]) -> list[TraceRecord]:

@@ -213,3 +213,44 @@ def test_workload_mixes_requests_and_sessions() -> None:
     ids = {r.request_id for r in result.requests}
     assert len(ids) == 8 and {t.id for t in w.requests} <= ids
     assert w.max_len >= max(r.num_tokens for r in result.requests)
+
+
+# ------------------------------------------------------------------ heavy-tailed outputs
+def test_heavy_tail_trace_is_deterministic_and_heavy_tailed() -> None:
+    from refserve.sim.workloads import HEAVY_OUTPUT_MAX, heavy_tail_records
+
+    recs = heavy_tail_records(4000, 20.0, seed=5)
+    assert recs == heavy_tail_records(4000, 20.0, seed=5)
+    assert recs != heavy_tail_records(4000, 20.0, seed=6)
+    outs = sorted(int(str(r["output_len"])) for r in recs)
+    median, p99 = outs[len(outs) // 2], outs[int(0.99 * len(outs))]
+    # Most requests are short, a few very long: the 99th percentile is tens of medians,
+    # and the top 5 % of requests hold a large share of all output tokens.
+    assert 40 <= median <= 200
+    assert p99 > 20 * median
+    top = outs[int(0.95 * len(outs)) :]
+    assert sum(top) > 0.3 * sum(outs)
+    assert max(outs) <= HEAVY_OUTPUT_MAX
+    # Prompts stay moderate: 512 +- 50 %.
+    prompts = [int(str(r["prompt_len"])) for r in recs]
+    assert min(prompts) >= 256 and max(prompts) <= 768
+    gaps = [
+        float(str(b["arrival_ms"])) - float(str(a["arrival_ms"]))
+        for a, b in itertools.pairwise(recs)
+    ]
+    assert statistics.mean(gaps) == pytest.approx(50.0, rel=0.1)  # 20 req/s
+    # Scaled lengths are at least one token.
+    small = heavy_tail_records(200, 20.0, seed=5, scale=64.0)
+    assert min(int(str(r["output_len"])) for r in small) >= 1
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"alpha": 0.0}, {"alpha": float("inf")}, {"output_min": 0}, {"output_min": 9, "output_max": 8},
+     {"prompt_len": 0}, {"spread": 1.0}],
+)  # fmt: skip
+def test_heavy_tail_trace_rejects_bad_parameters(kwargs: dict[str, float]) -> None:
+    from refserve.sim.workloads import heavy_tail_records
+
+    with pytest.raises(InvalidArgument):
+        heavy_tail_records(4, 1.0, **kwargs)  # type: ignore[arg-type]
