@@ -102,6 +102,7 @@ crosshair: $(STAMP)
 conformance: $(STAMP)
 	$(VENV)/bin/refserve conformance --adapter refserve.conformance.adapters.ref:make --kv-adapter refserve.conformance.adapters.ref_kv:make_kv
 	$(VENV)/bin/refserve conformance --adapter refserve.conformance.adapters.ref:make_swap
+	$(VENV)/bin/refserve conformance --adapter refserve.conformance.adapters.ref:make_mlfq
 
 test: lint typecheck pytest crosshair conformance test-wheel
 

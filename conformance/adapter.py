@@ -93,7 +93,10 @@ them) and leaves *conventions* to the engine. An adapter declares the convention
 engine follows in an optional ``properties`` attribute (:class:`EngineProperties`; an
 adapter without one gets the documented defaults): blocks reserved ahead of the KV
 length, no eos handling, the admission order, the step order, same-step cache hits, an
-unordered free list, a stop at ``max_model_len`` and placeholder drafts. A correct engine that
+unordered free list, a stop at ``max_model_len``, placeholder drafts, and, in place of the
+admission and step orders, a preemptive multi-level queue discipline
+(:class:`MultiLevelQueue`; its adapter then has a ``levels()`` method giving every live
+request's level at a step boundary). A correct engine that
 declares any documented choice passes with zero findings; a declared policy (admission
 order) is then checked exactly, and every declared choice is a promise held both ways:
 the engine may make it, and where it says it does, it does (docs/CONFORMANCE.md,
@@ -200,6 +203,45 @@ class AdmissionOrder(StrEnum):
         return self in (AdmissionOrder.FCFS_STRICT, AdmissionOrder.PRIORITY_STRICT)
 
 
+@dataclass(frozen=True)
+class MultiLevelQueue:
+    """A preemptive multi-level queue discipline (a multi-level feedback queue), declared
+    in place of an admission and a step order (ORDER, rules ``level-admission`` and
+    ``level-preemption``, spec/order.py).
+
+    ``num_levels`` levels, level 0 the highest. The adapter reports each live request's
+    level at every step boundary with a ``levels()`` method (:data:`LEVELS_METHOD`): a
+    mapping from request id to level, read before ``schedule``, so it is the level the
+    step is planned with. Where a request's level comes from (its attained service, a
+    skip-join, a promotion against starvation) is the engine's business; the suite holds
+    the engine to the order it states: admission by level, then arrival within a level,
+    and a preemption only to make room for a higher level.
+    """
+
+    num_levels: int
+    by_priority: bool = False
+    """Whether a level's own order is ``(RequestSpec.priority, arrival)`` rather than
+    arrival alone (refserve's queue orders each level by priority, then arrival)."""
+
+    def __post_init__(self) -> None:
+        n = self.num_levels
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_LEVELS:
+            raise ValueError(f"num_levels must be an int in [1, {MAX_LEVELS}], got {n!r}")
+        if not isinstance(self.by_priority, bool):
+            raise ValueError(f"by_priority must be a bool, got {self.by_priority!r}")
+
+    def to_json(self) -> dict[str, object]:
+        return {"num_levels": self.num_levels, "by_priority": self.by_priority}
+
+
+MAX_LEVELS = 64
+"""The most levels a declared :class:`MultiLevelQueue` may have (a bound for validation)."""
+
+LEVELS_METHOD = "levels"
+"""The method an adapter declaring a :class:`MultiLevelQueue` has besides the protocol's:
+``levels() -> Mapping[str, int]``, every live request's level at the step boundary."""
+
+
 class StepOrder(StrEnum):
     """Whether running decodes or new prefill chunks get the budget first (observed, and
     either declared order checked as a promise, spec/order.py)."""
@@ -277,6 +319,16 @@ class EngineProperties:
     draft's; TOKEN still bounds the drafts by ``num_speculative_tokens`` and the budget
     counts them. With ``False`` such a verification is a TOKEN violation."""
 
+    multi_level: MultiLevelQueue | None = None
+    """A preemptive multi-level queue discipline (:class:`MultiLevelQueue`), declared
+    instead of ``admission_order`` and ``step_order``: such an engine reorders by level,
+    and preempts for a higher level, by design, so neither FCFS nor a step order holds.
+    Checked (ORDER): no waiting request is passed over, when it visibly fitted, for one
+    admitted at a lower level (rule ``level-admission``; within a level, for a later
+    arrival), and no request is preempted in a step that admits only requests at its own
+    level or lower (rule ``level-preemption``). Declaring it with an admission or a step
+    order is refused."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.lookahead_slots, int) or self.lookahead_slots < 0:
             raise ValueError(f"lookahead_slots must be an int >= 0, got {self.lookahead_slots!r}")
@@ -294,6 +346,23 @@ class EngineProperties:
             raise ValueError(f"placeholder_drafts must be a bool, got {self.placeholder_drafts!r}")
         object.__setattr__(self, "admission_order", AdmissionOrder(self.admission_order))
         object.__setattr__(self, "step_order", StepOrder(self.step_order))
+        if self.multi_level is not None:
+            if not isinstance(self.multi_level, MultiLevelQueue):
+                raise ValueError(
+                    f"multi_level must be a MultiLevelQueue or None, got {self.multi_level!r}"
+                )
+            # The discipline is the whole order: an admission or step order beside it
+            # would be checked against the reordering the discipline itself makes.
+            if self.admission_order is not AdmissionOrder.UNSPECIFIED:
+                raise ValueError(
+                    f"multi_level replaces the admission order: declare admission_order "
+                    f"unspecified, got {self.admission_order}"
+                )
+            if self.step_order is not StepOrder.UNSPECIFIED:
+                raise ValueError(
+                    f"multi_level replaces the step order: declare step_order unspecified, "
+                    f"got {self.step_order}"
+                )
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -305,6 +374,7 @@ class EngineProperties:
             "free_queue_order": self.free_queue_order,
             "max_model_len_stop": self.max_model_len_stop,
             "placeholder_drafts": self.placeholder_drafts,
+            "multi_level": None if self.multi_level is None else self.multi_level.to_json(),
         }
 
 

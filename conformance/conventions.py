@@ -1,21 +1,33 @@
 """The conventions an adapter declares and the run holds it to, step by step: its
-admission order and step order (ORDER), the same-step prefix hits it promises (PREFIX),
-the order of its free queue (BLOCK). Each request's place in the declared admission
-order is kept here: the engine's queue can only know when the request joined it.
+admission order and step order, or its preemptive multi-level queue (ORDER), the
+same-step prefix hits it promises (PREFIX), the order of its free queue (BLOCK). Each
+request's place in the declared admission order is kept here: the engine's queue can
+only know when the request joined it.
 """
 
 from __future__ import annotations
 
-from refserve.conformance.adapter import AdmissionOrder, EngineConfig, EngineProperties, StepOrder
+from collections.abc import Mapping
+
+from refserve.conformance import validate
+from refserve.conformance.adapter import (
+    LEVELS_METHOD,
+    AdmissionOrder,
+    EngineConfig,
+    EngineProperties,
+    StepOrder,
+)
 from refserve.conformance.probe import Probe
 from refserve.spec.order import (
     check_admission_order,
     check_decode_first,
+    check_level_admission,
+    check_level_preemption,
     check_prefill_first,
     check_strict_admission_order,
 )
 from refserve.spec.prefix import check_same_step_hits
-from refserve.spec.snapshot import StepSnapshot, TransferKind
+from refserve.spec.snapshot import EngineSnapshot, StepSnapshot, TransferKind
 from refserve.spec.violation import Invariant
 
 
@@ -36,23 +48,58 @@ class Conventions:
         return (
             self.props.admission_order is not AdmissionOrder.UNSPECIFIED
             or self.props.step_order is not StepOrder.UNSPECIFIED
+            or self.props.multi_level is not None
         )
 
     def join(self, rid: str, priority: int) -> None:
-        """``rid`` takes the next place in the declared admission order."""
+        """``rid`` takes the next place in the declared admission order (within its
+        level, for a declared multi-level queue)."""
         n = len(self.rank)
-        self.rank[rid] = (priority, n) if self.props.admission_order.by_priority else (n,)
+        ml = self.props.multi_level
+        by_priority = ml.by_priority if ml is not None else self.props.admission_order.by_priority
+        self.rank[rid] = (priority, n) if by_priority else (n,)
 
-    def check(self, snap: StepSnapshot, step: int) -> None:
-        self.check_order(snap, step)
+    def read_levels(self, before: EngineSnapshot, step: int) -> Mapping[str, int] | None:
+        """Every live request's level at the boundary ``before`` was taken at, read from
+        the adapter's ``levels()`` (a declared multi-level queue; None otherwise): the
+        levels the next step is planned with. A missing method or a malformed answer is
+        a PROGRESS finding that ends the run, as for any adapter call."""
+        ml = self.props.multi_level
+        if ml is None:
+            return None
+        a = self.probe.a
+        what = f"{LEVELS_METHOD}()"
+        levels = self.probe.call(step, "step", what, lambda: getattr(a, LEVELS_METHOD)())
+        live = [r.request_id for r in before.requests if not r.status.is_done]
+        self.probe.malformed(
+            step, "step", what, validate.check_levels(levels, live, ml.num_levels, what)
+        )
+        return dict(levels)
+
+    def check(self, snap: StepSnapshot, step: int, levels: Mapping[str, int] | None = None) -> None:
+        self.check_order(snap, step, levels)
         self.check_promises(snap, step)
         if self.props.free_queue_order:
             self.check_free_order(snap, step)
 
-    def check_order(self, snap: StepSnapshot, step: int) -> None:
+    def check_order(
+        self, snap: StepSnapshot, step: int, levels: Mapping[str, int] | None = None
+    ) -> None:
         """ORDER: the declared admission order and the declared step order (decode-first
-        or prefill-first), when the adapter declares them."""
+        or prefill-first), or the declared multi-level queue (with the ``levels`` read
+        before the step), when the adapter declares them."""
         checked, props = self.probe.checked, self.props
+        if props.multi_level is not None and levels is not None:
+            # Declared instead of an admission and a step order (EngineProperties
+            # refuses both together), so FCFS and decode-first are never checked here:
+            # the discipline reorders by level and preempts for a higher one by design.
+            lv = levels
+            checked(
+                step,
+                "step",
+                lambda: check_level_admission(snap, lv, self.rank, props.lookahead_slots),
+            )
+            checked(step, "step", lambda: check_level_preemption(snap, lv, props.lookahead_slots))
         if props.step_order is StepOrder.DECODE_FIRST:
             checked(step, "step", lambda: check_decode_first(snap))
         elif props.step_order is StepOrder.PREFILL_FIRST:

@@ -300,6 +300,7 @@ class InstanceRun:
     def step(self, step: int) -> None:
         a = self.probe.a
         before = self.probe.snapshot(step, "step")
+        levels = self.conventions.read_levels(before, step)
         proposals = self.model.propose(before, step) if self.cfg.num_speculative_tokens else {}
         outcomes = self.copies.decide(before, step) if self.choices.chooses_transfers else {}
         plan = self.probe.call(step, "step", "schedule()", a.schedule)
@@ -337,7 +338,7 @@ class InstanceRun:
             "step",
             lambda: check_step(snap, self.props.lookahead_slots, self.props.same_step_prefix_hits),
         )
-        self.conventions.check(snap, step)
+        self.conventions.check(snap, step, levels)
         self.steps.append(snap)
         bs = self.cfg.block_size
         self.probe.record(self.memory.write(plan, self.tokens, proposals, bs), step, "step")

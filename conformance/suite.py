@@ -212,7 +212,16 @@ def _notes(features: frozenset[Feature], props: EngineProperties) -> list[str]:
     missing = sorted(str(f) for f in frozenset(Feature) - features)
     if missing:
         notes.append(f"features the engine lacks (their scenarios are not_supported): {missing}")
-    if props.admission_order.value == "unspecified":
+    ml = props.multi_level
+    if ml is not None:
+        within = "priority, then arrival" if ml.by_priority else "arrival"
+        notes.append(
+            f"multi_level: a preemptive multi-level queue of {ml.num_levels} levels, "
+            f"declared instead of an admission and a step order; ORDER checks admission "
+            f"by level, then {within} within a level (rule level-admission), and "
+            "preemption only for a higher level (rule level-preemption)"
+        )
+    elif props.admission_order.value == "unspecified":
         notes.append("admission order: unspecified by the adapter, not checked (ORDER)")
     if props.lookahead_slots:
         notes.append(

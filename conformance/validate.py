@@ -27,7 +27,7 @@ lengths that disagree (``token_ids`` vs ``num_stored`` and ``slot_mapping`` vs
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Final
 
 from refserve.conformance.adapter import CommitReport, MigrationExport, MigrationStaged, StepReport
@@ -47,6 +47,7 @@ from refserve.values import is_int
 __all__ = [
     "check_commit_report",
     "check_engine_snapshot",
+    "check_levels",
     "check_migration_export",
     "check_migration_staged",
     "check_pool_snapshot",
@@ -540,3 +541,33 @@ def check_migration_staged(obj: object, request_id: str, where: str = "staged") 
     ``stage_import``: the id asked for, a non-negative ``num_hit_tokens`` and ``kv_slots``
     a tuple of non-negative ints. Never raises."""
     return _guarded(where, lambda p: _migration_staged(p, where, obj, request_id))
+
+
+def _levels(
+    p: _Problems, where: str, levels: object, live: Collection[str], num_levels: int
+) -> None:
+    if not isinstance(levels, Mapping):
+        p.add(where, f"expected a mapping of request id to level, got {_desc(levels)}")
+        return
+    for rid in sorted(live):
+        if rid not in levels:
+            p.add(where, f"no level for live request {rid!r}")
+    for rid, level in levels.items():
+        at = f"{where}[{_short(rid)}]"
+        if not isinstance(rid, str):
+            p.add(at, f"expected a request id (str), got {_desc(rid)}")
+            continue
+        got = _int(p, at, level)
+        if got is not None and got >= num_levels:
+            p.add(at, f"level {got} does not exist (declared num_levels {num_levels})")
+
+
+def check_levels(
+    obj: object, live: Collection[str], num_levels: int, where: str = "levels()"
+) -> list[str]:
+    """Problems in what ``levels()`` returned (a declared
+    :class:`refserve.conformance.adapter.MultiLevelQueue`): a mapping from request id to
+    an int level in ``[0, num_levels)``, with a level for every request in ``live`` (the
+    live requests of the snapshot taken at the same boundary; it may name more). Never
+    raises."""
+    return _guarded(where, lambda p: _levels(p, where, obj, live, num_levels))

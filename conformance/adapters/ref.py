@@ -14,11 +14,18 @@ for a swapped request),
 ``commit_import`` / ``abort_import`` its ``commit`` / ``abort``, ``release``
 :func:`refserve.core.transit.release`. The link (copying the K/V from slot to slot) is the suite's,
 as the executor is.
+
+Under policy mlfq (``make_mlfq``) refserve is a preemptive multi-level feedback queue: the
+adapter declares that discipline (``EngineProperties.multi_level``) instead of an admission
+and a step order, reports each live request's level (``levels()``, the policy's
+``level_of``) and gives the explorer the policy's books the snapshot does not show
+(``explore_key()``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Hashable, Mapping
 
 from refserve.conformance.adapter import (
     ALL_FEATURES,
@@ -29,6 +36,7 @@ from refserve.conformance.adapter import (
     Feature,
     MigrationExport,
     MigrationStaged,
+    MultiLevelQueue,
     NotSupported,
     Rejected,
     RequestSpec,
@@ -36,9 +44,12 @@ from refserve.conformance.adapter import (
     StepReport,
 )
 from refserve.core import transit
-from refserve.core.config import SchedulerConfig
+from refserve.core.config import PolicyName, SchedulerConfig
 from refserve.core.inputs import build_inputs, scheduled_requests
+from refserve.core.mlfq import SkipJoinMlfq
+from refserve.core.mlfq_settings import MlfqSettings
 from refserve.core.plan import StepPlan
+from refserve.core.policy import Policy
 from refserve.core.request import Request, StopParams
 from refserve.core.scheduler import Scheduler
 from refserve.core.transit import Departure, Import, KVPlace
@@ -61,6 +72,30 @@ REF_PROPERTIES = EngineProperties(
     max_model_len_stop=True,
 )
 
+# Under policy mlfq (ref/core/mlfq.py) refserve is a preemptive multi-level feedback
+# queue: its waiting queue is read level by level, each level by priority then arrival
+# (the policy's queue groups by level; WaitingQueue orders a group by priority, seq), and
+# it displaces a running request only for a waiting one of a higher level. It reorders
+# and preempts by design, so it declares that discipline instead of an admission and a
+# step order, and reports each request's level (SkipJoinMlfq.level_of).
+MLFQ_PROPERTIES = EngineProperties(
+    lookahead_slots=0,
+    eos=True,
+    free_queue_order=True,
+    max_model_len_stop=True,
+    multi_level=MultiLevelQueue(num_levels=MlfqSettings().num_queues, by_priority=True),
+)
+
+# The knobs ``make_mlfq`` runs with: quanta small enough that the suite's short requests
+# move between levels (a decode is priced 3 ms, so a level-0 request is demoted after two
+# decodes), a starvation bound short enough that the workloads see promotions, and three
+# levels so that a request can be displaced by one above it and displace one below.
+CONFORMANCE_MLFQ = MlfqSettings(num_queues=3, base_quantum_ms=4.0, starvation_steps=8)
+
+
+def _is_mlfq(policy: object) -> bool:
+    return policy is not None and str(policy) == PolicyName.MLFQ.value
+
 
 class RefAdapter:
     """refserve's scheduler + block pool, every feature on."""
@@ -68,9 +103,26 @@ class RefAdapter:
     name = "refserve"
     properties = REF_PROPERTIES
 
-    def __init__(self, **overrides: object) -> None:
-        """``overrides`` are extra :class:`SchedulerConfig` fields (policy, admission...)."""
+    def __init__(
+        self,
+        *,
+        policy_factory: Callable[[SchedulerConfig], Policy] | None = None,
+        **overrides: object,
+    ) -> None:
+        """``overrides`` are extra :class:`SchedulerConfig` fields (policy, admission...);
+        ``policy_factory`` builds the scheduler's policy object from the configuration
+        instead of the one ``policy`` names (a test plants a broken policy this way).
+
+        With ``policy="mlfq"`` the adapter declares the multi-level queue discipline of
+        its ``mlfq`` settings (:data:`MLFQ_PROPERTIES`, with their number of levels)."""
         self._overrides = overrides
+        self._policy_factory = policy_factory
+        if _is_mlfq(overrides.get("policy")):
+            mlfq = overrides.get("mlfq", MlfqSettings())
+            levels = mlfq.num_queues if isinstance(mlfq, MlfqSettings) else 1
+            self.properties = dataclasses.replace(
+                MLFQ_PROPERTIES, multi_level=MultiLevelQueue(levels, by_priority=True)
+            )
         self._sched: Scheduler | None = None
         self._plan: StepPlan | None = None
         self._import: Import | None = None
@@ -104,7 +156,8 @@ class RefAdapter:
             )
         except RefserveError as e:
             raise NotSupported(str(e)) from e
-        self._sched = Scheduler(cfg)
+        policy = None if self._policy_factory is None else self._policy_factory(cfg)
+        self._sched = Scheduler(cfg, policy)
         self._plan = None
         self._import = None
 
@@ -212,6 +265,37 @@ class RefAdapter:
         sched = self.sched
         return sched.snapshot(extra=sched.retired)
 
+    # ------------------------------------------------------------------ mlfq
+    def _mlfq(self) -> SkipJoinMlfq:
+        policy = self.sched.policy
+        if not isinstance(policy, SkipJoinMlfq):
+            raise NotSupported("levels exist only under policy mlfq")
+        return policy
+
+    def levels(self) -> dict[str, int]:
+        """Every live request's level (a declared multi-level queue): the books the
+        next step is planned with, which change only when a step commits."""
+        policy = self._mlfq()
+        return {rid: policy.level_of(r) for rid, r in self.sched.requests.items()}
+
+    def explore_key(self) -> Hashable:
+        """The policy's books the snapshot does not show (the explorer's key): merging
+        two states that differ only in a level, a request's service or its wait towards
+        the starvation bound would merge schedules that differ. None under the other
+        policies, whose state the snapshot shows."""
+        sched = self.sched
+        policy = sched.policy
+        if not isinstance(policy, SkipJoinMlfq):
+            return None
+        bound = policy.settings.starvation_steps
+        out = []
+        for rid in sorted(sched.requests):
+            b = policy.books_of(sched.requests[rid])
+            # Past the bound every wait is the same to the policy: it promotes.
+            waited = None if b.queued_step is None else min(sched.step_index - b.queued_step, bound)
+            out.append((rid, b.level, b.served_ms, b.resumed_ms, b.protected_ms, waited))
+        return tuple(out)
+
 
 def make() -> RefAdapter:
     """Factory for ``--adapter refserve.conformance.adapters.ref:make``."""
@@ -223,3 +307,12 @@ def make_swap() -> RefAdapter:
     host pool as large as the device pool, so every preemption victim is swapped out
     and back, and the runner's fake memory follows the copies."""
     return RefAdapter(preemption_mode="swap", num_host_blocks="pool")
+
+
+def make_mlfq() -> RefAdapter:
+    """refserve under policy mlfq (``--adapter refserve.conformance.adapters.ref:make_mlfq``):
+    the skip-join multi-level feedback queue with the small quanta of
+    :data:`CONFORMANCE_MLFQ` and a host pool as large as the device pool, so displaced
+    requests keep their K/V on the host (proactive swap) as the policy prefers. It
+    declares the multi-level queue discipline and reports each request's level."""
+    return RefAdapter(policy=PolicyName.MLFQ, mlfq=CONFORMANCE_MLFQ, num_host_blocks="pool")

@@ -34,7 +34,10 @@ second by moving the K/V of those it sets aside to the host pool.
   fallback; with ``proactive_swap=False`` it is preempted by the preemption mode, like
   any victim); and when the running requests' own next tokens would need more blocks than
   are free, the lowest running request moves to the host at the start of the step
-  (``headroom``), before the planner meets the shortage and has to drop a victim.
+  (``headroom``), before the planner meets the shortage and has to drop a victim. The
+  blocks set aside for the waiting heads count against a running request only when
+  they are for a higher level than its own: two requests of one level never take turns
+  through a headroom swap either (the conformance suite's ``level-preemption`` rule).
   Swapped requests come back through admission at their turn, their copy-in run before
   the step's forward.
 
@@ -74,6 +77,14 @@ class MlfqBooks:
     num_demotions: int = 0
     num_promotions: int = 0
     num_displaced: int = 0
+
+
+@dataclass(frozen=True)
+class _Reserved:
+    """Blocks the displacement pass set aside for a waiting head at ``level``."""
+
+    level: int
+    blocks: int
 
 
 class SkipJoinMlfq:
@@ -175,17 +186,21 @@ class SkipJoinMlfq:
             key=lambda r: (self.level_of(r), r.seq),
             reverse=True,
         )
-        free_blocks = self._for_waiting(lowest, room, step_index)
+        free_blocks, reserved = self._for_waiting(lowest, room, step_index)
         if self.settings.proactive_swap and room.free_host_blocks:
-            self._for_headroom(lowest, running, free_blocks, room.free_host_blocks)
+            self._for_headroom(lowest, running, free_blocks, reserved, room.free_host_blocks)
         return self._pending
 
-    def _for_waiting(self, lowest: list[Request], room: Room, step_index: int) -> int:
+    def _for_waiting(
+        self, lowest: list[Request], room: Room, step_index: int
+    ) -> tuple[int, list[_Reserved]]:
         """Displace for the waiting heads in order (taking from ``lowest``) until one
-        cannot be made to fit; the free blocks left to the running requests."""
+        cannot be made to fit; the free blocks left to the running requests, and the
+        blocks set aside for each head that fitted."""
         assert self._queue is not None
         bs = self.config.block_size
         free_blocks, free_seats = room.free_blocks, room.free_seats
+        reserved: list[_Reserved] = []
         for head in self.waiting_order(self._queue, step_index):
             need = self._first_chunk_blocks(head, room.budget)
             level = self.level_of(head)
@@ -208,16 +223,32 @@ class SkipJoinMlfq:
             self._pending.extend(taken)
             del lowest[: len(taken)]
             free_seats, free_blocks = seats - 1, blocks - need
-        return free_blocks
+            reserved.append(_Reserved(level, need))
+        return free_blocks, reserved
 
     def _for_headroom(
-        self, lowest: list[Request], running: Sequence[Request], free_blocks: int, host: int
+        self,
+        lowest: list[Request],
+        running: Sequence[Request],
+        free_blocks: int,
+        reserved: Sequence[_Reserved],
+        host: int,
     ) -> None:
         """Proactive swap-out: while the running decodes' next tokens need more blocks
-        than are free, the lowest running request whose K/V the host can take goes."""
+        than are free, the lowest running request whose K/V the host can take goes.
+
+        The blocks set aside for a waiting head count against a victim only when the
+        head is at a strictly higher level: a running request never makes room for a
+        waiting one of its own level or below, or two requests of one level would take
+        turns (one out for the other's reservation, then back in at its expense)."""
         bs = self.config.block_size
-        short = self._next_step_blocks(running) - free_blocks
+        needed = self._next_step_blocks(running) - free_blocks
+        freed = 0
         for victim in lowest:
+            level = self.level_of(victim)
+            # Lowest first: a higher victim discounts no fewer reservations and the
+            # blocks freed only grow, so once one is not short no later one is.
+            short = needed - freed - sum(x.blocks for x in reserved if x.level >= level)
             if short <= 0:
                 return
             held = blocks_needed(victim.num_computed_tokens, bs)
@@ -225,7 +256,7 @@ class SkipJoinMlfq:
                 continue
             self._pending.append(Displacement(victim, "headroom", None))
             host -= held
-            short -= held
+            freed += held
 
     def _first_chunk_blocks(self, r: Request, budget: int) -> int:
         cfg = self.config
