@@ -64,6 +64,22 @@ from refserve.spec.mlfq import DisplacedRecord, MlfqSnapshot, QueuedRecord, Runn
 from refserve.spec.snapshot import RequestStatus
 
 
+@dataclass(frozen=True)
+class MlfqChoice:
+    """One displacement as the request's metrics report it: the choice (its K/V to the
+    host, or dropped to recompute) and its inputs: why, for whom, the request's level and
+    K/V tokens at the step's start, and the host pool's free blocks then."""
+
+    request_id: str
+    step_index: int
+    reason: str  # seat, blocks or headroom
+    for_request: str | None
+    level: int
+    kv_tokens: int
+    host_free_blocks: int
+    to_host: bool
+
+
 @dataclass
 class MlfqBooks:
     """One request's place in the queues."""
@@ -98,6 +114,11 @@ class SkipJoinMlfq:
         # The displacements of the plan in progress: become history only if it commits.
         self._pending: list[Displacement] = []
         self._last: tuple[DisplacedRecord, ...] = ()
+        self._last_choices: tuple[MlfqChoice, ...] = ()
+        # What each pending displacement saw at the step's start: K/V tokens and level,
+        # and the host pool's free blocks (the commit resets a recomputed victim's K/V).
+        self._seen: dict[str, tuple[int, int]] = {}
+        self._seen_host = 0
         self._last_step = -1
         # Waiting requests below level 0, in the order they were queued (so in order
         # of ``queued_step``): promotion reads only the head of it.
@@ -178,6 +199,8 @@ class SkipJoinMlfq:
         """Seats and blocks for the waiting requests of higher levels, then headroom for
         the running ones (the module doc); reads only, the plan may be rolled back."""
         self._pending = []
+        self._seen = {r.request_id: (r.num_computed_tokens, self.level_of(r)) for r in running}
+        self._seen_host = room.free_host_blocks
         if self._queue is None or not running:
             return self._pending
         # Lowest first: the order victims are taken in.
@@ -282,17 +305,32 @@ class SkipJoinMlfq:
         displaced = [d for d in self._pending if d.request.request_id in preempted]
         self._pending = []
         records = []
+        choices = []
+        to_host = set(plan.swapped_out)
         for d in displaced:
+            rid = d.request.request_id
             b = self.books_of(d.request)
             records.append(
-                DisplacedRecord(
-                    d.request.request_id, d.reason, d.for_request, b.resumed_ms, b.protected_ms
+                DisplacedRecord(rid, d.reason, d.for_request, b.resumed_ms, b.protected_ms)
+            )
+            kv_tokens, level = self._seen[rid]
+            choices.append(
+                MlfqChoice(
+                    rid,
+                    step_index,
+                    d.reason,
+                    d.for_request,
+                    level,
+                    kv_tokens,
+                    self._seen_host,
+                    rid in to_host,
                 )
             )
             b.num_displaced += 1
             self.num_displaced += 1
             self.num_headroom_swaps += d.reason == "headroom"
         self._last = tuple(records)
+        self._last_choices = tuple(choices)
         self._last_step = step_index
         for rid in plan.admitted:
             self._below_top.pop(rid, None)
@@ -350,6 +388,11 @@ class SkipJoinMlfq:
     def last_displaced(self) -> tuple[DisplacedRecord, ...]:
         """The displacements of the last committed step."""
         return self._last
+
+    @property
+    def last_choices(self) -> tuple[MlfqChoice, ...]:
+        """The last committed step's displacements, with where each one's K/V went."""
+        return self._last_choices
 
     # ------------------------------------------------------------------ the spec's view
     def snapshot(

@@ -13,6 +13,7 @@ import itertools
 from dataclasses import dataclass
 
 from refserve.core.migration_cost import MigrationDecision
+from refserve.core.mlfq import MlfqChoice
 from refserve.core.request import Request
 
 
@@ -36,6 +37,9 @@ class RequestMetrics:
     # Migration (docs/MIGRATION.md): each move of this request, the rule's decision and
     # its inputs (transfer or recompute, KV tokens, destination hit, link, idle compute).
     migrations: tuple[MigrationDecision, ...] = ()
+    # The skip-join MLFQ (docs/MLFQ.md): each time the policy displaced this request, the
+    # choice (K/V to the host or recompute) and its inputs.
+    displacements: tuple[MlfqChoice, ...] = ()
 
     @property
     def queue_ms(self) -> float | None:

@@ -166,6 +166,7 @@ class Outputs:
             num_draft_tokens=seq.num_draft_tokens,
             num_accepted_tokens=seq.num_accepted_tokens,
             migrations=tuple(group.migrations) if group is not None else (),
+            displacements=tuple(group.displacements) if group is not None else (),
         )
 
     def _retire(self, seq: Sample) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from refserve.core.migration_cost import MigrationDecision
+from refserve.core.mlfq import MlfqChoice
 from refserve.core.request import Request, StopParams
 from refserve.model.sampler import SampleSpec, SamplingParams
 from refserve.model.tokenizer import TextStream, Tokenizer
@@ -75,6 +76,8 @@ class SampleGroup:
     forked: bool = False
     # Each migration of this request: the rule's decision and its inputs (docs/MIGRATION.md).
     migrations: list[MigrationDecision] = field(default_factory=list)
+    # Each time the MLFQ displaced this request: the choice and its inputs (docs/MLFQ.md).
+    displacements: list[MlfqChoice] = field(default_factory=list)
 
 
 def sample_spec(sp: SamplingParams, seed: int) -> SampleSpec:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from refserve.core.engine_core import EngineCore, StepRecord
+from refserve.core.mlfq import SkipJoinMlfq
 from refserve.core.outcome import Outcome
 from refserve.core.request import FinishReason
 from refserve.core.scheduler import Scheduler
@@ -83,6 +84,15 @@ class Stepper:
         self.steps.append(record)
         self.num_preemptions += len(record.outcome.preempted)
         self.num_prefix_hit_tokens += sum(record.plan.num_new_cached_tokens)
+        policy = self.scheduler.policy
+        if isinstance(policy, SkipJoinMlfq) and record.plan.preempted:
+            for choice in policy.last_choices:
+                # A request of n > 1 samples runs its later samples under their own ids.
+                sample = self.books.sample(choice.request_id)
+                rid = choice.request_id if sample is None else sample.request_id
+                group = self.books.group(rid)
+                if group is not None:
+                    group.displacements.append(choice)
 
     def _propose(self, proposer: Proposer) -> None:
         """Drafts for every decoding request's next step (docs/SPECULATIVE.md), no more

@@ -140,6 +140,13 @@ def test_mlfq_outputs_match_transformers(hf: HFOracle, proactive_swap: bool) -> 
     assert {"seat", "blocks"} <= set(run.reasons)
     assert sum(run.finals[j.rid].metrics.num_preemptions for j in JOBS) == len(preempted)
     assert len(preempted) >= policy.num_displaced
+    # Each displacement is in its request's metrics, with the choice and its inputs.
+    choices = [c for j in JOBS for c in run.finals[j.rid].metrics.displacements]
+    assert len(choices) == policy.num_displaced
+    assert all(c.kv_tokens > 0 and c.host_free_blocks > 0 for c in choices)
+    assert {c.to_host for c in choices} == {proactive_swap}
+    preemptions = {(rid, s.step_index) for s in steps for rid in s.plan.preempted}
+    assert {(c.request_id, c.step_index) for c in choices} <= preemptions
     sched = engine.scheduler
     if proactive_swap:
         # Displaced K/V went to the host and came back: the outputs depend on the copies.
