@@ -380,6 +380,10 @@ class SkipJoinMlfq:
             queue.remove(r)
             queue.add(r)  # re-keyed at level 0, its waiting time kept (queued_step)
 
+    def _queued_step(self, r: Request) -> int:
+        queued = self.books_of(r).queued_step
+        return r.queued_step if queued is None else queued
+
     def forget(self, request_id: str) -> None:
         self.books.pop(request_id, None)
         self._below_top.pop(request_id, None)
@@ -412,7 +416,7 @@ class SkipJoinMlfq:
                 QueuedRecord(
                     r.request_id,
                     self.level_of(r),
-                    step_index - (self.books_of(r).queued_step or r.queued_step),
+                    step_index - self._queued_step(r),
                 )
                 for r in waiting
             ),
