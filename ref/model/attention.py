@@ -4,10 +4,14 @@ A backend sees one step's flattened tokens in the layout of ``kernels`` (docs/AR
 query ``[T, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]``, ``block_tables`` int32
 ``[S, max_blocks]``, ``seq_lens`` int32 ``[S]`` (KV length including this step's tokens),
 ``query_start_loc`` int32 ``[S + 1]``; causal, each sequence's queries aligned to the end
-of its KV.
+of its KV. ``attend(..., sliding_window=w)`` (a sliding-attention layer) lets a query at
+position ``p`` see only the keys at ``p - w < k <= p``, as ``refserve.kernels.oracle`` and
+transformers' sliding mask do; the block tables still cover every token, and the keys
+before the window are not read at all.
 
-- ``torch``: gathers each sequence's K/V through its block table and runs a masked
-  softmax in fp32. Readable, CPU-friendly, the default.
+- ``torch``: gathers each sequence's K/V through its block table (from the first block
+  any of its queries' windows reach) and runs a masked softmax in fp32. Readable,
+  CPU-friendly, the default.
 - ``triton``: ``refserve.kernels.paged_attention`` / ``write_kv`` / ``copy_blocks``. Imported only
   when selected; a missing triton or kernels package is a :class:`BackendUnavailable`.
 """
@@ -22,7 +26,7 @@ import torch
 
 from refserve.errors import InvalidArgument, RefserveError
 from refserve.kv import BlockCopy
-from refserve.spec.arith import blocks_needed
+from refserve.spec.arith import blocks_needed, logical_block
 
 BACKENDS = ("torch", "triton")
 
@@ -68,7 +72,10 @@ class AttentionBackend(Protocol):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor: ...
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """``[T, Hq, D]``: causal attention, within ``sliding_window`` keys when given."""
+        ...
 
 
 class TorchAttention:
@@ -105,6 +112,7 @@ class TorchAttention:
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         _, bs, hkv, d = key_cache.shape
         group = query.shape[1] // hkv
@@ -115,19 +123,28 @@ class TorchAttention:
             q_len = b - a
             if q_len == 0:
                 continue
+            # Query i sits at position kv_len - q_len + i and sees keys 0 ..= that
+            # position; in a window w, only those > position - w. Keys before the first
+            # query's window are never read: gathering starts at its block.
+            first_key = 0
+            if sliding_window is not None:
+                first_key = max(0, kv_len - q_len - sliding_window + 1)
+            first_block = logical_block(first_key, bs)
             nblocks = blocks_needed(kv_len, bs)
-            blocks = meta.block_tables[s, :nblocks].long()
-            k = key_cache[blocks].reshape(nblocks * bs, hkv, d)[:kv_len].float()
-            v = value_cache[blocks].reshape(nblocks * bs, hkv, d)[:kv_len].float()
+            blocks = meta.block_tables[s, first_block:nblocks].long()
+            base = first_block * bs  # the position of the first gathered slot
+            k = key_cache[blocks].reshape(-1, hkv, d)[first_key - base : kv_len - base].float()
+            v = value_cache[blocks].reshape(-1, hkv, d)[first_key - base : kv_len - base].float()
             if group > 1:
                 k = k.repeat_interleave(group, dim=1)
                 v = v.repeat_interleave(group, dim=1)
             q = query[a:b].float()
             scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-            # Query i sits at position kv_len - q_len + i and sees keys 0 ..= that position.
             qpos = torch.arange(kv_len - q_len, kv_len, device=query.device)
-            kpos = torch.arange(kv_len, device=query.device)
+            kpos = torch.arange(first_key, kv_len, device=query.device)
             mask = kpos[None, :] > qpos[:, None]
+            if sliding_window is not None:
+                mask |= kpos[None, :] <= qpos[:, None] - sliding_window
             scores = scores.masked_fill(mask[None], float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             out[a:b] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
@@ -186,6 +203,7 @@ class TritonAttention:
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         out: torch.Tensor = self._paged_attention(
             query.contiguous(),
@@ -195,6 +213,7 @@ class TritonAttention:
             meta.seq_lens,
             meta.query_start_loc,
             scale=scale,
+            sliding_window=sliding_window,
         )
         return out
 

@@ -1,8 +1,14 @@
 """The model's shape: what a Hugging Face Llama/Qwen2 ``config.json`` says, checked.
 
 Only the options that change the math are kept; anything that would silently change it
-and is not implemented here (rope scaling, sliding windows, other activations) is
-rejected with :class:`UnsupportedModel` instead of being ignored.
+and is not implemented here (rope scaling, other activations) is rejected with
+:class:`UnsupportedModel` instead of being ignored.
+
+Hybrid models: each layer is ``full_attention`` (every earlier token) or
+``sliding_attention`` (a query at position ``p`` sees the keys at positions
+``p - sliding_window < k <= p``: ``sliding_window`` keys, itself included), as
+transformers' Qwen2 reads ``layer_types``, ``use_sliding_window``, ``sliding_window`` and
+``max_window_layers``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,10 @@ from refserve.values import is_int, is_number
 
 #: ``model_type`` values whose checkpoints this loader reads.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+#: The per-layer attention kinds (``layer_types`` entries) this model implements.
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 #: The largest size field (vocab, hidden, heads, layers, positions) a config may give.
 MAX_DIM = (1 << 31) - 1
 MAX_FLOAT = 1e300
@@ -44,6 +54,11 @@ class ModelConfig:
     eos_token_id: int | None = None
     extra_eos_token_ids: tuple[int, ...] = field(default=())
     model_type: str = "llama"
+    # The window of the ``sliding_attention`` layers (None: the model has none).
+    sliding_window: int | None = None
+    # One kind per layer (``LAYER_TYPES``); empty means every layer is full attention
+    # (so ``dataclasses.replace(cfg, num_layers=...)`` of a plain model stays valid).
+    layer_types: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
         for name in (
@@ -88,6 +103,50 @@ class ModelConfig:
                     f"model config: {name} {t!r} is outside the vocabulary [0, {self.vocab_size})"
                 )
 
+        self._check_layers()
+
+    def _check_layers(self) -> None:
+        w = self.sliding_window
+        if w is not None and (not is_int(w) or not 1 <= w <= MAX_DIM):
+            raise InvalidArgument(
+                f"model config: sliding_window must be an int in [1, {MAX_DIM}] or None, got {w!r}"
+            )
+        if not isinstance(self.layer_types, tuple):
+            raise InvalidArgument(
+                f"model config: layer_types must be a tuple of strings, got {self.layer_types!r}"
+            )
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise InvalidArgument(
+                f"model config: layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_layers} layers (num_layers); one per layer"
+            )
+        for i, kind in enumerate(self.layer_types):
+            if kind not in LAYER_TYPES:
+                raise InvalidArgument(
+                    f"model config: layer_types[{i}] is {_show(kind)}; "
+                    f"supported kinds: {', '.join(LAYER_TYPES)}"
+                )
+            if kind == SLIDING_ATTENTION and w is None:
+                raise InvalidArgument(
+                    f"model config: layer_types[{i}] is {SLIDING_ATTENTION} but there is no "
+                    "sliding_window (in config.json: use_sliding_window is false or "
+                    "sliding_window is null)"
+                )
+
+    @property
+    def attention_kinds(self) -> tuple[str, ...]:
+        """The kind of every layer (``layer_types``, or all full when it is empty)."""
+        return self.layer_types or (FULL_ATTENTION,) * self.num_layers
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``, None for a full-attention layer."""
+        return self.sliding_window if self.attention_kinds[layer] == SLIDING_ATTENTION else None
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layer attends through a sliding window."""
+        return SLIDING_ATTENTION in self.layer_types
+
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         first = () if self.eos_token_id is None else (self.eos_token_id,)
@@ -112,11 +171,13 @@ class ModelConfig:
         head_dim = _head_dim(cfg, hidden, heads)
         eos_ids = _eos_ids(cfg)
         bos = _int(cfg, "bos_token_id") if cfg.get("bos_token_id") is not None else None
+        num_layers = _int(cfg, "num_hidden_layers")
+        window, layer_types = _layers(cfg, model_type, num_layers)
         return cls(
             vocab_size=_int(cfg, "vocab_size"),
             hidden_size=hidden,
             intermediate_size=_int(cfg, "intermediate_size"),
-            num_layers=_int(cfg, "num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=_int(cfg, "num_key_value_heads", heads),
             head_dim=head_dim,
@@ -129,7 +190,47 @@ class ModelConfig:
             eos_token_id=eos_ids[0] if eos_ids else None,
             extra_eos_token_ids=tuple(eos_ids[1:]),
             model_type=model_type,
+            sliding_window=window,
+            layer_types=layer_types,
         )
+
+
+def _layers(
+    cfg: Mapping[str, object], model_type: str, num_layers: int
+) -> tuple[int | None, tuple[str, ...]]:
+    """``(sliding_window, layer_types)`` as transformers' Qwen2Config reads them: the
+    window only under ``use_sliding_window``; ``layer_types`` as given, else sliding from
+    layer ``max_window_layers`` on when there is a window. The kinds and their count are
+    checked by :class:`ModelConfig` (``InvalidArgument``)."""
+    use_window = _bool(cfg, "use_sliding_window", False)
+    if model_type != "qwen2":
+        # transformers' Llama has no sliding layers: a window there would be ignored.
+        if use_window:
+            raise UnsupportedModel(f"use_sliding_window=true is not supported for {model_type}")
+        return None, ()
+    window: int | None = None
+    if use_window and cfg.get("sliding_window") is not None:
+        window = _int(cfg, "sliding_window")
+    raw = cfg.get("layer_types")
+    if raw is None:
+        first = _int(cfg, "max_window_layers", 28)
+        kinds = [
+            SLIDING_ATTENTION if window is not None and i >= first else FULL_ATTENTION
+            for i in range(max(num_layers, 0))
+        ]
+        return window, _hybrid_only(kinds, num_layers)
+    if not isinstance(raw, list) or not all(isinstance(k, str) for k in raw):
+        raise UnsupportedModel(
+            f"config.json: layer_types must be a list of strings, got {_show(raw)}"
+        )
+    return window, _hybrid_only(raw, num_layers)
+
+
+def _hybrid_only(kinds: list[str], num_layers: int) -> tuple[str, ...]:
+    """``kinds``, or ``()`` (every layer full, the plain model's spelling) when that is
+    all they say; a list of the wrong length is kept, for ModelConfig to refuse."""
+    plain = len(kinds) == num_layers and all(k == FULL_ATTENTION for k in kinds)
+    return () if plain else tuple(kinds)
 
 
 def _supported_model_type(cfg: Mapping[str, object]) -> str:
@@ -145,8 +246,6 @@ def _supported_model_type(cfg: Mapping[str, object]) -> str:
         raise UnsupportedModel(f"hidden_act {act!r} is not supported (only silu)")
     if _bool(cfg, "mlp_bias", False):
         raise UnsupportedModel("mlp_bias=true is not supported")
-    if _bool(cfg, "use_sliding_window", False):
-        raise UnsupportedModel("use_sliding_window=true is not supported")
     return model_type
 
 

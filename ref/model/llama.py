@@ -1,7 +1,8 @@
 """A Llama-architecture decoder, one forward per step over the flattened tokens.
 
 RMSNorm, rotary embeddings (rotate-half convention, base ``rope_theta``), grouped-query
-attention through the paged KV cache, SwiGLU MLP, tied or untied LM head. The math
+attention through the paged KV cache (each layer full or, in a hybrid model such as a
+Qwen2 with ``layer_types``, within its sliding window), SwiGLU MLP, tied or untied LM head. The math
 follows Hugging Face ``LlamaForCausalLM`` operation by operation (RMSNorm in fp32, RoPE
 frequencies in fp32), so that fp32 logits agree to rounding.
 
@@ -229,7 +230,7 @@ class LlamaModel:
         k = apply_rope(k, cos, sin)
         kc, vc = cache.key[layer], cache.value[layer]
         self.backend.write_kv(k, v, kc, vc, meta)
-        o = self.backend.attend(q, kc, vc, meta, self.scale)
+        o = self.backend.attend(q, kc, vc, meta, self.scale, cfg.layer_window(layer))
         return F.linear(o.reshape(t, cfg.num_heads * cfg.head_dim), lw.o_proj)
 
     def _mlp(self, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:

@@ -67,6 +67,15 @@ BASE_CONFIG: dict[str, object] = {
     "eos_token_id": 2,
 }
 
+#: A one-layer hybrid Qwen2 config (a sliding layer of window 8), for the window cases;
+#: each breaks one field and is refused while reading config.json, before the weights.
+QWEN2_WINDOW: dict[str, object] = {
+    "model_type": "qwen2",
+    "use_sliding_window": True,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention"],
+}
+
 
 def checkpoint_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     """The seeded random weights the engine tests use (``random_state_dict``), shaped by
@@ -571,6 +580,25 @@ CONFIGS: list[Case] = [
     model("attention-bias-string", {"attention_bias": "true"}, "attention_bias"),
     model("mlp-bias-string", {"mlp_bias": "false"}, "mlp_bias"),
     model("sliding-window-string", {"use_sliding_window": "no"}, "use_sliding_window"),
+    model("llama-sliding-window", {"use_sliding_window": True}, "use_sliding_window"),
+    model("qwen2-window-zero", {**QWEN2_WINDOW, "sliding_window": 0}, "sliding_window"),
+    model("qwen2-window-string", {**QWEN2_WINDOW, "sliding_window": "8"}, "sliding_window"),
+    model(
+        "qwen2-layer-types-length",
+        {**QWEN2_WINDOW, "layer_types": ["sliding_attention"] * 2},
+        "layer_types",
+    ),
+    model(
+        "qwen2-layer-kind-unknown",
+        {**QWEN2_WINDOW, "layer_types": ["chunked_attention"]},
+        "chunked_attention",
+    ),
+    model("qwen2-layer-types-string", {**QWEN2_WINDOW, "layer_types": "full"}, "layer_types"),
+    model(
+        "qwen2-sliding-layer-no-window",
+        {**QWEN2_WINDOW, "use_sliding_window": False},
+        "sliding_window",
+    ),
     model("rope-theta-string", {"rope_theta": "10000"}, "rope_theta"),
     model("rope-theta-nan", json.dumps(BASE_CONFIG).replace("10000.0", "NaN"), "rope_theta"),
     model(
