@@ -1,0 +1,207 @@
+"""KV layer groups: memory per token that is not a constant.
+
+A hybrid model keeps full attention in some layers and a sliding window in others. The
+layers of one kind form a **group**; each group keeps its own block table per request,
+over one shared pool of blocks. A full group holds a block for every stored token, as
+today. A window group of window ``W`` needs only what its next query reads: a query at
+position ``p`` reads the keys ``p - W < k <= p`` (transformers' convention, and the
+kernels'), so a request about to compute positions ``[L, L + n)`` needs, in a window
+group, the stored positions ``[L - W + 1, L)`` and the new ones: the blocks covering
+``[window_start(L, W), L + n)``. The blocks wholly before that may go back to the pool;
+a table keeps their places as :data:`NULL_BLOCK` so logical block ``i`` is still entry
+``i``.
+
+Why it matters: a window block freed one token early is K/V a query still reads (a
+wrong token later, silently); a prefix-cache hit taken without the window group's last
+blocks resumes with keys that exist nowhere; per-group books that disagree (a request in
+one group but not another, or stored at two lengths) leak or corrupt blocks.
+
+The rules, each over one frozen :class:`GroupedSnapshot`:
+
+- **group accounting** (:func:`check_groups`): BLOCK over every group's tables together
+  (reference counts equal holders, the free queue exact), each table covering its KV
+  length (POS), a request in every group or in none and at one length (rule
+  ``group-tables``), no null entry in a full group (rule ``full-null``);
+- **window held** (:func:`check_window_held`, after a request's allocation): its window
+  group tables hold every block covering ``[window_start(L, W), L + n)`` (rule
+  ``window-early``; rule ``prefix-complete`` when the missing block is inside a
+  prefix-cache hit), and none wholly before it (rule ``window-late``: memory the request
+  can never read again, declared optional: a manager may free it later).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+from refserve.spec.arith import blocks_needed
+from refserve.spec.block import check_block
+from refserve.spec.snapshot import PoolSnapshot, TableSnapshot
+from refserve.spec.violation import Invariant, Violation, violation
+
+#: A window group's table entry for a block that has left the window.
+NULL_BLOCK = -1
+
+GROUP_TABLES = "group-tables"
+FULL_NULL = "full-null"
+WINDOW_EARLY = "window-early"
+WINDOW_LATE = "window-late"
+PREFIX_COMPLETE = "prefix-complete"
+
+
+class GroupKind(StrEnum):
+    FULL = "full"
+    WINDOW = "window"
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One kind of layer: ``full``, or ``window`` of ``window`` tokens (a query at ``p``
+    reads keys ``p - window < k <= p``)."""
+
+    kind: GroupKind
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        kind = GroupKind(self.kind)
+        object.__setattr__(self, "kind", kind)
+        if kind is GroupKind.WINDOW and not (type(self.window) is int and self.window >= 1):
+            raise ValueError(f"a window group needs a window >= 1, got {self.window!r}")
+        if kind is GroupKind.FULL and self.window:
+            raise ValueError(f"a full group has no window, got {self.window!r}")
+
+
+def window_start(num_tokens: int, window: int) -> int:
+    """The first position the query at ``num_tokens`` reads in a window of ``window``.
+
+    pre: num_tokens >= 0
+    pre: window >= 1
+    post: 0 <= __return__ <= num_tokens
+    post: num_tokens - __return__ <= window - 1
+    post: __return__ == 0 or num_tokens - __return__ == window - 1
+    """
+    return max(0, num_tokens - window + 1)
+
+
+@dataclass(frozen=True)
+class GroupTable:
+    """One request's table in one group (``group`` indexes the snapshot's groups)."""
+
+    group: int
+    table: TableSnapshot
+
+
+@dataclass(frozen=True)
+class GroupedSnapshot:
+    """A grouped KV manager: its groups, the shared pool (reference counts, free queue
+    and every group's cache entries; its own ``tables`` unused) and each request's table
+    in each group."""
+
+    groups: tuple[KVGroup, ...]
+    pool: PoolSnapshot
+    tables: tuple[GroupTable, ...]
+
+    def as_pool(self) -> PoolSnapshot:
+        """The shared pool with every group's tables, null entries left out and each
+        table named ``request@group``: what BLOCK counts holders over."""
+        tables = tuple(
+            replace(
+                t.table,
+                request_id=f"{t.table.request_id}@{t.group}",
+                block_table=tuple(b for b in t.table.block_table if b != NULL_BLOCK),
+            )
+            for t in self.tables
+        )
+        return replace(self.pool, tables=tables)
+
+    def table(self, request_id: str, group: int) -> TableSnapshot | None:
+        for t in self.tables:
+            if t.group == group and t.table.request_id == request_id:
+                return t.table
+        return None
+
+
+def check_groups(s: GroupedSnapshot) -> list[Violation]:
+    """Group accounting (the module doc)."""
+    out = [replace(v, message=f"{v.message} (all groups)") for v in check_block(s.as_pool())]
+    bs = s.pool.block_size
+    where: dict[str, dict[int, TableSnapshot]] = {}
+    for gt in s.tables:
+        t = gt.table
+        if not 0 <= gt.group < len(s.groups):
+            out.append(_v(Invariant.BLOCK, t.request_id, f"a table in group {gt.group}, "
+                          "which does not exist", f"0..{len(s.groups) - 1}", gt.group,
+                          GROUP_TABLES))  # fmt: skip
+            continue
+        where.setdefault(t.request_id, {})[gt.group] = t
+        need = blocks_needed(t.num_stored, bs)
+        if len(t.block_table) != need:
+            out.append(_v(Invariant.POS, t.request_id, f"group {gt.group}'s table does not "
+                          "cover the KV length exactly", need, len(t.block_table), ""))  # fmt: skip
+        if s.groups[gt.group].kind is GroupKind.FULL and NULL_BLOCK in t.block_table:
+            out.append(_v(Invariant.BLOCK, t.request_id, f"full group {gt.group} lost "
+                          "blocks (null entries)", "none", t.block_table.count(NULL_BLOCK),
+                          FULL_NULL))  # fmt: skip
+    for rid, by_group in sorted(where.items()):
+        if len(by_group) != len(s.groups):
+            out.append(_v(Invariant.BLOCK, rid, "a table in some groups only",
+                          f"{len(s.groups)} groups", sorted(by_group), GROUP_TABLES))  # fmt: skip
+        lengths = {t.num_stored for t in by_group.values()}
+        if len(lengths) > 1:
+            out.append(_v(Invariant.KVLEN, rid, "groups store different lengths", "one",
+                          sorted(lengths), GROUP_TABLES))  # fmt: skip
+    return out
+
+
+def check_window_held(
+    s: GroupedSnapshot, request_id: str, num_before: int, num_cached: int = 0
+) -> list[Violation]:
+    """After an allocation that took ``request_id`` from ``num_before`` stored tokens to
+    its table's length (``num_cached``: the tokens of a prefix-cache hit it took, part of
+    ``num_before``): every window group holds the blocks its next queries read, and none
+    wholly before them."""
+    out: list[Violation] = []
+    bs = s.pool.block_size
+    for g, group in enumerate(s.groups):
+        if group.kind is not GroupKind.WINDOW:
+            continue
+        t = s.table(request_id, g)
+        if t is None:
+            continue  # check_groups names a missing table
+        first = window_start(num_before, group.window) // bs
+        for i, b in enumerate(t.block_table):
+            if i >= first and b == NULL_BLOCK:
+                hit = i * bs < num_cached
+                out.append(_v(
+                    Invariant.PREFIX if hit else Invariant.KVLEN,
+                    request_id,
+                    f"window group {g} dropped logical block {i}, which its next query "
+                    f"reads (window {group.window}, {num_before} tokens before)"
+                    + (": a prefix hit taken without its window blocks" if hit else ""),
+                    "a block",
+                    "null",
+                    PREFIX_COMPLETE if hit else WINDOW_EARLY,
+                ))  # fmt: skip
+            elif i < first and b != NULL_BLOCK:
+                out.append(_v(
+                    Invariant.BLOCK,
+                    request_id,
+                    f"window group {g} still holds logical block {i}, wholly before the "
+                    f"window its queries read (window {group.window}, {num_before} tokens "
+                    "before)",
+                    "null",
+                    f"block {b}",
+                    WINDOW_LATE,
+                ))  # fmt: skip
+    return out
+
+
+def _v(
+    invariant: Invariant,
+    request_id: str,
+    message: str,
+    expected: object,
+    seen: object,
+    rule: str,
+) -> Violation:
+    return violation(invariant, f"request {request_id}", message, expected, seen, rule=rule)
