@@ -330,7 +330,7 @@ def test_sliding_layers_never_read_before_their_window(hybrid: HFOracle) -> None
 # ------------------------------------------------------------------- against the kernels' oracle
 @pytest.mark.parametrize("window", [1, 3, 8, 13, 100])
 def test_torch_window_matches_the_kernel_oracle(window: int) -> None:
-    """TorchAttention's window agrees with ``kernels.oracle.paged_attention``'s on a
+    """TorchAttention's window agrees with ``refserve.kernels.oracle.paged_attention``'s on a
     random paged batch: a whole prompt, mid-prompt chunks, decodes, shuffled blocks."""
     g = torch.Generator().manual_seed(window)
     hq, hkv, d, bs, num_blocks = 4, 2, 16, BLOCK, 64
