@@ -155,7 +155,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int_at_most(MAX_BLOCKS),
         default=BASE_CONFIG.num_blocks,
         metavar="N",
-        help=f"every policy's KV blocks (default %(default)s; at most {MAX_BLOCKS:,})",
+        help=f"every policy's KV blocks (default %(default)s; at most {MAX_BLOCKS:,}); a "
+        "trace with a server of its own (heavy-tight) keeps its own",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument(

@@ -119,6 +119,16 @@ class PointResult:
     # Job completion time (arrival to finish) of the requests that finished.
     jct_p50_ms: float | None = None
     jct_p95_ms: float | None = None
+    # The MLFQ policy's own moves (None: not an mlfq policy): requests it displaced, of
+    # them those moved out for the running requests' headroom.
+    displaced: int | None = None
+    headroom_swaps: int | None = None
+    # Host-link traffic: requests whose K/V went to the host, blocks each way, and the
+    # bytes moved both ways (0 without a host pool).
+    swapped_out: int = 0
+    swap_blocks_out: int = 0
+    swap_blocks_in: int = 0
+    swap_bytes: int = 0
 
     def cause(self) -> str:
         """The limit that bound in this run; failing that, the SLO missed most."""

@@ -4,8 +4,8 @@ The experiment of docs/ARCHITECTURE.md, example 3: the same traces (short chat, 
 agent multi-turn, plus a chat stream with a few long prompts mixed in, and a trace of
 heavy-tailed output lengths), a fixed request-rate sweep, and several scheduling policies
 (among them the skip-join MLFQ and two ablations of it); report P50/P95/P99 TTFT, P99 TBT,
-job completion time P50/P95, tokens/s, goodput, rejections and preemptions, and find where
-goodput bends as the rate rises.
+job completion time P50/P95, tokens/s, goodput, rejections, preemptions and the MLFQ
+policies' displacements and swaps, and find where goodput bends as the rate rises.
 
 Everything runs on the cost-model simulator (same scheduler and engine core as the real
 engine). Choices, all overridable from the command line:
@@ -25,7 +25,9 @@ engine). Choices, all overridable from the command line:
 - **Engine**: the token budget is derived from the TBT SLO: the largest multiple of the
   block size whose step with 32 decodes, ``a + b*B + 32c``, meets it (128 by default;
   ``--max-num-batched-tokens`` overrides); block 16, 4096 KV blocks (65,536 simulated
-  tokens, about 1M real tokens at scale 16), at most 256 running requests. The budget is
+  tokens, about 1M real tokens at scale 16), at most 256 running requests; a trace may
+  bring a server of its own (``heavy-tight``: the heavy trace on 16 seats and 132
+  blocks, where the MLFQ policies displace and swap). The budget is
   also a policy parameter: ``chunked-4B`` runs chunked prefill at 4 x the budget (512),
   where a full chunk alone makes a 258 ms step, over the TBT SLO.
 - **Chat** comes from 8 applications, each with its own 2K-token system prompt (128

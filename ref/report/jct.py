@@ -6,6 +6,11 @@ Each comparison is made at one rate per trace, on the same workload: the highest
 rate at which every policy compared was run (a policy far past its knee stops being
 swept, so a higher rate may lack one of them). A policy "beats" another when its JCT
 percentile is lower by more than :data:`TIE` (relative); otherwise the two tie.
+
+A trace on a server of its own (``heavy-tight``: few seats, a small KV pool, where mlfq
+displaces and swaps) is also compared at every rate (:class:`RateFindings`): mlfq
+against FCFS and prefix-aware, both ablations, and what each mlfq policy did there
+(:class:`MlfqActivity`: its displacements, preemptions and host-link traffic).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from refserve.core.swap import SwapCost
 from refserve.report.analysis import PointResult
 from refserve.report.sweep import SweepResult
 
@@ -25,6 +31,10 @@ BASELINES = ("fcfs", "chunked", "prefix-aware")
 JCT_POLICIES = (*BASELINES, MLFQ, NO_SKIP_JOIN, RECOMPUTE)
 #: Relative JCT difference below which two policies tie.
 TIE = 0.01
+#: The policies MLFQ is held against at every rate of a constrained-server trace.
+RATE_BASELINES = ("fcfs", "prefix-aware")
+#: The MLFQ policies whose moves are counted.
+MLFQ_POLICIES = (MLFQ, NO_SKIP_JOIN, RECOMPUTE)
 
 
 @dataclass(frozen=True)
@@ -68,12 +78,74 @@ class Ablation:
 
 
 @dataclass(frozen=True)
+class MlfqActivity:
+    """What one mlfq policy did in one run: the requests it displaced (of them, those
+    moved out for the running requests' headroom), every preemption (its displacements
+    and the engine's own for want of a block), and the host-link traffic."""
+
+    policy: str
+    displaced: int
+    headroom_swaps: int
+    preemptions: int
+    swapped_out: int
+    swap_blocks_out: int
+    swap_blocks_in: int
+    swap_bytes: int
+
+    @staticmethod
+    def of(p: PointResult) -> MlfqActivity:
+        return MlfqActivity(
+            p.policy,
+            p.displaced or 0,
+            p.headroom_swaps or 0,
+            p.preemptions,
+            p.swapped_out,
+            p.swap_blocks_out,
+            p.swap_blocks_in,
+            p.swap_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class RateFindings:
+    """On a trace with its own server, at one rate: mlfq against each of
+    :data:`RATE_BASELINES` that ran there, the two ablations (None where one of the three
+    policies did not run), and each mlfq policy's moves."""
+
+    trace: str
+    rate: float
+    versus: tuple[JctPair, ...]
+    skip_join: Ablation | None
+    proactive_swap: Ablation | None
+    activity: tuple[MlfqActivity, ...]
+
+    def against(self, other: str) -> JctPair | None:
+        return next((p for p in self.versus if p.other == other), None)
+
+
+@dataclass(frozen=True)
+class LinkPrice:
+    """Per simulated token: a round trip of its K/V over the mlfq policies' host link,
+    and recomputing it (the cost model's prefill time per token), in ms."""
+
+    round_trip_ms: float
+    recompute_ms: float
+
+    @staticmethod
+    def of(cost: SwapCost) -> LinkPrice:
+        return LinkPrice(cost.swap_ms(1), cost.recompute_ms(1))
+
+
+@dataclass(frozen=True)
 class JctFindings:
-    """Per trace: MLFQ against each baseline, and the two ablations."""
+    """Per trace: MLFQ against each baseline, and the two ablations; rate by rate on the
+    traces with a server of their own."""
 
     versus: tuple[JctPair, ...]
     skip_join: tuple[Ablation, ...]
     proactive_swap: tuple[Ablation, ...]
+    per_rate: tuple[RateFindings, ...] = ()
+    link: LinkPrice | None = None  # what moving K/V costs against recomputing it
 
     def beats(self, other: str, which: str) -> list[str]:
         """The traces where mlfq's JCT ``which`` (p50 or p95) is lower than ``other``'s."""
@@ -93,9 +165,18 @@ def _at(sweep: SweepResult, trace: str, policy: str, rate: float) -> PointResult
     return next(p for p in sweep.runs_of(trace, policy) if p.rate == rate)
 
 
-def _pair(sweep: SweepResult, trace: str, mine: str, other: str) -> JctPair | None:
-    rate = common_rate(sweep, trace, (mine, other))
+def _ran(sweep: SweepResult, trace: str, policy: str, rate: float) -> bool:
+    """``policy`` ran ``trace`` at ``rate`` and finished requests (a JCT to compare)."""
+    return any(p.rate == rate and p.jct_p50_ms is not None for p in sweep.runs_of(trace, policy))
+
+
+def _pair(
+    sweep: SweepResult, trace: str, mine: str, other: str, rate: float | None = None
+) -> JctPair | None:
+    """At ``rate``, or at the highest rate where both ran; None where they did not."""
     if rate is None:
+        rate = common_rate(sweep, trace, (mine, other))
+    if rate is None or not (_ran(sweep, trace, mine, rate) and _ran(sweep, trace, other, rate)):
         return None
     a, b = _at(sweep, trace, mine, rate), _at(sweep, trace, other, rate)
     assert a.jct_p50_ms is not None and a.jct_p95_ms is not None
@@ -108,11 +189,15 @@ def _share(ingredient: float, whole: float) -> float | None:
     return ingredient / whole if whole > 0 else None
 
 
-def _ablation(sweep: SweepResult, trace: str, ablated: str) -> Ablation | None:
-    """At the highest rate where mlfq, ``ablated`` and prefix-aware all ran."""
+def _ablation(
+    sweep: SweepResult, trace: str, ablated: str, rate: float | None = None
+) -> Ablation | None:
+    """At ``rate``, or at the highest rate where mlfq, ``ablated`` and prefix-aware all
+    ran; None where one of them did not."""
     names = (MLFQ, ablated, "prefix-aware")
-    rate = common_rate(sweep, trace, names)
     if rate is None:
+        rate = common_rate(sweep, trace, names)
+    if rate is None or not all(_ran(sweep, trace, n, rate) for n in names):
         return None
     full, without, base = (_at(sweep, trace, n, rate) for n in names)
     jcts = [(x.jct_p50_ms, x.jct_p95_ms) for x in (full, without, base)]
@@ -127,9 +212,10 @@ def _ablation(sweep: SweepResult, trace: str, ablated: str) -> Ablation | None:
     )
 
 
-def jct_findings(sweep: SweepResult) -> JctFindings | None:
+def jct_findings(sweep: SweepResult, swap_cost: SwapCost | None = None) -> JctFindings | None:
     """MLFQ against the baselines and its ablations on every trace; None when the sweep
-    did not run mlfq."""
+    did not run mlfq. ``swap_cost``: the mlfq policies' host link, for the price of a
+    swap against a recompute."""
     names = {p.name for p in sweep.policies}
     if MLFQ not in names:
         return None
@@ -147,4 +233,33 @@ def jct_findings(sweep: SweepResult) -> JctFindings | None:
         found = (_ablation(sweep, t, ablated) for t in traces)
         return tuple(a for a in found if a is not None)
 
-    return JctFindings(tuple(versus), ablations(NO_SKIP_JOIN), ablations(RECOMPUTE))
+    per_rate = tuple(
+        _rate_findings(sweep, t.spec.name, rate, names)
+        for t in sweep.plan
+        if t.spec.server is not None
+        for rate in t.rates
+        if _ran(sweep, t.spec.name, MLFQ, rate)
+    )
+    return JctFindings(
+        tuple(versus),
+        ablations(NO_SKIP_JOIN),
+        ablations(RECOMPUTE),
+        per_rate,
+        None if swap_cost is None else LinkPrice.of(swap_cost),
+    )
+
+
+def _rate_findings(sweep: SweepResult, trace: str, rate: float, names: set[str]) -> RateFindings:
+    versus = (_pair(sweep, trace, MLFQ, other, rate) for other in RATE_BASELINES if other in names)
+    return RateFindings(
+        trace,
+        rate,
+        tuple(p for p in versus if p is not None),
+        _ablation(sweep, trace, NO_SKIP_JOIN, rate),
+        _ablation(sweep, trace, RECOMPUTE, rate),
+        tuple(
+            MlfqActivity.of(_at(sweep, trace, n, rate))
+            for n in MLFQ_POLICIES
+            if n in names and any(p.rate == rate for p in sweep.runs_of(trace, n))
+        ),
+    )

@@ -60,8 +60,8 @@ def _header(outcome: CompareOutcome) -> list[str]:
         f"{', quick run' if opts.quick else ''}; {len(outcome.sweep.points)} runs in "
         f"{outcome.wall_s:.1f} s.",
         f"Engine: token budget {base.max_num_batched_tokens}, block {base.block_size}, "
-        f"{base.num_blocks} KV blocks, max {base.max_num_seqs} running requests. "
-        "Times are the simulator's virtual ms.",
+        f"{base.num_blocks} KV blocks, max {base.max_num_seqs} running requests"
+        f"{_own_servers(outcome)}. Times are the simulator's virtual ms.",
         "",
         f"SLOs per request: TTFT <= {slo.ttft_base_ms:g} ms + {slo.ttft_per_token_ms:g} ms "
         f"x prompt tokens; every gap between tokens (TBT) <= {slo.tbt_ms:g} ms. "
@@ -71,6 +71,17 @@ def _header(outcome: CompareOutcome) -> list[str]:
         f"**Knee**: the first swept rate where goodput / offered < {opts.knee:g}.",
         "",
     ]
+
+
+def _own_servers(outcome: CompareOutcome) -> str:
+    """The traces that run on a server of their own, and its limits."""
+    own = [
+        f"{t.spec.name} {t.spec.server.max_num_seqs} running requests and "
+        f"{t.spec.server.num_blocks} KV blocks"
+        for t in outcome.sweep.plan
+        if t.spec.server is not None
+    ]
+    return f" (except {'; '.join(own)})" if own else ""
 
 
 def _policies(outcome: CompareOutcome) -> list[str]:

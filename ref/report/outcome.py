@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from refserve.report.jct import JctFindings, jct_findings
 from refserve.report.plots import ChartFiles
+from refserve.report.policies import mlfq_swap_cost
 from refserve.report.swap_comparison import (
     SWAP_CONFIG,
     SWAP_COST,
@@ -49,7 +50,7 @@ class CompareOutcome:
             wall_s,
             knees=sweep.knees(opts.knee),
             causes=sweep.knee_causes(opts.knee),
-            jct=jct_findings(sweep),
+            jct=jct_findings(sweep, mlfq_swap_cost(opts.scale, opts.cost)),
         )
 
 
@@ -64,6 +65,8 @@ def report_json(outcome: CompareOutcome) -> dict[str, object]:
                 "description": t.spec.description,
                 "rate_unit": t.spec.rate_unit,
                 "rates": list(t.rates),
+                # None: the comparison's server (settings.base_config).
+                "server": None if t.spec.server is None else dataclasses.asdict(t.spec.server),
             }
             for t in sweep.plan
         ],

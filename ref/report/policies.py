@@ -192,16 +192,22 @@ def _mlfq_with(
     """
 
     def configure(base: SchedulerConfig, ctx: PolicyContext) -> SchedulerConfig:
-        kv_bytes = max(1, round(MLFQ_KV_BYTES_PER_TOKEN * ctx.scale))
         return dataclasses.replace(
             _prefix_aware(base, ctx),
             policy=PolicyName.MLFQ,
             mlfq=MlfqSettings(skip_join=skip_join, proactive_swap=proactive_swap, cost=ctx.cost),
             num_host_blocks=base.num_blocks if host else 0,
-            swap_cost=SwapCost(kv_bytes, MLFQ_LINK_GB_PER_S, iteration=ctx.cost),
+            swap_cost=mlfq_swap_cost(ctx.scale, ctx.cost),
         )
 
     return configure
+
+
+def mlfq_swap_cost(scale: float, cost: StepCost) -> SwapCost:
+    """The host link the mlfq policies swap over, per simulated token at ``scale``
+    (``scale`` real tokens' K/V), recompute priced by ``cost``."""
+    kv_bytes = max(1, round(MLFQ_KV_BYTES_PER_TOKEN * scale))
+    return SwapCost(kv_bytes, MLFQ_LINK_GB_PER_S, iteration=cost)
 
 
 POLICIES: tuple[NamedPolicy, ...] = (

@@ -17,8 +17,10 @@ from typing import TextIO
 
 from refserve.core.config import SchedulerConfig
 from refserve.core.cost import StepCost
+from refserve.core.mlfq import SkipJoinMlfq
 from refserve.core.request_metrics import RequestMetrics
 from refserve.core.scheduler import Scheduler
+from refserve.core.swap import SwapTraffic
 from refserve.report.analysis import (
     PointResult,
     knee_cause,
@@ -194,7 +196,8 @@ def _sweep_trace(
         workload = spec.build(rate, n, opts.scale, opts.seed)
         for policy in policies:
             at = SweepPoint(spec, workload, policy, rate)
-            if opts.stop_after is not None and bad_in_a_row[policy.name] >= opts.stop_after:
+            stop_after = None if spec.sweep_every_rate else opts.stop_after
+            if stop_after is not None and bad_in_a_row[policy.name] >= stop_after:
                 stopped.setdefault(policy.name, rate)
                 bar.advance(at.label + " (skipped: past its knee)")
                 continue
@@ -232,17 +235,47 @@ def _offered_rps(at: SweepPoint, result: SimResult) -> float:
     return at.workload.num_requests / span_s if span_s > 0 else at.rate
 
 
+@dataclass(frozen=True)
+class _Moves:
+    """What a run's policy displaced (None: not the MLFQ policy) and what crossed the
+    host link (zero without a host pool)."""
+
+    displaced: int | None
+    headroom_swaps: int | None
+    swapped_out: int
+    blocks_out: int
+    blocks_in: int
+    bytes_moved: int
+
+    @staticmethod
+    def of(scheduler: Scheduler, result: SimResult) -> _Moves:
+        policy = scheduler.policy
+        mlfq = policy if isinstance(policy, SkipJoinMlfq) else None
+        swap = result.swap or SwapTraffic(0, 0, 0, 0, 0)
+        return _Moves(
+            None if mlfq is None else mlfq.num_displaced,
+            None if mlfq is None else mlfq.num_headroom_swaps,
+            swap.num_swapped_out,
+            swap.blocks_out,
+            swap.blocks_in,
+            swap.bytes_out + swap.bytes_in,
+        )
+
+
 def run_point(opts: CompareOptions, at: SweepPoint) -> PointResult:
     """Run one workload under one policy and summarize it."""
     started = time.perf_counter()
     slo = opts.slo
     config = at.policy.configure(
-        opts.base, PolicyContext(at.workload.max_len, slo, opts.cost, opts.scale)
+        at.spec.config(opts.base),
+        PolicyContext(at.workload.max_len, slo, opts.cost, opts.scale),
     )
+    scheduler = Scheduler(config)
     # Steps are kept: which limit bound is read from them (then they are dropped).
     result = at.workload.run(
-        Scheduler(config), opts.cost, keep_steps=True, speculation=at.policy.speculation
+        scheduler, opts.cost, keep_steps=True, speculation=at.policy.speculation
     )
+    moves = _Moves.of(scheduler, result)
     reqs = [RequestMetrics.of(r) for r in result.requests]
     run = RunMetrics.of(reqs, result.makespan_ms)
     met = [m for m in reqs if slo.met(m)]
@@ -286,4 +319,10 @@ def run_point(opts: CompareOptions, at: SweepPoint) -> PointResult:
         tbt_miss_rate=_share(sum(not slo.tbt_met(m) for m in reqs), n),
         jct_p50_ms=percentile(jcts, 50),
         jct_p95_ms=percentile(jcts, 95),
+        displaced=moves.displaced,
+        headroom_swaps=moves.headroom_swaps,
+        swapped_out=moves.swapped_out,
+        swap_blocks_out=moves.blocks_out,
+        swap_blocks_in=moves.blocks_in,
+        swap_bytes=moves.bytes_moved,
     )

@@ -1,6 +1,7 @@
 """The workload families ``refserve compare`` sweeps over rates (docs/ARCHITECTURE.md,
 example 3): short chat, long prompt, chat with a few long prompts mixed in, agent
-multi-turn sessions, and moderate prompts with heavy-tailed output lengths.
+multi-turn sessions, and moderate prompts with heavy-tailed output lengths, the last
+also on a constrained server of its own (``heavy-tight``: few seats, a small KV pool).
 
 Token lengths are divided by the comparison's scale (see :mod:`refserve.sim.workloads`);
 times (arrivals, tool waits) are not.
@@ -13,7 +14,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from refserve.core.config import SchedulerConfig
+from refserve.errors import InvalidArgument
 from refserve.sim.workloads import (
+    HEAVY_OUTPUT_ALPHA,
+    HEAVY_OUTPUT_MAX,
+    HEAVY_OUTPUT_MIN,
+    HEAVY_PROMPT_LEN,
     Workload,
     agent_sessions,
     from_records,
@@ -23,6 +30,26 @@ from refserve.sim.workloads import (
     merge_records,
     short_chat_records,
 )
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """A trace's own engine limits, in place of the comparison's: at most
+    ``max_num_seqs`` running requests and ``num_blocks`` KV blocks (every policy's; a
+    policy that sizes its host pool by the device pool follows these)."""
+
+    max_num_seqs: int
+    num_blocks: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "num_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"ServerLimits.{name} must be an int >= 1, got {value!r}")
+
+    def on(self, base: SchedulerConfig) -> SchedulerConfig:
+        """``base`` with these limits."""
+        return dataclasses.replace(base, max_num_seqs=self.max_num_seqs, num_blocks=self.num_blocks)
 
 
 @dataclass(frozen=True)
@@ -41,6 +68,17 @@ class TraceSpec:
     # to be sustained (an agent session lives ~10 s: 48 sessions at 16/s would all start
     # within 3 s and the system would never see 16 sessions/s in steady state).
     min_window_s: float = 0.0
+    # The engine this family runs on: None, the comparison's (``--num-blocks`` and the
+    # default 256 seats); else its own, whatever the command line says.
+    server: ServerLimits | None = None
+    # Run every policy at every rate, past its knee too (the sweep otherwise stops a
+    # policy far past it): for a family whose runs are cheap and whose findings are
+    # read rate by rate.
+    sweep_every_rate: bool = False
+
+    def config(self, base: SchedulerConfig) -> SchedulerConfig:
+        """The comparison's base config on this family's server."""
+        return base if self.server is None else self.server.on(base)
 
     def rates_to_sweep(self, override: tuple[float, ...] | None, quick: bool) -> tuple[float, ...]:
         """The rates a run sweeps, in the order given: ``override`` (the command line's
@@ -110,6 +148,19 @@ def _heavy(rate: float, n: int, scale: float, seed: int) -> Workload:
     return Workload("heavy", tuple(from_records(records)))
 
 
+#: ``heavy-tight``'s server. On the comparison's default one (256 seats, 4096 blocks) the
+#: heavy trace's running set never fills either, so mlfq never displaces anyone and its
+#: proactive swap never fires. 16 seats bind from about 24 req/s (the batch a loaded
+#: rate keeps running is larger), so new requests of a higher level displace the
+#: long-running ones. 132 blocks are the fewest that hold the longest request the trace
+#: can draw at the default scale 16 (the 32K-token output cap plus a 768-token prompt:
+#: 2,096 simulated tokens, 131 blocks), so no request finishes for lack of memory
+#: whatever the seed; a loaded batch with a long output in it overflows them, so at the
+#: top rates the headroom swap fires too. The host pool of the mlfq policies is as large
+#: as this device pool. Each run stays under half a second.
+TIGHT_SERVER = ServerLimits(max_num_seqs=16, num_blocks=132)
+
+
 TRACES: tuple[TraceSpec, ...] = (
     TraceSpec(
         "chat",
@@ -156,8 +207,9 @@ TRACES: tuple[TraceSpec, ...] = (
     ),
     TraceSpec(
         "heavy",
-        "heavy-tailed outputs: prompt ~512 (+-50 %), output 32 x Pareto(1.2) capped at 16K "
-        "(median ~57, P99 ~1.5K), Poisson arrivals",
+        f"heavy-tailed outputs: prompt ~{HEAVY_PROMPT_LEN} (+-50 %), output "
+        f"{HEAVY_OUTPUT_MIN} x Pareto({HEAVY_OUTPUT_ALPHA:g}) capped at "
+        f"{HEAVY_OUTPUT_MAX // 1024}K (median ~120, P99 ~4K), Poisson arrivals",
         "req/s",
         300,
         24,
@@ -165,5 +217,22 @@ TRACES: tuple[TraceSpec, ...] = (
         (8, 32),
         _heavy,
         min_window_s=15.0,
+    ),
+    TraceSpec(
+        "heavy-tight",
+        "the heavy trace (same requests at each rate) on a constrained server: at most "
+        f"{TIGHT_SERVER.max_num_seqs} running requests and {TIGHT_SERVER.num_blocks} KV "
+        "blocks, where mlfq displaces running requests and swaps them out",
+        "req/s",
+        300,
+        120,
+        # 16: below the seats' limit, nothing displaces (the reference); from 24 on
+        # the seats (and at the top the blocks) bind.
+        (16, 24, 28, 32, 36),
+        (24, 32),
+        _heavy,
+        min_window_s=15.0,
+        server=TIGHT_SERVER,
+        sweep_every_rate=True,
     ),
 )

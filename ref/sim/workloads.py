@@ -262,9 +262,9 @@ def heavy_tail_records(
     output ``output_min`` times a Pareto(``alpha``) draw, capped at ``output_max`` (real
     tokens, then divided by ``scale``).
 
-    With the defaults (32, alpha 1.2, cap 16K) the median output is ~57 tokens, the 95th
-    percentile ~390, the 99th ~1.5K and the longest of a few thousand requests near the
-    cap: most requests are short and a few hold the server for a long time, the case a
+    With the defaults (64, alpha 1.1, cap 32K) the median output is ~120 tokens, the
+    95th percentile ~970, the 99th ~4K and the longest of a few thousand requests near
+    the cap: most requests are short and a few hold the server for a long time, the case a
     scheduler that knows nothing of output lengths can get badly wrong (a long request
     in front of short ones, or every request sharing the steps equally).
     """

@@ -109,7 +109,7 @@ def test_numbers_are_sane(quick_report: Path) -> None:
         assert all(0.0 <= v <= 1.0 for v in p["limits"].values())
         # Only the traces with several tenants (chat: one per application) have a
         # fairness figure, and it is a Jain index: between 1/n and 1.
-        if p["trace"] in ("long", "heavy"):
+        if p["trace"] in ("long", "heavy", "heavy-tight"):
             assert p["num_tenants"] == 1 and p["fairness"] is None
         else:
             assert p["num_tenants"] >= 2

@@ -1,6 +1,7 @@
 """``refserve compare``'s job completion times and its MLFQ policies: the JCT figures are
 in the report and add up, the mlfq rows and their ablations are there, each ablation
-takes away what it names, and the JCT findings are computed from the figures."""
+takes away what it names, the JCT findings are computed from the figures, and on
+heavy-tight's constrained server mlfq displaces and swaps (counted per run)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from refserve.report.compare import BASE_CONFIG, POLICIES, Slo
 from refserve.report.jct import jct_findings
 from refserve.report.jct_markdown import jct_markdown
 from refserve.report.policies import MLFQ_KV_BYTES_PER_TOKEN, PolicyContext
-from refserve.report.sweep import PlannedTrace, SweepResult
+from refserve.report.sweep import PlannedTrace, SweepPoint, SweepResult, run_point
 from refserve.report.workload_specs import TRACES
 
 MLFQS = ("mlfq", "mlfq-no-skip-join", "mlfq-recompute")
@@ -27,7 +28,7 @@ MLFQS = ("mlfq", "mlfq-no-skip-join", "mlfq-recompute")
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("compare-jct")
-    args = ["--quick", "--out", str(out), "--no-progress", "--traces", "heavy,mixed"]
+    args = ["--quick", "--out", str(out), "--no-progress", "--traces", "heavy,mixed,heavy-tight"]
     pols = "fcfs,chunked,prefix-aware," + ",".join(MLFQS)
     assert compare_main([*args, "--policies", pols]) == 0
     return out
@@ -54,9 +55,11 @@ def test_jct_figures_and_mlfq_rows_are_in_the_report(report: Path) -> None:
     # The findings name every baseline and both ablations, per trace.
     pairs = doc["jct"]["versus"]
     assert {(x["trace"], x["other"]) for x in pairs} == {
-        (t, o) for t in ("heavy", "mixed") for o in ("fcfs", "chunked", "prefix-aware")
+        (t, o)
+        for t in ("heavy", "mixed", "heavy-tight")
+        for o in ("fcfs", "chunked", "prefix-aware")
     }
-    assert len(doc["jct"]["skip_join"]) == len(doc["jct"]["proactive_swap"]) == 2
+    assert len(doc["jct"]["skip_join"]) == len(doc["jct"]["proactive_swap"]) == 3
     assert "**mlfq vs fcfs**" in jct and "**the skip-join**" in jct
     assert "**the proactive swap**" in jct
 
@@ -78,10 +81,16 @@ def test_the_ablations_take_away_what_they_name() -> None:
     assert not recompute.mlfq.proactive_swap and recompute.num_host_blocks == 0
 
 
-def _point(policy: str, rate: float, p50: float, p95: float) -> PointResult:
+def _point(
+    policy: str, rate: float, p50: float, p95: float, trace: str = "heavy", displaced: int = 0
+) -> PointResult:
+    mlfq = policy.startswith("mlfq")
     return PointResult(
-        "heavy", policy, rate, rate, 10, 10, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, rate, 1.0, 0, 0,
-        0, 0.0, 1.0, 1, 0.0, jct_p50_ms=p50, jct_p95_ms=p95,
+        trace, policy, rate, rate, 10, 10, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, rate, 1.0, 0,
+        displaced, 0, 0.0, 1.0, 1, 0.0, jct_p50_ms=p50, jct_p95_ms=p95,
+        displaced=displaced if mlfq else None, headroom_swaps=1 if displaced else 0,
+        swapped_out=displaced // 2, swap_blocks_out=displaced, swap_blocks_in=displaced,
+        swap_bytes=2 * displaced * 1_000_000_000,
     )  # fmt: skip
 
 
@@ -140,3 +149,96 @@ def test_jct_is_arrival_to_finish() -> None:
     assert m.jct_ms == 21.0
     unfinished = RequestMetrics("r", 10.0, 12.0, (20.0,), None, None, 5, 1, 0, 0)
     assert unfinished.jct_ms is None
+
+
+def test_the_tight_run_displaces_and_swaps_in_the_report(report: Path) -> None:
+    doc = json.loads((report / "report.json").read_text())
+    md = (report / "report.md").read_text()
+    tight = next(t for t in doc["traces"] if t["name"] == "heavy-tight")
+    assert tight["server"]["max_num_seqs"] < BASE_CONFIG.max_num_seqs
+    points = {(p["policy"], p["rate"]): p for p in doc["points"] if p["trace"] == "heavy-tight"}
+    top = max(tight["rates"])
+    mlfq, recompute = points["mlfq", top], points["mlfq-recompute", top]
+    assert mlfq["displaced"] > 0 and mlfq["swapped_out"] > 0 and mlfq["swap_blocks_out"] > 0
+    assert mlfq["preemptions"] >= mlfq["displaced"]
+    # The ablation has no host pool: it displaces too, and nothing crosses the link.
+    assert recompute["displaced"] > 0 and recompute["swap_bytes"] == 0
+    assert points["prefix-aware", top]["displaced"] is None  # not an mlfq policy
+    per_rate = [x for x in doc["jct"]["per_rate"] if x["trace"] == "heavy-tight"]
+    assert [x["rate"] for x in per_rate] == tight["rates"]
+    # The findings text is built from these counts, not typed in.
+    assert "**On heavy-tight's constrained server**" in md
+    bullet = md.split(f"- **@ {top:g}**: ", 1)[1].split("\n", 1)[0]
+    assert f"mlfq displaced {mlfq['displaced']} ({mlfq['headroom_swaps']} for headroom)" in bullet
+    assert f"{mlfq['swapped_out']} swapped out ({mlfq['swap_blocks_out']} blocks out" in bullet
+    assert f"mlfq {mlfq['jct_p50_ms']:,.0f} / {mlfq['jct_p95_ms']:,.0f} ms" in bullet
+    assert "mlfq-recompute displaced" in bullet and "nothing swapped" in bullet
+    # Only the constrained trace is read rate by rate.
+    assert all(x["trace"] == "heavy-tight" for x in doc["jct"]["per_rate"])
+
+
+def test_mlfq_displaces_on_the_tight_server_only(tmp_path: Path) -> None:
+    """The full heavy workload at 32 req/s: the default server never makes mlfq displace,
+    the tight one does, for seats and for headroom, and the K/V goes over the link."""
+    from refserve.cli.compare import compare_options
+
+    opts, _ = compare_options(["--out", str(tmp_path)])
+    by_trace = {t.name: t for t in TRACES}
+    by_policy = {p.name: p for p in POLICIES}
+    runs = {}
+    for trace in ("heavy", "heavy-tight"):
+        spec = by_trace[trace]
+        workload = spec.build(32.0, spec.num_units(32.0, None, False), opts.scale, opts.seed)
+        for pol in ("mlfq", "mlfq-recompute"):
+            runs[trace, pol] = run_point(opts, SweepPoint(spec, workload, by_policy[pol], 32.0))
+    assert runs["heavy", "mlfq"].displaced == runs["heavy", "mlfq"].swapped_out == 0
+    tight = runs["heavy-tight", "mlfq"]
+    assert tight.displaced is not None and tight.displaced > 0
+    assert tight.headroom_swaps is not None and tight.headroom_swaps > 0
+    assert 0 < tight.swapped_out <= tight.displaced
+    assert tight.swap_blocks_out == tight.swap_blocks_in > 0
+    assert tight.swap_bytes == 2 * tight.swap_blocks_out * 16 * 16 * MLFQ_KV_BYTES_PER_TOKEN
+    recompute = runs["heavy-tight", "mlfq-recompute"]
+    assert recompute.displaced and recompute.headroom_swaps == 0 and recompute.swap_bytes == 0
+
+
+def test_tight_findings_are_computed_rate_by_rate() -> None:
+    by_name = {p.name: p for p in POLICIES}
+    names = ("fcfs", "prefix-aware", *MLFQS)
+    spec = next(t for t in TRACES if t.name == "heavy-tight")
+    figures = {
+        # rate: (fcfs, prefix-aware, mlfq, no-skip-join, recompute) as (P50, P95)
+        1: ((100, 400), (100, 400), (100, 400), (100, 400), (100, 400)),
+        2: ((300, 900), (200, 800), (100, 1000), (300, 1200), (50, 700)),
+    }
+    points = [
+        _point(n, rate, p50, p95, trace="heavy-tight", displaced=0 if rate == 1 else 7)
+        for rate, row in figures.items()
+        for n, (p50, p95) in zip(names, row, strict=True)
+    ]
+    sweep = SweepResult(
+        (PlannedTrace(spec, (1.0, 2.0)),), tuple(by_name[n] for n in names), (), tuple(points), {}
+    )
+    f = jct_findings(sweep)
+    assert f is not None and [x.rate for x in f.per_rate] == [1.0, 2.0]
+    low, high = f.per_rate
+    assert all(p.p50 == p.p95 == "tie" for p in low.versus)
+    vs_fcfs = high.against("fcfs")
+    assert vs_fcfs is not None and (vs_fcfs.p50, vs_fcfs.p95) == ("better", "worse")
+    # mlfq gains 100 ms P50 over prefix-aware; without the skip-join it loses 200 (200 %),
+    # without the swap it gains 50 more (-50 %); no P95 gain to share.
+    assert high.skip_join is not None and high.skip_join.share_p50 == pytest.approx(2.0)
+    assert high.proactive_swap is not None
+    assert high.proactive_swap.share_p50 == pytest.approx(-0.5)
+    assert high.proactive_swap.share_p95 is None
+    assert [a.displaced for a in high.activity] == [7, 7, 7]
+    text = "\n".join(jct_markdown(sweep, f))
+    assert "- **mlfq vs fcfs**: lower JCT P50 at 2; lower P95 at none." in text
+    assert "- **mlfq vs prefix-aware**: lower JCT P50 at 2; lower P95 at none." in text
+    assert "the skip-join lowers P50 and lowers P95 (without it 300 / 1,200 ms" in text
+    assert "the proactive swap raises P50 and raises P95" in text
+    assert "-50%: mlfq gains more without it" in text
+    assert "mlfq displaced 0 (0 for headroom), 0 preemptions, nothing swapped" in text
+    assert "mlfq displaced 7 (1 for headroom), 7 preemptions, 3 swapped out" in text
+    assert "| 2 | mlfq | 7 (1) | 7 | 3 | 7 / 7 | 14.0 | 0.56 |" in text
+    assert "displaced nobody here" in text.split("- **@ 2**", 1)[0]

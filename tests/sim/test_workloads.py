@@ -254,3 +254,32 @@ def test_heavy_tail_trace_rejects_bad_parameters(kwargs: dict[str, float]) -> No
 
     with pytest.raises(InvalidArgument):
         heavy_tail_records(4, 1.0, **kwargs)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ the constrained server
+def test_heavy_tight_is_the_heavy_trace_on_a_smaller_server() -> None:
+    from refserve.report.sweep import BASE_CONFIG
+    from refserve.report.workload_specs import TRACES, ServerLimits
+
+    by_name = {t.name: t for t in TRACES}
+    heavy, tight = by_name["heavy"], by_name["heavy-tight"]
+    # The same requests at a rate: only the server differs.
+    assert tight.build(24.0, 50, 16.0, 3) == heavy.build(24.0, 50, 16.0, 3)
+    assert heavy.server is None and heavy.config(BASE_CONFIG) is BASE_CONFIG
+    assert tight.server is not None
+    cfg = tight.config(BASE_CONFIG)
+    assert cfg.max_num_seqs == tight.server.max_num_seqs < BASE_CONFIG.max_num_seqs
+    assert cfg.num_blocks == tight.server.num_blocks < BASE_CONFIG.num_blocks
+    assert cfg.max_num_batched_tokens == BASE_CONFIG.max_num_batched_tokens
+    # The longest request the trace can draw at the default scale (the output cap, the
+    # prompt at +50 %) fits in the small pool: none can finish for lack of memory.
+    from refserve.report.sweep import DEFAULT_SCALE
+    from refserve.sim.workloads import HEAVY_OUTPUT_MAX, HEAVY_PROMPT_LEN
+
+    longest = scaled(HEAVY_PROMPT_LEN, DEFAULT_SCALE) * 3 // 2 + scaled(
+        HEAVY_OUTPUT_MAX, DEFAULT_SCALE
+    )
+    assert -(-longest // cfg.block_size) <= cfg.num_blocks
+    for bad in ({"max_num_seqs": 0, "num_blocks": 8}, {"max_num_seqs": 4, "num_blocks": True}):
+        with pytest.raises(InvalidArgument, match="ServerLimits"):
+            ServerLimits(**bad)  # type: ignore[arg-type]
