@@ -186,9 +186,9 @@ def _mlfq_with(
     token: at the default scale 16 a round trip (0.67 ms per simulated token) costs more
     than recomputing it (0.5 ms). ``preemption_mode`` stays recompute: the policy's own
     displacements go to the host whenever it has room, the spine's block-shortage
-    victims recompute. ``host=False`` leaves the host pool out, so every displaced
-    request recomputes: the policy's displacement parks a victim on the host whenever it
-    has room, whatever ``proactive_swap`` says, so the recompute ablation needs no pool.
+    victims recompute. The recompute ablation turns ``proactive_swap`` off (a displaced
+    request is then preempted by ``preemption_mode``, recompute here) and leaves the
+    host pool out (``host=False``), so nothing can reach the host.
     """
 
     def configure(base: SchedulerConfig, ctx: PolicyContext) -> SchedulerConfig:
