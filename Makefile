@@ -154,7 +154,9 @@ $(VLLM_STAMP): pyproject.toml | wheel
 # first with policy="priority", the one run that has every feature the adapter drives
 # (moves, speculative decoding, RequestSpec.priority; what stays not supported is what
 # vLLM lacks: rollback, a partial prompt's hand-off, budgets below max_num_seqs); then
-# with vLLM's default policy, fcfs, which ignores RequestSpec.priority.
+# with vLLM's default policy, fcfs, which ignores RequestSpec.priority. Last, the grouped
+# KV suite (spec/groups.py) on vLLM's hybrid KVCacheManager, full and sliding-window
+# groups over one pool (conformance/adapters/vllm_hybrid_kv.py).
 conformance-vllm: wheel $(VLLM_STAMP)
 	$(call install_wheel,$(VLLM_PY))
 	mkdir -p out
@@ -163,6 +165,8 @@ conformance-vllm: wheel $(VLLM_STAMP)
 		--report out/vllm.json --markdown out/vllm.md || status=1; \
 	$(VLLM_VENV)/bin/refserve conformance --adapter refserve.conformance.adapters.vllm_nixl:make \
 		--report out/vllm-fcfs.json --markdown out/vllm-fcfs.md || status=1; \
+	$(VLLM_VENV)/bin/refserve conformance \
+		--grouped-kv-adapter refserve.conformance.adapters.vllm_hybrid_kv:make || status=1; \
 	exit $$status
 
 # The same scheduler with its real offloading connector (conformance/adapters/vllm_offload.py:
