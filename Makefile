@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Modules whose pure helpers carry CrossHair contracts (pre/post conditions).
-CROSSHAIR_MODULES := refserve.spec.arith refserve.spec.hashing refserve.core.capacity \
+CROSSHAIR_MODULES := refserve.spec.arith refserve.spec.hashing refserve.spec.groups refserve.core.capacity \
 	refserve.core.prefill refserve.core.speculation refserve.core.swap refserve.core.policy \
 	refserve.conformance.explore.key
 CROSSHAIR_TIMEOUT ?= 5

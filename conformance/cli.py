@@ -6,6 +6,7 @@ Usage::
         [--scenarios NAME ...] [--examples N] [--call-timeout S] [--baseline REPORT.json]
         [--report report.json] [--markdown report.md] [--no-progress]
     refserve conformance --kv-adapter MODULE:FACTORY [...]      # the block manager alone
+    refserve conformance --grouped-kv-adapter MODULE:FACTORY [...]   # one with layer groups
     refserve conformance --adapter MODULE:FACTORY --replay workload.json
     refserve conformance --adapter MODULE:FACTORY --exhaustive [--scope small]
         [--strategy replay|copy] [--counterexamples DIR] [--report explore.json]
@@ -61,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
         "--kv-adapter",
         metavar="MODULE:FACTORY",
         help="also (or only) check a block manager alone through the KV adapter protocol",
+    )
+    p.add_argument(
+        "--grouped-kv-adapter",
+        metavar="MODULE:FACTORY",
+        help="also (or only) check a block manager with layer groups (full attention, sliding "
+        "windows) through the grouped KV protocol",
     )
     p.add_argument("--scenarios", nargs="+", metavar="NAME", help="run only these scenarios")
     p.add_argument("--report", type=Path, help="write the JSON report here (streamed)")
@@ -206,12 +213,7 @@ def _main(argv: list[str]) -> int:
         return EXIT_OK
     if args.corpus:
         return _corpus(args, argv)
-    if args.engine:
-        raise UsageError("--engine picks corpus entries: add --corpus")
-    if args.reproduction:
-        raise UsageError("--reproduction picks corpus entries: add --corpus")
-    if not args.adapter and not args.kv_adapter:
-        raise UsageError("--adapter MODULE:FACTORY (or --kv-adapter) is required")
+    _check_suite_options(args)
     if args.self_check:
         return _self_check(args)
     if args.replay is not None:
@@ -223,10 +225,24 @@ def _main(argv: list[str]) -> int:
     return _suite(args)
 
 
+def _check_suite_options(args: argparse.Namespace) -> None:
+    """Usage errors of a run that is not ``--corpus``."""
+    if args.engine:
+        raise UsageError("--engine picks corpus entries: add --corpus")
+    if args.reproduction:
+        raise UsageError("--reproduction picks corpus entries: add --corpus")
+    if not (args.adapter or args.kv_adapter or args.grouped_kv_adapter):
+        raise UsageError(
+            "--adapter MODULE:FACTORY (or --kv-adapter, --grouped-kv-adapter) is required"
+        )
+    if args.grouped_kv_adapter and (args.self_check or args.exhaustive):
+        raise UsageError("--grouped-kv-adapter runs the grouped suite or --replay only")
+
+
 def _corpus(args: argparse.Namespace, argv: list[str]) -> int:
     """Run the reachable corpus entries; exit 1 when one is not caught or its clean
     side is not clean, 0 otherwise (entries this environment cannot reach are listed)."""
-    if args.adapter or args.kv_adapter:
+    if args.adapter or args.kv_adapter or args.grouped_kv_adapter:
         raise UsageError("--corpus runs the corpus's own adapters: drop --adapter/--kv-adapter")
     from refserve.conformance.corpus.report import document, table
     from refserve.conformance.corpus.run import run_entries
@@ -297,9 +313,10 @@ def _suite(args: argparse.Namespace) -> int:
     baseline = _load_baseline(args.baseline) if args.baseline is not None else frozenset()
     factory = _load(args.adapter) if args.adapter else None
     kv_factory = _load_kv(args.kv_adapter) if args.kv_adapter else None
+    grouped = _load_grouped(args.grouped_kv_adapter) if args.grouped_kv_adapter else None
     if args.scenarios and factory is None:
         raise UsageError("--scenarios selects engine scenarios: it needs --adapter")
-    return _run(args, factory, kv_factory, baseline)
+    return _run(args, factory, kv_factory, baseline, grouped)
 
 
 def _run(
@@ -307,6 +324,7 @@ def _run(
     factory: Any,
     kv_factory: Any,
     baseline: frozenset[str],
+    grouped: Any = None,
 ) -> int:
     from refserve.conformance.report import Report, Result, ScenarioInfo, to_markdown
     from refserve.conformance.suite import run_suite, scenario_names
@@ -321,6 +339,10 @@ def _run(
         from refserve.conformance.kv.machine import kv_scenario_names
 
         total += len(kv_scenario_names())
+    if grouped is not None:
+        from refserve.conformance.kv.grouped_suite import grouped_scenario_names
+
+        total += len(grouped_scenario_names())
     state: dict[str, Any] = {"results": [], "infos": [], "current": "setup"}
     header: dict[str, Any] = {"engine": "unknown", "features": (), "properties": {}}
 
@@ -336,6 +358,7 @@ def _run(
             properties=dict(header["properties"]),
             complete=complete,
             kv_adapter=args.kv_adapter or "",
+            grouped_kv_adapter=args.grouped_kv_adapter or "",
         )
 
     def on_start(name: str) -> None:
@@ -368,7 +391,7 @@ def _run(
     from refserve.conformance.guard import Watchdog
 
     with Watchdog(grace=max(5.0, args.call_timeout), on_stuck=on_stuck):
-        _check_adapters(args, factory, kv_factory)
+        _check_adapters(args, factory, kv_factory, grouped)
         bar = _progress(total, disabled=args.no_progress)  # after the check: one error line
         if factory is not None:
             report = run_suite(
@@ -400,6 +423,18 @@ def _run(
                 known=baseline,
             ):
                 on_result(rs, info)
+        if grouped is not None:
+            from refserve.conformance.kv.grouped_suite import run_grouped_kv_suite
+
+            on_start("kv-groups-*")
+            for rs, info in run_grouped_kv_suite(
+                grouped,
+                args.grouped_kv_adapter,
+                max_examples=args.examples,
+                call_timeout=args.call_timeout,
+                known=baseline,
+            ):
+                on_result(rs, info)
     bar.close()
     final = partial(complete=True)
     if args.report is not None:
@@ -411,7 +446,12 @@ def _run(
 
 
 def _print_summary(report: Any) -> None:
-    who = report.engine if report.adapter else f"KV adapter {report.kv_adapter}"
+    if report.adapter:
+        who = report.engine
+    elif report.kv_adapter:
+        who = f"KV adapter {report.kv_adapter}"
+    else:
+        who = f"grouped KV adapter {report.grouped_kv_adapter}"
     print(f"{who}: {report.headline()}")
     for r in report.results:
         for f in r.failures:
@@ -495,6 +535,12 @@ def _load_kv(spec: str) -> Any:
     from refserve.conformance.kv.machine import load_kv_factory
 
     return _load_with(load_kv_factory, spec, "--kv-adapter")
+
+
+def _load_grouped(spec: str) -> Any:
+    from refserve.conformance.kv.grouped_suite import load_grouped_kv_factory
+
+    return _load_with(load_grouped_kv_factory, spec, "--grouped-kv-adapter")
 
 
 def _check_exploration(args: argparse.Namespace) -> None:
@@ -645,7 +691,9 @@ def _explore_kv(args: argparse.Namespace) -> tuple[Any, list[tuple[str, Any]]]:
     return res, failures
 
 
-def _check_adapters(args: argparse.Namespace, factory: Any, kv_factory: Any) -> None:
+def _check_adapters(
+    args: argparse.Namespace, factory: Any, kv_factory: Any, grouped: Any = None
+) -> None:
     """Refuse, before any scenario runs, a factory whose product is not an adapter at
     all (a usage error: the wrong MODULE:FACTORY). Without this the first attribute the
     suite reads is reported as a finding of an engine that was never there."""
@@ -659,6 +707,11 @@ def _check_adapters(args: argparse.Namespace, factory: Any, kv_factory: Any) -> 
     if kv_factory is not None:
         kv = (KV_ADAPTER_ATTRIBUTES, KV_ADAPTER_METHODS)
         _check_members(kv_factory, args.kv_adapter, "--kv-adapter", "a KV adapter", kv, t)
+    if grouped is not None:
+        from refserve.conformance.kv.grouped_suite import GROUPED_ADAPTER_MEMBERS
+
+        spec, what = args.grouped_kv_adapter, "a grouped KV adapter"
+        _check_members(grouped, spec, "--grouped-kv-adapter", what, GROUPED_ADAPTER_MEMBERS, t)
 
 
 def _check_members(
@@ -698,16 +751,8 @@ def _replay(args: argparse.Namespace) -> int:
     if isinstance(data, dict) and "workload" in data and "config" not in data:
         data = data["workload"]  # a report's failure object
     if isinstance(data, dict) and "ops" in data:
-        if not args.kv_adapter:
-            raise UsageError("--replay of a KV workload (with 'ops') needs --kv-adapter")
-        from refserve.conformance.kv.machine import replay_kv
-
-        kv_factory = _load_kv(args.kv_adapter)
-        _check_adapters(args, None, kv_factory)
-        kv_findings = replay_kv(kv_factory, data)
-        for kf in kv_findings:
-            print(f"FAIL {kf}")
-        return EXIT_FINDINGS if kv_findings else EXIT_OK
+        grouped = "grouped_kv_config" in data
+        return _replay_grouped(args, data) if grouped else _replay_kv(args, data)
     if not args.adapter:
         raise UsageError("--replay of an engine workload needs --adapter")
     try:
@@ -726,6 +771,39 @@ def _replay(args: argparse.Namespace) -> int:
     for f in result.findings:
         print(f"FAIL {f}")
     return EXIT_FINDINGS if result.findings else EXIT_OK
+
+
+def _replay_kv(args: argparse.Namespace, data: dict[str, Any]) -> int:
+    if not args.kv_adapter:
+        raise UsageError("--replay of a KV workload (with 'ops') needs --kv-adapter")
+    from refserve.conformance.kv.machine import replay_kv
+
+    kv_factory = _load_kv(args.kv_adapter)
+    _check_adapters(args, None, kv_factory)
+    kv_findings = replay_kv(kv_factory, data)
+    for kf in kv_findings:
+        print(f"FAIL {kf}")
+    return EXIT_FINDINGS if kv_findings else EXIT_OK
+
+
+def _replay_grouped(args: argparse.Namespace, data: dict[str, Any]) -> int:
+    if not args.grouped_kv_adapter:
+        raise UsageError("--replay of a grouped KV workload needs --grouped-kv-adapter")
+    from refserve.conformance.adapter import NotSupported
+    from refserve.conformance.kv.grouped_run import replay_grouped
+
+    grouped = _load_grouped(args.grouped_kv_adapter)
+    _check_adapters(args, None, None, grouped)
+    try:
+        findings = replay_grouped(grouped, data, call_timeout=args.call_timeout)
+    except ValueError as e:
+        raise UsageError(f"--replay {args.replay}: not a grouped workload ({e})") from None
+    except NotSupported as e:
+        print(f"not supported: {e}")
+        return EXIT_OK
+    for f in findings:
+        print(f"FAIL {f}")
+    return EXIT_FINDINGS if findings else EXIT_OK
 
 
 if __name__ == "__main__":  # pragma: no cover

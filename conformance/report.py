@@ -178,6 +178,8 @@ class Report:
     """False in a report streamed while the run was still going (or was killed)."""
     kv_adapter: str = ""
     """``MODULE:FACTORY`` of the KV-manager adapter when one was run (scenarios ``kv-*``)."""
+    grouped_kv_adapter: str = ""
+    """``MODULE:FACTORY`` of the grouped KV adapter when one was run (``kv-groups-*``)."""
 
     @property
     def failed(self) -> bool:
@@ -221,6 +223,7 @@ class Report:
             "properties": self.properties,
             "complete": self.complete,
             "kv_adapter": self.kv_adapter,
+            "grouped_kv_adapter": self.grouped_kv_adapter,
         }
 
     @staticmethod
@@ -240,6 +243,7 @@ class Report:
             dict(d.get("properties", {})),
             bool(d.get("complete", True)),
             str(d.get("kv_adapter", "")),
+            str(d.get("grouped_kv_adapter", "")),
         )
 
     def signatures(self) -> frozenset[str]:

@@ -22,6 +22,10 @@ The suite plays the scheduler and the model, as for a plain manager
   groups together, counted without a cache hit.
 * ``free(request_id)`` releases the request's blocks in every group; ``snapshot()`` is a
   :class:`refserve.spec.groups.GroupedSnapshot`.
+* ``features``: ``prefix_caching`` (and ``prefix_caching_optional``) as for a plain
+  manager, and ``window_eager_free`` when every allocation releases the request's
+  window blocks wholly before its window: only then is a block kept past it a finding
+  (rule ``window-late``). The suite is :mod:`refserve.conformance.kv.grouped_suite`.
 """
 
 from __future__ import annotations

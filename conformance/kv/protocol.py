@@ -84,9 +84,18 @@ class KVFeature(StrEnum):
     KEY_DOMAINS = "key_domains"
     """Requests carry a key namespace (:meth:`KVNamespaces.set_namespace`); the suite's
     ``new`` ops may name a LoRA adapter and a cache salt."""
+    WINDOW_EAGER_FREE = "window_eager_free"
+    """Grouped managers only (conformance/kv/groups.py): every allocation releases the
+    request's window-group blocks that have left its window, so the suite also holds it
+    to rule ``window-late``. Without it, when a window block goes back is the manager's
+    choice (a lazy manager frees them when it needs room)."""
 
 
-ALL_KV_FEATURES = frozenset(KVFeature)
+GROUPED_KV_FEATURES = frozenset({KVFeature.WINDOW_EAGER_FREE})
+"""The features only a grouped manager (conformance/kv/groups.py) can declare."""
+
+ALL_KV_FEATURES = frozenset(KVFeature) - GROUPED_KV_FEATURES
+"""Every feature a plain manager (:class:`KVAdapter`) can declare."""
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,15 @@
-"""Reading what a KV adapter returns: a snapshot or an Allocation duck-typed into plain
-ints, bytes and tuples, or :class:`Malformed` naming the field that is not (PROGRESS:
-a malformed answer is a finding, never a crash of the suite)."""
+"""Reading what a KV adapter returns: a snapshot or an Allocation (plain or grouped)
+duck-typed into plain ints, bytes and tuples, or :class:`Malformed` naming the field
+that is not (PROGRESS: a malformed answer is a finding, never a crash of the suite)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import cast
 
+from refserve.conformance.kv.groups import GroupedAllocation
 from refserve.conformance.kv.protocol import KVFeature
+from refserve.spec.groups import GroupedSnapshot, GroupKind, GroupTable, KVGroup
 from refserve.spec.snapshot import CacheEntry, PoolSnapshot, TableSnapshot
 from refserve.values import is_int
 
@@ -56,21 +58,10 @@ def normalize_snapshot(raw: object) -> PoolSnapshot:
     returned (duck-typed), or :class:`Malformed` saying which field is wrong."""
     if raw is None:
         raise Malformed("None, not a PoolSnapshot")
-    tables: list[TableSnapshot] = []
-    for i, t in enumerate(_seq(_attr(raw, "tables", "snapshot"), "tables")):
-        w = f"tables[{i}]"
-        rid = _attr(t, "request_id", w)
-        if not isinstance(rid, str):
-            raise Malformed(f"{w}.request_id is {_kind(rid)}, not a str")
-        tables.append(
-            TableSnapshot(
-                rid,
-                _ints(_attr(t, "block_table", w), f"{w}.block_table"),
-                _int(_attr(t, "num_stored", w), f"{w}.num_stored"),
-                _ints(_attr(t, "token_ids", w), f"{w}.token_ids"),
-                _bytes(_attr(t, "root_key", w), f"{w}.root_key"),
-            )
-        )
+    tables = [
+        _table(t, f"tables[{i}]")
+        for i, t in enumerate(_seq(_attr(raw, "tables", "snapshot"), "tables"))
+    ]
     entries: list[CacheEntry] = []
     raw_entries = getattr(raw, "cache_entries", ())
     for i, e in enumerate(_seq(raw_entries, "cache_entries")):
@@ -91,6 +82,51 @@ def normalize_snapshot(raw: object) -> PoolSnapshot:
         tables=tuple(tables),
         cache_entries=tuple(entries),
         stated_free=_stated_free(raw),
+    )
+
+
+def _table(t: object, w: str) -> TableSnapshot:
+    rid = _attr(t, "request_id", w)
+    if not isinstance(rid, str):
+        raise Malformed(f"{w}.request_id is {_kind(rid)}, not a str")
+    return TableSnapshot(
+        rid,
+        _ints(_attr(t, "block_table", w), f"{w}.block_table"),
+        _int(_attr(t, "num_stored", w), f"{w}.num_stored"),
+        _ints(_attr(t, "token_ids", w), f"{w}.token_ids"),
+        _bytes(_attr(t, "root_key", w), f"{w}.root_key"),
+    )
+
+
+def normalize_grouped_snapshot(raw: object) -> GroupedSnapshot:
+    """A plain :class:`GroupedSnapshot` from whatever a grouped adapter returned
+    (duck-typed), or :class:`Malformed` saying which field is wrong."""
+    if raw is None:
+        raise Malformed("None, not a GroupedSnapshot")
+    groups: list[KVGroup] = []
+    for i, g in enumerate(_seq(_attr(raw, "groups", "snapshot"), "groups")):
+        kind, window = _attr(g, "kind", f"groups[{i}]"), _attr(g, "window", f"groups[{i}]")
+        try:
+            groups.append(KVGroup(GroupKind(str(kind)), _int(window, f"groups[{i}].window")))
+        except ValueError as e:
+            raise Malformed(f"groups[{i}] is not a KVGroup: {e}") from None
+    tables: list[GroupTable] = []
+    for i, t in enumerate(_seq(_attr(raw, "tables", "snapshot"), "tables")):
+        w = f"tables[{i}]"
+        group = _int(_attr(t, "group", w), f"{w}.group")
+        tables.append(GroupTable(group, _table(_attr(t, "table", w), f"{w}.table")))
+    pool = normalize_snapshot(_attr(raw, "pool", "snapshot"))
+    return GroupedSnapshot(tuple(groups), pool, tuple(tables))
+
+
+def normalize_grouped_allocation(raw: object) -> GroupedAllocation:
+    """The GroupedAllocation the adapter returned, or :class:`Malformed` naming the field."""
+    if raw is None:
+        raise Malformed("None, not a GroupedAllocation")
+    tables = _seq(_attr(raw, "block_tables", "GroupedAllocation"), "block_tables")
+    hit = _int(_attr(raw, "num_cached_tokens", "GroupedAllocation"), "num_cached_tokens")
+    return GroupedAllocation(
+        tuple(_ints(t, f"block_tables[{i}]") for i, t in enumerate(tables)), hit
     )
 
 

@@ -15,7 +15,7 @@ from refserve.conformance.kv.workload import KVWorkload
 MAX_SHRINK_RUNS = 300
 
 
-def _simpler_ops(op: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+def simpler_ops(op: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
     """Smaller versions of one op: shorter token lists, smaller counts, fewer distinct ids."""
     o = dict(op)
     n = int(o.get("n", 1))
@@ -98,7 +98,7 @@ class _Shrinker:
         i = 0
         while i < len(self.best.ops) and not self.spent:
             ops = self.best.ops
-            for new in _simpler_ops(ops[i]):
+            for new in simpler_ops(ops[i]):
                 if self.attempt(replace(self.best, ops=(*ops[:i], new, *ops[i + 1 :]))):
                     changed = True
                     break  # the same op again, from its new form

@@ -109,11 +109,39 @@ def test_crosshair_modules_are_the_makefile_list() -> None:
     assert listed is not None
     modules = set(listed.group(1).replace("\\\n", " ").split())
     core = {f"refserve.core.{m}" for m in CORE_MODULES}
-    spec = {"refserve.spec.arith", "refserve.spec.hashing"}
+    spec = {"refserve.spec.arith", "refserve.spec.hashing", "refserve.spec.groups"}
     assert modules == {*spec, *core, "refserve.conformance.explore.key"}
 
 
 KEY = ROOT / "conformance" / "explore" / "key.py"
+GROUPS = ROOT / "spec" / "groups.py"
+
+
+def test_crosshair_proves_window_start() -> None:
+    """spec/groups.py's window_start: the first key a window query reads, within the
+    window, and exactly W - 1 back once the sequence is longer than that."""
+    result = crosshair_check(GROUPS, cwd=ROOT, report_all=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert post_lines(GROUPS), "window_start carries no contract"
+    assert confirmed_lines(result.stdout, GROUPS) == post_lines(GROUPS), result.stdout
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param("    return max(0, num_tokens - window)\n", id="reads-one-key-too-many"),
+        pytest.param("    return max(0, num_tokens - window + 2)\n", id="drops-a-key-it-reads"),
+    ],
+)
+def test_crosshair_finds_a_planted_window_start_bug(tmp_path: Path, bad: str) -> None:
+    source = GROUPS.read_text()
+    good = "    return max(0, num_tokens - window + 1)\n"
+    assert source.count(good) == 1, "plant site of window_start moved"
+    planted = tmp_path / "groups_planted.py"
+    planted.write_text(source.replace(good, bad))
+    result = crosshair_check(planted, cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "when calling window_start(" in result.stdout, result.stdout
 
 
 def test_crosshair_proves_the_canonical_renaming() -> None:
