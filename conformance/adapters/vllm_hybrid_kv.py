@@ -234,7 +234,15 @@ class VllmHybridKVAdapter:
 
     @property
     def features(self) -> frozenset[KVFeature]:
-        return frozenset({KVFeature.PREFIX_CACHING, KVFeature.PREFIX_CACHING_OPTIONAL})
+        # Eager: each allocation first drops every block wholly before the window of the
+        # query it serves (remove_skipped_blocks), so window-late is judged too.
+        return frozenset(
+            {
+                KVFeature.PREFIX_CACHING,
+                KVFeature.PREFIX_CACHING_OPTIONAL,
+                KVFeature.WINDOW_EAGER_FREE,
+            }
+        )
 
     @property
     def manager(self) -> Any:

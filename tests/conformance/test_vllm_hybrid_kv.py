@@ -247,3 +247,44 @@ def test_window_of_one_never_hits() -> None:
     b = _adapter(GroupedKVConfig(24, 4, (FULL, win(2))))
     b.allocate("r", prompt, 16)
     assert b.allocate("s", [*prompt, 99], 1).num_cached_tokens == 16
+
+
+# ---------------------------------------------------------------------- the whole suite
+def _suite_findings() -> list[tuple[str, str]]:
+    """The grouped suite on vLLM's adapter: (invariant, rule) of every failed check."""
+    from refserve.conformance.kv.grouped_suite import run_grouped_kv_suite
+
+    factory = importlib.import_module(ADAPTER).make
+    pairs = run_grouped_kv_suite(factory, f"{ADAPTER}:make", max_examples=60)
+    return sorted(
+        {(r.invariant, f.rule) for results, _ in pairs for r in results for f in r.failures}
+    )
+
+
+def test_the_grouped_suite_passes_vllm() -> None:
+    pytest.importorskip("vllm", reason="vLLM is not installed; `make conformance-vllm`")
+    assert _suite_findings() == []
+
+
+@pytest.mark.parametrize(
+    ("shift", "rule"),
+    [(1, "window-early"), (-1, "window-late")],
+    ids=["freed-one-token-early", "freed-one-token-late"],
+)
+def test_the_suite_catches_a_window_off_by_one_planted_in_vllm(
+    monkeypatch: pytest.MonkeyPatch, shift: int, rule: str
+) -> None:
+    """vLLM's own sliding-window manager, its skipped-token count moved by one: one token
+    early is K/V a query still reads (window-early); one late is memory it never reads
+    again, judged because the adapter declares eager freeing (window-late)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed; `make conformance-vllm`")
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    real = SlidingWindowManager.get_num_skipped_tokens
+
+    def planted(self: Any, num_computed_tokens: int) -> int:
+        n = real(self, num_computed_tokens)
+        return max(0, n + shift) if n or shift > 0 else n
+
+    monkeypatch.setattr(SlidingWindowManager, "get_num_skipped_tokens", planted)
+    assert rule in {r for _, r in _suite_findings()}
