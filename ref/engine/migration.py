@@ -127,6 +127,7 @@ def identify_model(cfg: ModelConfig, model: LlamaModel, cache: KVCache) -> Model
         cfg.num_kv_heads,
         cfg.head_dim,
         dtype,
+        tuple(cfg.layer_window(i) for i in range(cfg.num_layers)),
         h.hexdigest(),
     )
 
@@ -401,6 +402,11 @@ def _check_model(engine: Engine, t: MigrationTicket) -> None:
             f"import: ticket of {t.request_id!r} has K/V of {theirs.num_layers} layers x "
             f"{theirs.num_kv_heads} heads x {theirs.head_dim} in {theirs.dtype}; this cache is "
             f"{mine.num_layers} x {mine.num_kv_heads} x {mine.head_dim} in {mine.dtype}"
+        )
+    if theirs.layer_windows != mine.layer_windows:
+        raise ModelMismatch(
+            f"import: ticket of {t.request_id!r} was computed by layers that attend "
+            f"{theirs.attention}; this engine's attend {mine.attention}"
         )
     if theirs.fingerprint != mine.fingerprint:
         raise ModelMismatch(

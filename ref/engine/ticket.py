@@ -31,7 +31,7 @@ from refserve.spec.hashing import Namespace
 from refserve.spec.snapshot import RequestStatus
 from refserve.values import is_int, is_number
 
-TICKET_VERSION = 1
+TICKET_VERSION = 2  # 2: the model names each layer's attention window
 MAGIC = b"RSMT"
 _HEAD = struct.Struct("<4sHI")
 
@@ -60,7 +60,16 @@ class ModelIdentity:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    #: Each layer's sliding window, None for a full-attention layer: the same weights
+    #: attending otherwise are another network (its K/V and tokens do not continue here).
+    layer_windows: tuple[int | None, ...]
     fingerprint: str
+
+    @property
+    def attention(self) -> str:
+        """The layers' attention in words: ``[window 8, full, ...]``."""
+        kinds = ("full" if w is None else f"window {w}" for w in self.layer_windows)
+        return f"[{', '.join(kinds)}]"
 
     @property
     def bytes_per_token(self) -> int:
@@ -298,8 +307,20 @@ def _decode_model(f: _Fields) -> ModelIdentity:
         num_kv_heads=f.nat("num_kv_heads", 1),
         head_dim=f.nat("head_dim", 1),
         dtype=f.get("dtype", str),
+        layer_windows=_layer_windows(f),
         fingerprint=f.get("fingerprint", str),
     )
+
+
+def _layer_windows(f: _Fields) -> tuple[int | None, ...]:
+    v: list[Any] = f.get("layer_windows", list)
+    num_layers = f.nat("num_layers", 1)
+    if len(v) != num_layers or not all(w is None or (is_int(w) and w >= 1) for w in v):
+        raise TicketError(
+            f"ticket {f.where}.layer_windows must hold a window >= 1 or null for each of "
+            f"{num_layers} layers, got {v!r}"
+        )
+    return tuple(v)
 
 
 def _decode_stop(f: _Fields) -> StopParams:

@@ -22,8 +22,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from refserve.model.config import ModelConfig  # noqa: E402
-from refserve.model.weights import random_state_dict  # noqa: E402
+from refserve.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig  # noqa: E402
+from refserve.model.weights import load_checkpoint, random_state_dict  # noqa: E402
 
 VOCAB = 320
 BOS = 1
@@ -107,3 +107,54 @@ def build_hf_checkpoint(
 def random_prompt(gen: torch.Generator, length: int) -> list[int]:
     """BOS then ``length - 1`` random non-special ids."""
     return [BOS, *torch.randint(3, VOCAB, (length - 1,), generator=gen).tolist()]
+
+
+# ------------------------------------------------------------------- the hybrid oracle
+@dataclass(frozen=True)
+class Mix:
+    """A hybrid sliding-window model's layers: their kinds and the sliding layers' window."""
+
+    name: str
+    layer_types: tuple[str, ...]
+    window: int
+
+
+_S, _F = SLIDING_ATTENTION, FULL_ATTENTION
+
+#: Sliding:full 1:1 with a window that is a multiple of the block size 4, and 5:1 with one
+#: that is not (the ``hybrid`` fixture of conftest.py runs a test on each).
+MIXES = {
+    "1:1": Mix("1:1", (_S, _F, _S, _F), 8),
+    "5:1": Mix("5:1", (_S, _S, _S, _S, _S, _F), 13),
+}
+
+
+def qwen2_config(mix: Mix) -> Any:
+    """transformers' Qwen2 (q/k/v biases) with ``mix``'s per-layer ``layer_types``."""
+    return transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(mix.layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        use_sliding_window=True,
+        sliding_window=mix.window,
+        layer_types=list(mix.layer_types),
+        attn_implementation="eager",
+    )
+
+
+def build_hybrid_oracle(path: Path, mix: Mix) -> HFOracle:
+    """A seeded random-weight Qwen2 of ``mix`` saved to ``path``, read back by refserve's
+    loader (which must see the same layers and window)."""
+    model = build_hf_checkpoint(path, qwen2_config(mix), transformers.Qwen2ForCausalLM, seed=31)
+    cfg, _ = load_checkpoint(path)
+    assert cfg.layer_types == mix.layer_types and cfg.sliding_window == mix.window
+    return HFOracle(model, path, cfg, {})

@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from hf_oracle import BOS, EOS, VOCAB, HFOracle, build_hf_checkpoint, random_prompt
+from hf_oracle import VOCAB, HFOracle, random_prompt
 from test_engine_equivalence import ATOL, RTOL, Job, assert_matches_hf, run_jobs
 
 from refserve.core.config import SchedulerConfig
@@ -47,51 +45,6 @@ transformers = pytest.importorskip("transformers")
 
 S, F = SLIDING_ATTENTION, FULL_ATTENTION
 BLOCK = 4
-
-
-@dataclass(frozen=True)
-class Mix:
-    name: str
-    layer_types: tuple[str, ...]
-    window: int
-
-
-MIXES = {
-    "1:1": Mix("1:1", (S, F, S, F), 8),
-    "5:1": Mix("5:1", (S, S, S, S, S, F), 13),
-}
-
-
-def qwen2_config(mix: Mix) -> Any:
-    return transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=len(mix.layer_types),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-        pad_token_id=0,
-        use_sliding_window=True,
-        sliding_window=mix.window,
-        layer_types=list(mix.layer_types),
-        attn_implementation="eager",
-    )
-
-
-@pytest.fixture(scope="module", params=sorted(MIXES))
-def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> HFOracle:
-    mix = MIXES[request.param]
-    path = tmp_path_factory.mktemp(f"hf-qwen2-{mix.name.replace(':', '-')}")
-    hf_config = qwen2_config(mix)
-    model = build_hf_checkpoint(path, hf_config, transformers.Qwen2ForCausalLM, seed=31)
-    cfg, _ = load_checkpoint(path)
-    assert cfg.layer_types == mix.layer_types and cfg.sliding_window == mix.window
-    return HFOracle(model, path, cfg, {})
 
 
 def jobs_of(seed: int, lengths: Sequence[int], max_tokens: Sequence[int]) -> list[Job]:

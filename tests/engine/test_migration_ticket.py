@@ -10,10 +10,10 @@ request that never moved.
 
 Refusals, each of its own type and message, checked on the destination's scheduler
 snapshot, K/V tensors, requests and counters: another model (other weights, another
-vocabulary), another K/V layout (layers, KV heads, dtype), a duplicate id, a finished
-request, a ticket whose text or counts do not fit its tokens, and malformed bytes (bad
-magic, bad version, truncated anywhere, trailing bytes, a header that is not JSON, a
-field missing or of the wrong type).
+vocabulary, layers attending within other windows), another K/V layout (layers, KV
+heads, dtype), a duplicate id, a finished request, a ticket whose text or counts do not
+fit its tokens, and malformed bytes (bad magic, bad version, truncated anywhere,
+trailing bytes, a header that is not JSON, a field missing or of the wrong type).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from refserve.core.transit import MigrationError
 from refserve.engine import migration
 from refserve.engine.llm_engine import LLMEngine
 from refserve.engine.ticket import (
+    TICKET_VERSION,
     KVChunk,
     KVLayoutMismatch,
     MigrationTicket,
@@ -53,6 +54,8 @@ from refserve.engine.ticket import (
     TicketError,
 )
 from refserve.errors import DuplicateRequest
+from refserve.model.config import FULL_ATTENTION as FULL
+from refserve.model.config import SLIDING_ATTENTION as SLIDING
 from refserve.model.config import tiny_config
 from refserve.model.sampler import SamplingParams
 from refserve.model.weights import random_weights
@@ -211,6 +214,12 @@ MODELS: list[tuple[str, Callable[[], LLMEngine], type[Exception], str]] = [
         r"ticket of 'r' is from a llama model of 259 tokens; this engine runs a llama of 300",
     ),
     (
+        "other windows",
+        lambda: _dst(model=_model(sliding_window=3, layer_types=(SLIDING, FULL))),
+        ModelMismatch,
+        r"computed by layers that attend \[full, full\]; this engine's attend \[window 3, full\]",
+    ),
+    (
         "other layers",
         lambda: _dst(model=_model(num_layers=3)),
         KVLayoutMismatch,
@@ -345,7 +354,9 @@ def _split(blob: bytes) -> tuple[dict[str, Any], bytes]:
     return json.loads(blob[HEAD.size : HEAD.size + n]), blob[HEAD.size + n :]
 
 
-def _join(header: object, data: bytes, *, magic: bytes = b"RSMT", version: int = 1) -> bytes:
+def _join(
+    header: object, data: bytes, *, magic: bytes = b"RSMT", version: int = TICKET_VERSION
+) -> bytes:
     raw = json.dumps(header).encode()
     return HEAD.pack(magic, version, len(raw)) + raw + data
 
@@ -373,8 +384,9 @@ MALFORMED: list[tuple[str, Callable[[bytes], object], str]] = [
     ),
     (
         "bad version",
-        lambda b: _join(*_split(b), version=2),
-        r"ticket version 2 is not supported \(this engine reads 1\)",
+        lambda b: _join(*_split(b), version=TICKET_VERSION + 1),
+        rf"ticket version {TICKET_VERSION + 1} is not supported "
+        rf"\(this engine reads {TICKET_VERSION}\)",
     ),
     ("truncated head", lambda b: b[:7], r"a ticket has a 10-byte head; got 7 bytes"),
     # The head alone, claiming an empty header: the head is whole, the header is not JSON.
@@ -412,6 +424,16 @@ MALFORMED: list[tuple[str, Callable[[bytes], object], str]] = [
         "head_dim 0",
         _edit(lambda h: h["model"].update(head_dim=0)),
         r"ticket model.head_dim must be >= 1, got 0",
+    ),
+    (
+        "a layer window 0",
+        _edit(lambda h: h["model"].update(layer_windows=[0, None])),
+        r"ticket model.layer_windows must hold a window >= 1 or null for each of 2 layers, got \[0",
+    ),
+    (
+        "layer windows short",
+        _edit(lambda h: h["model"].update(layer_windows=[None])),
+        r"ticket model.layer_windows must hold a window >= 1 or null for each of 2 layers",
     ),
     (
         "seed a str",
@@ -515,6 +537,7 @@ def test_an_identity_with_an_unknown_kv_dtype_names_it_and_the_known_ones() -> N
         num_kv_heads=1,
         head_dim=2,
         dtype="int3",
+        layer_windows=(None,),
         fingerprint="x",
     )
     with pytest.raises(TicketError, match=r"KV dtype 'int3' is not one of \['bfloat16'"):
