@@ -103,6 +103,7 @@ conformance: $(STAMP)
 	$(VENV)/bin/refserve conformance --adapter refserve.conformance.adapters.ref:make --kv-adapter refserve.conformance.adapters.ref_kv:make_kv
 	$(VENV)/bin/refserve conformance --adapter refserve.conformance.adapters.ref:make_swap
 	$(VENV)/bin/refserve conformance --adapter refserve.conformance.adapters.ref:make_mlfq
+	$(VENV)/bin/refserve conformance --grouped-kv-adapter refserve.conformance.adapters.ref_kv:make_grouped
 
 test: lint typecheck pytest crosshair conformance test-wheel
 

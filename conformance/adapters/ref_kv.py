@@ -9,6 +9,12 @@ suite asked for, and a shorter one (down to none) when the pool cannot afford to
 the cached blocks the longer one would take out of the free queue. A request's key
 namespace (feature ``key_domains``) goes to the pool's lookup and first allocation, which
 root its table's hash chain there.
+
+``make_grouped`` is the grouped KV level's adapter (refserve.conformance.kv.groups) over
+:class:`refserve.kv.groups.GroupedPool`: eager window freeing and prefix caching. On a
+first allocation it looks up the hit complete in every group, at most the tokens before
+the ``num_new_tokens`` asked for, and allocates without it when the hit's revived blocks
+do not fit (the pool is unchanged by a refusal).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from refserve.conformance.adapter import NotSupported
+from refserve.conformance.kv.groups import GroupedAllocation, GroupedKVConfig
 from refserve.conformance.kv.protocol import (
     ALL_KV_FEATURES,
     Allocation,
@@ -25,6 +32,8 @@ from refserve.conformance.kv.protocol import (
 )
 from refserve.errors import ExceedsCapacity, OutOfBlocks, RefserveError
 from refserve.kv import BlockPool, PrefixHit, fork
+from refserve.kv.groups import GroupedPool
+from refserve.spec.groups import GroupedSnapshot
 from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace
 from refserve.spec.snapshot import PoolSnapshot
 
@@ -112,3 +121,63 @@ class RefKVAdapter:
 def make_kv() -> RefKVAdapter:
     """The ``MODULE:FACTORY`` entry point."""
     return RefKVAdapter()
+
+
+class RefGroupedKVAdapter:
+    """refserve's :class:`GroupedPool` (window blocks freed eagerly, prefix caching)."""
+
+    name = "refserve-grouped-kv"
+
+    def __init__(self) -> None:
+        self._pool: GroupedPool | None = None
+
+    @property
+    def features(self) -> frozenset[KVFeature]:
+        return frozenset({KVFeature.PREFIX_CACHING, KVFeature.WINDOW_EAGER_FREE})
+
+    @property
+    def pool(self) -> GroupedPool:
+        if self._pool is None:
+            raise NotSupported("configure() was not called")
+        return self._pool
+
+    def configure(self, config: GroupedKVConfig) -> None:
+        try:
+            self._pool = GroupedPool(
+                config.num_blocks,
+                config.block_size,
+                config.groups,
+                enable_prefix_caching=config.enable_prefix_caching,
+            )
+        except RefserveError as e:
+            raise NotSupported(str(e)) from e
+
+    def allocate(
+        self, request_id: str, token_ids: Sequence[int], num_new_tokens: int
+    ) -> GroupedAllocation:
+        pool = self.pool
+        try:
+            if pool.has_request(request_id):
+                a = pool.allocate(request_id, token_ids, num_new_tokens)
+            else:
+                hit = pool.lookup(token_ids, max_tokens=max(0, len(token_ids) - num_new_tokens))
+                try:
+                    a = pool.allocate(request_id, token_ids, num_new_tokens, hit=hit)
+                except (OutOfBlocks, ExceedsCapacity):
+                    if not hit.num_tokens:
+                        raise
+                    a = pool.allocate(request_id, token_ids, num_new_tokens)
+        except (OutOfBlocks, ExceedsCapacity) as e:
+            raise NoSpace(str(e)) from e
+        return GroupedAllocation(pool.block_tables(request_id), a.num_cached_tokens)
+
+    def free(self, request_id: str) -> None:
+        self.pool.free(request_id)
+
+    def snapshot(self) -> GroupedSnapshot:
+        return self.pool.snapshot()
+
+
+def make_grouped() -> RefGroupedKVAdapter:
+    """The grouped ``MODULE:FACTORY`` entry point."""
+    return RefGroupedKVAdapter()

@@ -2,8 +2,8 @@
 (``allocator``: ref counts, free queue), the prefix index (``prefix_index``), the block
 tables (``tables``) and one undo journal (``journal``). The attachments, each over the
 pool's public surface: the bulk decode step (``decode_runs``), forks (``forks``),
-rejected drafts given back (``truncation``), the host pool for swaps (``host_pool``) and
-cache events (``events``)."""
+rejected drafts given back (``truncation``), the host pool for swaps (``host_pool``),
+cache events (``events``) and a hybrid model's layer groups (``groups``)."""
 
 from refserve.kv.decode_runs import DecodeGrowth, DecodeRun
 from refserve.kv.forks import fork

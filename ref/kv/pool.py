@@ -14,6 +14,13 @@ unknown to it: the bulk decode step (``decode_runs.py``), n > 1 forks (``forks.p
 dropping rejected drafts (``truncation.py``), the host pool for swaps (``host_pool.py``)
 and the cache events the prefix index reports (``events.py``, switched on here).
 
+A hybrid model's layer groups (``groups.py``) are pools made by
+:meth:`BlockPool.sharing`: one allocator, prefix index and journal, tables of their
+own. A sliding-window group's table keeps ``NULL_BLOCK`` in the places of the blocks
+before its window (always its first ones): a hit may skip them
+(``PrefixHit.num_skipped``), and :meth:`BlockPool.free` and the capacity check pass them
+over. A plain pool never has one.
+
 Invariants are checked from outside on :meth:`BlockPool.snapshot` (refserve.spec.check_pool):
 BLOCK (ref counts equal holders, the free queue is exact), CAP, POS (tables cover
 their KV length exactly) and PREFIX (hash chains, full blocks only, shared blocks
@@ -24,8 +31,10 @@ and :meth:`BlockPool.rollback` every change is undone (ATOMIC).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from copy import copy
 from dataclasses import dataclass
 
 from refserve.errors import ExceedsCapacity, InvalidArgument, OutOfBlocks, UnknownRequest
@@ -40,6 +49,7 @@ from refserve.spec.arith import (
     new_blocks_needed,
     starts_block,
 )
+from refserve.spec.groups import NULL_BLOCK
 from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace
 from refserve.spec.snapshot import PoolSnapshot, TableSnapshot
 from refserve.values import is_int
@@ -89,6 +99,14 @@ class BlockPool:
         events = CacheEventLog(self._journal) if cache_events else None
         self._prefix = PrefixIndex(num_blocks, block_size, self._journal, events)
         self._tables = BlockTables(self._journal)
+
+    def sharing(self) -> BlockPool:
+        """A pool with tables of its own over this one's allocator, prefix index and
+        journal (a hybrid model's layer groups, ref/kv/groups.py): a block reused by one
+        loses its cache entry for all (PREFIX), one transaction spans all (ATOMIC)."""
+        pool = copy(self)  # the same parts and settings
+        pool._tables = BlockTables(self._journal)
+        return pool
 
     # ------------------------------------------------- the parts, for attachments
     @property
@@ -158,7 +176,7 @@ class BlockPool:
         if table is None:
             if hit is None:
                 return blocks_needed(num_new_tokens, bs)
-            held = len(hit.block_ids)
+            held = hit.num_skipped + len(hit.block_ids)
             fresh = new_blocks_needed(hit.num_tokens, num_new_tokens, held, bs)
             return fresh + self._blocks.num_revived(hit.block_ids)
         fresh = new_blocks_needed(table.num_stored, num_new_tokens, len(table.block_table), bs)
@@ -321,8 +339,8 @@ class BlockPool:
                 f"{len(token_ids)} token ids are known"
             )
         total = blocks_needed(end, self.block_size)
-        if total > self.num_blocks:
-            raise ExceedsCapacity(request_id, total, self.num_blocks)
+        if total > self.num_blocks and total - _num_null(table, hit) > self.num_blocks:
+            raise ExceedsCapacity(request_id, total - _num_null(table, hit), self.num_blocks)
         needed = self.blocks_to_allocate(request_id, num_new_tokens, hit)
         if needed > self._blocks.num_free:
             raise OutOfBlocks(request_id, needed, self._blocks.num_free)
@@ -367,6 +385,8 @@ class BlockPool:
         if hit is not None:
             for b in hit.block_ids:
                 self._blocks.hold(b)
+            if hit.num_skipped:  # a window group's blocks before its window
+                table.block_table.extend([NULL_BLOCK] * hit.num_skipped)
             table.block_table.extend(hit.block_ids)
             table.keys.extend(hit.keys)
             table.token_ids.extend(token_ids[: hit.num_tokens])
@@ -426,15 +446,18 @@ class BlockPool:
         table = tables.get(request_id)
         if table is None:
             raise UnknownRequest(request_id, "free")
+        blocks = table.block_table
+        if blocks and blocks[0] < 0:  # a window table's null places (NULL_BLOCK) hold none
+            blocks = blocks[_num_null(table, None) :]
         # Tail first (reversed), one run; release either completes or fails with
         # everything put back (nothing changed, nothing to report), and nothing after it
         # can fail, so outside a transaction no undo is recorded.
         if not self._journal.active:
-            self._blocks.release(table.block_table[::-1])
+            self._blocks.release(blocks[::-1])
             tables.remove(request_id)
             return
         try:
-            self._blocks.release(table.block_table[::-1])
+            self._blocks.release(blocks[::-1])
             tables.remove(request_id)
         except BaseException:
             self._abort(False)  # the opener's rollback undoes this call
@@ -477,6 +500,18 @@ class BlockPool:
             tables=tables,
             cache_entries=tuple(self._prefix.entries()),
         )
+
+
+def _num_null(table: BlockTable | None, hit: PrefixHit | None) -> int:
+    """A window table's null places (always its first ones), or a hit's skipped blocks."""
+    if table is None:
+        return hit.num_skipped if hit is not None else 0
+    # The null places come first: a binary search, not a walk over a long table.
+    return bisect_left(table.block_table, True, key=_is_held)
+
+
+def _is_held(block_id: int) -> bool:
+    return block_id != NULL_BLOCK
 
 
 def _taken(token_ids: Sequence[int], start: int, end: int) -> list[int] | tuple[int, ...]:

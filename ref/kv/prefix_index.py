@@ -44,16 +44,22 @@ NOTHING_EVICTED: Mapping[bytes, int] = MappingProxyType({})
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """Full blocks of a prompt found in the prefix cache (possibly none)."""
+    """Full blocks of a prompt found in the prefix cache (possibly none).
+
+    ``num_skipped``: a sliding-window layer group's hit (ref/kv/groups.py) needs only
+    the blocks its next query reads; the first ``num_skipped`` blocks of the prefix are
+    not held (the table keeps their places as ``NULL_BLOCK``), ``block_ids`` are the
+    blocks after them and ``keys`` the chain keys of the whole prefix."""
 
     root_key: bytes
     block_ids: tuple[int, ...]
     keys: tuple[bytes, ...]
     block_size: int
+    num_skipped: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return len(self.block_ids) * self.block_size
+        return (self.num_skipped + len(self.block_ids)) * self.block_size
 
 
 class Entry(NamedTuple):
@@ -167,6 +173,17 @@ class PrefixIndex:
             parent = key
         return PrefixHit(root_key, tuple(blocks), tuple(keys), bs)
 
+    def served(self, key: bytes, parent_key: bytes, token_ids: tuple[int, ...]) -> int | None:
+        """The block serving the full block ``key`` now, confirmed as :meth:`lookup`
+        confirms a hit, or None: one block of a chain read past misses (a window
+        group's lookup, ref/kv/groups.py)."""
+        b = self._index.get(key)
+        if b is None or b in self._fresh:
+            return None
+        entry = self._entry[b]
+        ok = entry is not None and entry.parent_key == parent_key and entry.token_ids == token_ids
+        return b if ok else None
+
     def check_hit(
         self, request_id: str, hit: PrefixHit, token_ids: Sequence[int], root_key: bytes
     ) -> None:
@@ -183,8 +200,10 @@ class PrefixIndex:
                 f"allocate: prefix hit for {request_id!r} covers {hit.num_tokens} tokens of "
                 f"{len(token_ids)}; the last token must be recomputed"
             )
-        parent = hit.root_key
-        for i, (b, key) in enumerate(zip(hit.block_ids, hit.keys, strict=True)):
+        # A window hit's skipped blocks: their keys are the caller's to check.
+        skipped = hit.num_skipped
+        parent = hit.keys[skipped - 1] if skipped else hit.root_key
+        for i, (b, key) in enumerate(zip(hit.block_ids, hit.keys[skipped:], strict=True), skipped):
             if self._index.get(key) != b:
                 raise InvalidArgument(
                     f"allocate: prefix hit for {request_id!r} is stale (block {b} was evicted)"

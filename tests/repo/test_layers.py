@@ -341,7 +341,7 @@ KV_SPINE = tuple(
     )
 )
 KV_ATTACHMENTS = tuple(
-    f"ref/kv/{m}.py" for m in ("decode_runs", "forks", "truncation", "host_pool")
+    f"ref/kv/{m}.py" for m in ("decode_runs", "forks", "truncation", "host_pool", "groups")
 )
 # Two edges the rule allows, with their reason: the configuration validates every setting
 # in one place, the swap's (preemption mode, swap cost, tool-wait retention) and the

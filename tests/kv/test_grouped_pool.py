@@ -1,0 +1,292 @@
+"""GroupedPool (ref/kv/groups.py): one table per request per layer group over one shared
+pool. Window freeing at its boundary, hits complete in every group (and the shorter one
+taken once a window block is evicted), one transaction over every group, typed errors,
+and the grouped conformance suite on its adapter with zero findings.
+
+Every check of a state goes through ``refserve.spec.groups`` (check_groups,
+check_window_held) on the pool's snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from refserve.conformance.adapters.ref_kv import make_grouped
+from refserve.conformance.kv.grouped_suite import grouped_scenario_names, run_grouped_kv_suite
+from refserve.errors import ExceedsCapacity, InvalidArgument, OutOfBlocks, UnknownRequest
+from refserve.kv import PrefixHit
+from refserve.kv.groups import GroupedHit, GroupedPool
+from refserve.spec.groups import (
+    NULL_BLOCK,
+    GroupKind,
+    KVGroup,
+    check_groups,
+    check_window_held,
+)
+
+BS = 4
+W = 6  # not a multiple of the block size: the window starts inside a block
+FULL = KVGroup(GroupKind.FULL)
+WIN = KVGroup(GroupKind.WINDOW, W)
+
+
+def tokens(n: int, base: int = 0) -> list[int]:
+    return list(range(base, base + n))
+
+
+def valid(pool: GroupedPool, rid: str = "", before: int = 0, cached: int = 0) -> None:
+    s = pool.snapshot()
+    found = check_groups(s) + (check_window_held(s, rid, before, cached) if rid else [])
+    assert found == [], found
+
+
+def window_table(pool: GroupedPool, rid: str) -> tuple[int, ...]:
+    return pool.block_tables(rid)[1]
+
+
+# ------------------------------------------------------------------ window freeing
+def test_window_blocks_leave_exactly_when_wholly_before_the_window() -> None:
+    """W = 6, blocks of 4: the query at L reads from L - 5; a block goes back only once
+    every position in it is before that (block 0 at L = 9, block 1 at L = 13)."""
+    pool = GroupedPool(16, BS, (FULL, WIN))
+    known = tokens(20)
+    pool.allocate("a", known, 8)
+    valid(pool, "a", 0)
+    freed_at: dict[int, int] = {}
+    for length in range(8, 16):
+        free = pool.num_free_blocks
+        pool.allocate("a", known, 1)  # from L = length
+        valid(pool, "a", length)
+        table = window_table(pool, "a")
+        for i, b in enumerate(table):
+            if b == NULL_BLOCK and i not in freed_at:
+                freed_at[i] = length
+        new_block = 1 if length % BS == 0 else 0  # each group starts a block
+        released = sum(1 for at in freed_at.values() if at == length)
+        assert pool.num_free_blocks == free - 2 * new_block + released
+    # window_start(9, 6) = 4: block 0 (positions 0..3) wholly before; block 1 at L = 13.
+    assert freed_at == {0: 9, 1: 13}
+    assert pool.block_tables("a")[0].count(NULL_BLOCK) == 0  # the full group keeps all
+    pool.free("a")
+    valid(pool)
+    assert pool.num_free_blocks == 16
+
+
+def test_free_skips_a_window_tables_null_places() -> None:
+    pool = GroupedPool(8, BS, (FULL, WIN))
+    pool.allocate("a", tokens(12), 8)
+    pool.allocate("a", tokens(12), 4)  # L = 8: window_start 3, block 0 stays
+    pool.allocate("a", tokens(13), 1)  # L = 12: window_start 7, block 0 leaves
+    assert window_table(pool, "a")[0] == NULL_BLOCK
+    pool.free("a")
+    snap = pool.snapshot()
+    assert snap.tables == () and sorted(snap.pool.free_queue) == list(range(8))
+    assert set(snap.pool.ref_cnt) == {0}
+
+
+# ---------------------------------------------------------------------- hits
+def test_a_hit_takes_every_full_block_and_only_the_window_blocks_read() -> None:
+    pool = GroupedPool(16, BS, (FULL, WIN))
+    prompt = tokens(20)
+    pool.allocate("a", prompt, 20)
+    pool.free("a")  # every block cached, all in the free queue
+    known = [*prompt, 99]
+    hit = pool.lookup(known, max_tokens=20)
+    assert hit.num_tokens == 20
+    full, win = hit.hits
+    assert len(full.block_ids) == 5 and full.num_skipped == 0
+    # The query at 20 reads from 15: block 3 on; blocks 0..2 are skipped.
+    assert win.num_skipped == 3 and len(win.block_ids) == 2
+    a = pool.allocate("b", known, 1, hit=hit)
+    assert a.num_cached_tokens == 20
+    valid(pool, "b", 20, 20)
+    assert window_table(pool, "b")[:3] == (NULL_BLOCK,) * 3
+    assert window_table(pool, "b")[3:5] == win.block_ids
+    assert pool.block_tables("b")[0][:5] == full.block_ids
+    # Groups never share keys: the window group's blocks are not the full group's.
+    assert not set(full.block_ids) & set(win.block_ids)
+
+
+def test_a_hit_missing_a_window_block_is_refused_and_a_shorter_one_taken() -> None:
+    """The full group still caches the prefix; the window group lost a block its query
+    at 12 reads. The hit looked up before is stale (refused, nothing changed); a new
+    lookup gives the longest prefix complete in every group."""
+    pool = GroupedPool(12, BS, (FULL, WIN))
+    known = tokens(24)
+    pool.allocate("a", known, 20)
+    pool.allocate("a", known, 4)  # L = 20: window blocks 0..2 leave (cached, free)
+    assert window_table(pool, "a")[:3] == (NULL_BLOCK,) * 3
+    released = pool.snapshot().pool.free_queue
+    other = [*known[:12], 500]
+    before = pool.lookup(other)
+    assert before.num_tokens == 12  # full blocks 0..2 (held by a), window blocks 1, 2
+    # A new request takes the two oldest free blocks, the window group's released blocks
+    # 2 and 1 (released last first): their entries go; freeing it leaves them evicted.
+    pool.allocate("c", [1000], 1)
+    assert set(released) - set(pool.snapshot().pool.free_queue) == set(released[:2])
+    pool.free("c")
+    snap = pool.snapshot()
+    with pytest.raises(InvalidArgument, match="stale"):
+        pool.allocate("b", other, 1, hit=before)
+    assert pool.snapshot() == snap
+    after = pool.lookup(other)
+    assert after.num_tokens == 4, after  # window block 0 still cached: the query at 4 reads it
+    for g, h in enumerate(after.hits):
+        assert h.num_tokens == after.num_tokens, g
+    pool.allocate("b", other, 1, hit=after)
+    valid(pool, "b", after.num_tokens, after.num_tokens)
+
+
+def test_no_group_evicts_another_groups_hit() -> None:
+    """The free queue after a's free: the full group's blocks, then the window group's.
+    The full group, served first, takes its hit out of the queue and then a new block
+    from the head: the window group's hit block, were it not held already."""
+    pool = GroupedPool(6, BS, (FULL, KVGroup(GroupKind.WINDOW, 2)))
+    pool.allocate("a", tokens(12), 12)
+    pool.free("a")
+    known = [*tokens(12), 99]
+    hit = pool.lookup(known)
+    assert hit.num_tokens == 12 and hit.hits[1].num_skipped == 2  # the query at 12 reads 11
+    a = pool.allocate("b", known, 1, hit=hit)  # 3 + 1 revived, 1 + 1 new: all 6 blocks
+    assert a.num_cached_tokens == 12 and pool.num_free_blocks == 0
+    assert window_table(pool, "b")[2] == hit.hits[1].block_ids[0]
+    valid(pool, "b", 12, 12)
+
+
+def test_no_hit_with_prefix_caching_off() -> None:
+    pool = GroupedPool(16, BS, (FULL, WIN), enable_prefix_caching=False)
+    pool.allocate("a", tokens(12), 12)
+    pool.free("a")
+    hit = pool.lookup([*tokens(12), 7])
+    assert hit.num_tokens == 0 and all(h.num_tokens == 0 for h in hit.hits)
+
+
+# --------------------------------------------------------------- all or nothing
+def test_an_allocation_that_does_not_fit_changes_no_group() -> None:
+    pool = GroupedPool(8, BS, (FULL, WIN))
+    pool.allocate("a", tokens(12), 12)  # 3 + 3 blocks
+    pool.allocate("b", [7], 1)  # 1 + 1: the pool is full
+    snap = pool.snapshot()
+    # a at L = 12: the window releases block 0 (1 block) but both groups need a new one.
+    with pytest.raises(OutOfBlocks) as e:
+        pool.allocate("a", tokens(13), 1)
+    assert e.value.needed == 2 and e.value.free == 1
+    assert pool.snapshot() == snap  # the window release did not happen either
+    with pytest.raises(ExceedsCapacity):
+        pool.allocate("z", tokens(20), 20)  # 5 + 5 blocks at once, never
+    assert pool.snapshot() == snap
+
+
+def test_a_fault_in_one_group_undoes_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = GroupedPool(16, BS, (FULL, WIN))
+    pool.allocate("a", tokens(12), 12)
+    snap = pool.snapshot()
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("group 1 fails")
+
+    monkeypatch.setattr(pool.pools[1], "allocate", boom)
+    with pytest.raises(RuntimeError, match="group 1 fails"):
+        pool.allocate("a", tokens(16), 4)  # group 1 released block 0, group 0 grew
+    assert pool.snapshot() == snap
+    monkeypatch.undo()
+    pool.allocate("a", tokens(16), 4)
+    valid(pool, "a", 12)
+
+
+def test_rollback_undoes_every_group_and_commit_keeps_them() -> None:
+    pool = GroupedPool(16, BS, (FULL, WIN, KVGroup(GroupKind.WINDOW, 3)))
+    pool.allocate("a", tokens(16), 12)
+    snap = pool.snapshot()
+    pool.begin()
+    pool.allocate("a", tokens(16), 4)
+    pool.allocate("b", tokens(8, 100), 8)
+    pool.free("a")
+    assert pool.in_transaction
+    pool.rollback()
+    assert not pool.in_transaction and pool.snapshot() == snap
+    pool.begin()
+    pool.allocate("a", tokens(16), 4)
+    pool.commit()
+    valid(pool, "a", 12)
+    assert pool.snapshot() != snap
+
+
+# ----------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    ("groups", "match"),
+    [
+        ((), "at least one layer group"),
+        (("full",), r"groups\[0\] must be a KVGroup"),
+    ],
+)
+def test_a_bad_layout_is_named(groups: Sequence[KVGroup], match: str) -> None:
+    with pytest.raises(InvalidArgument, match=match):
+        GroupedPool(8, BS, groups)
+
+
+def test_a_window_below_one_is_named() -> None:
+    bad = KVGroup(GroupKind.WINDOW, 2)
+    object.__setattr__(bad, "window", 0)  # past KVGroup's own check
+    with pytest.raises(InvalidArgument, match=r"groups\[1\]: a window group needs a window >= 1"):
+        GroupedPool(8, BS, (FULL, bad))
+
+
+def test_bad_calls_are_named_and_change_nothing() -> None:
+    pool = GroupedPool(8, BS, (FULL, WIN))
+    pool.allocate("a", tokens(8), 8)
+    snap = pool.snapshot()
+    with pytest.raises(UnknownRequest, match="'nobody'"):
+        pool.free("nobody")
+    with pytest.raises(InvalidArgument, match="num_new_tokens must be >= 1, got 0"):
+        pool.allocate("a", tokens(8), 0)
+    with pytest.raises(InvalidArgument, match="num_new_tokens must be an int"):
+        pool.allocate("a", tokens(9), True)
+    with pytest.raises(InvalidArgument, match="up to 9 but only 8"):
+        pool.allocate("a", tokens(8), 1)
+    hit = pool.lookup(tokens(9))
+    with pytest.raises(InvalidArgument, match="already holds blocks"):
+        pool.allocate("a", tokens(9), 1, hit=hit)
+    with pytest.raises(InvalidArgument, match="has 1 groups, the pool 2"):
+        pool.allocate("b", tokens(9), 1, hit=GroupedHit(hit.num_tokens, hit.hits[:1]))
+    lopsided = GroupedHit(
+        hit.num_tokens, (hit.hits[0], PrefixHit(hit.hits[1].root_key, (), (), BS))
+    )
+    with pytest.raises(InvalidArgument, match="different lengths"):
+        pool.allocate("b", tokens(9), 1, hit=lopsided)
+    assert pool.snapshot() == snap
+
+
+def test_a_hit_may_skip_only_what_its_group_does_not_read() -> None:
+    pool = GroupedPool(16, BS, (FULL, WIN))
+    pool.allocate("a", tokens(12), 12)
+    pool.free("a")
+    known = tokens(13)
+    hit = pool.lookup(known)
+    full, win = hit.hits
+    assert hit.num_tokens == 12 and win.num_skipped == 1  # the query at 12 reads from 7
+    skipping = PrefixHit(full.root_key, full.block_ids[1:], full.keys, BS, 1)
+    with pytest.raises(InvalidArgument, match="skips 1 blocks in group 0"):
+        pool.allocate("b", known, 1, hit=GroupedHit(12, (skipping, win)))
+    too_far = PrefixHit(win.root_key, win.block_ids[1:], win.keys, BS, 2)
+    with pytest.raises(InvalidArgument, match="skips 2 blocks in group 1"):
+        pool.allocate("b", known, 1, hit=GroupedHit(12, (full, too_far)))
+    forged = PrefixHit(win.root_key, win.block_ids, (b"x" * 32, *win.keys[1:]), BS, 1)
+    with pytest.raises(InvalidArgument, match="group 1's skipped blocks"):
+        pool.allocate("b", known, 1, hit=GroupedHit(12, (full, forged)))
+    assert not pool.has_request("b")
+    pool.allocate("b", known, 1, hit=hit)
+    valid(pool, "b", 12, 12)
+
+
+# -------------------------------------------------------------- the grouped suite
+def test_the_grouped_suite_finds_nothing() -> None:
+    pairs = run_grouped_kv_suite(make_grouped, "ref_kv:make_grouped", max_examples=60)
+    failures = [(r.invariant, f.rule, f.message) for rs, _ in pairs for r in rs for f in r.failures]
+    assert failures == []
+    assert [info.name for _, info in pairs] == grouped_scenario_names()
+    coverage = pairs[-1][1].observed["coverage"]
+    assert coverage["cache_hits"] >= 5 and coverage["no_space"] >= 5
+    assert coverage["evictions"] >= 5 and coverage["window_released"] >= 5
