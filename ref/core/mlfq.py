@@ -119,7 +119,6 @@ class SkipJoinMlfq:
         # and the host pool's free blocks (the commit resets a recomputed victim's K/V).
         self._seen: dict[str, tuple[int, int]] = {}
         self._seen_host = 0
-        self._last_step = -1
         # Waiting requests below level 0, in the order they were queued (so in order
         # of ``queued_step``): promotion reads only the head of it.
         self._below_top: dict[str, Request] = {}
@@ -139,10 +138,11 @@ class SkipJoinMlfq:
             cfg, max(r.num_tokens - r.num_computed_tokens, 1), cfg.max_num_batched_tokens, 0
         )
         first_ms = self.settings.cost.step_ms(max(first, 1), 0)
-        for level in range(self.settings.num_queues):
+        last = self.settings.num_queues - 1
+        for level in range(last):
             if first_ms <= self.quantum_ms(level):
                 return level
-        return self.settings.num_queues - 1  # (unreachable: the last quantum is unbounded)
+        return last  # its quantum is unbounded
 
     def books_of(self, r: Request) -> MlfqBooks:
         b = self.books.get(r.request_id)
@@ -331,7 +331,6 @@ class SkipJoinMlfq:
             self.num_headroom_swaps += d.reason == "headroom"
         self._last = tuple(records)
         self._last_choices = tuple(choices)
-        self._last_step = step_index
         for rid in plan.admitted:
             self._below_top.pop(rid, None)
             joined = self.books.get(rid)
@@ -380,10 +379,6 @@ class SkipJoinMlfq:
             queue.remove(r)
             queue.add(r)  # re-keyed at level 0, its waiting time kept (queued_step)
 
-    def _queued_step(self, r: Request) -> int:
-        queued = self.books_of(r).queued_step
-        return r.queued_step if queued is None else queued
-
     def forget(self, request_id: str) -> None:
         self.books.pop(request_id, None)
         self._below_top.pop(request_id, None)
@@ -416,9 +411,9 @@ class SkipJoinMlfq:
                 QueuedRecord(
                     r.request_id,
                     self.level_of(r),
-                    step_index - self._queued_step(r),
+                    step_index - r.queued_step,
                 )
                 for r in waiting
             ),
-            displaced=self._last if self._last_step == step_index - 1 else (),
+            displaced=self._last,
         )

@@ -358,3 +358,99 @@ def test_the_edges_of_each_range_are_accepted_and_give_the_quanta() -> None:
 def test_the_loop_alone_refuses_the_mlfq_policy() -> None:
     with pytest.raises(InvalidArgument, match="mlfq"):
         SchedulerLoop(_config())
+
+
+# ------------------------------------------------------------------ edges
+def test_a_request_is_demoted_in_the_step_its_service_reaches_the_quantum_exactly() -> None:
+    # Quantum 6 ms: the prefill (3 ms) and one decode (3 ms) reach it exactly.
+    run = MlfqRun(_config(settings=dict(base_quantum_ms=6.0)))
+    run.add("a", 2, 6, base=0)
+    run.step()
+    assert run.level("a") == 0 and run.policy.books["a"].served_ms == 3.0
+    run.step()
+    assert run.level("a") == 1 and run.policy.books["a"].served_ms == 0.0
+    run.drain()
+
+
+def test_promotion_counts_the_wait_from_the_step_the_request_was_queued() -> None:
+    bound = 4
+    run = MlfqRun(_config(settings=dict(num_queues=2, starvation_steps=bound), max_num_seqs=1))
+    run.add("a", 2, 30, base=0)
+    for _ in range(3):
+        run.step()
+    run.add("b", 12, 4, base=100)  # level 1, queued at step 3
+    queued = run.st.sched.requests["b"].queued_step
+    assert queued == 3
+    for _ in range(bound - 1):
+        run.step()
+        assert run.level("b") == 1
+    run.step()
+    assert run.level("b") == 0 and run.policy.books["b"].num_promotions == 1
+    run.drain()
+
+
+def test_each_displacement_is_reported_with_its_choice_and_inputs() -> None:
+    run = _long_then_short()
+    plan = run.until_preempted()
+    (choice,) = run.policy.last_choices
+    assert (choice.request_id, choice.reason, choice.for_request) == ("long2", "seat", "short")
+    assert choice.step_index == plan.step_index and choice.to_host
+    assert (choice.kv_tokens, choice.host_free_blocks, choice.level) == (10, 32, 2)
+    run.drain()
+
+
+def test_a_waiting_request_short_of_blocks_displaces_for_blocks() -> None:
+    # Seats to spare, blocks not: long (16 tokens: 10 ms, the last level) holds 5 of the
+    # 6 blocks once its protection is spent; tiny (5 tokens: 4.5 ms, level 1) needs 2.
+    run = MlfqRun(_config(max_num_seqs=3, num_blocks=6))
+    run.add("long", 16, 12, base=0)
+    for _ in range(4):
+        run.step()
+    run.add("tiny", 5, 2, base=100)
+    plan = run.until_preempted()
+    assert plan.preempted == ("long",) and "tiny" in plan.request_ids
+    (_, record) = run.displaced[-1]
+    assert (record.request_id, record.reason, record.for_request) == ("long", "blocks", "tiny")
+    run.drain()
+
+
+def test_protection_ends_when_the_decoded_service_reaches_the_quantum_exactly() -> None:
+    # Level 1's quantum is 6 ms here: two decodes (3 ms each) reach it exactly, and the
+    # request is displaced at the next boundary, not one decode later.
+    run = MlfqRun(_config(settings=dict(base_quantum_ms=3.0), max_num_seqs=1))
+    run.add("long", 8, 24, base=0)  # 6 ms: level 1 (quantum 6), protected for 6 ms
+    run.step()
+    assert run.policy.books["long"].joined_level == 1
+    run.add("short", 1, 3, base=100)  # 2.5 ms: level 0
+    run.until_preempted()
+    (_, record) = run.displaced[-1]
+    assert (record.protected_ms, record.resumed_ms) == (6.0, 6.0)
+    run.drain()
+
+
+def test_the_order_of_a_plain_collection_is_the_queues() -> None:
+    # Levels 2, 1 and 0 arrived in that order: any collection sorts by level, then
+    # arrival, which is the order the queue gives admission (one seat: short first).
+    run = MlfqRun(_config(max_num_seqs=1))
+    run.add("long", 16, 2, base=0)
+    run.add("mid", 12, 2, base=100)
+    run.add("short", 3, 2, base=200)
+    waiting = list(reversed(run.st.sched.waiting))
+    assert [r.request_id for r in run.policy.waiting_order(waiting, 0)] == [
+        "short",
+        "mid",
+        "long",
+    ]
+    assert run.step().request_ids == ("short",)
+    run.drain()
+
+
+def test_a_request_still_waiting_past_the_queue_timeout_times_out() -> None:
+    # One seat: b (16 tokens, the last level) waits behind a (it never ranks above a,
+    # which sinks to b's level at most) past the timeout: the level-split queue keeps
+    # the arrivals the timeout reads.
+    run = MlfqRun(_config(max_num_seqs=1, queue_timeout_ms=20.0))
+    run.add("a", 2, 40, base=0)
+    run.add("b", 16, 2, base=100)
+    run.drain()
+    assert run.st.sched.num_timeouts == 1
