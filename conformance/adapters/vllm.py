@@ -153,8 +153,12 @@ class VllmVersionError(ImportError):
     """The installed vLLM is not the release this adapter translates (:data:`VLLM_VERSION`)."""
 
 
-def _check_installed() -> None:
-    """Refuse early, without importing vLLM: absent, or another release."""
+def check_installed(
+    adapter: str = "refserve.conformance.adapters.vllm",
+    changes: str = "its scheduler's internals change between releases",
+) -> None:
+    """Refuse early, without importing vLLM: absent, or another release (each vLLM
+    adapter, naming itself and what it reads that changes between releases)."""
     if importlib.util.find_spec("vllm") is None:
         # ModuleNotFoundError, so pytest.importorskip and `except ImportError` both work.
         raise ModuleNotFoundError(
@@ -168,8 +172,7 @@ def _check_installed() -> None:
         found = "unknown"
     if found != VLLM_VERSION:
         raise VllmVersionError(
-            f"vLLM {found} is installed; refserve.conformance.adapters.vllm translates vLLM "
-            f"{VLLM_VERSION} only (its scheduler's internals change between releases)"
+            f"vLLM {found} is installed; {adapter} translates vLLM {VLLM_VERSION} only ({changes})"
         )
 
 
@@ -205,7 +208,7 @@ class _Vllm:
 
 
 def _import_vllm() -> _Vllm:
-    _check_installed()
+    check_installed()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     vllm = importlib.import_module("vllm")

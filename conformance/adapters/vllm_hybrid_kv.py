@@ -111,18 +111,15 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Any
 
 from refserve.conformance.adapter import NotSupported
+from refserve.conformance.adapters.vllm import VLLM_VERSION, check_installed
 from refserve.conformance.kv.groups import GroupedAllocation, GroupedKVConfig
 from refserve.conformance.kv.protocol import KVFeature, NoSpace
 from refserve.errors import InvalidArgument, UnknownRequest
 from refserve.spec.groups import NULL_BLOCK, GroupedSnapshot, GroupKind, GroupTable
 from refserve.spec.snapshot import PoolSnapshot, TableSnapshot
-
-VLLM_VERSION = "0.33.0"
-"""The vLLM release this adapter was written against (read from its source)."""
 
 NULL_BLOCKS = 1
 """vLLM's ``BlockPool`` reserves block 0 as its null block."""
@@ -135,27 +132,11 @@ HEAD_SIZE = 32
 """One KV head of this size in float32 in every group: one page size for all."""
 
 
-class VllmVersionError(ImportError):
-    """The installed vLLM is not the release this adapter translates."""
-
-
 def _check_installed() -> None:
-    if importlib.util.find_spec("vllm") is None:
-        # ModuleNotFoundError, so pytest.importorskip and `except ImportError` both work.
-        raise ModuleNotFoundError(
-            f"vLLM is not installed here (the adapter needs vllm=={VLLM_VERSION} in its "
-            "own virtualenv: make conformance-vllm)",
-            name="vllm",
-        )
-    try:
-        found = metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        found = "unknown"
-    if found != VLLM_VERSION:
-        raise VllmVersionError(
-            f"vLLM {found} is installed; refserve.conformance.adapters.vllm_hybrid_kv "
-            f"translates vLLM {VLLM_VERSION} only (its KV manager changes between releases)"
-        )
+    check_installed(
+        "refserve.conformance.adapters.vllm_hybrid_kv",
+        "its KV manager changes between releases",
+    )
 
 
 @dataclass(frozen=True)
