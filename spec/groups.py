@@ -31,16 +31,35 @@ The rules, each over one frozen :class:`GroupedSnapshot`:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from refserve.spec.arith import blocks_needed
 from refserve.spec.block import check_block
-from refserve.spec.snapshot import PoolSnapshot, TableSnapshot
+from refserve.spec.snapshot import NULL_BLOCK, PoolSnapshot, TableSnapshot
 from refserve.spec.violation import Invariant, Violation, violation
 
-#: A window group's table entry for a block that has left the window.
-NULL_BLOCK = -1
+__all__ = [
+    "FULL_NULL",
+    "GROUP_TABLES",
+    "NULL_BLOCK",
+    "PREFIX_COMPLETE",
+    "WINDOW_EARLY",
+    "WINDOW_LATE",
+    "GroupKind",
+    "GroupTable",
+    "GroupedSnapshot",
+    "KVGroup",
+    "check_groups",
+    "check_window_held",
+    "group_blocks",
+    "group_table_id",
+    "layout_blocks",
+    "peak_blocks",
+    "window_start",
+]
+
 
 GROUP_TABLES = "group-tables"
 FULL_NULL = "full-null"
@@ -83,6 +102,40 @@ def window_start(num_tokens: int, window: int) -> int:
     return max(0, num_tokens - window + 1)
 
 
+def group_blocks(group: KVGroup, num_stored: int, num_new: int, block_size: int) -> int:
+    """The blocks a request holds in ``group`` while it computes positions
+    ``[num_stored, num_stored + num_new)``: every block up to the last position in a full
+    group; in a window group, those from the block holding ``window_start(num_stored, W)``.
+    """
+    end = blocks_needed(num_stored + num_new, block_size)
+    if group.kind is GroupKind.FULL:
+        return end
+    return end - window_start(num_stored, group.window) // block_size
+
+
+def layout_blocks(groups: Sequence[KVGroup], num_stored: int, num_new: int, block_size: int) -> int:
+    """:func:`group_blocks` summed over the layout: what the request takes from the one
+    shared pool. Admission, the capacity refusal, preemption and the simulator all
+    count a request's memory with this one function."""
+    return sum(group_blocks(g, num_stored, num_new, block_size) for g in groups)
+
+
+def peak_blocks(groups: Sequence[KVGroup], num_tokens: int, block_size: int) -> int:
+    """The most blocks a request of ``num_tokens`` tokens ever holds when it computes
+    them one at a time (the fewest a pool must have to run it at all): the largest
+    :func:`layout_blocks` over the positions ``L < num_tokens`` it computes.
+
+    A window group's count is periodic in ``L`` with period ``block_size`` once the
+    window has filled, so the positions of the last two periods (and, for a short
+    request, all of them) are enough.
+    """
+    assert num_tokens >= 1 and block_size >= 1, (num_tokens, block_size)
+    windows = [g.window for g in groups if g.kind is GroupKind.WINDOW]
+    reach = max(windows, default=0) + 2 * block_size
+    first = max(0, num_tokens - reach)
+    return max(layout_blocks(groups, n, 1, block_size) for n in range(first, num_tokens))
+
+
 @dataclass(frozen=True)
 class GroupTable:
     """One request's table in one group (``group`` indexes the snapshot's groups)."""
@@ -114,11 +167,30 @@ class GroupedSnapshot:
         )
         return replace(self.pool, tables=tables)
 
+    def engine_pool(self) -> PoolSnapshot:
+        """The pool as an engine's step checks see it: the first group's tables under
+        their requests' ids (the table the scheduler and the executor's positions
+        follow), every other group's as :func:`group_table_id`, null entries kept
+        (``null_entries``), so BLOCK counts every holder and POS every table's length."""
+        tables = tuple(
+            t.table
+            if t.group == 0
+            else replace(t.table, request_id=group_table_id(t.table.request_id, t.group))
+            for t in self.tables
+        )
+        return replace(self.pool, tables=tables, null_entries=True)
+
     def table(self, request_id: str, group: int) -> TableSnapshot | None:
         for t in self.tables:
             if t.group == group and t.table.request_id == request_id:
                 return t.table
         return None
+
+
+def group_table_id(request_id: str, group: int) -> str:
+    """The name of a request's table in ``group`` > 0 where one pool lists every group's
+    tables (:meth:`GroupedSnapshot.engine_pool`)."""
+    return f"{request_id}@group{group}"
 
 
 def check_groups(s: GroupedSnapshot) -> list[Violation]:

@@ -15,7 +15,13 @@ from collections import defaultdict
 
 from refserve.spec.arith import full_blocks, max_cacheable_tokens
 from refserve.spec.hashing import block_key, chain_keys
-from refserve.spec.snapshot import PoolSnapshot, RequestStatus, StepSnapshot, TableSnapshot
+from refserve.spec.snapshot import (
+    NULL_BLOCK,
+    PoolSnapshot,
+    RequestStatus,
+    StepSnapshot,
+    TableSnapshot,
+)
 from refserve.spec.violation import Invariant, Violation, violation
 
 X = Invariant.PREFIX
@@ -30,7 +36,8 @@ def check_prefix(pool: PoolSnapshot) -> list[Violation]:
     holders: dict[int, list[tuple[TableSnapshot, int]]] = defaultdict(list)
     for t in pool.tables:
         for i, b in enumerate(t.block_table):
-            holders[b].append((t, i))
+            if b != NULL_BLOCK or not pool.null_entries:  # a null place holds no block
+                holders[b].append((t, i))
     seen_keys: set[bytes] = set()
     seen_blocks: set[int] = set()
     for e in pool.cache_entries:
@@ -117,7 +124,6 @@ def check_prefix_step(step: StepSnapshot, same_step_hits: bool = False) -> list[
     # It may then even be re-indexed under its old key if the new owner writes the same
     # tokens. A write into a cached block that the writer itself held (rewriting computed
     # KV) or that a holder still reads after the step is the violation.
-    after_ids = {t.request_id for t in step.after.pool.tables}
     holders: dict[int, list[str]] = defaultdict(list)
     for t in step.before.pool.tables:
         for b in t.block_table:
@@ -146,7 +152,9 @@ def check_prefix_step(step: StepSnapshot, same_step_hits: bool = False) -> list[
                     )
                 )
                 break
-            readers = [h for h in holders.get(b, ()) if h == s.request_id or h in after_ids]
+            # A holder that let go of the block in this step (a window group's table
+            # whose window moved past it) no longer reads it.
+            readers = [h for h in holders.get(b, ()) if h == s.request_id or h in holders_after[b]]
             if b in cached_before and readers:
                 out.append(
                     violation(

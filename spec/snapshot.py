@@ -66,6 +66,10 @@ class Transfer:
     request's own); its other blocks are the request's prefix hit."""
 
 
+#: A window group's table entry for a block that has left the window (spec/groups.py).
+NULL_BLOCK = -1
+
+
 @dataclass(frozen=True)
 class PoolSnapshot:
     """The paged KV pool: ``ref_cnt[b]`` per block, the free queue in hand-out order."""
@@ -88,6 +92,10 @@ class PoolSnapshot:
     as long as its holder keeps its blocks (for the recompute). No longer in flight, and
     what they copied is no K/V anyone may serve (spec/transfer.py); a holder may keep a
     failed load's blocks past its KV length, as slots reserved ahead (spec/pos.py)."""
+    null_entries: bool = False
+    """Tables may hold :data:`NULL_BLOCK` entries: a hybrid model's window groups keep
+    the places of blocks that left the window (spec/groups.py); such an entry holds no
+    block. Off, a null entry is a block id out of range like any other."""
 
     def table(self, request_id: str) -> TableSnapshot | None:
         for t in self.tables:

@@ -175,7 +175,7 @@ class RefGroupedKVAdapter:
         self.pool.free(request_id)
 
     def snapshot(self) -> GroupedSnapshot:
-        return self.pool.snapshot()
+        return self.pool.grouped_snapshot()
 
 
 def make_grouped() -> RefGroupedKVAdapter:

@@ -13,6 +13,7 @@ from enum import StrEnum
 from refserve.core.cost import StepCost
 from refserve.core.mlfq_settings import MlfqSettings
 from refserve.core.swap import PreemptionMode, RetentionPolicy, SwapCost
+from refserve.spec.groups import GroupKind, KVGroup
 
 __all__ = ["Admission", "MlfqSettings", "PolicyName", "SchedulerConfig"]
 from refserve.errors import InvalidArgument
@@ -94,6 +95,10 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     # The skip-join multi-level feedback queue's knobs (policy "mlfq"; ref/core/mlfq.py).
     mlfq: MlfqSettings = field(default_factory=MlfqSettings)
+    # The model's KV layer groups (spec/groups.py, docs/HYBRID_KV.md): () is one full
+    # attention group, the plain pool; a layout with window groups keeps a table per
+    # group over one shared pool (ref/kv/groups.py), its first group full attention.
+    kv_groups: tuple[KVGroup, ...] = ()
 
     @property
     def pool_options(self) -> dict[str, bool]:
@@ -180,10 +185,33 @@ class SchedulerConfig:
             raise InvalidArgument(
                 f"preemption_mode {self.preemption_mode.value!r} needs num_host_blocks > 0"
             )
+        self._check_groups()
         if self.preemption_mode is PreemptionMode.AUTO and self.swap_cost is None:
             raise InvalidArgument(
                 "preemption_mode 'auto' needs swap_cost (refserve.core.swap.SwapCost)"
             )
+
+    def _check_groups(self) -> None:
+        groups = self.kv_groups
+        if not isinstance(groups, tuple) or not all(isinstance(g, KVGroup) for g in groups):
+            raise InvalidArgument(f"kv_groups must be a tuple of KVGroup, got {groups!r}")
+        if groups and groups[0].kind is not GroupKind.FULL:
+            raise InvalidArgument(f"kv_groups[0] must be a full attention group, got {groups[0]!r}")
+        if len(groups) < 2:
+            return
+        # What keeps one table per request and does not yet carry every group's.
+        for name, on in (
+            ("num_host_blocks (swap to the host)", self.num_host_blocks > 0),
+            ("num_speculative_tokens (draft truncation)", self.num_speculative_tokens > 0),
+            ("policy mlfq (its block estimates)", self.policy is PolicyName.MLFQ),
+        ):
+            if on:
+                raise InvalidArgument(f"kv_groups with several groups does not support {name}")
+
+    @property
+    def grouped(self) -> bool:
+        """A layout of several layer groups: the pool keeps a table per group."""
+        return len(self.kv_groups) > 1
 
     @property
     def max_len(self) -> int:

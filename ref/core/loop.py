@@ -76,10 +76,13 @@ class SchedulerLoop:
         policy: Policy | None = None,
         *,
         batch: PersistentBatch | None = None,
+        pool: BlockPool | None = None,
     ) -> None:
         self.config = config
         self.policy = policy or make_policy(config)
-        self.pool = BlockPool(config.num_blocks, config.block_size, **config.pool_options)
+        if pool is None:
+            pool = BlockPool(config.num_blocks, config.block_size, **config.pool_options)
+        self.pool = pool
         self.requests: dict[str, Request] = {}  # live: not finished, not aborted
         # Admission order (the policy's), kept incrementally: a step reads only the head
         # it admits from (ref/core/waiting.py). Preempted requests keep their arrival place.

@@ -8,6 +8,8 @@ the loop first, then whichever attachment they need.
   :meth:`Scheduler.propose`;
 - n > 1 forks: ref/core/forks.py, with :meth:`Scheduler.fork`;
 - the bulk decode path: ref/core/bulk.py (the decode strategy);
+- a hybrid model's layer groups (``config.kv_groups``): ref/kv/groups.py, the pool the
+  loop is given;
 - the skip-join multi-level feedback queue (``policy="mlfq"``): ref/core/mlfq.py, a policy
   object that also displaces running requests at the named point ``Policy.displace``;
 - migration: ref/core/transit.py, through the loop's transfer point (``require_boundary``,
@@ -32,6 +34,7 @@ from refserve.core.suspend import Suspension
 from refserve.core.swap import KVRetention
 from refserve.errors import UnknownRequest
 from refserve.kv import HostPool
+from refserve.kv.groups import GroupedPool
 
 __all__ = ["Scheduler", "StepInProgress"]
 
@@ -43,16 +46,23 @@ class Scheduler(SchedulerLoop):
         self._bulk = BulkBatch(config.block_size, config.max_len)
         if policy is None and config.policy is PolicyName.MLFQ:
             policy = SkipJoinMlfq(config)
-        super().__init__(config, policy, batch=self._bulk)
+        # A layout of several layer groups keeps a table per group (ref/kv/groups.py).
+        pool = (
+            GroupedPool(
+                config.num_blocks, config.block_size, config.kv_groups, **config.pool_options
+            )
+            if config.grouped
+            else None
+        )
+        super().__init__(config, policy, batch=self._bulk, pool=pool)
         # The host-side pool that swapped and paused KV waits in (ref/kv/host_pool.py).
         self.host = HostPool(config.num_host_blocks, config.block_size)
         self._suspension = Suspension(config, self.pool, self.host)  # swaps and tool waits
         self._proposals = Proposals(config.num_speculative_tokens, self.pool, config.max_len)
-        self.plug(
-            suspension=self._suspension,
-            proposals=self._proposals,
-            decodes=BulkDecodes(self._bulk, self.pool, config.max_len),
-        )
+        # The bulk decode path grows one table per request: a grouped pool's decodes take
+        # the reference path, one allocation (every group's) each.
+        decodes = None if config.grouped else BulkDecodes(self._bulk, self.pool, config.max_len)
+        self.plug(suspension=self._suspension, proposals=self._proposals, decodes=decodes)
 
     @property
     def batch(self) -> BulkBatch:

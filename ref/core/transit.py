@@ -279,6 +279,12 @@ class Import:
             self.arrivals.append(arrival)
             return arrival
         pool = sched.pool
+        if sched.config.grouped:
+            # The K/V that travels is one table's slots; a window group's would not.
+            raise MigrationRefused(
+                f"import: request {rid!r} brings K/V, and a grouped pool (several layer "
+                "groups) takes a migrated request by recompute only"
+            )
         hit = pool.lookup(state.token_ids[:n], state.namespace)
         try:
             pool.allocate(

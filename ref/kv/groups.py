@@ -49,10 +49,18 @@ from refserve.errors import ExceedsCapacity, InvalidArgument, OutOfBlocks, Unkno
 from refserve.kv.pool import Allocation, BlockPool, require_int
 from refserve.kv.prefix_index import PrefixHit
 from refserve.kv.tables import BlockTable
-from refserve.spec.arith import blocks_needed, full_blocks, logical_block, max_cacheable_tokens
-from refserve.spec.groups import NULL_BLOCK, GroupedSnapshot, GroupKind, GroupTable, KVGroup
+from refserve.spec.arith import full_blocks, logical_block, max_cacheable_tokens
+from refserve.spec.groups import (
+    NULL_BLOCK,
+    GroupedSnapshot,
+    GroupKind,
+    GroupTable,
+    KVGroup,
+    layout_blocks,
+)
 from refserve.spec.groups import window_start as spec_window_start
 from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace, block_key
+from refserve.spec.snapshot import PoolSnapshot
 
 __all__ = ["GroupAllocations", "GroupedHit", "GroupedPool", "group_namespace"]
 
@@ -66,21 +74,28 @@ def group_namespace(namespace: Namespace, group: int) -> Namespace:
 
 
 @dataclass(frozen=True)
-class GroupedHit:
+class GroupedHit(PrefixHit):
     """A prefix hit of ``num_tokens`` tokens taken in every group: ``hits[g]`` is group
-    ``g``'s (a window group's skips the blocks before its window)."""
+    ``g``'s (a window group's skips the blocks before its window). Its own fields are
+    the first (full) group's, so the scheduler reads it as that group's hit."""
 
-    num_tokens: int
-    hits: tuple[PrefixHit, ...]
+    hits: tuple[PrefixHit, ...] = ()
+
+    @classmethod
+    def of(cls, hits: Sequence[PrefixHit]) -> GroupedHit:
+        """The grouped hit of each group's ``hits`` (the first group's fields its own)."""
+        if not hits:
+            raise InvalidArgument("a grouped prefix hit needs one hit per group, got none")
+        f = hits[0]
+        return cls(f.root_key, f.block_ids, f.keys, f.block_size, f.num_skipped, tuple(hits))
 
 
 @dataclass(frozen=True)
-class GroupAllocations:
-    """What :meth:`GroupedPool.allocate` did: each group's allocation, in group order."""
+class GroupAllocations(Allocation):
+    """What :meth:`GroupedPool.allocate` did: the first group's allocation, with every
+    group's copy-on-write copies, and each group's allocation in ``groups``."""
 
-    request_id: str
-    num_cached_tokens: int
-    groups: tuple[Allocation, ...]
+    groups: tuple[Allocation, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,8 +108,12 @@ class _Chain:
     block_ids: tuple[int | None, ...]
 
 
-class GroupedPool:
-    """``num_blocks`` blocks of ``block_size`` slots shared by the layer ``groups``."""
+class GroupedPool(BlockPool):
+    """``num_blocks`` blocks of ``block_size`` slots shared by the layer ``groups``.
+
+    It is the first group's pool (a full group): a scheduler that reads one table per
+    request reads that group's, and its allocation, lookup and free act on every group.
+    """
 
     def __init__(
         self,
@@ -103,14 +122,18 @@ class GroupedPool:
         groups: Sequence[KVGroup],
         *,
         enable_prefix_caching: bool = True,
+        cache_events: bool = False,
     ) -> None:
-        self.groups = _checked_groups(groups)
-        first = BlockPool(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
-        self._pools = (first, *(first.sharing() for _ in self.groups[1:]))
-        self._windows = tuple(g.window for g in self.groups)  # 0: full attention
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        checked = _checked_groups(groups)
+        super().__init__(
+            num_blocks,
+            block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            cache_events=cache_events,
+        )
+        self.groups = checked
+        self._pools: tuple[BlockPool, ...] = (self, *(self.sharing() for _ in checked[1:]))
+        self._windows = tuple(g.window for g in checked)  # 0: full attention
         # Namespace.root_key() hashes; nearly every request has the default namespace.
         self._default = tuple(group_namespace(DEFAULT_NAMESPACE, g) for g in range(len(groups)))
 
@@ -121,16 +144,13 @@ class GroupedPool:
         one alone (the groups of a request would disagree)."""
         return self._pools
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self._pools[0].num_free_blocks
-
-    def has_request(self, request_id: str) -> bool:
-        return self._pools[0].has_request(request_id)
-
     def block_tables(self, request_id: str) -> tuple[tuple[int, ...], ...]:
         """The request's table in each group (a window's null places included)."""
-        return tuple(p.block_table(request_id) for p in self._pools)
+        return tuple(BlockPool.block_table(p, request_id) for p in self._pools)
+
+    def group_table_views(self, group: int, request_ids: Sequence[str]) -> list[Sequence[int]]:
+        """Live tables of several requests in ``group`` (read-only by convention)."""
+        return BlockPool.block_table_views(self._pools[group], request_ids)
 
     def first_read_block(self, group: int, num_tokens: int) -> int:
         """The first logical block the query at ``num_tokens`` reads in ``group``: 0 with
@@ -149,9 +169,9 @@ class GroupedPool:
     def lookup(
         self,
         token_ids: Sequence[int],
+        namespace: Namespace = DEFAULT_NAMESPACE,
         *,
         max_tokens: int | None = None,
-        namespace: Namespace = DEFAULT_NAMESPACE,
     ) -> GroupedHit:
         """The longest prefix of whole blocks, at most ``max_tokens`` and never the last
         token, that every group can serve: all its blocks in a full group, those its
@@ -168,7 +188,7 @@ class GroupedPool:
         found: list[PrefixHit | _Chain | None] = [None] * len(self._pools)
         for g, pool in enumerate(self._pools):
             if not self._windows[g]:  # a full group's hit ends at its first miss
-                full = found[g] = pool.lookup(token_ids[: k * bs + 1], spaces[g])
+                full = found[g] = BlockPool.lookup(pool, token_ids[: k * bs + 1], spaces[g])
                 k = min(k, len(full.block_ids))
         for g, pool in enumerate(self._pools):
             if self._windows[g]:  # read past misses, as far as every full group goes
@@ -179,7 +199,7 @@ class GroupedPool:
     def _hit(self, found: Sequence[PrefixHit | _Chain | None], m: int) -> GroupedHit:
         """Each group's hit of ``m`` blocks from what :meth:`lookup` found."""
         bs = self.block_size
-        hits = []
+        hits: list[PrefixHit] = []
         for g, f in enumerate(found):
             assert f is not None, "lookup found every group's chain"
             if isinstance(f, PrefixHit):
@@ -188,7 +208,7 @@ class GroupedPool:
                 skip = self.first_read_block(g, m * bs)
                 held = tuple(b for b in f.block_ids[skip:m] if b is not None)
                 hits.append(PrefixHit(f.root_key, held, f.keys[:m], bs, skip))
-        return GroupedHit(m * bs, tuple(hits))
+        return GroupedHit.of(hits)
 
     def _complete(self, found: Sequence[PrefixHit | _Chain | None], m: int) -> bool:
         """Every window group has the blocks its query at ``m`` blocks reads cached (a
@@ -201,19 +221,9 @@ class GroupedPool:
         )
 
     # ------------------------------------------------------------ transactions
-    @property
-    def in_transaction(self) -> bool:
-        return self._pools[0].in_transaction
-
-    def begin(self) -> None:
-        """Open a transaction over every group; :meth:`rollback` returns to this point."""
-        self._pools[0].begin()
-
-    def commit(self) -> None:
-        self._pools[0].commit()
-
+    # One journal records every group's changes: the pool's begin and commit span them.
     def rollback(self) -> None:
-        self._pools[0].rollback()  # the one journal: every group's changes
+        super().rollback()
         for pool in self._pools[1:]:
             pool.tables.mark_all_changed()
 
@@ -224,29 +234,40 @@ class GroupedPool:
         token_ids: Sequence[int],
         num_new_tokens: int,
         *,
-        hit: GroupedHit | None = None,
+        hit: PrefixHit | None = None,
         namespace: Namespace = DEFAULT_NAMESPACE,
     ) -> GroupAllocations:
         """Reserve positions ``[L, L + num_new_tokens)`` in every group (``L``: the KV
         length, or a new request's ``hit``), after each window group released the
         request's blocks wholly before its window. All or nothing (the module doc)."""
+        hit = _grouped(hit, request_id)
         spaces = self._group_namespaces(namespace)
-        start = self._check_allocate(request_id, token_ids, num_new_tokens, hit, spaces)
+        start = self._check_groups(request_id, token_ids, num_new_tokens, hit, spaces)
         hits = hit.hits if hit is not None else (None,) * len(self._pools)
         opened = not self.in_transaction
         if opened:
             self.begin()
         try:
-            done = self._allocate(request_id, token_ids, num_new_tokens, hits, spaces, start)
+            done = self._allocate_groups(request_id, token_ids, num_new_tokens, hits, spaces, start)
         except BaseException:
             if opened:
                 self.rollback()
             raise
         if opened:
             self.commit()
-        return GroupAllocations(request_id, hit.num_tokens if hit is not None else 0, done)
+        first = done[0]
+        copies = tuple(c for a in done for c in a.copies)
+        return GroupAllocations(
+            request_id,
+            first.start_position,
+            first.num_new_tokens,
+            first.num_cached_tokens,
+            first.new_block_ids,
+            copies,
+            done,
+        )
 
-    def _allocate(
+    def _allocate_groups(
         self,
         request_id: str,
         token_ids: Sequence[int],
@@ -264,15 +285,19 @@ class GroupedPool:
         pinned = [b for h in hits if h is not None for b in h.block_ids]
         for b in pinned:  # no group's new block may evict another group's hit
             allocator.hold(b)
+        # The first group is this pool: its own allocation is the plain pool's.
+        own = super().allocate
         done = tuple(
-            p.allocate(request_id, token_ids, num_new_tokens, hit=h, namespace=ns)
+            (own if p is self else p.allocate)(
+                request_id, token_ids, num_new_tokens, hit=h, namespace=ns
+            )
             for p, h, ns in zip(pools, hits, spaces, strict=True)
         )
         if pinned:
             allocator.release(pinned)
         return done
 
-    def _check_allocate(
+    def _check_groups(
         self,
         request_id: str,
         token_ids: Sequence[int],
@@ -300,20 +325,50 @@ class GroupedPool:
                 f"{len(token_ids)} token ids are known"
             )
         # What every group holds after the call (window groups: from their window on).
-        groups = range(len(self._pools))
-        bs = self.block_size
-        held = sum(blocks_needed(end, bs) - self.first_read_block(g, start) for g in groups)
+        held = layout_blocks(self.groups, start, num_new_tokens, self.block_size)
         if held > self.num_blocks:
             raise ExceedsCapacity(request_id, held, self.num_blocks)
-        hits = hit.hits if hit is not None else (None,) * len(self._pools)
-        needed = sum(
-            p.blocks_to_allocate(request_id, num_new_tokens, h)
-            for p, h in zip(self._pools, hits, strict=True)
-        )
-        room = self.num_free_blocks + (self._freed_by_release(request_id, start) if known else 0)
+        needed, freed = self._needs(request_id, num_new_tokens, hit)
+        room = self.num_free_blocks + freed
         if needed > room:
             raise OutOfBlocks(request_id, needed, room)
         return start
+
+    def blocks_to_allocate(
+        self, request_id: str, num_new_tokens: int, hit: PrefixHit | None = None
+    ) -> int:
+        """Free blocks :meth:`allocate` would consume in all: each group's new,
+        copy-on-write and revived blocks, less the blocks the window release before it
+        returns (negative when the release returns more)."""
+        needed, freed = self._needs(request_id, num_new_tokens, _grouped(hit, request_id))
+        return needed - freed
+
+    def _needs(
+        self, request_id: str, num_new_tokens: int, hit: GroupedHit | None
+    ) -> tuple[int, int]:
+        """The free blocks every group's allocation takes, and those the window release
+        before it returns."""
+        hits = hit.hits if hit is not None else (None,) * len(self._pools)
+        needed = sum(
+            BlockPool.blocks_to_allocate(p, request_id, num_new_tokens, h)
+            for p, h in zip(self._pools, hits, strict=True)
+        )
+        table = self.tables.get(request_id)
+        if table is None:
+            return needed, 0
+        return needed, self._freed_by_release(request_id, table.num_stored)
+
+    def can_allocate(
+        self, request_id: str, num_new_tokens: int, hit: PrefixHit | None = None
+    ) -> bool:
+        """:meth:`allocate` would succeed now: the blocks are free and the groups hold
+        no more than the pool after it."""
+        table = self.tables.get(request_id)
+        start = table.num_stored if table is not None else (hit.num_tokens if hit else 0)
+        held = layout_blocks(self.groups, start, num_new_tokens, self.block_size)
+        if held > self.num_blocks:
+            return False
+        return self.blocks_to_allocate(request_id, num_new_tokens, hit) <= self.num_free_blocks
 
     def _check_hit(
         self,
@@ -373,7 +428,7 @@ class GroupedPool:
             self.begin()
         try:
             for pool in self._pools:
-                pool.free(request_id)
+                BlockPool.free(pool, request_id)
         except BaseException:
             if opened:
                 self.rollback()
@@ -382,10 +437,15 @@ class GroupedPool:
             self.commit()
 
     # ---------------------------------------------------------------- snapshot
-    def snapshot(self) -> GroupedSnapshot:
+    def snapshot(self) -> PoolSnapshot:
+        """The pool as an engine's step checks see it: every group's tables in one pool
+        (:meth:`refserve.spec.groups.GroupedSnapshot.engine_pool`)."""
+        return self.grouped_snapshot().engine_pool()
+
+    def grouped_snapshot(self) -> GroupedSnapshot:
         """The groups as spec sees them (refserve.spec.groups.check_groups): the shared
         pool (its own ``tables`` empty) and each group's tables."""
-        snaps = [p.snapshot() for p in self._pools]
+        snaps = [BlockPool.snapshot(p) for p in self._pools]
         tables = tuple(GroupTable(g, t) for g, s in enumerate(snaps) for t in s.tables)
         return GroupedSnapshot(self.groups, replace(snaps[0], tables=()), tables)
 
@@ -437,6 +497,16 @@ def _restore(table: BlockTable, start: int, old: list[int]) -> None:
     table.block_table[start : start + len(old)] = old
 
 
+def _grouped(hit: PrefixHit | None, request_id: str) -> GroupedHit | None:
+    """A hit given to the grouped pool is one of its own lookups (every group's)."""
+    if hit is None or isinstance(hit, GroupedHit):
+        return hit
+    raise InvalidArgument(
+        f"allocate: prefix hit for {request_id!r} is one group's; a grouped pool takes "
+        "the GroupedHit of its own lookup"
+    )
+
+
 def _checked_groups(groups: Sequence[KVGroup]) -> tuple[KVGroup, ...]:
     """The layout as a tuple, or :class:`InvalidArgument` naming what is wrong."""
     out = tuple(groups)
@@ -451,4 +521,8 @@ def _checked_groups(groups: Sequence[KVGroup]) -> tuple[KVGroup, ...]:
             )
         if g.kind is GroupKind.FULL and g.window:
             raise InvalidArgument(f"groups[{i}]: a full group has no window, got {g.window!r}")
+    if out[0].kind is not GroupKind.FULL:
+        raise InvalidArgument(
+            f"groups[0] must be a full group (the table a scheduler reads), got {out[0]!r}"
+        )
     return out

@@ -105,6 +105,7 @@ class BlockPool:
         journal (a hybrid model's layer groups, ref/kv/groups.py): a block reused by one
         loses its cache entry for all (PREFIX), one transaction spans all (ATOMIC)."""
         pool = copy(self)  # the same parts and settings
+        pool.__class__ = BlockPool  # a plain pool, whatever this one's class
         pool._tables = BlockTables(self._journal)
         return pool
 
@@ -341,7 +342,8 @@ class BlockPool:
         total = blocks_needed(end, self.block_size)
         if total > self.num_blocks and total - _num_null(table, hit) > self.num_blocks:
             raise ExceedsCapacity(request_id, total - _num_null(table, hit), self.num_blocks)
-        needed = self.blocks_to_allocate(request_id, num_new_tokens, hit)
+        # This pool's own count: a subclass's (ref/kv/groups.py) spans its groups.
+        needed = BlockPool.blocks_to_allocate(self, request_id, num_new_tokens, hit)
         if needed > self._blocks.num_free:
             raise OutOfBlocks(request_id, needed, self._blocks.num_free)
         return start, total, _taken(token_ids, start, end)

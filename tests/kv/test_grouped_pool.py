@@ -37,7 +37,7 @@ def tokens(n: int, base: int = 0) -> list[int]:
 
 
 def valid(pool: GroupedPool, rid: str = "", before: int = 0, cached: int = 0) -> None:
-    s = pool.snapshot()
+    s = pool.grouped_snapshot()
     found = check_groups(s) + (check_window_held(s, rid, before, cached) if rid else [])
     assert found == [], found
 
@@ -81,7 +81,7 @@ def test_free_skips_a_window_tables_null_places() -> None:
     pool.allocate("a", tokens(13), 1)  # L = 12: window_start 7, block 0 leaves
     assert window_table(pool, "a")[0] == NULL_BLOCK
     pool.free("a")
-    snap = pool.snapshot()
+    snap = pool.grouped_snapshot()
     assert snap.tables == () and sorted(snap.pool.free_queue) == list(range(8))
     assert set(snap.pool.ref_cnt) == {0}
 
@@ -118,19 +118,19 @@ def test_a_hit_missing_a_window_block_is_refused_and_a_shorter_one_taken() -> No
     pool.allocate("a", known, 20)
     pool.allocate("a", known, 4)  # L = 20: window blocks 0..2 leave (cached, free)
     assert window_table(pool, "a")[:3] == (NULL_BLOCK,) * 3
-    released = pool.snapshot().pool.free_queue
+    released = pool.grouped_snapshot().pool.free_queue
     other = [*known[:12], 500]
     before = pool.lookup(other)
     assert before.num_tokens == 12  # full blocks 0..2 (held by a), window blocks 1, 2
     # A new request takes the two oldest free blocks, the window group's released blocks
     # 2 and 1 (released last first): their entries go; freeing it leaves them evicted.
     pool.allocate("c", [1000], 1)
-    assert set(released) - set(pool.snapshot().pool.free_queue) == set(released[:2])
+    assert set(released) - set(pool.grouped_snapshot().pool.free_queue) == set(released[:2])
     pool.free("c")
-    snap = pool.snapshot()
+    snap = pool.grouped_snapshot()
     with pytest.raises(InvalidArgument, match="stale"):
         pool.allocate("b", other, 1, hit=before)
-    assert pool.snapshot() == snap
+    assert pool.grouped_snapshot() == snap
     after = pool.lookup(other)
     assert after.num_tokens == 4, after  # window block 0 still cached: the query at 4 reads it
     for g, h in enumerate(after.hits):
@@ -168,21 +168,21 @@ def test_an_allocation_that_does_not_fit_changes_no_group() -> None:
     pool = GroupedPool(8, BS, (FULL, WIN))
     pool.allocate("a", tokens(12), 12)  # 3 + 3 blocks
     pool.allocate("b", [7], 1)  # 1 + 1: the pool is full
-    snap = pool.snapshot()
+    snap = pool.grouped_snapshot()
     # a at L = 12: the window releases block 0 (1 block) but both groups need a new one.
     with pytest.raises(OutOfBlocks) as e:
         pool.allocate("a", tokens(13), 1)
     assert e.value.needed == 2 and e.value.free == 1
-    assert pool.snapshot() == snap  # the window release did not happen either
+    assert pool.grouped_snapshot() == snap  # the window release did not happen either
     with pytest.raises(ExceedsCapacity):
         pool.allocate("z", tokens(20), 20)  # 5 + 5 blocks at once, never
-    assert pool.snapshot() == snap
+    assert pool.grouped_snapshot() == snap
 
 
 def test_a_fault_in_one_group_undoes_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
     pool = GroupedPool(16, BS, (FULL, WIN))
     pool.allocate("a", tokens(12), 12)
-    snap = pool.snapshot()
+    snap = pool.grouped_snapshot()
 
     def boom(*args: object, **kwargs: object) -> None:
         raise RuntimeError("group 1 fails")
@@ -190,7 +190,7 @@ def test_a_fault_in_one_group_undoes_the_others(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(pool.pools[1], "allocate", boom)
     with pytest.raises(RuntimeError, match="group 1 fails"):
         pool.allocate("a", tokens(16), 4)  # group 1 released block 0, group 0 grew
-    assert pool.snapshot() == snap
+    assert pool.grouped_snapshot() == snap
     monkeypatch.undo()
     pool.allocate("a", tokens(16), 4)
     valid(pool, "a", 12)
@@ -199,19 +199,19 @@ def test_a_fault_in_one_group_undoes_the_others(monkeypatch: pytest.MonkeyPatch)
 def test_rollback_undoes_every_group_and_commit_keeps_them() -> None:
     pool = GroupedPool(16, BS, (FULL, WIN, KVGroup(GroupKind.WINDOW, 3)))
     pool.allocate("a", tokens(16), 12)
-    snap = pool.snapshot()
+    snap = pool.grouped_snapshot()
     pool.begin()
     pool.allocate("a", tokens(16), 4)
     pool.allocate("b", tokens(8, 100), 8)
     pool.free("a")
     assert pool.in_transaction
     pool.rollback()
-    assert not pool.in_transaction and pool.snapshot() == snap
+    assert not pool.in_transaction and pool.grouped_snapshot() == snap
     pool.begin()
     pool.allocate("a", tokens(16), 4)
     pool.commit()
     valid(pool, "a", 12)
-    assert pool.snapshot() != snap
+    assert pool.grouped_snapshot() != snap
 
 
 # ----------------------------------------------------------------- bad input
@@ -237,7 +237,7 @@ def test_a_window_below_one_is_named() -> None:
 def test_bad_calls_are_named_and_change_nothing() -> None:
     pool = GroupedPool(8, BS, (FULL, WIN))
     pool.allocate("a", tokens(8), 8)
-    snap = pool.snapshot()
+    snap = pool.grouped_snapshot()
     with pytest.raises(UnknownRequest, match="'nobody'"):
         pool.free("nobody")
     with pytest.raises(InvalidArgument, match="num_new_tokens must be >= 1, got 0"):
@@ -250,13 +250,11 @@ def test_bad_calls_are_named_and_change_nothing() -> None:
     with pytest.raises(InvalidArgument, match="already holds blocks"):
         pool.allocate("a", tokens(9), 1, hit=hit)
     with pytest.raises(InvalidArgument, match="has 1 groups, the pool 2"):
-        pool.allocate("b", tokens(9), 1, hit=GroupedHit(hit.num_tokens, hit.hits[:1]))
-    lopsided = GroupedHit(
-        hit.num_tokens, (hit.hits[0], PrefixHit(hit.hits[1].root_key, (), (), BS))
-    )
+        pool.allocate("b", tokens(9), 1, hit=GroupedHit.of(hit.hits[:1]))
+    lopsided = GroupedHit.of((hit.hits[0], PrefixHit(hit.hits[1].root_key, (), (), BS)))
     with pytest.raises(InvalidArgument, match="different lengths"):
         pool.allocate("b", tokens(9), 1, hit=lopsided)
-    assert pool.snapshot() == snap
+    assert pool.grouped_snapshot() == snap
 
 
 def test_a_hit_may_skip_only_what_its_group_does_not_read() -> None:
@@ -269,13 +267,13 @@ def test_a_hit_may_skip_only_what_its_group_does_not_read() -> None:
     assert hit.num_tokens == 12 and win.num_skipped == 1  # the query at 12 reads from 7
     skipping = PrefixHit(full.root_key, full.block_ids[1:], full.keys, BS, 1)
     with pytest.raises(InvalidArgument, match="skips 1 blocks in group 0"):
-        pool.allocate("b", known, 1, hit=GroupedHit(12, (skipping, win)))
+        pool.allocate("b", known, 1, hit=GroupedHit.of((skipping, win)))
     too_far = PrefixHit(win.root_key, win.block_ids[1:], win.keys, BS, 2)
     with pytest.raises(InvalidArgument, match="skips 2 blocks in group 1"):
-        pool.allocate("b", known, 1, hit=GroupedHit(12, (full, too_far)))
+        pool.allocate("b", known, 1, hit=GroupedHit.of((full, too_far)))
     forged = PrefixHit(win.root_key, win.block_ids, (b"x" * 32, *win.keys[1:]), BS, 1)
     with pytest.raises(InvalidArgument, match="group 1's skipped blocks"):
-        pool.allocate("b", known, 1, hit=GroupedHit(12, (full, forged)))
+        pool.allocate("b", known, 1, hit=GroupedHit.of((full, forged)))
     assert not pool.has_request("b")
     pool.allocate("b", known, 1, hit=hit)
     valid(pool, "b", 12, 12)
