@@ -56,7 +56,9 @@ __all__ = [
     "group_blocks",
     "group_table_id",
     "layout_blocks",
+    "layout_peak",
     "peak_blocks",
+    "whole_layout_blocks",
     "window_start",
 ]
 
@@ -71,23 +73,37 @@ PREFIX_COMPLETE = "prefix-complete"
 class GroupKind(StrEnum):
     FULL = "full"
     WINDOW = "window"
+    COMPRESSED = "compressed"
 
 
 @dataclass(frozen=True)
 class KVGroup:
-    """One kind of layer: ``full``, or ``window`` of ``window`` tokens (a query at ``p``
-    reads keys ``p - window < k <= p``)."""
+    """One kind of layer: ``full``; ``window`` of ``window`` tokens (a query at ``p``
+    reads keys ``p - window < k <= p``); or ``compressed`` at ``ratio``: one K/V entry
+    per ``ratio`` tokens, every entry kept (a block holds ``block_size`` entries, so
+    ``block_size * ratio`` tokens). A compressed layer that also reads its last tokens
+    raw keeps them in a window group of its own beside it in the layout."""
 
     kind: GroupKind
     window: int = 0
+    ratio: int = 1
 
     def __post_init__(self) -> None:
         kind = GroupKind(self.kind)
         object.__setattr__(self, "kind", kind)
         if kind is GroupKind.WINDOW and not (type(self.window) is int and self.window >= 1):
             raise ValueError(f"a window group needs a window >= 1, got {self.window!r}")
-        if kind is GroupKind.FULL and self.window:
-            raise ValueError(f"a full group has no window, got {self.window!r}")
+        if kind is not GroupKind.WINDOW and self.window:
+            raise ValueError(f"a {kind} group has no window, got {self.window!r}")
+        if kind is GroupKind.COMPRESSED:
+            if not (type(self.ratio) is int and self.ratio >= 2):
+                raise ValueError(f"a compressed group needs a ratio >= 2, got {self.ratio!r}")
+        elif self.ratio != 1:
+            raise ValueError(f"only a compressed group has a ratio, got {self.ratio!r}")
+
+    def tokens_per_block(self, block_size: int) -> int:
+        """The tokens one of this group's blocks covers."""
+        return block_size * self.ratio
 
 
 def window_start(num_tokens: int, window: int) -> int:
@@ -105,10 +121,11 @@ def window_start(num_tokens: int, window: int) -> int:
 def group_blocks(group: KVGroup, num_stored: int, num_new: int, block_size: int) -> int:
     """The blocks a request holds in ``group`` while it computes positions
     ``[num_stored, num_stored + num_new)``: every block up to the last position in a full
-    group; in a window group, those from the block holding ``window_start(num_stored, W)``.
+    group (a compressed group's blocks cover ``ratio`` times the tokens); in a window
+    group, those from the block holding ``window_start(num_stored, W)``.
     """
-    end = blocks_needed(num_stored + num_new, block_size)
-    if group.kind is GroupKind.FULL:
+    end = blocks_needed(num_stored + num_new, group.tokens_per_block(block_size))
+    if group.kind is not GroupKind.WINDOW:
         return end
     return end - window_start(num_stored, group.window) // block_size
 
@@ -126,14 +143,40 @@ def peak_blocks(groups: Sequence[KVGroup], num_tokens: int, block_size: int) -> 
     :func:`layout_blocks` over the positions ``L < num_tokens`` it computes.
 
     A window group's count is periodic in ``L`` with period ``block_size`` once the
-    window has filled, so the positions of the last two periods (and, for a short
-    request, all of them) are enough.
+    window has filled, and the full and compressed groups' counts never fall, so the
+    positions of the last two periods of the widest block (and, for a short request,
+    all of them) are enough.
     """
     assert num_tokens >= 1 and block_size >= 1, (num_tokens, block_size)
     windows = [g.window for g in groups if g.kind is GroupKind.WINDOW]
-    reach = max(windows, default=0) + 2 * block_size
+    reach = max(windows, default=0) + 2 * max(g.tokens_per_block(block_size) for g in groups)
     first = max(0, num_tokens - reach)
     return max(layout_blocks(groups, n, 1, block_size) for n in range(first, num_tokens))
+
+
+def layout_peak(groups: Sequence[KVGroup], num_tokens: int, block_size: int) -> int:
+    """:func:`peak_blocks` of a scheduler's layout, ``()`` being the plain pool's one
+    full group (a block per ``block_size`` tokens)."""
+    if not groups or num_tokens < 1:
+        return blocks_needed(num_tokens, block_size)
+    return peak_blocks(groups, num_tokens, block_size)
+
+
+def whole_layout_blocks(
+    groups: Sequence[KVGroup],
+    first: int,
+    cached: int,
+    num_new: int,
+    num_total: int,
+    block_size: int,
+) -> int:
+    """The free blocks to find before admitting a request whose whole ``num_total``
+    tokens must fit (the plain pool's ``whole_request_blocks`` over layer groups), when
+    its first chunk of ``num_new`` tokens after a hit of ``cached`` tokens asks ``first``
+    of the pool: on top of ``first``, what takes it from the blocks it holds after that
+    chunk to its peak."""
+    after_first = layout_blocks(groups, cached, num_new, block_size)
+    return max(first, first + peak_blocks(groups, max(1, num_total), block_size) - after_first)
 
 
 @dataclass(frozen=True)
@@ -172,13 +215,20 @@ class GroupedSnapshot:
         their requests' ids (the table the scheduler and the executor's positions
         follow), every other group's as :func:`group_table_id`, null entries kept
         (``null_entries``), so BLOCK counts every holder and POS every table's length."""
-        tables = tuple(
-            t.table
-            if t.group == 0
-            else replace(t.table, request_id=group_table_id(t.table.request_id, t.group))
-            for t in self.tables
-        )
+        tables = tuple(t.table if t.group == 0 else self._engine_table(t) for t in self.tables)
         return replace(self.pool, tables=tables, null_entries=True)
+
+    def _engine_table(self, t: GroupTable) -> TableSnapshot:
+        """A table of group > 0 under :func:`group_table_id`; a compressed group's in its
+        own positions (one per ``ratio`` tokens, each standing for its first token), so a
+        block covers ``block_size`` of them as in every other table of the pool."""
+        table = replace(t.table, request_id=group_table_id(t.table.request_id, t.group))
+        ratio = self.groups[t.group].ratio if 0 <= t.group < len(self.groups) else 1
+        if ratio == 1:
+            return table
+        return replace(
+            table, num_stored=-(-table.num_stored // ratio), token_ids=table.token_ids[::ratio]
+        )
 
     def table(self, request_id: str, group: int) -> TableSnapshot | None:
         for t in self.tables:
@@ -206,12 +256,13 @@ def check_groups(s: GroupedSnapshot) -> list[Violation]:
                           GROUP_TABLES))  # fmt: skip
             continue
         where.setdefault(t.request_id, {})[gt.group] = t
-        need = blocks_needed(t.num_stored, bs)
+        need = blocks_needed(t.num_stored, s.groups[gt.group].tokens_per_block(bs))
         if len(t.block_table) != need:
             out.append(_v(Invariant.POS, t.request_id, f"group {gt.group}'s table does not "
                           "cover the KV length exactly", need, len(t.block_table), ""))  # fmt: skip
-        if s.groups[gt.group].kind is GroupKind.FULL and NULL_BLOCK in t.block_table:
-            out.append(_v(Invariant.BLOCK, t.request_id, f"full group {gt.group} lost "
+        kind = s.groups[gt.group].kind
+        if kind is not GroupKind.WINDOW and NULL_BLOCK in t.block_table:
+            out.append(_v(Invariant.BLOCK, t.request_id, f"{kind} group {gt.group} lost "
                           "blocks (null entries)", "none", t.block_table.count(NULL_BLOCK),
                           FULL_NULL))  # fmt: skip
     for rid, by_group in sorted(where.items()):
