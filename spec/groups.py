@@ -57,6 +57,8 @@ __all__ = [
     "group_table_id",
     "layout_blocks",
     "layout_peak",
+    "layout_text",
+    "parse_layout",
     "peak_blocks",
     "whole_layout_blocks",
     "window_start",
@@ -106,6 +108,41 @@ class KVGroup:
         return block_size * self.ratio
 
 
+def parse_layout(text: str) -> tuple[KVGroup, ...]:
+    """``"full,window:4096,compressed:4"`` as groups (:func:`layout_text`'s inverse), or
+    :class:`ValueError` naming the part that is not ``full``, ``window:W`` or
+    ``compressed:R``."""
+    groups: list[KVGroup] = []
+    for i, part in enumerate(text.split(",")):
+        kind, _, size = part.strip().partition(":")
+        try:
+            if kind == GroupKind.FULL and not size:
+                groups.append(KVGroup(GroupKind.FULL))
+            elif kind == GroupKind.WINDOW and size.isdecimal():
+                groups.append(KVGroup(GroupKind.WINDOW, window=int(size)))
+            elif kind == GroupKind.COMPRESSED and size.isdecimal():
+                groups.append(KVGroup(GroupKind.COMPRESSED, ratio=int(size)))
+            else:
+                raise ValueError("not full, window:W or compressed:R")
+        except ValueError as e:
+            raise ValueError(f"layout part {i + 1} ({part.strip()!r}): {e}") from None
+    return tuple(groups)
+
+
+def layout_text(groups: Sequence[KVGroup]) -> str:
+    """A layout as :func:`parse_layout` reads it (``"full"`` for the plain pool's)."""
+    if not groups:
+        return "full"
+    return ",".join(
+        f"{g.kind}:{g.window}"
+        if g.kind is GroupKind.WINDOW
+        else f"{g.kind}:{g.ratio}"
+        if g.kind is GroupKind.COMPRESSED
+        else str(g.kind)
+        for g in groups
+    )
+
+
 def window_start(num_tokens: int, window: int) -> int:
     """The first position the query at ``num_tokens`` reads in a window of ``window``.
 
@@ -142,15 +179,13 @@ def peak_blocks(groups: Sequence[KVGroup], num_tokens: int, block_size: int) -> 
     them one at a time (the fewest a pool must have to run it at all): the largest
     :func:`layout_blocks` over the positions ``L < num_tokens`` it computes.
 
-    A window group's count is periodic in ``L`` with period ``block_size`` once the
-    window has filled, and the full and compressed groups' counts never fall, so the
-    positions of the last two periods of the widest block (and, for a short request,
-    all of them) are enough.
+    No group holds fewer blocks at ``L + block_size`` than at ``L``: a full or
+    compressed group's count never falls, and a window group's grows by one block until
+    its window has filled and is periodic with period ``block_size`` after. So the
+    largest count is at one of the last ``block_size`` positions.
     """
     assert num_tokens >= 1 and block_size >= 1, (num_tokens, block_size)
-    windows = [g.window for g in groups if g.kind is GroupKind.WINDOW]
-    reach = max(windows, default=0) + 2 * max(g.tokens_per_block(block_size) for g in groups)
-    first = max(0, num_tokens - reach)
+    first = max(0, num_tokens - block_size)
     return max(layout_blocks(groups, n, 1, block_size) for n in range(first, num_tokens))
 
 
