@@ -60,7 +60,6 @@ __all__ = [
     "layout_text",
     "parse_layout",
     "peak_blocks",
-    "whole_layout_blocks",
     "window_start",
 ]
 
@@ -174,44 +173,36 @@ def layout_blocks(groups: Sequence[KVGroup], num_stored: int, num_new: int, bloc
     return sum(group_blocks(g, num_stored, num_new, block_size) for g in groups)
 
 
-def peak_blocks(groups: Sequence[KVGroup], num_tokens: int, block_size: int) -> int:
+def peak_blocks(
+    groups: Sequence[KVGroup], num_tokens: int, block_size: int, max_chunk: int = 1
+) -> int:
     """The most blocks a request of ``num_tokens`` tokens ever holds when it computes
-    them one at a time (the fewest a pool must have to run it at all): the largest
-    :func:`layout_blocks` over the positions ``L < num_tokens`` it computes.
+    them in steps of at most ``max_chunk`` tokens (the fewest a pool must have to run
+    it at all): the largest :func:`layout_blocks` over every step ``[L, L + n)`` with
+    ``n <= max_chunk``. A window group holds a step's every block, so a long chunk
+    needs more than decoding the same tokens does.
 
-    No group holds fewer blocks at ``L + block_size`` than at ``L``: a full or
-    compressed group's count never falls, and a window group's grows by one block until
-    its window has filled and is periodic with period ``block_size`` after. So the
-    largest count is at one of the last ``block_size`` positions.
+    Each step is longest where it can be, ``n = min(max_chunk, num_tokens - L)``. Up to
+    ``L = num_tokens - max_chunk`` no group holds fewer blocks for a step a block later
+    (a full or compressed group's count never falls; a window group's gains a block
+    at its end and loses at most one at its start); past it every step ends at
+    ``num_tokens`` and a window group's count only falls. So the largest count is at
+    one of the ``block_size + 1`` steps that start up to a block before that point.
     """
-    assert num_tokens >= 1 and block_size >= 1, (num_tokens, block_size)
-    first = max(0, num_tokens - block_size)
-    return max(layout_blocks(groups, n, 1, block_size) for n in range(first, num_tokens))
+    assert num_tokens >= 1 and block_size >= 1 and max_chunk >= 1, (num_tokens, max_chunk)
+    last = max(0, num_tokens - max_chunk)
+    return max(
+        layout_blocks(groups, start, min(max_chunk, num_tokens - start), block_size)
+        for start in range(max(0, last - block_size), last + 1)
+    )
 
 
-def layout_peak(groups: Sequence[KVGroup], num_tokens: int, block_size: int) -> int:
+def layout_peak(groups: Sequence[KVGroup], num_tokens: int, block_size: int, max_chunk: int) -> int:
     """:func:`peak_blocks` of a scheduler's layout, ``()`` being the plain pool's one
-    full group (a block per ``block_size`` tokens)."""
+    full group (a block per ``block_size`` tokens, whatever the chunks)."""
     if not groups or num_tokens < 1:
         return blocks_needed(num_tokens, block_size)
-    return peak_blocks(groups, num_tokens, block_size)
-
-
-def whole_layout_blocks(
-    groups: Sequence[KVGroup],
-    first: int,
-    cached: int,
-    num_new: int,
-    num_total: int,
-    block_size: int,
-) -> int:
-    """The free blocks to find before admitting a request whose whole ``num_total``
-    tokens must fit (the plain pool's ``whole_request_blocks`` over layer groups), when
-    its first chunk of ``num_new`` tokens after a hit of ``cached`` tokens asks ``first``
-    of the pool: on top of ``first``, what takes it from the blocks it holds after that
-    chunk to its peak."""
-    after_first = layout_blocks(groups, cached, num_new, block_size)
-    return max(first, first + peak_blocks(groups, max(1, num_total), block_size) - after_first)
+    return peak_blocks(groups, num_tokens, block_size, max_chunk)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from refserve.core.request import Request
 from refserve.errors import ExceedsCapacity
 from refserve.kv import BlockPool, PrefixHit
 from refserve.spec.arith import blocks_needed
-from refserve.spec.groups import layout_peak, whole_layout_blocks
+from refserve.spec.groups import layout_blocks, layout_peak
 
 
 def exceeds_pool(num_tokens: int, block_size: int, num_blocks: int) -> bool:
@@ -68,17 +68,24 @@ def whole_request_blocks(
 
 def never_fits(config: SchedulerConfig, num_tokens: int) -> bool:
     """``num_tokens`` tokens of KV need more blocks than the device pool holds (over
-    every layer group at their peak, spec/groups.py, when there are several)."""
+    every layer group at their peak, when there are several)."""
     if config.grouped:
-        return layout_peak(config.kv_groups, num_tokens, config.block_size) > config.num_blocks
+        return peak(config, num_tokens) > config.num_blocks
     return exceeds_pool(num_tokens, config.block_size, config.num_blocks)
 
 
 def require_fit(config: SchedulerConfig, request_id: str, num_tokens: int) -> None:
     """Raise :class:`ExceedsCapacity` when ``num_tokens`` tokens can never fit."""
     if never_fits(config, num_tokens):
-        need = layout_peak(config.kv_groups, num_tokens, config.block_size)
-        raise ExceedsCapacity(request_id, need, config.num_blocks)
+        raise ExceedsCapacity(request_id, peak(config, num_tokens), config.num_blocks)
+
+
+def peak(config: SchedulerConfig, num_tokens: int) -> int:
+    """The most blocks ``num_tokens`` tokens of KV hold at once, in steps of at most the
+    token budget (spec/groups.py ``peak_blocks``: a window group holds a step's every
+    block; the whole prompt is one step without chunked prefill, and within the budget)."""
+    c = config
+    return layout_peak(c.kv_groups, num_tokens, c.block_size, c.max_num_batched_tokens)
 
 
 def admission_blocks(
@@ -93,6 +100,7 @@ def admission_blocks(
     else:
         total = min(r.num_prompt_tokens + r.stop.max_tokens, config.max_len)
     cached = hit.num_tokens if hit else 0
-    if config.grouped:
-        return whole_layout_blocks(config.kv_groups, first, cached, n, total, config.block_size)
+    if config.grouped:  # from what its first chunk holds to its peak, on top of ``first``
+        held = layout_blocks(config.kv_groups, cached, n, config.block_size)
+        return max(first, first + peak(config, total) - held)
     return whole_request_blocks(first, cached // config.block_size, n, total, config.block_size)
