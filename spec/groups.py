@@ -56,6 +56,7 @@ __all__ = [
     "group_blocks",
     "group_table_id",
     "layout_blocks",
+    "most_new_tokens",
     "peak_blocks",
     "window_start",
 ]
@@ -118,6 +119,23 @@ def layout_blocks(groups: Sequence[KVGroup], num_stored: int, num_new: int, bloc
     shared pool. Admission, the capacity refusal, preemption and the simulator all
     count a request's memory with this one function."""
     return sum(group_blocks(g, num_stored, num_new, block_size) for g in groups)
+
+
+def most_new_tokens(
+    groups: Sequence[KVGroup], num_stored: int, num_blocks: int, block_size: int
+) -> int:
+    """The most tokens a request of ``num_stored`` stored tokens may compute in one step
+    and hold at most ``num_blocks`` blocks: the largest ``n`` with
+    ``layout_blocks(groups, num_stored, n, block_size) <= num_blocks`` (0 or less when
+    not even one token fits). Over ``k`` groups that is ``k * blocks_needed(L + n)``
+    less the blocks the window groups left behind at ``L``, so ``L + n`` may reach the
+    end of ``(num_blocks + left) // k`` blocks."""
+    left = sum(
+        window_start(num_stored, g.window) // block_size
+        for g in groups
+        if g.kind is GroupKind.WINDOW
+    )
+    return (num_blocks + left) // len(groups) * block_size - num_stored
 
 
 def peak_blocks(groups: Sequence[KVGroup], num_tokens: int, block_size: int) -> int:

@@ -8,6 +8,13 @@ has can never run here. It is asked when a request arrives or a tool turn resume
 :func:`admission_blocks`: the free blocks a waiting request must find before it is
 admitted, by ``config.admission`` (example 2e: admission with growth headroom).
 
+With layer groups (``config.kv_groups``) a request's blocks are not a function of its
+length alone: a window group holds the blocks from its window on, so a chunk of many
+tokens holds more than the same tokens computed one at a time. :func:`peak` counts the
+latter (spec/groups.py's ``peak_blocks``), and :func:`chunk_limit` cuts every prefill
+chunk so a request never holds more than that: the count behind the capacity refusal
+and admission is then the most blocks the request ever holds.
+
 Their arithmetic is in two pure functions, :func:`exceeds_pool` and
 :func:`whole_request_blocks`, whose CrossHair contracts ``make crosshair`` proves
 (docs/ARCHITECTURE.md, "Verification practice").
@@ -20,7 +27,7 @@ from refserve.core.request import Request
 from refserve.errors import ExceedsCapacity
 from refserve.kv import BlockPool, PrefixHit
 from refserve.spec.arith import blocks_needed
-from refserve.spec.groups import layout_blocks, peak_blocks
+from refserve.spec.groups import layout_blocks, most_new_tokens, peak_blocks
 
 
 def exceeds_pool(num_tokens: int, block_size: int, num_blocks: int) -> bool:
@@ -74,17 +81,39 @@ def peak(config: SchedulerConfig, num_tokens: int) -> int:
     return blocks_needed(num_tokens, config.block_size)
 
 
+def fewest_blocks(config: SchedulerConfig, num_tokens: int) -> int:
+    """The fewest blocks a pool must have to compute ``num_tokens`` tokens of KV: their
+    :func:`peak`, or without chunked prefill, where a prompt (or a recompute) takes all
+    its tokens in one step, every group's blocks for all of them at once."""
+    if config.grouped and not config.enable_chunked_prefill:
+        return layout_blocks(config.kv_groups, 0, max(1, num_tokens), config.block_size)
+    return peak(config, num_tokens)
+
+
 def never_fits(config: SchedulerConfig, num_tokens: int) -> bool:
     """``num_tokens`` tokens of KV need more blocks than the device pool holds."""
     if config.grouped:
-        return peak(config, num_tokens) > config.num_blocks
+        return fewest_blocks(config, num_tokens) > config.num_blocks
     return exceeds_pool(num_tokens, config.block_size, config.num_blocks)
 
 
 def require_fit(config: SchedulerConfig, request_id: str, num_tokens: int) -> None:
     """Raise :class:`ExceedsCapacity` when ``num_tokens`` tokens can never fit."""
     if never_fits(config, num_tokens):
-        raise ExceedsCapacity(request_id, peak(config, num_tokens), config.num_blocks)
+        raise ExceedsCapacity(request_id, fewest_blocks(config, num_tokens), config.num_blocks)
+
+
+def chunk_limit(config: SchedulerConfig, num_computed: int, num_tokens: int) -> int:
+    """The most tokens a prefill chunk from ``num_computed`` may take, in a grouped
+    layout, so its request of ``num_tokens`` tokens holds no more than their
+    :func:`peak` (at least 1 while ``num_computed < num_tokens``: the peak counts the
+    next token alone).
+
+    Without it a chunk's window blocks could make a request that :func:`never_fits`
+    accepted unable to run in its pool, and admission's count short of what it holds.
+    """
+    limit = peak(config, num_tokens)
+    return most_new_tokens(config.kv_groups, num_computed, limit, config.block_size)
 
 
 def admission_blocks(

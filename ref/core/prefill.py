@@ -14,6 +14,7 @@ import math
 from collections import Counter, OrderedDict
 from collections.abc import KeysView, Sequence
 
+from refserve.core.capacity import chunk_limit
 from refserve.core.config import SchedulerConfig
 from refserve.core.request import Request
 from refserve.spec.arith import chunk_size
@@ -82,7 +83,11 @@ def prefill_cap(
 
 def chunk(config: SchedulerConfig, remaining: int, avail: int, num_computed: int) -> int:
     """Tokens of a prefill with ``remaining`` tokens left that fit ``avail`` ("Chunk size
-    rules" in docs/ARCHITECTURE.md); without chunked prefill, all of them or none."""
+    rules" in docs/ARCHITECTURE.md); without chunked prefill, all of them or none. In a
+    grouped layout a chunk also holds no more blocks than its request's peak
+    (ref/core/capacity.py, ``chunk_limit``)."""
+    if config.grouped and config.enable_chunked_prefill:
+        avail = min(avail, chunk_limit(config, num_computed, num_computed + remaining))
     return prefill_chunk(
         remaining,
         avail,
