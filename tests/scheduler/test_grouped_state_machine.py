@@ -59,7 +59,6 @@ from refserve.spec.groups import (
     KVGroup,
     check_groups,
     check_window_held,
-    layout_blocks,
     peak_blocks,
     window_start,
 )
@@ -86,11 +85,11 @@ class GroupRuleBroken(AssertionError):
 
 
 def needs_blocks(config: SchedulerConfig, num_tokens: int) -> int:
-    """The blocks ``num_tokens`` tokens of KV need at once, by spec/groups.py: one token
-    at a time with chunked prefill, all of them in one step without."""
-    if config.enable_chunked_prefill:
-        return peak_blocks(config.kv_groups, max(1, num_tokens), config.block_size)
-    return layout_blocks(config.kv_groups, 0, max(1, num_tokens), config.block_size)
+    """The blocks ``num_tokens`` tokens of KV need at once, by spec/groups.py: the peak
+    of steps of at most the token budget (which bounds a whole prompt without chunked
+    prefill too)."""
+    budget = config.max_num_batched_tokens
+    return peak_blocks(config.kv_groups, max(1, num_tokens), config.block_size, budget)
 
 
 def grouped_pool(sched: Scheduler) -> GroupedPool:

@@ -1,7 +1,7 @@
 """The per-group block count (spec/groups.py: group_blocks, layout_blocks, peak_blocks)
 against brute force, and the scheduler's uses of it (ref/core/capacity.py): the
-capacity refusal, the chunk limit that keeps a request within its peak, and admission
-by ``prompt`` and ``sequence``, which must ask exactly the blocks a request then holds.
+capacity refusal, which counts a chunk's window blocks, and admission by ``prompt`` and
+``sequence``, which must ask at least the blocks a request then holds.
 
 The admission tests run the real scheduler (ref/core/scheduler.py) on the simulator
 through ``EngineCore(check_invariants=True)``, with an executor that records the blocks
@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 from refserve.core.capacity import (
     admission_blocks,
-    chunk_limit,
     exceeds_pool,
     never_fits,
     require_fit,
@@ -41,7 +40,6 @@ from refserve.spec.groups import (
     KVGroup,
     group_blocks,
     layout_blocks,
-    most_new_tokens,
     peak_blocks,
     window_start,
 )
@@ -68,8 +66,13 @@ def brute_group_blocks(group: KVGroup, num_stored: int, num_new: int, bs: int) -
     return len({p // bs for p in range(lo, end)})
 
 
-def brute_peak(groups: Sequence[KVGroup], num_tokens: int, bs: int) -> int:
-    return max(layout_blocks(groups, n, 1, bs) for n in range(num_tokens))
+def brute_peak(groups: Sequence[KVGroup], num_tokens: int, bs: int, chunk: int = 1) -> int:
+    """The most any step of at most ``chunk`` tokens holds, over every start."""
+    return max(
+        layout_blocks(groups, start, n, bs)
+        for start in range(num_tokens)
+        for n in range(1, min(chunk, num_tokens - start) + 1)
+    )
 
 
 # ------------------------------------------------------------------ the counts
@@ -79,6 +82,16 @@ def test_peak_blocks_is_the_largest_layout_over_every_position(
     groups: tuple[KVGroup, ...], bs: int, n: int
 ) -> None:
     assert peak_blocks(groups, n, bs) == brute_peak(groups, n, bs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts, block_sizes, st.integers(1, 120), st.integers(1, 80))
+def test_peak_blocks_with_chunks_is_the_largest_step_of_at_most_a_chunk(
+    groups: tuple[KVGroup, ...], bs: int, n: int, chunk_size: int
+) -> None:
+    """Every start and every step length up to the chunk, against the count that reads
+    only the steps a block before the last full chunk."""
+    assert peak_blocks(groups, n, bs, chunk_size) == brute_peak(groups, n, bs, chunk_size)
 
 
 @given(block_sizes, st.integers(0, 200), st.integers(0, 200))
@@ -101,20 +114,6 @@ def test_layout_blocks_is_the_sum_over_groups(
 ) -> None:
     expected = sum(brute_group_blocks(g, stored, new, bs) for g in groups)
     assert layout_blocks(groups, stored, new, bs) == expected
-
-
-@given(layouts, block_sizes, st.integers(0, 200), st.integers(0, 60))
-def test_most_new_tokens_is_the_longest_step_within_a_block_limit(
-    groups: tuple[KVGroup, ...], bs: int, stored: int, limit: int
-) -> None:
-    """The largest ``n`` within the limit (a layout's blocks grow with ``n``), or below
-    1 when not one token fits."""
-    n = most_new_tokens(groups, stored, limit, bs)
-    if n >= 1:
-        assert layout_blocks(groups, stored, n, bs) <= limit
-        assert layout_blocks(groups, stored, n + 1, bs) > limit
-    else:
-        assert layout_blocks(groups, stored, 1, bs) > limit
 
 
 # ------------------------------------------------------------ capacity refusal
@@ -143,11 +142,11 @@ def config(
 def test_the_capacity_refusal_counts_every_group(
     groups: tuple[KVGroup, ...], bs: int, n: int, num_blocks: int, chunked: bool
 ) -> None:
-    """Chunked, a request's tokens may be computed one at a time: it needs their peak.
-    Without chunked prefill a prompt or a recompute takes every token in one step: every
-    group's blocks for all of them at once. One group is the plain pool's rule."""
+    """A request's steps hold at most a budget of tokens each (the whole prompt when
+    chunked prefill is off, which the budget bounds too): it needs the peak of such
+    steps. One group is the plain pool's rule."""
     cfg = config(groups, bs, num_blocks, chunked=chunked)
-    need = peak_blocks(groups, n, bs) if chunked else layout_blocks(groups, 0, n, bs)
+    need = peak_blocks(groups, n, bs, cfg.max_num_batched_tokens)
     if len(groups) == 1:
         need = blocks_needed(n, bs)
         assert never_fits(cfg, n) == exceeds_pool(n, bs, num_blocks)
@@ -160,33 +159,21 @@ def test_the_capacity_refusal_counts_every_group(
         require_fit(cfg, "r", n)
 
 
-@given(layouts, block_sizes, st.integers(1, 200), st.data())
-def test_the_chunk_limit_is_the_longest_chunk_within_the_peak(
-    groups: tuple[KVGroup, ...], bs: int, num_tokens: int, data: st.DataObject
-) -> None:
-    computed = data.draw(st.integers(0, num_tokens - 1), label="computed")
-    cfg = config(groups, bs, 10_000)
-    limit = chunk_limit(cfg, computed, num_tokens)
-    peak = peak_blocks(groups, num_tokens, bs)
-    assert limit >= 1
-    assert layout_blocks(groups, computed, limit, bs) <= peak
-    assert layout_blocks(groups, computed, limit + 1, bs) > peak
-    remaining = num_tokens - computed
-    n = chunk(cfg, remaining, MAX_LEN, computed)
-    assert n == min(remaining, MAX_LEN, limit)
-
-
-def test_a_long_prompt_is_cut_to_its_peak_in_a_pool_of_its_peak() -> None:
-    """The case that made a request the refusal accepted unable to run: 40 tokens in
-    blocks of 4 with a window of 4 peak at 13 blocks, but one chunk of all 40 holds 20.
-    The chunks are cut so the request never holds more than 13, and it finishes."""
+def test_a_long_chunk_is_counted_by_the_capacity_refusal() -> None:
+    """40 tokens in blocks of 4 with a window of 4: one at a time they peak at 13
+    blocks, but a chunk of all 40 holds 20. With a budget of 64 the refusal asks for
+    20 and a pool of 20 runs it; with a budget of 8 the chunks are short, it asks 15."""
     groups = (FULL, window(4))
     assert peak_blocks(groups, 44, 4) == 13 and layout_blocks(groups, 0, 40, 4) == 20
-    cfg = config(groups, 4, 13)
-    used, finished = run_alone(
-        cfg, Request("a", list(range(1, 41)), StopParams(4, ignore_eos=True))
-    )
-    assert finished is FinishReason.LENGTH and max(used) == 13
+    request = Request("a", list(range(1, 41)), StopParams(4, ignore_eos=True))
+    assert never_fits(config(groups, 4, 19), 40) and not never_fits(config(groups, 4, 20), 40)
+    used, finished = run_alone(config(groups, 4, 20), request)
+    assert finished is FinishReason.LENGTH and max(used) == 20
+    short = config(groups, 4, 15, budget=8)
+    assert peak_blocks(groups, 44, 4, 8) == 15 and not never_fits(short, 44)
+    again = Request("b", request.prompt_token_ids, request.stop)
+    used, finished = run_alone(short, again)
+    assert finished is FinishReason.LENGTH and max(used) <= 15
 
 
 # ------------------------------------------------------------------ admission
@@ -249,20 +236,19 @@ grouped = st.lists(st.integers(1, 12), min_size=1, max_size=2).map(
 def test_sequence_admission_asks_the_blocks_the_request_then_holds(
     groups: tuple[KVGroup, ...], bs: int, prompt: int, max_tokens: int, budget: int
 ) -> None:
-    """Admission by ``sequence`` asks the peak of prompt plus ``max_tokens``: run alone in
-    a pool of exactly that many blocks the request finishes, holding at most that many,
-    and at its most exactly the peak of the tokens it computes (all but its last
-    sample). One block fewer than that and it is refused or finishes for capacity."""
+    """Admission by ``sequence`` asks the peak of prompt plus ``max_tokens`` in steps of
+    the budget: run alone in a pool of exactly that many blocks the request finishes,
+    never holding more, and without preemption. In a pool one block smaller than the
+    most it held, it is refused or finishes for capacity (the count can fail)."""
     r = Request("a", list(range(1, prompt + 1)), StopParams(max_tokens, ignore_eos=True))
     cfg = config(groups, bs, 10_000, admission=Admission.SEQUENCE, budget=max(budget, bs))
     asked = first_admission_blocks(cfg, r)
-    assert asked == peak_blocks(groups, prompt + max_tokens, bs)
-    computed = peak_blocks(groups, prompt + max_tokens - 1, bs)
-    used, finished = run_alone(config(groups, bs, asked, budget=cfg.max_num_batched_tokens), r)
-    assert finished is FinishReason.LENGTH and max(used) == computed <= asked
+    budget = cfg.max_num_batched_tokens
+    assert asked == peak_blocks(groups, prompt + max_tokens, bs, budget)
+    used, finished = run_alone(config(groups, bs, asked, budget=budget), r)
+    assert finished is FinishReason.LENGTH and max(used) <= asked
     again = Request("b", r.prompt_token_ids, r.stop)
-    short = config(groups, bs, computed - 1, budget=cfg.max_num_batched_tokens)
-    _, finished = run_alone(short, again)
+    _, finished = run_alone(config(groups, bs, max(used) - 1, budget=budget), again)
     assert finished in (None, FinishReason.CAPACITY)
 
 
@@ -271,16 +257,18 @@ def test_sequence_admission_asks_the_blocks_the_request_then_holds(
 def test_prompt_admission_asks_the_blocks_the_prompt_then_holds(
     groups: tuple[KVGroup, ...], bs: int, prompt: int, budget: int
 ) -> None:
-    """Admission by ``prompt`` asks the prompt's peak: exactly what a one-token request
-    holds at its most; in a pool one block smaller it is refused."""
+    """Admission by ``prompt`` asks the prompt's peak in steps of the budget, which is
+    what the capacity refusal asks too: in a pool of that many the request finishes
+    holding no more; in a pool one block smaller it is refused."""
     r = Request("a", list(range(1, prompt + 1)), StopParams(1, ignore_eos=True))
     cfg = config(groups, bs, 10_000, admission=Admission.PROMPT, budget=max(budget, bs))
     asked = first_admission_blocks(cfg, r)
-    assert asked == peak_blocks(groups, prompt, bs)
-    used, finished = run_alone(config(groups, bs, asked, budget=cfg.max_num_batched_tokens), r)
-    assert finished is FinishReason.LENGTH and max(used) == asked
+    budget = cfg.max_num_batched_tokens
+    assert asked == peak_blocks(groups, prompt, bs, budget)
+    used, finished = run_alone(config(groups, bs, asked, budget=budget), r)
+    assert finished is FinishReason.LENGTH and max(used) <= asked
     again = Request("b", r.prompt_token_ids, r.stop)
-    _, finished = run_alone(config(groups, bs, asked - 1, budget=cfg.max_num_batched_tokens), again)
+    _, finished = run_alone(config(groups, bs, asked - 1, budget=budget), again)
     assert finished is None
 
 
@@ -297,7 +285,7 @@ def test_sequence_admission_next_to_a_decode_is_exact_and_needs_no_preemption(
     # Step 0 computes x's prompt, step j its position bs + j - 1.
     held_x = layout_blocks(groups, bs + arrives - 1, 1, bs)
     b_prompt = list(range(100, 100 + prompt))
-    asked = peak_blocks(groups, prompt + max_tokens, bs)
+    asked = peak_blocks(groups, prompt + max_tokens, bs, MAX_LEN)
     for spare, admitted in ((0, True), (-1, False)):
         num_blocks = held_x + asked + spare
         if never_fits(config(groups, bs, num_blocks), prompt):
@@ -314,7 +302,7 @@ def test_sequence_admission_next_to_a_decode_is_exact_and_needs_no_preemption(
         core.step(clock)
         assert ("b" in recorder.admitted[-1]) is admitted, (spare, recorder.used)
     # Room for both peaks: nothing is ever preempted and both finish.
-    x_peak = peak_blocks(groups, bs + x_tokens, bs)
+    x_peak = peak_blocks(groups, bs + x_tokens, bs, MAX_LEN)
     cfg = config(groups, bs, x_peak + asked, admission=Admission.SEQUENCE, budget=MAX_LEN)
     sched, recorder, core = engine(cfg)
     x = Request("x", list(range(1, bs + 1)), StopParams(x_tokens, ignore_eos=True))
