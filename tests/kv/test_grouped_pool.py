@@ -363,3 +363,28 @@ def test_the_first_groups_keys_are_the_plain_pools_and_no_salt_reaches_another_g
         for model in ("default", "default\x00"):
             assert Namespace(model, "", salt).root_key() != later
     assert group_namespace(DEFAULT_NAMESPACE, 2).root_key() != later
+
+
+def test_cache_events_carry_every_groups_blocks_under_its_own_root() -> None:
+    """One event log for the one index: every group's cached blocks are published, each
+    chain from its group's root, so a router hashing a prompt from the request's own
+    root finds the first group's keys; a window block released and then reused by
+    another request is published as removed."""
+    from refserve.kv.groups import group_namespace
+    from refserve.spec.events import BlockRemoved, BlockStored
+    from refserve.spec.hashing import DEFAULT_NAMESPACE
+
+    pool = GroupedPool(7, BS, (FULL, WIN), cache_events=True)
+    log = pool.cache_events
+    assert log is not None
+    pool.allocate("a", tokens(9), 9)  # 3 blocks in each group, 1 block free
+    stored = [e.change for e in log.drain() if isinstance(e.change, BlockStored)]
+    roots = [group_namespace(DEFAULT_NAMESPACE, g).root_key() for g in (0, 1)]
+    assert [c.parent_key for c in stored if c.parent_key in roots] == roots
+    assert len(stored) == 4  # the two full blocks of each group
+    pool.allocate("a", tokens(10), 1)  # L = 9 reads from 4: window block 0 goes back
+    assert window_table(pool, "a")[0] == NULL_BLOCK and log.drain() == []
+    pool.allocate("b", tokens(4, 100), 4)  # two blocks: the free one and the released one
+    removed = [e.change for e in log.drain() if isinstance(e.change, BlockRemoved)]
+    first_window_block = next(c for c in stored if c.parent_key == roots[1])
+    assert [c.key for c in removed] == [first_window_block.key]
