@@ -56,6 +56,9 @@ __all__ = [
     "group_blocks",
     "group_table_id",
     "layout_blocks",
+    "layout_peak",
+    "layout_text",
+    "parse_layout",
     "peak_blocks",
     "window_start",
 ]
@@ -71,23 +74,72 @@ PREFIX_COMPLETE = "prefix-complete"
 class GroupKind(StrEnum):
     FULL = "full"
     WINDOW = "window"
+    COMPRESSED = "compressed"
 
 
 @dataclass(frozen=True)
 class KVGroup:
-    """One kind of layer: ``full``, or ``window`` of ``window`` tokens (a query at ``p``
-    reads keys ``p - window < k <= p``)."""
+    """One kind of layer: ``full``; ``window`` of ``window`` tokens (a query at ``p``
+    reads keys ``p - window < k <= p``); or ``compressed`` at ``ratio``: one K/V entry
+    per ``ratio`` tokens, every entry kept (a block holds ``block_size`` entries, so
+    ``block_size * ratio`` tokens). A compressed layer that also reads its last tokens
+    raw keeps them in a window group of its own beside it in the layout."""
 
     kind: GroupKind
     window: int = 0
+    ratio: int = 1
 
     def __post_init__(self) -> None:
         kind = GroupKind(self.kind)
         object.__setattr__(self, "kind", kind)
         if kind is GroupKind.WINDOW and not (type(self.window) is int and self.window >= 1):
             raise ValueError(f"a window group needs a window >= 1, got {self.window!r}")
-        if kind is GroupKind.FULL and self.window:
-            raise ValueError(f"a full group has no window, got {self.window!r}")
+        if kind is not GroupKind.WINDOW and self.window:
+            raise ValueError(f"a {kind} group has no window, got {self.window!r}")
+        if kind is GroupKind.COMPRESSED:
+            if not (type(self.ratio) is int and self.ratio >= 2):
+                raise ValueError(f"a compressed group needs a ratio >= 2, got {self.ratio!r}")
+        elif self.ratio != 1:
+            raise ValueError(f"only a compressed group has a ratio, got {self.ratio!r}")
+
+    def tokens_per_block(self, block_size: int) -> int:
+        """The tokens one of this group's blocks covers."""
+        return block_size * self.ratio
+
+
+def parse_layout(text: str) -> tuple[KVGroup, ...]:
+    """``"full,window:4096,compressed:4"`` as groups (:func:`layout_text`'s inverse), or
+    :class:`ValueError` naming the part that is not ``full``, ``window:W`` or
+    ``compressed:R``."""
+    groups: list[KVGroup] = []
+    for i, part in enumerate(text.split(",")):
+        kind, _, size = part.strip().partition(":")
+        try:
+            if kind == GroupKind.FULL and not size:
+                groups.append(KVGroup(GroupKind.FULL))
+            elif kind == GroupKind.WINDOW and size.isdecimal():
+                groups.append(KVGroup(GroupKind.WINDOW, window=int(size)))
+            elif kind == GroupKind.COMPRESSED and size.isdecimal():
+                groups.append(KVGroup(GroupKind.COMPRESSED, ratio=int(size)))
+            else:
+                raise ValueError("not full, window:W or compressed:R")
+        except ValueError as e:
+            raise ValueError(f"layout part {i + 1} ({part.strip()!r}): {e}") from None
+    return tuple(groups)
+
+
+def layout_text(groups: Sequence[KVGroup]) -> str:
+    """A layout as :func:`parse_layout` reads it (``"full"`` for the plain pool's)."""
+    if not groups:
+        return "full"
+    return ",".join(
+        f"{g.kind}:{g.window}"
+        if g.kind is GroupKind.WINDOW
+        else f"{g.kind}:{g.ratio}"
+        if g.kind is GroupKind.COMPRESSED
+        else str(g.kind)
+        for g in groups
+    )
 
 
 def window_start(num_tokens: int, window: int) -> int:
@@ -105,10 +157,11 @@ def window_start(num_tokens: int, window: int) -> int:
 def group_blocks(group: KVGroup, num_stored: int, num_new: int, block_size: int) -> int:
     """The blocks a request holds in ``group`` while it computes positions
     ``[num_stored, num_stored + num_new)``: every block up to the last position in a full
-    group; in a window group, those from the block holding ``window_start(num_stored, W)``.
+    group (a compressed group's blocks cover ``ratio`` times the tokens); in a window
+    group, those from the block holding ``window_start(num_stored, W)``.
     """
-    end = blocks_needed(num_stored + num_new, block_size)
-    if group.kind is GroupKind.FULL:
+    end = blocks_needed(num_stored + num_new, group.tokens_per_block(block_size))
+    if group.kind is not GroupKind.WINDOW:
         return end
     return end - window_start(num_stored, group.window) // block_size
 
@@ -120,20 +173,36 @@ def layout_blocks(groups: Sequence[KVGroup], num_stored: int, num_new: int, bloc
     return sum(group_blocks(g, num_stored, num_new, block_size) for g in groups)
 
 
-def peak_blocks(groups: Sequence[KVGroup], num_tokens: int, block_size: int) -> int:
+def peak_blocks(
+    groups: Sequence[KVGroup], num_tokens: int, block_size: int, max_chunk: int = 1
+) -> int:
     """The most blocks a request of ``num_tokens`` tokens ever holds when it computes
-    them one at a time (the fewest a pool must have to run it at all): the largest
-    :func:`layout_blocks` over the positions ``L < num_tokens`` it computes.
+    them in steps of at most ``max_chunk`` tokens (the fewest a pool must have to run
+    it at all): the largest :func:`layout_blocks` over every step ``[L, L + n)`` with
+    ``n <= max_chunk``. A window group holds a step's every block, so a long chunk
+    needs more than decoding the same tokens does.
 
-    A window group's count is periodic in ``L`` with period ``block_size`` once the
-    window has filled, so the positions of the last two periods (and, for a short
-    request, all of them) are enough.
+    Each step is longest where it can be, ``n = min(max_chunk, num_tokens - L)``. Up to
+    ``L = num_tokens - max_chunk`` no group holds fewer blocks for a step a block later
+    (a full or compressed group's count never falls; a window group's gains a block
+    at its end and loses at most one at its start); past it every step ends at
+    ``num_tokens`` and a window group's count only falls. So the largest count is at
+    one of the ``block_size + 1`` steps that start up to a block before that point.
     """
-    assert num_tokens >= 1 and block_size >= 1, (num_tokens, block_size)
-    windows = [g.window for g in groups if g.kind is GroupKind.WINDOW]
-    reach = max(windows, default=0) + 2 * block_size
-    first = max(0, num_tokens - reach)
-    return max(layout_blocks(groups, n, 1, block_size) for n in range(first, num_tokens))
+    assert num_tokens >= 1 and block_size >= 1 and max_chunk >= 1, (num_tokens, max_chunk)
+    last = max(0, num_tokens - max_chunk)
+    return max(
+        layout_blocks(groups, start, min(max_chunk, num_tokens - start), block_size)
+        for start in range(max(0, last - block_size), last + 1)
+    )
+
+
+def layout_peak(groups: Sequence[KVGroup], num_tokens: int, block_size: int, max_chunk: int) -> int:
+    """:func:`peak_blocks` of a scheduler's layout, ``()`` being the plain pool's one
+    full group (a block per ``block_size`` tokens, whatever the chunks)."""
+    if not groups or num_tokens < 1:
+        return blocks_needed(num_tokens, block_size)
+    return peak_blocks(groups, num_tokens, block_size, max_chunk)
 
 
 @dataclass(frozen=True)
@@ -172,13 +241,20 @@ class GroupedSnapshot:
         their requests' ids (the table the scheduler and the executor's positions
         follow), every other group's as :func:`group_table_id`, null entries kept
         (``null_entries``), so BLOCK counts every holder and POS every table's length."""
-        tables = tuple(
-            t.table
-            if t.group == 0
-            else replace(t.table, request_id=group_table_id(t.table.request_id, t.group))
-            for t in self.tables
-        )
+        tables = tuple(t.table if t.group == 0 else self._engine_table(t) for t in self.tables)
         return replace(self.pool, tables=tables, null_entries=True)
+
+    def _engine_table(self, t: GroupTable) -> TableSnapshot:
+        """A table of group > 0 under :func:`group_table_id`; a compressed group's in its
+        own positions (one per ``ratio`` tokens, each standing for its first token), so a
+        block covers ``block_size`` of them as in every other table of the pool."""
+        table = replace(t.table, request_id=group_table_id(t.table.request_id, t.group))
+        ratio = self.groups[t.group].ratio if 0 <= t.group < len(self.groups) else 1
+        if ratio == 1:
+            return table
+        return replace(
+            table, num_stored=-(-table.num_stored // ratio), token_ids=table.token_ids[::ratio]
+        )
 
     def table(self, request_id: str, group: int) -> TableSnapshot | None:
         for t in self.tables:
@@ -206,12 +282,13 @@ def check_groups(s: GroupedSnapshot) -> list[Violation]:
                           GROUP_TABLES))  # fmt: skip
             continue
         where.setdefault(t.request_id, {})[gt.group] = t
-        need = blocks_needed(t.num_stored, bs)
+        need = blocks_needed(t.num_stored, s.groups[gt.group].tokens_per_block(bs))
         if len(t.block_table) != need:
             out.append(_v(Invariant.POS, t.request_id, f"group {gt.group}'s table does not "
                           "cover the KV length exactly", need, len(t.block_table), ""))  # fmt: skip
-        if s.groups[gt.group].kind is GroupKind.FULL and NULL_BLOCK in t.block_table:
-            out.append(_v(Invariant.BLOCK, t.request_id, f"full group {gt.group} lost "
+        kind = s.groups[gt.group].kind
+        if kind is not GroupKind.WINDOW and NULL_BLOCK in t.block_table:
+            out.append(_v(Invariant.BLOCK, t.request_id, f"{kind} group {gt.group} lost "
                           "blocks (null entries)", "none", t.block_table.count(NULL_BLOCK),
                           FULL_NULL))  # fmt: skip
     for rid, by_group in sorted(where.items()):

@@ -26,6 +26,10 @@ class Namespace:
     model: str = "default"
     adapter: str = ""
     cache_salt: str = ""
+    layer_group: int = 0
+    """A hybrid model's layer group (ref/kv/groups.py) past the first: the K/V of other
+    layers, so other keys in the one index. No request sets it; the first group's keys
+    are the namespace's own, the ones a router reading cache events computes."""
 
     def root_key(self) -> bytes:
         """The hash-chain root for this namespace (PREFIX invariant).
@@ -34,10 +38,14 @@ class Namespace:
         so the encoding is injective: no choice of field values, NUL bytes included, gives
         another namespace's payload. (v1 joined the fields with NUL, and model ``"a\\0b"``
         shared its root with model ``"a"`` + adapter ``"b\\0"``: one tenant's KV could be
-        served to another's prompt.)
+        served to another's prompt.) A layer group past the first adds a fourth field, so
+        its payload is longer than any plain namespace's and no salt reaches it.
         """
         payload = bytearray(b"refserve-prefix-v2\x00")
-        for f in (self.model, self.adapter, self.cache_salt):
+        fields = [self.model, self.adapter, self.cache_salt]
+        if self.layer_group:
+            fields.append(f"layer-group {self.layer_group}")
+        for f in fields:
             data = f.encode("utf-8", "surrogatepass")  # total: a lone surrogate too
             payload += struct.pack("<Q", len(data))
             payload += data

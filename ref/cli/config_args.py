@@ -19,6 +19,7 @@ from refserve.cli.args import (
 
 if TYPE_CHECKING:  # the scheduler is imported when a command runs, not at startup
     from refserve.core.config import SchedulerConfig
+    from refserve.spec.groups import KVGroup
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
@@ -55,6 +56,15 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
         default=4096,
         metavar="N",
         help=f"KV blocks in the device pool (default %(default)s; 1 to {MAX_BLOCKS:,})",
+    )
+    p.add_argument(
+        "--kv-groups",
+        type=_layout,
+        default=(),
+        metavar="LAYOUT",
+        help="the model's KV layer groups, comma-separated, the first full attention: "
+        "full, window:W (a sliding window of W tokens), compressed:R (one entry per R "
+        "tokens); e.g. full,window:4096. Default: one full group, the plain pool",
     )
     p.add_argument(
         "--max-model-len",
@@ -185,6 +195,19 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _layout(text: str) -> tuple[KVGroup, ...]:
+    from refserve.spec.groups import parse_layout
+
+    try:
+        groups = parse_layout(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    for g in groups:
+        if max(g.window, g.ratio) > MAX_TOKENS:
+            raise argparse.ArgumentTypeError(f"{g.kind} group: at most {MAX_TOKENS:,} tokens")
+    return () if len(groups) == 1 and groups[0].ratio == 1 else groups
+
+
 def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     """The ``SchedulerConfig`` the options of :func:`add_config_args` describe."""
     from refserve.core.config import Admission, PolicyName, SchedulerConfig
@@ -197,6 +220,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         max_num_seqs=args.max_num_seqs,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
+        kv_groups=args.kv_groups,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,

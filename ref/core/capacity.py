@@ -20,7 +20,7 @@ from refserve.core.request import Request
 from refserve.errors import ExceedsCapacity
 from refserve.kv import BlockPool, PrefixHit
 from refserve.spec.arith import blocks_needed
-from refserve.spec.groups import layout_blocks, peak_blocks
+from refserve.spec.groups import layout_blocks, layout_peak
 
 
 def exceeds_pool(num_tokens: int, block_size: int, num_blocks: int) -> bool:
@@ -66,16 +66,9 @@ def whole_request_blocks(
     return max(first, blocks_needed(num_total, block_size) - num_held + revived)
 
 
-def peak(config: SchedulerConfig, num_tokens: int) -> int:
-    """The most blocks ``num_tokens`` tokens of KV hold at once, over every layer group
-    (one group: a block per ``block_size`` tokens)."""
-    if config.grouped:
-        return peak_blocks(config.kv_groups, max(1, num_tokens), config.block_size)
-    return blocks_needed(num_tokens, config.block_size)
-
-
 def never_fits(config: SchedulerConfig, num_tokens: int) -> bool:
-    """``num_tokens`` tokens of KV need more blocks than the device pool holds."""
+    """``num_tokens`` tokens of KV need more blocks than the device pool holds (over
+    every layer group at their peak, when there are several)."""
     if config.grouped:
         return peak(config, num_tokens) > config.num_blocks
     return exceeds_pool(num_tokens, config.block_size, config.num_blocks)
@@ -85,6 +78,14 @@ def require_fit(config: SchedulerConfig, request_id: str, num_tokens: int) -> No
     """Raise :class:`ExceedsCapacity` when ``num_tokens`` tokens can never fit."""
     if never_fits(config, num_tokens):
         raise ExceedsCapacity(request_id, peak(config, num_tokens), config.num_blocks)
+
+
+def peak(config: SchedulerConfig, num_tokens: int) -> int:
+    """The most blocks ``num_tokens`` tokens of KV hold at once, in steps of at most the
+    token budget (spec/groups.py ``peak_blocks``: a window group holds a step's every
+    block; the whole prompt is one step without chunked prefill, and within the budget)."""
+    c = config
+    return layout_peak(c.kv_groups, num_tokens, c.block_size, c.max_num_batched_tokens)
 
 
 def admission_blocks(
@@ -98,17 +99,8 @@ def admission_blocks(
         total = r.num_tokens
     else:
         total = min(r.num_prompt_tokens + r.stop.max_tokens, config.max_len)
-    if config.grouped:
-        return _grouped_request_blocks(config, first, n, total, hit)
-    held = len(hit.block_ids) if hit else 0
-    return whole_request_blocks(first, held, n, total, config.block_size)
-
-
-def _grouped_request_blocks(
-    config: SchedulerConfig, first: int, n: int, total: int, hit: PrefixHit | None
-) -> int:
-    """:func:`whole_request_blocks` over layer groups: the request's peak over every
-    group, less what its first chunk holds after the hit, on top of ``first``."""
     cached = hit.num_tokens if hit else 0
-    held_first = layout_blocks(config.kv_groups, cached, n, config.block_size)
-    return max(first, first + peak(config, total) - held_first)
+    if config.grouped:  # from what its first chunk holds to its peak, on top of ``first``
+        held = layout_blocks(config.kv_groups, cached, n, config.block_size)
+        return max(first, first + peak(config, total) - held)
+    return whole_request_blocks(first, cached // config.block_size, n, total, config.block_size)

@@ -29,6 +29,12 @@ def fork_child(parent: Request, child_id: str, first_token: int, stop: StopParam
         )
     if type(first_token) is not int or first_token < 0:
         raise InvalidArgument(f"fork: bad first token {first_token!r} for {child_id!r}")
+    if stop.max_tokens < 2 or stop.is_stop(first_token):
+        # Its first token already ends it: a live child would sample past its stop.
+        raise InvalidArgument(
+            f"fork: child {child_id!r} is finished by its first token {first_token} "
+            f"(max_tokens {stop.max_tokens}, or a stop token); it needs no fork"
+        )
     child = Request(
         child_id,
         list(parent.prompt_token_ids),

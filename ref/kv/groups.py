@@ -36,8 +36,16 @@ what a window needs:
   group before any group takes a free block, so no group's new block evicts another
   group's hit.
 
-Not here yet: the scheduler and the executor (they see one table per request); decode
-runs, forks, truncation and swaps are the plain pool's attachments.
+* **Compressed groups.** A compressed group's pool (``BlockPool.sharing`` with
+  ``ratio`` times the tokens per block) grows like a full group's at a fraction of the
+  blocks. It caches nothing (the one index keys blocks of ``block_size`` tokens), so a
+  layout with one takes no prefix hits.
+
+The scheduler reads one table per request: this pool is the first group's (a full
+group's), whose tables give the positions and slots, and its allocation, lookup and
+free act on every group; forks (ref/kv/forks.py) share every group's blocks. Swaps,
+speculative truncation, the bulk decode path and K/V transfer by migration still move
+one table: a grouped scheduler refuses them (``SchedulerConfig.kv_groups``).
 """
 
 from __future__ import annotations
@@ -66,11 +74,11 @@ __all__ = ["GroupAllocations", "GroupedHit", "GroupedPool", "group_namespace"]
 
 
 def group_namespace(namespace: Namespace, group: int) -> Namespace:
-    """The namespace of ``group``'s keys for a request in ``namespace``: its cache salt
-    prefixed by its length, so the mapping is injective (no salt of another namespace and
-    group gives the same one) and two groups' keys never meet."""
-    salt = namespace.cache_salt
-    return Namespace(namespace.model, namespace.adapter, f"{len(salt)}:{salt}|group:{group}")
+    """The namespace of ``group``'s keys for a request in ``namespace``: the request's
+    own for the first group (a router's keys), one only a grouped pool makes for the
+    others (``Namespace.layer_group``), so two groups' keys never meet and no request's
+    namespace, whatever its salt, reaches another group's."""
+    return replace(namespace, layer_group=group) if group else namespace
 
 
 @dataclass(frozen=True)
@@ -132,7 +140,10 @@ class GroupedPool(BlockPool):
             cache_events=cache_events,
         )
         self.groups = checked
-        self._pools: tuple[BlockPool, ...] = (self, *(self.sharing() for _ in checked[1:]))
+        self._pools: tuple[BlockPool, ...] = (
+            self,
+            *(self.sharing(g.tokens_per_block(block_size)) for g in checked[1:]),
+        )
         self._windows = tuple(g.window for g in checked)  # 0: full attention
         # Namespace.root_key() hashes; nearly every request has the default namespace.
         self._default = tuple(group_namespace(DEFAULT_NAMESPACE, g) for g in range(len(groups)))
@@ -519,8 +530,8 @@ def _checked_groups(groups: Sequence[KVGroup]) -> tuple[KVGroup, ...]:
             raise InvalidArgument(
                 f"groups[{i}]: a window group needs a window >= 1, got {g.window!r}"
             )
-        if g.kind is GroupKind.FULL and g.window:
-            raise InvalidArgument(f"groups[{i}]: a full group has no window, got {g.window!r}")
+        if g.kind is not GroupKind.WINDOW and g.window:
+            raise InvalidArgument(f"groups[{i}]: a {g.kind} group has no window, got {g.window!r}")
     if out[0].kind is not GroupKind.FULL:
         raise InvalidArgument(
             f"groups[0] must be a full group (the table a scheduler reads), got {out[0]!r}"

@@ -100,13 +100,20 @@ class BlockPool:
         self._prefix = PrefixIndex(num_blocks, block_size, self._journal, events)
         self._tables = BlockTables(self._journal)
 
-    def sharing(self) -> BlockPool:
+    def sharing(self, tokens_per_block: int | None = None) -> BlockPool:
         """A pool with tables of its own over this one's allocator, prefix index and
         journal (a hybrid model's layer groups, ref/kv/groups.py): a block reused by one
-        loses its cache entry for all (PREFIX), one transaction spans all (ATOMIC)."""
+        loses its cache entry for all (PREFIX), one transaction spans all (ATOMIC).
+
+        ``tokens_per_block`` other than ``block_size`` (a compressed group's blocks) makes
+        a pool that caches nothing: the one index keys blocks of ``block_size`` tokens."""
         pool = copy(self)  # the same parts and settings
         pool.__class__ = BlockPool  # a plain pool, whatever this one's class
         pool._tables = BlockTables(self._journal)
+        if tokens_per_block is not None and tokens_per_block != self.block_size:
+            require_int(tokens_per_block, "tokens_per_block", minimum=1)
+            pool.block_size = tokens_per_block
+            pool.enable_prefix_caching = False
         return pool
 
     # ------------------------------------------------- the parts, for attachments

@@ -288,3 +288,103 @@ def test_the_grouped_suite_finds_nothing() -> None:
     coverage = pairs[-1][1].observed["coverage"]
     assert coverage["cache_hits"] >= 5 and coverage["no_space"] >= 5
     assert coverage["evictions"] >= 5 and coverage["window_released"] >= 5
+
+
+# ------------------------------------------------------------------ compressed groups
+COMP = KVGroup(GroupKind.COMPRESSED, ratio=3)
+
+
+def test_a_compressed_group_holds_a_block_per_ratio_times_the_tokens() -> None:
+    """Ratio 3, blocks of 4: one compressed block covers 12 tokens; the full group's
+    table grows a block every 4. Both grow in one allocation, every rule holding."""
+    pool = GroupedPool(32, BS, (FULL, COMP, WIN))
+    stored = 0
+    for end in (5, 12, 13, 25):
+        pool.allocate("b", tokens(end), end - stored)
+        full, comp, _ = pool.block_tables("b")
+        assert len(full) == -(-end // BS) and len(comp) == -(-end // (BS * 3))
+        valid(pool, "b", stored)
+        stored = end
+    window = sum(b != NULL_BLOCK for b in pool.block_tables("b")[2])
+    assert pool.num_used_blocks == 7 + 3 + window  # 25 tokens: 7 full blocks, 3 compressed
+
+
+def test_a_layout_with_a_compressed_group_takes_no_prefix_hit() -> None:
+    """The one index keys blocks of ``block_size`` tokens; a compressed group's blocks
+    are not indexed, so no hit is ever complete in it."""
+    pool = GroupedPool(32, BS, (FULL, COMP))
+    pool.allocate("a", tokens(20), 20)
+    pool.free("a")
+    hit = pool.lookup(tokens(21))
+    assert hit.num_tokens == 0 and all(h.num_tokens == 0 for h in hit.hits)
+    plain = GroupedPool(32, BS, (FULL, WIN))
+    plain.allocate("a", tokens(20), 20)
+    plain.free("a")
+    assert plain.lookup(tokens(21)).num_tokens == 20  # the same prompt without it
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: KVGroup(GroupKind.COMPRESSED), "needs a ratio >= 2"),
+        (lambda: KVGroup(GroupKind.COMPRESSED, ratio=1), "needs a ratio >= 2"),
+        (lambda: KVGroup(GroupKind.FULL, ratio=2), "only a compressed group has a ratio"),
+        (lambda: KVGroup(GroupKind.COMPRESSED, window=4, ratio=2), "has no window"),
+    ],
+)
+def test_a_bad_compressed_group_is_named(make: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make()  # type: ignore[operator]
+
+
+def test_the_first_group_must_be_full_attention() -> None:
+    with pytest.raises(InvalidArgument, match=r"groups\[0\] must be a full group"):
+        GroupedPool(8, BS, (COMP, FULL))
+
+
+# ------------------------------------------------------------------ keys per group
+def test_the_first_groups_keys_are_the_plain_pools_and_no_salt_reaches_another_group() -> None:
+    """Group 0's chain roots are the request's own namespace's (a router that reads cache
+    events computes those); a later group's root is one no request's namespace has, so
+    no cache salt can make one group's K/V serve another's layers."""
+    from refserve.kv import BlockPool
+    from refserve.kv.groups import group_namespace
+    from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace
+
+    salted = Namespace(cache_salt="s")
+    assert group_namespace(salted, 0) == salted
+    grouped, plain = GroupedPool(16, BS, (FULL, WIN)), BlockPool(16, BS)
+    grouped.allocate("a", tokens(8), 8, namespace=salted)
+    plain.allocate("a", tokens(8), 8, namespace=salted)
+    assert plain.lookup(tokens(9), salted).keys == grouped.lookup(tokens(9), salted).hits[0].keys
+    later = group_namespace(DEFAULT_NAMESPACE, 1).root_key()
+    lookalikes = ("layer-group 1", "1", "0:|group:1", "\x00layer-group 1")
+    for salt in lookalikes:
+        for model in ("default", "default\x00"):
+            assert Namespace(model, "", salt).root_key() != later
+    assert group_namespace(DEFAULT_NAMESPACE, 2).root_key() != later
+
+
+def test_cache_events_carry_every_groups_blocks_under_its_own_root() -> None:
+    """One event log for the one index: every group's cached blocks are published, each
+    chain from its group's root, so a router hashing a prompt from the request's own
+    root finds the first group's keys; a window block released and then reused by
+    another request is published as removed."""
+    from refserve.kv.groups import group_namespace
+    from refserve.spec.events import BlockRemoved, BlockStored
+    from refserve.spec.hashing import DEFAULT_NAMESPACE
+
+    pool = GroupedPool(7, BS, (FULL, WIN), cache_events=True)
+    log = pool.cache_events
+    assert log is not None
+    pool.allocate("a", tokens(9), 9)  # 3 blocks in each group, 1 block free
+    stored = [e.change for e in log.drain() if isinstance(e.change, BlockStored)]
+    roots = [group_namespace(DEFAULT_NAMESPACE, g).root_key() for g in (0, 1)]
+    assert [c.parent_key for c in stored if c.parent_key in roots] == roots
+    assert len(stored) == 4  # the two full blocks of each group
+    pool.allocate("a", tokens(10), 1)  # L = 9 reads from 4: window block 0 goes back
+    assert window_table(pool, "a")[0] == NULL_BLOCK and log.drain() == []
+    pool.allocate("b", tokens(4, 100), 4)  # two blocks: the free one and the released one
+    removed = [e.change for e in log.drain() if isinstance(e.change, BlockRemoved)]
+    first_window_block = next(c for c in stored if c.parent_key == roots[1])
+    assert [c.key for c in removed] == [first_window_block.key]

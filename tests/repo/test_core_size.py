@@ -35,7 +35,7 @@ def _core(*names: str) -> tuple[str, ...]:
 
 PARTS = (
     Part("request and settings", _core("__init__", "request", "config", "cost"), 440),
-    Part("the rules", _core("capacity", "prefill", "policy", "waiting"), 480),
+    Part("the rules", _core("capacity", "prefill", "policy", "waiting"), 490),
     Part("planning", _core("hooks", "step_build", "plan", "planner"), 460),
     Part("scheduler loop", _core("loop", "batch"), 560),
     Part(

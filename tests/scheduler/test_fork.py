@@ -108,7 +108,7 @@ def test_fork_fits_exactly_when_blocks_equal_the_pool() -> None:
         max_num_batched_tokens=16, max_num_seqs=1, block_size=2, num_blocks=3, max_model_len=16
     )
     sched, _, _ = _decoding_parent(cfg)
-    child = sched.fork("p", "c", 77, StopParams(max_tokens=1))
+    child = sched.fork("p", "c", 77, StopParams(max_tokens=2))
     assert child.status is S.PREEMPTED and sched.waiting == [child]
 
 
@@ -158,6 +158,11 @@ def test_fork_refusals() -> None:
     for bad in (-1, True, 1.0):
         with pytest.raises(InvalidArgument, match=r"^fork: bad first token .* for 'c'$"):
             sched.fork("p", "c", bad, stop)  # type: ignore[arg-type]
+    # A child its first token already finishes would sample past its stop (KVLEN).
+    for done, first in ((StopParams(max_tokens=1), 1), (StopParams(2, stop_token_ids=(7,)), 7)):
+        with pytest.raises(InvalidArgument, match=r"^fork: child 'c' is finished by its first"):
+            sched.fork("p", "c", first, done)
+    assert "c" not in sched.requests
     sched.fork("p", "c", 0, stop)  # token 0 is fine
     assert sched.requests["c"].token_ids[-1] == 0
     # A parent that is not decoding, or has sampled more than one token.

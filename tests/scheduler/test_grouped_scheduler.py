@@ -1,0 +1,157 @@
+"""The scheduler with layer groups (``SchedulerConfig.kv_groups``): a bad layout, or one
+combined with what does not carry every group's tables yet, is a typed error naming it;
+a grouped allocation that fails inside a running step changes no group, and a failed
+step rolls every group back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from refserve.core.config import SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.core.engine_core import EngineCore
+from refserve.core.executor import StepOutput
+from refserve.core.inputs import ModelInputs
+from refserve.core.plan import StepPlan
+from refserve.core.request import FinishReason, Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.errors import ExceedsCapacity, InvalidArgument, OutOfBlocks
+from refserve.kv import BlockPool
+from refserve.kv.groups import GroupedPool
+from refserve.sim.simulator import SimExecutor
+from refserve.spec.groups import NULL_BLOCK, GroupKind, KVGroup, check_groups, layout_blocks
+
+FULL = KVGroup(GroupKind.FULL)
+WIN = KVGroup(GroupKind.WINDOW, 6)
+BS = 4
+
+
+# ------------------------------------------------------------------- bad config
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"kv_groups": [FULL, WIN]}, r"kv_groups must be a tuple of KVGroup, got \[KVGroup"),
+        ({"kv_groups": (FULL, "window")}, r"kv_groups must be a tuple of KVGroup, got .*'window'"),
+        ({"kv_groups": (WIN, FULL)}, r"kv_groups\[0\] must be a full attention group, got .*6"),
+        ({"kv_groups": (WIN,)}, r"kv_groups\[0\] must be a full attention group"),
+        (
+            {"kv_groups": (FULL, WIN), "num_host_blocks": 4},
+            r"kv_groups with several groups does not support num_host_blocks",
+        ),
+        (
+            {"kv_groups": (FULL, WIN), "num_speculative_tokens": 2},
+            r"kv_groups with several groups does not support num_speculative_tokens",
+        ),
+        (
+            {"kv_groups": (FULL, WIN), "policy": "mlfq"},
+            r"kv_groups with several groups does not support policy mlfq",
+        ),
+    ],
+)
+def test_a_bad_layout_is_named(fields: dict[str, Any], match: str) -> None:
+    with pytest.raises(InvalidArgument, match=match):
+        SchedulerConfig(block_size=BS, **fields)
+
+
+def test_one_full_group_is_the_plain_pool_and_keeps_every_feature() -> None:
+    cfg = SchedulerConfig(
+        block_size=BS, kv_groups=(FULL,), num_host_blocks=4, num_speculative_tokens=2
+    )
+    assert not cfg.grouped
+    assert type(Scheduler(cfg).pool) is BlockPool
+    grouped = Scheduler(SchedulerConfig(block_size=BS, kv_groups=(FULL, WIN, FULL)))
+    assert isinstance(grouped.pool, GroupedPool) and grouped.pool.groups == (FULL, WIN, FULL)
+
+
+# ------------------------------------------------------------ failures in a step
+class Boom(Exception):
+    """The step fails on purpose."""
+
+
+class ProbingExecutor(SimExecutor):
+    """The simulator; while a step runs (its allocations made, its transaction open),
+    ``probe`` may try allocations of its own and ask the step to fail."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        super().__init__(StepCost(), sched.requests, block_size=sched.config.block_size)
+        self.probe: Any = None
+
+    def execute(self, plan: StepPlan, inputs: ModelInputs | None) -> StepOutput:
+        if self.probe is not None and self.probe(plan):
+            raise Boom("the step fails after a refused allocation")
+        return super().execute(plan, inputs)
+
+
+def test_a_refused_allocation_in_a_step_changes_no_group_and_the_step_rolls_back() -> None:
+    """Mid-step, request a could release a window block before its next allocation; an
+    allocation too big for the free blocks (OutOfBlocks), or for the pool
+    (ExceedsCapacity), must leave every group as the step left it, that window block
+    included. The step then fails, and every group is as before it."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16,
+        max_num_seqs=2,
+        block_size=BS,
+        num_blocks=14,
+        max_model_len=40,
+        kv_groups=(FULL, WIN),
+    )
+    sched = Scheduler(cfg)
+    pool = sched.pool
+    assert isinstance(pool, GroupedPool)
+    executor = ProbingExecutor(sched)
+    core = EngineCore(sched, executor, check_invariants=True)
+    a = Request("a", list(range(1, 13)), StopParams(12, ignore_eos=True))
+    b = Request("b", list(range(50, 58)), StopParams(12, ignore_eos=True))
+    sched.add_request(a)
+    sched.add_request(b)
+    tried: list[int] = []
+
+    def probe(plan: StepPlan) -> bool:
+        table = pool.grouped_snapshot().table("a", 0)
+        if table is None:
+            return False
+        stored = table.num_stored  # after this step's allocation
+        window_table = pool.block_tables("a")[1]
+        first = pool.first_read_block(1, stored)
+        if not any(b != NULL_BLOCK for b in window_table[:first]):
+            return False  # nothing a's next allocation would release: not yet
+        n = next(
+            n
+            for n in range(1, 64)
+            if not pool.can_allocate("a", n)
+            or layout_blocks(cfg.kv_groups, stored, n, BS) > cfg.num_blocks
+        )
+        assert layout_blocks(cfg.kv_groups, stored, n, BS) <= cfg.num_blocks, "no room, not never"
+        known = [*a.token_ids, *range(900, 900 + 64)]
+        during = pool.grouped_snapshot()
+        with pytest.raises(OutOfBlocks):
+            pool.allocate("a", known, n)
+        assert pool.grouped_snapshot() == during and pool.in_transaction
+        with pytest.raises(ExceedsCapacity):
+            pool.allocate("a", known, 60)
+        assert pool.grouped_snapshot() == during and pool.in_transaction
+        tried.append(stored)
+        return True
+
+    executor.probe = probe
+    clock = 0.0
+    for _ in range(40):
+        before, grouped_before = sched.snapshot(), pool.grouped_snapshot()
+        index = sched.step_index
+        try:
+            clock = core.step(clock).end_ms
+        except Boom:
+            assert sched.snapshot() == before and pool.grouped_snapshot() == grouped_before
+            assert sched.step_index == index and not pool.in_transaction
+            break
+        assert check_groups(pool.grouped_snapshot()) == []
+    assert tried, "the scenario never reached a pending window release"
+    executor.probe = None
+    while sched.has_unfinished:
+        clock = core.step(clock).end_ms
+        assert check_groups(pool.grouped_snapshot()) == []
+    assert a.finish_reason is FinishReason.LENGTH and b.finish_reason is FinishReason.LENGTH
+    assert pool.num_free_blocks == cfg.num_blocks

@@ -1,0 +1,514 @@
+"""Hypothesis state machine: the scheduler over a hybrid model's KV layer groups.
+
+A ``Scheduler`` with ``kv_groups`` of one full attention group and one or two sliding
+window groups (windows mostly not a multiple of the block size), tiny pools (so
+preemption by recompute and the capacity refusal both happen), prefix caching on and
+prompts that share prefixes (so hits, with window blocks skipped, happen), driven by
+arrivals, checked steps, aborts and n > 1 forks. Every step goes through
+``EngineCore(check_invariants=True)`` (the engine's own TOKEN, BLOCK, KVLEN, POS, CAP,
+PREFIX and PROGRESS over every group's tables); on top, this machine checks the layer
+group rules of spec/groups.py, which the engine's checks do not state:
+
+* inside every step, once the scheduler has allocated (the executor runs then):
+  ``check_groups`` on the pool's ``grouped_snapshot()``, and ``check_window_held`` for
+  every scheduled request, from the KV length its chunk starts at (``plan.starts``) with
+  the prefix-cache hit it was admitted with in this step (``plan.num_new_cached_tokens``);
+* a fake K/V memory written in every group (slot -> token id, through each group's own
+  table, copy-on-write copies applied first): each scheduled request reads its own
+  tokens wherever its chunk's queries read, a full group from position 0 and a window
+  group from ``window_start``; after each step every live table and every prefix-cache
+  entry reads back the tokens it claims;
+* capacity: the blocks in use never exceed ``num_blocks``; a request refused as never
+  fitting (``ExceedsCapacity``, or finished with reason ``capacity``) needs more than
+  the pool by spec/groups.py's count (``peak_blocks``), and one accepted needs no more.
+
+The planted bugs at the end (a window block released one token early, a hit taken
+without a window block its query reads, a group left out of a free) are each caught by
+these same checks, in fixed scenarios.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from refserve.core.config import Admission, SchedulerConfig
+from refserve.core.cost import StepCost
+from refserve.core.engine_core import EngineCore, InvariantViolation
+from refserve.core.executor import StepOutput
+from refserve.core.inputs import ModelInputs
+from refserve.core.plan import StepPlan
+from refserve.core.request import FinishReason, Request, StopParams
+from refserve.core.scheduler import Scheduler
+from refserve.errors import ExceedsCapacity
+from refserve.kv import PrefixHit
+from refserve.kv.groups import GroupedHit, GroupedPool
+from refserve.kv.pool import BlockPool
+from refserve.sim.simulator import SimExecutor
+from refserve.spec.groups import (
+    GROUP_TABLES,
+    NULL_BLOCK,
+    PREFIX_COMPLETE,
+    WINDOW_EARLY,
+    GroupKind,
+    KVGroup,
+    check_groups,
+    check_window_held,
+    peak_blocks,
+    window_start,
+)
+from refserve.spec.snapshot import RequestStatus
+from refserve.spec.violation import Violation
+
+FULL = KVGroup(GroupKind.FULL)
+COST = StepCost(a=1.0, b=0.5, c=1.0)
+MAX_LIVE = 6
+
+
+def window(w: int) -> KVGroup:
+    return KVGroup(GroupKind.WINDOW, w)
+
+
+class GroupRuleBroken(AssertionError):
+    """A layer group rule (spec/groups.py) or the fake memory's read-back failed; the
+    message names every rule broken."""
+
+    def __init__(self, where: str, violations: Sequence[Violation], errors: Sequence[str]) -> None:
+        lines = [f"{v.rule or v.invariant}: {v}" for v in violations] + list(errors)
+        super().__init__(f"{where}:\n  " + "\n  ".join(lines))
+        self.rules = {v.rule for v in violations}
+
+
+def needs_blocks(config: SchedulerConfig, num_tokens: int) -> int:
+    """The blocks ``num_tokens`` tokens of KV need at once, by spec/groups.py: the peak
+    of steps of at most the token budget (which bounds a whole prompt without chunked
+    prefill too)."""
+    budget = config.max_num_batched_tokens
+    return peak_blocks(config.kv_groups, max(1, num_tokens), config.block_size, budget)
+
+
+def grouped_pool(sched: Scheduler) -> GroupedPool:
+    pool = sched.pool
+    assert isinstance(pool, GroupedPool), "a grouped config builds a GroupedPool"
+    return pool
+
+
+class GroupCheckingExecutor(SimExecutor):
+    """The simulator's tokens and step times, with the layer group checks run where the
+    step's allocations stand (inside ``execute``) and a fake K/V memory per group."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        super().__init__(COST, sched.requests, block_size=sched.config.block_size)
+        self.sched = sched
+        self.memory: dict[int, int] = {}  # slot -> token id; block ids are unique over groups
+        self.on_plan: Callable[[StepPlan], None] | None = None
+
+    def execute(self, plan: StepPlan, inputs: ModelInputs | None) -> StepOutput:
+        pool = grouped_pool(self.sched)
+        snap = pool.grouped_snapshot()
+        found = check_groups(snap)
+        for rid, start, cached in zip(
+            plan.request_ids, plan.starts, plan.num_new_cached_tokens, strict=True
+        ):
+            found += check_window_held(snap, rid, start, cached)
+        errors = self._capacity_errors()
+        bs = self.block_size
+        for cp in plan.copies:  # copy-on-write, before the forward (ref/core/plan.py)
+            for off in range(bs):
+                src = self.memory.get(cp.src * bs + off)
+                if src is None:
+                    self.memory.pop(cp.dst * bs + off, None)
+                else:
+                    self.memory[cp.dst * bs + off] = src
+        for rid, start, n in zip(plan.request_ids, plan.starts, plan.num_new_tokens, strict=True):
+            tokens = self.sched.requests[rid].token_ids
+            for g, table in enumerate(pool.block_tables(rid)):
+                # What this chunk's queries read before its own positions.
+                errors += self._readback(rid, g, table, tokens, first_read(pool, g, start), start)
+                for p in range(start, start + n):
+                    b = table[p // bs]
+                    if b == NULL_BLOCK:
+                        errors.append(f"{rid} group {g}: position {p} written to a null place")
+                    else:
+                        self.memory[b * bs + p % bs] = tokens[p]
+        if found or errors:
+            raise GroupRuleBroken(f"step {plan.step_index}", found, errors)
+        if self.on_plan is not None:
+            self.on_plan(plan)
+        return super().execute(plan, inputs)
+
+    def _capacity_errors(self) -> list[str]:
+        pool = grouped_pool(self.sched)
+        tables = pool.grouped_snapshot().tables
+        held = {b for t in tables for b in t.table.block_table} - {NULL_BLOCK}
+        used = pool.num_used_blocks
+        if used > pool.num_blocks or len(held) > used:
+            return [f"blocks in use {used}, held {len(held)}, pool {pool.num_blocks}"]
+        return []
+
+    def _readback(
+        self, rid: str, g: int, table: Sequence[int], tokens: Sequence[int], lo: int, hi: int
+    ) -> list[str]:
+        """``rid``'s table in group ``g`` reads its own tokens at positions ``[lo, hi)``."""
+        bs = self.block_size
+        out: list[str] = []
+        for p in range(lo, hi):
+            b = table[p // bs] if p // bs < len(table) else NULL_BLOCK
+            got = None if b == NULL_BLOCK else self.memory.get(b * bs + p % bs)
+            if got != tokens[p]:
+                out.append(
+                    f"{rid} group {g}: position {p} (block {b}) reads {got}, not {tokens[p]}"
+                )
+        return out
+
+    def after_step_errors(self) -> list[str]:
+        """Every live table reads back its tokens where its next query reads, and every
+        prefix-cache entry the tokens its key was made from."""
+        pool = grouped_pool(self.sched)
+        snap = pool.grouped_snapshot()
+        bs = self.block_size
+        out: list[str] = []
+        for gt in snap.tables:
+            t = gt.table
+            lo = first_read(pool, gt.group, t.num_stored)
+            out += self._readback(
+                t.request_id, gt.group, t.block_table, t.token_ids, lo, t.num_stored
+            )
+        for e in snap.pool.cache_entries:
+            got = tuple(self.memory.get(e.block_id * bs + off) for off in range(bs))
+            if got != e.token_ids:
+                out.append(f"cache entry of block {e.block_id} reads {got}, not {e.token_ids}")
+        return out + self._capacity_errors()
+
+
+def first_read(pool: GroupedPool, group: int, num_tokens: int) -> int:
+    """The first position the query at ``num_tokens`` reads in ``group`` (spec's count)."""
+    g = pool.groups[group]
+    return 0 if g.kind is GroupKind.FULL else window_start(num_tokens, g.window)
+
+
+def check_after_step(executor: GroupCheckingExecutor, where: str) -> None:
+    snap = grouped_pool(executor.sched).grouped_snapshot()
+    found = check_groups(snap)
+    errors = executor.after_step_errors()
+    if found or errors:
+        raise GroupRuleBroken(where, found, errors)
+
+
+def check_capacity_finishes(sched: Scheduler) -> int:
+    """A request the step finished with reason ``capacity`` can never fit; how many."""
+    cfg = sched.config
+    finished = [r for r in sched.retired if r.finish_reason is FinishReason.CAPACITY]
+    for r in finished:
+        need = needs_blocks(cfg, r.num_tokens)
+        assert need > cfg.num_blocks, (
+            f"{r.request_id} finished for capacity with {r.num_tokens} tokens, which "
+            f"need {need} of {cfg.num_blocks} blocks"
+        )
+    return len(finished)
+
+
+# ------------------------------------------------------------------ the machine
+class GroupedMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.next_id = 0
+        self.clock = 0.0
+        self.prefixes: list[list[int]] = []
+
+    @initialize(data=st.data())
+    def setup(self, data: st.DataObject) -> None:
+        d = data.draw
+        bs = d(st.integers(2, 4), label="block_size")
+        windows = d(st.lists(st.integers(1, 10), min_size=1, max_size=2), label="windows")
+        groups = (FULL, *(window(w) for w in windows))
+        chunked = d(st.sampled_from([True, True, True, False]), label="chunked")
+        # Without chunked prefill the budget caps a request's length (config.max_len).
+        budget = d(st.integers(bs, 16), label="budget") if chunked else 40
+        self.config = SchedulerConfig(
+            max_num_batched_tokens=budget,
+            max_num_seqs=d(st.integers(1, 4), label="max_num_seqs"),
+            block_size=bs,
+            num_blocks=d(st.integers(6, 24), label="num_blocks"),
+            max_model_len=40,
+            enable_prefix_caching=True,
+            enable_chunked_prefill=chunked,
+            align_chunks_to_blocks=d(st.booleans(), label="align"),
+            admission=d(
+                st.sampled_from(
+                    [Admission.FIRST_CHUNK] * 2 + [Admission.PROMPT, Admission.SEQUENCE]
+                ),
+                label="admission",
+            ),
+            kv_groups=groups,
+        )
+        self.prefixes = [
+            d(st.lists(st.integers(1, 3), min_size=bs, max_size=4 * bs), label="prefix")
+            for _ in range(2)
+        ]
+        self.sched = Scheduler(self.config)
+        self.executor = GroupCheckingExecutor(self.sched)
+        self.executor.on_plan = self._label
+        self.core = EngineCore(self.sched, self.executor, check_invariants=True)
+
+    def _label(self, plan: StepPlan) -> None:
+        if plan.preempted:
+            event("a preemption")
+        if plan.copies:
+            event("a copy-on-write copy")
+        pool = grouped_pool(self.sched)
+        for rid, cached in zip(plan.request_ids, plan.num_new_cached_tokens, strict=True):
+            windows = pool.block_tables(rid)[1:]
+            if any(NULL_BLOCK in t for t in windows):
+                event("a window group holds null places")
+            if cached:
+                event("a prefix hit")
+                if any(t[:1] == (NULL_BLOCK,) for t in windows):
+                    event("a prefix hit that skips window blocks")
+
+    # ------------------------------------------------------------------ rules
+    @rule(
+        which=st.integers(0, 1),
+        shared=st.integers(0, 16),
+        tail=st.lists(st.integers(1, 3), max_size=8),
+        max_tokens=st.integers(1, 10),
+    )
+    def add(self, which: int, shared: int, tail: list[int], max_tokens: int) -> None:
+        if len(self.sched.requests) >= MAX_LIVE:
+            return
+        prompt = self.prefixes[which][:shared] + tail or [1]
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        r = Request(rid, prompt, StopParams(max_tokens, ignore_eos=True), arrival_ms=self.clock)
+        need = needs_blocks(self.config, len(prompt))
+        try:
+            self.sched.add_request(r)
+        except ExceedsCapacity:
+            event("a request that can never fit is refused")
+            assert need > self.config.num_blocks, (
+                f"{rid} refused: {len(prompt)} tokens need {need} of "
+                f"{self.config.num_blocks} blocks"
+            )
+            return
+        assert need <= self.config.num_blocks, f"{rid} accepted but needs {need} blocks"
+
+    @rule(n=st.integers(1, 4))
+    def step(self, n: int) -> None:
+        for _ in range(n):
+            if not self.sched.has_unfinished:
+                return
+            self._one_step()
+
+    def _one_step(self) -> None:
+        rec = self.core.step(self.clock)
+        self.clock = rec.end_ms
+        if check_capacity_finishes(self.sched):
+            event("a request finished with reason capacity")
+        check_after_step(self.executor, f"after step {rec.plan.step_index}")
+
+    @precondition(lambda self: bool(self.sched.requests))
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.sched.requests)), label="abort")
+        self.sched.abort(rid, self.clock)
+        check_after_step(self.executor, f"after aborting {rid}")
+
+    def _parents(self) -> list[str]:
+        return sorted(
+            rid
+            for rid, r in self.sched.requests.items()
+            if r.status is RequestStatus.DECODING and r.num_output_tokens == 1
+        )
+
+    @precondition(lambda self: bool(self._parents()))
+    @rule(data=st.data(), first=st.integers(1, 3), max_tokens=st.integers(2, 8))
+    def fork(self, data: st.DataObject, first: int, max_tokens: int) -> None:
+        parent = data.draw(st.sampled_from(self._parents()), label="parent")
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        child = self.sched.fork(parent, rid, first, StopParams(max_tokens, ignore_eos=True))
+        event(f"a fork that {child.status.value}")
+        if check_capacity_finishes(self.sched):
+            event("a fork that can never fit finished with reason capacity")
+        check_after_step(self.executor, f"after forking {rid} off {parent}")
+
+    @invariant()
+    def used_within_pool(self) -> None:
+        if hasattr(self, "sched"):  # invariants run before the initialize rule too
+            assert self.sched.pool.num_used_blocks <= self.config.num_blocks
+
+    def teardown(self) -> None:
+        if not hasattr(self, "sched"):
+            return
+        limit = 400
+        while self.sched.has_unfinished and limit:
+            self._one_step()
+            limit -= 1
+        assert not self.sched.has_unfinished, "the drain did not finish"
+        snap = grouped_pool(self.sched).grouped_snapshot()
+        assert snap.tables == () and self.sched.pool.num_free_blocks == self.config.num_blocks
+
+
+GroupedMachine.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_grouped_state_machine = GroupedMachine.TestCase
+
+
+# ---------------------------------------------------------------------- planted bugs
+# Fixed scenarios, so each is fast and cannot flake: blocks of 4, a full group and a
+# window of 6 (not a multiple of the block size: the window starts inside a block).
+BS = 4
+PLANTED = SchedulerConfig(
+    max_num_batched_tokens=16,
+    max_num_seqs=2,
+    block_size=BS,
+    num_blocks=16,
+    max_model_len=32,
+    kv_groups=(FULL, window(6)),
+)
+
+
+def request(rid: str, prompt: Sequence[int], max_tokens: int) -> Request:
+    return Request(rid, list(prompt), StopParams(max_tokens, ignore_eos=True))
+
+
+def rules_found(arrivals: Sequence[tuple[int, Request]], limit: int = 60) -> set[str]:
+    """Run requests arriving at the given steps on a scheduler over ``PLANTED`` with the
+    machine's checks; the layer group rules they found (empty: none, and every request
+    finished). An engine check that fails first is reported by its invariant, with the
+    group rules of the state it failed in."""
+    sched = Scheduler(PLANTED)
+    executor = GroupCheckingExecutor(sched)
+    core = EngineCore(sched, executor, check_invariants=True)
+    clock = 0.0
+    try:
+        for i in range(limit):
+            for at, r in arrivals:
+                if at == i:
+                    sched.add_request(r)
+            if sched.has_unfinished:
+                clock = core.step(clock).end_ms
+                check_capacity_finishes(sched)
+                check_after_step(executor, f"after step {i}")
+    except GroupRuleBroken as e:
+        return e.rules
+    except InvariantViolation as e:
+        found = check_groups(grouped_pool(sched).grouped_snapshot())
+        return {str(v.invariant) for v in e.violations} | {v.rule for v in found}
+    assert not sched.has_unfinished, "the scenario did not finish"
+    assert all(r.finish_reason is FinishReason.LENGTH for _, r in arrivals)
+    return set()
+
+
+@contextmanager
+def planted(name: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Plant bug ``name`` in GroupedPool for the body (the test reaches into the
+    pool's own methods: that is where each bug would live)."""
+    if name == "early":
+        honest_first = GroupedPool.first_read_block
+
+        def first_read_block(self: GroupedPool, group: int, num_tokens: int) -> int:
+            # One block further whenever the window starts inside a block: the block
+            # holding the window's first positions goes back while its query reads it.
+            first = honest_first(self, group, num_tokens)
+            g = self.groups[group]
+            if g.kind is GroupKind.WINDOW and window_start(num_tokens, g.window) % BS:
+                return first + 1
+            return first
+
+        monkeypatch.setattr(GroupedPool, "first_read_block", first_read_block)
+    elif name == "incomplete-hit":
+        honest_lookup = GroupedPool.lookup
+
+        def lookup(self: GroupedPool, *args: object, **kwargs: object) -> GroupedHit:
+            # Each window group's hit skips one more block, one its query reads, and
+            # the pool takes such a hit unchecked.
+            hit = honest_lookup(self, *args, **kwargs)  # type: ignore[arg-type]
+            hits = [hit.hits[0]] + [
+                PrefixHit(h.root_key, h.block_ids[1:], h.keys, BS, h.num_skipped + 1)
+                if h.block_ids
+                else h
+                for h in hit.hits[1:]
+            ]
+            return GroupedHit.of(hits)
+
+        monkeypatch.setattr(GroupedPool, "lookup", lookup)
+        monkeypatch.setattr(GroupedPool, "_check_hit", lambda *args: None)
+    elif name == "leaky-free":
+
+        def free(self: GroupedPool, request_id: str) -> None:
+            for pool in self.pools[:-1]:  # the last group keeps its table
+                BlockPool.free(pool, request_id)
+
+        monkeypatch.setattr(GroupedPool, "free", free)
+    else:
+        raise AssertionError(f"no planted bug {name!r}")
+    yield
+    monkeypatch.undo()
+
+
+Scenario = Callable[[], list[tuple[int, Request]]]
+
+
+def decode() -> list[tuple[int, Request]]:
+    """Decoding from 8 to 16 tokens: the query at 10 reads from position 5, in block 1."""
+    return [(0, request("a", range(1, 9), 8))]
+
+
+def hit() -> list[tuple[int, Request]]:
+    """b's 13-token prompt starts with a's 12 tokens, cached once a finished: a hit of 12
+    whose window group needs blocks 1 and 2 (the query at 12 reads from 7)."""
+    return [(0, request("a", range(1, 13), 1)), (3, request("b", [*range(1, 13), 99], 2))]
+
+
+@pytest.mark.parametrize(
+    ("bug", "scenario", "rule"),
+    [
+        ("early", decode, WINDOW_EARLY),
+        ("incomplete-hit", hit, PREFIX_COMPLETE),
+        ("leaky-free", decode, GROUP_TABLES),
+    ],
+)
+def test_the_checks_find_the_planted_bug(
+    bug: str, scenario: Scenario, rule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert rules_found(scenario()) == set(), "the scenario is sound without the bug"
+    with planted(bug, monkeypatch):
+        found = rules_found(scenario())
+    assert rule in found, found
+
+
+def test_the_hit_scenario_takes_a_hit_that_skips_a_window_block() -> None:
+    """What the incomplete-hit bug needs: b admitted on a's 12 cached tokens, its window
+    table skipping block 0 only."""
+    sched = Scheduler(PLANTED)
+    executor = GroupCheckingExecutor(sched)
+    core = EngineCore(sched, executor, check_invariants=True)
+    seen: list[tuple[str, int, tuple[int, ...]]] = []
+
+    def record(plan: StepPlan) -> None:
+        for rid, cached in zip(plan.request_ids, plan.num_new_cached_tokens, strict=True):
+            if cached:
+                seen.append((rid, cached, grouped_pool(sched).block_tables(rid)[1]))
+
+    executor.on_plan = record
+    clock = 0.0
+    arrivals = hit()
+    for i in range(20):
+        for at, r in arrivals:
+            if at == i:
+                sched.add_request(r)
+        if sched.has_unfinished:
+            clock = core.step(clock).end_ms
+    assert [(rid, cached, table[:2].count(NULL_BLOCK)) for rid, cached, table in seen] == [
+        ("b", 12, 1)
+    ]
