@@ -39,6 +39,7 @@ MAX_CONTEXT = 1 << 20
 MAX_SLO_MS = 1e9
 MAX_GOODPUT_REQUESTS = 20_000
 DEFAULT_WINDOW = 1024
+DEFAULT_RATIO = 4
 #: ``--quick``: three short contexts on a small pool (seconds).
 QUICK: dict[str, Any] = {
     "contexts": (256, 1024, 4096),
@@ -91,8 +92,9 @@ def add_kv_layouts_parser(sub: Any) -> argparse.ArgumentParser:
     p = add_command(
         sub,
         "kv-layouts",
-        "capacity and goodput against context length for dense and hybrid KV layouts at "
-        "one memory, on the simulator; writes DIR/report.md, DIR/report.json and PNG plots",
+        "capacity and goodput against context length for dense, hybrid and compressed KV "
+        "layouts at one memory, on the simulator; writes DIR/report.md, DIR/report.json and "
+        "PNG plots",
     )
     ms = finite_float(0, MAX_SLO_MS)
     p.add_argument(
@@ -113,9 +115,15 @@ def add_kv_layouts_parser(sub: Any) -> argparse.ArgumentParser:
         help="the hybrid layouts' sliding window in tokens (default 1024)",
     )
     p.add_argument(
+        "--ratio",
+        type=int_at_most(MAX_CONTEXT),
+        help="the compressed layout's tokens per K/V entry (default 4)",
+    )
+    p.add_argument(
         "--layouts",
         type=_names,
-        help="a subset of dense,hybrid-1:1,hybrid-5:1, the first the baseline (default all)",
+        help="a subset of dense,hybrid-1:1,hybrid-5:1,compressed-rRATIO, the first the "
+        "baseline (default all)",
     )
     p.add_argument(
         "--dense-blocks",
@@ -173,8 +181,8 @@ def add_kv_layouts_parser(sub: Any) -> argparse.ArgumentParser:
         "--trace",
         type=_trace,
         metavar="LAYOUT@CONTEXT",
-        help="the capacity run plotted step by step (default: the last layout at the "
-        "middle context)",
+        help="the capacity run plotted step by step (default: the layout of the most "
+        "groups at the middle context)",
     )
     p.add_argument("--quick", action="store_true", help="three short contexts, a small pool")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -229,7 +237,10 @@ def _layouts(args: argparse.Namespace, window: int) -> tuple[KVLayout, ...]:
 
     if window < 1:
         raise InvalidArgument(f"--window must be an int >= 1 token, got {window}")
-    layouts = standard_layouts(window)
+    ratio = DEFAULT_RATIO if args.ratio is None else args.ratio
+    if ratio < 2:
+        raise InvalidArgument(f"--ratio must be an int >= 2 tokens per entry, got {ratio}")
+    layouts = standard_layouts(window, ratio)
     if args.layouts is None:
         return layouts
     by_name = {x.name: x for x in layouts}
@@ -248,7 +259,7 @@ def command_line(args: argparse.Namespace) -> str:
     parts = ["refserve", "kv-layouts"]
     if args.quick:
         parts.append("--quick")
-    for dest in ("contexts", "output_len", "window", "layouts", *FIELDS[2:], "cost"):
+    for dest in ("contexts", "output_len", "window", "ratio", "layouts", *FIELDS[2:], "cost"):
         value = getattr(args, dest)
         if value is not None:
             text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)

@@ -114,11 +114,13 @@ def _header(report: Doc) -> list[str]:
         f"{_int(s, 'block_size')} tokens of L/G layers and has the same bytes in every "
         f"group. The KV memory holds N = {_int(s, 'dense_blocks'):,} dense blocks "
         f"({_int(s, 'dense_tokens'):,} tokens of all L layers); a layout of G groups has "
-        "N x G blocks. A request takes from that one pool `layout_blocks` of its groups "
-        "(spec/groups.py): a full group a block per stored block of tokens, a window group "
-        "only the blocks its next query reads. The **bound** is `floor(blocks / "
-        "peak_blocks(layout, prompt + output))`: the requests that fit at once, each at "
-        "its peak.",
+        "N x G blocks. A compressed layer that keeps its last tokens raw has two groups "
+        "over the same layers (spec/groups.py), so the multiplier counts sets of layers, "
+        "not groups. A request takes from that one pool `layout_blocks` of its groups: a "
+        "full group a block per stored block of tokens, a compressed group a block per "
+        "ratio times that, a window group only the blocks its next query reads. The "
+        "**bound** is `floor(blocks / peak_blocks(layout, prompt + output))`, the peak one "
+        "token at a time: the requests that fit at once, each at its peak.",
         "",
         "| layout | groups | G x N blocks | what it is |",
         "|---|---|---|---|",
@@ -138,10 +140,11 @@ def _header(report: Doc) -> list[str]:
         "requests in flight, twice that many in all, at a token budget of "
         f"{_int(s, 'capacity_budget'):,} (large enough that prefill does not cap how many "
         "run). *reserve-peak* admits a request only when the peaks of those running and "
-        "its own fit the pool, so the memory alone sets the count; *sequence* is the "
-        "scheduler's own admission (the new request's whole peak must be free now; the "
-        "growth still owed to those running is not held back). The mean is over the "
-        "steady state (from the first finish until nothing waits), weighted by step time.",
+        "its own (one token at a time) fit the pool and its first chunk's blocks are free, "
+        "so the memory alone sets the count; *sequence* is the scheduler's own admission "
+        "(the new request's peak in chunks of the budget must be free now; the growth "
+        "still owed to those running is not held back). The mean is over the steady "
+        "state (from the first finish until nothing waits), weighted by step time.",
         f"- **Goodput**: an open-loop Poisson trace of {_int(s, 'goodput_requests')} "
         f"requests per context at {_num(s, 'load'):g} of the rate the cost model prefills "
         f"the prompts (the same arrivals for every layout), token budget "
@@ -193,10 +196,10 @@ def _capacity(
         "",
         f"![capacity vs context]({_str(plots, 'capacity')})",
         "",
-        "| prompt tokens | layout | blocks | peak blocks | bound | x "
-        f"{baseline} | first chunk blocks | bound with first chunk | most running | mean "
-        "running | x " + baseline + " (measured) | preemptions | most running (sequence) | "
-        "preemptions (sequence) |",
+        f"| prompt tokens | layout | blocks | peak blocks | bound | x {baseline} | peak in "
+        f"chunks of {_int(settings, 'capacity_budget'):,} | bound with chunked peak | most "
+        f"running | mean running | x {baseline} (measured) | preemptions | most running "
+        "(sequence) | preemptions (sequence) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in _contexts(points):
@@ -211,7 +214,7 @@ def _capacity(
             ran_x = ran / _int(_obj(base, "reserve_peak"), "max_running") if base else None
             lines.append(
                 f"| {c:,} | {n} | {_int(p, 'num_blocks'):,} | {_int(p, 'peak_blocks'):,} | "
-                f"{_int(p, 'bound')} | {_x(bound_x)} | {_int(p, 'first_chunk_blocks'):,} | "
+                f"{_int(p, 'bound')} | {_x(bound_x)} | {_int(p, 'chunk_peak_blocks'):,} | "
                 f"{_int(p, 'chunk_bound')} | {ran} | {_f(_num(r, 'mean_running'))} | "
                 f"{_x(ran_x)} | {_int(r, 'preemptions')} | {_int(q, 'max_running')} | "
                 f"{_int(q, 'preemptions')} |"
@@ -259,16 +262,18 @@ def _against_bound(points: Sequence[Doc], settings: Doc) -> str:
         return text + "."
     listed = ", ".join(
         f"{_str(p, 'layout')} at {_int(p, 'context'):,} ({_ran(p)} of {_int(p, 'bound')}, "
-        f"the bound with the first chunk {_int(p, 'chunk_bound')})"
+        f"with the chunked peak {_int(p, 'chunk_bound')})"
         for p in short
     )
+    budget = _int(settings, "capacity_budget")
     return (
         f"{text}: {listed}. A prompt's chunk computes all its tokens in one step, so while "
-        "it does a window group holds every block of the chunk and the window before it, "
-        "where `peak_blocks` counts one token at a time: a new request's first chunk of up "
-        f"to {_int(settings, 'capacity_budget'):,} tokens needs *first chunk blocks* free, "
-        "and with the others at their peak that leaves about the *bound with first chunk* "
-        "seats (about: the others are not all at their peak at once)."
+        "it does a window group holds every block of the chunk and the window before it: "
+        f"in chunks of {budget:,} tokens a request's peak is the *peak in chunks* (what "
+        "the scheduler's capacity refusal and whole-request admission count), not the "
+        "peak one token at a time the bound divides by. The newest request's chunks need "
+        "that room beside the others at their peak, which leaves about the *bound with "
+        "chunked peak* seats (about: the others are not all at their peak at once)."
     )
 
 
@@ -284,9 +289,9 @@ def _sequence_over(points: Sequence[Doc]) -> list[str]:
     return [
         "",
         f"The scheduler's own sequence admission ran more than the bound at {listed}: it "
-        "admits when the new request's peak is free now, while the requests already "
-        "running still grow, and a request that then finds no block preempts the latest "
-        "arrival.",
+        "admits when the new request's peak (in chunks) is free now, while the requests "
+        "already running still grow, and a request that then finds no block preempts the "
+        "latest arrival.",
     ]
 
 

@@ -66,8 +66,9 @@ def default_slo(exp: LayoutExperiment) -> Slo:
 @dataclass(frozen=True)
 class KVLayoutsOptions:
     """What to run and where the report goes; ``trace`` is the capacity run whose every
-    step is plotted (layout name, context), by default the last layout at the middle
-    context length; ``command`` the command line the report says measured it."""
+    step is plotted (layout name, context), by default the layout of the most groups (the
+    first of them) at the middle context length; ``command`` the command line the report
+    says measured it."""
 
     exp: LayoutExperiment
     slo: Slo
@@ -95,7 +96,8 @@ class KVLayoutsOptions:
         if self.trace is not None:
             return self.trace
         contexts = self.exp.contexts
-        return self.exp.layouts[-1].name, contexts[len(contexts) // 2]
+        most = max(self.exp.layouts, key=lambda x: len(x.groups))
+        return most.name, contexts[len(contexts) // 2]
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ class CapacityPoint:
     num_blocks: int
     peak_blocks: int
     bound: int
-    first_chunk_blocks: int
+    chunk_peak_blocks: int
     chunk_bound: int
     concurrency: int
     num_requests: int
@@ -224,7 +226,7 @@ def _capacity_point(
         num_blocks=layout.num_blocks(exp.dense_blocks),
         peak_blocks=layout.peak(context + exp.output_len, exp.block_size),
         bound=exp.bound(layout, context),
-        first_chunk_blocks=exp.first_chunk_blocks(layout, context),
+        chunk_peak_blocks=exp.chunk_peak(layout, context),
         chunk_bound=exp.chunk_bound(layout, context),
         concurrency=exp.concurrency(layout, context),
         num_requests=exp.capacity_requests(layout, context),
@@ -388,7 +390,7 @@ def _context_chart(
                 alpha=0.6,
                 label=f"{name} ({other})",
             )
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
 
     plain = FuncFormatter(lambda v, _pos: f"{v:g}")
     ax.set_xscale("log", base=2)
@@ -397,8 +399,10 @@ def _context_chart(
     ax.xaxis.set_major_locator(FixedLocator(contexts))
     ax.xaxis.set_major_formatter(plain)
     ax.xaxis.set_minor_formatter(NullFormatter())
+    # 1, 2, 5 in every decade: readable labels over one decade or several.
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(plain)
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.grid(True, alpha=0.3)
     ax.set_title(title)
     ax.set_xlabel("prompt tokens")

@@ -8,15 +8,17 @@ equal layer count (as vLLM's hybrid allocator does), so one block holds ``block_
 tokens of ``L/G`` layers and has the same bytes in every group. A memory that holds
 ``N`` dense blocks (``block_size`` tokens of all ``L`` layers each) therefore holds
 ``N * G`` blocks of a ``G``-group layout (:attr:`KVLayout.blocks_multiplier`). A
+compressed layer that also keeps its last tokens raw has two groups over the same
+layers (spec/groups.py), so the multiplier counts sets of layers, not groups. A
 request takes from that one pool :func:`refserve.spec.groups.layout_blocks` of the
-layout's groups: a full group a block per ``block_size`` stored tokens, a window group
-only the blocks its next query reads. The plain pool (``kv_groups=()``) is one full
-group.
+layout's groups: a full group a block per ``block_size`` stored tokens, a compressed
+group a block per ``ratio * block_size``, a window group only the blocks its next query
+reads. The plain pool (``kv_groups=()``) is one full group.
 
 **Layouts are data.** A :class:`KVLayout` is a name, a description, the scheduler's
 ``kv_groups`` and the blocks multiplier; :func:`standard_layouts` is the experiment's
-list (dense, hybrid 1:1, hybrid 5:1). A layout of another group kind is one more
-record there.
+list (dense, hybrid 1:1, hybrid 5:1, compressed). Another layout is one more record
+there.
 
 **What a run measures** (one layout, one context length, the real scheduler on the
 cost-model simulator, prefix caching off):
@@ -26,8 +28,9 @@ cost-model simulator, prefix caching off):
   the steady state: from the first finish until nothing waits any more), under one of
   two admissions (:class:`CapacityAdmission`): ``reserve-peak``
   (:class:`ReservePeaks`: a request joins only if the peaks of those running and its
-  own fit, so the memory alone sets the count) or the scheduler's own ``sequence``
-  admission (the new request's whole peak must be free now; the growth still owed to
+  own fit, one token at a time, and its first chunk's blocks are free: the memory alone
+  sets the count) or the scheduler's own ``sequence`` admission (the new request's
+  peak in chunks of the token budget must be free now, but the growth still owed to
   those running is not held back, so it can admit more and preempt later);
 - on every step of it, :class:`BlockProbe`: the pool's used blocks against the sum over
   the running requests of ``layout_blocks`` at their last allocation (exact: what the
@@ -72,6 +75,7 @@ __all__ = [
     "LoopRun",
     "ReservePeaks",
     "StepSample",
+    "compressed_layout",
     "hybrid_layout",
     "run_capacity",
     "run_goodput",
@@ -125,9 +129,10 @@ class KVLayout:
         """The blocks a request holds while it computes ``[num_stored, +num_new)``."""
         return layout_blocks(self.groups, num_stored, num_new, block_size)
 
-    def peak(self, num_tokens: int, block_size: int) -> int:
-        """The most blocks a request of ``num_tokens`` tokens holds (one at a time)."""
-        return peak_blocks(self.groups, num_tokens, block_size)
+    def peak(self, num_tokens: int, block_size: int, max_chunk: int = 1) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds when it computes
+        them in steps of at most ``max_chunk`` (one at a time by default: decoding)."""
+        return peak_blocks(self.groups, num_tokens, block_size, max_chunk)
 
     def bound(self, dense_blocks: int, num_tokens: int, block_size: int) -> int:
         """The analytic capacity: requests of ``num_tokens`` tokens that fit at once,
@@ -138,7 +143,13 @@ class KVLayout:
         """The groups in one line, e.g. ``full, window 1024 x5``."""
         parts: list[tuple[str, int]] = []
         for g in self.groups:
-            text = "full" if g.kind is GroupKind.FULL else f"{g.kind} {g.window}"
+            text = (
+                f"window {g.window}"
+                if g.kind is GroupKind.WINDOW
+                else f"compressed {g.ratio}:1"
+                if g.kind is GroupKind.COMPRESSED
+                else str(g.kind)
+            )
             if parts and parts[-1][0] == text:
                 parts[-1] = (text, parts[-1][1] + 1)
             else:
@@ -165,9 +176,33 @@ def hybrid_layout(windows: int, window: int) -> KVLayout:
     )
 
 
-def standard_layouts(window: int) -> tuple[KVLayout, ...]:
+def compressed_layout(ratio: int, window: int) -> KVLayout:
+    """Half the layers full attention, half compressed: one K/V entry per ``ratio``
+    tokens, every entry kept, and the last ``window`` tokens raw. The raw tail is a
+    window group of its own over the same layers as the compressed group (spec/groups.py),
+    so the layout has three groups over two equal sets of layers: twice the dense
+    blocks, not three times."""
+    if not is_int(ratio) or ratio < 2:
+        raise InvalidArgument(f"a compressed layout needs a ratio >= 2, got {ratio!r}")
+    if not is_int(window) or window < 1:
+        raise InvalidArgument(f"a compressed layout needs a window >= 1 token, got {window!r}")
+    return KVLayout(
+        f"compressed-r{ratio}",
+        f"half the layers full attention; the other half keep one K/V entry per {ratio} "
+        f"tokens and their last {window} tokens raw",
+        (FULL, KVGroup(GroupKind.COMPRESSED, ratio=ratio), KVGroup(GroupKind.WINDOW, window)),
+        2,
+    )
+
+
+def standard_layouts(window: int, ratio: int = 4) -> tuple[KVLayout, ...]:
     """The experiment's layouts, the baseline (dense) first."""
-    return (DENSE, hybrid_layout(1, window), hybrid_layout(5, window))
+    return (
+        DENSE,
+        hybrid_layout(1, window),
+        hybrid_layout(5, window),
+        compressed_layout(ratio, window),
+    )
 
 
 class CapacityAdmission(StrEnum):
@@ -254,12 +289,12 @@ class LayoutExperiment:
                         f"layout {layout.name}, whose pool has {blocks}: raise dense_blocks"
                     )
                 for budget in (self.capacity_budget, self.goodput_budget):
-                    chunk = self.prefill_hold(layout, c, budget)
-                    if chunk > blocks:
+                    chunked = layout.peak(c + self.output_len, self.block_size, budget)
+                    if chunked > blocks:
                         raise InvalidArgument(
-                            f"context {c}: a prefill chunk of {budget} tokens holds {chunk} "
-                            f"blocks in layout {layout.name}, whose pool has {blocks}: raise "
-                            "dense_blocks or lower the budget"
+                            f"context {c}: in chunks of {budget} tokens a request holds up "
+                            f"to {chunked} blocks in layout {layout.name}, whose pool has "
+                            f"{blocks}: raise dense_blocks or lower the budget"
                         )
                 if self.capacity_requests(layout, c) > MAX_RUN_REQUESTS:
                     raise InvalidArgument(
@@ -277,26 +312,22 @@ class LayoutExperiment:
     def bound(self, layout: KVLayout, context: int) -> int:
         return layout.bound(self.dense_blocks, context + self.output_len, self.block_size)
 
-    def prefill_hold(self, layout: KVLayout, context: int, budget: int) -> int:
-        """The blocks a prompt of ``context`` tokens holds while its last chunk of up to
-        ``budget`` tokens computes: a window group holds the whole chunk and the window
-        before it (:meth:`KVLayout.peak` counts one token at a time)."""
-        n = min(context, budget)
-        return layout.held(context - n, n, self.block_size)
-
-    def first_chunk_blocks(self, layout: KVLayout, context: int) -> int:
-        """The blocks a capacity run's new request takes with its first chunk."""
-        return layout.held(0, min(context, self.capacity_budget), self.block_size)
+    def chunk_peak(self, layout: KVLayout, context: int) -> int:
+        """A capacity run's request's peak in chunks of the token budget: what the
+        scheduler's capacity refusal and whole-request admission count (a window group
+        holds a chunk's every block while it computes)."""
+        n = context + self.output_len
+        return layout.peak(n, self.block_size, self.capacity_budget)
 
     def chunk_bound(self, layout: KVLayout, context: int) -> int:
-        """The requests that run at once when the newest one's first chunk must fit
-        beside the others at their peak (the admission checks the free blocks, not the
-        reservations): ``floor((blocks - first chunk) / peak) + 1``, at most
+        """The requests that run at once when the newest must find its chunked peak
+        free beside the others at their peak (one token at a time), as the scheduler's
+        sequence admission asks: ``floor((blocks - chunked peak) / peak) + 1``, at most
         :meth:`bound`."""
         blocks = layout.num_blocks(self.dense_blocks)
         peak = layout.peak(context + self.output_len, self.block_size)
-        first = self.first_chunk_blocks(layout, context)
-        return min(self.bound(layout, context), (blocks - first) // peak + 1)
+        room = (blocks - self.chunk_peak(layout, context)) // peak + 1
+        return min(self.bound(layout, context), room)
 
     def concurrency(self, layout: KVLayout, context: int) -> int:
         """Requests in flight in a capacity run: the bound and a quarter more (at least
@@ -312,16 +343,19 @@ class LayoutExperiment:
         """The goodput runs' arrival rate: ``load`` of the prompts' prefill rate."""
         return self.load / (self.cost.b * context / 1e3)
 
-    def config(self, layout: KVLayout, budget: int) -> SchedulerConfig:
+    def config(
+        self, layout: KVLayout, budget: int, admission: Admission = Admission.SEQUENCE
+    ) -> SchedulerConfig:
         """The scheduler of one run: ``layout`` in the experiment's memory, the whole
-        sequence admitted at once, prefix caching off (no two runs share K/V)."""
+        sequence admitted at once unless told otherwise, prefix caching off (no two
+        runs share K/V)."""
         return SchedulerConfig(
             max_num_batched_tokens=budget,
             max_num_seqs=self.max_num_seqs,
             block_size=self.block_size,
             num_blocks=layout.num_blocks(self.dense_blocks),
             enable_prefix_caching=False,
-            admission=Admission.SEQUENCE,
+            admission=admission,
             kv_groups=layout.kv_groups,
         )
 
@@ -523,12 +557,13 @@ def run_capacity(
     except ValueError:
         allowed = ", ".join(a.value for a in CapacityAdmission)
         raise InvalidArgument(f"admission must be one of {allowed}, got {admission!r}") from None
-    config = exp.config(layout, exp.capacity_budget)
-    policy = (
-        ReservePeaks(layout, config.num_blocks, config.block_size)
-        if admission is CapacityAdmission.RESERVE_PEAK
-        else None
+    reserve = admission is CapacityAdmission.RESERVE_PEAK
+    # Under the reservation the scheduler asks only for the first chunk's blocks: its
+    # own whole-request rule would ask each new request's chunked peak on top.
+    config = exp.config(
+        layout, exp.capacity_budget, Admission.FIRST_CHUNK if reserve else Admission.SEQUENCE
     )
+    policy = ReservePeaks(layout, config.num_blocks, config.block_size) if reserve else None
     scheduler = Scheduler(config, policy)
     probe = BlockProbe(scheduler, layout)
     n = exp.capacity_requests(layout, context)

@@ -24,6 +24,15 @@ def test_the_committed_report_is_what_its_json_renders() -> None:
     )
 
 
+def test_the_committed_estimate_is_the_pools_count() -> None:
+    """docs/GUIDE.md says so: on every step of every capacity run."""
+    report = json.loads((DOCS / "report.json").read_text(encoding="utf-8"))
+    for source in report["sources"]:
+        for row in source["estimate"]:
+            assert row["gap"]["max_gap"] == row["gap"]["min_gap"] == 0, row
+            assert row["steps"] > 0
+
+
 def test_the_committed_report_names_its_command_and_charts() -> None:
     report = json.loads((DOCS / "report.json").read_text(encoding="utf-8"))
     assert report["command"] == COMMAND

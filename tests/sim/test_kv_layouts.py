@@ -34,6 +34,7 @@ from refserve.sim.kv_layouts import (
     LayoutExperiment,
     LoopRun,
     ReservePeaks,
+    compressed_layout,
     hybrid_layout,
     run_capacity,
     run_goodput,
@@ -81,17 +82,26 @@ def runs() -> dict[tuple[str, int, CapacityAdmission], LoopRun]:
 
 # ------------------------------------------------------------------------ the layouts
 def test_the_layouts_and_their_memory() -> None:
-    dense, h11, h51 = LAYOUTS
+    dense, h11, h51, comp = LAYOUTS
     assert dense is DENSE and dense.groups == (FULL,) and dense.kv_groups == ()
-    assert [x.name for x in LAYOUTS] == ["dense", "hybrid-1:1", "hybrid-5:1"]
-    assert h11.kv_groups == (FULL, KVGroup(GroupKind.WINDOW, 64))
-    assert h51.kv_groups == (FULL, *(KVGroup(GroupKind.WINDOW, 64),) * 5)
-    # Equal layer counts: G groups, G times the dense blocks in the same memory.
-    assert [x.num_blocks(96) for x in LAYOUTS] == [96, 192, 576]
+    assert [x.name for x in LAYOUTS] == ["dense", "hybrid-1:1", "hybrid-5:1", "compressed-r4"]
+    window = KVGroup(GroupKind.WINDOW, 64)
+    assert h11.kv_groups == (FULL, window)
+    assert h51.kv_groups == (FULL, *(window,) * 5)
+    assert comp.kv_groups == (FULL, KVGroup(GroupKind.COMPRESSED, ratio=4), window)
+    # Equal layer counts: G groups, G times the dense blocks in the same memory; the
+    # compressed layers' raw window is a second group over the same layers.
+    assert [x.num_blocks(96) for x in LAYOUTS] == [96, 192, 576, 192]
     assert h51.groups_text() == "full, window 64 x5"
-    # 544 tokens: 34 blocks full; a window of 64 holds at most 5 blocks of 16.
-    assert [x.peak(544, 16) for x in LAYOUTS] == [34, 39, 59]
-    assert [TINY.bound(x, 512) for x in LAYOUTS] == [96 // 34, 192 // 39, 576 // 59]
+    assert comp.groups_text() == "full, compressed 4:1, window 64"
+    # 544 tokens: 34 blocks full; a window of 64 holds at most 5 blocks of 16; a block
+    # of the compressed group covers 64 tokens.
+    assert [x.peak(544, 16) for x in LAYOUTS] == [34, 39, 59, 34 + 9 + 5]
+    assert [TINY.bound(x, 512) for x in LAYOUTS] == [96 // 34, 192 // 39, 576 // 59, 192 // 48]
+    # In chunks of 512 a window group holds the whole chunk and the window before it.
+    assert TINY.chunk_peak(h11, 512) == h11.peak(544, 16, 512) > h11.peak(544, 16)
+    assert TINY.chunk_peak(dense, 512) == dense.peak(544, 16)
+    assert TINY.chunk_bound(h51, 512) <= TINY.bound(h51, 512)
 
 
 def test_capacity_never_passes_the_bound_under_peak_reservation(
@@ -132,6 +142,7 @@ def test_hybrid_layouts_hold_more_requests_than_dense_at_long_context(
         runs[(x.name, longest, CapacityAdmission.RESERVE_PEAK)].figures.max_running for x in LAYOUTS
     ]
     assert ran[0] < ran[1] < ran[2], ran
+    assert ran[3] > ran[0], ran
     bounds = [TINY.bound(x, longest) for x in LAYOUTS]
     assert bounds[0] < bounds[1] < bounds[2], bounds
 
@@ -219,6 +230,8 @@ def test_ratios_are_none_without_baseline_goodput() -> None:
         (lambda: KVLayout("w", "x", (), True), "blocks_multiplier"),
         (lambda: hybrid_layout(0, 64), "windows"),
         (lambda: hybrid_layout(1, 0), "window"),
+        (lambda: compressed_layout(1, 64), "ratio"),
+        (lambda: compressed_layout(4, 0), "window"),
         (lambda: dataclasses.replace(TINY, layouts=()), "layouts"),
         (lambda: dataclasses.replace(TINY, layouts=(DENSE, DENSE)), "twice"),
         (lambda: dataclasses.replace(TINY, contexts=()), "contexts"),
@@ -257,6 +270,7 @@ def test_bad_settings_are_typed_errors(build: object, words: str) -> None:
         (["--load", "0"], "--load"),
         (["--load", "inf"], "--load"),
         (["--window", "0"], "--window"),
+        (["--ratio", "1"], "--ratio"),
         (["--output-len", "0"], "output_len"),
         (["--cost", "2+xP"], "cost model"),
         (["--trace", "dense"], "--trace"),
@@ -298,8 +312,8 @@ def test_the_command_writes_the_report_into_a_folder(
     )
     (source,) = report["sources"]
     assert source["name"] == "simulator"
-    assert len(source["capacity"]) == len(source["goodput"]) == 6
-    assert [r["layout"] for r in source["estimate"]] == ["dense", "hybrid-1:1", "hybrid-5:1"]
+    assert len(source["capacity"]) == len(source["goodput"]) == 2 * len(LAYOUTS)
+    assert [r["layout"] for r in source["estimate"]] == [x.name for x in LAYOUTS]
     assert all(r["gap"]["max_gap"] == r["gap"]["min_gap"] == 0 for r in source["estimate"])
     trace = source["estimate_trace"]
     assert (trace["layout"], trace["context"]) == ("hybrid-1:1", 512)
