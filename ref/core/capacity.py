@@ -99,8 +99,8 @@ def admission_blocks(
         total = r.num_tokens
     else:
         total = min(r.num_prompt_tokens + r.stop.max_tokens, config.max_len)
-    cached = hit.num_tokens if hit else 0
     if config.grouped:  # from what its first chunk holds to its peak, on top of ``first``
-        held = layout_blocks(config.kv_groups, cached, n, config.block_size)
+        held = layout_blocks(config.kv_groups, hit.num_tokens if hit else 0, n, config.block_size)
         return max(first, first + peak(config, total) - held)
-    return whole_request_blocks(first, cached // config.block_size, n, total, config.block_size)
+    held = len(hit.block_ids) if hit else 0
+    return whole_request_blocks(first, held, n, total, config.block_size)
