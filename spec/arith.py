@@ -208,6 +208,7 @@ if TYPE_CHECKING:
     Ints = npt.NDArray[np.int64]
     Bools = npt.NDArray[np.bool_]
 
+blocks_needed_rows = cast("Callable[[Ints, int], Ints]", blocks_needed)
 logical_block_rows = cast("Callable[[Ints, int], Ints]", logical_block)
 block_offset_rows = cast("Callable[[Ints, int], Ints]", block_offset)
 slot_of_rows = cast("Callable[[Ints, Ints, int], Ints]", slot_of)

@@ -30,7 +30,7 @@ from refserve.core.executor import (
     StepExecutor,
 )
 from refserve.core.executor_output import validate_output
-from refserve.core.inputs import ModelInputs, build_inputs, scheduled_requests
+from refserve.core.inputs import LayerGroupTables, ModelInputs, build_inputs, scheduled_requests
 from refserve.core.loop import SchedulerLoop
 from refserve.core.outcome import StepOutcome
 from refserve.core.plan import StepPlan
@@ -38,6 +38,7 @@ from refserve.errors import RefserveError
 from refserve.spec import EngineSnapshot, StepSnapshot, Violation, check_step
 from refserve.spec.arith import blocks_needed, logical_block
 from refserve.spec.atomic import check_atomic
+from refserve.spec.groups import check_groups, check_window_held
 
 
 class KVStateLost(RefserveError):
@@ -195,7 +196,7 @@ class EngineCore:
         if not (self.executor.needs_inputs or self.check_invariants):
             return None
         sched = self.scheduler
-        return build_inputs(plan, sched.requests, sched.pool, sched.decodes)
+        return build_inputs(plan, sched.requests, sched.pool, sched.decodes, sched.layer_groups)
 
     def _check(self, plan: StepPlan, inputs: ModelInputs, before: EngineSnapshot) -> None:
         sched = self.scheduler
@@ -214,8 +215,22 @@ class EngineCore:
             num_speculative_tokens=cfg.num_speculative_tokens,
         )
         violations = check_step(step)
+        if sched.layer_groups is not None:
+            violations += _group_violations(plan, sched.layer_groups)
         if violations:
             raise InvariantViolation(plan.step_index, violations)
+
+
+def _group_violations(plan: StepPlan, pool: LayerGroupTables) -> list[Violation]:
+    """A grouped pool's own rules after the step (spec/groups.py): the groups' books
+    agree, and every request the step ran holds, in each window group, the blocks its
+    next query reads and none wholly before them."""
+    snap = pool.grouped_snapshot()
+    found = check_groups(snap)
+    for c in plan.chunks:
+        if pool.has_request(c.request_id):
+            found += check_window_held(snap, c.request_id, c.start, c.num_new_cached_tokens)
+    return found
 
 
 class _Untracked(NoKVMemory):

@@ -10,6 +10,14 @@ The arrays are numpy, not torch: the core knows no tensor library (docs/ARCHITEC
 "Layers"; tests/repo/test_layers.py). The model executor wraps each as a torch tensor
 with ``torch.from_numpy``, which shares the memory, so what POS reads is what the
 forward reads (ref/model/executor.py).
+
+A grouped pool (ref/kv/groups.py: a hybrid model's full and sliding-window layer groups)
+keeps one table per request per group. The first group's table and slots are the fields
+every step has (the scheduler's and the checks' view); each other group's are one
+:class:`GroupInputs` in ``ModelInputs.groups``, built from the same positions. A window
+group's table keeps :data:`~refserve.spec.groups.NULL_BLOCK` where a block left the
+window: no token of the step is written there (:class:`NullBlockAccess` otherwise), and
+the executor checks that no window layer reads one before it hands the backends a table.
 """
 
 from __future__ import annotations
@@ -24,12 +32,29 @@ import numpy.typing as npt
 
 from refserve.core.plan import StepPlan
 from refserve.core.request import Request
+from refserve.errors import RefserveError
 from refserve.kv import BlockPool
 from refserve.spec.arith import blocks_needed, logical_block_rows, slot_of_rows
+from refserve.spec.groups import NULL_BLOCK, GroupedSnapshot, KVGroup
 from refserve.spec.snapshot import ScheduledRequest
 
 I64 = npt.NDArray[np.int64]
 I32 = npt.NDArray[np.int32]
+
+
+class NullBlockAccess(RefserveError):
+    """A step would write or read a place a window group let go (a ``NULL_BLOCK``
+    entry): the pool released a block the step still needs, so the K/V there is gone
+    (or another request's). Raised before anything is written."""
+
+
+@dataclass(frozen=True)
+class GroupInputs:
+    """One layer group's own arrays (a grouped pool's group ``g >= 1``); every other
+    array of the step (tokens, positions, query starts, KV lengths) is shared."""
+
+    block_tables: I32  # [S, max_blocks]: NULL_BLOCK where a block left the window, 0 padding
+    slot_mapping: I64  # [T]: where each token's K/V goes in this group's layers
 
 
 @dataclass(frozen=True)
@@ -46,6 +71,26 @@ class ModelInputs:
     block_tables: I32  # [S, max_blocks], padded with 0 (never read)
     sample_rows: I64  # [num sampling requests]: token index of each logit
     sample_request_ids: tuple[str, ...]
+    # Groups 1.. of a grouped pool (module doc); empty for the plain pool, whose one
+    # table every layer reads.
+    groups: tuple[GroupInputs, ...] = ()
+
+
+class LayerGroupTables(Protocol):
+    """A pool's layer groups (ref/kv/groups.py's ``GroupedPool``, which the composition
+    plugs into the loop): the layout, each group's live tables, and the snapshot the
+    step checks read (spec/groups.py)."""
+
+    @property
+    def groups(self) -> tuple[KVGroup, ...]: ...
+
+    def group_table_views(self, group: int, request_ids: Sequence[str]) -> list[Sequence[int]]:
+        """Live tables of ``request_ids`` in ``group`` (read-only)."""
+        ...
+
+    def grouped_snapshot(self) -> GroupedSnapshot: ...
+
+    def has_request(self, request_id: str) -> bool: ...
 
 
 class FastInputs(Protocol):
@@ -60,11 +105,14 @@ def build_inputs(
     requests: Mapping[str, Request],
     pool: BlockPool,
     fast: FastInputs | None = None,
+    layer_groups: LayerGroupTables | None = None,
 ) -> ModelInputs:
     """The executor's inputs for ``plan``, from the requests and the pool's tables,
     unless ``fast`` builds them (a step of bulk decodes only, read from the batch's
-    arrays). Both give equal arrays (tests/scheduler/test_fast_path.py)."""
-    built = None if fast is None else fast.inputs(plan)
+    arrays). Both give equal arrays (tests/scheduler/test_fast_path.py). With
+    ``layer_groups`` (the pool keeps several, module doc), every group's."""
+    # A fast way builds one table's arrays: a grouped step takes the reference path.
+    built = None if fast is None or layer_groups is not None else fast.inputs(plan)
     if built is not None:
         return built
     ids = plan.request_ids
@@ -92,6 +140,7 @@ def build_inputs(
     bs = pool.block_size
     slots = slot_of_rows(block_tables[row, logical_block_rows(positions, bs)], positions, bs)
     sampling = [i for i, smp in enumerate(plan.samples) if smp]
+    groups = () if layer_groups is None else _group_inputs(layer_groups, ids, row, positions, bs)
     return ModelInputs(
         request_ids=ids,
         input_ids=np.array(tokens, dtype=np.int64),
@@ -102,7 +151,33 @@ def build_inputs(
         block_tables=block_tables.astype(np.int32),
         sample_rows=qsl[1:][sampling] - 1,
         sample_request_ids=tuple(ids[i] for i in sampling),
+        groups=groups,
     )
+
+
+def _group_inputs(
+    groups: LayerGroupTables,
+    ids: Sequence[str],
+    row: npt.NDArray[np.int_],
+    positions: I64,
+    bs: int,
+) -> tuple[GroupInputs, ...]:
+    """Each group's (but the first's) tables and slots, at the step's positions. A
+    token written into a released place is refused: its slot would be a negative
+    number, which the kernels read as "skip" (-1) or as an index from the end."""
+    cols = logical_block_rows(positions, bs)
+    out: list[GroupInputs] = []
+    for g in range(1, len(groups.groups)):
+        tables = _padded(groups.group_table_views(g, ids))
+        blocks = tables[row, cols]
+        if (blocks == NULL_BLOCK).any():
+            t = int(np.argmax(blocks == NULL_BLOCK))
+            raise NullBlockAccess(
+                f"request {ids[int(row[t])]!r} writes position {int(positions[t])} into "
+                f"logical block {int(cols[t])} of group {g}, a place the group released"
+            )
+        out.append(GroupInputs(tables.astype(np.int32), slot_of_rows(blocks, positions, bs)))
+    return tuple(out)
 
 
 def _padded(tables: Sequence[Sequence[int]]) -> I64:

@@ -32,6 +32,7 @@ from refserve.core.hooks import (
     ProposalSource,
     SuspensionManager,
 )
+from refserve.core.inputs import LayerGroupTables
 from refserve.core.outcome import Outcome, StepOutcome
 from refserve.core.plan import StepPlan
 from refserve.core.planner import Planner
@@ -94,6 +95,9 @@ class SchedulerLoop:
         self.suspension: SuspensionManager = NoSuspension(self.pool)
         self.proposals: ProposalSource = NoProposals()
         self.decodes: DecodeStrategy | None = None
+        # The pool's layer groups when it keeps several (the step's inputs and checks
+        # read every group's tables); None: one table per request.
+        self.layer_groups: LayerGroupTables | None = None
         self._planner = Planner(
             config,
             self.policy,
@@ -118,6 +122,7 @@ class SchedulerLoop:
         suspension: SuspensionManager | None = None,
         proposals: ProposalSource | None = None,
         decodes: DecodeStrategy | None = None,
+        layer_groups: LayerGroupTables | None = None,
     ) -> None:
         """Plug attachments in at the named points (ref/core/scheduler.py does, once,
         before the first request)."""
@@ -127,6 +132,8 @@ class SchedulerLoop:
             self.proposals = self._planner.proposals = proposals
         if decodes is not None:
             self.decodes = decodes
+        if layer_groups is not None:
+            self.layer_groups = layer_groups
 
     @property
     def running(self) -> list[Request]:

@@ -62,7 +62,12 @@ class Scheduler(SchedulerLoop):
         # The bulk decode path grows one table per request: a grouped pool's decodes take
         # the reference path, one allocation (every group's) each.
         decodes = None if config.grouped else BulkDecodes(self._bulk, self.pool, config.max_len)
-        self.plug(suspension=self._suspension, proposals=self._proposals, decodes=decodes)
+        self.plug(
+            suspension=self._suspension,
+            proposals=self._proposals,
+            decodes=decodes,
+            layer_groups=pool,  # every group's tables reach the step's inputs and checks
+        )
 
     @property
     def batch(self) -> BulkBatch:

@@ -49,6 +49,15 @@ engine builds a :class:`~refserve.model.llama.HostKVCache` of ``num_host_blocks`
 the executor applies each step's swap copies before the forward; ``swap_out_bytes`` /
 ``swap_in_bytes`` count the bytes moved.
 
+A hybrid model (sliding-window layers) runs on the plain pool by default: one table
+per request, holding every token, that every layer reads (a sliding layer only its
+window of it). ``grouped_kv=True``, or a ``SchedulerConfig.kv_groups`` equal to the
+model's layout (:func:`refserve.model.config.kv_groups`), runs it on the grouped pool
+instead (ref/kv/groups.py): a table per layer group, the window group's blocks freed as
+they leave the window; the executor gives each layer its group's tables. Such a pool
+takes migrated requests by recompute, and refuses swaps and speculative drafts (typed
+errors); a ``kv_groups`` other than the model's is an :class:`InvalidArgument`.
+
 Agent turns (tool waits): :meth:`LLMEngine.pause` stops a decoding request
 for a tool call, its KV kept on the device, moved to the host or dropped
 (``KVRetention``); :meth:`LLMEngine.resume` appends the tool's output to the
@@ -94,7 +103,7 @@ from refserve.engine.ticket import KVChunk, MigrationTicket, ModelIdentity
 from refserve.engine.turns import AgentTurns
 from refserve.errors import DuplicateRequest, InvalidArgument, UnknownRequest
 from refserve.model.checkpoint import TINY_TRAINED, ModelSource, TokenizerSource, load_model
-from refserve.model.config import ModelConfig
+from refserve.model.config import ModelConfig, describe_layout, kv_groups
 from refserve.model.executor import ModelExecutor
 from refserve.model.llama import HostKVCache, KVCache
 from refserve.model.proposers import Proposer, check_proposer
@@ -139,6 +148,7 @@ class LLMEngine:
         check_invariants: bool = False,
         clock: Callable[[], float] | None = None,
         proposer: Proposer | None = None,
+        grouped_kv: bool = False,
     ) -> None:
         loaded = load_model(
             model,
@@ -154,7 +164,7 @@ class LLMEngine:
         self.model = loaded.model
         # Speculative decoding (docs/SPECULATIVE.md): the proposer's k bounds the drafts.
         self.proposer = None if proposer is None else check_proposer(proposer, cfg)
-        sched_cfg = _scheduler_config(scheduler_config, cfg, self.proposer)
+        sched_cfg = _scheduler_config(scheduler_config, cfg, self.proposer, grouped_kv)
         self.scheduler = Scheduler(sched_cfg, policy)
         self.cache = KVCache(
             cfg, sched_cfg.num_blocks, sched_cfg.block_size, dtype=dtype, device=device
@@ -571,11 +581,25 @@ class LLMEngine:
 
 
 def _scheduler_config(
-    given: SchedulerConfig | None, cfg: ModelConfig, proposer: Proposer | None
+    given: SchedulerConfig | None,
+    cfg: ModelConfig,
+    proposer: Proposer | None,
+    grouped_kv: bool = False,
 ) -> SchedulerConfig:
     """The scheduler's config: the given one (or the defaults) held to the model's
-    positions, with the proposer's draft length."""
+    positions, with the proposer's draft length, and with the model's layer groups when
+    ``grouped_kv`` asks for them (a ``kv_groups`` given must be the model's)."""
     sched_cfg = given if given is not None else SchedulerConfig()
+    if not isinstance(grouped_kv, bool):
+        raise InvalidArgument(f"grouped_kv must be True or False, got {grouped_kv!r}")
+    layout = kv_groups(cfg)
+    if sched_cfg.kv_groups and sched_cfg.kv_groups != layout:
+        raise InvalidArgument(
+            f"scheduler_config.kv_groups is {describe_layout(sched_cfg.kv_groups)}, but the "
+            f"model's KV layout (refserve.model.config.kv_groups) is {describe_layout(layout)}"
+        )
+    if grouped_kv and not sched_cfg.kv_groups:
+        sched_cfg = replace(sched_cfg, kv_groups=layout)
     if sched_cfg.max_model_len > cfg.max_position_embeddings:
         sched_cfg = replace(sched_cfg, max_model_len=cfg.max_position_embeddings)
     if proposer is not None:

@@ -54,6 +54,7 @@ from refserve.core.transit import (
     MigrationArgs,
     MigrationError,
     MigrationFault,
+    MigrationRefused,
     RequestState,
 )
 from refserve.engine.samples import Sample, SampleBook, SampleGroup, sample_spec
@@ -152,6 +153,7 @@ def export(
     departures = [transit.export(engine.scheduler, s.seq_id) for s in live]  # a step open: raises
     rule = cost or default_cost(engine)
     kv_tokens = max(d.kv_length for d in departures)
+    kv = _grouped_kv_mode(engine, request_id, kv)
     decision = rule.decide(kv, kv_tokens, min(hit_tokens, kv_tokens), idle)
     seqs = tuple(_seq_ticket(s, d.state, d.kv_place) for s, d in zip(live, departures, strict=True))
     chunks: tuple[KVChunk, ...] = ()
@@ -184,6 +186,20 @@ def export(
         decisions=(*group.migrations, decision),
         chunks=chunks,
     )
+
+
+def _grouped_kv_mode(engine: Engine, request_id: str, kv: KVMode | str) -> KVMode | str:
+    """The K/V mode a grouped pool can serve: recompute. Its window layers keep their
+    K/V in their own group's blocks, and a ticket's K/V is one table's slots in every
+    layer, so a transfer is refused by name and ``auto`` means recompute."""
+    if not engine.scheduler.config.grouped:
+        return kv
+    if kv == KVMode.TRANSFER:
+        raise MigrationRefused(
+            f"export: request {request_id!r} is on a grouped KV pool (several layer "
+            "groups), whose K/V moves by recompute only"
+        )
+    return KVMode.RECOMPUTE if kv == KVMode.AUTO else kv
 
 
 def _live_samples(engine: Engine, request_id: str) -> tuple[SampleGroup, list[Sample]]:
@@ -230,6 +246,11 @@ def _seq_ticket(seq: Sample, state: RequestState, place: KVPlace) -> SeqTicket:
 def read_kv(engine: Engine, seq_id: str, start: int, end: int) -> KVChunk:
     """The K/V of positions ``[start, end)`` of a live sample, from the device or the
     host pool (a swapped request's), token-major (:class:`KVChunk`)."""
+    if engine.scheduler.config.grouped:
+        raise MigrationRefused(
+            f"read_kv: {seq_id!r} is on a grouped KV pool (several layer groups), whose "
+            "K/V moves by recompute only"
+        )
     d = transit.export(engine.scheduler, seq_id)
     if not 0 <= start < end <= d.kv_length:
         raise MigrationError(

@@ -9,15 +9,21 @@ Hybrid models: each layer is ``full_attention`` (every earlier token) or
 ``p - sliding_window < k <= p``: ``sliding_window`` keys, itself included), as
 transformers' Qwen2 reads ``layer_types``, ``use_sliding_window``, ``sliding_window`` and
 ``max_window_layers``.
+
+The KV layout follows from the layers (:func:`kv_groups`): one full-attention group for a
+dense model, a full group and a window group of ``sliding_window`` for a hybrid one, the
+layout a grouped KV pool (``SchedulerConfig.kv_groups``) keeps one block table per
+request for; :func:`layer_groups` says which group each layer reads.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from refserve.errors import InvalidArgument, RefserveError
+from refserve.spec.groups import GroupKind, KVGroup
 from refserve.values import is_int, is_number
 
 #: ``model_type`` values whose checkpoints this loader reads.
@@ -193,6 +199,31 @@ class ModelConfig:
             sliding_window=window,
             layer_types=layer_types,
         )
+
+
+def kv_groups(cfg: ModelConfig) -> tuple[KVGroup, ...]:
+    """The model's KV layer groups (spec/groups.py): ``(FULL,)`` for a dense model,
+    ``(FULL, WINDOW(sliding_window))`` for a hybrid one. Group 0 is always the full
+    group, the table the scheduler reads (a grouped pool's rule), even when every layer
+    slides: then no layer reads it, and it costs memory but never a wrong token."""
+    full = KVGroup(GroupKind.FULL)
+    if not cfg.is_hybrid:
+        return (full,)
+    assert cfg.sliding_window is not None, "ModelConfig refuses sliding layers without a window"
+    return (full, KVGroup(GroupKind.WINDOW, cfg.sliding_window))
+
+
+def describe_layout(groups: Sequence[KVGroup]) -> str:
+    """A KV layout as messages name it: ``(full, window 8)``."""
+    return (
+        "(" + ", ".join(g.kind.value + (f" {g.window}" if g.window else "") for g in groups) + ")"
+    )
+
+
+def layer_groups(cfg: ModelConfig) -> tuple[int, ...]:
+    """The group of :func:`kv_groups` each layer reads and writes: 0 for full attention,
+    1 (the window group) for a sliding layer."""
+    return tuple(0 if cfg.layer_window(i) is None else 1 for i in range(cfg.num_layers))
 
 
 def _layers(

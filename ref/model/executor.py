@@ -16,7 +16,8 @@ K/V memory joins the step's transaction (ref/core/executor.py; docs/ARCHITECTURE
 :meth:`ModelExecutor.begin` saves, before anything is written, exactly what the step may
 overwrite: the K and V at every slot of ``slot_mapping`` in every layer, the device
 blocks that are destinations of ``swap_in`` and ``copies``, and the host blocks that are
-destinations of ``swap_out``. :meth:`ModelExecutor.rollback` writes them back, so a step
+destinations of ``swap_out`` (on a grouped pool, each layer group's slots in that
+group's layers). :meth:`ModelExecutor.rollback` writes them back, so a step
 that failed after its forward (a preempted victim's block reused, then the sampler or
 ``validate_output`` failing) leaves every block as it was and the retry computes the
 same tokens. The cost is O(tokens written + blocks copied) gathers per step, never
@@ -27,6 +28,18 @@ the tokens the scheduler commits, their logprobs, and the first tokens of the sa
 1..n-1 of an ``n > 1`` request, which the engine forks off after the commit. Nothing is
 left on the executor for the engine to read afterwards, so a failed step leaves nothing
 behind either.
+
+A grouped KV pool (a hybrid model's layer groups, ref/kv/groups.py) gives the step one
+table and slot mapping per group (``ModelInputs.groups``); the executor hands each
+layer its group's (ref/model/llama.py). The layout is the model's
+(``refserve.model.config.kv_groups``): inputs with another number of groups are refused.
+A window group's table holds ``NULL_BLOCK`` where a block left the window;
+:func:`window_tables` checks that no window layer reads such a place this step
+(:class:`~refserve.core.inputs.NullBlockAccess` otherwise) and only then gives those
+places block 0, which the backends need to index: the torch backend gathers from the
+block of the first query's window start on, and the Triton kernel masks every key
+before the window (it may load the first tile's, as it loads a plain table's blocks
+before the window), so no substituted block reaches a result.
 
 The step's :class:`~refserve.core.inputs.ModelInputs` are numpy arrays (the core knows no
 torch); :func:`_tensor` wraps each with ``torch.from_numpy``, sharing its memory (no
@@ -42,21 +55,24 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Container, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from refserve.core.executor import DrawnToken, StepOutput
-from refserve.core.inputs import ModelInputs
+from refserve.core.inputs import ModelInputs, NullBlockAccess
 from refserve.core.plan import StepPlan
 from refserve.core.request import Request
 from refserve.errors import RefserveError
 from refserve.model.attention import AttentionMetadata
+from refserve.model.config import describe_layout, kv_groups
 from refserve.model.llama import HostKVCache, KVCache, LlamaModel
 from refserve.model.rejection import Verification, verify
 from refserve.model.sampler import SampleSpec, sample
+from refserve.spec.arith import blocks_needed_rows, logical_block_rows
+from refserve.spec.groups import NULL_BLOCK, KVGroup
 
 #: ``(request ids, fp32 logits [N, vocab])`` of the rows sampled in a step, for tests.
 LogitsHook = Callable[[tuple[str, ...], torch.Tensor], None]
@@ -128,6 +144,13 @@ class ModelExecutor:
     ) -> None:
         self.model = model
         self.cache = cache
+        # The model's KV layout, and the layers of each group (ref/model/llama.py).
+        self.kv_groups: tuple[KVGroup, ...] = kv_groups(model.config)
+        self._all_layers = tuple(range(len(cache.key)))
+        self._group_layers = tuple(
+            tuple(i for i, g in enumerate(model.layer_groups) if g == k)
+            for k in range(len(self.kv_groups))
+        )
         self.host_cache = host_cache
         # Bytes the swap copies moved (K and V, every layer), counted when copied: a
         # step that fails after its copies still moved them over the link (rolling back
@@ -178,12 +201,33 @@ class ModelExecutor:
         blocks = [c.dst for c in plan.swap_in] + [c.dst for c in plan.copies]
         if blocks:
             self._save(dev_key, dev_value, blocks, device)
-        if inputs is not None and inputs.slot_mapping.size:
-            self._save_slots(_tensor(inputs.slot_mapping))
+        if inputs is not None:
+            for layers, slot_mapping in self._written_slots(inputs):
+                if layers and slot_mapping.size:
+                    self._save_slots(layers, _tensor(slot_mapping))
 
-    def _save_slots(self, slot_mapping: torch.Tensor) -> None:
-        """Save the K/V at every slot the forward writes, in every layer."""
-        dev_key, dev_value = self.cache.key, self.cache.value
+    def _written_slots(
+        self, inputs: ModelInputs
+    ) -> list[tuple[tuple[int, ...], npt.NDArray[np.int64]]]:
+        """The layers each slot mapping of the step writes: every layer the first
+        group's on a plain pool, each group's layers its own on a grouped one."""
+        if not inputs.groups:
+            return [(self._all_layers, inputs.slot_mapping)]
+        self._check_group_count(inputs)
+        slots = (inputs.slot_mapping, *(g.slot_mapping for g in inputs.groups))
+        return list(zip(self._group_layers, slots, strict=True))
+
+    def _check_group_count(self, inputs: ModelInputs) -> None:
+        if len(inputs.groups) + 1 != len(self.kv_groups):
+            raise ExecutorError(
+                f"the step's inputs carry {len(inputs.groups) + 1} layer groups; the model's "
+                f"KV layout has {len(self.kv_groups)}: {describe_layout(self.kv_groups)}"
+            )
+
+    def _save_slots(self, layers: Sequence[int], slot_mapping: torch.Tensor) -> None:
+        """Save the K/V at every slot the forward writes, in ``layers``."""
+        dev_key = [self.cache.key[i] for i in layers]
+        dev_value = [self.cache.value[i] for i in layers]
         slots = slot_mapping[slot_mapping >= 0]  # -1 is padding: the kernels skip it
         nb, bs, h, d = dev_key[0].shape
         flat_key = [t.view(nb * bs, h, d) for t in dev_key]
@@ -253,12 +297,25 @@ class ModelExecutor:
             query_start_loc_host=tuple(inputs.query_start_loc.tolist()),
             seq_lens_host=tuple(inputs.seq_lens.tolist()),
         )
+        groups: list[AttentionMetadata] = []
+        if inputs.groups:
+            self._check_group_count(inputs)
+        for group, gi in zip(self.kv_groups[1:], inputs.groups, strict=False):
+            tables = window_tables(gi.block_tables, inputs, group.window, self.cache.block_size)
+            groups.append(
+                replace(
+                    meta,
+                    slot_mapping=_tensor(gi.slot_mapping, dev),
+                    block_tables=_tensor(tables, dev),
+                )
+            )
         return self.model.forward(
             _tensor(inputs.input_ids, dev),
             _tensor(inputs.positions, dev),
             meta,
             self.cache,
             plan.copies,
+            groups,
         )
 
     def _sample(self, plan: StepPlan, inputs: ModelInputs, hidden: torch.Tensor) -> StepOutput:
@@ -369,6 +426,33 @@ class ModelExecutor:
             )
         self.swap_out_bytes += host.swap_out(self.cache, plan.swap_out)
         self.swap_in_bytes += host.swap_in(self.cache, plan.swap_in)
+
+
+def window_tables(
+    tables: npt.NDArray[np.int32], inputs: ModelInputs, window: int, block_size: int
+) -> npt.NDArray[np.int32]:
+    """A window group's ``tables`` as the backends take them (module doc): every place
+    its layers read this step checked to hold a block (sequence ``s``'s queries read
+    from the block of ``window_start(its first query's position, window)`` to the last
+    block of its KV), then each ``NULL_BLOCK`` place, none of them read, given block 0.
+    A read place that is null raises :class:`NullBlockAccess`, naming the request."""
+    seq_lens = inputs.seq_lens.astype(np.int64)
+    starts = seq_lens - np.diff(inputs.query_start_loc.astype(np.int64))
+    # refserve.spec.groups.window_start of every sequence's first query.
+    first = logical_block_rows(np.maximum(starts - window + 1, 0), block_size)
+    end = blocks_needed_rows(seq_lens, block_size)
+    cols = np.arange(tables.shape[1])
+    read = (cols[None, :] >= first[:, None]) & (cols[None, :] < end[:, None])
+    bad = np.argwhere(read & (tables == NULL_BLOCK))
+    if bad.size:
+        s, block = (int(x) for x in bad[0])
+        raise NullBlockAccess(
+            f"request {inputs.request_ids[s]!r}: a layer of window {window} reads logical "
+            f"block {block} (its queries read KV positions from "
+            f"{max(0, int(starts[s]) - window + 1)} to {int(seq_lens[s]) - 1}), a place its "
+            "group released"
+        )
+    return np.maximum(tables, 0)
 
 
 def _tensor(

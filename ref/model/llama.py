@@ -14,6 +14,19 @@ hits, and of earlier tokens of its own chunk alike.
 :class:`HostKVCache` is the host side of preemption by swap: the same per-block shape
 on the CPU, filled and read back by whole-block copies that the executor applies before
 the forward (swap-outs, then swap-ins, then copy-on-write; see ``StepPlan``).
+
+On a grouped KV pool (a hybrid model's full and window layer groups, ref/kv/groups.py)
+each layer group has its own block tables and slots: :meth:`LlamaModel.forward` takes
+the first group's metadata and, in ``groups``, the others'; a layer reads and writes
+through its group's (``refserve.model.config.layer_groups``). Every layer still has a
+cache of all ``num_blocks`` blocks. That is correct because the groups share one
+allocator: a block id belongs to one group's tables at a time, so only that group's
+layers write it while it is held, and they write every slot before any query reads it
+(a prefix hit is a block its own group computed: the cache keys are per group, and a
+block's entry is dropped when any group reuses it). The other layers' bytes of that
+block are never read. It costs each layer the whole pool; a production engine sizes the
+pool per group and lets groups of equal layer count share the same bytes (vLLM's
+hybrid KV cache manager), which changes where a block lives, not what is read.
 """
 
 from __future__ import annotations
@@ -26,7 +39,7 @@ import torch.nn.functional as F
 from refserve.errors import InvalidArgument
 from refserve.kv import BlockCopy
 from refserve.model.attention import AttentionBackend, AttentionMetadata, default_scale
-from refserve.model.config import ModelConfig
+from refserve.model.config import ModelConfig, kv_groups, layer_groups
 from refserve.model.weights import LayerWeights, LlamaWeights
 from refserve.values import is_int
 
@@ -171,6 +184,8 @@ class LlamaModel:
         self.weights = weights
         self.backend = backend
         self.scale = default_scale(cfg.head_dim)
+        self.layer_groups = layer_groups(cfg)
+        self.num_kv_groups = len(kv_groups(cfg))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -188,20 +203,31 @@ class LlamaModel:
         meta: AttentionMetadata,
         cache: KVCache,
         copies: tuple[BlockCopy, ...] = (),
+        groups: Sequence[AttentionMetadata] = (),
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm.
 
         ``copies`` (copy-on-write) are applied to every layer's caches before any K/V of
-        this step is written.
+        this step is written: a copy's destination is a block just given to one group,
+        which no other group's table holds, so the copy is harmless in other layers.
+        ``groups``: on a grouped pool, the metadata of layer groups 1.. (module doc);
+        empty, every layer reads ``meta``.
         """
         cfg = self.config
+        if groups and len(groups) != self.num_kv_groups - 1:
+            raise InvalidArgument(
+                f"forward: metadata for {len(groups) + 1} layer groups, the model has "
+                f"{self.num_kv_groups}"
+            )
+        metas = (meta, *groups)
         for layer in range(cfg.num_layers):
             self.backend.copy_blocks(cache.key[layer], cache.value[layer], copies)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.dtype)
         h = F.embedding(input_ids, self.weights.embed)
         for i, lw in enumerate(self.weights.layers):
+            m = metas[self.layer_groups[i]] if groups else meta
             h = h + self._attention(
-                lw, rms_norm(h, lw.input_norm, cfg.rms_norm_eps), cos, sin, meta, cache, i
+                lw, rms_norm(h, lw.input_norm, cfg.rms_norm_eps), cos, sin, m, cache, i
             )
             h = h + self._mlp(lw, rms_norm(h, lw.post_norm, cfg.rms_norm_eps))
         return rms_norm(h, self.weights.norm, cfg.rms_norm_eps)
