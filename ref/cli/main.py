@@ -179,6 +179,9 @@ def _parser() -> argparse.ArgumentParser:
     from refserve.cli.bench_serve import add_bench_serve_parser
 
     add_bench_serve_parser(sub)
+    from refserve.cli.kv_layouts import add_kv_layouts_parser
+
+    add_kv_layouts_parser(sub)
 
     # Listed for --help; main() hands their arguments over before this parser runs.
     ck = add_command(sub, "check-kernel", "run the kernel grid against the dense oracle")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from refserve.core.cost import StepCost
@@ -36,6 +36,10 @@ from refserve.spec.snapshot import RequestStatus
 from refserve.values import is_int, is_number
 
 VOCAB = 32000
+#: Told each step's record right after it commits (``on_step`` of the replays): the
+#: scheduler and its pool then show the step done and the finished requests freed.
+StepObserver = Callable[[StepRecord], None]
+
 #: The default step cap of every replay (``refserve simulate --max-steps``): a workload
 #: that cannot finish (a request that never fits, a policy that starves one) ends with
 #: :class:`StepLimitReached` instead of running forever.
@@ -286,6 +290,7 @@ def simulate(
     keep_steps: bool = True,
     speculation: SimSpeculation | None = None,
     noise: StepNoise | None = None,
+    on_step: StepObserver | None = None,
 ) -> SimResult:
     """Run every request to completion on a virtual clock; return timelines and steps.
 
@@ -293,7 +298,8 @@ def simulate(
     steps (default: :func:`default_max_steps` of the arrivals), and
     :class:`InvalidArgument` for an arrival time that is not finite. With
     ``keep_steps=False`` the result has no step records, only their count and swap
-    totals: memory then grows with the requests, not with the steps.
+    totals: memory then grows with the requests, not with the steps. ``on_step`` is
+    told every step's record as it commits (a probe of the scheduler's state per step).
     """
     pending = list(arrivals)
     if max_steps is None:
@@ -322,6 +328,8 @@ def simulate(
             raise StepLimitReached(max_steps, _result(scheduler, everyone, steps, clock - start))
         record = core.step(clock)
         steps.add(record)
+        if on_step is not None:
+            on_step(record)
         clock = record.end_ms + executor.after_step_ms()
     start = min((r.arrival_ms for r in everyone), default=0.0)
     return _result(scheduler, everyone, steps, clock - start)
@@ -400,16 +408,26 @@ def simulate_closed_loop(
     max_steps: int = DEFAULT_MAX_STEPS,
     keep_steps: bool = True,
     speculation: SimSpeculation | None = None,
+    on_step: StepObserver | None = None,
 ) -> SimResult:
     """Keep ``concurrency`` requests in flight; release the next (in list order) as one ends.
 
     The first ``concurrency`` requests are released at time 0; each later one at the step
     boundary where a request finishes. A request's ``arrival_ms`` is overwritten with its
-    release time, so TTFT is measured from the moment the client sent it.
+    release time, so TTFT is measured from the moment the client sent it. ``on_step`` as
+    for :func:`simulate`.
     """
     jobs = [_Job(None, r) for r in requests]
     return _replay(
-        scheduler, jobs, cost, concurrency, check_invariants, max_steps, keep_steps, speculation
+        scheduler,
+        jobs,
+        cost,
+        concurrency,
+        check_invariants,
+        max_steps,
+        keep_steps,
+        speculation,
+        on_step,
     )
 
 
@@ -451,6 +469,7 @@ def _replay(
     max_steps: int,
     keep_steps: bool,
     speculation: SimSpeculation | None,
+    on_step: StepObserver | None = None,
 ) -> SimResult:
     if concurrency is not None and concurrency < 1:
         raise InvalidArgument(f"concurrency must be >= 1, got {concurrency}")
@@ -484,6 +503,8 @@ def _replay(
             raise StepLimitReached(max_steps, _replay_result(scheduler, everyone, steps, clock))
         record = core.step(clock)
         steps.add(record)
+        if on_step is not None:
+            on_step(record)
         clock = record.end_ms + executor.after_step_ms()
         for rid in record.outcome.finished:
             _after_finish(in_flight.pop(rid), rid, clock, releases, waiting)

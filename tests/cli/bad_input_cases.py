@@ -734,6 +734,30 @@ COMPARE: list[Case] = [
     Case("cmp-unknown-option", cmp("--bogus"), "--bogus", outputs=CMP_OUT),
 ]
 
+
+def kvl(*extra: str) -> tuple[str, ...]:
+    return ("kv-layouts", "--quick", "--quiet", "--out", "{ws}/kvl", *extra)
+
+
+KVL_OUT = ("kvl/report.json", "kvl/report.md")
+
+KV_LAYOUTS: list[Case] = [
+    Case("kvl-out-is-file", kvl("--out", "{ws}/afile"), "--out"),
+    Case("kvl-out-under-file", kvl("--out", "{ws}/afile/report"), "afile"),
+    Case("kvl-contexts-letters", kvl("--contexts", "1k"), "--contexts", outputs=KVL_OUT),
+    Case("kvl-contexts-0", kvl("--contexts", "0,256"), "--contexts", outputs=KVL_OUT),
+    Case("kvl-contexts-twice", kvl("--contexts", "256,256"), "twice", outputs=KVL_OUT),
+    Case("kvl-context-never-fits", kvl("--contexts", "100000"), "dense_blocks", outputs=KVL_OUT),
+    Case("kvl-layouts-unknown", kvl("--layouts", "dense,nope"), "unknown layout", outputs=KVL_OUT),
+    Case("kvl-window-0", kvl("--window", "0"), "--window", outputs=KVL_OUT),
+    Case("kvl-load-nan", kvl("--load", "nan"), "--load", outputs=KVL_OUT),
+    Case("kvl-load-11", kvl("--load", "11"), "--load", outputs=KVL_OUT),
+    Case("kvl-cost-no-prefill", kvl("--cost", "2+1D"), "cost", outputs=KVL_OUT),
+    Case("kvl-dense-blocks-0", kvl("--dense-blocks", "0"), "dense_blocks", outputs=KVL_OUT),
+    Case("kvl-trace-unknown", kvl("--trace", "nope@256"), "trace", outputs=KVL_OUT),
+    Case("kvl-unknown-option", kvl("--bogus"), "--bogus", outputs=KVL_OUT),
+]
+
 CHECK_KERNEL: list[Case] = [
     Case("kernel-no-target", ("check-kernel",), "MODULE:FUNCTION"),
     Case("kernel-no-target-with-options", ("check-kernel", "--quick"), "MODULE:FUNCTION"),
@@ -835,6 +859,7 @@ ALL_CASES: list[Case] = [
     *GENERATE,
     *CONFIGS,
     *COMPARE,
+    *KV_LAYOUTS,
     *CHECK_KERNEL,
     *CONFORMANCE,
     *TOP_LEVEL,
