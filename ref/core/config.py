@@ -24,8 +24,11 @@ class Admission(StrEnum):
     """How much KV a waiting request must be able to get before it is admitted.
 
     ``first_chunk`` checks only the chunk scheduled now (vLLM v1); ``prompt`` the whole
-    remaining prompt; ``sequence`` the prompt plus ``max_tokens`` outputs, which never
-    needs preemption (example 2e of docs/ARCHITECTURE.md; the admit-fill-preempt thrash).
+    remaining prompt; ``sequence`` the prompt plus ``max_tokens`` outputs (example 2e of
+    docs/ARCHITECTURE.md; the admit-fill-preempt thrash). Each looks at the blocks free
+    now: the growth the running requests are still owed is not held back for them, so
+    ``sequence`` makes preemption rarer but does not rule it out (docs/kv_layouts shows
+    it preempting at short prompts).
     """
 
     FIRST_CHUNK = "first_chunk"
