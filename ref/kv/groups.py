@@ -359,6 +359,11 @@ class GroupedPool(BlockPool):
     ) -> tuple[int, int]:
         """The free blocks every group's allocation takes, and those the window release
         before it returns."""
+        if hit is not None and len(hit.hits) != len(self._pools):
+            raise InvalidArgument(
+                f"blocks_to_allocate: prefix hit for {request_id!r} has {len(hit.hits)} "
+                f"groups, the pool {len(self._pools)}"
+            )
         hits = hit.hits if hit is not None else (None,) * len(self._pools)
         needed = sum(
             BlockPool.blocks_to_allocate(p, request_id, num_new_tokens, h)

@@ -388,3 +388,41 @@ def test_cache_events_carry_every_groups_blocks_under_its_own_root() -> None:
     removed = [e.change for e in log.drain() if isinstance(e.change, BlockRemoved)]
     first_window_block = next(c for c in stored if c.parent_key == roots[1])
     assert [c.key for c in removed] == [first_window_block.key]
+
+
+# ------------------------------------------------------------------ edges the mutants showed
+def test_a_hit_plus_its_chunk_past_the_pool_is_exceeds_capacity_not_out_of_blocks() -> None:
+    """The capacity refusal counts from the hit's end: a hit of 16 tokens and 16 more hold
+    8 full and 6 window blocks, more than the 8 of the pool, however many are free.
+    Counted from 0 they would seem to fit and the refusal would say "try later"."""
+    pool = GroupedPool(8, BS, (FULL, WIN))
+    pool.allocate("a", tokens(16), 16)
+    pool.free("a")
+    known = tokens(32)
+    hit = pool.lookup(known, max_tokens=16)
+    assert hit.num_tokens == 16
+    with pytest.raises(ExceedsCapacity) as e:
+        pool.allocate("b", known, 16, hit=hit)
+    assert (e.value.needed, e.value.num_blocks) == (14, 8)
+    assert not pool.has_request("b")
+
+
+def test_bad_calls_name_their_argument() -> None:
+    pool = GroupedPool(8, BS, (FULL, WIN))
+    with pytest.raises(UnknownRequest, match="free"):
+        pool.free("nobody")
+    with pytest.raises(InvalidArgument, match="max_tokens"):
+        pool.lookup(tokens(4), max_tokens=-1)
+    pool.allocate("a", tokens(8), 8)
+    pool.free("a")
+    hit = pool.lookup(tokens(9))
+    with pytest.raises(InvalidArgument, match="has 1 groups, the pool 2"):
+        pool.blocks_to_allocate("b", 1, GroupedHit.of(hit.hits[:1]))
+    assert pool.blocks_to_allocate("b", 1, hit) == 6  # per group: 2 revived, 1 new
+
+
+def test_a_full_group_with_a_window_is_named() -> None:
+    bad = KVGroup(GroupKind.FULL)
+    object.__setattr__(bad, "window", 3)  # past KVGroup's own check
+    with pytest.raises(InvalidArgument, match=r"groups\[1\]: a full group has no window, got 3"):
+        GroupedPool(8, BS, (FULL, bad))
