@@ -1,7 +1,8 @@
 """``refserve kv-layouts``: capacity and goodput against context length for several KV
-layouts at one memory, on the simulator (:mod:`refserve.report.kv_layouts_report`; the
-committed report is docs/kv_layouts/report.md, written by
-``refserve kv-layouts --out docs/kv_layouts``).
+layouts at one memory, on the simulator, and by default capacity and CPU throughput on
+the real engine running a tiny hybrid model (``--no-engine`` leaves that part out;
+:mod:`refserve.report.kv_layouts_report`; the committed report is
+docs/kv_layouts/report.md, written by ``refserve kv-layouts --out docs/kv_layouts``).
 
 Every option is checked before anything runs: the lists and numbers here, their
 meaning (a context that never fits, a load out of range, an unknown layout) by the
@@ -31,6 +32,7 @@ from refserve.errors import InvalidArgument
 from refserve.files import check_output_dir, shown
 
 if TYPE_CHECKING:
+    from refserve.report.kv_layouts_engine import EngineExperiment
     from refserve.report.kv_layouts_report import KVLayoutsOptions
     from refserve.sim.kv_layouts import KVLayout
 
@@ -184,7 +186,39 @@ def add_kv_layouts_parser(sub: Any) -> argparse.ArgumentParser:
         help="the capacity run plotted step by step (default: the layout of the most "
         "groups at the middle context)",
     )
-    p.add_argument("--quick", action="store_true", help="three short contexts, a small pool")
+    p.add_argument(
+        "--engine",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure the real engine on a tiny hybrid model, on CPU, in seconds "
+        "(default on; --no-engine: the simulator alone)",
+    )
+    p.add_argument(
+        "--engine-contexts",
+        type=_contexts,
+        help="the engine part's prompt lengths (default 64,128,256,512; at most 8192)",
+    )
+    p.add_argument(
+        "--engine-dense-blocks",
+        type=int_at_most(MAX_BLOCKS),
+        metavar="N",
+        help="the engine part's KV memory in dense blocks (default 512: 4,096 tokens at block 8)",
+    )
+    p.add_argument(
+        "--engine-window",
+        type=int_at_most(MAX_CONTEXT),
+        help="the engine model's sliding window in tokens (default 32)",
+    )
+    p.add_argument(
+        "--engine-threads",
+        type=int_at_most(256),
+        help="torch threads for the engine part (default 1)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="three short contexts, a small pool (the simulator; the engine part keeps its sizes)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=run_kv_layouts_cli)
     return p
@@ -226,7 +260,7 @@ def options_from_args(args: argparse.Namespace) -> KVLayoutsOptions:
         else args.ttft_slo_per_token_ms,
         derived.tbt_ms if args.tbt_slo_ms is None else args.tbt_slo_ms,
     )
-    opts = KVLayoutsOptions(exp, slo, args.out, args.trace, command_line(args))
+    opts = KVLayoutsOptions(exp, slo, args.out, args.trace, command_line(args), _engine(args))
     check_output_dir(opts.out, "--out")
     return opts
 
@@ -252,6 +286,35 @@ def _layouts(args: argparse.Namespace, window: int) -> tuple[KVLayout, ...]:
     return tuple(by_name[n] for n in args.layouts)
 
 
+#: The engine part's options and the field of EngineExperiment each sets.
+ENGINE_FIELDS = {
+    "engine_contexts": "contexts",
+    "engine_dense_blocks": "dense_blocks",
+    "engine_window": "window",
+    "engine_threads": "threads",
+}
+
+
+def _engine(args: argparse.Namespace) -> EngineExperiment | None:
+    """The engine part's settings, or None under ``--no-engine`` (which refuses the
+    engine part's options: they would do nothing)."""
+    from refserve.report.kv_layouts_engine import EngineExperiment
+
+    given = {f: getattr(args, dest) for dest, f in ENGINE_FIELDS.items()}
+    given = {f: v for f, v in given.items() if v is not None}
+    if not args.engine:
+        if given:
+            named = ", ".join(
+                f"--{d.replace('_', '-')}" for d in ENGINE_FIELDS if getattr(args, d) is not None
+            )
+            raise InvalidArgument(f"{named}: set for the engine part, but --no-engine drops it")
+        return None
+    try:
+        return EngineExperiment(seed=args.seed, **given)
+    except InvalidArgument as e:
+        raise InvalidArgument(f"the engine part (--engine-*): {e}") from None
+
+
 def command_line(args: argparse.Namespace) -> str:
     """The command line that measures what ``args`` asks for, options in one order:
     the report names it (``refserve kv-layouts --out docs/kv_layouts`` for the
@@ -271,6 +334,13 @@ def command_line(args: argparse.Namespace) -> str:
             parts += [f"--{dest.replace('_', '-')}", f"{getattr(args, dest):g}"]
     if args.trace is not None:
         parts += ["--trace", shlex.quote(f"{args.trace[0]}@{args.trace[1]}")]
+    if not args.engine:
+        parts.append("--no-engine")
+    for dest in ENGINE_FIELDS:
+        value = getattr(args, dest)
+        if value is not None:
+            text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            parts += [f"--{dest.replace('_', '-')}", shlex.quote(text)]
     return " ".join([*parts, "--out", shlex.quote(args.out.as_posix())])
 
 

@@ -1,12 +1,15 @@
 """``refserve kv-layouts``: capacity and goodput against context length for several KV
 layouts at one memory, and the admission's block count against the pool's, on the
 cost-model simulator (the runs: :mod:`refserve.sim.kv_layouts`, whose doc states the
-memory model). Writes ``report.json``, ``report.md`` (rendered from the JSON by
-:mod:`refserve.report.kv_layouts_markdown`) and three PNG charts.
+memory model) and, unless told not to, capacity, CPU wall-clock throughput and the same
+block count on the real engine running a tiny hybrid model
+(:mod:`refserve.report.kv_layouts_engine`). Writes ``report.json``, ``report.md``
+(rendered from the JSON by :mod:`refserve.report.kv_layouts_markdown`) and the PNG
+charts (three for the simulator, two for the engine).
 
-The JSON keeps each measuring source's tables apart (``sources``: here one, the
-simulator), so a second source (the real engine on a hybrid model) adds its own tables
-beside them without changing the first's.
+The JSON keeps each measuring source's tables apart (``sources``: the simulator, then
+the real engine with its own settings and layouts, ``kind`` telling them apart), so one
+source's tables never change another's.
 
 Goodput: a request counts when it finished normally, its first token came within
 ``Slo.ttft_limit_ms`` of its arrival and no gap between two of its tokens passed the
@@ -29,6 +32,7 @@ from typing import TextIO
 from refserve.core.request_metrics import RequestMetrics
 from refserve.errors import InvalidArgument
 from refserve.files import atomic_write_text, check_output_dir
+from refserve.report.kv_layouts_engine import EngineExperiment, EngineMeasured, measure_engine
 from refserve.report.kv_layouts_markdown import render_markdown
 from refserve.report.plots import new_figure, write_png
 from refserve.report.policies import Slo
@@ -52,10 +56,15 @@ TTFT_BASE_MS = 500.0
 TBT_MS = 100.0
 TTFT_PREFILL_MULTIPLE = 2.0
 SIMULATOR = "simulator"
+ENGINE = "real engine"
 PLOTS = {
     "capacity": "capacity_vs_context.png",
     "goodput": "goodput_vs_context.png",
     "estimate": "estimate_vs_held.png",
+}
+ENGINE_PLOTS = {
+    "engine_capacity": "engine_capacity_vs_context.png",
+    "engine_throughput": "engine_throughput_vs_context.png",
 }
 
 
@@ -68,17 +77,22 @@ class KVLayoutsOptions:
     """What to run and where the report goes; ``trace`` is the capacity run whose every
     step is plotted (layout name, context), by default the layout of the most groups (the
     first of them) at the middle context length; ``command`` the command line the report
-    says measured it."""
+    says measured it; ``engine`` the real engine's part (None: the simulator alone)."""
 
     exp: LayoutExperiment
     slo: Slo
     out: Path
     trace: tuple[str, int] | None = None
     command: str = COMMAND  # the command line that measures this report
+    engine: EngineExperiment | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.exp, LayoutExperiment) or not isinstance(self.slo, Slo):
             raise InvalidArgument("KVLayoutsOptions needs a LayoutExperiment and an Slo")
+        if self.engine is not None and not isinstance(self.engine, EngineExperiment):
+            raise InvalidArgument(
+                f"KVLayoutsOptions.engine must be an EngineExperiment or None, got {self.engine!r}"
+            )
         for name in ("ttft_base_ms", "ttft_per_token_ms", "tbt_ms"):
             value = getattr(self.slo, name)
             if not (math.isfinite(value) and value >= 0):
@@ -186,10 +200,11 @@ class Measured:
     capacity: tuple[CapacityPoint, ...]
     goodput: tuple[GoodputPoint, ...]
     trace: tuple[StepSample, ...]  # the plotted capacity run's steps
+    engine: EngineMeasured | None = None  # the real engine's runs, when asked for
 
 
 def measure(opts: KVLayoutsOptions, stream: TextIO | None = None) -> Measured:
-    """Every capacity and goodput run, context by context."""
+    """Every capacity and goodput run, context by context, then the engine's."""
     exp = opts.exp
     capacity: list[CapacityPoint] = []
     goodput: list[GoodputPoint] = []
@@ -211,7 +226,8 @@ def measure(opts: KVLayoutsOptions, stream: TextIO | None = None) -> Measured:
                     file=stream,
                     flush=True,
                 )
-    return Measured(tuple(capacity), tuple(with_ratios(goodput, exp.baseline.name)), trace)
+    engine = None if opts.engine is None else measure_engine(opts.engine, stream)
+    return Measured(tuple(capacity), tuple(with_ratios(goodput, exp.baseline.name)), trace, engine)
 
 
 def _capacity_point(
@@ -239,27 +255,32 @@ def _capacity_point(
 def estimate_rows(
     capacity: Sequence[CapacityPoint], layouts: Sequence[KVLayout]
 ) -> list[dict[str, object]]:
-    """Per layout, over every capacity run of it: the largest, smallest and mean (per
-    step) gap of the pool's used blocks to each estimate."""
-    rows: list[dict[str, object]] = []
-    for layout in layouts:
-        runs = [
-            f for p in capacity if p.layout == layout.name for f in (p.reserve_peak, p.sequence)
-        ]
-        steps = sum(f.num_steps for f in runs)
-        row: dict[str, object] = {"layout": layout.name, "runs": len(runs), "steps": steps}
-        for key in ("gap", "gap_now"):
-            gaps = [getattr(f, key) for f in runs]
-            row[key] = {
-                "max_gap": max((g.max_gap for g in gaps), default=0),
-                "min_gap": min((g.min_gap for g in gaps), default=0),
-                "mean_gap": sum(g.mean_gap * f.num_steps for g, f in zip(gaps, runs, strict=True))
-                / steps
-                if steps
-                else 0.0,
-            }
-        rows.append(row)
-    return rows
+    """Per layout, over every capacity run of it (both admissions): the largest,
+    smallest and mean (per step) gap of the pool's used blocks to each estimate."""
+    return [
+        gap_row(
+            layout.name,
+            [f for p in capacity if p.layout == layout.name for f in (p.reserve_peak, p.sequence)],
+        )
+        for layout in layouts
+    ]
+
+
+def gap_row(layout: str, runs: Sequence[LoopFigures]) -> dict[str, object]:
+    """One layout's row of the estimate table over ``runs``."""
+    steps = sum(f.num_steps for f in runs)
+    row: dict[str, object] = {"layout": layout, "runs": len(runs), "steps": steps}
+    for key in ("gap", "gap_now"):
+        gaps = [getattr(f, key) for f in runs]
+        row[key] = {
+            "max_gap": max((g.max_gap for g in gaps), default=0),
+            "min_gap": min((g.min_gap for g in gaps), default=0),
+            "mean_gap": sum(g.mean_gap * f.num_steps for g, f in zip(gaps, runs, strict=True))
+            / steps
+            if steps
+            else 0.0,
+        }
+    return row
 
 
 def report_json(opts: KVLayoutsOptions, measured: Measured, wall_s: float) -> dict[str, object]:
@@ -289,9 +310,60 @@ def report_json(opts: KVLayoutsOptions, measured: Measured, wall_s: float) -> di
                     "estimate_now_blocks": [s.estimate_now_blocks for s in measured.trace],
                     "running": [s.running for s in measured.trace],
                 },
-            }
+            },
+            *([] if measured.engine is None else [engine_json(opts, measured.engine)]),
         ],
-        "plots": dict(PLOTS),
+        "plots": dict(PLOTS) | ({} if measured.engine is None else ENGINE_PLOTS),
+    }
+
+
+def engine_json(opts: KVLayoutsOptions, measured: EngineMeasured) -> dict[str, object]:
+    """The real engine's entry of ``sources``: its settings (the model, the memory, the
+    CPU), its layouts, a capacity point per layout and prompt length, the estimate rows
+    over its runs and the greedy outputs compared."""
+    exp = opts.engine
+    assert exp is not None
+    cfg = exp.model_config()
+    points = measured.points
+    return {
+        "name": ENGINE,
+        "kind": "engine",
+        "description": "refserve's engine (LLMEngine, ref/engine/llm_engine.py) running a "
+        "tiny random-weight hybrid Qwen2 on CPU, greedy, prefix caching off",
+        "settings": {
+            "contexts": list(exp.contexts),
+            "output_len": exp.output_len,
+            "block_size": exp.block_size,
+            "dense_blocks": exp.dense_blocks,
+            "dense_tokens": exp.dense_blocks * exp.block_size,
+            "capacity_budget": exp.capacity_budget,
+            "admission": str(CapacityAdmission.RESERVE_PEAK),
+            "model": {
+                "model_type": cfg.model_type,
+                "num_layers": cfg.num_layers,
+                "sliding_layers": sum(
+                    cfg.layer_window(i) is not None for i in range(cfg.num_layers)
+                ),
+                "window": exp.window,
+                "hidden_size": cfg.hidden_size,
+                "num_heads": cfg.num_heads,
+                "num_kv_heads": cfg.num_kv_heads,
+                "head_dim": cfg.head_dim,
+                "vocab_size": cfg.vocab_size,
+                "weights_seed": exp.seed,
+            },
+            "device": "cpu",
+            "torch_threads": measured.torch_threads,
+            "check_invariants": exp.check_invariants,
+            "wall_s": round(sum(p.wall_s for p in points), 1),
+        },
+        "layouts": [_layout_json(x, exp.sizes) for x in exp.layouts],
+        "capacity": [dataclasses.asdict(p) for p in points],
+        "estimate": [
+            gap_row(x.name, [p.reserve_peak for p in points if p.layout == x.name])
+            for x in exp.layouts
+        ],
+        "outputs": {"requests_compared": measured.requests_compared, "identical": True},
     }
 
 
@@ -354,6 +426,32 @@ def write_plots(out: Path, opts: KVLayoutsOptions, measured: Measured) -> None:
         labels=("", "offered (req/s)"),
     )
     _estimate_chart(out / PLOTS["estimate"], opts, measured.trace)
+    if opts.engine is not None and measured.engine is not None:
+        _engine_charts(out, opts.engine, measured.engine)
+
+
+def _engine_charts(out: Path, exp: EngineExperiment, measured: EngineMeasured) -> None:
+    names = [x.name for x in exp.layouts]
+    points = sorted(measured.points, key=lambda p: p.context)
+    tokens = exp.dense_blocks * exp.block_size
+    _context_chart(
+        out / ENGINE_PLOTS["engine_capacity"],
+        f"real engine: requests running at once, {tokens:,} dense tokens of KV memory",
+        "most requests running",
+        {
+            n: [(p.context, p.reserve_peak.max_running) for p in points if p.layout == n]
+            for n in names
+        },
+        dashed={n: [(p.context, p.bound) for p in points if p.layout == n] for n in names},
+        labels=("measured", "bound"),
+    )
+    _context_chart(
+        out / ENGINE_PLOTS["engine_throughput"],
+        f"real engine: output tokens/s, CPU wall time ({measured.torch_threads} thread"
+        f"{'s' if measured.torch_threads > 1 else ''}; not a GPU figure)",
+        "output tokens/s (CPU wall clock)",
+        {n: [(p.context, p.output_tokens_per_s) for p in points if p.layout == n] for n in names},
+    )
 
 
 def _context_chart(

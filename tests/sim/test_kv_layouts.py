@@ -66,6 +66,7 @@ TINY_ARGS = (
     "--capacity-budget=512",
     "--goodput-budget=256",
     "--goodput-requests=12",
+    "--no-engine",
     "--quiet",
 )
 
@@ -308,7 +309,7 @@ def test_the_command_writes_the_report_into_a_folder(
     assert report["command"] == (
         "refserve kv-layouts --contexts 64,512 --output-len 32 --window 64 --dense-blocks 96 "
         "--capacity-budget 512 --goodput-budget 256 --goodput-requests 12 "
-        f"--trace hybrid-1:1@512 --out {out.as_posix()}"
+        f"--trace hybrid-1:1@512 --no-engine --out {out.as_posix()}"
     )
     (source,) = report["sources"]
     assert source["name"] == "simulator"
