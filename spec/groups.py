@@ -55,6 +55,8 @@ __all__ = [
     "check_window_held",
     "group_blocks",
     "group_table_id",
+    "group_table_owner",
+    "held_places",
     "layout_blocks",
     "layout_peak",
     "layout_text",
@@ -166,6 +168,19 @@ def group_blocks(group: KVGroup, num_stored: int, num_new: int, block_size: int)
     return end - window_start(num_stored, group.window) // block_size
 
 
+def held_places(group: KVGroup, num_stored: int, block_size: int) -> range:
+    """The places (logical blocks) of ``group``'s table whose blocks a request that has
+    computed ``num_stored`` tokens needs for its next query: every one in a full or
+    compressed group, a window group's from the block holding
+    ``window_start(num_stored, W)`` on. There are ``group_blocks(group, num_stored, 0,
+    block_size)`` of them: what a swap to the host moves and brings back.
+    """
+    end = blocks_needed(num_stored, group.tokens_per_block(block_size))
+    if group.kind is not GroupKind.WINDOW:
+        return range(end)
+    return range(window_start(num_stored, group.window) // block_size, end)
+
+
 def layout_blocks(groups: Sequence[KVGroup], num_stored: int, num_new: int, block_size: int) -> int:
     """:func:`group_blocks` summed over the layout: what the request takes from the one
     shared pool. Admission, the capacity refusal, preemption and the simulator all
@@ -267,6 +282,15 @@ def group_table_id(request_id: str, group: int) -> str:
     """The name of a request's table in ``group`` > 0 where one pool lists every group's
     tables (:meth:`GroupedSnapshot.engine_pool`)."""
     return f"{request_id}@group{group}"
+
+
+def group_table_owner(table_id: str) -> tuple[str, int]:
+    """The request and group of a table named as :func:`group_table_id` names them
+    (the first group's table is the request's own id: group 0)."""
+    rid, sep, group = table_id.rpartition("@group")
+    if sep and group.isdecimal() and group == str(int(group)) and int(group) >= 1:
+        return rid, int(group)
+    return table_id, 0
 
 
 def check_groups(s: GroupedSnapshot) -> list[Violation]:

@@ -204,7 +204,6 @@ class SchedulerConfig:
             return
         # What keeps one table per request and does not yet carry every group's.
         for name, on in (
-            ("num_host_blocks (swap to the host)", self.num_host_blocks > 0),
             ("num_speculative_tokens (draft truncation)", self.num_speculative_tokens > 0),
             ("policy mlfq (its block estimates)", self.policy is PolicyName.MLFQ),
         ):

@@ -39,6 +39,8 @@ from refserve.spec import EngineSnapshot, StepSnapshot, Violation, check_step
 from refserve.spec.arith import blocks_needed, logical_block
 from refserve.spec.atomic import check_atomic
 from refserve.spec.groups import check_groups, check_window_held
+from refserve.spec.host import check_host_groups
+from refserve.spec.snapshot import PoolSnapshot
 
 
 class KVStateLost(RefserveError):
@@ -216,17 +218,20 @@ class EngineCore:
         )
         violations = check_step(step)
         if sched.layer_groups is not None:
-            violations += _group_violations(plan, sched.layer_groups)
+            violations += _group_violations(plan, sched.layer_groups, after.host)
         if violations:
             raise InvariantViolation(plan.step_index, violations)
 
 
-def _group_violations(plan: StepPlan, pool: LayerGroupTables) -> list[Violation]:
+def _group_violations(
+    plan: StepPlan, pool: LayerGroupTables, host: PoolSnapshot | None
+) -> list[Violation]:
     """A grouped pool's own rules after the step (spec/groups.py): the groups' books
-    agree, and every request the step ran holds, in each window group, the blocks its
-    next query reads and none wholly before them."""
+    agree, every request the step ran holds, in each window group, the blocks its
+    next query reads and none wholly before them, and so does each swapped one's host
+    table (spec/host.py)."""
     snap = pool.grouped_snapshot()
-    found = check_groups(snap)
+    found = check_groups(snap) + (check_host_groups(snap.groups, host) if host else [])
     for c in plan.chunks:
         if pool.has_request(c.request_id):
             found += check_window_held(snap, c.request_id, c.start, c.num_new_cached_tokens)

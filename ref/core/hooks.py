@@ -28,8 +28,10 @@ from refserve.core.outcome import Outcome
 from refserve.core.plan import StepPlan
 from refserve.core.request import FinishReason, Request
 from refserve.core.step_build import StepBuild
-from refserve.kv import BlockPool
+from refserve.kv import BlockPool, PrefixHit
 from refserve.spec.snapshot import PoolSnapshot
+
+Fits = Callable[[int, PrefixHit | None], bool]
 
 
 class SuspensionManager(Protocol):
@@ -52,10 +54,10 @@ class SuspensionManager(Protocol):
     def host_room(self) -> int:
         """Free blocks of the host pool (0: there is none)."""
 
-    def readmit(self, r: Request, step: StepBuild, fits: Callable[[int], bool]) -> bool | None:
+    def readmit(self, r: Request, step: StepBuild, fits: Fits) -> bool | None:
         """Admission of a waiting ``r`` whose KV this manager holds: True if its next
-        tokens were scheduled, False if they do not fit now (``fits(n)``: the blocks for
-        ``n`` tokens are free), None if ``r`` is not one of its own."""
+        tokens were scheduled, False if they do not fit now (``fits(n, hit)``: the blocks
+        for ``n`` tokens after ``hit`` are free), None if ``r`` is not one of its own."""
 
     def kept(self, r: Request, plan: StepPlan) -> bool:
         """At commit, for a preemption victim: True if this manager kept its KV (and
@@ -169,7 +171,7 @@ class NoSuspension:
     def host_room(self) -> int:
         return 0
 
-    def readmit(self, r: Request, step: StepBuild, fits: Callable[[int], bool]) -> bool | None:
+    def readmit(self, r: Request, step: StepBuild, fits: Fits) -> bool | None:
         return None
 
     def kept(self, r: Request, plan: StepPlan) -> bool:

@@ -190,7 +190,7 @@ class Planner:
         from the KV the suspension manager kept); False, nothing reserved, if they do
         not fit now."""
         cfg = self.config
-        held = self.suspension.readmit(r, step, lambda n: self._admission_fits(step, r, n, None))
+        held = self.suspension.readmit(r, step, lambda n, h: self._admission_fits(step, r, n, h))
         if held is not None:  # its KV was kept aside: the manager brings it back
             return held
         hit = self.pool.lookup(r.token_ids, r.namespace) if cfg.enable_prefix_caching else None

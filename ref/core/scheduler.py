@@ -56,7 +56,7 @@ class Scheduler(SchedulerLoop):
         )
         super().__init__(config, policy, batch=self._bulk, pool=pool)
         # The host-side pool that swapped and paused KV waits in (ref/kv/host_pool.py).
-        self.host = HostPool(config.num_host_blocks, config.block_size)
+        self.host = HostPool(config.num_host_blocks, config.block_size, config.kv_groups)
         self._suspension = Suspension(config, self.pool, self.host)  # swaps and tool waits
         self._proposals = Proposals(config.num_speculative_tokens, self.pool, config.max_len)
         # The bulk decode path grows one table per request: a grouped pool's decodes take

@@ -11,14 +11,19 @@ this module is their mechanics: an attachment, the spine's suspension manager
   for the host moves there, paused KV is reclaimed before running work is preempted, a
   victim is swapped out or dropped, a swapped request is swapped back in on admission;
 - **at commit**: the paused turns' bookkeeping catches up with the plan.
+
+On a hybrid model's grouped pool (ref/kv/groups.py) a swap moves, in every layer group,
+the blocks the request's next query reads (a window group's from the block holding
+``window_start`` on), and a swap-in restores every group's table before the copies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from refserve.core.capacity import never_fits, require_fit
 from refserve.core.config import SchedulerConfig
+from refserve.core.hooks import Fits
 from refserve.core.loop import SchedulerLoop
 from refserve.core.plan import StepPlan
 from refserve.core.prefill import chunk
@@ -27,6 +32,7 @@ from refserve.core.step_build import StepBuild
 from refserve.core.swap import KVRetention, preempt_by_swap
 from refserve.errors import InvalidArgument, UnknownRequest
 from refserve.kv import BlockCopy, BlockPool
+from refserve.kv.groups import GroupBlocks, GroupedPool, Restored
 from refserve.kv.host_pool import HostPool
 from refserve.spec.snapshot import PoolSnapshot, RequestStatus
 from refserve.values import is_number
@@ -37,6 +43,8 @@ class Suspension:
         self.config = config
         self.pool = pool
         self.host = host
+        # A hybrid model's layer groups: swaps move every group's blocks.
+        self.groups = pool if isinstance(pool, GroupedPool) else None
         self.paused: dict[str, Request] = {}  # WAITING_TOOL: agent turns waiting for a tool
         # Paused turns whose KV the next step moves to the host pool (pause order).
         self.to_host: list[str] = []
@@ -186,19 +194,31 @@ class Suspension:
 
     def _swap_out(self, r: Request, step: StepBuild) -> None:
         rid = r.request_id
-        device = self.pool.block_table_view(rid)
-        step.swap_out.extend(self.host.swap_out(rid, device, r.num_computed_tokens, r.token_ids))
+        if self.groups is not None:
+            held = self.groups.held_blocks(rid)
+            copies = self.host.swap_out_groups(rid, held, r.num_computed_tokens, r.token_ids)
+        else:
+            device = self.pool.block_table_view(rid)
+            copies = self.host.swap_out(rid, device, r.num_computed_tokens, r.token_ids)
+        step.swap_out.extend(copies)
         step.swapped_out.append(rid)
         self.pool.free(rid)
 
-    def readmit(self, r: Request, step: StepBuild, fits: Callable[[int], bool]) -> bool | None:
+    def readmit(self, r: Request, step: StepBuild, fits: Fits) -> bool | None:
         """A swapped request's admission: its next tokens, if ``fits`` says their blocks
-        are free, are swapped in with its KV; None for any other request."""
+        are free, are swapped in with its KV; None for any other request. On a grouped
+        pool the KV it brings back counts as a :class:`Restored` (every group's blocks
+        at its KV length), the blocks of its next tokens on top."""
         if r.status is not RequestStatus.SWAPPED:
             return None
         stored = r.num_computed_tokens
         n = chunk(self.config, r.num_tokens - stored, step.budget, stored)
-        if n < 1 or not fits(stored + n):
+        if n < 1:
+            return False
+        if self.groups is not None:
+            if not fits(n, Restored.of(stored, self.config.block_size)):
+                return False
+        elif not fits(stored + n, None):
             return False
         self.swap_in(r, n, step)
         step.budget -= n
@@ -222,10 +242,16 @@ class Suspension:
         forward)."""
         rid = r.request_id
         stored = r.num_computed_tokens
-        self.pool.allocate(rid, r.token_ids, stored, namespace=r.namespace)
-        host = self.host.release(rid)
-        device = self.pool.block_table_view(rid)
-        step.swap_in.extend(BlockCopy(h, v) for h, v in zip(host.block_ids, device, strict=True))
+        if self.groups is not None:
+            restored = self.groups.restore(rid, r.token_ids, stored, namespace=r.namespace)
+            step.swap_in.extend(_copies_in(rid, self.host.release(rid).groups, restored))
+        else:
+            self.pool.allocate(rid, r.token_ids, stored, namespace=r.namespace)
+            host = self.host.release(rid)
+            device = self.pool.block_table_view(rid)
+            step.swap_in.extend(
+                BlockCopy(h, v) for h, v in zip(host.block_ids, device, strict=True)
+            )
         step.swapped_in.append(rid)
         alloc = self.pool.allocate(rid, r.token_ids, n, namespace=r.namespace)
         assert not alloc.copies, "a swapped-in request shares no block"
@@ -259,6 +285,26 @@ class Suspension:
             self.paused[rid].num_computed_tokens = 0
             if rid in self.to_host:
                 self.to_host.remove(rid)
+
+
+def _copies_in(
+    request_id: str, host: Sequence[GroupBlocks], device: Sequence[GroupBlocks]
+) -> list[BlockCopy]:
+    """The host -> device copies of a grouped swap-in: each host block to the restored
+    block at its group's place. Every host place must have one; a restored place the
+    host does not cover gets no K/V (spec/host.py flags such a host table)."""
+    out: list[BlockCopy] = []
+    for h, d in zip(host, device, strict=True):
+        assert h.group == d.group, (request_id, h.group, d.group)
+        for i, b in enumerate(h.block_ids):
+            place = h.first + i - d.first
+            if not 0 <= place < len(d.block_ids):
+                raise InvalidArgument(
+                    f"swap_in: request {request_id!r}'s host block {b} is group {h.group}'s "
+                    f"place {h.first + i}, which the restored table does not hold"
+                )
+            out.append(BlockCopy(b, d.block_ids[place]))
+    return out
 
 
 # ---------------------------------------------------------------------- at the scheduler

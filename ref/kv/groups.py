@@ -41,10 +41,16 @@ what a window needs:
   blocks. It caches nothing (the one index keys blocks of ``block_size`` tokens), so a
   layout with one takes no prefix hits.
 
+* **Swaps.** A swap to the host (ref/kv/host_pool.py) moves, in every group, the blocks
+  the request's next query reads (:meth:`GroupedPool.held_blocks`: spec/groups.py
+  ``held_places``), and :meth:`GroupedPool.restore` builds every group's table back as
+  if the request had computed its tokens, all or nothing. Admission counts a swap-in
+  with a :class:`Restored`: the KV it brings back is held like a prefix hit's.
+
 The scheduler reads one table per request: this pool is the first group's (a full
 group's), whose tables give the positions and slots, and its allocation, lookup and
-free act on every group; forks (ref/kv/forks.py) share every group's blocks. Swaps,
-speculative truncation, the bulk decode path and K/V transfer by migration still move
+free act on every group; forks (ref/kv/forks.py) share every group's blocks.
+Speculative truncation, the bulk decode path and K/V transfer by migration still move
 one table: a grouped scheduler refuses them (``SchedulerConfig.kv_groups``).
 """
 
@@ -53,7 +59,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from refserve.errors import ExceedsCapacity, InvalidArgument, OutOfBlocks, UnknownRequest
+from refserve.errors import (
+    DuplicateRequest,
+    ExceedsCapacity,
+    InvalidArgument,
+    OutOfBlocks,
+    UnknownRequest,
+)
 from refserve.kv.pool import Allocation, BlockPool, require_int
 from refserve.kv.prefix_index import PrefixHit
 from refserve.kv.tables import BlockTable
@@ -64,13 +76,21 @@ from refserve.spec.groups import (
     GroupKind,
     GroupTable,
     KVGroup,
+    held_places,
     layout_blocks,
 )
 from refserve.spec.groups import window_start as spec_window_start
 from refserve.spec.hashing import DEFAULT_NAMESPACE, Namespace, block_key
 from refserve.spec.snapshot import PoolSnapshot
 
-__all__ = ["GroupAllocations", "GroupedHit", "GroupedPool", "group_namespace"]
+__all__ = [
+    "GroupAllocations",
+    "GroupBlocks",
+    "GroupedHit",
+    "GroupedPool",
+    "Restored",
+    "group_namespace",
+]
 
 
 def group_namespace(namespace: Namespace, group: int) -> Namespace:
@@ -104,6 +124,37 @@ class GroupAllocations(Allocation):
     group's copy-on-write copies, and each group's allocation in ``groups``."""
 
     groups: tuple[Allocation, ...] = ()
+
+
+@dataclass(frozen=True)
+class GroupBlocks:
+    """Blocks of one layer group's table: places (logical blocks) ``first``,
+    ``first + 1``, ... of group ``group`` are ``block_ids`` (a swap's record of which
+    block is which, ref/kv/host_pool.py)."""
+
+    group: int
+    first: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Restored(PrefixHit):
+    """Not a cache hit: a swapped request's KV of ``num_stored`` tokens coming back from
+    the host (:meth:`GroupedPool.restore`), as admission counts it. Like a hit, it is
+    KV the request holds without computing it: the tokens after it are the new ones,
+    and its blocks (every group's at ``num_stored``) come from the free queue.
+    :meth:`GroupedPool.blocks_to_allocate` and :meth:`GroupedPool.can_allocate` take
+    it; :meth:`GroupedPool.allocate` refuses it."""
+
+    num_stored: int = 0
+
+    @classmethod
+    def of(cls, num_stored: int, block_size: int) -> Restored:
+        return cls(b"", (), (), block_size, 0, num_stored)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_stored
 
 
 @dataclass(frozen=True)
@@ -170,6 +221,19 @@ class GroupedPool(BlockPool):
         if not window:
             return 0
         return logical_block(spec_window_start(num_tokens, window), self.block_size)
+
+    def held_blocks(self, request_id: str) -> tuple[GroupBlocks, ...]:
+        """The request's blocks its next query reads, in every group (spec/groups.py
+        ``held_places`` at its KV length): what a swap-out moves. A window group's
+        blocks before them, if its table still holds some, are not among them."""
+        stored = self.tables.table(request_id, "held_blocks").num_stored
+        out: list[GroupBlocks] = []
+        for g, pool in enumerate(self._pools):
+            places = held_places(self.groups[g], stored, self.block_size)
+            blocks = tuple(BlockPool.block_table_view(pool, request_id)[places.start : places.stop])
+            assert NULL_BLOCK not in blocks, f"{request_id!r} lost a block group {g} reads"
+            out.append(GroupBlocks(g, places.start, blocks))
+        return tuple(out)
 
     def _group_namespaces(self, namespace: Namespace) -> tuple[Namespace, ...]:
         if namespace is DEFAULT_NAMESPACE:
@@ -351,6 +415,9 @@ class GroupedPool(BlockPool):
         """Free blocks :meth:`allocate` would consume in all: each group's new,
         copy-on-write and revived blocks, less the blocks the window release before it
         returns (negative when the release returns more)."""
+        if isinstance(hit, Restored):
+            _require_new(self, request_id, "blocks_to_allocate")
+            return layout_blocks(self.groups, hit.num_stored, num_new_tokens, self.block_size)
         needed, freed = self._needs(request_id, num_new_tokens, _grouped(hit, request_id))
         return needed - freed
 
@@ -378,7 +445,8 @@ class GroupedPool(BlockPool):
         self, request_id: str, num_new_tokens: int, hit: PrefixHit | None = None
     ) -> bool:
         """:meth:`allocate` would succeed now: the blocks are free and the groups hold
-        no more than the pool after it."""
+        no more than the pool after it (with a :class:`Restored`: :meth:`restore`, then
+        ``num_new_tokens`` more)."""
         table = self.tables.get(request_id)
         start = table.num_stored if table is not None else (hit.num_tokens if hit else 0)
         held = layout_blocks(self.groups, start, num_new_tokens, self.block_size)
@@ -433,6 +501,71 @@ class GroupedPool(BlockPool):
                 before = table[: self.first_read_block(g, num_stored)]
                 freed += sum(1 for b in before if b != NULL_BLOCK and pool.ref_count(b) == 1)
         return freed
+
+    # ----------------------------------------------------------------- restore
+    def restore(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_stored: int,
+        *,
+        namespace: Namespace = DEFAULT_NAMESPACE,
+    ) -> tuple[GroupBlocks, ...]:
+        """A swapped request's tables back, as if it had just computed its first
+        ``num_stored`` tokens: in every group, fresh blocks at the places its next query
+        reads (spec/groups.py ``held_places``), a window group's earlier places null.
+        Its full blocks are cached as a computed request's are (the swap-in copies write
+        them before the step's forward). All or nothing, one transaction (the caller's
+        when one is open). Each group's new blocks: the swap-in copies' destinations."""
+        require_int(num_stored, "num_stored", minimum=1)
+        if self.has_request(request_id):
+            raise DuplicateRequest(request_id, "restore")
+        if len(token_ids) < num_stored:
+            raise InvalidArgument(
+                f"restore: request {request_id!r} has {len(token_ids)} token ids for "
+                f"{num_stored} stored positions"
+            )
+        need = layout_blocks(self.groups, num_stored, 0, self.block_size)
+        if need > self.num_blocks:
+            raise ExceedsCapacity(request_id, need, self.num_blocks)
+        if need > self.num_free_blocks:
+            raise OutOfBlocks(request_id, need, self.num_free_blocks)
+        tokens = list(token_ids[:num_stored])
+        spaces = self._group_namespaces(namespace)
+        opened = not self.in_transaction
+        if opened:
+            self.begin()
+        try:
+            done = tuple(
+                self._restore_group(g, request_id, tokens, spaces[g])
+                for g in range(len(self._pools))
+            )
+        except BaseException:
+            if opened:
+                self.rollback()
+            raise
+        if opened:
+            self.commit()
+        return done
+
+    def _restore_group(
+        self, group: int, request_id: str, tokens: list[int], namespace: Namespace
+    ) -> GroupBlocks:
+        """:meth:`restore` in one group, inside its transaction (the table's insertion,
+        the blocks taken and the keys indexed are journaled)."""
+        pool = self._pools[group]
+        places = held_places(self.groups[group], len(tokens), self.block_size)
+        root = pool.prefix_index.root_key(namespace)
+        table = pool.tables.add(request_id, root)
+        table.block_table.extend([NULL_BLOCK] * places.start)
+        if pool.enable_prefix_caching:  # the chain runs through the null places' keys
+            table.keys.extend(_keys(root, tokens, places.start, self.block_size))
+        blocks = pool.acquire(len(places))
+        table.block_table.extend(blocks)
+        table.token_ids.extend(tokens)
+        if pool.enable_prefix_caching:
+            pool.prefix_index.cache_full_blocks(table)
+        return GroupBlocks(group, places.start, tuple(blocks))
 
     # -------------------------------------------------------------------- free
     def free(self, request_id: str) -> None:
@@ -513,10 +646,24 @@ def _restore(table: BlockTable, start: int, old: list[int]) -> None:
     table.block_table[start : start + len(old)] = old
 
 
+def _require_new(pool: GroupedPool, request_id: str, what: str) -> None:
+    """A swapped request's restore is counted only while it holds no blocks."""
+    if pool.has_request(request_id):
+        raise InvalidArgument(
+            f"{what}: request {request_id!r} already holds blocks; a restore from the host "
+            "applies only to a request that holds none"
+        )
+
+
 def _grouped(hit: PrefixHit | None, request_id: str) -> GroupedHit | None:
     """A hit given to the grouped pool is one of its own lookups (every group's)."""
     if hit is None or isinstance(hit, GroupedHit):
         return hit
+    if isinstance(hit, Restored):
+        raise InvalidArgument(
+            f"allocate: request {request_id!r} comes back from the host: GroupedPool.restore "
+            "takes it, not allocate"
+        )
     raise InvalidArgument(
         f"allocate: prefix hit for {request_id!r} is one group's; a grouped pool takes "
         "the GroupedHit of its own lookup"

@@ -16,6 +16,14 @@ reused in (the executor applies every swap-out, then every swap-in, then the for
 
 Mutations join the scheduler's step transaction (:meth:`begin` / :meth:`commit` /
 :meth:`rollback`) through an undo journal, like the device pool (ATOMIC invariant).
+
+A hybrid model's layer groups (ref/kv/groups.py) swap through :meth:`HostPool.swap_out_groups`:
+a swapped request still has one host table, holding in every group only the blocks its
+next query reads (spec/groups.py ``held_places``: a window group's from the block
+holding ``window_start`` on), with a record of which group and place each block is
+(:attr:`HostTable.groups`). The host pool stays one pool of blocks; its snapshot lists
+each group's table as the device pool's engine view does (``request@groupN``, null
+places before a window group's first block), which spec/host.py checks.
 """
 
 from __future__ import annotations
@@ -25,28 +33,44 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from refserve.errors import DuplicateRequest, InvalidArgument, OutOfBlocks, UnknownRequest
+from refserve.kv.groups import GroupBlocks
 from refserve.kv.journal import Journal
 from refserve.kv.pool import BlockCopy
 from refserve.spec.arith import blocks_needed
+from refserve.spec.groups import (
+    NULL_BLOCK,
+    GroupedSnapshot,
+    GroupTable,
+    KVGroup,
+    held_places,
+    layout_blocks,
+)
 from refserve.spec.snapshot import PoolSnapshot, TableSnapshot
 from refserve.values import is_int
 
 
 @dataclass(frozen=True)
 class HostTable:
-    """A swapped request's KV on the host: ``num_stored`` positions in ``block_ids``."""
+    """A swapped request's KV on the host: ``num_stored`` positions in ``block_ids``.
+
+    On a grouped pool ``groups`` records which layer group and place each block is, one
+    entry per group in group order (``block_ids`` is their blocks in that order, the
+    first group's first); empty on a plain pool, where ``block_ids[i]`` is place ``i``."""
 
     block_ids: tuple[int, ...]
     num_stored: int
     token_ids: tuple[int, ...]
+    groups: tuple[GroupBlocks, ...] = ()
 
 
 class HostPool:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, groups: Sequence[KVGroup] = ()) -> None:
         if not is_int(num_blocks) or num_blocks < 0:
             raise InvalidArgument(f"num_host_blocks must be an int >= 0, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # A hybrid model's layer groups (several; else the plain pool's one table).
+        self.groups: tuple[KVGroup, ...] = tuple(groups) if len(groups) > 1 else ()
         self._free: deque[int] = deque(range(num_blocks))
         self._tables: dict[str, HostTable] = {}
         # Released inside the open transaction: free only once the step commits.
@@ -72,7 +96,14 @@ class HostPool:
         return t
 
     def can_hold(self, num_tokens: int) -> bool:
-        return blocks_needed(num_tokens, self.block_size) <= len(self._free)
+        return self.blocks_for(num_tokens) <= len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """The host blocks a swap of ``num_tokens`` tokens of KV takes: every group's
+        blocks its next query reads (spec/groups.py ``layout_blocks``) on a grouped pool."""
+        if self.groups:
+            return layout_blocks(self.groups, num_tokens, 0, self.block_size)
+        return blocks_needed(num_tokens, self.block_size)
 
     # ------------------------------------------------------------ transactions
     def begin(self) -> None:
@@ -101,6 +132,11 @@ class HostPool:
         """
         if request_id in self._tables:
             raise DuplicateRequest(request_id, "swap_out")
+        if self.groups:
+            raise InvalidArgument(
+                f"swap_out: request {request_id!r} is on a grouped pool, whose swaps take "
+                "every group's blocks (swap_out_groups)"
+            )
         need = blocks_needed(num_stored, self.block_size)
         if len(device_blocks) != need or len(token_ids) < num_stored:
             raise InvalidArgument(
@@ -115,6 +151,74 @@ class HostPool:
         )
         self._journal.record(self._unswap_out, request_id, taken)
         return tuple(BlockCopy(d, h) for d, h in zip(device_blocks, taken, strict=True))
+
+    def swap_out_groups(
+        self,
+        request_id: str,
+        device: Sequence[GroupBlocks],
+        num_stored: int,
+        token_ids: Sequence[int],
+    ) -> tuple[BlockCopy, ...]:
+        """:meth:`swap_out` on a grouped pool: ``device`` is every group's blocks the
+        request's next query reads (``GroupedPool.held_blocks``), exactly spec/groups.py
+        ``held_places`` at ``num_stored`` in each group. One host table keeps them all,
+        with each group's places; the device -> host copies, group by group.
+
+        All-or-nothing: a typed error with nothing taken."""
+        if request_id in self._tables:
+            raise DuplicateRequest(request_id, "swap_out")
+        self._check_groups(request_id, device, num_stored, token_ids)
+        need = sum(len(d.block_ids) for d in device)
+        if need > len(self._free):
+            raise OutOfBlocks(request_id, need, len(self._free))
+        taken = [self._free.popleft() for _ in range(need)]
+        spans: list[GroupBlocks] = []
+        start = 0
+        for d in device:
+            end = start + len(d.block_ids)
+            spans.append(GroupBlocks(d.group, d.first, tuple(taken[start:end])))
+            start = end
+        self._tables[request_id] = HostTable(
+            tuple(taken), num_stored, tuple(token_ids[:num_stored]), tuple(spans)
+        )
+        self._journal.record(self._unswap_out, request_id, taken)
+        sources = [b for d in device for b in d.block_ids]
+        return tuple(BlockCopy(d, h) for d, h in zip(sources, taken, strict=True))
+
+    def _check_groups(
+        self,
+        request_id: str,
+        device: Sequence[GroupBlocks],
+        num_stored: int,
+        token_ids: Sequence[int],
+    ) -> None:
+        """:meth:`swap_out_groups`'s arguments: one entry per group, in order, each
+        exactly the places its group's next query reads, or :class:`InvalidArgument`
+        naming the first that is not."""
+        if not self.groups:
+            raise InvalidArgument(
+                f"swap_out_groups: request {request_id!r}: this host pool has no layer groups"
+            )
+        if not is_int(num_stored) or num_stored < 1 or len(token_ids) < num_stored:
+            raise InvalidArgument(
+                f"swap_out: request {request_id!r} has {len(token_ids)} token ids for "
+                f"{num_stored!r} stored positions"
+            )
+        if [d.group for d in device] != list(range(len(self.groups))):
+            raise InvalidArgument(
+                f"swap_out: request {request_id!r} brings groups {[d.group for d in device]}, "
+                f"the layout has {len(self.groups)}"
+            )
+        for d, group in zip(device, self.groups, strict=True):
+            places = held_places(group, num_stored, self.block_size)
+            if (d.first, len(d.block_ids)) != (places.start, len(places)) or any(
+                not is_int(b) or b < 0 for b in d.block_ids
+            ):
+                raise InvalidArgument(
+                    f"swap_out: request {request_id!r} brings group {d.group}'s blocks "
+                    f"{list(d.block_ids)} from place {d.first}; its next query at "
+                    f"{num_stored} reads places {places.start}..{places.stop - 1}"
+                )
 
     def release(self, request_id: str) -> HostTable:
         """Drop a request's host table (swapped in, or finished while swapped).
@@ -143,6 +247,35 @@ class HostPool:
 
     # ------------------------------------------------------------------ snapshot
     def snapshot(self) -> PoolSnapshot:
+        """The host pool as spec/host.py checks it; on a grouped pool, every group's
+        tables as the device pool's engine view lists them
+        (:meth:`refserve.spec.groups.GroupedSnapshot.engine_pool`)."""
+        if self.groups:
+            return self.grouped_snapshot().engine_pool()
+        return self._pool(
+            tuple(
+                TableSnapshot(rid, t.block_ids, t.num_stored, t.token_ids)
+                for rid, t in sorted(self._tables.items())
+            )
+        )
+
+    def grouped_snapshot(self) -> GroupedSnapshot:
+        """A grouped host pool as spec/groups.py states a grouped pool: each swapped
+        request's table in each group, at the device table's places (null before a
+        window group's first held block)."""
+        tables = tuple(
+            GroupTable(
+                g.group,
+                TableSnapshot(
+                    rid, (NULL_BLOCK,) * g.first + g.block_ids, t.num_stored, t.token_ids
+                ),
+            )
+            for rid, t in sorted(self._tables.items())
+            for g in t.groups
+        )
+        return GroupedSnapshot(self.groups, self._pool(()), tables)
+
+    def _pool(self, tables: tuple[TableSnapshot, ...]) -> PoolSnapshot:
         ref = [0] * self.num_blocks
         for t in self._tables.values():
             for b in t.block_ids:
@@ -153,8 +286,5 @@ class HostPool:
             ref_cnt=tuple(ref),
             # Quarantined blocks are free for every purpose but this step's swap-outs.
             free_queue=(*self._free, *self._released),
-            tables=tuple(
-                TableSnapshot(rid, t.block_ids, t.num_stored, t.token_ids)
-                for rid, t in sorted(self._tables.items())
-            ),
+            tables=tables,
         )

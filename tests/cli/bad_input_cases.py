@@ -295,12 +295,6 @@ SIMULATE_OPTIONS: list[Case] = [
     opt("--kv-groups", "window:8,full", "kv_groups[0] must be a full attention group"),
     opt("--kv-groups", "full,window:" + "9" * 400, "--kv-groups", "sim--kv-groups=400-digits"),
     Case(
-        "sim-kv-groups-with-swap",
-        _sim("--kv-groups", "full,window:8", "--num-host-blocks", "4"),
-        "does not support num_host_blocks",
-        outputs=SIM_OUT,
-    ),
-    Case(
         "sim-kv-groups-with-mlfq",
         _sim("--kv-groups", "full,window:8", "--policy", "mlfq"),
         "does not support policy mlfq",

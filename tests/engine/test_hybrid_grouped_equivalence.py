@@ -12,9 +12,11 @@ step.
 
 Greedy outputs equal ``generate(do_sample=False)`` under chunked prefill (budgets 5 and
 16, logit by logit), prefix reuse (requests sharing a prompt prefix arriving after the
-first finished, served from the cache), preemption by recompute (a pool too small for
-every request at once) and migration by recompute; each run also shows the window
-group's tables holding null places, memory given back while the requests ran. A failed
+first finished, served from the cache), preemption by recompute and by swap to a host
+pool (a pool too small for every request at once; a swap moves each group's blocks the
+next query reads, and brings them back into every group's rebuilt table), a tool wait
+on the host and migration by recompute; each run also shows the window group's tables
+holding null places, memory given back while the requests ran. A failed
 step restores every layer's K/V, and the Triton kernels read the window group's tables
 as the torch backend does.
 
@@ -24,7 +26,9 @@ planted to free one block too early (its release before an allocation reaching o
 block further), the executor refuses to read a released place (``NullBlockAccess``);
 with that guard taken away, the engine's step checks flag the request (rule
 ``window-early``); with the checks off too, the tokens are not transformers' any more.
-Released further, to the block a token is written to, the step's inputs refuse it.
+Released further, to the block a token is written to, the step's inputs refuse it. A
+swap-out planted to leave each window group's last block uncopied passes the checks
+(the books are right) and changes the tokens.
 """
 
 from __future__ import annotations
@@ -43,12 +47,15 @@ import refserve.model.executor as executor_module
 from refserve.core.config import SchedulerConfig
 from refserve.core.engine_core import InvariantViolation
 from refserve.core.inputs import GroupInputs, ModelInputs, NullBlockAccess
+from refserve.core.swap import KVRetention
 from refserve.engine import migration
 from refserve.engine.llm_engine import LLMEngine, RequestOutput
 from refserve.errors import InvalidArgument
 from refserve.kv import BlockPool
 from refserve.kv import groups as groups_module
-from refserve.kv.groups import GroupedPool
+from refserve.kv.groups import GroupBlocks, GroupedPool
+from refserve.kv.host_pool import HostPool
+from refserve.kv.pool import BlockCopy
 from refserve.model.config import (
     SLIDING_ATTENTION,
     kv_groups,
@@ -84,6 +91,8 @@ class Run:
     finals: dict[str, RequestOutput] = field(default_factory=dict)
     logits: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     most_nulls: int = 0  # the most null places the window group's tables held after a step
+    # The window group's first swapped place of every host table seen after a step.
+    swapped_window_starts: set[int] = field(default_factory=set)
 
 
 def grouped(hybrid: HFOracle, **fields: object) -> SchedulerConfig:
@@ -141,6 +150,11 @@ def drive(
             if out.finished:
                 run.finals[out.request_id] = out
         run.most_nulls = max(run.most_nulls, null_places(engine))
+        host = engine.scheduler.host
+        run.swapped_window_starts |= {
+            host.table(rid).groups[1].first for rid in engine.scheduler.requests
+            if host.has_request(rid)
+        }  # fmt: skip
         step += 1
         assert step < 2000, "the run does not finish"
     return run
@@ -250,6 +264,108 @@ def test_preemption_by_recompute_matches_transformers(hybrid: HFOracle) -> None:
     assert run.engine.num_preemptions >= 2
     assert not [rid for s in run.engine.steps for rid in s.plan.swapped_out]
     assert run.most_nulls > 0
+
+
+def swapping(hybrid: HFOracle) -> tuple[list[Job], SchedulerConfig]:
+    """The recompute test's four requests in 24 blocks, preempted by swap to a host
+    pool that holds any victim."""
+    jobs = jobs_of(14, [12, 16, 10, 14], [36, 32, 38, 34])
+    for j in jobs:
+        j.arrive_step = 0
+    cfg = grouped(
+        hybrid,
+        max_num_batched_tokens=32,
+        num_blocks=24,
+        num_host_blocks=48,
+        preemption_mode="swap",
+    )
+    return jobs, cfg
+
+
+def test_preemption_by_swap_matches_transformers(hybrid: HFOracle) -> None:
+    """Victims go to the host with, in each group, the blocks their next query reads
+    (the window group's from the one holding window_start on) and come back into
+    tables rebuilt for every group; every layer then reads its own group's K/V."""
+    jobs, cfg = swapping(hybrid)
+    run = drive(hybrid, jobs, cfg)
+    assert_matches_hf(hybrid, run, jobs)
+    plans = [s.plan for s in run.engine.steps]
+    out = [rid for p in plans for rid in p.swapped_out]
+    back = [rid for p in plans for rid in p.swapped_in]
+    assert len(out) >= 2 and sorted(out) == sorted(back), (out, back)
+    assert not [p for p in plans if set(p.preempted) - set(p.swapped_out)]  # none recomputed
+    assert run.engine.executor.swap_out_bytes > 0 and run.engine.executor.swap_in_bytes > 0
+    # Some victim's window blocks before its window stayed behind, freed, not copied.
+    assert max(run.swapped_window_starts) > 0
+    assert run.most_nulls > 0
+
+
+def test_a_swap_that_leaves_a_window_block_uncopied_changes_the_tokens(
+    hybrid: HFOracle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The planted bug: every swap-out copies all but each window group's last block
+    (the most recent tokens; the host table still claims it). The books stay right, so
+    the engine's checks pass, and the tokens are not transformers' any more."""
+    honest = HostPool.swap_out_groups
+
+    def uncopied(
+        self: HostPool,
+        request_id: str,
+        device: Sequence[GroupBlocks],
+        num_stored: int,
+        token_ids: Sequence[int],
+    ) -> tuple[BlockCopy, ...]:
+        copies = honest(self, request_id, device, num_stored, token_ids)
+        last = {d.block_ids[-1] for d in device[1:] if d.block_ids}
+        return tuple(c for c in copies if c.src not in last)
+
+    monkeypatch.setattr(HostPool, "swap_out_groups", uncopied)
+    jobs, cfg = swapping(hybrid)
+    run = drive(hybrid, jobs, cfg)
+    assert [rid for s in run.engine.steps for rid in s.plan.swapped_in]
+    differ = [
+        j.rid for j in jobs if run.finals[j.rid].token_ids != hybrid.greedy(j.prompt, j.max_tokens)
+    ]
+    assert differ, "a window block left uncopied changed no token"
+
+
+def test_a_tool_wait_on_the_host_matches_transformers(hybrid: HFOracle) -> None:
+    """An agent turn paused with retention ``host`` leaves the device with each group's
+    blocks its next query reads, comes back with the tool's tokens, and its second turn
+    is transformers' continuation of the whole conversation."""
+    g = torch.Generator().manual_seed(18)
+    prompt = random_prompt(g, 21)
+    other = random_prompt(g, 9)
+    tool = torch.randint(3, VOCAB, (5,), generator=g).tolist()
+    cfg = grouped(hybrid, max_num_batched_tokens=16, num_host_blocks=32)
+    engine = LLMEngine(str(hybrid.path), scheduler_config=cfg, check_invariants=True)
+    engine.add_request(prompt, SamplingParams(max_tokens=40), request_id="a")
+    engine.add_request(other, SamplingParams(max_tokens=20), request_id="o")
+    turn1: list[int] = []
+    finals: dict[str, RequestOutput] = {}
+
+    def step() -> list[RequestOutput]:
+        outs = engine.step()
+        finals.update((o.request_id, o) for o in outs if o.finished)
+        return outs
+
+    while len(turn1) < 10:
+        turn1 += [t for o in step() if o.request_id == "a" for t in o.new_token_ids]
+    assert engine.pause("a", "host") is KVRetention.HOST
+    step()
+    host = engine.scheduler.host
+    # 30 tokens of KV: the query at 30 reads from 30 - W + 1, past the window's first
+    # blocks, which stayed behind.
+    assert host.has_request("a") and host.table("a").groups[1].first > 0
+    engine.resume("a", tool, SamplingParams(max_tokens=8))
+    while engine.has_unfinished:
+        step()
+    plans = [s.plan for s in engine.steps]
+    assert [r for p in plans for r in p.swapped_out] == ["a"]
+    assert [r for p in plans for r in p.swapped_in] == ["a"]
+    assert finals["o"].token_ids == hybrid.greedy(other, 20)
+    assert tuple(turn1) == hybrid.greedy(prompt, 10)
+    assert finals["a"].token_ids == hybrid.greedy([*prompt, *turn1, *tool], 8)
 
 
 def test_migration_by_recompute_matches_transformers(hybrid: HFOracle) -> None:

@@ -1,5 +1,6 @@
 """The scheduler with layer groups (``SchedulerConfig.kv_groups``): a bad layout, or one
-combined with what does not carry every group's tables yet, is a typed error naming it;
+combined with what does not carry every group's tables yet, is a typed error naming it
+(a host pool for swaps is not: it carries every group's blocks);
 a grouped allocation that fails inside a running step changes no group, and a failed
 step rolls every group back.
 """
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from refserve.cli.main import main
 from refserve.core.config import SchedulerConfig
 from refserve.core.cost import StepCost
 from refserve.core.engine_core import EngineCore
@@ -38,10 +40,6 @@ BS = 4
         ({"kv_groups": (WIN, FULL)}, r"kv_groups\[0\] must be a full attention group, got .*6"),
         ({"kv_groups": (WIN,)}, r"kv_groups\[0\] must be a full attention group"),
         (
-            {"kv_groups": (FULL, WIN), "num_host_blocks": 4},
-            r"kv_groups with several groups does not support num_host_blocks",
-        ),
-        (
             {"kv_groups": (FULL, WIN), "num_speculative_tokens": 2},
             r"kv_groups with several groups does not support num_speculative_tokens",
         ),
@@ -54,6 +52,23 @@ BS = 4
 def test_a_bad_layout_is_named(fields: dict[str, Any], match: str) -> None:
     with pytest.raises(InvalidArgument, match=match):
         SchedulerConfig(block_size=BS, **fields)
+
+
+def test_a_grouped_layout_takes_a_host_pool_for_swaps(capsys: pytest.CaptureFixture[str]) -> None:
+    """Swaps and tool waits on the host carry every group's blocks (ref/kv/host_pool.py),
+    so a grouped layout with a host pool is accepted, in a config and on the CLI."""
+    cfg = SchedulerConfig(
+        block_size=BS, kv_groups=(FULL, WIN), num_host_blocks=4, preemption_mode="swap"
+    )
+    sched = Scheduler(cfg)
+    assert isinstance(sched.pool, GroupedPool) and sched.host.groups == (FULL, WIN)
+    # A request of 9 tokens holds 3 full blocks and, reading from position 4 with a
+    # window of 6, the window group's blocks 1 and 2: 5 host blocks, more than 4.
+    assert sched.host.blocks_for(9) == 5 and not sched.host.can_hold(9)
+    assert sched.host.blocks_for(8) == 4 and sched.host.can_hold(8)
+    argv = ["simulate", "seed002", "--kv-groups", "full,window:6", "--num-host-blocks", "8"]
+    assert main([*argv, "--preemption-mode", "swap", "--num-blocks", "6", "--check"]) == 0
+    assert "3/3 requests finished" in capsys.readouterr().out
 
 
 def test_one_full_group_is_the_plain_pool_and_keeps_every_feature() -> None:

@@ -2,7 +2,8 @@
 
 A ``Scheduler`` with ``kv_groups`` of one full attention group and one or two sliding
 window groups (windows mostly not a multiple of the block size), tiny pools (so
-preemption by recompute and the capacity refusal both happen), prefix caching on and
+preemption and the capacity refusal both happen), in most configurations a host pool
+with preemption by swap (``swap``, ``auto`` or ``recompute``), prefix caching on and
 prompts that share prefixes (so hits, with window blocks skipped, happen), driven by
 arrivals, checked steps, aborts and n > 1 forks. Every step goes through
 ``EngineCore(check_invariants=True)`` (the engine's own TOKEN, BLOCK, KVLEN, POS, CAP,
@@ -14,23 +15,31 @@ group rules of spec/groups.py, which the engine's checks do not state:
   every scheduled request, from the KV length its chunk starts at (``plan.starts``) with
   the prefix-cache hit it was admitted with in this step (``plan.num_new_cached_tokens``);
 * a fake K/V memory written in every group (slot -> token id, through each group's own
-  table, copy-on-write copies applied first): each scheduled request reads its own
-  tokens wherever its chunk's queries read, a full group from position 0 and a window
-  group from ``window_start``; after each step every live table and every prefix-cache
-  entry reads back the tokens it claims;
+  table; the swap-out copies to a fake host memory, the swap-in copies back and the
+  copy-on-write copies applied first, in the executor's order): each scheduled request
+  reads its own tokens wherever its chunk's queries read, a full group from position 0
+  and a window group from ``window_start``; after each step every live table, every
+  swapped request's host table and every prefix-cache entry reads back the tokens it
+  claims;
+* the host pool (spec/host.py ``check_host`` with the layout): a swapped request's host
+  table holds, in every group, exactly the blocks its next query reads;
 * capacity: the blocks in use never exceed ``num_blocks``; a request refused as never
   fitting (``ExceedsCapacity``, or finished with reason ``capacity``) needs more than
   the pool by spec/groups.py's count (``peak_blocks``), and one accepted needs no more.
 
 The planted bugs at the end (a window block released one token early, a hit taken
-without a window block its query reads, a group left out of a free) are each caught by
-these same checks, in fixed scenarios.
+without a window block its query reads, a group left out of a free, a swap-out that
+leaves a request's last window block uncopied, a swap whose window places start one
+block late on both sides) are each caught by these same checks, in fixed scenarios. A
+tool wait on the host (``pause`` with retention ``host``) goes through the same swaps,
+checked the same way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, event, settings
@@ -45,10 +54,14 @@ from refserve.core.inputs import ModelInputs
 from refserve.core.plan import StepPlan
 from refserve.core.request import FinishReason, Request, StopParams
 from refserve.core.scheduler import Scheduler
+from refserve.core.swap import KVRetention, PreemptionMode, SwapCost
 from refserve.errors import ExceedsCapacity
 from refserve.kv import PrefixHit
-from refserve.kv.groups import GroupedHit, GroupedPool
-from refserve.kv.pool import BlockPool
+from refserve.kv import groups as groups_module
+from refserve.kv import host_pool as host_pool_module
+from refserve.kv.groups import GroupBlocks, GroupedHit, GroupedPool
+from refserve.kv.host_pool import HostPool
+from refserve.kv.pool import BlockCopy, BlockPool
 from refserve.sim.simulator import SimExecutor
 from refserve.spec.groups import (
     GROUP_TABLES,
@@ -59,15 +72,22 @@ from refserve.spec.groups import (
     KVGroup,
     check_groups,
     check_window_held,
+    held_places,
     peak_blocks,
     window_start,
 )
+from refserve.spec.host import check_host
 from refserve.spec.snapshot import RequestStatus
 from refserve.spec.violation import Violation
 
 FULL = KVGroup(GroupKind.FULL)
 COST = StepCost(a=1.0, b=0.5, c=1.0)
+# ``auto`` swaps a victim of more than 4 tokens (2 * 1 ms of copy latency against 0.5 ms
+# a token of recompute; the bytes cost next to nothing).
+SWAP_COST = SwapCost(kv_bytes_per_token=1_000, latency_ms=1.0, iteration=COST)
 MAX_LIVE = 6
+# A GroupRuleBroken's name for a fake memory that read back other tokens (or capacity).
+MEMORY = "memory"
 
 
 def window(w: int) -> KVGroup:
@@ -81,7 +101,7 @@ class GroupRuleBroken(AssertionError):
     def __init__(self, where: str, violations: Sequence[Violation], errors: Sequence[str]) -> None:
         lines = [f"{v.rule or v.invariant}: {v}" for v in violations] + list(errors)
         super().__init__(f"{where}:\n  " + "\n  ".join(lines))
-        self.rules = {v.rule for v in violations}
+        self.rules = {v.rule for v in violations} | ({MEMORY} if errors else set())
 
 
 def needs_blocks(config: SchedulerConfig, num_tokens: int) -> int:
@@ -106,6 +126,7 @@ class GroupCheckingExecutor(SimExecutor):
         super().__init__(COST, sched.requests, block_size=sched.config.block_size)
         self.sched = sched
         self.memory: dict[int, int] = {}  # slot -> token id; block ids are unique over groups
+        self.host_memory: dict[int, int] = {}  # host slot -> token id
         self.on_plan: Callable[[StepPlan], None] | None = None
 
     def execute(self, plan: StepPlan, inputs: ModelInputs | None) -> StepOutput:
@@ -118,13 +139,10 @@ class GroupCheckingExecutor(SimExecutor):
             found += check_window_held(snap, rid, start, cached)
         errors = self._capacity_errors()
         bs = self.block_size
-        for cp in plan.copies:  # copy-on-write, before the forward (ref/core/plan.py)
-            for off in range(bs):
-                src = self.memory.get(cp.src * bs + off)
-                if src is None:
-                    self.memory.pop(cp.dst * bs + off, None)
-                else:
-                    self.memory[cp.dst * bs + off] = src
+        # The executor's order (ref/core/plan.py): swap-outs, swap-ins, copy-on-write.
+        copy_blocks(self.memory, self.host_memory, plan.swap_out, bs)
+        copy_blocks(self.host_memory, self.memory, plan.swap_in, bs)
+        copy_blocks(self.memory, self.memory, plan.copies, bs)
         for rid, start, n in zip(plan.request_ids, plan.starts, plan.num_new_tokens, strict=True):
             tokens = self.sched.requests[rid].token_ids
             for g, table in enumerate(pool.block_tables(rid)):
@@ -152,17 +170,27 @@ class GroupCheckingExecutor(SimExecutor):
         return []
 
     def _readback(
-        self, rid: str, g: int, table: Sequence[int], tokens: Sequence[int], lo: int, hi: int
+        self,
+        rid: str,
+        g: int,
+        table: Sequence[int],
+        tokens: Sequence[int],
+        lo: int,
+        hi: int,
+        memory: dict[int, int] | None = None,
     ) -> list[str]:
-        """``rid``'s table in group ``g`` reads its own tokens at positions ``[lo, hi)``."""
+        """``rid``'s table in group ``g`` reads its own tokens at positions ``[lo, hi)``
+        (in the device memory, or ``memory``)."""
         bs = self.block_size
+        mem = self.memory if memory is None else memory
+        where = "" if memory is None else " on the host"
         out: list[str] = []
         for p in range(lo, hi):
             b = table[p // bs] if p // bs < len(table) else NULL_BLOCK
-            got = None if b == NULL_BLOCK else self.memory.get(b * bs + p % bs)
+            got = None if b == NULL_BLOCK else mem.get(b * bs + p % bs)
             if got != tokens[p]:
                 out.append(
-                    f"{rid} group {g}: position {p} (block {b}) reads {got}, not {tokens[p]}"
+                    f"{rid} group {g}{where}: position {p} (block {b}) reads {got}, not {tokens[p]}"
                 )
         return out
 
@@ -179,11 +207,34 @@ class GroupCheckingExecutor(SimExecutor):
             out += self._readback(
                 t.request_id, gt.group, t.block_table, t.token_ids, lo, t.num_stored
             )
+        host = self.sched.host
+        if host.num_blocks:  # a swapped request's KV, where its next query will read it
+            for gt in host.grouped_snapshot().tables:
+                t = gt.table
+                lo = first_read(pool, gt.group, t.num_stored)
+                out += self._readback(
+                    t.request_id, gt.group, t.block_table, t.token_ids, lo, t.num_stored,
+                    self.host_memory,
+                )  # fmt: skip
         for e in snap.pool.cache_entries:
             got = tuple(self.memory.get(e.block_id * bs + off) for off in range(bs))
             if got != e.token_ids:
                 out.append(f"cache entry of block {e.block_id} reads {got}, not {e.token_ids}")
         return out + self._capacity_errors()
+
+
+def copy_blocks(
+    src: dict[int, int], dst: dict[int, int], copies: Sequence[BlockCopy], block_size: int
+) -> None:
+    """Whole-block copies between fake memories (slot -> token id), every source read
+    before any destination is written (as the executor's gather, then scatter)."""
+    read = [[src.get(c.src * block_size + off) for off in range(block_size)] for c in copies]
+    for c, values in zip(copies, read, strict=True):
+        for off, v in enumerate(values):
+            if v is None:
+                dst.pop(c.dst * block_size + off, None)
+            else:
+                dst[c.dst * block_size + off] = v
 
 
 def first_read(pool: GroupedPool, group: int, num_tokens: int) -> int:
@@ -193,8 +244,9 @@ def first_read(pool: GroupedPool, group: int, num_tokens: int) -> int:
 
 
 def check_after_step(executor: GroupCheckingExecutor, where: str) -> None:
-    snap = grouped_pool(executor.sched).grouped_snapshot()
-    found = check_groups(snap)
+    sched = executor.sched
+    snap = grouped_pool(sched).grouped_snapshot()
+    found = check_groups(snap) + check_host(sched.snapshot(), groups=sched.config.kv_groups)
     errors = executor.after_step_errors()
     if found or errors:
         raise GroupRuleBroken(where, found, errors)
@@ -230,6 +282,10 @@ class GroupedMachine(RuleBasedStateMachine):
         chunked = d(st.sampled_from([True, True, True, False]), label="chunked")
         # Without chunked prefill the budget caps a request's length (config.max_len).
         budget = d(st.integers(bs, 16), label="budget") if chunked else 40
+        # Mostly a host pool (sometimes too small for a victim), swapping victims.
+        host = d(st.sampled_from([0, 4, 12, 24, 24, 48]), label="num_host_blocks")
+        modes = [PreemptionMode.SWAP, PreemptionMode.SWAP, PreemptionMode.AUTO]
+        mode = d(st.sampled_from(modes), label="mode") if host else PreemptionMode.RECOMPUTE
         self.config = SchedulerConfig(
             max_num_batched_tokens=budget,
             max_num_seqs=d(st.integers(1, 4), label="max_num_seqs"),
@@ -246,6 +302,9 @@ class GroupedMachine(RuleBasedStateMachine):
                 label="admission",
             ),
             kv_groups=groups,
+            num_host_blocks=host,
+            preemption_mode=mode,
+            swap_cost=SWAP_COST,
         )
         self.prefixes = [
             d(st.lists(st.integers(1, 3), min_size=bs, max_size=4 * bs), label="prefix")
@@ -261,6 +320,13 @@ class GroupedMachine(RuleBasedStateMachine):
             event("a preemption")
         if plan.copies:
             event("a copy-on-write copy")
+        host = self.sched.host
+        for rid in plan.swapped_out:
+            event("a swap-out")
+            if host.table(rid).groups[1].first:
+                event("a swap-out that leaves a window group's earlier blocks")
+        if plan.swapped_in:
+            event("a swap-in")
         pool = grouped_pool(self.sched)
         for rid, cached in zip(plan.request_ids, plan.num_new_cached_tokens, strict=True):
             windows = pool.block_tables(rid)[1:]
@@ -352,6 +418,7 @@ class GroupedMachine(RuleBasedStateMachine):
         assert not self.sched.has_unfinished, "the drain did not finish"
         snap = grouped_pool(self.sched).grouped_snapshot()
         assert snap.tables == () and self.sched.pool.num_free_blocks == self.config.num_blocks
+        assert self.sched.host.num_free_blocks == self.config.num_host_blocks
 
 
 GroupedMachine.TestCase.settings = settings(
@@ -381,13 +448,25 @@ def request(rid: str, prompt: Sequence[int], max_tokens: int) -> Request:
     return Request(rid, list(prompt), StopParams(max_tokens, ignore_eos=True))
 
 
-def rules_found(arrivals: Sequence[tuple[int, Request]], limit: int = 60) -> set[str]:
-    """Run requests arriving at the given steps on a scheduler over ``PLANTED`` with the
+# Two requests that outgrow 10 blocks together: the later one is swapped out (its window
+# group's blocks from the one holding window_start on) and back in once the first ends.
+SWAPPING = replace(PLANTED, num_blocks=10, num_host_blocks=16, preemption_mode="swap")
+
+
+def rules_found(
+    arrivals: Sequence[tuple[int, Request]],
+    limit: int = 60,
+    config: SchedulerConfig = PLANTED,
+    seen: list[StepPlan] | None = None,
+) -> set[str]:
+    """Run requests arriving at the given steps on a scheduler over ``config`` with the
     machine's checks; the layer group rules they found (empty: none, and every request
-    finished). An engine check that fails first is reported by its invariant, with the
-    group rules of the state it failed in."""
-    sched = Scheduler(PLANTED)
+    finished; ``seen`` gets the plans). An engine check that fails first is reported by
+    its invariant and rules, with the group rules of the state it failed in."""
+    sched = Scheduler(config)
     executor = GroupCheckingExecutor(sched)
+    if seen is not None:
+        executor.on_plan = seen.append
     core = EngineCore(sched, executor, check_invariants=True)
     clock = 0.0
     try:
@@ -403,7 +482,8 @@ def rules_found(arrivals: Sequence[tuple[int, Request]], limit: int = 60) -> set
         return e.rules
     except InvariantViolation as e:
         found = check_groups(grouped_pool(sched).grouped_snapshot())
-        return {str(v.invariant) for v in e.violations} | {v.rule for v in found}
+        engine = {str(v.invariant) for v in e.violations} | {v.rule for v in e.violations}
+        return engine - {""} | {v.rule for v in found}
     assert not sched.has_unfinished, "the scenario did not finish"
     assert all(r.finish_reason is FinishReason.LENGTH for _, r in arrivals)
     return set()
@@ -450,6 +530,35 @@ def planted(name: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
                 BlockPool.free(pool, request_id)
 
         monkeypatch.setattr(GroupedPool, "free", free)
+    elif name == "uncopied-window-block":
+        honest_swap_out = HostPool.swap_out_groups
+
+        def swap_out_groups(
+            self: HostPool,
+            request_id: str,
+            device: Sequence[GroupBlocks],
+            num_stored: int,
+            token_ids: Sequence[int],
+        ) -> tuple[BlockCopy, ...]:
+            # The host table is right, but the copy of each window group's last block
+            # (the most recent tokens) is left out of the swap-out.
+            copies = honest_swap_out(self, request_id, device, num_stored, token_ids)
+            last = {d.block_ids[-1] for d in device[1:] if d.block_ids}
+            return tuple(c for c in copies if c.src not in last)
+
+        monkeypatch.setattr(HostPool, "swap_out_groups", swap_out_groups)
+    elif name == "short-window-swap":
+
+        def short(group: KVGroup, num_stored: int, block_size: int) -> range:
+            # The pool and the host agree on a window group's swapped places starting
+            # one block late: the block holding window_start neither leaves nor returns.
+            places = held_places(group, num_stored, block_size)
+            if group.kind is GroupKind.WINDOW and places:
+                return range(places.start + 1, places.stop)
+            return places
+
+        monkeypatch.setattr(groups_module, "held_places", short)
+        monkeypatch.setattr(host_pool_module, "held_places", short)
     else:
         raise AssertionError(f"no planted bug {name!r}")
     yield
@@ -470,21 +579,98 @@ def hit() -> list[tuple[int, Request]]:
     return [(0, request("a", range(1, 13), 1)), (3, request("b", [*range(1, 13), 99], 2))]
 
 
+def swap() -> list[tuple[int, Request]]:
+    """a and b, 8-token prompts decoding 12 tokens each, outgrow ``SWAPPING``'s 10 blocks
+    on their first decode: b is swapped out with 8 tokens (full places 0 and 1, window
+    places 0 and 1: the query at 8 reads from 3), and back in once a finished."""
+    return [(0, request("a", range(1, 9), 12)), (0, request("b", range(40, 48), 12))]
+
+
 @pytest.mark.parametrize(
-    ("bug", "scenario", "rule"),
+    ("bug", "scenario", "rule", "config"),
     [
-        ("early", decode, WINDOW_EARLY),
-        ("incomplete-hit", hit, PREFIX_COMPLETE),
-        ("leaky-free", decode, GROUP_TABLES),
+        ("early", decode, WINDOW_EARLY, PLANTED),
+        ("incomplete-hit", hit, PREFIX_COMPLETE, PLANTED),
+        ("leaky-free", decode, GROUP_TABLES, PLANTED),
+        ("uncopied-window-block", swap, MEMORY, SWAPPING),
+        ("short-window-swap", swap, WINDOW_EARLY, SWAPPING),
     ],
 )
 def test_the_checks_find_the_planted_bug(
-    bug: str, scenario: Scenario, rule: str, monkeypatch: pytest.MonkeyPatch
+    bug: str,
+    scenario: Scenario,
+    rule: str,
+    config: SchedulerConfig,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert rules_found(scenario()) == set(), "the scenario is sound without the bug"
+    assert rules_found(scenario(), config=config) == set(), "the scenario is sound without the bug"
     with planted(bug, monkeypatch):
-        found = rules_found(scenario())
+        found = rules_found(scenario(), config=config)
     assert rule in found, found
+
+
+def test_the_swap_scenario_swaps_every_group_out_and_back_in() -> None:
+    """What the uncopied-window-block bug needs: b swapped out with both groups' blocks
+    (4 host blocks: 2 full, 2 window), and swapped back in."""
+    plans: list[StepPlan] = []
+    assert rules_found(swap(), config=SWAPPING, seen=plans) == set()
+    out = [(p.swapped_out, len(p.swap_out)) for p in plans if p.swapped_out]
+    assert out[:1] == [(("b",), 4)]
+    assert [p.swapped_in for p in plans if p.swapped_in][:1] == [("b",)]
+    assert not any(p.preempted and not p.swapped_out for p in plans)  # no recompute
+
+
+@pytest.mark.parametrize("bug", ["", "uncopied-window-block"])
+def test_a_tool_wait_on_the_host_swaps_every_group(
+    bug: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pause`` with retention ``host`` on a grouped pool: the next step moves the
+    turn's blocks its next query reads in every group to the host (the window group's
+    from the one holding window_start on), ``resume`` queues it SWAPPED, and the step
+    after swaps it back in; the machine's checks hold at every step. With the swap-out
+    leaving the window group's last block uncopied, the host memory reads it wrong."""
+    cfg = replace(PLANTED, num_host_blocks=16)
+    sched = Scheduler(cfg)
+    executor = GroupCheckingExecutor(sched)
+    plans: list[StepPlan] = []
+    executor.on_plan = plans.append
+    core = EngineCore(sched, executor, check_invariants=True)
+    agent = request("agent", range(1, 12), 4)
+    sched.add_request(agent)
+    sched.add_request(request("other", range(50, 56), 12))
+    clock = 0.0
+
+    def step() -> None:
+        nonlocal clock
+        clock = core.step(clock).end_ms
+        check_after_step(executor, f"after step {sched.step_index}")
+
+    while agent.num_output_tokens < 2:
+        step()
+    kv = agent.num_computed_tokens
+    assert kv == 12
+    assert sched.pause("agent", KVRetention.HOST) is KVRetention.HOST
+    with planted(bug, monkeypatch) if bug else nullcontext():
+        if bug:
+            with pytest.raises(GroupRuleBroken) as e:
+                step()
+            assert MEMORY in e.value.rules and "agent group 1 on the host" in str(e.value)
+            return
+        step()
+    assert plans[-1].swapped_out == ("agent",) and not sched.pool.has_request("agent")
+    # The query at 12 reads from 7: window places 1 and 2, the first place left behind.
+    assert [(g.group, g.first, len(g.block_ids)) for g in sched.host.table("agent").groups] == [
+        (0, 0, 3),
+        (1, 1, 2),
+    ]
+    sched.resume("agent", [90, 91, 92], StopParams(3, ignore_eos=True))
+    assert agent.status is RequestStatus.SWAPPED
+    step()
+    assert plans[-1].swapped_in == ("agent",) and agent.num_computed_tokens == kv + 4
+    while sched.has_unfinished:
+        step()
+    assert agent.finish_reason is FinishReason.LENGTH
+    assert sched.host.num_free_blocks == cfg.num_host_blocks
 
 
 def test_the_hit_scenario_takes_a_hit_that_skips_a_window_block() -> None:

@@ -39,6 +39,7 @@ from refserve.spec.groups import (
     GroupKind,
     KVGroup,
     group_blocks,
+    held_places,
     layout_blocks,
     peak_blocks,
     window_start,
@@ -76,6 +77,23 @@ def brute_peak(groups: Sequence[KVGroup], num_tokens: int, bs: int, chunk: int =
 
 
 # ------------------------------------------------------------------ the counts
+@given(st.integers(1, 40), block_sizes, st.integers(1, 200), st.integers(2, 4))
+def test_held_places_are_the_blocks_the_next_query_reads(
+    w: int, bs: int, stored: int, ratio: int
+) -> None:
+    """What a swap moves (``held_places``): in a window group, the blocks holding a
+    stored position the query at ``stored`` reads, and the partial block its own token
+    goes into (with a window of 1 it reads no stored position), by brute force; in
+    every group, as many as ``group_blocks`` counts after computing ``stored`` tokens."""
+    g = window(w)
+    read = {p // bs for p in range(window_start(stored, w), stored)}
+    partial = {stored // bs} if stored % bs else set()
+    assert set(held_places(g, stored, bs)) == read | partial
+    for group in (FULL, g, KVGroup(GroupKind.COMPRESSED, ratio=ratio)):
+        assert len(held_places(group, stored, bs)) == group_blocks(group, stored, 0, bs)
+    assert held_places(FULL, stored, bs) == range(blocks_needed(stored, bs))
+
+
 @settings(max_examples=300, deadline=None)
 @given(layouts, block_sizes, st.integers(1, 300))
 def test_peak_blocks_is_the_largest_layout_over_every_position(
