@@ -321,12 +321,15 @@ def test_a_destination_that_does_not_import_in_time_leaves_the_request_running(
     (never run late: the request would live twice), and the request finishes on the
     source with the greedy text, its stream unbroken."""
     loop = cluster_loop(cluster)
-    stream = _Stream.start(cluster.base_url, 48)
+    # Read before the stream starts: the request must still be running when the move
+    # begins, and an HTTP round trip in between can outlast a short generation on a
+    # loaded machine.
+    before = metric(cluster, "refserve:migrations_total", model_name=MODEL, outcome="aborted")
+    stream = _Stream.start(cluster.base_url, 160)
     src = loop.owners()[stream.request_id]
     b = loop.loops[1 - src]
     gate = threading.Event()
     b.run_sync(lambda: gate.wait(TIMEOUT_S))  # the destination's thread held
-    before = metric(cluster, "refserve:migrations_total", model_name=MODEL, outcome="aborted")
     with pytest.raises(MigrationError, match=f"replica {b.index} did not import"):
         loop.migrate(stream.request_id, b.index, kv="transfer", timeout_s=0.5)
     assert loop.owners()[stream.request_id] == src
@@ -334,7 +337,7 @@ def test_a_destination_that_does_not_import_in_time_leaves_the_request_running(
     stream.thread.join(TIMEOUT_S)
     assert stream.result["error"] is None and stream.result["reason"] == "length", stream.result
     reference = LLMEngine(MODEL, scheduler_config=cluster_config())
-    assert stream.result["text"] == _greedy(reference, PROMPT, 48)
+    assert stream.result["text"] == _greedy(reference, PROMPT, 160)
     assert b.run_sync(b.replica.request_ids).result(TIMEOUT_S) == ()
     after = metric(cluster, "refserve:migrations_total", model_name=MODEL, outcome="aborted")
     assert after == before + 1
