@@ -205,7 +205,6 @@ class SchedulerConfig:
         # What keeps one table per request and does not yet carry every group's.
         for name, on in (
             ("num_speculative_tokens (draft truncation)", self.num_speculative_tokens > 0),
-            ("policy mlfq (its block estimates)", self.policy is PolicyName.MLFQ),
         ):
             if on:
                 raise InvalidArgument(f"kv_groups with several groups does not support {name}")

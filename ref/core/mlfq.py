@@ -60,6 +60,7 @@ from refserve.core.prefill import chunk
 from refserve.core.request import Request
 from refserve.core.waiting import WaitingQueue
 from refserve.spec.arith import block_offset, blocks_needed, starts_block
+from refserve.spec.groups import layout_blocks
 from refserve.spec.mlfq import DisplacedRecord, MlfqSnapshot, QueuedRecord, RunningRecord
 from refserve.spec.snapshot import RequestStatus
 
@@ -211,7 +212,7 @@ class SkipJoinMlfq:
         )
         free_blocks, reserved = self._for_waiting(lowest, room, step_index)
         if self.settings.proactive_swap and room.free_host_blocks:
-            self._for_headroom(lowest, running, free_blocks, reserved, room.free_host_blocks)
+            self._for_headroom(lowest, running, free_blocks, reserved, room)
         return self._pending
 
     def _for_waiting(
@@ -221,7 +222,6 @@ class SkipJoinMlfq:
         cannot be made to fit; the free blocks left to the running requests, and the
         blocks set aside for each head that fitted."""
         assert self._queue is not None
-        bs = self.config.block_size
         free_blocks, free_seats = room.free_blocks, room.free_seats
         reserved: list[_Reserved] = []
         for head in self.waiting_order(self._queue, step_index):
@@ -238,7 +238,7 @@ class SkipJoinMlfq:
                     Displacement(victim, reason, head.request_id, self.settings.proactive_swap)
                 )
                 seats += 1
-                blocks += blocks_needed(victim.num_computed_tokens, bs)
+                blocks += self._frees(victim, room)
             if seats < 1 or blocks < need:
                 # Nobody overtakes the head, so victims that would not make it fit would
                 # be preempted for nothing: none are taken.
@@ -255,7 +255,7 @@ class SkipJoinMlfq:
         running: Sequence[Request],
         free_blocks: int,
         reserved: Sequence[_Reserved],
-        host: int,
+        room: Room,
     ) -> None:
         """Proactive swap-out: while the running decodes' next tokens need more blocks
         than are free, the lowest running request whose K/V the host can take goes.
@@ -264,8 +264,8 @@ class SkipJoinMlfq:
         head is at a strictly higher level: a running request never makes room for a
         waiting one of its own level or below, or two requests of one level would take
         turns (one out for the other's reservation, then back in at its expense)."""
-        bs = self.config.block_size
-        needed = self._next_step_blocks(running) - free_blocks
+        host = room.free_host_blocks
+        needed = self._next_step_blocks(running, room) - free_blocks
         freed = 0
         for victim in lowest:
             level = self.level_of(victim)
@@ -274,28 +274,57 @@ class SkipJoinMlfq:
             short = needed - freed - sum(x.blocks for x in reserved if x.level >= level)
             if short <= 0:
                 return
-            held = blocks_needed(victim.num_computed_tokens, bs)
-            if not held or held > host:
+            to_host = self._kv_blocks(victim.num_computed_tokens)
+            if not to_host or to_host > host:
                 continue
             self._pending.append(Displacement(victim, "headroom", None))
-            host -= held
-            freed += held
+            host -= to_host
+            freed += self._frees(victim, room)
+
+    # ------------------------------------------------------------------ block counts
+    # On a grouped pool (a hybrid model's layer groups) every count is spec/groups.py's
+    # ``layout_blocks`` over the groups, or the pool's own figure, never one table's:
+    # each group keeps a table of its own, so one table's count misses the others'.
+    def _kv_blocks(self, num_stored: int, num_new: int = 0) -> int:
+        """The blocks a request holds with ``num_stored`` tokens stored while it computes
+        ``num_new`` more. With ``num_new`` 0: what a swap of it moves and the host keeps
+        (``HostPool.blocks_for``, which ``can_hold`` reads); from a swap, or from
+        nothing, with ``num_new``: what admission's allocation of them takes."""
+        cfg = self.config
+        if cfg.grouped:
+            return layout_blocks(cfg.kv_groups, num_stored, num_new, cfg.block_size)
+        return blocks_needed(num_stored + num_new, cfg.block_size)
+
+    def _frees(self, victim: Request, room: Room) -> int:
+        """The device blocks preempting running ``victim`` frees: on a grouped pool what
+        its tables hold now (a window table may still hold blocks before its window,
+        released only at its next allocation, and a free returns them too)."""
+        if self.config.grouped:
+            return room.table_blocks(victim.request_id)
+        return blocks_needed(victim.num_computed_tokens, self.config.block_size)
 
     def _first_chunk_blocks(self, r: Request, budget: int) -> int:
         cfg = self.config
         stored = r.num_computed_tokens if r.status is RequestStatus.SWAPPED else 0
         n = chunk(cfg, max(r.num_tokens - stored, 1), max(budget, 1), stored)
-        return blocks_needed(stored + max(n, 1), cfg.block_size)
+        return self._kv_blocks(stored, max(n, 1))
 
-    def _next_step_blocks(self, running: Sequence[Request]) -> int:
-        """Blocks the running decodes' next tokens open (a token at a block's start)."""
-        bs = self.config.block_size
-        return sum(
-            1
-            for r in running
-            if r.status is RequestStatus.DECODING
-            and starts_block(block_offset(r.num_computed_tokens, bs))
-        )
+    def _next_step_blocks(self, running: Sequence[Request], room: Room) -> int:
+        """Blocks the running decodes' next tokens open (a token at a block's start).
+
+        On a grouped pool: each decode's ``layout_blocks`` for its next token less what
+        its tables hold now, and no less than 0. A window release returns blocks only at
+        the releasing request's own allocation, which may come after another decode's,
+        so one decode's release is not counted as room for the rest."""
+        cfg = self.config
+        decoding = (r for r in running if r.status is RequestStatus.DECODING)
+        if cfg.grouped:
+            return sum(
+                max(0, self._kv_blocks(r.num_computed_tokens, 1) - room.table_blocks(r.request_id))
+                for r in decoding
+            )
+        bs = cfg.block_size
+        return sum(1 for r in decoding if starts_block(block_offset(r.num_computed_tokens, bs)))
 
     # ------------------------------------------------------------------ at commit
     def on_step(self, plan: StepPlan, step_index: int) -> None:

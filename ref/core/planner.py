@@ -93,6 +93,7 @@ class Planner:
             self.config.max_num_seqs - len(step.running),
             self.suspension.host_room(),
             step.budget,
+            self.pool.num_table_blocks,
         )
         for d in self.policy.displace(step.running, room, step.plan.step_index):
             if d.park:

@@ -6,7 +6,7 @@ chunking) to itself, so the QoS policies can replace this one without touching i
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import NamedTuple, Protocol
 
 from refserve.core.config import PolicyName, SchedulerConfig
@@ -19,12 +19,15 @@ from refserve.errors import InvalidArgument
 class Room(NamedTuple):
     """What a step starts with, for a policy that preempts for waiting work: free
     device blocks, free running seats (``max_num_seqs`` less the running), free host
-    blocks (0: no host pool) and the token budget."""
+    blocks (0: no host pool), the token budget, and the blocks a running request's
+    tables hold now, by request id (``BlockPool.num_table_blocks``: over every layer
+    group on a grouped pool, what preempting it frees less the blocks others share)."""
 
     free_blocks: int
     free_seats: int
     free_host_blocks: int
     budget: int
+    table_blocks: Callable[[str], int]
 
 
 class Displacement(NamedTuple):

@@ -210,6 +210,11 @@ class GroupedPool(BlockPool):
         """The request's table in each group (a window's null places included)."""
         return tuple(BlockPool.block_table(p, request_id) for p in self._pools)
 
+    def num_table_blocks(self, request_id: str) -> int:
+        """The blocks the request's tables hold now, over every group (a window's
+        released places not counted): what freeing it returns, less shared blocks."""
+        return sum(BlockPool.num_table_blocks(p, request_id) for p in self._pools)
+
     def group_table_views(self, group: int, request_ids: Sequence[str]) -> list[Sequence[int]]:
         """Live tables of several requests in ``group`` (read-only by convention)."""
         return BlockPool.block_table_views(self._pools[group], request_ids)

@@ -157,6 +157,13 @@ class BlockPool:
         """Live tables of several requests at once (read-only by convention)."""
         return self._tables.block_tables(request_ids, "block_table_views")
 
+    def num_table_blocks(self, request_id: str) -> int:
+        """The blocks the request's table holds now (0 without one; a released window
+        place, ``NULL_BLOCK``, is none): what freeing it returns, less the blocks
+        another table shares."""
+        table = self._tables.get(request_id)
+        return 0 if table is None else sum(1 for b in table.block_table if b != NULL_BLOCK)
+
     def ref_count(self, block_id: int) -> int:
         """How many tables hold ``block_id``."""
         return self._blocks.ref_count(block_id)

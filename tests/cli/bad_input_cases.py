@@ -286,7 +286,7 @@ SIMULATE_OPTIONS: list[Case] = [
         "--mlfq-growth",
         outputs=SIM_OUT,
     ),
-    # The KV layer groups: each part named, and what a grouped pool does not support.
+    # The KV layer groups: each part named.
     opt("--kv-groups", "", "layout part 1"),
     opt("--kv-groups", "full,sliding:8", "layout part 2 ('sliding:8')"),
     opt("--kv-groups", "full,window:0", "a window group needs a window >= 1"),
@@ -294,12 +294,6 @@ SIMULATE_OPTIONS: list[Case] = [
     opt("--kv-groups", "full,compressed:1", "a compressed group needs a ratio >= 2"),
     opt("--kv-groups", "window:8,full", "kv_groups[0] must be a full attention group"),
     opt("--kv-groups", "full,window:" + "9" * 400, "--kv-groups", "sim--kv-groups=400-digits"),
-    Case(
-        "sim-kv-groups-with-mlfq",
-        _sim("--kv-groups", "full,window:8", "--policy", "mlfq"),
-        "does not support policy mlfq",
-        outputs=SIM_OUT,
-    ),
     opt("--max-steps", "0", "--max-steps"),
     opt("--max-steps", "-5", "--max-steps"),
     opt("--max-steps", "1000000000", "--max-steps"),

@@ -18,6 +18,7 @@ from refserve.conformance.kv.grouped_suite import grouped_scenario_names, run_gr
 from refserve.errors import ExceedsCapacity, InvalidArgument, OutOfBlocks, UnknownRequest
 from refserve.kv import PrefixHit
 from refserve.kv.groups import GroupedHit, GroupedPool
+from refserve.kv.pool import BlockPool
 from refserve.spec.groups import (
     NULL_BLOCK,
     GroupKind,
@@ -84,6 +85,18 @@ def test_free_skips_a_window_tables_null_places() -> None:
     snap = pool.grouped_snapshot()
     assert snap.tables == () and sorted(snap.pool.free_queue) == list(range(8))
     assert set(snap.pool.ref_cnt) == {0}
+
+
+def test_num_table_blocks_counts_every_groups_held_blocks_what_a_free_returns() -> None:
+    """What a preemption frees (the mlfq policy reads it): the full group's 4 blocks and
+    the window group's blocks 1 to 3 (block 0 released), not one table's 4."""
+    pool = GroupedPool(8, BS, (FULL, WIN))
+    pool.allocate("a", tokens(13), 12)
+    pool.allocate("a", tokens(13), 1)  # L = 12: window_start 7, block 0 leaves
+    assert pool.num_table_blocks("a") == 4 + 3 == 8 - pool.num_free_blocks
+    assert [BlockPool.num_table_blocks(p, "a") for p in pool.pools] == [4, 3]
+    pool.free("a")
+    assert pool.num_table_blocks("a") == 0 and pool.num_free_blocks == 8
 
 
 # ---------------------------------------------------------------------- hits

@@ -1,6 +1,6 @@
 """The scheduler with layer groups (``SchedulerConfig.kv_groups``): a bad layout, or one
 combined with what does not carry every group's tables yet, is a typed error naming it
-(a host pool for swaps is not: it carries every group's blocks);
+(a host pool for swaps is not, nor the mlfq policy: both count every group's blocks);
 a grouped allocation that fails inside a running step changes no group, and a failed
 step rolls every group back.
 """
@@ -43,10 +43,6 @@ BS = 4
             {"kv_groups": (FULL, WIN), "num_speculative_tokens": 2},
             r"kv_groups with several groups does not support num_speculative_tokens",
         ),
-        (
-            {"kv_groups": (FULL, WIN), "policy": "mlfq"},
-            r"kv_groups with several groups does not support policy mlfq",
-        ),
     ],
 )
 def test_a_bad_layout_is_named(fields: dict[str, Any], match: str) -> None:
@@ -68,6 +64,16 @@ def test_a_grouped_layout_takes_a_host_pool_for_swaps(capsys: pytest.CaptureFixt
     assert sched.host.blocks_for(8) == 4 and sched.host.can_hold(8)
     argv = ["simulate", "seed002", "--kv-groups", "full,window:6", "--num-host-blocks", "8"]
     assert main([*argv, "--preemption-mode", "swap", "--num-blocks", "6", "--check"]) == 0
+    assert "3/3 requests finished" in capsys.readouterr().out
+
+
+def test_a_grouped_layout_takes_the_mlfq_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    """The multi-level queue counts its displacements' blocks over every group
+    (ref/core/mlfq.py), so a grouped layout runs it, in a config and on the CLI."""
+    cfg = SchedulerConfig(block_size=BS, kv_groups=(FULL, WIN), policy="mlfq")
+    assert isinstance(Scheduler(cfg).pool, GroupedPool)
+    argv = ["simulate", "seed002", "--kv-groups", "full,window:6", "--policy", "mlfq"]
+    assert main([*argv, "--num-host-blocks", "8", "--num-blocks", "6", "--check"]) == 0
     assert "3/3 requests finished" in capsys.readouterr().out
 
 

@@ -27,6 +27,10 @@ group rules of spec/groups.py, which the engine's checks do not state:
   fitting (``ExceedsCapacity``, or finished with reason ``capacity``) needs more than
   the pool by spec/groups.py's count (``peak_blocks``), and one accepted needs no more.
 
+``GroupedMlfqMachine`` runs the same machine under the skip-join MLFQ policy (its
+displacements and headroom swap-outs count every group's blocks) and checks its own
+rules (spec/mlfq.py) after every step and abort too.
+
 The planted bugs at the end (a window block released one token early, a hit taken
 without a window block its query reads, a group left out of a free, a swap-out that
 leaves a request's last window block uncopied, a swap whose window places start one
@@ -40,17 +44,20 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from refserve.core.config import Admission, SchedulerConfig
+from refserve.core.config import Admission, PolicyName, SchedulerConfig
 from refserve.core.cost import StepCost
 from refserve.core.engine_core import EngineCore, InvariantViolation
 from refserve.core.executor import StepOutput
 from refserve.core.inputs import ModelInputs
+from refserve.core.mlfq import SkipJoinMlfq
+from refserve.core.mlfq_settings import MlfqSettings
 from refserve.core.plan import StepPlan
 from refserve.core.request import FinishReason, Request, StopParams
 from refserve.core.scheduler import Scheduler
@@ -77,6 +84,7 @@ from refserve.spec.groups import (
     window_start,
 )
 from refserve.spec.host import check_host
+from refserve.spec.mlfq import check_mlfq
 from refserve.spec.snapshot import RequestStatus
 from refserve.spec.violation import Violation
 
@@ -305,6 +313,7 @@ class GroupedMachine(RuleBasedStateMachine):
             num_host_blocks=host,
             preemption_mode=mode,
             swap_cost=SWAP_COST,
+            **self._policy(data),
         )
         self.prefixes = [
             d(st.lists(st.integers(1, 3), min_size=bs, max_size=4 * bs), label="prefix")
@@ -314,6 +323,10 @@ class GroupedMachine(RuleBasedStateMachine):
         self.executor = GroupCheckingExecutor(self.sched)
         self.executor.on_plan = self._label
         self.core = EngineCore(self.sched, self.executor, check_invariants=True)
+
+    def _policy(self, data: st.DataObject) -> dict[str, Any]:
+        """The scheduling policy's config fields (none: the default policy)."""
+        return {}
 
     def _label(self, plan: StepPlan) -> None:
         if plan.preempted:
@@ -428,6 +441,57 @@ GroupedMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_grouped_state_machine = GroupedMachine.TestCase
+
+
+class GroupedMlfqMachine(GroupedMachine):
+    """The same machine under the skip-join MLFQ (``policy="mlfq"``, ref/core/mlfq.py),
+    whose displacements and headroom swap-outs count every group's blocks: on top of
+    every check above, spec/mlfq.py's rules (starvation bound, no thrash, the queues'
+    conservation) on the policy's snapshot after every step and abort."""
+
+    def _policy(self, data: st.DataObject) -> dict[str, Any]:
+        d = data.draw
+        settings_ = MlfqSettings(
+            num_queues=d(st.integers(1, 4), label="num_queues"),
+            base_quantum_ms=d(st.sampled_from([2.0, 4.0, 8.0]), label="base_quantum_ms"),
+            quantum_growth=d(st.sampled_from([1.0, 2.0, 4.0]), label="growth"),
+            starvation_steps=d(st.integers(1, 12), label="starvation_steps"),
+            skip_join=d(st.booleans(), label="skip_join"),
+            proactive_swap=d(st.booleans(), label="proactive_swap"),
+            cost=COST,
+        )
+        return {"policy": PolicyName.MLFQ, "mlfq": settings_}
+
+    def _one_step(self) -> None:
+        super()._one_step()
+        policy = self._mlfq()
+        for d in policy.last_displaced:
+            event(f"displaced for {d.reason}")
+        for c in policy.last_choices:
+            if c.to_host:
+                event("a displaced request's K/V went to the host")
+
+    def _mlfq(self) -> SkipJoinMlfq:
+        policy = self.sched.policy
+        assert isinstance(policy, SkipJoinMlfq)
+        return policy
+
+    @invariant()
+    def mlfq_rules_hold(self) -> None:
+        if not hasattr(self, "sched"):
+            return
+        sched = self.sched
+        bad = check_mlfq(self._mlfq().snapshot(sched.requests, sched.running, sched.step_index))
+        assert not bad, "\n".join(map(str, bad))
+
+
+GroupedMlfqMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_grouped_mlfq_state_machine = GroupedMlfqMachine.TestCase
 
 
 # ---------------------------------------------------------------------- planted bugs
