@@ -279,7 +279,8 @@ class SkipJoinMlfq:
                 continue
             self._pending.append(Displacement(victim, "headroom", None))
             host -= to_host
-            freed += self._frees(victim, room)
+            # A displaced decode also no longer needs its own next block.
+            freed += self._frees(victim, room) + self._next_need(victim, room)
 
     # ------------------------------------------------------------------ block counts
     # On a grouped pool (a hybrid model's layer groups) every count is spec/groups.py's
@@ -310,21 +311,24 @@ class SkipJoinMlfq:
         return self._kv_blocks(stored, max(n, 1))
 
     def _next_step_blocks(self, running: Sequence[Request], room: Room) -> int:
-        """Blocks the running decodes' next tokens open (a token at a block's start).
+        """Blocks the running decodes' next tokens open (:meth:`_next_need` of each)."""
+        return sum(self._next_need(r, room) for r in running)
 
-        On a grouped pool: each decode's ``layout_blocks`` for its next token less what
-        its tables hold now, and no less than 0. A window release returns blocks only at
-        the releasing request's own allocation, which may come after another decode's,
-        so one decode's release is not counted as room for the rest."""
+    def _next_need(self, r: Request, room: Room) -> int:
+        """The blocks running ``r``'s next token opens: one when it decodes into a
+        block's start; 0 when it does not decode.
+
+        On a grouped pool: its ``layout_blocks`` for the next token less what its tables
+        hold now, and no less than 0. A window release returns blocks only at the
+        releasing request's own allocation, which may come after another decode's, so
+        one decode's release is not counted as room for the rest."""
         cfg = self.config
-        decoding = (r for r in running if r.status is RequestStatus.DECODING)
+        if r.status is not RequestStatus.DECODING:
+            return 0
         if cfg.grouped:
-            return sum(
-                max(0, self._kv_blocks(r.num_computed_tokens, 1) - room.table_blocks(r.request_id))
-                for r in decoding
-            )
-        bs = cfg.block_size
-        return sum(1 for r in decoding if starts_block(block_offset(r.num_computed_tokens, bs)))
+            held = room.table_blocks(r.request_id)
+            return max(0, self._kv_blocks(r.num_computed_tokens, 1) - held)
+        return 1 if starts_block(block_offset(r.num_computed_tokens, cfg.block_size)) else 0
 
     # ------------------------------------------------------------------ at commit
     def on_step(self, plan: StepPlan, step_index: int) -> None:

@@ -266,6 +266,21 @@ def test_headroom_swap_out_before_the_running_requests_run_short_of_blocks() -> 
     assert run.st.sched.num_swapped_in_blocks == run.st.sched.num_swapped_out_blocks > 0
 
 
+def test_a_headroom_victim_stops_counting_its_own_next_block() -> None:
+    """Two 2-token prompts decoding in a 2-block pool: at 4 stored tokens each opens a
+    block and none is free (2 short). Swapping the lower one out frees its block and
+    takes away its own need, so that one victim is enough: counting its own need as
+    still there swapped both out, and the step had runnable work but scheduled none."""
+    run = MlfqRun(_config(num_blocks=2, max_num_seqs=4))
+    run.add("a", 2, 6, base=0)
+    run.add("b", 2, 6, base=100)
+    plan = run.until_preempted()
+    assert plan.preempted == ("b",) and plan.swapped_out == ("b",)
+    assert "a" in plan.request_ids
+    assert run.policy.num_headroom_swaps == 1
+    run.drain()
+
+
 def test_without_proactive_swap_the_shortage_preempts_through_the_spine() -> None:
     run = _headroom(settings=dict(proactive_swap=False))
     plan = run.until_preempted()
