@@ -203,10 +203,7 @@ class SchedulerConfig:
         if len(groups) < 2:
             return
         # What keeps one table per request and does not yet carry every group's.
-        for name, on in (
-            ("num_speculative_tokens (draft truncation)", self.num_speculative_tokens > 0),
-            ("policy mlfq (its block estimates)", self.policy is PolicyName.MLFQ),
-        ):
+        for name, on in (("policy mlfq (its block estimates)", self.policy is PolicyName.MLFQ),):
             if on:
                 raise InvalidArgument(f"kv_groups with several groups does not support {name}")
 
