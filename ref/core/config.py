@@ -200,14 +200,6 @@ class SchedulerConfig:
             raise InvalidArgument(f"kv_groups must be a tuple of KVGroup, got {groups!r}")
         if groups and groups[0].kind is not GroupKind.FULL:
             raise InvalidArgument(f"kv_groups[0] must be a full attention group, got {groups[0]!r}")
-        if len(groups) < 2:
-            return
-        # What keeps one table per request and does not yet carry every group's.
-        for name, on in (
-            ("num_speculative_tokens (draft truncation)", self.num_speculative_tokens > 0),
-        ):
-            if on:
-                raise InvalidArgument(f"kv_groups with several groups does not support {name}")
 
     @property
     def grouped(self) -> bool:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from refserve.core.request import FinishReason, Request, finish_reason
 from refserve.errors import InvalidArgument
 from refserve.kv import BlockPool, truncate
+from refserve.kv.groups import GroupedPool
 from refserve.spec.snapshot import RequestStatus
 
 
@@ -29,6 +30,8 @@ class Proposals:
         self.pool = pool
         self.max_len = max_len
         self.drafts: dict[str, tuple[int, ...]] = {}
+        # The most blocks one decode takes: one in each layer group of a grouped pool.
+        self.per_decode = len(pool.groups) if isinstance(pool, GroupedPool) else 1
 
     def any(self) -> bool:
         return bool(self.drafts)
@@ -62,15 +65,16 @@ class Proposals:
         """The drafts ``r`` verifies this step: its proposal cut to what it may still
         emit (a verification emits up to one token more than its drafts) and to the
         ``budget_left`` tokens of the step, and dropped unless the free blocks cover
-        their slots and still one block for each of the ``later`` decodes: a draft never
-        costs a decode its place (docs/SPECULATIVE.md, "Scheduling")."""
+        their slots and still one block for each of the ``later`` decodes (one in each
+        layer group of a grouped pool): a draft never costs a decode its place
+        (docs/SPECULATIVE.md, "Scheduling")."""
         drafts = self.drafts.get(r.request_id, ())
         room = min(r.stop.max_tokens - r.num_output_tokens, self.max_len - r.num_tokens)
         cut = draft_count(len(drafts), room, budget_left)
         if not cut:
             return ()
         need = self.pool.blocks_to_allocate(r.request_id, 1 + cut)
-        return drafts[:cut] if need + later <= self.pool.num_free_blocks else ()
+        return drafts[:cut] if need + later * self.per_decode <= self.pool.num_free_blocks else ()
 
     def keep(
         self, r: Request, drafts: tuple[int, ...], accepted: int, token: int, now_ms: float

@@ -57,8 +57,8 @@ instead (ref/kv/groups.py): a table per layer group, the window group's blocks f
 they leave the window; the executor gives each layer its group's tables. Such a pool
 swaps to the host only the blocks each group's next query reads (the host cache copies
 a block in every layer; only its group's layers read it), takes migrated requests by
-recompute, and refuses speculative drafts (a typed error); a ``kv_groups`` other than
-the model's is an :class:`InvalidArgument`.
+recompute, and cuts rejected drafts from every group's table; a ``kv_groups`` other
+than the model's is an :class:`InvalidArgument`.
 
 Agent turns (tool waits): :meth:`LLMEngine.pause` stops a decoding request
 for a tool call, its KV kept on the device, moved to the host or dropped

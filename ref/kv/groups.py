@@ -49,9 +49,10 @@ what a window needs:
 
 The scheduler reads one table per request: this pool is the first group's (a full
 group's), whose tables give the positions and slots, and its allocation, lookup and
-free act on every group; forks (ref/kv/forks.py) share every group's blocks.
-Speculative truncation, the bulk decode path and K/V transfer by migration still move
-one table: a grouped scheduler refuses them (``SchedulerConfig.kv_groups``).
+free act on every group; forks (ref/kv/forks.py) share every group's blocks, and a
+truncation of rejected drafts (ref/kv/truncation.py) cuts every group's table. The
+bulk decode path and K/V transfer by migration still move one table: a grouped
+scheduler takes the reference decode path and migrates by recompute.
 """
 
 from __future__ import annotations

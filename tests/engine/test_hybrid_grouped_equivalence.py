@@ -15,7 +15,8 @@ Greedy outputs equal ``generate(do_sample=False)`` under chunked prefill (budget
 first finished, served from the cache), preemption by recompute and by swap to a host
 pool (a pool too small for every request at once; a swap moves each group's blocks the
 next query reads, and brings them back into every group's rebuilt table), a tool wait
-on the host and migration by recompute; each run also shows the window group's tables
+on the host, migration by recompute and speculative decoding with n-gram drafts (some
+rejected, their K/V cut from every group's table); each run also shows the window group's tables
 holding null places, memory given back while the requests ran. A failed
 step restores every layer's K/V, and the Triton kernels read the window group's tables
 as the torch backend does.
@@ -28,7 +29,8 @@ with that guard taken away, the engine's step checks flag the request (rule
 ``window-early``); with the checks off too, the tokens are not transformers' any more.
 Released further, to the block a token is written to, the step's inputs refuse it. A
 swap-out planted to leave each window group's last block uncopied passes the checks
-(the books are right) and changes the tokens.
+(the books are right) and changes the tokens. A truncation of rejected drafts planted to
+cut the first group's table only is named by the step checks (``group-tables``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from refserve.engine.llm_engine import LLMEngine, RequestOutput
 from refserve.errors import InvalidArgument
 from refserve.kv import BlockPool
 from refserve.kv import groups as groups_module
+from refserve.kv import truncation as truncation_module
 from refserve.kv.groups import GroupBlocks, GroupedPool
 from refserve.kv.host_pool import HostPool
 from refserve.kv.pool import BlockCopy
@@ -62,8 +65,9 @@ from refserve.model.config import (
     layer_groups,
     tiny_config,
 )
+from refserve.model.proposers import NgramProposer, Proposer
 from refserve.model.sampler import SamplingParams
-from refserve.spec.groups import NULL_BLOCK, WINDOW_EARLY, GroupKind, KVGroup
+from refserve.spec.groups import GROUP_TABLES, NULL_BLOCK, WINDOW_EARLY, GroupKind, KVGroup
 
 BLOCK = 4
 
@@ -93,6 +97,8 @@ class Run:
     most_nulls: int = 0  # the most null places the window group's tables held after a step
     # The window group's first swapped place of every host table seen after a step.
     swapped_window_starts: set[int] = field(default_factory=set)
+    # Verifications whose request's window table held null places after the step.
+    verified_with_nulls: int = 0
 
 
 def grouped(hybrid: HFOracle, **fields: object) -> SchedulerConfig:
@@ -124,11 +130,18 @@ def drive(
     record_logits: bool = False,
     check_invariants: bool = True,
     arrive: Callable[[Run, Job], bool] | None = None,
+    proposer: Proposer | None = None,
 ) -> Run:
     """Run ``jobs`` (each added at its ``arrive_step``, or once ``arrive`` says so) to
     the end, recording the final outputs and the null places after every step."""
-    engine = LLMEngine(str(hybrid.path), scheduler_config=cfg, check_invariants=check_invariants)
-    assert isinstance(engine.scheduler.pool, GroupedPool)
+    engine = LLMEngine(
+        str(hybrid.path),
+        scheduler_config=cfg,
+        check_invariants=check_invariants,
+        proposer=proposer,
+    )
+    pool = engine.scheduler.pool
+    assert isinstance(pool, GroupedPool)
     run = Run(engine)
     if record_logits:
 
@@ -150,6 +163,10 @@ def drive(
             if out.finished:
                 run.finals[out.request_id] = out
         run.most_nulls = max(run.most_nulls, null_places(engine))
+        run.verified_with_nulls += sum(
+            1 for rid in engine.steps[-1].plan.drafts
+            if pool.has_request(rid) and NULL_BLOCK in pool.block_tables(rid)[1]
+        )  # fmt: skip
         host = engine.scheduler.host
         run.swapped_window_starts |= {
             host.table(rid).groups[1].first for rid in engine.scheduler.requests
@@ -366,6 +383,43 @@ def test_a_tool_wait_on_the_host_matches_transformers(hybrid: HFOracle) -> None:
     assert finals["o"].token_ids == hybrid.greedy(other, 20)
     assert tuple(turn1) == hybrid.greedy(prompt, 10)
     assert finals["a"].token_ids == hybrid.greedy([*prompt, *turn1, *tool], 8)
+
+
+def test_ngram_speculation_matches_transformers(hybrid: HFOracle) -> None:
+    """Speculation never changes a greedy token: n-gram drafts (32-token outputs, so the
+    small random model's greedy text loops and lookup finds drafts), some accepted and
+    some rejected, verified while the window group holds null places. Each verification
+    allocates its drafts' positions in every group; the commit cuts every group's table
+    back to the accepted length (the step checks hold after every step)."""
+    g = torch.Generator().manual_seed(19)
+    jobs = [Job(f"s{i}", random_prompt(g, 7 + 6 * i), 32, arrive_step=2 * i) for i in range(3)]
+    run = drive(hybrid, jobs, grouped(hybrid, max_num_batched_tokens=16), proposer=NgramProposer(3))
+    assert_matches_hf(hybrid, run, jobs)
+    outcomes = [v for s in run.engine.steps for v in s.outcome.verified.values()]
+    drafted = sum(v.num_drafts for v in outcomes)
+    accepted = sum(v.num_accepted for v in outcomes)
+    assert 0 < accepted < drafted, (accepted, drafted)  # some drafts right, some wrong
+    assert run.verified_with_nulls > 0
+    assert run.most_nulls > 0
+
+
+def test_a_truncation_that_skips_the_window_group_is_caught(
+    hybrid: HFOracle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The planted bug: rejected drafts cut from the first group's table only, so the
+    window group keeps their positions (and any block that held only them). The step
+    checks name the request's groups stored at two lengths (rule ``group-tables``)."""
+
+    def first_only(pool: GroupedPool, request_id: str, num_stored: int) -> list[int]:
+        table = pool.tables.table(request_id, "truncate")
+        return truncation_module._cut(pool, request_id, table, num_stored)
+
+    monkeypatch.setattr(truncation_module, "_truncate_groups", first_only)
+    g = torch.Generator().manual_seed(19)
+    jobs = [Job(f"s{i}", random_prompt(g, 7 + 6 * i), 32, arrive_step=2 * i) for i in range(3)]
+    with pytest.raises(InvariantViolation) as e:
+        drive(hybrid, jobs, grouped(hybrid, max_num_batched_tokens=16), proposer=NgramProposer(3))
+    assert any(v.rule == GROUP_TABLES for v in e.value.violations), e.value
 
 
 def test_migration_by_recompute_matches_transformers(hybrid: HFOracle) -> None:

@@ -1,8 +1,9 @@
 """The scheduler with layer groups (``SchedulerConfig.kv_groups``): a bad layout, or one
 combined with what does not carry every group's tables yet, is a typed error naming it
-(a host pool for swaps is not, nor the mlfq policy: both count every group's blocks);
-a grouped allocation that fails inside a running step changes no group, and a failed
-step rolls every group back.
+(a host pool for swaps is not, nor the mlfq policy, nor are speculative drafts:
+each counts or carries every group's blocks); a draft leaves each later decode one
+block in every group; a grouped allocation that fails inside a running step changes
+no group, and a failed step rolls every group back.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from refserve.core.inputs import ModelInputs
 from refserve.core.plan import StepPlan
 from refserve.core.request import FinishReason, Request, StopParams
 from refserve.core.scheduler import Scheduler
+from refserve.core.speculation import Proposals
 from refserve.errors import ExceedsCapacity, InvalidArgument, OutOfBlocks
 from refserve.kv import BlockPool
 from refserve.kv.groups import GroupedPool
-from refserve.sim.simulator import SimExecutor
+from refserve.sim.simulator import SimExecutor, SimSpeculation
 from refserve.spec.groups import NULL_BLOCK, GroupKind, KVGroup, check_groups, layout_blocks
 
 FULL = KVGroup(GroupKind.FULL)
@@ -39,10 +41,6 @@ BS = 4
         ({"kv_groups": (FULL, "window")}, r"kv_groups must be a tuple of KVGroup, got .*'window'"),
         ({"kv_groups": (WIN, FULL)}, r"kv_groups\[0\] must be a full attention group, got .*6"),
         ({"kv_groups": (WIN,)}, r"kv_groups\[0\] must be a full attention group"),
-        (
-            {"kv_groups": (FULL, WIN), "num_speculative_tokens": 2},
-            r"kv_groups with several groups does not support num_speculative_tokens",
-        ),
     ],
 )
 def test_a_bad_layout_is_named(fields: dict[str, Any], match: str) -> None:
@@ -75,6 +73,50 @@ def test_a_grouped_layout_takes_the_mlfq_policy(capsys: pytest.CaptureFixture[st
     argv = ["simulate", "seed002", "--kv-groups", "full,window:6", "--policy", "mlfq"]
     assert main([*argv, "--num-host-blocks", "8", "--num-blocks", "6", "--check"]) == 0
     assert "3/3 requests finished" in capsys.readouterr().out
+
+
+def _two_decodes(per_decode: int | None = None) -> StepPlan:
+    """a (3 tokens of KV, decoding at position 3 inside its first block) proposes one
+    draft, at position 4: a new block in each group, 2 of the 3 free. b, decoding after
+    it at position 4, needs 2 as well. The plan of that step (``per_decode``: the
+    blocks the draft rule leaves each later decode, if not the pool's own count)."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16,
+        max_num_seqs=2,
+        block_size=BS,
+        num_blocks=7,
+        max_model_len=32,
+        kv_groups=(FULL, WIN),
+        num_speculative_tokens=2,
+    )
+    sched = Scheduler(cfg)
+    # The simulator's verification (every draft rejected); its own proposals withdrawn.
+    executor = SimExecutor(
+        StepCost(), sched.requests, speculation=SimSpeculation(0.0), scheduler=sched
+    )
+    core = EngineCore(sched, executor, check_invariants=True)
+    sched.add_request(Request("a", [1, 2, 3], StopParams(8, ignore_eos=True)))
+    sched.add_request(Request("b", [5, 6, 7, 8], StopParams(8, ignore_eos=True)))
+    core.step(0.0)  # both prompts: 4 of the 7 blocks
+    assert sched.pool.num_free_blocks == 3
+    proposals = sched.proposals
+    assert isinstance(proposals, Proposals) and proposals.per_decode == 2
+    if per_decode is not None:
+        proposals.per_decode = per_decode
+    sched.propose("a", [9])
+    sched.propose("b", [])
+    return core.step(1.0).plan
+
+
+def test_a_draft_leaves_each_later_decode_a_block_in_every_group() -> None:
+    """On a grouped pool a decode may take a block in each group: a's draft would leave
+    1 free block for b's 2, so it is dropped, and both decode. Counting one block per
+    later decode (the plain pool's rule), a verifies its draft and b, finding no room
+    and no victim (a request given tokens is never one), waits out the step."""
+    plan = _two_decodes()
+    assert (plan.drafts, plan.request_ids, plan.preempted) == ({}, ("a", "b"), ())
+    plain_rule = _two_decodes(per_decode=1)
+    assert (plain_rule.drafts, plain_rule.request_ids) == ({"a": (9,)}, ("a",))
 
 
 def test_one_full_group_is_the_plain_pool_and_keeps_every_feature() -> None:

@@ -4,7 +4,9 @@ A ``Scheduler`` with ``kv_groups`` of one full attention group and one or two sl
 window groups (windows mostly not a multiple of the block size), tiny pools (so
 preemption and the capacity refusal both happen), in most configurations a host pool
 with preemption by swap (``swap``, ``auto`` or ``recompute``), prefix caching on and
-prompts that share prefixes (so hits, with window blocks skipped, happen), driven by
+prompts that share prefixes (so hits, with window blocks skipped, happen), in some
+configurations speculative drafts (``Scheduler.propose`` before a step: the request's
+next tokens up to a drawn point, then drawn tokens, so some are rejected), driven by
 arrivals, checked steps, aborts and n > 1 forks. Every step goes through
 ``EngineCore(check_invariants=True)`` (the engine's own TOKEN, BLOCK, KVLEN, POS, CAP,
 PREFIX and PROGRESS over every group's tables); on top, this machine checks the layer
@@ -16,7 +18,9 @@ group rules of spec/groups.py, which the engine's checks do not state:
   the prefix-cache hit it was admitted with in this step (``plan.num_new_cached_tokens``);
 * a fake K/V memory written in every group (slot -> token id, through each group's own
   table; the swap-out copies to a fake host memory, the swap-in copies back and the
-  copy-on-write copies applied first, in the executor's order): each scheduled request
+  copy-on-write copies applied first, in the executor's order; a verification's drafts
+  written too, and each rejected draft's slot then poisoned in every group, so a block or
+  a cache entry kept over it reads wrong): each scheduled request
   reads its own tokens wherever its chunk's queries read, a full group from position 0
   and a window group from ``window_start``; after each step every live table, every
   swapped request's host table and every prefix-cache entry reads back the tokens it
@@ -34,7 +38,9 @@ rules (spec/mlfq.py) after every step and abort too.
 The planted bugs at the end (a window block released one token early, a hit taken
 without a window block its query reads, a group left out of a free, a swap-out that
 leaves a request's last window block uncopied, a swap whose window places start one
-block late on both sides) are each caught by these same checks, in fixed scenarios. A
+block late on both sides, a truncation of rejected drafts that cuts the first group's
+table only, or keeps a window group's cache entries over them) are each caught by these
+same checks (the last by the engine's PREFIX check first), in fixed scenarios. A
 tool wait on the host (``pause`` with retention ``host``) goes through the same swaps,
 checked the same way.
 """
@@ -66,10 +72,12 @@ from refserve.errors import ExceedsCapacity
 from refserve.kv import PrefixHit
 from refserve.kv import groups as groups_module
 from refserve.kv import host_pool as host_pool_module
+from refserve.kv import truncation as truncation_module
 from refserve.kv.groups import GroupBlocks, GroupedHit, GroupedPool
 from refserve.kv.host_pool import HostPool
 from refserve.kv.pool import BlockCopy, BlockPool
-from refserve.sim.simulator import SimExecutor
+from refserve.kv.tables import BlockTable
+from refserve.sim.simulator import SimExecutor, fake_token
 from refserve.spec.groups import (
     GROUP_TABLES,
     NULL_BLOCK,
@@ -96,6 +104,7 @@ SWAP_COST = SwapCost(kv_bytes_per_token=1_000, latency_ms=1.0, iteration=COST)
 MAX_LIVE = 6
 # A GroupRuleBroken's name for a fake memory that read back other tokens (or capacity).
 MEMORY = "memory"
+POISONED = -1  # a rejected draft's slot in the fake memory: never a token id
 
 
 def window(w: int) -> KVGroup:
@@ -152,7 +161,7 @@ class GroupCheckingExecutor(SimExecutor):
         copy_blocks(self.host_memory, self.memory, plan.swap_in, bs)
         copy_blocks(self.memory, self.memory, plan.copies, bs)
         for rid, start, n in zip(plan.request_ids, plan.starts, plan.num_new_tokens, strict=True):
-            tokens = self.sched.requests[rid].token_ids
+            tokens = [*self.sched.requests[rid].token_ids, *plan.drafts.get(rid, ())]
             for g, table in enumerate(pool.block_tables(rid)):
                 # What this chunk's queries read before its own positions.
                 errors += self._readback(rid, g, table, tokens, first_read(pool, g, start), start)
@@ -166,7 +175,32 @@ class GroupCheckingExecutor(SimExecutor):
             raise GroupRuleBroken(f"step {plan.step_index}", found, errors)
         if self.on_plan is not None:
             self.on_plan(plan)
-        return super().execute(plan, inputs)
+        if not plan.drafts:
+            return super().execute(plan, inputs)
+        out = super().execute(replace(plan, drafts={}), inputs)
+        sampled, accepted = dict(out.sampled), self._verify(plan)
+        for rid, a in accepted.items():
+            r = self.sched.requests[rid]
+            sampled[rid] = fake_token(r.seq, r.num_tokens + a)  # the target's own token
+        return replace(out, sampled=sampled, accepted=accepted)
+
+    def _verify(self, plan: StepPlan) -> dict[str, int]:
+        """Each verification's accepted drafts: those equal to the tokens the request
+        samples anyway (the simulator's), up to the first that is not; the rejected
+        drafts' slots are poisoned in every group (their K/V is not the sequence's)."""
+        pool = grouped_pool(self.sched)
+        bs = self.block_size
+        accepted: dict[str, int] = {}
+        for rid, drafts in plan.drafts.items():
+            r = self.sched.requests[rid]
+            a = 0
+            while a < len(drafts) and drafts[a] == fake_token(r.seq, r.num_tokens + a):
+                a += 1
+            accepted[rid] = a
+            for table in pool.block_tables(rid):
+                for p in range(r.num_tokens + a, r.num_tokens + len(drafts)):
+                    self.memory[table[p // bs] * bs + p % bs] = POISONED
+        return accepted
 
     def _capacity_errors(self) -> list[str]:
         pool = grouped_pool(self.sched)
@@ -313,6 +347,7 @@ class GroupedMachine(RuleBasedStateMachine):
             num_host_blocks=host,
             preemption_mode=mode,
             swap_cost=SWAP_COST,
+            num_speculative_tokens=d(st.sampled_from([0, 0, 1, 2, 4]), label="k"),
             **self._policy(data),
         )
         self.prefixes = [
@@ -341,6 +376,13 @@ class GroupedMachine(RuleBasedStateMachine):
         if plan.swapped_in:
             event("a swap-in")
         pool = grouped_pool(self.sched)
+        for rid, drafts in plan.drafts.items():
+            r = self.sched.requests[rid]
+            right = [fake_token(r.seq, r.num_tokens + j) for j in range(len(drafts))]
+            event("a verification with a rejected draft" if list(drafts) != right else
+                  "a verification with every draft accepted")  # fmt: skip
+            if any(NULL_BLOCK in t for t in pool.block_tables(rid)[1:]):
+                event("a verification whose window group holds null places")
         for rid, cached in zip(plan.request_ids, plan.num_new_cached_tokens, strict=True):
             windows = pool.block_tables(rid)[1:]
             if any(NULL_BLOCK in t for t in windows):
@@ -376,14 +418,29 @@ class GroupedMachine(RuleBasedStateMachine):
             return
         assert need <= self.config.num_blocks, f"{rid} accepted but needs {need} blocks"
 
-    @rule(n=st.integers(1, 4))
-    def step(self, n: int) -> None:
+    @rule(n=st.integers(1, 4), data=st.data())
+    def step(self, n: int, data: st.DataObject) -> None:
         for _ in range(n):
             if not self.sched.has_unfinished:
                 return
-            self._one_step()
+            self._one_step(data)
 
-    def _one_step(self) -> None:
+    def _propose(self, data: st.DataObject) -> None:
+        """Drafts for some decoding requests: the tokens each samples anyway up to a
+        drawn point, then drawn tokens (rejected, unless one happens to match)."""
+        k = self.config.num_speculative_tokens
+        for r in list(self.sched.running) if k else []:
+            if r.status is not RequestStatus.DECODING:
+                continue
+            n = data.draw(st.integers(0, k), label="drafts")
+            right = data.draw(st.integers(0, n), label="right drafts")
+            wrong = data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n), label="drawn")
+            good = [fake_token(r.seq, r.num_tokens + j) for j in range(right)]
+            self.sched.propose(r.request_id, [*good, *wrong][:n])
+
+    def _one_step(self, data: st.DataObject | None = None) -> None:
+        if data is not None:
+            self._propose(data)
         rec = self.core.step(self.clock)
         self.clock = rec.end_ms
         if check_capacity_finishes(self.sched):
@@ -462,8 +519,8 @@ class GroupedMlfqMachine(GroupedMachine):
         )
         return {"policy": PolicyName.MLFQ, "mlfq": settings_}
 
-    def _one_step(self) -> None:
-        super()._one_step()
+    def _one_step(self, data: st.DataObject | None = None) -> None:
+        super()._one_step(data)
         policy = self._mlfq()
         for d in policy.last_displaced:
             event(f"displaced for {d.reason}")
@@ -522,11 +579,13 @@ def rules_found(
     limit: int = 60,
     config: SchedulerConfig = PLANTED,
     seen: list[StepPlan] | None = None,
+    propose: Callable[[Scheduler], None] | None = None,
 ) -> set[str]:
     """Run requests arriving at the given steps on a scheduler over ``config`` with the
     machine's checks; the layer group rules they found (empty: none, and every request
-    finished; ``seen`` gets the plans). An engine check that fails first is reported by
-    its invariant and rules, with the group rules of the state it failed in."""
+    finished; ``seen`` gets the plans; ``propose`` is called before each step). An
+    engine check that fails first is reported by its invariant and rules, with the
+    group rules of the state it failed in."""
     sched = Scheduler(config)
     executor = GroupCheckingExecutor(sched)
     if seen is not None:
@@ -539,6 +598,8 @@ def rules_found(
                 if at == i:
                     sched.add_request(r)
             if sched.has_unfinished:
+                if propose is not None:
+                    propose(sched)
                 clock = core.step(clock).end_ms
                 check_capacity_finishes(sched)
                 check_after_step(executor, f"after step {i}")
@@ -623,6 +684,30 @@ def planted(name: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
         monkeypatch.setattr(groups_module, "held_places", short)
         monkeypatch.setattr(host_pool_module, "held_places", short)
+    elif name == "first-group-truncation":
+
+        def first_only(pool: GroupedPool, request_id: str, num_stored: int) -> list[int]:
+            # Rejected drafts cut from the first group's table only: the window group
+            # keeps their positions, and the block that held only them.
+            table = pool.tables.table(request_id, "truncate")
+            return truncation_module._cut(pool, request_id, table, num_stored)
+
+        monkeypatch.setattr(truncation_module, "_truncate_groups", first_only)
+    elif name == "window-keeps-draft-entries":
+        honest_cut = truncation_module._cut
+
+        def cut(pool: BlockPool, request_id: str, table: BlockTable, num_stored: int) -> list[int]:
+            # A later group's blocks that held a rejected draft keep their cache entries.
+            if isinstance(pool, GroupedPool):  # the first group
+                return honest_cut(pool, request_id, table, num_stored)
+            index = pool.prefix_index
+            setattr(index, "forget", lambda blocks: None)  # noqa: B010
+            try:
+                return honest_cut(pool, request_id, table, num_stored)
+            finally:
+                delattr(index, "forget")
+
+        monkeypatch.setattr(truncation_module, "_cut", cut)
     else:
         raise AssertionError(f"no planted bug {name!r}")
     yield
@@ -643,6 +728,24 @@ def hit() -> list[tuple[int, Request]]:
     return [(0, request("a", range(1, 13), 1)), (3, request("b", [*range(1, 13), 99], 2))]
 
 
+# Drafts of up to 3 tokens: a's first two right, the third wrong, so each verification
+# keeps the verified token and 2 drafts and rejects 1.
+SPECULATING = replace(PLANTED, num_speculative_tokens=3)
+
+
+def two_right_one_wrong(sched: Scheduler) -> None:
+    for r in sched.running:
+        if r.status is RequestStatus.DECODING:
+            right = [fake_token(r.seq, r.num_tokens + j) for j in range(2)]
+            sched.propose(r.request_id, [*right, 0])
+
+
+def speculate() -> list[tuple[int, Request]]:
+    """A 9-token prompt decoding 8 tokens, verifying drafts from 9 and from 12 (the
+    second fills block 3, cached, then rejects its last position, 15)."""
+    return [(0, request("a", range(1, 10), 8))]
+
+
 def swap() -> list[tuple[int, Request]]:
     """a and b, 8-token prompts decoding 12 tokens each, outgrow ``SWAPPING``'s 10 blocks
     on their first decode: b is swapped out with 8 tokens (full places 0 and 1, window
@@ -658,6 +761,9 @@ def swap() -> list[tuple[int, Request]]:
         ("leaky-free", decode, GROUP_TABLES, PLANTED),
         ("uncopied-window-block", swap, MEMORY, SWAPPING),
         ("short-window-swap", swap, WINDOW_EARLY, SWAPPING),
+        ("first-group-truncation", speculate, GROUP_TABLES, SPECULATING),
+        # The engine's PREFIX check: a cached window block no longer full in its table.
+        ("window-keeps-draft-entries", speculate, "PREFIX", SPECULATING),
     ],
 )
 def test_the_checks_find_the_planted_bug(
@@ -667,10 +773,33 @@ def test_the_checks_find_the_planted_bug(
     config: SchedulerConfig,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert rules_found(scenario(), config=config) == set(), "the scenario is sound without the bug"
+    propose = two_right_one_wrong if config.num_speculative_tokens else None
+    sound = rules_found(scenario(), config=config, propose=propose)
+    assert sound == set(), "the scenario is sound without the bug"
     with planted(bug, monkeypatch):
-        found = rules_found(scenario(), config=config)
+        found = rules_found(scenario(), config=config, propose=propose)
     assert rule in found, found
+
+
+def test_the_speculating_scenario_rejects_drafts_with_window_blocks_released() -> None:
+    """What the first-group-truncation bug needs: a's two verifications, at 9 and 12,
+    each keep 2 of 3 drafts. The first allocates positions 9 to 12 after releasing the
+    window group's block 0 (wholly before position 4), and keeps 12 tokens: block 3
+    held only the rejected position 12 and goes back in both groups, and the released
+    place stays null."""
+    plans: list[StepPlan] = []
+    held: list[tuple[tuple[int, ...], ...]] = []
+
+    def propose(sched: Scheduler) -> None:
+        if sched.pool.has_request("a"):
+            held.append(grouped_pool(sched).block_tables("a"))
+        two_right_one_wrong(sched)
+
+    assert rules_found(speculate(), config=SPECULATING, seen=plans, propose=propose) == set()
+    verifying = [(p.starts[0], p.num_new_tokens[0], len(p.drafts["a"])) for p in plans if p.drafts]
+    assert verifying == [(9, 4, 3), (12, 4, 3)]
+    full, win = held[1]  # after the first verification
+    assert (len(full), len(win), win[0]) == (3, 3, NULL_BLOCK)
 
 
 def test_the_swap_scenario_swaps_every_group_out_and_back_in() -> None:
