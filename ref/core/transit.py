@@ -25,7 +25,7 @@ point of :class:`MigrationFault`, and cancels a move when the source changed
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
@@ -34,7 +34,9 @@ from refserve.core.migration_cost import KVMode, MigrationCost
 from refserve.core.request import Request, StopParams, check_room_for_output
 from refserve.core.scheduler import Scheduler
 from refserve.errors import DuplicateRequest, InvalidArgument, OutOfBlocks, RefserveError
+from refserve.kv.groups import GroupBlocks, GroupedPool
 from refserve.spec.arith import logical_block, slot_of
+from refserve.spec.groups import GroupKind
 from refserve.spec.hashing import Namespace
 from refserve.spec.snapshot import RequestStatus
 from refserve.values import is_int
@@ -192,16 +194,30 @@ class RequestState:
 
 
 @dataclass(frozen=True)
+class GroupSlots:
+    """Where one layer group of a grouped pool holds a request's K/V: ``slots[i]`` holds
+    position ``start + i``, up to its KV length. A window group's ``start`` is the first
+    position of its first held place (spec/groups.py ``held_places``): it holds nothing
+    before it."""
+
+    group: int
+    start: int
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Departure:
     """What the source exports for one request: its state and where its KV is.
 
     ``slots[p]`` is the source slot (device or host memory, by ``kv_place``) holding
     position ``p``, for ``p`` in ``[0, num_computed_tokens)``; empty when the KV is
-    nowhere (waiting, recompute-preempted, a tool wait that dropped it)."""
+    nowhere (waiting, recompute-preempted, a tool wait that dropped it). On a grouped
+    pool ``slots`` is the first (full) group's and ``groups`` every group's."""
 
     state: RequestState
     kv_place: KVPlace
     slots: tuple[int, ...]
+    groups: tuple[GroupSlots, ...] = ()
 
     @property
     def kv_length(self) -> int:
@@ -217,26 +233,46 @@ def export(sched: Scheduler, request_id: str) -> Departure:
     bs = sched.config.block_size
     n = r.num_computed_tokens
     state = RequestState.of(r)
-    if n and sched.pool.has_request(request_id):
-        table = sched.pool.block_table(request_id)
+    pool = sched.pool
+    if n and pool.has_request(request_id):
+        if isinstance(pool, GroupedPool):
+            return _grouped(state, KVPlace.DEVICE, pool.held_blocks(request_id), n, bs)
+        table = pool.block_table(request_id)
         return Departure(state, KVPlace.DEVICE, _slots(table, 0, n, bs))
     if n and sched.host.has_request(request_id):
         host = sched.host.table(request_id)
         assert host.num_stored == n, "a swapped request's host KV is its KV length"
+        if host.groups:
+            return _grouped(state, KVPlace.HOST, host.groups, n, bs)
         return Departure(state, KVPlace.HOST, _slots(host.block_ids, 0, n, bs))
     return Departure(replace(state, num_computed_tokens=0), KVPlace.NONE, ())
+
+
+def _grouped(
+    state: RequestState, place: KVPlace, held: Sequence[GroupBlocks], n: int, bs: int
+) -> Departure:
+    """A grouped pool's departure: each group's slots of the places it holds."""
+    groups = tuple(
+        GroupSlots(g.group, g.first * bs, _slots(g.block_ids, g.first * bs, n, bs, g.first))
+        for g in held
+    )
+    assert groups[0].start == 0, "the first group is a full one: it holds every position"
+    return Departure(state, place, groups[0].slots, groups)
 
 
 @dataclass(frozen=True)
 class Arrival:
     """A request staged on the destination (module doc, step 2): ``slots`` are the
     destination slots of positions ``[num_hit_tokens, kv_length)``, the K/V that must
-    travel; positions before ``num_hit_tokens`` are the destination's own prefix hit."""
+    travel; positions before ``num_hit_tokens`` are the destination's own prefix hit.
+    On a grouped pool ``groups`` gives every group's slots (``slots`` is the first's):
+    a window group's from its first held place on."""
 
     state: RequestState
     kv_length: int
     num_hit_tokens: int
     slots: tuple[int, ...]
+    groups: tuple[GroupSlots, ...] = ()
 
 
 class Import:
@@ -279,12 +315,10 @@ class Import:
             self.arrivals.append(arrival)
             return arrival
         pool = sched.pool
-        if sched.config.grouped:
-            # The K/V that travels is one table's slots; a window group's would not.
-            raise MigrationRefused(
-                f"import: request {rid!r} brings K/V, and a grouped pool (several layer "
-                "groups) takes a migrated request by recompute only"
-            )
+        if isinstance(pool, GroupedPool):
+            arrival = _restore(pool, state, n)
+            self.arrivals.append(arrival)
+            return arrival
         hit = pool.lookup(state.token_ids[:n], state.namespace)
         try:
             pool.allocate(
@@ -313,6 +347,26 @@ class Import:
         sched = self._sched
         sched.pool.commit()
         return [_place(sched, a, offset_ms) for a in self.arrivals]
+
+
+def _restore(pool: GroupedPool, state: RequestState, n: int) -> Arrival:
+    """A grouped import: every group's table as if the request had computed its ``n``
+    positions here (``GroupedPool.restore``: a window group's places before its window
+    null), each held place a fresh block the migrated K/V fills. No prefix hit is taken:
+    a hit's window group would hold places the source no longer has K/V for."""
+    rid = state.request_id
+    if any(g.kind is GroupKind.COMPRESSED for g in pool.groups):
+        raise MigrationRefused(
+            f"import: request {rid!r} brings K/V, and a compressed group's K/V does not "
+            "migrate (its entries are not positions)"
+        )
+    try:
+        held = pool.restore(rid, state.token_ids, n, namespace=state.namespace)
+    except OutOfBlocks as e:
+        raise MigrationRefused(f"import: {e}") from e
+    bs = pool.block_size
+    departure = _grouped(state, KVPlace.DEVICE, held, n, bs)
+    return Arrival(state, n, 0, departure.slots, departure.groups)
 
 
 def begin_import(sched: Scheduler) -> Import:
@@ -409,5 +463,7 @@ def _status_on_arrival(s: RequestState, kv_length: int) -> RequestStatus:
     return RequestStatus.PREEMPTED if s.num_output_tokens else RequestStatus.WAITING
 
 
-def _slots(table: tuple[int, ...] | list[int], start: int, end: int, bs: int) -> tuple[int, ...]:
-    return tuple(slot_of(table[logical_block(p, bs)], p, bs) for p in range(start, end))
+def _slots(table: Sequence[int], start: int, end: int, bs: int, first: int = 0) -> tuple[int, ...]:
+    """The slots of positions ``[start, end)`` in ``table``, whose entry ``i`` is place
+    ``first + i``."""
+    return tuple(slot_of(table[logical_block(p, bs) - first], p, bs) for p in range(start, end))

@@ -48,6 +48,7 @@ from refserve.core.migration_cost import KVMode, MigrationCost, MigrationDecisio
 from refserve.core.request import Request
 from refserve.core.scheduler import Scheduler
 from refserve.core.transit import (
+    GroupSlots,
     Import,
     InvalidMigrationArgument,
     KVPlace,
@@ -59,6 +60,8 @@ from refserve.core.transit import (
 )
 from refserve.engine.samples import Sample, SampleBook, SampleGroup, sample_spec
 from refserve.engine.ticket import (
+    GROUPED_TICKET_VERSION,
+    TICKET_VERSION,
     KVChunk,
     KVLayoutMismatch,
     MigrationTicket,
@@ -74,6 +77,7 @@ from refserve.model.llama import HostKVCache, KVCache, LlamaModel
 from refserve.model.sampler import SamplingParams
 from refserve.model.tokenizer import TextStream, Tokenizer
 from refserve.model.weights import LayerWeights
+from refserve.spec.groups import layout_text
 
 
 class Engine(Protocol):
@@ -153,7 +157,7 @@ def export(
     departures = [transit.export(engine.scheduler, s.seq_id) for s in live]  # a step open: raises
     rule = cost or default_cost(engine)
     kv_tokens = max(d.kv_length for d in departures)
-    kv = _grouped_kv_mode(engine, request_id, kv)
+    grouped = engine.scheduler.config.grouped
     decision = rule.decide(kv, kv_tokens, min(hit_tokens, kv_tokens), idle)
     seqs = tuple(_seq_ticket(s, d.state, d.kv_place) for s, d in zip(live, departures, strict=True))
     chunks: tuple[KVChunk, ...] = ()
@@ -162,7 +166,9 @@ def export(
         # there. The hit was probed on one sample; beyond the prompt, which every sample
         # shares, it holds only for that sample.
         first = decision.hit_tokens
-        if len(departures) > 1:
+        if grouped:  # a grouped destination takes no prefix hit (transit._restore)
+            first = 0
+        elif len(departures) > 1:
             first = min(first, departures[0].state.num_prompt_tokens)
         chunks = tuple(
             read_kv(engine, d.state.request_id, min(first, d.kv_length), d.kv_length)
@@ -185,21 +191,15 @@ def export(
         clock_ms=engine.now_ms(),
         decisions=(*group.migrations, decision),
         chunks=chunks,
+        version=GROUPED_TICKET_VERSION if grouped else TICKET_VERSION,
+        kv_layout=kv_layout(engine),
     )
 
 
-def _grouped_kv_mode(engine: Engine, request_id: str, kv: KVMode | str) -> KVMode | str:
-    """The K/V mode a grouped pool can serve: recompute. Its window layers keep their
-    K/V in their own group's blocks, and a ticket's K/V is one table's slots in every
-    layer, so a transfer is refused by name and ``auto`` means recompute."""
-    if not engine.scheduler.config.grouped:
-        return kv
-    if kv == KVMode.TRANSFER:
-        raise MigrationRefused(
-            f"export: request {request_id!r} is on a grouped KV pool (several layer "
-            "groups), whose K/V moves by recompute only"
-        )
-    return KVMode.RECOMPUTE if kv == KVMode.AUTO else kv
+def kv_layout(engine: Engine) -> str:
+    """The engine's KV layout as a ticket names it (spec/groups.py ``layout_text``)."""
+    groups = engine.scheduler.config.kv_groups
+    return layout_text(groups if len(groups) > 1 else ())
 
 
 def _live_samples(engine: Engine, request_id: str) -> tuple[SampleGroup, list[Sample]]:
@@ -246,17 +246,14 @@ def _seq_ticket(seq: Sample, state: RequestState, place: KVPlace) -> SeqTicket:
 def read_kv(engine: Engine, seq_id: str, start: int, end: int) -> KVChunk:
     """The K/V of positions ``[start, end)`` of a live sample, from the device or the
     host pool (a swapped request's), token-major (:class:`KVChunk`)."""
-    if engine.scheduler.config.grouped:
-        raise MigrationRefused(
-            f"read_kv: {seq_id!r} is on a grouped KV pool (several layer groups), whose "
-            "K/V moves by recompute only"
-        )
     d = transit.export(engine.scheduler, seq_id)
     if not 0 <= start < end <= d.kv_length:
         raise MigrationError(
             f"read_kv: {seq_id!r} holds KV for positions [0, {d.kv_length}); asked [{start}, {end})"
         )
     cache = engine.host_cache if d.kv_place is KVPlace.HOST else engine.cache
+    if d.groups:
+        return _read_groups(engine, cache, d.groups, seq_id, start, end)
     index = torch.tensor(d.slots[start:end], dtype=torch.int64, device=cache.key[0].device)
     rows = [
         t.view(-1, *t.shape[2:]).index_select(0, index)
@@ -265,6 +262,37 @@ def read_kv(engine: Engine, seq_id: str, start: int, end: int) -> KVChunk:
     ]
     data = torch.stack(rows).contiguous().cpu().view(torch.uint8).numpy().tobytes()
     return KVChunk(seq_id, start, end, data)
+
+
+def _read_groups(
+    engine: Engine,
+    cache: KVCache | HostKVCache,
+    groups: Sequence[GroupSlots],
+    seq_id: str,
+    start: int,
+    end: int,
+) -> KVChunk:
+    """:func:`read_kv` on a grouped pool: each layer's rows from its own group's slots,
+    from the first position its group holds (a window group holds none before its
+    window, so those positions do not travel)."""
+    device = cache.key[0].device
+    starts: list[int] = []
+    parts: list[bytes] = []
+    for layer, g in enumerate(_layer_groups(engine)):
+        held = groups[g]
+        first = min(max(start, held.start), end)
+        starts.append(first)
+        slots = held.slots[first - held.start : end - held.start]
+        index = torch.tensor(slots, dtype=torch.int64, device=device)
+        for t in (cache.key[layer], cache.value[layer]):
+            rows = t.view(-1, *t.shape[2:]).index_select(0, index).contiguous().cpu()
+            parts.append(rows.view(torch.uint8).numpy().tobytes())
+    return KVChunk(seq_id, start, end, b"".join(parts), tuple(starts))
+
+
+def _layer_groups(engine: Engine) -> tuple[int, ...]:
+    """The layer group each layer reads and writes (ref/model/llama.py)."""
+    return engine.executor.model.layer_groups
 
 
 # ---------------------------------------------------------------------------- import
@@ -282,6 +310,7 @@ class StagedImport:
     _import: Import
     _slots: dict[str, tuple[int, ...]]
     _offset: dict[str, int]
+    _groups: dict[str, tuple[GroupSlots, ...]] = field(default_factory=dict)
     _written: dict[str, int] = field(default_factory=dict)
     _saved: list[SavedRows] = field(default_factory=list)
     acked: bool = False
@@ -303,6 +332,15 @@ class StagedImport:
             )
         if start >= end:
             return
+        if self._groups.get(chunk.seq_id):
+            self._write_groups(chunk, self._groups[chunk.seq_id], start, end)
+            self._written[chunk.seq_id] = max(self._written.get(chunk.seq_id, lo), end)
+            return
+        if chunk.layer_starts:
+            raise KVLayoutMismatch(
+                f"chunk {chunk.seq_id!r} [{chunk.start}, {chunk.end}) is from a grouped KV "
+                "pool; this engine's pool has one table"
+            )
         rows = _rows(self.engine, self.ticket.model, chunk)[
             :, start - chunk.start : end - chunk.start
         ]
@@ -317,6 +355,34 @@ class StagedImport:
             k.index_copy_(0, index, rows[2 * layer].to(k.device))
             v.index_copy_(0, index, rows[2 * layer + 1].to(v.device))
         self._written[chunk.seq_id] = max(self._written.get(chunk.seq_id, lo), end)
+
+    def _write_groups(
+        self, chunk: KVChunk, groups: Sequence[GroupSlots], start: int, end: int
+    ) -> None:
+        """:meth:`write` on a grouped pool: positions ``[start, end)`` of each layer into
+        its own group's slots, from the first its group holds here."""
+        cache = self.engine.cache
+        device = cache.key[0].device
+        rows = _layer_rows(self.engine, self.ticket.model, chunk)
+        for layer, g in enumerate(_layer_groups(self.engine)):
+            held = groups[g]
+            first = max(start, held.start)
+            if first >= end:
+                continue
+            carried = chunk.layer_start(layer)
+            if first < carried:
+                raise KVLayoutMismatch(
+                    f"chunk {chunk.seq_id!r} [{chunk.start}, {chunk.end}) carries layer {layer} "
+                    f"from {carried}; this engine holds its group from {first}"
+                )
+            slots = held.slots[first - held.start : end - held.start]
+            index = torch.tensor(slots, dtype=torch.int64, device=device)
+            k_cache = cache.key[layer].view(-1, *cache.key[layer].shape[2:])
+            v_cache = cache.value[layer].view(-1, *cache.value[layer].shape[2:])
+            self._saved.append(SavedRows.save([k_cache], [v_cache], index))
+            k, v = rows[layer]
+            k_cache.index_copy_(0, index, k[first - carried : end - carried].to(device))
+            v_cache.index_copy_(0, index, v[first - carried : end - carried].to(device))
 
     @property
     def complete(self) -> bool:
@@ -377,6 +443,8 @@ def stage(engine: Engine, ticket: MigrationTicket, *, transit_ms: float = 0.0) -
     Raises a typed error with the destination unchanged."""
     _check_ticket(engine, ticket)
     with_kv = ticket.kv_mode is KVMode.TRANSFER
+    if with_kv:
+        _check_layout(engine, ticket)
     imp = transit.begin_import(engine.scheduler)
     try:
         arrivals = [imp.stage(s.state, with_kv=with_kv) for s in ticket.sequences]
@@ -392,6 +460,7 @@ def stage(engine: Engine, ticket: MigrationTicket, *, transit_ms: float = 0.0) -
         _import=imp,
         _slots={a.state.request_id: a.slots for a in arrivals},
         _offset={a.state.request_id: a.num_hit_tokens for a in arrivals},
+        _groups={a.state.request_id: a.groups for a in arrivals},
     )
     try:
         for chunk in ticket.chunks:
@@ -400,6 +469,31 @@ def stage(engine: Engine, ticket: MigrationTicket, *, transit_ms: float = 0.0) -
         staged.abort()
         raise
     return staged
+
+
+class KVLayoutRefused(MigrationRefused):
+    """K/V from a pool of another layout (a grouped pool and a plain one, or grouped
+    pools of other groups or block sizes): it cannot be placed here, so the request
+    moves by recompute (``auto`` does; ``transfer`` is refused)."""
+
+
+def _check_layout(engine: Engine, t: MigrationTicket) -> None:
+    """K/V that travels is placed per layer group: the source's layout must be this
+    engine's, and a grouped one's block size too (a window group's held places, which
+    the K/V covers, start at a block)."""
+    mine = kv_layout(engine)
+    if t.kv_layout != mine:
+        raise KVLayoutRefused(
+            f"import: ticket of {t.request_id!r} brings K/V from a {t.kv_layout!r} KV layout; "
+            f"this engine's is {mine!r} (the layouts differ: it moves by recompute)"
+        )
+    bs = engine.scheduler.config.block_size
+    if mine != "full" and t.block_size != bs:
+        raise KVLayoutRefused(
+            f"import: ticket of {t.request_id!r} brings grouped K/V in blocks of "
+            f"{t.block_size}; this engine's are {bs} (its window places differ: it moves "
+            "by recompute)"
+        )
 
 
 def _check_ticket(engine: Engine, t: MigrationTicket) -> None:
@@ -471,6 +565,40 @@ def _rows(engine: Engine, model: ModelIdentity, chunk: KVChunk) -> torch.Tensor:
     dtype = engine.cache.key[0].dtype
     flat = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8).view(dtype)
     return flat.view(2 * model.num_layers, n, model.num_kv_heads, model.head_dim)
+
+
+def _layer_rows(
+    engine: Engine, model: ModelIdentity, chunk: KVChunk
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A grouped chunk's bytes as each layer's K and V rows ``[n_l, H, D]``, ``n_l`` the
+    positions that layer carries (:attr:`KVChunk.layer_starts`)."""
+    if not chunk.layer_starts:
+        rows = _rows(engine, model, chunk)
+        return [(rows[2 * i], rows[2 * i + 1]) for i in range(model.num_layers)]
+    if len(chunk.layer_starts) != model.num_layers:
+        raise KVLayoutMismatch(
+            f"chunk {chunk.seq_id!r} [{chunk.start}, {chunk.end}) gives layer starts for "
+            f"{len(chunk.layer_starts)} layers; the model has {model.num_layers}"
+        )
+    per_row = model.bytes_per_token // (2 * model.num_layers)
+    counts = [chunk.end - s for s in chunk.layer_starts]
+    if len(chunk.data) != 2 * sum(counts) * per_row:
+        raise KVLayoutMismatch(
+            f"chunk {chunk.seq_id!r} [{chunk.start}, {chunk.end}) has {len(chunk.data)} bytes; "
+            f"its layers' positions take {2 * sum(counts) * per_row}"
+        )
+    dtype = engine.cache.key[0].dtype
+    flat = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8).view(dtype)
+    shape = (model.num_kv_heads, model.head_dim)
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    offset = 0
+    for n in counts:
+        size = n * shape[0] * shape[1]
+        k = flat[offset : offset + size].view(n, *shape)
+        v = flat[offset + size : offset + 2 * size].view(n, *shape)
+        out.append((k, v))
+        offset += 2 * size
+    return out
 
 
 def _adopt(staged: StagedImport, reqs: Sequence[Request], offset_ms: float) -> None:
@@ -734,7 +862,14 @@ def migrate(
     try:
         hook(point)
         ticket = _export(src, dst, request_id, args)
-        staged = dst.stage_import(ticket)
+        try:
+            staged = dst.stage_import(ticket)
+        except KVLayoutRefused:
+            # The K/V cannot be placed there (another KV layout): ``auto`` recomputes.
+            if args.kv is not KVMode.AUTO or ticket.kv_mode is not KVMode.TRANSFER:
+                raise
+            ticket = _export(src, dst, request_id, replace(args, kv=KVMode.RECOMPUTE))
+            staged = dst.stage_import(ticket)
         point = MigrationFault.AFTER_STAGE
         hook(point)
         point = MigrationFault.MID_STREAM

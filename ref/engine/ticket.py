@@ -32,6 +32,11 @@ from refserve.spec.snapshot import RequestStatus
 from refserve.values import is_int, is_number
 
 TICKET_VERSION = 2  # 2: the model names each layer's attention window
+#: A ticket from a grouped KV pool (several layer groups): it names the layout, and its
+#: chunks say from which position each layer's rows start. Plain tickets stay version 2.
+GROUPED_TICKET_VERSION = 3
+#: The versions this engine reads.
+READ_VERSIONS = (TICKET_VERSION, GROUPED_TICKET_VERSION)
 MAGIC = b"RSMT"
 _HEAD = struct.Struct("<4sHI")
 
@@ -80,12 +85,22 @@ class ModelIdentity:
 @dataclass(frozen=True)
 class KVChunk:
     """The K/V of positions ``[start, end)`` of sample ``seq_id``: per layer K then V,
-    each ``[end - start, num_kv_heads, head_dim]`` in the model's dtype, as bytes."""
+    each ``[end - start, num_kv_heads, head_dim]`` in the model's dtype, as bytes.
+
+    From a grouped pool, ``layer_starts[l]`` is the first position layer ``l`` carries
+    (``start <= layer_starts[l] <= end``): a window layer's group holds no K/V before
+    its window, so its K and V are each ``[end - layer_starts[l], ...]``. Empty: every
+    layer carries ``[start, end)``."""
 
     seq_id: str
     start: int
     end: int
     data: bytes
+    layer_starts: tuple[int, ...] = ()
+
+    def layer_start(self, layer: int) -> int:
+        """The first position layer ``layer`` carries."""
+        return self.layer_starts[layer] if self.layer_starts else self.start
 
 
 @dataclass(frozen=True)
@@ -129,6 +144,9 @@ class MigrationTicket:
     decisions: tuple[MigrationDecision, ...] = ()
     chunks: tuple[KVChunk, ...] = ()
     version: int = TICKET_VERSION
+    #: The source's KV layout (spec/groups.py ``layout_text``): ``"full"`` for a plain
+    #: pool; a grouped pool's K/V is placed per group, so only the same layout takes it.
+    kv_layout: str = "full"
 
     @property
     def kv_bytes(self) -> int:
@@ -155,9 +173,10 @@ class MigrationTicket:
         magic, version, n = _HEAD.unpack_from(blob)
         if magic != MAGIC:
             raise TicketError(f"not a migration ticket (magic {magic!r}, expected {MAGIC!r})")
-        if version != TICKET_VERSION:
+        if version not in READ_VERSIONS:
             raise TicketError(
-                f"ticket version {version} is not supported (this engine reads {TICKET_VERSION})"
+                f"ticket version {version} is not supported (this engine reads "
+                f"{' and '.join(map(str, READ_VERSIONS))})"
             )
         end = _HEAD.size + n
         if end > len(blob):
@@ -168,12 +187,12 @@ class MigrationTicket:
             header = json.loads(blob[_HEAD.size : end].decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as e:
             raise TicketError(f"the ticket header is not JSON: {e}") from None
-        return _decode(header, blob[end:])
+        return _decode(header, blob[end:], version)
 
 
 # ---------------------------------------------------------------------------- encoding
 def _encode(t: MigrationTicket) -> dict[str, Any]:
-    return {
+    out = {
         "request_id": t.request_id,
         "model": _plain(t.model),
         "block_size": t.block_size,
@@ -188,8 +207,18 @@ def _encode(t: MigrationTicket) -> dict[str, Any]:
         "kv_mode": t.kv_mode.value,
         "clock_ms": t.clock_ms,
         "decisions": [_plain(d) for d in t.decisions],
-        "chunks": [[c.seq_id, c.start, c.end, len(c.data)] for c in t.chunks],
+        "chunks": [_encode_chunk(c) for c in t.chunks],
     }
+    if t.version >= GROUPED_TICKET_VERSION:
+        out["kv_layout"] = t.kv_layout
+    return out
+
+
+def _encode_chunk(c: KVChunk) -> list[Any]:
+    row: list[Any] = [c.seq_id, c.start, c.end, len(c.data)]
+    if c.layer_starts:
+        row.append(list(c.layer_starts))
+    return row
 
 
 def _encode_seq(s: SeqTicket) -> dict[str, Any]:
@@ -252,9 +281,13 @@ class _Fields:
             raise TicketError(f"ticket {self.where}.{key} is not a known value: {v!r}") from None
 
 
-def _decode(header: object, data: bytes) -> MigrationTicket:
+def _decode(header: object, data: bytes, version: int) -> MigrationTicket:
     f = _Fields(header, "header")
-    chunks = _decode_chunks(f.get("chunks", list), data)
+    grouped = version >= GROUPED_TICKET_VERSION
+    chunks = _decode_chunks(f.get("chunks", list), data, grouped)
+    layout = f.get("kv_layout", str) if grouped else "full"
+    if not grouped and "kv_layout" in f.obj:
+        raise TicketError(f"a version {version} ticket names no kv_layout")
     return MigrationTicket(
         request_id=f.get("request_id", str),
         model=_decode_model(_Fields(f.obj.get("model"), "model")),
@@ -271,6 +304,8 @@ def _decode(header: object, data: bytes) -> MigrationTicket:
         clock_ms=f.num("clock_ms"),
         decisions=tuple(_decode_decision(_Fields(d, "decision")) for d in f.get("decisions", list)),
         chunks=chunks,
+        version=version,
+        kv_layout=layout,
     )
 
 
@@ -281,22 +316,43 @@ def _strs(f: _Fields, key: str) -> list[str]:
     return v
 
 
-def _decode_chunks(rows: list[Any], data: bytes) -> tuple[KVChunk, ...]:
+def _decode_chunks(rows: list[Any], data: bytes, grouped: bool) -> tuple[KVChunk, ...]:
     out: list[KVChunk] = []
     offset = 0
     for row in rows:
-        ok = isinstance(row, list) and len(row) == 4 and isinstance(row[0], str)
-        ok = ok and all(is_int(x) and x >= 0 for x in row[1:])
-        if not ok or row[1] >= row[2]:
-            raise TicketError(f"ticket chunk {row!r} is not [seq id, start, end, length]")
-        seq_id, start, end, n = row
+        seq_id, start, end, n, starts = _chunk_row(row, grouped)
         if offset + n > len(data):
             raise TicketError(f"ticket chunk {seq_id!r} [{start}, {end}) runs past the data")
-        out.append(KVChunk(seq_id, start, end, data[offset : offset + n]))
+        out.append(KVChunk(seq_id, start, end, data[offset : offset + n], starts))
         offset += n
     if offset != len(data):
         raise TicketError(f"the ticket has {len(data) - offset} bytes no chunk claims")
     return tuple(out)
+
+
+def _chunk_row(row: object, grouped: bool) -> tuple[str, int, int, int, tuple[int, ...]]:
+    """One chunk's header row: ``[seq id, start, end, length]``, and on a grouped ticket
+    optionally each layer's first position (:attr:`KVChunk.layer_starts`)."""
+    cells: list[Any] = list(row) if isinstance(row, list) else []
+    given: Any = cells.pop() if grouped and len(cells) == 5 else None
+    ok = len(cells) == 4 and isinstance(cells[0], str)
+    ok = ok and all(is_int(x) and x >= 0 for x in cells[1:])
+    if not ok or cells[1] >= cells[2]:
+        shown = cells if given is not None else row
+        raise TicketError(f"ticket chunk {shown!r} is not [seq id, start, end, length]")
+    seq_id, start, end, n = cells
+    return seq_id, start, end, n, _layer_starts(given, seq_id, start, end)
+
+
+def _layer_starts(given: object, seq_id: str, start: int, end: int) -> tuple[int, ...]:
+    if given is None:
+        return ()
+    if not isinstance(given, list) or not all(is_int(x) and start <= x <= end for x in given):
+        raise TicketError(
+            f"ticket chunk {seq_id!r} [{start}, {end}): its layer starts {given!r} "
+            "must be positions in its range"
+        )
+    return tuple(given)
 
 
 def _decode_model(f: _Fields) -> ModelIdentity:

@@ -423,8 +423,8 @@ def test_a_truncation_that_skips_the_window_group_is_caught(
 
 
 def test_migration_by_recompute_matches_transformers(hybrid: HFOracle) -> None:
-    """A request moved mid-decode between two grouped engines (by recompute: a grouped
-    pool's K/V is per group, so a transfer is refused by name)."""
+    """A request moved mid-decode between two grouped engines by recompute (by transfer:
+    tests/engine/test_hybrid_grouped_migration.py)."""
     g = torch.Generator().manual_seed(16)
     prompt = random_prompt(g, 30)
     engines = [
@@ -442,11 +442,7 @@ def test_migration_by_recompute_matches_transformers(hybrid: HFOracle) -> None:
         for out in src.step():
             tokens.extend(out.new_token_ids)
     assert null_places(src) > 0
-    with pytest.raises(migration.MigrationRefused, match="recompute only"):
-        src.export_request(rid, kv="transfer")
-    with pytest.raises(migration.MigrationRefused, match="recompute only"):
-        src.read_kv(rid, 0, 4)
-    report = migration.migrate(src, dst, rid, kv="auto")
+    report = migration.migrate(src, dst, rid, kv="recompute")
     assert report.decision.mode.value == "recompute"
     final = None
     while dst.has_unfinished:

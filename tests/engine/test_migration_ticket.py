@@ -45,6 +45,7 @@ from refserve.core.transit import MigrationError
 from refserve.engine import migration
 from refserve.engine.llm_engine import LLMEngine
 from refserve.engine.ticket import (
+    GROUPED_TICKET_VERSION,
     TICKET_VERSION,
     KVChunk,
     KVLayoutMismatch,
@@ -370,6 +371,17 @@ def _edit(change: Callable[[dict[str, Any]], object]) -> Callable[[bytes], bytes
     return edit
 
 
+def _grouped(change: Callable[[dict[str, Any]], object]) -> Callable[[bytes], bytes]:
+    """The ticket re-encoded as a grouped one (version 3), ``change`` applied."""
+
+    def edit(blob: bytes) -> bytes:
+        header, data = _split(blob)
+        change(header)
+        return _join(header, data, version=GROUPED_TICKET_VERSION)
+
+    return edit
+
+
 def _token_ids(h: dict[str, Any]) -> list[Any]:
     ids: list[Any] = h["sequences"][0]["state"]["token_ids"]
     return ids
@@ -384,9 +396,30 @@ MALFORMED: list[tuple[str, Callable[[bytes], object], str]] = [
     ),
     (
         "bad version",
-        lambda b: _join(*_split(b), version=TICKET_VERSION + 1),
-        rf"ticket version {TICKET_VERSION + 1} is not supported "
-        rf"\(this engine reads {TICKET_VERSION}\)",
+        lambda b: _join(*_split(b), version=GROUPED_TICKET_VERSION + 1),
+        rf"ticket version {GROUPED_TICKET_VERSION + 1} is not supported "
+        rf"\(this engine reads {TICKET_VERSION} and {GROUPED_TICKET_VERSION}\)",
+    ),
+    (
+        "a plain ticket naming a layout",
+        _edit(lambda h: h.update(kv_layout="full,window:8")),
+        rf"a version {TICKET_VERSION} ticket names no kv_layout",
+    ),
+    (
+        "a plain ticket with layer starts",
+        _edit(lambda h: h["chunks"][0].append([0, 0])),
+        r"ticket chunk \['r', 0, \d+, \d+, \[0, 0\]\] is not \[seq id, start, end, length\]",
+    ),
+    (
+        "a grouped ticket without its layout",
+        _grouped(lambda h: None),
+        r"ticket header has no field 'kv_layout'",
+    ),
+    (
+        "a layer start past its chunk",
+        _grouped(lambda h: h.update(kv_layout="full") or h["chunks"][0].append([0, 10**6])),
+        r"ticket chunk 'r' \[0, \d+\): its layer starts \[0, 1000000\] must be positions in "
+        r"its range",
     ),
     ("truncated head", lambda b: b[:7], r"a ticket has a 10-byte head; got 7 bytes"),
     # The head alone, claiming an empty header: the head is whole, the header is not JSON.
