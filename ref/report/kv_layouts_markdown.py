@@ -11,7 +11,7 @@ block-estimate table.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from refserve.errors import InvalidArgument
 
@@ -208,10 +208,22 @@ def _contexts(points: Sequence[Doc]) -> list[int]:
     return sorted({_int(p, "context") for p in points})
 
 
+def _grid(
+    points: Sequence[Doc], names: Sequence[str], baseline: str
+) -> Iterator[tuple[int, str, Doc, Doc | None]]:
+    """A table's rows in order, context then layout: each measured point with the
+    baseline's at its context (None: not measured)."""
+    at = _by(points)
+    for c in _contexts(points):
+        for n in names:
+            p = at.get((n, c))
+            if p is not None:
+                yield c, n, p, at.get((baseline, c))
+
+
 def _capacity(
     points: Sequence[Doc], layouts: Sequence[Doc], baseline: str, plots: Doc, settings: Doc
 ) -> list[str]:
-    at = _by(points)
     names = [_str(x, "name") for x in layouts]
     lines = [
         "### Capacity: requests running at once",
@@ -224,23 +236,18 @@ def _capacity(
         "(sequence) | preemptions (sequence) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for c in _contexts(points):
-        base = at.get((baseline, c))
-        for n in names:
-            p = at.get((n, c))
-            if p is None:
-                continue
-            r, q = _obj(p, "reserve_peak"), _obj(p, "sequence")
-            bound_x = _int(p, "bound") / _int(base, "bound") if base else None
-            ran = _int(r, "max_running")
-            ran_x = ran / _int(_obj(base, "reserve_peak"), "max_running") if base else None
-            lines.append(
-                f"| {c:,} | {n} | {_int(p, 'num_blocks'):,} | {_int(p, 'peak_blocks'):,} | "
-                f"{_int(p, 'bound')} | {_x(bound_x)} | {_int(p, 'chunk_peak_blocks'):,} | "
-                f"{_int(p, 'chunk_bound')} | {ran} | {_f(_num(r, 'mean_running'))} | "
-                f"{_x(ran_x)} | {_int(r, 'preemptions')} | {_int(q, 'max_running')} | "
-                f"{_int(q, 'preemptions')} |"
-            )
+    for c, n, p, base in _grid(points, names, baseline):
+        r, q = _obj(p, "reserve_peak"), _obj(p, "sequence")
+        bound_x = _int(p, "bound") / _int(base, "bound") if base else None
+        ran = _int(r, "max_running")
+        ran_x = ran / _ran(base) if base else None
+        lines.append(
+            f"| {c:,} | {n} | {_int(p, 'num_blocks'):,} | {_int(p, 'peak_blocks'):,} | "
+            f"{_int(p, 'bound')} | {_x(bound_x)} | {_int(p, 'chunk_peak_blocks'):,} | "
+            f"{_int(p, 'chunk_bound')} | {ran} | {_f(_num(r, 'mean_running'))} | "
+            f"{_x(ran_x)} | {_int(r, 'preemptions')} | {_int(q, 'max_running')} | "
+            f"{_int(q, 'preemptions')} |"
+        )
     lines += ["", *_capacity_findings(points, names, baseline, settings), ""]
     return lines
 
@@ -318,7 +325,6 @@ def _sequence_over(points: Sequence[Doc]) -> list[str]:
 
 
 def _goodput(points: Sequence[Doc], layouts: Sequence[Doc], baseline: str, plots: Doc) -> list[str]:
-    at = _by(points)
     names = [_str(x, "name") for x in layouts]
     lines = [
         "### Goodput",
@@ -330,19 +336,15 @@ def _goodput(points: Sequence[Doc], layouts: Sequence[Doc], baseline: str, plots
         "misses | TBT misses | preemptions |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for c in _contexts(points):
-        for n in names:
-            p = at.get((n, c))
-            if p is None:
-                continue
-            lines.append(
-                f"| {c:,} | {n} | {_num(p, 'rate_rps'):.2f} | {_pct(_num(p, 'slo_attainment'))} "
-                f"| {_num(p, 'goodput_rps'):.2f} | {_x(_opt(p, 'goodput_ratio'))} | "
-                f"{_f(_num(p, 'goodput_tokens_per_s'), 0)} | {_f(_opt(p, 'ttft_p50_ms'), 0)} | "
-                f"{_f(_opt(p, 'ttft_p99_ms'), 0)} | {_f(_opt(p, 'tbt_p99_ms'), 0)} | "
-                f"{_pct(_num(p, 'ttft_miss_rate'))} | {_pct(_num(p, 'tbt_miss_rate'))} | "
-                f"{_int(p, 'preemptions')} |"
-            )
+    for c, n, p, _ in _grid(points, names, baseline):
+        lines.append(
+            f"| {c:,} | {n} | {_num(p, 'rate_rps'):.2f} | {_pct(_num(p, 'slo_attainment'))} "
+            f"| {_num(p, 'goodput_rps'):.2f} | {_x(_opt(p, 'goodput_ratio'))} | "
+            f"{_f(_num(p, 'goodput_tokens_per_s'), 0)} | {_f(_opt(p, 'ttft_p50_ms'), 0)} | "
+            f"{_f(_opt(p, 'ttft_p99_ms'), 0)} | {_f(_opt(p, 'tbt_p99_ms'), 0)} | "
+            f"{_pct(_num(p, 'ttft_miss_rate'))} | {_pct(_num(p, 'tbt_miss_rate'))} | "
+            f"{_int(p, 'preemptions')} |"
+        )
     lines += ["", *_goodput_findings(points, names, baseline), ""]
     return lines
 
@@ -603,7 +605,6 @@ def _engine_method(s: Doc, layouts: Sequence[Doc], points: Sequence[Doc]) -> lis
 def _engine_capacity(
     points: Sequence[Doc], names: Sequence[str], baseline: str, plots: Doc, settings: Doc
 ) -> list[str]:
-    at = _by(points)
     lines = [
         "### Capacity: requests running at once",
         "",
@@ -614,23 +615,18 @@ def _engine_capacity(
         f"| most running | mean running | x {baseline} (measured) | preemptions | steps |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for c in _contexts(points):
-        base = at.get((baseline, c))
-        for n in names:
-            p = at.get((n, c))
-            if p is None:
-                continue
-            r = _obj(p, "reserve_peak")
-            bound_x = _int(p, "bound") / _int(base, "bound") if base else None
-            ran = _int(r, "max_running")
-            ran_x = ran / _ran(base) if base else None
-            lines.append(
-                f"| {c:,} | {n} | {_int(p, 'num_requests')} | {_int(p, 'num_blocks'):,} | "
-                f"{_int(p, 'peak_blocks'):,} | {_int(p, 'bound')} | {_x(bound_x)} | "
-                f"{_int(p, 'chunk_peak_blocks'):,} | {_int(p, 'chunk_bound')} | {ran} | "
-                f"{_f(_num(r, 'mean_running'))} | {_x(ran_x)} | {_int(r, 'preemptions')} | "
-                f"{_int(r, 'num_steps')} |"
-            )
+    for c, n, p, base in _grid(points, names, baseline):
+        r = _obj(p, "reserve_peak")
+        bound_x = _int(p, "bound") / _int(base, "bound") if base else None
+        ran = _int(r, "max_running")
+        ran_x = ran / _ran(base) if base else None
+        lines.append(
+            f"| {c:,} | {n} | {_int(p, 'num_requests')} | {_int(p, 'num_blocks'):,} | "
+            f"{_int(p, 'peak_blocks'):,} | {_int(p, 'bound')} | {_x(bound_x)} | "
+            f"{_int(p, 'chunk_peak_blocks'):,} | {_int(p, 'chunk_bound')} | {ran} | "
+            f"{_f(_num(r, 'mean_running'))} | {_x(ran_x)} | {_int(r, 'preemptions')} | "
+            f"{_int(r, 'num_steps')} |"
+        )
     lines += [
         "",
         _longest(points, names, baseline),
@@ -662,21 +658,17 @@ def _engine_throughput(
         f"(CPU) | x {baseline} |",
         "|---|---|---|---|---|---|---|",
     ]
-    for c in _contexts(points):
-        for n in names:
-            p = at.get((n, c))
-            if p is None:
-                continue
-            lines.append(
-                f"| {c:,} | {n} | {_int(p, 'output_tokens'):,} | "
-                f"{_int(_obj(p, 'reserve_peak'), 'num_steps')} | {_num(p, 'wall_s'):.2f} | "
-                f"{_f(_num(p, 'output_tokens_per_s'), 0)} | {_x(_opt(p, 'throughput_ratio'))} |"
-            )
+    for c, n, p, _ in _grid(points, names, baseline):
+        lines.append(
+            f"| {c:,} | {n} | {_int(p, 'output_tokens'):,} | "
+            f"{_int(_obj(p, 'reserve_peak'), 'num_steps')} | {_num(p, 'wall_s'):.2f} | "
+            f"{_f(_num(p, 'output_tokens_per_s'), 0)} | {_x(_opt(p, 'throughput_ratio'))} |"
+        )
     for n in names:
         ratios = [
             (c, r)
             for c in _contexts(points)
-            if (p := at.get((n, c))) is not None and (r := _opt(p, "throughput_ratio")) is not None
+            if (q := at.get((n, c))) is not None and (r := _opt(q, "throughput_ratio")) is not None
         ]
         if n == baseline or not ratios:
             continue
