@@ -30,14 +30,19 @@ class Invariant(StrEnum):
     MOVED = "MOVED"
     KVCOPY = "KVCOPY"
     LEAK = "LEAK"
+    ROLES = "ROLES"  # prefill/decode roles (spec/pd.py): checked on a disaggregated cluster
 
 
 #: The ids of the migration rules, checked on a cluster of engines (spec/cluster.py).
 CLUSTER_INVARIANTS = frozenset(
     {Invariant.OWNER, Invariant.CONSERVE, Invariant.MOVED, Invariant.KVCOPY, Invariant.LEAK}
 )
+#: The rules of prefill/decode roles (spec/pd.py), checked on a disaggregated cluster only.
+ROLE_INVARIANTS = frozenset({Invariant.ROLES})
 #: The ids checked on one engine (docs/CONFORMANCE.md, "Rules").
-ENGINE_INVARIANTS = tuple(i for i in Invariant if i not in CLUSTER_INVARIANTS)
+ENGINE_INVARIANTS = tuple(
+    i for i in Invariant if i not in CLUSTER_INVARIANTS and i not in ROLE_INVARIANTS
+)
 
 
 @dataclass(frozen=True)

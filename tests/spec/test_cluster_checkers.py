@@ -36,7 +36,13 @@ from refserve.spec.cluster import (
     check_owner,
 )
 from refserve.spec.snapshot import RequestStatus, TableSnapshot
-from refserve.spec.violation import CLUSTER_INVARIANTS, ENGINE_INVARIANTS, Invariant, Violation
+from refserve.spec.violation import (
+    CLUSTER_INVARIANTS,
+    ENGINE_INVARIANTS,
+    ROLE_INVARIANTS,
+    Invariant,
+    Violation,
+)
 from tests.harness import Boom, MemoryLink, Stepper, cluster_snapshot
 from tests.phased_migration import PhasedMigration, PhasedMigrationAborted
 
@@ -248,7 +254,7 @@ def test_other_moves_pass_every_rule(name: str) -> None:
 
 def test_the_rule_list_is_the_cluster_invariants() -> None:
     assert len(CLUSTER_CHECKS) == len(CLUSTER_INVARIANTS) == 5
-    assert set(ENGINE_INVARIANTS) | CLUSTER_INVARIANTS == set(Invariant)
+    assert set(ENGINE_INVARIANTS) | CLUSTER_INVARIANTS | ROLE_INVARIANTS == set(Invariant)
     assert not set(ENGINE_INVARIANTS) & CLUSTER_INVARIANTS
 
 
