@@ -7,6 +7,9 @@
 - a streamed request across the handoff: its text is the single engine's greedy text,
   each token arrives once (its first from the prefill replica, the rest from the decode
   one);
+- deflection: with the prefill side's predicted TTFT past the SLO (a prefill replica
+  reporting a long backlog), a request prefills and decodes on a decode replica that
+  keeps its steps within the TBT bound, never handed off, its text the greedy one;
 - a decode replica that dies on import: the request stays on its prefill replica and
   finishes there with the greedy text, nothing twice; the handoff counts as kept;
 - the real command with ``--roles 2P2D`` starts and serves; a bad ``--roles`` is one
@@ -24,6 +27,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +46,9 @@ from serve_helpers import (
 
 from refserve.cli.main import main
 from refserve.cluster import InProcessReplica, ReplicaDead
-from refserve.cluster.disagg import Phase, Roles
+from refserve.cluster.disagg import Deflection, Phase, Roles, TTFTBound
+from refserve.cluster.records import LoadFigures
+from refserve.core.cost import StepCost
 from refserve.engine.llm_engine import LLMEngine
 from refserve.engine.ticket import MigrationTicket
 from refserve.model.sampler import SamplingParams
@@ -197,6 +203,37 @@ def test_a_decode_replica_dying_on_import_leaves_the_request_on_prefill(
         assert again["errors"] == [] and again["text"] == text
         assert _kept(handle, "no_decode") == 1
         assert loop.owners() == {} and loop.num_in_flight == 0
+    finally:
+        handle.stop()
+
+
+class Backlogged(InProcessReplica):
+    """A prefill replica that reports a long prefill backlog (a queue of long prompts)."""
+
+    def load(self) -> LoadFigures:
+        return replace(super().load(), prefill_backlog_tokens=1_000_000)
+
+
+def test_a_prefill_past_its_ttft_slo_is_deflected_to_a_decode_replica(
+    reference: LLMEngine,
+) -> None:
+    tbt = 50.0
+    d_cfg = replace(cluster_config(), tbt_slo_ms=tbt, step_cost=StepCost())
+    decode = InProcessReplica(LLMEngine(MODEL, scheduler_config=d_cfg))
+    prefill = Backlogged(LLMEngine(MODEL, scheduler_config=cluster_config()))
+    deflection = Deflection(TTFTBound(200.0), tbt_slo_ms=tbt)
+    handle = start_cluster([prefill, decode], roles=Roles.parse("1P1D", 2), deflection=deflection)
+    try:
+        loop = cluster_loop(handle)
+        seen: list[Phase | None] = []
+        out = stream_completion(
+            handle.base_url, PROMPT, 12, lambda e: seen.append(loop.handoffs.phase(e["id"]))
+        )
+        assert out["error"] is None and out["reason"] == "length"
+        assert out["text"] == _greedy(reference, PROMPT, 12)
+        assert set(seen) <= {Phase.DEFLECTED, None} and Phase.DEFLECTED in seen
+        assert metric(handle, "refserve:deflections_total", model_name=MODEL, replica="1") == 1
+        assert _generated(handle) == {0: 0, 1: 12} and _handoffs(handle) == 0
     finally:
         handle.stop()
 
