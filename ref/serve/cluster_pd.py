@@ -145,6 +145,11 @@ class Handoffs:
         with self._lock:
             return self._book.phase.get(request_id)
 
+    def num_booked(self) -> int:
+        """Requests in the book (those placed and not ended)."""
+        with self._lock:
+            return len(self._book.phase)
+
     def due(self, outputs: Sequence[RequestOutput], live: Container[str]) -> list[Due]:
         """The requests of a prefill replica's step that must leave it now: a first
         token sampled, still live there (``live``: its requests' output queues)."""
@@ -168,7 +173,10 @@ class Handoffs:
         """The decode replica imported it: on its thread, in the import's command, so
         before its next step (after which the request may end and be forgotten)."""
         with self._lock:
-            self._book.handed_off(request_id)
+            # Never raises here: the import already ran, and an error in its command
+            # would fail a move that the destination has completed.
+            if self._book.phase.get(request_id) is Phase.PREFILL:
+                self._book.handed_off(request_id)
 
     def handed_off(self, replica: int, kv_bytes: int) -> None:
         """A handoff to ``replica`` completed (counted)."""
