@@ -11,7 +11,9 @@ and exits 130.
 (docs/CLUSTER.md, "Serving"): N replicas of the model, each with the scheduler options
 given, behind the ``--router`` policy, in this process or one Ray actor each (Ray
 started locally here and shut down at exit). ``--replicas 1 --backend inprocess``, the
-default, is the single-engine server, unchanged.
+default, is the single-engine server, unchanged. ``--roles 2P2D`` disaggregates prefill
+and decode among the replicas, ``--deflect-ttft-ms``/``--deflect-tbt-ms`` turn on
+deflection (docs/DISAGG.md, "Serving").
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import argparse
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from refserve.cli.args import (
     add_command,
@@ -36,6 +38,7 @@ from refserve.core.config import SchedulerConfig
 from refserve.errors import InvalidArgument
 
 if TYPE_CHECKING:
+    from refserve.cluster.disagg import Deflection, Roles, TTFTBound
     from refserve.cluster.ray_replica import RayReplica
     from refserve.serve.cluster_loop import ClusterLoop
 
@@ -126,6 +129,27 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         '(docs/CLUSTER.md, "Faults"; 0 to 1000, default %(default)s; 0: a dead replica '
         "stays dead)",
     )
+    p.add_argument(
+        "--roles",
+        metavar="ROLES",
+        help="each replica's role, counts in slot order: P prefill, D decode, C both, e.g. "
+        "2P2D (docs/DISAGG.md; default: every replica C)",
+    )
+    p.add_argument(
+        "--deflect-ttft-ms",
+        type=_ttft_bound,
+        metavar="BASE[,PER_TOKEN]",
+        help="with --roles and --deflect-tbt-ms: a request's TTFT SLO, BASE ms plus "
+        "PER_TOKEN ms a prompt token; a prefill whose prefill side misses it goes to a "
+        'decode replica that does better (docs/DISAGG.md, "Placement")',
+    )
+    p.add_argument(
+        "--deflect-tbt-ms",
+        type=finite_float(0, 1e6, lo_open=True),
+        metavar="MS",
+        help="with --deflect-ttft-ms: the TBT bound a decode replica's steps keep while "
+        "they prefill a deflected request (its scheduler's tbt_slo_ms, priced by --cost)",
+    )
     add_device_args(p)
     add_speculative_args(p)
     add_config_args(p)
@@ -137,6 +161,47 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.set_defaults(func=run_serve, num_blocks=1024, max_model_len=1 << 20)
     return p
+
+
+def _ttft_bound(text: str) -> TTFTBound:
+    """``BASE[,PER_TOKEN]`` in ms (``--deflect-ttft-ms``)."""
+    from refserve.cluster.disagg import TTFTBound
+
+    parts = text.split(",")
+    if len(parts) > 2:
+        raise argparse.ArgumentTypeError(f"expected BASE[,PER_TOKEN] in ms, got {text!r}")
+    num = finite_float(0, 1e6)
+    return TTFTBound(num(parts[0]), num(parts[1]) if len(parts) == 2 else 0.0)
+
+
+class Disaggregation(NamedTuple):
+    """What ``--roles`` and the deflection options say (None: not given)."""
+
+    roles: Roles | None
+    deflection: Deflection | None
+
+
+def disaggregation(args: argparse.Namespace) -> Disaggregation:
+    """``--roles`` for ``--replicas`` and the deflection they turn on; each bad value
+    a typed error naming its option."""
+    from refserve.cluster.disagg import Deflection, Role, Roles
+
+    ttft, tbt = args.deflect_ttft_ms, args.deflect_tbt_ms
+    if (ttft is None) != (tbt is None):
+        raise InvalidArgument("--deflect-ttft-ms and --deflect-tbt-ms go together")
+    if args.roles is None:
+        if ttft is not None:
+            raise InvalidArgument("--deflect-ttft-ms/--deflect-tbt-ms need --roles")
+        return Disaggregation(None, None)
+    try:
+        roles = Roles.parse(args.roles, args.replicas)
+    except InvalidArgument as e:
+        raise InvalidArgument(f"--roles: {e}") from None
+    if ttft is None:
+        return Disaggregation(roles, None)
+    if Role.DECODE not in roles.roles:
+        raise InvalidArgument(f"--deflect-ttft-ms: roles {roles.text} have no decode replica")
+    return Disaggregation(roles, Deflection(ttft, tbt))
 
 
 def _api_key(given: str | None) -> str | None:
@@ -160,6 +225,9 @@ def run_serve(args: argparse.Namespace) -> int:
     cluster = args.replicas > 1 or args.backend != "inprocess"
     if cluster and args.speculative is not None:
         raise InvalidArgument("--speculative serves one engine: not with --replicas/--backend")
+    pd = disaggregation(args)
+    if pd.roles is not None and not cluster:
+        raise InvalidArgument("--roles: roles are a cluster's (--replicas N > 1)")
     if args.backend == "ray":
         import importlib.util
 
@@ -203,7 +271,8 @@ def run_serve(args: argparse.Namespace) -> int:
             engine, settings, model_dir=model_dir, torch_threads=args.torch_threads
         )
     host, port = sock.getsockname()[:2]
-    what = f"{args.replicas} replicas ({args.backend}, {args.router}) of " if cluster else ""
+    shown = "" if pd.roles is None else f", roles {pd.roles.text}"
+    what = f"{args.replicas} replicas ({args.backend}, {args.router}{shown}) of " if cluster else ""
     print(f"refserve: serving {what}{name!r} on http://{host}:{port}/v1", flush=True)
     try:
         serve_forever(server, sock)
@@ -220,12 +289,23 @@ def cluster_loop(args: argparse.Namespace, config: SchedulerConfig, name: str) -
     """The replicas of ``--replicas``/``--backend`` behind the ``--router`` policy (Ray
     already running for ``--backend ray``)."""
     from refserve.cluster import InProcessReplica, Replica, Router
+    from refserve.cluster.disagg import Role
+    from refserve.core.cost import StepCost
     from refserve.engine.llm_engine import LLMEngine
     from refserve.serve.cluster_loop import ClusterLoop
     from refserve.serve.metrics import ClusterServeMetrics
 
     cfg = replace(config, cache_events=True)
     n = args.replicas
+    pd = disaggregation(args)
+    cost = StepCost.parse(args.cost)
+
+    def cfg_of(slot: int) -> SchedulerConfig:
+        """A decode replica under deflection keeps its steps within the TBT bound."""
+        if pd.roles is None or pd.deflection is None or pd.roles.of(slot) is not Role.DECODE:
+            return cfg
+        return replace(cfg, tbt_slo_ms=pd.deflection.tbt_slo_ms, step_cost=cost)
+
     replicas: list[Replica] = []
     if args.backend == "ray":
         from refserve.cluster.ray_replica import ray_replicas
@@ -235,7 +315,7 @@ def cluster_loop(args: argparse.Namespace, config: SchedulerConfig, name: str) -
             return ray_replicas(
                 num,
                 model=str(args.model),
-                scheduler_config=cfg,
+                scheduler_config=cfg_of(first),
                 torch_threads=max(1, args.torch_threads // n),
                 first_id=first,
                 attention_backend=args.attention_backend,
@@ -243,7 +323,9 @@ def cluster_loop(args: argparse.Namespace, config: SchedulerConfig, name: str) -
                 check_invariants=args.check,
             )
 
-        made = rays(n, 0)
+        made = []
+        for run in _runs([cfg_of(i) for i in range(n)]):  # one config a call
+            made.extend(rays(run.num, run.first))
         replicas.extend(made)
         # The tokenizer, here: the app tokenizes and detokenizes (loads one model copy).
         tokenizer = load_model(args.model).tokenizer
@@ -255,22 +337,22 @@ def cluster_loop(args: argparse.Namespace, config: SchedulerConfig, name: str) -
 
     else:
 
-        def engine() -> LLMEngine:
+        def engine(slot: int) -> LLMEngine:
             return LLMEngine(
                 args.model,
-                scheduler_config=cfg,
+                scheduler_config=cfg_of(slot),
                 attention_backend=args.attention_backend,
                 device=args.device,
                 check_invariants=args.check,
             )
 
-        engines = [engine() for _ in range(n)]
-        replicas.extend(InProcessReplica(e) for e in engines)
+        engines = [engine(i) for i in range(n)]
+        replicas.extend(InProcessReplica(e, cost=cost) for e in engines)
         tokenizer, max_len = engines[0].tokenizer, engines[0].max_model_len
         threads = args.torch_threads
 
         def restart(slot: int) -> Replica:
-            return InProcessReplica(engine())
+            return InProcessReplica(engine(slot), cost=cost)
 
     return ClusterLoop(
         replicas,
@@ -282,4 +364,24 @@ def cluster_loop(args: argparse.Namespace, config: SchedulerConfig, name: str) -
         torch_threads=threads,
         restart=restart,
         max_restarts=args.max_replica_restarts,
+        roles=pd.roles,
+        deflection=pd.deflection,
     )
+
+
+class SlotRun(NamedTuple):
+    """Consecutive replica slots that share a config."""
+
+    first: int
+    num: int
+
+
+def _runs(configs: list[SchedulerConfig]) -> list[SlotRun]:
+    """Each run of equal consecutive configs."""
+    out: list[SlotRun] = []
+    for i, c in enumerate(configs):
+        if out and configs[i - 1] == c:
+            out[-1] = out[-1]._replace(num=out[-1].num + 1)
+        else:
+            out.append(SlotRun(i, 1))
+    return out

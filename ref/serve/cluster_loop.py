@@ -35,6 +35,16 @@ the source's thread parks between two steps for the whole move; the driver expor
 ticket (the K/V inline), the destination's thread imports it and takes over the
 request's output queue in the same command (the ack); then the source releases it. A
 refusal or a failure before the import leaves the request where it was, running.
+
+Roles (docs/DISAGG.md, "Serving"): with ``roles``, ``submit`` places a request with
+ref/cluster/disagg.py (``place``: the router among the replicas that prefill, or a
+deflection to a decode replica), and a prefill replica's thread, after each step and
+before its next, hands off each request that sampled its first token: the same driver,
+run from that thread itself (it is the source: nothing else touches its replica
+meanwhile), to the decode replica ``choose_decode`` picks; a handoff that fails keeps
+the request there. One move at a time, a migration or a handoff (``moving``); a thread
+waiting for its turn runs its own commands meanwhile, since the move ahead of it may be
+waiting on one of them.
 """
 
 from __future__ import annotations
@@ -49,12 +59,13 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import torch
 
+from refserve.cluster.disagg import Deflection, Placement, Roles
 from refserve.cluster.errors import EventGap, EventMismatch, NoLiveReplica, ReplicaDead
 from refserve.cluster.index import GlobalPrefixIndex
 from refserve.cluster.pool_check import PoolReport
@@ -69,7 +80,8 @@ from refserve.engine.migration import MigrationAborted, MigrationReport
 from refserve.errors import InvalidArgument, UnknownRequest
 from refserve.model.sampler import SamplingParams
 from refserve.model.tokenizer import Tokenizer
-from refserve.serve.cluster_migration import move
+from refserve.serve.cluster_migration import ParkedSource, hand_over, move
+from refserve.serve.cluster_pd import HANDOFF_TIMEOUT_S, Due, Handoffs, KeptReason
 from refserve.serve.loop import (
     IDLE_POLL_S,
     STEP_RING,
@@ -212,9 +224,67 @@ class ReplicaLoop:
         )
         self._dispatch(outputs)
         self._publish(outputs)
+        if self.front.handoffs.hands_off(self.index):
+            self._hand_off(outputs)
         # The next gap counts from the step's end: handing its outputs over (and the
         # figures) is the loop's time between two steps, not the step's.
         return end
+
+    def _hand_off(self, outputs: Sequence[RequestOutput]) -> None:
+        """Each request of this prefill replica that sampled its first token in the step
+        leaves it now, before the next step (module doc, "Roles")."""
+        due = self.front.handoffs.due(outputs, self.sinks)
+        for d in due:
+            if self.dead is not None:  # its requests were ended with its death
+                return
+            self._hand_off_one(d)
+        if due:
+            self._publish(())
+
+    def _hand_off_one(self, d: Due) -> None:
+        front, pd = self.front, self.front.handoffs
+        decision = pd.choose(d, self.index, front.live_loads())
+        if decision.replica is None:
+            pd.kept(d.request_id, KeptReason.NO_DECODE)
+            return
+        b = front.loops[decision.replica]
+        source = ParkedSource(self)
+
+        def adopted() -> None:  # on b's thread, with the import
+            front.adopted(d.request_id, b.index)
+            pd.taken(d.request_id)
+
+        with self._moving():
+            if self.dead is not None or d.request_id not in self.sinks:
+                return  # ended, or moved away, while it waited for its turn
+            try:
+                report = hand_over(
+                    source,
+                    b,
+                    d.request_id,
+                    kv=KVMode.TRANSFER,
+                    hit=functools.partial(front.prefix_hit, b.index),
+                    adopted=adopted,
+                    timeout_s=pd.timeout_s,
+                )
+            except (MigrationError, ReplicaDead, InvalidArgument, UnknownRequest) as e:
+                log.warning("replica %d keeps %r: handoff failed: %s", self.index, d.request_id, e)
+                pd.kept(d.request_id, KeptReason.FAILED)
+            else:
+                pd.handed_off(b.index, report.kv_bytes)
+        if source.death is not None:  # this replica died in the move
+            self._died(source.death)
+
+    @contextlib.contextmanager
+    def _moving(self) -> Iterator[None]:
+        """The cluster's one move at a time, this thread's commands run while it waits:
+        the move ahead of it may be waiting on one (an import here, a park)."""
+        while not self.front.moving.acquire(timeout=IDLE_POLL_S):
+            self._run_commands(block=False)
+        try:
+            yield
+        finally:
+            self.front.moving.release()
 
     def _publish(self, outputs: Sequence[RequestOutput]) -> None:
         """The replica's figures and new cache events to the front (module doc)."""
@@ -309,7 +379,10 @@ class ClusterLoop:
     ``max_model_len`` and ``scheduler_config`` are what the app shows and checks (the
     replicas run one model; the first replica's configuration is shown). ``restart``
     makes a fresh replica for a slot, to replace a dead one, at most ``max_restarts``
-    times per slot (module doc, "Faults"; 0, the default: a dead replica stays dead)."""
+    times per slot (module doc, "Faults"; 0, the default: a dead replica stays dead).
+    ``roles`` (default: every replica colocated) and ``deflection`` disaggregate prefill
+    and decode (module doc, "Roles"); a prefill replica waits ``handoff_timeout_s`` for a
+    decode replica's import."""
 
     def __init__(
         self,
@@ -323,6 +396,9 @@ class ClusterLoop:
         torch_threads: int | None = None,
         restart: ReplicaFactory | None = None,
         max_restarts: int = 0,
+        roles: Roles | None = None,
+        deflection: Deflection | None = None,
+        handoff_timeout_s: float = HANDOFF_TIMEOUT_S,
     ) -> None:
         reps = list(replicas)
         if not reps:
@@ -343,6 +419,9 @@ class ClusterLoop:
         for i, rep in enumerate(reps):
             if rep.identity != identity:
                 raise InvalidArgument(f"ClusterLoop: replica {i} runs another model")
+        self.handoffs = Handoffs(
+            roles, deflection, len(reps), metrics=metrics, timeout_s=handoff_timeout_s
+        )
         self.router = router
         self.identity = identity
         self.tokenizer = tokenizer
@@ -353,7 +432,7 @@ class ClusterLoop:
         self.timings: deque[StepTiming] = deque(maxlen=STEP_RING)
         self.step_counter = itertools.count()
         self._lock = threading.Lock()
-        self._migrating = threading.Lock()
+        self.moving = threading.Lock()  # one move at a time: a migration or a handoff
         self.index = GlobalPrefixIndex()
         self._owner: dict[str, int] = {}
         self._prompts: dict[str, list[int]] = {}
@@ -436,23 +515,33 @@ class ClusterLoop:
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         sink = OutputSink(loop, q, params.n)
         while True:  # a replica found dead here: routed again among the others
-            decision = self._route(request_id, ids)
-            lp = self.loops[decision.replica]
+            placement = self._route(request_id, ids)
+            lp = self.loops[placement.replica]
             try:
                 added = await asyncio.wrap_future(
                     lp.run_sync(self._adder(lp, request_id, ids, params, sink))
                 )
             except ReplicaDead:
                 continue
+            except BaseException:
+                self.handoffs.forget(request_id)
+                raise
             break
-        if self.metrics is not None:
-            self.metrics.routed(
-                decision.policy.value,
-                decision.replica,
-                decision.num_prompt_tokens,
-                decision.prefix_hit_tokens,
-            )
+        self._count_routed(placement)
         return Submission(request_id, q, params.n, added)
+
+    def _count_routed(self, placement: Placement) -> None:
+        if self.metrics is None:
+            return
+        routing = placement.routing
+        self.metrics.routed(
+            routing.policy.value,
+            placement.replica,
+            routing.num_prompt_tokens,
+            placement.prefix_hit_tokens,
+        )
+        if placement.deflected:
+            self.metrics.deflected(placement.replica)
 
     def _adder(
         self,
@@ -477,17 +566,28 @@ class ClusterLoop:
 
         return add
 
-    def _route(self, request_id: str, ids: list[int]) -> RoutingDecision:
+    def _route(self, request_id: str, ids: list[int]) -> Placement:
+        """Where the request goes (the router's choice among the replicas that prefill,
+        or a deflection), booked before it is added there."""
         with self._lock:
-            live = {lp.index: lp.load for lp in self.loops if lp.dead is None and lp.alive}
+            live = self._live_loads()
             if not live:
                 raise NoLiveReplica("every replica of the cluster is dead")
             hits = {r: h for r, h in self.index.longest_prefix(ids).items() if r in live}
-            decision = self.router.route(request_id, len(ids), live, hits)
+            placement = self.handoffs.place(self.router, request_id, ids, live, hits)
             # At routing, not after the add: concurrent submits must see the cursor move.
-            self.router.accepted(decision)
-            self.decisions.append(decision)
-            return decision
+            self.router.accepted(placement.routing)
+            self.decisions.append(placement.routing)
+            self.handoffs.placed(placement, len(ids))
+            return placement
+
+    def _live_loads(self) -> dict[int, LoadFigures]:
+        return {lp.index: lp.load for lp in self.loops if lp.dead is None and lp.alive}
+
+    def live_loads(self) -> dict[int, LoadFigures]:
+        """The live replicas' last published load figures."""
+        with self._lock:
+            return self._live_loads()
 
     def abort(self, request_id: str, *, follow: int = 2) -> None:
         """Abort a request if it is still live (a client went away); non-blocking. If it
@@ -554,7 +654,7 @@ class ClusterLoop:
     ) -> MigrationReport:
         """Move a request in flight to replica ``to`` (module doc); blocking, from any
         thread but a replica's. One migration at a time."""
-        with self._migrating:
+        with self.moving:
             with self._lock:
                 src = self._owner.get(request_id)
             if src is None:
@@ -573,8 +673,8 @@ class ClusterLoop:
                     b,
                     request_id,
                     kv=kv,
-                    hit=functools.partial(self._prefix_hit, b.index),
-                    adopted=functools.partial(self._adopted, request_id, b.index),
+                    hit=functools.partial(self.prefix_hit, b.index),
+                    adopted=functools.partial(self.adopted, request_id, b.index),
                     timeout_s=timeout_s,
                 )
             except (MigrationError, ReplicaDead, InvalidArgument) as e:
@@ -588,11 +688,13 @@ class ClusterLoop:
                 self.metrics.migrated(True, report.kv_bytes, elapsed)
             return replace(report, elapsed_ms=elapsed * 1e3)
 
-    def _prefix_hit(self, replica: int, token_ids: Sequence[int], namespace: Namespace) -> int:
+    def prefix_hit(self, replica: int, token_ids: Sequence[int], namespace: Namespace) -> int:
+        """The tokens ``replica`` caches of ``token_ids`` (the index, under the lock)."""
         with self._lock:
             return self.index.longest_prefix(token_ids, namespace).get(replica, 0)
 
-    def _adopted(self, request_id: str, replica: int) -> None:
+    def adopted(self, request_id: str, replica: int) -> None:
+        """``replica`` owns ``request_id`` now (a move's import)."""
         with self._lock:
             self._owner[request_id] = replica
 
@@ -614,6 +716,7 @@ class ClusterLoop:
             self._owner.pop(request_id, None)
             self._prompts.pop(request_id, None)
             self._params.pop(request_id, None)
+        self.handoffs.forget(request_id)
 
     def replica_died(self, lp: ReplicaLoop) -> None:
         """``lp``'s replica died: out of the index, so the router no longer sees it."""
@@ -641,11 +744,11 @@ class ClusterLoop:
             fail()
             return
         try:
-            decision = self._route(request_id, ids)
+            placement = self._route(request_id, ids)
         except NoLiveReplica:
             fail()
             return
-        lp = self.loops[decision.replica]
+        lp = self.loops[placement.replica]
         with self._lock:  # an abort from now on queues behind the add there
             self._owner[request_id] = lp.index
 
@@ -654,12 +757,7 @@ class ClusterLoop:
                 fail()
             elif self.metrics is not None:
                 self.metrics.request_restarted(dead)
-                self.metrics.routed(
-                    decision.policy.value,
-                    decision.replica,
-                    decision.num_prompt_tokens,
-                    decision.prefix_hit_tokens,
-                )
+                self._count_routed(placement)
 
         lp.run_sync(self._adder(lp, request_id, ids, params, sink)).add_done_callback(added)
 

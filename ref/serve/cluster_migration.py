@@ -86,15 +86,36 @@ def move(
                 raise MigrationError(
                     f"migrate: replica {a.index} reached no step boundary in {timeout_s} s"
                 )
-        dest = LoopDestination(b, source, hit, adopted, timeout_s)
-        return migrate(source, dest, request_id, kv=kv)
+        return hand_over(
+            source, b, request_id, kv=kv, hit=hit, adopted=adopted, timeout_s=timeout_s
+        )
     finally:
         resume.set()
 
 
+def hand_over(
+    source: ParkedSource,
+    b: ReplicaThread,
+    request_id: str,
+    *,
+    kv: KVMode | str,
+    hit: PrefixHit,
+    adopted: Callable[[], None],
+    timeout_s: float,
+) -> MigrationReport:
+    """The move itself, by the driver, while nothing else touches the source replica:
+    from the caller's thread with the source's parked (:func:`move`), or from the
+    source's own thread between two of its steps (a prefill replica's handoff,
+    docs/DISAGG.md, "Serving"). A death of the source seen meanwhile is left in
+    ``source.death`` for its loop to bury."""
+    dest = LoopDestination(b, source, hit, adopted, timeout_s)
+    return migrate(source, dest, request_id, kv=kv)
+
+
 class ParkedSource(TicketSource):
-    """The source replica while its thread is parked (module doc); it also hands the
-    request's output queue over: found at the export, dropped here at the release."""
+    """The source replica while its thread is parked (module doc), or while its own
+    thread runs the move (:func:`hand_over`); it also hands the request's output queue
+    over: found at the export, dropped here at the release."""
 
     def __init__(self, loop: ReplicaThread) -> None:
         super().__init__(loop.replica)

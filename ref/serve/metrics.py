@@ -152,7 +152,8 @@ class ClusterServeMetrics:
     and the router's: routing decisions by policy and replica, prompt and prefix-hit
     tokens at routing, migrations by outcome, K/V bytes and seconds migrating, replicas
     up, their deaths and restarts, and a dead replica's requests: ended with its error,
-    or added again on a live one. The replica threads and the router update it;
+    or added again on a live one; with roles (docs/DISAGG.md), handoffs, handoffs kept
+    and deflections. The replica threads and the router update it;
     prometheus-client's metrics are thread-safe. Not here (they need the engine object,
     which a Ray replica does not hand over): preemption, prefix-cache, swap and
     speculation counters."""
@@ -202,7 +203,39 @@ class ClusterServeMetrics:
         self._migration_s = Counter(
             "refserve:migration_seconds", "Time spent migrating.", ["model_name"], registry=r
         )
+        self._handoffs = Counter(
+            "refserve:handoffs",
+            "Requests handed off after their first token from a prefill replica to this "
+            "decode replica (docs/DISAGG.md).", labels, registry=r,
+        )  # fmt: skip
+        self._handoff_bytes = Counter(
+            "refserve:handoff_bytes", "K/V bytes moved by handoffs.", ["model_name"], registry=r
+        )
+        self._handoffs_kept = Counter(
+            "refserve:handoffs_kept",
+            "Handoffs that did not happen, the request decoding on its prefill replica, by "
+            "reason (no_decode: no decode replica with a seat and the blocks; failed: "
+            "refused, aborted, or the decode replica dead or late).",
+            ["model_name", "reason"], registry=r,
+        )  # fmt: skip
+        self._deflections = Counter(
+            "refserve:deflections",
+            "New requests prefilled on this decode replica instead of a prefill replica "
+            "(the prefill side's predicted TTFT missed the SLO).", labels, registry=r,
+        )  # fmt: skip
         self._name = model_name
+
+    def handed_off(self, replica: int, kv_bytes: int) -> None:
+        """A request handed off to decode replica ``replica``."""
+        self._handoffs.labels(self._name, str(replica)).inc()
+        self._handoff_bytes.labels(self._name).inc(kv_bytes)
+
+    def handoff_kept(self, reason: str) -> None:
+        self._handoffs_kept.labels(self._name, reason).inc()
+
+    def deflected(self, replica: int) -> None:
+        """A new request's prefill deflected to decode replica ``replica``."""
+        self._deflections.labels(self._name, str(replica)).inc()
 
     def replica_up(self, replica: int, up: bool) -> None:
         self._up.labels(self._name, str(replica)).set(1 if up else 0)

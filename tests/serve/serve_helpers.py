@@ -11,6 +11,7 @@ import httpx
 import openai
 
 from refserve.cluster import InProcessReplica, Replica, Router
+from refserve.cluster.disagg import Deflection, Roles
 from refserve.core.config import SchedulerConfig
 from refserve.engine.llm_engine import LLMEngine
 from refserve.model.tokenizer import Tokenizer
@@ -95,11 +96,14 @@ def start_cluster(
     max_model_len: int | None = None,
     restart: ReplicaFactory | None = None,
     max_restarts: int = 0,
+    roles: Roles | None = None,
+    deflection: Deflection | None = None,
 ) -> ServerThread:
     """A cluster server (ref/serve/cluster_loop.py) over ``replicas`` on a free loopback
     port, started; the caller stops it. The tokenizer and context are the first
     replica's engine's unless given (a Ray replica has none here); ``restart`` and
-    ``max_restarts`` are the loop's (a dead replica replaced)."""
+    ``max_restarts`` are the loop's (a dead replica replaced), ``roles`` and
+    ``deflection`` too (prefill/decode disaggregation)."""
     first = replicas[0]
     if tokenizer is None or max_model_len is None:
         assert isinstance(first, InProcessReplica)
@@ -113,6 +117,8 @@ def start_cluster(
         metrics=ClusterServeMetrics(name),
         restart=restart,
         max_restarts=max_restarts,
+        roles=roles,
+        deflection=deflection,
     )
     server = build_cluster_server(loop, ServeSettings(name, drain_timeout_s=5.0))
     return ServerThread(server).start()
