@@ -26,6 +26,7 @@ KVCOPY over the handoff's transit: the migration rules, checked beside these.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -107,8 +108,8 @@ class DecodeStep:
 
 def tbt_bound_tokens(step: DecodeStep) -> int | None:
     """The most prefill tokens the step may take beside its decodes (None: no decodes,
-    no bound)."""
-    if step.num_decodes == 0:
+    or a replica without a TBT SLO, ``tbt_slo_ms`` infinite: no bound)."""
+    if step.num_decodes == 0 or math.isinf(step.tbt_slo_ms):
         return None
     c = step.cost
     spare = step.tbt_slo_ms - (c.a + c.c * step.num_decodes + c.e * step.kv_read)

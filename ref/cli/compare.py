@@ -298,6 +298,7 @@ def cluster_compare_cli(argv: list[str]) -> int:
     opts = ClusterOptions(
         loads=ce.QUICK_LOADS if args.quick else ce.LOAD_MULTIPLIERS,
         budgets=ce.QUICK_BUDGETS if args.quick else ce.BUDGETS,
+        pd_loads=ce.QUICK_PD_LOADS if args.quick else ce.PD_LOADS,
         traces=_pick("trace", args.traces, CLUSTER_TRACES, lambda t: t.name),
         policies=_pick("policy", args.policies, CLUSTER_POLICIES, lambda p: p.name),
         replicas=args.replicas,

@@ -29,6 +29,19 @@ each live request on exactly one replica or on the link, and the owner map says 
 and spec/cluster.py's OWNER over :meth:`ClusterSim.cluster_snapshot`); with
 ``check_ownership`` the simulator asserts both after every operation.
 
+Prefill/decode roles (``roles``, ``deflection``; docs/DISAGG.md, ref/cluster/sim_pd.py):
+every arrival is placed by ``disagg.place`` (the same router and index); after a prefill
+replica's step, each request with its first token is handed off before that replica
+steps again, with its K/V (``KVMode.TRANSFER``) through the one driver, to the decode
+replica ``choose_decode`` picks, and travels on the link while the prefill replica steps
+on; with no decode replica that has room it is kept and decodes where it is. A handoff
+that lands on a replica without room waits on the link and tries again after that
+replica's next steps (never a recompute, which would make the decode replica prefill a
+request not deflected to it). With deflection, the decode replicas' schedulers run the
+SLO-aware chunk rule (``tbt_slo_ms``, ``step_cost``). ``check_pd`` asserts the ROLES
+rules of spec/pd.py after every operation (``first``, ``once``) and every decode
+replica's step (``deflect``).
+
 Triggers (:class:`MigrationPolicy`):
 
 - ``pressure``: before a replica steps, if requests wait in its queue and its K/V is
@@ -53,11 +66,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from refserve.cluster import triggers
+from refserve.cluster.disagg import Deflection, Roles
 from refserve.cluster.index import GlobalPrefixIndex
 from refserve.cluster.records import LoadFigures
 from refserve.cluster.replica import load_figures
 from refserve.cluster.router import Router, RoutingDecision
-from refserve.cluster.sim_migration import LinkDestination, ReplicaSource, SimTicket, land
+from refserve.cluster.sim_migration import (
+    Landing,
+    LinkDestination,
+    ReplicaSource,
+    SimTicket,
+    land,
+    try_land,
+)
+from refserve.cluster.sim_pd import PDRun, SimRoles
 from refserve.cluster.triggers import MigrationPolicy
 from refserve.core.config import SchedulerConfig
 from refserve.core.cost import StepCost
@@ -80,6 +102,7 @@ from refserve.spec.cluster import (
     check_owner,
 )
 from refserve.spec.events import CacheEvent
+from refserve.spec.pd import check_deflect, check_roles
 from refserve.values import is_int
 
 #: Llama-3-8B's K and V per token (32 layers x 8 KV heads x 128 dims x 2 x bf16), times
@@ -115,7 +138,7 @@ class SimMigration:
     request_id: str
     source: int
     destination: int
-    reason: str  # pressure | rebalance | split
+    reason: str  # pressure | rebalance | split | handoff
     depart_ms: float
     land_ms: float
     mode: KVMode
@@ -180,6 +203,7 @@ class ClusterResult:
     num_preemptions: int
     routed_hit_tokens: int  # prefix-hit tokens on the chosen replicas at routing
     rejected: tuple[str, ...] = ()  # requests the chosen replica refused
+    pd: PDRun | None = None  # with roles: placements, handoffs, kept, deflected
 
     @property
     def cached_tokens(self) -> int:
@@ -208,9 +232,21 @@ class ClusterSim:
         check_ownership: bool = False,
         keep_decisions: bool = True,
         noise: StepNoise | None = None,
+        roles: Roles | None = None,
+        deflection: Deflection | None = None,
+        check_pd: bool = False,
     ) -> None:
         if not is_int(num_replicas) or num_replicas < 1:
             raise InvalidArgument(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+        if roles is None and deflection is not None:
+            raise InvalidArgument("deflection needs roles (a decode replica to deflect to)")
+        self.pd = None if roles is None else SimRoles(roles, deflection, num_replicas)
+        if self.pd is not None and (migration or MigrationPolicy()).enabled:
+            raise InvalidArgument(
+                "migration triggers and prefill/decode roles do not mix: a trigger would "
+                "move requests across roles; the handoff is the roles' only move"
+            )
+        self.check_pd = check_pd
         config = dataclasses.replace(config, cache_events=True)
         self.cost = cost
         self.router = router
@@ -229,7 +265,7 @@ class ClusterSim:
         self.index = GlobalPrefixIndex()
         self.replicas: list[_Replica] = []
         for i in range(num_replicas):
-            sched = Scheduler(config)
+            sched = Scheduler(config if self.pd is None else self.pd.config_for(i, config, cost))
             ex = SimExecutor(
                 cost,
                 sched.requests,
@@ -248,6 +284,7 @@ class ClusterSim:
         self.decisions: list[RoutingDecision] = []
         self.moves: list[SimMigration] = []
         self._in_transit: dict[str, _Transit] = {}  # on the link, by request id
+        self._parked: dict[int, list[_Transit]] = {}  # handoffs waiting for room, by replica
         self._jobs: dict[str, _Job] = {}  # live request -> the session it is a turn of
         self._split: set[str] = set()  # requests split once already
         self._routed_hits = 0
@@ -312,6 +349,9 @@ class ClusterSim:
             assert not bad, f"after {what}: {bad}"
             spec_bad = check_owner(self.cluster_snapshot())
             assert not spec_bad, f"after {what}: {spec_bad}"
+        if self.check_pd and self.pd is not None:
+            pd_bad = check_roles(self.pd.snapshot([rep.sched.requests for rep in self.replicas]))
+            assert not pd_bad, f"after {what}: {pd_bad}"
 
     # ------------------------------------------------------------------ running
     def run(self, workload: Workload, *, max_steps: int = 10_000_000) -> ClusterResult:
@@ -373,8 +413,14 @@ class ClusterSim:
     def _arrive(self, job: _Job, at_ms: float) -> None:
         r = _next_request(job, at_ms)
         hits = self.index.longest_prefix(r.token_ids, r.namespace)
-        decision = self.router.route(r.request_id, r.num_prompt_tokens, self._loads(), hits)
-        rep = self.replicas[decision.replica]
+        placement = None
+        if self.pd is not None:
+            placement = self.pd.place(self.router, r, self._loads(), hits)
+            decision, target = placement.routing, placement.replica
+        else:
+            decision = self.router.route(r.request_id, r.num_prompt_tokens, self._loads(), hits)
+            target = decision.replica
+        rep = self.replicas[target]
         try:
             rep.sched.add_request(r)
         except RefserveError:
@@ -386,11 +432,14 @@ class ClusterSim:
         self.router.accepted(decision)
         if self.keep_decisions:
             self.decisions.append(decision)
-        self._routed_hits += decision.prefix_hit_tokens
-        self.owner[r.request_id] = decision.replica
+        if placement is not None:
+            assert self.pd is not None
+            self.pd.placed(placement, keep=self.keep_decisions)
+        self._routed_hits += (placement or decision).prefix_hit_tokens
+        self.owner[r.request_id] = target
         self._final[r.request_id] = r
         self._jobs[r.request_id] = job
-        self._changed(decision.replica)
+        self._changed(target)
         rep.ready_ms = max(rep.ready_ms, at_ms)
         self._check(f"routing {r.request_id!r}")
 
@@ -400,6 +449,8 @@ class ClusterSim:
             self._maybe_migrate(i, t)
             if not rep.sched.requests:
                 return
+        pd = self.pd if self.check_pd else None
+        before = None if pd is None else pd.before_step(rep.sched.requests)
         record = rep.core.step(t)
         self._changed(i)
         rep.steps += 1
@@ -411,7 +462,14 @@ class ClusterSim:
             self._finished(rid, record.end_ms)
             # Kept as metrics only: a long run's memory is not every request's tokens.
             self._done[rid] = RequestMetrics.of(self._final.pop(rid))
+        if pd is not None and before is not None and pd.roles.of(i).decodes:
+            bad = check_deflect(pd.decode_step(i, before, record, rep.cost))
+            assert not bad, f"step {record.step_index} of replica {i}: {bad}"
         self._check(f"step {record.step_index} of replica {i}")
+        if self.pd is not None:
+            self._hand_off(i, record.end_ms)
+            for tr in self._parked.pop(i, []):
+                self._land(tr, record.end_ms)
 
     def _drain(self, rep: _Replica) -> list[CacheEvent]:
         log = rep.sched.pool.cache_events
@@ -427,6 +485,8 @@ class ClusterSim:
             FinishReason.STOP,
         ):
             self._push(at_ms + s.turns[job.next_turn].tool_wait_ms, "arrive", job=job)
+        if self.pd is not None:
+            self.pd.finished(rid)
 
     # ------------------------------------------------------------------ migration
     def _maybe_migrate(self, i: int, t: float) -> None:
@@ -493,14 +553,31 @@ class ClusterSim:
             idle_queue=idle_queue,
         )
 
-    def _depart(self, src: int, dst: int, r: Request, reason: str, t: float) -> None:
+    def _hand_off(self, i: int, t: float) -> None:
+        """After replica ``i``'s step, before it steps again: each request with its first
+        token on a prefill replica leaves for the decode replica ``choose_decode`` picks,
+        with its K/V, and travels while ``i`` steps on; with none that has room it stays
+        (kept) and decodes here."""
+        pd = self.pd
+        assert pd is not None
+        for r in pd.due(list(self.replicas[i].sched.requests.values())):
+            d = pd.choose(r, i, self._loads())
+            if d.replica is None:
+                pd.keep(r.request_id)
+                continue
+            pd.departed(r, d, t)
+            self._depart(i, d.replica, r, "handoff", t, kv=KVMode.TRANSFER)
+
+    def _depart(
+        self, src: int, dst: int, r: Request, reason: str, t: float, kv: KVMode | None = None
+    ) -> None:
         """The one migration driver moves ``r`` off ``src`` onto the link towards ``dst``
-        (ref/cluster/sim_migration.py): priced, released on ``src``, in flight until it
-        lands (module doc)."""
+        (ref/cluster/sim_migration.py): priced (``kv``: the policy's mode unless given),
+        released on ``src``, in flight until it lands (module doc)."""
         rid = r.request_id
         source = ReplicaSource(self.replicas[src].sched, t, self.price)
         dest = LinkDestination(self.index, dst, _idle(self.replicas[dst]))
-        migrate(source, dest, rid, kv=self.migration.kv, cost=self.price)
+        migrate(source, dest, rid, kv=kv or self.migration.kv, cost=self.price)
         ticket = dest.committed()
         landing_ms = t + self.link.transfer_ms(ticket.kv_bytes, self._rng)
         move = SimMigration(
@@ -528,15 +605,36 @@ class ClusterSim:
         move = tr.move
         rep = self.replicas[move.destination]
         rid = move.request_id
-        landing = land(rep.sched, tr.ticket)
+        if move.reason == "handoff":
+            landing = self._land_handoff(tr, at_ms)
+            if landing is None:
+                return
+        else:
+            landing = land(rep.sched, tr.ticket)
+            self.moves.append(dataclasses.replace(move, fallback=landing.fallback))
         self._changed(move.destination)
         self.index.apply(move.destination, self._drain(rep))
         del self._in_transit[rid]
         self.owner[rid] = move.destination
         self._final[rid] = landing.request
         rep.ready_ms = max(rep.ready_ms, at_ms)
-        self.moves.append(dataclasses.replace(move, fallback=landing.fallback))
         self._check(f"landing of {rid!r}")
+
+    def _land_handoff(self, tr: _Transit, at_ms: float) -> Landing | None:
+        """A handoff lands with its K/V or not at all: without room it stays on the link
+        and tries again after the destination's next step (a wait, counted), never
+        recomputing there (module doc)."""
+        pd, move = self.pd, tr.move
+        assert pd is not None
+        dst = self.replicas[move.destination]
+        landing = try_land(dst.sched, tr.ticket)
+        if landing is None:
+            assert dst.sched.requests, f"{move.request_id!r} does not fit an idle replica"
+            pd.waited(move.request_id)
+            self._parked.setdefault(move.destination, []).append(tr)
+            return None
+        pd.landed(move.request_id, at_ms, move.num_bytes)
+        return landing
 
     # ------------------------------------------------------------------ result
     def _result(self, first_ms: float) -> ClusterResult:
@@ -554,6 +652,7 @@ class ClusterSim:
             preemptions,
             self._routed_hits,
             tuple(self.rejected),
+            None if self.pd is None else self.pd.result(),
         )
 
 
@@ -596,10 +695,14 @@ def simulate_cluster(
     check_ownership: bool = False,
     keep_decisions: bool = True,
     noise: StepNoise | None = None,
+    roles: Roles | None = None,
+    deflection: Deflection | None = None,
+    check_pd: bool = False,
 ) -> ClusterResult:
     """One run: ``workload`` on ``num_replicas`` replicas routed by ``policy``
     (``keep_decisions=False``: the routing records are not kept, only their hit sum;
-    ``noise``: each replica's step times scatter, ref/sim/noise.py)."""
+    ``noise``: each replica's step times scatter, ref/sim/noise.py; ``roles`` and
+    ``deflection``: prefill/decode disaggregation, docs/DISAGG.md)."""
     sim = ClusterSim(
         num_replicas,
         config,
@@ -611,6 +714,9 @@ def simulate_cluster(
         check_ownership=check_ownership,
         keep_decisions=keep_decisions,
         noise=noise,
+        roles=roles,
+        deflection=deflection,
+        check_pd=check_pd,
     )
     return sim.run(workload)
 

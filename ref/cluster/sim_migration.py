@@ -6,7 +6,8 @@ size of its K/V. So the driver's destination is the link towards replica ``j``
 (:class:`LinkDestination`): its ack means the link holds the request, the source
 releases it, and the commit puts it in flight. It lands later, at the destination's
 first step boundary after the link's time (:func:`land`); a destination with no room by
-then stages it without its K/V, a recompute counted as a fallback. The order of every
+then stages it without its K/V, a recompute counted as a fallback (a prefill/decode
+handoff instead waits on the link for room: :func:`try_land`). The order of every
 move is the driver's: export (a pure read), price, stage, ack, release, commit.
 """
 
@@ -195,3 +196,18 @@ def land(sched: Scheduler, ticket: SimTicket) -> Landing:
         fallback = True
     (arrived,) = imp.commit(0.0)
     return Landing(arrived, fallback)
+
+
+def try_land(sched: Scheduler, ticket: SimTicket) -> Landing | None:
+    """A landing that never recomputes: stage ``ticket`` with its K/V and commit, or, with
+    no room on ``sched`` now, leave it on the link (None) to try again at a later
+    boundary. A prefill/decode handoff lands this way: a recompute would have a decode
+    replica prefill a request that was not deflected to it (docs/DISAGG.md)."""
+    imp = transit.begin_import(sched)
+    try:
+        imp.stage(ticket.state, with_kv=ticket.with_kv)
+    except transit.MigrationRefused:
+        imp.abort()
+        return None
+    (arrived,) = imp.commit(0.0)
+    return Landing(arrived, False)

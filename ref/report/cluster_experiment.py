@@ -26,6 +26,11 @@ attainment falls below 0.9, and **its cause** what the failing requests there fa
 16 tokens (16,384 simulated tokens, ~256K real) and 64 seats; the traces are generated
 per replica and scaled with the replica count (``TraceSpec.per_replica``): the rate and
 the request count are both multiplied by N, so every N sees the same per-replica load.
+
+**Prefill/decode disaggregation** (docs/DISAGG.md, "The experiment"): on the chat, long
+and mixed traces at ``PD_LOADS``, ``PD_CONFIGS`` on ``PD_REPLICAS`` replicas routed by
+``PD_ROUTER``: colocated, 2P2D, 2P2D with deflection (the TTFT and TBT SLOs above), each
+summarized with its TTFT breakdown (:class:`PDPoint`).
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
+from refserve.cluster.disagg import Deflection, Roles, TTFTBound
 from refserve.cluster.sim import ClusterResult, LinkModel, MigrationPolicy, simulate_cluster
+from refserve.cluster.sim_pd import TTFTBreakdown, breakdowns
 from refserve.core.config import SchedulerConfig
 from refserve.core.cost import StepCost
 from refserve.core.request_metrics import RequestMetrics
@@ -66,6 +73,9 @@ LOAD_MULTIPLIERS = (0.5, 1.0, 1.5, 2.0, 3.0)
 QUICK_LOADS = (1.0, 2.0)
 QUICK_BUDGETS = (128, 512)
 BASE = SchedulerConfig(max_num_seqs=64, block_size=16, num_blocks=1024)
+#: Loads (x one replica's) of the disaggregation runs; ``--quick``: the heavier alone.
+PD_LOADS = (1.0, 2.0)
+QUICK_PD_LOADS = (2.0,)
 #: A jittery link: 1 GB/s, 2 ms latency, exponential jitter of mean 50 ms.
 JITTERY = LinkModel(gb_per_s=1.0, latency_ms=2.0, jitter_ms=50.0)
 
@@ -334,6 +344,7 @@ class ClusterOptions:
     budgets: tuple[int, ...] = BUDGETS
     cost: StepCost = dataclasses.field(default_factory=StepCost)
     seed: int = 0
+    pd_loads: tuple[float, ...] = PD_LOADS
 
     def __post_init__(self) -> None:
         if not (self.traces and self.policies and self.replicas and self.loads and self.budgets):
@@ -353,6 +364,7 @@ class ClusterExperiment:
     budgets: tuple[Point, ...]  # every trace x budget x {round_robin, prefix_aware}
     jitter: tuple[Point, ...]  # long and mixed, migration with and without split, links
     wall_s: float
+    pd: tuple[PDPoint, ...] = ()  # chat, long, mixed x PD_CONFIGS x pd_loads
 
 
 def run_point(
@@ -453,6 +465,8 @@ def run_cluster_experiment(opts: ClusterOptions, stream: TextIO | None = None) -
     say("budget sweep done")
     jitter = _jitter_runs(opts, slo, knee_n)
     say("jittery-link runs done")
+    pd = _pd_runs(opts, slo)
+    say("prefill/decode runs done")
     return ClusterExperiment(
         slo,
         opts,
@@ -461,7 +475,162 @@ def run_cluster_experiment(opts: ClusterOptions, stream: TextIO | None = None) -
         tuple(budgets),
         tuple(jitter),
         time.perf_counter() - started,
+        tuple(pd),
     )
+
+
+# ------------------------------------------------------------------ prefill/decode
+@dataclass(frozen=True)
+class PDConfig:
+    """One of the equal-capacity configurations of the disaggregation runs."""
+
+    name: str
+    roles: str | None  # None: every replica colocated
+    deflect: bool = False
+
+
+PD_REPLICAS = 4
+PD_ROUTER = "slo_aware"
+PD_TRACES = ("chat", "long", "mixed")
+PD_CONFIGS = (
+    PDConfig("4 colocated", None),
+    PDConfig("2P2D", "2P2D"),
+    PDConfig("2P2D+deflect", "2P2D", deflect=True),
+)
+
+
+@dataclass(frozen=True)
+class PDPoint:
+    """One disaggregation run, summarized. ``tail_*``: the means over the requests whose
+    TTFT is at least the P95 TTFT (the P95 tail), TTFT split into queueing and prefill
+    execution (a handoff's transfer is never in it: the first token streams from the
+    prefill replica); ``second_*``: the same for the time to the second token, split
+    into the TTFT, the transfer to the decode replica and the wait there."""
+
+    trace: str
+    config: str
+    load: float
+    num_requests: int
+    offered_per_s: float
+    attainment: float
+    goodput_per_s: float
+    ttft_p95_ms: float | None
+    tbt_p99_ms: float | None
+    tail_ttft_ms: float | None
+    tail_queueing_ms: float | None
+    tail_prefill_ms: float | None
+    tail_transfer_ms: float
+    second_p95_ms: float | None
+    second_tail_ms: float | None
+    second_tail_ttft_ms: float | None
+    second_tail_transfer_ms: float | None
+    second_tail_wait_ms: float | None
+    handoffs: int
+    kept: int
+    deflected: int
+    landing_waits: int
+    wall_s: float
+
+
+def _tail_means(
+    rows: Sequence[TTFTBreakdown], key: Callable[[TTFTBreakdown], float | None]
+) -> list[TTFTBreakdown]:
+    """The rows whose ``key`` is at least its P95."""
+    vals = [v for r in rows if (v := key(r)) is not None]
+    p95 = percentile(vals, 95)
+    if p95 is None:
+        return []
+    return [r for r in rows if (v := key(r)) is not None and v >= p95]
+
+
+def _avg(
+    rows: Sequence[TTFTBreakdown], key: Callable[[TTFTBreakdown], float | None]
+) -> float | None:
+    vals = [v for r in rows if (v := key(r)) is not None]
+    return _mean(vals)
+
+
+def summarize_pd(
+    res: ClusterResult, slo: ClusterSlo, *, trace: str, config: str, load: float, wall_s: float
+) -> PDPoint:
+    reqs = res.requests
+    offered = _offered_per_s(reqs)
+    attainment = sum(slo.good(m) for m in reqs) / len(reqs) if reqs else 1.0
+    rows = breakdowns(reqs, res.pd)
+    tail = _tail_means(rows, lambda r: r.ttft_ms)
+    second = _tail_means(rows, lambda r: r.second_token_ms)
+    pd = res.pd
+    return PDPoint(
+        trace=trace,
+        config=config,
+        load=load,
+        num_requests=len(reqs),
+        offered_per_s=offered,
+        attainment=attainment,
+        goodput_per_s=attainment * offered,
+        ttft_p95_ms=percentile([r.ttft_ms for r in rows], 95),
+        tbt_p99_ms=percentile([x for m in reqs for x in m.itl_ms], 99),
+        tail_ttft_ms=_avg(tail, lambda r: r.ttft_ms),
+        tail_queueing_ms=_avg(tail, lambda r: r.queueing_ms),
+        tail_prefill_ms=_avg(tail, lambda r: r.prefill_ms),
+        tail_transfer_ms=0.0,
+        second_p95_ms=percentile([v for r in rows if (v := r.second_token_ms) is not None], 95),
+        second_tail_ms=_avg(second, lambda r: r.second_token_ms),
+        second_tail_ttft_ms=_avg(second, lambda r: r.ttft_ms),
+        second_tail_transfer_ms=_avg(second, lambda r: r.transfer_ms),
+        second_tail_wait_ms=_avg(second, lambda r: r.decode_wait_ms),
+        handoffs=0 if pd is None else len(pd.handoffs),
+        kept=0 if pd is None else len(pd.kept),
+        deflected=0 if pd is None else len(pd.deflected),
+        landing_waits=0 if pd is None else pd.landing_waits,
+        wall_s=wall_s,
+    )
+
+
+def run_pd_point(
+    spec: TraceSpec, pdc: PDConfig, load: float, slo: ClusterSlo, opts: ClusterOptions
+) -> PDPoint:
+    """One configuration on ``PD_REPLICAS`` replicas, routed by ``PD_ROUTER``; with
+    deflection, a request's TTFT SLO and the TBT SLO are the experiment's."""
+    config = dataclasses.replace(BASE, max_num_batched_tokens=slo.budget)
+    w = spec.workload(PD_REPLICAS, load, opts.seed)
+    roles = None if pdc.roles is None else Roles.parse(pdc.roles, PD_REPLICAS)
+    deflection = (
+        Deflection(TTFTBound(slo.tbt_ms, slo.ttft_per_token_ms), slo.tbt_ms)
+        if pdc.deflect
+        else None
+    )
+    started = time.perf_counter()
+    res = simulate_cluster(
+        w,
+        PD_REPLICAS,
+        config,
+        opts.cost,
+        PD_ROUTER,
+        seed=opts.seed,
+        roles=roles,
+        deflection=deflection,
+    )
+    if len(res.requests) != w.num_requests:
+        raise AssertionError(f"{spec.name}: {w.num_requests - len(res.requests)} requests lost")
+    return summarize_pd(
+        res,
+        slo,
+        trace=spec.name,
+        config=pdc.name,
+        load=load,
+        wall_s=time.perf_counter() - started,
+    )
+
+
+def _pd_runs(opts: ClusterOptions, slo: ClusterSlo) -> list[PDPoint]:
+    return [
+        run_pd_point(spec, pdc, load, slo, opts)
+        for spec in opts.traces
+        if spec.name in PD_TRACES
+        for load in opts.pd_loads
+        for pdc in PD_CONFIGS
+    ]
 
 
 # ------------------------------------------------------------------ analysis

@@ -72,3 +72,30 @@ def test_knee_and_capacity_read_the_first_failing_load() -> None:
     assert knee_load(pts) == 2.0
     assert capacity_load(pts) == 1.0
     assert knee_load(pts[1:3]) is None and capacity_load([at(1.0, 0.1)]) is None
+
+
+def test_compare_cluster_reports_disaggregation_from_its_runs(tmp_path: Path) -> None:
+    out = tmp_path / "rep"
+    argv = [
+        "--cluster", "--quick", "--quiet", "--out", str(out), "--traces", "chat",
+        "--policies", "round_robin", "--replicas", "4",
+    ]  # fmt: skip
+    assert compare_main(argv) == 0
+    report = json.loads((out / "cluster.json").read_text())
+    md = (out / "cluster.md").read_text()
+    rows = {p["config"]: p for p in report["pd"]}
+    assert set(rows) == {"4 colocated", "2P2D", "2P2D+deflect"}
+    assert report["pd_router"] == "slo_aware"
+    assert rows["4 colocated"]["handoffs"] == 0 and rows["2P2D"]["handoffs"] > 0
+    assert rows["2P2D"]["deflected"] == 0 < rows["2P2D+deflect"]["deflected"]
+    for p in rows.values():
+        # TTFT's tail splits into queueing and prefill execution; no transfer in it.
+        assert p["tail_queueing_ms"] + p["tail_prefill_ms"] == pytest.approx(p["tail_ttft_ms"])
+        assert p["tail_transfer_ms"] == 0
+    assert rows["2P2D"]["second_tail_transfer_ms"] > 0
+    # The findings are written from the measured figures.
+    share = report["pd_findings"]["prefill_share_of_tail_ttft"]["chat 2x 2P2D"]
+    assert f"{100 * share:.0f} %" in md and "published 2-23 %" in md
+    cut = report["pd_findings"]["deflection_vs_2p2d"]["chat 2x"]["p95_ttft_cut"]
+    assert f"{abs(100 * cut):.0f} %" in md
+    assert {"cluster_pd_ttft.png", "cluster_pd_attainment.png"} <= set(report["plots"])
