@@ -297,7 +297,7 @@ class Cluster:
         outputs, self._held = self._held, []
         try:
             for r, rep in self._live():
-                if self.replicas[r] is not rep:  # buried (a handoff found it dead) meanwhile
+                if r in self.dead or self.replicas[r] is not rep:  # buried by a handoff
                     continue
                 try:
                     if not rep.has_work:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from cluster_helpers import config
 
-from refserve.cluster import Cluster
+from refserve.cluster import Cluster, ReplicaDead
 from refserve.cluster.disagg import Deflection, Roles, TTFTBound
 from refserve.model.sampler import SamplingParams
 from refserve.spec.pd import DecodeStep, PDSnapshot, RoleName, check_deflect, check_roles
@@ -30,6 +30,9 @@ class Run:
         self.finals: Finals = {}
         self.snapshots: list[PDSnapshot] = []
         self.decode_steps: list[DecodeStep] = []
+        self.failed: dict[str, ReplicaDead] = {}  # take_failures, after every step
+        self.failed_at: dict[str, int] = {}  # request -> the step that ended it failed
+        self.delivered: dict[str, int] = {}  # request -> the last step with an output of it
 
     def add(self, work: Work) -> None:
         for rid, prompt, params in work:
@@ -52,10 +55,15 @@ class Run:
 
     def step(self) -> None:
         for o in self.cluster.step():
+            self.delivered[o.request_id] = len(self.snapshots)
             if o.finished:
                 key = (o.request_id, o.index)
                 assert key not in self.finals, f"{o.request_id} finished twice"
                 self.finals[key] = o.token_ids
+        for rid, error in self.cluster.take_failures().items():
+            assert rid not in self.failed, f"{rid} failed twice"
+            self.failed[rid] = error
+            self.failed_at[rid] = len(self.snapshots)
         self.check()
 
     def to_end(self, max_steps: int = 600) -> Finals:

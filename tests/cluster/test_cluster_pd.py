@@ -42,9 +42,9 @@ from refserve.cluster.disagg import (
 from refserve.cluster.records import LoadFigures
 from refserve.cluster.triggers import MigrationPolicy
 from refserve.core.config import SchedulerConfig
+from refserve.core.transit import MigrationFault
 from refserve.engine import migration
 from refserve.engine.llm_engine import LLMEngine
-from refserve.engine.migration import MigrationFault
 from refserve.engine.ticket import MigrationTicket
 from refserve.errors import InvalidArgument
 from refserve.model.sampler import SamplingParams
@@ -161,15 +161,18 @@ def test_no_decode_replica_with_a_seat_keeps_requests_on_their_prefill_replica()
     )
 
 
-def _dies_at_first_handoff(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The first handoff's destination dies after it staged the import (the fault hook of
-    ``Cluster.migrate``); returns the requests whose handoff it hit."""
+def _dies_at_handoff(cluster: Cluster, monkeypatch: pytest.MonkeyPatch, nth: int = 1) -> list[str]:
+    """The ``nth`` handoff's destination dies after it staged the import (the fault hook
+    of ``Cluster.migrate``); returns the request whose handoff it hit."""
     hit: list[str] = []
+    tried: list[str] = []
     migrate = cluster.migrate
 
     def with_fault(request_id: str, to: int, **kw: Any) -> migration.MigrationReport:
+        tried.append(request_id)
+
         def fault(point: str) -> None:
-            if point == MigrationFault.AFTER_STAGE and not hit:
+            if point == MigrationFault.AFTER_STAGE and len(tried) == nth and not hit:
                 hit.append(request_id)
                 raise ReplicaDead(to, "killed mid-handoff by the test")
 
@@ -193,12 +196,12 @@ def test_a_decode_replica_dying_mid_handoff_keeps_the_request_on_prefill(
 
     reps = [replica(CFG), replica(CFG)]
     cluster = Cluster(reps, roles=Roles.parse("1P1D", 2), restart=restart, max_restarts=1)
-    hit = _dies_at_first_handoff(cluster, monkeypatch)
+    hit = _dies_at_handoff(cluster, monkeypatch)
     run = Run(cluster)
     run.add(work)
     want = _reference(work)
     assert run.to_end() == want
-    assert cluster.take_failures() == {}
+    assert run.failed == {}
     assert len(hit) == 1 and run.kept == set(hit)
     assert restarted == [1] and cluster.metrics.replicas_dead == 1
     # The fresh replica in slot 1 is a decode replica: the later handoffs went to it.
@@ -210,6 +213,32 @@ def test_a_decode_replica_dying_mid_handoff_keeps_the_request_on_prefill(
         for r in s.requests
         for h in r.handoffs
     )
+
+
+def test_a_decode_replica_dying_while_it_holds_a_request_ends_that_one_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In process, no restart: the decode replica dies at the second handoff, holding
+    the first request. That one ends once with ``ReplicaDead`` and the buried replica
+    delivers nothing more of it (it is not stepped again, even in the step that buried
+    it); the second, and every later one (no decode replica is left), is kept and
+    finishes on the prefill replica with the same tokens."""
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    work = [(f"s{i}", list(range(3 + i, 14 + i)), params) for i in range(3)]
+    cluster = Cluster([replica(CFG), replica(CFG)], roles=Roles.parse("1P1D", 2))
+    hit = _dies_at_handoff(cluster, monkeypatch, nth=2)
+    run = Run(cluster)
+    run.add(work)
+    run.to_end()
+    failed = run.failed
+    assert cluster.dead.keys() == {1} and len(hit) == 1
+    assert len(failed) == 1 and not {rid for rid, _ in run.finals} & set(failed)
+    # Nothing of it after the step that buried its replica, that step included (the
+    # prefill replica, which found the death, steps first).
+    assert all(run.delivered[rid] < at for rid, at in run.failed_at.items()), run.delivered
+    assert hit[0] in run.kept and run.kept | set(failed) == {rid for rid, *_ in work}
+    want = _reference(work)
+    assert run.finals == {k: v for k, v in want.items() if k[0] not in failed}
 
 
 class DyingImport:
@@ -252,7 +281,7 @@ def test_a_decode_replica_dying_in_a_ticket_handoff_keeps_the_request_on_prefill
     run = Run(cluster)
     run.add(work)
     run.to_end()
-    failed = cluster.take_failures()
+    failed = run.failed
     want = _reference(work)
     assert len(dying.imports) == 2 and 1 in cluster.dead
     held, importing = dying.imports
