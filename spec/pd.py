@@ -26,7 +26,6 @@ KVCOPY over the handoff's transit: the migration rules, checked beside these.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -96,20 +95,21 @@ class StepCostModel:
 @dataclass(frozen=True)
 class DecodeStep:
     """One step of a decode replica: how many requests it decoded, the K/V positions they
-    read, the prompt tokens it computed per request, its cost model and TBT SLO."""
+    read, the prompt tokens it computed per request, its cost model and TBT SLO (None:
+    the replica has none, so only the first half of rule ``deflect`` applies)."""
 
     replica: str
     num_decodes: int
     kv_read: int
     chunks: tuple[PrefillChunk, ...]
     cost: StepCostModel
-    tbt_slo_ms: float
+    tbt_slo_ms: float | None
 
 
 def tbt_bound_tokens(step: DecodeStep) -> int | None:
     """The most prefill tokens the step may take beside its decodes (None: no decodes,
-    or a replica without a TBT SLO, ``tbt_slo_ms`` infinite: no bound)."""
-    if step.num_decodes == 0 or math.isinf(step.tbt_slo_ms):
+    or a replica without a TBT SLO, ``tbt_slo_ms`` None: no bound)."""
+    if step.num_decodes == 0 or step.tbt_slo_ms is None:
         return None
     c = step.cost
     spare = step.tbt_slo_ms - (c.a + c.c * step.num_decodes + c.e * step.kv_read)

@@ -6,7 +6,9 @@ the replica interface and its in-process transport (``replica``), the Ray transp
 (``ray_replica``: imported on demand, Ray is an optional extra), the routing policies
 (``router``), the migration triggers the cluster and its simulator share (``triggers``),
 the replica set's lifecycle (``supervisor``), the request -> replica map
-(``ownership``) and the in-process cluster that composes them (``cluster``).
+(``ownership``), the in-process cluster that composes them (``cluster``) and its
+record of prefill/decode roles and handoffs (``handoff``; the pure decisions are
+``disagg``'s).
 A layer above ``refserve.engine`` and below ``refserve.serve`` (docs/ARCHITECTURE.md, "Layers").
 
 The names below are loaded on first use: importing one module of the package (the

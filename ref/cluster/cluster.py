@@ -37,6 +37,16 @@ waiting request to a peer with no queue that caches as much of its prompt, and
 peer that finishes the prefill (a split at a token boundary, once a request). Each goes
 through :meth:`Cluster.migrate` (``kv`` the policy's: ``auto`` lets the cost rule pick
 transfer or recompute); a refusal leaves the request where it was and is counted.
+
+Roles. With :class:`~refserve.cluster.disagg.Roles` (prefill/decode disaggregation,
+docs/DISAGG.md) a request is placed by ``disagg.place`` (the router among the replicas
+that prefill; with a :class:`~refserve.cluster.disagg.Deflection`, a decode replica when
+the prefill side would miss its TTFT SLO), and right after the step of a prefill replica
+that sampled its first token it is handed off, its K/V transferred by
+:meth:`Cluster.migrate`, to the decode replica ``choose_decode`` picks; a handoff that
+fails keeps it there. The records and decisions are ref/cluster/handoff.py's
+(:class:`~refserve.cluster.handoff.RoleLedger`); :meth:`Cluster.pd_snapshot` is the view
+the rules of spec/pd.py check.
 """
 
 from __future__ import annotations
@@ -45,12 +55,14 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 
-from refserve.cluster import triggers
+from refserve.cluster import disagg, triggers
+from refserve.cluster.disagg import Deflection, Role, Roles
 from refserve.cluster.errors import (
     NoLiveReplica,
     ReplicaDead,
     UnknownReplica,
 )
+from refserve.cluster.handoff import RoleLedger, check_decode_replica, check_roles, decode_config
 from refserve.cluster.index import GlobalPrefixIndex
 from refserve.cluster.migration import (
     PolicyMigration,
@@ -79,6 +91,7 @@ from refserve.engine.migration import MigrationAborted
 from refserve.engine.ticket import MigrationTicket
 from refserve.errors import InvalidArgument
 from refserve.model.sampler import SamplingParams
+from refserve.spec.pd import DecodeStep, PDSnapshot
 from refserve.values import is_int
 
 
@@ -124,12 +137,22 @@ class Cluster:
         migration: MigrationPolicy | None = None,
         restart: ReplicaFactory | None = None,
         max_restarts: int = 0,
+        roles: Roles | None = None,
+        deflection: Deflection | None = None,
     ) -> None:
         reps = check_replicas(replicas, restart, max_restarts)
         if router is not None and not isinstance(router, Router):
             raise InvalidArgument(f"Cluster: router must be a Router, got {type(router).__name__}")
         if migration is not None:
             _check_policy(migration, reps)
+        roles, deflection = check_roles(roles, deflection, reps)
+        if roles is not None and migration is not None and migration.enabled:
+            raise InvalidArgument(
+                "Cluster: a migration policy would move requests across roles; with roles "
+                "requests move only by their handoff"
+            )
+        # With roles (module doc, "Roles"): placements, phases, handoffs, decode steps.
+        self.pd = None if roles is None else RoleLedger(roles, deflection)
         self.migration = migration or MigrationPolicy()
         self.moves: deque[PolicyMigration] = deque(maxlen=DECISIONS_KEPT)
         self.router = router or Router()
@@ -162,15 +185,22 @@ class Cluster:
         router: Router | None = None,
         check_invariants: bool = False,
         migration: MigrationPolicy | None = None,
+        roles: Roles | None = None,
+        deflection: Deflection | None = None,
     ) -> Cluster:
         """``num_replicas`` engines of ``model`` in this process, each publishing its
-        cache events; ``scheduler_config`` one for all or one per replica."""
+        cache events; ``scheduler_config`` one for all or one per replica. With a
+        ``deflection``, a decode slot's config gets its TBT SLO and a cost model where it
+        has none (ref/cluster/handoff.py, ``decode_config``)."""
         replicas: list[Replica] = []
-        for c in _configs(num_replicas, scheduler_config):
+        for slot, c in enumerate(_configs(num_replicas, scheduler_config)):
             cfg = replace(c, cache_events=True)
+            decode = isinstance(roles, Roles) and roles.roles[slot : slot + 1] == (Role.DECODE,)
+            if decode and isinstance(deflection, Deflection):
+                cfg = decode_config(cfg, deflection)
             engine = LLMEngine(model, scheduler_config=cfg, check_invariants=check_invariants)
             replicas.append(InProcessReplica(engine))
-        return cls(replicas, router, migration=migration)
+        return cls(replicas, router, migration=migration, roles=roles, deflection=deflection)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -206,7 +236,10 @@ class Cluster:
     ) -> RoutingDecision:
         """Route a request and queue it on the chosen replica; the decision says where.
         Bad input raises a typed error (the replica's own, e.g. ``InvalidSamplingParams``
-        or ``ExceedsCapacity``) and changes nothing: not the router, not the metrics."""
+        or ``ExceedsCapacity``) and changes nothing: not the router, not the metrics.
+        With roles the router chooses among the replicas that prefill, and a deflected
+        request's decision names the decode replica it went to (the whole
+        :class:`~refserve.cluster.disagg.Placement` is ``pd.placements[-1]``)."""
         rid = self._new_id(request_id)
         ids = self._token_ids(prompt)
         while True:  # a replica found dead here is buried and the request routed again
@@ -220,16 +253,24 @@ class Cluster:
                 for r, rep in live:
                     loads[r] = rep.load()
                 hits = self.index.longest_prefix(ids)
-                decision = self.router.route(rid, len(ids), loads, hits)
-                r = decision.replica
+                roles = self.pd.roles if self.pd else Roles.colocated(len(self.replicas))
+                deflection = self.pd.deflection if self.pd else None
+                placement = disagg.place(self.router, rid, len(ids), loads, hits, roles, deflection)
+                r = placement.replica
                 self.replicas[r].add_request(ids, params or SamplingParams(), rid)
             except ReplicaDead as e:
                 self._bury(r, e)
                 continue
             break
-        self.router.accepted(decision)
+        decision = placement.routing
+        if placement.deflected:  # the prefill replica the router chose did not take it
+            decision = replace(decision, replica=r, prefix_hit_tokens=placement.prefix_hit_tokens)
+        else:
+            self.router.accepted(decision)
         self._owner[rid] = decision.replica
         self.decisions.append(decision)
+        if self.pd is not None:
+            self.pd.placed(placement, len(ids), self.metrics)
         d = decision
         self.metrics.routed(d.policy.value, d.replica, len(ids), d.prefix_hit_tokens)
         return decision
@@ -256,17 +297,23 @@ class Cluster:
         outputs, self._held = self._held, []
         try:
             for r, rep in self._live():
+                if r in self.dead or self.replicas[r] is not rep:  # buried by a handoff
+                    continue
                 try:
                     if not rep.has_work:
                         continue
                     if self.migration.enabled and not self._maybe_migrate(r):
                         continue  # its last runnable request moved away
                     fresh = rep.step()
+                    if self.pd is not None:  # before the finished leave its records
+                        self.pd.read_steps(r, rep)
                     self._retire(r, rep, fresh)
                 except ReplicaDead as e:
                     self._bury(r, e)
                     continue
                 outputs.extend(fresh)
+                if self.pd is not None:
+                    self._after_role_step(r, fresh)
         except BaseException:
             self._held = outputs
             raise
@@ -323,6 +370,8 @@ class Cluster:
                 raise dead from e
             raise
         self._owner[request_id] = to
+        if self.pd is not None:
+            self.pd.moved(request_id)
         if isinstance(source, TicketSource) and source.release_error is not None:
             self._bury(src, source.release_error)  # the move rolled forward (it is on `to`)
         m = self.metrics
@@ -421,6 +470,36 @@ class Cluster:
                 return (r.request_id, dst, "split")
         return None
 
+    # ------------------------------------------------------------------ roles
+    def _after_role_step(self, r: int, fresh: Sequence[RequestOutput]) -> None:
+        """After replica ``r`` stepped, with roles (module doc, "Roles"): its outputs
+        counted, and every request of a prefill replica that has its first token handed
+        off before that replica steps again."""
+        assert self.pd is not None
+        self.pd.saw(fresh)
+        if self.pd.roles.of(r) is not Role.PREFILL:
+            return
+        for rid in self.pd.due(self._owner.held_by(r)):
+            loads = self.supervisor.loads()
+            if r in loads and self._owner.get(rid) == r:  # else it ended: r found dead
+                self.pd.hand_off(rid, r, loads, self._hand_off_to, self.metrics)
+
+    def _hand_off_to(self, request_id: str, to: int) -> None:
+        """One handoff's move: the request (an ``n > 1`` one with all its samples) and
+        its K/V to decode replica ``to``. A dead side is buried by :meth:`migrate`."""
+        self.migrate(request_id, to, kv=KVMode.TRANSFER, reason="handoff")
+        self._sync_index()
+
+    def pd_snapshot(self) -> PDSnapshot:
+        """Every live request as the rules of spec/pd.py read it (``check_roles``); empty
+        without roles."""
+        return PDSnapshot(()) if self.pd is None else self.pd.snapshot(self._owner.copy())
+
+    def take_decode_steps(self) -> list[DecodeStep]:
+        """The in-process decode replicas' steps since the last call, for rule
+        ``deflect`` (``check_deflect``); empty without roles."""
+        return [] if self.pd is None else self.pd.take_decode_steps()
+
     # ------------------------------------------------------------------ the rule
     def ownership_violations(self) -> list[str]:
         """The ownership rule (module doc; ref/cluster/ownership.py): every request live
@@ -443,10 +522,13 @@ class Cluster:
             self._failures[rid] = error
             self.metrics.requests_failed += 1
 
-    def _accept(self, fresh: Replica) -> None:
-        """A replacement the migration policy can drive (it reads schedulers)."""
+    def _accept(self, slot: int, fresh: Replica) -> None:
+        """A replacement the migration policy can drive (it reads schedulers), and, with
+        roles, one that can take its slot's role (the slot keeps it)."""
         if self.migration.enabled:
             _check_policy(self.migration, [fresh])
+        if self.pd is not None:
+            check_decode_replica(self.pd.roles, self.pd.deflection, slot, fresh)
 
     def _retire(self, r: int, rep: Replica, fresh: Sequence[RequestOutput]) -> None:
         """Requests whose final output ``fresh`` carries and that replica ``r`` no longer
@@ -463,6 +545,8 @@ class Cluster:
         """``request_id`` ended: it leaves the ownership map, and the split policy's memory
         of it and its samples (so that memory holds live requests only)."""
         self._owner.forget(request_id)
+        if self.pd is not None:
+            self.pd.forget(request_id)
         if self._split:
             self._split = {s for s in self._split if s.split(FORK_SEPARATOR, 1)[0] != request_id}
 

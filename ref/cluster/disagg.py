@@ -375,13 +375,19 @@ class HandoffBook:
         first token."""
         return self.phase.get(request_id) is Phase.PREFILL and num_output_tokens >= 1
 
-    def handed_off(self, request_id: str) -> None:
+    def check_handoff(self, request_id: str) -> None:
+        """Raise what :meth:`handed_off` would, changing nothing: a caller checks before
+        it moves the request, so a second handoff never moves it."""
         n = self.handoffs.get(request_id, 0)
         if self.phase.get(request_id) is not Phase.PREFILL or n:
             raise InvalidArgument(
                 f"handoff of {request_id!r}: it is {self.phase.get(request_id)}, handed off "
                 f"{n} time(s) this turn; a request is handed off once a turn, from prefill"
             )
+
+    def handed_off(self, request_id: str) -> None:
+        self.check_handoff(request_id)
+        n = self.handoffs.get(request_id, 0)
         self.phase[request_id] = Phase.HANDED_OFF
         self.handoffs[request_id] = n + 1
 
@@ -401,3 +407,6 @@ class HandoffBook:
 
     def is_deflected(self, request_id: str) -> bool:
         return self.phase.get(request_id) is Phase.DEFLECTED
+
+    def is_kept(self, request_id: str) -> bool:
+        return self.phase.get(request_id) is Phase.KEPT

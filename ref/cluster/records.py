@@ -59,6 +59,12 @@ class ClusterMetrics:
     replicas_dead: int = 0  # deaths: a slot whose replica was replaced can die again
     replicas_restarted: int = 0  # a fresh replica took a dead one's slot
     requests_failed: int = 0  # ended with ReplicaDead: their replica died holding them
+    # Prefill/decode roles (docs/DISAGG.md): prefills placed on a decode replica, requests
+    # moved to a decode replica after their first token, and handoffs that failed (the
+    # request decodes on its prefill replica).
+    deflections: int = 0
+    handoffs: int = 0
+    handoffs_kept: int = 0
 
     def routed(self, policy: str, replica: int, prompt_tokens: int, hit_tokens: int) -> None:
         """One request routed by ``policy`` to ``replica``, with ``hit_tokens`` of its

@@ -20,7 +20,6 @@ transfer is never in the TTFT: it is in the gap before the second token.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -215,10 +214,10 @@ class SimRoles:
             return config
         return dataclasses.replace(config, tbt_slo_ms=self.deflection.tbt_slo_ms, step_cost=cost)
 
-    def tbt_slo_ms(self, replica: int) -> float:
-        """The TBT bound of a decode replica's steps (infinite without deflection)."""
+    def tbt_slo_ms(self, replica: int) -> float | None:
+        """The TBT bound of a decode replica's steps (None: no bound, without deflection)."""
         del replica
-        return math.inf if self.deflection is None else self.deflection.tbt_slo_ms
+        return None if self.deflection is None else self.deflection.tbt_slo_ms
 
     # ------------------------------------------------------------------ placement
     def place(

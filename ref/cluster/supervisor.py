@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from refserve.cluster.errors import EventGap, EventMismatch, ReplicaDead, ReplicaMismatch
 from refserve.cluster.index import GlobalPrefixIndex
-from refserve.cluster.records import ClusterMetrics
+from refserve.cluster.records import ClusterMetrics, LoadFigures
 from refserve.cluster.replica import Replica
 from refserve.engine.ticket import ModelIdentity
 from refserve.errors import InvalidArgument
@@ -68,7 +68,7 @@ class ReplicaSupervisor:
     """The replica slots, their deaths and restarts, and the index's view of them
     (module doc). ``replicas`` were checked (:func:`check_replicas`); they join
     ``index`` here. ``on_death(slot, error)`` runs at each burial, before the slot leaves
-    the index; ``accept(fresh)`` may refuse a replacement (raise) before it joins."""
+    the index; ``accept(slot, fresh)`` may refuse a replacement (raise) before it joins."""
 
     def __init__(
         self,
@@ -77,7 +77,7 @@ class ReplicaSupervisor:
         metrics: ClusterMetrics,
         *,
         on_death: Callable[[int, ReplicaDead], None],
-        accept: Callable[[Replica], None],
+        accept: Callable[[int, Replica], None],
         restart: ReplicaFactory | None = None,
         max_restarts: int = 0,
     ) -> None:
@@ -117,6 +117,16 @@ class ReplicaSupervisor:
                 self.bury(r, e)
         return out
 
+    def loads(self) -> dict[int, LoadFigures]:
+        """Each live replica's load figures; one found gone is buried."""
+        out = {}
+        for r, rep in self.live():
+            try:
+                out[r] = rep.load()
+            except ReplicaDead as e:
+                self.bury(r, e)
+        return out
+
     def bury(self, r: int, error: ReplicaDead) -> None:
         """Replica ``r`` is gone (module doc): the owner hears of it, it leaves the index
         and the router's sight, and a fresh one takes its slot if it has restarts left."""
@@ -136,7 +146,7 @@ class ReplicaSupervisor:
             self.restarts[r] += 1
             try:
                 fresh = _check_replacement(self._restart(r), self.model)
-                self._accept(fresh)
+                self._accept(r, fresh)
                 snapshot = fresh.cache_snapshot()
                 fresh.drain_cache_events()  # reflected in the snapshot
             except Exception:  # died before it joined, or never made: the next try
