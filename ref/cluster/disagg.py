@@ -17,7 +17,8 @@ cluster simulator place and hand off requests with this code alone:
 - :func:`choose_decode`: after the first token, the decode replica with the most KV
   headroom for the least decode load that has a seat and the blocks;
 - :class:`HandoffBook`: what each request is (deflected, handed off, kept where its
-  handoff failed), the record the rules of spec/pd.py read.
+  handoff failed), the record the rules of spec/pd.py read;
+- :func:`decode_step`: one step of a decode replica as rule ``deflect`` reads it.
 
 Acting on a decision (queueing on the replica, moving a request with the migration
 driver) is the caller's.
@@ -27,15 +28,18 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from refserve.cluster.errors import UnknownReplica
 from refserve.cluster.records import LoadFigures
 from refserve.cluster.router import Router, RoutingDecision, load_score, predicted_ttft_ms
+from refserve.core.cost import StepCost
+from refserve.core.plan import StepPlan
 from refserve.errors import InvalidArgument
 from refserve.spec.arith import blocks_needed
+from refserve.spec.pd import DecodeStep, PrefillChunk, StepCostModel
 from refserve.values import is_int, is_number
 
 
@@ -410,3 +414,27 @@ class HandoffBook:
 
     def is_kept(self, request_id: str) -> bool:
         return self.phase.get(request_id) is Phase.KEPT
+
+
+def decode_step(
+    replica: str,
+    plan: StepPlan,
+    cost: StepCost,
+    tbt_slo_ms: float | None,
+    deflected: Callable[[str], bool],
+    preempted: Container[str],
+) -> DecodeStep:
+    """One step of a decode replica as rule ``deflect`` (spec/pd.py) reads it: its
+    decodes and the K/V they read (each its computed tokens and the new one, the ``K`` of
+    the SLO-aware chunk rule), and every prefill chunk, ``deflected`` to it or a
+    recompute of a request in ``preempted`` (one it preempted itself)."""
+    chunks = tuple(
+        PrefillChunk(
+            c.request_id, c.num_new_tokens, deflected(c.request_id), c.request_id in preempted
+        )
+        for c in plan.chunks
+        if c.is_prefill
+    )
+    kv_read = sum(c.start + 1 for c in plan.chunks if not c.is_prefill)
+    model = StepCostModel(cost.a, cost.b, cost.c, cost.e)
+    return DecodeStep(replica, plan.num_decode_requests, kv_read, chunks, model, tbt_slo_ms)

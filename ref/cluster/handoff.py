@@ -28,13 +28,13 @@ from refserve.cluster.disagg import (
     Role,
     Roles,
     choose_decode,
+    decode_step,
 )
 from refserve.cluster.errors import ReplicaDead
 from refserve.cluster.records import ClusterMetrics, LoadFigures
 from refserve.cluster.replica import InProcessReplica, Replica
 from refserve.core.config import SchedulerConfig
 from refserve.core.cost import StepCost
-from refserve.core.engine_core import StepRecord
 from refserve.core.transit import MigrationError
 from refserve.engine.intake import FORK_SEPARATOR
 from refserve.engine.llm_engine import LLMEngine
@@ -45,9 +45,7 @@ from refserve.spec.pd import (
     Handoff,
     PDRequest,
     PDSnapshot,
-    PrefillChunk,
     RoleName,
-    StepCostModel,
 )
 
 #: Records kept for inspection (placements, decode steps), newest last.
@@ -256,31 +254,17 @@ class RoleLedger:
         records = engine.steps[cur.read :]
         cur.read += len(records)
         config = engine.scheduler.config
-        for rec in records:
-            self._decode_steps.append(self._decode_step(slot, rec, config, cur.preempted))
-            cur.preempted.update(rec.plan.preempted)
+        cost = config.step_cost or StepCost()
 
-    def _decode_step(
-        self, slot: int, rec: StepRecord, config: SchedulerConfig, preempted: set[str]
-    ) -> DecodeStep:
-        chunks = []
-        kv_read = 0
-        for ch in rec.plan.chunks:
-            if not ch.is_prefill:
-                kv_read += ch.start + ch.num_new_tokens
-                continue
-            deflected = self.book.is_deflected(_parent(ch.request_id))
-            recompute = ch.request_id in preempted
-            chunks.append(PrefillChunk(ch.request_id, ch.num_new_tokens, deflected, recompute))
-        c = config.step_cost or StepCost()
-        return DecodeStep(
-            str(slot),
-            rec.num_decodes,
-            kv_read,
-            tuple(chunks),
-            StepCostModel(c.a, c.b, c.c, c.e),
-            config.tbt_slo_ms,
-        )
+        def deflected(sample_id: str) -> bool:
+            return self.book.is_deflected(_parent(sample_id))
+
+        for rec in records:
+            step = decode_step(
+                str(slot), rec.plan, cost, config.tbt_slo_ms, deflected, cur.preempted
+            )
+            self._decode_steps.append(step)
+            cur.preempted.update(rec.plan.preempted)
 
     def take_decode_steps(self) -> list[DecodeStep]:
         """The decode steps recorded since the last call, oldest first."""

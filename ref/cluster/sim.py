@@ -66,7 +66,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from refserve.cluster import triggers
-from refserve.cluster.disagg import Deflection, Roles
+from refserve.cluster.disagg import Deflection, Role, Roles
 from refserve.cluster.index import GlobalPrefixIndex
 from refserve.cluster.records import LoadFigures
 from refserve.cluster.replica import load_figures
@@ -450,7 +450,6 @@ class ClusterSim:
             if not rep.sched.requests:
                 return
         pd = self.pd if self.check_pd else None
-        before = None if pd is None else pd.before_step(rep.sched.requests)
         record = rep.core.step(t)
         self._changed(i)
         rep.steps += 1
@@ -462,8 +461,8 @@ class ClusterSim:
             self._finished(rid, record.end_ms)
             # Kept as metrics only: a long run's memory is not every request's tokens.
             self._done[rid] = RequestMetrics.of(self._final.pop(rid))
-        if pd is not None and before is not None and pd.roles.of(i).decodes:
-            bad = check_deflect(pd.decode_step(i, before, record, rep.cost))
+        if pd is not None and pd.roles.of(i) is Role.DECODE:
+            bad = check_deflect(pd.decode_step(i, record, rep.cost))
             assert not bad, f"step {record.step_index} of replica {i}: {bad}"
         self._check(f"step {record.step_index} of replica {i}")
         if self.pd is not None:

@@ -33,6 +33,7 @@ from refserve.cluster.disagg import (
     Role,
     Roles,
     choose_decode,
+    decode_step,
     place,
 )
 from refserve.cluster.records import LoadFigures
@@ -48,9 +49,7 @@ from refserve.spec.pd import (
     Handoff,
     PDRequest,
     PDSnapshot,
-    PrefillChunk,
     RoleName,
-    StepCostModel,
 )
 
 
@@ -168,14 +167,6 @@ class _Flight:
     kv_tokens: int
     need_blocks: int
     waits: int = 0
-
-
-@dataclass(frozen=True)
-class StepBefore:
-    """A request on a decode replica before its step: its K/V length and tokens."""
-
-    num_computed_tokens: int
-    num_tokens: int
 
 
 class SimRoles:
@@ -333,30 +324,20 @@ class SimRoles:
                 )
         return PDSnapshot(tuple(reqs))
 
-    def before_step(self, live: Mapping[str, Request]) -> dict[str, StepBefore]:
-        return {rid: StepBefore(r.num_computed_tokens, len(r.token_ids)) for rid, r in live.items()}
-
-    def decode_step(
-        self, replica: int, before: Mapping[str, StepBefore], record: StepRecord, cost: StepCost
-    ) -> DecodeStep:
-        """A decode replica's step as rule ``deflect`` reads it: its decodes (one token
-        past the K/V it held), the K/V they read, and every other request's prompt
-        tokens, deflected or a recompute of a request it preempted itself."""
+    def decode_step(self, replica: int, record: StepRecord, cost: StepCost) -> DecodeStep:
+        """A decode replica's step as rule ``deflect`` reads it (``disagg.decode_step``):
+        a prefill chunk is deflected, or a recompute of a request it preempted itself."""
         preempted = self._preempted.setdefault(replica, set())
-        decodes = kv_read = 0
-        chunks: list[PrefillChunk] = []
-        for rid, n in record.tokens:
-            b = before[rid]
-            if n == 1 and b.num_computed_tokens == b.num_tokens - 1:
-                decodes += 1
-                kv_read += b.num_computed_tokens + 1
-                continue
-            chunks.append(PrefillChunk(rid, n, self.book.is_deflected(rid), rid in preempted))
-        preempted.update(record.outcome.preempted)
-        model = StepCostModel(cost.a, cost.b, cost.c, cost.e)
-        return DecodeStep(
-            f"r{replica}", decodes, kv_read, tuple(chunks), model, self.tbt_slo_ms(replica)
+        step = decode_step(
+            f"r{replica}",
+            record.plan,
+            cost,
+            self.tbt_slo_ms(replica),
+            self.book.is_deflected,
+            preempted,
         )
+        preempted.update(record.outcome.preempted)
+        return step
 
     def result(self) -> PDRun:
         return PDRun(
