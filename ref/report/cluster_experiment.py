@@ -505,7 +505,8 @@ class PDPoint:
     TTFT is at least the P95 TTFT (the P95 tail), TTFT split into queueing and prefill
     execution (a handoff's transfer is never in it: the first token streams from the
     prefill replica); ``second_*``: the same for the time to the second token, split
-    into the TTFT, the transfer to the decode replica and the wait there."""
+    into the TTFT (itself queueing and prefill execution), the transfer to the decode
+    replica and the wait there."""
 
     trace: str
     config: str
@@ -523,6 +524,8 @@ class PDPoint:
     second_p95_ms: float | None
     second_tail_ms: float | None
     second_tail_ttft_ms: float | None
+    second_tail_queueing_ms: float | None
+    second_tail_prefill_ms: float | None
     second_tail_transfer_ms: float | None
     second_tail_wait_ms: float | None
     handoffs: int
@@ -577,6 +580,8 @@ def summarize_pd(
         second_p95_ms=percentile([v for r in rows if (v := r.second_token_ms) is not None], 95),
         second_tail_ms=_avg(second, lambda r: r.second_token_ms),
         second_tail_ttft_ms=_avg(second, lambda r: r.ttft_ms),
+        second_tail_queueing_ms=_avg(second, lambda r: r.queueing_ms),
+        second_tail_prefill_ms=_avg(second, lambda r: r.prefill_ms),
         second_tail_transfer_ms=_avg(second, lambda r: r.transfer_ms),
         second_tail_wait_ms=_avg(second, lambda r: r.decode_wait_ms),
         handoffs=0 if pd is None else len(pd.handoffs),

@@ -37,7 +37,13 @@ from refserve.report.cluster_experiment import (
     knee_load,
     run_cluster_experiment,
 )
-from refserve.report.plots import BarGroup, grouped_bar_chart_png, line_chart_png
+from refserve.report.plots import (
+    BarGroup,
+    BarPanel,
+    grouped_bar_chart_png,
+    line_chart_png,
+    stacked_panels_png,
+)
 
 #: The gain published cluster-scheduling work reports, quoted beside ours for scale.
 PUBLISHED_GAIN = 1.91
@@ -469,7 +475,7 @@ def _pd_lines(exp: ClusterExperiment) -> list[str]:
         PD_HEADER,
         *(_pd_row(p) for p in exp.pd),
         "",
-        "![P95 TTFT breakdown](cluster_pd_ttft.png)",
+        "![time to the 2nd token, P95 tail, split](cluster_pd_ttft.png)",
         "",
         "![attainment](cluster_pd_attainment.png)",
         "",
@@ -480,31 +486,38 @@ def _pd_lines(exp: ClusterExperiment) -> list[str]:
 def _pd_plots(out: Path, exp: ClusterExperiment) -> list[str]:
     if not exp.pd:
         return []
-    groups = [
-        BarGroup(
-            f"{p.trace} {p.load:g}x {p.config}",
-            {
-                "queueing": p.tail_queueing_ms,
-                "prefill exec": p.tail_prefill_ms,
-                "transfer (to 2nd token)": p.second_tail_transfer_ms,
-            },
+    traces = list(dict.fromkeys(p.trace for p in exp.pd))
+    panels = [
+        BarPanel(
+            trace,
+            [
+                BarGroup(
+                    f"{p.load:g}x {p.config}",
+                    {
+                        "queueing": p.second_tail_queueing_ms,
+                        "prefill exec": p.second_tail_prefill_ms,
+                        "transfer to D": p.second_tail_transfer_ms,
+                        "wait on D": p.second_tail_wait_ms,
+                    },
+                )
+                for p in exp.pd
+                if p.trace == trace
+            ],
         )
-        for p in exp.pd
+        for trace in traces
     ]
-    grouped_bar_chart_png(
+    stacked_panels_png(
         out / "cluster_pd_ttft.png",
-        "P95-tail TTFT parts (transfer: in the time to the 2nd token)",
-        "trace, load, config",
-        "ms",
-        groups,
-        log_y=True,
+        "Time to the 2nd token, P95 tail (TTFT = queueing + prefill exec)",
+        "ms (mean over the tail)",
+        panels,
     )
     att = [
         BarGroup(
             f"{spec} {load:g}x",
             {p.config: p.attainment for p in exp.pd if p.trace == spec and p.load == load},
         )
-        for spec in dict.fromkeys(p.trace for p in exp.pd)
+        for spec in traces
         for load in exp.options.pd_loads
     ]
     grouped_bar_chart_png(
@@ -513,6 +526,7 @@ def _pd_plots(out: Path, exp: ClusterExperiment) -> list[str]:
         "trace, load",
         "attainment",
         att,
+        label_format="%.2f",
     )
     return ["cluster_pd_ttft.png", "cluster_pd_attainment.png"]
 

@@ -135,8 +135,10 @@ def grouped_bar_chart_png(
     groups: Sequence[BarGroup],
     *,
     log_y: bool = False,
+    label_format: str = "%.0f",
 ) -> Path:
-    """Bars side by side within each group; a missing value (``None``) draws no bar."""
+    """Bars side by side within each group; a missing value (``None``) draws no bar;
+    each bar labelled with its value in ``label_format``."""
     fig = new_figure()
     ax = fig.add_subplot()
     names: list[str] = []
@@ -147,7 +149,7 @@ def grouped_bar_chart_png(
         xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(groups))]
         ys = [_nan(g.values.get(name)) for g in groups]
         bars = ax.bar(xs, ys, width, label=name)
-        ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=1)
+        ax.bar_label(bars, fmt=label_format, fontsize=7, padding=1)
     ax.set_xticks(range(len(groups)), [g.label for g in groups])
     if log_y:
         ax.set_yscale("log")
@@ -156,6 +158,45 @@ def grouped_bar_chart_png(
     ax.set_ylabel(y_label)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+    return write_png(path, fig)
+
+
+@dataclass(frozen=True)
+class BarPanel:
+    """One panel of :func:`stacked_panels_png`: its title and its stacked bars."""
+
+    title: str
+    bars: Sequence[BarGroup]
+
+
+def stacked_panels_png(path: Path, title: str, y_label: str, panels: Sequence[BarPanel]) -> Path:
+    """One panel a row of stacked bars: each bar a group, its values stacked in the
+    order they are given (a missing part is 0), the total labelled on top; each panel
+    its own y scale, so a panel of seconds does not flatten one of milliseconds."""
+    fig = new_figure(max(FIGSIZE[0], 3.2 * len(panels)), FIGSIZE[1] + 0.6)
+    parts: list[str] = []
+    for panel in panels:
+        for g in panel.bars:
+            parts += [n for n in g.values if n not in parts]
+    colors = [f"C{i}" for i in range(len(parts))]
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, panel in zip(axes, panels, strict=True):
+        xs = range(len(panel.bars))
+        bottom = [0.0] * len(panel.bars)
+        for part, color in zip(parts, colors, strict=True):
+            ys = [g.values.get(part) or 0.0 for g in panel.bars]
+            ax.bar(xs, ys, 0.7, bottom=bottom, color=color, label=part)
+            bottom = [b + y for b, y in zip(bottom, ys, strict=True)]
+        for x, total in zip(xs, bottom, strict=True):
+            ax.annotate(f"{total:.0f}", (x, total), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(list(xs), [g.label for g in panel.bars], rotation=35, ha="right")
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_title(panel.title, fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].set_ylabel(y_label)
+    fig.suptitle(title)
+    axes[0].legend(loc="upper left", fontsize=7, framealpha=0.8)
+    fig.tight_layout()
     return write_png(path, fig)
 
 
