@@ -19,6 +19,7 @@ the blocks the request's next query reads (a window group's from the block holdi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from refserve.core.capacity import never_fits, require_fit
@@ -215,6 +216,15 @@ class Suspension:
         n = chunk(self.config, r.num_tokens - stored, step.budget, stored)
         if n < 1:
             return False
+        # A decode joins only a step its TBT bound has room in, and bounds what the step
+        # prefills after it (tbt_prefill_left).
+        left = (
+            tbt_prefill_left(self.config, step, stored + 1)
+            if n == r.num_tokens - stored == 1
+            else None
+        )
+        if left is not None and left < 0:
+            return False
         if self.groups is not None:
             if not fits(n, Restored.of(stored, self.config.block_size)):
                 return False
@@ -222,6 +232,8 @@ class Suspension:
             return False
         self.swap_in(r, n, step)
         step.budget -= n
+        if left is not None:
+            step.budget = min(step.budget, left)
         return True
 
     def kept(self, r: Request, plan: StepPlan) -> bool:
@@ -285,6 +297,26 @@ class Suspension:
             self.paused[rid].num_computed_tokens = 0
             if rid in self.to_host:
                 self.to_host.remove(rid)
+
+
+def tbt_prefill_left(config: SchedulerConfig, step: StepBuild, kv_tokens: int) -> int | None:
+    """The prefill tokens the step may still take with one more decode, reading
+    ``kv_tokens`` positions, so that ``b*P <= tbt_slo_ms - (a + c*D + e*K)`` over its
+    prefill tokens ``P`` and its decodes, this one included; negative when it already
+    holds more; None without SLO-aware chunking. The chunk rule's cap
+    (ref/core/prefill.py) is set for the decodes planned before admission, and a swapped
+    decode rejoins at admission, so it applies the bound itself: to what the step holds
+    and to what admission adds after it."""
+    model = config.step_cost
+    if config.tbt_slo_ms is None or model is None or model.b == 0:
+        return None
+    p = step.plan
+    rows = list(zip(p.starts, p.num_new_tokens, p.is_prefill, strict=True))
+    prefill = sum(n for _, n, pre in rows if pre)
+    decodes = [start for start, _, pre in rows if not pre]
+    kv_read = sum(start + 1 for start in decodes) + kv_tokens
+    spare = config.tbt_slo_ms - model.step_ms(0, len(decodes) + 1, kv_read)
+    return math.floor(spare / model.b) - prefill
 
 
 def _copies_in(

@@ -232,10 +232,9 @@ class PDMachine(RuleBasedStateMachine):
         bs = d(st.integers(1, 4), label="bs")
         swap, recompute = PreemptionMode.SWAP, PreemptionMode.RECOMPUTE
         decode = role is Role.DECODE
-        # Decode replicas recompute: the SLO-aware chunk rule caps prefill by the decodes
-        # planned before admission, and a swapped decode comes back at admission, after
-        # the cap was taken without it, so a swap-in can join a chunk past the TBT bound.
-        mode = recompute if decode else d(st.sampled_from([recompute, swap]), label="mode")
+        # Decode replicas swap too: a swapped decode rejoins at admission, after the
+        # SLO-aware cap on prefill was set, and checks the TBT bound itself.
+        mode = d(st.sampled_from([recompute, swap]), label="mode")
         host = 2 if mode is swap else 0
         chunked = decode or d(st.booleans(), label="chunked prefill")
         capped = decode and not self.uncapped_decode

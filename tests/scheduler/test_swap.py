@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 from harness import COST, Stepper, make_request
 
+from refserve.core import suspend
 from refserve.core.config import SchedulerConfig
 from refserve.core.cost import StepCost
 from refserve.core.plan import StepPlan
@@ -623,3 +624,62 @@ def test_a_swap_in_beside_running_work_needs_its_blocks_above_the_watermark(
     assert "a" in plan.request_ids
     assert ("b" in plan.swapped_in) is back
     run.drain()
+
+
+# ------------------------------------------------------------------ SLO-aware chunks
+def _tbt_overruns(st_: Stepper, tbt_slo_ms: float) -> list[tuple[int, int, int]]:
+    """Steps whose prefill tokens ``P`` beside ``D`` decodes break ``b*P <= tbt - (a +
+    c*D + e*K)``: (step, P, D)."""
+    out = []
+    for rec in st_.records:
+        chunks = rec.plan.chunks
+        prefill = sum(c.num_new_tokens for c in chunks if c.is_prefill)
+        decodes = [c for c in chunks if not c.is_prefill]
+        kv = sum(c.start + 1 for c in decodes)
+        if decodes and COST.b * prefill > tbt_slo_ms - COST.step_ms(0, len(decodes), kv):
+            out.append((rec.step_index, prefill, len(decodes)))
+    return out
+
+
+def _slo_swap_run() -> Stepper:
+    """Six requests arriving over 8 steps on a 6-block pool with swap preemption and
+    SLO-aware chunking (TBT 6 ms at the default cost: 6 prefill tokens beside a decode):
+    a swapped decode comes back while prompts prefill."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=17,
+        max_num_seqs=4,
+        block_size=4,
+        num_blocks=6,
+        enable_prefix_caching=False,
+        preemption_mode=PreemptionMode.SWAP,
+        num_host_blocks=16,
+        tbt_slo_ms=6.0,
+        step_cost=COST,
+    )
+    st_ = Stepper(cfg)
+    reqs = [("r0", 12, 6, 2), ("r1", 3, 2, 8), ("r2", 5, 8, 0)]
+    reqs += [("r3", 8, 6, 2), ("r4", 10, 7, 3), ("r5", 12, 8, 2)]
+    for step in range(80):
+        for i, (rid, n, max_tokens, at) in enumerate(reqs):
+            if at == step:
+                st_.sched.add_request(make_request(rid, n, max_tokens, base=100 * i))
+        if step > 8 and not st_.sched.requests:
+            break
+        st_.step()
+    assert not st_.sched.requests
+    assert any(p.swapped_in for p in st_.plans)
+    return st_
+
+
+def test_a_swapped_decode_keeps_its_step_within_the_tbt_bound() -> None:
+    """The chunk rule caps prefill for the decodes planned before admission; a swapped
+    decode rejoins at admission, so it applies the bound itself, to what the step already
+    prefills and to what admission adds after it (``suspend.tbt_prefill_left``)."""
+    assert _tbt_overruns(_slo_swap_run(), 6.0) == []
+
+
+def test_without_the_swap_in_bound_the_step_overruns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same run with the swap-in's bound taken away: a step prefills past it beside
+    the decode that came back (the test above can fail)."""
+    monkeypatch.setattr(suspend, "tbt_prefill_left", lambda config, step, kv_tokens: None)
+    assert _tbt_overruns(_slo_swap_run(), 6.0) != []
