@@ -400,11 +400,6 @@ class HandoffBook:
         if self.phase.get(request_id) is Phase.PREFILL:
             self.phase[request_id] = Phase.KEPT
 
-    def new_turn(self, request_id: str) -> None:
-        """A resumed turn is prefilled where it is, then handed off again if there."""
-        if request_id in self.phase:
-            self.handoffs[request_id] = 0
-
     def forget(self, request_id: str) -> None:
         self.phase.pop(request_id, None)
         self.handoffs.pop(request_id, None)
