@@ -62,7 +62,7 @@ from refserve.cluster.errors import (
     ReplicaDead,
     UnknownReplica,
 )
-from refserve.cluster.handoff import RoleLedger, check_decode_replica, check_roles, decode_config
+from refserve.cluster.handoff import RoleLedger, check_decode_replica, decode_config, role_arguments
 from refserve.cluster.index import GlobalPrefixIndex
 from refserve.cluster.migration import (
     PolicyMigration,
@@ -145,7 +145,7 @@ class Cluster:
             raise InvalidArgument(f"Cluster: router must be a Router, got {type(router).__name__}")
         if migration is not None:
             _check_policy(migration, reps)
-        roles, deflection = check_roles(roles, deflection, reps)
+        roles, deflection = role_arguments(roles, deflection, reps)
         if roles is not None and migration is not None and migration.enabled:
             raise InvalidArgument(
                 "Cluster: a migration policy would move requests across roles; with roles "

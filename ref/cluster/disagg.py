@@ -205,12 +205,12 @@ def deflect_chunk_tokens(f: LoadFigures, tbt_slo_ms: float) -> int:
     with a full TBT of slack), at most the token budget the decodes leave; 0 when the
     decodes alone fill the bound."""
     cost, d = f.cost, f.num_decoding
-    spare = tbt_slo_ms - cost.step_ms(0, d)
     room = f.token_budget - d
-    if spare < 0 or room <= 0:
+    if room <= 0 or cost.step_ms(0, d) > tbt_slo_ms:
         return 0
-    k = room if cost.b == 0 else math.floor(spare / cost.b)
-    return max(0, min(k, room))
+    if cost.b == 0:  # a replica's reported model may charge prefill nothing
+        return room
+    return max(0, min(room, cost.prefill_room(tbt_slo_ms, d)))
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ KEPT = 4096
 Move = Callable[[str, int], None]
 
 
-def check_roles(
+def role_arguments(
     roles: object, deflection: object, replicas: Sequence[Replica]
 ) -> tuple[Roles | None, Deflection | None]:
     """Roles for these replicas, and a deflection only with them; with a deflection,

@@ -14,6 +14,7 @@ is a finite number in [0, 1e6] ms (``MAX_COEFFICIENT_MS``): a 400-digit one woul
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +53,13 @@ class StepCost:
     def step_ms(self, num_prefill_tokens: int, num_decodes: int, num_kv_read: int = 0) -> float:
         ms = self.a + self.b * num_prefill_tokens + self.c * num_decodes + self.e * num_kv_read
         return ms + self.f if num_prefill_tokens else ms
+
+    def prefill_room(self, budget_ms: float, num_decodes: int, num_kv_read: int = 0) -> int:
+        """The most prefill tokens a step beside ``num_decodes`` decodes may take and end
+        within ``budget_ms``: ``floor((budget_ms - (a + c*D + e*K)) / b)``, negative when
+        the decodes alone overrun it. Needs ``b > 0`` (the SLO-aware chunk rule's)."""
+        assert self.b > 0, "a prefill token costs something"
+        return math.floor((budget_ms - self.step_ms(0, num_decodes, num_kv_read)) / self.b)
 
     @classmethod
     def parse(cls, text: str) -> StepCost:

@@ -10,7 +10,6 @@ the prefill tokens a step may take so the tightest decode still meets its TBT SL
 
 from __future__ import annotations
 
-import math
 from collections import Counter, OrderedDict
 from collections.abc import KeysView, Sequence
 
@@ -76,8 +75,8 @@ def prefill_cap(
     last = min(r.token_times_ms[-1] if r.token_times_ms else now_ms for r in decoded)
     slack = last + config.tbt_slo_ms - now_ms
     kv_read = sum(r.num_computed_tokens + 1 for r in decoded)
-    spare = slack - model.step_ms(0, len(decoded), kv_read)
-    return max(reserve, math.floor(spare / model.b))  # no slack: the reserve alone (>= 0)
+    # No slack: the reserve alone (>= 0).
+    return max(reserve, model.prefill_room(slack, len(decoded), kv_read))
 
 
 def chunk(config: SchedulerConfig, remaining: int, avail: int, num_computed: int) -> int:

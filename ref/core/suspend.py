@@ -19,7 +19,6 @@ the blocks the request's next query reads (a window group's from the block holdi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from refserve.core.capacity import never_fits, require_fit
@@ -308,15 +307,14 @@ def tbt_prefill_left(config: SchedulerConfig, step: StepBuild, kv_tokens: int) -
     decode rejoins at admission, so it applies the bound itself: to what the step holds
     and to what admission adds after it."""
     model = config.step_cost
-    if config.tbt_slo_ms is None or model is None or model.b == 0:
+    if config.tbt_slo_ms is None or model is None:
         return None
     p = step.plan
     rows = list(zip(p.starts, p.num_new_tokens, p.is_prefill, strict=True))
     prefill = sum(n for _, n, pre in rows if pre)
     decodes = [start for start, _, pre in rows if not pre]
     kv_read = sum(start + 1 for start in decodes) + kv_tokens
-    spare = config.tbt_slo_ms - model.step_ms(0, len(decodes) + 1, kv_read)
-    return math.floor(spare / model.b) - prefill
+    return model.prefill_room(config.tbt_slo_ms, len(decodes) + 1, kv_read) - prefill
 
 
 def _copies_in(
